@@ -1,0 +1,119 @@
+"""Terminal facts and terminal plumbing: TTYs, colour, Ctrl-C, progress bars."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import IO, Mapping
+
+
+@dataclass(frozen=True)
+class Terminal:
+    """What the CLI needs to know about where it runs; made once, passed down."""
+
+    stdin: IO
+    stdout: IO
+    stderr: IO
+    stdin_tty: bool
+    stdout_tty: bool
+    stderr_tty: bool
+    color: bool
+
+    @classmethod
+    def detect(cls, environ: Mapping[str, str] | None = None) -> "Terminal":
+        environ = os.environ if environ is None else environ
+        for stream in (sys.stdout, sys.stderr):
+            if hasattr(stream, "reconfigure"):
+                stream.reconfigure(errors="replace")
+        return cls(
+            sys.stdin,
+            sys.stdout,
+            sys.stderr,
+            _isatty(sys.stdin),
+            _isatty(sys.stdout),
+            _isatty(sys.stderr),
+            color="NO_COLOR" not in environ and _isatty(sys.stderr),
+        )
+
+    def err_console(self):
+        from rich.console import Console
+
+        return Console(file=self.stderr, no_color=not self.color, highlight=False, soft_wrap=True)
+
+    def warn(self, message: str) -> None:
+        self.stderr.write(f"quipu: warning: {message}\n")
+        self.stderr.flush()
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (ValueError, OSError):
+        return False
+
+
+class StopOnCtrlC:
+    """While active, the first Ctrl-C asks the work to stop at the next token; a second one
+    interrupts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def __call__(self) -> bool:
+        return self.requested
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> "StopOnCtrlC":
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+class PrefillProgress:
+    """A progress bar on stderr for long prompts, shown only on a terminal."""
+
+    MIN_TOKENS = 1024
+
+    def __init__(self, terminal: Terminal, label: str = "reading the prompt"):
+        self.terminal = terminal
+        self.label = label
+        self._progress = None
+        self._task = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.terminal.stderr_tty or total < self.MIN_TOKENS:
+            return
+        if self._progress is None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn(self.label),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                console=self.terminal.err_console(),
+                transient=True,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task(self.label, total=total)
+        self._progress.update(self._task, completed=done)
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

@@ -1,0 +1,89 @@
+"""The small protocol the session layer drives; llama.cpp is one implementation of it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+from quipu.errors import CapabilityError
+
+KV_TYPES = ("f16", "q8_0")
+
+ProgressFn = Callable[[int, int], None]
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (affinity), not the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    """What the context (and so the state bytes) depends on, plus the thread count."""
+
+    n_ctx: int = 0  # 0: the model's training context, capped at MAX_DEFAULT_CTX
+    n_batch: int = 512
+    n_threads: int = 0  # 0: available_cpus()
+    kv_type: str = "f16"
+
+    def state_key(self) -> dict:
+        """The settings a snapshot's state bytes are only valid under."""
+        return {"n_ctx": self.n_ctx, "n_batch": self.n_batch, "kv_type": self.kv_type}
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """A native sampler chain: penalties, then top-k, top-p, min-p, temperature, a seeded draw."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.1
+    repeat_last_n: int = 64
+
+
+class Backend(Protocol):
+    """One loaded model with one context; the session layer's only view of the compute core."""
+
+    name: str
+    supports_embeddings: bool
+    n_ctx: int
+    n_ctx_train: int
+    n_vocab: int
+    context: ContextSettings
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
+    def token_bytes(self, token: int) -> bytes: ...
+    def is_eog(self, token: int) -> bool: ...
+    def bos_token(self) -> int | None: ...
+    def chat_template(self) -> str | None: ...
+    def special_token_text(self, which: str) -> str: ...
+
+    def prefill(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None) -> None:
+        """Decodes `tokens` at positions start.., in batches; logits are kept for the last one."""
+
+    def decode_one(self, token: int, pos: int) -> None: ...
+    def truncate(self, n_keep: int) -> None:
+        """Forgets every position from `n_keep` on."""
+
+    def set_sampler(self, settings: SamplerSettings) -> None: ...
+    def sampler_reset(self, window: Sequence[int]) -> None:
+        """Resets sampler state and replays `window` into the penalty history."""
+
+    def sampler_accept(self, tokens: Sequence[int]) -> None: ...
+    def sample(self, draw_seed: int) -> int:
+        """Samples from the last logits with a draw seeded by `draw_seed`; accepts the token."""
+
+    def snapshot_bytes(self) -> bytes: ...
+    def restore_bytes(self, data: bytes) -> None: ...
+    def embed(self, texts: Sequence[str]) -> list[list[float]]: ...
+    def close(self) -> None: ...
+
+
+def refuse_embeddings(name: str) -> CapabilityError:
+    return CapabilityError(f"the {name} backend cannot compute embeddings with this model")

@@ -1,0 +1,302 @@
+"""The llama.cpp backend, on llama-cpp-python's low-level (ctypes) API."""
+
+from __future__ import annotations
+
+import ctypes
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Sequence
+
+import llama_cpp as lc
+
+from quipu.engine.base import (
+    KV_TYPES,
+    ContextSettings,
+    ProgressFn,
+    SamplerSettings,
+    available_cpus,
+    refuse_embeddings,
+)
+from quipu.engine.logs import LOG
+from quipu.errors import EngineError, InvalidParameter, ModelLoadError
+
+MAX_DEFAULT_CTX = 8192
+GGUF_MAGIC = b"GGUF"
+_KV_GGML_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
+
+_backend_ready = False
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        LOG.install()
+        lc.llama_backend_init()
+        _backend_ready = True
+
+
+def check_gguf(path: Path) -> None:
+    """Refuses, with a message a user understands, anything that is not a readable GGUF file."""
+    if not path.exists():
+        raise ModelLoadError(f"model file not found: {path}")
+    if path.is_dir():
+        raise ModelLoadError(f"{path} is a directory, not a GGUF model file")
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is not a regular file")
+    try:
+        with path.open("rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc.strerror}") from exc
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{path} is not a GGUF model file")
+
+
+class LlamaBackend:
+    """One model and one context. Close it (or use it as a context manager) to free native memory."""
+
+    name = "llama.cpp"
+    supports_embeddings = False
+
+    def __init__(self, model_path: Path, context: ContextSettings = ContextSettings(), *, verbose: bool = False):
+        if context.kv_type not in KV_TYPES:
+            raise InvalidParameter(f"--kv-type must be one of {', '.join(KV_TYPES)}, not '{context.kv_type}'")
+        _init_backend()
+        LOG.verbose = verbose
+        self.model_path = Path(model_path)
+        check_gguf(self.model_path)
+        self._stack = ExitStack()
+        try:
+            self._load(context)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _load(self, context: ContextSettings) -> None:
+        mparams = lc.llama_model_default_params()
+        LOG.clear_errors()
+        model = lc.llama_model_load_from_file(str(self.model_path).encode(), mparams)
+        if not model:
+            raise ModelLoadError(f"llama.cpp could not load {self.model_path}{LOG.reason()}")
+        self._model = model
+        self._stack.callback(lc.llama_model_free, model)
+        self._vocab = lc.llama_model_get_vocab(model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+        self.n_ctx_train = lc.llama_model_n_ctx_train(model)
+
+        n_ctx = context.n_ctx or min(self.n_ctx_train or MAX_DEFAULT_CTX, MAX_DEFAULT_CTX)
+        n_threads = context.n_threads or available_cpus()
+        n_batch = max(1, min(context.n_batch, n_ctx))
+        self.context = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=context.kv_type)
+
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch
+        cparams.n_seq_max = 1
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = n_threads
+        cparams.no_perf = True
+        kv = _KV_GGML_TYPES[context.kv_type]
+        cparams.type_k = kv
+        cparams.type_v = kv
+        # A quantized V cache needs flash attention; f16 keeps llama.cpp's automatic choice
+        # off so that the state bytes mean the same thing on every run.
+        cparams.flash_attn_type = (
+            lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if context.kv_type != "f16" else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        LOG.clear_errors()
+        ctx = lc.llama_init_from_model(self._model, cparams)
+        if not ctx:
+            raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens{LOG.reason()}")
+        self._ctx = ctx
+        self._stack.callback(lc.llama_free, ctx)
+        # llama.cpp rounds small contexts up; the user's number is the one we keep to.
+        self.n_ctx = min(n_ctx, lc.llama_n_ctx(ctx))
+        self._mem = lc.llama_get_memory(ctx)
+
+        self._batch = lc.llama_batch_init(n_batch, 0, 1)
+        self._stack.callback(lc.llama_batch_free, self._batch)
+        self._sampler = None
+        self._stack.callback(self._free_sampler)
+        self._pieces: dict[int, bytes] = {}
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    # ---- vocabulary ---------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (lc.llama_token * cap)()
+        n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (lc.llama_token * cap)()
+            n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise EngineError("llama.cpp could not tokenize the text")
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            buf = self._piece_buf
+            n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            piece = buf.raw[:n]
+            self._pieces[token] = piece
+        return piece
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lc.llama_vocab_is_eog(self._vocab, token))
+
+    def bos_token(self) -> int | None:
+        if not lc.llama_vocab_get_add_bos(self._vocab):
+            return None
+        bos = lc.llama_vocab_bos(self._vocab)
+        return None if bos < 0 else bos
+
+    def special_token_text(self, which: str) -> str:
+        token = {"bos": lc.llama_vocab_bos, "eos": lc.llama_vocab_eos}[which](self._vocab)
+        if token < 0:
+            return ""
+        text = lc.llama_vocab_get_text(self._vocab, token)
+        return text.decode("utf-8", "replace") if text else ""
+
+    def chat_template(self) -> str | None:
+        raw = lc.llama_model_chat_template(self._model, None)
+        return raw.decode("utf-8", "replace") if raw else None
+
+    def metadata(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    # ---- decoding -----------------------------------------------------------------------
+
+    def prefill(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None) -> None:
+        total = len(tokens)
+        n_batch = self.context.n_batch
+        batch = self._batch
+        for offset in range(0, total, n_batch):
+            chunk = tokens[offset : offset + n_batch]
+            n = len(chunk)
+            last_chunk = offset + n == total
+            for i, tok in enumerate(chunk):
+                batch.token[i] = tok
+                batch.pos[i] = start + offset + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = last_chunk and i == n - 1
+            batch.n_tokens = n
+            self._decode(batch)
+            if on_progress is not None:
+                on_progress(offset + n, total)
+
+    def decode_one(self, token: int, pos: int) -> None:
+        batch = self._batch
+        batch.token[0] = token
+        batch.pos[0] = pos
+        batch.n_seq_id[0] = 1
+        batch.seq_id[0][0] = 0
+        batch.logits[0] = True
+        batch.n_tokens = 1
+        self._decode(batch)
+
+    def _decode(self, batch) -> None:
+        rc = lc.llama_decode(self._ctx, batch)
+        if rc != 0:
+            if rc == 1:
+                raise EngineError("llama.cpp found no room in the context for the batch")
+            if rc == 2:
+                raise KeyboardInterrupt
+            raise EngineError(f"llama.cpp failed to decode (code {rc}){LOG.reason()}")
+
+    def truncate(self, n_keep: int) -> None:
+        if n_keep <= 0:
+            lc.llama_memory_clear(self._mem, True)
+        elif not lc.llama_memory_seq_rm(self._mem, 0, n_keep, -1):
+            raise EngineError("llama.cpp could not trim the context")
+
+    # ---- sampling -----------------------------------------------------------------------
+
+    def set_sampler(self, settings: SamplerSettings) -> None:
+        self._free_sampler()
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        add = lambda s: lc.llama_sampler_chain_add(chain, s)  # noqa: E731
+        if settings.repeat_penalty != 1.0 and settings.repeat_last_n != 0:
+            add(lc.llama_sampler_init_penalties(self.n_vocab, settings.repeat_last_n, settings.repeat_penalty, 0.0, 0.0))
+        if settings.temperature <= 0:
+            add(lc.llama_sampler_init_greedy())
+            self._draws = False
+        else:
+            if settings.top_k > 0:
+                add(lc.llama_sampler_init_top_k(settings.top_k))
+            if settings.top_p < 1.0:
+                add(lc.llama_sampler_init_top_p(settings.top_p, 1))
+            if settings.min_p > 0.0:
+                add(lc.llama_sampler_init_min_p(settings.min_p, 1))
+            add(lc.llama_sampler_init_temp(settings.temperature))
+            add(lc.llama_sampler_init_dist(0))
+            self._draws = True
+        self._sampler = chain
+
+    def _free_sampler(self) -> None:
+        if self._sampler is not None:
+            lc.llama_sampler_free(self._sampler)
+            self._sampler = None
+
+    def sampler_reset(self, window: Sequence[int]) -> None:
+        lc.llama_sampler_reset(self._sampler)
+        self.sampler_accept(window)
+
+    def sampler_accept(self, tokens: Sequence[int]) -> None:
+        for tok in tokens:
+            lc.llama_sampler_accept(self._sampler, tok)
+
+    def sample(self, draw_seed: int) -> int:
+        chain = self._sampler
+        if self._draws:
+            # The draw is a pure function of (seed, draw index): a fresh distribution sampler per
+            # token, so a restored session draws exactly what an uninterrupted one would.
+            last = lc.llama_sampler_chain_n(chain) - 1
+            lc.llama_sampler_free(lc.llama_sampler_chain_remove(chain, last))
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(draw_seed & 0xFFFFFFFF))
+        return lc.llama_sampler_sample(chain, self._ctx, -1)
+
+    # ---- state --------------------------------------------------------------------------
+
+    def snapshot_bytes(self) -> bytes:
+        size = lc.llama_state_seq_get_size(self._ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        written = lc.llama_state_seq_get_data(self._ctx, buf, size, 0)
+        if written != size:
+            raise EngineError("llama.cpp could not write the context state")
+        return bytes(buf)
+
+    def restore_bytes(self, data: bytes) -> None:
+        lc.llama_memory_clear(self._mem, True)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        read = lc.llama_state_seq_set_data(self._ctx, buf, len(data), 0)
+        if read != len(data):
+            lc.llama_memory_clear(self._mem, True)
+            raise EngineError(f"llama.cpp refused the saved context state{LOG.reason()}")
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        raise refuse_embeddings(self.name)
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> "LlamaBackend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

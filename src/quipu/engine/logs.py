@@ -1,0 +1,56 @@
+"""llama.cpp's log output: silent unless asked for, with real errors kept for our messages."""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import sys
+
+import llama_cpp as lc
+
+GGML_LOG_LEVEL_ERROR = 4
+GGML_LOG_LEVEL_CONT = 5
+
+
+class LlamaLog:
+    """Receives every llama.cpp log line; keeps the recent errors, echoes all of it when verbose."""
+
+    def __init__(self) -> None:
+        self.verbose = False
+        self.errors: collections.deque[str] = collections.deque(maxlen=8)
+        self._last_level = 0
+        self._callback = None
+
+    def install(self) -> None:
+        if self._callback is None:
+            # Kept on self: the C side holds a bare pointer to it.
+            self._callback = lc.llama_log_callback(self._on_log)
+        lc.llama_log_set(self._callback, ctypes.c_void_p(0))
+
+    def _on_log(self, level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+        if level == GGML_LOG_LEVEL_CONT:
+            level = self._last_level
+        self._last_level = level
+        message = text.decode("utf-8", "replace") if text else ""
+        if level == GGML_LOG_LEVEL_ERROR and message.strip():
+            self.errors.append(message.strip())
+        if self.verbose:
+            sys.stderr.write(message)
+            sys.stderr.flush()
+
+    def clear_errors(self) -> None:
+        self.errors.clear()
+
+    def reason(self) -> str:
+        """': <what llama.cpp said went wrong first>', or '' when it said nothing."""
+        if not self.errors:
+            return ""
+        first = self.errors[0]
+        for marker in ("error loading model: ", "error: "):
+            if marker in first:
+                first = first.split(marker, 1)[1]
+                break
+        return f": {first}"
+
+
+LOG = LlamaLog()

@@ -1,0 +1,88 @@
+"""Typed errors whose messages are written for users, and the exit codes they map to."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    FAILURE = 1
+    USAGE = 2
+    INTERRUPTED = 130
+
+
+class QuipuError(Exception):
+    """Base of every error quipu reports to a user; `str(err)` is the one-line message."""
+
+    exit_code: ExitCode = ExitCode.FAILURE
+
+
+class UsageError(QuipuError):
+    """The user asked for something that cannot be done as asked (exit 2)."""
+
+    exit_code = ExitCode.USAGE
+
+
+class ModelNotFound(UsageError):
+    """No model file could be resolved from the name, path, environment or config."""
+
+
+class InvalidParameter(UsageError):
+    """An option value is out of its range."""
+
+
+class ContextOverflow(UsageError):
+    """The prompt does not fit in the context window."""
+
+    def __init__(self, prompt_tokens: int, n_ctx: int):
+        super().__init__(
+            f"the prompt is {prompt_tokens} tokens but the context holds {n_ctx}; "
+            "shorten it or raise --ctx"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.n_ctx = n_ctx
+
+
+class BadInput(UsageError):
+    """Input that cannot be used as a prompt (binary data, nothing at all)."""
+
+
+class ModelLoadError(QuipuError):
+    """The model file exists but llama.cpp could not load it."""
+
+
+class EngineError(QuipuError):
+    """llama.cpp failed at run time (decode error, out of memory)."""
+
+
+class CapabilityError(QuipuError):
+    """The backend cannot do what was asked (embeddings, images)."""
+
+
+class TemplateError(QuipuError):
+    """The model's chat template failed to render."""
+
+
+class SessionNameError(UsageError):
+    """A session name that is not allowed (it could escape the sessions folder)."""
+
+
+class SessionNotFound(UsageError):
+    """The named session does not exist."""
+
+
+class SessionExists(UsageError):
+    """The target session name is taken."""
+
+
+class SnapshotError(QuipuError):
+    """A session file is damaged or unreadable."""
+
+
+class SessionLocked(QuipuError):
+    """Another quipu process is writing this session."""
+
+
+class ModelMismatch(UsageError):
+    """A session is continued with a model other than the one it was made with."""

@@ -1,0 +1,222 @@
+"""Conversation: messages rendered with the model's own chat template, fed incrementally."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Sequence
+
+from quipu.engine.base import ProgressFn
+from quipu.errors import TemplateError, UsageError
+from quipu.sessions.inference import Generation, InferenceSession, TokenFn
+
+# Used when a GGUF has no chat template (as llama.cpp does).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Message:
+    role: str
+    content: str
+    # For replies: the exact tokens the model generated, so the context re-renders to itself.
+    tokens: list[int] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tokens is not None:
+            data["tokens"] = self.tokens
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Message":
+        role, content, tokens = data.get("role"), data.get("content"), data.get("tokens")
+        if role not in ROLES or not isinstance(content, str):
+            raise ValueError("a message needs a known role and text content")
+        if tokens is not None and not (isinstance(tokens, list) and all(type(t) is int for t in tokens)):
+            raise ValueError("a message's tokens must be a list of integers")
+        return cls(role, content, tokens)
+
+
+class ChatTemplate:
+    """A Jinja chat template, run sandboxed: a template from a downloaded file must not run code."""
+
+    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = ""):
+        from jinja2 import TemplateError as JinjaError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        self.source = source or CHATML_TEMPLATE
+        self.is_fallback = source is None
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(self.source)
+        except JinjaError as exc:
+            raise TemplateError(f"the model's chat template is broken: {exc}") from exc
+        self._bos, self._eos = bos_token, eos_token
+
+    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:
+        from jinja2 import TemplateError as JinjaError
+
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos,
+                eos_token=self._eos,
+            )
+        except (JinjaError, TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as exc:
+            raise TemplateError(f"the model's chat template failed: {exc}") from exc
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(f"the model's chat template refused the conversation: {message}")
+
+
+@dataclass
+class Conversation:
+    """Messages on an InferenceSession; each turn feeds only what is new in the context."""
+
+    session: InferenceSession
+    template: ChatTemplate
+    messages: list[Message] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, session: InferenceSession, system: str | None = None) -> "Conversation":
+        backend = session.backend
+        template = ChatTemplate(
+            backend.chat_template(), backend.special_token_text("bos"), backend.special_token_text("eos")
+        )
+        conv = cls(session, template)
+        if system:
+            conv.messages.append(Message("system", system))
+        return conv
+
+    @property
+    def system(self) -> str | None:
+        return self.messages[0].content if self.messages and self.messages[0].role == "system" else None
+
+    def set_system(self, text: str | None) -> None:
+        if self.system is not None:
+            del self.messages[0]
+        if text:
+            self.messages.insert(0, Message("system", text))
+
+    def render_tokens(self, messages: Sequence[Message], add_generation_prompt: bool) -> list[int]:
+        """The context tokens for `messages`: template text parsed for special tokens, message
+        text tokenized as plain text (typing `<|im_end|>` stays text), replies as generated."""
+        backend = self.session.backend
+        nonce = secrets.token_hex(8)
+        marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
+        rendered = self.template.render(
+            [{"role": m.role, "content": mark} for m, mark in zip(messages, marks)], add_generation_prompt
+        )
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
+        tokens: list[int] = []
+        for i, part in enumerate(parts):
+            if i % 2 == 0:
+                if part:
+                    tokens += backend.tokenize(part, add_special=False, parse_special=True)
+            else:
+                message = messages[int(part)]
+                if message.tokens is not None:
+                    tokens += message.tokens
+                elif message.content:
+                    tokens += backend.tokenize(message.content, add_special=False, parse_special=False)
+        bos = backend.bos_token()
+        if bos is not None and (not tokens or tokens[0] != bos):
+            tokens.insert(0, bos)
+        return tokens
+
+    def send(
+        self,
+        text: str,
+        *,
+        max_tokens: int,
+        stop: Sequence[str] = (),
+        on_token: TokenFn | None = None,
+        on_progress: ProgressFn | None = None,
+    ) -> Generation:
+        """Adds a user message and generates the reply, which joins the conversation."""
+        self.messages.append(Message("user", text))
+        try:
+            prompt = self.render_tokens(self.messages, add_generation_prompt=True)
+            self.session.begin_turn()
+            self.session.set_context(prompt, on_progress)
+            return self._reply(Message("assistant", "", []), max_tokens, stop, on_token)
+        except BaseException:
+            del self.messages[-1]
+            raise
+
+    def continue_reply(
+        self,
+        *,
+        max_tokens: int,
+        stop: Sequence[str] = (),
+        on_token: TokenFn | None = None,
+        on_progress: ProgressFn | None = None,
+    ) -> Generation:
+        """Keeps generating the last reply, as if it had never ended."""
+        if not self.messages or self.messages[-1].role != "assistant":
+            raise UsageError("there is no reply to continue")
+        last = self.messages.pop()
+        try:
+            prompt = self.render_tokens(self.messages, add_generation_prompt=True)
+            prompt += self._reply_tokens(last)
+            self.session.begin_turn()
+            self.session.set_context(prompt, on_progress)
+            return self._reply(last, max_tokens, stop, on_token)
+        except BaseException:
+            if not self.messages or self.messages[-1] is not last:
+                self.messages.append(last)
+            raise
+
+    def _reply_tokens(self, message: Message) -> list[int]:
+        if message.tokens is not None:
+            return list(message.tokens)
+        return self.session.backend.tokenize(message.content, add_special=False, parse_special=False)
+
+    def _reply(self, message: Message, max_tokens: int, stop: Sequence[str], on_token: TokenFn | None) -> Generation:
+        before = self._reply_tokens(message)
+        gen = self.session.infer(max_tokens, stop, on_token)
+        self.messages.append(message)
+        message.content += gen.text
+        message.tokens = self._tokens_spelling(before + gen.tokens, message.content, gen.finish_reason)
+        return gen
+
+    def _tokens_spelling(self, tokens: list[int], text: str, finish_reason: str) -> list[int] | None:
+        """The generated tokens behind `text`: all of them, or, where a stop string cut the text,
+        the prefix that spells it exactly. None when no token boundary matches (the reply is then
+        re-read from its text next turn)."""
+        if finish_reason != "stop_sequence":
+            return tokens
+        want = text.encode("utf-8")
+        spelled = b""
+        for i, token in enumerate(tokens):
+            if spelled == want:
+                return tokens[:i]
+            spelled += self.session.backend.token_bytes(token)
+            if not want.startswith(spelled):
+                return None
+        return tokens if spelled == want else None
+
+    def undo(self) -> bool:
+        """Drops the last exchange (the last user message and what followed it)."""
+        for i in range(len(self.messages) - 1, -1, -1):
+            if self.messages[i].role == "user":
+                del self.messages[i:]
+                return True
+        return False
+
+    def reset(self) -> None:
+        """Forgets the conversation, keeping the system prompt."""
+        del self.messages[1 if self.system is not None else 0 :]

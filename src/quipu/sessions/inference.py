@@ -1,0 +1,261 @@
+"""InferenceSession: feeds prompts, infers tokens, keeps stats. One context, one token history."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from quipu.engine.base import Backend, ProgressFn
+from quipu.engine.text import Detokenizer
+from quipu.errors import ContextOverflow, QuipuError
+from quipu.sessions.params import SamplingParams, draw_seed
+from quipu.sessions.stops import StopMatcher
+
+# on_token(token, text) -> False to stop. `text` is what may be shown now (stop strings held back).
+TokenFn = Callable[[int, str], "bool | None"]
+
+
+class Interrupted(QuipuError):
+    """The user stopped the work (Ctrl-C)."""
+
+    exit_code = 130
+
+
+@dataclass
+class Stats:
+    """Figures of the last turn (load and restore are the session's, reported with each turn)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    load_s: float = 0.0
+    restore_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    ttft_s: float = 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        computed = self.prompt_tokens - self.cached_tokens
+        return computed / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # The first token comes from the prefill's logits; each one after it costs a decode.
+        return (self.completion_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def timings(self) -> dict[str, float]:
+        return {
+            "load_s": round(self.load_s, 4),
+            "restore_s": round(self.restore_s, 4),
+            "prefill_s": round(self.prefill_s, 4),
+            "decode_s": round(self.decode_s, 4),
+            "ttft_s": round(self.ttft_s, 4),
+            "prefill_tok_s": round(self.prefill_tok_s, 2),
+            "decode_tok_s": round(self.decode_tok_s, 2),
+        }
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+        }
+
+
+@dataclass
+class Generation:
+    """What one `infer` produced: the text shown, the tokens sampled, and why it ended."""
+
+    text: str
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+
+
+class InferenceSession:
+    """A context on a backend and the exact token history in it.
+
+    `tokens` is everything logically in the context; the first `n_decoded` of them are in the
+    KV cache. The last sampled token stays undecoded until the next one is wanted, so a snapshot
+    taken between turns can be continued exactly by decoding it on restore.
+    """
+
+    def __init__(self, backend: Backend, params: SamplingParams | None = None):
+        self.backend = backend
+        self.params = (params or SamplingParams()).resolved()
+        self.tokens: list[int] = []
+        self.n_decoded = 0
+        self.draws = 0
+        self._logits_at = -1  # n_decoded when the backend's logits were computed
+        self.stats = Stats()
+        self._turn_started = 0.0
+        backend.set_sampler(self.params.sampler())
+
+    # ---- context ------------------------------------------------------------------------
+
+    @property
+    def n_ctx(self) -> int:
+        return self.backend.n_ctx
+
+    def set_params(self, params: SamplingParams) -> None:
+        """New sampling parameters; the penalty window is kept."""
+        self.params = params.resolved()
+        self.backend.set_sampler(self.params.sampler())
+        self._reset_sampler()
+
+    def _reset_sampler(self) -> None:
+        n = self.params.repeat_last_n
+        self.backend.sampler_reset(self.tokens[-n:] if n else [])
+
+    def rewind(self, n_keep: int) -> None:
+        """Forgets the tokens from `n_keep` on, in the history, the KV cache and the penalty window."""
+        if n_keep >= len(self.tokens):
+            return
+        del self.tokens[n_keep:]
+        if self.n_decoded > n_keep:
+            self.backend.truncate(n_keep)
+            self.n_decoded = n_keep
+            self._logits_at = -1
+        self._reset_sampler()
+
+    def begin_turn(self) -> None:
+        """Starts the clock and the counters of a new turn."""
+        self.stats.prompt_tokens = self.stats.cached_tokens = self.stats.completion_tokens = 0
+        self.stats.prefill_s = self.stats.decode_s = self.stats.ttft_s = 0.0
+        self._turn_started = time.perf_counter()
+
+    def set_context(self, tokens: Sequence[int], on_progress: ProgressFn | None = None) -> int:
+        """Makes the context hold exactly `tokens`, reusing the longest common prefix. Returns it."""
+        tokens = list(tokens)
+        self._check_room(len(tokens))
+        keep = 0
+        limit = min(len(tokens), len(self.tokens))
+        while keep < limit and tokens[keep] == self.tokens[keep]:
+            keep += 1
+        self.rewind(keep)
+        self.stats.cached_tokens = min(keep, self.n_decoded)
+        self.feed_prompt(tokens[keep:], on_progress)
+        return keep
+
+    def feed_prompt(self, tokens: Sequence[int], on_progress: ProgressFn | None = None) -> None:
+        """Appends `tokens` to the context and decodes them (with whatever was pending)."""
+        self._check_room(len(self.tokens) + len(tokens))
+        self.tokens.extend(tokens)
+        self.backend.sampler_accept(tokens)
+        self.stats.prompt_tokens = len(self.tokens)
+        started = time.perf_counter()
+        self._decode_pending(on_progress)
+        self.stats.prefill_s += time.perf_counter() - started
+
+    def _check_room(self, n: int) -> None:
+        # One cell must stay free for the first generated token to be decoded.
+        if n >= self.n_ctx:
+            raise ContextOverflow(n, self.n_ctx)
+
+    def _decode_pending(self, on_progress: ProgressFn | None = None) -> None:
+        pending = self.tokens[self.n_decoded :]
+        if not pending:
+            return
+        if len(pending) == 1:
+            self.backend.decode_one(pending[0], self.n_decoded)
+            self.n_decoded += 1
+        else:
+            start = self.n_decoded
+
+            def progress(done: int, total: int) -> None:
+                self.n_decoded = start + done
+                if on_progress is not None and on_progress(done, total) is False:
+                    raise Interrupted("stopped while reading the prompt")
+
+            try:
+                self.backend.prefill(pending, start, progress)
+            except Interrupted:
+                del self.tokens[self.n_decoded :]
+                self._logits_at = -1
+                self._reset_sampler()
+                raise
+        self._logits_at = self.n_decoded
+
+    # ---- generation ---------------------------------------------------------------------
+
+    def infer_next_token(self) -> int:
+        """Samples the next token (decoding what is pending first) and appends it to the history."""
+        if self.n_decoded < len(self.tokens):
+            self._decode_pending()
+        elif self._logits_at != self.n_decoded:
+            if not self.tokens:
+                raise QuipuError("there is nothing in the context to continue from")
+            # Restored without logits: recompute them by decoding the last token again.
+            last = self.tokens[-1]
+            self.rewind(len(self.tokens) - 1)
+            self.tokens.append(last)
+            self.backend.sampler_accept([last])
+            self._decode_pending()
+        token = self.backend.sample(draw_seed(self.params.seed, self.draws))
+        self.draws += 1
+        self.tokens.append(token)
+        return token
+
+    def infer(
+        self,
+        max_tokens: int,
+        stop: Sequence[str] = (),
+        on_token: TokenFn | None = None,
+    ) -> Generation:
+        """Generates up to `max_tokens` tokens; ends at end-of-generation, a stop string, a full
+        context, or when `on_token` returns False ("interrupted")."""
+        detok = Detokenizer(self.backend.token_bytes)
+        matcher = StopMatcher(list(stop))
+        shown: list[str] = []
+        generated: list[int] = []
+        sampled = 0
+        first_at = last_at = 0.0
+        finish = "length"
+        if not self._turn_started:
+            self.begin_turn()
+        for _ in range(max_tokens):
+            if len(self.tokens) >= self.n_ctx:
+                finish = "context_full"
+                break
+            token = self.infer_next_token()
+            last_at = time.perf_counter()
+            sampled += 1
+            if sampled == 1:
+                first_at = last_at
+                self.stats.ttft_s = first_at - self._turn_started
+            if self.backend.is_eog(token):
+                finish = "stop"
+                break
+            generated.append(token)
+            text = matcher.feed(detok.push(token))
+            shown.append(text)
+            if matcher.matched is not None:
+                finish = "stop_sequence"
+            keep_going = on_token(token, text) if on_token is not None else True
+            if finish == "stop_sequence":
+                break
+            if keep_going is False:
+                finish = "interrupted"
+                break
+        if matcher.matched is None:
+            tail = matcher.feed(detok.flush())
+            if matcher.matched is not None:
+                finish = "stop_sequence"
+            else:
+                tail += matcher.flush()
+            if tail:
+                shown.append(tail)
+                if on_token is not None:
+                    on_token(-1, tail)
+        self.stats.completion_tokens = sampled
+        self.stats.decode_s = last_at - first_at
+        self._turn_started = 0.0
+        return Generation("".join(shown), generated, finish)
+
+    def generate(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[str] = (),
+                 on_token: TokenFn | None = None, on_progress: ProgressFn | None = None) -> Generation:
+        """One turn on raw tokens: the context becomes `prompt` (reusing what it can), then infer."""
+        self.begin_turn()
+        self.set_context(prompt, on_progress)
+        return self.infer(max_tokens, stop, on_token)

@@ -1,0 +1,78 @@
+"""Sampling parameters, validated where they are made."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from quipu.engine.base import SamplerSettings
+from quipu.errors import InvalidParameter
+
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. `seed=None` means a fresh random seed (see `resolved`)."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.1
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("temperature", self.temperature >= 0, "must be 0 or more (0 is greedy)"),
+            ("top_k", self.top_k >= 0, "must be 0 or more (0 turns it off)"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("min_p", 0 <= self.min_p < 1, "must be in [0, 1)"),
+            ("repeat_penalty", self.repeat_penalty > 0, "must be more than 0 (1 turns it off)"),
+            ("repeat_last_n", self.repeat_last_n >= 0, "must be 0 or more"),
+            ("seed", self.seed is None or 0 <= self.seed <= MAX_SEED, f"must be in [0, {MAX_SEED}]"),
+        )
+        for name, ok, rule in checks:
+            if not ok:
+                value = getattr(self, name)
+                raise InvalidParameter(f"{name.replace('_', '-')} {rule}, got {value}")
+
+    def resolved(self) -> "SamplingParams":
+        """These parameters with a concrete seed."""
+        return self if self.seed is not None else self.replace(seed=secrets.randbelow(2**32))
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def sampler(self) -> SamplerSettings:
+        return SamplerSettings(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repeat_penalty=self.repeat_penalty,
+            repeat_last_n=self.repeat_last_n,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = set(data) - set(fields)
+        if unknown:
+            raise InvalidParameter(f"unknown sampling parameters: {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The seed of the `index`-th random draw: splitmix64 of (seed, index), 32 bits."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    z ^= z >> 31
+    return z & 0xFFFFFFFF

@@ -1,0 +1,177 @@
+"""One turn of `quipu run`, from the user's options to a finished generation."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from quipu import paths
+from quipu.config import Config, load_config
+from quipu.engine.base import ContextSettings, ProgressFn
+from quipu.errors import BadInput, UsageError
+from quipu.models import resolve_model
+from quipu.sessions.conversation import Conversation
+from quipu.sessions.inference import InferenceSession, Stats
+from quipu.sessions.params import SamplingParams
+
+DEFAULT_MAX_TOKENS = 512
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")
+
+TextFn = Callable[[str], None]
+StopFn = Callable[[], bool]
+
+
+@dataclass
+class TurnOptions:
+    """What the user asked for; None means not given (session, then config, then defaults apply)."""
+
+    model: str | None = None
+    system: str | None = None
+    raw: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    ctx: int | None = None
+    threads: int | None = None
+    kv_type: str | None = None
+    session: str | None = None
+    continue_reply: bool = False
+    verbose: bool = False
+
+    def sampling(self) -> dict:
+        return {k: getattr(self, k) for k in SAMPLING_KEYS if getattr(self, k) is not None}
+
+
+@dataclass
+class TurnResult:
+    text: str
+    finish_reason: str
+    model: str
+    seed: int
+    session: str | None
+    stats: Stats = field(default_factory=Stats)
+    notices: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "model": self.model,
+            "seed": self.seed,
+            "session": self.session,
+            "usage": self.stats.usage(),
+            "timings": self.stats.timings(),
+        }
+
+
+@dataclass
+class Environment:
+    """Where quipu is running: its directories, environment variables and config file."""
+
+    dirs: paths.Dirs
+    environ: Mapping[str, str]
+    config: Config
+
+    @classmethod
+    def load(cls, environ: Mapping[str, str] | None = None) -> "Environment":
+        environ = dict(os.environ if environ is None else environ)
+        dirs = paths.dirs(environ)
+        return cls(dirs, environ, load_config(dirs.config_file))
+
+
+def check_positive(name: str, value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise UsageError(f"{name} must be more than 0, got {value}")
+
+
+def sampling_params(opts: TurnOptions, env: Environment, base: SamplingParams | None = None) -> SamplingParams:
+    """Command line > config > `base` (a session's own settings) > built-in defaults."""
+    params = base or SamplingParams().replace(
+        **{k: v for k, v in env.config.generation.items() if k in SAMPLING_KEYS}
+    )
+    return params.replace(**opts.sampling())
+
+
+def context_settings(opts: TurnOptions, env: Environment) -> ContextSettings:
+    gen = env.config.generation
+    ctx = opts.ctx if opts.ctx is not None else gen.get("ctx")
+    threads = opts.threads if opts.threads is not None else gen.get("threads")
+    check_positive("--ctx", ctx)
+    check_positive("--threads", threads)
+    return ContextSettings(n_ctx=ctx or 0, n_threads=threads or 0, kv_type=opts.kv_type or "f16")
+
+
+def max_tokens(opts: TurnOptions, env: Environment) -> int:
+    value = opts.max_tokens if opts.max_tokens is not None else env.config.generation.get("max_tokens")
+    check_positive("--max-tokens", value)
+    return value or DEFAULT_MAX_TOKENS
+
+
+def load_backend(model_path, settings: ContextSettings, verbose: bool):
+    from quipu.engine.llama import LlamaBackend  # imported here: llama.cpp loads in a blink only when needed
+
+    return LlamaBackend(model_path, settings, verbose=verbose)
+
+
+def run_turn(
+    prompt: str | None,
+    opts: TurnOptions,
+    env: Environment,
+    *,
+    on_text: TextFn | None = None,
+    on_progress: ProgressFn | None = None,
+    should_stop: StopFn | None = None,
+) -> TurnResult:
+    """Runs one prompt to a reply; `on_text` receives text as it is generated."""
+    if opts.session is not None or opts.continue_reply:
+        from quipu.sessions.named import run_session_turn
+
+        return run_session_turn(prompt, opts, env, on_text=on_text, on_progress=on_progress, should_stop=should_stop)
+    if not prompt:
+        raise BadInput("no prompt: give one as an argument or on standard input")
+    params = sampling_params(opts, env)
+    limit = max_tokens(opts, env)
+    model_name, model_path = resolve_model(
+        opts.model, environ=env.environ, configured=env.config.model, models_dir=env.dirs.models
+    )
+    started = time.perf_counter()
+    backend = load_backend(model_path, context_settings(opts, env), opts.verbose)
+    try:
+        session = InferenceSession(backend, params)
+        session.stats.load_s = time.perf_counter() - started
+        on_token = _token_callback(on_text, should_stop)
+        progress = _progress_callback(on_progress, should_stop)
+        if opts.raw:
+            tokens = backend.tokenize(prompt, add_special=True, parse_special=False)
+            gen = session.generate(tokens, limit, opts.stop, on_token, progress)
+        else:
+            conv = Conversation.start(session, opts.system or env.config.system)
+            gen = conv.send(prompt, max_tokens=limit, stop=opts.stop, on_token=on_token, on_progress=progress)
+        return TurnResult(gen.text, gen.finish_reason, model_name, session.params.seed, None, session.stats)
+    finally:
+        backend.close()
+
+
+def _token_callback(on_text: TextFn | None, should_stop: StopFn | None):
+    def on_token(_token: int, text: str) -> bool:
+        if text and on_text is not None:
+            on_text(text)
+        return not (should_stop is not None and should_stop())
+
+    return on_token
+
+
+def _progress_callback(on_progress: ProgressFn | None, should_stop: StopFn | None) -> ProgressFn:
+    def progress(done: int, total: int) -> bool:
+        if on_progress is not None:
+            on_progress(done, total)
+        return not (should_stop is not None and should_stop())
+
+    return progress
