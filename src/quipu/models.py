@@ -75,3 +75,18 @@ def _lookup(value: str, source: str, models_dir: Path) -> tuple[str, Path]:
         return path.stem, path
     hint = f" (known names: {', '.join(names)})" if names else ""
     raise ModelNotFound(f"model '{value}' from {source} is neither a file nor a known name{hint}")
+
+
+FINGERPRINT_HEAD_BYTES = 8 << 20
+
+
+def fingerprint(path: Path) -> str:
+    """Identifies a model file cheaply: its size and a hash of its first 8 MiB (the GGUF header,
+    its metadata and vocabulary, and the start of the weights), not a full-file hash."""
+    import hashlib
+
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as fh:
+        digest.update(fh.read(FINGERPRINT_HEAD_BYTES))
+    return f"{size}:{digest.hexdigest()[:32]}"

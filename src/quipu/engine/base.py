@@ -51,6 +51,7 @@ class Backend(Protocol):
     """One loaded model with one context; the session layer's only view of the compute core."""
 
     name: str
+    build: str  # the native build; state bytes are only valid under the same one
     supports_embeddings: bool
     n_ctx: int
     n_ctx_train: int
@@ -70,6 +71,12 @@ class Backend(Protocol):
     def decode_one(self, token: int, pos: int) -> None: ...
     def truncate(self, n_keep: int) -> None:
         """Forgets every position from `n_keep` on."""
+
+    def positions(self) -> int:
+        """How many positions the context holds."""
+
+    def reopen(self) -> "Backend":
+        """A new, independent context on the same model and settings."""
 
     def set_sampler(self, settings: SamplerSettings) -> None: ...
     def sampler_reset(self, window: Sequence[int]) -> None:

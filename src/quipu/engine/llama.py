@@ -56,6 +56,7 @@ class LlamaBackend:
     """One model and one context. Close it (or use it as a context manager) to free native memory."""
 
     name = "llama.cpp"
+    build = f"llama-cpp-python {lc.__version__}"
     supports_embeddings = False
 
     def __init__(self, model_path: Path, context: ContextSettings = ContextSettings(), *, verbose: bool = False):
@@ -224,6 +225,12 @@ class LlamaBackend:
             lc.llama_memory_clear(self._mem, True)
         elif not lc.llama_memory_seq_rm(self._mem, 0, n_keep, -1):
             raise EngineError("llama.cpp could not trim the context")
+
+    def positions(self) -> int:
+        return lc.llama_memory_seq_pos_max(self._mem, 0) + 1
+
+    def reopen(self) -> "LlamaBackend":
+        return LlamaBackend(self.model_path, self.context, verbose=LOG.verbose)
 
     # ---- sampling -----------------------------------------------------------------------
 

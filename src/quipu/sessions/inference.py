@@ -65,6 +65,19 @@ class Stats:
 
 
 @dataclass
+class Snapshot:
+    """Everything needed to continue a session exactly: the token history (the last sampled
+    token undecoded), the draw count, the parameters, and the KV bytes of the decoded part."""
+
+    tokens: list[int]
+    n_decoded: int
+    draws: int
+    params: SamplingParams
+    context: dict
+    state: bytes | None = None
+
+
+@dataclass
 class Generation:
     """What one `infer` produced: the text shown, the tokens sampled, and why it ended."""
 
@@ -176,6 +189,55 @@ class InferenceSession:
                 self._reset_sampler()
                 raise
         self._logits_at = self.n_decoded
+
+    # ---- snapshots ----------------------------------------------------------------------
+
+    def snapshot(self, with_state: bool = True) -> Snapshot:
+        """The exact state of this session; `with_state=False` leaves out the KV bytes."""
+        return Snapshot(
+            tokens=list(self.tokens),
+            n_decoded=self.n_decoded,
+            draws=self.draws,
+            params=self.params,
+            context=self.backend.context.state_key(),
+            state=self.backend.snapshot_bytes() if with_state else None,
+        )
+
+    @classmethod
+    def from_snapshot(
+        cls, backend: Backend, snap: Snapshot, on_progress: ProgressFn | None = None
+    ) -> "InferenceSession":
+        """A session continuing `snap` exactly. Its KV bytes are used when they were made under
+        this backend's context settings; otherwise the context is re-read from its tokens."""
+        started = time.perf_counter()
+        session = cls(backend, snap.params)
+        session.draws = snap.draws
+        if snap.state is not None and snap.context == backend.context.state_key():
+            backend.restore_bytes(snap.state)
+            if backend.positions() != snap.n_decoded:
+                backend.truncate(0)
+                raise QuipuError("the saved context state does not match its token history")
+            session.tokens = list(snap.tokens)
+            session.n_decoded = snap.n_decoded
+            session._reset_sampler()
+            session.stats.restore_s = time.perf_counter() - started
+        else:
+            session.rebuild(snap.tokens, snap.n_decoded, on_progress)
+        return session
+
+    def rebuild(self, tokens: Sequence[int], n_decoded: int, on_progress: ProgressFn | None = None) -> None:
+        """Re-reads `tokens[:n_decoded]` into an empty context; the rest stay pending."""
+        self.rewind(0)
+        self._check_room(len(tokens))
+        self.tokens = list(tokens[:n_decoded])
+        self._decode_pending(on_progress)
+        self.tokens.extend(tokens[n_decoded:])
+        self._reset_sampler()
+
+    def fork(self, backend: Backend | None = None) -> "InferenceSession":
+        """An independent copy on its own context (a new one on the same model by default)."""
+        other = backend if backend is not None else self.backend.reopen()
+        return InferenceSession.from_snapshot(other, self.snapshot())
 
     # ---- generation ---------------------------------------------------------------------
 

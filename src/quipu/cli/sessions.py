@@ -1,0 +1,104 @@
+"""`quipu sessions ...`: list, show, rm, rename, fork, export."""
+
+from __future__ import annotations
+
+import json
+from typing import List
+
+import typer
+
+from quipu.cli.terminal import Terminal
+
+app = typer.Typer(help="Manage saved sessions.", no_args_is_help=True)
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="sessions")
+
+
+def _env():
+    from quipu.sessions.runner import Environment
+
+    return Environment.load()
+
+
+def human_size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+@app.command("list")
+def list_(as_json: bool = typer.Option(False, "--json", help="One JSON array.")) -> None:
+    """List sessions, most recently used first."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from quipu.sessions.manage import list_sessions
+
+    term = Terminal.detect()
+    infos, damaged = list_sessions(_env())
+    if as_json:
+        term.stdout.write(json.dumps([i.to_dict() for i in infos], indent=1) + "\n")
+    else:
+        table = Table("name", "model", "turns", "tokens", "size", "last used", box=None, pad_edge=False)
+        for i in infos:
+            table.add_row(i.name, i.model, str(i.turns), str(i.tokens), human_size(i.size_bytes), i.updated.replace("T", " "))
+        Console(file=term.stdout, no_color=not term.color, highlight=False).print(table)
+    for name in damaged:
+        term.warn(f"session '{name}' is damaged and was not listed")
+
+
+@app.command()
+def show(name: str = typer.Argument(..., help="Session name.")) -> None:
+    """Show a session's transcript."""
+    from rich.console import Console
+    from rich.text import Text
+
+    from quipu.sessions.manage import transcript
+
+    term = Terminal.detect()
+    data = transcript(_env(), name)
+    console = Console(file=term.stdout, no_color=not term.color, highlight=False)
+    console.print(Text(f"{data['name']} · {data['model']} · {data['context_tokens']} tokens · {data['updated']}", style="dim"))
+    for m in data["messages"]:
+        style = {"system": "magenta", "user": "bold cyan", "assistant": "bold green"}.get(m["role"], "")
+        console.print(Text(f"\n{m['role']}", style=style))
+        console.print(Text(m["content"]))
+
+
+@app.command()
+def rm(names: List[str] = typer.Argument(..., help="Sessions to remove.")) -> None:
+    """Remove sessions."""
+    from quipu.sessions.manage import remove
+
+    remove(_env(), names)
+
+
+@app.command()
+def rename(old: str, new: str) -> None:
+    """Rename a session."""
+    from quipu.sessions.manage import rename as do_rename
+
+    do_rename(_env(), old, new)
+
+
+@app.command()
+def fork(src: str, dst: str) -> None:
+    """Copy a session under a new name; the two go on independently."""
+    from quipu.sessions.manage import fork as do_fork
+
+    do_fork(_env(), src, dst)
+
+
+@app.command()
+def export(
+    name: str,
+    fmt: str = typer.Option("markdown", "--format", "-f", help="markdown or json."),
+) -> None:
+    """Print a session's transcript as Markdown or JSON."""
+    from quipu.sessions.manage import export as do_export
+
+    Terminal.detect().stdout.write(do_export(_env(), name, fmt))

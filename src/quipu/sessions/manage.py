@@ -1,0 +1,66 @@
+"""What `quipu sessions ...` does, as plain functions over the store."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from quipu.errors import UsageError
+from quipu.sessions.runner import Environment
+from quipu.sessions.store import SessionInfo, SessionStore
+
+
+def _store(env: Environment) -> SessionStore:
+    return SessionStore(env.dirs.sessions)
+
+
+def list_sessions(env: Environment) -> tuple[list[SessionInfo], list[str]]:
+    return _store(env).list()
+
+
+def most_recent(env: Environment) -> str | None:
+    return _store(env).most_recent()
+
+
+def transcript(env: Environment, name: str) -> dict[str, Any]:
+    """The readable part of a session: name, model, settings, messages (without token ids)."""
+    store = _store(env)
+    record = store.load_transcript(name)
+    info = store.info(name)
+    return {
+        "name": name,
+        "model": record["model"].get("name"),
+        "created": record.get("created"),
+        "updated": record.get("updated"),
+        "params": record["params"],
+        "context": record["context"],
+        "context_tokens": info.tokens,
+        "size_bytes": info.size_bytes,
+        "messages": [{"role": m.get("role"), "content": m.get("content")} for m in record["messages"]],
+    }
+
+
+def export(env: Environment, name: str, fmt: str) -> str:
+    data = transcript(env, name)
+    if fmt == "json":
+        return json.dumps(data, ensure_ascii=False, indent=2) + "\n"
+    if fmt == "markdown":
+        lines = [f"# {name}", "", f"Model: {data['model']}. Last used: {data['updated']}.", ""]
+        for m in data["messages"]:
+            lines += [f"## {m['role'].capitalize()}", "", m["content"].rstrip(), ""]
+        return "\n".join(lines)
+    raise UsageError(f"--format must be markdown or json, not '{fmt}'")
+
+
+def remove(env: Environment, names: list[str]) -> None:
+    store = _store(env)
+    for name in names:
+        store.remove(name)
+
+
+def rename(env: Environment, old: str, new: str) -> None:
+    _store(env).rename(old, new)
+
+
+def fork(env: Environment, src: str, dst: str) -> None:
+    _store(env).fork(src, dst)
