@@ -39,11 +39,11 @@ def vocab() -> tuple[list[str], list[float], list[int]]:
 def write_tiny_gguf(
     path: Path,
     *,
-    n_embd: int = 64,
+    n_embd: int = 128,
     n_layer: int = 2,
     n_head: int = 4,
     n_head_kv: int = 2,
-    n_ff: int = 128,
+    n_ff: int = 256,
     n_ctx_train: int = 2048,
     seed: int = 0,
     chat_template: str | None = CHATML,

@@ -103,6 +103,9 @@ class InferenceSession:
         self._logits_at = -1  # n_decoded when the backend's logits were computed
         self.stats = Stats()
         self._turn_started = 0.0
+        # Tokens re-read (rebuilt) before the first turn: computed, not cached, for that turn.
+        self._rebuilt = 0
+        self._rebuilt_s = 0.0
         backend.set_sampler(self.params.sampler())
 
     # ---- context ------------------------------------------------------------------------
@@ -147,7 +150,9 @@ class InferenceSession:
         while keep < limit and tokens[keep] == self.tokens[keep]:
             keep += 1
         self.rewind(keep)
-        self.stats.cached_tokens = min(keep, self.n_decoded)
+        self.stats.cached_tokens = max(0, min(keep, self.n_decoded) - self._rebuilt)
+        self.stats.prefill_s += self._rebuilt_s
+        self._rebuilt, self._rebuilt_s = 0, 0.0
         self.feed_prompt(tokens[keep:], on_progress)
         return keep
 
@@ -227,12 +232,14 @@ class InferenceSession:
 
     def rebuild(self, tokens: Sequence[int], n_decoded: int, on_progress: ProgressFn | None = None) -> None:
         """Re-reads `tokens[:n_decoded]` into an empty context; the rest stay pending."""
+        started = time.perf_counter()
         self.rewind(0)
         self._check_room(len(tokens))
         self.tokens = list(tokens[:n_decoded])
         self._decode_pending(on_progress)
         self.tokens.extend(tokens[n_decoded:])
         self._reset_sampler()
+        self._rebuilt, self._rebuilt_s = self.n_decoded, time.perf_counter() - started
 
     def fork(self, backend: Backend | None = None) -> "InferenceSession":
         """An independent copy on its own context (a new one on the same model by default)."""

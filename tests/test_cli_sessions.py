@@ -1,0 +1,223 @@
+"""Named sessions through the real command: exact resume, damage, names, locks, disk budget."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+HOT = ["--seed", "11", "--temperature", "0.9", "--repeat-penalty", "1.3"]
+
+
+def run_json(quipu, *args, input=None):
+    r = quipu("run", "--json", *args, input=input)
+    assert r.returncode == 0, r.stderr.decode()
+    return json.loads(r.stdout), r.stderr.decode()
+
+
+@pytest.mark.model
+def test_bundled_64_tokens_equal_32_resumed_in_a_new_process_then_32_more(quipu):
+    full, _ = run_json(quipu, "-S", "whole", *HOT, "-n", "64", "Write a poem about rivers.")
+    first, _ = run_json(quipu, "-S", "half", *HOT, "-n", "32", "Write a poem about rivers.")
+    rest, err = run_json(quipu, "-S", "half", "--continue", "-n", "32")
+    assert full["finish_reason"] == first["finish_reason"] == "length"
+    assert first["text"] + rest["text"] == full["text"]
+    assert rest["usage"]["cached_tokens"] == rest["usage"]["prompt_tokens"] - 1
+    assert rest["timings"]["restore_s"] > 0 and err == ""
+
+
+@pytest.mark.model
+def test_bundled_chat_turns_resume_exactly(quipu, bundled_model):
+    from quipu.engine.base import ContextSettings
+    from quipu.engine.llama import LlamaBackend
+    from quipu.sessions.conversation import Conversation
+    from quipu.sessions.inference import InferenceSession
+    from quipu.sessions.params import SamplingParams
+
+    a, _ = run_json(quipu, "-S", "chat", *HOT, "-n", "24", "Hi! Name a river.")
+    b, _ = run_json(quipu, "-S", "chat", "-n", "24", "Now name a mountain.")
+    assert b["usage"]["cached_tokens"] > a["usage"]["prompt_tokens"]
+
+    params = SamplingParams(temperature=0.9, repeat_penalty=1.3, seed=11)
+    with LlamaBackend(bundled_model, ContextSettings(n_ctx=8192)) as backend:
+        conv = Conversation.start(InferenceSession(backend, params))
+        one = conv.send("Hi! Name a river.", max_tokens=24)
+        two = conv.send("Now name a mountain.", max_tokens=24)
+    assert (a["text"], b["text"]) == (one.text, two.text)
+
+
+def tiny(quipu, tiny_model, *args, **kw):
+    return quipu("run", "-m", tiny_model, *args, **kw)
+
+
+def session_files(home, name):
+    root = home / "data" / "sessions"
+    return root / f"{name}.json", root / f"{name}.kv"
+
+
+def test_second_turn_reuses_the_context(quipu, tiny_model):
+    a = json.loads(tiny(quipu, tiny_model, "--json", "-S", "s", "-n", "8", *HOT, "hello").stdout)
+    b = json.loads(tiny(quipu, tiny_model, "--json", "-S", "s", "-n", "8", "the sky").stdout)
+    assert a["usage"]["cached_tokens"] == 0
+    assert b["usage"]["cached_tokens"] >= a["usage"]["prompt_tokens"]
+    assert b["seed"] == 11 and b["session"] == "s"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda b: b[: len(b) // 3], id="truncated"),
+        pytest.param(lambda b: b[:100] + bytes([b[100] ^ 0x55]) + b[101:], id="flipped-header"),
+        pytest.param(lambda b: b[:-5000] + bytes([b[-5000] ^ 1]) + b[-4999:], id="flipped-state"),
+        pytest.param(lambda b: b"\x00" * len(b), id="zeros"),
+        pytest.param(lambda b: b"", id="empty"),
+        pytest.param(lambda b: b"garbage" * 100, id="garbage"),
+    ],
+)
+def test_damaged_state_is_rebuilt_from_the_transcript(quipu, tiny_model, home, damage):
+    tiny(quipu, tiny_model, "-S", "s", "-n", "8", *HOT, "hello")
+    transcript, state = session_files(home, "s")
+    state.write_bytes(damage(state.read_bytes()))
+    r = tiny(quipu, tiny_model, "--json", "-S", "s", "-n", "8", "the sky")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "re-reading" in r.stderr.decode()
+    assert json.loads(r.stdout)["usage"]["cached_tokens"] == 0
+    assert "Traceback" not in r.stderr.decode()
+    # The rebuilt session was saved whole again and resumes from its state.
+    r = tiny(quipu, tiny_model, "--json", "-S", "s", "-n", "4", "blue")
+    assert r.returncode == 0 and r.stderr == b"" and json.loads(r.stdout)["usage"]["cached_tokens"] > 0
+
+
+def test_missing_state_is_rebuilt(quipu, tiny_model, home):
+    tiny(quipu, tiny_model, "-S", "s", "-n", "8", "hello")
+    session_files(home, "s")[1].unlink()
+    r = tiny(quipu, tiny_model, "-S", "s", "-n", "8", "again")
+    assert r.returncode == 0 and "no saved context state" in r.stderr.decode()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda b: b[: len(b) // 2], id="truncated"),
+        pytest.param(lambda b: b"", id="empty"),
+        pytest.param(lambda b: b.replace(b'"tokens"', b'"tokenz"'), id="no-tokens"),
+        pytest.param(lambda b: b.replace(b'"n_decoded": ', b'"n_decoded": 9999'), id="bad-count"),
+        pytest.param(lambda b: b"\xff\xfe" + b, id="not-utf8"),
+    ],
+)
+def test_damaged_transcript_is_a_clear_error_and_left_untouched(quipu, tiny_model, home, damage):
+    tiny(quipu, tiny_model, "-S", "s", "-n", "8", "hello")
+    transcript, state = session_files(home, "s")
+    damaged = damage(transcript.read_bytes())
+    transcript.write_bytes(damaged)
+    before_state = state.read_bytes()
+    r = tiny(quipu, tiny_model, "-S", "s", "-n", "8", "again")
+    err = r.stderr.decode()
+    assert r.returncode == 1, err
+    assert "damaged" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert transcript.read_bytes() == damaged and state.read_bytes() == before_state
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "", ".hidden", "x" * 65, "semi;colon", "sp ace"])
+def test_bad_session_names_are_usage_errors(quipu, tiny_model, home, name):
+    r = tiny(quipu, tiny_model, "-S", name, "hello")
+    assert r.returncode == 2 and "session name" in r.stderr.decode()
+    assert not (home.parent / "x.json").exists()
+
+
+def test_nul_in_a_session_name_is_refused(tiny_model):
+    from quipu.errors import SessionNameError
+    from quipu.sessions.store import validate_name
+
+    with pytest.raises(SessionNameError):
+        validate_name("a\x00b")
+
+
+def test_a_session_in_use_is_refused_with_a_clear_message(quipu, tiny_model, home):
+    from quipu.sessions.store import SessionStore
+
+    tiny(quipu, tiny_model, "-S", "busy", "-n", "4", "hello")
+    store = SessionStore(home / "data" / "sessions")
+    with store.lock("busy"):
+        r = tiny(quipu, tiny_model, "-S", "busy", "-n", "4", "again")
+    assert r.returncode == 1 and "in use" in r.stderr.decode()
+
+
+def test_another_model_rebuilds_with_a_warning_and_a_vanished_one_is_refused(quipu, tiny_model, home, tmp_path):
+    from tinymodel import write_tiny_gguf
+
+    other = write_tiny_gguf(tmp_path / "other.gguf", seed=5)
+    tiny(quipu, tiny_model, "-S", "m", "-n", "4", "hello")
+    r = quipu("run", "-m", other, "--json", "-S", "m", "-n", "4", "again")
+    assert r.returncode == 0 and "was made with" in r.stderr.decode()
+    assert json.loads(r.stdout)["usage"]["cached_tokens"] == 0
+    other.unlink()
+    r = quipu("run", "-S", "m", "-n", "4", "third")
+    assert r.returncode == 2 and "--model" in r.stderr.decode()
+
+
+def test_kv_q8_halves_the_state_and_is_kept_on_resume(quipu, tiny_model, home):
+    tiny(quipu, tiny_model, "-S", "f16", "-n", "16", *HOT, "hello world the sky")
+    tiny(quipu, tiny_model, "-S", "q8", "--kv-type", "q8_0", "-n", "16", *HOT, "hello world the sky")
+    f16, q8 = session_files(home, "f16")[1].stat().st_size, session_files(home, "q8")[1].stat().st_size
+    assert q8 < 0.6 * f16
+    r = tiny(quipu, tiny_model, "--json", "-S", "q8", "-n", "4", "blue")
+    assert r.returncode == 0 and r.stderr == b""
+    assert json.loads(r.stdout)["usage"]["cached_tokens"] > 0
+
+
+def test_disk_budget_drops_least_recent_state_but_never_transcripts(quipu, tiny_model, home):
+    for name in ("old", "mid", "new"):
+        tiny(quipu, tiny_model, "-S", name, "-n", "8", "hello")
+    size = session_files(home, "new")[1].stat().st_size
+    (home / "config").mkdir()
+    (home / "config" / "config.toml").write_text(f"[sessions]\nmax_state_bytes = {2 * size + size // 2}\n")
+    r = tiny(quipu, tiny_model, "-S", "new", "-n", "4", "more")
+    assert r.returncode == 0
+    assert not session_files(home, "old")[1].exists()
+    assert all(session_files(home, n)[0].exists() for n in ("old", "mid", "new"))
+    assert session_files(home, "new")[1].exists()
+    r = tiny(quipu, tiny_model, "-S", "old", "-n", "4", "back")
+    assert r.returncode == 0 and "re-reading" in r.stderr.decode()
+
+
+def test_sessions_commands(quipu, tiny_model, home):
+    tiny(quipu, tiny_model, "-S", "alpha", "-s", "You are terse.", "-n", "6", "hello")
+    tiny(quipu, tiny_model, "-S", "beta", "-n", "6", "the sky")
+    listed = json.loads(quipu("sessions", "list", "--json").stdout)
+    assert [s["name"] for s in listed] == ["beta", "alpha"] or {s["name"] for s in listed} == {"alpha", "beta"}
+    alpha = next(s for s in listed if s["name"] == "alpha")
+    assert alpha["turns"] == 1 and alpha["tokens"] > 0 and alpha["size_bytes"] > 0
+    table = quipu("sessions", "list").stdout.decode()
+    assert "alpha" in table and "beta" in table
+
+    shown = quipu("sessions", "show", "alpha").stdout.decode()
+    assert "hello" in shown and "You are terse." in shown
+
+    assert quipu("sessions", "fork", "alpha", "gamma").returncode == 0
+    assert quipu("sessions", "fork", "alpha", "beta").returncode == 2
+    r = tiny(quipu, tiny_model, "--json", "-S", "gamma", "-n", "4", "more")
+    assert json.loads(r.stdout)["usage"]["cached_tokens"] > 0
+
+    assert quipu("sessions", "rename", "beta", "delta").returncode == 0
+    names = {s["name"] for s in json.loads(quipu("sessions", "list", "--json").stdout)}
+    assert names == {"alpha", "gamma", "delta"}
+
+    md = quipu("sessions", "export", "alpha", "--format", "markdown").stdout.decode()
+    assert md.startswith("# alpha") and "## User" in md and "hello" in md
+    js = json.loads(quipu("sessions", "export", "alpha", "--format", "json").stdout)
+    assert [m["role"] for m in js["messages"]] == ["system", "user", "assistant"]
+    assert quipu("sessions", "export", "alpha", "--format", "pdf").returncode == 2
+
+    assert quipu("sessions", "rm", "alpha", "gamma").returncode == 0
+    assert {s["name"] for s in json.loads(quipu("sessions", "list", "--json").stdout)} == {"delta"}
+    r = quipu("sessions", "rm", "nope")
+    assert r.returncode == 2 and "no session" in r.stderr.decode()
+    assert quipu("sessions", "show", "../etc").returncode == 2
+
+
+def test_continue_needs_a_session_and_no_prompt(quipu, tiny_model):
+    assert tiny(quipu, tiny_model, "--continue").returncode == 2
+    tiny(quipu, tiny_model, "-S", "c", "-n", "4", "hello")
+    assert tiny(quipu, tiny_model, "-S", "c", "--continue", "more").returncode == 2
+    assert tiny(quipu, tiny_model, "-S", "c", "--continue", "-n", "4").returncode == 0
