@@ -101,6 +101,71 @@ def bench_speed(model: str, threads: int, repeats: int, home: str, n_decode: int
     return rows
 
 
+def context_text(model: str, n_tokens: int) -> str:
+    from quipu.engine.base import ContextSettings
+    from quipu.engine.llama import LlamaBackend
+
+    with LlamaBackend(model, ContextSettings(n_ctx=8192, n_threads=1)) as b:
+        toks = b.tokenize(prompt_of(n_tokens), add_special=False, parse_special=False)[:n_tokens]
+        return b"".join(b.token_bytes(t) for t in toks).decode("utf-8", "replace")
+
+
+def bench_resume(model: str, threads: int, repeats: int, home: str) -> list[dict]:
+    """Resuming a saved session and producing the first new token, against re-reading the
+    same context from scratch (what tools without context snapshots do on every resume)."""
+    rows = []
+    env = {"QUIPU_HOME": home}
+    common = ["-m", model, "--threads", str(threads), "--ctx", "8192", "--seed", "1"]
+    for n_tokens, reps in ((1400, repeats), (6000, 1)):
+        doc = context_text(model, n_tokens)
+        base = f"resume{n_tokens}"
+        quipu_cmd("run", *common, "-S", base, "-n", "1", "Read this.", stdin=doc.encode(), env=env)
+        resumed, fresh = [], []
+        for i in range(reps):
+            copy = f"{base}-{i}"
+            quipu_cmd("sessions", "fork", base, copy, env=env)
+            _, r = quipu_cmd("run", *common, "-S", copy, "--json", "-n", "1", "Go on.", env=env)
+            out = json.loads(r.stdout)
+            resumed.append((out["timings"]["restore_s"] + out["timings"]["ttft_s"], out["usage"]))
+            # The same context as one fresh prompt: the whole conversation re-read.
+            _, r = quipu_cmd("run", *common, "--json", "-n", "1", "Read this.", stdin=doc.encode(), env=env)
+            fresh.append(json.loads(r.stdout)["timings"]["ttft_s"])
+        res, ref = median([t for t, _ in resumed]), median(fresh)
+        rows.append({"what": f"resume {resumed[0][1]['cached_tokens']} cached tokens to first token (s)",
+                     "quipu": round(res, 3), "re-read from scratch": round(ref, 3), "ratio": round(res / ref, 3)})
+    return rows
+
+
+def bench_snapshots(model: str, threads: int) -> list[dict]:
+    """Save and load of a 1,400-token context, and state bytes per token, for f16 and q8_0 KV."""
+    import tempfile as tf
+
+    from quipu.engine.base import ContextSettings
+    from quipu.engine.llama import LlamaBackend
+    from quipu.sessions.inference import InferenceSession
+    from quipu.sessions.snapshot import decode_state, encode_state
+    from quipu.sessions.store import atomic_write
+
+    rows = []
+    for kv in ("f16", "q8_0"):
+        with LlamaBackend(model, ContextSettings(n_ctx=4096, n_threads=threads, kv_type=kv)) as b, tf.TemporaryDirectory() as d:
+            toks = b.tokenize(prompt_of(1400), add_special=True, parse_special=False)[:1400]
+            s = InferenceSession(b)
+            s.feed_prompt(toks)
+            path = Path(d) / "s.kv"
+            t0 = time.perf_counter()
+            snap = s.snapshot()
+            atomic_write(path, encode_state({"n": len(toks)}, snap.state))
+            t1 = time.perf_counter()
+            blob = decode_state(path.read_bytes())
+            b.restore_bytes(blob.state)
+            t2 = time.perf_counter()
+            size = path.stat().st_size
+        rows.append({"what": f"snapshot {kv}: save / load 1400 tokens (s), KB per token",
+                     "quipu": f"{t1 - t0:.3f} / {t2 - t1:.3f}, {size / 1400 / 1024:.1f} KB"})
+    return rows
+
+
 def bench_startup(repeats: int, home: str) -> list[dict]:
     rows = []
     for args in (["--version"], ["--help"]):
@@ -124,7 +189,7 @@ def machine() -> dict:
 def render(results: dict) -> str:
     lines = [f"Machine: {results['machine']['cpu']}, {results['threads']} threads, "
              f"median of {results['repeats']} runs, {results['date']}.", ""]
-    cols = ["what", "quipu", "plain ctypes loop", "ratio"]
+    cols = ["what", "quipu", "plain ctypes loop", "re-read from scratch", "ratio"]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in results["rows"]:
         lines.append("| " + " | ".join(str(row.get(c, "")) for c in cols) + " |")
@@ -140,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     model = model_path()
     with tempfile.TemporaryDirectory() as home:
         rows = bench_speed(model, args.threads, args.repeats, home, args.decode)
+        rows += bench_resume(model, args.threads, args.repeats, home)
+        rows += bench_snapshots(model, args.threads)
         rows += bench_startup(args.repeats, home)
     results = {"date": time.strftime("%Y-%m-%d"), "threads": args.threads, "repeats": args.repeats,
                "machine": machine(), "rows": rows}
