@@ -8,7 +8,7 @@ import sys
 def build_app():
     import typer
 
-    from quipu.cli import run, sessions
+    from quipu.cli import chat, run, sessions
 
     app = typer.Typer(
         name="quipu",
@@ -29,6 +29,7 @@ def build_app():
             raise typer.Exit()
 
     run.register(app)
+    chat.register(app)
     sessions.register(app)
     return app
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
+from quipu.cli import options as opt
 from quipu.cli.terminal import PrefillProgress, StopOnCtrlC, Terminal
 from quipu.errors import BadInput, ExitCode
 
@@ -23,33 +24,33 @@ def register(app: typer.Typer) -> None:
 
 def run(
     prompt: Optional[str] = typer.Argument(None, help="The prompt. Piped stdin is appended after a blank line."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="A .gguf file or a known model name."),
-    system: Optional[str] = typer.Option(None, "--system", "-s", help="System prompt."),
+    model: opt.Model = None,
+    system: opt.System = None,
     raw: bool = typer.Option(False, "--raw", help="Plain completion, without the chat template."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="Most tokens to generate [512]."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="0 is greedy [0.8]."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k likeliest tokens; 0 is off [40]."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling, in (0, 1] [0.95]."),
-    min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens below this share of the top one [0.05]."),
-    repeat_penalty: Optional[float] = typer.Option(None, "--repeat-penalty", help="1 is off [1.1]."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed [random, reported by --json]."),
-    stop: List[str] = typer.Option([], "--stop", help="Stop at this text (repeatable); it is not printed."),
-    ctx: Optional[int] = typer.Option(None, "--ctx", help="Context size in tokens [the model's, at most 8192]."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads [the CPUs this process may use]."),
-    kv_type: Optional[str] = typer.Option(None, "--kv-type", help="KV cache type: f16 or q8_0 (half-size snapshots)."),
+    max_tokens: opt.MaxTokens = None,
+    temperature: opt.Temperature = None,
+    top_k: opt.TopK = None,
+    top_p: opt.TopP = None,
+    min_p: opt.MinP = None,
+    repeat_penalty: opt.RepeatPenalty = None,
+    seed: opt.Seed = None,
+    stop: opt.Stop = [],
+    ctx: opt.Ctx = None,
+    threads: opt.Threads = None,
+    kv_type: opt.KvType = None,
     session: Optional[str] = typer.Option(None, "--session", "-S", help="Continue or create this named session."),
     continue_reply: bool = typer.Option(False, "--continue", help="With --session and no prompt: keep generating the last reply."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
     stats: bool = typer.Option(False, "--stats", help="Print timings and token counts on stderr."),
-    verbose: bool = typer.Option(False, "--verbose", help="Show llama.cpp's own log on stderr."),
+    verbose: opt.Verbose = False,
 ) -> int:
-    from quipu.sessions.runner import Environment, TurnOptions, run_turn
+    from quipu.sessions.runner import Environment, run_turn
 
     term = Terminal.detect()
     text = gather_prompt(prompt, term, allow_empty=continue_reply)
-    opts = TurnOptions(
+    opts = opt.turn_options(
         model=model, system=system, raw=raw, temperature=temperature, top_k=top_k, top_p=top_p,
-        min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens, stop=tuple(stop),
+        min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens, stop=stop,
         ctx=ctx, threads=threads, kv_type=kv_type, session=session, continue_reply=continue_reply,
         verbose=verbose,
     )

@@ -46,7 +46,8 @@ def list_(as_json: bool = typer.Option(False, "--json", help="One JSON array."))
         table = Table("name", "model", "turns", "tokens", "size", "last used", box=None, pad_edge=False)
         for i in infos:
             table.add_row(i.name, i.model, str(i.turns), str(i.tokens), human_size(i.size_bytes), i.updated.replace("T", " "))
-        Console(file=term.stdout, no_color=not term.color, highlight=False).print(table)
+        Console(file=term.stdout, no_color=not term.color, highlight=False,
+                width=None if term.stdout_tty else 400).print(table)
     for name in damaged:
         term.warn(f"session '{name}' is damaged and was not listed")
 

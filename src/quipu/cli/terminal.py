@@ -56,17 +56,18 @@ def _isatty(stream) -> bool:
 
 class StopOnCtrlC:
     """While active, the first Ctrl-C asks the work to stop at the next token; a second one
-    interrupts at once."""
+    interrupts at once, unless `hard_second` is off (the chat never dies of Ctrl-C)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hard_second: bool = True) -> None:
         self.requested = False
+        self.hard_second = hard_second
         self._previous = None
 
     def __call__(self) -> bool:
         return self.requested
 
     def _handle(self, signum, frame) -> None:
-        if self.requested:
+        if self.requested and self.hard_second:
             raise KeyboardInterrupt
         self.requested = True
 

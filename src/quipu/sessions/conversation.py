@@ -29,21 +29,28 @@ class Message:
     content: str
     # For replies: the exact tokens the model generated, so the context re-renders to itself.
     tokens: list[int] | None = None
+    # For user messages: how many tokens the context held before this exchange (for /undo).
+    context_before: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tokens is not None:
             data["tokens"] = self.tokens
+        if self.context_before is not None:
+            data["context_before"] = self.context_before
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Message":
         role, content, tokens = data.get("role"), data.get("content"), data.get("tokens")
+        before = data.get("context_before")
         if role not in ROLES or not isinstance(content, str):
             raise ValueError("a message needs a known role and text content")
         if tokens is not None and not (isinstance(tokens, list) and all(type(t) is int for t in tokens)):
             raise ValueError("a message's tokens must be a list of integers")
-        return cls(role, content, tokens)
+        if before is not None and (type(before) is not int or before < 0):
+            raise ValueError("a message's context_before must be a count")
+        return cls(role, content, tokens, before)
 
 
 class ChatTemplate:
@@ -147,7 +154,7 @@ class Conversation:
         on_progress: ProgressFn | None = None,
     ) -> Generation:
         """Adds a user message and generates the reply, which joins the conversation."""
-        self.messages.append(Message("user", text))
+        self.messages.append(Message("user", text, context_before=len(self.session.tokens)))
         try:
             prompt = self.render_tokens(self.messages, add_generation_prompt=True)
             self.session.begin_turn()
@@ -210,13 +217,57 @@ class Conversation:
         return tokens if spelled == want else None
 
     def undo(self) -> bool:
-        """Drops the last exchange (the last user message and what followed it)."""
+        """Drops the last exchange (the last user message and what followed it) and returns the
+        context to exactly what it held before it: a rewind, nothing is re-read."""
         for i in range(len(self.messages) - 1, -1, -1):
             if self.messages[i].role == "user":
+                before = self.messages[i].context_before
                 del self.messages[i:]
+                if before is not None:
+                    self.session.rewind(before)
                 return True
         return False
+
+    def retry(
+        self,
+        *,
+        max_tokens: int,
+        stop: Sequence[str] = (),
+        on_token: TokenFn | None = None,
+        on_progress: ProgressFn | None = None,
+    ) -> Generation:
+        """Generates the last reply again, with new random draws."""
+        if not self.messages or self.messages[-1].role != "assistant":
+            raise UsageError("there is no reply to retry")
+        last = self.messages.pop()
+        try:
+            prompt = self.render_tokens(self.messages, add_generation_prompt=True)
+            self.session.begin_turn()
+            self.session.set_context(prompt, on_progress)
+            return self._reply(Message("assistant", "", []), max_tokens, stop, on_token)
+        except BaseException:
+            if not self.messages or self.messages[-1].role != "assistant":
+                self.messages.append(last)
+            raise
 
     def reset(self) -> None:
         """Forgets the conversation, keeping the system prompt."""
         del self.messages[1 if self.system is not None else 0 :]
+
+    def drop_oldest(self, keep_free: int) -> int:
+        """Drops the oldest exchanges (never the system prompt) until the conversation leaves at
+        least `keep_free` tokens of the context free. Returns how many messages went."""
+        first = 1 if self.system is not None else 0
+        dropped = 0
+        while len(self.messages) > first:
+            needed = len(self.render_tokens(self.messages, add_generation_prompt=True))
+            if needed + keep_free <= self.session.n_ctx:
+                break
+            del self.messages[first]
+            while len(self.messages) > first and self.messages[first].role != "user":
+                del self.messages[first]
+                dropped += 1
+            dropped += 1
+        for m in self.messages:
+            m.context_before = None  # the context is re-read from here; old marks mean nothing
+        return dropped

@@ -137,7 +137,7 @@ class NamedSession:
                     f"continuing with {model_name}, re-read from the transcript"
                 )
                 for m in messages:
-                    m.tokens = None
+                    m.tokens, m.context_before = None, None
                 session = InferenceSession(backend, params)
                 session.draws = record["draws"]
             session.stats.load_s = load_s

@@ -19,7 +19,7 @@ import os
 import re
 import secrets
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -157,16 +157,20 @@ class SessionStore:
     def rename(self, old: str, new: str) -> None:
         self._copy_or_move(old, new, move=True)
 
-    def fork(self, src: str, dst: str) -> None:
-        self._copy_or_move(src, dst, move=False)
+    def fork(self, src: str, dst: str, *, src_locked: bool = False) -> None:
+        """Copies `src` to the new name `dst`; `src_locked` when this process holds src's lock."""
+        self._copy_or_move(src, dst, move=False, src_locked=src_locked)
 
-    def _copy_or_move(self, src: str, dst: str, *, move: bool) -> None:
+    def _copy_or_move(self, src: str, dst: str, *, move: bool, src_locked: bool = False) -> None:
         validate_name(dst)
         if not self.exists(src):
             raise SessionNotFound(f"no session named '{src}'")
         if self.exists(dst):
             raise SessionExists(f"a session named '{dst}' exists already")
-        with self.lock(src), self.lock(dst):
+        with ExitStack() as locks:
+            if not src_locked:
+                locks.enter_context(self.lock(src))
+            locks.enter_context(self.lock(dst))
             for path_of in (self.state_path, self.transcript_path):  # transcript last: it marks existence
                 source, target = path_of(src), path_of(dst)
                 if not source.exists():

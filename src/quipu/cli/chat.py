@@ -1,0 +1,58 @@
+"""`quipu chat`: the interactive chat; every finished turn is saved."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from quipu.cli import options as opt
+from quipu.cli.terminal import PrefillProgress, Terminal
+from quipu.errors import UsageError
+
+
+def register(app: typer.Typer) -> None:
+    app.command("chat", help="Chat in the terminal. Every turn is saved; --resume picks up where you left off.")(chat)
+
+
+def chat(
+    session: Optional[str] = typer.Option(None, "--session", "-S", help="Resume or create this named session."),
+    resume: bool = typer.Option(False, "--resume", "-r", help="Resume the most recently used session."),
+    markdown: bool = typer.Option(False, "--markdown", help="Render replies as Markdown as they stream."),
+    model: opt.Model = None,
+    system: opt.System = None,
+    max_tokens: opt.MaxTokens = None,
+    temperature: opt.Temperature = None,
+    top_k: opt.TopK = None,
+    top_p: opt.TopP = None,
+    min_p: opt.MinP = None,
+    repeat_penalty: opt.RepeatPenalty = None,
+    seed: opt.Seed = None,
+    stop: opt.Stop = [],
+    ctx: opt.Ctx = None,
+    threads: opt.Threads = None,
+    kv_type: opt.KvType = None,
+    verbose: opt.Verbose = False,
+) -> int:
+    from quipu.cli.repl import Repl
+    from quipu.sessions.chat import ChatSession
+    from quipu.sessions.runner import Environment
+
+    if session is not None and resume:
+        raise UsageError("give either --session NAME or --resume, not both")
+    opts = opt.turn_options(
+        model=model, system=system, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens, stop=stop, ctx=ctx,
+        threads=threads, kv_type=kv_type, verbose=verbose,
+    )
+    term = Terminal.detect()
+    env = Environment.load()
+    progress = PrefillProgress(term, "restoring the conversation")
+    try:
+        session_ = ChatSession.open(env, opts, name=session, resume_latest=resume, on_progress=progress)
+    finally:
+        progress.close()
+    try:
+        return Repl(session_, term, env, markdown=markdown).run()
+    finally:
+        session_.close()

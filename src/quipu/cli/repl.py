@@ -1,0 +1,386 @@
+"""The chat REPL: prompt_toolkit input, streamed replies, and one table of slash commands."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from typing import Callable
+
+from quipu.cli.terminal import PrefillProgress, StopOnCtrlC, Terminal
+from quipu.errors import QuipuError
+
+PROMPT = "› "
+
+
+@dataclass(frozen=True)
+class SlashCommand:
+    name: str
+    args: str
+    help: str
+    handler: Callable[["Repl", str], None]
+
+
+def _help(repl: "Repl", _arg: str) -> None:
+    width = max(len(f"/{c.name} {c.args}") for c in COMMANDS)
+    lines = [f"  {f'/{c.name} {c.args}'.ljust(width)}  {c.help}" for c in COMMANDS]
+    lines += ["", "  Enter sends; Alt-Enter or Esc Enter adds a line; Ctrl-C stops a reply; Ctrl-D leaves."]
+    repl.say("\n".join(lines))
+
+
+def _exit(repl: "Repl", _arg: str) -> None:
+    repl.running = False
+
+
+def _save(repl: "Repl", arg: str) -> None:
+    name = repl.need(arg, "/save NAME")
+    repl.chat.save_as(name)
+    repl.say(f"saved a copy as '{name}'; you are still in '{repl.chat.name}'")
+
+
+def _load(repl: "Repl", arg: str) -> None:
+    name = repl.need(arg, "/load NAME")
+    progress = PrefillProgress(repl.term, "restoring the conversation")
+    try:
+        repl.chat.load(name, on_progress=progress)
+    finally:
+        progress.close()
+    repl.show_notices()
+    repl.say(f"now in session '{name}' ({len(repl.chat.messages)} messages)")
+
+
+def _sessions(repl: "Repl", _arg: str) -> None:
+    infos = repl.chat.sessions()
+    if not infos:
+        repl.say("no saved sessions")
+        return
+    for i in infos:
+        mark = "*" if i.name == repl.chat.name else " "
+        repl.say(f" {mark} {i.name:<28} {i.model:<24} {i.turns:>3} turns {i.tokens:>6} tokens  {i.updated}")
+
+
+def _reset(repl: "Repl", _arg: str) -> None:
+    repl.chat.reset()
+    repl.say("the conversation was forgotten; the system prompt stays")
+
+
+def _undo(repl: "Repl", _arg: str) -> None:
+    if repl.chat.undo():
+        repl.say(f"dropped the last exchange; context {repl.chat.context_used} tokens")
+    else:
+        repl.say("nothing to undo")
+
+
+def _retry(repl: "Repl", _arg: str) -> None:
+    repl.turn(repl.chat.retry)
+
+
+def _continue(repl: "Repl", _arg: str) -> None:
+    repl.turn(repl.chat.continue_reply)
+
+
+def _system(repl: "Repl", arg: str) -> None:
+    repl.chat.set_system(arg.strip() or None)
+    repl.say("system prompt set" if arg.strip() else "system prompt removed")
+
+
+def _set(repl: "Repl", arg: str) -> None:
+    parts = arg.split()
+    if len(parts) != 2:
+        from quipu.sessions.chat import SETTABLE
+
+        repl.say(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}")
+        return
+    value = repl.chat.set_option(parts[0], parts[1])
+    repl.say(f"{parts[0]} = {value}")
+
+
+def _stats(repl: "Repl", _arg: str) -> None:
+    s = repl.chat.last_stats
+    if s is None:
+        repl.say("no reply yet in this run")
+        return
+    repl.say(
+        f"{s.completion_tokens} tokens at {s.decode_tok_s:.1f} tok/s; first token after {s.ttft_s:.2f}s; "
+        f"{s.prompt_tokens} prompt tokens, {s.cached_tokens} reused, prefill {s.prefill_tok_s:.0f} tok/s"
+    )
+
+
+def _context(repl: "Repl", _arg: str) -> None:
+    used, size = repl.chat.context_used, repl.chat.context_size
+    repl.say(f"context: {used} of {size} tokens ({100 * used / size:.0f}%)")
+
+
+def _trim(repl: "Repl", _arg: str) -> None:
+    dropped = repl.chat.drop_oldest()
+    repl.say(f"dropped {dropped} old messages; the system prompt stays")
+
+
+def _new(repl: "Repl", _arg: str) -> None:
+    name = repl.chat.new_session_with_system()
+    repl.say(f"new session '{name}', with the same system prompt")
+
+
+COMMANDS: list[SlashCommand] = [
+    SlashCommand("help", "", "show this help", _help),
+    SlashCommand("exit", "", "leave (the session is saved)", _exit),
+    SlashCommand("save", "NAME", "save a copy of this session under another name", _save),
+    SlashCommand("load", "NAME", "switch to another saved session", _load),
+    SlashCommand("sessions", "", "list saved sessions", _sessions),
+    SlashCommand("reset", "", "forget the conversation, keep the system prompt", _reset),
+    SlashCommand("undo", "", "drop the last exchange, restoring the context before it", _undo),
+    SlashCommand("retry", "", "generate the last reply again, with new draws", _retry),
+    SlashCommand("continue", "", "keep generating the last reply", _continue),
+    SlashCommand("system", "TEXT", "set the system prompt (empty removes it)", _system),
+    SlashCommand("set", "KEY VALUE", "set temperature, top_k, top_p, min_p, repeat_penalty, seed or max_tokens", _set),
+    SlashCommand("stats", "", "figures of the last reply", _stats),
+    SlashCommand("context", "", "tokens used of the context", _context),
+    SlashCommand("trim", "", "drop the oldest exchanges to free half the context", _trim),
+    SlashCommand("new", "", "start a new session with the same system prompt", _new),
+]
+BY_NAME = {c.name: c for c in COMMANDS}
+
+
+def parse_command(line: str) -> tuple[SlashCommand | None, str]:
+    """('/set top_k 5') -> (the set command, 'top_k 5'); unknown commands give (None, name)."""
+    body = line.strip()[1:]
+    name, _, arg = body.partition(" ")
+    command = BY_NAME.get(name.lower())
+    if command is None:
+        matches = [c for c in COMMANDS if c.name.startswith(name.lower())] if name else []
+        command = matches[0] if len(matches) == 1 else None
+    return command, (arg if command else name)
+
+
+class Repl:
+    """Reads messages and commands, streams replies. Errors are shown in one line; it goes on."""
+
+    def __init__(self, chat, term: Terminal, env, *, markdown: bool = False):
+        self.chat = chat
+        self.term = term
+        self.env = env
+        self.markdown = markdown
+        self.running = True
+        self._pending_retry: str | None = None
+
+    # ---- output ----------------------------------------------------------------------------
+
+    def say(self, text: str) -> None:
+        self.term.stderr.write(text + "\n")
+        self.term.stderr.flush()
+
+    def show_notices(self) -> None:
+        for notice in self.chat.notices:
+            self.term.warn(notice)
+
+    def need(self, arg: str, usage: str) -> str:
+        arg = arg.strip()
+        if not arg:
+            raise QuipuError(f"usage: {usage}")
+        return shlex.split(arg)[0] if arg[0] in "\"'" else arg
+
+    # ---- turns -----------------------------------------------------------------------------
+
+    def turn(self, action, *args) -> None:
+        progress = PrefillProgress(self.term)
+        renderer = self._renderer()
+        with StopOnCtrlC(hard_second=False) as stopper:
+            try:
+                outcome = action(*args, on_text=renderer.feed, should_stop=stopper, on_progress=progress)
+            finally:
+                progress.close()
+                renderer.close()
+        gen = outcome.generation
+        if gen.finish_reason == "interrupted":
+            self.say("[stopped]")
+        self.show_notices()
+        if outcome.context_full:
+            self.context_full(args[0] if args and not gen.tokens else None)
+
+    def _renderer(self):
+        if self.markdown and self.term.stdout_tty:
+            return MarkdownRenderer(self.term)
+        return PlainRenderer(self.term)
+
+    def context_full(self, unsent: str | None) -> None:
+        used, size = self.chat.context_used, self.chat.context_size
+        self.say(f"the context is full ({used} of {size} tokens).")
+        choice = self.ask("[d]rop the oldest exchanges and go on, [n]ew session with the same system prompt, "
+                          "or [c]ancel? ", default="d")
+        if choice.startswith("d"):
+            _trim(self, "")
+        elif choice.startswith("n"):
+            _new(self, "")
+        else:
+            return
+        if unsent:
+            self.turn(self.chat.send, unsent)
+
+    def ask(self, question: str, default: str) -> str:
+        if not self.term.stdin_tty:
+            self.say(question + default)
+            return default
+        from prompt_toolkit import prompt
+
+        try:
+            return (prompt(question) or default).strip().lower()
+        except (KeyboardInterrupt, EOFError):
+            return "c"
+
+    def handle(self, line: str) -> None:
+        if line.strip().startswith("/"):
+            command, arg = parse_command(line)
+            if command is None:
+                self.say(f"unknown command /{arg}; /help lists them")
+                return
+            command.handler(self, arg)
+        elif line.strip():
+            self.turn(self.chat.send, line)
+
+    def safely(self, line: str) -> None:
+        try:
+            self.handle(line)
+        except QuipuError as exc:
+            self.term.stderr.write(f"quipu: error: {exc}\n")
+            self.term.stderr.flush()
+
+    # ---- loops -----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        if self.term.stdin_tty:
+            return self.interactive()
+        return self.piped()
+
+    def piped(self) -> int:
+        """One message per line of stdin, each reply printed; no prompt, no escape codes."""
+        self.say(f"session: {self.chat.name}")
+        self.show_notices()
+        for raw in self.term.stdin:
+            if not self.running:
+                break
+            line = raw.rstrip("\n")
+            self.safely(line)
+        return 0
+
+    def interactive(self) -> int:
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory
+
+        state = self.env.dirs.state
+        state.mkdir(parents=True, exist_ok=True)
+        session = PromptSession(
+            history=FileHistory(str(state / "chat_history")),
+            completer=SlashCompleter(),
+            complete_while_typing=True,
+            key_bindings=key_bindings(),
+            multiline=True,
+            bottom_toolbar=self.toolbar,
+            prompt_continuation=lambda width, line_number, wrap_count: "… ".rjust(width),
+        )
+        verb = "resumed" if self.chat.messages else "new"
+        self.say(f"{verb} session '{self.chat.name}' with {self.chat.model_name}. /help for commands, Ctrl-D to leave.")
+        self.show_notices()
+        self.recap()
+        while self.running:
+            try:
+                line = session.prompt(PROMPT)
+            except KeyboardInterrupt:
+                self.say("(to leave, press Ctrl-D or type /exit)")
+                continue
+            except EOFError:
+                break
+            self.safely(line)
+        self.chat.save()
+        self.say(f"saved session '{self.chat.name}'; `quipu chat --resume` continues it")
+        return 0
+
+    def recap(self, last: int = 4, lines: int = 3) -> None:
+        """Shows the end of a resumed conversation, so the user knows where they are."""
+        shown = [m for m in self.chat.messages if m.role != "system"][-last:]
+        for m in shown:
+            text = m.content.strip().splitlines() or [""]
+            body = "\n    ".join(t[:200] for t in text[:lines]) + (" …" if len(text) > lines else "")
+            self.say(f"  {'you' if m.role == 'user' else 'model'}: {body}")
+
+    def toolbar(self):
+        used, size = self.chat.context_used, self.chat.context_size
+        text = f" {self.chat.model_name} · {self.chat.name} · context {used}/{size} ({100 * used / size:.0f}%)"
+        if self.chat.context_nearly_full:
+            text += " · nearly full: /trim or /new"
+        return text
+
+
+class PlainRenderer:
+    def __init__(self, term: Terminal):
+        self.term = term
+        self.last = "\n"
+
+    def feed(self, text: str) -> None:
+        self.term.stdout.write(text)
+        self.term.stdout.flush()
+        self.last = text[-1:] or self.last
+
+    def close(self) -> None:
+        if self.last != "\n":
+            self.term.stdout.write("\n")
+            self.term.stdout.flush()
+
+
+class MarkdownRenderer:
+    """Re-renders the reply as Markdown while it streams (rich Live), at most ~12 times a second."""
+
+    def __init__(self, term: Terminal):
+        from rich.console import Console
+        from rich.live import Live
+
+        self.text = ""
+        self.console = Console(file=term.stdout, no_color=not term.color)
+        self.live = Live(console=self.console, refresh_per_second=12, vertical_overflow="visible")
+        self.live.start()
+
+    def feed(self, text: str) -> None:
+        from rich.markdown import Markdown
+
+        self.text += text
+        self.live.update(Markdown(self.text))
+
+    def close(self) -> None:
+        self.live.stop()
+
+
+def key_bindings():
+    from prompt_toolkit.key_binding import KeyBindings
+
+    kb = KeyBindings()
+
+    @kb.add("enter")
+    def _send(event) -> None:
+        buf = event.current_buffer
+        state = buf.complete_state
+        if state is not None and state.current_completion is not None:
+            buf.apply_completion(state.current_completion)
+            command = BY_NAME.get(buf.text.strip()[1:])
+            if command is not None and command.args:
+                buf.insert_text(" ")  # it takes an argument: let the user type it
+                return
+        buf.validate_and_handle()
+
+    @kb.add("escape", "enter")
+    def _newline(event) -> None:
+        event.current_buffer.insert_text("\n")
+
+    return kb
+
+
+def SlashCompleter():
+    from prompt_toolkit.completion import Completer, Completion
+
+    class _Completer(Completer):
+        def get_completions(self, document, complete_event):
+            text = document.text_before_cursor
+            if not text.startswith("/") or " " in text:
+                return
+            for c in COMMANDS:
+                if c.name.startswith(text[1:].lower()):
+                    yield Completion("/" + c.name, start_position=-len(text), display_meta=c.help)
+
+    return _Completer()

@@ -1,0 +1,255 @@
+"""The chat loop's library side: a named conversation that is saved after every turn."""
+
+from __future__ import annotations
+
+import secrets
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from quipu.engine.base import ProgressFn
+from quipu.errors import ContextOverflow, InvalidParameter, UsageError
+from quipu.sessions.inference import Generation, Stats
+from quipu.sessions.named import NamedSession, store_for
+from quipu.sessions.runner import (
+    Environment,
+    StopFn,
+    TextFn,
+    TurnOptions,
+    _progress_callback,
+    _token_callback,
+    max_tokens,
+)
+from quipu.sessions.store import DEFAULT_MAX_STATE_BYTES, SessionInfo, validate_name
+
+ADJECTIVES = "amber brave calm clever eager fuzzy gentle happy jolly keen lucky merry noble quiet rapid shy sunny swift tidy witty".split()
+NOUNS = "otter falcon maple river comet badger heron lynx meadow pebble quokka raven tulip walrus yak zebra cedar fjord ember harbor".split()
+
+SETTABLE = {
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "min_p": float,
+    "repeat_penalty": float,
+    "seed": int,
+    "max_tokens": int,
+}
+
+# Warn when the context is this full; drop old exchanges to leave this much free.
+WARN_FRACTION = 0.85
+KEEP_FREE_FRACTION = 0.5
+
+
+def generate_name(taken: set[str]) -> str:
+    while True:
+        name = f"{secrets.choice(ADJECTIVES)}-{secrets.choice(NOUNS)}-{secrets.randbelow(90) + 10}"
+        if name not in taken:
+            return name
+
+
+@dataclass
+class TurnOutcome:
+    generation: Generation
+    stats: Stats
+    context_full: bool = False
+
+
+class ChatSession:
+    """An open, locked, named conversation. Every finished turn is saved before it returns."""
+
+    def __init__(self, env: Environment, opts: TurnOptions):
+        self.env = env
+        self.opts = opts
+        self.store = store_for(env)
+        self.max_tokens = max_tokens(opts, env)
+        self.stop = opts.stop
+        self.named: NamedSession | None = None
+        self._stack = ExitStack()
+        self.last_stats: Stats | None = None
+
+    # ---- opening and closing ---------------------------------------------------------------
+
+    @classmethod
+    def open(cls, env: Environment, opts: TurnOptions, *, name: str | None = None, resume_latest: bool = False,
+             on_progress: ProgressFn | None = None) -> "ChatSession":
+        chat = cls(env, opts)
+        if name is None and resume_latest:
+            name = chat.store.most_recent()
+            if name is None:
+                raise UsageError("there is no session to resume yet; start one with `quipu chat`")
+        if name is None:
+            name = generate_name(set(chat.store.names()))
+        chat._switch(name, on_progress)
+        return chat
+
+    def _switch(self, name: str, on_progress: ProgressFn | None = None, opts: TurnOptions | None = None) -> None:
+        validate_name(name)
+        stack = ExitStack()
+        try:
+            stack.enter_context(self.store.lock(name))
+            named = NamedSession.open(self.store, name, opts or self.opts, self.env, on_progress)
+            stack.callback(named.close)
+        except BaseException:
+            stack.close()
+            raise
+        self.close()
+        self._stack, self.named = stack, named
+        self.last_stats = None
+
+    def close(self) -> None:
+        self._stack.close()
+        self.named = None
+
+    @property
+    def name(self) -> str:
+        return self._named.name
+
+    @property
+    def _named(self) -> NamedSession:
+        if self.named is None:
+            raise UsageError("no session is open")
+        return self.named
+
+    @property
+    def is_new(self) -> bool:
+        return not self.store.exists(self.name)
+
+    @property
+    def notices(self) -> list[str]:
+        out, self._named.notices[:] = list(self._named.notices), []
+        return out
+
+    @property
+    def model_name(self) -> str:
+        return self._named.model_name
+
+    @property
+    def messages(self):
+        return self._named.conversation.messages
+
+    @property
+    def params(self):
+        return self._named.session.params
+
+    # ---- turns -------------------------------------------------------------------------------
+
+    def _turn(self, action: Callable[..., Generation], on_text: TextFn | None, should_stop: StopFn | None,
+              on_progress: ProgressFn | None) -> TurnOutcome:
+        named = self._named
+        try:
+            gen = action(
+                max_tokens=self.max_tokens,
+                stop=self.stop,
+                on_token=_token_callback(on_text, should_stop),
+                on_progress=_progress_callback(on_progress, should_stop),
+            )
+        except ContextOverflow:
+            return TurnOutcome(Generation("", [], "context_full"), named.session.stats, context_full=True)
+        self.save()
+        self.last_stats = named.session.stats
+        return TurnOutcome(gen, named.session.stats, gen.finish_reason == "context_full")
+
+    def send(self, text: str, on_text: TextFn | None = None, should_stop: StopFn | None = None,
+             on_progress: ProgressFn | None = None) -> TurnOutcome:
+        conv = self._named.conversation
+        return self._turn(lambda **kw: conv.send(text, **kw), on_text, should_stop, on_progress)
+
+    def retry(self, on_text: TextFn | None = None, should_stop: StopFn | None = None,
+              on_progress: ProgressFn | None = None) -> TurnOutcome:
+        return self._turn(self._named.conversation.retry, on_text, should_stop, on_progress)
+
+    def continue_reply(self, on_text: TextFn | None = None, should_stop: StopFn | None = None,
+                       on_progress: ProgressFn | None = None) -> TurnOutcome:
+        return self._turn(self._named.conversation.continue_reply, on_text, should_stop, on_progress)
+
+    def undo(self) -> bool:
+        done = self._named.conversation.undo()
+        if done:
+            self.save()
+        return done
+
+    def reset(self) -> None:
+        self._named.conversation.reset()
+        self.save()
+
+    def set_system(self, text: str | None) -> None:
+        self._named.conversation.set_system(text or None)
+        self.save()
+
+    def drop_oldest(self) -> int:
+        """Drops old exchanges so that half the context is free again."""
+        conv = self._named.conversation
+        dropped = conv.drop_oldest(int(conv.session.n_ctx * KEEP_FREE_FRACTION))
+        self.save()
+        return dropped
+
+    def new_session_with_system(self, on_progress: ProgressFn | None = None) -> str:
+        """Leaves this session as it is and starts a new one with the same system prompt."""
+        system = self._named.conversation.system
+        current = self._named
+        opts = TurnOptions(**{**self.opts.__dict__, "system": system or "", "model": str(current.model_path)})
+        name = generate_name(set(self.store.names()))
+        self._switch(name, on_progress, opts)
+        self.save()
+        return name
+
+    def set_option(self, key: str, value: str) -> Any:
+        key = key.replace("-", "_")
+        kind = SETTABLE.get(key)
+        if kind is None:
+            raise InvalidParameter(f"unknown setting '{key}' (settable: {', '.join(SETTABLE)})")
+        try:
+            parsed = kind(value)
+        except ValueError:
+            raise InvalidParameter(f"{key} takes {'an integer' if kind is int else 'a number'}, not '{value}'") from None
+        if key == "max_tokens":
+            if parsed <= 0:
+                raise InvalidParameter("max_tokens must be more than 0")
+            self.max_tokens = parsed
+        else:
+            session = self._named.session
+            session.set_params(session.params.replace(**{key: parsed}))
+            self.save()
+        return parsed
+
+    # ---- saving and switching -------------------------------------------------------------------
+
+    def save(self) -> None:
+        self._named.save()
+        budget = self.env.config.sessions.get("max_state_bytes", DEFAULT_MAX_STATE_BYTES)
+        for dropped in self.store.enforce_budget(budget, keep=self.name):
+            self._named.notices.append(f"session '{dropped}' lost its saved context to the disk budget")
+
+    def save_as(self, name: str) -> None:
+        """Saves a copy of this session under `name`; this one stays open."""
+        validate_name(name)
+        if name == self.name:
+            self.save()
+            return
+        if self.store.exists(name):
+            raise UsageError(f"a session named '{name}' exists already")
+        self.save()
+        self.store.fork(self.name, name, src_locked=True)
+
+    def load(self, name: str, on_progress: ProgressFn | None = None) -> None:
+        if not self.store.exists(name):
+            raise UsageError(f"no session named '{name}'")
+        self.save()
+        self._switch(name, on_progress, TurnOptions(verbose=self.opts.verbose, threads=self.opts.threads))
+
+    def sessions(self) -> list[SessionInfo]:
+        return self.store.list()[0]
+
+    # ---- figures ---------------------------------------------------------------------------------
+
+    @property
+    def context_used(self) -> int:
+        return len(self._named.session.tokens)
+
+    @property
+    def context_size(self) -> int:
+        return self._named.session.n_ctx
+
+    @property
+    def context_nearly_full(self) -> bool:
+        return self.context_used >= WARN_FRACTION * self.context_size

@@ -1,0 +1,214 @@
+"""`quipu chat`: the command table and dispatch without a terminal, then the real REPL in a
+pseudo-terminal, driven as a user drives it."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from quipu.cli.repl import BY_NAME, COMMANDS, Repl, SlashCompleter, parse_command
+from quipu.cli.terminal import Terminal
+
+REQUIRED = {"help", "exit", "save", "load", "sessions", "reset", "undo", "retry", "continue", "system", "set",
+            "stats", "context"}
+
+
+def test_the_table_has_every_command_once_with_help():
+    names = [c.name for c in COMMANDS]
+    assert REQUIRED <= set(names) and len(names) == len(set(names))
+    assert all(c.help and callable(c.handler) for c in COMMANDS)
+
+
+@pytest.mark.parametrize(
+    "line, name, arg",
+    [("/help", "help", ""), ("/set top_k 5", "set", "top_k 5"), ("/sys be brief", "system", "be brief"),
+     ("/SAVE x", "save", "x"), ("/s", None, "s"), ("/nope", None, "nope")],
+)
+def test_parse_command(line, name, arg):
+    command, rest = parse_command(line)
+    assert (command.name if command else None, rest) == (name, arg)
+
+
+def test_completion_comes_from_the_table():
+    from prompt_toolkit.document import Document
+
+    got = [c.text for c in SlashCompleter().get_completions(Document("/re"), None)]
+    assert got == ["/reset", "/retry"]
+    assert list(SlashCompleter().get_completions(Document("hello /re"), None)) == []
+
+
+@pytest.fixture
+def repl(tmp_path, tiny_model):
+    from quipu.sessions.chat import ChatSession
+    from quipu.sessions.runner import Environment, TurnOptions
+
+    env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
+    out, err = io.StringIO(), io.StringIO()
+    term = Terminal(io.StringIO(), out, err, False, False, False, False)
+    chat = ChatSession.open(env, TurnOptions(model=str(tiny_model), max_tokens=8, seed=3), name="unit")
+    yield Repl(chat, term, env), out, err
+    chat.close()
+
+
+def test_dispatch_without_a_terminal(repl):
+    r, out, err = repl
+    r.safely("hello there")
+    assert out.getvalue().strip()
+    used = r.chat.context_used
+    r.safely("the sky")
+    assert r.chat.context_used > used
+    r.safely("/undo")
+    assert r.chat.context_used == used
+    r.safely("/set temperature 0")
+    assert r.chat.params.temperature == 0
+    r.safely("/set top_p 9")
+    assert "top-p" in err.getvalue()
+    r.safely("/system be brief")
+    assert r.chat.messages[0].content == "be brief"
+    r.safely("/save copy")
+    assert "copy" in [i.name for i in r.chat.sessions()]
+    r.safely("/reset")
+    assert [m.role for m in r.chat.messages] == ["system"]
+    r.safely("/help")
+    assert all(f"/{name}" in err.getvalue() for name in REQUIRED)
+    r.safely("/load copy")
+    assert r.chat.name == "copy" and len(r.chat.messages) == 3
+    r.safely("/exit")
+    assert r.running is False
+
+
+def test_retry_draws_a_new_reply_in_place(repl):
+    r, out, err = repl
+    r.safely("hello")
+    first = r.chat.messages[-1].content
+    r.safely("/retry")
+    assert [m.role for m in r.chat.messages] == ["user", "assistant"]
+    assert r.chat.messages[-1].content != first
+
+
+def run_chat(home, *args, input: bytes, env=None):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ.update(QUIPU_HOME=str(home), **(env or {}))
+    return subprocess.run([sys.executable, "-m", "quipu", "chat", *args], input=input, capture_output=True,
+                          env=environ, timeout=300)
+
+
+@pytest.mark.model
+def test_piped_chat_prints_one_reply_per_line_and_exits_0(home):
+    r = run_chat(home, "-n", "16", "-S", "piped", input=b"Hi\nBye\n")
+    assert r.returncode == 0, r.stderr.decode()
+    assert b"\x1b" not in r.stdout
+    record = json.loads((home / "data" / "sessions" / "piped.json").read_text())
+    assert [m["role"] for m in record["messages"]] == ["user", "assistant", "user", "assistant"]
+    replies = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+    assert r.stdout.decode() == "".join(reply + "\n" for reply in replies)
+
+
+def test_a_full_context_drops_the_oldest_exchanges_and_goes_on(home, tiny_model):
+    lines = "".join(f"the sky is blue and the world is hello number {i}\n" for i in range(12)).encode()
+    r = run_chat(home, "-m", tiny_model, "--ctx", "256", "-n", "24", "-s", "be kind", "-S", "full", input=lines)
+    assert r.returncode == 0, r.stderr.decode()
+    assert "context is full" in r.stderr.decode()
+    record = json.loads((home / "data" / "sessions" / "full.json").read_text())
+    assert record["messages"][0] == {"role": "system", "content": "be kind"}
+    assert record["messages"][-2]["content"].endswith("number 11")
+    assert len(record["tokens"]) <= 256
+
+
+def test_a_chat_holds_its_session_against_a_run(home, tiny_model):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ["QUIPU_HOME"] = str(home)
+    chat = subprocess.Popen([sys.executable, "-m", "quipu", "chat", "-m", str(tiny_model), "-S", "held"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ)
+    try:
+        deadline = time.time() + 60
+        while not (home / "data" / "sessions" / "held.lock").exists() and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)
+        r = subprocess.run([sys.executable, "-m", "quipu", "run", "-m", str(tiny_model), "-S", "held", "hi"],
+                           capture_output=True, env=environ, stdin=subprocess.DEVNULL, timeout=120)
+        assert r.returncode == 1 and "in use" in r.stderr.decode()
+    finally:
+        chat.communicate(b"hello\n", timeout=120)
+    assert chat.returncode == 0
+
+
+# ---- the real REPL in a pseudo-terminal ---------------------------------------------------
+
+pexpect = pytest.importorskip("pexpect")
+
+
+def spawn(home, *args):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ.update(QUIPU_HOME=str(home), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
+    child = pexpect.spawn(sys.executable, ["-m", "quipu", "chat", *args], env=environ, encoding="utf-8",
+                          dimensions=(30, 120), timeout=120)
+    child.expect("›")
+    return child
+
+
+def context_of(child) -> int:
+    child.send("/context\r")
+    child.expect(r"context: (\d+) of (\d+) tokens")
+    used = int(child.match.group(1))
+    child.expect("›")
+    return used
+
+
+@pytest.mark.model
+def test_the_repl_as_a_person_uses_it(home):
+    child = spawn(home, "-S", "pty", "-n", "400", "--seed", "5")
+    # Tab completion of a slash command, and /help.
+    child.send("/he")
+    time.sleep(0.3)
+    child.send("\t")
+    time.sleep(0.3)
+    child.send("\r")
+    child.expect("Ctrl-D leaves")
+    child.expect("›")
+    # A turn.
+    child.send("Hello! Say hi back in one short sentence.\r")
+    child.expect("›")
+    empty = context_of(child)
+    assert empty > 10
+    # Ctrl-C during a reply stops it, keeps the program and the partial reply.
+    child.send("Write a very long story about a dragon and a knight.\r")
+    child.expect(r"[A-Za-z]{4,}")
+    time.sleep(0.5)
+    child.sendintr()
+    child.expect(r"\[stopped\]")
+    child.expect("›")
+    after_story = context_of(child)
+    assert after_story > empty
+    # Ctrl-C at an empty prompt says how to leave, and does not.
+    child.sendintr()
+    child.expect("to leave")
+    # The next turn works; /undo returns the context to exactly what it was.
+    child.send("Thanks!\r")
+    child.expect("›")
+    assert context_of(child) > after_story
+    child.send("/undo\r")
+    child.expect("dropped the last exchange")
+    child.expect("›")
+    assert context_of(child) == after_story
+    child.send("/exit\r")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+    # Resuming shows the earlier turns and continues from the saved context.
+    child = spawn(home, "--resume")
+    assert "resumed session 'pty'" in child.before
+    assert "dragon" in child.before and "Thanks!" not in child.before
+    assert context_of(child) == after_story
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
