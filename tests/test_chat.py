@@ -212,3 +212,39 @@ def test_the_repl_as_a_person_uses_it(home):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+@pytest.mark.model
+def test_history_search_multiline_paste_and_markdown(home):
+    child = spawn(home, "-S", "keys", "-n", "12", "--markdown")
+    child.send("Name a big river.\r")
+    context_of(child)  # answered only once the reply is done: the prompt is live again
+    # Esc-Enter adds a line; a bracketed paste of several lines is one message.
+    child.send("first line")
+    child.send("\x1b\r")
+    child.send("second line\r")
+    context_of(child)
+    child.send("\x1b[200~pasted one\npasted two\x1b[201~")
+    time.sleep(0.3)
+    child.send("\r")
+    context_of(child)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    record = json.loads((home / "data" / "sessions" / "keys.json").read_text())
+    users = [m["content"] for m in record["messages"] if m["role"] == "user"]
+    assert users == ["Name a big river.", "first line\nsecond line", "pasted one\npasted two"]
+
+    # History is kept across runs: Ctrl-R finds an earlier message.
+    child = spawn(home, "-S", "keys", "-n", "4")
+    child.send("\x12")  # Ctrl-R
+    child.send("big riv")
+    child.expect(r"Name a \S*big riv")  # the match, highlighted
+    time.sleep(0.3)
+    child.send("\r")  # takes the found line
+    time.sleep(0.3)
+    child.send("\r")  # sends it
+    context_of(child)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    record = json.loads((home / "data" / "sessions" / "keys.json").read_text())
+    assert [m["content"] for m in record["messages"] if m["role"] == "user"][-1] == "Name a big river."

@@ -348,11 +348,14 @@ class MarkdownRenderer:
 
 
 def key_bindings():
+    from prompt_toolkit.enums import DEFAULT_BUFFER
+    from prompt_toolkit.filters import has_focus
     from prompt_toolkit.key_binding import KeyBindings
 
     kb = KeyBindings()
+    editing = has_focus(DEFAULT_BUFFER)  # not while Ctrl-R search has the focus
 
-    @kb.add("enter")
+    @kb.add("enter", filter=editing)
     def _send(event) -> None:
         buf = event.current_buffer
         state = buf.complete_state
@@ -364,7 +367,7 @@ def key_bindings():
                 return
         buf.validate_and_handle()
 
-    @kb.add("escape", "enter")
+    @kb.add("escape", "enter", filter=editing)
     def _newline(event) -> None:
         event.current_buffer.insert_text("\n")
 
