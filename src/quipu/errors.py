@@ -18,6 +18,12 @@ class QuipuError(Exception):
     exit_code: ExitCode = ExitCode.FAILURE
 
 
+class Interrupted(QuipuError):
+    """The user stopped the work (Ctrl-C) before there was anything to show."""
+
+    exit_code = ExitCode.INTERRUPTED
+
+
 class UsageError(QuipuError):
     """The user asked for something that cannot be done as asked (exit 2)."""
 
@@ -35,11 +41,9 @@ class InvalidParameter(UsageError):
 class ContextOverflow(UsageError):
     """The prompt does not fit in the context window."""
 
-    def __init__(self, prompt_tokens: int, n_ctx: int):
-        super().__init__(
-            f"the prompt is {prompt_tokens} tokens but the context holds {n_ctx}; "
-            "shorten it or raise --ctx"
-        )
+    def __init__(self, prompt_tokens: int, n_ctx: int, *, at_least: bool = False):
+        size = f"more than {prompt_tokens}" if at_least else f"{prompt_tokens}"
+        super().__init__(f"the prompt is {size} tokens but the context holds {n_ctx}; shorten it or raise --ctx")
         self.prompt_tokens = prompt_tokens
         self.n_ctx = n_ctx
 
@@ -78,6 +82,10 @@ class SessionExists(UsageError):
 
 class SnapshotError(QuipuError):
     """A session file is damaged or unreadable."""
+
+
+class SessionSaveError(QuipuError):
+    """A session could not be written (disk full, read-only folder); the previous save stands."""
 
 
 class SessionLocked(QuipuError):

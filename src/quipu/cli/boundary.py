@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Callable
 
-from quipu.errors import ExitCode, QuipuError
+from quipu.errors import ExitCode, Interrupted, QuipuError
 
 
 def error_line(message: str) -> None:
@@ -22,6 +22,9 @@ def run_app(build_app: Callable, argv: list[str]) -> int:
         app = build_app()
         result = app(args=argv, prog_name="quipu", standalone_mode=False)
         return int(result) if isinstance(result, int) else ExitCode.OK
+    except Interrupted:
+        sys.stderr.write("\nquipu: interrupted\n")
+        return ExitCode.INTERRUPTED
     except QuipuError as exc:
         if debug:
             raise

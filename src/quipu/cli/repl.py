@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from quipu.cli.terminal import PrefillProgress, StopOnCtrlC, Terminal
-from quipu.errors import QuipuError
+from quipu.errors import Interrupted, QuipuError
 
 PROMPT = "› "
 
@@ -239,6 +239,8 @@ class Repl:
     def safely(self, line: str) -> None:
         try:
             self.handle(line)
+        except Interrupted:
+            self.say("[stopped]")
         except QuipuError as exc:
             self.term.stderr.write(f"quipu: error: {exc}\n")
             self.term.stderr.flush()

@@ -78,7 +78,8 @@ def run(
     term.stdout.flush()
     if stats:
         term.stderr.write(stats_line(result) + "\n")
-    return ExitCode.INTERRUPTED if result.finish_reason == "interrupted" else ExitCode.OK
+    interrupted = result.finish_reason == "interrupted" or stopper.requested
+    return ExitCode.INTERRUPTED if interrupted else ExitCode.OK
 
 
 def stats_line(result) -> str:

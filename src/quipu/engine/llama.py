@@ -121,6 +121,7 @@ class LlamaBackend:
         self._sampler = None
         self._stack.callback(self._free_sampler)
         self._pieces: dict[int, bytes] = {}
+        self._max_token_bytes: int | None = None
         self._piece_buf = ctypes.create_string_buffer(256)
 
     # ---- vocabulary ---------------------------------------------------------------------
@@ -149,6 +150,12 @@ class LlamaBackend:
             piece = buf.raw[:n]
             self._pieces[token] = piece
         return piece
+
+    def max_token_bytes(self) -> int:
+        """The longest text any one token stands for."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max(len(self.token_bytes(t)) for t in range(self.n_vocab))
+        return self._max_token_bytes
 
     def is_eog(self, token: int) -> bool:
         return bool(lc.llama_vocab_is_eog(self._vocab, token))

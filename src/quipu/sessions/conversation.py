@@ -154,6 +154,7 @@ class Conversation:
         on_progress: ProgressFn | None = None,
     ) -> Generation:
         """Adds a user message and generates the reply, which joins the conversation."""
+        self.session.check_text_fits(text)
         self.messages.append(Message("user", text, context_before=len(self.session.tokens)))
         try:
             prompt = self.render_tokens(self.messages, add_generation_prompt=True)

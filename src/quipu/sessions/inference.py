@@ -8,18 +8,12 @@ from typing import Callable, Sequence
 
 from quipu.engine.base import Backend, ProgressFn
 from quipu.engine.text import Detokenizer
-from quipu.errors import ContextOverflow, QuipuError
+from quipu.errors import ContextOverflow, Interrupted, QuipuError
 from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.stops import StopMatcher
 
 # on_token(token, text) -> False to stop. `text` is what may be shown now (stop strings held back).
 TokenFn = Callable[[int, str], "bool | None"]
-
-
-class Interrupted(QuipuError):
-    """The user stopped the work (Ctrl-C)."""
-
-    exit_code = 130
 
 
 @dataclass
@@ -165,6 +159,13 @@ class InferenceSession:
         started = time.perf_counter()
         self._decode_pending(on_progress)
         self.stats.prefill_s += time.perf_counter() - started
+
+    def check_text_fits(self, text: str) -> None:
+        """Refuses at once a text too long for the context to hold whatever its tokenization,
+        without tokenizing megabytes first."""
+        size = len(text.encode("utf-8"))
+        if size > 4 * self.n_ctx and size > self.n_ctx * self.backend.max_token_bytes():
+            raise ContextOverflow(self.n_ctx, self.n_ctx, at_least=True)
 
     def _check_room(self, n: int) -> None:
         # One cell must stay free for the first generated token to be decoded.

@@ -149,6 +149,7 @@ def run_turn(
         on_token = _token_callback(on_text, should_stop)
         progress = _progress_callback(on_progress, should_stop)
         if opts.raw:
+            session.check_text_fits(prompt)
             tokens = backend.tokenize(prompt, add_special=True, parse_special=False)
             gen = session.generate(tokens, limit, opts.stop, on_token, progress)
         else:

@@ -24,7 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from quipu.errors import SessionExists, SessionLocked, SessionNameError, SessionNotFound, SnapshotError
+from quipu.errors import (
+    SessionExists,
+    SessionLocked,
+    SessionNameError,
+    SessionNotFound,
+    SessionSaveError,
+    SnapshotError,
+)
 from quipu.sessions.snapshot import StateBlob, decode_state, encode_state
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -137,14 +144,21 @@ class SessionStore:
     # ---- writing -------------------------------------------------------------------------
 
     def save(self, name: str, record: dict[str, Any], state: bytes | None, state_meta: dict[str, Any] | None) -> None:
-        """Writes the state file (or removes a stale one), then the transcript, each atomically."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        if state is not None and state_meta is not None:
-            atomic_write(self.state_path(name), encode_state(state_meta, state))
-        else:
-            self.state_path(name).unlink(missing_ok=True)
+        """Writes the state file (or removes a stale one), then the transcript, each atomically.
+        A failed write (disk full, read-only folder) leaves the previous save as it was."""
         body = json.dumps(record, ensure_ascii=False, indent=1).encode("utf-8")
-        atomic_write(self.transcript_path(name), body)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if state is not None and state_meta is not None:
+                atomic_write(self.state_path(name), encode_state(state_meta, state))
+            else:
+                self.state_path(name).unlink(missing_ok=True)
+            atomic_write(self.transcript_path(name), body)
+        except OSError as exc:
+            raise SessionSaveError(
+                f"could not save session '{name}' in {self.root}: {exc.strerror or exc}; "
+                "the previous save is intact"
+            ) from exc
 
     def remove(self, name: str) -> None:
         if not self.exists(name):
@@ -244,16 +258,30 @@ class SessionStore:
         return dropped
 
     def clean_temporaries(self, older_than_s: float = STALE_TEMP_S) -> None:
-        """Removes temporary files left by a process killed mid-write."""
+        """Removes temporary files left by a process killed mid-write: those whose writer is no
+        longer running, and any older than `older_than_s`."""
         if not self.root.is_dir():
             return
         now = time.time()
         for path in self.root.glob(".*.tmp-*"):
+            match = re.search(r"\.tmp-(\d+)-", path.name)
             try:
-                if now - path.stat().st_mtime > older_than_s:
+                if (match and not _alive(int(match.group(1)))) or now - path.stat().st_mtime > older_than_s:
                     path.unlink()
             except FileNotFoundError:
                 pass
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def check_transcript(record: Any) -> str | None:
