@@ -1,0 +1,325 @@
+"""What quipu promises about sessions and input, tested the hard way: fuzzed files, kill -9,
+two writers, a full disk, hostile models and templates, Ctrl-C at any moment.
+
+The loops run a few times by default; QUIPU_STRESS=N runs them N times."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from quipu.errors import SessionSaveError, SnapshotError
+from quipu.sessions.snapshot import MAGIC, decode_state, encode_state
+from quipu.sessions.store import SessionStore, check_transcript
+
+STRESS = int(os.environ.get("QUIPU_STRESS", "4"))
+VALID = encode_state({"fingerprint": "x", "n_decoded": 3}, bytes(range(256)) * 8)
+
+
+# ---- the state file reader -----------------------------------------------------------------
+
+def test_every_truncation_is_refused():
+    for n in range(len(VALID)):
+        with pytest.raises(SnapshotError):
+            decode_state(VALID[:n])
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.integers(0, len(VALID) - 1), st.integers(1, 255), min_size=1, max_size=8))
+def test_any_changed_bytes_are_refused(changes):
+    data = bytearray(VALID)
+    for at, xor in changes.items():
+        data[at] ^= xor
+    with pytest.raises(SnapshotError):
+        decode_state(bytes(data))
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=4096))
+def test_garbage_is_refused(data):
+    with pytest.raises(SnapshotError):
+        decode_state(data)
+
+
+@settings(max_examples=100)
+@given(st.binary(min_size=len(VALID), max_size=len(VALID)))
+def test_garbage_of_the_same_size_is_refused(data):
+    with pytest.raises(SnapshotError):
+        decode_state(MAGIC + data[8:])
+
+
+def with_checksum(body: bytes) -> bytes:
+    import hashlib
+
+    return body + hashlib.sha256(body).digest()
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (struct.pack("<8sII", MAGIC, 1, 0xFFFFFFFF) + b"{}" + b"\x00" * 40, "length"),
+        (struct.pack("<8sII", MAGIC, 1, 2) + b"{}" + struct.pack("<Q", 2**63), "length"),
+        (struct.pack("<8sII", MAGIC, 99, 2) + b"{}" + struct.pack("<Q", 0), "format 99"),
+        (struct.pack("<8sII", MAGIC, 1, 4) + b"{bad" + struct.pack("<Q", 0), "JSON"),
+        (struct.pack("<8sII", MAGIC, 1, 5) + b"[1,2]" + struct.pack("<Q", 0), "not an object"),
+        (struct.pack("<8sII", MAGIC, 1, 2) + b"\xff\xfe" + struct.pack("<Q", 0), "JSON"),
+    ],
+)
+def test_huge_lengths_wrong_versions_and_bad_metadata_under_a_valid_checksum(body, message):
+    started = time.perf_counter()
+    with pytest.raises(SnapshotError, match=message):
+        decode_state(with_checksum(body))
+    assert time.perf_counter() - started < 5  # no unbounded allocation or scan
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=6),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300)
+@given(json_values)
+def test_transcript_checker_never_raises(value):
+    assert check_transcript(value) is None or isinstance(check_transcript(value), str)
+
+
+@settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=2048))
+def test_any_transcript_bytes_load_or_fail_cleanly(tmp_path, data):
+    store = SessionStore(tmp_path)
+    store.transcript_path("fz").write_bytes(data)
+    with pytest.raises(SnapshotError):
+        store.load_transcript("fz")
+
+
+def tiny_cmd(tiny_model, *args):
+    return [sys.executable, "-m", "quipu", "run", "-m", str(tiny_model), *map(str, args)]
+
+
+def environ(home, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    env.update(QUIPU_HOME=str(home), **extra)
+    return env
+
+
+def test_a_forged_state_with_a_valid_checksum_is_not_trusted_blindly(quipu, tiny_model, home):
+    assert quipu("run", "-m", tiny_model, "-S", "forged", "-n", "8", "hello").returncode == 0
+    store = SessionStore(home / "data" / "sessions")
+    blob = decode_state(store.state_path("forged").read_bytes())
+    # Everything about it checks out except that the KV bytes are random.
+    junk = random.Random(1).randbytes(len(blob.state))
+    store.state_path("forged").write_bytes(encode_state(blob.meta, junk))
+    r = quipu("run", "-m", tiny_model, "-S", "forged", "-n", "8", "again")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "Traceback" not in r.stderr.decode()
+
+
+# ---- kill -9 ---------------------------------------------------------------------------------
+
+SAVER = r"""
+import sys
+from quipu.sessions.named import NamedSession
+from quipu.sessions.runner import Environment, TurnOptions
+from quipu.sessions.store import SessionStore
+env = Environment.load()
+store = SessionStore(env.dirs.sessions)
+opts = TurnOptions(model=sys.argv[1], max_tokens=64, seed=1)
+with store.lock("k"):
+    named = NamedSession.open(store, "k", opts, env)
+    turn = 0
+    while True:
+        turn += 1
+        named.conversation.send(f"hello number {turn}", max_tokens=16)
+        named.save()
+        print(turn, flush=True)
+"""
+
+
+def test_kill_9_while_saving_never_leaves_a_broken_session(tiny_model, home):
+    rng = random.Random(7)
+    store = SessionStore(home / "data" / "sessions")
+    replies = 0
+    for _ in range(STRESS):
+        proc = subprocess.Popen([sys.executable, "-c", SAVER, str(tiny_model)], env=environ(home),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout.readline()  # at least one save is done
+        time.sleep(rng.uniform(0.0, 0.3))
+        proc.kill()
+        out, _ = proc.communicate()
+        done = int(([b"1"] + out.split())[-1])  # the last save the writer saw finish
+        record = store.load_transcript("k")
+        now = sum(m["role"] == "assistant" for m in record["messages"])
+        # The last finished save, or the one it was writing when it died.
+        assert now - replies in (done, done + 1)
+        blob, why = store.load_state("k")
+        assert blob is not None, why
+        r = subprocess.run(tiny_cmd(tiny_model, "-S", "k", "-n", "4", "check"), env=environ(home),
+                           capture_output=True, stdin=subprocess.DEVNULL)
+        assert r.returncode == 0, r.stderr.decode()
+        assert not list((home / "data" / "sessions").glob(".*.tmp-*")), "a temporary file was left behind"
+        replies = now + 1
+
+
+@pytest.mark.model
+def test_kill_9_during_a_run_loses_at_most_that_turn(home):
+    rng = random.Random(3)
+    store = SessionStore(home / "data" / "sessions")
+    turns = 0
+    for i in range(STRESS):
+        proc = subprocess.Popen([sys.executable, "-m", "quipu", "run", "-S", "kill", "-n", "48", f"Tell me fact {i}."],
+                                env=environ(home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                stdin=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.2, 2.5))
+        proc.kill()
+        proc.wait()
+        if store.exists("kill"):
+            now = sum(m["role"] == "assistant" for m in store.load_transcript("kill")["messages"])
+            assert now in (turns, turns + 1)
+            turns = now
+    r = subprocess.run([sys.executable, "-m", "quipu", "run", "-S", "kill", "-n", "4", "--json", "Still there?"],
+                       env=environ(home), capture_output=True, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr.decode()
+    assert not list((home / "data" / "sessions").glob(".*.tmp-*"))
+
+
+# ---- two writers -----------------------------------------------------------------------------
+
+@pytest.mark.model
+def test_two_runs_on_one_session_never_lose_a_turn_silently(home):
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "quipu", "run", "-S", "same", "-n", "200", f"Write about topic {i}."],
+                         env=environ(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        for i in range(3)
+    ]
+    results = [(p.wait(timeout=300), p.stderr.read().decode()) for p in procs]
+    for code, err in results:
+        assert code == 0 or (code == 1 and "in use" in err), err
+    ok = sum(code == 0 for code, _ in results)
+    record = SessionStore(home / "data" / "sessions").load_transcript("same")
+    assert sum(m["role"] == "assistant" for m in record["messages"]) == ok
+    assert sum(m["role"] == "user" for m in record["messages"]) == ok
+
+
+# ---- a full disk ------------------------------------------------------------------------------
+
+def test_a_failed_save_leaves_the_previous_one_intact(tmp_path, monkeypatch):
+    store = SessionStore(tmp_path)
+    record = {"format": "quipu-session", "version": 1, "model": {}, "messages": [], "tokens": [1], "n_decoded": 0,
+              "draws": 0, "params": {}, "context": {}}
+    store.save("disk", record, b"state-1", {"n": 1})
+    before = (store.transcript_path("disk").read_bytes(), store.state_path("disk").read_bytes())
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(SessionSaveError, match="No space left on device.*previous save is intact"):
+        store.save("disk", {**record, "tokens": [1, 2]}, b"state-2", {"n": 2})
+    monkeypatch.undo()
+    assert (store.transcript_path("disk").read_bytes(), store.state_path("disk").read_bytes()) == before
+    assert not list(tmp_path.glob(".*.tmp-*"))
+
+
+def test_a_full_filesystem_is_a_clear_error(quipu, tiny_model, tmp_path):
+    home = tmp_path / "small"
+    (home / "data" / "sessions").mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(home / "data" / "sessions")],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here; the injected failure above covers it")
+    try:
+        r = quipu("run", "-m", tiny_model, "-S", "big", "-n", "4", "hello", env={"QUIPU_HOME": str(home)})
+        first = r.returncode
+        r = quipu("run", "-m", tiny_model, "--ctx", "2048", "-S", "big", "-n", "200", "x " * 300,
+                  env={"QUIPU_HOME": str(home)})
+        err = r.stderr.decode()
+        assert first == 0
+        assert r.returncode == 1 and "could not save" in err and "Traceback" not in err
+        record = SessionStore(home / "data" / "sessions").load_transcript("big")
+        assert sum(m["role"] == "assistant" for m in record["messages"]) == 1
+    finally:
+        subprocess.run(["umount", str(home / "data" / "sessions")], capture_output=True)
+
+
+# ---- hostile models, templates and input ---------------------------------------------------------
+
+def test_hostile_model_files(quipu, tiny_model, tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_model.read_bytes()[:5000])
+    absurd = tmp_path / "absurd.gguf"
+    absurd.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 2**62, 2**62) + b"\x00" * 64)
+    fifo = tmp_path / "fifo.gguf"
+    os.mkfifo(fifo)
+    for path, code, words in ((truncated, 1, "could not load"), (absurd, 1, "could not load"),
+                              (fifo, 1, "not a regular file"), (tmp_path, 1, "directory")):
+        r = quipu("run", "-m", path, "hi", timeout=60)
+        err = r.stderr.decode()
+        assert r.returncode == code and words in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    "template, words",
+    [
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "chat template"),
+        ("{{ raise_exception('no system messages') }}", "refused the conversation"),
+        ("{% for m in messages %}{{ m.content }", "broken"),
+        ("{{ cycler.__init__.__globals__.os.system('touch /tmp/quipu-pwned') }}", "chat template"),
+    ],
+)
+def test_a_harmful_or_failing_template_is_a_clear_error(quipu, tmp_path, template, words):
+    from tinymodel import write_tiny_gguf
+
+    model = write_tiny_gguf(tmp_path / "evil.gguf", chat_template=template)
+    r = quipu("run", "-m", model, "hi")
+    err = r.stderr.decode()
+    assert r.returncode == 1 and words in err and "Traceback" not in err, err
+    assert not os.path.exists("/tmp/quipu-pwned")
+
+
+def test_stdin_closed_or_empty(tiny_model, home):
+    with_prompt = subprocess.run(tiny_cmd(tiny_model, "-n", "4", "hello"), env=environ(home), capture_output=True,
+                                 stdin=subprocess.DEVNULL, close_fds=True)
+    assert with_prompt.returncode == 0
+    closed = subprocess.run(" ".join(map(repr, tiny_cmd(tiny_model, "-n", "4"))) + " <&-", shell=True,
+                            env=environ(home), capture_output=True)
+    assert closed.returncode == 2 and b"no prompt" in closed.stderr
+
+
+def test_ten_megabytes_on_stdin_are_refused_quickly(tiny_model, home):
+    data = (b"the sky is blue " * 700_000)[:10_000_000]
+    started = time.perf_counter()
+    r = subprocess.run(tiny_cmd(tiny_model), input=data, env=environ(home), capture_output=True)
+    assert r.returncode == 2 and b"context holds" in r.stderr
+    assert time.perf_counter() - started < 60
+
+
+# ---- Ctrl-C at any moment --------------------------------------------------------------------------
+
+@pytest.mark.model
+def test_ctrl_c_at_any_stage_exits_130_and_leaves_a_loadable_session(home):
+    rng = random.Random(11)
+    for i in range(STRESS):
+        proc = subprocess.Popen([sys.executable, "-m", "quipu", "run", "-S", "sig", "-n", "64", f"Tell me fact {i}."],
+                                env=environ(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.1, 2.0))
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode in (0, 130), err.decode()
+        assert b"Traceback" not in err
+    r = subprocess.run([sys.executable, "-m", "quipu", "run", "-S", "sig", "-n", "4", "OK?"], env=environ(home),
+                       capture_output=True, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr.decode()
