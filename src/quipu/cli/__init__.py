@@ -8,7 +8,7 @@ import sys
 def build_app():
     import typer
 
-    from quipu.cli import chat, run, sessions
+    from quipu.cli import chat, config, models, run, sessions
 
     app = typer.Typer(
         name="quipu",
@@ -31,6 +31,8 @@ def build_app():
     run.register(app)
     chat.register(app)
     sessions.register(app)
+    models.register(app)
+    config.register(app)
     return app
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from quipu import __version__
 from quipu.engine.base import Backend, ContextSettings, ProgressFn
 from quipu.errors import BadInput, EngineError, ModelMismatch, SnapshotError, UsageError
-from quipu.models import fingerprint, resolve_model
+from quipu.models import fingerprint
 from quipu.sessions.conversation import ChatTemplate, Conversation, Message
 from quipu.sessions.inference import InferenceSession, Snapshot
 from quipu.sessions.params import SamplingParams
@@ -79,8 +79,7 @@ class NamedSession:
     @classmethod
     def _create(cls, store: SessionStore, name: str, opts: TurnOptions, env: Environment) -> "NamedSession":
         params = sampling_params(opts, env).resolved()
-        model_name, model_path = resolve_model(opts.model, environ=env.environ, configured=env.config.model,
-                                               models_dir=env.dirs.models)
+        model_name, model_path = env.resolve_model(opts.model)
         started = time.perf_counter()
         backend = load_backend(model_path, context_settings(opts, env), opts.verbose)
         try:
@@ -153,12 +152,12 @@ class NamedSession:
     @staticmethod
     def _resume_model(name: str, saved: dict[str, Any], opts: TurnOptions, env: Environment) -> tuple[str, Path]:
         if opts.model:
-            return resolve_model(opts.model, environ=env.environ, configured=None, models_dir=env.dirs.models)
+            return env.resolve_model(opts.model, fall_back=False)
         path = Path(str(saved.get("path", "")))
         if path.is_file() and fingerprint(path) == saved.get("fingerprint"):
             return str(saved.get("name", path.stem)), path
         try:  # the file moved, or the bundled package was reinstalled elsewhere: look it up by name
-            found = resolve_model(str(saved.get("name", "")), environ={}, configured=None, models_dir=env.dirs.models)
+            found = env.resolve_model(str(saved.get("name", "")), fall_back=False)
         except UsageError:
             found = None
         if found is not None and fingerprint(found[1]) == saved.get("fingerprint"):

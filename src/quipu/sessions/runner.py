@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
 from quipu import paths
 from quipu.config import Config, load_config
 from quipu.engine.base import ContextSettings, ProgressFn
-from quipu.errors import BadInput, UsageError
+from quipu.errors import BadInput, ModelNotFound, UsageError
 from quipu.models import resolve_model
 from quipu.sessions.conversation import Conversation
 from quipu.sessions.inference import InferenceSession, Stats
@@ -79,6 +80,50 @@ class Environment:
     environ: Mapping[str, str]
     config: Config
 
+    def resolve_model(self, requested: str | None, *, fall_back: bool = True) -> tuple[str, Path]:
+        """(name, file) for `requested`; with `fall_back`, QUIPU_MODEL, the config and the bundled
+        default stand in for a model not given."""
+        if not fall_back:
+            if not requested:
+                raise ModelNotFound("no model named")
+            environ = {k: v for k, v in self.environ.items() if k != "QUIPU_MODEL"}
+            return resolve_model(requested, environ=environ, configured=None, models_dir=self.dirs.models,
+                                 locations_config=self.config.models)
+        return resolve_model(requested, environ=self.environ, configured=self.config.model,
+                             models_dir=self.dirs.models, locations_config=self.config.models)
+
+    def effective_settings(self) -> list[tuple[str, Any, str]]:
+        """(setting, value, where it came from) for everything a command line does not give."""
+        from quipu.models import DEFAULT_MODEL_NAME
+        from quipu.sessions.store import DEFAULT_MAX_STATE_BYTES
+
+        where = f"config ({self.config.path})" if self.config.path else "config"
+        rows: list[tuple[str, Any, str]] = []
+        if self.environ.get("QUIPU_MODEL"):
+            rows.append(("model", self.environ["QUIPU_MODEL"], "environment (QUIPU_MODEL)"))
+        elif self.config.model:
+            rows.append(("model", self.config.model, where))
+        else:
+            rows.append(("model", DEFAULT_MODEL_NAME, "default"))
+        rows.append(("system", self.config.system, where if self.config.system else "default"))
+        defaults = {**SamplingParams().to_dict(), "max_tokens": DEFAULT_MAX_TOKENS, "ctx": "the model's, at most 8192",
+                    "threads": "the CPUs this process may use", "seed": "random"}
+        for key in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed", "max_tokens", "ctx", "threads"):
+            if key in self.config.generation:
+                rows.append((f"generation.{key}", self.config.generation[key], where))
+            else:
+                rows.append((f"generation.{key}", defaults[key], "default"))
+        budget = self.config.sessions.get("max_state_bytes")
+        rows.append(("sessions.max_state_bytes", budget if budget is not None else DEFAULT_MAX_STATE_BYTES,
+                     where if budget is not None else "default"))
+        for key in ("huggingface", "lmstudio", "ollama"):
+            if key in self.config.models:
+                rows.append((f"models.{key}", self.config.models[key], where))
+        home = "environment (QUIPU_HOME)" if self.environ.get("QUIPU_HOME") else "default"
+        for key in ("data", "config", "state", "cache"):
+            rows.append((f"dirs.{key}", str(getattr(self.dirs, key)), home))
+        return rows
+
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None) -> "Environment":
         environ = dict(os.environ if environ is None else environ)
@@ -138,9 +183,7 @@ def run_turn(
         raise BadInput("no prompt: give one as an argument or on standard input")
     params = sampling_params(opts, env)
     limit = max_tokens(opts, env)
-    model_name, model_path = resolve_model(
-        opts.model, environ=env.environ, configured=env.config.model, models_dir=env.dirs.models
-    )
+    model_name, model_path = env.resolve_model(opts.model)
     started = time.perf_counter()
     backend = load_backend(model_path, context_settings(opts, env), opts.verbose)
     try:

@@ -1,0 +1,42 @@
+"""`quipu config path|show`: where the config file is, and what is in force."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from quipu.cli.terminal import Terminal
+
+app = typer.Typer(help="Show the config file and the settings in force.", no_args_is_help=True)
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="config")
+
+
+@app.command()
+def path() -> None:
+    """Print the config file's path (it need not exist)."""
+    from quipu.paths import dirs
+
+    Terminal.detect().stdout.write(f"{dirs().config_file}\n")
+
+
+@app.command()
+def show(as_json: bool = typer.Option(False, "--json", help="One JSON object.")) -> None:
+    """The effective settings and where each came from."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from quipu.sessions.runner import Environment
+
+    term = Terminal.detect()
+    rows = Environment.load().effective_settings()
+    if as_json:
+        term.stdout.write(json.dumps({k: {"value": v, "source": s} for k, v, s in rows}, indent=1) + "\n")
+        return
+    table = Table("setting", "value", "from", box=None, pad_edge=False)
+    for key, value, source in rows:
+        table.add_row(key, "" if value is None else str(value), source)
+    Console(file=term.stdout, no_color=not term.color, highlight=False, width=None if term.stdout_tty else 400).print(table)

@@ -1,0 +1,93 @@
+"""`quipu models list|info|add`: the GGUF models quipu can use, read without loading them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from quipu.cli.sessions import human_size
+from quipu.cli.terminal import Terminal
+
+app = typer.Typer(help="Find and inspect models.", no_args_is_help=True)
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="models")
+
+
+def _env():
+    from quipu.sessions.runner import Environment
+
+    return Environment.load()
+
+
+@app.command("list")
+def list_(as_json: bool = typer.Option(False, "--json", help="One JSON array.")) -> None:
+    """Models found: the bundled one, quipu's folder, the Hugging Face cache, LM Studio, Ollama."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from quipu.models import describe, discover
+
+    env = _env()
+    term = Terminal.detect()
+    rows = [describe(e) for e in discover(env.dirs.models, env.environ, env.config.models)]
+    if as_json:
+        term.stdout.write(json.dumps(rows, indent=1) + "\n")
+        return
+    table = Table("name", "size", "quant", "arch", "params", "context", "from", box=None, pad_edge=False)
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["name"], "", "", "", "", "", f"{r['source']} (unreadable: {r['error']})")
+            continue
+        table.add_row(r["name"], human_size(r["size_bytes"]), r["quantization"], r["architecture"], r["parameters"],
+                      str(r["context_length"] or "?"), r["source"])
+    Console(file=term.stdout, no_color=not term.color, highlight=False, width=None if term.stdout_tty else 400).print(table)
+
+
+@app.command()
+def info(
+    model: Optional[str] = typer.Argument(None, help="A name from `quipu models list` or a .gguf path (default: the default model)."),
+    template: bool = typer.Option(False, "--template", help="Show the start of the chat template."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object."),
+) -> None:
+    """Architecture, size, quantization, context length, chat template and special tokens."""
+    from quipu.models import model_info
+
+    env = _env()
+    name, path = env.resolve_model(model)
+    data = model_info(name, path)
+    term = Terminal.detect()
+    if as_json:
+        term.stdout.write(json.dumps(data, indent=1) + "\n")
+        return
+    lines = [
+        f"name            {data['name']}",
+        f"file            {data['path']}",
+        f"size            {human_size(data['size_bytes'])}",
+        f"architecture    {data['architecture']}",
+        f"parameters      {data['parameters']}",
+        f"quantization    {data['quantization']}",
+        f"context length  {data['context_length']}",
+        f"chat template   {'yes' if data['chat_template'] else 'no (ChatML is used)'}",
+        "special tokens  " + ", ".join(f"{k}={v!r}" for k, v in data["special_tokens"].items()),
+    ]
+    if template and data["chat_template"]:
+        head = data["chat_template"].splitlines()[:12]
+        lines += ["", *head]
+    term.stdout.write("\n".join(lines) + "\n")
+
+
+@app.command()
+def add(
+    path: Path = typer.Argument(..., help="A .gguf file to use by name."),
+    name: Optional[str] = typer.Option(None, "--name", help="The name to use (default: the file's name)."),
+) -> None:
+    """Link a GGUF file into quipu's models folder, so `--model NAME` finds it."""
+    from quipu.models import add_model
+
+    entry = add_model(path, _env().dirs.models, name)
+    Terminal.detect().stderr.write(f"added '{entry.name}' -> {path}\n")
