@@ -6,14 +6,13 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 
 import pytest
 
-from quipu.cli.repl import BY_NAME, COMMANDS, Repl, SlashCompleter, parse_command
+from quipu.cli.repl import COMMANDS, Repl, SlashCompleter, parse_command
 from quipu.cli.terminal import Terminal
 
 REQUIRED = {"help", "exit", "save", "load", "sessions", "reset", "undo", "retry", "continue", "system", "set",

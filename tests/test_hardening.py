@@ -6,7 +6,6 @@ The loops run a few times by default; QUIPU_STRESS=N runs them N times."""
 from __future__ import annotations
 
 import errno
-import json
 import os
 import random
 import signal

@@ -61,6 +61,7 @@ def write_tiny_gguf(
 
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_name("tiny-test")
+    writer.add_file_type(0)  # all F32
     writer.add_context_length(n_ctx_train)
     writer.add_embedding_length(n_embd)
     writer.add_block_count(n_layer)

@@ -8,7 +8,7 @@ import sys
 def build_app():
     import typer
 
-    from quipu.cli import chat, config, models, run, sessions
+    from quipu.cli import chat, config, embed, models, run, sessions
 
     app = typer.Typer(
         name="quipu",
@@ -33,6 +33,7 @@ def build_app():
     sessions.register(app)
     models.register(app)
     config.register(app)
+    embed.register(app)
     return app
 
 

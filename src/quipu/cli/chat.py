@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
 
 import typer
 
@@ -16,7 +15,7 @@ def register(app: typer.Typer) -> None:
 
 
 def chat(
-    session: Optional[str] = typer.Option(None, "--session", "-S", help="Resume or create this named session."),
+    session: opt.Session = None,
     resume: bool = typer.Option(False, "--resume", "-r", help="Resume the most recently used session."),
     markdown: bool = typer.Option(False, "--markdown", help="Render replies as Markdown as they stream."),
     model: opt.Model = None,

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from quipu.cli.options import _complete_models
 from quipu.cli.sessions import human_size
 from quipu.cli.terminal import Terminal
 
@@ -50,7 +51,8 @@ def list_(as_json: bool = typer.Option(False, "--json", help="One JSON array."))
 
 @app.command()
 def info(
-    model: Optional[str] = typer.Argument(None, help="A name from `quipu models list` or a .gguf path (default: the default model)."),
+    model: Optional[str] = typer.Argument(None, help="A name from `quipu models list` or a .gguf path (default: the default model).",
+                                          autocompletion=_complete_models),
     template: bool = typer.Option(False, "--template", help="Show the start of the chat template."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
 ) -> None:

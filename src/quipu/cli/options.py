@@ -6,7 +6,22 @@ from typing import Annotated, List, Optional
 
 import typer
 
-Model = Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf file or a known model name.")]
+def _complete_models(incomplete: str) -> list[str]:
+    from quipu.cli.completion import complete_models
+
+    return complete_models(incomplete)
+
+
+def _complete_sessions(incomplete: str) -> list[str]:
+    from quipu.cli.completion import complete_sessions
+
+    return complete_sessions(incomplete)
+
+
+Model = Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf file or a known model name.",
+                                              autocompletion=_complete_models)]
+Session = Annotated[Optional[str], typer.Option("--session", "-S", help="Continue or create this named session.",
+                                                autocompletion=_complete_sessions)]
 System = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
 MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", "-n", help="Most tokens to generate per reply (default: 512).")]
 Temperature = Annotated[Optional[float], typer.Option("--temperature", "-t", help="0 is greedy (default: 0.8).")]

@@ -38,7 +38,7 @@ def run(
     ctx: opt.Ctx = None,
     threads: opt.Threads = None,
     kv_type: opt.KvType = None,
-    session: Optional[str] = typer.Option(None, "--session", "-S", help="Continue or create this named session."),
+    session: opt.Session = None,
     continue_reply: bool = typer.Option(False, "--continue", help="With --session and no prompt: keep generating the last reply."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
     stats: bool = typer.Option(False, "--stats", help="Print timings and token counts on stderr."),

@@ -7,7 +7,10 @@ from typing import List
 
 import typer
 
+from quipu.cli.options import _complete_sessions
 from quipu.cli.terminal import Terminal
+
+NAME = typer.Argument(..., help="Session name.", autocompletion=_complete_sessions)
 
 app = typer.Typer(help="Manage saved sessions.", no_args_is_help=True)
 
@@ -53,7 +56,7 @@ def list_(as_json: bool = typer.Option(False, "--json", help="One JSON array."))
 
 
 @app.command()
-def show(name: str = typer.Argument(..., help="Session name.")) -> None:
+def show(name: str = NAME) -> None:
     """Show a session's transcript."""
     from rich.console import Console
     from rich.text import Text
@@ -71,7 +74,7 @@ def show(name: str = typer.Argument(..., help="Session name.")) -> None:
 
 
 @app.command()
-def rm(names: List[str] = typer.Argument(..., help="Sessions to remove.")) -> None:
+def rm(names: List[str] = typer.Argument(..., help="Sessions to remove.", autocompletion=_complete_sessions)) -> None:
     """Remove sessions."""
     from quipu.sessions.manage import remove
 
@@ -79,7 +82,7 @@ def rm(names: List[str] = typer.Argument(..., help="Sessions to remove.")) -> No
 
 
 @app.command()
-def rename(old: str, new: str) -> None:
+def rename(old: str = NAME, new: str = typer.Argument(..., help="New name.")) -> None:
     """Rename a session."""
     from quipu.sessions.manage import rename as do_rename
 
@@ -87,7 +90,7 @@ def rename(old: str, new: str) -> None:
 
 
 @app.command()
-def fork(src: str, dst: str) -> None:
+def fork(src: str = NAME, dst: str = typer.Argument(..., help="Name of the copy.")) -> None:
     """Copy a session under a new name; the two go on independently."""
     from quipu.sessions.manage import fork as do_fork
 
@@ -96,7 +99,7 @@ def fork(src: str, dst: str) -> None:
 
 @app.command()
 def export(
-    name: str,
+    name: str = NAME,
     fmt: str = typer.Option("markdown", "--format", "-f", help="markdown or json."),
 ) -> None:
     """Print a session's transcript as Markdown or JSON."""

@@ -57,7 +57,9 @@ class LlamaBackend:
 
     name = "llama.cpp"
     build = f"llama-cpp-python {lc.__version__}"
-    supports_embeddings = False
+    supports_embeddings = True
+    EMBED_BATCH = 2048
+    EMBED_SEQS = 64
 
     def __init__(self, model_path: Path, context: ContextSettings = ContextSettings(), *, verbose: bool = False):
         if context.kv_type not in KV_TYPES:
@@ -122,6 +124,9 @@ class LlamaBackend:
         self._stack.callback(self._free_sampler)
         self._pieces: dict[int, bytes] = {}
         self._max_token_bytes: int | None = None
+        self._embed_ctx = None
+        self._embed_pooling: str | None = None
+        self.embed_calls = 0
         self._piece_buf = ctypes.create_string_buffer(256)
 
     # ---- vocabulary ---------------------------------------------------------------------
@@ -303,8 +308,68 @@ class LlamaBackend:
             lc.llama_memory_clear(self._mem, True)
             raise EngineError(f"llama.cpp refused the saved context state{LOG.reason()}")
 
-    def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        raise refuse_embeddings(self.name)
+    def embed(self, texts: Sequence[str], pooling: str = "mean") -> list[list[float]]:
+        """One pooled embedding per text, several texts to each llama_decode call."""
+        ctx = self._embedding_context(pooling)
+        n_embd = lc.llama_model_n_embd(self._model)
+        encoder_only = lc.llama_model_has_encoder(self._model) and not lc.llama_model_has_decoder(self._model)
+        tokenized = [self.tokenize(t, add_special=True, parse_special=False) for t in texts]
+        for i, toks in enumerate(tokenized):
+            if len(toks) > self.EMBED_BATCH:
+                raise InvalidParameter(f"text {i} is {len(toks)} tokens; at most {self.EMBED_BATCH} can be embedded")
+        out: list[list[float]] = []
+        batch = lc.llama_batch_init(self.EMBED_BATCH, 0, 1)
+        try:
+            start = 0
+            while start < len(tokenized):
+                group, used = [], 0
+                while (start + len(group) < len(tokenized) and len(group) < self.EMBED_SEQS
+                       and used + len(tokenized[start + len(group)]) <= self.EMBED_BATCH):
+                    used += len(tokenized[start + len(group)])
+                    group.append(tokenized[start + len(group)])
+                n = 0
+                for seq, toks in enumerate(group):
+                    for pos, tok in enumerate(toks):
+                        batch.token[n], batch.pos[n], batch.n_seq_id[n] = tok, pos, 1
+                        batch.seq_id[n][0], batch.logits[n] = seq, True
+                        n += 1
+                batch.n_tokens = n
+                lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+                rc = (lc.llama_encode if encoder_only else lc.llama_decode)(ctx, batch)
+                if rc != 0:
+                    raise EngineError(f"llama.cpp failed to compute embeddings (code {rc}){LOG.reason()}")
+                for seq in range(len(group)):
+                    ptr = lc.llama_get_embeddings_seq(ctx, seq)
+                    if not ptr:
+                        raise refuse_embeddings(self.name)
+                    out.append(ptr[:n_embd])
+                self.embed_calls += 1
+                start += len(group)
+        finally:
+            lc.llama_batch_free(batch)
+        return out
+
+    def _embedding_context(self, pooling: str):
+        types = {"mean": lc.LLAMA_POOLING_TYPE_MEAN, "last": lc.LLAMA_POOLING_TYPE_LAST, "cls": lc.LLAMA_POOLING_TYPE_CLS}
+        if pooling not in types:
+            raise InvalidParameter(f"--pooling must be one of {', '.join(types)}, not '{pooling}'")
+        if self._embed_ctx is not None and self._embed_pooling == pooling:
+            return self._embed_ctx
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = self.EMBED_BATCH
+        cparams.n_seq_max = self.EMBED_SEQS
+        cparams.kv_unified = True
+        cparams.n_threads = cparams.n_threads_batch = self.context.n_threads
+        cparams.embeddings = True
+        cparams.pooling_type = types[pooling]
+        cparams.no_perf = True
+        LOG.clear_errors()
+        ctx = lc.llama_init_from_model(self._model, cparams)
+        if not ctx:
+            raise refuse_embeddings(self.name)
+        self._stack.callback(lc.llama_free, ctx)
+        self._embed_ctx, self._embed_pooling = ctx, pooling
+        return ctx
 
     def close(self) -> None:
         self._stack.close()

@@ -1,0 +1,39 @@
+"""`quipu embed`: one JSON object per line for each text."""
+
+from __future__ import annotations
+
+import json
+from typing import List
+
+import typer
+
+from quipu.cli import options as opt
+from quipu.cli.terminal import Terminal
+
+
+def register(app: typer.Typer) -> None:
+    app.command("embed", help="Embeddings of each TEXT, or of each line of standard input, as JSON lines.")(embed)
+
+
+def embed(
+    texts: List[str] = typer.Argument(None, help="Texts to embed (default: each line of standard input)."),
+    model: opt.Model = None,
+    pooling: str = typer.Option("mean", "--pooling", help="mean, last or cls."),
+    normalize: bool = typer.Option(False, "--normalize", help="Scale each vector to length 1."),
+    threads: opt.Threads = None,
+    verbose: opt.Verbose = False,
+) -> None:
+    from quipu.cli.run import gather_prompt
+    from quipu.sessions.embed import embed_texts
+    from quipu.sessions.runner import Environment
+
+    term = Terminal.detect()
+    if not texts:
+        piped = gather_prompt(None, term, allow_empty=True)
+        texts = [line for line in (piped or "").splitlines() if line.strip()]
+    opts = opt.turn_options(model=model, threads=threads, verbose=verbose)
+    for row in embed_texts(texts, opts, Environment.load(), pooling=pooling, normalize=normalize):
+        vector = ",".join(f"{x:.8g}" for x in row["embedding"])
+        head = json.dumps({"index": row["index"], "text": row["text"]}, ensure_ascii=False)[:-1]
+        term.stdout.write(f'{head}, "embedding": [{vector}]}}\n')
+    term.stdout.flush()

@@ -1,0 +1,35 @@
+"""`quipu embed`: pooled embeddings of texts, through the backend's embedding capability."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from quipu.engine.base import ContextSettings
+from quipu.errors import BadInput, CapabilityError
+from quipu.sessions.runner import Environment, TurnOptions, load_backend
+
+POOLINGS = ("mean", "last", "cls")
+
+
+def embed_texts(texts: Sequence[str], opts: TurnOptions, env: Environment, *, pooling: str = "mean",
+                normalize: bool = False) -> list[dict]:
+    """[{"index", "text", "embedding"}] for each text, in order."""
+    if not texts:
+        raise BadInput("nothing to embed: give texts as arguments or one per line on standard input")
+    _, path = env.resolve_model(opts.model)
+    # The generation context is not used here: keep it small.
+    backend = load_backend(path, ContextSettings(n_ctx=256, n_threads=opts.threads or 0), opts.verbose)
+    try:
+        if not backend.supports_embeddings:
+            raise CapabilityError(f"the {backend.name} backend cannot compute embeddings")
+        vectors = backend.embed(list(texts), pooling)
+    finally:
+        backend.close()
+    out = []
+    for i, (text, vec) in enumerate(zip(texts, vectors)):
+        if normalize:
+            norm = math.sqrt(sum(x * x for x in vec)) or 1.0
+            vec = [x / norm for x in vec]
+        out.append({"index": i, "text": text, "embedding": vec})
+    return out
