@@ -314,7 +314,7 @@ class Repl:
 class PlainRenderer:
     def __init__(self, term: Terminal):
         self.term = term
-        self.last = "\n"
+        self.last = ""  # an empty reply still ends its line, so replies stay one per line
 
     def feed(self, text: str) -> None:
         self.term.stdout.write(text)

@@ -155,14 +155,13 @@ class Conversation:
     ) -> Generation:
         """Adds a user message and generates the reply, which joins the conversation."""
         self.session.check_text_fits(text)
-        self.messages.append(Message("user", text, context_before=len(self.session.tokens)))
+        before = len(self.session.tokens)
+        self.messages.append(Message("user", text, context_before=before))
         try:
-            prompt = self.render_tokens(self.messages, add_generation_prompt=True)
-            self.session.begin_turn()
-            self.session.set_context(prompt, on_progress)
-            return self._reply(Message("assistant", "", []), max_tokens, stop, on_token)
+            return self._generate(Message("assistant", "", []), max_tokens, stop, on_token, on_progress)
         except BaseException:
             del self.messages[-1]
+            self.session.rewind(before)  # no half-read prompt stays behind
             raise
 
     def continue_reply(
@@ -174,19 +173,39 @@ class Conversation:
         on_progress: ProgressFn | None = None,
     ) -> Generation:
         """Keeps generating the last reply, as if it had never ended."""
+        return self._redo_last_reply(True, max_tokens, stop, on_token, on_progress)
+
+    def retry(
+        self,
+        *,
+        max_tokens: int,
+        stop: Sequence[str] = (),
+        on_token: TokenFn | None = None,
+        on_progress: ProgressFn | None = None,
+    ) -> Generation:
+        """Generates the last reply again, with new random draws."""
+        return self._redo_last_reply(False, max_tokens, stop, on_token, on_progress)
+
+    def _redo_last_reply(self, keep: bool, max_tokens: int, stop: Sequence[str], on_token: TokenFn | None,
+                         on_progress: ProgressFn | None) -> Generation:
         if not self.messages or self.messages[-1].role != "assistant":
-            raise UsageError("there is no reply to continue")
+            raise UsageError(f"there is no reply to {'continue' if keep else 'retry'}")
         last = self.messages.pop()
         try:
-            prompt = self.render_tokens(self.messages, add_generation_prompt=True)
-            prompt += self._reply_tokens(last)
-            self.session.begin_turn()
-            self.session.set_context(prompt, on_progress)
-            return self._reply(last, max_tokens, stop, on_token)
+            return self._generate(last if keep else Message("assistant", "", []), max_tokens, stop, on_token,
+                                  on_progress)
         except BaseException:
-            if not self.messages or self.messages[-1] is not last:
-                self.messages.append(last)
+            self.messages.append(last)
             raise
+
+    def _generate(self, reply: Message, max_tokens: int, stop: Sequence[str], on_token: TokenFn | None,
+                  on_progress: ProgressFn | None) -> Generation:
+        """Brings the context to the conversation plus what `reply` holds so far (reusing what it
+        can), then generates into `reply`, which joins the conversation when done."""
+        prompt = self.render_tokens(self.messages, add_generation_prompt=True) + self._reply_tokens(reply)
+        self.session.begin_turn()
+        self.session.set_context(prompt, on_progress)
+        return self._reply(reply, max_tokens, stop, on_token)
 
     def _reply_tokens(self, message: Message) -> list[int]:
         if message.tokens is not None:
@@ -228,28 +247,6 @@ class Conversation:
                     self.session.rewind(before)
                 return True
         return False
-
-    def retry(
-        self,
-        *,
-        max_tokens: int,
-        stop: Sequence[str] = (),
-        on_token: TokenFn | None = None,
-        on_progress: ProgressFn | None = None,
-    ) -> Generation:
-        """Generates the last reply again, with new random draws."""
-        if not self.messages or self.messages[-1].role != "assistant":
-            raise UsageError("there is no reply to retry")
-        last = self.messages.pop()
-        try:
-            prompt = self.render_tokens(self.messages, add_generation_prompt=True)
-            self.session.begin_turn()
-            self.session.set_context(prompt, on_progress)
-            return self._reply(Message("assistant", "", []), max_tokens, stop, on_token)
-        except BaseException:
-            if not self.messages or self.messages[-1].role != "assistant":
-                self.messages.append(last)
-            raise
 
     def reset(self) -> None:
         """Forgets the conversation, keeping the system prompt."""
