@@ -16,8 +16,8 @@ from quipu.sessions.runner import (
     StopFn,
     TextFn,
     TurnOptions,
-    _progress_callback,
-    _token_callback,
+    progress_callback,
+    token_callback,
     max_tokens,
 )
 from quipu.sessions.store import DEFAULT_MAX_STATE_BYTES, SessionInfo, validate_name
@@ -111,10 +111,6 @@ class ChatSession:
         return self.named
 
     @property
-    def is_new(self) -> bool:
-        return not self.store.exists(self.name)
-
-    @property
     def notices(self) -> list[str]:
         out, self._named.notices[:] = list(self._named.notices), []
         return out
@@ -140,8 +136,8 @@ class ChatSession:
             gen = action(
                 max_tokens=self.max_tokens,
                 stop=self.stop,
-                on_token=_token_callback(on_text, should_stop),
-                on_progress=_progress_callback(on_progress, should_stop),
+                on_token=token_callback(on_text, should_stop),
+                on_progress=progress_callback(on_progress, should_stop),
             )
         except ContextOverflow:
             return TurnOutcome(Generation("", [], "context_full"), named.session.stats, context_full=True)

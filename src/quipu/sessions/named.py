@@ -23,8 +23,8 @@ from quipu.sessions.runner import (
     TextFn,
     TurnOptions,
     TurnResult,
-    _progress_callback,
-    _token_callback,
+    progress_callback,
+    token_callback,
     context_settings,
     load_backend,
     max_tokens,
@@ -246,8 +246,8 @@ def run_session_turn(
     with store.lock(name):
         named = NamedSession.open(store, name, opts, env, on_progress)
         try:
-            on_token = _token_callback(on_text, should_stop)
-            progress = _progress_callback(on_progress, should_stop)
+            on_token = token_callback(on_text, should_stop)
+            progress = progress_callback(on_progress, should_stop)
             conv = named.conversation
             if opts.continue_reply:
                 gen = conv.continue_reply(max_tokens=limit, stop=opts.stop, on_token=on_token, on_progress=progress)

@@ -189,8 +189,8 @@ def run_turn(
     try:
         session = InferenceSession(backend, params)
         session.stats.load_s = time.perf_counter() - started
-        on_token = _token_callback(on_text, should_stop)
-        progress = _progress_callback(on_progress, should_stop)
+        on_token = token_callback(on_text, should_stop)
+        progress = progress_callback(on_progress, should_stop)
         if opts.raw:
             session.check_text_fits(prompt)
             tokens = backend.tokenize(prompt, add_special=True, parse_special=False)
@@ -203,7 +203,9 @@ def run_turn(
         backend.close()
 
 
-def _token_callback(on_text: TextFn | None, should_stop: StopFn | None):
+def token_callback(on_text: TextFn | None, should_stop: StopFn | None):
+    """An on_token for InferenceSession.infer: passes text on, stops when asked."""
+
     def on_token(_token: int, text: str) -> bool:
         if text and on_text is not None:
             on_text(text)
@@ -212,7 +214,9 @@ def _token_callback(on_text: TextFn | None, should_stop: StopFn | None):
     return on_token
 
 
-def _progress_callback(on_progress: ProgressFn | None, should_stop: StopFn | None) -> ProgressFn:
+def progress_callback(on_progress: ProgressFn | None, should_stop: StopFn | None) -> ProgressFn:
+    """An on_progress for prefills: reports, and stops when asked."""
+
     def progress(done: int, total: int) -> bool:
         if on_progress is not None:
             on_progress(done, total)
