@@ -206,3 +206,11 @@ def test_a_long_prompt_shows_a_progress_bar_on_a_terminal_stderr_only(home):
     assert proc.returncode == 0
     assert b"reading the prompt" in seen
     assert b"reading the prompt" not in out and b"\x1b" not in out
+
+
+def test_verbose_shows_llama_cpp_s_own_log(quipu, tiny_model):
+    quiet = quipu("run", "-m", tiny_model, "-n", "2", "hi")
+    loud = quipu("run", "-m", tiny_model, "-n", "2", "--verbose", "hi")
+    assert quiet.returncode == loud.returncode == 0
+    assert quiet.stderr == b""
+    assert b"llama" in loud.stderr and b"Traceback" not in loud.stderr
