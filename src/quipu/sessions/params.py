@@ -14,15 +14,10 @@ MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How the next token is chosen. `seed=None` means a fresh random seed (see `resolved`)."""
+class SamplingParams(SamplerSettings):
+    """How the next token is chosen: the sampler chain's settings (and defaults), validated,
+    plus the seed. `seed=None` means a fresh random seed (see `resolved`)."""
 
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.1
-    repeat_last_n: int = 64
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -48,14 +43,8 @@ class SamplingParams:
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     def sampler(self) -> SamplerSettings:
-        return SamplerSettings(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repeat_penalty=self.repeat_penalty,
-            repeat_last_n=self.repeat_last_n,
-        )
+        """The settings the backend's sampler chain is built from (the seed goes per draw)."""
+        return SamplerSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SamplerSettings)})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
