@@ -235,9 +235,15 @@ def bench_memory(model: str, threads: int, home: str) -> list[dict]:
                         str(threads), "-n", "16", "Summarize."], input=doc.encode(), capture_output=True,
                        env={**os.environ, "QUIPU_HOME": home}, check=True)
     peak = int(r.stdout.decode().split()[-1]) * 1024
+    from quipu.gguf import read_gguf
+
     with LlamaBackend(model, ContextSettings(n_ctx=8192, n_threads=1)) as b:
         ctx = b.n_ctx
-    kv_bytes = ctx * 23_040  # f16 K and V: 30 layers x 2 x 192 dims x 2 bytes for this model
+    meta = read_gguf(Path(model)).metadata
+    arch = meta["general.architecture"]
+    head_dim = meta[f"{arch}.embedding_length"] // meta[f"{arch}.attention.head_count"]
+    kv_dims = head_dim * meta.get(f"{arch}.attention.head_count_kv", meta[f"{arch}.attention.head_count"])
+    kv_bytes = ctx * meta[f"{arch}.block_count"] * 2 * kv_dims * 2  # f16 K and V in every layer
     model_bytes = Path(model).stat().st_size
     budget = model_bytes + kv_bytes + 150 * 2**20
     return [{"what": "peak RSS of quipu run, 1,500-token prompt, 8192 context (MB)",
@@ -299,10 +305,11 @@ def main(argv: list[str] | None = None) -> None:
                 rows += part()
     results = {"date": time.strftime("%Y-%m-%d"), "threads": args.threads, "repeats": args.repeats,
                "machine": machine(), "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
     table = render(results)
-    (RESULTS / "latest.md").write_text(table)
+    if args.only is None:  # a partial run does not replace the full results
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
+        (RESULTS / "latest.md").write_text(table)
     print(table)
 
 
