@@ -163,7 +163,8 @@ def context_of(child) -> int:
 
 @pytest.mark.model
 def test_the_repl_as_a_person_uses_it(home):
-    child = spawn(home, "-S", "pty", "-n", "400", "--seed", "5")
+    child = spawn(home, "-S", "pty", "-n", "400", "--seed", "5", "-s", "You are brief.")
+    assert "new session 'pty'" in child.before
     # Tab completion of a slash command, and /help.
     child.send("/he")
     time.sleep(0.3)

@@ -278,7 +278,7 @@ class Repl:
             bottom_toolbar=self.toolbar,
             prompt_continuation=lambda width, line_number, wrap_count: "… ".rjust(width),
         )
-        verb = "resumed" if self.chat.messages else "new"
+        verb = "resumed" if self.chat.resumed else "new"
         self.say(f"{verb} session '{self.chat.name}' with {self.chat.model_name}. /help for commands, Ctrl-D to leave.")
         self.show_notices()
         self.recap()

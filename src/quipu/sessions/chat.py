@@ -66,6 +66,7 @@ class ChatSession:
         self.named: NamedSession | None = None
         self._stack = ExitStack()
         self.last_stats: Stats | None = None
+        self.resumed = False
 
     # ---- opening and closing ---------------------------------------------------------------
 
@@ -87,6 +88,7 @@ class ChatSession:
         stack = ExitStack()
         try:
             stack.enter_context(self.store.lock(name))
+            resumed = self.store.exists(name)
             named = NamedSession.open(self.store, name, opts or self.opts, self.env, on_progress)
             stack.callback(named.close)
         except BaseException:
@@ -94,6 +96,7 @@ class ChatSession:
             raise
         self.close()
         self._stack, self.named = stack, named
+        self.resumed = resumed
         self.last_stats = None
 
     def close(self) -> None:
