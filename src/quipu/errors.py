@@ -41,11 +41,14 @@ class InvalidParameter(UsageError):
 class ContextOverflow(UsageError):
     """The prompt does not fit in the context window."""
 
-    def __init__(self, prompt_tokens: int, n_ctx: int, *, at_least: bool = False):
+    def __init__(self, prompt_tokens: int, n_ctx: int, *, at_least: bool = False, hint: str | None = None):
         size = f"more than {prompt_tokens}" if at_least else f"{prompt_tokens}"
-        super().__init__(f"the prompt is {size} tokens but the context holds {n_ctx}; shorten it or raise --ctx")
+        super().__init__(
+            f"the prompt is {size} tokens but the context holds {n_ctx}; {hint or 'shorten it or raise --ctx'}"
+        )
         self.prompt_tokens = prompt_tokens
         self.n_ctx = n_ctx
+        self.at_least = at_least
 
 
 class BadInput(UsageError):

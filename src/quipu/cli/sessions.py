@@ -45,6 +45,8 @@ def list_(as_json: bool = typer.Option(False, "--json", help="One JSON array."))
     infos, damaged = list_sessions(_env())
     if as_json:
         term.stdout.write(json.dumps([i.to_dict() for i in infos], indent=1) + "\n")
+    elif not infos:
+        term.stderr.write("no sessions yet: `quipu chat` or `quipu run -S NAME` makes one\n")
     else:
         table = Table("name", "model", "turns", "tokens", "size", "last used", box=None, pad_edge=False)
         for i in infos:

@@ -12,7 +12,7 @@ from typing import Any
 
 from quipu import __version__
 from quipu.engine.base import Backend, ContextSettings, ProgressFn
-from quipu.errors import BadInput, EngineError, ModelMismatch, SnapshotError, UsageError
+from quipu.errors import BadInput, ContextOverflow, EngineError, ModelMismatch, SnapshotError, UsageError
 from quipu.models import fingerprint
 from quipu.sessions.conversation import ChatTemplate, Conversation, Message
 from quipu.sessions.inference import InferenceSession, Snapshot
@@ -249,10 +249,18 @@ def run_session_turn(
             on_token = token_callback(on_text, should_stop)
             progress = progress_callback(on_progress, should_stop)
             conv = named.conversation
-            if opts.continue_reply:
-                gen = conv.continue_reply(max_tokens=limit, stop=opts.stop, on_token=on_token, on_progress=progress)
-            else:
-                gen = conv.send(prompt, max_tokens=limit, stop=opts.stop, on_token=on_token, on_progress=progress)
+            try:
+                if opts.continue_reply:
+                    gen = conv.continue_reply(max_tokens=limit, stop=opts.stop, on_token=on_token, on_progress=progress)
+                else:
+                    gen = conv.send(prompt, max_tokens=limit, stop=opts.stop, on_token=on_token, on_progress=progress)
+            except ContextOverflow as exc:
+                if len(named.session.tokens) < exc.n_ctx // 2:
+                    raise  # the prompt alone is too long
+                raise ContextOverflow(exc.prompt_tokens, exc.n_ctx, at_least=exc.at_least, hint=(
+                    f"session '{name}' is full; continue it with a larger --ctx, or free room with /trim "
+                    f"in `quipu chat -S {name}`"
+                )) from None
             named.save()
         finally:
             named.close()
