@@ -221,3 +221,15 @@ def test_continue_needs_a_session_and_no_prompt(quipu, tiny_model):
     tiny(quipu, tiny_model, "-S", "c", "-n", "4", "hello")
     assert tiny(quipu, tiny_model, "-S", "c", "--continue", "more").returncode == 2
     assert tiny(quipu, tiny_model, "-S", "c", "--continue", "-n", "4").returncode == 0
+
+
+def test_a_full_session_says_how_to_go_on(quipu, tiny_model):
+    assert tiny(quipu, tiny_model, "--ctx", "256", "-S", "f", "-n", "200", *HOT, "hello").returncode == 0
+    for i in range(8):
+        r = tiny(quipu, tiny_model, "-S", "f", "-n", "40", f"the sky is blue {i}")
+        if r.returncode != 0:
+            break
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "session 'f' is full" in err and "--ctx" in err and "/trim" in err
+    r = tiny(quipu, tiny_model, "--ctx", "1024", "-S", "f", "-n", "4", "more room")
+    assert r.returncode == 0 and "other context settings" in r.stderr.decode()
