@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 from quipu.engine.base import Backend, ProgressFn
 from quipu.engine.text import Detokenizer
-from quipu.errors import ContextOverflow, Interrupted, QuipuError
+from quipu.errors import ContextOverflow, EngineError, Interrupted, QuipuError
 from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.stops import StopMatcher
 
@@ -222,7 +222,7 @@ class InferenceSession:
             backend.restore_bytes(snap.state)
             if backend.positions() != snap.n_decoded:
                 backend.truncate(0)
-                raise QuipuError("the saved context state does not match its token history")
+                raise EngineError("the saved context state does not match its token history")
             session.tokens = list(snap.tokens)
             session.n_decoded = snap.n_decoded
             session._reset_sampler()
