@@ -182,7 +182,7 @@ def test_the_repl_as_a_person_uses_it(home):
     child.send("Write a very long story about a dragon and a knight.\r")
     child.expect(r"\x1b\[\?2004l")  # the prompt has let go of the terminal: the reply follows
     child.expect(r"[A-Za-z]{4,}")
-    time.sleep(0.5)
+    time.sleep(0.2)
     child.sendintr()
     child.expect(r"\[stopped\]")
     child.expect("›")

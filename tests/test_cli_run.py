@@ -158,7 +158,7 @@ def test_ctrl_c_stops_generation_keeps_the_text_and_exits_130(home):
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
     env["QUIPU_HOME"] = str(home)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "quipu", "run", "-n", "3000", "--temperature", "1", "--repeat-penalty", "1.0",
+        [sys.executable, "-m", "quipu", "run", "-n", "3000", "--seed", "1", "--temperature", "1", "--repeat-penalty", "1.0",
          "Write a very long essay about the history of every country."],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
     )
