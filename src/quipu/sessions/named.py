@@ -12,26 +12,29 @@ from typing import Any
 
 from quipu import __version__
 from quipu.engine.base import Backend, ContextSettings, ProgressFn
-from quipu.errors import BadInput, ContextOverflow, EngineError, ModelMismatch, SnapshotError, UsageError
+from quipu.errors import (
+    BadInput,
+    ContextOverflow,
+    EngineError,
+    InvalidParameter,
+    ModelMismatch,
+    SnapshotError,
+    UsageError,
+)
 from quipu.models import fingerprint
 from quipu.sessions.conversation import ChatTemplate, Conversation, Message
-from quipu.sessions.inference import InferenceSession, Snapshot
+from quipu.sessions.inference import InferenceSession, Snapshot, TokenFn
 from quipu.sessions.params import SamplingParams
 from quipu.sessions.runner import (
     Environment,
-    StopFn,
-    TextFn,
     TurnOptions,
     TurnResult,
-    progress_callback,
-    token_callback,
     context_settings,
     load_backend,
     max_tokens,
     sampling_params,
 )
 from quipu.sessions.store import DEFAULT_MAX_STATE_BYTES, TRANSCRIPT_FORMAT, TRANSCRIPT_VERSION, SessionStore, validate_name
-from quipu.errors import InvalidParameter
 
 
 def now_iso() -> str:
@@ -221,16 +224,9 @@ class NamedSession:
         self.backend.close()
 
 
-def run_session_turn(
-    prompt: str | None,
-    opts: TurnOptions,
-    env: Environment,
-    *,
-    on_text: TextFn | None = None,
-    on_progress: ProgressFn | None = None,
-    should_stop: StopFn | None = None,
-) -> TurnResult:
-    """`quipu run --session NAME`: continue or create the session, run one turn, save it."""
+def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, on_token: TokenFn,
+                     progress: ProgressFn) -> TurnResult:
+    """`quipu run --session NAME` (see run_turn): continue or create the session, run one turn, save it."""
     if opts.session is None:
         raise UsageError("--continue needs --session NAME")
     if opts.raw:
@@ -244,10 +240,8 @@ def run_session_turn(
     store = store_for(env)
     store.clean_temporaries()
     with store.lock(name):
-        named = NamedSession.open(store, name, opts, env, on_progress)
+        named = NamedSession.open(store, name, opts, env, progress)
         try:
-            on_token = token_callback(on_text, should_stop)
-            progress = progress_callback(on_progress, should_stop)
             conv = named.conversation
             try:
                 if opts.continue_reply:

@@ -175,10 +175,12 @@ def run_turn(
     should_stop: StopFn | None = None,
 ) -> TurnResult:
     """Runs one prompt to a reply; `on_text` receives text as it is generated."""
+    on_token = token_callback(on_text, should_stop)
+    progress = progress_callback(on_progress, should_stop)
     if opts.session is not None or opts.continue_reply:
         from quipu.sessions.named import run_session_turn
 
-        return run_session_turn(prompt, opts, env, on_text=on_text, on_progress=on_progress, should_stop=should_stop)
+        return run_session_turn(prompt, opts, env, on_token, progress)
     if not prompt:
         raise BadInput("no prompt: give one as an argument or on standard input")
     params = sampling_params(opts, env)
@@ -189,8 +191,6 @@ def run_turn(
     try:
         session = InferenceSession(backend, params)
         session.stats.load_s = time.perf_counter() - started
-        on_token = token_callback(on_text, should_stop)
-        progress = progress_callback(on_progress, should_stop)
         if opts.raw:
             session.check_text_fits(prompt)
             tokens = backend.tokenize(prompt, add_special=True, parse_special=False)
