@@ -20,7 +20,7 @@ from quipu.sessions.runner import (
     token_callback,
     max_tokens,
 )
-from quipu.sessions.store import DEFAULT_MAX_STATE_BYTES, SessionInfo, validate_name
+from quipu.sessions.store import SessionInfo, validate_name
 
 ADJECTIVES = "amber brave calm clever eager fuzzy gentle happy jolly keen lucky merry noble quiet rapid shy sunny swift tidy witty".split()
 NOUNS = "otter falcon maple river comet badger heron lynx meadow pebble quokka raven tulip walrus yak zebra cedar fjord ember harbor".split()
@@ -215,9 +215,6 @@ class ChatSession:
 
     def save(self) -> None:
         self._named.save()
-        budget = self.env.config.sessions.get("max_state_bytes", DEFAULT_MAX_STATE_BYTES)
-        for dropped in self.store.enforce_budget(budget, keep=self.name):
-            self._named.notices.append(f"session '{dropped}' lost its saved context to the disk budget")
 
     def save_as(self, name: str) -> None:
         """Saves a copy of this session under `name`; this one stays open."""

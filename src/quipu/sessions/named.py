@@ -32,7 +32,8 @@ from quipu.sessions.runner import (
     context_settings,
     load_backend,
     max_tokens,
-    sampling_params,
+    open_session,
+    system_prompt,
 )
 from quipu.sessions.store import DEFAULT_MAX_STATE_BYTES, TRANSCRIPT_FORMAT, TRANSCRIPT_VERSION, SessionStore, validate_name
 
@@ -61,6 +62,7 @@ class NamedSession:
     conversation: Conversation
     created: str
     notices: list[str] = field(default_factory=list)
+    max_state_bytes: int = DEFAULT_MAX_STATE_BYTES
 
     @property
     def session(self) -> InferenceSession:
@@ -76,21 +78,19 @@ class NamedSession:
         validate_name(name)
         record = store.load_transcript(name) if store.exists(name) else None
         if record is None:
-            return cls._create(store, name, opts, env)
-        return cls._resume(store, name, record, opts, env, on_progress)
+            named = cls._create(store, name, opts, env)
+        else:
+            named = cls._resume(store, name, record, opts, env, on_progress)
+        named.max_state_bytes = env.config.sessions.get("max_state_bytes", DEFAULT_MAX_STATE_BYTES)
+        return named
 
     @classmethod
     def _create(cls, store: SessionStore, name: str, opts: TurnOptions, env: Environment) -> "NamedSession":
-        params = sampling_params(opts, env).resolved()
-        model_name, model_path = env.resolve_model(opts.model)
-        started = time.perf_counter()
-        backend = load_backend(model_path, context_settings(opts, env), opts.verbose)
+        model_name, model_path, session = open_session(opts, env)
         try:
-            session = InferenceSession(backend, params)
-            session.stats.load_s = time.perf_counter() - started
-            conv = Conversation.start(session, opts.system if opts.system is not None else env.config.system)
+            conv = Conversation.start(session, system_prompt(opts, env))
         except BaseException:
-            backend.close()
+            session.backend.close()
             raise
         return cls(store, name, model_name, model_path, fingerprint(model_path), conv, now_iso())
 
@@ -219,6 +219,8 @@ class NamedSession:
             "created": record["updated"],
         }
         self.store.save(self.name, record, snap.state, meta)
+        for dropped in self.store.enforce_budget(self.max_state_bytes, keep=self.name):
+            self.notices.append(f"session '{dropped}' lost its saved context to the disk budget; it will be re-read")
 
     def close(self) -> None:
         self.backend.close()
@@ -258,8 +260,5 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, on
             named.save()
         finally:
             named.close()
-    budget = env.config.sessions.get("max_state_bytes", DEFAULT_MAX_STATE_BYTES)
-    for dropped in store.enforce_budget(budget, keep=name):
-        named.notices.append(f"session '{dropped}' lost its saved context to the disk budget; it will be re-read")
     stats = named.session.stats
     return TurnResult(gen.text, gen.finish_reason, named.model_name, named.session.params.seed, name, stats, named.notices)

@@ -165,6 +165,28 @@ def load_backend(model_path, settings: ContextSettings, verbose: bool):
     return LlamaBackend(model_path, settings, verbose=verbose)
 
 
+def system_prompt(opts: TurnOptions, env: Environment) -> str | None:
+    """--system, else the config's; an explicit empty --system means none."""
+    return opts.system if opts.system is not None else env.config.system
+
+
+def open_session(opts: TurnOptions, env: Environment) -> tuple[str, Path, InferenceSession]:
+    """(model name, model file, a fresh session on it), with the load time in its stats. Options
+    are checked before the model is loaded."""
+    params = sampling_params(opts, env)
+    settings = context_settings(opts, env)
+    model_name, model_path = env.resolve_model(opts.model)
+    started = time.perf_counter()
+    backend = load_backend(model_path, settings, opts.verbose)
+    try:
+        session = InferenceSession(backend, params)
+    except BaseException:
+        backend.close()
+        raise
+    session.stats.load_s = time.perf_counter() - started
+    return model_name, model_path, session
+
+
 def run_turn(
     prompt: str | None,
     opts: TurnOptions,
@@ -183,20 +205,16 @@ def run_turn(
         return run_session_turn(prompt, opts, env, on_token, progress)
     if not prompt:
         raise BadInput("no prompt: give one as an argument or on standard input")
-    params = sampling_params(opts, env)
     limit = max_tokens(opts, env)
-    model_name, model_path = env.resolve_model(opts.model)
-    started = time.perf_counter()
-    backend = load_backend(model_path, context_settings(opts, env), opts.verbose)
+    model_name, _, session = open_session(opts, env)
+    backend = session.backend
     try:
-        session = InferenceSession(backend, params)
-        session.stats.load_s = time.perf_counter() - started
         if opts.raw:
             session.check_text_fits(prompt)
             tokens = backend.tokenize(prompt, add_special=True, parse_special=False)
             gen = session.generate(tokens, limit, opts.stop, on_token, progress)
         else:
-            conv = Conversation.start(session, opts.system or env.config.system)
+            conv = Conversation.start(session, system_prompt(opts, env))
             gen = conv.send(prompt, max_tokens=limit, stop=opts.stop, on_token=on_token, on_progress=progress)
         return TurnResult(gen.text, gen.finish_reason, model_name, session.params.seed, None, session.stats)
     finally:
