@@ -143,8 +143,8 @@ def bench_snapshots(model: str, threads: int) -> list[dict]:
     from quipu.engine.base import ContextSettings
     from quipu.engine.llama import LlamaBackend
     from quipu.sessions.inference import InferenceSession
-    from quipu.sessions.snapshot import decode_state, encode_state
-    from quipu.sessions.store import atomic_write
+    from quipu.store.statefile import decode_state, encode_state
+    from quipu.store.store import atomic_write
 
     rows = []
     for kv in ("f16", "q8_0"):

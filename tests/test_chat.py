@@ -45,8 +45,8 @@ def test_completion_comes_from_the_table():
 
 @pytest.fixture
 def repl(tmp_path, tiny_model):
-    from quipu.sessions.chat import ChatSession
-    from quipu.sessions.runner import Environment, TurnOptions
+    from quipu.app.chat import ChatSession
+    from quipu.app.environment import Environment, TurnOptions
 
     env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
     out, err = io.StringIO(), io.StringIO()

@@ -127,14 +127,14 @@ def test_bad_session_names_are_usage_errors(quipu, tiny_model, home, name):
 
 def test_nul_in_a_session_name_is_refused(tiny_model):
     from quipu.errors import SessionNameError
-    from quipu.sessions.store import validate_name
+    from quipu.store.store import validate_name
 
     with pytest.raises(SessionNameError):
         validate_name("a\x00b")
 
 
 def test_a_session_in_use_is_refused_with_a_clear_message(quipu, tiny_model, home):
-    from quipu.sessions.store import SessionStore
+    from quipu.store.store import SessionStore
 
     tiny(quipu, tiny_model, "-S", "busy", "-n", "4", "hello")
     store = SessionStore(home / "data" / "sessions")

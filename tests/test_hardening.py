@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from quipu.errors import SessionSaveError, SnapshotError
-from quipu.sessions.snapshot import MAGIC, decode_state, encode_state
-from quipu.sessions.store import SessionStore, check_transcript
+from quipu.store.statefile import MAGIC, decode_state, encode_state
+from quipu.store.store import SessionStore
+from quipu.store.transcript import Transcript, check
 
 STRESS = int(os.environ.get("QUIPU_STRESS", "4"))
 VALID = encode_state({"fingerprint": "x", "n_decoded": 3}, bytes(range(256)) * 8)
@@ -92,7 +93,7 @@ json_values = st.recursive(
 @settings(max_examples=300)
 @given(json_values)
 def test_transcript_checker_never_raises(value):
-    assert check_transcript(value) is None or isinstance(check_transcript(value), str)
+    assert check(value) is None or isinstance(check(value), str)
 
 
 @settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -130,9 +131,9 @@ def test_a_forged_state_with_a_valid_checksum_is_not_trusted_blindly(quipu, tiny
 
 SAVER = r"""
 import sys
-from quipu.sessions.named import NamedSession
-from quipu.sessions.runner import Environment, TurnOptions
-from quipu.sessions.store import SessionStore
+from quipu.app.named import NamedSession
+from quipu.app.environment import Environment, TurnOptions
+from quipu.store.store import SessionStore
 env = Environment.load()
 store = SessionStore(env.dirs.sessions)
 opts = TurnOptions(model=sys.argv[1], max_tokens=64, seed=1)
@@ -141,6 +142,8 @@ with store.lock("k"):
     turn = 0
     while True:
         turn += 1
+        # One exchange at a time: however many saves fit before the kill, the session stays small.
+        named.conversation.reset()
         named.conversation.send(f"hello number {turn}", max_tokens=16)
         named.save()
         print(turn, flush=True)
@@ -150,7 +153,6 @@ with store.lock("k"):
 def test_kill_9_while_saving_never_leaves_a_broken_session(tiny_model, home):
     rng = random.Random(7)
     store = SessionStore(home / "data" / "sessions")
-    replies = 0
     for _ in range(STRESS):
         proc = subprocess.Popen([sys.executable, "-c", SAVER, str(tiny_model)], env=environ(home),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -160,16 +162,15 @@ def test_kill_9_while_saving_never_leaves_a_broken_session(tiny_model, home):
         out, _ = proc.communicate()
         done = int(([b"1"] + out.split())[-1])  # the last save the writer saw finish
         record = store.load_transcript("k")
-        now = sum(m["role"] == "assistant" for m in record["messages"])
+        saved = int(record.messages[0]["content"].split()[-1])
         # The last finished save, or the one it was writing when it died.
-        assert now - replies in (done, done + 1)
+        assert [m["role"] for m in record.messages] == ["user", "assistant"] and saved in (done, done + 1)
         blob, why = store.load_state("k")
         assert blob is not None, why
         r = subprocess.run(tiny_cmd(tiny_model, "-S", "k", "-n", "4", "check"), env=environ(home),
                            capture_output=True, stdin=subprocess.DEVNULL)
         assert r.returncode == 0, r.stderr.decode()
         assert not list((home / "data" / "sessions").glob(".*.tmp-*")), "a temporary file was left behind"
-        replies = now + 1
 
 
 @pytest.mark.model
@@ -185,7 +186,7 @@ def test_kill_9_during_a_run_loses_at_most_that_turn(home):
         proc.kill()
         proc.wait()
         if store.exists("kill"):
-            now = sum(m["role"] == "assistant" for m in store.load_transcript("kill")["messages"])
+            now = sum(m["role"] == "assistant" for m in store.load_transcript("kill").messages)
             assert now in (turns, turns + 1)
             turns = now
     r = subprocess.run([sys.executable, "-m", "quipu", "run", "-S", "kill", "-n", "4", "--json", "Still there?"],
@@ -208,16 +209,16 @@ def test_two_runs_on_one_session_never_lose_a_turn_silently(home):
         assert code == 0 or (code == 1 and "in use" in err), err
     ok = sum(code == 0 for code, _ in results)
     record = SessionStore(home / "data" / "sessions").load_transcript("same")
-    assert sum(m["role"] == "assistant" for m in record["messages"]) == ok
-    assert sum(m["role"] == "user" for m in record["messages"]) == ok
+    assert sum(m["role"] == "assistant" for m in record.messages) == ok
+    assert sum(m["role"] == "user" for m in record.messages) == ok
 
 
 # ---- a full disk ------------------------------------------------------------------------------
 
 def test_a_failed_save_leaves_the_previous_one_intact(tmp_path, monkeypatch):
     store = SessionStore(tmp_path)
-    record = {"format": "quipu-session", "version": 1, "model": {}, "messages": [], "tokens": [1], "n_decoded": 0,
-              "draws": 0, "params": {}, "context": {}}
+    record = Transcript(model={}, params={}, context={"n_ctx": 64, "n_batch": 64, "kv_type": "f16"}, messages=[],
+                        tokens=[1], n_decoded=0, draws=0)
     store.save("disk", record, b"state-1", {"n": 1})
     before = (store.transcript_path("disk").read_bytes(), store.state_path("disk").read_bytes())
 
@@ -226,7 +227,7 @@ def test_a_failed_save_leaves_the_previous_one_intact(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "write", full)
     with pytest.raises(SessionSaveError, match="No space left on device.*previous save is intact"):
-        store.save("disk", {**record, "tokens": [1, 2]}, b"state-2", {"n": 2})
+        store.save("disk", Transcript(**{**record.__dict__, "tokens": [1, 2]}), b"state-2", {"n": 2})
     monkeypatch.undo()
     assert (store.transcript_path("disk").read_bytes(), store.state_path("disk").read_bytes()) == before
     assert not list(tmp_path.glob(".*.tmp-*"))
@@ -248,7 +249,7 @@ def test_a_full_filesystem_is_a_clear_error(quipu, tiny_model, tmp_path):
         assert first == 0
         assert r.returncode == 1 and "could not save" in err and "Traceback" not in err
         record = SessionStore(home / "data" / "sessions").load_transcript("big")
-        assert sum(m["role"] == "assistant" for m in record["messages"]) == 1
+        assert record.turns == 1
     finally:
         subprocess.run(["umount", str(home / "data" / "sessions")], capture_output=True)
 

@@ -208,8 +208,8 @@ def test_embed_command(quipu, tiny_model):
 def test_a_backend_that_cannot_embed_refuses(tiny_model, monkeypatch):
     from quipu.engine.llama import LlamaBackend
     from quipu.errors import CapabilityError
-    from quipu.sessions.embed import embed_texts
-    from quipu.sessions.runner import Environment, TurnOptions
+    from quipu.app.embed import embed_texts
+    from quipu.app.environment import Environment, TurnOptions
 
     monkeypatch.setattr(LlamaBackend, "supports_embeddings", False)
     with pytest.raises(CapabilityError, match="cannot compute embeddings"):

@@ -8,7 +8,7 @@ from quipu.errors import SnapshotError
 from quipu.sessions.conversation import Conversation
 from quipu.sessions.inference import InferenceSession, Snapshot
 from quipu.sessions.params import SamplingParams
-from quipu.sessions.snapshot import decode_state, encode_state
+from quipu.store.statefile import decode_state, encode_state
 
 HOT = SamplingParams(temperature=1.2, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.3, seed=21)
 
@@ -41,7 +41,7 @@ def test_generate_64_equals_32_saved_resumed_32(make_backend):
     resumed = InferenceSession.from_snapshot(make_backend(), snap)
     b = resumed.infer(32)
     assert a.tokens + b.tokens == full.tokens
-    assert resumed.stats.restore_s > 0
+    assert resumed.rebuilt_tokens == 0 and resumed.stats.restore_s > 0  # restored, not re-read
 
 
 def test_chat_turns_resume_exactly(make_backend):
@@ -68,7 +68,8 @@ def test_resume_without_state_bytes_rebuilds_the_same_context(make_backend):
     rebuilt = InferenceSession.from_snapshot(make_backend(), snap)
     assert rebuilt.tokens == session.tokens
     assert rebuilt.backend.positions() == rebuilt.n_decoded == session.n_decoded
-    assert rebuilt.stats.restore_s == 0  # nothing was restored; it was re-read
+    assert rebuilt.rebuilt_tokens == session.n_decoded  # re-read, as there were no state bytes
+    assert rebuilt.infer(8).tokens == session.infer(8).tokens
 
 
 def test_state_from_other_context_settings_is_not_used(make_backend):
@@ -77,6 +78,10 @@ def test_state_from_other_context_settings_is_not_used(make_backend):
     snap = session.snapshot()
     other = InferenceSession.from_snapshot(make_backend(n_ctx=256), snap)
     assert other.tokens == session.tokens and other.n_decoded == session.n_decoded
+    assert other.rebuilt_tokens == session.n_decoded  # the bytes were not handed to llama.cpp
+    same = InferenceSession.from_snapshot(make_backend(n_ctx=512), snap)
+    assert same.rebuilt_tokens == 0
+    assert other.infer(8).tokens == same.infer(8).tokens == session.infer(8).tokens
 
 
 def test_fork_is_independent(make_backend):

@@ -1,4 +1,8 @@
-"""The user's config file (`config.toml` in the config dir): defaults they never want to type again."""
+"""The user's config file (`config.toml` in the config dir): defaults they never want to type again.
+
+This module reads TOML and checks the shape and types of what it holds; what the values must
+be (a temperature of 0 or more, ...) is checked by `quipu.app.environment`, which knows the
+settings, and reported here with the file and line (`Config.error`)."""
 
 from __future__ import annotations
 
@@ -14,20 +18,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-GENERATION_KEYS = {
-    "temperature": float,
-    "top_k": int,
-    "top_p": float,
-    "min_p": float,
-    "repeat_penalty": float,
-    "max_tokens": int,
-    "ctx": int,
-    "threads": int,
-    "seed": int,
-}
 SESSION_KEYS = {"max_state_bytes": int}
 MODEL_KEYS = {"huggingface": str, "lmstudio": str, "ollama": str}
-TABLES = {"generation": GENERATION_KEYS, "sessions": SESSION_KEYS, "models": MODEL_KEYS}
 
 
 class ConfigError(UsageError):
@@ -42,10 +34,17 @@ class Config:
     generation: dict[str, Any] = field(default_factory=dict)
     sessions: dict[str, Any] = field(default_factory=dict)
     models: dict[str, str] = field(default_factory=dict)
+    text: str = ""
+
+    def error(self, key: str, message: str, table: str | None = None) -> ConfigError:
+        """An error about `key` (in [table]) that names the file and the line where it is set."""
+        return ConfigError(f"{self.path}, line {_line_of(self.text, key, table)}: {message}")
 
 
-def load_config(path: Path) -> Config:
-    """Read and check `path`; a missing file is an empty config. Errors name the file and line."""
+def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
+    """Read `path` and check its shape, with `generation_keys` the names and types [generation]
+    may hold; a missing file is an empty config. Errors name the file and line."""
+    tables = {"generation": generation_keys, "sessions": SESSION_KEYS, "models": MODEL_KEYS}
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -60,17 +59,15 @@ def load_config(path: Path) -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
 
-    def fail(key: str, message: str, table: str | None = None) -> ConfigError:
-        return ConfigError(f"{path}, line {_line_of(text, key, table)}: {message}")
-
-    config = Config(path=path)
+    config = Config(path=path, text=text)
+    fail = config.error
     for key, value in doc.items():
         if key in ("model", "system"):
             if not isinstance(value, str):
                 raise fail(key, f"'{key}' must be a string")
             setattr(config, key, value)
-        elif key in TABLES:
-            allowed = TABLES[key]
+        elif key in tables:
+            allowed = tables[key]
             if not isinstance(value, dict):
                 raise fail(key, f"[{key}] must be a table")
             for sub, subvalue in value.items():
@@ -86,26 +83,8 @@ def load_config(path: Path) -> Config:
                     raise fail(sub, f"[{key}] {sub} must be {'an integer' if kind is int else 'a number'}", key)
                 getattr(config, key)[sub] = kind(subvalue)
         else:
-            raise fail(key, f"unknown key '{key}' (known: model, system, [{'], ['.join(TABLES)}])")
-    _check_values(config, fail)
+            raise fail(key, f"unknown key '{key}' (known: model, system, [{'], ['.join(tables)}])")
     return config
-
-
-def _check_values(config: Config, fail) -> None:
-    from quipu.errors import InvalidParameter
-    from quipu.sessions.params import SamplingParams
-
-    gen = config.generation
-    try:
-        SamplingParams().replace(**{k: v for k, v in gen.items() if k in SamplingParams.__dataclass_fields__})
-    except InvalidParameter as exc:
-        key = str(exc).split(" ", 1)[0].replace("-", "_")
-        raise fail(key, str(exc), "generation") from None
-    for key in ("max_tokens", "ctx", "threads"):
-        if key in gen and gen[key] <= 0:
-            raise fail(key, f"{key} must be more than 0, got {gen[key]}", "generation")
-    if config.sessions.get("max_state_bytes", 0) < 0:
-        raise fail("max_state_bytes", "max_state_bytes must be 0 or more", "sessions")
 
 
 def _line_of(text: str, key: str, table: str | None) -> int:

@@ -8,7 +8,7 @@ import sys
 def build_app():
     import typer
 
-    from quipu.cli import chat, config, embed, models, run, sessions
+    from quipu.cli import chat, config, embed, models, root, run, sessions
 
     app = typer.Typer(
         name="quipu",
@@ -18,16 +18,7 @@ def build_app():
         pretty_exceptions_enable=False,
     )
 
-    @app.callback()
-    def root(
-        version: bool = typer.Option(False, "--version", help="Show the version and exit.", is_eager=True),
-    ) -> None:
-        if version:
-            from quipu import __version__
-
-            print(f"quipu {__version__}")
-            raise typer.Exit()
-
+    app.callback()(root.root)
     run.register(app)
     chat.register(app)
     sessions.register(app)

@@ -15,6 +15,7 @@ def register(app: typer.Typer) -> None:
 
 
 def chat(
+    context: typer.Context,
     session: opt.Session = None,
     resume: bool = typer.Option(False, "--resume", "-r", help="Resume the most recently used session."),
     markdown: bool = typer.Option(False, "--markdown", help="Render replies as Markdown as they stream."),
@@ -34,8 +35,7 @@ def chat(
     verbose: opt.Verbose = False,
 ) -> int:
     from quipu.cli.repl import Repl
-    from quipu.sessions.chat import ChatSession
-    from quipu.sessions.runner import Environment
+    from quipu.app.chat import ChatSession
 
     if session is not None and resume:
         raise UsageError("give either --session NAME or --resume, not both")
@@ -45,7 +45,7 @@ def chat(
         threads=threads, kv_type=kv_type, verbose=verbose,
     )
     term = Terminal.detect()
-    env = Environment.load()
+    env = context.obj
     progress = PrefillProgress(term, "restoring the conversation")
     try:
         session_ = ChatSession.open(env, opts, name=session, resume_latest=resume, on_progress=progress)

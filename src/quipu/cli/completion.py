@@ -20,14 +20,18 @@ def script(shell: str) -> str:
 
 
 def complete_sessions(incomplete: str) -> list[str]:
-    from quipu.paths import dirs
-    from quipu.sessions.store import SessionStore
+    from quipu.app.environment import Environment
+    from quipu.app.manage import session_names
 
-    return [n for n in SessionStore(dirs().sessions).names() if n.startswith(incomplete)]
+    try:
+        names = session_names(Environment.load())
+    except Exception:  # completion must never print a traceback into the user's shell
+        return []
+    return [n for n in names if n.startswith(incomplete)]
 
 
 def complete_models(incomplete: str) -> list[str]:
-    from quipu.sessions.runner import Environment
+    from quipu.app.environment import Environment
 
     try:
         env = Environment.load()

@@ -16,23 +16,19 @@ def register(root: typer.Typer) -> None:
 
 
 @app.command()
-def path() -> None:
+def path(context: typer.Context) -> None:
     """Print the config file's path (it need not exist)."""
-    from quipu.paths import dirs
-
-    Terminal.detect().stdout.write(f"{dirs().config_file}\n")
+    Terminal.detect().stdout.write(f"{context.obj.dirs.config_file}\n")
 
 
 @app.command()
-def show(as_json: bool = typer.Option(False, "--json", help="One JSON object.")) -> None:
+def show(context: typer.Context, as_json: bool = typer.Option(False, "--json", help="One JSON object.")) -> None:
     """The effective settings and where each came from."""
     from rich.console import Console
     from rich.table import Table
 
-    from quipu.sessions.runner import Environment
-
     term = Terminal.detect()
-    rows = Environment.load().effective_settings()
+    rows = context.obj.effective_settings()
     if as_json:
         term.stdout.write(json.dumps({k: {"value": v, "source": s} for k, v, s in rows}, indent=1) + "\n")
         return

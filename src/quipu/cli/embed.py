@@ -16,6 +16,7 @@ def register(app: typer.Typer) -> None:
 
 
 def embed(
+    context: typer.Context,
     texts: List[str] = typer.Argument(None, help="Texts to embed (default: each line of standard input)."),
     model: opt.Model = None,
     pooling: str = typer.Option("mean", "--pooling", help="mean, last or cls."),
@@ -24,15 +25,14 @@ def embed(
     verbose: opt.Verbose = False,
 ) -> None:
     from quipu.cli.run import gather_prompt
-    from quipu.sessions.embed import embed_texts
-    from quipu.sessions.runner import Environment
+    from quipu.app.embed import embed_texts
 
     term = Terminal.detect()
     if not texts:
         piped = gather_prompt(None, term, allow_empty=True)
         texts = [line for line in (piped or "").splitlines() if line.strip()]
     opts = opt.turn_options(model=model, threads=threads, verbose=verbose)
-    for row in embed_texts(texts, opts, Environment.load(), pooling=pooling, normalize=normalize):
+    for row in embed_texts(texts, opts, context.obj, pooling=pooling, normalize=normalize):
         vector = ",".join(f"{x:.8g}" for x in row["embedding"])
         head = json.dumps({"index": row["index"], "text": row["text"]}, ensure_ascii=False)[:-1]
         term.stdout.write(f'{head}, "embedding": [{vector}]}}\n')

@@ -19,21 +19,16 @@ def register(root: typer.Typer) -> None:
     root.add_typer(app, name="models")
 
 
-def _env():
-    from quipu.sessions.runner import Environment
-
-    return Environment.load()
-
 
 @app.command("list")
-def list_(as_json: bool = typer.Option(False, "--json", help="One JSON array.")) -> None:
+def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", help="One JSON array.")) -> None:
     """Models found: the bundled one, quipu's folder, the Hugging Face cache, LM Studio, Ollama."""
     from rich.console import Console
     from rich.table import Table
 
     from quipu.models import describe, discover
 
-    env = _env()
+    env = context.obj
     term = Terminal.detect()
     rows = [describe(e) for e in discover(env.dirs.models, env.environ, env.config.models)]
     if as_json:
@@ -51,6 +46,7 @@ def list_(as_json: bool = typer.Option(False, "--json", help="One JSON array."))
 
 @app.command()
 def info(
+    context: typer.Context,
     model: Optional[str] = typer.Argument(None, help="A name from `quipu models list` or a .gguf path (default: the default model).",
                                           autocompletion=_complete_models),
     template: bool = typer.Option(False, "--template", help="Show the start of the chat template."),
@@ -59,7 +55,7 @@ def info(
     """Architecture, size, quantization, context length, chat template and special tokens."""
     from quipu.models import model_info
 
-    env = _env()
+    env = context.obj
     name, path = env.resolve_model(model)
     data = model_info(name, path)
     term = Terminal.detect()
@@ -85,11 +81,12 @@ def info(
 
 @app.command()
 def add(
+    context: typer.Context,
     path: Path = typer.Argument(..., help="A .gguf file to use by name."),
     name: Optional[str] = typer.Option(None, "--name", help="The name to use (default: the file's name)."),
 ) -> None:
     """Link a GGUF file into quipu's models folder, so `--model NAME` finds it."""
     from quipu.models import add_model
 
-    entry = add_model(path, _env().dirs.models, name)
+    entry = add_model(path, context.obj.dirs.models, name)
     Terminal.detect().stderr.write(f"added '{entry.name}' -> {path}\n")

@@ -6,6 +6,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
+
 def _complete_models(incomplete: str) -> list[str]:
     from quipu.cli.completion import complete_models
 
@@ -39,7 +40,7 @@ Verbose = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own l
 
 def turn_options(**given):
     """A TurnOptions from the command's parameters (names as above, snake_case)."""
-    from quipu.sessions.runner import TurnOptions
+    from quipu.app.environment import TurnOptions
 
     given["stop"] = tuple(given.get("stop") or ())
     return TurnOptions(**given)

@@ -86,7 +86,7 @@ def _system(repl: "Repl", arg: str) -> None:
 def _set(repl: "Repl", arg: str) -> None:
     parts = arg.split()
     if len(parts) != 2:
-        from quipu.sessions.chat import SETTABLE
+        from quipu.app.chat import SETTABLE
 
         repl.say(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}")
         return

@@ -23,6 +23,7 @@ def register(app: typer.Typer) -> None:
 
 
 def run(
+    context: typer.Context,
     prompt: Optional[str] = typer.Argument(None, help="The prompt. Piped stdin is appended after a blank line."),
     model: opt.Model = None,
     system: opt.System = None,
@@ -44,7 +45,7 @@ def run(
     stats: bool = typer.Option(False, "--stats", help="Print timings and token counts on stderr."),
     verbose: opt.Verbose = False,
 ) -> int:
-    from quipu.sessions.runner import Environment, run_turn
+    from quipu.app.turns import run_turn
 
     term = Terminal.detect()
     text = gather_prompt(prompt, term, allow_empty=continue_reply)
@@ -54,7 +55,7 @@ def run(
         ctx=ctx, threads=threads, kv_type=kv_type, session=session, continue_reply=continue_reply,
         verbose=verbose,
     )
-    env = Environment.load()
+    env = context.obj
     progress = PrefillProgress(term)
     wrote = []
 

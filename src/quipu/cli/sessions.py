@@ -19,11 +19,6 @@ def register(root: typer.Typer) -> None:
     root.add_typer(app, name="sessions")
 
 
-def _env():
-    from quipu.sessions.runner import Environment
-
-    return Environment.load()
-
 
 def human_size(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
@@ -34,15 +29,15 @@ def human_size(n: int) -> str:
 
 
 @app.command("list")
-def list_(as_json: bool = typer.Option(False, "--json", help="One JSON array.")) -> None:
+def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", help="One JSON array.")) -> None:
     """List sessions, most recently used first."""
     from rich.console import Console
     from rich.table import Table
 
-    from quipu.sessions.manage import list_sessions
+    from quipu.app.manage import list_sessions
 
     term = Terminal.detect()
-    infos, damaged = list_sessions(_env())
+    infos, damaged = list_sessions(context.obj)
     if as_json:
         term.stdout.write(json.dumps([i.to_dict() for i in infos], indent=1) + "\n")
     elif not infos:
@@ -58,15 +53,15 @@ def list_(as_json: bool = typer.Option(False, "--json", help="One JSON array."))
 
 
 @app.command()
-def show(name: str = NAME) -> None:
+def show(context: typer.Context, name: str = NAME) -> None:
     """Show a session's transcript."""
     from rich.console import Console
     from rich.text import Text
 
-    from quipu.sessions.manage import transcript
+    from quipu.app.manage import transcript
 
     term = Terminal.detect()
-    data = transcript(_env(), name)
+    data = transcript(context.obj, name)
     console = Console(file=term.stdout, no_color=not term.color, highlight=False)
     console.print(Text(f"{data['name']} · {data['model']} · {data['context_tokens']} tokens · {data['updated']}", style="dim"))
     for m in data["messages"]:
@@ -76,35 +71,39 @@ def show(name: str = NAME) -> None:
 
 
 @app.command()
-def rm(names: List[str] = typer.Argument(..., help="Sessions to remove.", autocompletion=_complete_sessions)) -> None:
+def rm(
+    context: typer.Context,
+    names: List[str] = typer.Argument(..., help="Sessions to remove.", autocompletion=_complete_sessions),
+) -> None:
     """Remove sessions."""
-    from quipu.sessions.manage import remove
+    from quipu.app.manage import remove
 
-    remove(_env(), names)
+    remove(context.obj, names)
 
 
 @app.command()
-def rename(old: str = NAME, new: str = typer.Argument(..., help="New name.")) -> None:
+def rename(context: typer.Context, old: str = NAME, new: str = typer.Argument(..., help="New name.")) -> None:
     """Rename a session."""
-    from quipu.sessions.manage import rename as do_rename
+    from quipu.app.manage import rename as do_rename
 
-    do_rename(_env(), old, new)
+    do_rename(context.obj, old, new)
 
 
 @app.command()
-def fork(src: str = NAME, dst: str = typer.Argument(..., help="Name of the copy.")) -> None:
+def fork(context: typer.Context, src: str = NAME, dst: str = typer.Argument(..., help="Name of the copy.")) -> None:
     """Copy a session under a new name; the two go on independently."""
-    from quipu.sessions.manage import fork as do_fork
+    from quipu.app.manage import fork as do_fork
 
-    do_fork(_env(), src, dst)
+    do_fork(context.obj, src, dst)
 
 
 @app.command()
 def export(
+    context: typer.Context,
     name: str = NAME,
     fmt: str = typer.Option("markdown", "--format", "-f", help="markdown or json."),
 ) -> None:
     """Print a session's transcript as Markdown or JSON."""
-    from quipu.sessions.manage import export as do_export
+    from quipu.app.manage import export as do_export
 
-    Terminal.detect().stdout.write(do_export(_env(), name, fmt))
+    Terminal.detect().stdout.write(do_export(context.obj, name, fmt))

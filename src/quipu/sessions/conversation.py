@@ -5,22 +5,12 @@ from __future__ import annotations
 import re
 import secrets
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any, Sequence
 
 from quipu.engine.base import ProgressFn
-from quipu.errors import TemplateError, UsageError
+from quipu.errors import UsageError
 from quipu.sessions.inference import Generation, InferenceSession, TokenFn
-
-# Used when a GGUF has no chat template (as llama.cpp does).
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-ROLES = ("system", "user", "assistant")
+from quipu.sessions.template import ChatTemplate
 
 
 @dataclass
@@ -42,51 +32,8 @@ class Message:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Message":
-        role, content, tokens = data.get("role"), data.get("content"), data.get("tokens")
-        before = data.get("context_before")
-        if role not in ROLES or not isinstance(content, str):
-            raise ValueError("a message needs a known role and text content")
-        if tokens is not None and not (isinstance(tokens, list) and all(type(t) is int for t in tokens)):
-            raise ValueError("a message's tokens must be a list of integers")
-        if before is not None and (type(before) is not int or before < 0):
-            raise ValueError("a message's context_before must be a count")
-        return cls(role, content, tokens, before)
-
-
-class ChatTemplate:
-    """A Jinja chat template, run sandboxed: a template from a downloaded file must not run code."""
-
-    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = ""):
-        from jinja2 import TemplateError as JinjaError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        self.source = source or CHATML_TEMPLATE
-        self.is_fallback = source is None
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            self._template = env.from_string(self.source)
-        except JinjaError as exc:
-            raise TemplateError(f"the model's chat template is broken: {exc}") from exc
-        self._bos, self._eos = bos_token, eos_token
-
-    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:
-        from jinja2 import TemplateError as JinjaError
-
-        try:
-            return self._template.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._bos,
-                eos_token=self._eos,
-            )
-        except (JinjaError, TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as exc:
-            raise TemplateError(f"the model's chat template failed: {exc}") from exc
-
-
-def _raise_exception(message: str) -> None:
-    raise TemplateError(f"the model's chat template refused the conversation: {message}")
+        """From `to_dict`'s shape, as a checked transcript holds it."""
+        return cls(data["role"], data["content"], data.get("tokens"), data.get("context_before"))
 
 
 @dataclass
@@ -99,11 +46,7 @@ class Conversation:
 
     @classmethod
     def start(cls, session: InferenceSession, system: str | None = None) -> "Conversation":
-        backend = session.backend
-        template = ChatTemplate(
-            backend.chat_template(), backend.special_token_text("bos"), backend.special_token_text("eos")
-        )
-        conv = cls(session, template)
+        conv = cls(session, ChatTemplate.of(session.backend))
         if system:
             conv.messages.append(Message("system", system))
         return conv

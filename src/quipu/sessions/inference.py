@@ -23,6 +23,7 @@ class Stats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    prefill_tokens: int = 0  # decoded by this turn's prefill (neither reused nor restored)
     load_s: float = 0.0
     restore_s: float = 0.0
     prefill_s: float = 0.0
@@ -31,8 +32,7 @@ class Stats:
 
     @property
     def prefill_tok_s(self) -> float:
-        computed = self.prompt_tokens - self.cached_tokens
-        return computed / self.prefill_s if self.prefill_s > 0 else 0.0
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -97,9 +97,10 @@ class InferenceSession:
         self._logits_at = -1  # n_decoded when the backend's logits were computed
         self.stats = Stats()
         self._turn_started = 0.0
-        # Tokens re-read (rebuilt) before the first turn: computed, not cached, for that turn.
-        self._rebuilt = 0
-        self._rebuilt_s = 0.0
+        # Tokens re-read from the token history (not restored from state bytes) when this
+        # session was made; the first turn counts them as computed, not cached.
+        self.rebuilt_tokens = 0
+        self._rebuilt_pending = 0
         backend.set_sampler(self.params.sampler())
 
     # ---- context ------------------------------------------------------------------------
@@ -132,6 +133,7 @@ class InferenceSession:
     def begin_turn(self) -> None:
         """Starts the clock and the counters of a new turn."""
         self.stats.prompt_tokens = self.stats.cached_tokens = self.stats.completion_tokens = 0
+        self.stats.prefill_tokens = 0
         self.stats.prefill_s = self.stats.decode_s = self.stats.ttft_s = 0.0
         self._turn_started = time.perf_counter()
 
@@ -144,9 +146,9 @@ class InferenceSession:
         while keep < limit and tokens[keep] == self.tokens[keep]:
             keep += 1
         self.rewind(keep)
-        self.stats.cached_tokens = max(0, min(keep, self.n_decoded) - self._rebuilt)
-        self.stats.prefill_s += self._rebuilt_s
-        self._rebuilt, self._rebuilt_s = 0, 0.0
+        # Re-read tokens were computed (their time is the restore's), not reused from a cache.
+        self.stats.cached_tokens = max(0, min(keep, self.n_decoded) - self._rebuilt_pending)
+        self._rebuilt_pending = 0
         self.feed_prompt(tokens[keep:], on_progress)
         return keep
 
@@ -156,9 +158,10 @@ class InferenceSession:
         self.tokens.extend(tokens)
         self.backend.sampler_accept(tokens)
         self.stats.prompt_tokens = len(self.tokens)
-        started = time.perf_counter()
+        started, before = time.perf_counter(), self.n_decoded
         self._decode_pending(on_progress)
         self.stats.prefill_s += time.perf_counter() - started
+        self.stats.prefill_tokens += self.n_decoded - before
 
     def check_text_fits(self, text: str) -> None:
         """Refuses at once a text too long for the context to hold whatever its tokenization,
@@ -226,21 +229,20 @@ class InferenceSession:
             session.tokens = list(snap.tokens)
             session.n_decoded = snap.n_decoded
             session._reset_sampler()
-            session.stats.restore_s = time.perf_counter() - started
         else:
             session.rebuild(snap.tokens, snap.n_decoded, on_progress)
+        session.stats.restore_s = time.perf_counter() - started
         return session
 
     def rebuild(self, tokens: Sequence[int], n_decoded: int, on_progress: ProgressFn | None = None) -> None:
         """Re-reads `tokens[:n_decoded]` into an empty context; the rest stay pending."""
-        started = time.perf_counter()
         self.rewind(0)
         self._check_room(len(tokens))
         self.tokens = list(tokens[:n_decoded])
         self._decode_pending(on_progress)
         self.tokens.extend(tokens[n_decoded:])
         self._reset_sampler()
-        self._rebuilt, self._rebuilt_s = self.n_decoded, time.perf_counter() - started
+        self.rebuilt_tokens = self._rebuilt_pending = self.n_decoded
 
     def fork(self, backend: Backend | None = None) -> "InferenceSession":
         """An independent copy on its own context (a new one on the same model by default)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,17 @@ class SamplingParams(SamplerSettings):
             if not ok:
                 value = getattr(self, name)
                 raise InvalidParameter(f"{name.replace('_', '-')} {rule}, got {value}")
+
+    @classmethod
+    def field_types(cls) -> dict[str, type]:
+        """Each parameter's name and value type (int or float), in order: the one list of them
+        that the config file, the command line's overrides and chat's /set all read."""
+        hints = typing.get_type_hints(cls)
+        types = {}
+        for f in dataclasses.fields(cls):
+            kinds = [k for k in typing.get_args(hints[f.name]) or (hints[f.name],) if k is not type(None)]
+            types[f.name] = kinds[0]
+        return types
 
     def resolved(self) -> "SamplingParams":
         """These parameters with a concrete seed."""

@@ -7,33 +7,19 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from quipu.app.environment import SAMPLING_TYPES, Environment, TurnOptions, max_tokens
+from quipu.app.named import NamedSession, store_for
+from quipu.app.turns import StopFn, TextFn, progress_callback, token_callback
 from quipu.engine.base import ProgressFn
 from quipu.errors import ContextOverflow, InvalidParameter, UsageError
 from quipu.sessions.inference import Generation, Stats
-from quipu.sessions.named import NamedSession, store_for
-from quipu.sessions.runner import (
-    Environment,
-    StopFn,
-    TextFn,
-    TurnOptions,
-    progress_callback,
-    token_callback,
-    max_tokens,
-)
-from quipu.sessions.store import SessionInfo, validate_name
+from quipu.store.store import SessionInfo, validate_name
 
 ADJECTIVES = "amber brave calm clever eager fuzzy gentle happy jolly keen lucky merry noble quiet rapid shy sunny swift tidy witty".split()
 NOUNS = "otter falcon maple river comet badger heron lynx meadow pebble quokka raven tulip walrus yak zebra cedar fjord ember harbor".split()
 
-SETTABLE = {
-    "temperature": float,
-    "top_k": int,
-    "top_p": float,
-    "min_p": float,
-    "repeat_penalty": float,
-    "seed": int,
-    "max_tokens": int,
-}
+# What /set can change: the sampling parameters, and the reply length.
+SETTABLE = {**SAMPLING_TYPES, "max_tokens": int}
 
 # Warn when the context is this full; drop old exchanges to leave this much free.
 WARN_FRACTION = 0.85
@@ -75,7 +61,8 @@ class ChatSession:
              on_progress: ProgressFn | None = None) -> "ChatSession":
         chat = cls(env, opts)
         if name is None and resume_latest:
-            name = chat.store.most_recent()
+            infos, _ = chat.store.list()
+            name = infos[0].name if infos else None
             if name is None:
                 raise UsageError("there is no session to resume yet; start one with `quipu chat`")
         if name is None:

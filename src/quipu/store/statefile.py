@@ -1,4 +1,4 @@
-"""The state file: the context's KV bytes, verified before anything reaches llama.cpp.
+"""The state file, `NAME.kv`: the context's KV bytes, verified before anything reaches llama.cpp.
 
 Layout (little-endian):
 

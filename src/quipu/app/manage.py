@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from quipu.app.environment import Environment
 from quipu.errors import UsageError
-from quipu.sessions.runner import Environment
-from quipu.sessions.store import SessionInfo, SessionStore
+from quipu.store.store import SessionInfo, SessionStore
 
 
 def _store(env: Environment) -> SessionStore:
@@ -18,8 +18,8 @@ def list_sessions(env: Environment) -> tuple[list[SessionInfo], list[str]]:
     return _store(env).list()
 
 
-def most_recent(env: Environment) -> str | None:
-    return _store(env).most_recent()
+def session_names(env: Environment) -> list[str]:
+    return _store(env).names()
 
 
 def transcript(env: Environment, name: str) -> dict[str, Any]:
@@ -29,14 +29,14 @@ def transcript(env: Environment, name: str) -> dict[str, Any]:
     info = store.info(name)
     return {
         "name": name,
-        "model": record["model"].get("name"),
-        "created": record.get("created"),
-        "updated": record.get("updated"),
-        "params": record["params"],
-        "context": record["context"],
+        "model": record.model.get("name"),
+        "created": record.created,
+        "updated": record.updated,
+        "params": record.params,
+        "context": record.context,
         "context_tokens": info.tokens,
         "size_bytes": info.size_bytes,
-        "messages": [{"role": m.get("role"), "content": m.get("content")} for m in record["messages"]],
+        "messages": [{"role": m["role"], "content": m["content"]} for m in record.messages],
     }
 
 

@@ -6,40 +6,28 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from quipu import __version__
-from quipu.engine.base import Backend, ContextSettings, ProgressFn
-from quipu.errors import (
-    BadInput,
-    ContextOverflow,
-    EngineError,
-    InvalidParameter,
-    ModelMismatch,
-    SnapshotError,
-    UsageError,
-)
-from quipu.models import fingerprint
-from quipu.sessions.conversation import ChatTemplate, Conversation, Message
-from quipu.sessions.inference import InferenceSession, Snapshot, TokenFn
-from quipu.sessions.params import SamplingParams
-from quipu.sessions.runner import (
+from quipu.app.environment import (
+    DEFAULT_MAX_STATE_BYTES,
     Environment,
     TurnOptions,
-    TurnResult,
     context_settings,
     load_backend,
-    max_tokens,
-    open_session,
+    sampling_params,
     system_prompt,
 )
-from quipu.sessions.store import DEFAULT_MAX_STATE_BYTES, TRANSCRIPT_FORMAT, TRANSCRIPT_VERSION, SessionStore, validate_name
-
-
-def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+from quipu.engine.base import Backend, ContextSettings, ProgressFn
+from quipu.errors import EngineError, InvalidParameter, ModelMismatch, SnapshotError, UsageError
+from quipu.models import fingerprint
+from quipu.sessions.conversation import Conversation, Message
+from quipu.sessions.inference import InferenceSession, Snapshot
+from quipu.sessions.params import SamplingParams
+from quipu.sessions.template import ChatTemplate
+from quipu.store.store import KEEP_STATE, SessionStore, validate_name
+from quipu.store.transcript import Transcript, now_iso
 
 
 def tokens_digest(tokens: list[int]) -> str:
@@ -48,6 +36,23 @@ def tokens_digest(tokens: list[int]) -> str:
 
 def store_for(env: Environment) -> SessionStore:
     return SessionStore(env.dirs.sessions)
+
+
+def open_session(opts: TurnOptions, env: Environment) -> tuple[str, Path, InferenceSession]:
+    """(model name, model file, a fresh session on it), with the load time in its stats. Options
+    are checked before the model is loaded."""
+    params = sampling_params(opts, env)
+    settings = context_settings(opts, env)
+    model_name, model_path = env.resolve_model(opts.model)
+    started = time.perf_counter()
+    backend = load_backend(model_path, settings, opts.verbose)
+    try:
+        session = InferenceSession(backend, params)
+    except BaseException:
+        backend.close()
+        raise
+    session.stats.load_s = time.perf_counter() - started
+    return model_name, model_path, session
 
 
 @dataclass
@@ -63,6 +68,9 @@ class NamedSession:
     created: str
     notices: list[str] = field(default_factory=list)
     max_state_bytes: int = DEFAULT_MAX_STATE_BYTES
+    # What the state file on disk holds (decoded tokens and context settings), when it is
+    # known to be current: a save with nothing new in the context leaves the file alone.
+    saved_state: tuple | None = None
 
     @property
     def session(self) -> InferenceSession:
@@ -81,7 +89,7 @@ class NamedSession:
             named = cls._create(store, name, opts, env)
         else:
             named = cls._resume(store, name, record, opts, env, on_progress)
-        named.max_state_bytes = env.config.sessions.get("max_state_bytes", DEFAULT_MAX_STATE_BYTES)
+        named.max_state_bytes = env.max_state_bytes
         return named
 
     @classmethod
@@ -95,34 +103,34 @@ class NamedSession:
         return cls(store, name, model_name, model_path, fingerprint(model_path), conv, now_iso())
 
     @classmethod
-    def _resume(cls, store: SessionStore, name: str, record: dict[str, Any], opts: TurnOptions,
+    def _resume(cls, store: SessionStore, name: str, record: Transcript, opts: TurnOptions,
                 env: Environment, on_progress: ProgressFn | None) -> "NamedSession":
         try:
-            messages = [Message.from_dict(m) for m in record["messages"]]
-            params = SamplingParams.from_dict(record["params"])
-            saved_ctx = record["context"]
-            n_ctx, n_batch, kv_type = int(saved_ctx["n_ctx"]), int(saved_ctx["n_batch"]), str(saved_ctx["kv_type"])
-        except (ValueError, TypeError, KeyError, InvalidParameter) as exc:
+            params = SamplingParams.from_dict(record.params)
+        except (TypeError, InvalidParameter) as exc:
             raise SnapshotError(
                 f"session '{name}' is damaged: {exc}; {store.transcript_path(name)} was left as it is"
             ) from None
+        messages = [Message.from_dict(m) for m in record.messages]
         params = params.replace(**opts.sampling())
-        saved_model = record["model"]
-        model_name, model_path = cls._resume_model(name, saved_model, opts, env)
+        saved_ctx = record.context
+        model_name, model_path = cls._resume_model(name, record.model, opts, env)
         model_fp = fingerprint(model_path)
-        same_model = model_fp == saved_model.get("fingerprint")
+        same_model = model_fp == record.model.get("fingerprint")
         settings = context_settings(opts, env)
         settings = ContextSettings(
-            n_ctx=opts.ctx or n_ctx, n_batch=n_batch, n_threads=settings.n_threads, kv_type=opts.kv_type or kv_type
+            n_ctx=opts.ctx or saved_ctx["n_ctx"], n_batch=saved_ctx["n_batch"], n_threads=settings.n_threads,
+            kv_type=opts.kv_type or saved_ctx["kv_type"],
         )
         started = time.perf_counter()
         backend = load_backend(model_path, settings, opts.verbose)
         notices: list[str] = []
+        saved_state = None
         try:
             load_s = time.perf_counter() - started
             if same_model:
-                restoring = time.perf_counter()
-                snap = Snapshot(record["tokens"], record["n_decoded"], record["draws"], params, saved_ctx)
+                restoring = time.perf_counter()  # a rebuild from the transcript is part of restoring
+                snap = Snapshot(record.tokens, record.n_decoded, record.draws, params, saved_ctx)
                 reason = cls._attach_state(store, name, snap, backend, model_fp)
                 if reason:
                     notices.append(f"session '{name}': {reason}; re-reading its context from the transcript")
@@ -133,24 +141,26 @@ class NamedSession:
                     snap.state = None
                     session = InferenceSession.from_snapshot(backend, snap, on_progress)
                 session.stats.restore_s = time.perf_counter() - restoring
+                if session.rebuilt_tokens == 0 and snap.state is not None:
+                    saved_state = state_key(session)
             else:
                 notices.append(
-                    f"session '{name}' was made with {saved_model.get('name', 'another model')}; "
+                    f"session '{name}' was made with {record.model.get('name', 'another model')}; "
                     f"continuing with {model_name}, re-read from the transcript"
                 )
                 for m in messages:
                     m.tokens, m.context_before = None, None
                 session = InferenceSession(backend, params)
-                session.draws = record["draws"]
+                session.draws = record.draws
             session.stats.load_s = load_s
-            conv = Conversation(session, ChatTemplate(backend.chat_template(), backend.special_token_text("bos"),
-                                                      backend.special_token_text("eos")), messages)
+            conv = Conversation(session, ChatTemplate.of(backend), messages)
             if opts.system is not None:
                 conv.set_system(opts.system)
         except BaseException:
             backend.close()
             raise
-        return cls(store, name, model_name, model_path, model_fp, conv, record.get("created", now_iso()), notices)
+        return cls(store, name, model_name, model_path, model_fp, conv, record.created or now_iso(), notices,
+                   saved_state=saved_state)
 
     @staticmethod
     def _resume_model(name: str, saved: dict[str, Any], opts: TurnOptions, env: Environment) -> tuple[str, Path]:
@@ -192,33 +202,39 @@ class NamedSession:
         return None
 
     def save(self) -> None:
-        """Saves transcript and state, each atomically: at worst the turn in progress is lost."""
-        snap = self.session.snapshot(with_state=True)
-        record = {
-            "format": TRANSCRIPT_FORMAT,
-            "version": TRANSCRIPT_VERSION,
-            "created": self.created,
-            "updated": now_iso(),
-            "model": {"name": self.model_name, "path": str(self.model_path.resolve()), "fingerprint": self.model_fingerprint},
-            "params": snap.params.to_dict(),
-            "context": snap.context,
-            "messages": [m.to_dict() for m in self.conversation.messages],
-            "tokens": snap.tokens,
-            "n_decoded": snap.n_decoded,
-            "draws": snap.draws,
-            "quipu": __version__,
-            "build": self.backend.build,
-        }
-        meta = {
-            "fingerprint": self.model_fingerprint,
-            "build": self.backend.build,
-            "context": snap.context,
-            "n_decoded": snap.n_decoded,
-            "tokens_sha256": tokens_digest(snap.tokens[: snap.n_decoded]),
-            "quipu": __version__,
-            "created": record["updated"],
-        }
-        self.store.save(self.name, record, snap.state, meta)
+        """Saves transcript and state, each atomically: at worst the turn in progress is lost.
+        The state file is rewritten only when the context's decoded tokens or settings changed."""
+        key = state_key(self.session)
+        unchanged = key == self.saved_state and self.store.has_state(self.name)
+        snap = self.session.snapshot(with_state=not unchanged)
+        updated = now_iso()
+        record = Transcript(
+            model={"name": self.model_name, "path": str(self.model_path.resolve()), "fingerprint": self.model_fingerprint},
+            params=snap.params.to_dict(),
+            context=snap.context,
+            messages=[m.to_dict() for m in self.conversation.messages],
+            tokens=snap.tokens,
+            n_decoded=snap.n_decoded,
+            draws=snap.draws,
+            created=self.created,
+            updated=updated,
+            quipu=__version__,
+            build=self.backend.build,
+        )
+        if unchanged:
+            self.store.save(self.name, record, KEEP_STATE)
+        else:
+            meta = {
+                "fingerprint": self.model_fingerprint,
+                "build": self.backend.build,
+                "context": snap.context,
+                "n_decoded": snap.n_decoded,
+                "tokens_sha256": key[1],
+                "quipu": __version__,
+                "created": updated,
+            }
+            self.store.save(self.name, record, snap.state, meta)
+            self.saved_state = key if snap.state is not None else None
         for dropped in self.store.enforce_budget(self.max_state_bytes, keep=self.name):
             self.notices.append(f"session '{dropped}' lost its saved context to the disk budget; it will be re-read")
 
@@ -226,39 +242,7 @@ class NamedSession:
         self.backend.close()
 
 
-def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, on_token: TokenFn,
-                     progress: ProgressFn) -> TurnResult:
-    """`quipu run --session NAME` (see run_turn): continue or create the session, run one turn, save it."""
-    if opts.session is None:
-        raise UsageError("--continue needs --session NAME")
-    if opts.raw:
-        raise UsageError("--raw cannot be used with --session: sessions are conversations")
-    if opts.continue_reply and prompt:
-        raise UsageError("--continue keeps generating the last reply; it takes no prompt")
-    if not opts.continue_reply and not prompt:
-        raise BadInput("no prompt: give one as an argument or on standard input")
-    name = validate_name(opts.session)
-    limit = max_tokens(opts, env)
-    store = store_for(env)
-    store.clean_temporaries()
-    with store.lock(name):
-        named = NamedSession.open(store, name, opts, env, progress)
-        try:
-            conv = named.conversation
-            try:
-                if opts.continue_reply:
-                    gen = conv.continue_reply(max_tokens=limit, stop=opts.stop, on_token=on_token, on_progress=progress)
-                else:
-                    gen = conv.send(prompt, max_tokens=limit, stop=opts.stop, on_token=on_token, on_progress=progress)
-            except ContextOverflow as exc:
-                if len(named.session.tokens) < exc.n_ctx // 2:
-                    raise  # the prompt alone is too long
-                raise ContextOverflow(exc.prompt_tokens, exc.n_ctx, at_least=exc.at_least, hint=(
-                    f"session '{name}' is full; continue it with a larger --ctx, or free room with /trim "
-                    f"in `quipu chat -S {name}`"
-                )) from None
-            named.save()
-        finally:
-            named.close()
-    stats = named.session.stats
-    return TurnResult(gen.text, gen.finish_reason, named.model_name, named.session.params.seed, name, stats, named.notices)
+def state_key(session: InferenceSession) -> tuple:
+    """What a state file's bytes depend on: the decoded tokens and the context settings."""
+    key = session.backend.context.state_key()
+    return (session.n_decoded, tokens_digest(session.tokens[: session.n_decoded]), tuple(sorted(key.items())))

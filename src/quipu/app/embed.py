@@ -7,7 +7,7 @@ from typing import Sequence
 
 from quipu.engine.base import ContextSettings
 from quipu.errors import BadInput, CapabilityError
-from quipu.sessions.runner import Environment, TurnOptions, load_backend
+from quipu.app.environment import Environment, TurnOptions, load_backend
 
 POOLINGS = ("mean", "last", "cls")
 

@@ -2,12 +2,15 @@
 
 Each session NAME is two files in the sessions folder:
 
-- `NAME.json`, the transcript: messages, settings, seed, model fingerprint, the exact context
-  token history. It is the truth, readable, and never deleted to save space.
-- `NAME.kv`, the state file (see snapshot.py): a cache of the context that makes resuming
+- `NAME.json`, the transcript (see transcript.py): messages, settings, seed, model
+  fingerprint, the exact context token history. It is the truth, readable, and never deleted
+  to save space.
+- `NAME.kv`, the state file (see statefile.py): a cache of the context that makes resuming
   instant. It may be missing, stale or damaged; the transcript then rebuilds it.
 
-`NAME.lock` is held (flock) by whichever process is working on the session.
+`NAME.lock` is held (flock) by whichever process is working on the session. A lock file is
+only ever removed by its holder, and a waiter that wins a lock checks that the file it locked
+is still the one at the path (see `lock`), so two processes never both hold "the" lock.
 """
 
 from __future__ import annotations
@@ -32,11 +35,11 @@ from quipu.errors import (
     SessionSaveError,
     SnapshotError,
 )
-from quipu.sessions.snapshot import StateBlob, decode_state, encode_state
+from quipu.store.statefile import StateBlob, decode_state, encode_state
+from quipu.store.transcript import Transcript, TranscriptError
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-TRANSCRIPT_FORMAT = "quipu-session"
-TRANSCRIPT_VERSION = 1
+KEEP_STATE = object()  # `save(..., state=KEEP_STATE)`: the state file on disk is still current
 LOCK_WAIT_S = 3.0
 STALE_TEMP_S = 3600.0
 DEFAULT_MAX_STATE_BYTES = 4 << 30
@@ -60,9 +63,10 @@ class SessionInfo:
     size_bytes: int
     updated: str
     has_state: bool
+    saved_ns: int = 0  # when the transcript was last written, for ordering
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "saved_ns"}
 
 
 class SessionStore:
@@ -87,45 +91,51 @@ class SessionStore:
 
     # ---- locking -------------------------------------------------------------------------
 
+    def lock_path(self, name: str) -> Path:
+        return self.root / f"{validate_name(name)}.lock"
+
     @contextmanager
     def lock(self, name: str, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
         """Holds the session's lock; waits up to `wait_s`, then fails with a clear message."""
         self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / f"{validate_name(name)}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            deadline = time.monotonic() + wait_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path = self.lock_path(name)
+        deadline = time.monotonic() + wait_s
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                got = _flock_until(fd, deadline)
+                # The holder may have removed the file (rm, rename) while we waited: then we hold
+                # a lock on a file nobody else will ever open. Start again on the one at the path.
+                if got and _same_file(fd, path):
                     break
-                except OSError as exc:
-                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                        raise
-                    if time.monotonic() >= deadline:
-                        raise SessionLocked(
-                            f"session '{name}' is in use by another quipu process; try again when it is done"
-                        ) from None
-                    time.sleep(0.05)
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+            if not got:
+                raise SessionLocked(f"session '{name}' is in use by another quipu process; try again when it is done")
+        try:
             yield
         finally:
             os.close(fd)
 
     # ---- reading -------------------------------------------------------------------------
 
-    def load_transcript(self, name: str) -> dict[str, Any]:
+    def load_transcript(self, name: str) -> Transcript:
         path = self.transcript_path(name)
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
             raise SessionNotFound(f"no session named '{name}' (see `quipu sessions list`)") from None
+        except OSError as exc:
+            raise SnapshotError(f"session '{name}' cannot be read: {exc.strerror}") from None
         try:
-            record = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            raise SnapshotError(f"session '{name}' is damaged: {path} is not valid JSON; it was left as it is") from None
-        problem = check_transcript(record)
-        if problem:
-            raise SnapshotError(f"session '{name}' is damaged: {problem}; {path} was left as it is")
-        return record
+            return Transcript.decode(raw)
+        except TranscriptError as exc:
+            raise SnapshotError(f"session '{name}' is damaged: {exc}; {path} was left as it is") from None
+
+    def has_state(self, name: str) -> bool:
+        return self.state_path(name).exists()
 
     def load_state(self, name: str) -> tuple[StateBlob | None, str | None]:
         """(the verified state, None) or (None, why there is none usable)."""
@@ -143,17 +153,18 @@ class SessionStore:
 
     # ---- writing -------------------------------------------------------------------------
 
-    def save(self, name: str, record: dict[str, Any], state: bytes | None, state_meta: dict[str, Any] | None) -> None:
-        """Writes the state file (or removes a stale one), then the transcript, each atomically.
-        A failed write (disk full, read-only folder) leaves the previous save as it was."""
-        body = json.dumps(record, ensure_ascii=False, indent=1).encode("utf-8")
+    def save(self, name: str, transcript: Transcript, state: bytes | object | None,
+             state_meta: dict[str, Any] | None = None) -> None:
+        """Writes the state file (or removes a stale one, or keeps it with KEEP_STATE), then the
+        transcript, each atomically. A failed write (disk full, read-only folder) leaves the
+        previous save as it was."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            if state is not None and state_meta is not None:
+            if isinstance(state, bytes) and state_meta is not None:
                 atomic_write(self.state_path(name), encode_state(state_meta, state))
-            else:
+            elif state is not KEEP_STATE:
                 self.state_path(name).unlink(missing_ok=True)
-            atomic_write(self.transcript_path(name), body)
+            atomic_write(self.transcript_path(name), transcript.encode())
         except OSError as exc:
             raise SessionSaveError(
                 f"could not save session '{name}' in {self.root}: {exc.strerror or exc}; "
@@ -165,8 +176,8 @@ class SessionStore:
             raise SessionNotFound(f"no session named '{name}'")
         with self.lock(name):
             self.state_path(name).unlink(missing_ok=True)
-            self.transcript_path(name).unlink()
-        (self.root / f"{name}.lock").unlink(missing_ok=True)
+            self.transcript_path(name).unlink(missing_ok=True)
+            self.lock_path(name).unlink(missing_ok=True)  # while held: see `lock`
 
     def rename(self, old: str, new: str) -> None:
         self._copy_or_move(old, new, move=True)
@@ -193,25 +204,26 @@ class SessionStore:
                     os.replace(source, target)
                 else:
                     atomic_write(target, source.read_bytes())
+            if move:
+                self.lock_path(src).unlink(missing_ok=True)  # while held: see `lock`
             fsync_dir(self.root)
-        if move:
-            (self.root / f"{src}.lock").unlink(missing_ok=True)
 
     # ---- listing and disk use ------------------------------------------------------------
 
     def info(self, name: str) -> SessionInfo:
         record = self.load_transcript(name)
         state = self.state_path(name)
-        size = self.transcript_path(name).stat().st_size + (state.stat().st_size if state.exists() else 0)
-        messages = record["messages"]
+        transcript_stat = self.transcript_path(name).stat()
+        state_size = state.stat().st_size if state.exists() else None
         return SessionInfo(
             name=name,
-            model=record["model"].get("name", "?"),
-            turns=sum(1 for m in messages if m.get("role") == "assistant"),
-            tokens=len(record["tokens"]),
-            size_bytes=size,
-            updated=record.get("updated", ""),
-            has_state=state.exists(),
+            model=str(record.model.get("name", "?")),
+            turns=record.turns,
+            tokens=len(record.tokens),
+            size_bytes=transcript_stat.st_size + (state_size or 0),
+            updated=record.updated,
+            has_state=state_size is not None,
+            saved_ns=transcript_stat.st_mtime_ns,
         )
 
     def list(self) -> tuple[list[SessionInfo], list[str]]:
@@ -220,14 +232,11 @@ class SessionStore:
         for name in self.names():
             try:
                 infos.append(self.info(name))
-            except SnapshotError:
+            except (SnapshotError, FileNotFoundError):
                 damaged.append(name)
-        infos.sort(key=lambda i: i.updated, reverse=True)
+        # `updated` is to the second; the transcript's write time orders saves within one.
+        infos.sort(key=lambda i: (i.updated, i.saved_ns), reverse=True)
         return infos, damaged
-
-    def most_recent(self) -> str | None:
-        infos, _ = self.list()
-        return infos[0].name if infos else None
 
     def enforce_budget(self, max_bytes: int, keep: str | None = None) -> list[str]:
         """Drops the state files of the least recently used sessions until the rest fit in
@@ -284,31 +293,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def check_transcript(record: Any) -> str | None:
-    """What is wrong with a transcript, or None."""
-    if not isinstance(record, dict):
-        return "the transcript is not a JSON object"
-    if record.get("format") != TRANSCRIPT_FORMAT:
-        return "the transcript is not a quipu session"
-    if record.get("version") != TRANSCRIPT_VERSION:
-        return f"transcript version {record.get('version')!r} is not one this quipu reads"
-    if not isinstance(record.get("model"), dict):
-        return "the transcript has no model"
-    messages = record.get("messages")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        return "the transcript's messages are not a list of objects"
-    tokens = record.get("tokens")
-    if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
-        return "the transcript's tokens are not a list of token ids"
-    for key in ("n_decoded", "draws"):
-        value = record.get(key)
-        if type(value) is not int or value < 0:
-            return f"the transcript's {key} is not a count"
-    if record["n_decoded"] > len(tokens):
-        return "the transcript's n_decoded is past its tokens"
-    if not isinstance(record.get("params"), dict) or not isinstance(record.get("context"), dict):
-        return "the transcript has no settings"
-    return None
+def _flock_until(fd: int, deadline: float) -> bool:
+    """Takes an exclusive flock on `fd`, polling until `deadline`; False if it never came free."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def atomic_write(path: Path, data: bytes) -> None:

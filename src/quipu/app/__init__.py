@@ -1,0 +1,12 @@
+"""What the commands do, on top of the session layer and the store; the CLI calls these.
+
+- `environment.py`: `Environment` (directories, environment variables, the config file;
+  built once per command) and `TurnOptions` turned into settings: sampling parameters,
+  context settings, the backend.
+- `named.py`: `NamedSession`, a conversation bound to a name in the store: opened (created,
+  restored or re-read) and saved; `open_session` for a fresh one.
+- `turns.py`: one turn of `quipu run`, with or without a session (`TurnResult`).
+- `chat.py`: `ChatSession`, the library side of `quipu chat`: saved after every turn.
+- `manage.py`: `quipu sessions ...` over the store.
+- `embed.py`: `quipu embed`.
+"""

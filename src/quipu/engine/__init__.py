@@ -1,0 +1,6 @@
+"""The compute core: the `Backend` protocol (`base.py`) and its llama.cpp implementation
+(`llama.py`: `LlamaModel` owns a loaded model, `LlamaBackend` a context on one), with
+llama.cpp's log (`logs.py`) and incremental UTF-8 decoding of token pieces (`text.py`).
+
+Nothing here imports anything above it.
+"""

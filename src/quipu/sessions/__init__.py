@@ -1,0 +1,13 @@
+"""The session layer proper: what a user thinks of as a conversation, in memory.
+
+- `inference.py`: `InferenceSession` feeds prompts, infers the next token, runs a generation
+  with a per-token callback, keeps stats, and snapshots or restores itself (`Snapshot`).
+- `conversation.py`: `Conversation` and `Message`: turns as the model's chat template renders
+  them, fed incrementally; undo, retry, continue, drop the oldest exchanges.
+- `template.py`: `ChatTemplate`, the model's Jinja template in a sandbox.
+- `params.py`: `SamplingParams`, validated, and the per-draw seeds that make resuming exact.
+- `stops.py`: stop strings, held back while they could still match.
+
+It drives an `engine.Backend` and knows no terminal and no files: saving a session is the
+job of `quipu.app` with `quipu.store`.
+"""

@@ -1,0 +1,10 @@
+"""Files on disk, and nothing above them: formats that are written atomically, checksummed,
+locked, and never pickled.
+
+- `store.py`: `SessionStore`, the sessions folder: names, locks, saving, listing, the disk
+  budget, atomic writes.
+- `transcript.py`: the transcript format (`NAME.json`), the truth of a session.
+- `statefile.py`: the state file format (`NAME.kv`), the verified KV bytes of a context.
+
+This package imports neither `quipu.sessions` nor `quipu.app`.
+"""

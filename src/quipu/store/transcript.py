@@ -1,0 +1,119 @@
+"""The transcript file, `NAME.json`: the truth of a session, and the one home of its format.
+
+A transcript is UTF-8 JSON: the messages, the sampling parameters, the context settings, the
+model (name, path, fingerprint), the exact context token history (`tokens`, of which the first
+`n_decoded` were in the KV cache when it was saved) and the number of random draws made. It
+is read and checked here and nowhere else; the session layer turns its plain values into live
+objects.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+FORMAT = "quipu-session"
+VERSION = 1
+ROLES = ("system", "user", "assistant")
+
+
+class TranscriptError(ValueError):
+    """What is wrong with a transcript, in words for a user."""
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class Transcript:
+    model: dict[str, Any]  # name, path, fingerprint
+    params: dict[str, Any]
+    context: dict[str, Any]  # n_ctx, n_batch, kv_type
+    messages: list[dict[str, Any]]
+    tokens: list[int]
+    n_decoded: int
+    draws: int
+    created: str = field(default_factory=now_iso)
+    updated: str = field(default_factory=now_iso)
+    quipu: str = ""
+    build: str = ""
+
+    @property
+    def turns(self) -> int:
+        return sum(1 for m in self.messages if m["role"] == "assistant")
+
+    def encode(self) -> bytes:
+        record = {"format": FORMAT, "version": VERSION, **asdict(self)}
+        return json.dumps(record, ensure_ascii=False, indent=1).encode("utf-8")
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "Transcript":
+        """Parses and checks; raises TranscriptError saying what is wrong."""
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise TranscriptError("the transcript is not valid JSON") from None
+        problem = check(record)
+        if problem:
+            raise TranscriptError(problem)
+        return cls(
+            model=record["model"], params=record["params"], context=record["context"],
+            messages=record["messages"], tokens=record["tokens"], n_decoded=record["n_decoded"],
+            draws=record["draws"], created=str(record.get("created", "")), updated=str(record.get("updated", "")),
+            quipu=str(record.get("quipu", "")), build=str(record.get("build", "")),
+        )
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _check_message(m: Any) -> str | None:
+    if not isinstance(m, dict):
+        return "a message is not an object"
+    if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+        return "a message has no known role or no text"
+    tokens = m.get("tokens")
+    if tokens is not None and not (isinstance(tokens, list) and all(_is_count(t) for t in tokens)):
+        return "a message's tokens are not a list of token ids"
+    before = m.get("context_before")
+    if before is not None and not _is_count(before):
+        return "a message's context_before is not a count"
+    return None
+
+
+def check(record: Any) -> str | None:
+    """What is wrong with a parsed transcript, or None."""
+    if not isinstance(record, dict):
+        return "the transcript is not a JSON object"
+    if record.get("format") != FORMAT:
+        return "the transcript is not a quipu session"
+    if record.get("version") != VERSION:
+        return f"transcript version {record.get('version')!r} is not one this quipu reads"
+    if not isinstance(record.get("model"), dict):
+        return "the transcript has no model"
+    messages = record.get("messages")
+    if not isinstance(messages, list):
+        return "the transcript's messages are not a list"
+    for m in messages:
+        problem = _check_message(m)
+        if problem:
+            return problem
+    tokens = record.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_count(t) for t in tokens):
+        return "the transcript's tokens are not a list of token ids"
+    for key in ("n_decoded", "draws"):
+        if not _is_count(record.get(key)):
+            return f"the transcript's {key} is not a count"
+    if record["n_decoded"] > len(tokens):
+        return "the transcript's n_decoded is past its tokens"
+    context = record.get("context")
+    if not isinstance(record.get("params"), dict) or not isinstance(context, dict):
+        return "the transcript has no settings"
+    if not (_is_count(context.get("n_ctx")) and _is_count(context.get("n_batch"))
+            and isinstance(context.get("kv_type"), str)):
+        return "the transcript's context settings are incomplete"
+    return None

@@ -1,0 +1,55 @@
+"""The layers import downward only: cli -> app -> sessions -> engine, app -> store."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import quipu
+
+ROOT = Path(quipu.__file__).parent
+# What each package may import from quipu, beyond itself and the shared modules.
+SHARED = {"quipu", "quipu.errors", "quipu.paths", "quipu.config", "quipu.models", "quipu.gguf"}
+ALLOWED = {
+    "engine": set(),
+    "sessions": {"engine"},
+    "store": set(),
+    "app": {"sessions", "store", "engine"},
+    "cli": {"app"},
+}
+
+
+def quipu_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n == "quipu" or n.startswith("quipu.")}
+
+
+def test_each_package_imports_only_the_layers_below_it():
+    wrong = []
+    for package, allowed in ALLOWED.items():
+        for path in sorted((ROOT / package).glob("*.py")):
+            for name in quipu_imports(path):
+                if name in SHARED or name.startswith(f"quipu.{package}"):
+                    continue
+                if not any(name == f"quipu.{a}" or name.startswith(f"quipu.{a}.") for a in allowed):
+                    wrong.append(f"{package}/{path.name} imports {name}")
+    assert not wrong
+
+
+def test_the_shared_modules_import_no_layer():
+    for name in ("errors", "paths", "config", "models", "gguf"):
+        for imported in quipu_imports(ROOT / f"{name}.py"):
+            assert imported in SHARED, f"{name}.py imports {imported}"
+
+
+def test_every_package_says_where_things_live():
+    for package in ALLOWED:
+        doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
+        if package != "cli":
+            modules = {p.stem for p in (ROOT / package).glob("*.py")} - {"__init__"}
+            assert doc and all(f"{m}.py" in doc for m in modules), package
