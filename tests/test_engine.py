@@ -181,3 +181,34 @@ def test_stop_matcher(chunks, stops, shown, matched):
     else:
         out += m.flush()
     assert out == shown and m.matched == matched
+
+
+def test_a_fork_shares_the_loaded_model_and_outlives_the_original(tmp_path, tiny_model):
+    import shutil
+
+    from quipu.engine.base import ContextSettings
+    from quipu.engine.llama import LlamaBackend
+
+    path = shutil.copy(tiny_model, tmp_path / "moving.gguf")
+    backend = LlamaBackend(path, ContextSettings(n_ctx=256, n_threads=2))
+    session = InferenceSession(backend, HOT.replace(seed=4))
+    session.generate(backend.tokenize("hello world", add_special=True, parse_special=False), 4)
+    (tmp_path / "moving.gguf").rename(tmp_path / "moved.gguf")  # a fork must not read the file again
+    twin = session.fork()
+    assert twin.backend.model is backend.model and twin.backend is not backend
+    expected = session.infer(8).tokens
+    backend.close()  # the model stays loaded for the fork
+    assert twin.infer(8).tokens == expected
+    twin.backend.close()
+    assert backend.model.ptr is None  # freed with its last context
+
+
+def test_embedding_leaves_no_context_behind(tiny_model):
+    from quipu.engine.base import ContextSettings
+    from quipu.engine.llama import LlamaBackend
+
+    with LlamaBackend(tiny_model, ContextSettings(n_ctx=256, n_threads=2)) as backend:
+        handles = len(backend._stack._exit_callbacks)  # native handles the backend will free at close
+        for pooling in ("mean", "last", "cls", "mean", "last"):
+            assert len(backend.embed(["hello world"], pooling)[0]) == 128
+        assert len(backend._stack._exit_callbacks) == handles

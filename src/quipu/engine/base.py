@@ -77,7 +77,7 @@ class Backend(Protocol):
         """How many positions the context holds."""
 
     def reopen(self) -> "Backend":
-        """A new, independent context on the same model and settings."""
+        """A new, independent context with the same settings on the same loaded model."""
 
     def set_sampler(self, settings: SamplerSettings) -> None: ...
     def sampler_reset(self, window: Sequence[int]) -> None:

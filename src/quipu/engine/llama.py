@@ -52,8 +52,97 @@ def check_gguf(path: Path) -> None:
         raise ModelLoadError(f"{path} is not a GGUF model file")
 
 
+class LlamaModel:
+    """One loaded model file and its vocabulary. Contexts share it: each `LlamaBackend` on it
+    holds a reference, and the model is freed when the last one is released."""
+
+    def __init__(self, path: Path):
+        _init_backend()
+        self.path = Path(path)
+        check_gguf(self.path)
+        mparams = lc.llama_model_default_params()
+        LOG.clear_errors()
+        model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not model:
+            raise ModelLoadError(f"llama.cpp could not load {self.path}{LOG.reason()}")
+        self.ptr = model
+        self._refs = 0
+        self.vocab = lc.llama_model_get_vocab(model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = lc.llama_model_n_ctx_train(model)
+        self._pieces: dict[int, bytes] = {}
+        self._max_token_bytes: int | None = None
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    def acquire(self) -> "LlamaModel":
+        if self.ptr is None:
+            raise EngineError("the model was already freed")
+        self._refs += 1
+        return self
+
+    def release(self) -> None:
+        self._refs -= 1
+        if self._refs <= 0 and self.ptr is not None:
+            lc.llama_model_free(self.ptr)
+            self.ptr = None
+
+    # ---- vocabulary ---------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (lc.llama_token * cap)()
+        n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (lc.llama_token * cap)()
+            n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise EngineError("llama.cpp could not tokenize the text")
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            buf = self._piece_buf
+            n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            piece = buf.raw[:n]
+            self._pieces[token] = piece
+        return piece
+
+    def max_token_bytes(self) -> int:
+        """The longest text any one token stands for."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max(len(self.token_bytes(t)) for t in range(self.n_vocab))
+        return self._max_token_bytes
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lc.llama_vocab_is_eog(self.vocab, token))
+
+    def bos_token(self) -> int | None:
+        if not lc.llama_vocab_get_add_bos(self.vocab):
+            return None
+        bos = lc.llama_vocab_bos(self.vocab)
+        return None if bos < 0 else bos
+
+    def special_token_text(self, which: str) -> str:
+        token = {"bos": lc.llama_vocab_bos, "eos": lc.llama_vocab_eos}[which](self.vocab)
+        if token < 0:
+            return ""
+        text = lc.llama_vocab_get_text(self.vocab, token)
+        return text.decode("utf-8", "replace") if text else ""
+
+    def chat_template(self) -> str | None:
+        raw = lc.llama_model_chat_template(self.ptr, None)
+        return raw.decode("utf-8", "replace") if raw else None
+
+
 class LlamaBackend:
-    """One model and one context. Close it (or use it as a context manager) to free native memory."""
+    """One context on a model (loaded from `model_path`, or a shared `LlamaModel`). Close it (or
+    use it as a context manager) to free its native memory; the model goes with its last context."""
 
     name = "llama.cpp"
     build = f"llama-cpp-python {lc.__version__}"
@@ -61,33 +150,28 @@ class LlamaBackend:
     EMBED_BATCH = 2048
     EMBED_SEQS = 64
 
-    def __init__(self, model_path: Path, context: ContextSettings = ContextSettings(), *, verbose: bool = False):
+    def __init__(self, model_path: Path | LlamaModel, context: ContextSettings = ContextSettings(), *,
+                 verbose: bool = False):
         if context.kv_type not in KV_TYPES:
             raise InvalidParameter(f"--kv-type must be one of {', '.join(KV_TYPES)}, not '{context.kv_type}'")
         _init_backend()
         LOG.verbose = verbose
-        self.model_path = Path(model_path)
-        check_gguf(self.model_path)
         self._stack = ExitStack()
         try:
-            self._load(context)
+            model = model_path if isinstance(model_path, LlamaModel) else LlamaModel(model_path)
+            self.model = model.acquire()
+            self._stack.callback(model.release)
+            self._open_context(context)
         except BaseException:
             self._stack.close()
             raise
+        self.model_path = self.model.path
+        self.n_vocab = self.model.n_vocab
+        self.n_ctx_train = self.model.n_ctx_train
+        self.embed_calls = 0
 
-    def _load(self, context: ContextSettings) -> None:
-        mparams = lc.llama_model_default_params()
-        LOG.clear_errors()
-        model = lc.llama_model_load_from_file(str(self.model_path).encode(), mparams)
-        if not model:
-            raise ModelLoadError(f"llama.cpp could not load {self.model_path}{LOG.reason()}")
-        self._model = model
-        self._stack.callback(lc.llama_model_free, model)
-        self._vocab = lc.llama_model_get_vocab(model)
-        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
-        self.n_ctx_train = lc.llama_model_n_ctx_train(model)
-
-        n_ctx = context.n_ctx or min(self.n_ctx_train or MAX_DEFAULT_CTX, MAX_DEFAULT_CTX)
+    def _open_context(self, context: ContextSettings) -> None:
+        n_ctx = context.n_ctx or min(self.model.n_ctx_train or MAX_DEFAULT_CTX, MAX_DEFAULT_CTX)
         n_threads = context.n_threads or available_cpus()
         n_batch = max(1, min(context.n_batch, n_ctx))
         self.context = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=context.kv_type)
@@ -109,7 +193,7 @@ class LlamaBackend:
             lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if context.kv_type != "f16" else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
         LOG.clear_errors()
-        ctx = lc.llama_init_from_model(self._model, cparams)
+        ctx = lc.llama_init_from_model(self.model.ptr, cparams)
         if not ctx:
             raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens{LOG.reason()}")
         self._ctx = ctx
@@ -122,75 +206,29 @@ class LlamaBackend:
         self._stack.callback(lc.llama_batch_free, self._batch)
         self._sampler = None
         self._stack.callback(self._free_sampler)
-        self._pieces: dict[int, bytes] = {}
-        self._max_token_bytes: int | None = None
-        self._embed_ctx = None
-        self._embed_pooling: str | None = None
-        self.embed_calls = 0
-        self._piece_buf = ctypes.create_string_buffer(256)
 
-    # ---- vocabulary ---------------------------------------------------------------------
+    # ---- vocabulary: the model's ----------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        buf = (lc.llama_token * cap)()
-        n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:
-            cap = -n
-            buf = (lc.llama_token * cap)()
-            n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:
-            raise EngineError("llama.cpp could not tokenize the text")
-        return list(buf[:n])
+        return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def token_bytes(self, token: int) -> bytes:
-        piece = self._pieces.get(token)
-        if piece is None:
-            buf = self._piece_buf
-            n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-            piece = buf.raw[:n]
-            self._pieces[token] = piece
-        return piece
+        return self.model.token_bytes(token)
 
     def max_token_bytes(self) -> int:
-        """The longest text any one token stands for."""
-        if self._max_token_bytes is None:
-            self._max_token_bytes = max(len(self.token_bytes(t)) for t in range(self.n_vocab))
-        return self._max_token_bytes
+        return self.model.max_token_bytes()
 
     def is_eog(self, token: int) -> bool:
-        return bool(lc.llama_vocab_is_eog(self._vocab, token))
+        return self.model.is_eog(token)
 
     def bos_token(self) -> int | None:
-        if not lc.llama_vocab_get_add_bos(self._vocab):
-            return None
-        bos = lc.llama_vocab_bos(self._vocab)
-        return None if bos < 0 else bos
+        return self.model.bos_token()
 
     def special_token_text(self, which: str) -> str:
-        token = {"bos": lc.llama_vocab_bos, "eos": lc.llama_vocab_eos}[which](self._vocab)
-        if token < 0:
-            return ""
-        text = lc.llama_vocab_get_text(self._vocab, token)
-        return text.decode("utf-8", "replace") if text else ""
+        return self.model.special_token_text(which)
 
     def chat_template(self) -> str | None:
-        raw = lc.llama_model_chat_template(self._model, None)
-        return raw.decode("utf-8", "replace") if raw else None
-
-    def metadata(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(4096)
-        n = lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        if n < 0:
-            return None
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace")
+        return self.model.chat_template()
 
     # ---- decoding -----------------------------------------------------------------------
 
@@ -228,8 +266,6 @@ class LlamaBackend:
         if rc != 0:
             if rc == 1:
                 raise EngineError("llama.cpp found no room in the context for the batch")
-            if rc == 2:
-                raise KeyboardInterrupt
             raise EngineError(f"llama.cpp failed to decode (code {rc}){LOG.reason()}")
 
     def truncate(self, n_keep: int) -> None:
@@ -242,7 +278,8 @@ class LlamaBackend:
         return lc.llama_memory_seq_pos_max(self._mem, 0) + 1
 
     def reopen(self) -> "LlamaBackend":
-        return LlamaBackend(self.model_path, self.context, verbose=LOG.verbose)
+        """A new context with the same settings on the same loaded model: no second load."""
+        return LlamaBackend(self.model, self.context, verbose=LOG.verbose)
 
     # ---- sampling -----------------------------------------------------------------------
 
@@ -309,17 +346,21 @@ class LlamaBackend:
             raise EngineError(f"llama.cpp refused the saved context state{LOG.reason()}")
 
     def embed(self, texts: Sequence[str], pooling: str = "mean") -> list[list[float]]:
-        """One pooled embedding per text, several texts to each llama_decode call."""
-        ctx = self._embedding_context(pooling)
-        n_embd = lc.llama_model_n_embd(self._model)
-        encoder_only = lc.llama_model_has_encoder(self._model) and not lc.llama_model_has_decoder(self._model)
+        """One pooled embedding per text, several texts to each llama_decode call. The embedding
+        context lives for this call only."""
+        model = self.model.ptr
+        n_embd = lc.llama_model_n_embd(model)
+        encoder_only = lc.llama_model_has_encoder(model) and not lc.llama_model_has_decoder(model)
         tokenized = [self.tokenize(t, add_special=True, parse_special=False) for t in texts]
         for i, toks in enumerate(tokenized):
             if len(toks) > self.EMBED_BATCH:
                 raise InvalidParameter(f"text {i} is {len(toks)} tokens; at most {self.EMBED_BATCH} can be embedded")
         out: list[list[float]] = []
-        batch = lc.llama_batch_init(self.EMBED_BATCH, 0, 1)
-        try:
+        with ExitStack() as stack:
+            ctx = self._embedding_context(pooling)
+            stack.callback(lc.llama_free, ctx)
+            batch = lc.llama_batch_init(self.EMBED_BATCH, 0, 1)
+            stack.callback(lc.llama_batch_free, batch)
             start = 0
             while start < len(tokenized):
                 group, used = [], 0
@@ -345,16 +386,12 @@ class LlamaBackend:
                     out.append(ptr[:n_embd])
                 self.embed_calls += 1
                 start += len(group)
-        finally:
-            lc.llama_batch_free(batch)
         return out
 
     def _embedding_context(self, pooling: str):
         types = {"mean": lc.LLAMA_POOLING_TYPE_MEAN, "last": lc.LLAMA_POOLING_TYPE_LAST, "cls": lc.LLAMA_POOLING_TYPE_CLS}
         if pooling not in types:
             raise InvalidParameter(f"--pooling must be one of {', '.join(types)}, not '{pooling}'")
-        if self._embed_ctx is not None and self._embed_pooling == pooling:
-            return self._embed_ctx
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = self.EMBED_BATCH
         cparams.n_seq_max = self.EMBED_SEQS
@@ -364,11 +401,9 @@ class LlamaBackend:
         cparams.pooling_type = types[pooling]
         cparams.no_perf = True
         LOG.clear_errors()
-        ctx = lc.llama_init_from_model(self._model, cparams)
+        ctx = lc.llama_init_from_model(self.model.ptr, cparams)
         if not ctx:
             raise refuse_embeddings(self.name)
-        self._stack.callback(lc.llama_free, ctx)
-        self._embed_ctx, self._embed_pooling = ctx, pooling
         return ctx
 
     def close(self) -> None:
