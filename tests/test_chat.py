@@ -121,6 +121,66 @@ def test_a_full_context_drops_the_oldest_exchanges_and_goes_on(home, tiny_model)
     assert len(record["tokens"]) <= 256
 
 
+def test_a_malformed_command_is_one_line_and_the_chat_goes_on(home, tiny_model):
+    lines = '/save "abc\n/set top_k\n/load \'\n/system "unclosed\nhello\n'
+    r = run_chat(home, "-m", tiny_model, "-n", "4", "-S", "typo", input=lines.encode())
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert "quipu: error: " in err and "closing quotation" in err
+    record = json.loads((home / "data" / "sessions" / "typo.json").read_text())
+    assert [m["content"] for m in record["messages"] if m["role"] == "user"] == ["hello"]
+
+
+def test_a_message_that_can_never_fit_is_refused_once(repl, monkeypatch):
+    from quipu.app.named import NamedSession
+
+    r, out, err = repl
+    r.safely("hello")
+    saves = []
+    real_save = NamedSession.save
+    monkeypatch.setattr(NamedSession, "save", lambda self: (saves.append(1), real_save(self)))
+    r.safely(" ".join(["hello world the sky"] * (r.chat.context_size // 4)))
+    said = err.getvalue()
+    assert said.count("cannot fit") == 1 and "context is full" not in said, said
+    assert f"context ({r.chat.context_size} tokens)" in said
+    assert saves == []  # nothing was dropped, nothing saved
+    assert [m.role for m in r.chat.messages] == ["user", "assistant"]
+    r.safely("the sky")  # and the chat goes on
+    assert len(r.chat.messages) == 4
+
+
+def test_a_long_line_piped_into_a_small_context_is_refused_once(home, tiny_model):
+    long_line = " ".join(f"hello{i} world" for i in range(180))
+    r = run_chat(home, "-m", tiny_model, "--ctx", "256", "-n", "8", "-S", "long",
+                 input=f"hello\n{long_line}\nthe sky\n".encode())
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "Traceback" not in err and "RecursionError" not in err, err
+    assert err.count("cannot fit") == 1 and err.count("context is full") == 0, err
+    record = json.loads((home / "data" / "sessions" / "long.json").read_text())
+    assert [m["content"] for m in record["messages"] if m["role"] == "user"] == ["hello", "the sky"]
+
+
+def test_room_is_made_for_a_long_message_that_fits_alone(home, tiny_model):
+    lines = "".join(f"the sky is blue {i}\n" for i in range(4))
+    long_line = " ".join(f"w{i}" for i in range(45))  # most of the context, but it fits alone
+    r = run_chat(home, "-m", tiny_model, "--ctx", "256", "-n", "8", "-S", "room",
+                 input=(lines + long_line + "\n").encode())
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert err.count("context is full") == 1 and "cannot fit" not in err, err
+    record = json.loads((home / "data" / "sessions" / "room.json").read_text())
+    assert record["messages"][-2]["content"] == long_line and record["messages"][-1]["role"] == "assistant"
+
+
+def test_loading_the_open_session_says_so(repl):
+    r, out, err = repl
+    r.safely("hello")
+    r.safely("/load unit")
+    said = err.getvalue()
+    assert "already" in said and "in use" not in said, said
+    assert r.chat.name == "unit" and len(r.chat.messages) == 2
+
+
 def test_a_chat_holds_its_session_against_a_run(home, tiny_model):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
     environ["QUIPU_HOME"] = str(home)

@@ -120,7 +120,7 @@ class ChatSession:
     # ---- turns -------------------------------------------------------------------------------
 
     def _turn(self, action: Callable[..., Generation], on_text: TextFn | None, should_stop: StopFn | None,
-              on_progress: ProgressFn | None) -> TurnOutcome:
+              on_progress: ProgressFn | None, message: str | None = None) -> TurnOutcome:
         named = self._named
         try:
             gen = action(
@@ -129,16 +129,33 @@ class ChatSession:
                 on_token=token_callback(on_text, should_stop),
                 on_progress=progress_callback(on_progress, should_stop),
             )
-        except ContextOverflow:
+        except ContextOverflow as exc:
+            if message is not None:
+                self._refuse_if_it_never_fits(message, exc)
             return TurnOutcome(Generation("", [], "context_full"), named.session.stats, context_full=True)
         self.save()
         self.last_stats = named.session.stats
         return TurnOutcome(gen, named.session.stats, gen.finish_reason == "context_full")
 
+    def _refuse_if_it_never_fits(self, text: str, exc: ContextOverflow) -> None:
+        """A message too long even for a conversation of nothing but the system prompt gets one
+        clear refusal: dropping old exchanges or a new session could not make room for it."""
+        conv = self._named.conversation
+        n_ctx = conv.session.n_ctx
+        if exc.at_least:
+            raise UsageError(f"this message cannot fit: it is more than {n_ctx} tokens, and the context holds "
+                             f"{n_ctx}; shorten it, or start the chat with a larger --ctx")
+        size, overhead = conv.size_alone(text)
+        room = n_ctx - 1 - overhead  # one cell stays free for the reply's first token
+        if size > room:
+            raise UsageError(f"this message cannot fit: it is {size} tokens, and the context ({n_ctx} tokens) has "
+                             f"room for {max(room, 0)} beside the system prompt; shorten it, or start the chat "
+                             "with a larger --ctx")
+
     def send(self, text: str, on_text: TextFn | None = None, should_stop: StopFn | None = None,
              on_progress: ProgressFn | None = None) -> TurnOutcome:
         conv = self._named.conversation
-        return self._turn(lambda **kw: conv.send(text, **kw), on_text, should_stop, on_progress)
+        return self._turn(lambda **kw: conv.send(text, **kw), on_text, should_stop, on_progress, message=text)
 
     def retry(self, on_text: TextFn | None = None, should_stop: StopFn | None = None,
               on_progress: ProgressFn | None = None) -> TurnOutcome:
@@ -162,10 +179,16 @@ class ChatSession:
         self._named.conversation.set_system(text or None)
         self.save()
 
-    def drop_oldest(self) -> int:
-        """Drops old exchanges so that half the context is free again."""
+    def drop_oldest(self, for_message: str | None = None) -> int:
+        """Drops old exchanges so that half the context is free again, or more if `for_message`
+        needs more (with room left for a reply)."""
         conv = self._named.conversation
-        dropped = conv.drop_oldest(int(conv.session.n_ctx * KEEP_FREE_FRACTION))
+        n_ctx = conv.session.n_ctx
+        keep_free = int(n_ctx * KEEP_FREE_FRACTION)
+        if for_message is not None:
+            size, _ = conv.size_alone(for_message)
+            keep_free = max(keep_free, min(size + n_ctx // 8, n_ctx - 1))
+        dropped = conv.drop_oldest(keep_free)
         self.save()
         return dropped
 
@@ -215,6 +238,8 @@ class ChatSession:
         self.store.fork(self.name, name, src_locked=True)
 
     def load(self, name: str, on_progress: ProgressFn | None = None) -> None:
+        if name == self.name:
+            raise UsageError(f"session '{name}' is already open")
         if not self.store.exists(name):
             raise UsageError(f"no session named '{name}'")
         self.save()

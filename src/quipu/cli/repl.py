@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 from dataclasses import dataclass
 from typing import Callable
 
 from quipu.cli.terminal import PrefillProgress, StopOnCtrlC, Terminal
-from quipu.errors import Interrupted, QuipuError
+from quipu.errors import Interrupted, QuipuError, UsageError
 
 PROMPT = "› "
 
@@ -173,14 +174,19 @@ class Repl:
             self.term.warn(notice)
 
     def need(self, arg: str, usage: str) -> str:
+        """The one argument of a command, unquoted; a usage error when it is missing or malformed."""
         arg = arg.strip()
-        if not arg:
-            raise QuipuError(f"usage: {usage}")
-        return shlex.split(arg)[0] if arg[0] in "\"'" else arg
+        try:
+            words = shlex.split(arg) if arg[:1] in ("'", '"') else [arg]
+        except ValueError as exc:  # an unbalanced quote
+            raise UsageError(f"usage: {usage} ({str(exc)[:1].lower()}{str(exc)[1:]})") from None
+        if len(words) != 1 or not words[0]:
+            raise UsageError(f"usage: {usage}")
+        return words[0]
 
     # ---- turns -----------------------------------------------------------------------------
 
-    def turn(self, action, *args) -> None:
+    def turn(self, action, *args, room_made: bool = False) -> None:
         progress = PrefillProgress(self.term)
         renderer = self._renderer()
         with StopOnCtrlC(hard_second=False) as stopper:
@@ -194,7 +200,11 @@ class Repl:
             self.say("[stopped]")
         self.show_notices()
         if outcome.context_full:
-            self.context_full(args[0] if args and not gen.tokens else None)
+            unsent = args[0] if args and not gen.tokens else None
+            if room_made:  # room was made for this message already; do not go round again
+                self.say("the context is still full; the message was not sent")
+            else:
+                self.context_full(unsent)
 
     def _renderer(self):
         if self.markdown and self.term.stdout_tty:
@@ -207,13 +217,14 @@ class Repl:
         choice = self.ask("[d]rop the oldest exchanges and go on, [n]ew session with the same system prompt, "
                           "or [c]ancel? ", default="d")
         if choice.startswith("d"):
-            _trim(self, "")
+            dropped = self.chat.drop_oldest(unsent)
+            self.say(f"dropped {dropped} old messages; the system prompt stays")
         elif choice.startswith("n"):
             _new(self, "")
         else:
             return
         if unsent:
-            self.turn(self.chat.send, unsent)
+            self.turn(self.chat.send, unsent, room_made=True)
 
     def ask(self, question: str, default: str) -> str:
         if not self.term.stdin_tty:
@@ -237,13 +248,21 @@ class Repl:
             self.turn(self.chat.send, line)
 
     def safely(self, line: str) -> None:
+        """The REPL's error boundary: an error is one line on stderr, and the chat goes on."""
         try:
             self.handle(line)
         except Interrupted:
             self.say("[stopped]")
         except QuipuError as exc:
-            self.term.stderr.write(f"quipu: error: {exc}\n")
-            self.term.stderr.flush()
+            self.error(str(exc))
+        except Exception as exc:  # a bug of ours must not end the chat and lose what follows
+            if os.environ.get("QUIPU_DEBUG") == "1":
+                raise
+            self.error(f"unexpected {type(exc).__name__}: {exc} (QUIPU_DEBUG=1 shows where)")
+
+    def error(self, message: str) -> None:
+        self.term.stderr.write(f"quipu: error: {message}\n")
+        self.term.stderr.flush()
 
     # ---- loops -----------------------------------------------------------------------------
 

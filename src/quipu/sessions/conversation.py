@@ -195,6 +195,14 @@ class Conversation:
         """Forgets the conversation, keeping the system prompt."""
         del self.messages[1 if self.system is not None else 0 :]
 
+    def size_alone(self, text: str) -> tuple[int, int]:
+        """(tokens `text` takes as a user message, tokens of everything around it) in a
+        conversation of nothing but the system prompt and this message."""
+        head = [m for m in self.messages[:1] if m.role == "system"]
+        empty = len(self.render_tokens(head + [Message("user", "")], add_generation_prompt=True))
+        full = len(self.render_tokens(head + [Message("user", text)], add_generation_prompt=True))
+        return full - empty, empty
+
     def drop_oldest(self, keep_free: int) -> int:
         """Drops the oldest exchanges (never the system prompt) until the conversation leaves at
         least `keep_free` tokens of the context free. Returns how many messages went."""
