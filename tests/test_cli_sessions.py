@@ -95,6 +95,39 @@ def test_missing_state_is_rebuilt(quipu, tiny_model, home):
     assert r.returncode == 0 and "no saved context state" in r.stderr.decode()
 
 
+def test_a_rebuild_is_timed_as_restoring_and_each_second_counts_once(quipu, tiny_model, home):
+    words = " ".join(["the sky is blue and the world is hello"] * 30)
+    tiny(quipu, tiny_model, "-S", "t", "-n", "8", *HOT, words)
+    session_files(home, "t")[1].unlink()
+    r = tiny(quipu, tiny_model, "--json", "-S", "t", "-n", "8", "again")
+    assert r.returncode == 0, r.stderr.decode()
+    out = json.loads(r.stdout)
+    t, usage = out["timings"], out["usage"]
+    assert usage["cached_tokens"] == 0 and usage["prompt_tokens"] > 300
+    assert t["restore_s"] > 0  # re-reading 300 tokens is restoring...
+    assert t["prefill_s"] <= t["ttft_s"]  # ...and not this turn's prefill, which is within its first token
+    # The turn read only its new message, so its prefill speed is that message's tokens over its time.
+    assert t["prefill_tok_s"] * t["prefill_s"] < 50
+
+
+def test_a_save_that_changed_no_context_leaves_the_state_file_alone(quipu, tiny_model, home):
+    tiny(quipu, tiny_model, "-S", "keep", "-n", "8", *HOT, "hello")
+    state = session_files(home, "keep")[1]
+    before = state.stat()
+    r = quipu("chat", "-m", tiny_model, "-S", "keep", input="/set temperature 0.5\n/system be brief\n")
+    assert r.returncode == 0, r.stderr.decode()
+    after = state.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    record = json.loads(session_files(home, "keep")[0].read_text())
+    assert record["params"]["temperature"] == 0.5 and record["messages"][0]["content"] == "be brief"
+    # The next turn changes the context: the state is written, and it resumes from it.
+    r = tiny(quipu, tiny_model, "--json", "-S", "keep", "-n", "4", "more")
+    assert r.returncode == 0 and "re-reading" not in r.stderr.decode()
+    assert state.stat().st_ino != before.st_ino
+    r = tiny(quipu, tiny_model, "--json", "-S", "keep", "-n", "4", "again")
+    assert json.loads(r.stdout)["usage"]["cached_tokens"] > 0 and r.stderr == b""
+
+
 @pytest.mark.parametrize(
     "damage",
     [
@@ -185,9 +218,12 @@ def test_sessions_commands(quipu, tiny_model, home):
     tiny(quipu, tiny_model, "-S", "alpha", "-s", "You are terse.", "-n", "6", "hello")
     tiny(quipu, tiny_model, "-S", "beta", "-n", "6", "the sky")
     listed = json.loads(quipu("sessions", "list", "--json").stdout)
-    assert [s["name"] for s in listed] == ["beta", "alpha"] or {s["name"] for s in listed} == {"alpha", "beta"}
+    assert [s["name"] for s in listed] == ["beta", "alpha"]  # most recently used first
+    tiny(quipu, tiny_model, "-S", "alpha", "-n", "2", "again")
+    assert [s["name"] for s in json.loads(quipu("sessions", "list", "--json").stdout)] == ["alpha", "beta"]
+    listed = json.loads(quipu("sessions", "list", "--json").stdout)
     alpha = next(s for s in listed if s["name"] == "alpha")
-    assert alpha["turns"] == 1 and alpha["tokens"] > 0 and alpha["size_bytes"] > 0
+    assert alpha["turns"] == 2 and alpha["tokens"] > 0 and alpha["size_bytes"] > 0
     table = quipu("sessions", "list").stdout.decode()
     assert "alpha" in table and "beta" in table
 
@@ -206,7 +242,7 @@ def test_sessions_commands(quipu, tiny_model, home):
     md = quipu("sessions", "export", "alpha", "--format", "markdown").stdout.decode()
     assert md.startswith("# alpha") and "## User" in md and "hello" in md
     js = json.loads(quipu("sessions", "export", "alpha", "--format", "json").stdout)
-    assert [m["role"] for m in js["messages"]] == ["system", "user", "assistant"]
+    assert [m["role"] for m in js["messages"]] == ["system", "user", "assistant", "user", "assistant"]
     assert quipu("sessions", "export", "alpha", "--format", "pdf").returncode == 2
 
     assert quipu("sessions", "rm", "alpha", "gamma").returncode == 0

@@ -120,11 +120,13 @@ def test_prompt_longer_than_the_context_is_refused(make_backend):
 
 
 def test_generation_stops_when_the_context_is_full(make_backend):
-    backend = make_backend(n_ctx=64)
-    gen, session = generate(backend, HOT.replace(seed=1), n=500)
-    assert gen.finish_reason in ("context_full", "stop")
-    if gen.finish_reason == "context_full":
-        assert len(session.tokens) == 64
+    for seed in range(1, 40):  # a seed whose reply runs into the end of the context
+        gen, session = generate(make_backend(n_ctx=64), HOT.replace(seed=seed), n=500)
+        if gen.finish_reason != "stop":
+            break
+    assert gen.finish_reason == "context_full"
+    assert len(session.tokens) == 64 and len(gen.tokens) == 64 - session.stats.prompt_tokens
+    assert session.infer(8).finish_reason == "context_full"  # and it stays full, without a crash
 
 
 def test_second_turn_feeds_only_new_tokens(make_backend):
