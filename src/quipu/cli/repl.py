@@ -241,7 +241,8 @@ class Repl:
         if line.strip().startswith("/"):
             command, arg = parse_command(line)
             if command is None:
-                self.say(f"unknown command /{arg}; /help lists them")
+                shown = arg if len(arg) <= 40 else arg[:40] + "…"
+                self.say(f"unknown command /{shown!s}; /help lists them")
                 return
             command.handler(self, arg)
         elif line.strip():
@@ -275,12 +276,28 @@ class Repl:
         """One message per line of stdin, each reply printed; no prompt, no escape codes."""
         self.say(f"session: {self.chat.name}")
         self.show_notices()
-        for raw in self.term.stdin:
+        warned = False
+        for raw in self._stdin_lines():
             if not self.running:
                 break
-            line = raw.rstrip("\n")
-            self.safely(line)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                line = raw.decode("utf-8", "replace")
+                if not warned:
+                    self.term.warn("standard input is not valid UTF-8; undecodable bytes were replaced")
+                    warned = True
+            self.safely(line.rstrip("\r\n"))
         return 0
+
+    def _stdin_lines(self):
+        """Lines of standard input as bytes, so that no encoding error can end the loop."""
+        stream = getattr(self.term.stdin, "buffer", None)
+        if stream is not None:
+            yield from stream
+        else:
+            for text in self.term.stdin:
+                yield text.encode("utf-8", "surrogateescape")
 
     def interactive(self) -> int:
         from prompt_toolkit import PromptSession
