@@ -1,4 +1,12 @@
-"""The `quipu` command: assembles the sub-apps; `main` is the one error boundary."""
+"""The `quipu` command: assembles the sub-apps; `main` is the one error boundary.
+
+One module per command or sub-app (`run.py`, `chat.py`, `sessions.py`, `models.py`,
+`config.py`, `embed.py`), with `root.py` (`--version`, the Environment built once),
+`options.py` (options shared by `run` and `chat`), `repl.py` (the chat REPL and its table of
+slash commands), `terminal.py` (terminal facts, progress, Ctrl-C), `boundary.py` (errors to
+messages and exit codes) and `completion.py` (shell completion). Each parses, calls
+`quipu.app`, and renders; none touches llama.cpp or a file format.
+"""
 
 from __future__ import annotations
 

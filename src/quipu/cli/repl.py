@@ -132,7 +132,7 @@ COMMANDS: list[SlashCommand] = [
     SlashCommand("retry", "", "generate the last reply again, with new draws", _retry),
     SlashCommand("continue", "", "keep generating the last reply", _continue),
     SlashCommand("system", "TEXT", "set the system prompt (empty removes it)", _system),
-    SlashCommand("set", "KEY VALUE", "set temperature, top_k, top_p, min_p, repeat_penalty, seed or max_tokens", _set),
+    SlashCommand("set", "KEY VALUE", "change a sampling setting or max_tokens (/set alone lists them)", _set),
     SlashCommand("stats", "", "figures of the last reply", _stats),
     SlashCommand("context", "", "tokens used of the context", _context),
     SlashCommand("trim", "", "drop the oldest exchanges to free half the context", _trim),
