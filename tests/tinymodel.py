@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import string
 from pathlib import Path
 
@@ -15,10 +16,23 @@ CHATML = (
 )
 
 WORDS = ["the", "a", "of", "and", "to", "in", "is", "it", "that", "sky", "blue", "Paris", "hello", "world"]
+# Control tokens of common chat templates, so that their text parses as it does in real models.
+SPECIALS = [
+    "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+    "<start_of_turn>", "<end_of_turn>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>",
+    "<|endoftext|>", "[INST]", "[/INST]", "<|start|>", "<|message|>", "<|channel|>", "<|return|>",
+    "<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>", "<｜begin▁of▁sentence｜>", "<｜User｜>",
+    "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>",
+    "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>",
+]
+CONTROL, USER_DEFINED = 3, 4
 
 
 def vocab() -> tuple[list[str], list[float], list[int]]:
     tokens, scores, types = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"], [0.0] * 5, [2, 3, 3, 3, 3]
+    tokens += SPECIALS
+    scores += [0.0] * len(SPECIALS)
+    types += [CONTROL] * len(SPECIALS)
     for b in range(256):
         tokens.append(f"<0x{b:02X}>")
         scores.append(0.0)
@@ -36,6 +50,60 @@ def vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+def _byte_chars() -> list[str]:
+    """GPT-2's printable stand-in for each byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+BPE_CORPUS = ("hello world the sky is blue and the world is hello. Paris is the sky of the world; "
+              "user assistant system: Shorter, please. \n\n  Hi there!  ")
+
+
+def bpe_vocab(n_merges: int = 60) -> tuple[list[str], list[int], list[str]]:
+    """A GPT-2 style byte-level BPE vocabulary: the special tokens, the 256 byte symbols, and
+    merges learned from a small corpus."""
+    chars = _byte_chars()
+    tokens = ["<|endoftext|>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"] + [t for t in SPECIALS if t != "<|endoftext|>"]
+    types = [CONTROL] * len(tokens)
+    tokens += chars
+    types += [1] * 256
+    pieces = re.findall(r" ?[A-Za-z]+| ?[^\sA-Za-z]+|\s+", BPE_CORPUS)
+    words = [[chars[b] for b in piece.encode()] for piece in pieces]
+    merges: list[str] = []
+    for _ in range(n_merges):
+        pairs: dict[tuple[str, str], int] = {}
+        for w in words:
+            for a, b in zip(w, w[1:]):
+                pairs[(a, b)] = pairs.get((a, b), 0) + 1
+        if not pairs:
+            break
+        best = max(pairs, key=lambda p: (pairs[p], p))
+        merges.append(f"{best[0]} {best[1]}")
+        tokens.append(best[0] + best[1])
+        types.append(1)
+        merged = []
+        for w in words:
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(w[i] + w[i + 1])
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged.append(out)
+        words = merged
+    return tokens, types, merges
+
+
 def write_tiny_gguf(
     path: Path,
     *,
@@ -48,10 +116,17 @@ def write_tiny_gguf(
     seed: int = 0,
     chat_template: str | None = CHATML,
     architecture: str = "llama",
+    tokenizer: str = "spm",
 ) -> Path:
+    """`tokenizer`: "spm" (SentencePiece with byte fallback, as Llama 2 and Gemma) or "bpe"
+    (GPT-2 style byte-level BPE, as Llama 3, Qwen and most recent models)."""
     import gguf
 
-    tokens, scores, types = vocab()
+    if tokenizer == "bpe":
+        tokens, types, merges = bpe_vocab()
+        scores = None
+    else:
+        tokens, scores, types = vocab()
     n_vocab = len(tokens)
     head_dim = n_embd // n_head
     rng = np.random.default_rng(seed)
@@ -70,13 +145,20 @@ def write_tiny_gguf(
     writer.add_head_count_kv(n_head_kv)
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
+    if tokenizer == "bpe":
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+    else:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_unk_token_id(0)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(4)
-    writer.add_unk_token_id(0)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     if chat_template is not None:

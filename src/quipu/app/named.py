@@ -149,7 +149,7 @@ class NamedSession:
                     f"continuing with {model_name}, re-read from the transcript"
                 )
                 for m in messages:
-                    m.tokens, m.context_before = None, None
+                    m.context_before = None
                 session = InferenceSession(backend, params)
                 session.draws = record.draws
             session.stats.load_s = load_s

@@ -72,6 +72,7 @@ class LlamaModel:
         self.n_ctx_train = lc.llama_model_n_ctx_train(model)
         self._pieces: dict[int, bytes] = {}
         self._max_token_bytes: int | None = None
+        self._control_texts: list[str] | None = None
         self._piece_buf = ctypes.create_string_buffer(256)
 
     def acquire(self) -> "LlamaModel":
@@ -112,6 +113,25 @@ class LlamaModel:
             piece = buf.raw[:n]
             self._pieces[token] = piece
         return piece
+
+    def token_text(self, token: int) -> bytes:
+        """The token's text as a chat template writes it: control tokens spelled out."""
+        if not self.is_control(token):
+            return self.token_bytes(token)
+        raw = lc.llama_vocab_get_text(self.vocab, token)
+        return raw or b""
+
+    def is_control(self, token: int) -> bool:
+        """A token that only parsing special text yields (`<|im_end|>`, `<s>`, ...), never plain text."""
+        attr = lc.llama_vocab_get_attr(self.vocab, token)
+        return bool(attr & (lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN))
+
+    def control_texts(self) -> list[str]:
+        """The text of every control token, longest first."""
+        if self._control_texts is None:
+            texts = {self.token_text(t).decode("utf-8", "replace") for t in range(self.n_vocab) if self.is_control(t)}
+            self._control_texts = sorted((t for t in texts if t), key=len, reverse=True)
+        return self._control_texts
 
     def max_token_bytes(self) -> int:
         """The longest text any one token stands for."""
@@ -217,6 +237,15 @@ class LlamaBackend:
 
     def max_token_bytes(self) -> int:
         return self.model.max_token_bytes()
+
+    def token_text(self, token: int) -> bytes:
+        return self.model.token_text(token)
+
+    def is_control(self, token: int) -> bool:
+        return self.model.is_control(token)
+
+    def control_texts(self) -> list[str]:
+        return self.model.control_texts()
 
     def is_eog(self, token: int) -> bool:
         return self.model.is_eog(token)

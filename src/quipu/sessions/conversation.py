@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import re
-import secrets
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from quipu.engine.base import ProgressFn
 from quipu.errors import UsageError
 from quipu.sessions.inference import Generation, InferenceSession, TokenFn
+from quipu.sessions.prompt import Protector, Rendered, context_tokens, reference_tokens
 from quipu.sessions.template import ChatTemplate
 
 
@@ -17,15 +16,11 @@ from quipu.sessions.template import ChatTemplate
 class Message:
     role: str
     content: str
-    # For replies: the exact tokens the model generated, so the context re-renders to itself.
-    tokens: list[int] | None = None
     # For user messages: how many tokens the context held before this exchange (for /undo).
     context_before: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"role": self.role, "content": self.content}
-        if self.tokens is not None:
-            data["tokens"] = self.tokens
         if self.context_before is not None:
             data["context_before"] = self.context_before
         return data
@@ -33,7 +28,7 @@ class Message:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Message":
         """From `to_dict`'s shape, as a checked transcript holds it."""
-        return cls(data["role"], data["content"], data.get("tokens"), data.get("context_before"))
+        return cls(data["role"], data["content"], data.get("context_before"))
 
 
 @dataclass
@@ -43,6 +38,8 @@ class Conversation:
     session: InferenceSession
     template: ChatTemplate
     messages: list[Message] = field(default_factory=list)
+    # What the template is given besides the messages (`enable_thinking`, ...).
+    variables: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def start(cls, session: InferenceSession, system: str | None = None) -> "Conversation":
@@ -61,31 +58,23 @@ class Conversation:
         if text:
             self.messages.insert(0, Message("system", text))
 
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool, tail: str = "") -> Rendered:
+        """The template's text for `messages` (and `tail`, a reply in progress), in parts that
+        keep a user's spelling of a control token as text."""
+        protector = Protector(self.session.backend.control_texts())
+        shown = [{"role": m.role, "content": protector.hide(m.content)} for m in messages]
+        text = self.template.render(shown, add_generation_prompt, **self.variables)
+        return protector.reveal(text + protector.hide(tail))
+
     def render_tokens(self, messages: Sequence[Message], add_generation_prompt: bool) -> list[int]:
-        """The context tokens for `messages`: template text parsed for special tokens, message
-        text tokenized as plain text (typing `<|im_end|>` stays text), replies as generated."""
-        backend = self.session.backend
-        nonce = secrets.token_hex(8)
-        marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
-        rendered = self.template.render(
-            [{"role": m.role, "content": mark} for m, mark in zip(messages, marks)], add_generation_prompt
-        )
-        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
-        tokens: list[int] = []
-        for i, part in enumerate(parts):
-            if i % 2 == 0:
-                if part:
-                    tokens += backend.tokenize(part, add_special=False, parse_special=True)
-            else:
-                message = messages[int(part)]
-                if message.tokens is not None:
-                    tokens += message.tokens
-                elif message.content:
-                    tokens += backend.tokenize(message.content, add_special=False, parse_special=False)
-        bos = backend.bos_token()
-        if bos is not None and (not tokens or tokens[0] != bos):
-            tokens.insert(0, bos)
-        return tokens
+        """The context tokens for `messages` on an empty context, as the reference tokenizes them."""
+        return reference_tokens(self.session.backend, self.render(messages, add_generation_prompt))
+
+    def context_tokens(self, add_generation_prompt: bool = True, tail: str = "") -> list[int]:
+        """The context tokens for the conversation (and `tail`), keeping those the context holds
+        already as far as they still spell it: replies keep the tokens the model generated."""
+        rendered = self.render(self.messages, add_generation_prompt, tail)
+        return context_tokens(self.session.backend, self.session.tokens, rendered)
 
     def send(
         self,
@@ -101,7 +90,7 @@ class Conversation:
         before = len(self.session.tokens)
         self.messages.append(Message("user", text, context_before=before))
         try:
-            return self._generate(Message("assistant", "", []), max_tokens, stop, on_token, on_progress)
+            return self._generate(Message("assistant", ""), max_tokens, stop, on_token, on_progress)
         except BaseException:
             del self.messages[-1]
             self.session.rewind(before)  # no half-read prompt stays behind
@@ -135,7 +124,7 @@ class Conversation:
             raise UsageError(f"there is no reply to {'continue' if keep else 'retry'}")
         last = self.messages.pop()
         try:
-            return self._generate(last if keep else Message("assistant", "", []), max_tokens, stop, on_token,
+            return self._generate(last if keep else Message("assistant", ""), max_tokens, stop, on_token,
                                   on_progress)
         except BaseException:
             self.messages.append(last)
@@ -145,39 +134,13 @@ class Conversation:
                   on_progress: ProgressFn | None) -> Generation:
         """Brings the context to the conversation plus what `reply` holds so far (reusing what it
         can), then generates into `reply`, which joins the conversation when done."""
-        prompt = self.render_tokens(self.messages, add_generation_prompt=True) + self._reply_tokens(reply)
+        prompt = self.context_tokens(True, reply.content)
         self.session.begin_turn()
         self.session.set_context(prompt, on_progress)
-        return self._reply(reply, max_tokens, stop, on_token)
-
-    def _reply_tokens(self, message: Message) -> list[int]:
-        if message.tokens is not None:
-            return list(message.tokens)
-        return self.session.backend.tokenize(message.content, add_special=False, parse_special=False)
-
-    def _reply(self, message: Message, max_tokens: int, stop: Sequence[str], on_token: TokenFn | None) -> Generation:
-        before = self._reply_tokens(message)
         gen = self.session.infer(max_tokens, stop, on_token)
-        self.messages.append(message)
-        message.content += gen.text
-        message.tokens = self._tokens_spelling(before + gen.tokens, message.content, gen.finish_reason)
+        self.messages.append(reply)
+        reply.content += gen.text
         return gen
-
-    def _tokens_spelling(self, tokens: list[int], text: str, finish_reason: str) -> list[int] | None:
-        """The generated tokens behind `text`: all of them, or, where a stop string cut the text,
-        the prefix that spells it exactly. None when no token boundary matches (the reply is then
-        re-read from its text next turn)."""
-        if finish_reason != "stop_sequence":
-            return tokens
-        want = text.encode("utf-8")
-        spelled = b""
-        for i, token in enumerate(tokens):
-            if spelled == want:
-                return tokens[:i]
-            spelled += self.session.backend.token_bytes(token)
-            if not want.startswith(spelled):
-                return None
-        return tokens if spelled == want else None
 
     def undo(self) -> bool:
         """Drops the last exchange (the last user message and what followed it) and returns the

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import json
 from datetime import datetime
-from typing import Sequence
+from typing import Any, Sequence
 
 from quipu.engine.base import Backend
 from quipu.errors import TemplateError
@@ -17,42 +19,127 @@ CHATML_TEMPLATE = (
 )
 
 
+class TemplateRefused(TemplateError):
+    """The template itself said no (its `raise_exception`), in its own words."""
+
+
+# Where a template refuses a system message, it joins the first user message, as llama.cpp does.
+SYSTEM_JOINER = "\n\n"
+
+
 class ChatTemplate:
-    """A Jinja chat template, run sandboxed: a template from a downloaded file must not run code."""
+    """A Jinja chat template, rendered as Hugging Face transformers renders one (the sandbox,
+    `trim_blocks`, `lstrip_blocks`, loop controls, the `generation` block, `raise_exception`,
+    `strftime_now`, a `tojson` that keeps non-ASCII text), with the messages' real text. Run
+    sandboxed: a template from a downloaded file must not run code."""
 
     def __init__(self, source: str | None, bos_token: str = "", eos_token: str = ""):
         from jinja2 import TemplateError as JinjaError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         self.source = source or CHATML_TEMPLATE
         self.is_fallback = source is None
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
-            self._template = env.from_string(self.source)
+            self._template = _environment().from_string(self.source)
         except JinjaError as exc:
-            raise TemplateError(f"the model's chat template is broken: {exc}") from exc
+            raise TemplateError(f"the chat template is broken: {exc}") from exc
         self._bos, self._eos = bos_token, eos_token
+        self.folds_system = False  # set once a render had to join the system prompt to a user message
 
     @classmethod
-    def of(cls, backend: Backend) -> "ChatTemplate":
-        """The template a backend's model ships (ChatML when it has none)."""
-        return cls(backend.chat_template(), backend.special_token_text("bos"), backend.special_token_text("eos"))
+    def of(cls, backend: Backend, source: str | None = None) -> "ChatTemplate":
+        """`source`, else the template a backend's model ships (ChatML when it has none)."""
+        return cls(source or backend.chat_template(), backend.special_token_text("bos"),
+                   backend.special_token_text("eos"))
 
-    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:
+    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool, **variables: Any) -> str:
+        """The template's text for `messages`. A template that refuses a system message gets it
+        joined to the first user message instead (`folds_system` then says so)."""
+        messages = list(messages)
+        if self.folds_system:
+            messages = fold_system(messages)
+        try:
+            return self._render(messages, add_generation_prompt, variables)
+        except TemplateRefused:
+            folded = fold_system(messages)
+            if folded is messages:
+                raise
+            text = self._render(folded, add_generation_prompt, variables)
+            self.folds_system = True
+            return text
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool, variables: dict) -> str:
         from jinja2 import TemplateError as JinjaError
 
         try:
             return self._template.render(
-                messages=list(messages),
+                **variables,
+                messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos,
                 eos_token=self._eos,
             )
+        except TemplateRefused:
+            raise
         except (JinjaError, TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as exc:
-            raise TemplateError(f"the model's chat template failed: {exc}") from exc
+            raise TemplateError(f"the chat template failed: {exc}") from exc
+
+    def features(self) -> dict[str, bool]:
+        """What the template does, as far as its text tells: a system role, thinking (and a switch
+        for it), tools."""
+        src = self.source
+        try:
+            self._render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], True, {})
+            system = True
+        except TemplateError:
+            system = False
+        return {
+            "system_role": system,
+            "thinking": any(k in src for k in ("<think>", "reasoning_content", "enable_thinking", "thinking")),
+            "thinking_switch": "enable_thinking" in src,
+            "tools": "tools" in src,
+        }
+
+
+def fold_system(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The system message joined to the first user message; `messages` itself when there is none."""
+    if len(messages) < 2 or messages[0]["role"] != "system" or messages[1]["role"] != "user":
+        return messages
+    joined = {"role": "user", "content": messages[0]["content"] + SYSTEM_JOINER + messages[1]["content"]}
+    return [joined, *messages[2:]]
 
 
 def _raise_exception(message: str) -> None:
-    raise TemplateError(f"the model's chat template refused the conversation: {message}")
+    raise TemplateRefused(f"the chat template refused the conversation: {message}")
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=1)
+def _environment():
+    """One sandboxed Jinja environment for every template (Jinja is imported only when needed)."""
+    import jinja2.ext
+    from jinja2 import nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` (transformers marks the assistant's text with it)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_as_is"), [], [], body).set_lineno(lineno)
+
+        def _as_is(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env

@@ -1,0 +1,151 @@
+"""From a conversation's rendered text to context tokens.
+
+The reference is the template's whole text tokenized once, special tokens parsed (as llama.cpp's
+server does), so that message text meets the template's text exactly as in training. Two
+departures, each kept as small as it can be:
+
+- Text a user typed that spells a control token (`<|im_end|>`, `<|eot_id|>`, ...) stays text:
+  the messages are rendered with such spellings swapped for private markers, and only there is
+  the text cut, the spelling tokenized as plain text.
+- Tokens already in the context are kept as far as they spell the new text and end where the
+  reference would end a piece (after a control token, or where one comes next): replies keep
+  the tokens the model generated, and a turn reads only what is new, or what the template
+  changed (a template that drops earlier reasoning is re-read from where it first differs).
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Sequence
+
+from quipu.engine.base import Backend
+
+
+@dataclass
+class Rendered:
+    """Rendered text as parts: (text, True) for a user's spelling of a control token, which is
+    tokenized as plain text; (text, False) for everything else, tokenized with specials parsed."""
+
+    parts: list[tuple[str, bool]]
+
+    @property
+    def text(self) -> str:
+        return "".join(text for text, _ in self.parts)
+
+    def tokenize_from(self, backend: Backend, start: int) -> list[int]:
+        """The tokens of this text from character `start` on."""
+        tokens: list[int] = []
+        at = 0
+        for text, plain in self.parts:
+            if at + len(text) > start:
+                piece = text[max(0, start - at):]
+                tokens += backend.tokenize(piece, add_special=False, parse_special=not plain)
+            at += len(text)
+        return tokens
+
+    def plain_at(self, offset: int) -> bool:
+        """Whether character `offset` falls inside a user's spelling of a control token."""
+        at = 0
+        for text, plain in self.parts:
+            if at <= offset < at + len(text):
+                return plain
+            at += len(text)
+        return False
+
+
+class Protector:
+    """Swaps a user's spellings of control tokens for markers before rendering, and back after."""
+
+    def __init__(self, control_texts: Sequence[str]):
+        self._pattern = re.compile("|".join(re.escape(t) for t in control_texts)) if control_texts else None
+        self._nonce = secrets.token_hex(6)
+        self._spelled: list[str] = []
+
+    def hide(self, text: str) -> str:
+        if self._pattern is None:
+            return text
+        return self._pattern.sub(self._mark, text)
+
+    def _mark(self, match: re.Match) -> str:
+        self._spelled.append(match.group(0))
+        return f"\ue000{self._nonce}:{len(self._spelled) - 1}\ue001"
+
+    def reveal(self, rendered: str) -> Rendered:
+        if not self._spelled:
+            return Rendered([(rendered, False)])
+        parts: list[tuple[str, bool]] = []
+        for i, piece in enumerate(re.split(f"\ue000{self._nonce}:(\\d+)\ue001", rendered)):
+            if i % 2:
+                parts.append((self._spelled[int(piece)], True))
+            elif piece:
+                parts.append((piece, False))
+        return Rendered(parts)
+
+
+def reference_tokens(backend: Backend, rendered: Rendered) -> list[int]:
+    """The whole text tokenized as the reference does, with the model's BOS where it wants one
+    and the template did not write it."""
+    tokens = rendered.tokenize_from(backend, 0)
+    bos = backend.bos_token()
+    if bos is not None and (not tokens or tokens[0] != bos):
+        tokens.insert(0, bos)
+    return tokens
+
+
+def reusable(backend: Backend, held: Sequence[int], rendered: Rendered) -> tuple[int, int]:
+    """(k, n): the first k tokens held in the context spell the first n characters of the text
+    and end where the reference ends a piece, so `held[:k]` + the tokens of the text from
+    character n on is a context for it. (0, 0) when nothing can be kept.
+
+    The held tokens are spelled as a reply's text was made from them (bytes decoded as they
+    come, a broken character as U+FFFD), so a reply cut inside a character still matches."""
+    text = rendered.text
+    controls = backend.control_texts()
+    pattern = re.compile("|".join(re.escape(t) for t in controls)) if controls else None
+    # Where a control token's text starts (and is not a user's spelling): the reference starts a piece there.
+    piece_starts = {m.start() for m in pattern.finditer(text)} if pattern else set()
+
+    def piece_ends_at(pos: int) -> bool:
+        return pos == len(text) or (pos in piece_starts and not rendered.plain_at(pos))
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    best, pos, start = (0, 0), 0, 0
+    bos = backend.bos_token()
+    bos_text = backend.token_text(bos).decode("utf-8", "replace") if bos is not None else ""
+    if held and bos is not None and held[0] == bos and not text.startswith(bos_text):
+        best, start = (1, 0), 1  # the BOS the model adds and the template does not write
+    after_control = True
+    for k in range(start, len(held)):
+        token = held[k]
+        control = backend.is_control(token)
+        if control:
+            piece = decoder.decode(b"", final=True) + backend.token_text(token).decode("utf-8", "replace")
+        else:
+            piece = decoder.decode(backend.token_bytes(token))
+        if not text.startswith(piece, pos):
+            # SentencePiece writes a space before text that follows a control token; the text has none.
+            if not (after_control and piece.startswith(" ") and text.startswith(piece[1:], pos)):
+                break
+            piece = piece[1:]
+        after_control = control
+        pos += len(piece)
+        if decoder.getstate()[0]:
+            continue  # inside a character: no boundary here
+        if (control and piece and not rendered.plain_at(pos - 1)) or piece_ends_at(pos):
+            best = (k + 1, pos)
+    else:
+        tail = decoder.decode(b"", final=True)  # the held tokens end inside a character
+        if tail and text.startswith(tail, pos) and piece_ends_at(pos + len(tail)):
+            best = (len(held), pos + len(tail))
+    return best
+
+
+def context_tokens(backend: Backend, held: Sequence[int], rendered: Rendered) -> list[int]:
+    """The context for `rendered`, keeping what `held` has of it."""
+    k, n = reusable(backend, held, rendered)
+    if k == 0:
+        return reference_tokens(backend, rendered)
+    return list(held[:k]) + rendered.tokenize_from(backend, n)

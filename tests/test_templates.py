@@ -1,0 +1,151 @@
+"""Real chat templates (the 70 that llama.cpp ships, in tests/templates/) rendered as the model was
+trained: quipu's context equals a reference render (chat_reference.py, as transformers renders,
+tokenized whole as llama.cpp's server does), in text and in tokens, on tiny generated models of
+two tokenizer families."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from chat_reference import reference_tokens, render_reference
+from quipu.errors import TemplateError
+from quipu.sessions.conversation import Conversation, Message
+from quipu.sessions.inference import InferenceSession
+from quipu.sessions.params import SamplingParams
+from quipu.sessions.template import ChatTemplate, fold_system
+
+TEMPLATES = sorted((Path(__file__).parent / "templates").glob("*.jinja"))
+# Needs a `functions` input that a chat does not have: the reference cannot render it either.
+NO_REFERENCE = {"fireworks-ai-llama-3-firefunction-v2"}
+
+CONVERSATIONS = {
+    "plain": [("system", "You are a helpful assistant."), ("user", "Hello!"),
+              ("assistant", "Hi there. How can I help?"), ("user", "Tell me a joke.")],
+    "piped": [("system", "You are terse."), ("user", "Summarize:\n\nThe sky is blue.\n"),
+              ("assistant", "  The sky is blue.  "), ("user", "  Shorter, please.  ")],
+    "empty": [("user", ""), ("assistant", ""), ("user", "Hello?")],
+    "unicode": [("system", "Réponds en français, s'il te plaît."), ("user", "Ça va ? 日本語 😀"),
+                ("assistant", "Très bien — 元気です。"), ("user", "Merci !\t")],
+}
+
+
+@pytest.fixture(scope="module", params=["spm", "bpe"])
+def backend(request, tmp_path_factory):
+    from tinymodel import write_tiny_gguf
+
+    from quipu.engine.base import ContextSettings
+    from quipu.engine.llama import LlamaBackend
+
+    path = write_tiny_gguf(tmp_path_factory.mktemp(request.param) / "tiny.gguf", tokenizer=request.param)
+    with LlamaBackend(path, ContextSettings(n_ctx=4096, n_threads=2)) as b:
+        yield b
+
+
+def conversation(backend, source: str, pairs) -> Conversation:
+    template = ChatTemplate(source, backend.special_token_text("bos"), backend.special_token_text("eos"))
+    return Conversation(InferenceSession(backend, SamplingParams(seed=1)), template, [Message(r, c) for r, c in pairs])
+
+
+@pytest.mark.parametrize("path", TEMPLATES, ids=[p.stem for p in TEMPLATES])
+def test_a_shipped_template_renders_as_the_reference(backend, path):
+    source = path.read_text()
+    bos, eos = backend.special_token_text("bos"), backend.special_token_text("eos")
+    compared = 0
+    for name, pairs in CONVERSATIONS.items():
+        messages = [{"role": r, "content": c} for r, c in pairs]
+        conv = conversation(backend, source, pairs)
+        try:
+            expected = render_reference(source, messages, add_generation_prompt=True, bos_token=bos, eos_token=eos)
+        except Exception as exc:
+            if "System role not supported" in str(exc):
+                # quipu's working default: the system prompt joins the first user message.
+                expected = render_reference(source, fold_system(messages), add_generation_prompt=True,
+                                            bos_token=bos, eos_token=eos)
+            else:
+                # What the reference cannot render, quipu refuses with a clear error, never a crash.
+                with pytest.raises(TemplateError):
+                    conv.render(conv.messages, True)
+                continue
+        rendered = conv.render(conv.messages, True)
+        assert rendered.text == expected, name
+        assert conv.render_tokens(conv.messages, True) == reference_tokens(backend, expected), name
+        compared += 1
+    assert compared > 0 or path.stem in NO_REFERENCE
+
+
+def test_control_token_text_a_user_types_stays_text(backend):
+    source = (Path(__file__).parent / "templates" / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()
+    typed = "Print <|eot_id|> and <|im_end|> for me."
+    harmless = "Print EOT and END for me."
+    conv = conversation(backend, source, [("user", typed)])
+    plain = conversation(backend, source, [("user", harmless)])
+    tokens, plain_tokens = conv.render_tokens(conv.messages, True), plain.render_tokens(plain.messages, True)
+    text = conv.render(conv.messages, True).text
+    assert text == render_reference(source, [{"role": "user", "content": typed}], add_generation_prompt=True,
+                                    bos_token=backend.special_token_text("bos"))
+    # The text spells one more <|eot_id|> than the template writes, yet the tokens hold exactly the
+    # template's control tokens: what the user typed is text.
+    assert text.count("<|eot_id|>") == plain.render(plain.messages, True).text.count("<|eot_id|>") + 1
+    assert [t for t in tokens if backend.is_control(t)] == [t for t in plain_tokens if backend.is_control(t)]
+    assert b"".join(backend.token_text(t) for t in tokens).decode() == text.replace("<s>", "", 1) or \
+        b"".join(backend.token_text(t) for t in tokens).decode().lstrip().startswith("<s>")
+
+
+def test_a_system_prompt_is_folded_where_the_template_refuses_one(backend):
+    source = (Path(__file__).parent / "templates" / "google-gemma-2-2b-it.jinja").read_text()
+    conv = conversation(backend, source, [("system", "Be brief."), ("user", "Hi")])
+    text = conv.render(conv.messages, True).text
+    assert "Be brief.\n\nHi" in text and conv.template.folds_system
+    lonely = conversation(backend, source, [("user", "Hi"), ("user", "again")])
+    with pytest.raises(TemplateError, match="refused the conversation: Conversation roles must alternate"):
+        lonely.render(lonely.messages, True)
+
+
+@pytest.mark.parametrize("name", ["meta-llama-Llama-3.1-8B-Instruct", "Qwen-Qwen2.5-7B-Instruct",
+                                  "HuggingFaceTB-SmolLM3-3B", "ibm-granite-granite-3.3-2B-Instruct"])
+def test_a_new_turn_keeps_the_whole_earlier_context(backend, name):
+    source = (Path(__file__).parent / "templates" / f"{name}.jinja").read_text()
+    conv = conversation(backend, source, [("user", "Hello!"), ("assistant", "Hi there.")])
+    conv.session.tokens = held = conv.render_tokens(conv.messages, False)
+    conv.messages.append(Message("user", "Tell me more."))
+    new = conv.context_tokens()
+    assert new[:len(held)] == held and len(new) > len(held)
+    assert new == conv.render_tokens(conv.messages, True)
+
+
+def test_a_reply_keeps_the_tokens_it_was_generated_as(tmp_path):
+    from tinymodel import write_tiny_gguf
+
+    from quipu.engine.base import ContextSettings
+    from quipu.engine.llama import LlamaBackend
+
+    with LlamaBackend(write_tiny_gguf(tmp_path / "bpe.gguf", tokenizer="bpe"), ContextSettings(n_ctx=1024)) as b:
+        source = (Path(__file__).parent / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+        conv = conversation(b, source, [("user", "Hello!"), ("assistant", "hello world, the sky")])
+        # As a model may generate it: one token per character, not as the tokenizer would split it.
+        reply = [t for ch in "hello world, the sky" for t in b.tokenize(ch, add_special=False, parse_special=False)]
+        held = conv.render_tokens(conv.messages[:1], True) + reply + b.tokenize("<|im_end|>", add_special=False,
+                                                                              parse_special=True)
+        conv.session.tokens = list(held)
+        conv.messages.append(Message("user", "Tell me more."))
+        new = conv.context_tokens()
+        assert new[:len(held)] == held  # the reply's own tokens, not the tokenizer's
+        assert new != conv.render_tokens(conv.messages, True)
+        assert new[0] == b.bos_token()  # the model's BOS, which this template does not write
+        assert b"".join(b.token_text(t) for t in new[1:]).decode() == conv.render(conv.messages, True).text
+
+
+def test_a_template_that_drops_earlier_reasoning_is_re_read_from_where_it_changed(backend):
+    source = (Path(__file__).parent / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
+    reply = "<think>\nThe user greets me.\n</think>\n\nHi there."
+    conv = conversation(backend, source, [("user", "Hello!"), ("assistant", reply)])
+    prompt = conv.render_tokens(conv.messages[:1], True)
+    # The context after the turn: the prompt, the reply as generated (reasoning and all), the end.
+    conv.session.tokens = prompt + backend.tokenize(reply + "<|im_end|>", add_special=False, parse_special=True)
+    conv.messages.append(Message("user", "Tell me more."))
+    new = conv.context_tokens()
+    assert new[:len(prompt)] == prompt  # everything before the reply is kept
+    assert "<think>" not in conv.render(conv.messages, True).text  # the template dropped the reasoning
+    assert new == reference_tokens(backend, conv.render(conv.messages, True).text)
