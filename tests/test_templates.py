@@ -149,3 +149,93 @@ def test_a_template_that_drops_earlier_reasoning_is_re_read_from_where_it_change
     assert new[:len(prompt)] == prompt  # everything before the reply is kept
     assert "<think>" not in conv.render(conv.messages, True).text  # the template dropped the reasoning
     assert new == reference_tokens(backend, conv.render(conv.messages, True).text)
+
+
+# ---- through the command line ----------------------------------------------------------------
+
+TEMPLATE_DIR = Path(__file__).parent / "templates"
+R1 = TEMPLATE_DIR / "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja"  # its prompt opens <think>
+
+
+def run_json(quipu, *args):
+    import json
+
+    r = quipu("run", "--json", *args)
+    assert r.returncode == 0, r.stderr.decode()
+    return json.loads(r.stdout)
+
+
+def test_reasoning_stays_off_stdout_and_is_in_json(quipu, tiny_model):
+    out = run_json(quipu, "-m", tiny_model, "--chat-template", R1, "-n", "8", "--seed", "3", "hello")
+    assert out["reasoning"] and out["text"] == ""  # 8 tokens, all inside the block the prompt opened
+    r = quipu("run", "-m", tiny_model, "--chat-template", R1, "-n", "8", "--seed", "3", "hello")
+    assert r.returncode == 0 and r.stdout == b"\n" and r.stderr == b""  # a pipe gets the answer only
+
+
+def test_a_reply_cut_inside_thinking_is_saved_and_resumed_exactly(quipu, tiny_model, home):
+    import json
+
+    args = ("-m", tiny_model, "--chat-template", R1, "--seed", "5", "-t", "1.0")
+    whole = run_json(quipu, "-S", "whole", *args, "-n", "16", "hello")
+    first = run_json(quipu, "-S", "half", *args, "-n", "8", "hello")
+    rest = run_json(quipu, "-S", "half", "--continue", "-n", "8")
+    assert whole["finish_reason"] == first["finish_reason"] == "length"
+    assert rest["usage"]["cached_tokens"] == rest["usage"]["prompt_tokens"] - 1  # nothing re-read
+    replies = [json.loads((home / "data" / "sessions" / f"{n}.json").read_text())["messages"][-1]["content"]
+               for n in ("whole", "half")]
+    assert replies[0] == replies[1]
+    assert "<think>" not in replies[0] and whole["reasoning"]
+
+
+def test_a_chat_template_is_remembered_by_its_session(quipu, tiny_model):
+    gemma = TEMPLATE_DIR / "google-gemma-2-2b-it.jinja"
+    first = quipu("run", "-m", tiny_model, "--chat-template", gemma, "-S", "g", "-s", "Be brief.", "-n", "4", "hello")
+    assert first.returncode == 0, first.stderr.decode()
+    assert first.stderr.decode().count("no system role") == 1  # said once, with a working default
+    shown = quipu("run", "-S", "g", "--show-prompt", "--json", "and again")
+    import json
+
+    view = json.loads(shown.stdout)
+    assert "<start_of_turn>" in view["text"] and "<|im_start|>" not in view["text"]
+    assert view["text"].count("Be brief.") == 1 and "system" not in view["text"]  # joined to the user's message
+    assert 0 < view["reused_tokens"] < len(view["tokens"])
+
+
+def test_show_prompt_generates_and_saves_nothing(quipu, tiny_model, home):
+    import json
+
+    assert quipu("run", "-m", tiny_model, "-S", "s", "-n", "4", "hello").returncode == 0
+    files = sorted((home / "data" / "sessions").glob("s.*"))
+    before = [(p.name, p.stat().st_mtime_ns) for p in files]
+    r = quipu("run", "-S", "s", "--show-prompt", "the sky")
+    assert r.returncode == 0 and "the sky" in r.stdout.decode() and "already in session 's'" in r.stderr.decode()
+    assert [(p.name, p.stat().st_mtime_ns) for p in files] == before
+    plain = json.loads(quipu("run", "-m", tiny_model, "--show-prompt", "--json", "-s", "sys", "hi").stdout)
+    assert plain["reused_tokens"] == 0 and plain["session"] is None
+    assert plain["text"].startswith("<s>") and "<|im_start|>" in plain["text"] and len(plain["tokens"]) > 5
+
+
+@pytest.mark.parametrize("content, words", [(None, "cannot read"), ("", "empty"), ("{% for x in %}", "broken"),
+                                            (b"\xff\xfe", "not UTF-8")])
+def test_a_bad_chat_template_file_is_a_usage_error(quipu, tiny_model, tmp_path, content, words):
+    path = tmp_path / "t.jinja"
+    if content is not None:
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    r = quipu("run", "-m", tiny_model, "--chat-template", path, "hi")
+    err = r.stderr.decode()
+    assert r.returncode == 2 and words in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_models_info_says_what_a_template_does(quipu, tmp_path):
+    import json
+
+    from tinymodel import write_tiny_gguf
+
+    qwen3 = write_tiny_gguf(tmp_path / "q3.gguf", chat_template=(TEMPLATE_DIR / "Qwen-Qwen3-0.6B.jinja").read_text())
+    gemma = write_tiny_gguf(tmp_path / "g2.gguf", chat_template=(TEMPLATE_DIR / "google-gemma-2-2b-it.jinja").read_text())
+    q = json.loads(quipu("models", "info", "--template", "--json", qwen3).stdout)["template_features"]
+    g = json.loads(quipu("models", "info", "--template", "--json", gemma).stdout)["template_features"]
+    assert q["thinking"] and q["thinking_switch"] and q["tools"] and q["system_role"]
+    assert not g["system_role"] and not g["thinking"]
+    text = quipu("models", "info", "--template", gemma).stdout.decode()
+    assert "a system prompt joins the first user message" in text

@@ -9,4 +9,5 @@
 - `chat.py`: `ChatSession`, the library side of `quipu chat`: saved after every turn.
 - `manage.py`: `quipu sessions ...` over the store.
 - `embed.py`: `quipu embed`.
+- `templates.py`: what a model's chat template does (`quipu models info --template`).
 """

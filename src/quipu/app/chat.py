@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from quipu.app.environment import SAMPLING_TYPES, Environment, TurnOptions, max_tokens
 from quipu.app.named import NamedSession, store_for
-from quipu.app.turns import StopFn, TextFn, progress_callback, token_callback
+from quipu.app.turns import ReplyStream, StopFn, TextFn, progress_callback
 from quipu.engine.base import ProgressFn
 from quipu.errors import ContextOverflow, InvalidParameter, UsageError
 from quipu.sessions.inference import Generation, Stats
@@ -120,19 +120,24 @@ class ChatSession:
     # ---- turns -------------------------------------------------------------------------------
 
     def _turn(self, action: Callable[..., Generation], on_text: TextFn | None, should_stop: StopFn | None,
-              on_progress: ProgressFn | None, message: str | None = None) -> TurnOutcome:
+              on_progress: ProgressFn | None, message: str | None = None,
+              on_reasoning: TextFn | None = None) -> TurnOutcome:
         named = self._named
+        conv = named.conversation
+        stream = ReplyStream(on_text, should_stop, on_reasoning, lambda: conv.reply_starts_thinking)
         try:
             gen = action(
                 max_tokens=self.max_tokens,
                 stop=self.stop,
-                on_token=token_callback(on_text, should_stop),
+                on_token=stream.on_token,
                 on_progress=progress_callback(on_progress, should_stop),
             )
         except ContextOverflow as exc:
             if message is not None:
                 self._refuse_if_it_never_fits(message, exc)
             return TurnOutcome(Generation("", [], "context_full"), named.session.stats, context_full=True)
+        stream.finish()
+        named.note_template()
         self.save()
         self.last_stats = named.session.stats
         return TurnOutcome(gen, named.session.stats, gen.finish_reason == "context_full")
@@ -153,17 +158,30 @@ class ChatSession:
                              "with a larger --ctx")
 
     def send(self, text: str, on_text: TextFn | None = None, should_stop: StopFn | None = None,
-             on_progress: ProgressFn | None = None) -> TurnOutcome:
+             on_progress: ProgressFn | None = None, on_reasoning: TextFn | None = None) -> TurnOutcome:
         conv = self._named.conversation
-        return self._turn(lambda **kw: conv.send(text, **kw), on_text, should_stop, on_progress, message=text)
+        return self._turn(lambda **kw: conv.send(text, **kw), on_text, should_stop, on_progress, message=text,
+                          on_reasoning=on_reasoning)
 
     def retry(self, on_text: TextFn | None = None, should_stop: StopFn | None = None,
-              on_progress: ProgressFn | None = None) -> TurnOutcome:
-        return self._turn(self._named.conversation.retry, on_text, should_stop, on_progress)
+              on_progress: ProgressFn | None = None, on_reasoning: TextFn | None = None) -> TurnOutcome:
+        return self._turn(self._named.conversation.retry, on_text, should_stop, on_progress,
+                          on_reasoning=on_reasoning)
 
     def continue_reply(self, on_text: TextFn | None = None, should_stop: StopFn | None = None,
-                       on_progress: ProgressFn | None = None) -> TurnOutcome:
-        return self._turn(self._named.conversation.continue_reply, on_text, should_stop, on_progress)
+                       on_progress: ProgressFn | None = None, on_reasoning: TextFn | None = None) -> TurnOutcome:
+        return self._turn(self._named.conversation.continue_reply, on_text, should_stop, on_progress,
+                          on_reasoning=on_reasoning)
+
+    def set_thinking(self, on: bool) -> bool:
+        """Sets the template's `enable_thinking` for the next replies; False when the template
+        has no such switch."""
+        conv = self._named.conversation
+        if not conv.template.features()["thinking_switch"]:
+            return False
+        conv.variables["enable_thinking"] = on
+        self.save()
+        return True
 
     def undo(self) -> bool:
         done = self._named.conversation.undo()

@@ -12,9 +12,10 @@ from typing import Any, Mapping
 from quipu import paths
 from quipu.config import Config, load_config
 from quipu.engine.base import ContextSettings
-from quipu.errors import InvalidParameter, ModelNotFound, UsageError
+from quipu.errors import InvalidParameter, ModelNotFound, TemplateError, UsageError
 from quipu.models import resolve_model
 from quipu.sessions.params import SamplingParams
+from quipu.sessions.template import ChatTemplate
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_MAX_STATE_BYTES = 4 << 30
@@ -44,6 +45,8 @@ class TurnOptions:
     session: str | None = None
     continue_reply: bool = False
     verbose: bool = False
+    chat_template: str | None = None  # a file whose template replaces the model's
+    think: bool | None = None  # the template's `enable_thinking`, where it has one
 
     def sampling(self) -> dict:
         """The sampling parameters given on the command line."""
@@ -172,3 +175,31 @@ def load_backend(model_path, settings: ContextSettings, verbose: bool):
 def system_prompt(opts: TurnOptions, env: Environment) -> str | None:
     """--system, else the config's; an explicit empty --system means none."""
     return opts.system if opts.system is not None else env.config.system
+
+
+def chat_template_source(opts: TurnOptions) -> str | None:
+    """The text of --chat-template FILE, checked to be a template; None when not given."""
+    if opts.chat_template is None:
+        return None
+    path = Path(opts.chat_template).expanduser()
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot read the chat template {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"the chat template {path} is not UTF-8 text") from None
+    if not text.strip():
+        raise UsageError(f"the chat template {path} is empty")
+    try:
+        ChatTemplate(text)
+    except TemplateError as exc:
+        raise UsageError(f"{path}: {exc}") from None
+    return text
+
+
+def template_variables(opts: TurnOptions, saved: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What the template is given besides the messages: a session's own, then --think/--no-think."""
+    variables = dict(saved or {})
+    if opts.think is not None:
+        variables["enable_thinking"] = opts.think
+    return variables

@@ -14,10 +14,12 @@ from quipu.app.environment import (
     DEFAULT_MAX_STATE_BYTES,
     Environment,
     TurnOptions,
+    chat_template_source,
     context_settings,
     load_backend,
     sampling_params,
     system_prompt,
+    template_variables,
 )
 from quipu.engine.base import Backend, ContextSettings, ProgressFn
 from quipu.errors import EngineError, InvalidParameter, ModelMismatch, SnapshotError, UsageError
@@ -28,6 +30,10 @@ from quipu.sessions.params import SamplingParams
 from quipu.sessions.template import ChatTemplate
 from quipu.store.store import KEEP_STATE, SessionStore, validate_name
 from quipu.store.transcript import Transcript, now_iso
+
+
+FOLD_NOTICE = ("the chat template has no system role; the system prompt was joined to the first user message, "
+               "as llama.cpp does")
 
 
 def tokens_digest(tokens: list[int]) -> str:
@@ -71,6 +77,14 @@ class NamedSession:
     # What the state file on disk holds (decoded tokens and context settings), when it is
     # known to be current: a save with nothing new in the context leaves the file alone.
     saved_state: tuple | None = None
+    chat_template: str | None = None  # the user's template, remembered by the session
+    _told_fold: bool = False
+
+    def note_template(self) -> None:
+        """Says once that the template had no system role, when the system prompt was folded."""
+        if self.conversation.template.folds_system and not self._told_fold:
+            self._told_fold = True
+            self.notices.append(FOLD_NOTICE)
 
     @property
     def session(self) -> InferenceSession:
@@ -94,13 +108,16 @@ class NamedSession:
 
     @classmethod
     def _create(cls, store: SessionStore, name: str, opts: TurnOptions, env: Environment) -> "NamedSession":
+        source = chat_template_source(opts)
         model_name, model_path, session = open_session(opts, env)
         try:
-            conv = Conversation.start(session, system_prompt(opts, env))
+            conv = Conversation.start(session, system_prompt(opts, env), template=source,
+                                      variables=template_variables(opts))
         except BaseException:
             session.backend.close()
             raise
-        return cls(store, name, model_name, model_path, fingerprint(model_path), conv, now_iso())
+        return cls(store, name, model_name, model_path, fingerprint(model_path), conv, now_iso(),
+                   chat_template=source)
 
     @classmethod
     def _resume(cls, store: SessionStore, name: str, record: Transcript, opts: TurnOptions,
@@ -153,14 +170,16 @@ class NamedSession:
                 session = InferenceSession(backend, params)
                 session.draws = record.draws
             session.stats.load_s = load_s
-            conv = Conversation(session, ChatTemplate.of(backend), messages)
+            template = chat_template_source(opts) or record.chat_template
+            conv = Conversation(session, ChatTemplate.of(backend, template), messages,
+                                variables=template_variables(opts, record.template_variables))
             if opts.system is not None:
                 conv.set_system(opts.system)
         except BaseException:
             backend.close()
             raise
         return cls(store, name, model_name, model_path, model_fp, conv, record.created or now_iso(), notices,
-                   saved_state=saved_state)
+                   saved_state=saved_state, chat_template=template)
 
     @staticmethod
     def _resume_model(name: str, saved: dict[str, Any], opts: TurnOptions, env: Environment) -> tuple[str, Path]:
@@ -220,6 +239,8 @@ class NamedSession:
             updated=updated,
             quipu=__version__,
             build=self.backend.build,
+            chat_template=self.chat_template,
+            template_variables=self.conversation.variables,
         )
         if unchanged:
             self.store.save(self.name, record, KEEP_STATE)

@@ -1,17 +1,25 @@
 """One turn of `quipu run`, from the user's options to a finished generation, with or without
-a named session."""
+a named session; and what such a turn would feed the model (`--show-prompt`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable
 
-from quipu.app.environment import Environment, TurnOptions, max_tokens, system_prompt
-from quipu.app.named import NamedSession, open_session, store_for
-from quipu.engine.base import ProgressFn
+from quipu.app.environment import (
+    Environment,
+    TurnOptions,
+    chat_template_source,
+    max_tokens,
+    system_prompt,
+    template_variables,
+)
+from quipu.app.named import FOLD_NOTICE, NamedSession, open_session, store_for
+from quipu.engine.base import Backend, ProgressFn
 from quipu.errors import BadInput, ContextOverflow, UsageError
-from quipu.sessions.conversation import Conversation
-from quipu.sessions.inference import Stats, TokenFn
+from quipu.sessions.conversation import Conversation, Message
+from quipu.sessions.inference import Generation, InferenceSession, Stats
+from quipu.sessions.thinking import ThinkingSplitter
 from quipu.store.store import validate_name
 
 TextFn = Callable[[str], None]
@@ -20,17 +28,19 @@ StopFn = Callable[[], bool]
 
 @dataclass
 class TurnResult:
-    text: str
+    text: str  # the answer; a thinking model's reasoning is apart
     finish_reason: str
     model: str
     seed: int
     session: str | None
     stats: Stats = field(default_factory=Stats)
     notices: list[str] = field(default_factory=list)
+    reasoning: str = ""
 
     def to_json(self) -> dict:
         return {
             "text": self.text,
+            "reasoning": self.reasoning or None,
             "finish_reason": self.finish_reason,
             "model": self.model,
             "seed": self.seed,
@@ -40,47 +50,95 @@ class TurnResult:
         }
 
 
+class ReplyStream:
+    """Passes a reply's text on as it is generated, a thinking model's reasoning apart from its
+    answer, and stops the generation when asked. One per turn."""
+
+    def __init__(self, on_text: TextFn | None = None, should_stop: StopFn | None = None,
+                 on_reasoning: TextFn | None = None, starts_thinking: Callable[[], bool] = lambda: False):
+        self._on_text, self._on_reasoning = on_text, on_reasoning
+        self._should_stop = should_stop
+        self._starts_thinking = starts_thinking
+        self._splitter: ThinkingSplitter | None = None
+        self.answer: list[str] = []
+        self.reasoning: list[str] = []
+
+    def on_token(self, _token: int, text: str) -> bool:
+        if self._splitter is None:  # the prompt is rendered by now, and may have opened a block
+            self._splitter = ThinkingSplitter(self._starts_thinking())
+        if text:
+            self._emit(self._splitter.feed(text))
+        return not (self._should_stop is not None and self._should_stop())
+
+    def finish(self) -> None:
+        if self._splitter is not None:
+            self._emit(self._splitter.flush())
+            self._splitter = None
+
+    def _emit(self, pieces: list[tuple[bool, str]]) -> None:
+        for is_reasoning, text in pieces:
+            (self.reasoning if is_reasoning else self.answer).append(text)
+            callback = self._on_reasoning if is_reasoning else self._on_text
+            if callback is not None:
+                callback(text)
+
+    def result(self, gen: Generation, model: str, session: InferenceSession, name: str | None,
+               notices: list[str] | None = None) -> TurnResult:
+        self.finish()
+        return TurnResult("".join(self.answer), gen.finish_reason, model, session.params.seed, name, session.stats,
+                          notices or [], "".join(self.reasoning).strip())
+
+
+@dataclass
+class PromptView:
+    """What `--show-prompt` shows: the exact context a turn would feed, without generating."""
+
+    text: str
+    tokens: list[int]
+    reused: int  # how many of them the context holds already (a session's)
+    model: str
+    session: str | None
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "tokens": self.tokens, "reused_tokens": self.reused, "model": self.model,
+                "session": self.session}
+
+
 def run_turn(
     prompt: str | None,
     opts: TurnOptions,
     env: Environment,
     *,
     on_text: TextFn | None = None,
+    on_reasoning: TextFn | None = None,
     on_progress: ProgressFn | None = None,
     should_stop: StopFn | None = None,
 ) -> TurnResult:
-    """Runs one prompt to a reply; `on_text` receives text as it is generated."""
-    on_token = token_callback(on_text, should_stop)
+    """Runs one prompt to a reply; `on_text` receives the answer as it is generated and
+    `on_reasoning` a thinking model's reasoning."""
     progress = progress_callback(on_progress, should_stop)
     if opts.session is not None or opts.continue_reply:
-        return run_session_turn(prompt, opts, env, on_token, progress)
+        return run_session_turn(prompt, opts, env, progress, on_text=on_text, on_reasoning=on_reasoning,
+                                should_stop=should_stop)
     if not prompt:
         raise BadInput("no prompt: give one as an argument or on standard input")
     limit = max_tokens(opts, env)
+    source = chat_template_source(opts)
     model_name, _, session = open_session(opts, env)
-    backend = session.backend
     try:
         if opts.raw:
+            stream = ReplyStream(on_text, should_stop)
             session.check_text_fits(prompt)
-            tokens = backend.tokenize(prompt, add_special=True, parse_special=False)
-            gen = session.generate(tokens, limit, opts.stop, on_token, progress)
-        else:
-            conv = Conversation.start(session, system_prompt(opts, env))
-            gen = conv.send(prompt, max_tokens=limit, stop=opts.stop, on_token=on_token, on_progress=progress)
-        return TurnResult(gen.text, gen.finish_reason, model_name, session.params.seed, None, session.stats)
+            tokens = session.backend.tokenize(prompt, add_special=True, parse_special=False)
+            gen = session.generate(tokens, limit, opts.stop, stream.on_token, progress)
+            return stream.result(gen, model_name, session, None)
+        conv = Conversation.start(session, system_prompt(opts, env), template=source,
+                                  variables=template_variables(opts))
+        stream = ReplyStream(on_text, should_stop, on_reasoning, lambda: conv.reply_starts_thinking)
+        gen = conv.send(prompt, max_tokens=limit, stop=opts.stop, on_token=stream.on_token, on_progress=progress)
+        return stream.result(gen, model_name, session, None, [FOLD_NOTICE] if conv.template.folds_system else [])
     finally:
-        backend.close()
-
-
-def token_callback(on_text: TextFn | None, should_stop: StopFn | None):
-    """An on_token for InferenceSession.infer: passes text on, stops when asked."""
-
-    def on_token(_token: int, text: str) -> bool:
-        if text and on_text is not None:
-            on_text(text)
-        return not (should_stop is not None and should_stop())
-
-    return on_token
+        session.backend.close()
 
 
 def progress_callback(on_progress: ProgressFn | None, should_stop: StopFn | None) -> ProgressFn:
@@ -94,9 +152,42 @@ def progress_callback(on_progress: ProgressFn | None, should_stop: StopFn | None
     return progress
 
 
-def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, on_token: TokenFn,
-                     progress: ProgressFn) -> TurnResult:
+def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, progress: ProgressFn, *,
+                     on_text: TextFn | None = None, on_reasoning: TextFn | None = None,
+                     should_stop: StopFn | None = None) -> TurnResult:
     """`quipu run --session NAME` (see run_turn): continue or create the session, run one turn, save it."""
+    name = check_session_turn(prompt, opts)
+    limit = max_tokens(opts, env)
+    store = store_for(env)
+    store.clean_temporaries()
+    with store.lock(name):
+        named = NamedSession.open(store, name, opts, env, progress)
+        try:
+            conv = named.conversation
+            stream = ReplyStream(on_text, should_stop, on_reasoning, lambda: conv.reply_starts_thinking)
+            try:
+                if opts.continue_reply:
+                    gen = conv.continue_reply(max_tokens=limit, stop=opts.stop, on_token=stream.on_token,
+                                              on_progress=progress)
+                else:
+                    gen = conv.send(prompt, max_tokens=limit, stop=opts.stop, on_token=stream.on_token,
+                                    on_progress=progress)
+            except ContextOverflow as exc:
+                if len(named.session.tokens) < exc.n_ctx // 2:
+                    raise  # the prompt alone is too long
+                raise ContextOverflow(exc.prompt_tokens, exc.n_ctx, at_least=exc.at_least, hint=(
+                    f"session '{name}' is full; continue it with a larger --ctx, or free room with /trim "
+                    f"in `quipu chat -S {name}`"
+                )) from None
+            named.note_template()
+            named.save()
+        finally:
+            named.close()
+    return stream.result(gen, named.model_name, named.session, name, named.notices)
+
+
+def check_session_turn(prompt: str | None, opts: TurnOptions) -> str:
+    """The session's name, once the options make sense for a session turn."""
     if opts.session is None:
         raise UsageError("--continue needs --session NAME")
     if opts.raw:
@@ -105,28 +196,48 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, on
         raise UsageError("--continue keeps generating the last reply; it takes no prompt")
     if not opts.continue_reply and not prompt:
         raise BadInput("no prompt: give one as an argument or on standard input")
-    name = validate_name(opts.session)
-    limit = max_tokens(opts, env)
-    store = store_for(env)
-    store.clean_temporaries()
-    with store.lock(name):
-        named = NamedSession.open(store, name, opts, env, progress)
-        try:
-            conv = named.conversation
+    return validate_name(opts.session)
+
+
+def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> PromptView:
+    """The context `run_turn` would feed for this prompt (a session's included), without
+    generating or saving anything."""
+    if opts.session is not None or opts.continue_reply:
+        name = check_session_turn(prompt, opts)
+        store = store_for(env)
+        with store.lock(name):
+            named = NamedSession.open(store, name, opts, env)
             try:
+                conv = named.conversation
                 if opts.continue_reply:
-                    gen = conv.continue_reply(max_tokens=limit, stop=opts.stop, on_token=on_token, on_progress=progress)
+                    if not conv.messages or conv.messages[-1].role != "assistant":
+                        raise UsageError("there is no reply to continue")
+                    tokens = conv.context_tokens(True, conv.messages.pop().content)
                 else:
-                    gen = conv.send(prompt, max_tokens=limit, stop=opts.stop, on_token=on_token, on_progress=progress)
-            except ContextOverflow as exc:
-                if len(named.session.tokens) < exc.n_ctx // 2:
-                    raise  # the prompt alone is too long
-                raise ContextOverflow(exc.prompt_tokens, exc.n_ctx, at_least=exc.at_least, hint=(
-                    f"session '{name}' is full; continue it with a larger --ctx, or free room with /trim "
-                    f"in `quipu chat -S {name}`"
-                )) from None
-            named.save()
-        finally:
-            named.close()
-    stats = named.session.stats
-    return TurnResult(gen.text, gen.finish_reason, named.model_name, named.session.params.seed, name, stats, named.notices)
+                    conv.messages.append(Message("user", prompt or ""))
+                    tokens = conv.context_tokens()
+                held = named.session.tokens
+                reused = next((i for i, (a, b) in enumerate(zip(tokens, held)) if a != b), min(len(tokens), len(held)))
+                return PromptView(spell(named.backend, tokens), tokens, reused, named.model_name, name)
+            finally:
+                named.close()
+    if not prompt:
+        raise BadInput("no prompt: give one as an argument or on standard input")
+    source = chat_template_source(opts)
+    model_name, _, session = open_session(opts, env)
+    try:
+        if opts.raw:
+            tokens = session.backend.tokenize(prompt, add_special=True, parse_special=False)
+        else:
+            conv = Conversation.start(session, system_prompt(opts, env), template=source,
+                                      variables=template_variables(opts))
+            conv.messages.append(Message("user", prompt))
+            tokens = conv.context_tokens()
+        return PromptView(spell(session.backend, tokens), tokens, 0, model_name, None)
+    finally:
+        session.backend.close()
+
+
+def spell(backend: Backend, tokens: list[int]) -> str:
+    """Tokens as text, control tokens written out: what the model sees."""
+    return b"".join(backend.token_text(t) for t in tokens).decode("utf-8", "replace")

@@ -32,6 +32,10 @@ def chat(
     ctx: opt.Ctx = None,
     threads: opt.Threads = None,
     kv_type: opt.KvType = None,
+    chat_template: opt.ChatTemplate = None,
+    think: opt.Think = None,
+    hide_thinking: bool = typer.Option(False, "--hide-thinking", help="Do not show a thinking model's reasoning "
+                                       "(/think shows it again)."),
     verbose: opt.Verbose = False,
 ) -> int:
     from quipu.cli.repl import Repl
@@ -42,7 +46,7 @@ def chat(
     opts = opt.turn_options(
         model=model, system=system, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens, stop=stop, ctx=ctx,
-        threads=threads, kv_type=kv_type, verbose=verbose,
+        threads=threads, kv_type=kv_type, verbose=verbose, chat_template=chat_template, think=think,
     )
     term = Terminal.detect()
     env = context.obj
@@ -52,6 +56,6 @@ def chat(
     finally:
         progress.close()
     try:
-        return Repl(session_, term, env, markdown=markdown).run()
+        return Repl(session_, term, env, markdown=markdown, show_thinking=not hide_thinking).run()
     finally:
         session_.close()

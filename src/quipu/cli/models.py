@@ -49,7 +49,7 @@ def info(
     context: typer.Context,
     model: Optional[str] = typer.Argument(None, help="A name from `quipu models list` or a .gguf path (default: the default model).",
                                           autocompletion=_complete_models),
-    template: bool = typer.Option(False, "--template", help="Show the start of the chat template."),
+    template: bool = typer.Option(False, "--template", help="Show what the chat template does, and its start."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
 ) -> None:
     """Architecture, size, quantization, context length, chat template and special tokens."""
@@ -58,6 +58,10 @@ def info(
     env = context.obj
     name, path = env.resolve_model(model)
     data = model_info(name, path)
+    if template:
+        from quipu.app.templates import template_features
+
+        data["template_features"] = template_features(data["chat_template"])
     term = Terminal.detect()
     if as_json:
         term.stdout.write(json.dumps(data, indent=1) + "\n")
@@ -73,6 +77,8 @@ def info(
         f"chat template   {'yes' if data['chat_template'] else 'no (ChatML is used)'}",
         "special tokens  " + ", ".join(f"{k}={v!r}" for k, v in data["special_tokens"].items()),
     ]
+    if template:
+        lines += ["", *describe_template(data["template_features"])]
     if template and data["chat_template"]:
         head = data["chat_template"].splitlines()[:12]
         lines += ["", *head]
@@ -90,3 +96,17 @@ def add(
 
     entry = add_model(path, context.obj.dirs.models, name)
     Terminal.detect().stderr.write(f"added '{entry.name}' -> {path}\n")
+
+
+def describe_template(features: dict) -> list[str]:
+    """Lines saying what to expect of a chat template."""
+    if "error" in features:
+        return [f"template        cannot be used: {features['error']}"]
+    yes = lambda on: "yes" if on else "no"  # noqa: E731
+    return [
+        "template        " + ("ChatML (the model has none)" if features["fallback"] else "the model's own"),
+        "system role     " + ("yes" if features["system_role"] else "no: a system prompt joins the first user message"),
+        "thinking        " + yes(features["thinking"])
+        + (" (--think/--no-think switch it)" if features["thinking_switch"] else ""),
+        "tools           " + yes(features["tools"]),
+    ]

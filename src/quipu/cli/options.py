@@ -36,6 +36,10 @@ Ctx = Annotated[Optional[int], typer.Option("--ctx", help="Context size in token
 Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: the CPUs this process may use).")]
 KvType = Annotated[Optional[str], typer.Option("--kv-type", help="KV cache type: f16, or q8_0 for half-size snapshots.")]
 Verbose = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own log on stderr.")]
+ChatTemplate = Annotated[Optional[str], typer.Option(
+    "--chat-template", help="A Jinja chat template file to use in place of the model's (a session remembers it).")]
+Think = Annotated[Optional[bool], typer.Option(
+    "--think/--no-think", help="Turn a thinking model's reasoning on or off, where its template has the switch.")]
 
 
 def turn_options(**given):

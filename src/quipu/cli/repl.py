@@ -95,6 +95,20 @@ def _set(repl: "Repl", arg: str) -> None:
     repl.say(f"{parts[0]} = {value}")
 
 
+def _think(repl: "Repl", arg: str) -> None:
+    word = arg.strip().lower()
+    if word in ("on", "off"):
+        if repl.chat.set_thinking(word == "on"):
+            repl.say(f"thinking {word} for the next replies")
+        else:
+            repl.say("this model's chat template has no switch for thinking")
+    elif word in ("", "show", "hide"):
+        repl.show_thinking = (not repl.show_thinking) if not word else word == "show"
+        repl.say("reasoning is shown" if repl.show_thinking else "reasoning is hidden")
+    else:
+        raise UsageError("usage: /think [show|hide|on|off]")
+
+
 def _stats(repl: "Repl", _arg: str) -> None:
     s = repl.chat.last_stats
     if s is None:
@@ -133,6 +147,8 @@ COMMANDS: list[SlashCommand] = [
     SlashCommand("continue", "", "keep generating the last reply", _continue),
     SlashCommand("system", "TEXT", "set the system prompt (empty removes it)", _system),
     SlashCommand("set", "KEY VALUE", "change a sampling setting or max_tokens (/set alone lists them)", _set),
+    SlashCommand("think", "[show|hide|on|off]", "show or hide a thinking model's reasoning; turn thinking on or off",
+                 _think),
     SlashCommand("stats", "", "figures of the last reply", _stats),
     SlashCommand("context", "", "tokens used of the context", _context),
     SlashCommand("trim", "", "drop the oldest exchanges to free half the context", _trim),
@@ -155,11 +171,12 @@ def parse_command(line: str) -> tuple[SlashCommand | None, str]:
 class Repl:
     """Reads messages and commands, streams replies. Errors are shown in one line; it goes on."""
 
-    def __init__(self, chat, term: Terminal, env, *, markdown: bool = False):
+    def __init__(self, chat, term: Terminal, env, *, markdown: bool = False, show_thinking: bool = True):
         self.chat = chat
         self.term = term
         self.env = env
         self.markdown = markdown
+        self.show_thinking = show_thinking
         self.running = True
         self._pending_retry: str | None = None
 
@@ -191,7 +208,8 @@ class Repl:
         renderer = self._renderer()
         with StopOnCtrlC(hard_second=False) as stopper:
             try:
-                outcome = action(*args, on_text=renderer.feed, should_stop=stopper, on_progress=progress)
+                outcome = action(*args, on_text=renderer.feed, should_stop=stopper, on_progress=progress,
+                                 on_reasoning=renderer.feed_reasoning)
             finally:
                 progress.close()
                 renderer.close()
@@ -207,9 +225,11 @@ class Repl:
                 self.context_full(unsent)
 
     def _renderer(self):
+        # Reasoning is shown dimmed in a terminal; a pipe gets one answer per line.
+        show = self.show_thinking and self.term.stdout_tty
         if self.markdown and self.term.stdout_tty:
-            return MarkdownRenderer(self.term)
-        return PlainRenderer(self.term)
+            return MarkdownRenderer(self.term, show)
+        return PlainRenderer(self.term, show)
 
     def context_full(self, unsent: str | None) -> None:
         used, size = self.chat.context_used, self.chat.context_size
@@ -348,14 +368,27 @@ class Repl:
 
 
 class PlainRenderer:
-    def __init__(self, term: Terminal):
+    def __init__(self, term: Terminal, show_thinking: bool = True):
         self.term = term
+        self.show_thinking = show_thinking
         self.last = ""  # an empty reply still ends its line, so replies stay one per line
+        self.thinking = False
 
     def feed(self, text: str) -> None:
+        if self.thinking:
+            self.thinking = False
+            if self.last != "\n":
+                self.term.stdout.write("\n")
         self.term.stdout.write(text)
         self.term.stdout.flush()
         self.last = text[-1:] or self.last
+
+    def feed_reasoning(self, text: str) -> None:
+        if self.show_thinking:
+            self.thinking = True
+            self.term.stdout.write(self.term.dim(text))
+            self.term.stdout.flush()
+            self.last = text[-1:] or self.last
 
     def close(self) -> None:
         if self.last != "\n":
@@ -366,20 +399,33 @@ class PlainRenderer:
 class MarkdownRenderer:
     """Re-renders the reply as Markdown while it streams (rich Live), at most ~12 times a second."""
 
-    def __init__(self, term: Terminal):
+    def __init__(self, term: Terminal, show_thinking: bool = True):
         from rich.console import Console
         from rich.live import Live
 
+        self.show_thinking = show_thinking
+        self.reasoning = ""
         self.text = ""
         self.console = Console(file=term.stdout, no_color=not term.color)
         self.live = Live(console=self.console, refresh_per_second=12, vertical_overflow="visible")
         self.live.start()
 
     def feed(self, text: str) -> None:
-        from rich.markdown import Markdown
-
         self.text += text
-        self.live.update(Markdown(self.text))
+        self._update()
+
+    def feed_reasoning(self, text: str) -> None:
+        if self.show_thinking:
+            self.reasoning += text
+            self._update()
+
+    def _update(self) -> None:
+        from rich.console import Group
+        from rich.markdown import Markdown
+        from rich.text import Text
+
+        parts = [Text(self.reasoning.strip(), style="dim")] if self.reasoning.strip() else []
+        self.live.update(Group(*parts, Markdown(self.text)))
 
     def close(self) -> None:
         self.live.stop()

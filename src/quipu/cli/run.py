@@ -41,6 +41,10 @@ def run(
     kv_type: opt.KvType = None,
     session: opt.Session = None,
     continue_reply: bool = typer.Option(False, "--continue", help="With --session and no prompt: keep generating the last reply."),
+    chat_template: opt.ChatTemplate = None,
+    think: opt.Think = None,
+    show: bool = typer.Option(False, "--show-prompt", help="Print the exact context that would be fed (with "
+                              "--json: its token ids, and how many a session reuses), and generate nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
     stats: bool = typer.Option(False, "--stats", help="Print timings and token counts on stderr."),
     verbose: opt.Verbose = False,
@@ -53,21 +57,35 @@ def run(
         model=model, system=system, raw=raw, temperature=temperature, top_k=top_k, top_p=top_p,
         min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens, stop=stop,
         ctx=ctx, threads=threads, kv_type=kv_type, session=session, continue_reply=continue_reply,
-        verbose=verbose,
+        verbose=verbose, chat_template=chat_template, think=think,
     )
     env = context.obj
+    if show:
+        return show_prompt(text, opts, env, term, as_json)
     progress = PrefillProgress(term)
     wrote = []
+    thought = []
 
     def on_text(piece: str) -> None:
         if not as_json:
+            if thought and not wrote:
+                term.stderr.write("\n")  # the reasoning ends its line before the answer starts
+                term.stderr.flush()
             term.stdout.write(piece)
             term.stdout.flush()
             wrote.append(piece[-1:])
 
+    def on_reasoning(piece: str) -> None:
+        # Reasoning is for a person watching: stderr, dimmed, and only on a terminal; pipes get the answer.
+        if not as_json and term.stderr_tty:
+            term.stderr.write(term.dim(piece))
+            term.stderr.flush()
+            thought.append(piece)
+
     try:
         with StopOnCtrlC() as stopper:
-            result = run_turn(text, opts, env, on_text=on_text, on_progress=progress, should_stop=stopper)
+            result = run_turn(text, opts, env, on_text=on_text, on_reasoning=on_reasoning, on_progress=progress,
+                              should_stop=stopper)
     finally:
         progress.close()
     for notice in result.notices:
@@ -81,6 +99,21 @@ def run(
         term.stderr.write(stats_line(result) + "\n")
     interrupted = result.finish_reason == "interrupted" or stopper.requested
     return ExitCode.INTERRUPTED if interrupted else ExitCode.OK
+
+
+def show_prompt(text, opts, env, term: Terminal, as_json: bool) -> int:
+    """`--show-prompt`: the context as text (or JSON with its tokens), nothing generated."""
+    from quipu.app.turns import show_prompt as view_prompt
+
+    view = view_prompt(text, opts, env)
+    if as_json:
+        term.stdout.write(json.dumps(view.to_json(), ensure_ascii=False) + "\n")
+    else:
+        term.stdout.write(view.text if view.text.endswith("\n") else view.text + "\n")
+        if view.session is not None:
+            term.stderr.write(f"{len(view.tokens)} tokens, {view.reused} of them already in session '{view.session}'\n")
+    term.stdout.flush()
+    return ExitCode.OK
 
 
 def stats_line(result) -> str:

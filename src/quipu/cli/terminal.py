@@ -42,6 +42,10 @@ class Terminal:
 
         return Console(file=self.stderr, no_color=not self.color, highlight=False, soft_wrap=True)
 
+    def dim(self, text: str) -> str:
+        """`text` dimmed for a terminal (reasoning, asides), as it is without colour."""
+        return f"\x1b[2m{text}\x1b[22m" if self.color else text
+
     def warn(self, message: str) -> None:
         self.stderr.write(f"quipu: warning: {message}\n")
         self.stderr.flush()

@@ -4,7 +4,11 @@
   with a per-token callback, keeps stats, and snapshots or restores itself (`Snapshot`).
 - `conversation.py`: `Conversation` and `Message`: turns as the model's chat template renders
   them, fed incrementally; undo, retry, continue, drop the oldest exchanges.
-- `template.py`: `ChatTemplate`, the model's Jinja template in a sandbox.
+- `template.py`: `ChatTemplate`, the model's Jinja template in a sandbox, rendered as
+  transformers renders it.
+- `prompt.py`: rendered text to context tokens, as the reference tokenizes it, keeping a
+  user's spelling of a control token as text and the tokens the context already holds.
+- `thinking.py`: a thinking model's reasoning apart from its answer.
 - `params.py`: `SamplingParams`, validated, and the per-draw seeds that make resuming exact.
 - `stops.py`: stop strings, held back while they could still match.
 

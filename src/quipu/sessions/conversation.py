@@ -10,6 +10,7 @@ from quipu.errors import UsageError
 from quipu.sessions.inference import Generation, InferenceSession, TokenFn
 from quipu.sessions.prompt import Protector, Rendered, context_tokens, reference_tokens
 from quipu.sessions.template import ChatTemplate
+from quipu.sessions.thinking import starts_thinking
 
 
 @dataclass
@@ -40,10 +41,19 @@ class Conversation:
     messages: list[Message] = field(default_factory=list)
     # What the template is given besides the messages (`enable_thinking`, ...).
     variables: dict[str, Any] = field(default_factory=dict)
+    # The text the current (or last) reply was generated after.
+    prompt_text: str = ""
+
+    @property
+    def reply_starts_thinking(self) -> bool:
+        """Whether the reply being generated starts inside a reasoning block its prompt opened."""
+        return starts_thinking(self.prompt_text)
 
     @classmethod
-    def start(cls, session: InferenceSession, system: str | None = None) -> "Conversation":
-        conv = cls(session, ChatTemplate.of(session.backend))
+    def start(cls, session: InferenceSession, system: str | None = None, *, template: str | None = None,
+              variables: dict[str, Any] | None = None) -> "Conversation":
+        """A new conversation; `template` replaces the model's own chat template."""
+        conv = cls(session, ChatTemplate.of(session.backend, template), variables=dict(variables or {}))
         if system:
             conv.messages.append(Message("system", system))
         return conv
@@ -134,7 +144,9 @@ class Conversation:
                   on_progress: ProgressFn | None) -> Generation:
         """Brings the context to the conversation plus what `reply` holds so far (reusing what it
         can), then generates into `reply`, which joins the conversation when done."""
-        prompt = self.context_tokens(True, reply.content)
+        rendered = self.render(self.messages, True, reply.content)
+        self.prompt_text = rendered.text
+        prompt = context_tokens(self.session.backend, self.session.tokens, rendered)
         self.session.begin_turn()
         self.session.set_context(prompt, on_progress)
         gen = self.session.infer(max_tokens, stop, on_token)

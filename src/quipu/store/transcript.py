@@ -40,6 +40,8 @@ class Transcript:
     updated: str = field(default_factory=now_iso)
     quipu: str = ""
     build: str = ""
+    chat_template: str | None = None  # a template given by the user, in place of the model's
+    template_variables: dict[str, Any] = field(default_factory=dict)
 
     @property
     def turns(self) -> int:
@@ -64,6 +66,7 @@ class Transcript:
             messages=record["messages"], tokens=record["tokens"], n_decoded=record["n_decoded"],
             draws=record["draws"], created=str(record.get("created", "")), updated=str(record.get("updated", "")),
             quipu=str(record.get("quipu", "")), build=str(record.get("build", "")),
+            chat_template=record.get("chat_template"), template_variables=record.get("template_variables") or {},
         )
 
 
@@ -110,6 +113,10 @@ def check(record: Any) -> str | None:
             return f"the transcript's {key} is not a count"
     if record["n_decoded"] > len(tokens):
         return "the transcript's n_decoded is past its tokens"
+    if not isinstance(record.get("chat_template"), (str, type(None))):
+        return "the transcript's chat template is not text"
+    if not isinstance(record.get("template_variables", {}), dict):
+        return "the transcript's template variables are not an object"
     context = record.get("context")
     if not isinstance(record.get("params"), dict) or not isinstance(context, dict):
         return "the transcript has no settings"
