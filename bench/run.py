@@ -251,6 +251,42 @@ def bench_memory(model: str, threads: int, home: str) -> list[dict]:
              "ratio": round(peak / budget, 3)}]
 
 
+def bench_templates(model: str, threads: int) -> list[dict]:
+    """Tokens a turn re-reads: only the new message under a template that renders earlier turns
+    as they were generated; from the earlier reasoning on under one that drops it (Qwen3)."""
+    from quipu.engine.base import ContextSettings
+    from quipu.engine.llama import LlamaBackend
+    from quipu.sessions.conversation import Conversation, Message
+    from quipu.sessions.inference import InferenceSession
+
+    replies = ["<think>\nThe user says hello; greet back.\n</think>\n\nHello! How can I help?",
+               "<think>\nThey want a river; the Tagus runs through Lisbon.\n</think>\n\nThe Tagus.",
+               "<think>\nA short fact about it.\n</think>\n\nIt is the longest river of Iberia."]
+    questions = ["Hi!", "Name a river.", "Tell me about it.", "Thanks!"]
+    rows = []
+    with LlamaBackend(model, ContextSettings(n_ctx=4096, n_threads=threads)) as backend:
+        for label, source in (("ChatML (the model's own)", None),
+                              ("Qwen3 (drops earlier reasoning)", (HERE.parent / "tests" / "templates" /
+                                                                   "Qwen-Qwen3-0.6B.jinja").read_text())):
+            conv = Conversation.start(InferenceSession(backend), template=source)
+            reread = []
+            for question, reply in zip(questions, replies + [None]):
+                conv.messages.append(Message("user", question))
+                new = conv.context_tokens()
+                held = conv.session.tokens
+                kept = next((i for i, (a, b) in enumerate(zip(new, held)) if a != b), min(len(new), len(held)))
+                reread.append(len(new) - kept)
+                if reply is None:
+                    break
+                # The context after the turn: the prompt, the reply as generated, its end token.
+                end = backend.tokenize("<|im_end|>", add_special=False, parse_special=True)
+                conv.session.tokens = new + backend.tokenize(reply, add_special=False, parse_special=True) + end
+                conv.messages.append(Message("assistant", reply))
+            rows.append({"what": f"tokens re-read per turn, {label}, turns 2-4",
+                         "quipu": " / ".join(map(str, reread[1:]))})
+    return rows
+
+
 def bench_startup(repeats: int, home: str) -> list[dict]:
     rows = []
     for args in (["--version"], ["--help"]):
@@ -287,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128, help="tokens to decode per run")
-    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup")
+    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup, templates")
     args = ap.parse_args(argv)
     model = model_path()
     with tempfile.TemporaryDirectory() as home:
@@ -298,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
             "memory": lambda: bench_memory(model, args.threads, home),
             "snapshots": lambda: bench_snapshots(model, args.threads),
             "startup": lambda: bench_startup(args.repeats, home),
+            "templates": lambda: bench_templates(model, args.threads),
         }
         rows = []
         for name, part in parts.items():

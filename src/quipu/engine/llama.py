@@ -73,6 +73,7 @@ class LlamaModel:
         self._pieces: dict[int, bytes] = {}
         self._max_token_bytes: int | None = None
         self._control_texts: list[str] | None = None
+        self._controls: frozenset[int] | None = None
         self._piece_buf = ctypes.create_string_buffer(256)
 
     def acquire(self) -> "LlamaModel":
@@ -118,18 +119,23 @@ class LlamaModel:
         """The token's text as a chat template writes it: control tokens spelled out."""
         if not self.is_control(token):
             return self.token_bytes(token)
-        raw = lc.llama_vocab_get_text(self.vocab, token)
-        return raw or b""
+        return lc.llama_vocab_get_text(self.vocab, token) or b""
 
     def is_control(self, token: int) -> bool:
         """A token that only parsing special text yields (`<|im_end|>`, `<s>`, ...), never plain text."""
-        attr = lc.llama_vocab_get_attr(self.vocab, token)
-        return bool(attr & (lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN))
+        return token in self._control_ids()
+
+    def _control_ids(self) -> frozenset[int]:
+        if self._controls is None:  # one pass over the vocabulary, on first use
+            get_attr, vocab = lc.llama_vocab_get_attr, self.vocab
+            mask = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN
+            self._controls = frozenset(t for t in range(self.n_vocab) if get_attr(vocab, t) & mask)
+        return self._controls
 
     def control_texts(self) -> list[str]:
         """The text of every control token, longest first."""
         if self._control_texts is None:
-            texts = {self.token_text(t).decode("utf-8", "replace") for t in range(self.n_vocab) if self.is_control(t)}
+            texts = {self.token_text(t).decode("utf-8", "replace") for t in self._control_ids()}
             self._control_texts = sorted((t for t in texts if t), key=len, reverse=True)
         return self._control_texts
 
