@@ -309,3 +309,39 @@ def test_history_search_multiline_paste_and_markdown(home):
     child.expect(pexpect.EOF)
     record = json.loads((home / "data" / "sessions" / "keys.json").read_text())
     assert [m["content"] for m in record["messages"] if m["role"] == "user"][-1] == "Name a big river."
+
+
+def test_reasoning_is_shown_dimmed_and_can_be_hidden(tmp_path, tiny_model):
+    from pathlib import Path
+
+    from quipu.app.chat import ChatSession
+    from quipu.app.environment import Environment, TurnOptions
+
+    r1 = Path(__file__).parent / "templates" / "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja"
+    qwen3 = Path(__file__).parent / "templates" / "Qwen-Qwen3-0.6B.jinja"
+    env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
+    out, err = io.StringIO(), io.StringIO()
+    term = Terminal(io.StringIO(), out, err, False, True, True, True)  # a colour terminal
+    chat = ChatSession.open(env, TurnOptions(model=str(tiny_model), max_tokens=6, seed=3, chat_template=str(r1)),
+                            name="think")
+    try:
+        repl = Repl(chat, term, env)
+        repl.safely("hello")
+        assert "\x1b[2m" in out.getvalue()  # the whole reply is reasoning: the prompt opened the block
+        out.seek(0)
+        out.truncate()
+        repl.safely("/think hide")
+        repl.safely("again")
+        assert "\x1b[2m" not in out.getvalue() and len(chat.messages) == 4
+        repl.safely("/think on")
+        assert "no switch for thinking" in err.getvalue()
+    finally:
+        chat.close()
+    chat = ChatSession.open(env, TurnOptions(model=str(tiny_model), chat_template=str(qwen3)), name="switch")
+    try:
+        Repl(chat, term, env).safely("/think off")
+        assert chat.named.conversation.variables == {"enable_thinking": False}
+    finally:
+        chat.close()
+    record = json.loads((tmp_path / "home" / "data" / "sessions" / "switch.json").read_text())
+    assert record["template_variables"] == {"enable_thinking": False}  # the session remembers it
