@@ -173,6 +173,18 @@ class ChatSession:
         return self._turn(self._named.conversation.continue_reply, on_text, should_stop, on_progress,
                           on_reasoning=on_reasoning)
 
+    def constrain(self, schema: str | None = None, grammar: str | None = None) -> bool:
+        """The next replies keep to a JSON Schema or a GBNF grammar (a file; "off" for neither).
+        Returns whether a constraint is now on."""
+        from quipu.app.environment import grammar_of, sampling_params
+
+        session = self._named.session
+        opts = TurnOptions(schema=schema, grammar=grammar)
+        grammar_of(opts)  # a bad file or schema is refused before anything changes
+        session.set_params(sampling_params(opts, self.env, session.params))
+        self.save()
+        return session.params.grammar is not None
+
     def set_thinking(self, on: bool) -> bool:
         """Sets the template's `enable_thinking` for the next replies; False when the template
         has no such switch."""

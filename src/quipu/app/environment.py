@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from quipu import paths
 from quipu.config import Config, load_config
-from quipu.engine.base import ContextSettings
+from quipu.engine.base import Backend, ContextSettings
 from quipu.errors import InvalidParameter, ModelNotFound, TemplateError, UsageError
 from quipu.models import resolve_model
 from quipu.sessions.params import SamplingParams
@@ -47,6 +47,9 @@ class TurnOptions:
     verbose: bool = False
     chat_template: str | None = None  # a file whose template replaces the model's
     think: bool | None = None  # the template's `enable_thinking`, where it has one
+    schema: str | None = None  # a JSON Schema, inline or @file; "off" drops a session's constraint
+    grammar: str | None = None  # a GBNF file; "off" as for schema
+    logit_bias: tuple[str, ...] = ()  # TOKEN=BIAS, TOKEN an id or a text that is one token
 
     def sampling(self) -> dict:
         """The sampling parameters given on the command line."""
@@ -144,11 +147,81 @@ def check_positive(name: str, value: int | None) -> None:
 
 
 def sampling_params(opts: TurnOptions, env: Environment, base: SamplingParams | None = None) -> SamplingParams:
-    """Command line > config > `base` (a session's own settings) > built-in defaults."""
+    """Command line > config > `base` (a session's own settings) > built-in defaults. The
+    grammar of --schema or --grammar is included; --logit-bias needs the model (`logit_biases`)."""
     params = base or SamplingParams().replace(
         **{k: v for k, v in env.config.generation.items() if k in SAMPLING_TYPES}
     )
-    return params.replace(**opts.sampling())
+    params = params.replace(**opts.sampling())
+    if OFF in (opts.schema, opts.grammar):
+        params = params.unconstrained()
+    grammar = grammar_of(opts)
+    return params.replace(grammar=grammar) if grammar else params
+
+
+OFF = "off"
+
+
+def grammar_of(opts: TurnOptions) -> str | None:
+    """The GBNF that --schema or --grammar asks for (None when neither does)."""
+    schema = None if opts.schema == OFF else opts.schema
+    grammar = None if opts.grammar == OFF else opts.grammar
+    if schema is not None and grammar is not None:
+        raise UsageError("give --schema or --grammar, not both")
+    if schema is not None:
+        from quipu.engine.grammar import schema_to_gbnf  # imports llama.cpp's binding: only when asked
+
+        text = read_text_file(schema[1:], "schema") if schema.startswith("@") else schema
+        return schema_to_gbnf(text)
+    if grammar is not None:
+        return read_text_file(grammar, "grammar")
+    return None
+
+
+def read_text_file(name: str, what: str) -> str:
+    """A file the user named, as text; a clear usage error when it cannot be."""
+    path = Path(name).expanduser()
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"the {what} {path} is not UTF-8 text") from None
+    if not text.strip():
+        raise UsageError(f"the {what} {path} is empty")
+    return text
+
+
+def parse_logit_bias(specs: Sequence[str]) -> list[tuple[str, float]]:
+    """TOKEN=BIAS pairs, checked before any model is loaded."""
+    pairs = []
+    for spec in specs:
+        token, sep, bias = spec.rpartition("=")
+        try:
+            value = float(bias)
+        except ValueError:
+            value = None
+        if not sep or not token or value is None or value != value:
+            raise UsageError(f"--logit-bias takes TOKEN=BIAS (a token id or text, a number or -inf), not '{spec}'")
+        pairs.append((token, value))
+    return pairs
+
+
+def logit_biases(backend: Backend, specs: Sequence[str]) -> tuple[tuple[int, float], ...]:
+    """--logit-bias with each TOKEN made a token id: an id, or a text the model spells as one token."""
+    out = []
+    for token, bias in parse_logit_bias(specs):
+        if token.isdigit():
+            token_id = int(token)
+            if token_id >= backend.n_vocab:
+                raise UsageError(f"--logit-bias: token {token_id} is not in the model's vocabulary of {backend.n_vocab}")
+        else:
+            ids = backend.tokenize(token, add_special=False, parse_special=True)
+            if len(ids) != 1:
+                raise UsageError(f"--logit-bias: '{token}' is {len(ids)} tokens for this model, not one; give its id")
+            token_id = ids[0]
+        out.append((token_id, bias))
+    return tuple(out)
 
 
 def context_settings(opts: TurnOptions, env: Environment) -> ContextSettings:
@@ -181,19 +254,11 @@ def chat_template_source(opts: TurnOptions) -> str | None:
     """The text of --chat-template FILE, checked to be a template; None when not given."""
     if opts.chat_template is None:
         return None
-    path = Path(opts.chat_template).expanduser()
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as exc:
-        raise UsageError(f"cannot read the chat template {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"the chat template {path} is not UTF-8 text") from None
-    if not text.strip():
-        raise UsageError(f"the chat template {path} is empty")
+    text = read_text_file(opts.chat_template, "chat template")
     try:
         ChatTemplate(text)
     except TemplateError as exc:
-        raise UsageError(f"{path}: {exc}") from None
+        raise UsageError(f"{Path(opts.chat_template).expanduser()}: {exc}") from None
     return text
 
 

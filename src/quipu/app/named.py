@@ -17,6 +17,8 @@ from quipu.app.environment import (
     chat_template_source,
     context_settings,
     load_backend,
+    logit_biases,
+    parse_logit_bias,
     sampling_params,
     system_prompt,
     template_variables,
@@ -49,10 +51,13 @@ def open_session(opts: TurnOptions, env: Environment) -> tuple[str, Path, Infere
     are checked before the model is loaded."""
     params = sampling_params(opts, env)
     settings = context_settings(opts, env)
+    parse_logit_bias(opts.logit_bias)
     model_name, model_path = env.resolve_model(opts.model)
     started = time.perf_counter()
     backend = load_backend(model_path, settings, opts.verbose)
     try:
+        if opts.logit_bias:
+            params = params.replace(logit_bias=logit_biases(backend, opts.logit_bias))
         session = InferenceSession(backend, params)
     except BaseException:
         backend.close()
@@ -129,7 +134,8 @@ class NamedSession:
                 f"session '{name}' is damaged: {exc}; {store.transcript_path(name)} was left as it is"
             ) from None
         messages = [Message.from_dict(m) for m in record.messages]
-        params = params.replace(**opts.sampling())
+        params = sampling_params(opts, env, params)
+        parse_logit_bias(opts.logit_bias)
         saved_ctx = record.context
         model_name, model_path = cls._resume_model(name, record.model, opts, env)
         model_fp = fingerprint(model_path)
@@ -145,6 +151,8 @@ class NamedSession:
         saved_state = None
         try:
             load_s = time.perf_counter() - started
+            if opts.logit_bias:
+                params = params.replace(logit_bias=logit_biases(backend, opts.logit_bias))
             if same_model:
                 restoring = time.perf_counter()  # a rebuild from the transcript is part of restoring
                 snap = Snapshot(record.tokens, record.n_decoded, record.draws, params, saved_ctx)

@@ -34,6 +34,9 @@ def chat(
     kv_type: opt.KvType = None,
     chat_template: opt.ChatTemplate = None,
     think: opt.Think = None,
+    schema: opt.Schema = None,
+    grammar: opt.Grammar = None,
+    logit_bias: opt.LogitBias = [],
     hide_thinking: bool = typer.Option(False, "--hide-thinking", help="Do not show a thinking model's reasoning "
                                        "(/think shows it again)."),
     verbose: opt.Verbose = False,
@@ -47,6 +50,7 @@ def chat(
         model=model, system=system, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens, stop=stop, ctx=ctx,
         threads=threads, kv_type=kv_type, verbose=verbose, chat_template=chat_template, think=think,
+        schema=schema, grammar=grammar, logit_bias=logit_bias,
     )
     term = Terminal.detect()
     env = context.obj

@@ -38,6 +38,14 @@ KvType = Annotated[Optional[str], typer.Option("--kv-type", help="KV cache type:
 Verbose = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own log on stderr.")]
 ChatTemplate = Annotated[Optional[str], typer.Option(
     "--chat-template", help="A Jinja chat template file to use in place of the model's (a session remembers it).")]
+Schema = Annotated[Optional[str], typer.Option(
+    "--schema", help="Answer as JSON that validates against this JSON Schema (inline, or @file.json; off drops "
+                     "a session's).")]
+Grammar = Annotated[Optional[str], typer.Option(
+    "--grammar", help="Answer as this GBNF grammar file allows (llama.cpp's format; off drops a session's).")]
+LogitBias = Annotated[List[str], typer.Option(
+    "--logit-bias", help="TOKEN=BIAS added to a token's logit, TOKEN an id or a one-token text; -inf bans it "
+                         "(repeatable).")]
 Think = Annotated[Optional[bool], typer.Option(
     "--think/--no-think", help="Turn a thinking model's reasoning on or off, where its template has the switch.")]
 
@@ -47,4 +55,5 @@ def turn_options(**given):
     from quipu.app.environment import TurnOptions
 
     given["stop"] = tuple(given.get("stop") or ())
+    given["logit_bias"] = tuple(given.get("logit_bias") or ())
     return TurnOptions(**given)

@@ -109,6 +109,17 @@ def _think(repl: "Repl", arg: str) -> None:
         raise UsageError("usage: /think [show|hide|on|off]")
 
 
+def _schema(repl: "Repl", arg: str) -> None:
+    value = repl.need(arg, "/schema FILE|off")
+    on = repl.chat.constrain(schema=value if value == "off" else "@" + value)
+    repl.say("replies keep to the schema" if on else "replies are free again")
+
+
+def _grammar(repl: "Repl", arg: str) -> None:
+    on = repl.chat.constrain(grammar=repl.need(arg, "/grammar FILE|off"))
+    repl.say("replies keep to the grammar" if on else "replies are free again")
+
+
 def _stats(repl: "Repl", _arg: str) -> None:
     s = repl.chat.last_stats
     if s is None:
@@ -149,6 +160,8 @@ COMMANDS: list[SlashCommand] = [
     SlashCommand("set", "KEY VALUE", "change a sampling setting or max_tokens (/set alone lists them)", _set),
     SlashCommand("think", "[show|hide|on|off]", "show or hide a thinking model's reasoning; turn thinking on or off",
                  _think),
+    SlashCommand("schema", "FILE|off", "the next replies are JSON valid against this JSON Schema file", _schema),
+    SlashCommand("grammar", "FILE|off", "the next replies keep to this GBNF grammar file", _grammar),
     SlashCommand("stats", "", "figures of the last reply", _stats),
     SlashCommand("context", "", "tokens used of the context", _context),
     SlashCommand("trim", "", "drop the oldest exchanges to free half the context", _trim),

@@ -43,6 +43,9 @@ def run(
     continue_reply: bool = typer.Option(False, "--continue", help="With --session and no prompt: keep generating the last reply."),
     chat_template: opt.ChatTemplate = None,
     think: opt.Think = None,
+    schema: opt.Schema = None,
+    grammar: opt.Grammar = None,
+    logit_bias: opt.LogitBias = [],
     show: bool = typer.Option(False, "--show-prompt", help="Print the exact context that would be fed (with "
                               "--json: its token ids, and how many a session reuses), and generate nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
@@ -58,6 +61,7 @@ def run(
         min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens, stop=stop,
         ctx=ctx, threads=threads, kv_type=kv_type, session=session, continue_reply=continue_reply,
         verbose=verbose, chat_template=chat_template, think=think,
+        schema=schema, grammar=grammar, logit_bias=logit_bias,
     )
     env = context.obj
     if show:
@@ -90,6 +94,8 @@ def run(
         progress.close()
     for notice in result.notices:
         term.warn(notice)
+    if result.finish_reason == "length" and (schema not in (None, "off") or grammar not in (None, "off")):
+        term.warn("the reply was cut by --max-tokens, so it is incomplete and will not parse; raise -n")
     if as_json:
         term.stdout.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
     elif wrote and wrote[-1] != "\n" or not wrote:

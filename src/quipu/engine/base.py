@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 from quipu.errors import CapabilityError
 
@@ -37,7 +37,8 @@ class ContextSettings:
 
 @dataclass(frozen=True)
 class SamplerSettings:
-    """A native sampler chain: penalties, then top-k, top-p, min-p, temperature, a seeded draw."""
+    """A native sampler chain: logit biases, penalties, then top-k, top-p, min-p, temperature, a
+    seeded draw; and a grammar (GBNF, rule `root`) that every token must keep to."""
 
     temperature: float = 0.8
     top_k: int = 40
@@ -45,6 +46,14 @@ class SamplerSettings:
     min_p: float = 0.05
     repeat_penalty: float = 1.1
     repeat_last_n: int = 64
+    grammar: str | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+
+# processor(tokens, logits): changes `logits` (a NumPy view of the model's, no copy) in place.
+LogitsProcessor = Callable[[Sequence[int], "object"], None]
+# token_filter(tokens) -> the token ids allowed next (None: all of them).
+TokenFilter = Callable[[Sequence[int]], "Iterable[int] | None"]
 
 
 class Backend(Protocol):
@@ -91,8 +100,13 @@ class Backend(Protocol):
         """Resets sampler state and replays `window` into the penalty history."""
 
     def sampler_accept(self, tokens: Sequence[int]) -> None: ...
-    def sample(self, draw_seed: int) -> int:
-        """Samples from the last logits with a draw seeded by `draw_seed`; accepts the token."""
+    def sample(self, draw_seed: int, history: Sequence[int] = (), processors: Sequence[LogitsProcessor] = (),
+               token_filter: TokenFilter | None = None) -> int:
+        """Samples from the last logits with a draw seeded by `draw_seed`; accepts the token. The
+        processors and the filter (given the token history) shape the logits first."""
+
+    def constraint_reset(self, reply: Sequence[int]) -> None:
+        """Starts the grammar over and replays `reply`, the tokens generated so far in this reply."""
 
     def snapshot_bytes(self) -> bytes: ...
     def restore_bytes(self, data: bytes) -> None: ...

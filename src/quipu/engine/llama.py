@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import ctypes
 from contextlib import ExitStack
 from pathlib import Path
@@ -12,17 +13,22 @@ import llama_cpp as lc
 from quipu.engine.base import (
     KV_TYPES,
     ContextSettings,
+    LogitsProcessor,
     ProgressFn,
     SamplerSettings,
+    TokenFilter,
     available_cpus,
     refuse_embeddings,
 )
+from quipu.engine.grammar import init_grammar_sampler
 from quipu.engine.logs import LOG
 from quipu.errors import EngineError, InvalidParameter, ModelLoadError
 
 MAX_DEFAULT_CTX = 8192
 GGUF_MAGIC = b"GGUF"
 _KV_GGML_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
+# llama_token_data as NumPy lays it out: candidates built from the logits without a Python loop.
+_TOKEN_DATA = [("id", "<i4"), ("logit", "<f4"), ("p", "<f4")]
 
 _backend_ready = False
 
@@ -33,6 +39,16 @@ def _init_backend() -> None:
         LOG.install()
         lc.llama_backend_init()
         _backend_ready = True
+
+
+def _utf8_after(pending: bytes, piece: bytes) -> bytes | None:
+    """The unfinished character's bytes after `piece` follows `pending`; None if that is not UTF-8."""
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    try:
+        decoder.decode(pending + piece, final=False)
+    except UnicodeDecodeError:
+        return None
+    return decoder.getstate()[0]
 
 
 def check_gguf(path: Path) -> None:
@@ -231,6 +247,10 @@ class LlamaBackend:
         self._batch = lc.llama_batch_init(n_batch, 0, 1)
         self._stack.callback(lc.llama_batch_free, self._batch)
         self._sampler = None
+        self._grammar = None
+        self._id_range = None
+        self._utf8_pending = b""  # the bytes of a character the reply has begun and not finished
+        self._utf8_standalone = None
         self._stack.callback(self._free_sampler)
 
     # ---- vocabulary: the model's ----------------------------------------------------------
@@ -319,9 +339,14 @@ class LlamaBackend:
     # ---- sampling -----------------------------------------------------------------------
 
     def set_sampler(self, settings: SamplerSettings) -> None:
+        grammar = init_grammar_sampler(lc, self.model.vocab, settings.grammar) if settings.grammar else None
         self._free_sampler()
+        self._grammar = grammar
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         add = lambda s: lc.llama_sampler_chain_add(chain, s)  # noqa: E731
+        if settings.logit_bias:
+            biases = (lc.llama_logit_bias * len(settings.logit_bias))(*settings.logit_bias)
+            add(lc.llama_sampler_init_logit_bias(self.n_vocab, len(settings.logit_bias), biases))
         if settings.repeat_penalty != 1.0 and settings.repeat_last_n != 0:
             add(lc.llama_sampler_init_penalties(self.n_vocab, settings.repeat_last_n, settings.repeat_penalty, 0.0, 0.0))
         if settings.temperature <= 0:
@@ -343,6 +368,9 @@ class LlamaBackend:
         if self._sampler is not None:
             lc.llama_sampler_free(self._sampler)
             self._sampler = None
+        if self._grammar is not None:
+            lc.llama_sampler_free(self._grammar)
+            self._grammar = None
 
     def sampler_reset(self, window: Sequence[int]) -> None:
         lc.llama_sampler_reset(self._sampler)
@@ -352,15 +380,115 @@ class LlamaBackend:
         for tok in tokens:
             lc.llama_sampler_accept(self._sampler, tok)
 
-    def sample(self, draw_seed: int) -> int:
-        chain = self._sampler
+    def constraint_reset(self, reply: Sequence[int]) -> None:
+        if self._grammar is None:
+            return
+        lc.llama_sampler_reset(self._grammar)
+        self._utf8_pending = b""
+        for tok in reply:
+            # llama.cpp aborts the process on a token its grammar does not allow: check first.
+            if not self._grammar_allows(tok):
+                lc.llama_sampler_reset(self._grammar)
+                raise InvalidParameter("the reply so far does not keep to the grammar; generate it anew instead")
+            lc.llama_sampler_accept(self._grammar, tok)
+            self._utf8_pending = _utf8_after(self._utf8_pending, self.token_bytes(tok)) or b""
+
+    def _grammar_allows(self, token: int) -> bool:
+        import numpy as np
+
+        one = np.array([(token, 0.0, 0.0)], dtype=_TOKEN_DATA)
+        self._apply(self._grammar, one)
+        return not np.isneginf(one["logit"][0])
+
+    def _reseed(self, draw_seed: int) -> None:
+        # The draw is a pure function of (seed, draw index): a fresh distribution sampler per
+        # token, so a restored session draws exactly what an uninterrupted one would.
         if self._draws:
-            # The draw is a pure function of (seed, draw index): a fresh distribution sampler per
-            # token, so a restored session draws exactly what an uninterrupted one would.
+            chain = self._sampler
             last = lc.llama_sampler_chain_n(chain) - 1
             lc.llama_sampler_free(lc.llama_sampler_chain_remove(chain, last))
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(draw_seed & 0xFFFFFFFF))
-        return lc.llama_sampler_sample(chain, self._ctx, -1)
+
+    def sample(self, draw_seed: int, history: Sequence[int] = (), processors: Sequence[LogitsProcessor] = (),
+               token_filter: TokenFilter | None = None) -> int:
+        self._reseed(draw_seed)
+        if self._grammar is None and not processors and token_filter is None:
+            return lc.llama_sampler_sample(self._sampler, self._ctx, -1)
+        return self._sample_shaped(draw_seed, history, processors, token_filter)
+
+    def _sample_shaped(self, draw_seed: int, history: Sequence[int], processors: Sequence[LogitsProcessor],
+                       token_filter: TokenFilter | None) -> int:
+        """Sampling with Python in the loop, as llama.cpp's common sampler does it: processors and
+        the filter change the logits in place; the chain picks a token; the grammar only checks
+        that one token, and only when it is rejected is the grammar applied to every candidate
+        and the token picked again (the same draw)."""
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,))
+        for processor in processors:
+            processor(history, logits)
+        if token_filter is not None:
+            allowed = token_filter(history)
+            if allowed is not None:
+                keep = np.fromiter(allowed, dtype=np.int64)
+                kept = logits[keep].copy()
+                logits.fill(-np.inf)
+                logits[keep] = kept
+        token = self._pick(logits, with_grammar=False)
+        if self._grammar is not None:
+            # What a grammar admits must also be text: a token that would break UTF-8 (a random
+            # or very hot model emits stray bytes) is as rejected as one the grammar refuses.
+            if not (self._grammar_allows(token) and self._utf8_continues(token)):
+                self._reseed(draw_seed)
+                token = self._pick(np.where(self._utf8_mask(), logits, -np.inf), with_grammar=True)
+                if not (self._grammar_allows(token) and self._utf8_continues(token)):
+                    raise EngineError("the grammar allows no token here")
+            lc.llama_sampler_accept(self._grammar, token)
+            self._utf8_pending = _utf8_after(self._utf8_pending, self.token_bytes(token)) or b""
+        lc.llama_sampler_accept(self._sampler, token)
+        return token
+
+    def _utf8_continues(self, token: int) -> bool:
+        return _utf8_after(self._utf8_pending, self.token_bytes(token)) is not None
+
+    def _utf8_mask(self):
+        """Which tokens keep the reply valid UTF-8 after what it holds."""
+        import numpy as np
+
+        if self._utf8_pending:
+            return np.fromiter((self._utf8_continues(t) for t in range(self.n_vocab)), dtype=bool, count=self.n_vocab)
+        if self._utf8_standalone is None:
+            self._utf8_standalone = np.fromiter((self._utf8_continues(t) for t in range(self.n_vocab)), dtype=bool,
+                                                count=self.n_vocab)
+        return self._utf8_standalone
+
+    def _pick(self, logits, *, with_grammar: bool) -> int:
+        import numpy as np
+
+        candidates = np.empty(self.n_vocab, dtype=_TOKEN_DATA)
+        candidates["id"] = self._ids()
+        candidates["logit"] = logits
+        candidates["p"] = 0.0
+        if with_grammar:
+            self._apply(self._grammar, candidates)
+        selected = self._apply(self._sampler, candidates)
+        if selected < 0:
+            raise EngineError("no token is allowed here (the grammar, the filter or the biases rule out every one)")
+        return int(candidates["id"][selected])
+
+    def _apply(self, sampler, candidates) -> int:
+        """Applies a sampler to a NumPy array of candidates in place; returns the selected index."""
+        data = lc.llama_token_data_array(
+            candidates.ctypes.data_as(lc.llama_token_data_p), len(candidates), -1, False)
+        lc.llama_sampler_apply(sampler, ctypes.byref(data))
+        return data.selected
+
+    def _ids(self):
+        if self._id_range is None:
+            import numpy as np
+
+            self._id_range = np.arange(self.n_vocab, dtype=np.int32)
+        return self._id_range
 
     # ---- state --------------------------------------------------------------------------
 

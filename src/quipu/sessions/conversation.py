@@ -147,8 +147,11 @@ class Conversation:
         rendered = self.render(self.messages, True, reply.content)
         self.prompt_text = rendered.text
         prompt = context_tokens(self.session.backend, self.session.tokens, rendered)
+        # Where the reply begins: a grammar constrains the reply alone, from its first token.
+        start = len(self.context_tokens(True)) if reply.content else len(prompt)
         self.session.begin_turn()
         self.session.set_context(prompt, on_progress)
+        self.session.start_reply(start)
         gen = self.session.infer(max_tokens, stop, on_token)
         self.messages.append(reply)
         reply.content += gen.text

@@ -1,4 +1,22 @@
-"""InferenceSession: feeds prompts, infers tokens, keeps stats. One context, one token history."""
+"""InferenceSession: feeds prompts, infers tokens, keeps stats. One context, one token history.
+
+Constraining what is generated, from the strictest to the freest:
+
+- `SamplingParams(grammar=GBNF)`: every reply keeps to the grammar (llama.cpp's native grammar
+  sampler; a JSON Schema becomes GBNF with `quipu.engine.grammar.schema_to_gbnf`). The
+  grammar starts over with each reply and is part of a snapshot: restoring a reply in progress
+  replays its tokens into it, so a resumed reply continues exactly.
+- `SamplingParams(logit_bias=((token, bias), ...))`: added to those tokens' logits
+  (`-inf` bans a token), natively.
+- `InferenceSession.token_filter`: a callable given the token history that returns the token
+  ids allowed next (or None for all of them).
+- `InferenceSession.logits_processors`: callables `processor(tokens, logits)` that change
+  `logits` in place, a NumPy float32 view of llama.cpp's own logits (no copy), before
+  sampling. To force a token: `logits[:] = -numpy.inf; logits[token] = 0`.
+
+The filter and the processors are Python objects, so they are not saved with a session;
+grammars and biases are.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from quipu.engine.base import Backend, ProgressFn
-from quipu.engine.text import Detokenizer
+from quipu.engine.base import Backend, LogitsProcessor, ProgressFn, TokenFilter
+from quipu.engine.text import Detokenizer, unfinished_character
 from quipu.errors import ContextOverflow, EngineError, Interrupted, QuipuError
 from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.stops import StopMatcher
@@ -101,7 +119,12 @@ class InferenceSession:
         # session was made; the first turn counts them as computed, not cached.
         self.rebuilt_tokens = 0
         self._rebuilt_pending = 0
+        self.reply_start = 0  # where the reply being generated begins in `tokens`
+        self._carry = b""  # the unfinished character a continued reply's text starts with
+        self.logits_processors: list[LogitsProcessor] = []
+        self.token_filter: TokenFilter | None = None
         backend.set_sampler(self.params.sampler())
+        backend.truncate(0)  # a session starts from an empty context, whatever the backend held
 
     # ---- context ------------------------------------------------------------------------
 
@@ -111,9 +134,19 @@ class InferenceSession:
 
     def set_params(self, params: SamplingParams) -> None:
         """New sampling parameters; the penalty window is kept."""
-        self.params = params.resolved()
-        self.backend.set_sampler(self.params.sampler())
-        self._reset_sampler()
+        params = params.resolved()
+        self.backend.set_sampler(params.sampler())  # a bad grammar is refused before anything changes
+        self.params = params
+        self._reset_sampler()  # a new grammar applies from the next reply on
+
+    def start_reply(self, at: int | None = None) -> None:
+        """Marks where the reply to generate begins (default: after everything in the context);
+        the grammar starts there, replaying what the reply already holds."""
+        self.reply_start = len(self.tokens) if at is None else at
+        reply = self.tokens[self.reply_start:]
+        self.backend.constraint_reset(reply)
+        # A reply cut inside a character goes on with the rest of it.
+        self._carry = unfinished_character([self.backend.token_bytes(t) for t in reply[-4:]])
 
     def _reset_sampler(self) -> None:
         n = self.params.repeat_last_n
@@ -264,7 +297,8 @@ class InferenceSession:
             self.tokens.append(last)
             self.backend.sampler_accept([last])
             self._decode_pending()
-        token = self.backend.sample(draw_seed(self.params.seed, self.draws))
+        token = self.backend.sample(draw_seed(self.params.seed, self.draws), self.tokens, self.logits_processors,
+                                    self.token_filter)
         self.draws += 1
         self.tokens.append(token)
         return token
@@ -277,7 +311,8 @@ class InferenceSession:
     ) -> Generation:
         """Generates up to `max_tokens` tokens; ends at end-of-generation, a stop string, a full
         context, or when `on_token` returns False ("interrupted")."""
-        detok = Detokenizer(self.backend.token_bytes)
+        detok = Detokenizer(self.backend.token_bytes, self._carry)
+        self._carry = b""
         matcher = StopMatcher(list(stop))
         shown: list[str] = []
         generated: list[int] = []
@@ -310,8 +345,11 @@ class InferenceSession:
             if keep_going is False:
                 finish = "interrupted"
                 break
+        if finish in ("length", "interrupted") and detok.pending:
+            # Cut inside a character: its bytes stay unshown, and a continuation finishes it.
+            self._carry = detok.pending
         if matcher.matched is None:
-            tail = matcher.feed(detok.flush())
+            tail = matcher.feed("" if self._carry else detok.flush())
             if matcher.matched is not None:
                 finish = "stop_sequence"
             else:
@@ -330,4 +368,5 @@ class InferenceSession:
         """One turn on raw tokens: the context becomes `prompt` (reusing what it can), then infer."""
         self.begin_turn()
         self.set_context(prompt, on_progress)
+        self.start_reply()
         return self.infer(max_tokens, stop, on_token)

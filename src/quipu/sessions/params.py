@@ -30,6 +30,10 @@ class SamplingParams(SamplerSettings):
             ("repeat_penalty", self.repeat_penalty > 0, "must be more than 0 (1 turns it off)"),
             ("repeat_last_n", self.repeat_last_n >= 0, "must be 0 or more"),
             ("seed", self.seed is None or 0 <= self.seed <= MAX_SEED, f"must be in [0, {MAX_SEED}]"),
+            ("logit_bias", all(isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and b == b
+                               for t, b in self.logit_bias), "must be pairs of a token id and a number"),
+            ("grammar", self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
+             "must be GBNF text"),
         )
         for name, ok, rule in checks:
             if not ok:
@@ -44,15 +48,25 @@ class SamplingParams(SamplerSettings):
         types = {}
         for f in dataclasses.fields(cls):
             kinds = [k for k in typing.get_args(hints[f.name]) or (hints[f.name],) if k is not type(None)]
-            types[f.name] = kinds[0]
+            if kinds[0] in (int, float):  # the constraint (grammar, biases) is set apart, not as a number
+                types[f.name] = kinds[0]
         return types
+
+    @property
+    def constrained(self) -> bool:
+        return self.grammar is not None or bool(self.logit_bias)
 
     def resolved(self) -> "SamplingParams":
         """These parameters with a concrete seed."""
         return self if self.seed is not None else self.replace(seed=secrets.randbelow(2**32))
 
     def replace(self, **changes: Any) -> "SamplingParams":
+        """These parameters with `changes`; None leaves a value as it is (use `unconstrained`
+        to drop a grammar)."""
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def unconstrained(self) -> "SamplingParams":
+        return dataclasses.replace(self, grammar=None, logit_bias=())
 
     def sampler(self) -> SamplerSettings:
         """The settings the backend's sampler chain is built from (the seed goes per draw)."""
@@ -67,6 +81,12 @@ class SamplingParams(SamplerSettings):
         unknown = set(data) - set(fields)
         if unknown:
             raise InvalidParameter(f"unknown sampling parameters: {', '.join(sorted(unknown))}")
+        data = dict(data)
+        if "logit_bias" in data:  # JSON has lists where the parameters have tuples
+            try:
+                data["logit_bias"] = tuple((int(t), float(b)) for t, b in data["logit_bias"])
+            except (TypeError, ValueError):
+                raise InvalidParameter("logit-bias must be pairs of a token id and a number") from None
         return cls(**data)
 
 

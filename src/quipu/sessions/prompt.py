@@ -137,7 +137,11 @@ def reusable(backend: Backend, held: Sequence[int], rendered: Rendered) -> tuple
         if (control and piece and not rendered.plain_at(pos - 1)) or piece_ends_at(pos):
             best = (k + 1, pos)
     else:
-        tail = decoder.decode(b"", final=True)  # the held tokens end inside a character
+        # The held tokens end inside a character: a reply cut there shows none of it (and a
+        # continuation finishes it), or shows it as U+FFFD.
+        if decoder.getstate()[0] and piece_ends_at(pos):
+            best = (len(held), pos)
+        tail = decoder.decode(b"", final=True)
         if tail and text.startswith(tail, pos) and piece_ends_at(pos + len(tail)):
             best = (len(held), pos + len(tail))
     return best

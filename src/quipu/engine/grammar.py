@@ -1,0 +1,114 @@
+"""Grammars: llama.cpp's GBNF, and JSON Schema turned into GBNF by llama-cpp-python's own
+converter. A schema keyword the converter would silently ignore is refused by name, so that
+what is generated always validates."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from typing import Any
+
+from quipu.errors import InvalidParameter
+
+# Keywords llama-cpp-python's converter (0.3.36) does not enforce: a schema using them is refused.
+UNSUPPORTED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
+               "minProperties", "maxProperties", "not", "if", "then", "else", "contains", "patternProperties",
+               "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems")
+# Keywords whose values are schemas (or lists or maps of them): where a schema's keywords are.
+_ONE = ("items", "additionalProperties", "additionalItems", "propertyNames")
+_MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAP = ("properties", "$defs", "definitions")
+
+
+def parse_schema(text: str) -> dict[str, Any]:
+    """A JSON Schema from its text, with the JSON parser's own message when it is not JSON."""
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise InvalidParameter(f"the schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise InvalidParameter("the schema must be a JSON object")
+    return schema
+
+
+def unsupported_keywords(schema: Any, path: str = "") -> list[str]:
+    """Where the schema uses a keyword the converter does not enforce, as 'keyword at path'."""
+    found: list[str] = []
+    if not isinstance(schema, dict):
+        return found
+    for key in UNSUPPORTED:
+        if key in schema:
+            found.append(f"{key} at {path or '/'}")
+    for key in _ONE:
+        if isinstance(schema.get(key), dict):
+            found += unsupported_keywords(schema[key], f"{path}/{key}")
+    for key in _MANY:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                found += unsupported_keywords(sub, f"{path}/{key}/{i}")
+    for key in _MAP:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                found += unsupported_keywords(sub, f"{path}/{key}/{name}")
+    return found
+
+
+def schema_to_gbnf(text: str) -> str:
+    """GBNF for a JSON Schema, through llama-cpp-python's converter."""
+    schema = parse_schema(text)
+    missing = unsupported_keywords(schema)
+    if missing:
+        raise InvalidParameter(f"the schema uses {', '.join(missing)}, which quipu's JSON Schema converter "
+                               "cannot enforce; remove it or write a --grammar")
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    try:
+        gbnf = json_schema_to_gbnf(json.dumps(schema))
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise InvalidParameter(f"the schema cannot be turned into a grammar: {exc}") from None
+    # The converter's `char` lets raw control characters into strings, which JSON forbids; this
+    # is llama.cpp's own rule for it (common/json-schema-to-grammar.cpp).
+    return re.sub(r"(?m)^char ::= .*$", lambda _: JSON_CHAR, gbnf)
+
+
+JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] | [\\] (["\\bfnrt] | "u" [0-9a-fA-F]{4})'
+
+
+def init_grammar_sampler(lc, vocab, gbnf: str):
+    """llama.cpp's grammar sampler for `gbnf` (root rule `root`); a grammar it cannot parse is
+    refused with the parser's own message and the line it points at."""
+    with _CapturedStderr() as captured:
+        sampler = lc.llama_sampler_init_grammar(vocab, gbnf.encode("utf-8"), b"root")
+    if sampler:
+        return sampler
+    said = [line.strip() for line in captured.text.splitlines() if line.strip()]
+    message = next((line.split("error parsing grammar:", 1)[1].strip() for line in said
+                    if "error parsing grammar:" in line), None)
+    if message is None:
+        message = "it has no 'root' rule" if not re.search(r"^\s*root\s*::=", gbnf, re.M) else "llama.cpp cannot parse it"
+    where = ""
+    at = re.search(r" at (.+)$", message)
+    if at and at.group(1).strip() and at.group(1).strip() in gbnf:
+        where = f" (line {gbnf[:gbnf.index(at.group(1).strip())].count(chr(10)) + 1})"
+    raise InvalidParameter(f"the grammar is invalid: {message}{where}")
+
+
+class _CapturedStderr:
+    """Captures what native code writes to file descriptor 2 (llama.cpp's grammar parser prints
+    its errors there rather than to its log)."""
+
+    def __enter__(self) -> "_CapturedStderr":
+        self.text = ""
+        self._file = tempfile.TemporaryFile()
+        self._saved = os.dup(2)
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._file.seek(0)
+        self.text = self._file.read().decode("utf-8", "replace")
+        self._file.close()
