@@ -183,3 +183,27 @@ def test_chat_constrains_the_next_replies(quipu, tiny_model, tmp_path, home):
     r = quipu("chat", "-m", tiny_model, "-n", "60", "--schema", json.dumps(SCHEMAS["enum"]), "-S", "d", input="x\n")
     reply = json.loads((home / "data" / "sessions" / "d.json").read_text())["messages"][-1]["content"]
     jsonschema.validate(json.loads(reply), SCHEMAS["enum"])
+
+
+def test_the_grammar_tried_on_the_likeliest_tokens_first_is_valid_and_exact(make_backend, monkeypatch):
+    import quipu.engine.llama as llama
+    from quipu.sessions.inference import Snapshot
+
+    monkeypatch.setattr(llama, "GRAMMAR_FIRST_TRY", 48)  # the tiny vocabulary is smaller than the default
+    schema = SCHEMAS["pattern"]
+    params = SamplingParams(temperature=1.0, top_k=8, repeat_penalty=1.3, logit_bias=((7, 2.0),),
+                            grammar=schema_to_gbnf(json.dumps(schema)))
+    backend = make_backend(n_ctx=1024)
+    for text in [Conversation.start(InferenceSession(backend, params.replace(seed=s))).send("json", max_tokens=400).text
+                 for s in range(10)]:
+        jsonschema.validate(json.loads(text), schema)
+    prompt = backend.tokenize("hello", add_special=True, parse_special=False)
+    whole = InferenceSession(make_backend(), params.replace(seed=3)).generate(prompt, 24)
+    first = InferenceSession(make_backend(), params.replace(seed=3))
+    a = first.generate(prompt, 12)
+    snap = first.snapshot()
+    resumed = InferenceSession.from_snapshot(make_backend(), Snapshot(snap.tokens, snap.n_decoded, snap.draws,
+                                                                      snap.params, snap.context, snap.state))
+    resumed.start_reply(len(prompt))  # the reply so far is replayed into the grammar
+    b = resumed.infer(12)
+    assert a.tokens + b.tokens == whole.tokens[:len(a.tokens) + len(b.tokens)]

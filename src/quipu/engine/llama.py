@@ -27,6 +27,8 @@ from quipu.errors import EngineError, InvalidParameter, ModelLoadError
 MAX_DEFAULT_CTX = 8192
 GGUF_MAGIC = b"GGUF"
 _KV_GGML_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
+# How many of the likeliest tokens a rejected token's grammar is tried on before all of them.
+GRAMMAR_FIRST_TRY = 512
 # llama_token_data as NumPy lays it out: candidates built from the logits without a Python loop.
 _TOKEN_DATA = [("id", "<i4"), ("logit", "<f4"), ("p", "<f4")]
 
@@ -341,6 +343,7 @@ class LlamaBackend:
     def set_sampler(self, settings: SamplerSettings) -> None:
         grammar = init_grammar_sampler(lc, self.model.vocab, settings.grammar) if settings.grammar else None
         self._free_sampler()
+        self._settings = settings
         self._grammar = grammar
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         add = lambda s: lc.llama_sampler_chain_add(chain, s)  # noqa: E731
@@ -440,13 +443,49 @@ class LlamaBackend:
             # or very hot model emits stray bytes) is as rejected as one the grammar refuses.
             if not (self._grammar_allows(token) and self._utf8_continues(token)):
                 self._reseed(draw_seed)
-                token = self._pick(np.where(self._utf8_mask(), logits, -np.inf), with_grammar=True)
+                token = self._pick_allowed(logits, history)
+                if not self._utf8_continues(token):
+                    self._reseed(draw_seed)
+                    token = self._pick_allowed(np.where(self._utf8_mask(), logits, -np.inf), history)
                 if not (self._grammar_allows(token) and self._utf8_continues(token)):
                     raise EngineError("the grammar allows no token here")
             lc.llama_sampler_accept(self._grammar, token)
             self._utf8_pending = _utf8_after(self._utf8_pending, self.token_bytes(token)) or b""
         lc.llama_sampler_accept(self._sampler, token)
         return token
+
+    def _pick_allowed(self, logits, history: Sequence[int]) -> int:
+        """The chain's pick among the tokens the grammar allows. The grammar is tried on the
+        likeliest few hundred tokens first (by logit after the biases and the repeat penalty, as
+        the chain sees them): when at least top-k of them are allowed (one, for greedy), those
+        hold the chain's whole choice; only otherwise is every token of the vocabulary checked."""
+        import numpy as np
+
+        settings = self._settings
+        need = 1 if settings.temperature <= 0 else settings.top_k
+        few = min(self.n_vocab, GRAMMAR_FIRST_TRY)
+        if need <= 0 or few == self.n_vocab:
+            return self._pick(logits, with_grammar=True)
+        seen = logits.copy()
+        for token, bias in settings.logit_bias:
+            seen[token] += bias
+        if settings.repeat_penalty != 1.0 and settings.repeat_last_n:
+            window = np.unique(np.asarray(history[-settings.repeat_last_n:], dtype=np.int64))
+            window = window[(window >= 0) & (window < self.n_vocab)]
+            held = seen[window]
+            seen[window] = np.where(held <= 0, held * settings.repeat_penalty, held / settings.repeat_penalty)
+        top = np.argpartition(-seen, few - 1)[:few]
+        candidates = np.empty(few, dtype=_TOKEN_DATA)
+        candidates["id"] = top
+        candidates["logit"] = logits[top]
+        candidates["p"] = 0.0
+        self._apply(self._grammar, candidates)
+        if np.count_nonzero(np.isfinite(candidates["logit"])) < need:
+            return self._pick(logits, with_grammar=True)
+        selected = self._apply(self._sampler, candidates)
+        if selected < 0:
+            raise EngineError("no token is allowed here (the grammar, the filter or the biases rule out every one)")
+        return int(candidates["id"][selected])
 
     def _utf8_continues(self, token: int) -> bool:
         return _utf8_after(self._utf8_pending, self.token_bytes(token)) is not None
@@ -458,8 +497,8 @@ class LlamaBackend:
         if self._utf8_pending:
             return np.fromiter((self._utf8_continues(t) for t in range(self.n_vocab)), dtype=bool, count=self.n_vocab)
         if self._utf8_standalone is None:
-            self._utf8_standalone = np.fromiter((self._utf8_continues(t) for t in range(self.n_vocab)), dtype=bool,
-                                                count=self.n_vocab)
+            self._utf8_standalone = np.fromiter((_utf8_after(b"", self.token_bytes(t)) is not None
+                                                 for t in range(self.n_vocab)), dtype=bool, count=self.n_vocab)
         return self._utf8_standalone
 
     def _pick(self, logits, *, with_grammar: bool) -> int:
