@@ -228,6 +228,7 @@ class ChatSession:
         current = self._named
         opts = TurnOptions(**{**self.opts.__dict__, "system": system or "", "model": str(current.model_path)})
         name = generate_name(set(self.store.names()))
+        self.save()  # as when loading another: the session left behind is on disk, even if new
         self._switch(name, on_progress, opts)
         self.save()
         return name
