@@ -19,6 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 SESSION_KEYS = {"max_state_bytes": int}
+CACHE_KEYS = {"max_bytes": int}
 MODEL_KEYS = {"huggingface": str, "lmstudio": str, "ollama": str}
 
 
@@ -33,6 +34,7 @@ class Config:
     system: str | None = None
     generation: dict[str, Any] = field(default_factory=dict)
     sessions: dict[str, Any] = field(default_factory=dict)
+    cache: dict[str, Any] = field(default_factory=dict)
     models: dict[str, str] = field(default_factory=dict)
     text: str = ""
 
@@ -44,7 +46,7 @@ class Config:
 def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
     """Read `path` and check its shape, with `generation_keys` the names and types [generation]
     may hold; a missing file is an empty config. Errors name the file and line."""
-    tables = {"generation": generation_keys, "sessions": SESSION_KEYS, "models": MODEL_KEYS}
+    tables = {"generation": generation_keys, "sessions": SESSION_KEYS, "models": MODEL_KEYS, "cache": CACHE_KEYS}
     try:
         raw = path.read_bytes()
     except FileNotFoundError:

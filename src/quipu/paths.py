@@ -24,6 +24,10 @@ class Dirs:
         return self.data / "models"
 
     @property
+    def prompt_cache(self) -> Path:
+        return self.cache / "prompts"
+
+    @property
     def config_file(self) -> Path:
         return self.config / "config.toml"
 

@@ -10,4 +10,5 @@
 - `manage.py`: `quipu sessions ...` over the store.
 - `embed.py`: `quipu embed`.
 - `templates.py`: what a model's chat template does (`quipu models info --template`).
+- `cache.py`: `quipu cache info|clear` (the prompt cache itself is used by `turns.py`).
 """

@@ -19,6 +19,7 @@ from quipu.sessions.template import ChatTemplate
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_MAX_STATE_BYTES = 4 << 30
+DEFAULT_CACHE_BYTES = 2 << 30
 SAMPLING_TYPES = SamplingParams.field_types()
 # Everything [generation] in the config file may set: the sampling parameters and these.
 GENERATION_TYPES = {**SAMPLING_TYPES, "max_tokens": int, "ctx": int, "threads": int}
@@ -50,6 +51,7 @@ class TurnOptions:
     schema: str | None = None  # a JSON Schema, inline or @file; "off" drops a session's constraint
     grammar: str | None = None  # a GBNF file; "off" as for schema
     logit_bias: tuple[str, ...] = ()  # TOKEN=BIAS, TOKEN an id or a text that is one token
+    no_cache: bool = False  # neither use nor fill the prompt cache
 
     def sampling(self) -> dict:
         """The sampling parameters given on the command line."""
@@ -75,6 +77,10 @@ class Environment:
     @property
     def max_state_bytes(self) -> int:
         return self.config.sessions.get("max_state_bytes", DEFAULT_MAX_STATE_BYTES)
+
+    @property
+    def cache_max_bytes(self) -> int:
+        return self.config.cache.get("max_bytes", DEFAULT_CACHE_BYTES)
 
     def resolve_model(self, requested: str | None, *, fall_back: bool = True) -> tuple[str, Path]:
         """(name, file) for `requested`; with `fall_back`, QUIPU_MODEL, the config and the bundled
@@ -110,6 +116,7 @@ class Environment:
                 rows.append((f"generation.{key}", defaults[key], "default"))
         given = "max_state_bytes" in self.config.sessions
         rows.append(("sessions.max_state_bytes", self.max_state_bytes, where if given else "default"))
+        rows.append(("cache.max_bytes", self.cache_max_bytes, where if "max_bytes" in self.config.cache else "default"))
         for key in ("huggingface", "lmstudio", "ollama"):
             if key in self.config.models:
                 rows.append((f"models.{key}", self.config.models[key], where))
@@ -138,6 +145,8 @@ def check_config(config: Config) -> Config:
             raise config.error(key, f"{key} must be more than 0, got {gen[key]}", "generation")
     if config.sessions.get("max_state_bytes", 0) < 0:
         raise config.error("max_state_bytes", "max_state_bytes must be 0 or more", "sessions")
+    if config.cache.get("max_bytes", 0) < 0:
+        raise config.error("max_bytes", "max_bytes must be 0 or more", "cache")
     return config
 
 

@@ -16,10 +16,12 @@ from quipu.app.environment import (
 )
 from quipu.app.named import FOLD_NOTICE, NamedSession, open_session, store_for
 from quipu.engine.base import Backend, ProgressFn
-from quipu.errors import BadInput, ContextOverflow, UsageError
+from quipu.errors import BadInput, ContextOverflow, EngineError, UsageError
+from quipu.models import fingerprint
 from quipu.sessions.conversation import Conversation, Message
 from quipu.sessions.inference import Generation, InferenceSession, Stats
 from quipu.sessions.thinking import ThinkingSplitter
+from quipu.store.cache import MIN_TOKENS, PromptCache
 from quipu.store.store import validate_name
 
 TextFn = Callable[[str], None]
@@ -113,9 +115,11 @@ def run_turn(
     on_reasoning: TextFn | None = None,
     on_progress: ProgressFn | None = None,
     should_stop: StopFn | None = None,
+    on_result: Callable[[TurnResult], None] | None = None,
 ) -> TurnResult:
     """Runs one prompt to a reply; `on_text` receives the answer as it is generated and
-    `on_reasoning` a thinking model's reasoning."""
+    `on_reasoning` a thinking model's reasoning; `on_result` the result, before the prompt
+    cache is written (so a reader of the answer does not wait for it)."""
     progress = progress_callback(on_progress, should_stop)
     if opts.session is not None or opts.continue_reply:
         return run_session_turn(prompt, opts, env, progress, on_text=on_text, on_reasoning=on_reasoning,
@@ -124,21 +128,75 @@ def run_turn(
         raise BadInput("no prompt: give one as an argument or on standard input")
     limit = max_tokens(opts, env)
     source = chat_template_source(opts)
-    model_name, _, session = open_session(opts, env)
+    model_name, model_path, session = open_session(opts, env)
     try:
+        session.check_text_fits(prompt)
         if opts.raw:
             stream = ReplyStream(on_text, should_stop)
-            session.check_text_fits(prompt)
             tokens = session.backend.tokenize(prompt, add_special=True, parse_special=False)
+            cached = cache_lookup(session, tokens, model_path, opts, env)
             gen = session.generate(tokens, limit, opts.stop, stream.on_token, progress)
-            return stream.result(gen, model_name, session, None)
-        conv = Conversation.start(session, system_prompt(opts, env), template=source,
-                                  variables=template_variables(opts))
-        stream = ReplyStream(on_text, should_stop, on_reasoning, lambda: conv.reply_starts_thinking)
-        gen = conv.send(prompt, max_tokens=limit, stop=opts.stop, on_token=stream.on_token, on_progress=progress)
-        return stream.result(gen, model_name, session, None, [FOLD_NOTICE] if conv.template.folds_system else [])
+            result = stream.result(gen, model_name, session, None)
+        else:
+            conv = Conversation.start(session, system_prompt(opts, env), template=source,
+                                      variables=template_variables(opts))
+            conv.messages.append(Message("user", prompt))
+            tokens = conv.context_tokens()
+            conv.messages.pop()
+            cached = cache_lookup(session, tokens, model_path, opts, env)
+            stream = ReplyStream(on_text, should_stop, on_reasoning, lambda: conv.reply_starts_thinking)
+            gen = conv.send(prompt, max_tokens=limit, stop=opts.stop, on_token=stream.on_token, on_progress=progress)
+            result = stream.result(gen, model_name, session, None,
+                                   [FOLD_NOTICE] if conv.template.folds_system else [])
+        if on_result is not None:
+            on_result(result)  # the answer is out before the cache is written
+        if cached is not None:
+            cache_save(session, tokens, cached)
+            if opts.verbose:  # a damaged entry is dropped quietly, and said only when asked
+                result.notices += cached.cache.notes
+        return result
     finally:
         session.backend.close()
+
+
+@dataclass
+class CacheUse:
+    cache: PromptCache
+    key: dict
+    reused: int
+
+
+def cache_lookup(session: InferenceSession, tokens: list[int], model_path, opts: TurnOptions,
+                 env: Environment) -> CacheUse | None:
+    """Restores the longest cached beginning of `tokens` into the session, if any; None when the
+    cache is off for this run."""
+    if opts.no_cache:
+        return None
+    backend = session.backend
+    cache = PromptCache(env.dirs.prompt_cache, env.cache_max_bytes)
+    key = {"fingerprint": fingerprint(model_path), "build": backend.build, "context": backend.context.state_key()}
+    hit = cache.lookup(key, tokens)
+    reused = 0
+    if hit is not None:
+        keep = min(hit.reuse, len(tokens) - 1)  # the last token is read again, for its logits
+        try:
+            session.restore_prefix(hit.state, hit.tokens, keep)
+            reused = keep
+        except EngineError as exc:
+            cache._drop(hit.path, str(exc))
+    return CacheUse(cache, key, reused)
+
+
+def cache_save(session: InferenceSession, tokens: list[int], use: CacheUse) -> None:
+    """Keeps the state of the prompt `tokens` (not the reply), unless the cache had nearly all of
+    it already: questions after one long beginning share one entry."""
+    if len(tokens) - use.reused < MIN_TOKENS or session.n_decoded < len(tokens):
+        return
+    try:
+        session.rewind(len(tokens))
+        use.cache.save(use.key, tokens, session.backend.snapshot_bytes())
+    except (EngineError, OSError):
+        pass  # a cache never fails a run
 
 
 def progress_callback(on_progress: ProgressFn | None, should_stop: StopFn | None) -> ProgressFn:

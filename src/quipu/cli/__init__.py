@@ -1,7 +1,7 @@
 """The `quipu` command: assembles the sub-apps; `main` is the one error boundary.
 
 One module per command or sub-app (`run.py`, `chat.py`, `sessions.py`, `models.py`,
-`config.py`, `embed.py`), with `root.py` (`--version`, the Environment built once),
+`config.py`, `embed.py`, `cache.py`), with `root.py` (`--version`, the Environment built once),
 `options.py` (options shared by `run` and `chat`), `repl.py` (the chat REPL and its table of
 slash commands), `terminal.py` (terminal facts, progress, Ctrl-C), `boundary.py` (errors to
 messages and exit codes) and `completion.py` (shell completion). Each parses, calls
@@ -16,7 +16,7 @@ import sys
 def build_app():
     import typer
 
-    from quipu.cli import chat, config, embed, models, root, run, sessions
+    from quipu.cli import cache, chat, config, embed, models, root, run, sessions
 
     app = typer.Typer(
         name="quipu",
@@ -33,6 +33,7 @@ def build_app():
     models.register(app)
     config.register(app)
     embed.register(app)
+    cache.register(app)
     return app
 
 

@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
 
 def run(
     context: typer.Context,
-    prompt: Optional[str] = typer.Argument(None, help="The prompt. Piped stdin is appended after a blank line."),
+    prompt: Optional[str] = typer.Argument(None, help="The prompt. Piped stdin comes before it, then a blank line."),
     model: opt.Model = None,
     system: opt.System = None,
     raw: bool = typer.Option(False, "--raw", help="Plain completion, without the chat template."),
@@ -46,6 +46,7 @@ def run(
     schema: opt.Schema = None,
     grammar: opt.Grammar = None,
     logit_bias: opt.LogitBias = [],
+    no_cache: bool = typer.Option(False, "--no-cache", help="Neither use nor fill the prompt cache for this run."),
     show: bool = typer.Option(False, "--show-prompt", help="Print the exact context that would be fed (with "
                               "--json: its token ids, and how many a session reuses), and generate nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
@@ -61,7 +62,7 @@ def run(
         min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens, stop=stop,
         ctx=ctx, threads=threads, kv_type=kv_type, session=session, continue_reply=continue_reply,
         verbose=verbose, chat_template=chat_template, think=think,
-        schema=schema, grammar=grammar, logit_bias=logit_bias,
+        schema=schema, grammar=grammar, logit_bias=logit_bias, no_cache=no_cache,
     )
     env = context.obj
     if show:
@@ -86,21 +87,33 @@ def run(
             term.stderr.flush()
             thought.append(piece)
 
+    finished = []
+
+    def finish(result) -> None:
+        """The answer's end: out, and the pipe let go, before anything else is written to disk."""
+        if finished:
+            return
+        finished.append(True)
+        progress.close()
+        if as_json:
+            term.stdout.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
+        elif wrote and wrote[-1] != "\n" or not wrote:
+            term.stdout.write("\n")
+        term.stdout.flush()
+        term.release_stdout()
+
     try:
         with StopOnCtrlC() as stopper:
             result = run_turn(text, opts, env, on_text=on_text, on_reasoning=on_reasoning, on_progress=progress,
-                              should_stop=stopper)
+                              should_stop=stopper, on_result=finish)
     finally:
         progress.close()
+    if session is not None or continue_reply:
+        finish(result)  # a session's turn is saved before its answer ends
     for notice in result.notices:
         term.warn(notice)
     if result.finish_reason == "length" and (schema not in (None, "off") or grammar not in (None, "off")):
         term.warn("the reply was cut by --max-tokens, so it is incomplete and will not parse; raise -n")
-    if as_json:
-        term.stdout.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
-    elif wrote and wrote[-1] != "\n" or not wrote:
-        term.stdout.write("\n")
-    term.stdout.flush()
     if stats:
         term.stderr.write(stats_line(result) + "\n")
     interrupted = result.finish_reason == "interrupted" or stopper.requested
@@ -133,7 +146,7 @@ def stats_line(result) -> str:
 
 
 def gather_prompt(prompt: str | None, term: Terminal, *, allow_empty: bool = False) -> str | None:
-    """The argument, then a blank line, then piped stdin; binary stdin is refused."""
+    """Piped stdin, then a blank line, then the argument; binary stdin is refused."""
     piped = None
     if not term.stdin_tty and term.stdin is not None:
         try:
@@ -150,7 +163,8 @@ def gather_prompt(prompt: str | None, term: Terminal, *, allow_empty: bool = Fal
             piped = data.decode("utf-8", errors="replace")
             term.warn("standard input is not valid UTF-8; undecodable bytes were replaced")
         piped = piped.rstrip("\n") or None
-    parts = [p for p in (prompt, piped) if p]
+    # The piped text first: questions about one document then share it as a cached beginning.
+    parts = [p for p in (piped, prompt) if p]
     if not parts:
         if allow_empty:
             return None

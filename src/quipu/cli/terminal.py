@@ -46,6 +46,17 @@ class Terminal:
         """`text` dimmed for a terminal (reasoning, asides), as it is without colour."""
         return f"\x1b[2m{text}\x1b[22m" if self.color else text
 
+    def release_stdout(self) -> None:
+        """Lets a reader of our piped output see its end now (anything later is discarded)."""
+        if self.stdout_tty:
+            return
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass  # not a real file (tests, embedding): nothing is waiting on it
+
     def warn(self, message: str) -> None:
         self.stderr.write(f"quipu: warning: {message}\n")
         self.stderr.flush()

@@ -267,6 +267,24 @@ class InferenceSession:
         session.stats.restore_s = time.perf_counter() - started
         return session
 
+    def restore_prefix(self, state: bytes, held: Sequence[int], keep: int) -> None:
+        """Takes the state of a context that held `held` and keeps its first `keep` tokens (a
+        prompt cache hit); the next `set_context` reuses them. Raises EngineError when the bytes
+        do not fit, leaving the context empty."""
+        started = time.perf_counter()
+        self.rewind(0)
+        self.backend.restore_bytes(state)
+        if self.backend.positions() != len(held):
+            self.backend.truncate(0)
+            raise EngineError("the cached state does not match its tokens")
+        keep = min(keep, len(held))
+        self.backend.truncate(keep)
+        self.tokens = list(held[:keep])
+        self.n_decoded = keep
+        self._logits_at = -1
+        self._reset_sampler()
+        self.stats.restore_s += time.perf_counter() - started
+
     def rebuild(self, tokens: Sequence[int], n_decoded: int, on_progress: ProgressFn | None = None) -> None:
         """Re-reads `tokens[:n_decoded]` into an empty context; the rest stay pending."""
         self.rewind(0)

@@ -5,6 +5,7 @@ locked, and never pickled.
   budget, atomic writes.
 - `transcript.py`: the transcript format (`NAME.json`), the truth of a session.
 - `statefile.py`: the state file format (`NAME.kv`), the verified KV bytes of a context.
+- `cache.py`: `PromptCache`, context states of earlier prompts, reused by later ones.
 
 This package imports neither `quipu.sessions` nor `quipu.app`.
 """

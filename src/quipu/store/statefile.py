@@ -74,3 +74,24 @@ def decode_state(data: bytes | memoryview) -> StateBlob:
     if not isinstance(meta, dict):
         raise SnapshotError("the state file's metadata is not an object")
     return StateBlob(meta, bytes(view[state_at : state_at + state_len]))
+
+
+def read_meta(path) -> dict[str, Any]:
+    """The metadata of a state file, read without its state bytes (to choose among files); the
+    checksum is checked only when the whole file is decoded. Raises SnapshotError or OSError."""
+    with open(path, "rb") as fh:
+        head = fh.read(_HEAD.size)
+        if len(head) < _HEAD.size:
+            raise SnapshotError("the state file is truncated")
+        magic, version, meta_len = _HEAD.unpack(head)
+        if magic != MAGIC or version != VERSION or meta_len > MAX_META:
+            raise SnapshotError("not a quipu state file this quipu reads")
+        body = fh.read(meta_len)
+    try:
+        meta = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise SnapshotError("the state file's metadata is not valid JSON") from None
+    if not isinstance(meta, dict):
+        raise SnapshotError("the state file's metadata is not an object")
+    return meta
+

@@ -267,18 +267,22 @@ class SessionStore:
         return dropped
 
     def clean_temporaries(self, older_than_s: float = STALE_TEMP_S) -> None:
-        """Removes temporary files left by a process killed mid-write: those whose writer is no
-        longer running, and any older than `older_than_s`."""
-        if not self.root.is_dir():
-            return
-        now = time.time()
-        for path in self.root.glob(".*.tmp-*"):
-            match = re.search(r"\.tmp-(\d+)-", path.name)
-            try:
-                if (match and not _alive(int(match.group(1)))) or now - path.stat().st_mtime > older_than_s:
-                    path.unlink()
-            except FileNotFoundError:
-                pass
+        clean_temporaries(self.root, older_than_s)
+
+
+def clean_temporaries(root: Path, older_than_s: float = STALE_TEMP_S) -> None:
+    """Removes temporary files left in `root` by a process killed mid-write: those whose writer
+    is no longer running, and any older than `older_than_s`."""
+    if not root.is_dir():
+        return
+    now = time.time()
+    for path in root.glob(".*.tmp-*"):
+        match = re.search(r"\.tmp-(\d+)-", path.name)
+        try:
+            if (match and not _alive(int(match.group(1)))) or now - path.stat().st_mtime > older_than_s:
+                path.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def _alive(pid: int) -> bool:

@@ -1,0 +1,40 @@
+"""`quipu cache info|clear`: the prompt cache of earlier runs."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from quipu.cli.sessions import human_size
+from quipu.cli.terminal import Terminal
+
+app = typer.Typer(help="The prompt cache: context states of earlier prompts, reused by later runs.",
+                  no_args_is_help=True)
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="cache")
+
+
+@app.command()
+def info(context: typer.Context, as_json: bool = typer.Option(False, "--json", help="One JSON object.")) -> None:
+    """Where the cache is, how many entries, how much of its budget they use."""
+    from quipu.app.cache import cache_info
+
+    data = cache_info(context.obj)
+    term = Terminal.detect()
+    if as_json:
+        term.stdout.write(json.dumps(data) + "\n")
+    else:
+        term.stdout.write(f"{data['path']}\n{data['entries']} entries, {human_size(data['bytes'])} "
+                          f"of {human_size(data['max_bytes'])} (cache.max_bytes)\n")
+
+
+@app.command()
+def clear(context: typer.Context) -> None:
+    """Remove every entry."""
+    from quipu.app.cache import clear_cache
+
+    removed = clear_cache(context.obj)
+    Terminal.detect().stderr.write(f"removed {removed} entries\n")

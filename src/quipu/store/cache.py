@@ -1,0 +1,153 @@
+"""The prompt cache: context states of earlier prompts, so that a run whose prompt begins as an
+earlier one did (a long system prompt, few-shot examples, the same piped document) restores
+that beginning instead of reading it again.
+
+Each entry is a state file (statefile.py: checksummed, written atomically) in the cache
+folder, named by a digest of what it depends on (model fingerprint, llama.cpp build, context
+settings) and of its tokens, which its metadata holds. A lookup reads only the entries'
+metadata and picks the one sharing the longest beginning with the new prompt; the caller
+restores its state and keeps that beginning. Entries are used least recently first out of a
+size budget. A damaged entry is dropped, never trusted and never an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from quipu.errors import SnapshotError
+from quipu.store.statefile import decode_state, encode_state, read_meta
+from quipu.store.store import atomic_write, clean_temporaries
+
+DEFAULT_MAX_BYTES = 2 << 30
+MIN_TOKENS = 128  # a shorter beginning is read faster than a file is
+SUFFIX = ".kv"
+
+
+@dataclass
+class CacheHit:
+    tokens: list[int]  # the tokens the entry's state holds
+    reuse: int  # how many of them begin the new prompt
+    state: bytes
+    path: Path
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PromptCache:
+    def __init__(self, root: Path, max_bytes: int = DEFAULT_MAX_BYTES):
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.notes: list[str] = []  # what was dropped and why, for --verbose
+
+    @staticmethod
+    def _digest(key: dict[str, Any], tokens: Sequence[int] = ()) -> str:
+        data = json.dumps(key, sort_keys=True) + json.dumps(list(tokens), separators=(",", ":"))
+        return hashlib.sha256(data.encode()).hexdigest()
+
+    def entries(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.glob(f"*{SUFFIX}") if not p.name.startswith("."))
+
+    def lookup(self, key: dict[str, Any], tokens: Sequence[int]) -> CacheHit | None:
+        """The entry made under `key` that shares the longest beginning with `tokens` (at least
+        MIN_TOKENS of it), its state verified; None when there is none."""
+        clean_temporaries(self.root)
+        want = self._digest(key)
+        best: tuple[int, Path, list[int]] | None = None
+        for path in self.entries():
+            try:
+                meta = read_meta(path)
+            except (OSError, SnapshotError) as exc:
+                self._drop(path, str(exc))
+                continue
+            held = meta.get("tokens")
+            if meta.get("key") != want or not isinstance(held, list):
+                continue
+            reuse = _common(held, tokens)
+            if reuse >= MIN_TOKENS and (best is None or reuse > best[0]):
+                best = (reuse, path, held)
+        if best is None:
+            return None
+        reuse, path, held = best
+        try:
+            blob = decode_state(path.read_bytes())
+        except (OSError, SnapshotError) as exc:
+            self._drop(path, str(exc))
+            return None
+        if blob.meta.get("tokens") != held:
+            self._drop(path, "its metadata changed while it was read")
+            return None
+        try:
+            os.utime(path)  # used: the last to go
+        except OSError:
+            pass
+        return CacheHit(held, reuse, blob.state, path)
+
+    def save(self, key: dict[str, Any], tokens: Sequence[int], state: bytes) -> Path | None:
+        """Keeps the state of a context holding `tokens`; None when too short to be worth a file
+        or when the disk refuses (a cache must never fail a run)."""
+        if len(tokens) < MIN_TOKENS:
+            return None
+        path = self.root / f"{self._digest(key, tokens)[:40]}{SUFFIX}"
+        meta = {"key": self._digest(key), "tokens": list(tokens), "n_tokens": len(tokens)}
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, encode_state(meta, state))
+        except (OSError, SnapshotError) as exc:
+            self.notes.append(f"prompt cache: could not save an entry: {exc}")
+            return None
+        self.enforce_budget(keep=path)
+        return path
+
+    def enforce_budget(self, keep: Path | None = None) -> None:
+        """Removes the least recently used entries until the rest fit in the budget."""
+        sized = []
+        for path in self.entries():
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            sized.append((st.st_mtime, st.st_size, path))
+        total = sum(size for _, size, _ in sized)
+        for _, size, path in sorted(sized):
+            if total <= self.max_bytes:
+                break
+            if path == keep:
+                continue
+            path.unlink(missing_ok=True)
+            total -= size
+
+    def info(self) -> dict[str, Any]:
+        sizes = []
+        for path in self.entries():
+            try:
+                sizes.append(path.stat().st_size)
+            except FileNotFoundError:
+                pass
+        return {"path": str(self.root), "entries": len(sizes), "bytes": sum(sizes), "max_bytes": self.max_bytes}
+
+    def clear(self) -> int:
+        removed = 0
+        for path in self.entries():
+            path.unlink(missing_ok=True)
+            removed += 1
+        return removed
+
+    def _drop(self, path: Path, why: str) -> None:
+        self.notes.append(f"prompt cache: dropped {path.name}: {why}")
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass

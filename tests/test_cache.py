@@ -1,0 +1,116 @@
+"""The prompt cache: a run whose prompt begins as an earlier one did restores that beginning;
+damage, kills, budgets and concurrency never fail a run or hand llama.cpp a bad state."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+from quipu.store.statefile import decode_state
+
+SYSTEM = "You are the sky and the world. " + " ".join(f"hello {i} the sky is blue." for i in range(40))
+DOC = "\n".join(f"the world is hello number {i} and the sky is blue" for i in range(30))
+
+
+def entries(home):
+    return sorted((home / "cache" / "prompts").glob("*.kv"))
+
+
+def run(quipu, tiny_model, *args, input=None):
+    r = quipu("run", "-m", tiny_model, "--json", "-t", "0", "-n", "8", *args, input=input)
+    assert r.returncode == 0, r.stderr.decode()
+    return json.loads(r.stdout), r.stderr.decode()
+
+
+def test_a_shared_beginning_is_read_once(quipu, tiny_model, home):
+    first, _ = run(quipu, tiny_model, "-s", SYSTEM, "hello")
+    second, err = run(quipu, tiny_model, "-s", SYSTEM, "the sky")
+    fresh, _ = run(quipu, tiny_model, "-s", SYSTEM, "--no-cache", "the sky")
+    assert first["usage"]["cached_tokens"] == 0 and err == ""
+    assert second["usage"]["cached_tokens"] > 200 and second["timings"]["restore_s"] > 0
+    assert fresh["usage"]["cached_tokens"] == 0
+    assert second["text"] == fresh["text"]  # restoring changes nothing the model says
+    assert len(entries(home)) == 1  # the second prompt added too little to be worth an entry
+
+
+def test_questions_about_one_piped_document_share_it(quipu, tiny_model):
+    answers = [run(quipu, tiny_model, question, input=DOC)[0] for question in ("hello?", "the sky?", "the world?")]
+    doc_tokens = answers[0]["usage"]["prompt_tokens"] - 20
+    assert answers[0]["usage"]["cached_tokens"] == 0
+    assert all(a["usage"]["cached_tokens"] >= doc_tokens for a in answers[1:])
+
+
+def test_no_cache_neither_reads_nor_writes(quipu, tiny_model, home):
+    run(quipu, tiny_model, "-s", SYSTEM, "--no-cache", "hello")
+    assert entries(home) == []
+
+
+def test_a_damaged_entry_is_dropped_and_never_an_error(quipu, tiny_model, home):
+    run(quipu, tiny_model, "-s", SYSTEM, "hello")
+    [entry] = entries(home)
+    data = bytearray(entry.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    entry.write_bytes(bytes(data))
+    out, err = run(quipu, tiny_model, "-s", SYSTEM, "the sky")
+    assert out["usage"]["cached_tokens"] == 0 and err == ""  # quietly read again
+    assert all(decode_state(p.read_bytes()) for p in entries(home))  # and replaced by a good entry
+    entry = entries(home)[0]
+    entry.write_bytes(entry.read_bytes()[:100])
+    out, err = run(quipu, tiny_model, "-s", SYSTEM, "--verbose", "the world")
+    assert out["usage"]["cached_tokens"] == 0 and "prompt cache: dropped" in err
+
+
+def test_the_budget_keeps_the_most_recently_used(quipu, tiny_model, home):
+    run(quipu, tiny_model, "-s", SYSTEM, "hello")
+    size = entries(home)[0].stat().st_size
+    (home / "config").mkdir()
+    (home / "config" / "config.toml").write_text(f"[cache]\nmax_bytes = {size + size // 2}\n")
+    run(quipu, tiny_model, "-s", "Another system prompt. " + SYSTEM, "hello")
+    run(quipu, tiny_model, "-s", "A third one. " + SYSTEM, "hello")
+    assert len(entries(home)) == 1
+    out, _ = run(quipu, tiny_model, "-s", "A third one. " + SYSTEM, "the sky")
+    assert out["usage"]["cached_tokens"] > 200
+
+
+def test_cache_info_and_clear(quipu, tiny_model, home):
+    run(quipu, tiny_model, "-s", SYSTEM, "hello")
+    info = json.loads(quipu("cache", "info", "--json").stdout)
+    assert info["entries"] == 1 and info["bytes"] > 0 and info["max_bytes"] == 2 << 30
+    assert quipu("cache", "clear").returncode == 0
+    assert json.loads(quipu("cache", "info", "--json").stdout)["entries"] == 0
+
+
+def test_kill_9_while_saving_never_leaves_a_broken_entry(tiny_model, home):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    env["QUIPU_HOME"] = str(home)
+    rng = random.Random(5)
+    for i in range(int(os.environ.get("QUIPU_STRESS", "4"))):
+        proc = subprocess.Popen([sys.executable, "-m", "quipu", "run", "-m", str(tiny_model), "-n", "4", "-s",
+                                 f"{i} {SYSTEM}", "hello"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.read()  # the answer is out: the cache is being written now
+        time.sleep(rng.uniform(0.0, 0.05))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    for entry in entries(home):
+        decode_state(entry.read_bytes())  # whole, or not there at all
+    out = subprocess.run([sys.executable, "-m", "quipu", "run", "-m", str(tiny_model), "--json", "-n", "2", "-s",
+                          f"0 {SYSTEM}", "again"], env=env, capture_output=True)
+    assert out.returncode == 0, out.stderr.decode()
+    assert not list((home / "cache" / "prompts").glob(".*.tmp-*"))
+
+
+def test_concurrent_runs_share_the_cache_safely(tiny_model, home):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    env["QUIPU_HOME"] = str(home)
+    procs = [subprocess.Popen([sys.executable, "-m", "quipu", "run", "-m", str(tiny_model), "--json", "-n", "4",
+                               "-s", SYSTEM, f"question {i}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for i in range(4)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e.decode() for _, e in results]
+    for entry in entries(home):
+        decode_state(entry.read_bytes())
