@@ -128,7 +128,8 @@ def bench_resume(model: str, threads: int, repeats: int, home: str) -> list[dict
             out = json.loads(r.stdout)
             resumed.append((out["timings"]["restore_s"] + out["timings"]["ttft_s"], out["usage"]))
             # The same context as one fresh prompt: the whole conversation re-read.
-            _, r = quipu_cmd("run", *common, "--json", "-n", "1", "Read this.", stdin=doc.encode(), env=env)
+            _, r = quipu_cmd("run", *common, "--json", "--no-cache", "-n", "1", "Read this.", stdin=doc.encode(),
+                             env=env)
             fresh.append(json.loads(r.stdout)["timings"]["ttft_s"])
         res, ref = median([t for t, _ in resumed]), median(fresh)
         rows.append({"what": f"resume {resumed[0][1]['cached_tokens']} cached tokens to first token (s)",
@@ -231,10 +232,17 @@ def bench_memory(model: str, threads: int, home: str) -> list[dict]:
         "subprocess.run(sys.argv[1:], stdin=sys.stdin, stdout=subprocess.DEVNULL, check=True)\n"
         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "quipu", "run", "-m", model, "--threads",
-                        str(threads), "-n", "16", "Summarize."], input=doc.encode(), capture_output=True,
-                       env={**os.environ, "QUIPU_HOME": home}, check=True)
-    peak = int(r.stdout.decode().split()[-1]) * 1024
+
+    def peak_of(*extra: str) -> int:
+        r = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "quipu", "run", "-m", model,
+                            "--threads", str(threads), "-n", "16", *extra, "Summarize."], input=doc.encode(),
+                           capture_output=True, env={**os.environ, "QUIPU_HOME": home + "/memory"}, check=True)
+        return int(r.stdout.decode().split()[-1]) * 1024
+
+    # With no cache; and the worse of a first run that writes its prompt's state to the cache and
+    # one that restores it (either holds that state in memory once more).
+    plain_peak = peak_of("--no-cache")
+    cache_peak = max(peak_of(), peak_of())
     from quipu.gguf import read_gguf
 
     with LlamaBackend(model, ContextSettings(n_ctx=8192, n_threads=1)) as b:
@@ -246,9 +254,13 @@ def bench_memory(model: str, threads: int, home: str) -> list[dict]:
     kv_bytes = ctx * meta[f"{arch}.block_count"] * 2 * kv_dims * 2  # f16 K and V in every layer
     model_bytes = Path(model).stat().st_size
     budget = model_bytes + kv_bytes + 150 * 2**20
-    return [{"what": "peak RSS of quipu run, 1,500-token prompt, 8192 context (MB)",
-             "quipu": round(peak / 2**20), "budget: model + KV + 150 MB": round(budget / 2**20),
-             "ratio": round(peak / budget, 3)}]
+    state = kv_bytes // ctx * 1500  # the prompt's state, as the cache keeps it
+    return [{"what": "peak RSS of quipu run, 1,500-token prompt, 8192 context, no cache (MB)",
+             "quipu": round(plain_peak / 2**20), "budget: model + KV + 150 MB": round(budget / 2**20),
+             "ratio": round(plain_peak / budget, 3)},
+            {"what": "the same, writing or restoring the prompt cache; budget + the prompt's state (MB)",
+             "quipu": round(cache_peak / 2**20), "budget: model + KV + 150 MB": round((budget + state) / 2**20),
+             "ratio": round(cache_peak / (budget + state), 3)}]
 
 
 def bench_templates(model: str, threads: int) -> list[dict]:
@@ -332,6 +344,54 @@ def bench_constrained(model: str, threads: int, repeats: int) -> list[dict]:
     return rows
 
 
+def bench_cache(model: str, threads: int, repeats: int, home: str) -> list[dict]:
+    """The prompt cache: a run sharing a long beginning with an earlier one, questions about one
+    piped document, and what the cache costs a run with nothing to reuse."""
+    common = ["-m", model, "--threads", str(threads), "--json", "-n", "1", "-t", "0"]
+
+    def first_token(*args: str, stdin: bytes | None = None, at: str = "") -> float:
+        _, r = quipu_cmd("run", *common, *args, stdin=stdin, env={"QUIPU_HOME": f"{home}/cache-{at}"})
+        t = json.loads(r.stdout)["timings"]
+        return t["restore_s"] + t["ttft_s"]
+
+    rules = context_text(model, 1200)
+    doc = context_text(model, 1500).encode()
+    shared, questions = [], []
+    for i in range(repeats):
+        first = first_token("-s", rules, "What do you sell?", at=f"s{i}")
+        shared.append(first_token("-s", rules, "Do you ship abroad?", at=f"s{i}") / first)
+        times = [first_token(q, stdin=doc, at=f"d{i}") for q in ("Who wrote it?", "What is it about?", "When?")]
+        questions.append(max(times[1:]) / times[0])
+    rows = [{"what": "second run sharing a 1,200-token beginning, first token vs the first run", "quipu": "",
+             "ratio": round(median(shared), 3)},
+            {"what": "2nd and 3rd question about a 1,500-token piped document vs the 1st, first token", "quipu": "",
+             "ratio": round(median(questions), 3)}]
+
+    def answered(*extra: str, at: str) -> tuple[float, float]:
+        """(seconds until the answer's end reaches a reader, seconds until the process exits)."""
+        started = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "quipu", "run", *common, *extra, "Summarize."],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                env={**os.environ, "QUIPU_HOME": f"{home}/cache-{at}"})
+        proc.stdin.write(f"{time.time_ns()} ".encode() + doc)  # a prompt nothing can be reused for
+        proc.stdin.close()
+        proc.stdout.read()
+        out = time.perf_counter() - started
+        proc.wait()
+        return out, time.perf_counter() - started
+
+    on, off = [], []
+    for i in range(repeats):  # interleaved
+        on.append(answered(at="overhead"))
+        off.append(answered("--no-cache", at="overhead"))
+    ratio = median([a for a, _ in on]) / median([a for a, _ in off])
+    rows.append({"what": "cache overhead, nothing reusable: answer out / process exit vs --no-cache (s)",
+                 "quipu": f"{median([a for a, _ in on]):.2f} / {median([b for _, b in on]):.2f}",
+                 "plain ctypes loop": "", "re-read from scratch": f"{median([a for a, _ in off]):.2f}",
+                 "ratio": round(ratio, 3)})
+    return rows
+
+
 def bench_startup(repeats: int, home: str) -> list[dict]:
     rows = []
     for args in (["--version"], ["--help"]):
@@ -368,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128, help="tokens to decode per run")
-    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup, templates, constrained")
+    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup, templates, constrained, cache")
     args = ap.parse_args(argv)
     model = model_path()
     with tempfile.TemporaryDirectory() as home:
@@ -381,6 +441,7 @@ def main(argv: list[str] | None = None) -> None:
             "startup": lambda: bench_startup(args.repeats, home),
             "templates": lambda: bench_templates(model, args.threads),
             "constrained": lambda: bench_constrained(model, args.threads, args.repeats),
+            "cache": lambda: bench_cache(model, args.threads, args.repeats, home),
         }
         rows = []
         for name, part in parts.items():

@@ -531,19 +531,24 @@ class LlamaBackend:
 
     # ---- state --------------------------------------------------------------------------
 
-    def snapshot_bytes(self) -> bytes:
+    def snapshot_bytes(self) -> memoryview:
+        """The context's state, as a view of the one buffer llama.cpp wrote it into (no copy)."""
         size = lc.llama_state_seq_get_size(self._ctx, 0)
         buf = (ctypes.c_uint8 * size)()
         written = lc.llama_state_seq_get_data(self._ctx, buf, size, 0)
         if written != size:
             raise EngineError("llama.cpp could not write the context state")
-        return bytes(buf)
+        return memoryview(buf).cast("B")
 
-    def restore_bytes(self, data: bytes) -> None:
+    def restore_bytes(self, data: bytes | memoryview) -> None:
         lc.llama_memory_clear(self._mem, True)
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        read = lc.llama_state_seq_set_data(self._ctx, buf, len(data), 0)
-        if read != len(data):
+        view = memoryview(data).cast("B")
+        if view.readonly:
+            buf = (ctypes.c_uint8 * len(view)).from_buffer_copy(view)
+        else:  # read where it lies: a state is tens of megabytes
+            buf = (ctypes.c_uint8 * len(view)).from_buffer(view)
+        read = lc.llama_state_seq_set_data(self._ctx, buf, len(view), 0)
+        if read != len(view):
             lc.llama_memory_clear(self._mem, True)
             raise EngineError(f"llama.cpp refused the saved context state{LOG.reason()}")
 

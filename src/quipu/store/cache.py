@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from quipu.errors import SnapshotError
-from quipu.store.statefile import decode_state, encode_state, read_meta
+from quipu.store.statefile import read_meta, read_state, state_chunks
 from quipu.store.store import atomic_write, clean_temporaries
 
 DEFAULT_MAX_BYTES = 2 << 30
@@ -32,7 +32,7 @@ SUFFIX = ".kv"
 class CacheHit:
     tokens: list[int]  # the tokens the entry's state holds
     reuse: int  # how many of them begin the new prompt
-    state: bytes
+    state: bytes | memoryview
     path: Path
 
 
@@ -82,7 +82,7 @@ class PromptCache:
             return None
         reuse, path, held = best
         try:
-            blob = decode_state(path.read_bytes())
+            blob = read_state(path)
         except (OSError, SnapshotError) as exc:
             self._drop(path, str(exc))
             return None
@@ -95,7 +95,7 @@ class PromptCache:
             pass
         return CacheHit(held, reuse, blob.state, path)
 
-    def save(self, key: dict[str, Any], tokens: Sequence[int], state: bytes) -> Path | None:
+    def save(self, key: dict[str, Any], tokens: Sequence[int], state: bytes | memoryview) -> Path | None:
         """Keeps the state of a context holding `tokens`; None when too short to be worth a file
         or when the disk refuses (a cache must never fail a run)."""
         if len(tokens) < MIN_TOKENS:
@@ -104,7 +104,7 @@ class PromptCache:
         meta = {"key": self._digest(key), "tokens": list(tokens), "n_tokens": len(tokens)}
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            atomic_write(path, encode_state(meta, state))
+            atomic_write(path, state_chunks(meta, state))
         except (OSError, SnapshotError) as exc:
             self.notes.append(f"prompt cache: could not save an entry: {exc}")
             return None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -34,18 +35,38 @@ _DIGEST = 32
 @dataclass
 class StateBlob:
     meta: dict[str, Any]
-    state: bytes
+    state: bytes | memoryview
 
 
-def encode_state(meta: dict[str, Any], state: bytes) -> bytes:
+def state_chunks(meta: dict[str, Any], state: bytes | memoryview) -> list[bytes | memoryview]:
+    """The state file as pieces to write one after another: the state bytes are not copied."""
     body = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode("utf-8")
     if len(body) > MAX_META:
         raise SnapshotError("snapshot metadata is too large")
-    parts = [_HEAD.pack(MAGIC, VERSION, len(body)), body, _LEN.pack(len(state)), state]
+    parts = [_HEAD.pack(MAGIC, VERSION, len(body)), body, _LEN.pack(len(memoryview(state).cast("B"))), state]
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part)
-    return b"".join(parts) + digest.digest()
+    return parts + [digest.digest()]
+
+
+def encode_state(meta: dict[str, Any], state: bytes | memoryview) -> bytes:
+    return b"".join(state_chunks(meta, state))
+
+
+def read_state(path) -> "StateBlob":
+    """A state file read and verified, its state bytes a view of one buffer (no copy)."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        data = bytearray(size)
+        view = memoryview(data)
+        got = 0
+        while got < size:
+            n = fh.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    return decode_state(view[:got])
 
 
 def decode_state(data: bytes | memoryview) -> StateBlob:
@@ -73,7 +94,8 @@ def decode_state(data: bytes | memoryview) -> StateBlob:
         raise SnapshotError("the state file's metadata is not valid JSON") from exc
     if not isinstance(meta, dict):
         raise SnapshotError("the state file's metadata is not an object")
-    return StateBlob(meta, bytes(view[state_at : state_at + state_len]))
+    # A view, not a copy: a state is tens of megabytes, and llama.cpp reads it where it lies.
+    return StateBlob(meta, view[state_at : state_at + state_len])
 
 
 def read_meta(path) -> dict[str, Any]:

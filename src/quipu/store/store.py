@@ -25,7 +25,7 @@ import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from quipu.errors import (
     SessionExists,
@@ -35,7 +35,7 @@ from quipu.errors import (
     SessionSaveError,
     SnapshotError,
 )
-from quipu.store.statefile import StateBlob, decode_state, encode_state
+from quipu.store.statefile import StateBlob, read_state, state_chunks
 from quipu.store.transcript import Transcript, TranscriptError
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -141,13 +141,11 @@ class SessionStore:
         """(the verified state, None) or (None, why there is none usable)."""
         path = self.state_path(name)
         try:
-            data = path.read_bytes()
+            return read_state(path), None
         except FileNotFoundError:
             return None, "no saved context state"
         except OSError as exc:
             return None, f"the state file cannot be read ({exc.strerror})"
-        try:
-            return decode_state(data), None
         except SnapshotError as exc:
             return None, str(exc)
 
@@ -160,8 +158,8 @@ class SessionStore:
         previous save as it was."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            if isinstance(state, bytes) and state_meta is not None:
-                atomic_write(self.state_path(name), encode_state(state_meta, state))
+            if isinstance(state, (bytes, memoryview)) and state_meta is not None:
+                atomic_write(self.state_path(name), state_chunks(state_meta, state))
             elif state is not KEEP_STATE:
                 self.state_path(name).unlink(missing_ok=True)
             atomic_write(self.transcript_path(name), transcript.encode())
@@ -320,16 +318,19 @@ def _same_file(fd: int, path: Path) -> bool:
     return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Writes `data` to a temporary file beside `path`, fsyncs it, renames it into place."""
+def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryview]) -> None:
+    """Writes `data` (or its pieces, one after another) to a temporary file beside `path`, fsyncs
+    it, renames it into place."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
             os.fsync(fd)
         finally:
             os.close(fd)
