@@ -74,8 +74,10 @@ def through_quipu(model: str, n_prompt: int, n_decode: int, threads: int, n_ctx:
         toks = b.tokenize(prompt_of(n_prompt), add_special=False, parse_special=False)[: n_prompt - 1]
         text = b"".join(b.token_bytes(t) for t in toks).decode("utf-8", "replace")
     # --raw with a repeat penalty of 1.1 and a long max keeps it generating; EOG ends it early.
-    _, r = quipu_cmd("run", "--raw", "--json", "-m", model, "--threads", str(threads), "--ctx", str(n_ctx),
-                     "-n", str(n_decode), "--seed", "1", stdin=text.encode(), env={"QUIPU_HOME": home})
+    # --no-cache: each repeat must read its prompt, not restore it from the previous one.
+    _, r = quipu_cmd("run", "--raw", "--json", "--no-cache", "-m", model, "--threads", str(threads),
+                     "--ctx", str(n_ctx), "-n", str(n_decode), "--seed", "1", stdin=text.encode(),
+                     env={"QUIPU_HOME": home})
     out = json.loads(r.stdout)
     return {**out["timings"], "completion_tokens": out["usage"]["completion_tokens"]}
 

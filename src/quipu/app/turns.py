@@ -183,7 +183,7 @@ def cache_lookup(session: InferenceSession, tokens: list[int], model_path, opts:
             session.restore_prefix(hit.state, hit.tokens, keep)
             reused = keep
         except EngineError as exc:
-            cache._drop(hit.path, str(exc))
+            cache.drop(hit.path, str(exc))
     return CacheUse(cache, key, reused)
 
 

@@ -70,7 +70,7 @@ class PromptCache:
             try:
                 meta = read_meta(path)
             except (OSError, SnapshotError) as exc:
-                self._drop(path, str(exc))
+                self.drop(path, str(exc))
                 continue
             held = meta.get("tokens")
             if meta.get("key") != want or not isinstance(held, list):
@@ -84,10 +84,10 @@ class PromptCache:
         try:
             blob = read_state(path)
         except (OSError, SnapshotError) as exc:
-            self._drop(path, str(exc))
+            self.drop(path, str(exc))
             return None
         if blob.meta.get("tokens") != held:
-            self._drop(path, "its metadata changed while it was read")
+            self.drop(path, "its metadata changed while it was read")
             return None
         try:
             os.utime(path)  # used: the last to go
@@ -145,7 +145,8 @@ class PromptCache:
             removed += 1
         return removed
 
-    def _drop(self, path: Path, why: str) -> None:
+    def drop(self, path: Path, why: str) -> None:
+        """Removes a damaged or unusable entry, noting why."""
         self.notes.append(f"prompt cache: dropped {path.name}: {why}")
         try:
             path.unlink(missing_ok=True)
