@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from quipu.errors import SnapshotError
 from quipu.store.statefile import read_meta, read_state, state_chunks
-from quipu.store.store import atomic_write, clean_temporaries
+from quipu.store.store import atomic_write, clean_temporaries, oldest_first
 
 DEFAULT_MAX_BYTES = 2 << 30
 MIN_TOKENS = 128  # a shorter beginning is read faster than a file is
@@ -113,15 +113,8 @@ class PromptCache:
 
     def enforce_budget(self, keep: Path | None = None) -> None:
         """Removes the least recently used entries until the rest fit in the budget."""
-        sized = []
-        for path in self.entries():
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue
-            sized.append((st.st_mtime, st.st_size, path))
-        total = sum(size for _, size, _ in sized)
-        for _, size, path in sorted(sized):
+        sized, total = oldest_first(self.entries())
+        for size, path in sized:
             if total <= self.max_bytes:
                 break
             if path == keep:

@@ -25,7 +25,7 @@ import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from quipu.errors import (
     SessionExists,
@@ -241,16 +241,9 @@ class SessionStore:
         `max_bytes`. Transcripts stay. Returns the sessions whose state was dropped."""
         if not self.root.is_dir():
             return []
-        states = []
-        for path in self.root.glob("*.kv"):
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue
-            states.append((st.st_mtime, st.st_size, path))
-        total = sum(size for _, size, _ in states)
+        states, total = oldest_first(self.root.glob("*.kv"))
         dropped = []
-        for _, size, path in sorted(states):
+        for size, path in states:
             if total <= max_bytes:
                 break
             if path.stem == keep:
@@ -266,6 +259,19 @@ class SessionStore:
 
     def clean_temporaries(self, older_than_s: float = STALE_TEMP_S) -> None:
         clean_temporaries(self.root, older_than_s)
+
+
+def oldest_first(paths: Iterable[Path]) -> tuple[list[tuple[int, Path]], int]:
+    """(size, path) of the files that still exist, least recently written first, and their total."""
+    found = []
+    for path in paths:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        found.append((st.st_mtime, st.st_size, path))
+    found.sort()
+    return [(size, path) for _, size, path in found], sum(size for _, size, _ in found)
 
 
 def clean_temporaries(root: Path, older_than_s: float = STALE_TEMP_S) -> None:
