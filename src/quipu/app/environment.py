@@ -223,7 +223,8 @@ def logit_biases(backend: Backend, specs: Sequence[str]) -> tuple[tuple[int, flo
         if token.isdigit():
             token_id = int(token)
             if token_id >= backend.n_vocab:
-                raise UsageError(f"--logit-bias: token {token_id} is not in the model's vocabulary of {backend.n_vocab}")
+                raise UsageError(f"--logit-bias: token {token_id} is not in the model's vocabulary "
+                                 f"of {backend.n_vocab}")
         else:
             ids = backend.tokenize(token, add_special=False, parse_special=True)
             if len(ids) != 1:

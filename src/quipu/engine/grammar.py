@@ -87,7 +87,8 @@ def init_grammar_sampler(lc, vocab, gbnf: str):
     message = next((line.split("error parsing grammar:", 1)[1].strip() for line in said
                     if "error parsing grammar:" in line), None)
     if message is None:
-        message = "it has no 'root' rule" if not re.search(r"^\s*root\s*::=", gbnf, re.M) else "llama.cpp cannot parse it"
+        has_root = re.search(r"^\s*root\s*::=", gbnf, re.M)
+        message = "llama.cpp cannot parse it" if has_root else "it has no 'root' rule"
     where = ""
     at = re.search(r" at (.+)$", message)
     if at and at.group(1).strip() and at.group(1).strip() in gbnf:
