@@ -1,7 +1,7 @@
-"""The compute core: the `Backend` protocol (`base.py`) and its llama.cpp implementation
-(`llama.py`: `LlamaModel` owns a loaded model, `LlamaBackend` a context on one), with
-llama.cpp's log (`logs.py`), incremental UTF-8 decoding of token pieces (`text.py`), and
-grammars: GBNF, and JSON Schema turned into GBNF (`grammar.py`).
+"""The compute core: the `Backend` protocol (`base.py`) and its llama.cpp implementation:
+`LlamaModel` owns a loaded model and its vocabulary (`model.py`), `LlamaBackend` a context on
+one (`llama.py`). Beside them: llama.cpp's log (`logs.py`), incremental UTF-8 decoding of
+token pieces (`text.py`), and grammars: GBNF, and JSON Schema turned into GBNF (`grammar.py`).
 
 Nothing here imports anything above it.
 """

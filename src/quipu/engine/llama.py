@@ -1,8 +1,9 @@
-"""The llama.cpp backend, on llama-cpp-python's low-level (ctypes) API."""
+"""The llama.cpp backend, on llama-cpp-python's low-level (ctypes) API: a context on a loaded
+model (model.py), its decoding, its samplers (native, or shaped in Python for grammars,
+filters and processors), its state bytes and embeddings."""
 
 from __future__ import annotations
 
-import codecs
 import ctypes
 from contextlib import ExitStack
 from pathlib import Path
@@ -22,167 +23,16 @@ from quipu.engine.base import (
 )
 from quipu.engine.grammar import init_grammar_sampler
 from quipu.engine.logs import LOG
+from quipu.engine.model import LlamaModel
+from quipu.engine.text import utf8_after
 from quipu.errors import EngineError, InvalidParameter, ModelLoadError
 
 MAX_DEFAULT_CTX = 8192
-GGUF_MAGIC = b"GGUF"
 _KV_GGML_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
 # How many of the likeliest tokens a rejected token's grammar is tried on before all of them.
 GRAMMAR_FIRST_TRY = 512
 # llama_token_data as NumPy lays it out: candidates built from the logits without a Python loop.
 _TOKEN_DATA = [("id", "<i4"), ("logit", "<f4"), ("p", "<f4")]
-
-_backend_ready = False
-
-
-def _init_backend() -> None:
-    global _backend_ready
-    if not _backend_ready:
-        LOG.install()
-        lc.llama_backend_init()
-        _backend_ready = True
-
-
-def _utf8_after(pending: bytes, piece: bytes) -> bytes | None:
-    """The unfinished character's bytes after `piece` follows `pending`; None if that is not UTF-8."""
-    decoder = codecs.getincrementaldecoder("utf-8")("strict")
-    try:
-        decoder.decode(pending + piece, final=False)
-    except UnicodeDecodeError:
-        return None
-    return decoder.getstate()[0]
-
-
-def check_gguf(path: Path) -> None:
-    """Refuses, with a message a user understands, anything that is not a readable GGUF file."""
-    if not path.exists():
-        raise ModelLoadError(f"model file not found: {path}")
-    if path.is_dir():
-        raise ModelLoadError(f"{path} is a directory, not a GGUF model file")
-    if not path.is_file():
-        raise ModelLoadError(f"{path} is not a regular file")
-    try:
-        with path.open("rb") as fh:
-            magic = fh.read(4)
-    except OSError as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc.strerror}") from exc
-    if magic != GGUF_MAGIC:
-        raise ModelLoadError(f"{path} is not a GGUF model file")
-
-
-class LlamaModel:
-    """One loaded model file and its vocabulary. Contexts share it: each `LlamaBackend` on it
-    holds a reference, and the model is freed when the last one is released."""
-
-    def __init__(self, path: Path):
-        _init_backend()
-        self.path = Path(path)
-        check_gguf(self.path)
-        mparams = lc.llama_model_default_params()
-        LOG.clear_errors()
-        model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
-        if not model:
-            raise ModelLoadError(f"llama.cpp could not load {self.path}{LOG.reason()}")
-        self.ptr = model
-        self._refs = 0
-        self.vocab = lc.llama_model_get_vocab(model)
-        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
-        self.n_ctx_train = lc.llama_model_n_ctx_train(model)
-        self._pieces: dict[int, bytes] = {}
-        self._max_token_bytes: int | None = None
-        self._control_texts: list[str] | None = None
-        self._controls: frozenset[int] | None = None
-        self._piece_buf = ctypes.create_string_buffer(256)
-
-    def acquire(self) -> "LlamaModel":
-        if self.ptr is None:
-            raise EngineError("the model was already freed")
-        self._refs += 1
-        return self
-
-    def release(self) -> None:
-        self._refs -= 1
-        if self._refs <= 0 and self.ptr is not None:
-            lc.llama_model_free(self.ptr)
-            self.ptr = None
-
-    # ---- vocabulary ---------------------------------------------------------------------
-
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        buf = (lc.llama_token * cap)()
-        n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:
-            cap = -n
-            buf = (lc.llama_token * cap)()
-            n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:
-            raise EngineError("llama.cpp could not tokenize the text")
-        return list(buf[:n])
-
-    def token_bytes(self, token: int) -> bytes:
-        piece = self._pieces.get(token)
-        if piece is None:
-            buf = self._piece_buf
-            n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-            piece = buf.raw[:n]
-            self._pieces[token] = piece
-        return piece
-
-    def token_text(self, token: int) -> bytes:
-        """The token's text as a chat template writes it: control tokens spelled out."""
-        if not self.is_control(token):
-            return self.token_bytes(token)
-        return lc.llama_vocab_get_text(self.vocab, token) or b""
-
-    def is_control(self, token: int) -> bool:
-        """A token that only parsing special text yields (`<|im_end|>`, `<s>`, ...), never plain text."""
-        return token in self._control_ids()
-
-    def _control_ids(self) -> frozenset[int]:
-        if self._controls is None:  # one pass over the vocabulary, on first use
-            get_attr, vocab = lc.llama_vocab_get_attr, self.vocab
-            mask = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN
-            self._controls = frozenset(t for t in range(self.n_vocab) if get_attr(vocab, t) & mask)
-        return self._controls
-
-    def control_texts(self) -> list[str]:
-        """The text of every control token, longest first."""
-        if self._control_texts is None:
-            texts = {self.token_text(t).decode("utf-8", "replace") for t in self._control_ids()}
-            self._control_texts = sorted((t for t in texts if t), key=len, reverse=True)
-        return self._control_texts
-
-    def max_token_bytes(self) -> int:
-        """The longest text any one token stands for."""
-        if self._max_token_bytes is None:
-            self._max_token_bytes = max(len(self.token_bytes(t)) for t in range(self.n_vocab))
-        return self._max_token_bytes
-
-    def is_eog(self, token: int) -> bool:
-        return bool(lc.llama_vocab_is_eog(self.vocab, token))
-
-    def bos_token(self) -> int | None:
-        if not lc.llama_vocab_get_add_bos(self.vocab):
-            return None
-        bos = lc.llama_vocab_bos(self.vocab)
-        return None if bos < 0 else bos
-
-    def special_token_text(self, which: str) -> str:
-        token = {"bos": lc.llama_vocab_bos, "eos": lc.llama_vocab_eos}[which](self.vocab)
-        if token < 0:
-            return ""
-        text = lc.llama_vocab_get_text(self.vocab, token)
-        return text.decode("utf-8", "replace") if text else ""
-
-    def chat_template(self) -> str | None:
-        raw = lc.llama_model_chat_template(self.ptr, None)
-        return raw.decode("utf-8", "replace") if raw else None
-
 
 class LlamaBackend:
     """One context on a model (loaded from `model_path`, or a shared `LlamaModel`). Close it (or
@@ -198,7 +48,6 @@ class LlamaBackend:
                  verbose: bool = False):
         if context.kv_type not in KV_TYPES:
             raise InvalidParameter(f"--kv-type must be one of {', '.join(KV_TYPES)}, not '{context.kv_type}'")
-        _init_backend()
         LOG.verbose = verbose
         self._stack = ExitStack()
         try:
@@ -394,7 +243,7 @@ class LlamaBackend:
                 lc.llama_sampler_reset(self._grammar)
                 raise InvalidParameter("the reply so far does not keep to the grammar; generate it anew instead")
             lc.llama_sampler_accept(self._grammar, tok)
-            self._utf8_pending = _utf8_after(self._utf8_pending, self.token_bytes(tok)) or b""
+            self._utf8_pending = utf8_after(self._utf8_pending, self.token_bytes(tok)) or b""
 
     def _grammar_allows(self, token: int) -> bool:
         import numpy as np
@@ -450,7 +299,7 @@ class LlamaBackend:
                 if not (self._grammar_allows(token) and self._utf8_continues(token)):
                     raise EngineError("the grammar allows no token here")
             lc.llama_sampler_accept(self._grammar, token)
-            self._utf8_pending = _utf8_after(self._utf8_pending, self.token_bytes(token)) or b""
+            self._utf8_pending = utf8_after(self._utf8_pending, self.token_bytes(token)) or b""
         lc.llama_sampler_accept(self._sampler, token)
         return token
 
@@ -488,7 +337,7 @@ class LlamaBackend:
         return int(candidates["id"][selected])
 
     def _utf8_continues(self, token: int) -> bool:
-        return _utf8_after(self._utf8_pending, self.token_bytes(token)) is not None
+        return utf8_after(self._utf8_pending, self.token_bytes(token)) is not None
 
     def _utf8_mask(self):
         """Which tokens keep the reply valid UTF-8 after what it holds."""
@@ -497,7 +346,7 @@ class LlamaBackend:
         if self._utf8_pending:
             return np.fromiter((self._utf8_continues(t) for t in range(self.n_vocab)), dtype=bool, count=self.n_vocab)
         if self._utf8_standalone is None:
-            self._utf8_standalone = np.fromiter((_utf8_after(b"", self.token_bytes(t)) is not None
+            self._utf8_standalone = np.fromiter((utf8_after(b"", self.token_bytes(t)) is not None
                                                  for t in range(self.n_vocab)), dtype=bool, count=self.n_vocab)
         return self._utf8_standalone
 
