@@ -271,7 +271,7 @@ def bench_templates(model: str, threads: int) -> list[dict]:
     from quipu.engine.base import ContextSettings
     from quipu.engine.llama import LlamaBackend
     from quipu.sessions.conversation import Conversation, Message
-    from quipu.sessions.inference import InferenceSession
+    from quipu.sessions.inference import InferenceSession, common_prefix
 
     replies = ["<think>\nThe user says hello; greet back.\n</think>\n\nHello! How can I help?",
                "<think>\nThey want a river; the Tagus runs through Lisbon.\n</think>\n\nThe Tagus.",
@@ -287,9 +287,7 @@ def bench_templates(model: str, threads: int) -> list[dict]:
             for question, reply in zip(questions, replies + [None]):
                 conv.messages.append(Message("user", question))
                 new = conv.context_tokens()
-                held = conv.session.tokens
-                kept = next((i for i, (a, b) in enumerate(zip(new, held)) if a != b), min(len(new), len(held)))
-                reread.append(len(new) - kept)
+                reread.append(len(new) - common_prefix(new, conv.session.tokens))
                 if reply is None:
                     break
                 # The context after the turn: the prompt, the reply as generated, its end token.

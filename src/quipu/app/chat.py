@@ -176,12 +176,11 @@ class ChatSession:
     def constrain(self, schema: str | None = None, grammar: str | None = None) -> bool:
         """The next replies keep to a JSON Schema or a GBNF grammar (a file; "off" for neither).
         Returns whether a constraint is now on."""
-        from quipu.app.environment import grammar_of, sampling_params
+        from quipu.app.environment import sampling_params
 
         session = self._named.session
-        opts = TurnOptions(schema=schema, grammar=grammar)
-        grammar_of(opts)  # a bad file or schema is refused before anything changes
-        session.set_params(sampling_params(opts, self.env, session.params))
+        # A bad file, schema or grammar is refused before anything changes.
+        session.set_params(sampling_params(TurnOptions(schema=schema, grammar=grammar), self.env, session.params))
         self.save()
         return session.params.grammar is not None
 

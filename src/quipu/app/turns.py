@@ -19,7 +19,7 @@ from quipu.engine.base import Backend, ProgressFn
 from quipu.errors import BadInput, ContextOverflow, EngineError, UsageError
 from quipu.models import fingerprint
 from quipu.sessions.conversation import Conversation, Message
-from quipu.sessions.inference import Generation, InferenceSession, Stats
+from quipu.sessions.inference import Generation, InferenceSession, Stats, common_prefix
 from quipu.sessions.thinking import ThinkingSplitter
 from quipu.store.cache import MIN_TOKENS, PromptCache
 from quipu.store.store import validate_name
@@ -122,8 +122,11 @@ def run_turn(
     cache is written (so a reader of the answer does not wait for it)."""
     progress = progress_callback(on_progress, should_stop)
     if opts.session is not None or opts.continue_reply:
-        return run_session_turn(prompt, opts, env, progress, on_text=on_text, on_reasoning=on_reasoning,
-                                should_stop=should_stop)
+        result = run_session_turn(prompt, opts, env, progress, on_text=on_text, on_reasoning=on_reasoning,
+                                  should_stop=should_stop)
+        if on_result is not None:
+            on_result(result)  # a session's turn is saved before its answer ends
+        return result
     if not prompt:
         raise BadInput("no prompt: give one as an argument or on standard input")
     limit = max_tokens(opts, env)
@@ -274,8 +277,7 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
                 else:
                     conv.messages.append(Message("user", prompt or ""))
                     tokens = conv.context_tokens()
-                held = named.session.tokens
-                reused = next((i for i, (a, b) in enumerate(zip(tokens, held)) if a != b), min(len(tokens), len(held)))
+                reused = common_prefix(tokens, named.session.tokens)
                 return PromptView(spell(named.backend, tokens), tokens, reused, named.model_name, name)
             finally:
                 named.close()

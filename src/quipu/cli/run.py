@@ -87,13 +87,8 @@ def run(
             term.stderr.flush()
             thought.append(piece)
 
-    finished = []
-
     def finish(result) -> None:
         """The answer's end: out, and the pipe let go, before anything else is written to disk."""
-        if finished:
-            return
-        finished.append(True)
         progress.close()
         if as_json:
             term.stdout.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
@@ -108,8 +103,6 @@ def run(
                               should_stop=stopper, on_result=finish)
     finally:
         progress.close()
-    if session is not None or continue_reply:
-        finish(result)  # a session's turn is saved before its answer ends
     for notice in result.notices:
         term.warn(notice)
     if result.finish_reason == "length" and (schema not in (None, "off") or grammar not in (None, "off")):

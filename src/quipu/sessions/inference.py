@@ -34,6 +34,15 @@ from quipu.sessions.stops import StopMatcher
 TokenFn = Callable[[int, str], "bool | None"]
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens `a` and `b` begin with alike."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 @dataclass
 class Stats:
     """Figures of the last turn (load and restore are the session's, reported with each turn)."""
@@ -174,10 +183,7 @@ class InferenceSession:
         """Makes the context hold exactly `tokens`, reusing the longest common prefix. Returns it."""
         tokens = list(tokens)
         self._check_room(len(tokens))
-        keep = 0
-        limit = min(len(tokens), len(self.tokens))
-        while keep < limit and tokens[keep] == self.tokens[keep]:
-            keep += 1
+        keep = common_prefix(tokens, self.tokens)
         self.rewind(keep)
         # Re-read tokens were computed (their time is the restore's), not reused from a cache.
         self.stats.cached_tokens = max(0, min(keep, self.n_decoded) - self._rebuilt_pending)
