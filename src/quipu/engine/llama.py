@@ -9,7 +9,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Sequence
 
-import llama_cpp as lc
+from quipu.engine.native import binding_version, lc
 
 from quipu.engine.base import (
     KV_TYPES,
@@ -39,7 +39,7 @@ class LlamaBackend:
     use it as a context manager) to free its native memory; the model goes with its last context."""
 
     name = "llama.cpp"
-    build = f"llama-cpp-python {lc.__version__}"
+    build = f"llama-cpp-python {binding_version()}"
     supports_embeddings = True
     EMBED_BATCH = 2048
     EMBED_SEQS = 64

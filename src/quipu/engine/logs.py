@@ -6,7 +6,7 @@ import collections
 import ctypes
 import sys
 
-import llama_cpp as lc
+from quipu.engine.native import lc
 
 GGML_LOG_LEVEL_ERROR = 4
 GGML_LOG_LEVEL_CONT = 5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-import llama_cpp as lc
+from quipu.engine.native import lc
 
 from quipu.engine.logs import LOG
 from quipu.errors import EngineError, ModelLoadError
