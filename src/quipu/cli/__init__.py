@@ -2,7 +2,8 @@
 
 One module per command or sub-app (`run.py`, `chat.py`, `sessions.py`, `models.py`,
 `config.py`, `embed.py`, `cache.py`), with `root.py` (`--version`, the Environment built once),
-`options.py` (options shared by `run` and `chat`), `repl.py` (the chat REPL and its table of
+`spec.py` (the options of `run` and `chat` as data, and a parser for a plain `run` that needs
+no Typer), `options.py` (those options as Typer parameters), `repl.py` (the chat REPL and its table of
 slash commands), `terminal.py` (terminal facts, progress, Ctrl-C), `boundary.py` (errors to
 messages and exit codes) and `completion.py` (shell completion). Each parses, calls
 `quipu.app`, and renders; none touches llama.cpp or a file format.
@@ -10,6 +11,7 @@ messages and exit codes) and `completion.py` (shell completion). Each parses, ca
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -45,6 +47,13 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"quipu {__version__}")
         return
-    from quipu.cli.boundary import run_app
+    from quipu.cli.boundary import guarded, run_app
 
+    if argv[:1] == ["run"] and "_QUIPU_COMPLETE" not in os.environ:
+        # A plain `quipu run` skips Typer: a short run is a short process (see spec.py).
+        from quipu.cli import run, spec
+
+        given = spec.parse(run.PARAMS, argv[1:])
+        if given is not None:
+            sys.exit(guarded(lambda: run.run_plain(given)))
     sys.exit(run_app(build_app, argv))

@@ -15,12 +15,19 @@ def error_line(message: str) -> None:
 
 
 def run_app(build_app: Callable, argv: list[str]) -> int:
-    import typer
+    """The whole command line through Typer."""
 
+    def call():
+        return build_app()(args=argv, prog_name="quipu", standalone_mode=False)
+
+    return guarded(call)
+
+
+def guarded(call: Callable[[], object]) -> int:
+    """Runs a command; its result, or what it raised, becomes the exit code (and a message)."""
     debug = os.environ.get("QUIPU_DEBUG") == "1"
     try:
-        app = build_app()
-        result = app(args=argv, prog_name="quipu", standalone_mode=False)
+        result = call()
         return int(result) if isinstance(result, int) else ExitCode.OK
     except Interrupted:
         sys.stderr.write("\nquipu: interrupted\n")
@@ -30,15 +37,7 @@ def run_app(build_app: Callable, argv: list[str]) -> int:
             raise
         error_line(str(exc))
         return int(exc.exit_code)
-    except typer.Exit as exc:
-        return exc.exit_code
-    except typer.TyperException as exc:
-        if hasattr(exc, "show"):
-            exc.show()
-        else:
-            error_line(str(exc))
-        return exc.exit_code
-    except (KeyboardInterrupt, typer.Abort):
+    except KeyboardInterrupt:
         if debug:
             raise
         sys.stderr.write("\nquipu: interrupted\n")
@@ -53,3 +52,30 @@ def run_app(build_app: Callable, argv: list[str]) -> int:
             raise
         error_line(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}")
         return ExitCode.FAILURE
+    except Exception as exc:
+        code = typer_exit(exc, debug)
+        if code is None:
+            raise
+        return code
+
+
+def typer_exit(exc: Exception, debug: bool) -> int | None:
+    """The exit code of Typer's own exceptions (usage errors, --help's exit, an abort); None for
+    anything else. Typer is only looked at when it was imported: a plain `run` never imports it."""
+    typer = sys.modules.get("typer")
+    if typer is None:
+        return None
+    if isinstance(exc, typer.Exit):
+        return exc.exit_code
+    if isinstance(exc, typer.Abort):
+        if debug:
+            raise exc
+        sys.stderr.write("\nquipu: interrupted\n")
+        return ExitCode.INTERRUPTED
+    if isinstance(exc, typer.TyperException):
+        if hasattr(exc, "show"):
+            exc.show()
+        else:
+            error_line(str(exc))
+        return exc.exit_code
+    return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from quipu.cli import options as opt
+from quipu.cli import options as opt, spec
 from quipu.cli.terminal import PrefillProgress, Terminal
 from quipu.errors import UsageError
 
@@ -46,7 +46,7 @@ def chat(
 
     if session is not None and resume:
         raise UsageError("give either --session NAME or --resume, not both")
-    opts = opt.turn_options(
+    opts = spec.turn_options(
         model=model, system=system, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens, stop=stop, ctx=ctx,
         threads=threads, kv_type=kv_type, verbose=verbose, chat_template=chat_template, think=think,

@@ -7,7 +7,7 @@ from typing import List
 
 import typer
 
-from quipu.cli import options as opt
+from quipu.cli import options as opt, spec
 from quipu.cli.terminal import Terminal
 
 
@@ -31,7 +31,7 @@ def embed(
     if not texts:
         piped = gather_prompt(None, term, allow_empty=True)
         texts = [line for line in (piped or "").splitlines() if line.strip()]
-    opts = opt.turn_options(model=model, threads=threads, verbose=verbose)
+    opts = spec.turn_options(model=model, threads=threads, verbose=verbose)
     for row in embed_texts(texts, opts, context.obj, pooling=pooling, normalize=normalize):
         vector = ",".join(f"{x:.8g}" for x in row["embedding"])
         head = json.dumps({"index": row["index"], "text": row["text"]}, ensure_ascii=False)[:-1]

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from quipu.cli.options import _complete_models
+from quipu.cli.spec import complete_model
 from quipu.cli.sessions import human_size
 from quipu.cli.terminal import Terminal
 
@@ -48,7 +48,7 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
 def info(
     context: typer.Context,
     model: Optional[str] = typer.Argument(None, help="A name from `quipu models list` or a .gguf path (default: the default model).",
-                                          autocompletion=_complete_models),
+                                          autocompletion=complete_model),
     template: bool = typer.Option(False, "--template", help="Show what the chat template does, and its start."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
 ) -> None:

@@ -3,68 +3,80 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
 
-import typer
-
-from quipu.cli import options as opt
+from quipu.cli import spec
 from quipu.cli.terminal import PrefillProgress, StopOnCtrlC, Terminal
 from quipu.errors import BadInput, ExitCode
 
 MAX_STDIN_BYTES = 64 * 1024 * 1024
 
+HELP = "Answer one prompt, given as an argument and/or on standard input."
 
-def register(app: typer.Typer) -> None:
-    app.command(
-        "run",
-        help="Answer one prompt, given as an argument and/or on standard input.",
-        no_args_is_help=False,
-    )(run)
+# The parameters of `quipu run`, in order: Typer builds the command from this table, and
+# `spec.parse` reads a plain command line from it without Typer.
+PARAMS: dict[str, spec.Opt | spec.Arg] = {
+    "prompt": spec.Arg("The prompt. Piped stdin comes before it, then a blank line."),
+    "model": spec.MODEL,
+    "system": spec.SYSTEM,
+    "raw": spec.flag("--raw", help="Plain completion, without the chat template."),
+    "max_tokens": spec.MAX_TOKENS,
+    "temperature": spec.TEMPERATURE,
+    "top_k": spec.TOP_K,
+    "top_p": spec.TOP_P,
+    "min_p": spec.MIN_P,
+    "repeat_penalty": spec.REPEAT_PENALTY,
+    "seed": spec.SEED,
+    "stop": spec.STOP,
+    "ctx": spec.CTX,
+    "threads": spec.THREADS,
+    "kv_type": spec.KV_TYPE,
+    "session": spec.SESSION,
+    "continue_reply": spec.flag("--continue", help="With --session and no prompt: keep generating the last reply."),
+    "chat_template": spec.CHAT_TEMPLATE,
+    "think": spec.THINK,
+    "schema": spec.SCHEMA,
+    "grammar": spec.GRAMMAR,
+    "logit_bias": spec.LOGIT_BIAS,
+    "no_cache": spec.flag("--no-cache", help="Neither use nor fill the prompt cache for this run."),
+    "show": spec.flag("--show-prompt", help="Print the exact context that would be fed (with --json: its token "
+                                            "ids, and how many a session reuses), and generate nothing."),
+    "as_json": spec.flag("--json", help="Print one JSON object instead of streaming."),
+    "stats": spec.flag("--stats", help="Print timings and token counts on stderr."),
+    "verbose": spec.VERBOSE,
+}
 
 
-def run(
-    context: typer.Context,
-    prompt: Optional[str] = typer.Argument(None, help="The prompt. Piped stdin comes before it, then a blank line."),
-    model: opt.Model = None,
-    system: opt.System = None,
-    raw: bool = typer.Option(False, "--raw", help="Plain completion, without the chat template."),
-    max_tokens: opt.MaxTokens = None,
-    temperature: opt.Temperature = None,
-    top_k: opt.TopK = None,
-    top_p: opt.TopP = None,
-    min_p: opt.MinP = None,
-    repeat_penalty: opt.RepeatPenalty = None,
-    seed: opt.Seed = None,
-    stop: opt.Stop = [],
-    ctx: opt.Ctx = None,
-    threads: opt.Threads = None,
-    kv_type: opt.KvType = None,
-    session: opt.Session = None,
-    continue_reply: bool = typer.Option(False, "--continue", help="With --session and no prompt: keep generating the last reply."),
-    chat_template: opt.ChatTemplate = None,
-    think: opt.Think = None,
-    schema: opt.Schema = None,
-    grammar: opt.Grammar = None,
-    logit_bias: opt.LogitBias = [],
-    no_cache: bool = typer.Option(False, "--no-cache", help="Neither use nor fill the prompt cache for this run."),
-    show: bool = typer.Option(False, "--show-prompt", help="Print the exact context that would be fed (with "
-                              "--json: its token ids, and how many a session reuses), and generate nothing."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
-    stats: bool = typer.Option(False, "--stats", help="Print timings and token counts on stderr."),
-    verbose: opt.Verbose = False,
-) -> int:
+def register(app) -> None:
+    from quipu.cli.options import signature
+
+    def command(context, **given) -> int:
+        return run(context.obj, **given)
+
+    command.__signature__ = signature(PARAMS)
+    app.command("run", help=HELP, no_args_is_help=False)(command)
+
+
+def run_plain(given: dict) -> int:
+    """`quipu run` without Typer, on what `spec.parse` read from a plain command line."""
+    from quipu.app.environment import Environment
+
+    return run(Environment.load(), **given)
+
+
+def run(env, *, prompt, model, system, raw, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed,
+        stop, ctx, threads, kv_type, session, continue_reply, chat_template, think, schema, grammar, logit_bias,
+        no_cache, show, as_json, stats, verbose) -> int:
     from quipu.app.turns import run_turn
 
     term = Terminal.detect()
     text = gather_prompt(prompt, term, allow_empty=continue_reply)
-    opts = opt.turn_options(
+    opts = spec.turn_options(
         model=model, system=system, raw=raw, temperature=temperature, top_k=top_k, top_p=top_p,
         min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens, stop=stop,
         ctx=ctx, threads=threads, kv_type=kv_type, session=session, continue_reply=continue_reply,
         verbose=verbose, chat_template=chat_template, think=think,
         schema=schema, grammar=grammar, logit_bias=logit_bias, no_cache=no_cache,
     )
-    env = context.obj
     if show:
         return show_prompt(text, opts, env, term, as_json)
     progress = PrefillProgress(term)
@@ -122,8 +134,8 @@ def show_prompt(text, opts, env, term: Terminal, as_json: bool) -> int:
         term.stdout.write(json.dumps(view.to_json(), ensure_ascii=False) + "\n")
     else:
         term.stdout.write(view.text if view.text.endswith("\n") else view.text + "\n")
-        if view.session is not None:
-            term.stderr.write(f"{len(view.tokens)} tokens, {view.reused} of them already in session '{view.session}'\n")
+        where = f"already in session '{view.session}'" if view.session is not None else "in the prompt cache"
+        term.stderr.write(f"{len(view.tokens)} tokens, {view.reused} of them {where}\n")
     term.stdout.flush()
     return ExitCode.OK
 

@@ -7,10 +7,10 @@ from typing import List
 
 import typer
 
-from quipu.cli.options import _complete_sessions
+from quipu.cli.spec import complete_session
 from quipu.cli.terminal import Terminal
 
-NAME = typer.Argument(..., help="Session name.", autocompletion=_complete_sessions)
+NAME = typer.Argument(..., help="Session name.", autocompletion=complete_session)
 
 app = typer.Typer(help="Manage saved sessions.", no_args_is_help=True)
 
@@ -73,7 +73,7 @@ def show(context: typer.Context, name: str = NAME) -> None:
 @app.command()
 def rm(
     context: typer.Context,
-    names: List[str] = typer.Argument(..., help="Sessions to remove.", autocompletion=_complete_sessions),
+    names: List[str] = typer.Argument(..., help="Sessions to remove.", autocompletion=complete_session),
 ) -> None:
     """Remove sessions."""
     from quipu.app.manage import remove

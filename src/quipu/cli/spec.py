@@ -1,0 +1,167 @@
+"""Options as plain data, and a parser for `quipu run` that needs no Typer.
+
+A whole `quipu run` is a short process, and Typer (with the pydantic it coerces every value
+through) costs about a fifth of it. So the options of `run` and `chat` are declared here once,
+as data: `options.py` turns them into Typer parameters (help, completion, errors), and
+`parse` reads a plain, well-formed `quipu run` command line from the same declarations.
+`parse` answers None for anything it is not sure of (help, a value that needs converting
+beyond plain digits, an unknown option, `--`), and the command line then goes to Typer,
+which gives the answer or the error message it always gave.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+
+def complete_model(incomplete: str) -> list[str]:
+    from quipu.cli.completion import complete_models
+
+    return complete_models(incomplete)
+
+
+def complete_session(incomplete: str) -> list[str]:
+    from quipu.cli.completion import complete_sessions
+
+    return complete_sessions(incomplete)
+
+
+@dataclass(frozen=True)
+class Opt:
+    """One option: its spellings (a `--x/--no-x` pair for an on/off switch), the type of its
+    value (`bool` for a flag), and whether it may be given more than once."""
+
+    decls: tuple[str, ...]
+    type: type
+    help: str
+    multiple: bool = False
+    complete: Optional[Callable[[str], list[str]]] = None
+
+    @property
+    def default(self):
+        if self.multiple:
+            return []
+        return False if self.type is bool and not self.switch else None
+
+    @property
+    def switch(self) -> bool:
+        return any("/" in d for d in self.decls)
+
+
+@dataclass(frozen=True)
+class Arg:
+    """The one positional argument of a command, optional."""
+
+    help: str
+
+
+def opt(*decls: str, type: type = str, help: str, multiple: bool = False, complete=None) -> Opt:
+    return Opt(decls, type, help, multiple, complete)
+
+
+def flag(*decls: str, help: str) -> Opt:
+    return Opt(decls, bool, help)
+
+
+# ---- shared by `run` and `chat` (and some by `embed`) ---------------------------------------
+
+MODEL = opt("--model", "-m", help="A .gguf file or a known model name.", complete=complete_model)
+SESSION = opt("--session", "-S", help="Continue or create this named session.", complete=complete_session)
+SYSTEM = opt("--system", "-s", help="System prompt.")
+MAX_TOKENS = opt("--max-tokens", "-n", type=int, help="Most tokens to generate per reply (default: 512).")
+TEMPERATURE = opt("--temperature", "-t", type=float, help="0 is greedy (default: 0.8).")
+TOP_K = opt("--top-k", type=int, help="Keep the k likeliest tokens; 0 is off (default: 40).")
+TOP_P = opt("--top-p", type=float, help="Nucleus sampling, in (0, 1] (default: 0.95).")
+MIN_P = opt("--min-p", type=float, help="Drop tokens below this share of the top one (default: 0.05).")
+REPEAT_PENALTY = opt("--repeat-penalty", type=float, help="1 is off (default: 1.1).")
+SEED = opt("--seed", type=int, help="Random seed (default: random; --json reports it).")
+STOP = opt("--stop", multiple=True, help="Stop at this text (repeatable); it is not printed.")
+CTX = opt("--ctx", type=int, help="Context size in tokens (default: the model's, at most 8192).")
+THREADS = opt("--threads", type=int, help="CPU threads (default: the CPUs this process may use).")
+KV_TYPE = opt("--kv-type", help="KV cache type: f16, or q8_0 for half-size snapshots.")
+VERBOSE = flag("--verbose", help="Show llama.cpp's own log on stderr.")
+CHAT_TEMPLATE = opt("--chat-template", help="A Jinja chat template file to use in place of the model's (a session "
+                                            "remembers it).")
+SCHEMA = opt("--schema", help="Answer as JSON that validates against this JSON Schema (inline, or @file.json; off "
+                              "drops a session's).")
+GRAMMAR = opt("--grammar", help="Answer as this GBNF grammar file allows (llama.cpp's format; off drops a "
+                                "session's).")
+LOGIT_BIAS = opt("--logit-bias", multiple=True, help="TOKEN=BIAS added to a token's logit, TOKEN an id or a "
+                                                     "one-token text; -inf bans it (repeatable).")
+THINK = Opt(("--think/--no-think",), bool, "Turn a thinking model's reasoning on or off, where its template has "
+                                           "the switch.")
+
+# ---- the fast parser -----------------------------------------------------------------------
+
+_INT = re.compile(r"[+-]?\d{1,18}")
+_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def _convert(spec: Opt, text: str):
+    if spec.type is int:
+        return int(text) if _INT.fullmatch(text) else None
+    if spec.type is float:
+        return float(text) if _FLOAT.fullmatch(text) else None
+    return text
+
+
+def parse(params: dict[str, Opt | Arg], args: list[str]) -> dict | None:
+    """The parameters a plain command line gives, by name (defaults for the rest); None when
+    Typer should read it instead."""
+    given = {name: (None if isinstance(spec, Arg) else spec.default) for name, spec in params.items()}
+    spellings: dict[str, tuple[str, Opt, object]] = {}
+    positional = None
+    for name, spec in params.items():
+        if isinstance(spec, Arg):
+            positional = name
+            continue
+        for decl in spec.decls:
+            on, _, off = decl.partition("/")
+            spellings[on] = (name, spec, True)
+            if off:
+                spellings[off] = (name, spec, False)
+    rest = list(args)
+    seen_positional = False
+    while rest:
+        word = rest.pop(0)
+        if word.startswith("-") and word != "-":
+            spelling, eq, inline = word.partition("=")
+            if eq and not spelling.startswith("--"):
+                return None
+            found = spellings.get(spelling)
+            if found is None:
+                return None  # help, `--`, a short option run together with its value, a mistake
+            name, spec, on = found
+            if spec.type is bool:
+                if eq:
+                    return None
+                given[name] = on
+                continue
+            if not eq:
+                if not rest or rest[0].startswith("-"):
+                    return None
+                inline = rest.pop(0)
+            value = _convert(spec, inline)
+            if value is None:
+                return None
+            if spec.multiple:
+                given[name] = [*given[name], value]
+            else:
+                given[name] = value
+        else:
+            if positional is None or seen_positional:
+                return None
+            given[positional] = word
+            seen_positional = True
+    return given
+
+
+def turn_options(**given):
+    """A TurnOptions from a command's parameters (named as above, snake_case)."""
+    from quipu.app.environment import TurnOptions
+
+    given["stop"] = tuple(given.get("stop") or ())
+    given["logit_bias"] = tuple(given.get("logit_bias") or ())
+    return TurnOptions(**given)
