@@ -4,6 +4,7 @@ damage, kills, budgets and concurrency never fail a run or hand llama.cpp a bad 
 from __future__ import annotations
 
 import json
+import re
 import os
 import random
 import signal
@@ -114,3 +115,34 @@ def test_concurrent_runs_share_the_cache_safely(tiny_model, home):
     assert all(p.returncode == 0 for p in procs), [e.decode() for _, e in results]
     for entry in entries(home):
         decode_state(entry.read_bytes())
+
+
+def test_show_prompt_counts_what_the_cache_holds(quipu, tiny_model):
+    run(quipu, tiny_model, "-s", SYSTEM, "hello")
+    r = quipu("run", "-m", tiny_model, "-s", SYSTEM, "--show-prompt", "--json", "the sky")
+    view = json.loads(r.stdout)
+    actual, _ = run(quipu, tiny_model, "-s", SYSTEM, "the sky")
+    assert view["reused_tokens"] == actual["usage"]["cached_tokens"] > 200
+    r = quipu("run", "-m", tiny_model, "-s", SYSTEM, "--show-prompt", "the sky")
+    assert f"{view['reused_tokens']} of them in the prompt cache" in r.stderr.decode()
+    r = quipu("run", "-m", tiny_model, "-s", SYSTEM, "--show-prompt", "--json", "--no-cache", "the sky")
+    assert json.loads(r.stdout)["reused_tokens"] == 0
+
+
+def test_a_new_session_starts_from_the_cache(quipu, tiny_model):
+    run(quipu, tiny_model, "-s", SYSTEM, "hello")
+    new, _ = run(quipu, tiny_model, "-s", SYSTEM, "-S", "fresh", "the sky")
+    again, _ = run(quipu, tiny_model, "-S", "fresh", "and the world")
+    uncached, _ = run(quipu, tiny_model, "-s", SYSTEM, "-S", "other", "--no-cache", "the sky")
+    assert new["usage"]["cached_tokens"] > 200 and uncached["usage"]["cached_tokens"] == 0
+    assert new["text"] == uncached["text"]
+    assert again["usage"]["cached_tokens"] >= new["usage"]["prompt_tokens"]  # the session's own state
+
+
+def test_a_new_chat_starts_from_the_cache(quipu, tiny_model):
+    run(quipu, tiny_model, "-s", SYSTEM, "hello")
+    r = quipu("chat", "-m", tiny_model, "-s", SYSTEM, "-S", "talk", "-t", "0", "-n", "8", input="the sky\n/stats\n")
+    assert r.returncode == 0, r.stderr.decode()
+    solo, _ = run(quipu, tiny_model, "-s", SYSTEM, "--no-cache", "the sky")
+    assert solo["text"] in r.stdout.decode()
+    assert re.search(r"\b([2-9]\d\d|\d{4,}) reused", r.stdout.decode() + r.stderr.decode())

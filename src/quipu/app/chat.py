@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from quipu.app.environment import SAMPLING_TYPES, Environment, TurnOptions, max_tokens
 from quipu.app.named import NamedSession, store_for
-from quipu.app.turns import ReplyStream, StopFn, TextFn, progress_callback
+from quipu.app.turns import ReplyStream, StopFn, TextFn, first_prompt_from_cache, progress_callback
 from quipu.engine.base import ProgressFn
 from quipu.errors import ContextOverflow, InvalidParameter, UsageError
 from quipu.sessions.inference import Generation, Stats
@@ -160,6 +160,7 @@ class ChatSession:
     def send(self, text: str, on_text: TextFn | None = None, should_stop: StopFn | None = None,
              on_progress: ProgressFn | None = None, on_reasoning: TextFn | None = None) -> TurnOutcome:
         conv = self._named.conversation
+        first_prompt_from_cache(self._named, text, self.opts, self.env)
         return self._turn(lambda **kw: conv.send(text, **kw), on_text, should_stop, on_progress, message=text,
                           on_reasoning=on_reasoning)
 

@@ -97,7 +97,7 @@ class PromptView:
 
     text: str
     tokens: list[int]
-    reused: int  # how many of them the context holds already (a session's)
+    reused: int  # how many of them need not be read: a session's context, or the prompt cache
     model: str
     session: str | None
 
@@ -175,9 +175,8 @@ def cache_lookup(session: InferenceSession, tokens: list[int], model_path, opts:
     cache is off for this run."""
     if opts.no_cache:
         return None
-    backend = session.backend
     cache = PromptCache(env.dirs.prompt_cache, env.cache_max_bytes)
-    key = {"fingerprint": fingerprint(model_path), "build": backend.build, "context": backend.context.state_key()}
+    key = cache_key(session, model_path)
     hit = cache.lookup(key, tokens)
     reused = 0
     if hit is not None:
@@ -188,6 +187,35 @@ def cache_lookup(session: InferenceSession, tokens: list[int], model_path, opts:
         except EngineError as exc:
             cache.drop(hit.path, str(exc))
     return CacheUse(cache, key, reused)
+
+
+def cache_key(session: InferenceSession, model_path) -> dict:
+    """What a cache entry's state bytes are valid under: the model, the native build, the context."""
+    backend = session.backend
+    return {"fingerprint": fingerprint(model_path), "build": backend.build, "context": backend.context.state_key()}
+
+
+def cached_count(session: InferenceSession, tokens: list[int], model_path, opts: TurnOptions,
+                 env: Environment) -> int:
+    """How many of `tokens` a run would restore from the prompt cache (`--show-prompt`)."""
+    if opts.no_cache:
+        return 0
+    found = PromptCache(env.dirs.prompt_cache, env.cache_max_bytes).peek(cache_key(session, model_path), tokens)
+    return min(found, len(tokens) - 1) if found else 0
+
+
+def first_prompt_from_cache(named: NamedSession, text: str, opts: TurnOptions, env: Environment) -> None:
+    """A new conversation's first prompt begins, perhaps, as earlier runs' did (a long system
+    prompt): the cached beginning is restored, and the turn reads only the rest."""
+    conv = named.conversation
+    if named.session.n_decoded or any(m.role != "system" for m in conv.messages):
+        return
+    conv.messages.append(Message("user", text))
+    try:
+        tokens = conv.context_tokens()
+    finally:
+        conv.messages.pop()
+    cache_lookup(named.session, tokens, named.model_path, opts, env)
 
 
 def cache_save(session: InferenceSession, tokens: list[int], use: CacheUse) -> None:
@@ -231,6 +259,7 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, pr
                     gen = conv.continue_reply(max_tokens=limit, stop=opts.stop, on_token=stream.on_token,
                                               on_progress=progress)
                 else:
+                    first_prompt_from_cache(named, prompt, opts, env)
                     gen = conv.send(prompt, max_tokens=limit, stop=opts.stop, on_token=stream.on_token,
                                     on_progress=progress)
             except ContextOverflow as exc:
@@ -284,7 +313,7 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
     if not prompt:
         raise BadInput("no prompt: give one as an argument or on standard input")
     source = chat_template_source(opts)
-    model_name, _, session = open_session(opts, env)
+    model_name, model_path, session = open_session(opts, env)
     try:
         if opts.raw:
             tokens = session.backend.tokenize(prompt, add_special=True, parse_special=False)
@@ -293,7 +322,8 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
                                       variables=template_variables(opts))
             conv.messages.append(Message("user", prompt))
             tokens = conv.context_tokens()
-        return PromptView(spell(session.backend, tokens), tokens, 0, model_name, None)
+        reused = cached_count(session, tokens, model_path, opts, env)
+        return PromptView(spell(session.backend, tokens), tokens, reused, model_name, None)
     finally:
         session.backend.close()
 

@@ -60,9 +60,9 @@ class PromptCache:
             return []
         return sorted(p for p in self.root.glob(f"*{SUFFIX}") if not p.name.startswith("."))
 
-    def lookup(self, key: dict[str, Any], tokens: Sequence[int]) -> CacheHit | None:
-        """The entry made under `key` that shares the longest beginning with `tokens` (at least
-        MIN_TOKENS of it), its state verified; None when there is none."""
+    def _best(self, key: dict[str, Any], tokens: Sequence[int]) -> tuple[int, Path, list[int]] | None:
+        """The entry made under `key` sharing the longest beginning with `tokens` (at least
+        MIN_TOKENS), by its metadata alone."""
         clean_temporaries(self.root)
         want = self._digest(key)
         best: tuple[int, Path, list[int]] | None = None
@@ -78,6 +78,17 @@ class PromptCache:
             reuse = _common(held, tokens)
             if reuse >= MIN_TOKENS and (best is None or reuse > best[0]):
                 best = (reuse, path, held)
+        return best
+
+    def peek(self, key: dict[str, Any], tokens: Sequence[int]) -> int:
+        """How many of `tokens` `lookup` would find (its state not yet verified); 0 for none."""
+        best = self._best(key, tokens)
+        return 0 if best is None else best[0]
+
+    def lookup(self, key: dict[str, Any], tokens: Sequence[int]) -> CacheHit | None:
+        """The entry made under `key` that shares the longest beginning with `tokens` (at least
+        MIN_TOKENS of it), its state verified; None when there is none."""
+        best = self._best(key, tokens)
         if best is None:
             return None
         reuse, path, held = best
