@@ -222,6 +222,17 @@ def bench_peers(model: str, repeats: int, home: str) -> list[dict]:
     return rows
 
 
+def kv_bytes_per_token(model: str) -> int:
+    """f16 K and V in every layer, for one position."""
+    from quipu.gguf import read_gguf
+
+    meta = read_gguf(Path(model)).metadata
+    arch = meta["general.architecture"]
+    head_dim = meta[f"{arch}.embedding_length"] // meta[f"{arch}.attention.head_count"]
+    kv_dims = head_dim * meta.get(f"{arch}.attention.head_count_kv", meta[f"{arch}.attention.head_count"])
+    return meta[f"{arch}.block_count"] * 2 * kv_dims * 2
+
+
 def bench_memory(model: str, threads: int, home: str) -> list[dict]:
     """Peak RSS of `quipu run` on a 1,500-token prompt at the default context (8192), against
     the model file plus the KV cache it allocates."""
@@ -245,15 +256,10 @@ def bench_memory(model: str, threads: int, home: str) -> list[dict]:
     # one that restores it (either holds that state in memory once more).
     plain_peak = peak_of("--no-cache")
     cache_peak = max(peak_of(), peak_of())
-    from quipu.gguf import read_gguf
 
     with LlamaBackend(model, ContextSettings(n_ctx=8192, n_threads=1)) as b:
         ctx = b.n_ctx
-    meta = read_gguf(Path(model)).metadata
-    arch = meta["general.architecture"]
-    head_dim = meta[f"{arch}.embedding_length"] // meta[f"{arch}.attention.head_count"]
-    kv_dims = head_dim * meta.get(f"{arch}.attention.head_count_kv", meta[f"{arch}.attention.head_count"])
-    kv_bytes = ctx * meta[f"{arch}.block_count"] * 2 * kv_dims * 2  # f16 K and V in every layer
+    kv_bytes = ctx * kv_bytes_per_token(model)
     model_bytes = Path(model).stat().st_size
     budget = model_bytes + kv_bytes + 150 * 2**20
     state = kv_bytes // ctx * 1500  # the prompt's state, as the cache keeps it
@@ -425,6 +431,89 @@ def bench_coldstart(model: str, threads: int, repeats: int, home: str) -> list[d
              "llama.cpp": round(median(n), 3), "ratio": round(median(q) / median(n), 3)}]
 
 
+BATCH_CODE = """
+import json, sys, time
+from quipu.app.batch import run_batch
+from quipu.app.environment import Environment, TurnOptions
+model, threads, parallel, n_decode, text = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.stdin.read()
+rows = []
+opts = TurnOptions(model=model, raw=True, temperature=0.0, max_tokens=n_decode, threads=threads, logit_bias=("2=-inf",))
+started = time.perf_counter()
+run_batch(text, opts, Environment.load(), parallel=parallel, on_row=rows.append)
+wall = time.perf_counter() - started
+load = rows[0].result.stats.load_s
+tokens = sum(r.result.stats.prompt_tokens + r.result.stats.completion_tokens for r in rows)
+import resource
+print(json.dumps({"s": wall - load, "tokens": tokens, "texts": [r.result.text for r in rows],
+                  "longest": max(r.result.stats.prompt_tokens for r in rows),
+                  "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def bench_batch(model: str, threads: int, home: str, n_rows: int = 32, n_decode: int = 64) -> list[dict]:
+    """`quipu run --batch`: 32 distinct prompts of ~40 tokens, 64 tokens each (end-of-text
+    banned), greedy, against the same rows one after another in one process, 32 `quipu run`
+    processes, and llama.cpp's `llama-batched-bench` at the same parallelism (prompt and
+    generated tokens per second, model load excluded, as batched-bench counts)."""
+    from bench import llamacpp
+
+    words = PASSAGE.split()
+    prompts = [" ".join(words[i % len(words):] + words[: i % len(words)])[:200] for i in range(n_rows)]
+    text = "\n".join(f"{i}. {p}" for i, p in enumerate(prompts)) + "\n"
+    env = {**os.environ, "QUIPU_HOME": home}
+
+    def in_process(parallel: int) -> dict:
+        r = subprocess.run([sys.executable, "-c", BATCH_CODE, model, str(threads), str(parallel), str(n_decode)],
+                           input=text.encode(), capture_output=True, env=env, check=True)
+        return json.loads(r.stdout)
+
+    solo = in_process(1)
+    rows = []
+    started = time.perf_counter()
+    for i, p in enumerate(prompts):
+        quipu_cmd("run", "-m", model, "--raw", "-t", "0", "-n", str(n_decode), "--threads", str(threads),
+                  "--logit-bias", "2=-inf", "--no-cache", f"{i}. {p}", env={"QUIPU_HOME": home})
+    processes_s = time.perf_counter() - started
+    # quipu keeps flash attention off (a row computes as a lone run does); batched-bench is run
+    # with it off too (the same arithmetic), and with its default (on, here) for reference.
+    native: dict[int, float] = {}
+    native_fa: dict[int, float] = {}
+    try:
+        exe = llamacpp.program("llama-batched-bench") or llamacpp.build(("llama-batched-bench",)) / "llama-batched-bench"
+        for fa, into in (("off", native), ("auto", native_fa)):
+            out = subprocess.run([str(exe), "-m", model, "-c", str(n_rows * 128), "-npp", "40", "-ntg", str(n_decode),
+                                  "-npl", "1,8,32", "-t", str(threads), "-fa", fa],
+                                 capture_output=True, check=True).stdout.decode()
+            for line in out.splitlines():
+                cells = [c.strip() for c in line.strip().strip("|").split("|")]
+                if len(cells) == 10 and cells[2].isdigit():
+                    into[int(cells[2])] = float(cells[9])
+    except Exception as exc:  # no compiler or sdist: say so, measure the rest
+        rows.append({"what": f"llama-batched-bench could not be built or run ({exc})", "quipu": ""})
+    for parallel in (8, 32):
+        got = in_process(parallel)
+        rate = got["tokens"] / got["s"]
+        same = sum(a == b for a, b in zip(got["texts"], solo["texts"]))
+        row = {"what": f"--batch, {n_rows} rows, --parallel {parallel}: tokens/s (prompt + generated)",
+               "quipu": round(rate, 1),
+               "ratio": f"{rate / (solo['tokens'] / solo['s']):.2f}x one by one in one process, "
+                        f"{rate / (solo['tokens'] / processes_s):.2f}x {n_rows} processes; {same}/{n_rows} rows "
+                        "as one by one, greedy"}
+        if parallel in native:
+            row["llama.cpp"] = native[parallel]
+            row["ratio"] = (f"{rate / native[parallel]:.2f}x llama.cpp (flash attention off as quipu; with its "
+                            f"default on: {native_fa.get(parallel, '?')} tok/s); " + row["ratio"])
+        rows.append(row)
+        cells = parallel * -(-(got["longest"] + n_decode) // 256) * 256  # each row's share, as quipu sizes it
+        budget = Path(model).stat().st_size + cells * kv_bytes_per_token(model) + 150 * 2**20
+        rows.append({"what": f"--batch --parallel {parallel}: peak RSS (MB)", "quipu": round(got["peak"] / 2**20),
+                     "budget: model + KV + 150 MB": round(budget / 2**20), "ratio": round(got["peak"] / budget, 3)})
+    rows.append({"what": f"--batch, the same rows one by one in one process / {n_rows} `quipu run` processes: tokens/s",
+                 "quipu": f"{solo['tokens'] / solo['s']:.1f} / {solo['tokens'] / processes_s:.1f}",
+                 "llama.cpp": native.get(1, "")})
+    return rows
+
+
 def machine() -> dict:
     cpu = platform.processor()
     try:
@@ -453,7 +542,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128, help="tokens to decode per run")
-    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup, coldstart, templates, constrained, cache")
+    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup, coldstart, batch, templates, constrained, cache")
     args = ap.parse_args(argv)
     model = model_path()
     # An installed quipu has its bytecode compiled by pip; a checkout may not (PYTHONDONTWRITEBYTECODE).
@@ -470,6 +559,7 @@ def main(argv: list[str] | None = None) -> None:
             "snapshots": lambda: bench_snapshots(model, args.threads),
             "startup": lambda: bench_startup(args.repeats, home),
             "coldstart": lambda: bench_coldstart(model, args.threads, args.repeats, home),
+            "batch": lambda: bench_batch(model, args.threads, home),
             "templates": lambda: bench_templates(model, args.threads),
             "constrained": lambda: bench_constrained(model, args.threads, args.repeats),
             "cache": lambda: bench_cache(model, args.threads, args.repeats, home),

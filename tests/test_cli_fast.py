@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from quipu.cli import build_app, run as run_command, spec
+from quipu.cli import build_app, spec
+from quipu.cli import run as run_command
 
 # Command lines as people write them, and edge cases of the forms the fast parser accepts.
 PLAIN = [

@@ -1,6 +1,6 @@
 """The `quipu` command: assembles the sub-apps; `main` is the one error boundary.
 
-One module per command or sub-app (`run.py`, `chat.py`, `sessions.py`, `models.py`,
+One module per command or sub-app (`run.py` and its `--batch` in `batch.py`, `chat.py`, `sessions.py`, `models.py`,
 `config.py`, `embed.py`, `cache.py`), with `root.py` (`--version`, the Environment built once),
 `spec.py` (the options of `run` and `chat` as data, and a parser for a plain `run` that needs
 no Typer), `options.py` (those options as Typer parameters), `repl.py` (the chat REPL and its table of

@@ -6,7 +6,7 @@ import json
 
 from quipu.cli import spec
 from quipu.cli.terminal import PrefillProgress, StopOnCtrlC, Terminal
-from quipu.errors import BadInput, ExitCode
+from quipu.errors import BadInput, ExitCode, UsageError
 
 MAX_STDIN_BYTES = 64 * 1024 * 1024
 
@@ -43,6 +43,10 @@ PARAMS: dict[str, spec.Opt | spec.Arg] = {
     "as_json": spec.flag("--json", help="Print one JSON object instead of streaming."),
     "stats": spec.flag("--stats", help="Print timings and token counts on stderr."),
     "verbose": spec.VERBOSE,
+    "batch": spec.opt("--batch", help="Answer every row of this file side by side (JSON lines, or one prompt per "
+                                      "line; - for stdin); prints one JSON line per row, in input order."),
+    "parallel": spec.opt("--parallel", type=int, help="With --batch: rows decoded side by side (default: 4 per "
+                                                      "CPU, from 4 to 16)."),
 }
 
 
@@ -65,11 +69,13 @@ def run_plain(given: dict) -> int:
 
 def run(env, *, prompt, model, system, raw, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed,
         stop, ctx, threads, kv_type, session, continue_reply, chat_template, think, schema, grammar, logit_bias,
-        no_cache, show, as_json, stats, verbose) -> int:
+        no_cache, show, as_json, stats, verbose, batch, parallel) -> int:
     from quipu.app.turns import run_turn
 
     term = Terminal.detect()
-    text = gather_prompt(prompt, term, allow_empty=continue_reply)
+    if batch is None and parallel is not None:
+        raise UsageError("--parallel goes with --batch")
+    text = gather_prompt(prompt, term, allow_empty=continue_reply) if batch is None else None
     opts = spec.turn_options(
         model=model, system=system, raw=raw, temperature=temperature, top_k=top_k, top_p=top_p,
         min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens, stop=stop,
@@ -77,6 +83,12 @@ def run(env, *, prompt, model, system, raw, max_tokens, temperature, top_k, top_
         verbose=verbose, chat_template=chat_template, think=think,
         schema=schema, grammar=grammar, logit_bias=logit_bias, no_cache=no_cache,
     )
+    if batch is not None:
+        from quipu.cli.batch import run_batch_file
+
+        if prompt is not None or show or continue_reply:
+            raise UsageError("--batch reads its prompts from the file; give no prompt, --show-prompt or --continue")
+        return run_batch_file(batch, opts, env, term, parallel)
     if show:
         return show_prompt(text, opts, env, term, as_json)
     progress = PrefillProgress(term)
@@ -152,22 +164,8 @@ def stats_line(result) -> str:
 
 def gather_prompt(prompt: str | None, term: Terminal, *, allow_empty: bool = False) -> str | None:
     """Piped stdin, then a blank line, then the argument; binary stdin is refused."""
-    piped = None
-    if not term.stdin_tty and term.stdin is not None:
-        try:
-            data = term.stdin.buffer.read(MAX_STDIN_BYTES + 1)
-        except (OSError, ValueError, AttributeError):
-            data = b""
-        if len(data) > MAX_STDIN_BYTES:
-            raise BadInput(f"standard input is larger than {MAX_STDIN_BYTES // (1024 * 1024)} MB")
-        if b"\x00" in data:
-            raise BadInput("standard input is binary data, not text")
-        try:
-            piped = data.decode("utf-8")
-        except UnicodeDecodeError:
-            piped = data.decode("utf-8", errors="replace")
-            term.warn("standard input is not valid UTF-8; undecodable bytes were replaced")
-        piped = piped.rstrip("\n") or None
+    piped = read_stdin(term)
+    piped = piped.rstrip("\n") or None if piped is not None else None
     # The piped text first: questions about one document then share it as a cached beginning.
     parts = [p for p in (piped, prompt) if p]
     if not parts:
@@ -175,3 +173,23 @@ def gather_prompt(prompt: str | None, term: Terminal, *, allow_empty: bool = Fal
             return None
         raise BadInput("no prompt: give one as an argument or pipe it on standard input")
     return "\n\n".join(parts)
+
+
+def read_stdin(term: Terminal) -> str | None:
+    """Piped standard input as text (None on a terminal): binary data is refused, and bytes
+    that are not UTF-8 are replaced, with a warning."""
+    if term.stdin_tty or term.stdin is None:
+        return None
+    try:
+        data = term.stdin.buffer.read(MAX_STDIN_BYTES + 1)
+    except (OSError, ValueError, AttributeError):
+        data = b""
+    if len(data) > MAX_STDIN_BYTES:
+        raise BadInput(f"standard input is larger than {MAX_STDIN_BYTES // (1024 * 1024)} MB")
+    if b"\x00" in data:
+        raise BadInput("standard input is binary data, not text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        term.warn("standard input is not valid UTF-8; undecodable bytes were replaced")
+        return data.decode("utf-8", errors="replace")

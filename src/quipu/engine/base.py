@@ -29,6 +29,7 @@ class ContextSettings:
     n_batch: int = 512
     n_threads: int = 0  # 0: available_cpus()
     kv_type: str = "f16"
+    n_seq: int = 1  # sequences decoded side by side (a batch); n_ctx is shared out among them
 
     def state_key(self) -> dict:
         """The settings a snapshot's state bytes are only valid under."""

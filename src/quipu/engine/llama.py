@@ -67,13 +67,15 @@ class LlamaBackend:
         n_ctx = context.n_ctx or min(self.model.n_ctx_train or MAX_DEFAULT_CTX, MAX_DEFAULT_CTX)
         n_threads = context.n_threads or available_cpus()
         n_batch = max(1, min(context.n_batch, n_ctx))
-        self.context = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=context.kv_type)
+        n_seq = max(1, context.n_seq)
+        self.context = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=context.kv_type,
+                                       n_seq=n_seq)
 
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_batch
-        cparams.n_seq_max = 1
+        cparams.n_seq_max = n_seq  # each sequence has its own n_ctx / n_seq cells (not unified)
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
@@ -81,7 +83,8 @@ class LlamaBackend:
         cparams.type_k = kv
         cparams.type_v = kv
         # A quantized V cache needs flash attention; f16 keeps llama.cpp's automatic choice
-        # off so that the state bytes mean the same thing on every run.
+        # off so that the state bytes mean the same thing on every run (and a batch's rows are
+        # computed as lone runs are: with it on, most greedy rows would read differently).
         cparams.flash_attn_type = (
             lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if context.kv_type != "f16" else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
@@ -95,8 +98,10 @@ class LlamaBackend:
         self.n_ctx = min(n_ctx, lc.llama_n_ctx(ctx))
         self._mem = lc.llama_get_memory(ctx)
 
+        self.n_ctx_seq = lc.llama_n_ctx_seq(ctx) if n_seq > 1 else self.n_ctx
         self._batch = lc.llama_batch_init(n_batch, 0, 1)
         self._stack.callback(lc.llama_batch_free, self._batch)
+        self._chain: SamplerChain | None = None
         self._sampler = None
         self._grammar = None
         self._id_range = None
@@ -183,6 +188,39 @@ class LlamaBackend:
     def positions(self) -> int:
         return lc.llama_memory_seq_pos_max(self._mem, 0) + 1
 
+    # ---- several sequences at once (a context opened with n_seq > 1) --------------------------
+
+    def decode_batch(self, items: Sequence[tuple[int, int, int, bool]]) -> None:
+        """Decodes (token, position, sequence, wants logits) items, at most n_batch, in one step;
+        the logits of the i-th item that wanted them are then at batch index i."""
+        batch = self._batch
+        for i, (tok, pos, seq, logits) in enumerate(items):
+            batch.token[i] = tok
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = logits
+        batch.n_tokens = len(items)
+        self._decode(batch)
+
+    def seq_keep(self, seq: int, n_keep: int) -> None:
+        """Forgets sequence `seq`'s positions from `n_keep` on."""
+        if not lc.llama_memory_seq_rm(self._mem, seq, n_keep, -1):
+            raise EngineError("llama.cpp could not trim a sequence")
+
+    def seq_copy(self, src: int, dst: int) -> None:
+        """Sequence `dst` becomes a copy of `src` (which must be all it holds: a shared beginning)."""
+        lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+
+    def row_sampler(self, settings: SamplerSettings) -> "SamplerChain":
+        """A sampler chain of its own, for one sequence of a batch (free it when done)."""
+        return SamplerChain(self.n_vocab, settings)
+
+    def sample_at(self, chain: "SamplerChain", draw_seed: int, index: int) -> int:
+        """Samples (and accepts) with `chain` from the logits at batch index `index`."""
+        chain.reseed(draw_seed)
+        return lc.llama_sampler_sample(chain.ptr, self._ctx, index)
+
     def reopen(self) -> "LlamaBackend":
         """A new context with the same settings on the same loaded model: no second load."""
         return LlamaBackend(self.model, self.context, verbose=LOG.verbose)
@@ -194,43 +232,22 @@ class LlamaBackend:
         self._free_sampler()
         self._settings = settings
         self._grammar = grammar
-        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
-        add = lambda s: lc.llama_sampler_chain_add(chain, s)  # noqa: E731
-        if settings.logit_bias:
-            biases = (lc.llama_logit_bias * len(settings.logit_bias))(*settings.logit_bias)
-            add(lc.llama_sampler_init_logit_bias(self.n_vocab, len(settings.logit_bias), biases))
-        if settings.repeat_penalty != 1.0 and settings.repeat_last_n != 0:
-            add(lc.llama_sampler_init_penalties(self.n_vocab, settings.repeat_last_n, settings.repeat_penalty, 0.0, 0.0))
-        if settings.temperature <= 0:
-            add(lc.llama_sampler_init_greedy())
-            self._draws = False
-        else:
-            if settings.top_k > 0:
-                add(lc.llama_sampler_init_top_k(settings.top_k))
-            if settings.top_p < 1.0:
-                add(lc.llama_sampler_init_top_p(settings.top_p, 1))
-            if settings.min_p > 0.0:
-                add(lc.llama_sampler_init_min_p(settings.min_p, 1))
-            add(lc.llama_sampler_init_temp(settings.temperature))
-            add(lc.llama_sampler_init_dist(0))
-            self._draws = True
-        self._sampler = chain
+        self._chain = SamplerChain(self.n_vocab, settings)
+        self._sampler = self._chain.ptr
 
     def _free_sampler(self) -> None:
-        if self._sampler is not None:
-            lc.llama_sampler_free(self._sampler)
-            self._sampler = None
+        if self._chain is not None:
+            self._chain.free()
+            self._chain = self._sampler = None
         if self._grammar is not None:
             lc.llama_sampler_free(self._grammar)
             self._grammar = None
 
     def sampler_reset(self, window: Sequence[int]) -> None:
-        lc.llama_sampler_reset(self._sampler)
-        self.sampler_accept(window)
+        self._chain.reset(window)
 
     def sampler_accept(self, tokens: Sequence[int]) -> None:
-        for tok in tokens:
-            lc.llama_sampler_accept(self._sampler, tok)
+        self._chain.accept(tokens)
 
     def constraint_reset(self, reply: Sequence[int]) -> None:
         if self._grammar is None:
@@ -253,13 +270,7 @@ class LlamaBackend:
         return not np.isneginf(one["logit"][0])
 
     def _reseed(self, draw_seed: int) -> None:
-        # The draw is a pure function of (seed, draw index): a fresh distribution sampler per
-        # token, so a restored session draws exactly what an uninterrupted one would.
-        if self._draws:
-            chain = self._sampler
-            last = lc.llama_sampler_chain_n(chain) - 1
-            lc.llama_sampler_free(lc.llama_sampler_chain_remove(chain, last))
-            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(draw_seed & 0xFFFFFFFF))
+        self._chain.reseed(draw_seed)
 
     def sample(self, draw_seed: int, history: Sequence[int] = (), processors: Sequence[LogitsProcessor] = (),
                token_filter: TokenFilter | None = None) -> int:
@@ -470,3 +481,53 @@ class LlamaBackend:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class SamplerChain:
+    """llama.cpp's sampler chain for one stream of tokens: logit biases, the repeat penalty
+    (whose window is the tokens accepted), then greedy, or top-k, top-p, min-p, temperature and
+    a draw. The draw is a pure function of (seed, draw index): `reseed` puts a fresh one in
+    before each token, so a restored session, or a row of a batch, draws what a lone
+    uninterrupted run would."""
+
+    def __init__(self, n_vocab: int, settings: SamplerSettings):
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        add = lambda s: lc.llama_sampler_chain_add(chain, s)  # noqa: E731
+        if settings.logit_bias:
+            biases = (lc.llama_logit_bias * len(settings.logit_bias))(*settings.logit_bias)
+            add(lc.llama_sampler_init_logit_bias(n_vocab, len(settings.logit_bias), biases))
+        if settings.repeat_penalty != 1.0 and settings.repeat_last_n != 0:
+            add(lc.llama_sampler_init_penalties(n_vocab, settings.repeat_last_n, settings.repeat_penalty, 0.0, 0.0))
+        if settings.temperature <= 0:
+            add(lc.llama_sampler_init_greedy())
+            self.draws = False
+        else:
+            if settings.top_k > 0:
+                add(lc.llama_sampler_init_top_k(settings.top_k))
+            if settings.top_p < 1.0:
+                add(lc.llama_sampler_init_top_p(settings.top_p, 1))
+            if settings.min_p > 0.0:
+                add(lc.llama_sampler_init_min_p(settings.min_p, 1))
+            add(lc.llama_sampler_init_temp(settings.temperature))
+            add(lc.llama_sampler_init_dist(0))
+            self.draws = True
+        self.ptr = chain
+
+    def reseed(self, draw_seed: int) -> None:
+        if self.draws:
+            last = lc.llama_sampler_chain_n(self.ptr) - 1
+            lc.llama_sampler_free(lc.llama_sampler_chain_remove(self.ptr, last))
+            lc.llama_sampler_chain_add(self.ptr, lc.llama_sampler_init_dist(draw_seed & 0xFFFFFFFF))
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        for tok in tokens:
+            lc.llama_sampler_accept(self.ptr, tok)
+
+    def reset(self, window: Sequence[int]) -> None:
+        lc.llama_sampler_reset(self.ptr)
+        self.accept(window)
+
+    def free(self) -> None:
+        if self.ptr is not None:
+            lc.llama_sampler_free(self.ptr)
+            self.ptr = None

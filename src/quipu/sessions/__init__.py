@@ -2,6 +2,8 @@
 
 - `inference.py`: `InferenceSession` feeds prompts, infers the next token, runs a generation
   with a per-token callback, keeps stats, and snapshots or restores itself (`Snapshot`).
+- `batch.py`: `BatchSession`, many prompts decoded side by side on one context, each row with
+  its own seed (continuous batching; a shared beginning read once).
 - `conversation.py`: `Conversation` and `Message`: turns as the model's chat template renders
   them, fed incrementally; undo, retry, continue, drop the oldest exchanges.
 - `template.py`: `ChatTemplate`, the model's Jinja template in a sandbox, rendered as

@@ -107,6 +107,46 @@ class Generation:
     finish_reason: str = "length"
 
 
+class ReplyText:
+    """A reply's text as its tokens come: pieces decoded as UTF-8 (a character split across
+    tokens waits for its end), stop strings held back until they cannot match."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes], carry: bytes = b"", stop: Sequence[str] = ()):
+        self._detok = Detokenizer(token_bytes, carry)
+        self._matcher = StopMatcher(list(stop))
+        self._shown: list[str] = []
+        self.tokens: list[int] = []
+
+    @property
+    def stopped(self) -> bool:
+        return self._matcher.matched is not None
+
+    @property
+    def text(self) -> str:
+        return "".join(self._shown)
+
+    def push(self, token: int) -> str:
+        """Takes a generated token (not end-of-generation); returns the text that may be shown now."""
+        self.tokens.append(token)
+        text = self._matcher.feed(self._detok.push(token))
+        self._shown.append(text)
+        return text
+
+    def end(self, finish: str) -> tuple[str, str, bytes]:
+        """The reply is over: (the text still to show, the finish reason, the bytes of a
+        character it was cut inside, which a continuation finishes)."""
+        carry = self._detok.pending if finish in ("length", "interrupted") else b""
+        if self.stopped:
+            return "", finish, carry
+        tail = self._matcher.feed("" if carry else self._detok.flush())
+        if self.stopped:
+            finish = "stop_sequence"
+        else:
+            tail += self._matcher.flush()
+        self._shown.append(tail)
+        return tail, finish, carry
+
+
 class InferenceSession:
     """A context on a backend and the exact token history in it.
 
@@ -335,11 +375,8 @@ class InferenceSession:
     ) -> Generation:
         """Generates up to `max_tokens` tokens; ends at end-of-generation, a stop string, a full
         context, or when `on_token` returns False ("interrupted")."""
-        detok = Detokenizer(self.backend.token_bytes, self._carry)
+        reply = ReplyText(self.backend.token_bytes, self._carry, stop)
         self._carry = b""
-        matcher = StopMatcher(list(stop))
-        shown: list[str] = []
-        generated: list[int] = []
         sampled = 0
         first_at = last_at = 0.0
         finish = "length"
@@ -358,10 +395,8 @@ class InferenceSession:
             if self.backend.is_eog(token):
                 finish = "stop"
                 break
-            generated.append(token)
-            text = matcher.feed(detok.push(token))
-            shown.append(text)
-            if matcher.matched is not None:
+            text = reply.push(token)
+            if reply.stopped:
                 finish = "stop_sequence"
             keep_going = on_token(token, text) if on_token is not None else True
             if finish == "stop_sequence":
@@ -369,23 +404,13 @@ class InferenceSession:
             if keep_going is False:
                 finish = "interrupted"
                 break
-        if finish in ("length", "interrupted") and detok.pending:
-            # Cut inside a character: its bytes stay unshown, and a continuation finishes it.
-            self._carry = detok.pending
-        if matcher.matched is None:
-            tail = matcher.feed("" if self._carry else detok.flush())
-            if matcher.matched is not None:
-                finish = "stop_sequence"
-            else:
-                tail += matcher.flush()
-            if tail:
-                shown.append(tail)
-                if on_token is not None:
-                    on_token(-1, tail)
+        tail, finish, self._carry = reply.end(finish)
+        if tail and on_token is not None:
+            on_token(-1, tail)
         self.stats.completion_tokens = sampled
         self.stats.decode_s = last_at - first_at
         self._turn_started = 0.0
-        return Generation("".join(shown), generated, finish)
+        return Generation(reply.text, reply.tokens, finish)
 
     def generate(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[str] = (),
                  on_token: TokenFn | None = None, on_progress: ProgressFn | None = None) -> Generation:

@@ -1,0 +1,302 @@
+"""`quipu run --batch`: a file of prompts answered side by side, each row with its own seed.
+
+Input is JSON lines, each `{"prompt": ...}` or `{"messages": [...]}` with optional fields
+(ROW_FIELDS), or plain text with one prompt per line; the first line that is not blank tells
+which. Every row is answered as a lone `quipu run` with the same options would answer it, and
+results come back in input order: a row is handed on as soon as every row before it is done.
+A row that cannot be run (a bad field, too long for its share of the context) is an error
+row, and the others go on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from quipu.app.environment import (
+    SAMPLING_TYPES,
+    Environment,
+    TurnOptions,
+    chat_template_source,
+    check_positive,
+    context_settings,
+    load_backend,
+    logit_biases,
+    max_tokens,
+    parse_logit_bias,
+    sampling_params,
+    system_prompt,
+    template_variables,
+)
+from quipu.app.turns import ReplyStream, TurnResult
+from quipu.engine.base import ContextSettings, available_cpus
+from quipu.errors import BadInput, QuipuError, UsageError
+from quipu.sessions.batch import BatchRow, BatchSession
+from quipu.sessions.conversation import Conversation, Message
+from quipu.sessions.inference import InferenceSession, Stats
+from quipu.sessions.params import SamplingParams
+
+# What a JSON row may hold besides its prompt (or messages).
+ROW_FIELDS = {"id", "system", "seed", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "stop"}
+ROLES = ("system", "user", "assistant")
+CTX_STEP = 256  # a row's share of the context is rounded up to this
+
+
+def default_parallel() -> int:
+    """Sequences decoded side by side when --parallel is not given: on a CPU, steps of a few
+    sequences per core cost little more than steps of one; past that the cores are the limit."""
+    return min(16, max(4, 4 * available_cpus()))
+
+
+@dataclass
+class RowInput:
+    """One row as read: what it asks, or why it cannot be run."""
+
+    index: int
+    id: Any = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    system: str | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class RowOutcome:
+    index: int
+    id: Any
+    result: TurnResult | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        head = {"index": self.index} if self.id is None else {"id": self.id, "index": self.index}
+        if self.error is not None:
+            return {**head, "error": self.error}
+        return {**head, **self.result.to_json()}
+
+
+def read_rows(text: str) -> list[RowInput]:
+    """Rows from the input: JSON lines when the first line that is not blank is a JSON object,
+    otherwise one prompt per line. Blank lines are no rows."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise BadInput("the batch has no rows")
+    if not _json_object(lines[0]):
+        return [RowInput(i, prompt=line) for i, line in enumerate(lines)]
+    return [_json_row(i, line) for i, line in enumerate(lines)]
+
+
+def _json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def _json_row(index: int, line: str) -> RowInput:
+    try:
+        data = json.loads(line)
+    except ValueError as exc:
+        return RowInput(index, error=f"not a JSON object: {exc}")
+    if not isinstance(data, dict):
+        return RowInput(index, error="not a JSON object")
+    row = RowInput(index, id=data.get("id"))
+    unknown = sorted(set(data) - ROW_FIELDS - {"prompt", "messages"})
+    if "schema" in unknown:
+        row.error = "schema is not available with --batch; run such rows one by one"
+    elif unknown:
+        row.error = f"unknown field '{unknown[0]}' (known: prompt, messages, {', '.join(sorted(ROW_FIELDS))})"
+    elif ("prompt" in data) == ("messages" in data):
+        row.error = "give either prompt or messages"
+    elif "prompt" in data and not (isinstance(data["prompt"], str) and data["prompt"].strip()):
+        row.error = "prompt must be a text that is not empty"
+    elif "messages" in data:
+        row.messages, row.error = _messages(data["messages"])
+    else:
+        row.prompt = data["prompt"]
+    if row.error is None and "system" in data and not isinstance(data["system"], str):
+        row.error = "system must be a text"
+    row.system = data.get("system")
+    row.fields = {k: data[k] for k in ROW_FIELDS - {"id", "system"} if k in data}
+    return row
+
+
+def _messages(value: Any) -> tuple[list[Message] | None, str | None]:
+    if not isinstance(value, list) or not value:
+        return None, "messages must be a list of {role, content}"
+    out = []
+    for m in value:
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            return None, f"each message needs a role ({', '.join(ROLES)}) and a text content"
+        out.append(Message(m["role"], m["content"]))
+    if out[-1].role != "user":
+        return None, "the last message must be the user's"
+    return out, None
+
+
+def row_params(base: SamplingParams, fields: dict[str, Any], seed: int | None) -> tuple[SamplingParams, int | None, tuple]:
+    """A row's sampling parameters, reply length and stop strings, from its fields over the
+    command line's (InvalidParameter or UsageError when a field is wrong)."""
+    changes = {}
+    for key, kind in SAMPLING_TYPES.items():
+        if key in fields:
+            value = fields[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+                raise UsageError(f"{key} must be {'an integer' if kind is int else 'a number'}")
+            changes[key] = kind(value)
+    if "seed" in fields:
+        if isinstance(fields["seed"], bool) or not isinstance(fields["seed"], int):
+            raise UsageError("seed must be an integer")
+        changes["seed"] = fields["seed"]
+    elif seed is not None:
+        changes["seed"] = seed
+    params = SamplingParams(**{**_fields_of(base), **changes}).resolved()
+    limit = fields.get("max_tokens")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
+        raise UsageError("max_tokens must be an integer more than 0")
+    stop = fields.get("stop", ())
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)):
+        raise UsageError("stop must be a text or a list of texts")
+    return params, limit, tuple(stop)
+
+
+def _fields_of(params: SamplingParams) -> dict[str, Any]:
+    import dataclasses
+
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+
+
+def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int | None = None,
+              on_row: Callable[[RowOutcome], None], on_progress: Callable[[int, int, int], None] | None = None,
+              should_stop: Callable[[], bool] | None = None) -> int:
+    """Answers every row of `text`; `on_row` gets the outcomes in input order, each as soon as
+    it and every row before it are done. Returns how many rows were written."""
+    if opts.session is not None or opts.continue_reply:
+        raise UsageError("--batch answers each row on its own; it cannot be used with --session or --continue")
+    if opts.schema is not None or opts.grammar is not None:
+        raise UsageError("--schema and --grammar are not available with --batch yet")
+    check_positive("--parallel", parallel)
+    rows = read_rows(text)
+    base = sampling_params(opts, env)
+    parse_logit_bias(opts.logit_bias)
+    limit = max_tokens(opts, env)
+    settings = context_settings(opts, env)
+    model_name, model_path = env.resolve_model(opts.model)
+    source = chat_template_source(opts)
+    started = time.perf_counter()
+    tokenizer = load_backend(model_path, ContextSettings(n_ctx=CTX_STEP, n_batch=CTX_STEP, n_threads=settings.n_threads,
+                                                           kv_type=settings.kv_type), opts.verbose)
+    load_s = time.perf_counter() - started
+    try:
+        if opts.logit_bias:
+            base = base.replace(logit_bias=logit_biases(tokenizer, opts.logit_bias))
+        plans = [_plan(row, base, opts, env, tokenizer, source, limit) for row in rows]
+        runnable = [p for p in plans if p.error is None]
+        n_ctx_train = tokenizer.n_ctx_train or settings.n_ctx or 4096
+        need = max((len(p.row.tokens) + p.row.max_tokens for p in runnable), default=CTX_STEP)
+        share = settings.n_ctx or min(n_ctx_train, -(-need // CTX_STEP) * CTX_STEP)
+        for p in runnable:
+            if len(p.row.tokens) >= share:
+                p.error = (f"the prompt is {len(p.row.tokens)} tokens, and each row's share of the context is "
+                           f"{share}; shorten it, or give a larger --ctx")
+        runnable = [p for p in plans if p.error is None]
+        n_seq = max(1, min(parallel or default_parallel(), len(runnable)))
+        writer = InOrder(len(plans), on_row)
+        for p in plans:
+            if p.error is not None:
+                writer.done(RowOutcome(p.input.index, p.input.id, error=p.error))
+        if not runnable:
+            return writer.written
+        batch_backend = load_backend(tokenizer.model, ContextSettings(
+            n_ctx=share * n_seq, n_batch=settings.n_batch, n_threads=settings.n_threads, kv_type=settings.kv_type,
+            n_seq=n_seq), opts.verbose)
+    except BaseException:
+        tokenizer.close()
+        raise
+    tokenizer.close()
+    generated = [0]
+    try:
+        batch = BatchSession(batch_backend)
+
+        def on_token(i: int, _token: int, text: str) -> None:
+            runnable[i].stream.on_token(_token, text)
+
+        def on_done(i: int, gen, stats: Stats) -> None:
+            plan = runnable[i]
+            stats.load_s = load_s
+            plan.stream.finish()
+            result = TurnResult("".join(plan.stream.answer), gen.finish_reason, model_name, plan.row.params.seed,
+                                None, stats, [], "".join(plan.stream.reasoning).strip())
+            generated[0] += stats.completion_tokens
+            writer.done(RowOutcome(plan.input.index, plan.input.id, result=result))
+            if on_progress is not None:
+                on_progress(writer.finished, len(plans), generated[0])
+
+        batch.run([p.row for p in runnable], on_token, on_done, should_stop)
+    finally:
+        batch_backend.close()
+    return writer.written
+
+
+@dataclass
+class _Plan:
+    input: RowInput
+    row: BatchRow | None = None
+    stream: ReplyStream | None = None
+    error: str | None = None
+
+
+def _plan(row: RowInput, base: SamplingParams, opts: TurnOptions, env: Environment, tokenizer, source,
+          limit: int) -> _Plan:
+    plan = _Plan(row, error=row.error)
+    if plan.error is not None:
+        return plan
+    try:
+        params, row_limit, stop = row_params(base, row.fields, opts.seed)
+        if opts.raw:
+            if row.messages is not None:
+                raise UsageError("messages need the chat template; --raw takes prompts")
+            tokens = tokenizer.tokenize(row.prompt, add_special=True, parse_special=False)
+            thinking = False
+        else:
+            session = InferenceSession(tokenizer, SamplingParams())
+            system = row.system if row.system is not None else system_prompt(opts, env)
+            conv = Conversation.start(session, system, template=source, variables=template_variables(opts))
+            if row.messages is not None:
+                if row.messages[0].role == "system":
+                    conv.messages = []
+                conv.messages.extend(row.messages)
+            else:
+                conv.messages.append(Message("user", row.prompt))
+            tokens = conv.context_tokens()
+            thinking = conv.reply_starts_thinking
+    except QuipuError as exc:
+        plan.error = str(exc)
+        return plan
+    plan.row = BatchRow(tokens, params, row_limit or limit, tuple(opts.stop) + stop)
+    plan.stream = ReplyStream(starts_thinking=lambda: thinking)
+    return plan
+
+
+class InOrder:
+    """Hands outcomes on in input order: each as soon as it and every one before it are done."""
+
+    def __init__(self, n: int, on_row: Callable[[RowOutcome], None]):
+        self._held: dict[int, RowOutcome] = {}
+        self._next = 0
+        self._n = n
+        self._on_row = on_row
+        self.finished = 0
+        self.written = 0
+
+    def done(self, outcome: RowOutcome) -> None:
+        self._held[outcome.index] = outcome
+        self.finished += 1
+        while self._next in self._held:
+            self._on_row(self._held.pop(self._next))
+            self._next += 1
+            self.written += 1

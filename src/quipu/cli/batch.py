@@ -1,0 +1,68 @@
+"""`quipu run --batch FILE`: rows in, JSON lines out in input order, a progress bar on stderr."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from quipu.cli.run import read_stdin
+from quipu.cli.terminal import StopOnCtrlC, Terminal
+from quipu.errors import BadInput, ExitCode
+
+
+def run_batch_file(source: str, opts, env, term: Terminal, parallel: int | None) -> int:
+    from quipu.app.batch import run_batch
+    from quipu.app.environment import read_text_file
+
+    if source == "-":
+        text = read_stdin(term)
+        if text is None:
+            raise BadInput("--batch - reads the rows from standard input, and nothing is piped in")
+    else:
+        text = read_text_file(source, "batch file")
+    progress = BatchProgress(term)
+
+    def on_row(outcome) -> None:
+        term.stdout.write(json.dumps(outcome.to_json(), ensure_ascii=False) + "\n")
+        term.stdout.flush()
+
+    try:
+        with StopOnCtrlC() as stopper:
+            run_batch(text, opts, env, parallel=parallel, on_row=on_row, on_progress=progress, should_stop=stopper)
+    finally:
+        progress.close()
+    return ExitCode.INTERRUPTED if stopper.requested else ExitCode.OK
+
+
+class BatchProgress:
+    """Rows done and tokens per second, on stderr, only on a terminal."""
+
+    def __init__(self, terminal: Terminal):
+        self.terminal = terminal
+        self._progress = None
+        self._task = None
+        self._started = time.perf_counter()
+
+    def __call__(self, done: int, total: int, tokens: int) -> None:
+        if not self.terminal.stderr_tty:
+            return
+        if self._progress is None:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+            )
+
+            self._progress = Progress(TextColumn("rows"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[rate]}"), console=self.terminal.err_console(),
+                                      transient=True)
+            self._progress.start()
+            self._task = self._progress.add_task("rows", total=total, rate="")
+        rate = tokens / max(time.perf_counter() - self._started, 1e-9)
+        self._progress.update(self._task, completed=done, rate=f"{rate:.0f} tok/s")
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

@@ -1,0 +1,224 @@
+"""BatchSession: many prompts decoded side by side on one context, each with its own seed.
+
+On a CPU the model's weights are read from memory once per step whatever the number of
+sequences in it, so a step that decodes one token for each of several rows costs little more
+than a step for one row. The context holds `n_seq` sequences (`ContextSettings.n_seq`), each
+with its own share of the cells; every step decodes one token for each row being generated
+and, with what room is left in the batch, the prompts of rows starting (continuous batching):
+a finished row's sequence goes to the next row at once.
+
+The beginning every row shares (a system prompt, few-shot examples) is read once, into
+sequence 0, and copied to the others; a sequence keeps it when its row ends, for the next row.
+
+Each row has its own sampler chain, penalty window and draws seeded by (its seed, draw index),
+as `InferenceSession` does: a row's text does not depend on the other rows or on `n_seq`, up
+to the floating-point differences of batched arithmetic.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from quipu.engine.base import Backend
+from quipu.errors import ContextOverflow, Interrupted
+from quipu.sessions.inference import Generation, ReplyText, Stats, common_prefix
+from quipu.sessions.params import SamplingParams, draw_seed
+
+OWN_TOKENS = 2  # each row decodes at least this many of its prompt's tokens itself
+# on_row_token(row, token, text): `text` is what may be shown now (stop strings held back).
+RowTokenFn = Callable[[int, int, str], None]
+# on_row_done(row, generation, stats)
+RowDoneFn = Callable[[int, Generation, Stats], None]
+
+
+@dataclass
+class BatchRow:
+    """One prompt of a batch, tokenized, with how to answer it."""
+
+    tokens: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 512
+    stop: Sequence[str] = ()
+
+
+@dataclass
+class _Slot:
+    seq: int
+    row: int = -1
+    pending: list[int] = field(default_factory=list)  # tokens to decode next
+    pos: int = 0  # where pending[0] goes
+    chain: object = None
+    params: SamplingParams | None = None
+    draws: int = 0
+    max_tokens: int = 0
+    reply: ReplyText | None = None
+    sampled: int = 0
+    stats: Stats = field(default_factory=Stats)
+    started: float = 0.0
+    first_at: float = 0.0
+    last_at: float = 0.0
+
+
+class BatchSession:
+    """Runs rows to replies on a backend opened with several sequences."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.n_seq = backend.context.n_seq
+        self.n_ctx_seq = backend.n_ctx_seq
+        self.shared = 0  # tokens of the beginning every row shares, read once
+
+    def room(self) -> int:
+        """The longest prompt a row may have: its sequence's share, less a cell for the reply."""
+        return self.n_ctx_seq - 1
+
+    def run(self, rows: Sequence[BatchRow], on_token: RowTokenFn | None = None, on_done: RowDoneFn | None = None,
+            should_stop: Callable[[], bool] | None = None) -> None:
+        """Generates a reply for every row, in any order; `on_done` gets each as it finishes.
+        Stops between steps when `should_stop()` says so (rows not finished are not reported)."""
+        for i, row in enumerate(rows):
+            if not row.tokens:
+                raise ValueError(f"row {i} has no prompt tokens")
+            if len(row.tokens) > self.room():
+                raise ContextOverflow(len(row.tokens), self.n_ctx_seq)
+        if not rows:
+            return
+        backend = self.backend
+        backend.truncate(0)
+        self.shared = self._shared_beginning(rows)
+        slots = [_Slot(seq) for seq in range(self.n_seq)]
+        queue = list(range(len(rows)))
+        if self.shared:
+            self._read_shared(rows[0].tokens[: self.shared], should_stop)
+        try:
+            while True:
+                for slot in slots:
+                    if slot.row < 0 and queue:
+                        self._start(slot, queue.pop(0), rows)
+                active = [s for s in slots if s.row >= 0]
+                if not active:
+                    break
+                if should_stop is not None and should_stop():
+                    raise Interrupted("stopped")
+                wanting = self._step(active)
+                now = time.perf_counter()
+                for slot, index in wanting:
+                    self._sample(slot, index, now, on_token, on_done)
+        finally:
+            for slot in slots:
+                self._free(slot)
+
+    # ---- steps ----------------------------------------------------------------------------
+
+    def _shared_beginning(self, rows: Sequence[BatchRow]) -> int:
+        """The beginning all rows share, short of each row's last two tokens: a row's first
+        logits come from a decode of its own, and llama.cpp computes a decode of one token by
+        another road than a decode of several (the last bits differ), while a lone run reads its
+        whole prompt at once."""
+        if len(rows) < 2 or self.n_seq < 2:
+            return 0
+        shared = min(len(r.tokens) for r in rows) - OWN_TOKENS
+        first = rows[0].tokens
+        for row in rows[1:]:
+            shared = min(shared, common_prefix(first, row.tokens))
+            if shared == 0:
+                break
+        return max(shared, 0)
+
+    def _read_shared(self, tokens: list[int], should_stop) -> None:
+        n_batch = self.backend.context.n_batch
+        for at in range(0, len(tokens), n_batch):
+            chunk = tokens[at : at + n_batch]
+            self.backend.decode_batch([(t, at + i, 0, False) for i, t in enumerate(chunk)])
+            if should_stop is not None and should_stop():
+                raise Interrupted("stopped")
+        for seq in range(1, self.n_seq):
+            self.backend.seq_copy(0, seq)
+
+    def _start(self, slot: _Slot, row_index: int, rows: Sequence[BatchRow]) -> None:
+        row = rows[row_index]
+        params = row.params.resolved()
+        slot.row = row_index
+        self.backend.seq_keep(slot.seq, self.shared)  # what the last row left, past the shared part
+        slot.chain = self.backend.row_sampler(params.sampler())
+        slot.chain.accept(row.tokens)  # the penalty window sees the prompt, as a lone run's does
+        slot.params = params
+        slot.pending = list(row.tokens[self.shared :])
+        slot.pos = self.shared
+        slot.draws = 0
+        slot.max_tokens = row.max_tokens
+        slot.reply = ReplyText(self.backend.token_bytes, b"", row.stop)
+        slot.sampled = 0
+        slot.stats = Stats(prompt_tokens=len(row.tokens), cached_tokens=self.shared)
+        slot.started = time.perf_counter()
+
+    def _step(self, active: list[_Slot]) -> list[tuple[_Slot, int]]:
+        """One decode: a token for every row generating, then prompt tokens while there is room.
+        Returns the slots whose logits are ready, with their index in the batch."""
+        budget = self.backend.context.n_batch
+        items: list[tuple[int, int, int, bool]] = []
+        wanting: list[tuple[_Slot, int]] = []
+        generating = [s for s in active if s.sampled]
+        reading = [s for s in active if not s.sampled]
+        for slot in generating + reading:
+            if budget == 0:
+                break
+            take = slot.pending[:budget]
+            last = len(take) == len(slot.pending)
+            for i, tok in enumerate(take):
+                items.append((tok, slot.pos + i, slot.seq, last and i == len(take) - 1))
+            if last:
+                wanting.append((slot, len(items) - 1))
+            del slot.pending[: len(take)]
+            slot.pos += len(take)
+            budget -= len(take)
+        self.backend.decode_batch(items)
+        return wanting
+
+    def _sample(self, slot: _Slot, index: int, now: float, on_token, on_done) -> None:
+        token = self.backend.sample_at(slot.chain, draw_seed(slot.params.seed, slot.draws), index)
+        slot.draws += 1
+        slot.sampled += 1
+        slot.last_at = now
+        if slot.sampled == 1:
+            slot.first_at = now
+            slot.stats.prefill_s = now - slot.started
+            slot.stats.ttft_s = now - slot.started
+        finish = None
+        if self.backend.is_eog(token):
+            finish = "stop"
+        else:
+            text = slot.reply.push(token)
+            if on_token is not None and text:
+                on_token(slot.row, token, text)
+            if slot.reply.stopped:
+                finish = "stop_sequence"
+            elif slot.sampled >= slot.max_tokens:
+                finish = "length"
+            elif slot.pos + 1 >= self.n_ctx_seq:
+                finish = "context_full"
+            else:
+                slot.pending = [token]
+        if finish is None:
+            return
+        tail, finish, _ = slot.reply.end(finish)
+        if tail and on_token is not None:
+            on_token(slot.row, -1, tail)
+        stats = slot.stats
+        stats.completion_tokens = slot.sampled
+        stats.decode_s = slot.last_at - slot.first_at
+        stats.prefill_tokens = stats.prompt_tokens - stats.cached_tokens
+        gen = Generation(slot.reply.text, slot.reply.tokens, finish)
+        row = slot.row
+        self._free(slot)
+        if on_done is not None:
+            on_done(row, gen, stats)
+
+    def _free(self, slot: _Slot) -> None:
+        if slot.chain is not None:
+            slot.chain.free()
+            slot.chain = None
+        slot.row = -1
+        slot.pending = []
