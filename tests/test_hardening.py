@@ -1,5 +1,5 @@
-"""What quipu promises about sessions and input, tested the hard way: fuzzed files, kill -9,
-two writers, a full disk, hostile models and templates, Ctrl-C at any moment.
+"""What quipu promises about sessions, the prompt cache and input, tested the hard way: fuzzed
+files, kill -9, two writers, a full disk, hostile models and templates, Ctrl-C at any moment.
 
 The loops run a few times by default; QUIPU_STRESS=N runs them N times."""
 
@@ -131,6 +131,40 @@ def test_a_forged_state_with_a_valid_checksum_is_not_trusted_blindly(quipu, tiny
     # The junk was refused and the context re-read: the reply is the one the intact copy gives.
     assert json.loads(forged.stdout)["usage"]["cached_tokens"] == 0
     assert json.loads(forged.stdout)["text"] == json.loads(intact.stdout)["text"]
+
+
+CACHED_SYSTEM = "You are the sky. " + " ".join(f"hello {i} the sky is blue." for i in range(40))
+
+
+def test_a_forged_cache_entry_with_a_valid_checksum_is_not_trusted_blindly(quipu, tiny_model, home):
+    args = ("run", "-m", tiny_model, "--json", "-t", "0", "-n", "8", "-s", CACHED_SYSTEM)
+    assert quipu(*args, "hello").returncode == 0
+    [entry] = (home / "cache" / "prompts").glob("*.kv")
+    blob = decode_state(entry.read_bytes())
+    entry.write_bytes(encode_state(blob.meta, random.Random(2).randbytes(len(blob.state))))
+    forged = quipu(*args, "the sky")
+    honest = quipu(*args, "--no-cache", "the sky")
+    assert forged.returncode == 0 and forged.stderr == b"", forged.stderr.decode()
+    assert json.loads(forged.stdout)["usage"]["cached_tokens"] == 0
+    assert json.loads(forged.stdout)["text"] == json.loads(honest.stdout)["text"]
+
+
+def test_a_full_filesystem_never_fails_a_run_for_its_cache(quipu, tiny_model, tmp_path):
+    home = tmp_path / "small"
+    cache = home / "cache" / "prompts"
+    cache.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(cache)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        args = ("run", "-m", tiny_model, "--json", "-t", "0", "-n", "8", "-s", CACHED_SYSTEM, "hello")
+        full = quipu(*args, env={"QUIPU_HOME": str(home)})
+        honest = quipu(*args, "--no-cache", env={"QUIPU_HOME": str(home)})
+        assert full.returncode == 0 and full.stderr == b"", full.stderr.decode()
+        assert json.loads(full.stdout)["text"] == json.loads(honest.stdout)["text"]
+        assert [p for p in cache.iterdir()] == []  # no partial entry left behind
+    finally:
+        subprocess.run(["umount", str(cache)], capture_output=True)
 
 
 # ---- kill -9 ---------------------------------------------------------------------------------
