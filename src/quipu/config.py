@@ -21,6 +21,7 @@ else:  # pragma: no cover
 SESSION_KEYS = {"max_state_bytes": int}
 CACHE_KEYS = {"max_bytes": int}
 MODEL_KEYS = {"huggingface": str, "lmstudio": str, "ollama": str}
+REMOTE_KEYS = {"url": str, "api_key_env": str, "model": str, "timeout": float}
 
 
 class ConfigError(UsageError):
@@ -36,6 +37,7 @@ class Config:
     sessions: dict[str, Any] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict)
     models: dict[str, str] = field(default_factory=dict)
+    remote: dict[str, str] = field(default_factory=dict)
     text: str = ""
 
     def error(self, key: str, message: str, table: str | None = None) -> ConfigError:
@@ -46,7 +48,8 @@ class Config:
 def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
     """Read `path` and check its shape, with `generation_keys` the names and types [generation]
     may hold; a missing file is an empty config. Errors name the file and line."""
-    tables = {"generation": generation_keys, "sessions": SESSION_KEYS, "models": MODEL_KEYS, "cache": CACHE_KEYS}
+    tables = {"generation": generation_keys, "sessions": SESSION_KEYS, "models": MODEL_KEYS, "cache": CACHE_KEYS,
+              "remote": REMOTE_KEYS}
     try:
         raw = path.read_bytes()
     except FileNotFoundError:

@@ -82,6 +82,21 @@ class Environment:
     def cache_max_bytes(self) -> int:
         return self.config.cache.get("max_bytes", DEFAULT_CACHE_BYTES)
 
+    def remote(self, url: str | None):
+        """The server to use (`--url`, else QUIPU_URL, else [remote] url in the config) as
+        RemoteSettings; None for a local model."""
+        url = url or self.environ.get("QUIPU_URL") or self.config.remote.get("url")
+        if not url:
+            return None
+        from quipu.engine.remote import RemoteSettings
+
+        conf = self.config.remote
+        settings = RemoteSettings(url=url, model=conf.get("model"),
+                                  api_key_env=conf.get("api_key_env", "QUIPU_API_KEY"))
+        if "timeout" in conf:
+            settings.read_timeout = settings.connect_timeout = conf["timeout"]
+        return settings
+
     def resolve_model(self, requested: str | None, *, fall_back: bool = True) -> tuple[str, Path]:
         """(name, file) for `requested`; with `fall_back`, QUIPU_MODEL, the config and the bundled
         default stand in for a model not given."""
@@ -120,6 +135,11 @@ class Environment:
         for key in ("huggingface", "lmstudio", "ollama"):
             if key in self.config.models:
                 rows.append((f"models.{key}", self.config.models[key], where))
+        if self.environ.get("QUIPU_URL"):
+            rows.append(("remote.url", self.environ["QUIPU_URL"], "environment (QUIPU_URL)"))
+        for key in ("url", "api_key_env", "model", "timeout"):
+            if key in self.config.remote and not (key == "url" and self.environ.get("QUIPU_URL")):
+                rows.append((f"remote.{key}", self.config.remote[key], where))
         home = "environment (QUIPU_HOME)" if self.environ.get("QUIPU_HOME") else "default"
         for key in ("data", "config", "state", "cache"):
             rows.append((f"dirs.{key}", str(getattr(self.dirs, key)), home))

@@ -21,8 +21,10 @@ def register(root: typer.Typer) -> None:
 
 
 @app.command("list")
-def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", help="One JSON array.")) -> None:
-    """Models found: the bundled one, quipu's folder, the Hugging Face cache, LM Studio, Ollama."""
+def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", help="One JSON array."),
+          url: Optional[str] = typer.Option(None, "--url", help="List the models of this server instead.")) -> None:
+    """Models found: the bundled one, quipu's folder, the Hugging Face cache, LM Studio, Ollama
+    (or a server's, with --url or QUIPU_URL)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -30,6 +32,17 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
 
     env = context.obj
     term = Terminal.detect()
+    remote = env.remote(url)
+    if remote is not None:
+        from quipu.app.remote import list_remote_models
+
+        served = list_remote_models(env, remote)
+        if as_json:
+            term.stdout.write(json.dumps(served, indent=1) + "\n")
+        else:
+            for m in served:
+                term.stdout.write(f"{m['name']}\n")
+        return
     rows = [describe(e) for e in discover(env.dirs.models, env.environ, env.config.models)]
     if as_json:
         term.stdout.write(json.dumps(rows, indent=1) + "\n")

@@ -43,6 +43,7 @@ PARAMS: dict[str, spec.Opt | spec.Arg] = {
     "as_json": spec.flag("--json", help="Print one JSON object instead of streaming."),
     "stats": spec.flag("--stats", help="Print timings and token counts on stderr."),
     "verbose": spec.VERBOSE,
+    "url": spec.URL,
     "batch": spec.opt("--batch", help="Answer every row of this file side by side (JSON lines, or one prompt per "
                                       "line; - for stdin); prints one JSON line per row, in input order."),
     "parallel": spec.opt("--parallel", type=int, help="With --batch: rows decoded side by side (default: 4 per "
@@ -69,7 +70,7 @@ def run_plain(given: dict) -> int:
 
 def run(env, *, prompt, model, system, raw, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed,
         stop, ctx, threads, kv_type, session, continue_reply, chat_template, think, schema, grammar, logit_bias,
-        no_cache, show, as_json, stats, verbose, batch, parallel) -> int:
+        no_cache, show, as_json, stats, verbose, url, batch, parallel) -> int:
     from quipu.app.turns import run_turn
 
     term = Terminal.detect()
@@ -88,7 +89,14 @@ def run(env, *, prompt, model, system, raw, max_tokens, temperature, top_k, top_
 
         if prompt is not None or show or continue_reply:
             raise UsageError("--batch reads its prompts from the file; give no prompt, --show-prompt or --continue")
+        if env.remote(url) is not None:
+            raise UsageError("--batch runs on a local model; it cannot be used with a server (--url, QUIPU_URL)")
         return run_batch_file(batch, opts, env, term, parallel)
+    remote = env.remote(url)
+    if remote is not None:
+        from quipu.app.remote import refuse_unsupported, run_remote_turn
+
+        refuse_unsupported(opts, show=show)
     if show:
         return show_prompt(text, opts, env, term, as_json)
     progress = PrefillProgress(term)
@@ -123,8 +131,12 @@ def run(env, *, prompt, model, system, raw, max_tokens, temperature, top_k, top_
 
     try:
         with StopOnCtrlC() as stopper:
-            result = run_turn(text, opts, env, on_text=on_text, on_reasoning=on_reasoning, on_progress=progress,
-                              should_stop=stopper, on_result=finish)
+            if remote is not None:
+                result = run_remote_turn(text, opts, env, remote, on_text=on_text, on_reasoning=on_reasoning,
+                                         should_stop=stopper, on_result=finish)
+            else:
+                result = run_turn(text, opts, env, on_text=on_text, on_reasoning=on_reasoning, on_progress=progress,
+                                  should_stop=stopper, on_result=finish)
     finally:
         progress.close()
     for notice in result.notices:

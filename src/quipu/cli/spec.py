@@ -90,6 +90,8 @@ GRAMMAR = opt("--grammar", help="Answer as this GBNF grammar file allows (llama.
                                 "session's).")
 LOGIT_BIAS = opt("--logit-bias", multiple=True, help="TOKEN=BIAS added to a token's logit, TOKEN an id or a "
                                                      "one-token text; -inf bans it (repeatable).")
+URL = opt("--url", help="Use the model on this OpenAI-compatible server (llama-server, vLLM, Ollama, LM Studio); "
+                        "-m names one of its models (default: QUIPU_URL, or [remote] url in the config).")
 THINK = Opt(("--think/--no-think",), bool, "Turn a thinking model's reasoning on or off, where its template has "
                                            "the switch.")
 

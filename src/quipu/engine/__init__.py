@@ -2,7 +2,8 @@
 `LlamaModel` owns a loaded model and its vocabulary (`model.py`), `LlamaBackend` a context on
 one (`llama.py`). Beside them: llama-cpp-python's ctypes layer, loaded without its high-level
 API (`native.py`), llama.cpp's log (`logs.py`), incremental UTF-8 decoding of token pieces
-(`text.py`), and grammars: GBNF, and JSON Schema turned into GBNF (`grammar.py`).
+(`text.py`), and grammars: GBNF, and JSON Schema turned into GBNF (`grammar.py`). Apart
+from them, a model behind an OpenAI-compatible HTTP server (`remote.py`).
 
 Nothing here imports anything above it.
 """

@@ -1,0 +1,290 @@
+"""A model behind an HTTP server: llama.cpp's `llama-server`, vLLM, Ollama, LM Studio,
+llama-cpp-python's server, any OpenAI-compatible one.
+
+`RemoteModel` speaks the OpenAI chat completions API (server-sent events when streaming),
+and turns everything that can go wrong on the way into one-line `RemoteError`s: a server that
+cannot be reached, a key refused (naming the variable that holds it), a model the server does
+not have, the server's own message on 4xx and 5xx, a stream cut in the middle or an event that
+is not JSON (what came before is kept: `RemoteError.partial`). Requests that fail before the
+first token are tried again, with growing pauses, when the failure may pass (connection
+refused, 429, 502, 503, 504); never after, so nothing is generated twice.
+
+httpx is imported only here, so local runs and `--version` do not pay for it. The API key is
+read from the environment at the moment of the request and kept nowhere else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from quipu.errors import CapabilityError, QuipuError
+
+RETRY_STATUSES = (429, 502, 503, 504)
+# on_text(text) -> False to stop
+TextFn = Callable[[str], "bool | None"]
+
+
+class RemoteError(QuipuError):
+    """The server could not be used, or failed mid-reply (`partial` holds what came first)."""
+
+    def __init__(self, message: str, *, partial: "RemoteReply | None" = None):
+        super().__init__(message)
+        self.partial = partial
+
+
+@dataclass
+class RemoteSettings:
+    url: str
+    model: str | None = None  # None: the server's only (or first) model
+    api_key_env: str = "QUIPU_API_KEY"
+    connect_timeout: float = 10.0
+    read_timeout: float = 600.0  # the longest wait for the next event: a long prompt is read first
+    retries: int = 3
+    backoff: float = 0.5  # seconds before the first retry, doubled each time
+
+
+@dataclass
+class RemoteReply:
+    """One reply: its text, why it ended, and what the server counted and timed."""
+
+    text: str = ""
+    finish_reason: str = ""  # stop, length, interrupted, or the server's own word
+    model: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=dict)  # the server's, in seconds
+    first_token_s: float = 0.0  # from the request's start, as measured here
+    total_s: float = 0.0
+
+
+class RemoteModel:
+    """A model on an OpenAI-compatible server."""
+
+    def __init__(self, settings: RemoteSettings):
+        import httpx
+
+        self.settings = settings
+        self.base = settings.url.rstrip("/")
+        if not self.base.startswith(("http://", "https://")):
+            raise RemoteError(f"the server address must start with http:// or https://, not '{settings.url}'")
+        self._httpx = httpx
+        self._client = httpx.Client(timeout=httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout),
+                                    follow_redirects=True)
+        self._model = settings.model
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> "RemoteModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def _headers(self) -> dict[str, str]:
+        key = os.environ.get(self.settings.api_key_env)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _where(self) -> str:
+        return f"the server at {self.base}"
+
+    def _send(self, method: str, path: str, body: dict | None = None, *, stream: bool = False):
+        """The response (opened for streaming when asked), after the retries a failure may earn."""
+        httpx = self._httpx
+        pause = self.settings.backoff
+        for attempt in range(self.settings.retries + 1):
+            last = attempt == self.settings.retries
+            try:
+                request = self._client.build_request(method, self.base + path, json=body, headers=self._headers())
+                response = self._client.send(request, stream=stream)
+            except httpx.ConnectError as exc:
+                if last or "Name or service not known" in str(exc) or "nodename nor servname" in str(exc):
+                    raise RemoteError(f"cannot reach {self._where()}: {_reason(exc)}") from None
+            except httpx.TimeoutException:
+                raise RemoteError(f"{self._where()} did not answer within {self._timeout_said()}") from None
+            except httpx.HTTPError as exc:
+                raise RemoteError(f"the request to {self._where()} failed: {_reason(exc)}") from None
+            else:
+                if response.status_code < 400:
+                    return response
+                if last or response.status_code not in RETRY_STATUSES:
+                    raise self._http_error(response)
+                response.close()
+            time.sleep(pause)
+            pause *= 2
+        raise AssertionError("unreachable")
+
+    def _timeout_said(self) -> str:
+        return f"{self.settings.read_timeout:g} s"
+
+    def _http_error(self, response) -> RemoteError:
+        try:
+            response.read()
+            body = response.json()
+        except Exception:  # a body that is not JSON (a proxy's page): its start is the message
+            body = response.text[:200] if hasattr(response, "text") else ""
+        finally:
+            response.close()
+        said = _server_message(body)
+        status = f"{response.status_code} {response.reason_phrase}".strip()
+        if response.status_code in (401, 403):
+            held = self.settings.api_key_env
+            key = "the key in $" + held if os.environ.get(held) else f"no key (set ${held})"
+            return RemoteError(f"{self._where()} refused the request ({status}) with {key}"
+                               f"{': ' + said if said else ''}")
+        if response.status_code == 404:
+            return RemoteError(f"{self._where()} has no such model or endpoint ({status})"
+                               f"{': ' + said if said else ''}")
+        return RemoteError(f"{self._where()} answered {status}{': ' + said if said else ''}")
+
+    def _json(self, method: str, path: str, body: dict | None = None) -> Any:
+        response = self._send(method, path, body)
+        try:
+            return response.json()
+        except ValueError:
+            raise RemoteError(f"{self._where()} did not answer {path} with JSON") from None
+
+    # ---- what the server has --------------------------------------------------------------
+
+    def models(self) -> list[dict]:
+        """The server's models (`/v1/models`): each with at least an `id`."""
+        data = self._json("GET", "/v1/models")
+        items = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(items, list):
+            raise RemoteError(f"{self._where()} answered /v1/models with something else than a model list")
+        return [m for m in items if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+    def model_name(self) -> str:
+        """The model asked for, else the server's first."""
+        if self._model is None:
+            models = self.models()
+            if not models:
+                raise RemoteError(f"{self._where()} lists no model")
+            self._model = models[0]["id"]
+        return self._model
+
+    def embed(self, texts, pooling: str = "mean"):
+        raise CapabilityError("embeddings through a server are not supported yet; run `quipu embed` locally")
+
+    # ---- generation -----------------------------------------------------------------------
+
+    def chat(self, messages: list[dict[str, str]], *, params: dict[str, Any], max_tokens: int,
+             stop: tuple[str, ...] = (), on_text: TextFn | None = None) -> RemoteReply:
+        """Streams a reply to `messages`; `on_text` gets each piece (and may return False to stop)."""
+        body = {"model": self.model_name(), "messages": messages, "stream": True, "max_tokens": max_tokens,
+                "stream_options": {"include_usage": True}, **params}
+        if stop:
+            body["stop"] = list(stop)
+        reply = RemoteReply(model=body["model"])
+        started = time.perf_counter()
+        response = self._send("POST", "/v1/chat/completions", body, stream=True)
+        pieces: list[str] = []
+        try:
+            for event in self._events(response, reply, pieces):
+                self._take(event, reply, pieces, started, on_text)
+                if reply.finish_reason == "interrupted":
+                    break
+        finally:
+            response.close()
+            reply.text = "".join(pieces)
+            reply.total_s = time.perf_counter() - started
+        if not reply.completion_tokens:  # no usage in the stream (llama-cpp-python's server): a piece a token
+            reply.completion_tokens = len(pieces)
+        return reply
+
+    def _events(self, response, reply: RemoteReply, pieces: list[str]) -> Iterator[dict]:
+        httpx = self._httpx
+        finished = False
+        try:
+            for line in response.iter_lines():
+                if not line.startswith("data:"):
+                    continue  # comments (pings), event names, blank separators
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    finished = True
+                    break
+                try:
+                    event = json.loads(data)
+                except ValueError:
+                    reply.text = "".join(pieces)
+                    raise RemoteError(f"{self._where()} sent an event that is not JSON: {data[:80]!r}",
+                                      partial=reply) from None
+                if not isinstance(event, dict):
+                    reply.text = "".join(pieces)
+                    raise RemoteError(f"{self._where()} sent an event that is not an object", partial=reply)
+                if "error" in event:
+                    reply.text = "".join(pieces)
+                    raise RemoteError(f"{self._where()} failed mid-reply: {_server_message(event)}", partial=reply)
+                yield event
+        except httpx.TimeoutException:
+            reply.text = "".join(pieces)
+            raise RemoteError(f"{self._where()} sent nothing for {self._timeout_said()} mid-reply",
+                              partial=reply) from None
+        except httpx.HTTPError as exc:
+            reply.text = "".join(pieces)
+            raise RemoteError(f"{self._where()} cut the reply short: {_reason(exc)}", partial=reply) from None
+        if not finished and not reply.finish_reason:
+            reply.text = "".join(pieces)
+            raise RemoteError(f"{self._where()} closed the stream before the reply was over", partial=reply)
+        reply.finish_reason = reply.finish_reason or "stop"
+
+    def _take(self, event: dict, reply: RemoteReply, pieces: list[str], started: float, on_text) -> None:
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            reply.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            reply.completion_tokens = int(usage.get("completion_tokens") or 0)
+            details = usage.get("prompt_tokens_details") or {}
+            reply.cached_tokens = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+        timings = event.get("timings")  # llama-server's own figures, in milliseconds
+        if isinstance(timings, dict):
+            reply.timings = {k: float(v) / 1000 for k, v in timings.items()
+                             if k in ("prompt_ms", "predicted_ms") and isinstance(v, (int, float))}
+            if "cache_n" in timings and not reply.cached_tokens:
+                reply.cached_tokens = int(timings["cache_n"] or 0)
+        for choice in event.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta") or {}
+            text = delta.get("content") if isinstance(delta, dict) else None
+            if text:
+                if not pieces:
+                    reply.first_token_s = time.perf_counter() - started
+                pieces.append(text)
+                if on_text is not None and on_text(text) is False:
+                    reply.finish_reason = "interrupted"
+                    return
+            finish = choice.get("finish_reason")
+            if finish:
+                reply.finish_reason = {"stop": "stop", "length": "length"}.get(finish, finish)
+
+
+def _server_message(body: Any) -> str:
+    """The message a server put in its error body (OpenAI's shape, and a few others)."""
+    if isinstance(body, dict):
+        error = body.get("error", body)
+        if isinstance(error, dict):
+            message = error.get("message") or error.get("detail") or ""
+            return str(message)[:300]
+        if isinstance(error, str):
+            return error[:300]
+        if "detail" in body:
+            return str(body["detail"])[:300]
+    if isinstance(body, str):
+        return body.strip()[:200]
+    return ""
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc) or type(exc).__name__
+    if "Connection refused" in text or "Errno 111" in text:
+        return "connection refused"
+    if "Name or service not known" in text or "nodename nor servname" in text or "Temporary failure in name" in text:
+        return "the host name does not resolve"
+    return text.splitlines()[0][:200]
