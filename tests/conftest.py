@@ -11,6 +11,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tinymodel import write_tiny_gguf  # noqa: E402
 
+pytest_plugins = ["servers"]  # real servers on loopback: llama_cpp_python_server, llama_server
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -196,8 +193,28 @@ def test_unreachable_servers(quipu):
     assert r.returncode == 1 and "must start with http://" in r.stderr.decode()
 
 
+def test_a_named_session_on_a_server_resends_its_conversation(quipu, fake, home, tiny_model):
+    assert quipu("run", "--url", fake.url, "-S", "far", "-s", "Be brief.", "first question").returncode == 0
+    r = quipu("run", "--url", fake.url, "-S", "far", "--json", "second question")
+    assert r.returncode == 0 and json.loads(r.stdout)["session"] == "far"
+    sent = fake.requests[-1][0]["messages"]
+    assert [m["role"] for m in sent] == ["system", "user", "assistant", "user"]
+    assert sent[2]["content"] == "".join(WORDS) and sent[3]["content"] == "second question"
+    shown = json.loads(quipu("sessions", "export", "far", "--format", "json").stdout)
+    assert [m["content"] for m in shown["messages"]][-2:] == ["second question", "".join(WORDS)]
+    fake.mode = "cut"
+    cut = quipu("run", "--url", fake.url, "-S", "far", "third question")
+    assert cut.returncode == 1 and cut.stdout.decode() == "".join(WORDS[:4]) + "\n"
+    shown = json.loads(quipu("sessions", "export", "far", "--format", "json").stdout)
+    assert shown["messages"][-1]["content"] == "".join(WORDS[:4])  # the turn is kept, cut as it was
+    # The same session goes on locally, read again from its messages.
+    local = quipu("run", "-m", tiny_model, "-S", "far", "-n", "4", "fourth question")
+    assert local.returncode == 0, local.stderr.decode()
+    assert "re-read from the transcript" in local.stderr.decode()
+
+
 @pytest.mark.parametrize("args, what", [
-    (["-S", "work"], "named sessions"),
+    (["-S", "work", "--continue"], "--continue"),
     (["--schema", '{"type": "object"}'], "--schema"),
     (["--logit-bias", "1=2"], "--logit-bias"),
     (["--raw"], "--raw"),
@@ -210,46 +227,7 @@ def test_what_a_server_cannot_do_is_refused(quipu, fake, args, what):
     assert fake.requests == []
 
 
-# ---- a real server: llama-cpp-python's own ---------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until_up(proc, url: str, log, timeout: float = 180) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {log.read_text(errors='replace')[-2000:]}")
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError("the server did not come up")
-
-
-@pytest.fixture(scope="module")
-def llama_cpp_python_server(bundled_model, tmp_path_factory):
-    pytest.importorskip("uvicorn", reason="llama-cpp-python[server] is in the test extras")
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "log.txt"
-    with open(log, "wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(bundled_model),
-                                 "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads", "2",
-                                 "--model_alias", "smollm2"], stdout=sink, stderr=sink)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(proc, url, log)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
+# ---- real servers: llama-cpp-python's own, and llama.cpp's llama-server ------------------------------
 
 def test_run_on_llama_cpp_pythons_server(quipu, llama_cpp_python_server):
     url = llama_cpp_python_server
@@ -263,3 +241,19 @@ def test_run_on_llama_cpp_pythons_server(quipu, llama_cpp_python_server):
     assert streamed.returncode == 0 and streamed.stdout.decode().startswith(out["text"][:8])
     listed = quipu("models", "list", "--url", url, "--json")
     assert [m["name"] for m in json.loads(listed.stdout)] == ["smollm2"]
+
+
+def test_run_on_llama_server(quipu, llama_server):
+    url = llama_server.url
+    first = quipu("run", "--url", url, "--json", "-t", "0", "-n", "16", "-s", "You answer in one sentence.",
+                  "Why is the sky blue?")
+    assert first.returncode == 0, first.stderr.decode()
+    out = json.loads(first.stdout)
+    assert out["text"].strip() and out["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 16 and out["usage"]["prompt_tokens"] > 10
+    assert out["timings"]["prefill_s"] > 0 and out["timings"]["decode_s"] > 0  # the server's own figures
+    again = json.loads(quipu("run", "--url", url, "--json", "-t", "0", "-n", "16", "-s",
+                             "You answer in one sentence.", "Why is the grass green?").stdout)
+    assert again["usage"]["cached_tokens"] > 5  # the server kept the shared beginning
+    listed = quipu("models", "list", "--url", url, "--json")
+    assert len(json.loads(listed.stdout)) == 1

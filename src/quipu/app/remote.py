@@ -1,22 +1,32 @@
 """`quipu run --url`: one prompt answered by a model on a server (see `engine/remote.py`).
 
+A named session on a server (`-S NAME --url`) keeps its transcript as the truth, and each
+turn sends the whole conversation (servers keep their own prompt caches). Such a transcript
+holds no token history or context state, so a session can move between a server and a local
+model: continued locally (with `--model`), it is read again from its messages.
+
 What the server cannot be asked through its chat API is refused before anything is sent,
-never faked: grammars and schemas, logit biases, `--raw`, `--show-prompt`, named sessions.
+never faked: grammars and schemas, logit biases, `--raw`, `--show-prompt`.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+from quipu import __version__
 from quipu.app.environment import Environment, TurnOptions, max_tokens, system_prompt
+from quipu.app.named import store_for
 from quipu.app.turns import ReplyStream, StopFn, TextFn, TurnResult
+from quipu.engine.base import ContextSettings
+from quipu.store.store import validate_name
+from quipu.store.transcript import Transcript, now_iso
 from quipu.errors import BadInput, CapabilityError
 from quipu.sessions.inference import Stats
 
 
 def refuse_unsupported(opts: TurnOptions, *, show: bool = False) -> None:
     refused = [
-        (opts.session is not None or opts.continue_reply, "named sessions (--session)"),
+        (opts.continue_reply, "--continue"),
         (opts.raw, "--raw"),
         (show, "--show-prompt"),
         (opts.schema is not None or opts.grammar is not None, "--schema and --grammar"),
@@ -44,34 +54,72 @@ def run_remote_turn(prompt: str | None, opts: TurnOptions, env: Environment, set
                     on_text: TextFn | None = None, on_reasoning: TextFn | None = None,
                     should_stop: StopFn | None = None,
                     on_result: Callable[[TurnResult], None] | None = None) -> TurnResult:
-    from quipu.engine.remote import RemoteError, RemoteModel
-
     refuse_unsupported(opts)
     if not prompt:
         raise BadInput("no prompt: give one as an argument or on standard input")
-    limit = max_tokens(opts, env)
-    params = request_params(opts, env)
     if opts.model:
         settings.model = opts.model
+    if opts.session is not None:
+        return _session_turn(validate_name(opts.session), prompt, opts, env, settings, on_text=on_text,
+                             on_reasoning=on_reasoning, should_stop=should_stop, on_result=on_result)
     messages = []
     system = system_prompt(opts, env)
     if system:
         messages.append({"role": "system", "content": system})
     messages.append({"role": "user", "content": prompt})
+    result, failure = _ask(messages, opts, env, settings, on_text, on_reasoning, should_stop)
+    if on_result is not None:
+        on_result(result)  # what came is shown, then a failure is said
+    if failure is not None:
+        raise failure
+    return result
+
+
+def _ask(messages: list[dict], opts: TurnOptions, env: Environment, settings, on_text, on_reasoning,
+         should_stop) -> tuple[TurnResult, Exception | None]:
+    """The reply to `messages`; a failure mid-reply comes back beside what came before it."""
+    from quipu.engine.remote import RemoteError, RemoteModel
+
+    params = request_params(opts, env)
     stream = ReplyStream(on_text, should_stop, on_reasoning)
     with RemoteModel(settings) as remote:
         try:
-            reply = remote.chat(messages, params=params, max_tokens=limit, stop=tuple(opts.stop),
+            reply = remote.chat(messages, params=params, max_tokens=max_tokens(opts, env), stop=tuple(opts.stop),
                                 on_text=lambda text: stream.on_token(0, text))
         except RemoteError as exc:
-            if exc.partial is not None and exc.partial.text:
-                result = remote_result(stream, exc.partial, params, "interrupted")
-                if on_result is not None:
-                    on_result(result)  # what came is shown, then the error said
-            raise
-    result = remote_result(stream, reply, params, reply.finish_reason)
+            if exc.partial is None or not exc.partial.text:
+                raise
+            return remote_result(stream, exc.partial, params, "interrupted"), exc
+    return remote_result(stream, reply, params, reply.finish_reason), None
+
+
+def _session_turn(name: str, prompt: str, opts: TurnOptions, env: Environment, settings, *, on_text, on_reasoning,
+                  should_stop, on_result) -> TurnResult:
+    store = store_for(env)
+    store.clean_temporaries()
+    with store.lock(name):
+        record = store.load_transcript(name) if store.exists(name) else None
+        messages = [{"role": m["role"], "content": m["content"]} for m in record.messages] if record else []
+        system = opts.system if opts.system is not None else (None if record else system_prompt(opts, env))
+        if system is not None:
+            messages = [m for m in messages if m["role"] != "system"]
+            if system:
+                messages.insert(0, {"role": "system", "content": system})
+        messages.append({"role": "user", "content": prompt})
+        result, failure = _ask(messages, opts, env, settings, on_text, on_reasoning, should_stop)
+        # The turn is kept even when cut short, as a local one stopped by Ctrl-C is.
+        messages.append({"role": "assistant", "content": result.text})
+        params = {k: v for k, v in request_params(opts, env).items()}
+        store.save(name, Transcript(
+            model={"name": result.model, "url": settings.url}, params=params,
+            context=ContextSettings().state_key(), messages=messages, tokens=[], n_decoded=0,
+            draws=0, created=record.created if record else now_iso(), updated=now_iso(), quipu=__version__,
+            build="server"), None)
+    result.session = name
     if on_result is not None:
         on_result(result)
+    if failure is not None:
+        raise failure
     return result
 
 
