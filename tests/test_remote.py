@@ -41,6 +41,9 @@ class Faulty(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         server.requests.append((body, self.headers.get("Authorization")))
         mode = server.mode
+        if self.path == "/v1/embeddings":
+            vectors = [{"index": i, "embedding": [3.0, 4.0 + i]} for i in range(len(body["input"]))][::-1]
+            return self.reply(200, {"object": "list", "data": vectors if mode == "ok" else []})
         if mode == "retry-then-ok" and len(server.requests) < 3:
             return self.reply(503, {"error": {"message": "loading the model"}})
         if mode in ("401", "403"):
@@ -213,6 +216,36 @@ def test_a_named_session_on_a_server_resends_its_conversation(quipu, fake, home,
     assert "re-read from the transcript" in local.stderr.decode()
 
 
+def test_chat_on_a_server(quipu, fake):
+    lines = "first question\n/context\nsecond question\n/undo\n/retry\n/schema {}\n/set temperature 0.3\nthird\n"
+    r = quipu("chat", "--url", fake.url, "-S", "talk", "-s", "Be brief.", input=lines)
+    assert r.returncode == 0, r.stderr.decode()
+    out, err = r.stdout.decode(), r.stderr.decode()
+    assert out.count("".join(WORDS)) == 4  # first, second (undone), first retried, third
+    assert "its size is the server's" in err and "cannot be used with a server" in err
+    sent = [body["messages"] for body, _ in fake.requests]
+    assert [m["content"] for m in sent[-1]] == ["Be brief.", "first question", "".join(WORDS), "third"]
+    assert fake.requests[-1][0]["temperature"] == 0.3
+    saved = json.loads(quipu("sessions", "export", "talk", "--format", "json").stdout)
+    assert [m["role"] for m in saved["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+    resumed = quipu("chat", "--url", fake.url, "--resume", input="fourth\n")
+    assert resumed.returncode == 0 and len(fake.requests[-1][0]["messages"]) == 6
+
+
+def test_embeddings_on_a_server(quipu, fake):
+    r = quipu("embed", "--url", fake.url, "--normalize", "one", "two")
+    assert r.returncode == 0, r.stderr.decode()
+    rows = [json.loads(line) for line in r.stdout.decode().splitlines()]
+    assert [row["text"] for row in rows] == ["one", "two"]
+    assert rows[0]["embedding"] == [0.6, 0.8]  # in input order, whatever order the server answered in
+    assert fake.requests[-1][0]["input"] == ["one", "two"]
+    refused = quipu("embed", "--url", fake.url, "--pooling", "cls", "one")
+    assert refused.returncode == 1 and "--pooling" in refused.stderr.decode()
+    fake.mode = "none"
+    broken = quipu("embed", "--url", fake.url, "one")
+    assert broken.returncode == 1 and "one vector a text" in broken.stderr.decode()
+
+
 @pytest.mark.parametrize("args, what", [
     (["-S", "work", "--continue"], "--continue"),
     (["--schema", '{"type": "object"}'], "--schema"),
@@ -241,6 +274,11 @@ def test_run_on_llama_cpp_pythons_server(quipu, llama_cpp_python_server):
     assert streamed.returncode == 0 and streamed.stdout.decode().startswith(out["text"][:8])
     listed = quipu("models", "list", "--url", url, "--json")
     assert [m["name"] for m in json.loads(listed.stdout)] == ["smollm2"]
+    for question in ("Name a river.", "And a mountain?"):
+        turn = quipu("run", "--url", url, "-S", "geo", "-t", "0", "-n", "8", question)
+        assert turn.returncode == 0 and turn.stdout.strip(), turn.stderr.decode()
+    saved = json.loads(quipu("sessions", "export", "geo", "--format", "json").stdout)
+    assert [m["role"] for m in saved["messages"] if m["role"] != "system"] == ["user", "assistant"] * 2
 
 
 def test_run_on_llama_server(quipu, llama_server):
@@ -257,3 +295,8 @@ def test_run_on_llama_server(quipu, llama_server):
     assert again["usage"]["cached_tokens"] > 5  # the server kept the shared beginning
     listed = quipu("models", "list", "--url", url, "--json")
     assert len(json.loads(listed.stdout)) == 1
+    chat = quipu("chat", "--url", url, "-S", "c1", "-t", "0", "-n", "8", input="Name a river.\nAnd a sea?\n")
+    assert chat.returncode == 0, chat.stderr.decode()
+    saved = json.loads(quipu("sessions", "export", "c1", "--format", "json").stdout)
+    replies = [m["content"] for m in saved["messages"] if m["role"] == "assistant"]
+    assert len(replies) == 2 and all(r.strip() for r in replies)

@@ -6,7 +6,8 @@
 - `named.py`: `NamedSession`, a conversation bound to a name in the store: opened (created,
   restored or re-read) and saved; `open_session` for a fresh one.
 - `turns.py`: one turn of `quipu run`, with or without a session (`TurnResult`).
-- `remote.py`: `quipu run --url`: a turn on a model behind a server.
+- `remote.py`: `quipu run --url` and `quipu chat --url`: turns on a model behind a server,
+  sessions kept as transcripts.
 - `batch.py`: `quipu run --batch`: rows read, planned and answered side by side, in order.
 - `chat.py`: `ChatSession`, the library side of `quipu chat`: saved after every turn.
 - `manage.py`: `quipu sessions ...` over the store.

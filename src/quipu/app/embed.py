@@ -13,19 +13,14 @@ POOLINGS = ("mean", "last", "cls")
 
 
 def embed_texts(texts: Sequence[str], opts: TurnOptions, env: Environment, *, pooling: str = "mean",
-                normalize: bool = False) -> list[dict]:
-    """[{"index", "text", "embedding"}] for each text, in order."""
+                normalize: bool = False, remote=None) -> list[dict]:
+    """[{"index", "text", "embedding"}] for each text, in order; on the server `remote` when given."""
     if not texts:
         raise BadInput("nothing to embed: give texts as arguments or one per line on standard input")
-    _, path = env.resolve_model(opts.model)
-    # The generation context is not used here: keep it small.
-    backend = load_backend(path, ContextSettings(n_ctx=256, n_threads=opts.threads or 0), opts.verbose)
-    try:
-        if not backend.supports_embeddings:
-            raise CapabilityError(f"the {backend.name} backend cannot compute embeddings")
-        vectors = backend.embed(list(texts), pooling)
-    finally:
-        backend.close()
+    if remote is not None:
+        vectors = _embed_remote(list(texts), opts, remote, pooling)
+    else:
+        vectors = _embed_local(list(texts), opts, env, pooling)
     out = []
     for i, (text, vec) in enumerate(zip(texts, vectors)):
         if normalize:
@@ -33,3 +28,26 @@ def embed_texts(texts: Sequence[str], opts: TurnOptions, env: Environment, *, po
             vec = [x / norm for x in vec]
         out.append({"index": i, "text": text, "embedding": vec})
     return out
+
+
+def _embed_local(texts: list[str], opts: TurnOptions, env: Environment, pooling: str) -> list[list[float]]:
+    _, path = env.resolve_model(opts.model)
+    # The generation context is not used here: keep it small.
+    backend = load_backend(path, ContextSettings(n_ctx=256, n_threads=opts.threads or 0), opts.verbose)
+    try:
+        if not backend.supports_embeddings:
+            raise CapabilityError(f"the {backend.name} backend cannot compute embeddings")
+        return backend.embed(texts, pooling)
+    finally:
+        backend.close()
+
+
+def _embed_remote(texts: list[str], opts: TurnOptions, settings, pooling: str) -> list[list[float]]:
+    from quipu.engine.remote import RemoteModel
+
+    if pooling != "mean" or opts.threads is not None:
+        raise CapabilityError("--pooling and --threads cannot be used with a server: it pools as it was started")
+    if opts.model:
+        settings.model = opts.model
+    with RemoteModel(settings) as remote:
+        return remote.embed(texts)

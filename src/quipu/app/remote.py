@@ -1,4 +1,4 @@
-"""`quipu run --url`: one prompt answered by a model on a server (see `engine/remote.py`).
+"""`quipu run --url` and `quipu chat --url`: a model on a server (see `engine/remote.py`).
 
 A named session on a server (`-S NAME --url`) keeps its transcript as the truth, and each
 turn sends the whole conversation (servers keep their own prompt caches). Such a transcript
@@ -20,7 +20,7 @@ from quipu.app.turns import ReplyStream, StopFn, TextFn, TurnResult
 from quipu.engine.base import ContextSettings
 from quipu.store.store import validate_name
 from quipu.store.transcript import Transcript, now_iso
-from quipu.errors import BadInput, CapabilityError
+from quipu.errors import BadInput, CapabilityError, InvalidParameter, UsageError
 from quipu.sessions.inference import Stats
 
 
@@ -109,12 +109,8 @@ def _session_turn(name: str, prompt: str, opts: TurnOptions, env: Environment, s
         result, failure = _ask(messages, opts, env, settings, on_text, on_reasoning, should_stop)
         # The turn is kept even when cut short, as a local one stopped by Ctrl-C is.
         messages.append({"role": "assistant", "content": result.text})
-        params = {k: v for k, v in request_params(opts, env).items()}
-        store.save(name, Transcript(
-            model={"name": result.model, "url": settings.url}, params=params,
-            context=ContextSettings().state_key(), messages=messages, tokens=[], n_decoded=0,
-            draws=0, created=record.created if record else now_iso(), updated=now_iso(), quipu=__version__,
-            build="server"), None)
+        save_transcript(store, name, messages, result.model, settings.url, request_params(opts, env),
+                        record.created if record else None)
     result.session = name
     if on_result is not None:
         on_result(result)
@@ -139,3 +135,228 @@ def list_remote_models(env: Environment, settings) -> list[dict]:
     with RemoteModel(settings) as remote:
         return [{"name": m["id"], "owned_by": m.get("owned_by"), "url": settings.url} for m in remote.models()]
 
+
+
+def save_transcript(store, name: str, messages: list[dict], model: str, url: str, params: dict,
+                    created: str | None) -> None:
+    """A session's transcript as a server turn leaves it: the messages, and no tokens or state
+    (the server's context is not ours to keep)."""
+    store.save(name, Transcript(
+        model={"name": model, "url": url}, params=params, context=ContextSettings().state_key(),
+        messages=messages, tokens=[], n_decoded=0, draws=0, created=created or now_iso(), updated=now_iso(),
+        quipu=__version__, build="server"), None)
+
+
+class RemoteChatSession:
+    """`quipu chat --url`: the chat's library side on a server; every turn is saved, and each
+    sends the whole conversation. What only a local model can do is refused, one line each."""
+
+    def __init__(self, env: Environment, opts: TurnOptions, settings):
+        from contextlib import ExitStack
+
+        self.env, self.opts, self.settings = env, opts, settings
+        self.store = store_for(env)
+        self._stack = ExitStack()
+        self.name = ""
+        self.messages: list = []
+        self.created: str | None = None
+        self.resumed = False
+        self.last_stats = None
+        self.model_name = settings.model or "?"
+        self._notices: list[str] = []
+        self._used = 0
+
+    @classmethod
+    def open(cls, env: Environment, opts: TurnOptions, settings, *, name: str | None = None,
+             resume_latest: bool = False) -> "RemoteChatSession":
+        from quipu.app.chat import generate_name
+
+        refuse_unsupported(opts)
+        if opts.model:
+            settings.model = opts.model
+        chat = cls(env, opts, settings)
+        if name is None and resume_latest:
+            infos, _ = chat.store.list()
+            if not infos:
+                raise UsageError("there is no session to resume yet; start one with `quipu chat`")
+            name = infos[0].name
+        chat._switch(name or generate_name(set(chat.store.names())), opts)
+        return chat
+
+    def _switch(self, name: str, opts: TurnOptions) -> None:
+        from contextlib import ExitStack
+
+        from quipu.sessions.conversation import Message
+
+        validate_name(name)
+        stack = ExitStack()
+        try:
+            stack.enter_context(self.store.lock(name))
+            record = self.store.load_transcript(name) if self.store.exists(name) else None
+        except BaseException:
+            stack.close()
+            raise
+        self.close()
+        self._stack, self.name, self.resumed = stack, name, record is not None
+        self.messages = [Message(m["role"], m["content"]) for m in record.messages] if record else []
+        self.created = record.created if record else None
+        system = opts.system if opts.system is not None else (None if record else system_prompt(opts, self.env))
+        if system is not None:
+            self.set_system(system or None, save=False)
+        self.last_stats = None
+        self._used = 0
+
+    def close(self) -> None:
+        self._stack.close()
+
+    @property
+    def notices(self) -> list[str]:
+        out, self._notices[:] = list(self._notices), []
+        return out
+
+    # ---- turns -----------------------------------------------------------------------------
+
+    def send(self, text: str, on_text=None, should_stop=None, on_progress=None, on_reasoning=None):
+        from quipu.sessions.conversation import Message
+
+        self.messages.append(Message("user", text))
+        return self._reply(on_text, should_stop, on_reasoning)
+
+    def retry(self, on_text=None, should_stop=None, on_progress=None, on_reasoning=None):
+        if not self.messages or self.messages[-1].role != "assistant":
+            raise UsageError("there is no reply to retry")
+        self.messages.pop()
+        return self._reply(on_text, should_stop, on_reasoning)
+
+    def continue_reply(self, *args, **kwargs):
+        raise CapabilityError("/continue cannot be used with a server yet")
+
+    def _reply(self, on_text, should_stop, on_reasoning):
+        from quipu.app.chat import TurnOutcome
+        from quipu.sessions.conversation import Message
+        from quipu.sessions.inference import Generation
+
+        wire = [{"role": m.role, "content": m.content} for m in self.messages]
+        try:
+            result, failure = _ask(wire, self.opts, self.env, self.settings, on_text, on_reasoning, should_stop)
+        except BaseException:
+            self.messages.pop()  # nothing came: the message is not part of the conversation
+            raise
+        self.messages.append(Message("assistant", result.text))
+        self.model_name = result.model or self.model_name
+        self.last_stats = result.stats
+        self._used = result.stats.prompt_tokens + result.stats.completion_tokens
+        self.save()
+        if failure is not None:
+            raise failure
+        return TurnOutcome(Generation(result.text, [], result.finish_reason), result.stats)
+
+    # ---- the conversation --------------------------------------------------------------------
+
+    def undo(self) -> bool:
+        if not any(m.role == "user" for m in self.messages):
+            return False
+        while self.messages and self.messages[-1].role != "user":
+            self.messages.pop()
+        self.messages.pop()
+        self.save()
+        return True
+
+    def reset(self) -> None:
+        self.messages = [m for m in self.messages if m.role == "system"]
+        self.save()
+
+    def set_system(self, text: str | None, save: bool = True) -> None:
+        from quipu.sessions.conversation import Message
+
+        self.messages = [m for m in self.messages if m.role != "system"]
+        if text:
+            self.messages.insert(0, Message("system", text))
+        if save:
+            self.save()
+
+    def drop_oldest(self, for_message: str | None = None) -> int:
+        """Drops the oldest exchange (the server's context size is its own)."""
+        first = next((i for i, m in enumerate(self.messages) if m.role == "user"), None)
+        if first is None:
+            return 0
+        end = next((i for i in range(first + 1, len(self.messages)) if self.messages[i].role == "user"),
+                   len(self.messages))
+        del self.messages[first:end]
+        self.save()
+        return end - first
+
+    def new_session_with_system(self, on_progress=None) -> str:
+        from quipu.app.chat import generate_name
+
+        system = next((m.content for m in self.messages if m.role == "system"), "")
+        self.save()
+        name = generate_name(set(self.store.names()))
+        self._switch(name, TurnOptions(**{**self.opts.__dict__, "system": system}))
+        self.save()
+        return name
+
+    def set_option(self, key: str, value: str):
+        import dataclasses
+
+        from quipu.app.chat import SETTABLE
+
+        key = key.replace("-", "_")
+        kind = SETTABLE.get(key)
+        if kind is None:
+            raise InvalidParameter(f"unknown setting '{key}' (settable: {', '.join(SETTABLE)})")
+        try:
+            parsed = kind(value)
+        except ValueError:
+            raise InvalidParameter(f"{key} takes {'an integer' if kind is int else 'a number'}, not '{value}'") from None
+        self.opts = dataclasses.replace(self.opts, **{key: parsed})
+        max_tokens(self.opts, self.env)  # checked as the command line's would be
+        return parsed
+
+    def constrain(self, schema=None, grammar=None) -> bool:
+        raise CapabilityError("/schema and /grammar cannot be used with a server yet")
+
+    def set_thinking(self, on: bool) -> bool:
+        raise CapabilityError("/think cannot be used with a server yet")
+
+    # ---- saving and switching ----------------------------------------------------------------
+
+    def save(self) -> None:
+        save_transcript(self.store, self.name, [{"role": m.role, "content": m.content} for m in self.messages],
+                        self.model_name, self.settings.url, request_params(self.opts, self.env), self.created)
+        self.created = self.created or now_iso()
+
+    def save_as(self, name: str) -> None:
+        validate_name(name)
+        if name == self.name:
+            self.save()
+            return
+        if self.store.exists(name):
+            raise UsageError(f"a session named '{name}' exists already")
+        self.save()
+        self.store.fork(self.name, name, src_locked=True)
+
+    def load(self, name: str, on_progress=None) -> None:
+        if name == self.name:
+            raise UsageError(f"session '{name}' is already open")
+        if not self.store.exists(name):
+            raise UsageError(f"no session named '{name}'")
+        self.save()
+        self._switch(name, TurnOptions())
+
+    def sessions(self):
+        return self.store.list()[0]
+
+    # ---- figures: the server's, as far as it tells ---------------------------------------------
+
+    @property
+    def context_used(self) -> int:
+        return self._used
+
+    @property
+    def context_size(self) -> int:
+        return 0  # unknown: the server's own
+
+    @property
+    def context_nearly_full(self) -> bool:
+        return False

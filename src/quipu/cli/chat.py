@@ -40,6 +40,7 @@ def chat(
     hide_thinking: bool = typer.Option(False, "--hide-thinking", help="Do not show a thinking model's reasoning "
                                        "(/think shows it again)."),
     verbose: opt.Verbose = False,
+    url: opt.Url = None,
 ) -> int:
     from quipu.cli.repl import Repl
     from quipu.app.chat import ChatSession
@@ -54,9 +55,15 @@ def chat(
     )
     term = Terminal.detect()
     env = context.obj
+    remote = env.remote(url)
     progress = PrefillProgress(term, "restoring the conversation")
     try:
-        session_ = ChatSession.open(env, opts, name=session, resume_latest=resume, on_progress=progress)
+        if remote is not None:
+            from quipu.app.remote import RemoteChatSession
+
+            session_ = RemoteChatSession.open(env, opts, remote, name=session, resume_latest=resume)
+        else:
+            session_ = ChatSession.open(env, opts, name=session, resume_latest=resume, on_progress=progress)
     finally:
         progress.close()
     try:

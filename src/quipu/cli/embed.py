@@ -23,6 +23,7 @@ def embed(
     normalize: bool = typer.Option(False, "--normalize", help="Scale each vector to length 1."),
     threads: opt.Threads = None,
     verbose: opt.Verbose = False,
+    url: opt.Url = None,
 ) -> None:
     from quipu.cli.run import gather_prompt
     from quipu.app.embed import embed_texts
@@ -32,7 +33,8 @@ def embed(
         piped = gather_prompt(None, term, allow_empty=True)
         texts = [line for line in (piped or "").splitlines() if line.strip()]
     opts = spec.turn_options(model=model, threads=threads, verbose=verbose)
-    for row in embed_texts(texts, opts, context.obj, pooling=pooling, normalize=normalize):
+    env = context.obj
+    for row in embed_texts(texts, opts, env, pooling=pooling, normalize=normalize, remote=env.remote(url)):
         vector = ",".join(f"{x:.8g}" for x in row["embedding"])
         head = json.dumps({"index": row["index"], "text": row["text"]}, ensure_ascii=False)[:-1]
         term.stdout.write(f'{head}, "embedding": [{vector}]}}\n')

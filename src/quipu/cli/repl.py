@@ -133,6 +133,9 @@ def _stats(repl: "Repl", _arg: str) -> None:
 
 def _context(repl: "Repl", _arg: str) -> None:
     used, size = repl.chat.context_used, repl.chat.context_size
+    if not size:
+        repl.say(f"context: {used} tokens at the last reply; its size is the server's")
+        return
     repl.say(f"context: {used} of {size} tokens ({100 * used / size:.0f}%)")
 
 
@@ -374,7 +377,8 @@ class Repl:
 
     def toolbar(self):
         used, size = self.chat.context_used, self.chat.context_size
-        text = f" {self.chat.model_name} · {self.chat.name} · context {used}/{size} ({100 * used / size:.0f}%)"
+        shown = f"{used}/{size} ({100 * used / size:.0f}%)" if size else f"{used} (the server's)"
+        text = f" {self.chat.model_name} · {self.chat.name} · context {shown}"
         if self.chat.context_nearly_full:
             text += " · nearly full: /trim or /new"
         return text

@@ -170,8 +170,17 @@ class RemoteModel:
             self._model = models[0]["id"]
         return self._model
 
-    def embed(self, texts, pooling: str = "mean"):
-        raise CapabilityError("embeddings through a server are not supported yet; run `quipu embed` locally")
+    def embed(self, texts: list[str]) -> list[list[float]]:
+        """One vector per text (`/v1/embeddings`), pooled as the server was started to pool."""
+        data = self._json("POST", "/v1/embeddings", {"model": self.model_name(), "input": list(texts)})
+        items = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(items, list) or len(items) != len(texts):
+            raise RemoteError(f"{self._where()} answered /v1/embeddings with something else than one vector a text")
+        ordered = sorted(items, key=lambda item: item.get("index", 0) if isinstance(item, dict) else 0)
+        vectors = [item.get("embedding") if isinstance(item, dict) else None for item in ordered]
+        if not all(isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v) for v in vectors):
+            raise CapabilityError(f"{self._where()} gave no usable embeddings (was it started with embeddings on?)")
+        return vectors
 
     # ---- generation -----------------------------------------------------------------------
 
