@@ -40,7 +40,43 @@ class TurnOutcome:
     context_full: bool = False
 
 
-class ChatSession:
+class SessionCommands:
+    """What a chat does the same way on a local model and on a server: copies, switching
+    checks, the settings `/set` may change. Needs `store`, `name` and `save()`."""
+
+    def save_as(self, name: str) -> None:
+        """Saves a copy of this session under `name`; this one stays open."""
+        validate_name(name)
+        if name == self.name:
+            self.save()
+            return
+        if self.store.exists(name):
+            raise UsageError(f"a session named '{name}' exists already")
+        self.save()
+        self.store.fork(self.name, name, src_locked=True)
+
+    def _check_load(self, name: str) -> None:
+        if name == self.name:
+            raise UsageError(f"session '{name}' is already open")
+        if not self.store.exists(name):
+            raise UsageError(f"no session named '{name}'")
+
+    def sessions(self) -> list[SessionInfo]:
+        return self.store.list()[0]
+
+    @staticmethod
+    def parse_setting(key: str, value: str) -> tuple[str, Any]:
+        key = key.replace("-", "_")
+        kind = SETTABLE.get(key)
+        if kind is None:
+            raise InvalidParameter(f"unknown setting '{key}' (settable: {', '.join(SETTABLE)})")
+        try:
+            return key, kind(value)
+        except ValueError:
+            raise InvalidParameter(f"{key} takes {'an integer' if kind is int else 'a number'}, not '{value}'") from None
+
+
+class ChatSession(SessionCommands):
     """An open, locked, named conversation. Every finished turn is saved before it returns."""
 
     def __init__(self, env: Environment, opts: TurnOptions):
@@ -234,14 +270,7 @@ class ChatSession:
         return name
 
     def set_option(self, key: str, value: str) -> Any:
-        key = key.replace("-", "_")
-        kind = SETTABLE.get(key)
-        if kind is None:
-            raise InvalidParameter(f"unknown setting '{key}' (settable: {', '.join(SETTABLE)})")
-        try:
-            parsed = kind(value)
-        except ValueError:
-            raise InvalidParameter(f"{key} takes {'an integer' if kind is int else 'a number'}, not '{value}'") from None
+        key, parsed = self.parse_setting(key, value)
         if key == "max_tokens":
             if parsed <= 0:
                 raise InvalidParameter("max_tokens must be more than 0")
@@ -257,27 +286,10 @@ class ChatSession:
     def save(self) -> None:
         self._named.save()
 
-    def save_as(self, name: str) -> None:
-        """Saves a copy of this session under `name`; this one stays open."""
-        validate_name(name)
-        if name == self.name:
-            self.save()
-            return
-        if self.store.exists(name):
-            raise UsageError(f"a session named '{name}' exists already")
-        self.save()
-        self.store.fork(self.name, name, src_locked=True)
-
     def load(self, name: str, on_progress: ProgressFn | None = None) -> None:
-        if name == self.name:
-            raise UsageError(f"session '{name}' is already open")
-        if not self.store.exists(name):
-            raise UsageError(f"no session named '{name}'")
+        self._check_load(name)
         self.save()
         self._switch(name, on_progress, TurnOptions(verbose=self.opts.verbose, threads=self.opts.threads))
-
-    def sessions(self) -> list[SessionInfo]:
-        return self.store.list()[0]
 
     # ---- figures ---------------------------------------------------------------------------------
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 from typing import Callable
 
 from quipu import __version__
+from quipu.app.chat import SessionCommands
 from quipu.app.environment import Environment, TurnOptions, max_tokens, system_prompt
 from quipu.app.named import store_for
 from quipu.app.turns import ReplyStream, StopFn, TextFn, TurnResult
 from quipu.engine.base import ContextSettings
 from quipu.store.store import validate_name
 from quipu.store.transcript import Transcript, now_iso
-from quipu.errors import BadInput, CapabilityError, InvalidParameter, UsageError
+from quipu.errors import BadInput, CapabilityError, UsageError
 from quipu.sessions.inference import Stats
 
 
@@ -147,7 +148,7 @@ def save_transcript(store, name: str, messages: list[dict], model: str, url: str
         quipu=__version__, build="server"), None)
 
 
-class RemoteChatSession:
+class RemoteChatSession(SessionCommands):
     """`quipu chat --url`: the chat's library side on a server; every turn is saved, and each
     sends the whole conversation. What only a local model can do is refused, one line each."""
 
@@ -299,16 +300,7 @@ class RemoteChatSession:
     def set_option(self, key: str, value: str):
         import dataclasses
 
-        from quipu.app.chat import SETTABLE
-
-        key = key.replace("-", "_")
-        kind = SETTABLE.get(key)
-        if kind is None:
-            raise InvalidParameter(f"unknown setting '{key}' (settable: {', '.join(SETTABLE)})")
-        try:
-            parsed = kind(value)
-        except ValueError:
-            raise InvalidParameter(f"{key} takes {'an integer' if kind is int else 'a number'}, not '{value}'") from None
+        key, parsed = self.parse_setting(key, value)
         self.opts = dataclasses.replace(self.opts, **{key: parsed})
         max_tokens(self.opts, self.env)  # checked as the command line's would be
         return parsed
@@ -326,26 +318,10 @@ class RemoteChatSession:
                         self.model_name, self.settings.url, request_params(self.opts, self.env), self.created)
         self.created = self.created or now_iso()
 
-    def save_as(self, name: str) -> None:
-        validate_name(name)
-        if name == self.name:
-            self.save()
-            return
-        if self.store.exists(name):
-            raise UsageError(f"a session named '{name}' exists already")
-        self.save()
-        self.store.fork(self.name, name, src_locked=True)
-
     def load(self, name: str, on_progress=None) -> None:
-        if name == self.name:
-            raise UsageError(f"session '{name}' is already open")
-        if not self.store.exists(name):
-            raise UsageError(f"no session named '{name}'")
+        self._check_load(name)
         self.save()
         self._switch(name, TurnOptions())
-
-    def sessions(self):
-        return self.store.list()[0]
 
     # ---- figures: the server's, as far as it tells ---------------------------------------------
 
