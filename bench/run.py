@@ -537,6 +537,69 @@ def bench_batch(model: str, threads: int, repeats: int, home: str, n_rows: int =
     return rows
 
 
+REMOTE_CODE = """
+import json, sys, time
+import httpx
+from quipu.engine.remote import RemoteModel, RemoteSettings
+url, n, through = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+messages = [{"role": "user", "content": "Write a long story about a river."}]
+params = {"temperature": 0, "seed": 1}
+if through == "quipu":
+    with RemoteModel(RemoteSettings(url=url)) as remote:
+        started = time.perf_counter()
+        stamps = []
+        reply = remote.chat(messages, params=params, max_tokens=n, on_text=lambda t: stamps.append(time.perf_counter()))
+else:
+    body = {"model": "m", "messages": messages, "stream": True, "max_tokens": n, **params}
+    stamps = []
+    with httpx.Client(timeout=600) as client:
+        started = time.perf_counter()
+        with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data:") and "[DONE]" not in line:
+                    event = json.loads(line[5:])
+                    if any((c.get("delta") or {}).get("content") for c in event.get("choices") or ()):
+                        stamps.append(time.perf_counter())
+print(json.dumps({"ttft": stamps[0] - started, "tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}))
+"""
+
+
+def bench_remote(model: str, threads: int, repeats: int) -> list[dict]:
+    """Through quipu against a bare HTTP client (httpx), the same request to the same
+    llama-server on loopback: time to first token and decode rate, as seen by the client."""
+    from bench import llamacpp
+
+    exe = llamacpp.program("llama-server")
+    if exe is None:
+        return [{"what": "llama-server not built (python -m bench.llamacpp llama-server); remote not measured",
+                 "quipu": ""}]
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from servers import free_port, serve, stop
+
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = serve([str(exe), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", "4096", "-np", "1",
+                      "-t", str(threads), "--no-webui"], "/health", port, Path(tmp) / "log.txt")
+        try:
+            url = f"http://127.0.0.1:{port}"
+            got: dict[str, list] = {"quipu": [], "bare": []}
+            for _ in range(repeats):
+                for who in ("quipu", "bare"):
+                    r = subprocess.run([sys.executable, "-c", REMOTE_CODE, url, "128", who], capture_output=True,
+                                       check=True)
+                    got[who].append(json.loads(r.stdout))
+        finally:
+            stop(proc)
+    rows = []
+    for key, what in (("ttft", "time to first token (s)"), ("tok_s", "decode tok/s")):
+        q = median([g[key] for g in got["quipu"]])
+        b = median([g[key] for g in got["bare"]])
+        ratio = b / q if key == "ttft" else q / b  # above 1: quipu is the faster
+        rows.append({"what": f"llama-server on loopback, 128 tokens: {what}, quipu vs a bare httpx client",
+                     "quipu": round(q, 3), "llama.cpp": f"{b:.3f} (bare client)", "ratio": round(ratio, 3)})
+    return rows
+
+
 def machine() -> dict:
     cpu = platform.processor()
     try:
@@ -565,7 +628,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128, help="tokens to decode per run")
-    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup, coldstart, batch, templates, constrained, cache")
+    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache")
     args = ap.parse_args(argv)
     model = model_path()
     # An installed quipu has its bytecode compiled by pip; a checkout may not (PYTHONDONTWRITEBYTECODE).
@@ -583,6 +646,7 @@ def main(argv: list[str] | None = None) -> None:
             "startup": lambda: bench_startup(args.repeats, home),
             "coldstart": lambda: bench_coldstart(model, args.threads, args.repeats, home),
             "batch": lambda: bench_batch(model, args.threads, args.repeats, home),
+            "remote": lambda: bench_remote(model, args.threads, args.repeats),
             "templates": lambda: bench_templates(model, args.threads),
             "constrained": lambda: bench_constrained(model, args.threads, args.repeats),
             "cache": lambda: bench_cache(model, args.threads, args.repeats, home),

@@ -31,9 +31,10 @@ TextFn = Callable[[str], "bool | None"]
 class RemoteError(QuipuError):
     """The server could not be used, or failed mid-reply (`partial` holds what came first)."""
 
-    def __init__(self, message: str, *, partial: "RemoteReply | None" = None):
+    def __init__(self, message: str, *, partial: "RemoteReply | None" = None, status: int = 0):
         super().__init__(message)
         self.partial = partial
+        self.status = status  # the HTTP status that said no, if one did
 
 
 @dataclass
@@ -133,16 +134,17 @@ class RemoteModel:
         finally:
             response.close()
         said = _server_message(body)
-        status = f"{response.status_code} {response.reason_phrase}".strip()
-        if response.status_code in (401, 403):
+        code = response.status_code
+        status = f"{code} {response.reason_phrase}".strip()
+        if code in (401, 403):
             held = self.settings.api_key_env
             key = "the key in $" + held if os.environ.get(held) else f"no key (set ${held})"
             return RemoteError(f"{self._where()} refused the request ({status}) with {key}"
-                               f"{': ' + said if said else ''}")
-        if response.status_code == 404:
+                               f"{': ' + said if said else ''}", status=code)
+        if code == 404:
             return RemoteError(f"{self._where()} has no such model or endpoint ({status})"
-                               f"{': ' + said if said else ''}")
-        return RemoteError(f"{self._where()} answered {status}{': ' + said if said else ''}")
+                               f"{': ' + said if said else ''}", status=code)
+        return RemoteError(f"{self._where()} answered {status}{': ' + said if said else ''}", status=code)
 
     def _json(self, method: str, path: str, body: dict | None = None) -> Any:
         response = self._send(method, path, body)
@@ -187,13 +189,21 @@ class RemoteModel:
     def chat(self, messages: list[dict[str, str]], *, params: dict[str, Any], max_tokens: int,
              stop: tuple[str, ...] = (), on_text: TextFn | None = None) -> RemoteReply:
         """Streams a reply to `messages`; `on_text` gets each piece (and may return False to stop)."""
-        body = {"model": self.model_name(), "messages": messages, "stream": True, "max_tokens": max_tokens,
+        # No model named: most servers with one model take any name, so ask at once; a server that
+        # wants a real one says so, and gets its first (one round trip spared in the common case).
+        body = {"model": self._model or "", "messages": messages, "stream": True, "max_tokens": max_tokens,
                 "stream_options": {"include_usage": True}, **params}
         if stop:
             body["stop"] = list(stop)
-        reply = RemoteReply(model=body["model"])
         started = time.perf_counter()
-        response = self._send("POST", "/v1/chat/completions", body, stream=True)
+        try:
+            response = self._send("POST", "/v1/chat/completions", body, stream=True)
+        except RemoteError as exc:
+            if self._model is not None or exc.status not in (400, 404, 422):
+                raise
+            body["model"] = self.model_name()
+            response = self._send("POST", "/v1/chat/completions", body, stream=True)
+        reply = RemoteReply(model=body["model"])
         pieces: list[str] = []
         try:
             for event in self._events(response, reply, pieces):
@@ -206,6 +216,11 @@ class RemoteModel:
             reply.total_s = time.perf_counter() - started
         if not reply.completion_tokens:  # no usage in the stream (llama-cpp-python's server): a piece a token
             reply.completion_tokens = len(pieces)
+        if not reply.model:  # the server echoed the empty name: ask it for its own, now that the reply is out
+            try:
+                reply.model = self.model_name()
+            except RemoteError:
+                reply.model = "?"
         return reply
 
     def _events(self, response, reply: RemoteReply, pieces: list[str]) -> Iterator[dict]:
@@ -245,6 +260,8 @@ class RemoteModel:
         reply.finish_reason = reply.finish_reason or "stop"
 
     def _take(self, event: dict, reply: RemoteReply, pieces: list[str], started: float, on_text) -> None:
+        if isinstance(event.get("model"), str) and event["model"]:
+            reply.model = event["model"]  # the name the server answers to
         usage = event.get("usage")
         if isinstance(usage, dict):
             reply.prompt_tokens = int(usage.get("prompt_tokens") or 0)
