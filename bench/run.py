@@ -576,10 +576,15 @@ def bench_remote(model: str, threads: int, repeats: int) -> list[dict]:
     sys.path.insert(0, str(HERE.parent / "tests"))
     from servers import free_port, serve, stop
 
+    import urllib.request
+
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
+        slots = Path(tmp) / "slots"
+        slots.mkdir()
         proc = serve([str(exe), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", "4096", "-np", "1",
-                      "-t", str(threads), "--no-webui"], "/health", port, Path(tmp) / "log.txt")
+                      "-t", str(threads), "--no-webui", "--slot-save-path", str(slots)], "/health", port,
+                     Path(tmp) / "log.txt")
         try:
             url = f"http://127.0.0.1:{port}"
             got: dict[str, list] = {"quipu": [], "bare": []}
@@ -588,9 +593,35 @@ def bench_remote(model: str, threads: int, repeats: int) -> list[dict]:
                     r = subprocess.run([sys.executable, "-c", REMOTE_CODE, url, "128", who], capture_output=True,
                                        check=True)
                     got[who].append(json.loads(r.stdout))
+            # A 1,400-token session resumed after the server's slot went to someone else: its slot
+            # file restored, against the same turn with no file (the conversation read again).
+            env = {"QUIPU_HOME": str(Path(tmp) / "home")}
+            doc = context_text(model, 1400)
+            quipu_cmd("run", "--url", url, "-S", "long", "-n", "8", "-t", "0", "Read this.", stdin=doc.encode(), env=env)
+
+            def erase() -> None:
+                request = urllib.request.Request(f"{url}/slots/0?action=erase", data=b"{}", method="POST")
+                urllib.request.urlopen(request, timeout=30).close()
+
+            restored, reread = [], []
+            turn = [sys.executable, "-m", "quipu", "run", "--url", url, "-S", "long", "-n", "4", "-t", "0", "Go on."]
+            for _ in range(repeats):
+                erase()
+                restored.append(first_byte(turn, env))
+                [kept] = slots.glob("quipu-*.bin")
+                data = kept.read_bytes()
+                kept.unlink()
+                erase()
+                reread.append(first_byte(turn, env))  # (the turn saves a new file: put the old one back)
+                for extra in slots.glob("quipu-*.bin"):
+                    extra.unlink()
+                kept.write_bytes(data)
         finally:
             stop(proc)
-    rows = []
+    rows = [{"what": "resume a ~1,400-token session on llama-server, first token, whole process: slot file "
+                     "restored vs the conversation read again (s)",
+             "quipu": round(median(restored), 3), "re-read from scratch": round(median(reread), 3),
+             "ratio": round(median(restored) / median(reread), 3)}]
     for key, what in (("ttft", "time to first token (s)"), ("tok_s", "decode tok/s")):
         q = median([g[key] for g in got["quipu"]])
         b = median([g[key] for g in got["bare"]])

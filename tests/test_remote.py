@@ -300,3 +300,28 @@ def test_run_on_llama_server(quipu, llama_server):
     saved = json.loads(quipu("sessions", "export", "c1", "--format", "json").stdout)
     replies = [m["content"] for m in saved["messages"] if m["role"] == "assistant"]
     assert len(replies) == 2 and all(r.strip() for r in replies)
+
+
+def test_a_session_on_llama_server_is_kept_in_a_slot_file(quipu, llama_server):
+    import urllib.request
+
+    url = llama_server.url
+    system = "You are a careful geographer who answers in one short sentence. " * 25
+
+    def turn(question):
+        r = quipu("run", "--url", url, "-S", "atlas", "--json", "-t", "0", "-n", "8", "-s", system, question)
+        assert r.returncode == 0, r.stderr.decode()
+        return json.loads(r.stdout), r.stderr.decode()
+
+    others = set(llama_server.slots.glob("quipu-*.bin"))  # other tests' sessions
+    first, _ = turn("Name a river.")
+    [kept] = set(llama_server.slots.glob("quipu-*.bin")) - others
+    for slot in range(2):  # other clients take every slot meanwhile
+        request = urllib.request.Request(f"{url}/slots/{slot}?action=erase", data=b"{}", method="POST")
+        urllib.request.urlopen(request, timeout=10).close()
+    second, err = turn("And a mountain?")
+    assert second["usage"]["cached_tokens"] >= first["usage"]["prompt_tokens"] * 0.9 and err == ""
+    kept.unlink()  # the file is gone: the turn is read again, and that is said
+    third, err = turn("And a sea?")
+    assert third["text"] and "could not be restored" in err
+    assert len(set(llama_server.slots.glob("quipu-*.bin")) - others) == 1  # saved anew after the turn

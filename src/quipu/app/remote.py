@@ -3,7 +3,8 @@
 A named session on a server (`-S NAME --url`) keeps its transcript as the truth, and each
 turn sends the whole conversation (servers keep their own prompt caches). Such a transcript
 holds no token history or context state, so a session can move between a server and a local
-model: continued locally (with `--model`), it is read again from its messages.
+model: continued locally (with `--model`), it is read again from its messages. On llama.cpp's
+llama-server, `SlotKeeper` keeps a session's context in a slot file between turns.
 
 What the server cannot be asked through its chat API is refused before anything is sent,
 never faked: grammars and schemas, logit biases, `--raw`, `--show-prompt`.
@@ -11,6 +12,8 @@ never faked: grammars and schemas, logit biases, `--raw`, `--show-prompt`.
 
 from __future__ import annotations
 
+import re
+import uuid
 from typing import Callable
 
 from quipu import __version__
@@ -77,21 +80,83 @@ def run_remote_turn(prompt: str | None, opts: TurnOptions, env: Environment, set
 
 
 def _ask(messages: list[dict], opts: TurnOptions, env: Environment, settings, on_text, on_reasoning,
-         should_stop) -> tuple[TurnResult, Exception | None]:
-    """The reply to `messages`; a failure mid-reply comes back beside what came before it."""
+         should_stop, keeper: "SlotKeeper | None" = None) -> tuple[TurnResult, Exception | None]:
+    """The reply to `messages`; a failure mid-reply comes back beside what came before it. With
+    a keeper, the session's slot on llama-server is restored before and saved after."""
     from quipu.engine.remote import RemoteError, RemoteModel
 
     params = request_params(opts, env)
     stream = ReplyStream(on_text, should_stop, on_reasoning)
     with RemoteModel(settings) as remote:
+        extra = keeper.before(remote) if keeper is not None else {}
         try:
-            reply = remote.chat(messages, params=params, max_tokens=max_tokens(opts, env), stop=tuple(opts.stop),
-                                on_text=lambda text: stream.on_token(0, text))
+            reply = remote.chat(messages, params={**params, **extra}, max_tokens=max_tokens(opts, env),
+                                stop=tuple(opts.stop), on_text=lambda text: stream.on_token(0, text))
         except RemoteError as exc:
             if exc.partial is None or not exc.partial.text:
                 raise
             return remote_result(stream, exc.partial, params, "interrupted"), exc
-    return remote_result(stream, reply, params, reply.finish_reason), None
+        result = remote_result(stream, reply, params, reply.finish_reason)
+        if keeper is not None:
+            result.notices += keeper.after(remote, reply)
+    return result, None
+
+
+class SlotKeeper:
+    """A named session's context on llama.cpp's llama-server, kept in a slot file between turns
+    (the server must be started with --slot-save-path). Before a turn the file is restored into
+    the session's slot, after it the slot is saved; the conversation is sent whole all the same,
+    so the server reuses what the restore put back and reads only the rest. That the restore was
+    used is checked on the reply's cached-token count: when it was not, the turn was read again
+    (correct, only slower), and a warning says so. Other servers: nothing is done."""
+
+    def __init__(self, name: str, filename: str | None):
+        self.name = name
+        self.filename = filename
+        self.restored = 0
+        self.slot = -1
+        self.why_not = ""
+
+    def before(self, remote) -> dict:
+        from quipu.engine.remote import RemoteError
+
+        slots = remote.slots()
+        if not slots:
+            return {}
+        self.why_not = ""
+        if self.filename is None:  # a new session (or a server that kept no file): nothing to restore
+            self.filename = f"quipu-{uuid.uuid4().hex}.bin"
+            self.restored = 0
+        else:
+            try:
+                self.restored = remote.slot_file(self.slot_of(slots), "restore", self.filename)
+            except RemoteError as exc:
+                self.restored, self.why_not = 0, str(exc)
+        self.slot = self.slot_of(slots)
+        return {"id_slot": self.slot, "cache_prompt": True}
+
+    def slot_of(self, slots: int) -> int:
+        import zlib
+
+        return zlib.crc32(self.filename.encode()) % slots
+
+    def after(self, remote, reply) -> list[str]:
+        from quipu.engine.remote import RemoteError
+
+        if self.slot < 0:
+            return []
+        notices = []
+        if self.why_not:
+            notices.append(f"session '{self.name}': its context could not be restored on llama-server "
+                           f"({self.why_not}); the conversation was read again")
+        elif self.restored and reply.cached_tokens < self.restored * 0.9:
+            notices.append(f"session '{self.name}': llama-server did not use its restored context ({reply.cached_tokens}"
+                           f" of {self.restored} tokens reused); the conversation was read again")
+        try:
+            remote.slot_file(self.slot, "save", self.filename)
+        except RemoteError:
+            self.filename = None  # the server keeps no slot files (no --slot-save-path): nothing to restore
+        return notices
 
 
 def _session_turn(name: str, prompt: str, opts: TurnOptions, env: Environment, settings, *, on_text, on_reasoning,
@@ -107,11 +172,12 @@ def _session_turn(name: str, prompt: str, opts: TurnOptions, env: Environment, s
             if system:
                 messages.insert(0, {"role": "system", "content": system})
         messages.append({"role": "user", "content": prompt})
-        result, failure = _ask(messages, opts, env, settings, on_text, on_reasoning, should_stop)
+        keeper = SlotKeeper(name, slot_file_of(record))
+        result, failure = _ask(messages, opts, env, settings, on_text, on_reasoning, should_stop, keeper)
         # The turn is kept even when cut short, as a local one stopped by Ctrl-C is.
         messages.append({"role": "assistant", "content": result.text})
         save_transcript(store, name, messages, result.model, settings.url, request_params(opts, env),
-                        record.created if record else None)
+                        record.created if record else None, keeper.filename)
     result.session = name
     if on_result is not None:
         on_result(result)
@@ -138,12 +204,19 @@ def list_remote_models(env: Environment, settings) -> list[dict]:
 
 
 
+def slot_file_of(record) -> str | None:
+    """The llama-server slot file a session's transcript names, if it is one quipu made."""
+    name = record.model.get("slot_file") if record is not None else None
+    return name if isinstance(name, str) and re.fullmatch(r"quipu-[0-9a-f]{32}\.bin", name) else None
+
+
 def save_transcript(store, name: str, messages: list[dict], model: str, url: str, params: dict,
-                    created: str | None) -> None:
+                    created: str | None, slot_file: str | None = None) -> None:
     """A session's transcript as a server turn leaves it: the messages, and no tokens or state
-    (the server's context is not ours to keep)."""
+    (the server's context is not ours to keep; llama-server may keep it in `slot_file`)."""
+    where = {"name": model, "url": url, **({"slot_file": slot_file} if slot_file else {})}
     store.save(name, Transcript(
-        model={"name": model, "url": url}, params=params, context=ContextSettings().state_key(),
+        model=where, params=params, context=ContextSettings().state_key(),
         messages=messages, tokens=[], n_decoded=0, draws=0, created=created or now_iso(), updated=now_iso(),
         quipu=__version__, build="server"), None)
 
@@ -161,6 +234,7 @@ class RemoteChatSession(SessionCommands):
         self.name = ""
         self.messages: list = []
         self.created: str | None = None
+        self.keeper = SlotKeeper("", None)
         self.resumed = False
         self.last_stats = None
         self.model_name = settings.model or "?"
@@ -201,6 +275,7 @@ class RemoteChatSession(SessionCommands):
         self._stack, self.name, self.resumed = stack, name, record is not None
         self.messages = [Message(m["role"], m["content"]) for m in record.messages] if record else []
         self.created = record.created if record else None
+        self.keeper = SlotKeeper(name, slot_file_of(record))
         system = opts.system if opts.system is not None else (None if record else system_prompt(opts, self.env))
         if system is not None:
             self.set_system(system or None, save=False)
@@ -239,11 +314,13 @@ class RemoteChatSession(SessionCommands):
 
         wire = [{"role": m.role, "content": m.content} for m in self.messages]
         try:
-            result, failure = _ask(wire, self.opts, self.env, self.settings, on_text, on_reasoning, should_stop)
+            result, failure = _ask(wire, self.opts, self.env, self.settings, on_text, on_reasoning, should_stop,
+                                   self.keeper)
         except BaseException:
             self.messages.pop()  # nothing came: the message is not part of the conversation
             raise
         self.messages.append(Message("assistant", result.text))
+        self._notices += result.notices
         self.model_name = result.model or self.model_name
         self.last_stats = result.stats
         self._used = result.stats.prompt_tokens + result.stats.completion_tokens
@@ -315,7 +392,8 @@ class RemoteChatSession(SessionCommands):
 
     def save(self) -> None:
         save_transcript(self.store, self.name, [{"role": m.role, "content": m.content} for m in self.messages],
-                        self.model_name, self.settings.url, request_params(self.opts, self.env), self.created)
+                        self.model_name, self.settings.url, request_params(self.opts, self.env), self.created,
+                        self.keeper.filename)
         self.created = self.created or now_iso()
 
     def load(self, name: str, on_progress=None) -> None:

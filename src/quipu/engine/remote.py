@@ -77,6 +77,7 @@ class RemoteModel:
         self._client = httpx.Client(timeout=httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout),
                                     follow_redirects=True)
         self._model = settings.model
+        self._slots: int | None = None
 
     def close(self) -> None:
         self._client.close()
@@ -171,6 +172,30 @@ class RemoteModel:
                 raise RemoteError(f"{self._where()} lists no model")
             self._model = models[0]["id"]
         return self._model
+
+    # ---- llama.cpp's llama-server: slots whose context can be saved to a file and restored ----
+
+    def slots(self) -> int:
+        """How many slots the server has when it is llama.cpp's llama-server (from `/props`);
+        0 for any other server."""
+        if self._slots is None:
+            try:
+                props = self._json("GET", "/props")
+            except RemoteError:
+                props = None
+            ok = isinstance(props, dict) and "default_generation_settings" in props
+            total = props.get("total_slots") if ok else 0
+            self._slots = total if isinstance(total, int) and total > 0 else 0
+        return self._slots
+
+    def slot_file(self, slot: int, action: str, filename: str) -> int:
+        """Saves a slot's context to `filename` (in the server's --slot-save-path) or restores it;
+        the number of tokens saved or restored."""
+        data = self._json("POST", f"/slots/{slot}?action={action}", {"filename": filename})
+        count = data.get("n_saved" if action == "save" else "n_restored") if isinstance(data, dict) else None
+        if not isinstance(count, int):
+            raise RemoteError(f"{self._where()} answered a slot {action} with something unexpected")
+        return count
 
     def embed(self, texts: list[str]) -> list[list[float]]:
         """One vector per text (`/v1/embeddings`), pooled as the server was started to pool."""
