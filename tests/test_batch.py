@@ -158,6 +158,7 @@ def test_cli_json_rows_fail_one_by_one(quipu, tiny_model):
     (["--batch", "-", "a prompt"], b"row\n", "give no prompt"),
     (["--parallel", "2", "a prompt"], None, "--parallel goes with --batch"),
     (["--batch", "-", "--parallel", "0"], b"row\n", "--parallel must be more than 0"),
+    (["--batch", "-", "--parallel", "1000"], b"row\n", "--parallel must be at most 256"),
     (["--batch", "-", "-S", "work"], b"row\n", "--session"),
     (["--batch", "/nonexistent/rows.jsonl"], None, "cannot read the batch file"),
     (["--batch", "-"], b"\n\n", "no rows"),

@@ -42,6 +42,7 @@ from quipu.sessions.params import SamplingParams
 ROW_FIELDS = {"id", "system", "seed", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "stop"}
 ROLES = ("system", "user", "assistant")
 CTX_STEP = 256  # a row's share of the context is rounded up to this
+MAX_PARALLEL = 256  # llama.cpp's most sequences in one context
 
 
 def default_parallel() -> int:
@@ -180,6 +181,8 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
     if opts.schema is not None or opts.grammar is not None:
         raise UsageError("--schema and --grammar are not available with --batch yet")
     check_positive("--parallel", parallel)
+    if parallel is not None and parallel > MAX_PARALLEL:
+        raise UsageError(f"--parallel must be at most {MAX_PARALLEL} (llama.cpp's limit of sequences), got {parallel}")
     rows = read_rows(text)
     base = sampling_params(opts, env)
     parse_logit_bias(opts.logit_bias)
