@@ -109,6 +109,9 @@ class RemoteModel:
             except httpx.ConnectError as exc:
                 if last or "Name or service not known" in str(exc) or "nodename nor servname" in str(exc):
                     raise RemoteError(f"cannot reach {self._where()}: {_reason(exc)}") from None
+            except httpx.ConnectTimeout:
+                raise RemoteError(f"{self._where()} did not take the connection within "
+                                  f"{self.settings.connect_timeout:g} s") from None
             except httpx.TimeoutException:
                 raise RemoteError(f"{self._where()} did not answer within {self._timeout_said()}") from None
             except httpx.HTTPError as exc:
