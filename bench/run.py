@@ -412,7 +412,7 @@ def bench_coldstart(model: str, threads: int, repeats: int, home: str) -> list[d
     from bench import llamacpp
 
     try:
-        exe = llamacpp.program("llama-completion") or llamacpp.build(("llama-completion",)) / "llama-completion"
+        exe = llamacpp.build(("llama-completion",)) / "llama-completion"  # at once when built already
     except Exception as exc:  # no compiler, no network for the sdist: say so, measure the rest
         return [{"what": f"llama-completion could not be built ({exc}); cold start not compared", "quipu": ""}]
     question = "Why is the sky blue?"
@@ -481,7 +481,7 @@ def bench_batch(model: str, threads: int, repeats: int, home: str, n_rows: int =
 
     rows: list[dict] = []
     try:
-        exe = llamacpp.program("llama-batched-bench") or llamacpp.build(("llama-batched-bench",)) / "llama-batched-bench"
+        exe = llamacpp.build(("llama-batched-bench",)) / "llama-batched-bench"
     except Exception as exc:  # no compiler or sdist: say so, measure the rest
         rows.append({"what": f"llama-batched-bench could not be built ({exc})", "quipu": ""})
         exe = None

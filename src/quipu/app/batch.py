@@ -153,7 +153,7 @@ def row_params(base: SamplingParams, fields: dict[str, Any], seed: int | None) -
         changes["seed"] = fields["seed"]
     elif seed is not None:
         changes["seed"] = seed
-    params = SamplingParams(**{**_fields_of(base), **changes}).resolved()
+    params = base.replace(**changes).resolved()
     limit = fields.get("max_tokens")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
         raise UsageError("max_tokens must be an integer more than 0")
@@ -164,11 +164,6 @@ def row_params(base: SamplingParams, fields: dict[str, Any], seed: int | None) -
         raise UsageError("stop must be a text or a list of texts")
     return params, limit, tuple(stop)
 
-
-def _fields_of(params: SamplingParams) -> dict[str, Any]:
-    import dataclasses
-
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
 
 
 def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int | None = None,

@@ -55,6 +55,15 @@ class SessionCommands:
         self.save()
         self.store.fork(self.name, name, src_locked=True)
 
+    def _name_to_open(self, name: str | None, resume_latest: bool) -> str:
+        """The session to open: the one named, the most recently used (--resume), or a new name."""
+        if name is None and resume_latest:
+            infos, _ = self.store.list()
+            if not infos:
+                raise UsageError("there is no session to resume yet; start one with `quipu chat`")
+            return infos[0].name
+        return name or generate_name(set(self.store.names()))
+
     def _check_load(self, name: str) -> None:
         if name == self.name:
             raise UsageError(f"session '{name}' is already open")
@@ -96,14 +105,7 @@ class ChatSession(SessionCommands):
     def open(cls, env: Environment, opts: TurnOptions, *, name: str | None = None, resume_latest: bool = False,
              on_progress: ProgressFn | None = None) -> "ChatSession":
         chat = cls(env, opts)
-        if name is None and resume_latest:
-            infos, _ = chat.store.list()
-            name = infos[0].name if infos else None
-            if name is None:
-                raise UsageError("there is no session to resume yet; start one with `quipu chat`")
-        if name is None:
-            name = generate_name(set(chat.store.names()))
-        chat._switch(name, on_progress)
+        chat._switch(chat._name_to_open(name, resume_latest), on_progress)
         return chat
 
     def _switch(self, name: str, on_progress: ProgressFn | None = None, opts: TurnOptions | None = None) -> None:

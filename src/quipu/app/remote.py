@@ -244,18 +244,11 @@ class RemoteChatSession(SessionCommands):
     @classmethod
     def open(cls, env: Environment, opts: TurnOptions, settings, *, name: str | None = None,
              resume_latest: bool = False) -> "RemoteChatSession":
-        from quipu.app.chat import generate_name
-
         refuse_unsupported(opts)
         if opts.model:
             settings.model = opts.model
         chat = cls(env, opts, settings)
-        if name is None and resume_latest:
-            infos, _ = chat.store.list()
-            if not infos:
-                raise UsageError("there is no session to resume yet; start one with `quipu chat`")
-            name = infos[0].name
-        chat._switch(name or generate_name(set(chat.store.names())), opts)
+        chat._switch(chat._name_to_open(name, resume_latest), opts)
         return chat
 
     def _switch(self, name: str, opts: TurnOptions) -> None:
