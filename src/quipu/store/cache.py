@@ -36,14 +36,6 @@ class CacheHit:
     path: Path
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class PromptCache:
     def __init__(self, root: Path, max_bytes: int = DEFAULT_MAX_BYTES):
         self.root = Path(root)
@@ -65,6 +57,7 @@ class PromptCache:
         MIN_TOKENS), by its metadata alone."""
         clean_temporaries(self.root)
         want = self._digest(key)
+        wanted = list(tokens)
         best: tuple[int, Path, list[int]] | None = None
         for path in self.entries():
             try:
@@ -75,7 +68,7 @@ class PromptCache:
             held = meta.get("tokens")
             if meta.get("key") != want or not isinstance(held, list):
                 continue
-            reuse = _common(held, tokens)
+            reuse = len(os.path.commonprefix([held, wanted]))  # (it takes any sequences, not only paths)
             if reuse >= MIN_TOKENS and (best is None or reuse > best[0]):
                 best = (reuse, path, held)
         return best
