@@ -146,3 +146,14 @@ def test_a_new_chat_starts_from_the_cache(quipu, tiny_model):
     solo, _ = run(quipu, tiny_model, "-s", SYSTEM, "--no-cache", "the sky")
     assert solo["text"] in r.stdout.decode()
     assert re.search(r"\b([2-9]\d\d|\d{4,}) reused", r.stdout.decode() + r.stderr.decode())
+
+
+def test_an_entry_whose_tokens_are_not_token_ids_is_dropped(quipu, tiny_model, home):
+    from quipu.store.statefile import encode_state
+
+    run(quipu, tiny_model, "-s", SYSTEM, "hello")
+    [entry] = entries(home)
+    blob = decode_state(entry.read_bytes())
+    entry.write_bytes(encode_state({**blob.meta, "tokens": [str(t) for t in blob.meta["tokens"]]}, blob.state))
+    out, err = run(quipu, tiny_model, "-s", SYSTEM, "--verbose", "the sky")
+    assert out["usage"]["cached_tokens"] == 0 and "not token ids" in err

@@ -66,7 +66,10 @@ class PromptCache:
                 self.drop(path, str(exc))
                 continue
             held = meta.get("tokens")
-            if meta.get("key") != want or not isinstance(held, list):
+            if meta.get("key") != want:
+                continue
+            if not (isinstance(held, list) and all(type(t) is int for t in held)):
+                self.drop(path, "its tokens are not token ids")
                 continue
             reuse = len(os.path.commonprefix([held, wanted]))  # (it takes any sequences, not only paths)
             if reuse >= MIN_TOKENS and (best is None or reuse > best[0]):
