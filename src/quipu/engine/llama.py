@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Sequence
 
 from quipu.engine.native import binding_version, lc
+from quipu.engine.sampler import SamplerChain
 
 from quipu.engine.base import (
     KV_TYPES,
@@ -212,11 +213,11 @@ class LlamaBackend:
         """Sequence `dst` becomes a copy of `src` (which must be all it holds: a shared beginning)."""
         lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
 
-    def row_sampler(self, settings: SamplerSettings) -> "SamplerChain":
+    def row_sampler(self, settings: SamplerSettings) -> SamplerChain:
         """A sampler chain of its own, for one sequence of a batch (free it when done)."""
         return SamplerChain(self.n_vocab, settings)
 
-    def sample_at(self, chain: "SamplerChain", draw_seed: int, index: int) -> int:
+    def sample_at(self, chain: SamplerChain, draw_seed: int, index: int) -> int:
         """Samples (and accepts) with `chain` from the logits at batch index `index`."""
         chain.reseed(draw_seed)
         return lc.llama_sampler_sample(chain.ptr, self._ctx, index)
@@ -481,53 +482,3 @@ class LlamaBackend:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class SamplerChain:
-    """llama.cpp's sampler chain for one stream of tokens: logit biases, the repeat penalty
-    (whose window is the tokens accepted), then greedy, or top-k, top-p, min-p, temperature and
-    a draw. The draw is a pure function of (seed, draw index): `reseed` puts a fresh one in
-    before each token, so a restored session, or a row of a batch, draws what a lone
-    uninterrupted run would."""
-
-    def __init__(self, n_vocab: int, settings: SamplerSettings):
-        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
-        add = lambda s: lc.llama_sampler_chain_add(chain, s)  # noqa: E731
-        if settings.logit_bias:
-            biases = (lc.llama_logit_bias * len(settings.logit_bias))(*settings.logit_bias)
-            add(lc.llama_sampler_init_logit_bias(n_vocab, len(settings.logit_bias), biases))
-        if settings.repeat_penalty != 1.0 and settings.repeat_last_n != 0:
-            add(lc.llama_sampler_init_penalties(n_vocab, settings.repeat_last_n, settings.repeat_penalty, 0.0, 0.0))
-        if settings.temperature <= 0:
-            add(lc.llama_sampler_init_greedy())
-            self.draws = False
-        else:
-            if settings.top_k > 0:
-                add(lc.llama_sampler_init_top_k(settings.top_k))
-            if settings.top_p < 1.0:
-                add(lc.llama_sampler_init_top_p(settings.top_p, 1))
-            if settings.min_p > 0.0:
-                add(lc.llama_sampler_init_min_p(settings.min_p, 1))
-            add(lc.llama_sampler_init_temp(settings.temperature))
-            add(lc.llama_sampler_init_dist(0))
-            self.draws = True
-        self.ptr = chain
-
-    def reseed(self, draw_seed: int) -> None:
-        if self.draws:
-            last = lc.llama_sampler_chain_n(self.ptr) - 1
-            lc.llama_sampler_free(lc.llama_sampler_chain_remove(self.ptr, last))
-            lc.llama_sampler_chain_add(self.ptr, lc.llama_sampler_init_dist(draw_seed & 0xFFFFFFFF))
-
-    def accept(self, tokens: Sequence[int]) -> None:
-        for tok in tokens:
-            lc.llama_sampler_accept(self.ptr, tok)
-
-    def reset(self, window: Sequence[int]) -> None:
-        lc.llama_sampler_reset(self.ptr)
-        self.accept(window)
-
-    def free(self) -> None:
-        if self.ptr is not None:
-            lc.llama_sampler_free(self.ptr)
-            self.ptr = None
