@@ -222,7 +222,7 @@ def test_chat_on_a_server(quipu, fake):
     assert r.returncode == 0, r.stderr.decode()
     out, err = r.stdout.decode(), r.stderr.decode()
     assert out.count("".join(WORDS)) == 4  # first, second (undone), first retried, third
-    assert "its size is the server's" in err and "cannot be used with a server" in err
+    assert "its size is the server's" in err and "cannot be used with this server" in err
     sent = [body["messages"] for body, _ in fake.requests]
     assert [m["content"] for m in sent[-1]] == ["Be brief.", "first question", "".join(WORDS), "third"]
     assert fake.requests[-1][0]["temperature"] == 0.3
@@ -256,7 +256,7 @@ def test_embeddings_on_a_server(quipu, fake):
 ])
 def test_what_a_server_cannot_do_is_refused(quipu, fake, args, what):
     r = quipu("run", "--url", fake.url, *args, "hi")
-    assert r.returncode == 1 and what in r.stderr.decode() and "cannot be used with a server" in r.stderr.decode()
+    assert r.returncode == 1 and what in r.stderr.decode() and "cannot be used with this server" in r.stderr.decode()
     assert fake.requests == []
 
 

@@ -88,9 +88,10 @@ class SessionCommands:
 class ChatSession(SessionCommands):
     """An open, locked, named conversation. Every finished turn is saved before it returns."""
 
-    def __init__(self, env: Environment, opts: TurnOptions):
+    def __init__(self, env: Environment, opts: TurnOptions, opener: Callable[..., NamedSession] | None = None):
         self.env = env
         self.opts = opts
+        self.opener = opener or NamedSession.open  # a local model's sessions, or a server's
         self.store = store_for(env)
         self.max_tokens = max_tokens(opts, env)
         self.stop = opts.stop
@@ -103,8 +104,8 @@ class ChatSession(SessionCommands):
 
     @classmethod
     def open(cls, env: Environment, opts: TurnOptions, *, name: str | None = None, resume_latest: bool = False,
-             on_progress: ProgressFn | None = None) -> "ChatSession":
-        chat = cls(env, opts)
+             on_progress: ProgressFn | None = None, opener: Callable[..., NamedSession] | None = None) -> "ChatSession":
+        chat = cls(env, opts, opener)
         chat._switch(chat._name_to_open(name, resume_latest), on_progress)
         return chat
 
@@ -114,7 +115,7 @@ class ChatSession(SessionCommands):
         try:
             stack.enter_context(self.store.lock(name))
             resumed = self.store.exists(name)
-            named = NamedSession.open(self.store, name, opts or self.opts, self.env, on_progress)
+            named = self.opener(self.store, name, opts or self.opts, self.env, on_progress)
             stack.callback(named.close)
         except BaseException:
             stack.close()
@@ -178,6 +179,8 @@ class ChatSession(SessionCommands):
         named.note_template()
         self.save()
         self.last_stats = named.session.stats
+        if gen.error is not None:
+            raise gen.error  # a server failed mid-reply: what came is kept and saved
         return TurnOutcome(gen, named.session.stats, gen.finish_reason == "context_full")
 
     def _refuse_if_it_never_fits(self, text: str, exc: ContextOverflow) -> None:
@@ -264,7 +267,8 @@ class ChatSession(SessionCommands):
         """Leaves this session as it is and starts a new one with the same system prompt."""
         system = self._named.conversation.system
         current = self._named
-        opts = TurnOptions(**{**self.opts.__dict__, "system": system or "", "model": str(current.model_path)})
+        model = str(current.model_path) if current.model_path is not None else self.opts.model
+        opts = TurnOptions(**{**self.opts.__dict__, "system": system or "", "model": model})
         name = generate_name(set(self.store.names()))
         self.save()  # as when loading another: the session left behind is on disk, even if new
         self._switch(name, on_progress, opts)

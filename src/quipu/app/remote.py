@@ -1,25 +1,26 @@
 """`quipu run --url` and `quipu chat --url`: a model on a server (see `engine/remote.py`).
 
-A named session on a server (`-S NAME --url`) keeps its transcript as the truth, and each
-turn sends the whole conversation (servers keep their own prompt caches). Such a transcript
-holds no token history or context state, so a session can move between a server and a local
-model: continued locally (with `--model`), it is read again from its messages. On llama.cpp's
-llama-server, `SlotKeeper` keeps a session's context in a slot file between turns.
+llama.cpp's llama-server is driven by tokens, as a local model is (`app/served.py`). Any other
+server (vLLM, Ollama, LM Studio, llama-cpp-python's) is spoken to through its OpenAI chat API:
+a named session on it (`-S NAME --url`) keeps its transcript as the truth, and each turn sends
+the whole conversation (servers keep their own prompt caches). Such a transcript holds no token
+history or context state, so a session can move between servers and a local model: continued
+elsewhere, it is read again from its messages.
 
-What the server cannot be asked through its chat API is refused before anything is sent,
-never faked: grammars and schemas, logit biases, `--raw`, `--show-prompt`.
+What such a server cannot be asked through its chat API is refused before anything is sent,
+never faked: grammars and schemas, logit biases, `--raw`, `--show-prompt`, `--continue`.
 """
 
 from __future__ import annotations
 
-import re
-import uuid
+from contextlib import closing
 from typing import Callable
 
 from quipu import __version__
 from quipu.app.chat import SessionCommands
 from quipu.app.environment import Environment, TurnOptions, max_tokens, system_prompt
 from quipu.app.named import store_for
+from quipu.app.served import open_served, run_served_turn
 from quipu.app.turns import ReplyStream, StopFn, TextFn, TurnResult
 from quipu.engine.base import ContextSettings
 from quipu.store.store import validate_name
@@ -42,7 +43,7 @@ def refuse_unsupported(opts: TurnOptions, *, show: bool = False) -> None:
     ]
     for given, what in refused:
         if given:
-            raise CapabilityError(f"{what} cannot be used with a server yet")
+            raise CapabilityError(f"{what} cannot be used with this server (only llama.cpp's llama-server takes it)")
 
 
 def request_params(opts: TurnOptions, env: Environment) -> dict:
@@ -58,11 +59,16 @@ def run_remote_turn(prompt: str | None, opts: TurnOptions, env: Environment, set
                     on_text: TextFn | None = None, on_reasoning: TextFn | None = None,
                     should_stop: StopFn | None = None,
                     on_result: Callable[[TurnResult], None] | None = None) -> TurnResult:
+    if opts.model:
+        settings.model = opts.model
+    served = open_served(settings)
+    if served is not None:
+        with closing(served):
+            return run_served_turn(served, prompt, opts, env, settings.url, on_text=on_text,
+                                   on_reasoning=on_reasoning, should_stop=should_stop, on_result=on_result)
     refuse_unsupported(opts)
     if not prompt:
         raise BadInput("no prompt: give one as an argument or on standard input")
-    if opts.model:
-        settings.model = opts.model
     if opts.session is not None:
         return _session_turn(validate_name(opts.session), prompt, opts, env, settings, on_text=on_text,
                              on_reasoning=on_reasoning, should_stop=should_stop, on_result=on_result)
@@ -80,83 +86,22 @@ def run_remote_turn(prompt: str | None, opts: TurnOptions, env: Environment, set
 
 
 def _ask(messages: list[dict], opts: TurnOptions, env: Environment, settings, on_text, on_reasoning,
-         should_stop, keeper: "SlotKeeper | None" = None) -> tuple[TurnResult, Exception | None]:
-    """The reply to `messages`; a failure mid-reply comes back beside what came before it. With
-    a keeper, the session's slot on llama-server is restored before and saved after."""
+         should_stop) -> tuple[TurnResult, Exception | None]:
+    """The reply to `messages`; a failure mid-reply comes back beside what came before it."""
     from quipu.engine.remote import RemoteError, RemoteModel
 
     params = request_params(opts, env)
     stream = ReplyStream(on_text, should_stop, on_reasoning)
     with RemoteModel(settings) as remote:
-        extra = keeper.before(remote) if keeper is not None else {}
         try:
-            reply = remote.chat(messages, params={**params, **extra}, max_tokens=max_tokens(opts, env),
+            reply = remote.chat(messages, params=params, max_tokens=max_tokens(opts, env),
                                 stop=tuple(opts.stop), on_text=lambda text: stream.on_token(0, text))
         except RemoteError as exc:
             if exc.partial is None or not exc.partial.text:
                 raise
             return remote_result(stream, exc.partial, params, "interrupted"), exc
         result = remote_result(stream, reply, params, reply.finish_reason)
-        if keeper is not None:
-            result.notices += keeper.after(remote, reply)
     return result, None
-
-
-class SlotKeeper:
-    """A named session's context on llama.cpp's llama-server, kept in a slot file between turns
-    (the server must be started with --slot-save-path). Before a turn the file is restored into
-    the session's slot, after it the slot is saved; the conversation is sent whole all the same,
-    so the server reuses what the restore put back and reads only the rest. That the restore was
-    used is checked on the reply's cached-token count: when it was not, the turn was read again
-    (correct, only slower), and a warning says so. Other servers: nothing is done."""
-
-    def __init__(self, name: str, filename: str | None):
-        self.name = name
-        self.filename = filename
-        self.restored = 0
-        self.slot = -1
-        self.why_not = ""
-
-    def before(self, remote) -> dict:
-        from quipu.engine.remote import RemoteError
-
-        slots = remote.slots()
-        if not slots:
-            return {}
-        self.why_not = ""
-        if self.filename is None:  # a new session (or a server that kept no file): nothing to restore
-            self.filename = f"quipu-{uuid.uuid4().hex}.bin"
-            self.restored = 0
-        else:
-            try:
-                self.restored = remote.slot_file(self.slot_of(slots), "restore", self.filename)
-            except RemoteError as exc:
-                self.restored, self.why_not = 0, str(exc)
-        self.slot = self.slot_of(slots)
-        return {"id_slot": self.slot, "cache_prompt": True}
-
-    def slot_of(self, slots: int) -> int:
-        import zlib
-
-        return zlib.crc32(self.filename.encode()) % slots
-
-    def after(self, remote, reply) -> list[str]:
-        from quipu.engine.remote import RemoteError
-
-        if self.slot < 0:
-            return []
-        notices = []
-        if self.why_not:
-            notices.append(f"session '{self.name}': its context could not be restored on llama-server "
-                           f"({self.why_not}); the conversation was read again")
-        elif self.restored and reply.cached_tokens < self.restored * 0.9:
-            notices.append(f"session '{self.name}': llama-server did not use its restored context ({reply.cached_tokens}"
-                           f" of {self.restored} tokens reused); the conversation was read again")
-        try:
-            remote.slot_file(self.slot, "save", self.filename)
-        except RemoteError:
-            self.filename = None  # the server keeps no slot files (no --slot-save-path): nothing to restore
-        return notices
 
 
 def _session_turn(name: str, prompt: str, opts: TurnOptions, env: Environment, settings, *, on_text, on_reasoning,
@@ -172,12 +117,11 @@ def _session_turn(name: str, prompt: str, opts: TurnOptions, env: Environment, s
             if system:
                 messages.insert(0, {"role": "system", "content": system})
         messages.append({"role": "user", "content": prompt})
-        keeper = SlotKeeper(name, slot_file_of(record))
-        result, failure = _ask(messages, opts, env, settings, on_text, on_reasoning, should_stop, keeper)
+        result, failure = _ask(messages, opts, env, settings, on_text, on_reasoning, should_stop)
         # The turn is kept even when cut short, as a local one stopped by Ctrl-C is.
         messages.append({"role": "assistant", "content": result.text})
         save_transcript(store, name, messages, result.model, settings.url, request_params(opts, env),
-                        record.created if record else None, keeper.filename)
+                        record.created if record else None)
     result.session = name
     if on_result is not None:
         on_result(result)
@@ -196,6 +140,19 @@ def remote_result(stream: ReplyStream, reply, params: dict, finish: str) -> Turn
                       "".join(stream.reasoning).strip())
 
 
+def show_remote_prompt(prompt: str | None, opts: TurnOptions, env: Environment, settings):
+    """`--show-prompt` on a server: llama-server's tokens; any other server renders its own prompt."""
+    from quipu.app.served import show_served_prompt
+
+    if opts.model:
+        settings.model = opts.model
+    served = open_served(settings)
+    if served is None:
+        refuse_unsupported(opts, show=True)
+    with closing(served):
+        return show_served_prompt(served, prompt, opts, env, settings.url)
+
+
 def list_remote_models(env: Environment, settings) -> list[dict]:
     from quipu.engine.remote import RemoteModel
 
@@ -204,17 +161,11 @@ def list_remote_models(env: Environment, settings) -> list[dict]:
 
 
 
-def slot_file_of(record) -> str | None:
-    """The llama-server slot file a session's transcript names, if it is one quipu made."""
-    name = record.model.get("slot_file") if record is not None else None
-    return name if isinstance(name, str) and re.fullmatch(r"quipu-[0-9a-f]{32}\.bin", name) else None
-
-
 def save_transcript(store, name: str, messages: list[dict], model: str, url: str, params: dict,
-                    created: str | None, slot_file: str | None = None) -> None:
-    """A session's transcript as a server turn leaves it: the messages, and no tokens or state
-    (the server's context is not ours to keep; llama-server may keep it in `slot_file`)."""
-    where = {"name": model, "url": url, **({"slot_file": slot_file} if slot_file else {})}
+                    created: str | None) -> None:
+    """A session's transcript as a chat API turn leaves it: the messages, and no tokens or state
+    (the server's context is not ours to keep)."""
+    where = {"name": model, "url": url}
     store.save(name, Transcript(
         model=where, params=params, context=ContextSettings().state_key(),
         messages=messages, tokens=[], n_decoded=0, draws=0, created=created or now_iso(), updated=now_iso(),
@@ -234,7 +185,6 @@ class RemoteChatSession(SessionCommands):
         self.name = ""
         self.messages: list = []
         self.created: str | None = None
-        self.keeper = SlotKeeper("", None)
         self.resumed = False
         self.last_stats = None
         self.model_name = settings.model or "?"
@@ -243,10 +193,19 @@ class RemoteChatSession(SessionCommands):
 
     @classmethod
     def open(cls, env: Environment, opts: TurnOptions, settings, *, name: str | None = None,
-             resume_latest: bool = False) -> "RemoteChatSession":
-        refuse_unsupported(opts)
+             resume_latest: bool = False):
+        """The chat on a server: on llama-server the local chat itself (`ChatSession`), driven by
+        tokens; on any other, this one."""
+        from quipu.app.chat import ChatSession
+        from quipu.app.served import ServedNamedSession
+
         if opts.model:
             settings.model = opts.model
+        served = open_served(settings)
+        if served is not None:
+            return ChatSession.open(env, opts, name=name, resume_latest=resume_latest,
+                                    opener=ServedNamedSession.opener(served, settings.url))
+        refuse_unsupported(opts)
         chat = cls(env, opts, settings)
         chat._switch(chat._name_to_open(name, resume_latest), opts)
         return chat
@@ -268,7 +227,6 @@ class RemoteChatSession(SessionCommands):
         self._stack, self.name, self.resumed = stack, name, record is not None
         self.messages = [Message(m["role"], m["content"]) for m in record.messages] if record else []
         self.created = record.created if record else None
-        self.keeper = SlotKeeper(name, slot_file_of(record))
         system = opts.system if opts.system is not None else (None if record else system_prompt(opts, self.env))
         if system is not None:
             self.set_system(system or None, save=False)
@@ -298,7 +256,7 @@ class RemoteChatSession(SessionCommands):
         return self._reply(on_text, should_stop, on_reasoning)
 
     def continue_reply(self, *args, **kwargs):
-        raise CapabilityError("/continue cannot be used with a server yet")
+        raise CapabilityError("/continue cannot be used with this server (only llama.cpp's llama-server takes it)")
 
     def _reply(self, on_text, should_stop, on_reasoning):
         from quipu.app.chat import TurnOutcome
@@ -307,8 +265,7 @@ class RemoteChatSession(SessionCommands):
 
         wire = [{"role": m.role, "content": m.content} for m in self.messages]
         try:
-            result, failure = _ask(wire, self.opts, self.env, self.settings, on_text, on_reasoning, should_stop,
-                                   self.keeper)
+            result, failure = _ask(wire, self.opts, self.env, self.settings, on_text, on_reasoning, should_stop)
         except BaseException:
             self.messages.pop()  # nothing came: the message is not part of the conversation
             raise
@@ -376,17 +333,16 @@ class RemoteChatSession(SessionCommands):
         return parsed
 
     def constrain(self, schema=None, grammar=None) -> bool:
-        raise CapabilityError("/schema and /grammar cannot be used with a server yet")
+        raise CapabilityError("/schema and /grammar cannot be used with this server (only llama.cpp's llama-server takes them)")
 
     def set_thinking(self, on: bool) -> bool:
-        raise CapabilityError("/think cannot be used with a server yet")
+        raise CapabilityError("/think cannot be used with this server (only llama.cpp's llama-server takes it)")
 
     # ---- saving and switching ----------------------------------------------------------------
 
     def save(self) -> None:
         save_transcript(self.store, self.name, [{"role": m.role, "content": m.content} for m in self.messages],
-                        self.model_name, self.settings.url, request_params(self.opts, self.env), self.created,
-                        self.keeper.filename)
+                        self.model_name, self.settings.url, request_params(self.opts, self.env), self.created)
         self.created = self.created or now_iso()
 
     def load(self, name: str, on_progress=None) -> None:

@@ -26,6 +26,8 @@ from quipu.store.store import validate_name
 
 TextFn = Callable[[str], None]
 StopFn = Callable[[], bool]
+# opener(store, name, opts, env, on_progress) -> a named session, open (NamedSession.open's shape)
+Opener = Callable[..., NamedSession]
 
 
 @dataclass
@@ -38,6 +40,7 @@ class TurnResult:
     stats: Stats = field(default_factory=Stats)
     notices: list[str] = field(default_factory=list)
     reasoning: str = ""
+    failure: Exception | None = None  # a server failing mid-reply: raised once the result is out
 
     def to_json(self) -> dict:
         return {
@@ -88,7 +91,7 @@ class ReplyStream:
                notices: list[str] | None = None) -> TurnResult:
         self.finish()
         return TurnResult("".join(self.answer), gen.finish_reason, model, session.params.seed, name, session.stats,
-                          notices or [], "".join(self.reasoning).strip())
+                          notices or [], "".join(self.reasoning).strip(), gen.error)
 
 
 @dataclass
@@ -126,6 +129,8 @@ def run_turn(
                                   should_stop=should_stop)
         if on_result is not None:
             on_result(result)  # a session's turn is saved before its answer ends
+        if result.failure is not None:
+            raise result.failure
         return result
     if not prompt:
         raise BadInput("no prompt: give one as an argument or on standard input")
@@ -208,6 +213,8 @@ def first_prompt_from_cache(named: NamedSession, text: str, opts: TurnOptions, e
     """A new conversation's first prompt begins, perhaps, as earlier runs' did (a long system
     prompt): the cached beginning is restored, and the turn reads only the rest."""
     conv = named.conversation
+    if named.model_path is None:  # a session on a server: the prompt cache holds local models' states
+        return
     if named.session.n_decoded or any(m.role != "system" for m in conv.messages):
         return
     conv.messages.append(Message("user", text))
@@ -243,14 +250,16 @@ def progress_callback(on_progress: ProgressFn | None, should_stop: StopFn | None
 
 def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, progress: ProgressFn, *,
                      on_text: TextFn | None = None, on_reasoning: TextFn | None = None,
-                     should_stop: StopFn | None = None) -> TurnResult:
-    """`quipu run --session NAME` (see run_turn): continue or create the session, run one turn, save it."""
+                     should_stop: StopFn | None = None, opener: Opener | None = None) -> TurnResult:
+    """`quipu run --session NAME` (see run_turn): continue or create the session, run one turn, save
+    it. `opener` opens the named session (a local model's by default)."""
     name = check_session_turn(prompt, opts)
+    opener = opener or NamedSession.open
     limit = max_tokens(opts, env)
     store = store_for(env)
     store.clean_temporaries()
     with store.lock(name):
-        named = NamedSession.open(store, name, opts, env, progress)
+        named = opener(store, name, opts, env, progress)
         try:
             conv = named.conversation
             stream = ReplyStream(on_text, should_stop, on_reasoning, lambda: conv.reply_starts_thinking)
@@ -289,14 +298,14 @@ def check_session_turn(prompt: str | None, opts: TurnOptions) -> str:
     return validate_name(opts.session)
 
 
-def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> PromptView:
+def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment, opener: Opener | None = None) -> PromptView:
     """The context `run_turn` would feed for this prompt (a session's included), without
     generating or saving anything."""
     if opts.session is not None or opts.continue_reply:
         name = check_session_turn(prompt, opts)
         store = store_for(env)
         with store.lock(name):
-            named = NamedSession.open(store, name, opts, env)
+            named = (opener or NamedSession.open)(store, name, opts, env)
             try:
                 conv = named.conversation
                 if opts.continue_reply:
@@ -330,4 +339,6 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
 
 def spell(backend: Backend, tokens: list[int]) -> str:
     """Tokens as text, control tokens written out: what the model sees."""
+    if hasattr(backend, "detokenize"):  # a server's vocabulary: one request for them all
+        return backend.detokenize(tokens)
     return b"".join(backend.token_text(t) for t in tokens).decode("utf-8", "replace")

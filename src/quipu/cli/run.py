@@ -93,12 +93,8 @@ def run(env, *, prompt, model, system, raw, max_tokens, temperature, top_k, top_
             raise UsageError("--batch runs on a local model; it cannot be used with a server (--url, QUIPU_URL)")
         return run_batch_file(batch, opts, env, term, parallel)
     remote = env.remote(url)
-    if remote is not None:
-        from quipu.app.remote import refuse_unsupported, run_remote_turn
-
-        refuse_unsupported(opts, show=show)
     if show:
-        return show_prompt(text, opts, env, term, as_json)
+        return show_prompt(text, opts, env, term, as_json, remote)
     progress = PrefillProgress(term)
     wrote = []
     thought = []
@@ -132,6 +128,8 @@ def run(env, *, prompt, model, system, raw, max_tokens, temperature, top_k, top_
     try:
         with StopOnCtrlC() as stopper:
             if remote is not None:
+                from quipu.app.remote import run_remote_turn
+
                 result = run_remote_turn(text, opts, env, remote, on_text=on_text, on_reasoning=on_reasoning,
                                          should_stop=stopper, on_result=finish)
             else:
@@ -149,17 +147,26 @@ def run(env, *, prompt, model, system, raw, max_tokens, temperature, top_k, top_
     return ExitCode.INTERRUPTED if interrupted else ExitCode.OK
 
 
-def show_prompt(text, opts, env, term: Terminal, as_json: bool) -> int:
+def show_prompt(text, opts, env, term: Terminal, as_json: bool, remote=None) -> int:
     """`--show-prompt`: the context as text (or JSON with its tokens), nothing generated."""
-    from quipu.app.turns import show_prompt as view_prompt
+    if remote is not None:
+        from quipu.app.remote import show_remote_prompt
 
-    view = view_prompt(text, opts, env)
+        view = show_remote_prompt(text, opts, env, remote)
+    else:
+        from quipu.app.turns import show_prompt as view_prompt
+
+        view = view_prompt(text, opts, env)
     if as_json:
         term.stdout.write(json.dumps(view.to_json(), ensure_ascii=False) + "\n")
     else:
         term.stdout.write(view.text if view.text.endswith("\n") else view.text + "\n")
-        where = f"already in session '{view.session}'" if view.session is not None else "in the prompt cache"
-        term.stderr.write(f"{len(view.tokens)} tokens, {view.reused} of them {where}\n")
+        if view.session is not None:
+            term.stderr.write(f"{len(view.tokens)} tokens, {view.reused} of them already in session '{view.session}'\n")
+        elif remote is not None:
+            term.stderr.write(f"{len(view.tokens)} tokens\n")
+        else:
+            term.stderr.write(f"{len(view.tokens)} tokens, {view.reused} of them in the prompt cache\n")
     term.stdout.flush()
     return ExitCode.OK
 

@@ -119,3 +119,28 @@ class Backend(Protocol):
 
 def refuse_embeddings(name: str) -> CapabilityError:
     return CapabilityError(f"the {name} backend cannot compute embeddings with this model")
+
+
+class ServedBackend(Protocol):
+    """A model on a server that is driven by tokens (llama.cpp's llama-server): the context is
+    the token array each request sends, and the server keeps what it can of it in a slot."""
+
+    name: str
+    n_ctx: int
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """The tokens' text, control tokens written out."""
+
+    def spell(self, token: int) -> str: ...
+    def bos_token(self) -> int | None: ...
+    def chat_template(self) -> str | None: ...
+    def special_token_text(self, which: str) -> str: ...
+    def control_spellings(self, text: str) -> list[str]:
+        """The control tokens `text` spells, which a user's text must keep as text."""
+
+    def complete(self, prompt: Sequence[int], sampler: SamplerSettings, seed: int, max_tokens: int,
+                 stop: Sequence[str] = (), slot: int = -1, on_piece: "Callable[[int, str], bool | None] | None" = None):
+        """Streams what follows `prompt` (a `Completion`: the generated token ids, the text
+        shown, why it ended, the server's figures); `on_piece` may return False to stop it. A
+        failure mid-reply raises an error whose `partial` is the completion so far."""

@@ -74,12 +74,17 @@ class RemoteModel:
         if not self.base.startswith(("http://", "https://")):
             raise RemoteError(f"the server address must start with http:// or https://, not '{settings.url}'")
         self._httpx = httpx
-        self._client = httpx.Client(timeout=httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout),
-                                    follow_redirects=True)
+        self._client = self._connect()
         self._model = settings.model
-        self._slots: int | None = None
+        self._props: dict | None = None
+
+    def _connect(self):
+        httpx, settings = self._httpx, self.settings
+        return httpx.Client(timeout=httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout),
+                            follow_redirects=True)
 
     def close(self) -> None:
+        """Lets the connections go; a later request opens new ones."""
         self._client.close()
 
     def __enter__(self) -> "RemoteModel":
@@ -101,6 +106,8 @@ class RemoteModel:
         """The response (opened for streaming when asked), after the retries a failure may earn."""
         httpx = self._httpx
         pause = self.settings.backoff
+        if self._client.is_closed:
+            self._client = self._connect()
         for attempt in range(self.settings.retries + 1):
             last = attempt == self.settings.retries
             try:
@@ -178,18 +185,22 @@ class RemoteModel:
 
     # ---- llama.cpp's llama-server: slots whose context can be saved to a file and restored ----
 
-    def slots(self) -> int:
-        """How many slots the server has when it is llama.cpp's llama-server (from `/props`);
-        0 for any other server."""
-        if self._slots is None:
+    def props(self) -> dict | None:
+        """llama.cpp's llama-server's `/props` (its slots, context, chat template, special tokens);
+        None for any other server."""
+        if self._props is None:
             try:
                 props = self._json("GET", "/props")
             except RemoteError:
                 props = None
-            ok = isinstance(props, dict) and "default_generation_settings" in props
-            total = props.get("total_slots") if ok else 0
-            self._slots = total if isinstance(total, int) and total > 0 else 0
-        return self._slots
+            ok = isinstance(props, dict) and isinstance(props.get("default_generation_settings"), dict)
+            self._props = props if ok else {}
+        return self._props or None
+
+    def slots(self) -> int:
+        """How many slots the server has when it is llama.cpp's llama-server; 0 for any other."""
+        total = (self.props() or {}).get("total_slots")
+        return total if isinstance(total, int) and total > 0 else 0
 
     def slot_file(self, slot: int, action: str, filename: str) -> int:
         """Saves a slot's context to `filename` (in the server's --slot-save-path) or restores it;
@@ -252,6 +263,16 @@ class RemoteModel:
         return reply
 
     def _events(self, response, reply: RemoteReply, pieces: list[str]) -> Iterator[dict]:
+        def partial() -> RemoteReply:
+            reply.text = "".join(pieces)
+            return reply
+
+        yield from self.events(response, partial, lambda event: False)
+        reply.finish_reason = reply.finish_reason or "stop"
+
+    def events(self, response, partial: Callable[[], Any], last: Callable[[dict], bool]) -> Iterator[dict]:
+        """The JSON objects of a stream of server-sent events, to `[DONE]` or an event `last` says
+        is the last. Every fault is a RemoteError carrying `partial()`, what came before it."""
         httpx = self._httpx
         finished = False
         try:
@@ -265,27 +286,24 @@ class RemoteModel:
                 try:
                     event = json.loads(data)
                 except ValueError:
-                    reply.text = "".join(pieces)
                     raise RemoteError(f"{self._where()} sent an event that is not JSON: {data[:80]!r}",
-                                      partial=reply) from None
+                                      partial=partial()) from None
                 if not isinstance(event, dict):
-                    reply.text = "".join(pieces)
-                    raise RemoteError(f"{self._where()} sent an event that is not an object", partial=reply)
+                    raise RemoteError(f"{self._where()} sent an event that is not an object", partial=partial())
                 if "error" in event:
-                    reply.text = "".join(pieces)
-                    raise RemoteError(f"{self._where()} failed mid-reply: {_server_message(event)}", partial=reply)
+                    raise RemoteError(f"{self._where()} failed mid-reply: {_server_message(event)}",
+                                      partial=partial())
                 yield event
+                if last(event):
+                    finished = True
+                    break
         except httpx.TimeoutException:
-            reply.text = "".join(pieces)
             raise RemoteError(f"{self._where()} sent nothing for {self._timeout_said()} mid-reply",
-                              partial=reply) from None
+                              partial=partial()) from None
         except httpx.HTTPError as exc:
-            reply.text = "".join(pieces)
-            raise RemoteError(f"{self._where()} cut the reply short: {_reason(exc)}", partial=reply) from None
-        if not finished and not reply.finish_reason:
-            reply.text = "".join(pieces)
-            raise RemoteError(f"{self._where()} closed the stream before the reply was over", partial=reply)
-        reply.finish_reason = reply.finish_reason or "stop"
+            raise RemoteError(f"{self._where()} cut the reply short: {_reason(exc)}", partial=partial()) from None
+        if not finished and not getattr(partial(), "finish_reason", ""):
+            raise RemoteError(f"{self._where()} closed the stream before the reply was over", partial=partial())
 
     def _take(self, event: dict, reply: RemoteReply, pieces: list[str], started: float, on_text) -> None:
         if isinstance(event.get("model"), str) and event["model"]:

@@ -71,10 +71,14 @@ class Conversation:
     def render(self, messages: Sequence[Message], add_generation_prompt: bool, tail: str = "") -> Rendered:
         """The template's text for `messages` (and `tail`, a reply in progress), in parts that
         keep a user's spelling of a control token as text."""
-        protector = Protector(self.session.backend.control_texts())
+        protector = Protector(self.control_texts([m.content for m in messages] + [tail]))
         shown = [{"role": m.role, "content": protector.hide(m.content)} for m in messages]
         text = self.template.render(shown, add_generation_prompt, **self.variables)
         return protector.reveal(text + protector.hide(tail))
+
+    def control_texts(self, texts: Sequence[str]) -> list[str]:
+        """The control tokens' spellings that `texts` must keep as text (every one the model has)."""
+        return self.session.backend.control_texts()
 
     def render_tokens(self, messages: Sequence[Message], add_generation_prompt: bool) -> list[int]:
         """The context tokens for `messages` on an empty context, as the reference tokenizes them."""

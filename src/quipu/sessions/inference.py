@@ -105,6 +105,9 @@ class Generation:
     text: str
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = "length"
+    # What cut it short, when something failed mid-reply (a server): the reply is kept as an
+    # interrupted one, and the error raised once it is saved.
+    error: Exception | None = None
 
 
 class ReplyText:

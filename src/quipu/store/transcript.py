@@ -42,6 +42,9 @@ class Transcript:
     build: str = ""
     chat_template: str | None = None  # a template given by the user, in place of the model's
     template_variables: dict[str, Any] = field(default_factory=dict)
+    # A context kept on llama-server: the model it was made on (`identity`), the text the tokens
+    # spell, and the places a turn may go on from (`marks`, [tokens, characters] pairs).
+    served: dict[str, Any] | None = None
 
     @property
     def turns(self) -> int:
@@ -67,6 +70,7 @@ class Transcript:
             draws=record["draws"], created=str(record.get("created", "")), updated=str(record.get("updated", "")),
             quipu=str(record.get("quipu", "")), build=str(record.get("build", "")),
             chat_template=record.get("chat_template"), template_variables=record.get("template_variables") or {},
+            served=record.get("served"),
         )
 
 
@@ -117,10 +121,26 @@ def check(record: Any) -> str | None:
         return "the transcript's chat template is not text"
     if not isinstance(record.get("template_variables", {}), dict):
         return "the transcript's template variables are not an object"
+    problem = _check_served(record.get("served"), tokens)
+    if problem:
+        return problem
     context = record.get("context")
     if not isinstance(record.get("params"), dict) or not isinstance(context, dict):
         return "the transcript has no settings"
     if not (_is_count(context.get("n_ctx")) and _is_count(context.get("n_batch"))
             and isinstance(context.get("kv_type"), str)):
         return "the transcript's context settings are incomplete"
+    return None
+
+
+def _check_served(served: Any, tokens: list) -> str | None:
+    if served is None:
+        return None
+    marks = served.get("marks") if isinstance(served, dict) else None
+    if not (isinstance(served, dict) and isinstance(served.get("identity"), str) and isinstance(served.get("text"), str)
+            and isinstance(marks, list) and all(isinstance(m, list) and len(m) == 2 and all(_is_count(x) for x in m)
+                                                 for m in marks)):
+        return "the transcript's server context is damaged"
+    if any(k > len(tokens) or n > len(served["text"]) for k, n in marks):
+        return "the transcript's server context marks are past its tokens"
     return None

@@ -1,0 +1,205 @@
+"""llama.cpp's llama-server driven by tokens: `/completion` with token arrays, so that a
+session's context is exactly the tokens it was given and the model generated.
+
+`ServedModel` is the engine's side of a session kept on a llama-server slot: it tokenizes
+(`/tokenize`) and spells tokens (`/detokenize`) with the server's own vocabulary, gives the
+server's chat template and special tokens, and streams a completion of a token array from a
+seed, returning the generated token ids. The server shows no text for a token that ends
+inside a character, nor its id; such ids are recovered by tokenizing the character the next
+event completes, and checked against the bytes they must spell (`Completion.exact` says when
+that failed, so the reply's text is read again on the next turn instead of trusted).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from quipu.engine.base import SamplerSettings
+from quipu.engine.remote import RemoteError, RemoteModel
+
+# on_piece(token, text) -> False to stop. `text` is what the server let out with this token.
+PieceFn = Callable[[int, str], "bool | None"]
+
+# The server's samplers, in the order quipu's own chain applies them (logit biases and a grammar
+# apply as llama.cpp's common sampler applies them).
+SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]
+FINISH = {"eos": "stop", "word": "stop_sequence", "limit": "length"}
+
+
+@dataclass
+class Completion:
+    """What one request generated: token ids in order (an end-of-generation token included),
+    the text shown, why it ended, and the server's figures."""
+
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    exact: bool = True  # False: some ids could not be recovered (see the module's notes)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    first_token_s: float = 0.0
+
+
+class ServedModel:
+    """A model on llama.cpp's llama-server, as the session layer drives it by tokens."""
+
+    def __init__(self, remote: RemoteModel, props: dict):
+        self.remote = remote
+        self.props = props
+        settings = props.get("default_generation_settings") or {}
+        self.n_ctx = int(settings.get("n_ctx") or 0)  # a slot's share of the server's context
+        path = str(props.get("model_path") or "")
+        name = str(props.get("model_alias") or path or "llama-server").rsplit("/", 1)[-1]
+        self.name = name[:-5] if name.endswith(".gguf") else name
+        self.build = str(props.get("build_info") or "")
+        self._bos: list[int] | None = None
+        self._spelled: dict[int, str] = {}
+        self._model_meta: dict | None = None
+
+    def _meta(self) -> dict:
+        if self._model_meta is None:
+            self._model_meta = {}
+            for m in self.remote.models():
+                if isinstance(m.get("meta"), dict):
+                    self._model_meta = m["meta"]
+                    break
+        return self._model_meta
+
+    @property
+    def identity(self) -> str:
+        """What a session's token ids are only valid under: the model the server runs."""
+        meta = self._meta()
+        fields = (self.props.get("model_path"), meta.get("n_vocab"), meta.get("n_params"), meta.get("size"))
+        return "|".join(str(f) for f in fields)
+
+    @property
+    def n_vocab(self) -> int:
+        n = self._meta().get("n_vocab")
+        if not isinstance(n, int) or n <= 0:
+            raise RemoteError(f"{self.remote._where()} does not say the size of its model's vocabulary")
+        return n
+
+    def close(self) -> None:
+        self.remote.close()
+
+    # ---- the vocabulary, the server's --------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        return [t for t, _ in self._pieces(text, add_special, parse_special)]
+
+    def _pieces(self, text: str, add_special: bool, parse_special: bool) -> list[tuple[int, bytes]]:
+        data = self.remote._json("POST", "/tokenize", {"content": text, "add_special": add_special,
+                                                      "parse_special": parse_special, "with_pieces": True})
+        items = data.get("tokens") if isinstance(data, dict) else None
+        if not isinstance(items, list):
+            raise RemoteError(f"{self.remote._where()} answered /tokenize with something unexpected")
+        out = []
+        for item in items:
+            piece = item.get("piece") if isinstance(item, dict) else None
+            if not isinstance(item.get("id") if isinstance(item, dict) else None, int):
+                raise RemoteError(f"{self.remote._where()} answered /tokenize with something unexpected")
+            out.append((item["id"], piece.encode("utf-8") if isinstance(piece, str) else bytes(piece or [])))
+        return out
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """The tokens' text, control tokens written out."""
+        if not tokens:
+            return ""
+        data = self.remote._json("POST", "/detokenize", {"tokens": list(tokens)})
+        text = data.get("content") if isinstance(data, dict) else None
+        if not isinstance(text, str):
+            raise RemoteError(f"{self.remote._where()} answered /detokenize with something unexpected")
+        return text
+
+    def spell(self, token: int) -> str:
+        if token not in self._spelled:
+            self._spelled[token] = self.detokenize([token])
+        return self._spelled[token]
+
+    def bos_token(self) -> int | None:
+        if self._bos is None:
+            self._bos = self.tokenize("", add_special=True, parse_special=False)
+        return self._bos[0] if self._bos else None
+
+    def chat_template(self) -> str | None:
+        return self.props.get("chat_template") or None
+
+    def special_token_text(self, which: str) -> str:
+        return str(self.props.get(f"{which}_token") or "")
+
+    def control_spellings(self, text: str) -> list[str]:
+        """The control tokens `text` spells (`<|im_end|>`, ...), which a user's text must keep as
+        text: found by tokenizing it with and without special tokens parsed."""
+        parsed = self._pieces(text, False, True)
+        plain = {t for t, _ in self._pieces(text, False, False)}
+        found = {piece.decode("utf-8", "replace") for t, piece in parsed if t not in plain and len(piece) > 1}
+        return sorted((s for s in found if s in text), key=len, reverse=True)
+
+    # ---- generation --------------------------------------------------------------------------
+
+    def complete(self, prompt: Sequence[int], sampler: SamplerSettings, seed: int, max_tokens: int,
+                 stop: Sequence[str] = (), slot: int = -1, on_piece: PieceFn | None = None) -> Completion:
+        """Streams what follows `prompt` (reusing what the slot holds of it); `on_piece` may stop it."""
+        body = {"prompt": list(prompt), "stream": True, "n_predict": max_tokens, "cache_prompt": True,
+                "return_tokens": True, "seed": seed, "samplers": SAMPLERS,
+                "temperature": sampler.temperature, "top_k": sampler.top_k, "top_p": sampler.top_p,
+                "min_p": sampler.min_p, "repeat_penalty": sampler.repeat_penalty,
+                "repeat_last_n": sampler.repeat_last_n, "stop": list(stop)}
+        if sampler.grammar:
+            body["grammar"] = sampler.grammar
+        if sampler.logit_bias:  # JSON has no -inf: the server's way to ban a token is `false`
+            body["logit_bias"] = [[t, False if b == float("-inf") else b] for t, b in sampler.logit_bias]
+        if slot >= 0:
+            body["id_slot"] = slot
+        done = Completion()
+        started = time.perf_counter()
+        response = self.remote._send("POST", "/completion", body, stream=True)
+        try:
+            events = self.remote.events(response, lambda: done, lambda event: event.get("stop") is True)
+            for event in events:
+                if self._take(event, done, started, on_piece) is False:
+                    done.finish_reason = "interrupted"
+                    break
+        finally:
+            response.close()
+        return done
+
+    def _take(self, event: dict, done: Completion, started: float, on_piece: PieceFn | None) -> bool | None:
+        if event.get("stop") is True:
+            done.finish_reason = FINISH.get(str(event.get("stop_type")), "stop")
+            timings = event.get("timings") if isinstance(event.get("timings"), dict) else {}
+            done.prompt_tokens = int(event.get("tokens_evaluated") or 0)
+            done.cached_tokens = int(timings.get("cache_n") or 0)
+            done.prefill_s = float(timings.get("prompt_ms") or 0) / 1000
+            done.decode_s = float(timings.get("predicted_ms") or 0) / 1000
+            return None
+        tokens = event.get("tokens")
+        if not isinstance(tokens, list) or len(tokens) != 1 or not isinstance(tokens[0], int):
+            return None  # a progress event
+        text = event.get("content") if isinstance(event.get("content"), str) else ""
+        token = tokens[0]
+        count = event.get("tokens_predicted")
+        if not done.tokens:
+            done.first_token_s = time.perf_counter() - started
+        missing = count - len(done.tokens) - 1 if isinstance(count, int) else 0
+        if missing > 0:  # tokens inside a character: the server showed neither them nor their ids
+            done.tokens += self._recover(missing, token, text, done)
+        done.tokens.append(token)
+        done.text += text
+        return on_piece(token, text) if on_piece is not None else None
+
+    def _recover(self, missing: int, token: int, text: str, done: Completion) -> list[int]:
+        """The ids of the `missing` tokens before `token`, which end in `text`: its last character
+        tokenized, when that gives `token` last and pieces that spell the character."""
+        for size in range(1, min(len(text), 4) + 1):
+            tail = text[-size:]
+            pieces = self._pieces(tail, False, False)
+            if len(pieces) == missing + 1 and pieces[-1][0] == token:
+                if b"".join(p for _, p in pieces) == tail.encode("utf-8"):
+                    return [t for t, _ in pieces[:-1]]
+        done.exact = False
+        return [-1] * missing

@@ -1,0 +1,171 @@
+"""A conversation kept as exact tokens on llama.cpp's llama-server.
+
+`ServedSession` stands where `InferenceSession` stands for a local model: it holds the
+context's exact token history (replies keep the tokens the model generated) and asks the
+server to continue it, one request a reply, seeded with the seed of its next draw, so a
+session resumed in another process continues as it would have in the first. The server keeps
+what it can of the context in the session's slot; what it kept is its own affair, each
+request sending the whole token array.
+
+`ServedConversation` is the `Conversation` (the same messages, template, undo, retry,
+continue) on a `ServedSession`. The server's vocabulary is only reachable a request at a time,
+so instead of spelling every held token, the session keeps `marks`: places (k, n) where its
+first k tokens spell the first n characters of `text`. The next turn keeps the tokens up to
+the last mark its rendered text still begins with, and tokenizes the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from quipu.engine.base import ServedBackend
+from quipu.errors import CapabilityError, ContextOverflow
+from quipu.sessions.conversation import Conversation, Message
+from quipu.sessions.inference import Generation, Stats, TokenFn, common_prefix
+from quipu.sessions.params import SamplingParams, draw_seed
+from quipu.sessions.prompt import Rendered, reference_tokens
+
+# A token spells at most this many bytes (a generous bound): a longer text cannot fit, and is
+# refused before it is sent to be tokenized.
+MAX_TOKEN_BYTES = 256
+
+
+class ServedSession:
+    """A context on a llama-server slot: exact tokens, the text they spell, and the draw count."""
+
+    def __init__(self, backend: ServedBackend, params: SamplingParams | None = None):
+        self.backend = backend
+        self.params = (params or SamplingParams()).resolved()
+        self.tokens: list[int] = []
+        self.text = ""  # what `tokens` spell, control tokens written out
+        self.marks: list[tuple[int, int]] = []  # (k, n): tokens[:k] spell text[:n]; a turn may go on from there
+        self.draws = 0
+        self.slot = -1  # the server's slot to use (-1: any)
+        # Keeps the context in a slot of its own between turns: `before()` the slot to use,
+        # `after(cached_tokens)` once the reply is done (with the server's count of reused tokens).
+        self.slot_holder = None
+        self.stats = Stats()
+        self._turn_started = 0.0
+
+    @property
+    def n_ctx(self) -> int:
+        return self.backend.n_ctx
+
+    @property
+    def n_decoded(self) -> int:
+        return len(self.tokens)
+
+    def set_params(self, params: SamplingParams) -> None:
+        self.params = params.resolved()
+
+    def restore(self, tokens: Sequence[int], text: str, marks: Sequence[tuple[int, int]], draws: int) -> None:
+        """Takes a saved context (marks past the tokens or the text are dropped)."""
+        self.tokens, self.text, self.draws = list(tokens), text, draws
+        self.marks = [(k, n) for k, n in marks if 0 < k <= len(tokens) and 0 < n <= len(text)]
+
+    def rewind(self, n_keep: int) -> None:
+        """Forgets the tokens from `n_keep` on (and back to the last mark before it)."""
+        self.marks = [m for m in self.marks if m[0] <= n_keep]
+        k, n = self.marks[-1] if self.marks else (0, 0)
+        del self.tokens[k:]
+        self.text = self.text[:n]
+
+    def begin_turn(self) -> None:
+        self.stats = Stats()
+        self._turn_started = time.perf_counter()
+
+    def check_text_fits(self, text: str) -> None:
+        if len(text.encode("utf-8")) > MAX_TOKEN_BYTES * self.n_ctx:
+            raise ContextOverflow(self.n_ctx, self.n_ctx, at_least=True)
+
+    def context_for(self, rendered: Rendered) -> list[int]:
+        """The context tokens for `rendered`: the held tokens up to the last mark its text still
+        begins with, then the rest tokenized; all of it tokenized when no mark fits."""
+        for k, n in reversed(self.marks):
+            if rendered.text.startswith(self.text[:n]):
+                return self.tokens[:k] + rendered.tokenize_from(self.backend, n)
+        return reference_tokens(self.backend, rendered)
+
+    def generate(self, prompt: Sequence[int], prompt_text: str, max_tokens: int, stop: Sequence[str] = (),
+                 on_token: TokenFn | None = None) -> Generation:
+        """Continues `prompt` (which spells `prompt_text`) by up to `max_tokens` tokens; the context
+        becomes the prompt and the reply. A failure mid-reply keeps what came (`Generation.error`)."""
+        prompt = list(prompt)
+        if len(prompt) >= self.n_ctx:
+            raise ContextOverflow(len(prompt), self.n_ctx)
+        if not self._turn_started:
+            self.begin_turn()
+        room = self.n_ctx - len(prompt)
+        if self.slot_holder is not None:
+            self.slot = self.slot_holder.before()
+        sent = time.perf_counter()
+        error = None
+        try:
+            done = self.backend.complete(prompt, self.params.sampler(), draw_seed(self.params.seed, self.draws),
+                                         min(max_tokens, room), stop, self.slot, on_token)
+        except Exception as exc:  # a server failing mid-reply: what came is kept, as after Ctrl-C
+            done = getattr(exc, "partial", None)
+            if done is None or not getattr(done, "tokens", None):
+                raise
+            done.finish_reason, error = "interrupted", exc
+        finish = done.finish_reason or "stop"
+        if finish == "length" and room < max_tokens and len(done.tokens) >= room:
+            finish = "context_full"
+        self._keep(prompt, prompt_text, done, finish)
+        if self.slot_holder is not None and error is None:
+            self.slot_holder.after(done.cached_tokens)
+        self.draws += len(done.tokens)
+        stats = self.stats
+        stats.prompt_tokens, stats.completion_tokens = len(prompt), len(done.tokens)
+        stats.cached_tokens = min(done.cached_tokens, len(prompt))
+        stats.prefill_tokens = len(prompt) - stats.cached_tokens
+        stats.prefill_s, stats.decode_s = done.prefill_s, done.decode_s
+        if done.tokens:
+            stats.ttft_s = sent - self._turn_started + done.first_token_s
+        self._turn_started = 0.0
+        return Generation(done.text, list(done.tokens), finish, error)
+
+    def _keep(self, prompt: list[int], prompt_text: str, done, finish: str) -> None:
+        """The context after a reply: the prompt, then the reply's tokens when all their ids are known."""
+        kept = common_prefix(prompt, self.tokens)
+        marks = [(k, n) for k, n in self.marks if k <= kept and prompt_text.startswith(self.text[:n])]
+        self.tokens, self.text = prompt, prompt_text
+        self.marks = [m for m in marks if m[0] < len(prompt)] + [(len(prompt), len(prompt_text))]
+        if not done.exact or not done.tokens:
+            return  # the reply's text is tokenized again next turn
+        eog = finish == "stop"
+        body = done.tokens[:-1] if eog else list(done.tokens)
+        self.tokens = prompt + body
+        self.text = prompt_text + self.backend.detokenize(body)
+        self.marks.append((len(self.tokens), len(self.text)))
+        if eog:
+            self.tokens.append(done.tokens[-1])
+            self.text += self.backend.spell(done.tokens[-1])
+            self.marks.append((len(self.tokens), len(self.text)))
+
+
+class ServedConversation(Conversation):
+    """A Conversation on a ServedSession: the same messages, template and commands."""
+
+    session: ServedSession
+
+    def control_texts(self, texts: Sequence[str]) -> list[str]:
+        return self.session.backend.control_spellings("\n".join(texts))
+
+    def context_tokens(self, add_generation_prompt: bool = True, tail: str = "") -> list[int]:
+        return self.session.context_for(self.render(self.messages, add_generation_prompt, tail))
+
+    def _generate(self, reply: Message, max_tokens: int, stop: Sequence[str], on_token: TokenFn | None,
+                  on_progress=None) -> Generation:
+        if reply.content and self.session.params.grammar:
+            raise CapabilityError("a reply under a grammar cannot be continued on a server: its grammar would "
+                                  "start over")
+        rendered = self.render(self.messages, True, reply.content)
+        self.prompt_text = rendered.text
+        prompt = self.session.context_for(rendered)
+        self.session.begin_turn()
+        gen = self.session.generate(prompt, rendered.text, max_tokens, stop, on_token)
+        self.messages.append(reply)
+        reply.content += gen.text
+        return gen
