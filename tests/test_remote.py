@@ -32,7 +32,12 @@ class Faulty(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path == "/v1/models":
-            self.reply(200, {"object": "list", "data": [{"id": "fake-model", "owned_by": "tests"}]})
+            self.reply(200, {"object": "list", "data": [{"id": "fake-model", "owned_by": "tests",
+                                                         "meta": {"n_vocab": 4096}}]})
+        elif self.path == "/props" and self.server.llama:
+            self.reply(200, {"default_generation_settings": {"n_ctx": 512}, "total_slots": 1,
+                             "model_path": "/models/fake.gguf", "chat_template": None, "bos_token": "",
+                             "eos_token": ""})
         else:
             self.reply(404, {"error": {"message": "no such route"}})
 
@@ -41,6 +46,8 @@ class Faulty(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         server.requests.append((body, self.headers.get("Authorization")))
         mode = server.mode
+        if self.server.llama and self.path in ("/tokenize", "/detokenize", "/completion"):
+            return self.llama_server(body, mode)
         if self.path == "/v1/embeddings":
             vectors = [{"index": i, "embedding": [3.0, 4.0 + i]} for i in range(len(body["input"]))][::-1]
             return self.reply(200, {"object": "list", "data": vectors if mode == "ok" else []})
@@ -82,6 +89,30 @@ class Faulty(BaseHTTPRequestHandler):
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 
+    def llama_server(self, body: dict, mode: str) -> None:
+        """llama-server's token endpoints, for a vocabulary of one token a character (id: its code)."""
+        if self.path == "/tokenize":
+            return self.reply(200, {"tokens": [{"id": ord(c), "piece": c} for c in body["content"]]})
+        if self.path == "/detokenize":
+            return self.reply(200, {"content": "".join(chr(t) for t in body["tokens"])})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        text = "".join(WORDS)[: body["n_predict"]]
+        for i, c in enumerate(text):
+            if mode == "cut" and i == 6:
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            event = {"content": c, "tokens": [ord(c)], "stop": False, "tokens_predicted": i + 1}
+            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.flush()
+        end = {"content": "", "tokens": [], "stop": True, "stop_type": "limit", "tokens_evaluated": len(body["prompt"]),
+               "timings": {"cache_n": 0, "prompt_ms": 1.0, "predicted_ms": 2.0}}
+        self.wfile.write(f"data: {json.dumps(end)}\n\n".encode())
+        self.wfile.flush()
+
     def reply(self, status: int, body) -> None:
         data = (json.dumps(body) if not isinstance(body, str) else body).encode()
         self.send_response(status)
@@ -95,6 +126,7 @@ class Faulty(BaseHTTPRequestHandler):
 def fake():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Faulty)
     server.mode = "ok"
+    server.llama = False  # True: also llama-server's /props and token endpoints
     server.requests = []
     server.release = threading.Event()
     server.daemon_threads = True
@@ -303,8 +335,6 @@ def test_run_on_llama_server(quipu, llama_server):
 
 
 def test_a_session_on_llama_server_is_kept_in_a_slot_file(quipu, llama_server):
-    import urllib.request
-
     url = llama_server.url
     system = "You are a careful geographer who answers in one short sentence. " * 25
 
@@ -316,12 +346,111 @@ def test_a_session_on_llama_server_is_kept_in_a_slot_file(quipu, llama_server):
     others = set(llama_server.slots.glob("quipu-*.bin"))  # other tests' sessions
     first, _ = turn("Name a river.")
     [kept] = set(llama_server.slots.glob("quipu-*.bin")) - others
-    for slot in range(2):  # other clients take every slot meanwhile
-        request = urllib.request.Request(f"{url}/slots/{slot}?action=erase", data=b"{}", method="POST")
-        urllib.request.urlopen(request, timeout=10).close()
+    erase_slots(url)  # other clients take every slot meanwhile
     second, err = turn("And a mountain?")
     assert second["usage"]["cached_tokens"] >= first["usage"]["prompt_tokens"] * 0.9 and err == ""
     kept.unlink()  # the file is gone: the turn is read again, and that is said
     third, err = turn("And a sea?")
     assert third["text"] and "could not be restored" in err
     assert len(set(llama_server.slots.glob("quipu-*.bin")) - others) == 1  # saved anew after the turn
+
+
+# ---- llama-server driven by tokens: exact sessions ------------------------------------------------
+
+def erase_slots(url: str, slots: int = 2) -> None:
+    import urllib.request
+
+    for slot in range(slots):
+        request = urllib.request.Request(f"{url}/slots/{slot}?action=erase", data=b"{}", method="POST")
+        urllib.request.urlopen(request, timeout=10).close()
+
+
+def transcript(home, name):
+    return json.loads((home / "data" / "sessions" / f"{name}.json").read_text())
+
+
+def test_a_session_on_llama_server_resumes_token_for_token(quipu, llama_server, home):
+    url = llama_server.url
+    questions = ["Name a river.", "And a sea?", "And a mountain?"]
+    sampling = ["-t", "0.9", "--seed", "11", "-n", "12", "-s", "Be brief."]
+    turns, before = [], []
+    # The server's results depend on what its slots held before (a cached beginning is not computed
+    # again, and a computation split elsewhere differs in the last bits): each run starts on empty slots.
+    erase_slots(url)
+    for question in questions:  # one process a turn: each resumes the session from its file
+        r = quipu("run", "--url", url, "-S", "apart", "--json", *sampling, question)
+        assert r.returncode == 0, r.stderr.decode()
+        turns.append(json.loads(r.stdout))
+        saved = transcript(home, "apart")
+        if before:  # the context held before is kept token for token, and the server reused it
+            assert saved["tokens"][:len(before)] == before
+            assert turns[-1]["usage"]["cached_tokens"] >= len(before) - 1
+        before = saved["tokens"]
+    erase_slots(url)
+    chat = quipu("chat", "--url", url, "-S", "together", *sampling, input="\n".join(questions) + "\n")
+    assert chat.returncode == 0, chat.stderr.decode()
+    apart, together = transcript(home, "apart"), transcript(home, "together")
+    # Resumed in a new process each turn, the session went on exactly as one chat did.
+    assert apart["tokens"] == together["tokens"] and apart["draws"] == together["draws"] > 12
+    assert [m["content"] for m in apart["messages"]] == [m["content"] for m in together["messages"]]
+    assert [t["text"] for t in turns] == [m["content"] for m in together["messages"] if m["role"] == "assistant"]
+    # --continue keeps generating the last reply from its exact tokens.
+    more = quipu("run", "--url", url, "-S", "apart", "--continue", "--json", "-n", "6")
+    assert more.returncode == 0, more.stderr.decode()
+    last = transcript(home, "apart")
+    assert last["messages"][-1]["content"] == turns[-1]["text"] + json.loads(more.stdout)["text"]
+    assert json.loads(more.stdout)["usage"]["cached_tokens"] >= len(before) - 2
+    # The context quipu shows is the one it sends.
+    shown = json.loads(quipu("run", "--url", url, "-S", "apart", "--show-prompt", "--json", "Why?").stdout)
+    assert shown["tokens"][:len(last["tokens"]) - 1] == last["tokens"][:-1] and "Why?" in shown["text"]
+
+
+def test_characters_split_across_tokens_keep_their_tokens(quipu, llama_server, home, tmp_path):
+    # A grammar makes the model spell characters that take several tokens, which the server's
+    # stream shows only once each is whole: their ids are recovered, and the context holds them.
+    grammar = tmp_path / "g.gbnf"
+    grammar.write_text('root ::= "Llamas 🦙 live in 日本? No: in Perú."', encoding="utf-8")
+    r = quipu("run", "--url", llama_server.url, "-S", "chars", "--json", "-n", "40", "--grammar", str(grammar), "Hi")
+    assert r.returncode == 0, r.stderr.decode()
+    assert json.loads(r.stdout)["text"] == "Llamas 🦙 live in 日本? No: in Perú."
+    saved = transcript(home, "chars")
+    assert all(t >= 0 for t in saved["tokens"])
+    second = json.loads(quipu("run", "--url", llama_server.url, "-S", "chars", "--json", "-n", "4", "Ok.").stdout)
+    assert second["usage"]["cached_tokens"] >= len(saved["tokens"]) - 1  # nothing of the reply read again
+
+
+def test_what_llama_server_is_asked_beyond_the_chat_api(quipu, llama_server):
+    url = llama_server.url
+    schema = '{"type": "object", "properties": {"river": {"type": "string"}}, "required": ["river"]}'
+    r = quipu("run", "--url", url, "--schema", schema, "-n", "60", "Name a river as JSON.")
+    assert r.returncode == 0, r.stderr.decode()
+    assert isinstance(json.loads(r.stdout)["river"], str)
+    raw = quipu("run", "--url", url, "--raw", "--json", "-t", "0", "-n", "5", "The capital of France is")
+    assert raw.returncode == 0 and json.loads(raw.stdout)["usage"]["prompt_tokens"] == 5
+    greedy = json.loads(quipu("run", "--url", url, "--json", "-t", "0", "-n", "6", "Tell me a story.").stdout)["text"]
+    assert greedy.split()[0] == "The"  # one token in SmolLM2's vocabulary: banned, the reply starts otherwise
+    banned = quipu("run", "--url", url, "--json", "-t", "0", "-n", "6", "--logit-bias", "The=-inf", "Tell me a story.")
+    assert banned.returncode == 0, banned.stderr.decode()
+    assert json.loads(banned.stdout)["text"].split()[0] != "The"
+    # A user's text that spells a control token stays text.
+    shown = json.loads(quipu("run", "--url", url, "--show-prompt", "--json", "say <|im_end|> please").stdout)
+    plain = json.loads(quipu("run", "--url", url, "--show-prompt", "--json", "say x please").stdout)
+    assert shown["tokens"].count(2) == plain["tokens"].count(2)  # 2: <|im_end|> in SmolLM2's vocabulary
+    refused = quipu("run", "--url", url, "--ctx", "512", "hi")
+    assert refused.returncode == 1 and "the server's own settings" in refused.stderr.decode()
+
+
+def test_a_cut_reply_on_llama_server_is_kept_in_the_session(quipu, fake, home):
+    fake.llama, fake.mode = True, "cut"
+    r = quipu("run", "--url", fake.url, "-S", "cut", "-n", "20", "hi")
+    assert r.returncode == 1 and r.stdout.decode() == "Hello,\n"  # what came, as with Ctrl-C
+    err = r.stderr.decode()
+    assert "closed the stream before the reply was over" in err and err.count("\n") == 1, err
+    saved = transcript(home, "cut")
+    assert [m["content"] for m in saved["messages"][-2:]] == ["hi", "Hello,"]
+    assert saved["tokens"][-6:] == [ord(c) for c in "Hello,"]  # the tokens that came are the context
+    fake.mode = "ok"
+    again = quipu("run", "--url", fake.url, "-S", "cut", "-n", "5", "--json", "more")
+    assert again.returncode == 0 and json.loads(again.stdout)["text"] == "Hello"
+    [*_, sent] = [body["prompt"] for body, _ in fake.requests if "prompt" in body]
+    assert sent[:len(saved["tokens"])] == saved["tokens"]  # the cut reply's tokens were sent as they were
