@@ -46,6 +46,13 @@ def refuse_unsupported(opts: TurnOptions, *, show: bool = False) -> None:
             raise CapabilityError(f"{what} cannot be used with this server (only llama.cpp's llama-server takes it)")
 
 
+def needs_tokens(opts: TurnOptions) -> bool:
+    """Whether a turn needs llama-server driven by tokens: a session, or what the chat API lacks."""
+    return (opts.session is not None or opts.continue_reply or opts.raw or opts.schema is not None
+            or opts.grammar is not None or bool(opts.logit_bias) or opts.think is not None
+            or opts.chat_template is not None)
+
+
 def request_params(opts: TurnOptions, env: Environment) -> dict:
     """The sampling parameters given (command line, then config), under the names servers know;
     what is not given is left to the server."""
@@ -61,7 +68,10 @@ def run_remote_turn(prompt: str | None, opts: TurnOptions, env: Environment, set
                     on_result: Callable[[TurnResult], None] | None = None) -> TurnResult:
     if opts.model:
         settings.model = opts.model
-    served = open_served(settings)
+    # A plain one-shot goes through the chat API even on llama-server: one round trip before the
+    # first token, where driving it by tokens takes several (tokenizing, the template rendered
+    # here), and nothing is kept that exact tokens would serve.
+    served = open_served(settings) if needs_tokens(opts) else None
     if served is not None:
         with closing(served):
             return run_served_turn(served, prompt, opts, env, settings.url, on_text=on_text,

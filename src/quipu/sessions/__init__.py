@@ -6,6 +6,8 @@
   its own seed (continuous batching; a shared beginning read once).
 - `conversation.py`: `Conversation` and `Message`: turns as the model's chat template renders
   them, fed incrementally; undo, retry, continue, drop the oldest exchanges.
+- `served.py`: `ServedSession` and `ServedConversation`: a conversation's exact tokens on
+  llama.cpp's llama-server (an `engine.ServedBackend`), one request a reply, seeded per draw.
 - `template.py`: `ChatTemplate`, the model's Jinja template in a sandbox, rendered as
   transformers renders it.
 - `prompt.py`: rendered text to context tokens, as the reference tokenizes it, keeping a
@@ -14,6 +16,6 @@
 - `params.py`: `SamplingParams`, validated, and the per-draw seeds that make resuming exact.
 - `stops.py`: stop strings, held back while they could still match.
 
-It drives an `engine.Backend` and knows no terminal and no files: saving a session is the
+It drives an `engine.Backend` (or a `ServedBackend`) and knows no terminal and no files: saving a session is the
 job of `quipu.app` with `quipu.store`.
 """
