@@ -103,23 +103,24 @@ class SlotKeeper:
         self.slot = -1
         self.why_not = ""
 
-    def before(self, remote) -> dict:
+    def before(self, remote) -> int:
+        """Restores the session's file into its slot; the slot to use (-1: the server has none)."""
         from quipu.engine.remote import RemoteError
 
         slots = remote.slots()
         if not slots:
-            return {}
-        self.why_not = ""
-        if self.filename is None:  # a new session (or a server that kept no file): nothing to restore
+            return -1
+        self.why_not, self.restored = "", 0
+        fresh = self.filename is None  # a new session (or a server that kept no file): nothing to restore
+        if fresh:
             self.filename = f"quipu-{uuid.uuid4().hex}.bin"
-            self.restored = 0
-        else:
+        self.slot = self.slot_of(slots)
+        if not fresh:
             try:
-                self.restored = remote.slot_file(self.slot_of(slots), "restore", self.filename)
+                self.restored = remote.slot_file(self.slot, "restore", self.filename)
             except RemoteError as exc:
                 self.restored, self.why_not = 0, str(exc)
-        self.slot = self.slot_of(slots)
-        return {"id_slot": self.slot, "cache_prompt": True}
+        return self.slot
 
     def slot_of(self, slots: int) -> int:
         return zlib.crc32(self.filename.encode()) % slots
@@ -158,7 +159,7 @@ class HeldSlot:
         self.served, self.keeper, self.notices = served, keeper, notices
 
     def before(self) -> int:
-        return self.keeper.before(self.served.remote).get("id_slot", -1)
+        return self.keeper.before(self.served.remote)
 
     def after(self, cached_tokens: int) -> None:
         self.notices += self.keeper.after(self.served.remote, cached_tokens)
