@@ -100,15 +100,18 @@ class Faulty(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         text = "".join(WORDS)[: body["n_predict"]]
+        # The prompt: token ids, then maybe text (a token a character), counted in every event.
+        evaluated = sum(1 if isinstance(p, int) else len(p) for p in body["prompt"]) + (mode == "miscount")
         for i, c in enumerate(text):
             if mode == "cut" and i == 6:
                 self.wfile.flush()
                 self.connection.shutdown(socket.SHUT_RDWR)
                 return
-            event = {"content": c, "tokens": [ord(c)], "stop": False, "tokens_predicted": i + 1}
+            event = {"content": c, "tokens": [ord(c)], "stop": False, "tokens_predicted": i + 1,
+                     "tokens_evaluated": evaluated}
             self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
             self.wfile.flush()
-        end = {"content": "", "tokens": [], "stop": True, "stop_type": "limit", "tokens_evaluated": len(body["prompt"]),
+        end = {"content": "", "tokens": [], "stop": True, "stop_type": "limit", "tokens_evaluated": evaluated,
                "timings": {"cache_n": 0, "prompt_ms": 1.0, "predicted_ms": 2.0}}
         self.wfile.write(f"data: {json.dumps(end)}\n\n".encode())
         self.wfile.flush()
@@ -419,7 +422,7 @@ def test_characters_split_across_tokens_keep_their_tokens(quipu, llama_server, h
     assert second["usage"]["cached_tokens"] >= len(saved["tokens"]) - 1  # nothing of the reply read again
 
 
-def test_what_llama_server_is_asked_beyond_the_chat_api(quipu, llama_server):
+def test_what_llama_server_is_asked_beyond_the_chat_api(quipu, llama_server, home):
     url = llama_server.url
     schema = '{"type": "object", "properties": {"river": {"type": "string"}}, "required": ["river"]}'
     r = quipu("run", "--url", url, "--schema", schema, "-n", "60", "Name a river as JSON.")
@@ -436,6 +439,14 @@ def test_what_llama_server_is_asked_beyond_the_chat_api(quipu, llama_server):
     shown = json.loads(quipu("run", "--url", url, "--show-prompt", "--json", "say <|im_end|> please").stdout)
     plain = json.loads(quipu("run", "--url", url, "--show-prompt", "--json", "say x please").stdout)
     assert shown["tokens"].count(2) == plain["tokens"].count(2)  # 2: <|im_end|> in SmolLM2's vocabulary
+    for name, text in (("spelled", "say <|im_end|> please"), ("unspelled", "say x please")):  # and in a turn
+        assert quipu("run", "--url", url, "-S", name, "-t", "0", "-n", "3", text).returncode == 0
+    said = [transcript(home, name)["tokens"] for name in ("spelled", "unspelled")]
+    assert said[0].count(2) == said[1].count(2) and len(said[0]) > len(said[1])
+    # A prompt longer than the context: the error says by how much, and nothing is saved.
+    long = quipu("run", "--url", url, "-S", "long", input="a river " * 5000)
+    assert long.returncode == 2 and "but the context holds" in long.stderr.decode()
+    assert long.stderr.decode().count("\n") == 1 and not (home / "data" / "sessions" / "long.json").exists()
     refused = quipu("run", "--url", url, "--ctx", "512", "hi")
     assert refused.returncode == 1 and "the server's own settings" in refused.stderr.decode()
 
@@ -454,3 +465,18 @@ def test_a_cut_reply_on_llama_server_is_kept_in_the_session(quipu, fake, home):
     assert again.returncode == 0 and json.loads(again.stdout)["text"] == "Hello"
     [*_, sent] = [body["prompt"] for body, _ in fake.requests if "prompt" in body]
     assert sent[:len(saved["tokens"])] == saved["tokens"]  # the cut reply's tokens were sent as they were
+
+
+def test_a_prompt_llama_server_counts_otherwise_is_read_again(quipu, fake, home):
+    # The ids of a turn's new text are asked for after the reply; when they do not add up to the
+    # server's own count, the session keeps none of them, and the next turn sends the text again.
+    fake.llama, fake.mode = True, "miscount"
+    first = quipu("run", "--url", fake.url, "-S", "counted", "-n", "5", "hi")
+    assert first.returncode == 0 and first.stdout.decode() == "Hello\n"
+    assert transcript(home, "counted")["tokens"] == []
+    fake.mode = "ok"
+    again = quipu("run", "--url", fake.url, "-S", "counted", "-n", "5", "more")
+    assert again.returncode == 0, again.stderr.decode()
+    [*_, sent] = [body["prompt"] for body, _ in fake.requests if "prompt" in body]
+    assert len(sent) == 1 and "hi" in sent[0] and "Hello" in sent[0] and "more" in sent[0]
+    assert len(transcript(home, "counted")["tokens"]) == len(sent[0]) + 5  # confirmed now: kept

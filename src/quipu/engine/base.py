@@ -136,11 +136,12 @@ class ServedBackend(Protocol):
     def bos_token(self) -> int | None: ...
     def chat_template(self) -> str | None: ...
     def special_token_text(self, which: str) -> str: ...
-    def control_spellings(self, text: str) -> list[str]:
-        """The control tokens `text` spells, which a user's text must keep as text."""
+    def control_spellings(self, texts: Sequence[str]) -> list[str]:
+        """The control tokens `texts` spell, which a user's text must keep as text."""
 
-    def complete(self, prompt: Sequence[int], sampler: SamplerSettings, seed: int, max_tokens: int,
+    def complete(self, prompt: Sequence[int | str], sampler: SamplerSettings, seed: int, max_tokens: int,
                  stop: Sequence[str] = (), slot: int = -1, on_piece: "Callable[[int, str], bool | None] | None" = None):
-        """Streams what follows `prompt` (a `Completion`: the generated token ids, the text
-        shown, why it ended, the server's figures); `on_piece` may return False to stop it. A
-        failure mid-reply raises an error whose `partial` is the completion so far."""
+        """Streams what follows `prompt` (token ids, then maybe text the server tokenizes with
+        special tokens parsed): a `Completion` (the generated token ids, the text shown, why it
+        ended, the prompt's token count, the server's figures); `on_piece` may return False to
+        stop it. A failure mid-reply raises an error whose `partial` is the completion so far."""

@@ -8,10 +8,21 @@ seed, returning the generated token ids. The server shows no text for a token th
 inside a character, nor its id; such ids are recovered by tokenizing the character the next
 event completes, and checked against the bytes they must spell (`Completion.exact` says when
 that failed, so the reply's text is read again on the next turn instead of trusted).
+
+A prompt may be sent as token ids followed by text (llama-server tokenizes the text as its
+`/tokenize` does, special tokens parsed), so a turn's new text costs no round trip before the
+first token; the session asks for its ids after the reply.
+
+A user's spelling of a control token must stay text, and only the server knows its control
+tokens: a text is checked by tokenizing it with and without special tokens parsed. Every
+control token of the vocabularies llama.cpp runs is spelled with one of `<>[]|` or the wide
+`｜` (`<|im_end|>`, `[INST]`, `<｜end▁of▁sentence｜>`, `|||IP_ADDRESS|||`), so a text with
+none of them is not sent to be checked, and no text is checked twice.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -26,6 +37,8 @@ PieceFn = Callable[[int, str], "bool | None"]
 # apply as llama.cpp's common sampler applies them).
 SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]
 FINISH = {"eos": "stop", "word": "stop_sequence", "limit": "length"}
+# What every control token's spelling has one of (see the module's notes).
+CONTROL_MARKS = re.compile("[<>\\[\\]|\uff5c]")
 
 
 @dataclass
@@ -58,6 +71,7 @@ class ServedModel:
         self.build = str(props.get("build_info") or "")
         self._bos: list[int] | None = None
         self._spelled: dict[int, str] = {}
+        self._controls_in: dict[str, list[str]] = {}
         self._model_meta: dict | None = None
 
     def _meta(self) -> dict:
@@ -131,19 +145,31 @@ class ServedModel:
     def special_token_text(self, which: str) -> str:
         return str(self.props.get(f"{which}_token") or "")
 
-    def control_spellings(self, text: str) -> list[str]:
-        """The control tokens `text` spells (`<|im_end|>`, ...), which a user's text must keep as
-        text: found by tokenizing it with and without special tokens parsed."""
-        parsed = self._pieces(text, False, True)
-        plain = {t for t, _ in self._pieces(text, False, False)}
-        found = {piece.decode("utf-8", "replace") for t, piece in parsed if t not in plain and len(piece) > 1}
-        return sorted((s for s in found if s in text), key=len, reverse=True)
+    def control_spellings(self, texts: Sequence[str]) -> list[str]:
+        """The control tokens `texts` spell (`<|im_end|>`, ...), which a user's text must keep as
+        text, longest first: found by tokenizing the texts not seen before with and without
+        special tokens parsed (see the module's notes)."""
+        new = [t for t in dict.fromkeys(texts) if t not in self._controls_in]
+        asked = [t for t in new if CONTROL_MARKS.search(t)]
+        found: set[str] = set()
+        if asked:
+            joined = "\n".join(asked)
+            parsed = self._pieces(joined, False, True)
+            plain = {t for t, _ in self._pieces(joined, False, False)}
+            found = {piece.decode("utf-8", "replace") for t, piece in parsed if t not in plain and len(piece) > 1}
+        for text in new:
+            self._controls_in[text] = [s for s in found if s in text]
+        spelled = {s for text in texts for s in self._controls_in[text]}
+        return sorted(spelled, key=len, reverse=True)
 
     # ---- generation --------------------------------------------------------------------------
 
-    def complete(self, prompt: Sequence[int], sampler: SamplerSettings, seed: int, max_tokens: int,
+    def complete(self, prompt: Sequence[int | str], sampler: SamplerSettings, seed: int, max_tokens: int,
                  stop: Sequence[str] = (), slot: int = -1, on_piece: PieceFn | None = None) -> Completion:
-        """Streams what follows `prompt` (reusing what the slot holds of it); `on_piece` may stop it."""
+        """Streams what follows `prompt` (reusing what the slot holds of it); `on_piece` may stop it.
+        The prompt is token ids, then maybe text, which the server tokenizes with special tokens
+        parsed (a leading text gets the model's BOS); `Completion.prompt_tokens` says how many
+        tokens it made in all."""
         body = {"prompt": list(prompt), "stream": True, "n_predict": max_tokens, "cache_prompt": True,
                 "return_tokens": True, "seed": seed, "samplers": SAMPLERS,
                 "temperature": sampler.temperature, "top_k": sampler.top_k, "top_p": sampler.top_p,
@@ -169,10 +195,11 @@ class ServedModel:
         return done
 
     def _take(self, event: dict, done: Completion, started: float, on_piece: PieceFn | None) -> bool | None:
+        if isinstance(event.get("tokens_evaluated"), int):
+            done.prompt_tokens = event["tokens_evaluated"]
         if event.get("stop") is True:
             done.finish_reason = FINISH.get(str(event.get("stop_type")), "stop")
             timings = event.get("timings") if isinstance(event.get("timings"), dict) else {}
-            done.prompt_tokens = int(event.get("tokens_evaluated") or 0)
             done.cached_tokens = int(timings.get("cache_n") or 0)
             done.prefill_s = float(timings.get("prompt_ms") or 0) / 1000
             done.decode_s = float(timings.get("predicted_ms") or 0) / 1000

@@ -11,7 +11,11 @@ request sending the whole token array.
 continue) on a `ServedSession`. The server's vocabulary is only reachable a request at a time,
 so instead of spelling every held token, the session keeps `marks`: places (k, n) where its
 first k tokens spell the first n characters of `text`. The next turn keeps the tokens up to
-the last mark its rendered text still begins with, and tokenizes the rest.
+the last mark its rendered text still begins with, and sends the rest as text: the server
+tokenizes it as it reads it, so nothing waits on a round trip before the first token, and its
+ids are asked for after the reply (they must add up to the server's count of the prompt, else
+the turn's text is read again next time). A turn whose text might not leave room for the reply
+is tokenized first, to be sure of its size.
 """
 
 from __future__ import annotations
@@ -79,24 +83,78 @@ class ServedSession:
         if len(text.encode("utf-8")) > MAX_TOKEN_BYTES * self.n_ctx:
             raise ContextOverflow(self.n_ctx, self.n_ctx, at_least=True)
 
+    def _kept(self, rendered: Rendered) -> tuple[int, int]:
+        """The last mark (k, n) whose text `rendered` still begins with; (0, 0) when none."""
+        for k, n in reversed(self.marks):
+            if rendered.text.startswith(self.text[:n]):
+                return k, n
+        return 0, 0
+
     def context_for(self, rendered: Rendered) -> list[int]:
         """The context tokens for `rendered`: the held tokens up to the last mark its text still
         begins with, then the rest tokenized; all of it tokenized when no mark fits."""
-        for k, n in reversed(self.marks):
-            if rendered.text.startswith(self.text[:n]):
-                return self.tokens[:k] + rendered.tokenize_from(self.backend, n)
-        return reference_tokens(self.backend, rendered)
+        k, n = self._kept(rendered)
+        if k == 0:
+            return reference_tokens(self.backend, rendered)
+        return self.tokens[:k] + rendered.tokenize_from(self.backend, n)
 
-    def generate(self, prompt: Sequence[int], prompt_text: str, max_tokens: int, stop: Sequence[str] = (),
+    def prompt_for(self, rendered: Rendered, max_tokens: int) -> list[int | str]:
+        """What to send for `rendered`: the held tokens it begins with, then its new text (a
+        user's spelling of a control token as tokens). All tokens when the new text might leave
+        less than `max_tokens` of room (a token spells at least a byte; two bounds a SentencePiece
+        space too)."""
+        k, n = self._kept(rendered)
+        if k + 1 + 2 * len(rendered.text[n:].encode("utf-8")) + len(rendered.parts) + max_tokens > self.n_ctx:
+            return list(self.context_for(rendered))
+        items: list[int | str] = list(self.tokens[:k])
+        if k == 0:  # the model's BOS where it wants one, as `reference_tokens` puts it
+            bos = self.backend.bos_token()
+            if bos is not None:
+                items.append(bos)
+                spelled = self.backend.special_token_text("bos")
+                text, plain = rendered.parts[0]
+                if spelled and not plain and text.startswith(spelled):
+                    n = len(spelled)  # the template wrote it
+        at = 0
+        for text, plain in rendered.parts:
+            piece = text[max(0, n - at):]
+            at += len(text)
+            if not piece:
+                continue
+            if plain:
+                items += self.backend.tokenize(piece, add_special=False, parse_special=False)
+            else:
+                items.append(piece)
+        return items
+
+    def _ids(self, prompt: Sequence[int | str], counted: int) -> list[int] | None:
+        """The prompt's token ids, its text tokenized as the server did (a leading text gets the
+        BOS); None when they cannot be known or do not add up to the server's `counted`."""
+        if all(isinstance(item, int) for item in prompt):
+            return list(prompt)  # type: ignore[arg-type]
+        ids: list[int] = []
+        try:
+            for i, item in enumerate(prompt):
+                if isinstance(item, int):
+                    ids.append(item)
+                else:
+                    ids += self.backend.tokenize(item, add_special=i == 0, parse_special=True)
+        except Exception:  # the server gone after the reply: the text is read again next turn
+            return None
+        return ids if ids and len(ids) == counted else None
+
+    def generate(self, prompt: Sequence[int | str], prompt_text: str, max_tokens: int, stop: Sequence[str] = (),
                  on_token: TokenFn | None = None) -> Generation:
-        """Continues `prompt` (which spells `prompt_text`) by up to `max_tokens` tokens; the context
-        becomes the prompt and the reply. A failure mid-reply keeps what came (`Generation.error`)."""
+        """Continues `prompt` (token ids, then maybe text; it spells `prompt_text`) by up to
+        `max_tokens` tokens; the context becomes the prompt and the reply. A failure mid-reply
+        keeps what came (`Generation.error`)."""
         prompt = list(prompt)
-        if len(prompt) >= self.n_ctx:
+        exact = all(isinstance(item, int) for item in prompt)
+        if exact and len(prompt) >= self.n_ctx:
             raise ContextOverflow(len(prompt), self.n_ctx)
         if not self._turn_started:
             self.begin_turn()
-        room = self.n_ctx - len(prompt)
+        room = self.n_ctx - len(prompt) if exact else max_tokens  # (`prompt_for` made sure of it)
         if self.slot_holder is not None:
             self.slot = self.slot_holder.before()
         sent = time.perf_counter()
@@ -109,34 +167,40 @@ class ServedSession:
             if done is None or not getattr(done, "tokens", None):
                 raise
             done.finish_reason, error = "interrupted", exc
+        ids = self._ids(prompt, done.prompt_tokens)
         finish = done.finish_reason or "stop"
         if finish == "length" and room < max_tokens and len(done.tokens) >= room:
             finish = "context_full"
-        self._keep(prompt, prompt_text, done, finish)
+        self._keep(prompt, ids, prompt_text, done, finish)
         if self.slot_holder is not None and error is None:
             self.slot_holder.after(done.cached_tokens)
         self.draws += len(done.tokens)
         stats = self.stats
-        stats.prompt_tokens, stats.completion_tokens = len(prompt), len(done.tokens)
-        stats.cached_tokens = min(done.cached_tokens, len(prompt))
-        stats.prefill_tokens = len(prompt) - stats.cached_tokens
+        stats.prompt_tokens, stats.completion_tokens = len(ids) if ids else done.prompt_tokens, len(done.tokens)
+        stats.cached_tokens = min(done.cached_tokens, stats.prompt_tokens)
+        stats.prefill_tokens = stats.prompt_tokens - stats.cached_tokens
         stats.prefill_s, stats.decode_s = done.prefill_s, done.decode_s
         if done.tokens:
             stats.ttft_s = sent - self._turn_started + done.first_token_s
         self._turn_started = 0.0
         return Generation(done.text, list(done.tokens), finish, error)
 
-    def _keep(self, prompt: list[int], prompt_text: str, done, finish: str) -> None:
-        """The context after a reply: the prompt, then the reply's tokens when all their ids are known."""
-        kept = common_prefix(prompt, self.tokens)
+    def _keep(self, prompt: list[int | str], ids: list[int] | None, prompt_text: str, done, finish: str) -> None:
+        """The context after a reply: the prompt, then the reply's tokens when all their ids are
+        known. Without the prompt's ids, only its held tokens are kept (the rest is read again)."""
+        if ids is None:
+            held = next((i for i, item in enumerate(prompt) if not isinstance(item, int)), len(prompt))
+            self.rewind(common_prefix(prompt[:held], self.tokens))  # type: ignore[arg-type]
+            return
+        kept = common_prefix(ids, self.tokens)
         marks = [(k, n) for k, n in self.marks if k <= kept and prompt_text.startswith(self.text[:n])]
-        self.tokens, self.text = prompt, prompt_text
-        self.marks = [m for m in marks if m[0] < len(prompt)] + [(len(prompt), len(prompt_text))]
+        self.tokens, self.text = ids, prompt_text
+        self.marks = [m for m in marks if m[0] < len(ids)] + [(len(ids), len(prompt_text))]
         if not done.exact or not done.tokens:
             return  # the reply's text is tokenized again next turn
         eog = finish == "stop"
         body = done.tokens[:-1] if eog else list(done.tokens)
-        self.tokens = prompt + body
+        self.tokens = ids + body
         self.text = prompt_text + self.backend.detokenize(body)
         self.marks.append((len(self.tokens), len(self.text)))
         if eog:
@@ -151,7 +215,7 @@ class ServedConversation(Conversation):
     session: ServedSession
 
     def control_texts(self, texts: Sequence[str]) -> list[str]:
-        return self.session.backend.control_spellings("\n".join(texts))
+        return self.session.backend.control_spellings(texts)
 
     def context_tokens(self, add_generation_prompt: bool = True, tail: str = "") -> list[int]:
         return self.session.context_for(self.render(self.messages, add_generation_prompt, tail))
@@ -161,10 +225,10 @@ class ServedConversation(Conversation):
         if reply.content and self.session.params.grammar:
             raise CapabilityError("a reply under a grammar cannot be continued on a server: its grammar would "
                                   "start over")
+        self.session.begin_turn()
         rendered = self.render(self.messages, True, reply.content)
         self.prompt_text = rendered.text
-        prompt = self.session.context_for(rendered)
-        self.session.begin_turn()
+        prompt = self.session.prompt_for(rendered, max_tokens)
         gen = self.session.generate(prompt, rendered.text, max_tokens, stop, on_token)
         self.messages.append(reply)
         reply.content += gen.text

@@ -34,14 +34,9 @@ class ChatTemplate:
     sandboxed: a template from a downloaded file must not run code."""
 
     def __init__(self, source: str | None, bos_token: str = "", eos_token: str = ""):
-        from jinja2 import TemplateError as JinjaError
-
         self.source = source or CHATML_TEMPLATE
         self.is_fallback = source is None
-        try:
-            self._template = _environment().from_string(self.source)
-        except JinjaError as exc:
-            raise TemplateError(f"the chat template is broken: {exc}") from exc
+        self._template = _compiled(self.source)
         self._bos, self._eos = bos_token, eos_token
         self.folds_system = False  # set once a render had to join the system prompt to a user message
 
@@ -115,6 +110,17 @@ def _raise_exception(message: str) -> None:
 def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
             sort_keys: bool = False) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(source: str):
+    """A template's source compiled, once a process (a chat opens one a session)."""
+    from jinja2 import TemplateError as JinjaError
+
+    try:
+        return _environment().from_string(source)
+    except JinjaError as exc:
+        raise TemplateError(f"the chat template is broken: {exc}") from exc
 
 
 @functools.lru_cache(maxsize=1)
