@@ -540,27 +540,83 @@ def bench_batch(model: str, threads: int, repeats: int, home: str, n_rows: int =
 REMOTE_CODE = """
 import json, sys, time
 import httpx
+from quipu.app.served import open_served
 from quipu.engine.remote import RemoteModel, RemoteSettings
-url, n, through = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-messages = [{"role": "user", "content": "Write a long story about a river."}]
+from quipu.sessions.params import SamplingParams
+from quipu.sessions.served import ServedConversation, ServedSession
+url, n, long_text = sys.argv[1], int(sys.argv[2]), sys.stdin.read()
+question = "Write a long story about a river."
 params = {"temperature": 0, "seed": 1}
-if through == "quipu":
-    with RemoteModel(RemoteSettings(url=url)) as remote:
-        started = time.perf_counter()
-        stamps = []
-        reply = remote.chat(messages, params=params, max_tokens=n, on_text=lambda t: stamps.append(time.perf_counter()))
-else:
+client = httpx.Client(timeout=600)
+
+
+def idle():  # each timed request starts on an idle server (a slot is released a moment after its reply)
+    while any(slot.get("is_processing") for slot in client.get(url + "/slots").json()):
+        time.sleep(0.001)
+
+
+def figures(started, stamps):
+    return {"ttft": stamps[0] - started, "tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+
+
+def bare(messages):  # the chat API, streamed, nothing else
     body = {"model": "m", "messages": messages, "stream": True, "max_tokens": n, **params}
     stamps = []
-    with httpx.Client(timeout=600) as client:
-        started = time.perf_counter()
-        with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
-            for line in response.iter_lines():
-                if line.startswith("data:") and "[DONE]" not in line:
-                    event = json.loads(line[5:])
-                    if any((c.get("delta") or {}).get("content") for c in event.get("choices") or ()):
-                        stamps.append(time.perf_counter())
-print(json.dumps({"ttft": stamps[0] - started, "tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}))
+    idle()
+    started = time.perf_counter()
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: [DONE]"):
+                break  # (read to its very end, the connection would be kept, and llama-server drops it)
+            if line.startswith("data:"):
+                event = json.loads(line[5:])
+                if any((c.get("delta") or {}).get("content") for c in event.get("choices") or ()):
+                    stamps.append(time.perf_counter())
+    return figures(started, stamps)
+
+
+def through_chat_api(remote, messages):  # `quipu run --url` (one-shot)
+    stamps = []
+    idle()
+    started = time.perf_counter()
+    remote.chat(messages, params=params, max_tokens=n, on_text=lambda t: stamps.append(time.perf_counter()))
+    return figures(started, stamps)
+
+
+def by_tokens(conv, text):  # `quipu run -S` / `quipu chat` on llama-server: a turn of an open session
+    stamps = []
+    idle()
+    started = time.perf_counter()
+    conv.send(text, max_tokens=n, on_token=lambda *a: stamps.append(time.perf_counter()))
+    return figures(started, stamps)
+
+
+def conversation(served):
+    return ServedConversation.start(ServedSession(served, SamplingParams(temperature=0, seed=1)))
+
+
+out = {k: [] for k in ("bare", "chat_api", "tokens", "later_bare", "later_tokens")}
+asked = [{"role": "user", "content": question}]
+bare(asked)  # the server has read the question once before anyone is timed
+remote = RemoteModel(RemoteSettings(url=url))
+served = open_served(RemoteSettings(url=url))
+for _ in range(3):  # each in turn, so that a moment's load falls on all of them alike
+    out["bare"].append(bare(asked))
+    out["chat_api"].append(through_chat_api(remote, asked))
+    out["tokens"].append(by_tokens(conversation(served), question))
+# A later turn of a long conversation. Before each, the server is left holding the conversation
+# up to a new question (asked untimed); the questions differ in their first token, so each reads
+# the same number of tokens anew.
+conv = conversation(served)
+conv.send(long_text, max_tokens=8)
+so_far = [{"role": m.role, "content": m.content} for m in conv.messages]
+for _ in range(3):
+    bare(so_far + [{"role": "user", "content": "0. Go on."}])
+    out["later_bare"].append(bare(so_far + [{"role": "user", "content": "1. Go on."}]))
+    bare(so_far + [{"role": "user", "content": "0. Go on."}])
+    out["later_tokens"].append(by_tokens(conv, "2. Go on."))
+    conv.undo()
+print(json.dumps(out))
 """
 
 
@@ -587,16 +643,12 @@ def bench_remote(model: str, threads: int, repeats: int) -> list[dict]:
                      Path(tmp) / "log.txt")
         try:
             url = f"http://127.0.0.1:{port}"
-            got: dict[str, list] = {"quipu": [], "bare": []}
-            for _ in range(repeats):
-                for who in ("quipu", "bare"):
-                    r = subprocess.run([sys.executable, "-c", REMOTE_CODE, url, "128", who], capture_output=True,
-                                       check=True)
-                    got[who].append(json.loads(r.stdout))
+            doc = context_text(model, 1400)
+            got = [json.loads(subprocess.run([sys.executable, "-c", REMOTE_CODE, url, "128"], input=doc.encode(),
+                                             capture_output=True, check=True).stdout) for _ in range(repeats)]
             # A 1,400-token session resumed after the server's slot went to someone else: its slot
             # file restored, against the same turn with no file (the conversation read again).
             env = {"QUIPU_HOME": str(Path(tmp) / "home")}
-            doc = context_text(model, 1400)
             quipu_cmd("run", "--url", url, "-S", "long", "-n", "8", "-t", "0", "Read this.", stdin=doc.encode(), env=env)
 
             def erase() -> None:
@@ -622,12 +674,17 @@ def bench_remote(model: str, threads: int, repeats: int) -> list[dict]:
                      "restored vs the conversation read again (s)",
              "quipu": round(median(restored), 3), "re-read from scratch": round(median(reread), 3),
              "ratio": round(median(restored) / median(reread), 3)}]
-    for key, what in (("ttft", "time to first token (s)"), ("tok_s", "decode tok/s")):
-        q = median([g[key] for g in got["quipu"]])
-        b = median([g[key] for g in got["bare"]])
-        ratio = b / q if key == "ttft" else q / b  # above 1: quipu is the faster
-        rows.append({"what": f"llama-server on loopback, 128 tokens: {what}, quipu vs a bare httpx client",
-                     "quipu": round(q, 3), "llama.cpp": f"{b:.3f} (bare client)", "ratio": round(ratio, 3)})
+    # Above 1: quipu is the faster. The bare client sends the same conversation to the chat API.
+    for mine, theirs, what in (
+            ("chat_api", "bare", "`run --url` (the chat API), a new question"),
+            ("tokens", "bare", "a session by tokens (`run -S`, `chat`), a new question"),
+            ("later_tokens", "later_bare", "a session by tokens, a turn after a ~1,400-token one")):
+        for key, measure in (("ttft", "time to first token (s)"), ("tok_s", "decode tok/s")):
+            q = median([f[key] for g in got for f in g[mine]])
+            b = median([f[key] for g in got for f in g[theirs]])
+            rows.append({"what": f"llama-server on loopback, 128 tokens, {what}: {measure}, quipu vs a bare "
+                                 "httpx client", "quipu": round(q, 3), "llama.cpp": f"{b:.3f} (bare client)",
+                         "ratio": round(b / q if key == "ttft" else q / b, 3)})
     return rows
 
 

@@ -254,6 +254,13 @@ def logit_biases(backend: Backend, specs: Sequence[str]) -> tuple[tuple[int, flo
     return tuple(out)
 
 
+def with_logit_biases(params: SamplingParams, backend: Backend, opts: TurnOptions) -> SamplingParams:
+    """`params` with --logit-bias made token ids for `backend`'s model (checked before it loaded)."""
+    if not opts.logit_bias:
+        return params
+    return params.replace(logit_bias=logit_biases(backend, opts.logit_bias))
+
+
 def context_settings(opts: TurnOptions, env: Environment) -> ContextSettings:
     gen = env.config.generation
     ctx = opts.ctx if opts.ctx is not None else gen.get("ctx")

@@ -17,11 +17,11 @@ from quipu.app.environment import (
     chat_template_source,
     context_settings,
     load_backend,
-    logit_biases,
     parse_logit_bias,
     sampling_params,
     system_prompt,
     template_variables,
+    with_logit_biases,
 )
 from quipu.engine.base import Backend, ContextSettings, ProgressFn
 from quipu.errors import EngineError, InvalidParameter, ModelMismatch, SnapshotError, UsageError
@@ -56,14 +56,40 @@ def open_session(opts: TurnOptions, env: Environment) -> tuple[str, Path, Infere
     started = time.perf_counter()
     backend = load_backend(model_path, settings, opts.verbose)
     try:
-        if opts.logit_bias:
-            params = params.replace(logit_bias=logit_biases(backend, opts.logit_bias))
-        session = InferenceSession(backend, params)
+        session = InferenceSession(backend, with_logit_biases(params, backend, opts))
     except BaseException:
         backend.close()
         raise
     session.stats.load_s = time.perf_counter() - started
     return model_name, model_path, session
+
+
+def saved_params(store: SessionStore, name: str, record: Transcript) -> SamplingParams:
+    """A transcript's sampling parameters; damaged ones are said, and the file left as it is."""
+    try:
+        return SamplingParams.from_dict(record.params)
+    except (TypeError, InvalidParameter) as exc:
+        raise SnapshotError(f"session '{name}' is damaged: {exc}; {store.transcript_path(name)} was left "
+                            "as it is") from None
+
+
+def made_elsewhere(name: str, record: Transcript, model_name: str, messages: list[Message]) -> str:
+    """The notice for a session continued on another model (its context is read again from the
+    messages, whose token counts then mean nothing)."""
+    for m in messages:
+        m.context_before = None
+    return (f"session '{name}' was made with {record.model.get('name', 'another model')}; continuing with "
+            f"{model_name}, re-read from the transcript")
+
+
+def resumed(kind: type[Conversation], session, messages: list[Message], template: str | None, record: Transcript,
+            opts: TurnOptions) -> Conversation:
+    """A saved conversation on `session` (a `kind` of Conversation), with the options that change it."""
+    conv = kind(session, ChatTemplate.of(session.backend, template), messages,
+                variables=template_variables(opts, record.template_variables))
+    if opts.system is not None:
+        conv.set_system(opts.system)
+    return conv
 
 
 @dataclass
@@ -127,14 +153,8 @@ class NamedSession:
     @classmethod
     def _resume(cls, store: SessionStore, name: str, record: Transcript, opts: TurnOptions,
                 env: Environment, on_progress: ProgressFn | None) -> "NamedSession":
-        try:
-            params = SamplingParams.from_dict(record.params)
-        except (TypeError, InvalidParameter) as exc:
-            raise SnapshotError(
-                f"session '{name}' is damaged: {exc}; {store.transcript_path(name)} was left as it is"
-            ) from None
+        params = sampling_params(opts, env, saved_params(store, name, record))
         messages = [Message.from_dict(m) for m in record.messages]
-        params = sampling_params(opts, env, params)
         parse_logit_bias(opts.logit_bias)
         saved_ctx = record.context
         model_name, model_path = cls._resume_model(name, record.model, opts, env)
@@ -151,8 +171,7 @@ class NamedSession:
         saved_state = None
         try:
             load_s = time.perf_counter() - started
-            if opts.logit_bias:
-                params = params.replace(logit_bias=logit_biases(backend, opts.logit_bias))
+            params = with_logit_biases(params, backend, opts)
             if same_model:
                 restoring = time.perf_counter()  # a rebuild from the transcript is part of restoring
                 snap = Snapshot(record.tokens, record.n_decoded, record.draws, params, saved_ctx)
@@ -169,20 +188,12 @@ class NamedSession:
                 if session.rebuilt_tokens == 0 and snap.state is not None:
                     saved_state = state_key(session)
             else:
-                notices.append(
-                    f"session '{name}' was made with {record.model.get('name', 'another model')}; "
-                    f"continuing with {model_name}, re-read from the transcript"
-                )
-                for m in messages:
-                    m.context_before = None
+                notices.append(made_elsewhere(name, record, model_name, messages))
                 session = InferenceSession(backend, params)
                 session.draws = record.draws
             session.stats.load_s = load_s
             template = chat_template_source(opts) or record.chat_template
-            conv = Conversation(session, ChatTemplate.of(backend, template), messages,
-                                variables=template_variables(opts, record.template_variables))
-            if opts.system is not None:
-                conv.set_system(opts.system)
+            conv = resumed(Conversation, session, messages, template, record, opts)
         except BaseException:
             backend.close()
             raise

@@ -22,14 +22,13 @@ from quipu.app.environment import (
     Environment,
     TurnOptions,
     chat_template_source,
-    logit_biases,
     max_tokens,
-    parse_logit_bias,
     sampling_params,
     system_prompt,
     template_variables,
+    with_logit_biases,
 )
-from quipu.app.named import FOLD_NOTICE, NamedSession
+from quipu.app.named import FOLD_NOTICE, NamedSession, made_elsewhere, resumed, saved_params
 from quipu.app.turns import (
     PromptView,
     ReplyStream,
@@ -41,11 +40,10 @@ from quipu.app.turns import (
     show_prompt,
 )
 from quipu.engine.base import ContextSettings, ProgressFn
-from quipu.errors import BadInput, CapabilityError, InvalidParameter, SnapshotError
+from quipu.errors import BadInput, CapabilityError
 from quipu.sessions.conversation import Message
 from quipu.sessions.params import SamplingParams
 from quipu.sessions.served import ServedConversation, ServedSession
-from quipu.sessions.template import ChatTemplate
 from quipu.store.store import SessionStore, validate_name
 from quipu.store.transcript import Transcript, now_iso
 
@@ -74,11 +72,7 @@ def refuse_server_settings(opts: TurnOptions) -> None:
 
 
 def served_params(served, opts: TurnOptions, env: Environment, base: SamplingParams | None = None) -> SamplingParams:
-    params = sampling_params(opts, env, base)
-    parse_logit_bias(opts.logit_bias)
-    if opts.logit_bias:
-        params = params.replace(logit_bias=logit_biases(served, opts.logit_bias))
-    return params
+    return with_logit_biases(sampling_params(opts, env, base), served, opts)
 
 
 def open_one_shot(served, opts: TurnOptions, env: Environment) -> ServedConversation:
@@ -194,28 +188,18 @@ class ServedNamedSession(NamedSession):
             conv = open_one_shot(served, opts, env)
             created = now_iso()
         else:
-            try:
-                base = SamplingParams.from_dict(record.params)
-            except (TypeError, InvalidParameter) as exc:
-                raise SnapshotError(f"session '{name}' is damaged: {exc}; {store.transcript_path(name)} was left "
-                                    "as it is") from None
-            session = ServedSession(served, served_params(served, opts, env, base))
+            session = ServedSession(served, served_params(served, opts, env, saved_params(store, name, record)))
             messages = [Message.from_dict(m) for m in record.messages]
             saved = record.served
             if saved is not None and saved["identity"] == served.identity:
                 session.restore(record.tokens, saved["text"], [tuple(m) for m in saved["marks"]], record.draws)
             else:
+                notice = made_elsewhere(name, record, served.name, messages)
                 if record.tokens:
-                    notices.append(f"session '{name}' was made with {record.model.get('name', 'another model')}; "
-                                   f"continuing with {served.name}, re-read from the transcript")
-                for m in messages:
-                    m.context_before = None
+                    notices.append(notice)
                 session.draws = record.draws
             source = source or record.chat_template
-            conv = ServedConversation(session, ChatTemplate.of(served, source), messages,
-                                      variables=template_variables(opts, record.template_variables))
-            if opts.system is not None:
-                conv.set_system(opts.system)
+            conv = resumed(ServedConversation, session, messages, source, record, opts)
             created = record.created or now_iso()
         named = cls(store, name, served.name, None, "", conv, created, notices, chat_template=source, url=url,
                     keeper=SlotKeeper(name, slot_file_of(record)))

@@ -99,10 +99,10 @@ class RemoteModel:
         key = os.environ.get(self.settings.api_key_env)
         return {"Authorization": f"Bearer {key}"} if key else {}
 
-    def _where(self) -> str:
+    def where(self) -> str:
         return f"the server at {self.base}"
 
-    def _send(self, method: str, path: str, body: dict | None = None, *, stream: bool = False):
+    def request(self, method: str, path: str, body: dict | None = None, *, stream: bool = False):
         """The response (opened for streaming when asked), after the retries a failure may earn."""
         httpx = self._httpx
         pause = self.settings.backoff
@@ -115,14 +115,14 @@ class RemoteModel:
                 response = self._client.send(request, stream=stream)
             except httpx.ConnectError as exc:
                 if last or "Name or service not known" in str(exc) or "nodename nor servname" in str(exc):
-                    raise RemoteError(f"cannot reach {self._where()}: {_reason(exc)}") from None
+                    raise RemoteError(f"cannot reach {self.where()}: {_reason(exc)}") from None
             except httpx.ConnectTimeout:
-                raise RemoteError(f"{self._where()} did not take the connection within "
+                raise RemoteError(f"{self.where()} did not take the connection within "
                                   f"{self.settings.connect_timeout:g} s") from None
             except httpx.TimeoutException:
-                raise RemoteError(f"{self._where()} did not answer within {self._timeout_said()}") from None
+                raise RemoteError(f"{self.where()} did not answer within {self._timeout_said()}") from None
             except httpx.HTTPError as exc:
-                raise RemoteError(f"the request to {self._where()} failed: {_reason(exc)}") from None
+                raise RemoteError(f"the request to {self.where()} failed: {_reason(exc)}") from None
             else:
                 if response.status_code < 400:
                     return response
@@ -150,28 +150,28 @@ class RemoteModel:
         if code in (401, 403):
             held = self.settings.api_key_env
             key = "the key in $" + held if os.environ.get(held) else f"no key (set ${held})"
-            return RemoteError(f"{self._where()} refused the request ({status}) with {key}"
+            return RemoteError(f"{self.where()} refused the request ({status}) with {key}"
                                f"{': ' + said if said else ''}", status=code)
         if code == 404:
-            return RemoteError(f"{self._where()} has no such model or endpoint ({status})"
+            return RemoteError(f"{self.where()} has no such model or endpoint ({status})"
                                f"{': ' + said if said else ''}", status=code)
-        return RemoteError(f"{self._where()} answered {status}{': ' + said if said else ''}", status=code)
+        return RemoteError(f"{self.where()} answered {status}{': ' + said if said else ''}", status=code)
 
-    def _json(self, method: str, path: str, body: dict | None = None) -> Any:
-        response = self._send(method, path, body)
+    def request_json(self, method: str, path: str, body: dict | None = None) -> Any:
+        response = self.request(method, path, body)
         try:
             return response.json()
         except ValueError:
-            raise RemoteError(f"{self._where()} did not answer {path} with JSON") from None
+            raise RemoteError(f"{self.where()} did not answer {path} with JSON") from None
 
     # ---- what the server has --------------------------------------------------------------
 
     def models(self) -> list[dict]:
         """The server's models (`/v1/models`): each with at least an `id`."""
-        data = self._json("GET", "/v1/models")
+        data = self.request_json("GET", "/v1/models")
         items = data.get("data") if isinstance(data, dict) else None
         if not isinstance(items, list):
-            raise RemoteError(f"{self._where()} answered /v1/models with something else than a model list")
+            raise RemoteError(f"{self.where()} answered /v1/models with something else than a model list")
         return [m for m in items if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
     def model_name(self) -> str:
@@ -179,7 +179,7 @@ class RemoteModel:
         if self._model is None:
             models = self.models()
             if not models:
-                raise RemoteError(f"{self._where()} lists no model")
+                raise RemoteError(f"{self.where()} lists no model")
             self._model = models[0]["id"]
         return self._model
 
@@ -190,7 +190,7 @@ class RemoteModel:
         None for any other server."""
         if self._props is None:
             try:
-                props = self._json("GET", "/props")
+                props = self.request_json("GET", "/props")
             except RemoteError:
                 props = None
             ok = isinstance(props, dict) and isinstance(props.get("default_generation_settings"), dict)
@@ -205,22 +205,22 @@ class RemoteModel:
     def slot_file(self, slot: int, action: str, filename: str) -> int:
         """Saves a slot's context to `filename` (in the server's --slot-save-path) or restores it;
         the number of tokens saved or restored."""
-        data = self._json("POST", f"/slots/{slot}?action={action}", {"filename": filename})
+        data = self.request_json("POST", f"/slots/{slot}?action={action}", {"filename": filename})
         count = data.get("n_saved" if action == "save" else "n_restored") if isinstance(data, dict) else None
         if not isinstance(count, int):
-            raise RemoteError(f"{self._where()} answered a slot {action} with something unexpected")
+            raise RemoteError(f"{self.where()} answered a slot {action} with something unexpected")
         return count
 
     def embed(self, texts: list[str]) -> list[list[float]]:
         """One vector per text (`/v1/embeddings`), pooled as the server was started to pool."""
-        data = self._json("POST", "/v1/embeddings", {"model": self.model_name(), "input": list(texts)})
+        data = self.request_json("POST", "/v1/embeddings", {"model": self.model_name(), "input": list(texts)})
         items = data.get("data") if isinstance(data, dict) else None
         if not isinstance(items, list) or len(items) != len(texts):
-            raise RemoteError(f"{self._where()} answered /v1/embeddings with something else than one vector a text")
+            raise RemoteError(f"{self.where()} answered /v1/embeddings with something else than one vector a text")
         ordered = sorted(items, key=lambda item: item.get("index", 0) if isinstance(item, dict) else 0)
         vectors = [item.get("embedding") if isinstance(item, dict) else None for item in ordered]
         if not all(isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v) for v in vectors):
-            raise CapabilityError(f"{self._where()} gave no usable embeddings (was it started with embeddings on?)")
+            raise CapabilityError(f"{self.where()} gave no usable embeddings (was it started with embeddings on?)")
         return vectors
 
     # ---- generation -----------------------------------------------------------------------
@@ -236,12 +236,12 @@ class RemoteModel:
             body["stop"] = list(stop)
         started = time.perf_counter()
         try:
-            response = self._send("POST", "/v1/chat/completions", body, stream=True)
+            response = self.request("POST", "/v1/chat/completions", body, stream=True)
         except RemoteError as exc:
             if self._model is not None or exc.status not in (400, 404, 422):
                 raise
             body["model"] = self.model_name()
-            response = self._send("POST", "/v1/chat/completions", body, stream=True)
+            response = self.request("POST", "/v1/chat/completions", body, stream=True)
         reply = RemoteReply(model=body["model"])
         pieces: list[str] = []
         try:
@@ -286,24 +286,24 @@ class RemoteModel:
                 try:
                     event = json.loads(data)
                 except ValueError:
-                    raise RemoteError(f"{self._where()} sent an event that is not JSON: {data[:80]!r}",
+                    raise RemoteError(f"{self.where()} sent an event that is not JSON: {data[:80]!r}",
                                       partial=partial()) from None
                 if not isinstance(event, dict):
-                    raise RemoteError(f"{self._where()} sent an event that is not an object", partial=partial())
+                    raise RemoteError(f"{self.where()} sent an event that is not an object", partial=partial())
                 if "error" in event:
-                    raise RemoteError(f"{self._where()} failed mid-reply: {_server_message(event)}",
+                    raise RemoteError(f"{self.where()} failed mid-reply: {_server_message(event)}",
                                       partial=partial())
                 yield event
                 if last(event):
                     finished = True
                     break
         except httpx.TimeoutException:
-            raise RemoteError(f"{self._where()} sent nothing for {self._timeout_said()} mid-reply",
+            raise RemoteError(f"{self.where()} sent nothing for {self._timeout_said()} mid-reply",
                               partial=partial()) from None
         except httpx.HTTPError as exc:
-            raise RemoteError(f"{self._where()} cut the reply short: {_reason(exc)}", partial=partial()) from None
+            raise RemoteError(f"{self.where()} cut the reply short: {_reason(exc)}", partial=partial()) from None
         if not finished and not getattr(partial(), "finish_reason", ""):
-            raise RemoteError(f"{self._where()} closed the stream before the reply was over", partial=partial())
+            raise RemoteError(f"{self.where()} closed the stream before the reply was over", partial=partial())
 
     def _take(self, event: dict, reply: RemoteReply, pieces: list[str], started: float, on_text) -> None:
         if isinstance(event.get("model"), str) and event["model"]:

@@ -94,7 +94,7 @@ class ServedModel:
     def n_vocab(self) -> int:
         n = self._meta().get("n_vocab")
         if not isinstance(n, int) or n <= 0:
-            raise RemoteError(f"{self.remote._where()} does not say the size of its model's vocabulary")
+            raise RemoteError(f"{self.remote.where()} does not say the size of its model's vocabulary")
         return n
 
     def close(self) -> None:
@@ -106,16 +106,16 @@ class ServedModel:
         return [t for t, _ in self._pieces(text, add_special, parse_special)]
 
     def _pieces(self, text: str, add_special: bool, parse_special: bool) -> list[tuple[int, bytes]]:
-        data = self.remote._json("POST", "/tokenize", {"content": text, "add_special": add_special,
+        data = self.remote.request_json("POST", "/tokenize", {"content": text, "add_special": add_special,
                                                       "parse_special": parse_special, "with_pieces": True})
         items = data.get("tokens") if isinstance(data, dict) else None
         if not isinstance(items, list):
-            raise RemoteError(f"{self.remote._where()} answered /tokenize with something unexpected")
+            raise RemoteError(f"{self.remote.where()} answered /tokenize with something unexpected")
         out = []
         for item in items:
             piece = item.get("piece") if isinstance(item, dict) else None
             if not isinstance(item.get("id") if isinstance(item, dict) else None, int):
-                raise RemoteError(f"{self.remote._where()} answered /tokenize with something unexpected")
+                raise RemoteError(f"{self.remote.where()} answered /tokenize with something unexpected")
             out.append((item["id"], piece.encode("utf-8") if isinstance(piece, str) else bytes(piece or [])))
         return out
 
@@ -123,10 +123,10 @@ class ServedModel:
         """The tokens' text, control tokens written out."""
         if not tokens:
             return ""
-        data = self.remote._json("POST", "/detokenize", {"tokens": list(tokens)})
+        data = self.remote.request_json("POST", "/detokenize", {"tokens": list(tokens)})
         text = data.get("content") if isinstance(data, dict) else None
         if not isinstance(text, str):
-            raise RemoteError(f"{self.remote._where()} answered /detokenize with something unexpected")
+            raise RemoteError(f"{self.remote.where()} answered /detokenize with something unexpected")
         return text
 
     def spell(self, token: int) -> str:
@@ -183,7 +183,7 @@ class ServedModel:
             body["id_slot"] = slot
         done = Completion()
         started = time.perf_counter()
-        response = self.remote._send("POST", "/completion", body, stream=True)
+        response = self.remote.request("POST", "/completion", body, stream=True)
         try:
             events = self.remote.events(response, lambda: done, lambda event: event.get("stop") is True)
             for event in events:
