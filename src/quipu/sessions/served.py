@@ -101,8 +101,8 @@ class ServedSession:
     def prompt_for(self, rendered: Rendered, max_tokens: int) -> list[int | str]:
         """What to send for `rendered`: the held tokens it begins with, then its new text (a
         user's spelling of a control token as tokens). All tokens when the new text might leave
-        less than `max_tokens` of room (a token spells at least a byte; two bounds a SentencePiece
-        space too)."""
+        less than `max_tokens` of room, counting it generously as two tokens a byte (a token
+        spells at least one byte, and SentencePiece may add a space before a piece)."""
         k, n = self._kept(rendered)
         if k + 1 + 2 * len(rendered.text[n:].encode("utf-8")) + len(rendered.parts) + max_tokens > self.n_ctx:
             return list(self.context_for(rendered))
