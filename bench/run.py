@@ -538,13 +538,16 @@ def bench_batch(model: str, threads: int, repeats: int, home: str, n_rows: int =
 
 
 REMOTE_CODE = """
-import json, sys, time
+import itertools, json, sys, tempfile, time
 import httpx
-from quipu.app.served import open_served
+from quipu.app.environment import Environment, TurnOptions
+from quipu.app.named import store_for
+from quipu.app.served import ServedNamedSession, open_served
 from quipu.engine.remote import RemoteModel, RemoteSettings
-from quipu.sessions.params import SamplingParams
-from quipu.sessions.served import ServedConversation, ServedSession
 url, n, long_text = sys.argv[1], int(sys.argv[2]), sys.stdin.read()
+home = tempfile.mkdtemp()
+env = Environment.load({"QUIPU_HOME": home})
+store, opts, names = store_for(env), TurnOptions(temperature=0, seed=1), itertools.count()
 question = "Write a long story about a river."
 params = {"temperature": 0, "seed": 1}
 client = httpx.Client(timeout=600)
@@ -559,8 +562,8 @@ def figures(started, stamps):
     return {"ttft": stamps[0] - started, "tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
 
 
-def bare(messages):  # the chat API, streamed, nothing else
-    body = {"model": "m", "messages": messages, "stream": True, "max_tokens": n, **params}
+def bare(messages, slot=-1):  # the chat API, streamed, nothing else
+    body = {"model": "m", "messages": messages, "stream": True, "max_tokens": n, "id_slot": slot, **params}
     stamps = []
     idle()
     started = time.perf_counter()
@@ -591,30 +594,34 @@ def by_tokens(conv, text):  # `quipu run -S` / `quipu chat` on llama-server: a t
     return figures(started, stamps)
 
 
-def conversation(served):
-    return ServedConversation.start(ServedSession(served, SamplingParams(temperature=0, seed=1)))
+def conversation(served):  # a new named session, its context kept in its slot between turns
+    named = ServedNamedSession.open_on(served, url, store, f"s{next(names)}", opts, env)
+    return named.conversation
 
 
 out = {k: [] for k in ("bare", "chat_api", "tokens", "later_bare", "later_tokens")}
 asked = [{"role": "user", "content": question}]
-bare(asked)  # the server has read the question once before anyone is timed
+for slot in (0, 1):  # each slot has read the question once before anyone is timed
+    bare(asked, slot)
 remote = RemoteModel(RemoteSettings(url=url))
 served = open_served(RemoteSettings(url=url))
 for _ in range(3):  # each in turn, so that a moment's load falls on all of them alike
     out["bare"].append(bare(asked))
     out["chat_api"].append(through_chat_api(remote, asked))
     out["tokens"].append(by_tokens(conversation(served), question))
-# A later turn of a long conversation. Before each, the server is left holding the conversation
-# up to a new question (asked untimed); the questions differ in their first token, so each reads
-# the same number of tokens anew.
+# A later turn of a long conversation, each client on a slot of its own (the session on its
+# slot, the bare client on the other), each slot holding the conversation and the client's
+# previous question, which the next one differs from in its first token.
 conv = conversation(served)
 conv.send(long_text, max_tokens=8)
 so_far = [{"role": m.role, "content": m.content} for m in conv.messages]
-for _ in range(3):
-    bare(so_far + [{"role": "user", "content": "0. Go on."}])
-    out["later_bare"].append(bare(so_far + [{"role": "user", "content": "1. Go on."}]))
-    bare(so_far + [{"role": "user", "content": "0. Go on."}])
-    out["later_tokens"].append(by_tokens(conv, "2. Go on."))
+other = 1 - conv.session.slot
+bare(so_far + [{"role": "user", "content": "Go on."}], other)
+by_tokens(conv, "Go on.")
+conv.undo()
+for i in range(3):
+    out["later_bare"].append(bare(so_far + [{"role": "user", "content": f"{i}. Go on."}], other))
+    out["later_tokens"].append(by_tokens(conv, f"{i}. Go on."))
     conv.undo()
 print(json.dumps(out))
 """
@@ -638,7 +645,7 @@ def bench_remote(model: str, threads: int, repeats: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         slots = Path(tmp) / "slots"
         slots.mkdir()
-        proc = serve([str(exe), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", "4096", "-np", "1",
+        proc = serve([str(exe), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", "8192", "-np", "2",
                       "-t", str(threads), "--no-webui", "--slot-save-path", str(slots)], "/health", port,
                      Path(tmp) / "log.txt")
         try:
@@ -652,8 +659,9 @@ def bench_remote(model: str, threads: int, repeats: int) -> list[dict]:
             quipu_cmd("run", "--url", url, "-S", "long", "-n", "8", "-t", "0", "Read this.", stdin=doc.encode(), env=env)
 
             def erase() -> None:
-                request = urllib.request.Request(f"{url}/slots/0?action=erase", data=b"{}", method="POST")
-                urllib.request.urlopen(request, timeout=30).close()
+                for slot in (0, 1):
+                    request = urllib.request.Request(f"{url}/slots/{slot}?action=erase", data=b"{}", method="POST")
+                    urllib.request.urlopen(request, timeout=30).close()
 
             restored, reread = [], []
             turn = [sys.executable, "-m", "quipu", "run", "--url", url, "-S", "long", "-n", "4", "-t", "0", "Go on."]
@@ -678,7 +686,7 @@ def bench_remote(model: str, threads: int, repeats: int) -> list[dict]:
     for mine, theirs, what in (
             ("chat_api", "bare", "`run --url` (the chat API), a new question"),
             ("tokens", "bare", "a session by tokens (`run -S`, `chat`), a new question"),
-            ("later_tokens", "later_bare", "a session by tokens, a turn after a ~1,400-token one")):
+            ("later_tokens", "later_bare", "a session by tokens, a turn after a ~1,400-token one, a slot each")):
         for key, measure in (("ttft", "time to first token (s)"), ("tok_s", "decode tok/s")):
             q = median([f[key] for g in got for f in g[mine]])
             b = median([f[key] for g in got for f in g[theirs]])

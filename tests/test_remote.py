@@ -358,6 +358,34 @@ def test_a_session_on_llama_server_is_kept_in_a_slot_file(quipu, llama_server):
     assert len(set(llama_server.slots.glob("quipu-*.bin")) - others) == 1  # saved anew after the turn
 
 
+def test_a_chat_on_llama_server_keeps_its_context_in_its_slot(llama_server, tmp_path):
+    # In one chat the session's slot holds its context from turn to turn, and its file is restored
+    # only when someone else used the slot since; either way a turn reads only what is new, and
+    # going back (/undo) warns of nothing.
+    from quipu.app.environment import Environment, TurnOptions
+    from quipu.app.remote import RemoteChatSession
+    from quipu.engine.remote import RemoteSettings
+
+    env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
+    opts = TurnOptions(max_tokens=6, temperature=0.0, system="You are a careful geographer. " * 20)
+    chat = RemoteChatSession.open(env, opts, RemoteSettings(url=llama_server.url), name="held")
+    try:
+        for question, taken in (("Name a river.", False), ("And a sea?", False), ("And a mountain?", True),
+                                ("And a lake?", False)):
+            if taken:
+                erase_slots(llama_server.url)  # other clients take every slot meanwhile
+            held = chat.context_used
+            chat.send(question)
+            assert chat.last_stats.cached_tokens >= held - 1 and chat.notices == []
+        chat.undo()
+        chat.undo()  # back two exchanges: the slot holds more than the next turn can use
+        held = chat.context_used
+        chat.send("And a forest?")
+        assert chat.last_stats.cached_tokens >= held - 1 and chat.notices == []
+    finally:
+        chat.close()
+
+
 # ---- llama-server driven by tokens: exact sessions ------------------------------------------------
 
 def erase_slots(url: str, slots: int = 2) -> None:

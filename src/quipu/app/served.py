@@ -85,17 +85,21 @@ def open_one_shot(served, opts: TurnOptions, env: Environment) -> ServedConversa
 class SlotKeeper:
     """A named session's context on llama.cpp's llama-server, kept in a slot file between turns
     (the server must be started with --slot-save-path). Before a turn the file is restored into
-    the session's slot, after it the slot is saved; the conversation is sent whole all the same,
-    so the server reuses what the restore put back and reads only the rest. That the restore was
-    used is checked on the reply's cached-token count: when it was not, the turn was read again
-    (correct, only slower), and a warning says so. Other servers: nothing is done."""
+    the session's slot, unless the slot is as the last save left it (the same last task, the same
+    size: a chat's next turn), after it the slot is saved; the conversation is sent whole all the
+    same, so the server reuses what the slot holds and reads only the rest. That it was reused is
+    checked on the reply's cached-token count against what the new prompt shares with the held
+    context: when it was not, the turn was read again (correct, only slower), and a warning says
+    so. Other servers: nothing is done."""
 
     def __init__(self, name: str, filename: str | None):
         self.name = name
         self.filename = filename
-        self.restored = 0
+        self.restored = 0  # the tokens the slot holds for the session when a turn starts
         self.slot = -1
         self.why_not = ""
+        self.saved = 0
+        self.left: tuple | None = None  # how the slot looked after the last save
 
     def before(self, remote) -> int:
         """Restores the session's file into its slot; the slot to use (-1: the server has none)."""
@@ -109,34 +113,43 @@ class SlotKeeper:
         if fresh:
             self.filename = f"quipu-{uuid.uuid4().hex}.bin"
         self.slot = self.slot_of(slots)
-        if not fresh:
-            try:
-                self.restored = remote.slot_file(self.slot, "restore", self.filename)
-            except RemoteError as exc:
-                self.restored, self.why_not = 0, str(exc)
+        if fresh:
+            return self.slot
+        if self.left is not None and remote.slot_look(self.slot) == self.left:
+            self.restored = self.saved  # nobody used the slot since: it holds the session still
+            return self.slot
+        try:
+            self.restored = remote.slot_file(self.slot, "restore", self.filename)
+        except RemoteError as exc:
+            self.restored, self.why_not = 0, str(exc)
         return self.slot
 
     def slot_of(self, slots: int) -> int:
         return zlib.crc32(self.filename.encode()) % slots
 
-    def after(self, remote, cached_tokens: int) -> list[str]:
+    def after(self, remote, cached_tokens: int, held: int) -> list[str]:
+        """Saves the slot; notices of a context that was not reused (`held`: the tokens the turn's
+        prompt shared with the session's context)."""
         from quipu.engine.remote import RemoteError
 
         if self.slot < 0:
             return []
         notices = []
+        expected = min(self.restored, held)
         if self.why_not:
             notices.append(f"session '{self.name}': its context could not be restored on llama-server "
                            f"({self.why_not}); the conversation was read again")
-        elif self.restored and cached_tokens < self.restored * 0.9:
-            notices.append(f"session '{self.name}': llama-server did not use its restored context ({cached_tokens}"
-                           f" of {self.restored} tokens reused); the conversation was read again")
+        elif expected and cached_tokens < expected * 0.9:
+            notices.append(f"session '{self.name}': llama-server did not reuse its context ({cached_tokens} of "
+                           f"{expected} tokens); the conversation was read again")
+        self.left = None
         try:
-            remote.slot_file(self.slot, "save", self.filename)
+            self.saved = remote.slot_file(self.slot, "save", self.filename)
         except RemoteError:
             self.filename = None  # the server keeps no slot files (no --slot-save-path): nothing to restore
+            return notices
+        self.left = remote.slot_look(self.slot)
         return notices
-
 
 
 def slot_file_of(record) -> str | None:
@@ -155,8 +168,8 @@ class HeldSlot:
     def before(self) -> int:
         return self.keeper.before(self.served.remote)
 
-    def after(self, cached_tokens: int) -> None:
-        self.notices += self.keeper.after(self.served.remote, cached_tokens)
+    def after(self, cached_tokens: int, held: int) -> None:
+        self.notices += self.keeper.after(self.served.remote, cached_tokens, held)
 
 
 @dataclass

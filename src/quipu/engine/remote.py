@@ -202,6 +202,18 @@ class RemoteModel:
         total = (self.props() or {}).get("total_slots")
         return total if isinstance(total, int) and total > 0 else 0
 
+    def slot_look(self, slot: int) -> tuple | None:
+        """What tells a slot's context changed (its last task, its prompt's size); None when the
+        server does not say (`/slots` turned off)."""
+        try:
+            data = self.request_json("GET", "/slots")
+        except RemoteError:
+            return None
+        for item in data if isinstance(data, list) else ():
+            if isinstance(item, dict) and item.get("id") == slot and item.get("id_task") is not None:
+                return item.get("id_task"), item.get("n_prompt_tokens")
+        return None
+
     def slot_file(self, slot: int, action: str, filename: str) -> int:
         """Saves a slot's context to `filename` (in the server's --slot-save-path) or restores it;
         the number of tokens saved or restored."""

@@ -47,7 +47,8 @@ class ServedSession:
         self.draws = 0
         self.slot = -1  # the server's slot to use (-1: any)
         # Keeps the context in a slot of its own between turns: `before()` the slot to use,
-        # `after(cached_tokens)` once the reply is done (with the server's count of reused tokens).
+        # `after(cached_tokens, held)` once the reply is done (with the server's count of reused
+        # tokens, and how many of the prompt's the context held).
         self.slot_holder = None
         self.stats = Stats()
         self._turn_started = 0.0
@@ -168,12 +169,13 @@ class ServedSession:
                 raise
             done.finish_reason, error = "interrupted", exc
         ids = self._ids(prompt, done.prompt_tokens)
+        held = common_prefix(ids or [], self.tokens)
         finish = done.finish_reason or "stop"
         if finish == "length" and room < max_tokens and len(done.tokens) >= room:
             finish = "context_full"
         self._keep(prompt, ids, prompt_text, done, finish)
         if self.slot_holder is not None and error is None:
-            self.slot_holder.after(done.cached_tokens)
+            self.slot_holder.after(done.cached_tokens, held)
         self.draws += len(done.tokens)
         stats = self.stats
         stats.prompt_tokens, stats.completion_tokens = len(ids) if ids else done.prompt_tokens, len(done.tokens)
