@@ -545,8 +545,8 @@ from quipu.app.named import store_for
 from quipu.app.served import ServedNamedSession, open_served
 from quipu.engine.remote import RemoteModel, RemoteSettings
 url, n, long_text = sys.argv[1], int(sys.argv[2]), sys.stdin.read()
-home = tempfile.mkdtemp()
-env = Environment.load({"QUIPU_HOME": home})
+home = tempfile.TemporaryDirectory()  # (removed at exit)
+env = Environment.load({"QUIPU_HOME": home.name})
 store, opts, names = store_for(env), TurnOptions(temperature=0, seed=1), itertools.count()
 question = "Write a long story about a river."
 params = {"temperature": 0, "seed": 1}
@@ -653,6 +653,8 @@ def bench_remote(model: str, threads: int, repeats: int) -> list[dict]:
             doc = context_text(model, 1400)
             got = [json.loads(subprocess.run([sys.executable, "-c", REMOTE_CODE, url, "128"], input=doc.encode(),
                                              capture_output=True, check=True).stdout) for _ in range(repeats)]
+            for made in slots.glob("quipu-*.bin"):  # (the slot files of the sessions timed above)
+                made.unlink()
             # A 1,400-token session resumed after the server's slot went to someone else: its slot
             # file restored, against the same turn with no file (the conversation read again).
             env = {"QUIPU_HOME": str(Path(tmp) / "home")}
