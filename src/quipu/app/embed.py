@@ -47,7 +47,5 @@ def _embed_remote(texts: list[str], opts: TurnOptions, settings, pooling: str) -
 
     if pooling != "mean" or opts.threads is not None:
         raise CapabilityError("--pooling and --threads cannot be used with a server: it pools as it was started")
-    if opts.model:
-        settings.model = opts.model
     with RemoteModel(settings) as remote:
         return remote.embed(texts)

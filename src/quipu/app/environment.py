@@ -82,16 +82,16 @@ class Environment:
     def cache_max_bytes(self) -> int:
         return self.config.cache.get("max_bytes", DEFAULT_CACHE_BYTES)
 
-    def remote(self, url: str | None):
+    def remote(self, url: str | None, model: str | None = None):
         """The server to use (`--url`, else QUIPU_URL, else [remote] url in the config) as
-        RemoteSettings; None for a local model."""
+        RemoteSettings, asking for `model` (`-m`), else the config's; None for a local model."""
         url = url or self.environ.get("QUIPU_URL") or self.config.remote.get("url")
         if not url:
             return None
         from quipu.engine.remote import RemoteSettings
 
         conf = self.config.remote
-        settings = RemoteSettings(url=url, model=conf.get("model"),
+        settings = RemoteSettings(url=url, model=model or conf.get("model"),
                                   api_key_env=conf.get("api_key_env", "QUIPU_API_KEY"))
         if "timeout" in conf:
             settings.read_timeout = settings.connect_timeout = conf["timeout"]

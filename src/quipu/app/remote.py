@@ -29,15 +29,22 @@ from quipu.errors import BadInput, CapabilityError, UsageError
 from quipu.sessions.inference import Stats
 
 
-def refuse_unsupported(opts: TurnOptions, *, show: bool = False) -> None:
-    refused = [
+def beyond_chat_api(opts: TurnOptions) -> list[tuple[bool, str]]:
+    """(given, what) for each option the chat API cannot carry, which llama-server takes by tokens."""
+    return [
         (opts.continue_reply, "--continue"),
         (opts.raw, "--raw"),
-        (show, "--show-prompt"),
         (opts.schema is not None or opts.grammar is not None, "--schema and --grammar"),
         (bool(opts.logit_bias), "--logit-bias"),
         (opts.chat_template is not None, "--chat-template (the server renders its own)"),
         (opts.think is not None, "--think/--no-think"),
+    ]
+
+
+def refuse_unsupported(opts: TurnOptions, *, show: bool = False) -> None:
+    refused = [
+        *beyond_chat_api(opts),
+        (show, "--show-prompt"),
         (opts.kv_type is not None or opts.ctx is not None or opts.threads is not None,
          "--ctx, --threads and --kv-type (the server's own settings)"),
     ]
@@ -48,9 +55,13 @@ def refuse_unsupported(opts: TurnOptions, *, show: bool = False) -> None:
 
 def needs_tokens(opts: TurnOptions) -> bool:
     """Whether a turn needs llama-server driven by tokens: a session, or what the chat API lacks."""
-    return (opts.session is not None or opts.continue_reply or opts.raw or opts.schema is not None
-            or opts.grammar is not None or bool(opts.logit_bias) or opts.think is not None
-            or opts.chat_template is not None)
+    return opts.session is not None or any(given for given, _ in beyond_chat_api(opts))
+
+
+def session_system(opts: TurnOptions, env: Environment, resumed: bool) -> str | None:
+    """The system prompt a session takes: the one given, else (for a new one) the config's; None
+    leaves a resumed session's as it is."""
+    return opts.system if opts.system is not None else (None if resumed else system_prompt(opts, env))
 
 
 def request_params(opts: TurnOptions, env: Environment) -> dict:
@@ -66,11 +77,9 @@ def run_remote_turn(prompt: str | None, opts: TurnOptions, env: Environment, set
                     on_text: TextFn | None = None, on_reasoning: TextFn | None = None,
                     should_stop: StopFn | None = None,
                     on_result: Callable[[TurnResult], None] | None = None) -> TurnResult:
-    if opts.model:
-        settings.model = opts.model
     # A plain one-shot goes through the chat API even on llama-server: one round trip before the
-    # first token, where driving it by tokens takes several (tokenizing, the template rendered
-    # here), and nothing is kept that exact tokens would serve.
+    # first token, where driving it by tokens first asks for /props and the model's BOS and
+    # renders the template here, and nothing is kept that exact tokens would serve.
     served = open_served(settings) if needs_tokens(opts) else None
     if served is not None:
         with closing(served):
@@ -121,7 +130,7 @@ def _session_turn(name: str, prompt: str, opts: TurnOptions, env: Environment, s
     with store.lock(name):
         record = store.load_transcript(name) if store.exists(name) else None
         messages = [{"role": m["role"], "content": m["content"]} for m in record.messages] if record else []
-        system = opts.system if opts.system is not None else (None if record else system_prompt(opts, env))
+        system = session_system(opts, env, record is not None)
         if system is not None:
             messages = [m for m in messages if m["role"] != "system"]
             if system:
@@ -154,8 +163,6 @@ def show_remote_prompt(prompt: str | None, opts: TurnOptions, env: Environment, 
     """`--show-prompt` on a server: llama-server's tokens; any other server renders its own prompt."""
     from quipu.app.served import show_served_prompt
 
-    if opts.model:
-        settings.model = opts.model
     served = open_served(settings)
     if served is None:
         refuse_unsupported(opts, show=True)
@@ -209,8 +216,6 @@ class RemoteChatSession(SessionCommands):
         from quipu.app.chat import ChatSession
         from quipu.app.served import ServedNamedSession
 
-        if opts.model:
-            settings.model = opts.model
         served = open_served(settings)
         if served is not None:
             return ChatSession.open(env, opts, name=name, resume_latest=resume_latest,
@@ -237,7 +242,7 @@ class RemoteChatSession(SessionCommands):
         self._stack, self.name, self.resumed = stack, name, record is not None
         self.messages = [Message(m["role"], m["content"]) for m in record.messages] if record else []
         self.created = record.created if record else None
-        system = opts.system if opts.system is not None else (None if record else system_prompt(opts, self.env))
+        system = session_system(opts, self.env, record is not None)
         if system is not None:
             self.set_system(system or None, save=False)
         self.last_stats = None

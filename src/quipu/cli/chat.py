@@ -55,7 +55,7 @@ def chat(
     )
     term = Terminal.detect()
     env = context.obj
-    remote = env.remote(url)
+    remote = env.remote(url, opts.model)
     progress = PrefillProgress(term, "restoring the conversation")
     try:
         if remote is not None:

@@ -34,7 +34,7 @@ def embed(
         texts = [line for line in (piped or "").splitlines() if line.strip()]
     opts = spec.turn_options(model=model, threads=threads, verbose=verbose)
     env = context.obj
-    for row in embed_texts(texts, opts, env, pooling=pooling, normalize=normalize, remote=env.remote(url)):
+    for row in embed_texts(texts, opts, env, pooling=pooling, normalize=normalize, remote=env.remote(url, opts.model)):
         vector = ",".join(f"{x:.8g}" for x in row["embedding"])
         head = json.dumps({"index": row["index"], "text": row["text"]}, ensure_ascii=False)[:-1]
         term.stdout.write(f'{head}, "embedding": [{vector}]}}\n')

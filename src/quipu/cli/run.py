@@ -84,15 +84,15 @@ def run(env, *, prompt, model, system, raw, max_tokens, temperature, top_k, top_
         verbose=verbose, chat_template=chat_template, think=think,
         schema=schema, grammar=grammar, logit_bias=logit_bias, no_cache=no_cache,
     )
+    remote = env.remote(url, opts.model)
     if batch is not None:
         from quipu.cli.batch import run_batch_file
 
         if prompt is not None or show or continue_reply:
             raise UsageError("--batch reads its prompts from the file; give no prompt, --show-prompt or --continue")
-        if env.remote(url) is not None:
+        if remote is not None:
             raise UsageError("--batch runs on a local model; it cannot be used with a server (--url, QUIPU_URL)")
         return run_batch_file(batch, opts, env, term, parallel)
-    remote = env.remote(url)
     if show:
         return show_prompt(text, opts, env, term, as_json, remote)
     progress = PrefillProgress(term)
