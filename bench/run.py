@@ -328,7 +328,7 @@ def bench_constrained(model: str, threads: int, repeats: int) -> list[dict]:
         def run(params, processors=()):
             session = InferenceSession(backend, params)
             session.logits_processors.extend(processors)
-            gen = session.generate(prompt, n)
+            gen = session.complete(prompt, n)
             return session.stats.decode_tok_s, len(gen.tokens)
 
         free, bound, shaped = [], [], []
@@ -541,9 +541,11 @@ REMOTE_CODE = """
 import itertools, json, sys, tempfile, time
 import httpx
 from quipu.app.environment import Environment, TurnOptions
-from quipu.app.named import store_for
-from quipu.app.served import ServedNamedSession, open_served
-from quipu.engine.remote import RemoteModel, RemoteSettings
+from quipu.app.llama_server import open_llama_server
+from quipu.app.named import NamedSession, store_for
+from quipu.app.turns import ReplySink
+from quipu.engine.chat_api import ChatApiModel, ServerSettings
+from quipu.sessions.conversation import Conversation
 url, n, long_text = sys.argv[1], int(sys.argv[2]), sys.stdin.read()
 home = tempfile.TemporaryDirectory()  # (removed at exit)
 env = Environment.load({"QUIPU_HOME": home.name})
@@ -578,36 +580,55 @@ def bare(messages, slot=-1):  # the chat API, streamed, nothing else
     return figures(started, stamps)
 
 
-def through_chat_api(remote, messages):  # `quipu run --url` (one-shot)
-    stamps = []
+class Stamps(ReplySink):
+    def __init__(self):
+        self.at = []
+
+    def text(self, piece):
+        self.at.append(time.perf_counter())
+
+
+def through_chat_api(remote, messages):  # how quipu asks any other server (its chat API client)
+    stamps = Stamps()
     idle()
     started = time.perf_counter()
-    remote.chat(messages, params=params, max_tokens=n, on_text=lambda t: stamps.append(time.perf_counter()))
-    return figures(started, stamps)
+    remote.chat(messages, params=params, max_tokens=n, sink=stamps)
+    return figures(started, stamps.at)
 
 
 def by_tokens(conv, text):  # `quipu run -S` / `quipu chat` on llama-server: a turn of an open session
-    stamps = []
+    stamps = Stamps()
     idle()
     started = time.perf_counter()
-    conv.send(text, max_tokens=n, on_token=lambda *a: stamps.append(time.perf_counter()))
-    return figures(started, stamps)
+    conv.send(text, max_tokens=n, sink=stamps)
+    return figures(started, stamps.at)
 
 
-def conversation(served):  # a new named session, its context kept in its slot between turns
-    named = ServedNamedSession.open_on(served, url, store, f"s{next(names)}", opts, env)
-    return named.conversation
+def one_shot(text):  # `quipu run --url` on llama-server: /props, a new context, by tokens
+    stamps = Stamps()
+    idle()
+    started = time.perf_counter()
+    host = open_llama_server(ServerSettings(url=url))
+    conv = Conversation.start(host.create(opts, env).session)
+    conv.send(text, max_tokens=n, sink=stamps)
+    host.close()
+    return figures(started, stamps.at)
 
 
-out = {k: [] for k in ("bare", "chat_api", "tokens", "later_bare", "later_tokens")}
+def conversation(host):  # a new named session, its context kept in its slot between turns
+    return NamedSession.open(store, f"s{next(names)}", opts, env, host).conversation
+
+
+out = {k: [] for k in ("bare", "chat_api", "one_shot", "tokens", "later_bare", "later_tokens")}
 asked = [{"role": "user", "content": question}]
 for slot in (0, 1):  # each slot has read the question once before anyone is timed
     bare(asked, slot)
-remote = RemoteModel(RemoteSettings(url=url))
-served = open_served(RemoteSettings(url=url))
+remote = ChatApiModel(ServerSettings(url=url))
+served = open_llama_server(ServerSettings(url=url))
 for _ in range(3):  # each in turn, so that a moment's load falls on all of them alike
     out["bare"].append(bare(asked))
     out["chat_api"].append(through_chat_api(remote, asked))
+    out["one_shot"].append(one_shot(question))
     out["tokens"].append(by_tokens(conversation(served), question))
 # A later turn of a long conversation, each client on a slot of its own (the session on its
 # slot, the bare client on the other), each slot holding the conversation and the client's
@@ -686,7 +707,8 @@ def bench_remote(model: str, threads: int, repeats: int) -> list[dict]:
              "ratio": round(median(restored) / median(reread), 3)}]
     # Above 1: quipu is the faster. The bare client sends the same conversation to the chat API.
     for mine, theirs, what in (
-            ("chat_api", "bare", "`run --url` (the chat API), a new question"),
+            ("chat_api", "bare", "quipu's chat API client (as other servers are asked), a new question"),
+            ("one_shot", "bare", "`run --url` one-shot by tokens (its /props included), a new question"),
             ("tokens", "bare", "a session by tokens (`run -S`, `chat`), a new question"),
             ("later_tokens", "later_bare", "a session by tokens, a turn after a ~1,400-token one, a slot each")):
         for key, measure in (("ttft", "time to first token (s)"), ("tok_s", "decode tok/s")):

@@ -1,18 +1,22 @@
-"""Real servers on loopback for the tests: llama-cpp-python's own, and llama.cpp's llama-server
-built from the sources llama-cpp-python vendors (`python -m bench.llamacpp llama-server`).
+"""Servers on loopback for the tests: llama-cpp-python's own, llama.cpp's llama-server built from
+the sources llama-cpp-python vendors (`python -m bench.llamacpp llama-server`), and `fake`, a
+chat completions server whose faults a test picks.
 
 Locally a missing llama-server skips its tests with the reason; where QUIPU_REQUIRE_SERVERS=1
 (CI) it fails them instead."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -93,3 +97,137 @@ def llama_server(bundled_model, tmp_path_factory):
                  "/health", port, base / "log.txt")
     yield Server(f"http://127.0.0.1:{port}", slots)
     stop(proc)
+
+
+# ---- a chat completions server whose behaviour the test picks ------------------------------------
+
+WORDS = ["Hello", ",", " world", "!", " The", " sky", " is", " blue", "."]
+
+
+def chunk(text: str | None = None, finish: str | None = None, usage: dict | None = None) -> bytes:
+    event = {"id": "x", "object": "chat.completion.chunk", "model": "fake-model",
+             "choices": [] if usage else [{"index": 0, "delta": {"content": text} if text else {},
+                                           "finish_reason": finish}]}
+    if usage:
+        event["usage"] = usage
+    return f"data: {json.dumps(event)}\n\n".encode()
+
+
+class Faulty(BaseHTTPRequestHandler):
+    """A chat completions server whose behaviour the test picks (`server.mode`)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self.reply(200, {"object": "list", "data": [{"id": "fake-model", "owned_by": "tests",
+                                                         "meta": {"n_vocab": 4096}}]})
+        elif self.path == "/props" and self.server.llama:
+            self.reply(200, {"default_generation_settings": {"n_ctx": 512}, "total_slots": 1,
+                             "model_path": "/models/fake.gguf", "chat_template": None, "bos_token": "",
+                             "eos_token": ""})
+        else:
+            self.reply(404, {"error": {"message": "no such route"}})
+
+    def do_POST(self) -> None:
+        server = self.server
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        server.requests.append((body, self.headers.get("Authorization")))
+        mode = server.mode
+        if self.server.llama and self.path in ("/tokenize", "/detokenize", "/completion"):
+            return self.llama_server(body, mode)
+        if self.path == "/v1/embeddings":
+            vectors = [{"index": i, "embedding": [3.0, 4.0 + i]} for i in range(len(body["input"]))][::-1]
+            return self.reply(200, {"object": "list", "data": vectors if mode == "ok" else []})
+        if mode == "retry-then-ok" and len(server.requests) < 3:
+            return self.reply(503, {"error": {"message": "loading the model"}})
+        if mode in ("401", "403"):
+            return self.reply(int(mode), {"error": {"message": "invalid api key"}})
+        if mode == "404":
+            return self.reply(404, {"error": {"message": f"model '{body['model']}' not found"}})
+        if mode in ("429", "500"):
+            return self.reply(int(mode), {"error": {"message": "the server is busy" if mode == "429" else "boom"}})
+        if mode == "html":
+            return self.reply(502, "<html>bad gateway</html>")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        words = WORDS[: body.get("max_tokens", len(WORDS))]
+        for i, word in enumerate(words):
+            if mode == "cut" and i == 4:
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            if mode == "malformed" and i == 4:
+                self.wfile.write(b"data: {not json\n\n")
+                self.wfile.flush()
+                return
+            if mode == "stall" and i == 4:
+                self.wfile.flush()
+                server.release.wait(60)
+                return
+            self.wfile.write(b": ping\n\n" if i == 2 else b"")
+            self.wfile.write(chunk(word))
+            self.wfile.flush()
+        finish = "length" if len(words) < len(WORDS) else "stop"
+        self.wfile.write(chunk(finish=finish))
+        self.wfile.write(chunk(usage={"prompt_tokens": 11, "completion_tokens": len(words),
+                                      "prompt_tokens_details": {"cached_tokens": 3}}))
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+    def llama_server(self, body: dict, mode: str) -> None:
+        """llama-server's token endpoints, for a vocabulary of one token a character (id: its code)."""
+        if self.path == "/tokenize":
+            return self.reply(200, {"tokens": [{"id": ord(c), "piece": c} for c in body["content"]]})
+        if self.path == "/detokenize":
+            return self.reply(200, {"content": "".join(chr(t) for t in body["tokens"])})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        text = "".join(WORDS)[: body["n_predict"]]
+        # The prompt: token ids, then maybe text (a token a character), counted in every event.
+        evaluated = sum(1 if isinstance(p, int) else len(p) for p in body["prompt"]) + (mode == "miscount")
+        for i, c in enumerate(text):
+            if mode == "cut" and i == 6:
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            event = {"content": c, "tokens": [ord(c)], "stop": False, "tokens_predicted": i + 1,
+                     "tokens_evaluated": evaluated}
+            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.flush()
+        end = {"content": "", "tokens": [], "stop": True, "stop_type": "limit", "tokens_evaluated": evaluated,
+               "timings": {"cache_n": 0, "prompt_ms": 1.0, "predicted_ms": 2.0}}
+        self.wfile.write(f"data: {json.dumps(end)}\n\n".encode())
+        self.wfile.flush()
+
+    def reply(self, status: int, body) -> None:
+        data = (json.dumps(body) if not isinstance(body, str) else body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json" if not isinstance(body, str) else "text/html")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def fake():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Faulty)
+    server.mode = "ok"
+    server.llama = False  # True: also llama-server's /props and token endpoints
+    server.requests = []
+    server.release = threading.Event()
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    yield server
+    server.release.set()
+    server.shutdown()
+    server.server_close()

@@ -28,7 +28,7 @@ def prompt_tokens(backend, i: int) -> list[int]:
 
 def solo(backend, row: BatchRow):
     session = InferenceSession(backend, row.params)
-    return session.generate(row.tokens, row.max_tokens, row.stop)
+    return session.complete(row.tokens, row.max_tokens, row.stop)
 
 
 @pytest.mark.parametrize("n_seq", [2, 3, 8])

@@ -223,13 +223,15 @@ def context_of(child) -> int:
 
 @pytest.mark.model
 def test_the_repl_as_a_person_uses_it(home):
-    child = spawn(home, "-S", "pty", "-n", "400", "--seed", "5", "-s", "You are brief.")
+    # End-of-text banned (the bundled model's <|endoftext|> and <|im_end|>): no reply ends early.
+    child = spawn(home, "-S", "pty", "-n", "12", "--seed", "5", "-s", "You are brief.",
+                  "--logit-bias", "0=-inf", "--logit-bias", "2=-inf")
     assert "new session 'pty'" in child.before
     # Tab completion of a slash command, and /help.
     child.send("/he")
-    time.sleep(0.3)
+    child.expect("show this help")  # the completion menu is up, with the command's help
     child.send("\t")
-    time.sleep(0.3)
+    child.expect("/help")  # the line now reads the completed command
     child.send("\r")
     child.expect("Ctrl-D leaves")
     child.expect("›")
@@ -238,16 +240,22 @@ def test_the_repl_as_a_person_uses_it(home):
     child.expect("›")
     empty = context_of(child)
     assert empty > 10
-    # Ctrl-C during a reply stops it, keeps the program and the partial reply.
+    # Ctrl-C during a reply stops it, keeps the program and the partial reply: the reply cannot
+    # end by itself before 4,000 tokens, so the Ctrl-C lands while it streams, however fast.
+    child.send("/set max_tokens 4000\r")
+    child.expect("max_tokens = 4000")
+    child.expect("›")
     child.send("Write a very long story about a dragon and a knight.\r")
     child.expect(r"\x1b\[\?2004l")  # the prompt has let go of the terminal: the reply follows
     child.expect(r"[A-Za-z]{4,}")
-    time.sleep(0.2)
     child.sendintr()
     child.expect(r"\[stopped\]")
     child.expect("›")
     after_story = context_of(child)
     assert after_story > empty
+    child.send("/set max_tokens 12\r")
+    child.expect("max_tokens = 12")
+    child.expect("›")
     # Ctrl-C at an empty prompt says how to leave, and does not.
     child.sendintr()
     child.expect("to leave")

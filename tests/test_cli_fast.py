@@ -13,6 +13,8 @@ import pytest
 from quipu.cli import build_app, spec
 from quipu.cli import run as run_command
 
+STRESS = int(os.environ.get("QUIPU_STRESS", "1"))
+
 # Command lines as people write them, and edge cases of the forms the fast parser accepts.
 PLAIN = [
     ["hello"],
@@ -65,13 +67,70 @@ def test_anything_unusual_is_left_to_typer(argv):
     assert spec.parse(run_command.PARAMS, argv) is None
 
 
-def test_every_parameter_of_run_is_declared_once():
+def test_every_parameter_of_run_and_chat_is_declared_once():
+    # Each command is built from its table; each parameter is an option of the turn (a field of
+    # TurnOptions of the same name) or one of the command's own, so an option added to the table
+    # and to TurnOptions needs nothing else.
+    import dataclasses
     import inspect
 
-    command = build_app().registered_commands[0].callback
-    names = list(inspect.signature(command).parameters)
-    assert names == ["context", *run_command.PARAMS]
-    assert list(inspect.signature(run_command.run).parameters) == ["env", *run_command.PARAMS]
+    from quipu.app.environment import TurnOptions
+    from quipu.cli import chat as chat_command
+
+    fields = {f.name for f in dataclasses.fields(TurnOptions)}
+    commands = {c.name: c.callback for c in build_app().registered_commands}
+    for name, module in (("run", run_command), ("chat", chat_command)):
+        assert list(inspect.signature(commands[name]).parameters) == ["context", *module.PARAMS]
+        for param in module.PARAMS:
+            assert (param in fields) != (param in module.OWN), (name, param)
+
+
+def option_words(name: str, option: spec.Opt, draw) -> list[str]:
+    """One option as a person may write it, with a plain value of its type."""
+    from hypothesis import strategies as st
+
+    on, _, off = draw(st.sampled_from(option.decls)).partition("/")
+    if option.type is bool:
+        return [draw(st.sampled_from([on, off])) if off else on]
+    if option.type is int:
+        value = str(draw(st.integers(min_value=0, max_value=10**12)))
+    elif option.type is float:
+        value = draw(st.sampled_from(["0", "0.5", "1", ".25", "2.5e-1", "1e3", "7."]))
+    else:
+        value = draw(st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=12)
+                     .filter(lambda t: not t.startswith("-")))
+    if on.startswith("--") and draw(st.booleans()):
+        return [f"{on}={value}"]
+    return [on, value]
+
+
+def test_generated_command_lines_read_alike_both_ways(monkeypatch, home):
+    # Any plain command line built from the table: the fast parser reads it, and to what Typer reads.
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    options = [(n, o) for n, o in run_command.PARAMS.items() if isinstance(o, spec.Opt)]
+
+    @st.composite
+    def command_lines(draw):
+        words = []
+        for name, option in draw(st.lists(st.sampled_from(options), max_size=8)):
+            words += option_words(name, option, draw)
+        if draw(st.booleans()):
+            prompt = draw(st.text(min_size=1, max_size=20).filter(lambda t: not t.startswith("-")))
+            words.insert(draw(st.integers(0, len(words))) if not words else 0, prompt)
+        return words
+
+    @settings(max_examples=150 * STRESS, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(command_lines())
+    def check(argv):
+        fast = spec.parse(run_command.PARAMS, argv)
+        assert fast is not None, argv
+        slow = typer_reading(argv, monkeypatch, home)
+        assert {k: list(v) if isinstance(v, tuple) else v for k, v in slow.items()} == fast, argv
+
+    check()
 
 
 @pytest.mark.parametrize("argv, code, message", [

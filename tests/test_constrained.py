@@ -84,7 +84,7 @@ def test_a_processor_forces_a_known_sequence(make_backend):
 
     session.logits_processors.append(force)
     prompt = backend.tokenize("hello", add_special=True, parse_special=False)
-    gen = session.generate(prompt, 40)
+    gen = session.complete(prompt, 40)
     assert gen.tokens == wanted and gen.finish_reason == "stop"
     assert seen[0] == len(prompt)  # the processor sees the history as it grows
 
@@ -94,7 +94,7 @@ def test_a_token_filter_allows_only_its_tokens(make_backend):
     allowed = backend.tokenize("sky blue", add_special=False, parse_special=False)
     session = InferenceSession(backend, HOT.replace(seed=2))
     session.token_filter = lambda tokens: allowed
-    gen = session.generate(backend.tokenize("hello", add_special=True, parse_special=False), 24)
+    gen = session.complete(backend.tokenize("hello", add_special=True, parse_special=False), 24)
     assert len(gen.tokens) == 24 and set(gen.tokens) <= set(allowed)
 
 
@@ -102,10 +102,10 @@ def test_a_logit_bias_of_minus_infinity_bans_a_token(make_backend):
     backend = make_backend()
     prompt = backend.tokenize("the sky", add_special=True, parse_special=False)
     greedy = SamplingParams(temperature=0, repeat_penalty=1.0)
-    free = InferenceSession(backend, greedy).generate(prompt, 12).tokens
+    free = InferenceSession(backend, greedy).complete(prompt, 12).tokens
     banned = free[0]
     biased = InferenceSession(make_backend(), greedy.replace(logit_bias=((banned, float("-inf")),)))
-    assert banned not in biased.generate(prompt, 12).tokens
+    assert banned not in biased.complete(prompt, 12).tokens
 
 
 @pytest.mark.parametrize("schema, words", [
@@ -198,9 +198,9 @@ def test_the_grammar_tried_on_the_likeliest_tokens_first_is_valid_and_exact(make
                  for s in range(10)]:
         jsonschema.validate(json.loads(text), schema)
     prompt = backend.tokenize("hello", add_special=True, parse_special=False)
-    whole = InferenceSession(make_backend(), params.replace(seed=3)).generate(prompt, 24)
+    whole = InferenceSession(make_backend(), params.replace(seed=3)).complete(prompt, 24)
     first = InferenceSession(make_backend(), params.replace(seed=3))
-    a = first.generate(prompt, 12)
+    a = first.complete(prompt, 12)
     snap = first.snapshot()
     resumed = InferenceSession.from_snapshot(make_backend(), Snapshot(snap.tokens, snap.n_decoded, snap.draws,
                                                                       snap.params, snap.context, snap.state))

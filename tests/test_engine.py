@@ -6,6 +6,7 @@ import pytest
 
 from quipu.engine.text import Detokenizer
 from quipu.errors import ContextOverflow, InvalidParameter, ModelLoadError
+from quipu.sessions.base import ReplySink
 from quipu.sessions.conversation import Conversation
 from quipu.sessions.inference import InferenceSession
 from quipu.sessions.params import SamplingParams
@@ -18,7 +19,7 @@ GREEDY = SamplingParams(temperature=0, repeat_penalty=1.0)
 def generate(backend, params, prompt="hello world", n=32, **kw):
     session = InferenceSession(backend, params)
     tokens = backend.tokenize(prompt, add_special=True, parse_special=False)
-    return session.generate(tokens, n, **kw), session
+    return session.complete(tokens, n, **kw), session
 
 
 def test_tokenize_round_trip(make_backend):
@@ -85,24 +86,43 @@ def test_stop_string_is_not_in_the_output(make_backend):
     assert stop not in cut.text
 
 
+class Collect(ReplySink):
+    """Keeps the pieces; says stop once `stop_after` pieces came."""
+
+    def __init__(self, stop_after: int | None = None):
+        self.pieces: list[str] = []
+        self.stop_after = stop_after
+
+    def text(self, piece: str) -> None:
+        self.pieces.append(piece)
+
+    def stopped(self) -> bool:
+        return self.stop_after is not None and len(self.pieces) >= self.stop_after
+
+
 def test_streamed_pieces_add_up_to_the_text(make_backend):
-    pieces = []
-    gen, _ = generate(make_backend(), HOT.replace(seed=3), n=40, on_token=lambda t, s: pieces.append(s))
-    assert "".join(pieces) == gen.text
+    sink = Collect()
+    gen, _ = generate(make_backend(), HOT.replace(seed=3), n=40, sink=sink)
+    assert "".join(sink.pieces) == gen.text
 
 
-def test_on_token_can_stop_early(make_backend):
-    seen = []
-    gen, session = generate(make_backend(), HOT.replace(seed=3), n=40, on_token=lambda t, s: len(seen) < 4 and not seen.append(t))
+def test_the_sink_can_stop_early(make_backend):
+    sink = Collect(stop_after=4)
+    gen, session = generate(make_backend(), HOT.replace(seed=3), n=40, sink=sink)
     assert gen.finish_reason == "interrupted"
-    assert len(gen.tokens) == 5
+    assert len(sink.pieces) == 4 and len(gen.tokens) < 40
 
 
 def test_prompt_larger_than_a_batch(make_backend):
     prompt = " ".join(["the sky is blue and the world is hello"] * 12)
     progress = []
+
+    class Progress(ReplySink):
+        def progress(self, done: int, total: int) -> None:
+            progress.append((done, total))
+
     small = make_backend(n_batch=32)
-    gen_small, session = generate(small, GREEDY, prompt=prompt, n=16, on_progress=lambda d, t: progress.append((d, t)))
+    gen_small, session = generate(small, GREEDY, prompt=prompt, n=16, sink=Progress())
     total = session.stats.prompt_tokens
     assert total > 64
     assert [d for d, _ in progress] == list(range(32, total, 32)) + [total]
@@ -194,7 +214,7 @@ def test_a_fork_shares_the_loaded_model_and_outlives_the_original(tmp_path, tiny
     path = shutil.copy(tiny_model, tmp_path / "moving.gguf")
     backend = LlamaBackend(path, ContextSettings(n_ctx=256, n_threads=2))
     session = InferenceSession(backend, HOT.replace(seed=4))
-    session.generate(backend.tokenize("hello world", add_special=True, parse_special=False), 4)
+    session.complete(backend.tokenize("hello world", add_special=True, parse_special=False), 4)
     (tmp_path / "moving.gguf").rename(tmp_path / "moved.gguf")  # a fork must not read the file again
     twin = session.fork()
     assert twin.backend.model is backend.model and twin.backend is not backend

@@ -53,3 +53,33 @@ def test_every_package_says_where_things_live():
         if package != "cli":
             modules = {p.stem for p in (ROOT / package).glob("*.py")} - {"__init__"}
             assert doc and all(f"{m}.py" in doc for m in modules), package
+
+
+def test_no_import_circles():
+    # Between modules, wherever the import stands (a lazy one inside a function included): a
+    # circle means two modules each need the other, and neither can be read alone.
+    graph = {}
+    for path in ROOT.rglob("*.py"):
+        name = "quipu." + ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        name = name.removesuffix(".__init__")
+        graph[name] = {n for n in quipu_imports(path) if n != name}
+    modules = set(graph)
+    # `from quipu.x import y` names module x (or package x); keep what names a module of ours.
+    graph = {m: {n for n in deps if n in modules and n != "quipu"} for m, deps in graph.items()}
+    seen, on_path, circles = set(), [], []
+
+    def visit(m):
+        if m in on_path:
+            circles.append(on_path[on_path.index(m):] + [m])
+            return
+        if m in seen:
+            return
+        seen.add(m)
+        on_path.append(m)
+        for n in sorted(graph[m]):
+            visit(n)
+        on_path.pop()
+
+    for m in sorted(graph):
+        visit(m)
+    assert not circles, circles

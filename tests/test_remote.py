@@ -5,141 +5,10 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-WORDS = ["Hello", ",", " world", "!", " The", " sky", " is", " blue", "."]
-
-
-def chunk(text: str | None = None, finish: str | None = None, usage: dict | None = None) -> bytes:
-    event = {"id": "x", "object": "chat.completion.chunk", "model": "fake-model",
-             "choices": [] if usage else [{"index": 0, "delta": {"content": text} if text else {},
-                                           "finish_reason": finish}]}
-    if usage:
-        event["usage"] = usage
-    return f"data: {json.dumps(event)}\n\n".encode()
-
-
-class Faulty(BaseHTTPRequestHandler):
-    """A chat completions server whose behaviour the test picks (`server.mode`)."""
-
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        if self.path == "/v1/models":
-            self.reply(200, {"object": "list", "data": [{"id": "fake-model", "owned_by": "tests",
-                                                         "meta": {"n_vocab": 4096}}]})
-        elif self.path == "/props" and self.server.llama:
-            self.reply(200, {"default_generation_settings": {"n_ctx": 512}, "total_slots": 1,
-                             "model_path": "/models/fake.gguf", "chat_template": None, "bos_token": "",
-                             "eos_token": ""})
-        else:
-            self.reply(404, {"error": {"message": "no such route"}})
-
-    def do_POST(self) -> None:
-        server = self.server
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        server.requests.append((body, self.headers.get("Authorization")))
-        mode = server.mode
-        if self.server.llama and self.path in ("/tokenize", "/detokenize", "/completion"):
-            return self.llama_server(body, mode)
-        if self.path == "/v1/embeddings":
-            vectors = [{"index": i, "embedding": [3.0, 4.0 + i]} for i in range(len(body["input"]))][::-1]
-            return self.reply(200, {"object": "list", "data": vectors if mode == "ok" else []})
-        if mode == "retry-then-ok" and len(server.requests) < 3:
-            return self.reply(503, {"error": {"message": "loading the model"}})
-        if mode in ("401", "403"):
-            return self.reply(int(mode), {"error": {"message": "invalid api key"}})
-        if mode == "404":
-            return self.reply(404, {"error": {"message": f"model '{body['model']}' not found"}})
-        if mode in ("429", "500"):
-            return self.reply(int(mode), {"error": {"message": "the server is busy" if mode == "429" else "boom"}})
-        if mode == "html":
-            return self.reply(502, "<html>bad gateway</html>")
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        words = WORDS[: body.get("max_tokens", len(WORDS))]
-        for i, word in enumerate(words):
-            if mode == "cut" and i == 4:
-                self.wfile.flush()
-                self.connection.shutdown(socket.SHUT_RDWR)
-                return
-            if mode == "malformed" and i == 4:
-                self.wfile.write(b"data: {not json\n\n")
-                self.wfile.flush()
-                return
-            if mode == "stall" and i == 4:
-                self.wfile.flush()
-                server.release.wait(60)
-                return
-            self.wfile.write(b": ping\n\n" if i == 2 else b"")
-            self.wfile.write(chunk(word))
-            self.wfile.flush()
-        finish = "length" if len(words) < len(WORDS) else "stop"
-        self.wfile.write(chunk(finish=finish))
-        self.wfile.write(chunk(usage={"prompt_tokens": 11, "completion_tokens": len(words),
-                                      "prompt_tokens_details": {"cached_tokens": 3}}))
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
-
-    def llama_server(self, body: dict, mode: str) -> None:
-        """llama-server's token endpoints, for a vocabulary of one token a character (id: its code)."""
-        if self.path == "/tokenize":
-            return self.reply(200, {"tokens": [{"id": ord(c), "piece": c} for c in body["content"]]})
-        if self.path == "/detokenize":
-            return self.reply(200, {"content": "".join(chr(t) for t in body["tokens"])})
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        text = "".join(WORDS)[: body["n_predict"]]
-        # The prompt: token ids, then maybe text (a token a character), counted in every event.
-        evaluated = sum(1 if isinstance(p, int) else len(p) for p in body["prompt"]) + (mode == "miscount")
-        for i, c in enumerate(text):
-            if mode == "cut" and i == 6:
-                self.wfile.flush()
-                self.connection.shutdown(socket.SHUT_RDWR)
-                return
-            event = {"content": c, "tokens": [ord(c)], "stop": False, "tokens_predicted": i + 1,
-                     "tokens_evaluated": evaluated}
-            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
-            self.wfile.flush()
-        end = {"content": "", "tokens": [], "stop": True, "stop_type": "limit", "tokens_evaluated": evaluated,
-               "timings": {"cache_n": 0, "prompt_ms": 1.0, "predicted_ms": 2.0}}
-        self.wfile.write(f"data: {json.dumps(end)}\n\n".encode())
-        self.wfile.flush()
-
-    def reply(self, status: int, body) -> None:
-        data = (json.dumps(body) if not isinstance(body, str) else body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json" if not isinstance(body, str) else "text/html")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-
-@pytest.fixture
-def fake():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Faulty)
-    server.mode = "ok"
-    server.llama = False  # True: also llama-server's /props and token endpoints
-    server.requests = []
-    server.release = threading.Event()
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    server.url = f"http://127.0.0.1:{server.server_address[1]}"
-    yield server
-    server.release.set()
-    server.shutdown()
-    server.server_close()
+from servers import WORDS  # noqa: E402  (the fake server's words; the `fake` fixture is in servers.py)
 
 
 def test_a_reply_streams_with_usage_in_json(quipu, fake):
@@ -227,8 +96,12 @@ def test_unreachable_servers(quipu):
     assert r.returncode == 1 and "connection refused" in r.stderr.decode()
     r = quipu("run", "--url", "http://no-such-host.invalid:8080", "hi")
     assert r.returncode == 1 and "cannot reach" in r.stderr.decode() and "Traceback" not in r.stderr.decode()
-    r = quipu("run", "--url", "localhost:8080", "hi")
-    assert r.returncode == 1 and "must start with http://" in r.stderr.decode()
+    # An address that is no URL is a usage error (exit 2), said in one line, before anything is sent.
+    for bad in ("localhost:8080", "not a url", "http://[::1", "http://127.0.0.1:port", "ftp://x", "http://"):
+        r = quipu("run", "--url", bad, "hi")
+        err = r.stderr.decode()
+        assert r.returncode == 2 and "the server address" in err and "Traceback" not in err, (bad, err)
+        assert len(err.strip().splitlines()) == 1
 
 
 def test_a_named_session_on_a_server_resends_its_conversation(quipu, fake, home, tiny_model):
@@ -362,13 +235,13 @@ def test_a_chat_on_llama_server_keeps_its_context_in_its_slot(llama_server, tmp_
     # In one chat the session's slot holds its context from turn to turn, and its file is restored
     # only when someone else used the slot since; either way a turn reads only what is new, and
     # going back (/undo) warns of nothing.
+    from quipu.app.chat import ChatSession
     from quipu.app.environment import Environment, TurnOptions
-    from quipu.app.remote import RemoteChatSession
-    from quipu.engine.remote import RemoteSettings
 
     env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
-    opts = TurnOptions(max_tokens=6, temperature=0.0, system="You are a careful geographer. " * 20)
-    chat = RemoteChatSession.open(env, opts, RemoteSettings(url=llama_server.url), name="held")
+    opts = TurnOptions(max_tokens=6, temperature=0.0, system="You are a careful geographer. " * 20,
+                       url=llama_server.url)
+    chat = ChatSession.open(env, opts, name="held")
     try:
         for question, taken in (("Name a river.", False), ("And a sea?", False), ("And a mountain?", True),
                                 ("And a lake?", False)):
@@ -394,6 +267,17 @@ def erase_slots(url: str, slots: int = 2) -> None:
     for slot in range(slots):
         request = urllib.request.Request(f"{url}/slots/{slot}?action=erase", data=b"{}", method="POST")
         urllib.request.urlopen(request, timeout=10).close()
+
+
+def server_pieces(url: str, text: str) -> list:
+    """The pieces llama-server tokenizes `text` into: text, or a list of bytes where a token ends
+    inside a character."""
+    import urllib.request
+
+    body = json.dumps({"content": text, "add_special": False, "with_pieces": True}).encode()
+    request = urllib.request.Request(f"{url}/tokenize", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return [t["piece"] for t in json.loads(response.read())["tokens"]]
 
 
 def transcript(home, name):
@@ -438,16 +322,44 @@ def test_a_session_on_llama_server_resumes_token_for_token(quipu, llama_server, 
 
 def test_characters_split_across_tokens_keep_their_tokens(quipu, llama_server, home, tmp_path):
     # A grammar makes the model spell characters that take several tokens, which the server's
-    # stream shows only once each is whole: their ids are recovered, and the context holds them.
+    # stream shows only once each is whole, without the ids of the tokens before: they are
+    # recovered from the character, and the context holds the reply's own tokens.
     grammar = tmp_path / "g.gbnf"
-    grammar.write_text('root ::= "Llamas 🦙 live in 日本? No: in Perú."', encoding="utf-8")
-    r = quipu("run", "--url", llama_server.url, "-S", "chars", "--json", "-n", "40", "--grammar", str(grammar), "Hi")
+    reply = "Llamas 🦙 live in Perú."
+    grammar.write_text(f'root ::= "{reply}"', encoding="utf-8")
+    assert any(not isinstance(p, str) for p in server_pieces(llama_server.url, reply))  # split characters
+    r = quipu("run", "--url", llama_server.url, "-S", "chars", "--json", "-n", "40", "-t", "0", "--grammar",
+              str(grammar), "Hi")
     assert r.returncode == 0, r.stderr.decode()
-    assert json.loads(r.stdout)["text"] == "Llamas 🦙 live in 日本? No: in Perú."
+    out = json.loads(r.stdout)
+    assert out["text"] == reply
     saved = transcript(home, "chars")
     assert all(t >= 0 for t in saved["tokens"])
+    assert len(saved["tokens"]) == out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"]
+    assert saved["served"]["text"].endswith(reply + "<|im_end|>")
     second = json.loads(quipu("run", "--url", llama_server.url, "-S", "chars", "--json", "-n", "4", "Ok.").stdout)
     assert second["usage"]["cached_tokens"] >= len(saved["tokens"]) - 1  # nothing of the reply read again
+
+
+def test_a_reply_whose_ids_cannot_be_recovered_is_read_again(quipu, llama_server, home, tmp_path):
+    # Under this grammar the model spells 日 a byte a token, a split the character's own
+    # tokenization does not give, so the ids before the last cannot be known: the context keeps
+    # only what is sure (the prompt), and the next turn reads the reply again as text.
+    grammar = tmp_path / "g.gbnf"
+    grammar.write_text('root ::= "日本"', encoding="utf-8")
+    r = quipu("run", "--url", llama_server.url, "-S", "bytes", "--json", "-n", "12", "-t", "0", "--grammar",
+              str(grammar), "Hi")
+    assert r.returncode == 0, r.stderr.decode()
+    out = json.loads(r.stdout)
+    saved = transcript(home, "bytes")
+    assert out["text"] == "日本" and all(t >= 0 for t in saved["tokens"])
+    if len(saved["tokens"]) == out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"]:
+        assert saved["served"]["text"].endswith("日本<|im_end|>")  # recovered after all: kept whole
+    else:
+        assert len(saved["tokens"]) == out["usage"]["prompt_tokens"] and "日本" not in saved["served"]["text"]
+    second = quipu("run", "--url", llama_server.url, "-S", "bytes", "--json", "-n", "4", "Ok.")
+    assert second.returncode == 0, second.stderr.decode()
+    assert transcript(home, "bytes")["messages"][1]["content"] == "日本"
 
 
 def test_what_llama_server_is_asked_beyond_the_chat_api(quipu, llama_server, home):
@@ -508,3 +420,46 @@ def test_a_prompt_llama_server_counts_otherwise_is_read_again(quipu, fake, home)
     [*_, sent] = [body["prompt"] for body, _ in fake.requests if "prompt" in body]
     assert len(sent) == 1 and "hi" in sent[0] and "Hello" in sent[0] and "more" in sent[0]
     assert len(transcript(home, "counted")["tokens"]) == len(sent[0]) + 5  # confirmed now: kept
+
+
+def test_a_retry_that_fails_keeps_the_exchange(fake, tmp_path):
+    # /retry on a chat-API server whose request then fails: the exchange stays, in the chat and on
+    # disk, as it does on a local model (the last reply is put back, and the user's message kept).
+    from quipu.app.chat import ChatSession
+    from quipu.app.environment import Environment, TurnOptions
+    from quipu.store.store import SessionStore
+
+    env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
+    chat = ChatSession.open(env, TurnOptions(url=fake.url, max_tokens=8), name="kept")
+    try:
+        chat.send("Say hello.")
+        before = [(m.role, m.content) for m in chat.messages]
+        assert [r for r, _ in before] == ["user", "assistant"]
+        for mode in ("500", "401", "cut"):
+            fake.mode = mode
+            with pytest.raises(Exception) as failed:
+                chat.retry()
+            assert "server" in str(failed.value)
+            held = [(m.role, m.content) for m in chat.messages]
+            saved = SessionStore(env.dirs.sessions).load_transcript("kept").messages
+            assert [(m["role"], m["content"]) for m in saved] == held
+            if mode == "cut":  # what came before the cut is the new reply, kept as with Ctrl-C
+                assert held[0] == before[0] and held[1][1] == "".join(WORDS[:4])
+            else:
+                assert held == before
+    finally:
+        chat.close()
+
+
+def test_a_one_shot_and_a_session_turn_on_llama_server_draw_alike(quipu, llama_server):
+    # Both go by tokens from the same seed, so with the same prompt they give the same reply (on
+    # empty slots: what a slot held changes the server's numbers, as its cache is not recomputed).
+    url = llama_server.url
+    args = ["--url", url, "--json", "-n", "16", "--seed", "11", "-t", "1.0", "Name a river and a city."]
+    erase_slots(url)
+    alone = quipu("run", *args)
+    erase_slots(url)
+    kept = quipu("run", "-S", "drawn", *args)
+    assert alone.returncode == 0 and kept.returncode == 0, alone.stderr.decode() + kept.stderr.decode()
+    one, two = json.loads(alone.stdout), json.loads(kept.stdout)
+    assert one["seed"] == two["seed"] == 11 and one["text"] == two["text"] and one["text"]

@@ -67,14 +67,29 @@ def random_line(rng: random.Random) -> str:
             return line
 
 
-@pytest.fixture
-def chat(tmp_path, tiny_model):
+# Faults a chat-API server throws between lines, mixed in with good replies: an error before
+# the first token, a stream cut or broken in the middle, a refused key.
+FAULTS = ["ok"] * 6 + ["500", "cut", "malformed", "401"]
+
+
+@pytest.fixture(params=["local", "llama-server", "chat-api"])
+def chat(request, tmp_path, tiny_model):
+    """A chat on each host: the tiny model here, the bundled one on a real llama-server, and the
+    fake chat-API server (whose faults the test mixes in)."""
     from quipu.app.chat import ChatSession
     from quipu.app.environment import Environment, TurnOptions
 
     env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
-    session = ChatSession.open(env, TurnOptions(model=str(tiny_model), max_tokens=3, seed=5, ctx=384), name="fz")
-    yield env, session
+    server = None
+    if request.param == "local":
+        opts = TurnOptions(model=str(tiny_model), max_tokens=3, seed=5, ctx=384)
+    elif request.param == "llama-server":
+        opts = TurnOptions(url=request.getfixturevalue("llama_server").url, max_tokens=3, seed=5)
+    else:
+        server = request.getfixturevalue("fake")
+        opts = TurnOptions(url=server.url, max_tokens=6, seed=5)  # (a stream is cut at its 5th piece)
+    session = ChatSession.open(env, opts, name="fz")
+    yield env, session, server
     session.close()
 
 
@@ -88,13 +103,16 @@ def saved_messages(env, name: str) -> list[tuple[str, str]]:
 
 
 def test_random_lines_never_crash_the_repl_and_every_turn_is_saved(chat):
-    env, session = chat
+    env, session, server = chat
     err = io.StringIO()
     term = Terminal(io.StringIO(), io.StringIO(), err, False, False, False, False)
     repl = Repl(session, term, env)
     rng = random.Random(1234)
-    for i in range(1000 * STRESS):
+    lines = (1000 if session.capabilities.kind == "local" else 250) * STRESS
+    for i in range(lines):
         line = random_line(rng)
+        if server is not None:
+            server.mode = rng.choice(FAULTS)
         repl.safely(line)
         said = err.getvalue()
         assert "unexpected" not in said and "Traceback" not in said, f"line {i}: {line!r}\n{said[-2000:]}"

@@ -24,7 +24,7 @@ def long_run(make_backend, prompt, n):
     """A seed whose uninterrupted run is not cut short by an end-of-generation token."""
     for seed in range(100, 120):
         params = HOT.replace(seed=seed)
-        full = InferenceSession(make_backend(), params).generate(prompt, n)
+        full = InferenceSession(make_backend(), params).complete(prompt, n)
         if full.finish_reason == "length":
             return params, full
     pytest.fail("no seed ran to the length limit")
@@ -35,7 +35,7 @@ def test_generate_64_equals_32_saved_resumed_32(make_backend):
     params, full = long_run(make_backend, prompt, 64)
 
     first = InferenceSession(make_backend(), params)
-    a = first.generate(prompt, 32)
+    a = first.complete(prompt, 32)
     snap = through_disk(first.snapshot())
     first.backend.close()
     resumed = InferenceSession.from_snapshot(make_backend(), snap)
@@ -63,7 +63,7 @@ def test_chat_turns_resume_exactly(make_backend):
 
 def test_resume_without_state_bytes_rebuilds_the_same_context(make_backend):
     session = InferenceSession(make_backend(), HOT)
-    session.generate(make_backend().tokenize("hello world", add_special=True, parse_special=False), 16)
+    session.complete(make_backend().tokenize("hello world", add_special=True, parse_special=False), 16)
     snap = session.snapshot(with_state=False)
     rebuilt = InferenceSession.from_snapshot(make_backend(), snap)
     assert rebuilt.tokens == session.tokens
@@ -74,7 +74,7 @@ def test_resume_without_state_bytes_rebuilds_the_same_context(make_backend):
 
 def test_state_from_other_context_settings_is_not_used(make_backend):
     session = InferenceSession(make_backend(n_ctx=512), HOT)
-    session.generate(make_backend().tokenize("hello", add_special=True, parse_special=False), 8)
+    session.complete(make_backend().tokenize("hello", add_special=True, parse_special=False), 8)
     snap = session.snapshot()
     other = InferenceSession.from_snapshot(make_backend(n_ctx=256), snap)
     assert other.tokens == session.tokens and other.n_decoded == session.n_decoded
@@ -86,7 +86,7 @@ def test_state_from_other_context_settings_is_not_used(make_backend):
 
 def test_fork_is_independent(make_backend):
     session = InferenceSession(make_backend(), HOT)
-    session.generate(make_backend().tokenize("hello world", add_special=True, parse_special=False), 8)
+    session.complete(make_backend().tokenize("hello world", add_special=True, parse_special=False), 8)
     before = list(session.tokens)
     twin = session.fork()
     a = session.infer(8)
@@ -101,7 +101,7 @@ def test_fork_is_independent(make_backend):
 def test_rewind_restores_the_exact_earlier_context(make_backend):
     session = InferenceSession(make_backend(), HOT)
     prompt = make_backend().tokenize("hello world", add_special=True, parse_special=False)
-    session.generate(prompt, 4)
+    session.complete(prompt, 4)
     mark, draws = len(session.tokens), session.draws
     first = session.infer(12)
     session.rewind(mark)

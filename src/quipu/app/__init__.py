@@ -1,20 +1,26 @@
 """What the commands do, on top of the session layer and the store; the CLI calls these.
 
+Every turn, named session and chat is written once, for every host a model can run on:
+
 - `environment.py`: `Environment` (directories, environment variables, the config file;
   built once per command) and `TurnOptions` turned into settings: sampling parameters,
-  context settings, the backend.
+  context settings, the server to use.
+- `hosts.py`: what a host is (`ModelHost`: it makes the `ModelSession` a conversation runs on;
+  `Keeper`: what a named session keeps there besides its messages), and the one check of the
+  options against what the host can do.
+- `choose.py`: `open_host`, where the model runs, chosen once per command.
+- `local.py`: a local model: the state file beside a transcript, the prompt cache.
+- `llama_server.py`: llama.cpp's llama-server driven by tokens, the context kept in a slot
+  file between turns (`SlotKeeper`).
+- `chat_api.py`: any OpenAI-compatible chat API: sessions kept as transcripts alone.
 - `named.py`: `NamedSession`, a conversation bound to a name in the store: opened (created,
-  restored or re-read) and saved; `open_session` for a fresh one.
-- `turns.py`: one turn of `quipu run`, with or without a session (`TurnResult`).
-- `remote.py`: `quipu run --url` and `quipu chat --url`: llama-server goes to `served.py`;
-  any other server through its chat API, sessions kept as transcripts.
-- `served.py`: turns and named sessions on llama-server, driven by tokens through the same
-  `Conversation` and `ChatSession` as a local model (`ServedNamedSession`), the context kept
-  in a slot file between turns (`SlotKeeper`).
-- `batch.py`: `quipu run --batch`: rows read, planned and answered side by side, in order.
+  restored or re-read) on a host and saved.
+- `turns.py`: one turn of `quipu run`, one-shot or in a session (`TurnResult`), and
+  `--show-prompt` (`PromptView`).
 - `chat.py`: `ChatSession`, the library side of `quipu chat`: saved after every turn.
+- `batch.py`: `quipu run --batch`: rows read, planned and answered side by side, in order.
 - `manage.py`: `quipu sessions ...` over the store.
 - `embed.py`: `quipu embed`.
 - `templates.py`: what a model's chat template does (`quipu models info --template`).
-- `cache.py`: `quipu cache info|clear` (the prompt cache itself is used by `turns.py`).
+- `cache.py`: `quipu cache info|clear` (the prompt cache itself is used by `local.py`).
 """

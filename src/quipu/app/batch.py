@@ -30,11 +30,13 @@ from quipu.app.environment import (
     system_prompt,
     template_variables,
 )
-from quipu.app.turns import ReplyStream, TurnResult
+from quipu.app.turns import TurnResult
 from quipu.engine.base import ContextSettings, available_cpus
 from quipu.errors import BadInput, QuipuError, UsageError
 from quipu.sessions.batch import BatchRow, BatchSession
+from quipu.sessions.base import SILENT
 from quipu.sessions.conversation import Conversation, Message
+from quipu.sessions.thinking import ThinkingSink, starts_thinking
 from quipu.sessions.inference import InferenceSession, Stats
 from quipu.sessions.params import SamplingParams
 
@@ -175,6 +177,8 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
         raise UsageError("--batch answers each row on its own; it cannot be used with --session or --continue")
     if opts.schema is not None or opts.grammar is not None:
         raise UsageError("--schema and --grammar are not available with --batch yet")
+    if env.remote(opts.url, opts.model) is not None:
+        raise UsageError("--batch runs on a local model; it cannot be used with a server (--url, QUIPU_URL)")
     check_positive("--parallel", parallel)
     if parallel is not None and parallel > MAX_PARALLEL:
         raise UsageError(f"--parallel must be at most {MAX_PARALLEL} (llama.cpp's limit of sequences), got {parallel}")
@@ -221,14 +225,14 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
         batch = BatchSession(batch_backend)
 
         def on_token(i: int, _token: int, text: str) -> None:
-            runnable[i].stream.on_token(_token, text)
+            runnable[i].stream.text(text)
 
         def on_done(i: int, gen, stats: Stats) -> None:
             plan = runnable[i]
             stats.load_s = load_s
-            plan.stream.finish()
-            result = TurnResult("".join(plan.stream.answer), gen.finish_reason, model_name, plan.row.params.seed,
-                                None, stats, [], "".join(plan.stream.reasoning).strip())
+            plan.stream.finish(gen)
+            result = TurnResult(gen.answer, gen.finish_reason, model_name, plan.row.params.seed, None, stats, [],
+                                gen.reasoning)
             generated[0] += stats.completion_tokens
             writer.done(RowOutcome(plan.input.index, plan.input.id, result=result))
             if on_progress is not None:
@@ -244,7 +248,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
 class _Plan:
     input: RowInput
     row: BatchRow | None = None
-    stream: ReplyStream | None = None
+    stream: ThinkingSink | None = None
     error: str | None = None
 
 
@@ -270,13 +274,14 @@ def _plan(row: RowInput, base: SamplingParams, opts: TurnOptions, env: Environme
                 conv.messages.extend(row.messages)
             else:
                 conv.messages.append(Message("user", row.prompt))
-            tokens = conv.context_tokens()
-            thinking = conv.reply_starts_thinking
+            rendered = conv.render(conv.messages, True)
+            tokens = session.context_for(rendered)
+            thinking = starts_thinking(rendered.text)
     except QuipuError as exc:
         plan.error = str(exc)
         return plan
     plan.row = BatchRow(tokens, params, row_limit or limit, tuple(opts.stop) + stop)
-    plan.stream = ReplyStream(starts_thinking=lambda: thinking)
+    plan.stream = ThinkingSink(SILENT, lambda: thinking)
     return plan
 
 

@@ -1,4 +1,5 @@
-"""The chat loop's library side: a named conversation that is saved after every turn."""
+"""The chat loop's library side: a named conversation that is saved after every turn, on
+whichever host the model runs (a local model, llama-server, a chat API): one class for all."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from quipu.app.environment import SAMPLING_TYPES, Environment, TurnOptions, max_tokens
+from quipu.app.choose import open_host
+from quipu.app.hosts import ModelHost
 from quipu.app.named import NamedSession, store_for
-from quipu.app.turns import ReplyStream, StopFn, TextFn, first_prompt_from_cache, progress_callback
 from quipu.engine.base import ProgressFn
 from quipu.errors import ContextOverflow, InvalidParameter, UsageError
-from quipu.sessions.inference import Generation, Stats
+from quipu.sessions.base import SILENT, Generation, ReplySink, Stats
 from quipu.store.store import SessionInfo, validate_name
 
 ADJECTIVES = "amber brave calm clever eager fuzzy gentle happy jolly keen lucky merry noble quiet rapid shy sunny swift tidy witty".split()
@@ -40,58 +42,13 @@ class TurnOutcome:
     context_full: bool = False
 
 
-class SessionCommands:
-    """What a chat does the same way on a local model and on a server: copies, switching
-    checks, the settings `/set` may change. Needs `store`, `name` and `save()`."""
-
-    def save_as(self, name: str) -> None:
-        """Saves a copy of this session under `name`; this one stays open."""
-        validate_name(name)
-        if name == self.name:
-            self.save()
-            return
-        if self.store.exists(name):
-            raise UsageError(f"a session named '{name}' exists already")
-        self.save()
-        self.store.fork(self.name, name, src_locked=True)
-
-    def _name_to_open(self, name: str | None, resume_latest: bool) -> str:
-        """The session to open: the one named, the most recently used (--resume), or a new name."""
-        if name is None and resume_latest:
-            infos, _ = self.store.list()
-            if not infos:
-                raise UsageError("there is no session to resume yet; start one with `quipu chat`")
-            return infos[0].name
-        return name or generate_name(set(self.store.names()))
-
-    def _check_load(self, name: str) -> None:
-        if name == self.name:
-            raise UsageError(f"session '{name}' is already open")
-        if not self.store.exists(name):
-            raise UsageError(f"no session named '{name}'")
-
-    def sessions(self) -> list[SessionInfo]:
-        return self.store.list()[0]
-
-    @staticmethod
-    def parse_setting(key: str, value: str) -> tuple[str, Any]:
-        key = key.replace("-", "_")
-        kind = SETTABLE.get(key)
-        if kind is None:
-            raise InvalidParameter(f"unknown setting '{key}' (settable: {', '.join(SETTABLE)})")
-        try:
-            return key, kind(value)
-        except ValueError:
-            raise InvalidParameter(f"{key} takes {'an integer' if kind is int else 'a number'}, not '{value}'") from None
-
-
-class ChatSession(SessionCommands):
+class ChatSession:
     """An open, locked, named conversation. Every finished turn is saved before it returns."""
 
-    def __init__(self, env: Environment, opts: TurnOptions, opener: Callable[..., NamedSession] | None = None):
+    def __init__(self, env: Environment, opts: TurnOptions, host: ModelHost):
         self.env = env
         self.opts = opts
-        self.opener = opener or NamedSession.open  # a local model's sessions, or a server's
+        self.host = host
         self.store = store_for(env)
         self.max_tokens = max_tokens(opts, env)
         self.stop = opts.stop
@@ -104,10 +61,25 @@ class ChatSession(SessionCommands):
 
     @classmethod
     def open(cls, env: Environment, opts: TurnOptions, *, name: str | None = None, resume_latest: bool = False,
-             on_progress: ProgressFn | None = None, opener: Callable[..., NamedSession] | None = None) -> "ChatSession":
-        chat = cls(env, opts, opener)
-        chat._switch(chat._name_to_open(name, resume_latest), on_progress)
+             on_progress: ProgressFn | None = None) -> "ChatSession":
+        """The chat on the host the options name (a local model, or `opts.url`'s server)."""
+        host = open_host(opts, env)
+        try:
+            chat = cls(env, opts, host)
+            chat._switch(chat._name_to_open(name, resume_latest), on_progress)
+        except BaseException:
+            host.close()
+            raise
         return chat
+
+    def _name_to_open(self, name: str | None, resume_latest: bool) -> str:
+        """The session to open: the one named, the most recently used (--resume), or a new name."""
+        if name is None and resume_latest:
+            infos, _ = self.store.list()
+            if not infos:
+                raise UsageError("there is no session to resume yet; start one with `quipu chat`")
+            return infos[0].name
+        return name or generate_name(set(self.store.names()))
 
     def _switch(self, name: str, on_progress: ProgressFn | None = None, opts: TurnOptions | None = None) -> None:
         validate_name(name)
@@ -115,19 +87,23 @@ class ChatSession(SessionCommands):
         try:
             stack.enter_context(self.store.lock(name))
             resumed = self.store.exists(name)
-            named = self.opener(self.store, name, opts or self.opts, self.env, on_progress)
+            named = NamedSession.open(self.store, name, opts or self.opts, self.env, self.host, on_progress)
             stack.callback(named.close)
         except BaseException:
             stack.close()
             raise
-        self.close()
+        self._release()
         self._stack, self.named = stack, named
         self.resumed = resumed
         self.last_stats = None
 
-    def close(self) -> None:
+    def _release(self) -> None:
         self._stack.close()
         self.named = None
+
+    def close(self) -> None:
+        self._release()
+        self.host.close()
 
     @property
     def name(self) -> str:
@@ -138,6 +114,10 @@ class ChatSession(SessionCommands):
         if self.named is None:
             raise UsageError("no session is open")
         return self.named
+
+    @property
+    def capabilities(self):
+        return self.host.capabilities
 
     @property
     def notices(self) -> list[str]:
@@ -158,24 +138,14 @@ class ChatSession(SessionCommands):
 
     # ---- turns -------------------------------------------------------------------------------
 
-    def _turn(self, action: Callable[..., Generation], on_text: TextFn | None, should_stop: StopFn | None,
-              on_progress: ProgressFn | None, message: str | None = None,
-              on_reasoning: TextFn | None = None) -> TurnOutcome:
+    def _turn(self, action: Callable[..., Generation], sink: ReplySink, message: str | None = None) -> TurnOutcome:
         named = self._named
-        conv = named.conversation
-        stream = ReplyStream(on_text, should_stop, on_reasoning, lambda: conv.reply_starts_thinking)
         try:
-            gen = action(
-                max_tokens=self.max_tokens,
-                stop=self.stop,
-                on_token=stream.on_token,
-                on_progress=progress_callback(on_progress, should_stop),
-            )
+            gen = action(max_tokens=self.max_tokens, stop=self.stop, sink=sink)
         except ContextOverflow as exc:
             if message is not None:
                 self._refuse_if_it_never_fits(message, exc)
             return TurnOutcome(Generation("", [], "context_full"), named.session.stats, context_full=True)
-        stream.finish()
         named.note_template()
         self.save()
         self.last_stats = named.session.stats
@@ -198,28 +168,24 @@ class ChatSession(SessionCommands):
                              f"room for {max(room, 0)} beside the system prompt; shorten it, or start the chat "
                              "with a larger --ctx")
 
-    def send(self, text: str, on_text: TextFn | None = None, should_stop: StopFn | None = None,
-             on_progress: ProgressFn | None = None, on_reasoning: TextFn | None = None) -> TurnOutcome:
+    def send(self, text: str, sink: ReplySink = SILENT) -> TurnOutcome:
         conv = self._named.conversation
-        first_prompt_from_cache(self._named, text, self.opts, self.env)
-        return self._turn(lambda **kw: conv.send(text, **kw), on_text, should_stop, on_progress, message=text,
-                          on_reasoning=on_reasoning)
+        self._named.warm(text, self.opts, self.env)
+        return self._turn(lambda **kw: conv.send(text, **kw), sink, message=text)
 
-    def retry(self, on_text: TextFn | None = None, should_stop: StopFn | None = None,
-              on_progress: ProgressFn | None = None, on_reasoning: TextFn | None = None) -> TurnOutcome:
-        return self._turn(self._named.conversation.retry, on_text, should_stop, on_progress,
-                          on_reasoning=on_reasoning)
+    def retry(self, sink: ReplySink = SILENT) -> TurnOutcome:
+        return self._turn(self._named.conversation.retry, sink)
 
-    def continue_reply(self, on_text: TextFn | None = None, should_stop: StopFn | None = None,
-                       on_progress: ProgressFn | None = None, on_reasoning: TextFn | None = None) -> TurnOutcome:
-        return self._turn(self._named.conversation.continue_reply, on_text, should_stop, on_progress,
-                          on_reasoning=on_reasoning)
+    def continue_reply(self, sink: ReplySink = SILENT) -> TurnOutcome:
+        self.capabilities.require("continue", chat=True)
+        return self._turn(self._named.conversation.continue_reply, sink)
 
     def constrain(self, schema: str | None = None, grammar: str | None = None) -> bool:
         """The next replies keep to a JSON Schema or a GBNF grammar (a file; "off" for neither).
         Returns whether a constraint is now on."""
         from quipu.app.environment import sampling_params
 
+        self.capabilities.require("grammar", chat=True)
         session = self._named.session
         # A bad file, schema or grammar is refused before anything changes.
         session.set_params(sampling_params(TurnOptions(schema=schema, grammar=grammar), self.env, session.params))
@@ -229,6 +195,7 @@ class ChatSession(SessionCommands):
     def set_thinking(self, on: bool) -> bool:
         """Sets the template's `enable_thinking` for the next replies; False when the template
         has no such switch."""
+        self.capabilities.require("think", chat=True)
         conv = self._named.conversation
         if not conv.template.features()["thinking_switch"]:
             return False
@@ -252,11 +219,12 @@ class ChatSession(SessionCommands):
 
     def drop_oldest(self, for_message: str | None = None) -> int:
         """Drops old exchanges so that half the context is free again, or more if `for_message`
-        needs more (with room left for a reply)."""
+        needs more (with room left for a reply); where the context's size is the server's own,
+        the oldest exchange."""
         conv = self._named.conversation
         n_ctx = conv.session.n_ctx
         keep_free = int(n_ctx * KEEP_FREE_FRACTION)
-        if for_message is not None:
+        if for_message is not None and self.capabilities.context_size:
             size, _ = conv.size_alone(for_message)
             keep_free = max(keep_free, min(size + n_ctx // 8, n_ctx - 1))
         dropped = conv.drop_oldest(keep_free)
@@ -266,8 +234,7 @@ class ChatSession(SessionCommands):
     def new_session_with_system(self, on_progress: ProgressFn | None = None) -> str:
         """Leaves this session as it is and starts a new one with the same system prompt."""
         system = self._named.conversation.system
-        current = self._named
-        model = str(current.model_path) if current.model_path is not None else self.opts.model
+        model = self._named.keeper.model_for_new(self.opts)
         opts = TurnOptions(**{**self.opts.__dict__, "system": system or "", "model": model})
         name = generate_name(set(self.store.names()))
         self.save()  # as when loading another: the session left behind is on disk, even if new
@@ -287,26 +254,55 @@ class ChatSession(SessionCommands):
             self.save()
         return parsed
 
+    @staticmethod
+    def parse_setting(key: str, value: str) -> tuple[str, Any]:
+        key = key.replace("-", "_")
+        kind = SETTABLE.get(key)
+        if kind is None:
+            raise InvalidParameter(f"unknown setting '{key}' (settable: {', '.join(SETTABLE)})")
+        try:
+            return key, kind(value)
+        except ValueError:
+            raise InvalidParameter(f"{key} takes {'an integer' if kind is int else 'a number'}, not '{value}'") from None
+
     # ---- saving and switching -------------------------------------------------------------------
 
     def save(self) -> None:
         self._named.save()
 
-    def load(self, name: str, on_progress: ProgressFn | None = None) -> None:
-        self._check_load(name)
+    def save_as(self, name: str) -> None:
+        """Saves a copy of this session under `name`; this one stays open."""
+        validate_name(name)
+        if name == self.name:
+            self.save()
+            return
+        if self.store.exists(name):
+            raise UsageError(f"a session named '{name}' exists already")
         self.save()
-        self._switch(name, on_progress, TurnOptions(verbose=self.opts.verbose, threads=self.opts.threads))
+        self.store.fork(self.name, name, src_locked=True)
+
+    def load(self, name: str, on_progress: ProgressFn | None = None) -> None:
+        if name == self.name:
+            raise UsageError(f"session '{name}' is already open")
+        if not self.store.exists(name):
+            raise UsageError(f"no session named '{name}'")
+        self.save()
+        self._switch(name, on_progress, TurnOptions(verbose=self.opts.verbose, threads=self.opts.threads,
+                                                    url=self.opts.url))
+
+    def sessions(self) -> list[SessionInfo]:
+        return self.store.list()[0]
 
     # ---- figures ---------------------------------------------------------------------------------
 
     @property
     def context_used(self) -> int:
-        return len(self._named.session.tokens)
+        return self._named.session.used
 
     @property
     def context_size(self) -> int:
-        return self._named.session.n_ctx
+        return self._named.session.n_ctx  # 0: unknown, the server's own
 
     @property
     def context_nearly_full(self) -> bool:
-        return self.context_used >= WARN_FRACTION * self.context_size
+        return bool(self.context_size) and self.context_used >= WARN_FRACTION * self.context_size

@@ -13,10 +13,11 @@ POOLINGS = ("mean", "last", "cls")
 
 
 def embed_texts(texts: Sequence[str], opts: TurnOptions, env: Environment, *, pooling: str = "mean",
-                normalize: bool = False, remote=None) -> list[dict]:
-    """[{"index", "text", "embedding"}] for each text, in order; on the server `remote` when given."""
+                normalize: bool = False) -> list[dict]:
+    """[{"index", "text", "embedding"}] for each text, in order; on the server the options name, if any."""
     if not texts:
         raise BadInput("nothing to embed: give texts as arguments or one per line on standard input")
+    remote = env.remote(opts.url, opts.model)
     if remote is not None:
         vectors = _embed_remote(list(texts), opts, remote, pooling)
     else:
@@ -43,9 +44,9 @@ def _embed_local(texts: list[str], opts: TurnOptions, env: Environment, pooling:
 
 
 def _embed_remote(texts: list[str], opts: TurnOptions, settings, pooling: str) -> list[list[float]]:
-    from quipu.engine.remote import RemoteModel
+    from quipu.engine.chat_api import ChatApiModel
 
     if pooling != "mean" or opts.threads is not None:
         raise CapabilityError("--pooling and --threads cannot be used with a server: it pools as it was started")
-    with RemoteModel(settings) as remote:
+    with ChatApiModel(settings) as remote:
         return remote.embed(texts)

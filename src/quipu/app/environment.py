@@ -52,6 +52,7 @@ class TurnOptions:
     grammar: str | None = None  # a GBNF file; "off" as for schema
     logit_bias: tuple[str, ...] = ()  # TOKEN=BIAS, TOKEN an id or a text that is one token
     no_cache: bool = False  # neither use nor fill the prompt cache
+    url: str | None = None  # a server (else QUIPU_URL, else the config's [remote] url)
 
     def sampling(self) -> dict:
         """The sampling parameters given on the command line."""
@@ -84,14 +85,15 @@ class Environment:
 
     def remote(self, url: str | None, model: str | None = None):
         """The server to use (`--url`, else QUIPU_URL, else [remote] url in the config) as
-        RemoteSettings, asking for `model` (`-m`), else the config's; None for a local model."""
+        ServerSettings, asking for `model` (`-m`), else the config's; None for a local model."""
         url = url or self.environ.get("QUIPU_URL") or self.config.remote.get("url")
         if not url:
             return None
-        from quipu.engine.remote import RemoteSettings
+        check_url(url)
+        from quipu.engine.chat_api import ServerSettings
 
         conf = self.config.remote
-        settings = RemoteSettings(url=url, model=model or conf.get("model"),
+        settings = ServerSettings(url=url, model=model or conf.get("model"),
                                   api_key_env=conf.get("api_key_env", "QUIPU_API_KEY"))
         if "timeout" in conf:
             settings.read_timeout = settings.connect_timeout = conf["timeout"]
@@ -150,6 +152,19 @@ class Environment:
         environ = dict(os.environ if environ is None else environ)
         dirs = paths.dirs(environ)
         return cls(dirs, environ)
+
+
+def check_url(url: str) -> None:
+    """A server's address, checked before anything is sent: a usage error when it is not one."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - a port that is not a number raises here
+    except ValueError as exc:
+        raise UsageError(f"the server address '{url}' is not a URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(f"the server address must be http://HOST[:PORT] or https://..., not '{url}'")
 
 
 def check_config(config: Config) -> Config:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from quipu.cli.run import read_stdin
-from quipu.cli.terminal import StopOnCtrlC, Terminal
+from quipu.cli.terminal import StopOnCtrlC, Terminal, read_stdin
 from quipu.errors import BadInput, ExitCode
 
 

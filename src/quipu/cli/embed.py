@@ -25,16 +25,16 @@ def embed(
     verbose: opt.Verbose = False,
     url: opt.Url = None,
 ) -> None:
-    from quipu.cli.run import gather_prompt
+    from quipu.cli.terminal import gather_prompt
     from quipu.app.embed import embed_texts
 
     term = Terminal.detect()
     if not texts:
         piped = gather_prompt(None, term, allow_empty=True)
         texts = [line for line in (piped or "").splitlines() if line.strip()]
-    opts = spec.turn_options(model=model, threads=threads, verbose=verbose)
+    opts = spec.turn_options({"model": model, "threads": threads, "verbose": verbose, "url": url})
     env = context.obj
-    for row in embed_texts(texts, opts, env, pooling=pooling, normalize=normalize, remote=env.remote(url, opts.model)):
+    for row in embed_texts(texts, opts, env, pooling=pooling, normalize=normalize):
         vector = ",".join(f"{x:.8g}" for x in row["embedding"])
         head = json.dumps({"index": row["index"], "text": row["text"]}, ensure_ascii=False)[:-1]
         term.stdout.write(f'{head}, "embedding": [{vector}]}}\n')

@@ -32,11 +32,10 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
 
     env = context.obj
     term = Terminal.detect()
-    remote = env.remote(url)
-    if remote is not None:
-        from quipu.app.remote import list_remote_models
+    if url or env.remote(None) is not None:
+        from quipu.app.chat_api import list_remote_models
 
-        served = list_remote_models(env, remote)
+        served = list_remote_models(env, url)
         if as_json:
             term.stdout.write(json.dumps(served, indent=1) + "\n")
         else:

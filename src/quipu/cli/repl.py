@@ -184,6 +184,26 @@ def parse_command(line: str) -> tuple[SlashCommand | None, str]:
     return command, (arg if command else name)
 
 
+def reply_sink(renderer, stopper, progress):
+    """A reply's sink in the chat: the renderer shows it, Ctrl-C stops it."""
+    from quipu.app.turns import ReplySink
+
+    class Sink(ReplySink):
+        def text(self, piece: str) -> None:
+            renderer.feed(piece)
+
+        def reasoning(self, piece: str) -> None:
+            renderer.feed_reasoning(piece)
+
+        def progress(self, done: int, total: int) -> None:
+            progress(done, total)
+
+        def stopped(self) -> bool:
+            return stopper()
+
+    return Sink()
+
+
 class Repl:
     """Reads messages and commands, streams replies. Errors are shown in one line; it goes on."""
 
@@ -224,8 +244,7 @@ class Repl:
         renderer = self._renderer()
         with StopOnCtrlC(hard_second=False) as stopper:
             try:
-                outcome = action(*args, on_text=renderer.feed, should_stop=stopper, on_progress=progress,
-                                 on_reasoning=renderer.feed_reasoning)
+                outcome = action(*args, sink=reply_sink(renderer, stopper, progress))
             finally:
                 progress.close()
                 renderer.close()

@@ -160,10 +160,13 @@ def parse(params: dict[str, Opt | Arg], args: list[str]) -> dict | None:
     return given
 
 
-def turn_options(**given):
-    """A TurnOptions from a command's parameters (named as above, snake_case)."""
+def turn_options(given: dict):
+    """A TurnOptions from a command's parameters, by name: each option of a turn is a field of
+    TurnOptions under its parameter's name (a repeatable one as a tuple); the rest are the
+    command's own."""
+    import dataclasses
+
     from quipu.app.environment import TurnOptions
 
-    given["stop"] = tuple(given.get("stop") or ())
-    given["logit_bias"] = tuple(given.get("logit_bias") or ())
-    return TurnOptions(**given)
+    names = {f.name for f in dataclasses.fields(TurnOptions)}
+    return TurnOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if k in names})

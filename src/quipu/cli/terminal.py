@@ -8,6 +8,8 @@ import sys
 from dataclasses import dataclass
 from typing import IO, Mapping
 
+from quipu.errors import BadInput
+
 
 @dataclass(frozen=True)
 class Terminal:
@@ -133,3 +135,39 @@ class PrefillProgress:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+MAX_STDIN_BYTES = 64 * 1024 * 1024
+
+
+def gather_prompt(prompt: str | None, term: Terminal, *, allow_empty: bool = False) -> str | None:
+    """Piped stdin, then a blank line, then the argument; binary stdin is refused."""
+    piped = read_stdin(term)
+    piped = piped.rstrip("\n") or None if piped is not None else None
+    # The piped text first: questions about one document then share it as a cached beginning.
+    parts = [p for p in (piped, prompt) if p]
+    if not parts:
+        if allow_empty:
+            return None
+        raise BadInput("no prompt: give one as an argument or pipe it on standard input")
+    return "\n\n".join(parts)
+
+
+def read_stdin(term: Terminal) -> str | None:
+    """Piped standard input as text (None on a terminal): binary data is refused, and bytes
+    that are not UTF-8 are replaced, with a warning."""
+    if term.stdin_tty or term.stdin is None:
+        return None
+    try:
+        data = term.stdin.buffer.read(MAX_STDIN_BYTES + 1)
+    except (OSError, ValueError, AttributeError):
+        data = b""
+    if len(data) > MAX_STDIN_BYTES:
+        raise BadInput(f"standard input is larger than {MAX_STDIN_BYTES // (1024 * 1024)} MB")
+    if b"\x00" in data:
+        raise BadInput("standard input is binary data, not text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        term.warn("standard input is not valid UTF-8; undecodable bytes were replaced")
+        return data.decode("utf-8", errors="replace")

@@ -4,8 +4,9 @@ one (`llama.py`), `SamplerChain` the native sampler chain of one stream of token
 (`sampler.py`). Beside them: llama-cpp-python's ctypes layer, loaded without its high-level API
 (`native.py`), llama.cpp's log (`logs.py`), incremental UTF-8 decoding of token pieces
 (`text.py`), and grammars: GBNF, and JSON Schema turned into GBNF (`grammar.py`). Apart from
-them, a model behind an OpenAI-compatible HTTP server (`remote.py`), and llama.cpp's
-llama-server driven by tokens (`server.py`, a `ServedBackend`).
+them, models on servers: any server's OpenAI chat API, and the HTTP plumbing every server
+request goes through (`chat_api.py`, `ChatApiModel`), and llama.cpp's llama-server driven by
+token arrays (`llama_server.py`, `LlamaServerModel`, a `TokenServer`).
 
 Nothing here imports anything above it.
 """

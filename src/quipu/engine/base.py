@@ -1,4 +1,7 @@
-"""The small protocol the session layer drives; llama.cpp is one implementation of it."""
+"""The protocols the session layer drives: `Backend`, a loaded model with one local context
+(llama.cpp's, `llama.py`), and `TokenServer`, a model on llama.cpp's llama-server driven by token
+arrays (`llama_server.py`). A server spoken to through the OpenAI chat API is `chat_api.py`'s
+`ChatApiModel`, which takes messages, not tokens."""
 
 from __future__ import annotations
 
@@ -58,7 +61,7 @@ TokenFilter = Callable[[Sequence[int]], "Iterable[int] | None"]
 
 
 class Backend(Protocol):
-    """One loaded model with one context; the session layer's only view of the compute core."""
+    """One loaded model with one local context."""
 
     name: str
     build: str  # the native build; state bytes are only valid under the same one
@@ -121,7 +124,7 @@ def refuse_embeddings(name: str) -> CapabilityError:
     return CapabilityError(f"the {name} backend cannot compute embeddings with this model")
 
 
-class ServedBackend(Protocol):
+class TokenServer(Protocol):
     """A model on a server that is driven by tokens (llama.cpp's llama-server): the context is
     the token array each request sends, and the server keeps what it can of it in a slot."""
 
@@ -140,8 +143,9 @@ class ServedBackend(Protocol):
         """The control tokens `texts` spell, which a user's text must keep as text."""
 
     def complete(self, prompt: Sequence[int | str], sampler: SamplerSettings, seed: int, max_tokens: int,
-                 stop: Sequence[str] = (), slot: int = -1, on_piece: "Callable[[int, str], bool | None] | None" = None):
+                 stop: Sequence[str] = (), slot: int = -1, sink=None):
         """Streams what follows `prompt` (token ids, then maybe text the server tokenizes with
-        special tokens parsed): a `Completion` (the generated token ids, the text shown, why it
-        ended, the prompt's token count, the server's figures); `on_piece` may return False to
-        stop it. A failure mid-reply raises an error whose `partial` is the completion so far."""
+        special tokens parsed) into `sink` (its `text(piece)` and `stopped()`): a `Completion`
+        (the generated token ids, the text shown, why it ended, the prompt's token count, the
+        server's figures). A failure mid-reply raises an error whose `partial` is the completion
+        so far."""

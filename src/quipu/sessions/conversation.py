@@ -5,39 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from quipu.engine.base import ProgressFn
 from quipu.errors import UsageError
-from quipu.sessions.inference import Generation, InferenceSession, TokenFn
-from quipu.sessions.prompt import Protector, Rendered, context_tokens, reference_tokens
+from quipu.sessions.base import SILENT, Generation, Message, ModelSession, ReplySink, TurnPrompt
+from quipu.sessions.prompt import Protector, Rendered
 from quipu.sessions.template import ChatTemplate
-from quipu.sessions.thinking import starts_thinking
+from quipu.sessions.thinking import ThinkingSink, starts_thinking
 
-
-@dataclass
-class Message:
-    role: str
-    content: str
-    # For user messages: how many tokens the context held before this exchange (for /undo).
-    context_before: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"role": self.role, "content": self.content}
-        if self.context_before is not None:
-            data["context_before"] = self.context_before
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Message":
-        """From `to_dict`'s shape, as a checked transcript holds it."""
-        return cls(data["role"], data["content"], data.get("context_before"))
+__all__ = ["Conversation", "Message"]
 
 
 @dataclass
 class Conversation:
-    """Messages on an InferenceSession; each turn feeds only what is new in the context."""
+    """Messages on a `ModelSession`, one class for every kind of session: send, retry,
+    continue, undo, reset, drop the oldest exchanges, the system prompt. Each turn reads only
+    what is new in the context. The template renders the messages where the session takes
+    tokens; a chat API's server renders them itself (`template` is None)."""
 
-    session: InferenceSession
-    template: ChatTemplate
+    session: ModelSession
+    template: ChatTemplate | None
     messages: list[Message] = field(default_factory=list)
     # What the template is given besides the messages (`enable_thinking`, ...).
     variables: dict[str, Any] = field(default_factory=dict)
@@ -50,13 +35,27 @@ class Conversation:
         return starts_thinking(self.prompt_text)
 
     @classmethod
-    def start(cls, session: InferenceSession, system: str | None = None, *, template: str | None = None,
-              variables: dict[str, Any] | None = None) -> "Conversation":
-        """A new conversation; `template` replaces the model's own chat template."""
-        conv = cls(session, ChatTemplate.of(session.backend, template), variables=dict(variables or {}))
-        if system:
-            conv.messages.append(Message("system", system))
+    def start(cls, session: ModelSession, system: str | None = None, *, template: str | None = None,
+              variables: dict[str, Any] | None = None, messages: Sequence[Message] = ()) -> "Conversation":
+        """A conversation on `session` (new, or of `messages`); `template` replaces the model's own
+        chat template."""
+        conv = cls(session, cls.template_for(session, template), list(messages), variables=dict(variables or {}))
+        if system is not None:
+            conv.set_system(system)
         return conv
+
+    @staticmethod
+    def template_for(session: ModelSession, source: str | None) -> ChatTemplate | None:
+        """`source`, else the model's own template (ChatML when it has none); None where the
+        server renders the conversation."""
+        if not session.capabilities.can("chat_template"):
+            return None
+        return ChatTemplate(source or session.chat_template(), session.special_token_text("bos"),
+                            session.special_token_text("eos"))
+
+    @property
+    def folds_system(self) -> bool:
+        return self.template is not None and self.template.folds_system
 
     @property
     def system(self) -> str | None:
@@ -71,95 +70,72 @@ class Conversation:
     def render(self, messages: Sequence[Message], add_generation_prompt: bool, tail: str = "") -> Rendered:
         """The template's text for `messages` (and `tail`, a reply in progress), in parts that
         keep a user's spelling of a control token as text."""
-        protector = Protector(self.control_texts([m.content for m in messages] + [tail]))
+        if self.template is None:
+            self.session.capabilities.require("show_prompt")
+        protector = Protector(self.session.control_spellings([m.content for m in messages] + [tail]))
         shown = [{"role": m.role, "content": protector.hide(m.content)} for m in messages]
         text = self.template.render(shown, add_generation_prompt, **self.variables)
         return protector.reveal(text + protector.hide(tail))
 
-    def control_texts(self, texts: Sequence[str]) -> list[str]:
-        """The control tokens' spellings that `texts` must keep as text (every one the model has)."""
-        return self.session.backend.control_texts()
-
     def render_tokens(self, messages: Sequence[Message], add_generation_prompt: bool) -> list[int]:
         """The context tokens for `messages` on an empty context, as the reference tokenizes them."""
-        return reference_tokens(self.session.backend, self.render(messages, add_generation_prompt))
+        return self.session.reference_tokens(self.render(messages, add_generation_prompt))
 
     def context_tokens(self, add_generation_prompt: bool = True, tail: str = "") -> list[int]:
         """The context tokens for the conversation (and `tail`), keeping those the context holds
         already as far as they still spell it: replies keep the tokens the model generated."""
-        rendered = self.render(self.messages, add_generation_prompt, tail)
-        return context_tokens(self.session.backend, self.session.tokens, rendered)
+        return self.session.context_for(self.render(self.messages, add_generation_prompt, tail))
 
-    def send(
-        self,
-        text: str,
-        *,
-        max_tokens: int,
-        stop: Sequence[str] = (),
-        on_token: TokenFn | None = None,
-        on_progress: ProgressFn | None = None,
-    ) -> Generation:
+    def tokens_with(self, text: str) -> list[int]:
+        """The context tokens the conversation would have with `text` as the next user message."""
+        self.messages.append(Message("user", text))
+        try:
+            return self.context_tokens()
+        finally:
+            self.messages.pop()
+
+    def send(self, text: str, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT) -> Generation:
         """Adds a user message and generates the reply, which joins the conversation."""
         self.session.check_text_fits(text)
-        before = len(self.session.tokens)
+        before = self.session.used if self.session.capabilities.exact_tokens else None
         self.messages.append(Message("user", text, context_before=before))
         try:
-            return self._generate(Message("assistant", ""), max_tokens, stop, on_token, on_progress)
+            return self._generate(Message("assistant", ""), max_tokens, stop, sink)
         except BaseException:
             del self.messages[-1]
-            self.session.rewind(before)  # no half-read prompt stays behind
+            self.session.rewind(before or 0)  # no half-read prompt stays behind
             raise
 
-    def continue_reply(
-        self,
-        *,
-        max_tokens: int,
-        stop: Sequence[str] = (),
-        on_token: TokenFn | None = None,
-        on_progress: ProgressFn | None = None,
-    ) -> Generation:
+    def continue_reply(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT) -> Generation:
         """Keeps generating the last reply, as if it had never ended."""
-        return self._redo_last_reply(True, max_tokens, stop, on_token, on_progress)
+        self.session.capabilities.require("continue")
+        return self._redo_last_reply(True, max_tokens, stop, sink)
 
-    def retry(
-        self,
-        *,
-        max_tokens: int,
-        stop: Sequence[str] = (),
-        on_token: TokenFn | None = None,
-        on_progress: ProgressFn | None = None,
-    ) -> Generation:
+    def retry(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT) -> Generation:
         """Generates the last reply again, with new random draws."""
-        return self._redo_last_reply(False, max_tokens, stop, on_token, on_progress)
+        return self._redo_last_reply(False, max_tokens, stop, sink)
 
-    def _redo_last_reply(self, keep: bool, max_tokens: int, stop: Sequence[str], on_token: TokenFn | None,
-                         on_progress: ProgressFn | None) -> Generation:
+    def _redo_last_reply(self, keep: bool, max_tokens: int, stop: Sequence[str], sink: ReplySink) -> Generation:
         if not self.messages or self.messages[-1].role != "assistant":
             raise UsageError(f"there is no reply to {'continue' if keep else 'retry'}")
         last = self.messages.pop()
         try:
-            return self._generate(last if keep else Message("assistant", ""), max_tokens, stop, on_token,
-                                  on_progress)
+            return self._generate(last if keep else Message("assistant", ""), max_tokens, stop, sink)
         except BaseException:
-            self.messages.append(last)
+            self.messages.append(last)  # the exchange stays as it was
             raise
 
-    def _generate(self, reply: Message, max_tokens: int, stop: Sequence[str], on_token: TokenFn | None,
-                  on_progress: ProgressFn | None) -> Generation:
-        """Brings the context to the conversation plus what `reply` holds so far (reusing what it
-        can), then generates into `reply`, which joins the conversation when done."""
-        rendered = self.render(self.messages, True, reply.content)
-        self.prompt_text = rendered.text
-        prompt = context_tokens(self.session.backend, self.session.tokens, rendered)
-        # Where the reply begins: a grammar constrains the reply alone, from its first token.
-        start = len(self.context_tokens(True)) if reply.content else len(prompt)
-        self.session.begin_turn()
-        self.session.set_context(prompt, on_progress)
-        self.session.start_reply(start)
-        gen = self.session.infer(max_tokens, stop, on_token)
+    def _generate(self, reply: Message, max_tokens: int, stop: Sequence[str], sink: ReplySink) -> Generation:
+        """Generates into `reply` after the conversation (and what `reply` holds so far), which
+        joins the conversation when done; the answer and a thinking model's reasoning apart."""
+        render = self.render if self.template is not None else None
+        prompt = TurnPrompt(self.messages, reply.content, render)
+        split = ThinkingSink(sink, lambda: starts_thinking(prompt.text))
+        gen = self.session.reply(prompt, max_tokens, stop, split)
+        self.prompt_text = prompt.text
         self.messages.append(reply)
         reply.content += gen.text
-        return gen
+        return split.finish(gen)
 
     def undo(self) -> bool:
         """Drops the last exchange (the last user message and what followed it) and returns the
@@ -187,12 +163,16 @@ class Conversation:
 
     def drop_oldest(self, keep_free: int) -> int:
         """Drops the oldest exchanges (never the system prompt) until the conversation leaves at
-        least `keep_free` tokens of the context free. Returns how many messages went."""
+        least `keep_free` tokens of the context free; where the context's size is the server's
+        own, the oldest exchange. Returns how many messages went."""
         first = 1 if self.system is not None else 0
         dropped = 0
         while len(self.messages) > first:
-            needed = len(self.render_tokens(self.messages, add_generation_prompt=True))
-            if needed + keep_free <= self.session.n_ctx:
+            if self.session.capabilities.context_size:
+                needed = len(self.render_tokens(self.messages, add_generation_prompt=True))
+                if needed + keep_free <= self.session.n_ctx:
+                    break
+            elif dropped:
                 break
             del self.messages[first]
             while len(self.messages) > first and self.messages[first].role != "user":

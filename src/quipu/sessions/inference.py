@@ -21,69 +21,18 @@ grammars and biases are.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from quipu.engine.base import Backend, LogitsProcessor, ProgressFn, TokenFilter
 from quipu.engine.text import Detokenizer, unfinished_character
 from quipu.errors import ContextOverflow, EngineError, Interrupted, QuipuError
+from quipu.sessions.base import LOCAL, SILENT, Generation, ReplySink, Stats, TurnPrompt, common_prefix
 from quipu.sessions.params import SamplingParams, draw_seed
+from quipu.sessions.prompt import Rendered, context_tokens, reference_tokens
 from quipu.sessions.stops import StopMatcher
 
-# on_token(token, text) -> False to stop. `text` is what may be shown now (stop strings held back).
-TokenFn = Callable[[int, str], "bool | None"]
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many tokens `a` and `b` begin with alike."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-@dataclass
-class Stats:
-    """Figures of the last turn (load and restore are the session's, reported with each turn)."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    prefill_tokens: int = 0  # decoded by this turn's prefill (neither reused nor restored)
-    load_s: float = 0.0
-    restore_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    ttft_s: float = 0.0
-
-    @property
-    def prefill_tok_s(self) -> float:
-        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    @property
-    def decode_tok_s(self) -> float:
-        # The first token comes from the prefill's logits; each one after it costs a decode.
-        return (self.completion_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
-
-    def timings(self) -> dict[str, float]:
-        return {
-            "load_s": round(self.load_s, 4),
-            "restore_s": round(self.restore_s, 4),
-            "prefill_s": round(self.prefill_s, 4),
-            "decode_s": round(self.decode_s, 4),
-            "ttft_s": round(self.ttft_s, 4),
-            "prefill_tok_s": round(self.prefill_tok_s, 2),
-            "decode_tok_s": round(self.decode_tok_s, 2),
-        }
-
-    def usage(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
-        }
-
+__all__ = ["InferenceSession", "Snapshot", "ReplyText", "Generation", "Stats", "common_prefix"]
 
 @dataclass
 class Snapshot:
@@ -96,18 +45,6 @@ class Snapshot:
     params: SamplingParams
     context: dict
     state: bytes | None = None
-
-
-@dataclass
-class Generation:
-    """What one `infer` produced: the text shown, the tokens sampled, and why it ended."""
-
-    text: str
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str = "length"
-    # What cut it short, when something failed mid-reply (a server): the reply is kept as an
-    # interrupted one, and the error raised once it is saved.
-    error: Exception | None = None
 
 
 class ReplyText:
@@ -158,6 +95,8 @@ class InferenceSession:
     taken between turns can be continued exactly by decoding it on restore.
     """
 
+    capabilities = LOCAL
+
     def __init__(self, backend: Backend, params: SamplingParams | None = None):
         self.backend = backend
         self.params = (params or SamplingParams()).resolved()
@@ -183,6 +122,34 @@ class InferenceSession:
     @property
     def n_ctx(self) -> int:
         return self.backend.n_ctx
+
+    @property
+    def used(self) -> int:
+        return len(self.tokens)
+
+    def chat_template(self) -> str | None:
+        return self.backend.chat_template()
+
+    def special_token_text(self, which: str) -> str:
+        return self.backend.special_token_text(which)
+
+    def control_spellings(self, texts: Sequence[str]) -> list[str]:
+        return self.backend.control_texts()  # every one the model has: a local vocabulary is cheap to ask
+
+    def context_for(self, rendered: Rendered) -> list[int]:
+        return context_tokens(self.backend, self.tokens, rendered)
+
+    def reference_tokens(self, rendered: Rendered) -> list[int]:
+        return reference_tokens(self.backend, rendered)
+
+    def raw_tokens(self, text: str) -> list[int]:
+        return self.backend.tokenize(text, add_special=True, parse_special=False)
+
+    def spell(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.backend.token_text(t) for t in tokens).decode("utf-8", "replace")
+
+    def close(self) -> None:
+        self.backend.close()
 
     def set_params(self, params: SamplingParams) -> None:
         """New sampling parameters; the penalty window is kept."""
@@ -222,7 +189,7 @@ class InferenceSession:
         self.stats.prefill_s = self.stats.decode_s = self.stats.ttft_s = 0.0
         self._turn_started = time.perf_counter()
 
-    def set_context(self, tokens: Sequence[int], on_progress: ProgressFn | None = None) -> int:
+    def set_context(self, tokens: Sequence[int], sink: ReplySink = SILENT) -> int:
         """Makes the context hold exactly `tokens`, reusing the longest common prefix. Returns it."""
         tokens = list(tokens)
         self._check_room(len(tokens))
@@ -231,17 +198,17 @@ class InferenceSession:
         # Re-read tokens were computed (their time is the restore's), not reused from a cache.
         self.stats.cached_tokens = max(0, min(keep, self.n_decoded) - self._rebuilt_pending)
         self._rebuilt_pending = 0
-        self.feed_prompt(tokens[keep:], on_progress)
+        self.feed_prompt(tokens[keep:], sink)
         return keep
 
-    def feed_prompt(self, tokens: Sequence[int], on_progress: ProgressFn | None = None) -> None:
+    def feed_prompt(self, tokens: Sequence[int], sink: ReplySink = SILENT) -> None:
         """Appends `tokens` to the context and decodes them (with whatever was pending)."""
         self._check_room(len(self.tokens) + len(tokens))
         self.tokens.extend(tokens)
         self.backend.sampler_accept(tokens)
         self.stats.prompt_tokens = len(self.tokens)
         started, before = time.perf_counter(), self.n_decoded
-        self._decode_pending(on_progress)
+        self._decode_pending(sink.reading)
         self.stats.prefill_s += time.perf_counter() - started
         self.stats.prefill_tokens += self.n_decoded - before
 
@@ -370,14 +337,9 @@ class InferenceSession:
         self.tokens.append(token)
         return token
 
-    def infer(
-        self,
-        max_tokens: int,
-        stop: Sequence[str] = (),
-        on_token: TokenFn | None = None,
-    ) -> Generation:
-        """Generates up to `max_tokens` tokens; ends at end-of-generation, a stop string, a full
-        context, or when `on_token` returns False ("interrupted")."""
+    def infer(self, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT) -> Generation:
+        """Generates up to `max_tokens` tokens into `sink`; ends at end-of-generation, a stop
+        string, a full context, or when the sink says stop ("interrupted")."""
         reply = ReplyText(self.backend.token_bytes, self._carry, stop)
         self._carry = b""
         sampled = 0
@@ -399,26 +361,38 @@ class InferenceSession:
                 finish = "stop"
                 break
             text = reply.push(token)
+            if text:
+                sink.text(text)
             if reply.stopped:
                 finish = "stop_sequence"
-            keep_going = on_token(token, text) if on_token is not None else True
-            if finish == "stop_sequence":
                 break
-            if keep_going is False:
+            if sink.stopped():
                 finish = "interrupted"
                 break
         tail, finish, self._carry = reply.end(finish)
-        if tail and on_token is not None:
-            on_token(-1, tail)
+        if tail:
+            sink.text(tail)
         self.stats.completion_tokens = sampled
         self.stats.decode_s = last_at - first_at
         self._turn_started = 0.0
         return Generation(reply.text, reply.tokens, finish)
 
-    def generate(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[str] = (),
-                 on_token: TokenFn | None = None, on_progress: ProgressFn | None = None) -> Generation:
-        """One turn on raw tokens: the context becomes `prompt` (reusing what it can), then infer."""
+    def complete(self, tokens: Sequence[int], max_tokens: int, stop: Sequence[str] = (),
+                 sink: ReplySink = SILENT) -> Generation:
+        """One turn on raw tokens: the context becomes `tokens` (reusing what it can), then infer."""
         self.begin_turn()
-        self.set_context(prompt, on_progress)
+        self.set_context(tokens, sink)
         self.start_reply()
-        return self.infer(max_tokens, stop, on_token)
+        return self.infer(max_tokens, stop, sink)
+
+    def reply(self, prompt: TurnPrompt, max_tokens: int, stop: Sequence[str] = (),
+              sink: ReplySink = SILENT) -> Generation:
+        """Brings the context to the conversation plus what the reply holds so far (reusing what
+        it can), then generates the reply."""
+        tokens = self.context_for(prompt.rendered())
+        # Where the reply begins: a grammar constrains the reply alone, from its first token.
+        start = len(self.context_for(prompt.rendered(with_tail=False))) if prompt.tail else len(tokens)
+        self.begin_turn()
+        self.set_context(tokens, sink)
+        self.start_reply(start)
+        return self.infer(max_tokens, stop, sink)

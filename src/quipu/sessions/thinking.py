@@ -5,6 +5,8 @@ generation prompt and the reply starts inside it. The reply is kept whole in the
 
 from __future__ import annotations
 
+from quipu.sessions.base import ReplySink
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -72,3 +74,50 @@ def split_reply(text: str, thinking: bool = False) -> tuple[str, str]:
     splitter = ThinkingSplitter(thinking)
     pieces = splitter.feed(text) + splitter.flush()
     return "".join(t for r, t in pieces if r), "".join(t for r, t in pieces if not r)
+
+
+class ThinkingSink(ReplySink):
+    """A reply sink that passes a thinking model's reasoning on as reasoning and the rest as the
+    answer, and keeps both. `starts_thinking` is asked at the first piece, once the prompt is
+    rendered (it may have opened a block)."""
+
+    def __init__(self, sink, starts_thinking=lambda: False):
+        self.sink = sink
+        self._starts_thinking = starts_thinking
+        self._splitter: ThinkingSplitter | None = None
+        self.answer: list[str] = []
+        self.reasoning_parts: list[str] = []
+
+    def text(self, piece: str) -> None:
+        if self._splitter is None:
+            self._splitter = ThinkingSplitter(self._starts_thinking())
+        if piece:
+            self._emit(self._splitter.feed(piece))
+
+    def reasoning(self, piece: str) -> None:
+        self.reasoning_parts.append(piece)
+        self.sink.reasoning(piece)
+
+    def progress(self, done: int, total: int) -> None:
+        self.sink.progress(done, total)
+
+    def stopped(self) -> bool:
+        return self.sink.stopped()
+
+    def finish(self, gen):
+        """The reply is over: `gen` with its answer and reasoning apart."""
+        if self._splitter is not None:
+            self._emit(self._splitter.flush())
+            self._splitter = None
+        gen.answer = "".join(self.answer)
+        gen.reasoning = "".join(self.reasoning_parts).strip()
+        return gen
+
+    def _emit(self, pieces: list[tuple[bool, str]]) -> None:
+        for is_reasoning, text in pieces:
+            if is_reasoning:
+                self.reasoning_parts.append(text)
+                self.sink.reasoning(text)
+            else:
+                self.answer.append(text)
+                self.sink.text(text)

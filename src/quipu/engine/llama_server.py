@@ -1,7 +1,7 @@
 """llama.cpp's llama-server driven by tokens: `/completion` with token arrays, so that a
 session's context is exactly the tokens it was given and the model generated.
 
-`ServedModel` is the engine's side of a session kept on a llama-server slot: it tokenizes
+`LlamaServerModel` is the engine's side of a session kept on a llama-server slot: it tokenizes
 (`/tokenize`) and spells tokens (`/detokenize`) with the server's own vocabulary, gives the
 server's chat template and special tokens, and streams a completion of a token array from a
 seed, returning the generated token ids. The server shows no text for a token that ends
@@ -25,13 +25,18 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Protocol, Sequence
 
 from quipu.engine.base import SamplerSettings
-from quipu.engine.remote import RemoteError, RemoteModel
+from quipu.engine.chat_api import ChatApiModel, ServerError
 
-# on_piece(token, text) -> False to stop. `text` is what the server let out with this token.
-PieceFn = Callable[[int, str], "bool | None"]
+
+
+class Sink(Protocol):
+    """Where a reply's text goes as it comes, and whether to stop (the session layer's ReplySink)."""
+
+    def text(self, piece: str) -> None: ...
+    def stopped(self) -> bool: ...
 
 # The server's samplers, in the order quipu's own chain applies them (logit biases and a grammar
 # apply as llama.cpp's common sampler applies them).
@@ -57,10 +62,10 @@ class Completion:
     first_token_s: float = 0.0
 
 
-class ServedModel:
+class LlamaServerModel:
     """A model on llama.cpp's llama-server, as the session layer drives it by tokens."""
 
-    def __init__(self, remote: RemoteModel, props: dict):
+    def __init__(self, remote: ChatApiModel, props: dict):
         self.remote = remote
         self.props = props
         settings = props.get("default_generation_settings") or {}
@@ -94,7 +99,7 @@ class ServedModel:
     def n_vocab(self) -> int:
         n = self._meta().get("n_vocab")
         if not isinstance(n, int) or n <= 0:
-            raise RemoteError(f"{self.remote.where()} does not say the size of its model's vocabulary")
+            raise ServerError(f"{self.remote.where()} does not say the size of its model's vocabulary")
         return n
 
     def close(self) -> None:
@@ -110,12 +115,12 @@ class ServedModel:
                                                       "parse_special": parse_special, "with_pieces": True})
         items = data.get("tokens") if isinstance(data, dict) else None
         if not isinstance(items, list):
-            raise RemoteError(f"{self.remote.where()} answered /tokenize with something unexpected")
+            raise ServerError(f"{self.remote.where()} answered /tokenize with something unexpected")
         out = []
         for item in items:
             piece = item.get("piece") if isinstance(item, dict) else None
             if not isinstance(item.get("id") if isinstance(item, dict) else None, int):
-                raise RemoteError(f"{self.remote.where()} answered /tokenize with something unexpected")
+                raise ServerError(f"{self.remote.where()} answered /tokenize with something unexpected")
             out.append((item["id"], piece.encode("utf-8") if isinstance(piece, str) else bytes(piece or [])))
         return out
 
@@ -126,7 +131,7 @@ class ServedModel:
         data = self.remote.request_json("POST", "/detokenize", {"tokens": list(tokens)})
         text = data.get("content") if isinstance(data, dict) else None
         if not isinstance(text, str):
-            raise RemoteError(f"{self.remote.where()} answered /detokenize with something unexpected")
+            raise ServerError(f"{self.remote.where()} answered /detokenize with something unexpected")
         return text
 
     def spell(self, token: int) -> str:
@@ -165,8 +170,8 @@ class ServedModel:
     # ---- generation --------------------------------------------------------------------------
 
     def complete(self, prompt: Sequence[int | str], sampler: SamplerSettings, seed: int, max_tokens: int,
-                 stop: Sequence[str] = (), slot: int = -1, on_piece: PieceFn | None = None) -> Completion:
-        """Streams what follows `prompt` (reusing what the slot holds of it); `on_piece` may stop it.
+                 stop: Sequence[str] = (), slot: int = -1, sink: Sink | None = None) -> Completion:
+        """Streams what follows `prompt` (reusing what the slot holds of it) into `sink`, which may stop it.
         The prompt is token ids, then maybe text, which the server tokenizes with special tokens
         parsed (a leading text gets the model's BOS); `Completion.prompt_tokens` says how many
         tokens it made in all."""
@@ -187,14 +192,14 @@ class ServedModel:
         try:
             events = self.remote.events(response, lambda: done, lambda event: event.get("stop") is True)
             for event in events:
-                if self._take(event, done, started, on_piece) is False:
+                if self._take(event, done, started, sink) is False:
                     done.finish_reason = "interrupted"
                     break
         finally:
             response.close()
         return done
 
-    def _take(self, event: dict, done: Completion, started: float, on_piece: PieceFn | None) -> bool | None:
+    def _take(self, event: dict, done: Completion, started: float, sink: Sink | None) -> bool | None:
         if isinstance(event.get("tokens_evaluated"), int):
             done.prompt_tokens = event["tokens_evaluated"]
         if event.get("stop") is True:
@@ -217,7 +222,11 @@ class ServedModel:
             done.tokens += self._recover(missing, token, text, done)
         done.tokens.append(token)
         done.text += text
-        return on_piece(token, text) if on_piece is not None else None
+        if sink is None:
+            return None
+        if text:
+            sink.text(text)
+        return not sink.stopped()
 
     def _recover(self, missing: int, token: int, text: str, done: Completion) -> list[int]:
         """The ids of the `missing` tokens before `token`, which end in `text`: its last character

@@ -1,15 +1,14 @@
 """A conversation kept as exact tokens on llama.cpp's llama-server.
 
-`ServedSession` stands where `InferenceSession` stands for a local model: it holds the
+`LlamaServerSession` is the `ModelSession` of a model on llama-server, driven by token
+arrays, as `InferenceSession` is a local model's: it holds the
 context's exact token history (replies keep the tokens the model generated) and asks the
 server to continue it, one request a reply, seeded with the seed of its next draw, so a
 session resumed in another process continues as it would have in the first. The server keeps
 what it can of the context in the session's slot; what it kept is its own affair, each
 request sending the whole token array.
 
-`ServedConversation` is the `Conversation` (the same messages, template, undo, retry,
-continue) on a `ServedSession`. The server's vocabulary is only reachable a request at a time,
-so instead of spelling every held token, the session keeps `marks`: places (k, n) where its
+The server's vocabulary is only reachable a request at a time, so instead of spelling every held token, the session keeps `marks`: places (k, n) where its
 first k tokens spell the first n characters of `text`. The next turn keeps the tokens up to
 the last mark its rendered text still begins with, and sends the rest as text: the server
 tokenizes it as it reads it, so nothing waits on a round trip before the first token, and its
@@ -21,12 +20,11 @@ is tokenized first, to be sure of its size.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Protocol, Sequence
 
-from quipu.engine.base import ServedBackend
+from quipu.engine.base import TokenServer
 from quipu.errors import CapabilityError, ContextOverflow
-from quipu.sessions.conversation import Conversation, Message
-from quipu.sessions.inference import Generation, Stats, TokenFn, common_prefix
+from quipu.sessions.base import LLAMA_SERVER, SILENT, Generation, ReplySink, Stats, TurnPrompt, common_prefix
 from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.prompt import Rendered, reference_tokens
 
@@ -35,10 +33,22 @@ from quipu.sessions.prompt import Rendered, reference_tokens
 MAX_TOKEN_BYTES = 256
 
 
-class ServedSession:
+class SlotHolder(Protocol):
+    """Keeps a session's context in a slot of its own between turns (slot files, in `quipu.app`)."""
+
+    def before(self) -> int:
+        """The slot to use (-1: any), its context made the session's where it can be."""
+
+    def after(self, cached_tokens: int, held: int) -> None:
+        """The reply is done: the server reused `cached_tokens`, of which the context held `held`."""
+
+
+class LlamaServerSession:
     """A context on a llama-server slot: exact tokens, the text they spell, and the draw count."""
 
-    def __init__(self, backend: ServedBackend, params: SamplingParams | None = None):
+    capabilities = LLAMA_SERVER
+
+    def __init__(self, backend: TokenServer, params: SamplingParams | None = None):
         self.backend = backend
         self.params = (params or SamplingParams()).resolved()
         self.tokens: list[int] = []
@@ -46,10 +56,7 @@ class ServedSession:
         self.marks: list[tuple[int, int]] = []  # (k, n): tokens[:k] spell text[:n]; a turn may go on from there
         self.draws = 0
         self.slot = -1  # the server's slot to use (-1: any)
-        # Keeps the context in a slot of its own between turns: `before()` the slot to use,
-        # `after(cached_tokens, held)` once the reply is done (with the server's count of reused
-        # tokens, and how many of the prompt's the context held).
-        self.slot_holder = None
+        self.slot_holder: SlotHolder | None = None
         self.stats = Stats()
         self._turn_started = 0.0
 
@@ -60,6 +67,31 @@ class ServedSession:
     @property
     def n_decoded(self) -> int:
         return len(self.tokens)
+
+    @property
+    def used(self) -> int:
+        return len(self.tokens)
+
+    def chat_template(self) -> str | None:
+        return self.backend.chat_template()
+
+    def special_token_text(self, which: str) -> str:
+        return self.backend.special_token_text(which)
+
+    def control_spellings(self, texts: Sequence[str]) -> list[str]:
+        return self.backend.control_spellings(texts)
+
+    def reference_tokens(self, rendered: Rendered) -> list[int]:
+        return reference_tokens(self.backend, rendered)
+
+    def raw_tokens(self, text: str) -> list[int]:
+        return self.backend.tokenize(text, add_special=True, parse_special=False)
+
+    def spell(self, tokens: Sequence[int]) -> str:
+        return self.backend.detokenize(tokens)
+
+    def close(self) -> None:
+        pass  # the connection is the server's host's to close
 
     def set_params(self, params: SamplingParams) -> None:
         self.params = params.resolved()
@@ -144,8 +176,22 @@ class ServedSession:
             return None
         return ids if ids and len(ids) == counted else None
 
+    def reply(self, prompt: TurnPrompt, max_tokens: int, stop: Sequence[str] = (),
+              sink: ReplySink = SILENT) -> Generation:
+        if prompt.tail and self.params.grammar:
+            raise CapabilityError("a reply under a grammar cannot be continued on a server: its grammar would "
+                                  "start over")
+        self.begin_turn()
+        rendered = prompt.rendered()
+        return self.generate(self.prompt_for(rendered, max_tokens), rendered.text, max_tokens, stop, sink)
+
+    def complete(self, tokens: Sequence[int], max_tokens: int, stop: Sequence[str] = (),
+                 sink: ReplySink = SILENT) -> Generation:
+        self.begin_turn()
+        return self.generate(list(tokens), self.backend.detokenize(tokens), max_tokens, stop, sink)
+
     def generate(self, prompt: Sequence[int | str], prompt_text: str, max_tokens: int, stop: Sequence[str] = (),
-                 on_token: TokenFn | None = None) -> Generation:
+                 sink: ReplySink = SILENT) -> Generation:
         """Continues `prompt` (token ids, then maybe text; it spells `prompt_text`) by up to
         `max_tokens` tokens; the context becomes the prompt and the reply. A failure mid-reply
         keeps what came (`Generation.error`)."""
@@ -162,7 +208,7 @@ class ServedSession:
         error = None
         try:
             done = self.backend.complete(prompt, self.params.sampler(), draw_seed(self.params.seed, self.draws),
-                                         min(max_tokens, room), stop, self.slot, on_token)
+                                         min(max_tokens, room), stop, self.slot, sink)
         except Exception as exc:  # a server failing mid-reply: what came is kept, as after Ctrl-C
             done = getattr(exc, "partial", None)
             if done is None or not getattr(done, "tokens", None):
@@ -209,29 +255,3 @@ class ServedSession:
             self.tokens.append(done.tokens[-1])
             self.text += self.backend.spell(done.tokens[-1])
             self.marks.append((len(self.tokens), len(self.text)))
-
-
-class ServedConversation(Conversation):
-    """A Conversation on a ServedSession: the same messages, template and commands."""
-
-    session: ServedSession
-
-    def control_texts(self, texts: Sequence[str]) -> list[str]:
-        return self.session.backend.control_spellings(texts)
-
-    def context_tokens(self, add_generation_prompt: bool = True, tail: str = "") -> list[int]:
-        return self.session.context_for(self.render(self.messages, add_generation_prompt, tail))
-
-    def _generate(self, reply: Message, max_tokens: int, stop: Sequence[str], on_token: TokenFn | None,
-                  on_progress=None) -> Generation:
-        if reply.content and self.session.params.grammar:
-            raise CapabilityError("a reply under a grammar cannot be continued on a server: its grammar would "
-                                  "start over")
-        self.session.begin_turn()
-        rendered = self.render(self.messages, True, reply.content)
-        self.prompt_text = rendered.text
-        prompt = self.session.prompt_for(rendered, max_tokens)
-        gen = self.session.generate(prompt, rendered.text, max_tokens, stop, on_token)
-        self.messages.append(reply)
-        reply.content += gen.text
-        return gen

@@ -1,11 +1,11 @@
 """A model behind an HTTP server: llama.cpp's `llama-server`, vLLM, Ollama, LM Studio,
 llama-cpp-python's server, any OpenAI-compatible one.
 
-`RemoteModel` speaks the OpenAI chat completions API (server-sent events when streaming),
-and turns everything that can go wrong on the way into one-line `RemoteError`s: a server that
+`ChatApiModel` speaks the OpenAI chat completions API (server-sent events when streaming),
+and turns everything that can go wrong on the way into one-line `ServerError`s: a server that
 cannot be reached, a key refused (naming the variable that holds it), a model the server does
 not have, the server's own message on 4xx and 5xx, a stream cut in the middle or an event that
-is not JSON (what came before is kept: `RemoteError.partial`). Requests that fail before the
+is not JSON (what came before is kept: `ServerError.partial`). Requests that fail before the
 first token are tried again, with growing pauses, when the failure may pass (connection
 refused, 429, 502, 503, 504); never after, so nothing is generated twice.
 
@@ -19,26 +19,31 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 from quipu.errors import CapabilityError, QuipuError
 
 RETRY_STATUSES = (429, 502, 503, 504)
-# on_text(text) -> False to stop
-TextFn = Callable[[str], "bool | None"]
 
 
-class RemoteError(QuipuError):
+class Sink(Protocol):
+    """Where a reply's text goes as it comes, and whether to stop (the session layer's ReplySink)."""
+
+    def text(self, piece: str) -> None: ...
+    def stopped(self) -> bool: ...
+
+
+class ServerError(QuipuError):
     """The server could not be used, or failed mid-reply (`partial` holds what came first)."""
 
-    def __init__(self, message: str, *, partial: "RemoteReply | None" = None, status: int = 0):
+    def __init__(self, message: str, *, partial: "ChatReply | None" = None, status: int = 0):
         super().__init__(message)
         self.partial = partial
         self.status = status  # the HTTP status that said no, if one did
 
 
 @dataclass
-class RemoteSettings:
+class ServerSettings:
     url: str
     model: str | None = None  # None: the server's only (or first) model
     api_key_env: str = "QUIPU_API_KEY"
@@ -49,7 +54,7 @@ class RemoteSettings:
 
 
 @dataclass
-class RemoteReply:
+class ChatReply:
     """One reply: its text, why it ended, and what the server counted and timed."""
 
     text: str = ""
@@ -63,16 +68,16 @@ class RemoteReply:
     total_s: float = 0.0
 
 
-class RemoteModel:
+class ChatApiModel:
     """A model on an OpenAI-compatible server."""
 
-    def __init__(self, settings: RemoteSettings):
+    def __init__(self, settings: ServerSettings):
         import httpx
 
         self.settings = settings
         self.base = settings.url.rstrip("/")
         if not self.base.startswith(("http://", "https://")):
-            raise RemoteError(f"the server address must start with http:// or https://, not '{settings.url}'")
+            raise ServerError(f"the server address must start with http:// or https://, not '{settings.url}'")
         self._httpx = httpx
         self._client = self._connect()
         self._model = settings.model
@@ -87,7 +92,7 @@ class RemoteModel:
         """Lets the connections go; a later request opens new ones."""
         self._client.close()
 
-    def __enter__(self) -> "RemoteModel":
+    def __enter__(self) -> "ChatApiModel":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -115,14 +120,14 @@ class RemoteModel:
                 response = self._client.send(request, stream=stream)
             except httpx.ConnectError as exc:
                 if last or "Name or service not known" in str(exc) or "nodename nor servname" in str(exc):
-                    raise RemoteError(f"cannot reach {self.where()}: {_reason(exc)}") from None
+                    raise ServerError(f"cannot reach {self.where()}: {_reason(exc)}") from None
             except httpx.ConnectTimeout:
-                raise RemoteError(f"{self.where()} did not take the connection within "
+                raise ServerError(f"{self.where()} did not take the connection within "
                                   f"{self.settings.connect_timeout:g} s") from None
             except httpx.TimeoutException:
-                raise RemoteError(f"{self.where()} did not answer within {self._timeout_said()}") from None
+                raise ServerError(f"{self.where()} did not answer within {self._timeout_said()}") from None
             except httpx.HTTPError as exc:
-                raise RemoteError(f"the request to {self.where()} failed: {_reason(exc)}") from None
+                raise ServerError(f"the request to {self.where()} failed: {_reason(exc)}") from None
             else:
                 if response.status_code < 400:
                     return response
@@ -136,7 +141,7 @@ class RemoteModel:
     def _timeout_said(self) -> str:
         return f"{self.settings.read_timeout:g} s"
 
-    def _http_error(self, response) -> RemoteError:
+    def _http_error(self, response) -> ServerError:
         try:
             response.read()
             body = response.json()
@@ -150,19 +155,19 @@ class RemoteModel:
         if code in (401, 403):
             held = self.settings.api_key_env
             key = "the key in $" + held if os.environ.get(held) else f"no key (set ${held})"
-            return RemoteError(f"{self.where()} refused the request ({status}) with {key}"
+            return ServerError(f"{self.where()} refused the request ({status}) with {key}"
                                f"{': ' + said if said else ''}", status=code)
         if code == 404:
-            return RemoteError(f"{self.where()} has no such model or endpoint ({status})"
+            return ServerError(f"{self.where()} has no such model or endpoint ({status})"
                                f"{': ' + said if said else ''}", status=code)
-        return RemoteError(f"{self.where()} answered {status}{': ' + said if said else ''}", status=code)
+        return ServerError(f"{self.where()} answered {status}{': ' + said if said else ''}", status=code)
 
     def request_json(self, method: str, path: str, body: dict | None = None) -> Any:
         response = self.request(method, path, body)
         try:
             return response.json()
         except ValueError:
-            raise RemoteError(f"{self.where()} did not answer {path} with JSON") from None
+            raise ServerError(f"{self.where()} did not answer {path} with JSON") from None
 
     # ---- what the server has --------------------------------------------------------------
 
@@ -171,7 +176,7 @@ class RemoteModel:
         data = self.request_json("GET", "/v1/models")
         items = data.get("data") if isinstance(data, dict) else None
         if not isinstance(items, list):
-            raise RemoteError(f"{self.where()} answered /v1/models with something else than a model list")
+            raise ServerError(f"{self.where()} answered /v1/models with something else than a model list")
         return [m for m in items if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
     def model_name(self) -> str:
@@ -179,7 +184,7 @@ class RemoteModel:
         if self._model is None:
             models = self.models()
             if not models:
-                raise RemoteError(f"{self.where()} lists no model")
+                raise ServerError(f"{self.where()} lists no model")
             self._model = models[0]["id"]
         return self._model
 
@@ -191,7 +196,7 @@ class RemoteModel:
         if self._props is None:
             try:
                 props = self.request_json("GET", "/props")
-            except RemoteError:
+            except ServerError:
                 props = None
             ok = isinstance(props, dict) and isinstance(props.get("default_generation_settings"), dict)
             self._props = props if ok else {}
@@ -207,7 +212,7 @@ class RemoteModel:
         server does not say (`/slots` turned off)."""
         try:
             data = self.request_json("GET", "/slots")
-        except RemoteError:
+        except ServerError:
             return None
         for item in data if isinstance(data, list) else ():
             if isinstance(item, dict) and item.get("id") == slot and item.get("id_task") is not None:
@@ -220,7 +225,7 @@ class RemoteModel:
         data = self.request_json("POST", f"/slots/{slot}?action={action}", {"filename": filename})
         count = data.get("n_saved" if action == "save" else "n_restored") if isinstance(data, dict) else None
         if not isinstance(count, int):
-            raise RemoteError(f"{self.where()} answered a slot {action} with something unexpected")
+            raise ServerError(f"{self.where()} answered a slot {action} with something unexpected")
         return count
 
     def embed(self, texts: list[str]) -> list[list[float]]:
@@ -228,7 +233,7 @@ class RemoteModel:
         data = self.request_json("POST", "/v1/embeddings", {"model": self.model_name(), "input": list(texts)})
         items = data.get("data") if isinstance(data, dict) else None
         if not isinstance(items, list) or len(items) != len(texts):
-            raise RemoteError(f"{self.where()} answered /v1/embeddings with something else than one vector a text")
+            raise ServerError(f"{self.where()} answered /v1/embeddings with something else than one vector a text")
         ordered = sorted(items, key=lambda item: item.get("index", 0) if isinstance(item, dict) else 0)
         vectors = [item.get("embedding") if isinstance(item, dict) else None for item in ordered]
         if not all(isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v) for v in vectors):
@@ -238,8 +243,8 @@ class RemoteModel:
     # ---- generation -----------------------------------------------------------------------
 
     def chat(self, messages: list[dict[str, str]], *, params: dict[str, Any], max_tokens: int,
-             stop: tuple[str, ...] = (), on_text: TextFn | None = None) -> RemoteReply:
-        """Streams a reply to `messages`; `on_text` gets each piece (and may return False to stop)."""
+             stop: tuple[str, ...] = (), sink: Sink | None = None) -> ChatReply:
+        """Streams a reply to `messages` into `sink`, which may stop it."""
         # No model named: most servers with one model take any name, so ask at once; a server that
         # wants a real one says so, and gets its first (one round trip spared in the common case).
         body = {"model": self._model or "", "messages": messages, "stream": True, "max_tokens": max_tokens,
@@ -249,16 +254,16 @@ class RemoteModel:
         started = time.perf_counter()
         try:
             response = self.request("POST", "/v1/chat/completions", body, stream=True)
-        except RemoteError as exc:
+        except ServerError as exc:
             if self._model is not None or exc.status not in (400, 404, 422):
                 raise
             body["model"] = self.model_name()
             response = self.request("POST", "/v1/chat/completions", body, stream=True)
-        reply = RemoteReply(model=body["model"])
+        reply = ChatReply(model=body["model"])
         pieces: list[str] = []
         try:
             for event in self._events(response, reply, pieces):
-                self._take(event, reply, pieces, started, on_text)
+                self._take(event, reply, pieces, started, sink)
                 if reply.finish_reason == "interrupted":
                     break
         finally:
@@ -270,12 +275,12 @@ class RemoteModel:
         if not reply.model:  # the server echoed the empty name: ask it for its own, now that the reply is out
             try:
                 reply.model = self.model_name()
-            except RemoteError:
+            except ServerError:
                 reply.model = "?"
         return reply
 
-    def _events(self, response, reply: RemoteReply, pieces: list[str]) -> Iterator[dict]:
-        def partial() -> RemoteReply:
+    def _events(self, response, reply: ChatReply, pieces: list[str]) -> Iterator[dict]:
+        def partial() -> ChatReply:
             reply.text = "".join(pieces)
             return reply
 
@@ -284,7 +289,7 @@ class RemoteModel:
 
     def events(self, response, partial: Callable[[], Any], last: Callable[[dict], bool]) -> Iterator[dict]:
         """The JSON objects of a stream of server-sent events, to `[DONE]` or an event `last` says
-        is the last. Every fault is a RemoteError carrying `partial()`, what came before it."""
+        is the last. Every fault is a ServerError carrying `partial()`, what came before it."""
         httpx = self._httpx
         finished = False
         try:
@@ -298,26 +303,26 @@ class RemoteModel:
                 try:
                     event = json.loads(data)
                 except ValueError:
-                    raise RemoteError(f"{self.where()} sent an event that is not JSON: {data[:80]!r}",
+                    raise ServerError(f"{self.where()} sent an event that is not JSON: {data[:80]!r}",
                                       partial=partial()) from None
                 if not isinstance(event, dict):
-                    raise RemoteError(f"{self.where()} sent an event that is not an object", partial=partial())
+                    raise ServerError(f"{self.where()} sent an event that is not an object", partial=partial())
                 if "error" in event:
-                    raise RemoteError(f"{self.where()} failed mid-reply: {_server_message(event)}",
+                    raise ServerError(f"{self.where()} failed mid-reply: {_server_message(event)}",
                                       partial=partial())
                 yield event
                 if last(event):
                     finished = True
                     break
         except httpx.TimeoutException:
-            raise RemoteError(f"{self.where()} sent nothing for {self._timeout_said()} mid-reply",
+            raise ServerError(f"{self.where()} sent nothing for {self._timeout_said()} mid-reply",
                               partial=partial()) from None
         except httpx.HTTPError as exc:
-            raise RemoteError(f"{self.where()} cut the reply short: {_reason(exc)}", partial=partial()) from None
+            raise ServerError(f"{self.where()} cut the reply short: {_reason(exc)}", partial=partial()) from None
         if not finished and not getattr(partial(), "finish_reason", ""):
-            raise RemoteError(f"{self.where()} closed the stream before the reply was over", partial=partial())
+            raise ServerError(f"{self.where()} closed the stream before the reply was over", partial=partial())
 
-    def _take(self, event: dict, reply: RemoteReply, pieces: list[str], started: float, on_text) -> None:
+    def _take(self, event: dict, reply: ChatReply, pieces: list[str], started: float, sink: Sink | None) -> None:
         if isinstance(event.get("model"), str) and event["model"]:
             reply.model = event["model"]  # the name the server answers to
         usage = event.get("usage")
@@ -341,7 +346,9 @@ class RemoteModel:
                 if not pieces:
                     reply.first_token_s = time.perf_counter() - started
                 pieces.append(text)
-                if on_text is not None and on_text(text) is False:
+                if sink is not None:
+                    sink.text(text)
+                if sink is not None and sink.stopped():
                     reply.finish_reason = "interrupted"
                     return
             finish = choice.get("finish_reason")

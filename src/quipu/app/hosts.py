@@ -1,0 +1,121 @@
+"""What a host is: where the model runs, a local model (`local.py`), llama.cpp's llama-server
+driven by tokens (`llama_server.py`), or any server's OpenAI chat API (`chat_api.py`); chosen
+once per command (`choose.py`). A host makes the `ModelSession` a conversation runs on, and the small part of
+a named session that differs between them (`Keeper`: what it writes besides the transcript's
+messages). Everything else, turns, named sessions, the chat, is written once above it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Protocol
+
+from quipu.app.environment import Environment, TurnOptions
+from quipu.engine.base import ProgressFn
+from quipu.errors import InvalidParameter, SnapshotError
+from quipu.sessions.base import Capabilities, Message, ModelSession
+from quipu.sessions.params import SamplingParams
+
+if TYPE_CHECKING:
+    from quipu.store.store import SessionStore
+    from quipu.store.transcript import Transcript
+
+
+class Keeper(Protocol):
+    """What one named session keeps on its host besides its messages."""
+
+    model_name: str
+
+    def fields(self, session: ModelSession) -> dict:
+        """The transcript's fields that depend on the host: model, params, context, tokens,
+        n_decoded, draws, build, served."""
+
+    def save(self, store: "SessionStore", name: str, record: "Transcript", session: ModelSession) -> list[str]:
+        """Writes the session (the transcript, and a state file where the host keeps one); notices."""
+
+    def warm(self, session: ModelSession, tokens: Callable[[], list[int]], opts: TurnOptions, env: Environment):
+        """Before a new context's first turn: restores what the prompt cache holds of its
+        prompt, `tokens()` (local models); the cache's use, or None."""
+
+    def remember(self, session: ModelSession, use, opts: TurnOptions) -> list[str]:
+        """After a one-shot answer is out: keeps its prompt in the prompt cache; notices."""
+
+    def cached(self, session: ModelSession, tokens: list[int], opts: TurnOptions, env: Environment) -> int:
+        """How many of `tokens` the prompt cache would restore (`--show-prompt`)."""
+
+    def model_for_new(self, opts: TurnOptions) -> str | None:
+        """The model a new session started from this one takes (`/new`)."""
+
+
+@dataclass
+class Opened:
+    """A session opened on a host, with its keeper and what to tell the user."""
+
+    session: ModelSession
+    keeper: Keeper
+    notices: list[str] = field(default_factory=list)
+
+
+class ModelHost(Protocol):
+    capabilities: Capabilities
+
+    def create(self, opts: TurnOptions, env: Environment, name: str | None = None) -> Opened:
+        """A new, empty session (the model loaded, with its load time in the stats); `name`,
+        the named session it starts (None: a one-shot)."""
+
+    def resume(self, store: "SessionStore", name: str, record: "Transcript", messages: list[Message],
+               opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened:
+        """A saved session, its context restored where it can be, else read again."""
+
+    def close(self) -> None: ...
+
+
+def check_options(capabilities: Capabilities, opts: TurnOptions, *, show: bool = False) -> None:
+    """Refuses, before anything is sent or loaded, what was asked that the host cannot do."""
+    asked = {
+        "continue": opts.continue_reply,
+        "raw": opts.raw,
+        "grammar": opts.schema is not None or opts.grammar is not None,
+        "logit_bias": bool(opts.logit_bias),
+        "chat_template": opts.chat_template is not None,
+        "think": opts.think is not None,
+        "show_prompt": show,
+        "context_settings": opts.kv_type is not None or opts.ctx is not None or opts.threads is not None,
+    }
+    for feature, given in asked.items():
+        if given:
+            capabilities.require(feature)
+
+
+class NoCache:
+    """The prompt cache's part of a keeper, for hosts that keep no context state here."""
+
+    def warm(self, session, tokens, opts, env):
+        return None
+
+    def remember(self, session, use, opts) -> list[str]:
+        return []
+
+    def cached(self, session, tokens, opts, env) -> int:
+        return 0
+
+    def model_for_new(self, opts: TurnOptions) -> str | None:
+        return opts.model
+
+
+def saved_params(store: "SessionStore", name: str, record: "Transcript") -> SamplingParams:
+    """A transcript's sampling parameters; damaged ones are said, and the file left as it is."""
+    try:
+        return SamplingParams.from_dict(record.params)
+    except (TypeError, InvalidParameter) as exc:
+        raise SnapshotError(f"session '{name}' is damaged: {exc}; {store.transcript_path(name)} was left "
+                            "as it is") from None
+
+
+def made_elsewhere(name: str, record: "Transcript", model_name: str, messages: list[Message]) -> str:
+    """The notice for a session continued on another model (its context is read again from the
+    messages, whose token counts then mean nothing)."""
+    for m in messages:
+        m.context_before = None
+    return (f"session '{name}' was made with {record.model.get('name', 'another model')}; continuing with "
+            f"{model_name}, re-read from the transcript")

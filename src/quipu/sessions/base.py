@@ -1,0 +1,266 @@
+"""What every model session is, wherever its model runs: the `ModelSession` protocol, what a
+session can do (`Capabilities`, the one table every refusal comes from), where a reply goes as
+it is generated (`ReplySink`), and the plain values a turn passes around (`Message`,
+`TurnPrompt`, `Generation`, `Stats`).
+
+Three sessions implement the protocol, and everything above them (`Conversation`, the named
+sessions and the chat in `quipu.app`) is written once against it:
+
+- `InferenceSession` (`inference.py`): a local llama.cpp context, exact tokens, KV snapshots.
+- `LlamaServerSession` (`llama_server.py`): a context on llama.cpp's llama-server driven by
+  token arrays, exact tokens, seeded per draw.
+- `ChatApiSession` (`chat_api.py`): any OpenAI-compatible chat API; the context is the message
+  list, which the server renders and tokenizes itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+from quipu.errors import CapabilityError
+
+if TYPE_CHECKING:
+    from quipu.sessions.params import SamplingParams
+    from quipu.sessions.prompt import Rendered
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens `a` and `b` begin with alike."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class Message:
+    role: str
+    content: str
+    # For user messages: how many tokens the context held before this exchange (for /undo).
+    context_before: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.context_before is not None:
+            data["context_before"] = self.context_before
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Message":
+        """From `to_dict`'s shape, as a checked transcript holds it."""
+        return cls(data["role"], data["content"], data.get("context_before"))
+
+
+class ReplySink:
+    """Where a reply goes while it is generated, one object a turn: the answer's text, a thinking
+    model's reasoning, the progress of reading the prompt. `stopped()` is asked after every token
+    and every batch of the prompt, and is the one way to stop a reply: a reply stopped while its
+    prompt is read ends in `Interrupted` (there is nothing to show), one stopped later ends with
+    what came, finish reason "interrupted". Override what you need; the rest does nothing."""
+
+    def text(self, piece: str) -> None:
+        pass
+
+    def reasoning(self, piece: str) -> None:
+        pass
+
+    def progress(self, done: int, total: int) -> None:
+        pass
+
+    def stopped(self) -> bool:
+        return False
+
+    def reading(self, done: int, total: int) -> bool:
+        """Progress of reading a prompt, and whether to go on: what the engine's prefill asks."""
+        self.progress(done, total)
+        return not self.stopped()
+
+
+SILENT = ReplySink()
+
+
+@dataclass
+class Stats:
+    """Figures of the last turn (load and restore are the session's, reported with each turn)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_tokens: int = 0  # decoded by this turn's prefill (neither reused nor restored)
+    load_s: float = 0.0
+    restore_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    ttft_s: float = 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # The first token comes from the prefill's logits; each one after it costs a decode.
+        return (self.completion_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def timings(self) -> dict[str, float]:
+        return {
+            "load_s": round(self.load_s, 4),
+            "restore_s": round(self.restore_s, 4),
+            "prefill_s": round(self.prefill_s, 4),
+            "decode_s": round(self.decode_s, 4),
+            "ttft_s": round(self.ttft_s, 4),
+            "prefill_tok_s": round(self.prefill_tok_s, 2),
+            "decode_tok_s": round(self.decode_tok_s, 2),
+        }
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+        }
+
+
+@dataclass
+class Generation:
+    """What one reply produced: the text shown, the tokens sampled, and why it ended; the
+    answer and a thinking model's reasoning apart (a `Conversation` splits them)."""
+
+    text: str
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    # What cut it short, when something failed mid-reply (a server): the reply is kept as an
+    # interrupted one, and the error raised once it is saved.
+    error: Exception | None = None
+    answer: str | None = None  # None: all of `text`
+    reasoning: str = ""
+
+
+# ---- what a session can do -------------------------------------------------------------------
+
+# Each feature a session may lack: what the command line calls it, and what the chat calls it.
+FEATURES: dict[str, tuple[str, str]] = {
+    "continue": ("--continue", "/continue"),
+    "raw": ("--raw", "--raw"),
+    "grammar": ("--schema and --grammar", "/schema and /grammar"),
+    "logit_bias": ("--logit-bias", "--logit-bias"),
+    "chat_template": ("--chat-template (the server renders its own)", "--chat-template"),
+    "think": ("--think/--no-think", "/think on|off"),
+    "show_prompt": ("--show-prompt", "--show-prompt"),
+    "context_settings": ("--ctx, --threads and --kv-type (the server's own settings)", "--ctx"),
+    "prompt_cache": ("the prompt cache", "the prompt cache"),
+    "state_files": ("context state files", "context state files"),
+    "slot_files": ("slot files", "slot files"),
+}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a kind of session can do, declared once; every refusal's words come from here."""
+
+    kind: str  # "local", "llama-server", "chat-api"
+    features: frozenset[str]
+    where: str  # how a refusal names it: "... cannot be used with {where}"
+    exact_tokens: bool  # the context is kept as exact tokens: a reply is never read again
+    context_size: bool  # the context's size is known here (else it is the server's own)
+
+    def can(self, feature: str) -> bool:
+        return feature in self.features
+
+    def require(self, feature: str, *, chat: bool = False) -> None:
+        """Refuses, in one line, what this kind of session cannot do."""
+        if feature not in self.features:
+            raise CapabilityError(f"{FEATURES[feature][1 if chat else 0]} cannot be used with {self.where}")
+
+
+_ALL = frozenset(FEATURES)
+LOCAL = Capabilities("local", _ALL - {"slot_files"}, "a local model", exact_tokens=True, context_size=True)
+LLAMA_SERVER = Capabilities("llama-server", _ALL - {"context_settings", "prompt_cache", "state_files"},
+                            "a server", exact_tokens=True, context_size=True)
+CHAT_API = Capabilities("chat-api", frozenset(), "this server (only llama.cpp's llama-server takes it)",
+                        exact_tokens=False, context_size=False)
+
+
+# ---- a turn ----------------------------------------------------------------------------------
+
+# render(messages, add_generation_prompt, tail) -> the template's text, in parts (prompt.py)
+RenderFn = Callable[[Sequence[Message], bool, str], "Rendered"]
+
+
+@dataclass
+class TurnPrompt:
+    """What a reply is generated after: the conversation's messages, what the reply holds
+    already (`tail`: a reply being continued), and the conversation's template, for the
+    sessions that render it themselves (a chat API's server renders its own)."""
+
+    messages: Sequence[Message]
+    tail: str = ""
+    render: RenderFn | None = None
+    text: str = ""  # the text the reply follows, once rendered
+
+    def rendered(self, with_tail: bool = True) -> "Rendered":
+        if self.render is None:
+            raise CapabilityError("this conversation has no chat template to render")
+        rendered = self.render(self.messages, True, self.tail if with_tail else "")
+        if with_tail:
+            self.text = rendered.text
+        return rendered
+
+
+class ModelSession(Protocol):
+    """A model's context and what it can do next, wherever the model runs."""
+
+    capabilities: Capabilities
+    params: "SamplingParams"
+    stats: Stats
+    draws: int
+
+    @property
+    def n_ctx(self) -> int:
+        """The context's size in tokens (0: unknown, the server's own)."""
+
+    @property
+    def tokens(self) -> list[int]:
+        """The context's exact tokens (empty where the server keeps them)."""
+
+    @property
+    def used(self) -> int:
+        """How many tokens the context holds (a chat API: as the last reply counted them)."""
+
+    def set_params(self, params: "SamplingParams") -> None: ...
+
+    def check_text_fits(self, text: str) -> None:
+        """Refuses at once a text too long for the context whatever its tokenization."""
+
+    def chat_template(self) -> str | None:
+        """The model's own chat template (None: none, or the server renders it)."""
+
+    def special_token_text(self, which: str) -> str: ...
+
+    def control_spellings(self, texts: Sequence[str]) -> list[str]:
+        """The control tokens' spellings `texts` hold, which a user's text must keep as text."""
+
+    def context_for(self, rendered: "Rendered") -> list[int]:
+        """The context tokens for `rendered`, keeping those the context holds where they still spell it."""
+
+    def reference_tokens(self, rendered: "Rendered") -> list[int]:
+        """The tokens of `rendered` on an empty context."""
+
+    def raw_tokens(self, text: str) -> list[int]:
+        """A plain completion's prompt, with the model's BOS."""
+
+    def spell(self, tokens: Sequence[int]) -> str:
+        """Tokens as text, control tokens written out: what the model sees."""
+
+    def reply(self, prompt: TurnPrompt, max_tokens: int, stop: Sequence[str], sink: ReplySink) -> Generation:
+        """Brings the context to `prompt` (reading only what is new) and generates the reply."""
+
+    def complete(self, tokens: Sequence[int], max_tokens: int, stop: Sequence[str], sink: ReplySink) -> Generation:
+        """A plain completion of `tokens` (`--raw`)."""
+
+    def rewind(self, n_keep: int) -> None:
+        """Forgets the context from token `n_keep` on."""
+
+    def close(self) -> None: ...

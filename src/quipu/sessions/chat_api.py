@@ -1,0 +1,111 @@
+"""A conversation on a server spoken to through the OpenAI chat API (vLLM, Ollama, LM Studio,
+llama-cpp-python's server, ...): the `ModelSession` whose context is the message list.
+
+The server renders and tokenizes the messages itself and keeps its own prompt cache, so each
+reply sends the whole conversation, and nothing here holds tokens: a turn's prompt is read again
+by the server as far as its cache does not hold it. Only the sampling parameters that were
+given are sent (`request`); the rest are the server's own. What the chat API cannot be asked
+(grammars, logit biases, a reply continued, ...) is declared in `CHAT_API` and refused there.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from quipu.sessions.base import CHAT_API, SILENT, Generation, ReplySink, Stats, TurnPrompt
+from quipu.sessions.params import SamplingParams
+
+# The sampling parameters a chat API takes, under the names servers know.
+REQUEST_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")
+
+
+class ChatApiSession:
+    """Messages to a chat API, one request a reply; the figures are the server's."""
+
+    capabilities = CHAT_API
+
+    def __init__(self, client, request: dict[str, Any] | None = None):
+        self.client = client  # an engine.chat_api.ChatApiModel
+        self.request = {k: v for k, v in (request or {}).items() if k in REQUEST_KEYS and v is not None}
+        self.params = SamplingParams().replace(**self.request)
+        self.stats = Stats()
+        self.draws = 0
+        self.model = ""  # the name the server answered to
+        self._used = 0
+
+    @property
+    def n_ctx(self) -> int:
+        return 0  # the server's own
+
+    @property
+    def tokens(self) -> list[int]:
+        return []
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def set_params(self, params: SamplingParams) -> None:
+        """New parameters: those that differ from the current ones are sent from now on."""
+        for key in REQUEST_KEYS:
+            if getattr(params, key) != getattr(self.params, key):
+                self.request[key] = getattr(params, key)
+        self.params = params
+
+    def check_text_fits(self, text: str) -> None:
+        pass  # the server counts its own tokens, and says when a prompt does not fit
+
+    def chat_template(self) -> str | None:
+        return None
+
+    def special_token_text(self, which: str) -> str:
+        return ""
+
+    def control_spellings(self, texts: Sequence[str]) -> list[str]:
+        return []
+
+    def context_for(self, rendered) -> list[int]:
+        self.capabilities.require("show_prompt")
+        return []
+
+    reference_tokens = raw_tokens = context_for
+
+    def spell(self, tokens: Sequence[int]) -> str:
+        self.capabilities.require("show_prompt")
+        return ""
+
+    def reply(self, prompt: TurnPrompt, max_tokens: int, stop: Sequence[str] = (),
+              sink: ReplySink = SILENT) -> Generation:
+        from quipu.engine.chat_api import ServerError
+
+        self.stats = Stats()
+        wire = [{"role": m.role, "content": m.content} for m in prompt.messages]
+        error = None
+        try:
+            reply = self.client.chat(wire, params=dict(self.request), max_tokens=max_tokens, stop=tuple(stop),
+                                     sink=sink)
+            finish = reply.finish_reason
+        except ServerError as exc:
+            if exc.partial is None or not exc.partial.text:
+                raise  # nothing came: the turn did not happen
+            reply, finish, error = exc.partial, "interrupted", exc
+        self.model = reply.model or self.model
+        self.stats = Stats(prompt_tokens=reply.prompt_tokens, cached_tokens=reply.cached_tokens,
+                           completion_tokens=reply.completion_tokens, ttft_s=reply.first_token_s,
+                           prefill_tokens=max(0, reply.prompt_tokens - reply.cached_tokens),
+                           prefill_s=reply.timings.get("prompt_ms", 0.0),
+                           decode_s=reply.timings.get("predicted_ms", 0.0))
+        self._used = reply.prompt_tokens + reply.completion_tokens
+        return Generation(reply.text, [], finish, error)
+
+    def complete(self, tokens: Sequence[int], max_tokens: int, stop: Sequence[str] = (),
+                 sink: ReplySink = SILENT) -> Generation:
+        self.capabilities.require("raw")
+        raise AssertionError("unreachable")
+
+    def rewind(self, n_keep: int) -> None:
+        pass  # nothing held: the next request sends the messages as they are
+
+    def close(self) -> None:
+        pass  # the connection is the server's host's to close
