@@ -541,7 +541,8 @@ REMOTE_CODE = """
 import itertools, json, sys, tempfile, time
 import httpx
 from quipu.app.environment import Environment, TurnOptions
-from quipu.app.llama_server import open_llama_server
+from quipu.app.llama_server import LlamaServerHost, open_llama_server
+from quipu.engine.llama_server import LlamaServerModel
 from quipu.app.named import NamedSession, store_for
 from quipu.app.turns import ReplySink
 from quipu.engine.chat_api import ChatApiModel, ServerSettings
@@ -604,14 +605,13 @@ def by_tokens(conv, text):  # `quipu run -S` / `quipu chat` on llama-server: a t
     return figures(started, stamps.at)
 
 
-def one_shot(text):  # `quipu run --url` on llama-server: /props, a new context, by tokens
+def one_shot(client, text):  # `quipu run --url` on llama-server: /props, the BOS, a new context, by tokens
     stamps = Stamps()
     idle()
     started = time.perf_counter()
-    host = open_llama_server(ServerSettings(url=url))
-    conv = Conversation.start(host.create(opts, env).session)
+    client._props = None  # asked anew, as each process does (the client itself, like the bare one, made before)
+    conv = Conversation.start(LlamaServerHost(LlamaServerModel(client, client.props()), url).create(opts, env).session)
     conv.send(text, max_tokens=n, sink=stamps)
-    host.close()
     return figures(started, stamps.at)
 
 
@@ -628,7 +628,7 @@ served = open_llama_server(ServerSettings(url=url))
 for _ in range(3):  # each in turn, so that a moment's load falls on all of them alike
     out["bare"].append(bare(asked))
     out["chat_api"].append(through_chat_api(remote, asked))
-    out["one_shot"].append(one_shot(question))
+    out["one_shot"].append(one_shot(remote, question))
     out["tokens"].append(by_tokens(conversation(served), question))
 # A later turn of a long conversation, each client on a slot of its own (the session on its
 # slot, the bare client on the other), each slot holding the conversation and the client's
@@ -708,7 +708,7 @@ def bench_remote(model: str, threads: int, repeats: int) -> list[dict]:
     # Above 1: quipu is the faster. The bare client sends the same conversation to the chat API.
     for mine, theirs, what in (
             ("chat_api", "bare", "quipu's chat API client (as other servers are asked), a new question"),
-            ("one_shot", "bare", "`run --url` one-shot by tokens (its /props included), a new question"),
+            ("one_shot", "bare", "`run --url` one-shot by tokens (/props and the BOS asked first), a new question"),
             ("tokens", "bare", "a session by tokens (`run -S`, `chat`), a new question"),
             ("later_tokens", "later_bare", "a session by tokens, a turn after a ~1,400-token one, a slot each")):
         for key, measure in (("ttft", "time to first token (s)"), ("tok_s", "decode tok/s")):

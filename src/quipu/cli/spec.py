@@ -95,6 +95,13 @@ URL = opt("--url", help="Use the model on this OpenAI-compatible server (llama-s
 THINK = Opt(("--think/--no-think",), bool, "Turn a thinking model's reasoning on or off, where its template has "
                                            "the switch.")
 
+# The options of a turn that `run` and `chat` share, in the order their help lists them.
+GENERATION = {"model": MODEL, "system": SYSTEM, "max_tokens": MAX_TOKENS, "temperature": TEMPERATURE,
+              "top_k": TOP_K, "top_p": TOP_P, "min_p": MIN_P, "repeat_penalty": REPEAT_PENALTY, "seed": SEED,
+              "stop": STOP, "ctx": CTX, "threads": THREADS, "kv_type": KV_TYPE}
+SHAPING = {"chat_template": CHAT_TEMPLATE, "think": THINK, "schema": SCHEMA, "grammar": GRAMMAR,
+           "logit_bias": LOGIT_BIAS}
+
 # ---- the fast parser -----------------------------------------------------------------------
 
 _INT = re.compile(r"[+-]?\d{1,18}")

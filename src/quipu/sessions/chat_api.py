@@ -10,7 +10,6 @@ given are sent (`request`); the rest are the server's own. What the chat API can
 
 from __future__ import annotations
 
-import time
 from typing import Any, Sequence
 
 from quipu.sessions.base import CHAT_API, SILENT, Generation, ReplySink, Stats, TurnPrompt

@@ -29,7 +29,7 @@ from quipu.engine.text import Detokenizer, unfinished_character
 from quipu.errors import ContextOverflow, EngineError, Interrupted, QuipuError
 from quipu.sessions.base import LOCAL, SILENT, Generation, ReplySink, Stats, TurnPrompt, common_prefix
 from quipu.sessions.params import SamplingParams, draw_seed
-from quipu.sessions.prompt import Rendered, context_tokens, reference_tokens
+from quipu.sessions.prompt import HeldTokens, Rendered, context_tokens
 from quipu.sessions.stops import StopMatcher
 
 __all__ = ["InferenceSession", "Snapshot", "ReplyText", "Generation", "Stats", "common_prefix"]
@@ -87,7 +87,7 @@ class ReplyText:
         return tail, finish, carry
 
 
-class InferenceSession:
+class InferenceSession(HeldTokens):
     """A context on a backend and the exact token history in it.
 
     `tokens` is everything logically in the context; the first `n_decoded` of them are in the
@@ -119,31 +119,11 @@ class InferenceSession:
 
     # ---- context ------------------------------------------------------------------------
 
-    @property
-    def n_ctx(self) -> int:
-        return self.backend.n_ctx
-
-    @property
-    def used(self) -> int:
-        return len(self.tokens)
-
-    def chat_template(self) -> str | None:
-        return self.backend.chat_template()
-
-    def special_token_text(self, which: str) -> str:
-        return self.backend.special_token_text(which)
-
     def control_spellings(self, texts: Sequence[str]) -> list[str]:
         return self.backend.control_texts()  # every one the model has: a local vocabulary is cheap to ask
 
     def context_for(self, rendered: Rendered) -> list[int]:
         return context_tokens(self.backend, self.tokens, rendered)
-
-    def reference_tokens(self, rendered: Rendered) -> list[int]:
-        return reference_tokens(self.backend, rendered)
-
-    def raw_tokens(self, text: str) -> list[int]:
-        return self.backend.tokenize(text, add_special=True, parse_special=False)
 
     def spell(self, tokens: Sequence[int]) -> str:
         return b"".join(self.backend.token_text(t) for t in tokens).decode("utf-8", "replace")

@@ -26,7 +26,7 @@ from quipu.engine.base import TokenServer
 from quipu.errors import CapabilityError, ContextOverflow
 from quipu.sessions.base import LLAMA_SERVER, SILENT, Generation, ReplySink, Stats, TurnPrompt, common_prefix
 from quipu.sessions.params import SamplingParams, draw_seed
-from quipu.sessions.prompt import Rendered, reference_tokens
+from quipu.sessions.prompt import HeldTokens, Rendered, reference_tokens
 
 # A token spells at most this many bytes (a generous bound): a longer text cannot fit, and is
 # refused before it is sent to be tokenized.
@@ -43,7 +43,7 @@ class SlotHolder(Protocol):
         """The reply is done: the server reused `cached_tokens`, of which the context held `held`."""
 
 
-class LlamaServerSession:
+class LlamaServerSession(HeldTokens):
     """A context on a llama-server slot: exact tokens, the text they spell, and the draw count."""
 
     capabilities = LLAMA_SERVER
@@ -61,31 +61,11 @@ class LlamaServerSession:
         self._turn_started = 0.0
 
     @property
-    def n_ctx(self) -> int:
-        return self.backend.n_ctx
-
-    @property
     def n_decoded(self) -> int:
         return len(self.tokens)
 
-    @property
-    def used(self) -> int:
-        return len(self.tokens)
-
-    def chat_template(self) -> str | None:
-        return self.backend.chat_template()
-
-    def special_token_text(self, which: str) -> str:
-        return self.backend.special_token_text(which)
-
     def control_spellings(self, texts: Sequence[str]) -> list[str]:
         return self.backend.control_spellings(texts)
-
-    def reference_tokens(self, rendered: Rendered) -> list[int]:
-        return reference_tokens(self.backend, rendered)
-
-    def raw_tokens(self, text: str) -> list[int]:
-        return self.backend.tokenize(text, add_special=True, parse_special=False)
 
     def spell(self, tokens: Sequence[int]) -> str:
         return self.backend.detokenize(tokens)

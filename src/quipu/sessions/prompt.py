@@ -153,3 +153,29 @@ def context_tokens(backend: Backend, held: Sequence[int], rendered: Rendered) ->
     if k == 0:
         return reference_tokens(backend, rendered)
     return list(held[:k]) + rendered.tokenize_from(backend, n)
+
+
+class HeldTokens:
+    """What a session whose context is exact tokens on a backend with a vocabulary (a local
+    context, llama-server's) answers alike: its size, the model's template and special tokens,
+    a rendering or a plain prompt as tokens. Needs `backend` and `tokens`."""
+
+    @property
+    def n_ctx(self) -> int:
+        return self.backend.n_ctx
+
+    @property
+    def used(self) -> int:
+        return len(self.tokens)
+
+    def chat_template(self) -> str | None:
+        return self.backend.chat_template()
+
+    def special_token_text(self, which: str) -> str:
+        return self.backend.special_token_text(which)
+
+    def reference_tokens(self, rendered: Rendered) -> list[int]:
+        return reference_tokens(self.backend, rendered)
+
+    def raw_tokens(self, text: str) -> list[int]:
+        return self.backend.tokenize(text, add_special=True, parse_special=False)
