@@ -146,7 +146,7 @@ def test_typer_still_answers_what_the_fast_path_leaves(quipu, tiny_model, argv, 
 
 
 HEAVY = ["typer", "pydantic", "rich", "numpy", "llama_cpp.llama", "llama_cpp.llama_chat_format", "prompt_toolkit",
-         "httpx"]
+         "httpx", "huggingface_hub", "tqdm"]
 
 
 def test_a_plain_run_imports_nothing_it_does_not_use(tiny_model, home):

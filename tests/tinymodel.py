@@ -117,9 +117,11 @@ def write_tiny_gguf(
     chat_template: str | None = CHATML,
     architecture: str = "llama",
     tokenizer: str = "spm",
+    split_max_tensors: int = 0,
 ) -> Path:
     """`tokenizer`: "spm" (SentencePiece with byte fallback, as Llama 2 and Gemma) or "bpe"
-    (GPT-2 style byte-level BPE, as Llama 3, Qwen and most recent models)."""
+    (GPT-2 style byte-level BPE, as Llama 3, Qwen and most recent models). With
+    `split_max_tensors`, the model is written in parts (`STEM-00001-of-0000N.gguf` beside `path`)."""
     import gguf
 
     if tokenizer == "bpe":
@@ -134,7 +136,7 @@ def write_tiny_gguf(
     def w(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.5).astype(np.float32)
 
-    writer = gguf.GGUFWriter(str(path), architecture)
+    writer = gguf.GGUFWriter(str(path), architecture, split_max_tensors=split_max_tensors)
     writer.add_name("tiny-test")
     writer.add_file_type(0)  # all F32
     writer.add_context_length(n_ctx_train)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -98,8 +99,14 @@ def discover(models_dir: Path, environ: Mapping[str, str], configured: Mapping[s
     return unique
 
 
+SPLIT_PART = re.compile(r"-(\d{5})-of-\d{5}\.gguf$")
+
+
 def _is_language_model(path: Path) -> bool:
-    return path.suffix == ".gguf" and not path.name.startswith("mmproj")
+    """A GGUF model file: not a vision projector, and of a model in parts only the first (llama.cpp
+    finds the others beside it)."""
+    part = SPLIT_PART.search(path.name)
+    return path.suffix == ".gguf" and not path.name.startswith("mmproj") and (part is None or part.group(1) == "00001")
 
 
 def _huggingface(root: Path) -> list[ModelEntry]:

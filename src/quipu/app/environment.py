@@ -99,9 +99,23 @@ class Environment:
             settings.read_timeout = settings.connect_timeout = conf["timeout"]
         return settings
 
+    def requested_model(self, requested: str | None) -> str | None:
+        """The model name a command would use: `--model`, else QUIPU_MODEL, else the config's
+        (None: the bundled default)."""
+        return requested or self.environ.get("QUIPU_MODEL") or self.config.model or None
+
     def resolve_model(self, requested: str | None, *, fall_back: bool = True) -> tuple[str, Path]:
         """(name, file) for `requested`; with `fall_back`, QUIPU_MODEL, the config and the bundled
-        default stand in for a model not given."""
+        default stand in for a model not given. `hf:OWNER/REPO[:QUANT]` is a model pulled from
+        the Hub (`quipu models pull`)."""
+        name = self.requested_model(requested) if fall_back else requested
+        if name and name.startswith("hf:"):
+            from quipu.app.hub import HubRef, pulled
+
+            model = pulled(HubRef.parse(name), self)
+            if model is None:
+                raise ModelNotFound(f"{name} is not pulled yet: `quipu models pull {name[3:]}` fetches it")
+            return name, Path(model.path)
         if not fall_back:
             if not requested:
                 raise ModelNotFound("no model named")

@@ -14,3 +14,20 @@ def template_features(source: str | None) -> dict[str, bool | str]:
     except TemplateError as exc:
         return {"error": str(exc)}
     return {"fallback": template.is_fallback, **template.features()}
+
+
+def repository_template(env, path, own: str | None) -> str | None:
+    """The chat template file the repository of a pulled model ships, when it says something
+    else than the GGUF's own (a fix made after the file was converted); None otherwise."""
+    from pathlib import Path
+
+    from quipu.store.pulled import PulledRecord
+
+    for model in PulledRecord(env.dirs.models).all().values():
+        if model.path == str(path) and model.template:
+            try:
+                text = Path(model.template).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                return None
+            return model.template if text.strip() != (own or "").strip() else None
+    return None

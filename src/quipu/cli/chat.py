@@ -43,6 +43,10 @@ def chat(env, **given) -> int:
     if opts.session is not None and resume:
         raise UsageError("give either --session NAME or --resume, not both")
     term = Terminal.detect()
+    if opts.url is None and env.remote(None) is None:
+        from quipu.cli.pull import pull_if_needed
+
+        pull_if_needed(env, opts.model, term)
     progress = PrefillProgress(term, "restoring the conversation")
     try:
         chat_ = ChatSession.open(env, opts, name=opts.session, resume_latest=resume, on_progress=progress)

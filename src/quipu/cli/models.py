@@ -43,6 +43,12 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
                 term.stdout.write(f"{m['name']}\n")
         return
     rows = [describe(e) for e in discover(env.dirs.models, env.environ, env.config.models)]
+    from quipu.app.hub import pulled_paths
+
+    pulled = pulled_paths(env)
+    for row in rows:
+        if row.get("path") in pulled:
+            row["source"] = "huggingface (pulled by quipu)"
     if as_json:
         term.stdout.write(json.dumps(rows, indent=1) + "\n")
         return
@@ -76,6 +82,7 @@ def info(
         data["template_features"] = template_features(data["chat_template"])
     term = Terminal.detect()
     if as_json:
+        data["repository_template"] = repository_template(env, path, data["chat_template"])
         term.stdout.write(json.dumps(data, indent=1) + "\n")
         return
     lines = [
@@ -89,6 +96,10 @@ def info(
         f"chat template   {'yes' if data['chat_template'] else 'no (ChatML is used)'}",
         "special tokens  " + ", ".join(f"{k}={v!r}" for k, v in data["special_tokens"].items()),
     ]
+    newer = repository_template(env, path, data["chat_template"])
+    if newer:
+        lines.append(f"repository      has a newer chat template than the file's: {newer} "
+                     f"(use it with --chat-template {newer})")
     if template:
         lines += ["", *describe_template(data["template_features"])]
     if template and data["chat_template"]:
@@ -108,6 +119,37 @@ def add(
 
     entry = add_model(path, context.obj.dirs.models, name)
     Terminal.detect().stderr.write(f"added '{entry.name}' -> {path}\n")
+
+
+@app.command()
+def pull(context: typer.Context,
+         model: str = typer.Argument(..., help="OWNER/REPO or OWNER/REPO:QUANT (Q4_K_M, Q8_0, IQ4_XS, ...) on the "
+                                              "Hugging Face Hub.")) -> None:
+    """Download a GGUF model from the Hugging Face Hub into its cache (resumes; checks its checksum)."""
+    from quipu.app.hub import hf_name
+    from quipu.cli.pull import human_bytes, pull as pull_model
+
+    term = Terminal.detect()
+    model_ = pull_model(model, context.obj, term)
+    term.stderr.write(f"pulled {model_.repo} {model_.quant} ({human_bytes(model_.size)}): use it as "
+                      f"-m hf:{model_.ref} or -m {hf_name(model_)}\n")
+
+
+@app.command()
+def rm(context: typer.Context,
+       model: str = typer.Argument(..., help="A model quipu pulled: OWNER/REPO:QUANT, hf:..., or its listed name.")) -> None:
+    """Remove a model quipu pulled from the Hugging Face cache (never a file quipu did not download)."""
+    from quipu.app.hub import remove
+
+    removed = remove(model, context.obj)
+    Terminal.detect().stderr.write(f"removed {removed.repo} {removed.quant} from the Hugging Face cache\n")
+
+
+def repository_template(env, path: Path, own: str | None) -> str | None:
+    """The chat template file the model's repository ships, when it differs from the GGUF's own."""
+    from quipu.app.templates import repository_template as find
+
+    return find(env, path, own)
 
 
 def describe_template(features: dict) -> list[str]:

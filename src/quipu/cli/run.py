@@ -69,6 +69,10 @@ def run(env, **given) -> int:
         if prompt is not None or show or opts.continue_reply:
             raise UsageError("--batch reads its prompts from the file; give no prompt, --show-prompt or --continue")
         return run_batch_file(batch, opts, env, term, parallel)
+    if opts.url is None and env.remote(None) is None:
+        from quipu.cli.pull import pull_if_needed
+
+        pull_if_needed(env, opts.model, term)
     if show:
         return show_prompt(text, opts, env, term, as_json)
     sink = stream_to_terminal(term, as_json)

@@ -6,6 +6,7 @@ locked, and never pickled.
 - `transcript.py`: the transcript format (`NAME.json`), the truth of a session.
 - `statefile.py`: the state file format (`NAME.kv`), the verified KV bytes of a context.
 - `cache.py`: `PromptCache`, context states of earlier prompts, reused by later ones.
+- `pulled.py`: `PulledRecord`, the models quipu pulled from the Hugging Face Hub.
 
 This package imports neither `quipu.sessions` nor `quipu.app`.
 """

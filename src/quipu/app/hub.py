@@ -1,0 +1,376 @@
+"""Models from the Hugging Face Hub: `quipu models pull OWNER/REPO[:QUANT]`, the same name as
+`--model hf:OWNER/REPO[:QUANT]`, and `quipu models rm`.
+
+Files go into the Hugging Face cache (`HF_HUB_CACHE`, `HF_HOME`), laid out as the Hub's own
+client lays it out (`blobs/` named by checksum, `snapshots/COMMIT/` links, `refs/`), so other
+tools share them and `quipu models list` finds them as any cached model. The Hub's client
+library (`huggingface_hub`, imported only here, only by these commands) lists the repository,
+reads each file's metadata (size, checksum, commit, redirects, `HF_TOKEN`, `HF_ENDPOINT`) and
+streams it. The one thing done here is keeping the partial file between runs: the client's
+own download starts over after Ctrl-C, a pull here goes on where it stopped (`BLOB.incomplete`,
+asked for with a range). A finished file is checked against the Hub's SHA-256 and for the GGUF
+magic before it is linked in; a file that fails is removed and said so.
+
+`pulled.json` (`store/pulled.py`) records what quipu fetched, so that `models rm` removes only that.
+(`env` below is the command's `Environment`, which resolves `hf:` names through this module.)
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from quipu.errors import QuipuError, UsageError
+from quipu.store.pulled import PulledModel, PulledRecord
+from quipu.store.store import atomic_write
+
+# A quantization tag as GGUF file names spell it: Q4_K_M, IQ4_XS, Q8_0, TQ1_0, BF16, F16, ...
+QUANT = re.compile(r"(?i)(?<![a-z0-9])(t?i?q\d(?:_[a-z0-9]+)*|bf16|fp16|f16|f32)(?![a-z0-9])")
+SPLIT = re.compile(r"(?i)-(\d{5})-of-(\d{5})\.gguf$")
+REF = re.compile(r"(?:hf:)?([A-Za-z0-9][A-Za-z0-9._-]{0,95})/([A-Za-z0-9][A-Za-z0-9._-]{0,95})(?::([A-Za-z0-9_]{1,32}))?")
+# Without a tag: Q4_K_M, as llama.cpp's -hf picks; else the nearest in size and quality.
+PREFERENCE = ["Q4_K_M", "Q4_K_S", "Q4_0", "IQ4_XS", "IQ4_NL", "Q5_K_M", "Q5_K_S", "Q5_0", "Q3_K_L", "Q3_K_M",
+              "Q6_K", "Q8_0", "Q3_K_S", "IQ3_M", "Q2_K", "F16", "BF16", "F32"]
+TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
+CHUNK = 1 << 20
+GGUF_MAGIC = b"GGUF"
+
+
+class HubError(QuipuError):
+    """The Hub could not be used (exit 1): unreachable, a refused token, a damaged download."""
+
+
+@dataclass(frozen=True)
+class HubRef:
+    repo: str
+    quant: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "HubRef":
+        found = REF.fullmatch(text.strip())
+        if not found:
+            raise UsageError(f"'{text}' is not a Hub model: give OWNER/REPO or OWNER/REPO:QUANT "
+                             "(for instance ggml-org/gemma-3-1b-it-GGUF:Q4_K_M)")
+        return cls(f"{found.group(1)}/{found.group(2)}", found.group(3).upper() if found.group(3) else None)
+
+    def __str__(self) -> str:
+        return f"{self.repo}:{self.quant}" if self.quant else self.repo
+
+
+@dataclass
+class HubFile:
+    path: str
+    size: int
+    sha256: str | None  # the Hub's checksum of a file kept with LFS
+
+
+@dataclass
+class PullPlan:
+    repo: str
+    quant: str
+    files: list[HubFile]  # a split model's parts in order
+    others: list[str] = field(default_factory=list)  # the repository's other quantizations
+    template: str | None = None  # a chat template file the repository has
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def quant_of(filename: str) -> str | None:
+    """The quantization tag a GGUF file's name spells, upper-cased; None when it spells none."""
+    stem = SPLIT.sub("", Path(filename).name)
+    stem = stem[:-5] if stem.lower().endswith(".gguf") else stem
+    found = QUANT.findall(stem)
+    return found[-1].upper() if found else None
+
+
+def choose(repo: str, files: list[HubFile], wanted: str | None) -> PullPlan:
+    """The files to pull for `wanted` (a tag), or the default quantization."""
+    groups: dict[str, list[HubFile]] = {}
+    for f in files:
+        name = Path(f.path).name
+        if not name.lower().endswith(".gguf") or name.lower().startswith("mmproj"):
+            continue
+        groups.setdefault(quant_of(name) or SPLIT.sub("", name).removesuffix(".gguf"), []).append(f)
+    if not groups:
+        raise UsageError(f"'{repo}' has no GGUF file; quipu runs GGUF models (look for a repository named ...-GGUF)")
+    tags = sorted(groups)
+    if wanted is not None:
+        chosen = next((t for t in tags if t.upper() == wanted.upper()), None)
+        if chosen is None:
+            raise UsageError(f"'{repo}' has no {wanted} file; it has {', '.join(tags)}")
+    else:
+        chosen = next((t for t in PREFERENCE if t in groups), tags[0])
+    parts = sorted(groups[chosen], key=lambda f: f.path)
+    first = SPLIT.search(Path(parts[0].path).name)
+    if first:  # one model in parts: the parts of the first one's set, in order
+        total = first.group(2)
+        prefix = parts[0].path[: -len(first.group(0))]
+        parts = [f for f in parts if f.path.startswith(prefix) and SPLIT.search(f.path)
+                 and SPLIT.search(f.path).group(2) == total]
+        if len(parts) != int(total):
+            raise UsageError(f"'{repo}' has {len(parts)} of the {int(total)} parts of its {chosen} model")
+    else:
+        parts = parts[:1]
+    return PullPlan(repo, chosen, parts, [t for t in tags if t != chosen])
+
+
+# ---- the Hub -------------------------------------------------------------------------------------
+
+def endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT
+
+
+class _HubErrors:
+    """Turns what the Hub's client raises into one-line errors that say what to do."""
+
+    def __init__(self, repo: str):
+        self.repo = repo
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is None or isinstance(exc, (QuipuError, KeyboardInterrupt)):
+            return False
+        from huggingface_hub import errors
+
+        where = endpoint()
+        if isinstance(exc, errors.GatedRepoError):
+            raise HubError(f"'{self.repo}' is gated: accept its terms on the Hub, then set HF_TOKEN to a token "
+                           "of that account") from None
+        if isinstance(exc, errors.RepositoryNotFoundError):
+            hint = "" if os.environ.get("HF_TOKEN") else " (a private one needs HF_TOKEN)"
+            raise UsageError(f"there is no model repository '{self.repo}' on {where}{hint}") from None
+        if isinstance(exc, (errors.RevisionNotFoundError, errors.EntryNotFoundError)):
+            raise HubError(f"'{self.repo}' changed on {where} while it was read; pull again") from None
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise HubError("the disk is full; free some room and pull again: the download goes on where it "
+                           "stopped") from None
+        if isinstance(exc, errors.HfHubHTTPError):
+            status = getattr(getattr(exc, "response", None), "status_code", "?")
+            raise HubError(f"{where} answered {status} for '{self.repo}'") from None
+        if type(exc).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2") or isinstance(
+                exc, (ConnectionError, TimeoutError, errors.OfflineModeIsEnabled)):
+            said = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+            raise HubError(f"cannot reach the Hub at {where} (HF_ENDPOINT): {said}; a model can also be given as "
+                           "the path of a .gguf file") from None
+        return False
+
+
+def plan_pull(ref: HubRef) -> PullPlan:
+    """What pulling `ref` would fetch, asked of the Hub."""
+    from huggingface_hub import HfApi
+
+    with _HubErrors(ref.repo):
+        entries = list(HfApi().list_repo_tree(ref.repo, recursive=True))
+    files = [HubFile(e.path, int(e.size), e.lfs.sha256 if getattr(e, "lfs", None) else None)
+             for e in entries if hasattr(e, "size")]
+    plan = choose(ref.repo, files, ref.quant)
+    paths = {f.path for f in files}
+    plan.template = next((t for t in TEMPLATE_FILES if t in paths), None)
+    return plan
+
+
+ProgressFn = Callable[[str, int, int], None]  # (file, bytes so far, bytes in all)
+
+
+def pull(ref: HubRef, env, *, on_plan: Callable[[PullPlan], None] | None = None,
+         on_progress: ProgressFn | None = None) -> PulledModel:
+    """Pulls `ref` into the Hugging Face cache (files already there are not fetched again) and
+    records it; the model, with the path to load."""
+    plan = plan_pull(ref)
+    if on_plan is not None:
+        on_plan(plan)
+    cache = hub_cache()
+    paths, blobs, revision = [], [], ""
+    for f in plan.files:
+        path, blob, revision = fetch(plan.repo, f, cache, on_progress)
+        paths.append(path)
+        blobs.append(str(blob))
+    with open(paths[0], "rb") as head:
+        if head.read(4) != GGUF_MAGIC:
+            for blob in blobs:
+                Path(blob).unlink(missing_ok=True)
+            for path in paths:
+                path.unlink(missing_ok=True)
+            raise HubError(f"{plan.files[0].path} of '{plan.repo}' is not a GGUF file; it was removed")
+    template, extras = None, []
+    if plan.template is not None:
+        try:
+            link, blob, _ = fetch(plan.repo, HubFile(plan.template, 0, None), cache, None)
+            template = repository_template(plan.repo, link, env)
+            extras.append(plan.template)
+            blobs.append(str(blob))
+        except QuipuError:
+            template = None  # a model without its repository's template is still a model
+    model = PulledModel(plan.repo, plan.quant, [f.path for f in plan.files], str(paths[0]), plan.size, revision,
+                        template, blobs, extras)
+    PulledRecord(env.dirs.models).put(model)
+    return model
+
+
+def repository_template(repo: str, path: Path, env) -> str | None:
+    """The chat template a repository ships, as a file `--chat-template` takes: its
+    `chat_template.jinja`, or the `chat_template` of its `tokenizer_config.json` written out."""
+    if path.name.endswith(".jinja"):
+        return str(path)
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    text = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(text, list):  # named templates: the default one
+        text = next((t.get("template") for t in text if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(text, str) or not text.strip():
+        return None
+    out = env.dirs.models / "templates" / (repo.replace("/", "--") + ".jinja")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, text.encode("utf-8"))
+    return str(out)
+
+
+def hub_cache() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def fetch(repo: str, f: HubFile, cache: Path, on_progress: ProgressFn | None) -> tuple[Path, Path, str]:
+    """One file of `repo` into the cache: (its snapshot path, its blob, the commit). A partial
+    download is kept as `BLOB.incomplete` and continued with a range request next time."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.file_download import http_get, repo_folder_name
+
+    with _HubErrors(repo):
+        meta = get_hf_file_metadata(hf_hub_url(repo, f.path), token=os.environ.get("HF_TOKEN") or None)
+        if not meta.commit_hash or not meta.etag:
+            raise HubError(f"{endpoint()} did not say which version of {f.path} it serves")
+        folder = cache / repo_folder_name(repo_id=repo, repo_type="model")
+        blob = folder / "blobs" / meta.etag
+        snapshot = folder / "snapshots" / meta.commit_hash / f.path
+        size = meta.size if meta.size is not None else f.size
+        if not blob.exists():
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            partial = blob.with_name(blob.name + ".incomplete")
+            with open(partial, "ab") as out:
+                have = out.tell()
+                if on_progress is not None:
+                    on_progress(f.path, have, size)
+                if have < size or size == 0:
+                    http_get(meta.location, out, resume_size=have, headers=_auth_for(meta.location),
+                             expected_size=size, tqdm_class=_progress_class(f.path, on_progress))
+            expected = f.sha256 or (meta.etag if re.fullmatch(r"[0-9a-f]{64}", meta.etag) else None)
+            if expected is not None and sha256_of(partial) != expected:
+                partial.unlink()
+                raise HubError(f"{f.path} of '{repo}' does not match the Hub's checksum; the download was removed, "
+                               "pull again")
+            os.replace(partial, blob)
+        snapshot.parent.mkdir(parents=True, exist_ok=True)
+        if not snapshot.exists():
+            snapshot.unlink(missing_ok=True)  # a link left dangling
+            snapshot.symlink_to(os.path.relpath(blob, snapshot.parent))
+        refs = folder / "refs" / constants.DEFAULT_REVISION
+        refs.parent.mkdir(parents=True, exist_ok=True)
+        refs.write_text(meta.commit_hash)
+    return snapshot, blob, meta.commit_hash
+
+
+def _auth_for(url: str) -> dict[str, str]:
+    """The token, for a file the Hub serves itself; never for the content server it redirects to
+    (a signed address), as the Hub's client does."""
+    from urllib.parse import urlsplit
+
+    token = os.environ.get("HF_TOKEN")
+    same = urlsplit(url)[:2] == urlsplit(endpoint())[:2]
+    return {"authorization": f"Bearer {token}"} if token and same else {}
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _progress_class(name: str, on_progress: ProgressFn | None):
+    """A tqdm class for the client's download loop that hands its counts to `on_progress` and draws nothing."""
+    from tqdm import tqdm
+
+    class Progress(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs.update(disable=False, file=open(os.devnull, "w"))
+            super().__init__(*args, **kwargs)
+
+        def update(self, n=1):
+            super().update(n)
+            if on_progress is not None:
+                on_progress(name, int(self.n), int(self.total or 0))
+
+        def close(self):
+            file = self.fp
+            super().close()
+            file.close()
+
+    return Progress
+
+
+# ---- what was pulled -----------------------------------------------------------------------------
+
+def pulled(ref: HubRef, env) -> PulledModel | None:
+    """The pulled model `ref` names, when its files are still in the cache."""
+    model = PulledRecord(env.dirs.models).find(ref.repo, ref.quant)
+    if model is None or not Path(model.path).is_file():
+        return None
+    return model
+
+
+def pulled_paths(env) -> set[str]:
+    return {m.path for m in PulledRecord(env.dirs.models).all().values()}
+
+
+def remove(name: str, env) -> PulledModel:
+    """Removes a pulled model's files from the cache (a blob only when nothing else links to it)
+    and from the record; a model quipu did not pull is refused."""
+    record = PulledRecord(env.dirs.models)
+    models = record.all().values()
+    model = next((m for m in models if name.lower() in (m.ref.lower(), m.repo.lower(), f"hf:{m.ref}".lower(),
+                                                          hf_name(m).lower())), None)
+    if model is None:
+        raise UsageError(f"'{name}' is not a model quipu pulled; `quipu models list` says where each came from "
+                         "(quipu removes only what it downloaded)")
+    if [m for m in models if m.repo.lower() == model.repo.lower()] != [model] and name.lower() == model.repo.lower():
+        raise UsageError(f"quipu pulled several quantizations of '{model.repo}'; name one ({model.repo}:QUANT)")
+    snapshot_dir = Path(model.path).parent
+    for _ in Path(model.files[0]).parts[:-1]:
+        snapshot_dir = snapshot_dir.parent
+    others = [m for m in models if m is not model]
+    shared = {p for m in others for p in m.extras}  # another pulled quantization's template stays
+    links = [snapshot_dir / f for f in model.files + [e for e in model.extras if e not in shared]]
+    for link in links:
+        link.unlink(missing_ok=True)
+    if model.template and Path(model.template).parent == env.dirs.models / "templates" and not shared:
+        Path(model.template).unlink(missing_ok=True)
+    folder = snapshot_dir.parent.parent
+    still = {os.path.realpath(p) for p in (folder / "snapshots").rglob("*") if p.is_symlink()}
+    for blob in model.blobs:
+        if os.path.realpath(blob) not in still:
+            Path(blob).unlink(missing_ok=True)
+    record.remove(model.ref)
+    return model
+
+
+def hf_name(model: PulledModel) -> str:
+    """The name `quipu models list` gives the pulled file (OWNER/REPO/FILE-STEM)."""
+    owner, repo = model.repo.split("/", 1)
+    return f"{owner}/{repo}/{Path(model.files[0]).stem}"

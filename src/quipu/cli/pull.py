@@ -1,0 +1,77 @@
+"""Pulling a model from the Hugging Face Hub, as a person sees it: what will be fetched and how
+big it is, then a progress bar (bytes, speed, time left) on stderr when it is a terminal."""
+
+from __future__ import annotations
+
+from quipu.cli.terminal import Terminal
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def pull(text: str, env, term: Terminal):
+    """Pulls OWNER/REPO[:QUANT] (or hf:...) into the Hugging Face cache; the pulled model."""
+    from quipu.app.hub import HubRef, pull as pull_model
+
+    ref = HubRef.parse(text)
+    bar = DownloadBar(term)
+
+    def on_plan(plan) -> None:
+        names = ", ".join(f.path for f in plan.files)
+        others = f" (also there: {', '.join(plan.others)})" if plan.others else ""
+        term.stderr.write(f"pulling {plan.repo} {plan.quant}: {names}, {human_bytes(plan.size)}{others}\n")
+        term.stderr.flush()
+        bar.total = plan.size
+
+    try:
+        model = pull_model(ref, env, on_plan=on_plan, on_progress=bar)
+    finally:
+        bar.close()
+    return model
+
+
+def pull_if_needed(env, requested: str | None, term: Terminal) -> None:
+    """`--model hf:OWNER/REPO[:QUANT]` (or QUIPU_MODEL, or the config's) pulls it on first use."""
+    name = env.requested_model(requested)
+    if not name or not name.startswith("hf:"):
+        return
+    from quipu.app.hub import HubRef, pulled
+
+    if pulled(HubRef.parse(name), env) is None:
+        pull(name, env, term)
+
+
+class DownloadBar:
+    """Bytes, speed and time left of a pull (all its files as one), on a terminal's stderr only."""
+
+    def __init__(self, term: Terminal):
+        self.term = term
+        self.total = 0
+        self._done: dict[str, int] = {}
+        self._progress = None
+        self._task = None
+
+    def __call__(self, name: str, done: int, total: int) -> None:
+        self._done[name] = done
+        if not self.term.stderr_tty:
+            return
+        if self._progress is None:
+            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                       TransferSpeedColumn)
+
+            self._progress = Progress(TextColumn("downloading"), BarColumn(), DownloadColumn(),
+                                      TransferSpeedColumn(), TimeRemainingColumn(), console=self.term.err_console(),
+                                      transient=True)
+            self._progress.start()
+            self._task = self._progress.add_task("pull", total=self.total or total or None)
+        self._progress.update(self._task, completed=sum(self._done.values()))
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

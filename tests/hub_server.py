@@ -1,0 +1,119 @@
+"""A Hugging Face Hub on loopback: the part of its HTTP API that `huggingface_hub` uses to list a
+repository and download its files (the tree API, `resolve` with a redirect to a content server,
+ETag and checksum headers, ranged GETs), serving files the tests make. Repositories are
+{"owner/name": {"path": bytes}}; `gated` ones refuse downloads without `token`; faults a test can pick: `corrupt`
+(bytes that do not match the checksum), `stall_at` (stop sending after that many bytes of a file
+until `release` is set; `stalled` is set when it happens). Every GET's Range is kept in `ranges`."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class Hub(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self.route(head=True)
+
+    def do_GET(self) -> None:
+        self.route(head=False)
+
+    def route(self, head: bool) -> None:
+        server = self.server
+        path = unquote(urlsplit(self.path).path)
+        parts = path.strip("/").split("/")
+        if parts[:2] == ["api", "models"] and "tree" in parts:
+            repo = "/".join(parts[2:parts.index("tree")])
+            files = server.repos.get(repo)
+            if files is None:
+                return self.send(404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"})
+            listing = [{"type": "file", "oid": hashlib.sha1(data).hexdigest(), "size": len(data), "path": name,
+                        **({"lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 130}}
+                           if name.endswith(".gguf") else {})}
+                       for name, data in files.items()]
+            import json
+
+            return self.send(200, json.dumps(listing).encode(), {"Content-Type": "application/json"})
+        if parts[:1] == ["cdn"]:
+            return self.content(parts[1], head)
+        if "resolve" in parts:
+            at = parts.index("resolve")
+            repo, name = "/".join(parts[:at]), "/".join(parts[at + 2:])
+            files = server.repos.get(repo)
+            if files is None:
+                return self.send(404, b"{}", {"X-Error-Code": "RepoNotFound"})
+            if repo in server.gated and self.headers.get("Authorization") != f"Bearer {server.token}":
+                return self.send(401, b'{"error": "Access to model is restricted"}', {"X-Error-Code": "GatedRepo"})
+            if name not in files:
+                return self.send(404, b"{}", {"X-Error-Code": "EntryNotFound"})
+            data = files[name]
+            digest = hashlib.sha256(data).hexdigest()
+            server.blobs[digest] = data
+            headers = {"X-Repo-Commit": COMMIT, "X-Linked-Etag": f'"{digest}"', "X-Linked-Size": str(len(data)),
+                       "ETag": f'"{hashlib.sha1(data).hexdigest()}"',
+                       "Location": f"http://localhost:{server.server_address[1]}/cdn/{digest}"}  # another host: a CDN
+            return self.send(302, b"", headers, head=head)
+        self.send(404, b"{}")
+
+    def content(self, digest: str, head: bool) -> None:
+        server = self.server
+        data = server.blobs.get(digest)
+        if data is None:
+            return self.send(404, b"{}")
+        if server.corrupt:
+            data = bytes([data[0] ^ 1]) + data[1:] if len(data) < 8 else data[:-1] + bytes([data[-1] ^ 1])
+        start = 0
+        given = self.headers.get("Range")
+        if not head:
+            server.ranges.append(given)
+        if given and given.startswith("bytes="):
+            start = int(given[6:].split("-")[0] or 0)
+        body = data[start:]
+        headers = {"Accept-Ranges": "bytes", "ETag": f'"{digest}"'}
+        if start:
+            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+        self.send_response(206 if start else 200)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if head:
+            return
+        stall = server.stall_at
+        if stall is not None and start < stall < len(data):
+            self.wfile.write(body[: stall - start])
+            self.wfile.flush()
+            server.stalled.set()
+            server.release.wait(60)
+            self.close_connection = True
+            return
+        self.wfile.write(body)
+
+    def send(self, status: int, body: bytes, headers: dict | None = None, head: bool = False) -> None:
+        self.send_response(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+
+def start_hub(repos: dict[str, dict[str, bytes]]):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    server.daemon_threads = True
+    server.repos, server.gated, server.blobs, server.token = repos, set(), {}, "hf_a-good-token"
+    server.corrupt, server.stall_at, server.ranges = False, None, []
+    server.stalled, server.release = threading.Event(), threading.Event()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    return server

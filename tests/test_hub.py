@@ -1,0 +1,248 @@
+"""`quipu models pull`, `-m hf:...` and `models rm` against a Hub on loopback (tests/hub_server.py)
+speaking the part of the Hub's API that `huggingface_hub` uses, serving GGUF files made here."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from hub_server import start_hub
+from tinymodel import write_tiny_gguf
+
+LARGE = b"GGUF" + bytes(range(256)) * (96 * 1024)  # 24 MB: a GGUF's magic, then bytes (never loaded)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hubfiles")
+    write_tiny_gguf(d / "tiny.gguf")
+    write_tiny_gguf(d / "other.gguf", seed=3)
+    write_tiny_gguf(d / "big.gguf", split_max_tensors=8)
+    return {
+        "q4": (d / "tiny.gguf").read_bytes(),
+        "q8": (d / "other.gguf").read_bytes(),
+        "parts": [(d / f"big-0000{i}-of-00003.gguf").read_bytes() for i in (1, 2, 3)],
+    }
+
+
+@pytest.fixture
+def hub(files):
+    server = start_hub({
+        "tiny/Tiny-GGUF": {"README.md": b"# tiny", "tiny-Q4_K_M.gguf": files["q4"], "tiny-Q8_0.gguf": files["q8"],
+                           "chat_template.jinja": b"{% for m in messages %}{{ m.content }}\n{% endfor %}"},
+        "tiny/Split-GGUF": {f"split-Q8_0-0000{i}-of-00003.gguf": part for i, part in enumerate(files["parts"], 1)},
+        "tiny/NoGGUF": {"README.md": b"# nothing", "model.safetensors": b"\0" * 16},
+        "tiny/Gated-GGUF": {"gated-Q4_K_M.gguf": files["q4"]},
+        "tiny/Fake-GGUF": {"fake-Q4_K_M.gguf": b"this is not a model at all" * 10},
+        # Larger than the client's 10 MB chunks, so that a cut download has written some of it.
+        "tiny/Large-GGUF": {"large-Q4_K_M.gguf": LARGE},
+    })
+    server.gated.add("tiny/Gated-GGUF")
+    yield server
+    server.release.set()
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def hub_env(hub, home, tmp_path):
+    return {"HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "hf-cache"), "HF_HUB_DISABLE_XET": "1",
+            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": ""}
+
+
+def cached_blobs(env) -> list:
+    from pathlib import Path
+
+    return sorted(p for p in Path(env["HF_HUB_CACHE"]).rglob("blobs/*"))
+
+
+def test_pull_then_run_by_its_hub_name(quipu, hub, hub_env):
+    r = quipu("models", "pull", "tiny/Tiny-GGUF", env=hub_env)
+    assert r.returncode == 0, r.stderr.decode()
+    err = r.stderr.decode()
+    assert r.stdout == b""  # nothing on stdout
+    assert "Q4_K_M" in err and "Q8_0" in err  # the default pick, and the others said
+    # In the Hub's own cache layout: the Hub's client finds it without the network.
+    code = ("import huggingface_hub, sys; p = huggingface_hub.try_to_load_from_cache('tiny/Tiny-GGUF', "
+            "'tiny-Q4_K_M.gguf'); print(p)")
+    found = subprocess.run([sys.executable, "-c", code], env={**os.environ, **hub_env}, capture_output=True)
+    assert found.stdout.decode().strip().endswith("tiny-Q4_K_M.gguf")
+    listed = json.loads(quipu("models", "list", "--json", env=hub_env).stdout)
+    mine = [m for m in listed if m["name"] == "tiny/Tiny-GGUF/tiny-Q4_K_M"]
+    assert mine and mine[0]["source"] == "huggingface (pulled by quipu)"
+    out = quipu("run", "-m", "hf:tiny/Tiny-GGUF:Q4_K_M", "-n", "3", "--json", "hi", env=hub_env)
+    assert out.returncode == 0, out.stderr.decode()
+    # Pulled again: nothing is downloaded.
+    asked = len(hub.ranges)
+    again = quipu("models", "pull", "tiny/Tiny-GGUF:q4_k_m", env=hub_env)
+    assert again.returncode == 0 and len(hub.ranges) == asked
+    # The repository's chat template differs from the file's: models info offers it.
+    info = json.loads(quipu("models", "info", "hf:tiny/Tiny-GGUF:Q4_K_M", "--json", env=hub_env).stdout)
+    assert info["repository_template"] and info["repository_template"].endswith("chat_template.jinja")
+
+
+def test_hf_names_are_pulled_on_first_use(quipu, hub, hub_env):
+    r = quipu("run", "-m", "hf:tiny/Tiny-GGUF:Q8_0", "-n", "2", "--json", "hi", env=hub_env)
+    assert r.returncode == 0, r.stderr.decode()
+    assert "pulling tiny/Tiny-GGUF Q8_0" in r.stderr.decode() and json.loads(r.stdout)["text"] is not None
+
+
+def test_a_split_model_is_fetched_whole_and_loads_as_one(quipu, hub, hub_env):
+    r = quipu("models", "pull", "tiny/Split-GGUF", env=hub_env)
+    assert r.returncode == 0, r.stderr.decode()
+    assert len(cached_blobs(hub_env)) == 3
+    listed = [m["name"] for m in json.loads(quipu("models", "list", "--json", env=hub_env).stdout)]
+    assert [n for n in listed if n.startswith("tiny/Split-GGUF/")] == ["tiny/Split-GGUF/split-Q8_0-00001-of-00003"]
+    out = quipu("run", "-m", "hf:tiny/Split-GGUF", "-n", "2", "--json", "hi", env=hub_env)
+    assert out.returncode == 0, out.stderr.decode()
+
+
+@pytest.mark.parametrize("ref, code, words", [
+    ("tiny/Nope-GGUF", 2, "no model repository 'tiny/Nope-GGUF'"),
+    ("tiny/NoGGUF", 2, "has no GGUF file"),
+    ("tiny/Tiny-GGUF:IQ2_XXS", 2, "has no IQ2_XXS file; it has Q4_K_M, Q8_0"),
+    ("tiny/Gated-GGUF", 1, "is gated"),
+    ("not a repo", 2, "is not a Hub model"),
+    ("tiny/Fake-GGUF", 1, "is not a GGUF file; it was removed"),
+])
+def test_what_goes_wrong_is_one_line(quipu, hub, hub_env, ref, code, words):
+    r = quipu("models", "pull", ref, env=hub_env)
+    err = r.stderr.decode()
+    assert r.returncode == code and words in err and "Traceback" not in err, err
+    lines = err.strip().splitlines()  # what would be fetched, said before it is, then one line of error
+    assert [line for line in lines if not line.startswith("pulling ")] == [f"quipu: error: {lines[-1][14:]}"], err
+    if "Fake" in ref:
+        assert cached_blobs(hub_env) == []  # nothing left that could be read as a model
+
+
+def test_a_gated_model_with_a_token(quipu, hub, hub_env):
+    r = quipu("models", "pull", "tiny/Gated-GGUF", env={**hub_env, "HF_TOKEN": hub.token})
+    assert r.returncode == 0, r.stderr.decode()
+    assert len(cached_blobs(hub_env)) == 1
+
+
+def test_no_network_says_where_it_looked(quipu, hub_env):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = quipu("models", "pull", "tiny/Tiny-GGUF", env={**hub_env, "HF_ENDPOINT": f"http://127.0.0.1:{port}"})
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "cannot reach the Hub" in err and "HF_ENDPOINT" in err and ".gguf" in err, err
+
+
+def test_a_wrong_checksum_is_removed_and_said(quipu, hub, hub_env):
+    hub.corrupt = True
+    r = quipu("models", "pull", "tiny/Tiny-GGUF", env=hub_env)
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "does not match the Hub's checksum" in err, err
+    assert cached_blobs(hub_env) == []
+    hub.corrupt = False
+    assert quipu("models", "pull", "tiny/Tiny-GGUF", env=hub_env).returncode == 0
+
+
+def test_an_interrupted_pull_goes_on_where_it_stopped(hub, hub_env, home):
+    hub.stall_at = 15 << 20  # past the first 10 MB chunk, which the client has written by then
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ.update(QUIPU_HOME=str(home), **hub_env)
+    pull = [sys.executable, "-m", "quipu", "models", "pull", "tiny/Large-GGUF"]
+    proc = subprocess.Popen(pull, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    assert hub.stalled.wait(60)  # 15 MB sent, and the server holds the rest back
+    proc.send_signal(signal.SIGINT)  # Ctrl-C
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err.decode()
+    [partial] = [p for p in cached_blobs(hub_env) if p.name.endswith(".incomplete")]
+    kept = partial.stat().st_size
+    assert kept >= 10 << 20  # what had come is kept
+    hub.release.set()
+    hub.stall_at = None
+    r = subprocess.run(pull, env=environ, capture_output=True, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr.decode()
+    assert f"bytes={kept}-" in hub.ranges  # and only the rest was asked for
+    [blob] = cached_blobs(hub_env)
+    assert blob.read_bytes() == LARGE
+
+
+def test_rm_removes_what_was_pulled_and_nothing_else(quipu, hub, hub_env, tiny_model):
+    assert quipu("models", "pull", "tiny/Tiny-GGUF:Q8_0", env=hub_env).returncode == 0
+    refused = quipu("models", "rm", str(tiny_model), env=hub_env)
+    assert refused.returncode == 2 and "not a model quipu pulled" in refused.stderr.decode()
+    assert tiny_model.exists()
+    r = quipu("models", "rm", "tiny/Tiny-GGUF:Q8_0", env=hub_env)
+    assert r.returncode == 0, r.stderr.decode()
+    assert cached_blobs(hub_env) == []
+    gone = quipu("run", "-m", "tiny/Tiny-GGUF/tiny-Q8_0", "-n", "1", "hi", env=hub_env)
+    assert gone.returncode == 2
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_model_behind(quipu, hub, hub_env, tmp_path):
+    cache = tmp_path / "small-cache"
+    cache.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(cache)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        env = {**hub_env, "HF_HUB_CACHE": str(cache)}
+        r = quipu("models", "pull", "tiny/Large-GGUF", env=env)
+        err = r.stderr.decode()
+        assert r.returncode == 1 and "the disk is full" in err and "Traceback" not in err, err
+        assert not list(cache.rglob("snapshots/*/*.gguf"))  # nothing quipu would take for a model
+        listed = json.loads(quipu("models", "list", "--json", env=env).stdout)
+        assert not [m for m in listed if m["name"].startswith("tiny/Large-GGUF")]
+    finally:
+        subprocess.run(["umount", str(cache)], capture_output=True)
+
+
+def test_a_pull_shows_its_progress_on_a_terminal_and_nothing_on_stdout(hub, hub_env, home):
+    import pty
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ.update(QUIPU_HOME=str(home), COLUMNS="100", **hub_env)
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "quipu", "models", "pull", "tiny/Large-GGUF"], env=environ,
+                            stdout=subprocess.PIPE, stderr=follower, stdin=subprocess.DEVNULL)
+    out, _ = proc.communicate(timeout=120)
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(leader)
+    assert proc.returncode == 0 and out == b""
+    said = seen.decode("utf-8", "replace")
+    assert "downloading" in said and "MB" in said and "pulled tiny/Large-GGUF Q4_K_M" in said, said[-2000:]
+
+
+@pytest.mark.parametrize("name, tag", [
+    ("Llama-3.2-1B-Instruct-Q4_K_M.gguf", "Q4_K_M"), ("qwen2.5-0.5b-instruct-q4_k_m.gguf", "Q4_K_M"),
+    ("model.Q8_0.gguf", "Q8_0"), ("gemma-3-1b-it-BF16.gguf", "BF16"), ("x-IQ4_XS-00001-of-00002.gguf", "IQ4_XS"),
+    ("Phi-3-mini-4k-instruct-fp16.gguf", "FP16"), ("Qwen3-0.6B-UD-IQ1_S.gguf", "IQ1_S"), ("model.gguf", None),
+    ("DeepSeek-R1-Q2_K_XL.gguf", "Q2_K_XL"), ("tq-TQ1_0.gguf", "TQ1_0"),
+])
+def test_quantization_tags_are_read_from_file_names(name, tag):
+    from quipu.app.hub import quant_of
+
+    assert quant_of(name) == tag
+
+
+def test_the_default_pick_and_the_nearest():
+    from quipu.app.hub import HubFile, choose
+
+    files = lambda *names: [HubFile(n, 1, None) for n in names]  # noqa: E731
+    assert choose("a/b", files("m-Q8_0.gguf", "m-Q4_K_M.gguf", "mmproj-m-F16.gguf"), None).quant == "Q4_K_M"
+    assert choose("a/b", files("m-Q8_0.gguf", "m-Q5_K_M.gguf", "m-F16.gguf"), None).quant == "Q5_K_M"
+    plan = choose("a/b", files("m-Q8_0-00002-of-00002.gguf", "m-Q8_0-00001-of-00002.gguf", "README.md"), "q8_0")
+    assert [f.path for f in plan.files] == ["m-Q8_0-00001-of-00002.gguf", "m-Q8_0-00002-of-00002.gguf"]
+    with pytest.raises(Exception, match="has 1 of the 2 parts"):
+        choose("a/b", files("m-Q8_0-00001-of-00002.gguf"), None)
