@@ -58,14 +58,19 @@ def test_every_package_says_where_things_live():
 def test_no_import_circles():
     # Between modules, wherever the import stands (a lazy one inside a function included): a
     # circle means two modules each need the other, and neither can be read alone.
+    paths = {("quipu." + ".".join(p.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__"): p
+             for p in ROOT.rglob("*.py")}
     graph = {}
-    for path in ROOT.rglob("*.py"):
-        name = "quipu." + ".".join(path.relative_to(ROOT).with_suffix("").parts)
-        name = name.removesuffix(".__init__")
-        graph[name] = {n for n in quipu_imports(path) if n != name}
-    modules = set(graph)
-    # `from quipu.x import y` names module x (or package x); keep what names a module of ours.
-    graph = {m: {n for n in deps if n in modules and n != "quipu"} for m, deps in graph.items()}
+    for name, path in paths.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from quipu.x import y` imports module quipu.x.y when there is one, else quipu.x
+                subs = {f"{node.module}.{a.name}" for a in node.names} & set(paths)
+                deps |= subs or {node.module}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = {n for n in deps if n in paths and n not in (name, "quipu")}
     seen, on_path, circles = set(), [], []
 
     def visit(m):

@@ -163,10 +163,12 @@ def resolve_model(
     configured: str | None,
     models_dir: Path,
     locations_config: Mapping[str, str] | None = None,
+    requested_from: str = "--model",
 ) -> tuple[str, Path]:
-    """(name, file) of the model for `--model` > QUIPU_MODEL > config > bundled default."""
+    """(name, file) of the model for `--model` > QUIPU_MODEL > config > bundled default;
+    `requested_from` says where `requested` was given, for the error that it is not found."""
     for source, value in (
-        ("--model", requested),
+        (requested_from, requested),
         ("QUIPU_MODEL", environ.get("QUIPU_MODEL") or None),
         ("the config file", configured),
     ):
@@ -191,7 +193,8 @@ def _lookup(value: str, source: str, models_dir: Path, environ: Mapping[str, str
         return path.stem, path
     names = ", ".join(e.name for e in entries[:8]) + (", …" if len(entries) > 8 else "")
     hint = f" (known: {names}; see `quipu models list`)" if entries else ""
-    raise ModelNotFound(f"model '{value}' from {source} is neither a file nor a known name{hint}")
+    given = f" from {source}" if source else ""
+    raise ModelNotFound(f"model '{value}'{given} is neither a file nor a known name{hint}")
 
 
 def add_model(path: Path, models_dir: Path, name: str | None = None) -> ModelEntry:

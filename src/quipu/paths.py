@@ -37,7 +37,7 @@ def dirs(environ: Mapping[str, str] | None = None) -> Dirs:
     environ = os.environ if environ is None else environ
     home = environ.get("QUIPU_HOME")
     if home:
-        root = Path(home).expanduser()
+        root = Path(home).expanduser().absolute()  # a relative one means where quipu was started, once
         return Dirs(root / "data", root / "config", root / "state", root / "cache")
     import platformdirs
 

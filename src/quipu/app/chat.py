@@ -50,8 +50,7 @@ class ChatSession:
         self.opts = opts
         self.host = host
         self.store = store_for(env)
-        self.max_tokens = max_tokens(opts, env)
-        self.stop = opts.stop
+        max_tokens(opts, env)  # a bad value is said before anything is loaded
         self.named: NamedSession | None = None
         self._stack = ExitStack()
         self.last_stats: Stats | None = None
@@ -141,7 +140,8 @@ class ChatSession:
     def _turn(self, action: Callable[..., Generation], sink: ReplySink, message: str | None = None) -> TurnOutcome:
         named = self._named
         try:
-            gen = action(max_tokens=self.max_tokens, stop=self.stop, sink=sink)
+            limit, stop = named.reply_limits(self.opts, self.env)
+            gen = action(max_tokens=limit, stop=stop, sink=sink)
         except ContextOverflow as exc:
             if message is not None:
                 self._refuse_if_it_never_fits(message, exc)
@@ -244,15 +244,24 @@ class ChatSession:
 
     def set_option(self, key: str, value: str) -> Any:
         key, parsed = self.parse_setting(key, value)
+        named = self._named
         if key == "max_tokens":
             if parsed <= 0:
                 raise InvalidParameter("max_tokens must be more than 0")
-            self.max_tokens = parsed
+            named.max_tokens = parsed
         else:
-            session = self._named.session
-            session.set_params(session.params.replace(**{key: parsed}))
-            self.save()
+            named.session.set_params(named.session.params.replace(**{key: parsed}))
+        named.origins[key] = "set here"
+        self.save()
         return parsed
+
+    def settings(self) -> list[tuple[str, Any, str]]:
+        """(setting, value, where it came from) for everything `/set` can change; all are kept by
+        the session."""
+        named = self._named
+        limit, _ = named.reply_limits(self.opts, self.env)
+        values = {**{k: getattr(named.session.params, k) for k in SAMPLING_TYPES}, "max_tokens": limit}
+        return [(k, values[k], named.origins.get(k, "default")) for k in SETTABLE]
 
     @staticmethod
     def parse_setting(key: str, value: str) -> tuple[str, Any]:

@@ -17,6 +17,9 @@ def embed_texts(texts: Sequence[str], opts: TurnOptions, env: Environment, *, po
     """[{"index", "text", "embedding"}] for each text, in order; on the server the options name, if any."""
     if not texts:
         raise BadInput("nothing to embed: give texts as arguments or one per line on standard input")
+    empty = [i for i, text in enumerate(texts) if not text.strip()]
+    if empty:
+        raise BadInput(f"text {empty[0] + 1} is empty: there is nothing in it to embed")
     remote = env.remote(opts.url, opts.model)
     if remote is not None:
         vectors = _embed_remote(list(texts), opts, remote, pooling)

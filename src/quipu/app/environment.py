@@ -4,6 +4,7 @@ session > config file > built-in defaults."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,7 +105,8 @@ class Environment:
         (None: the bundled default)."""
         return requested or self.environ.get("QUIPU_MODEL") or self.config.model or None
 
-    def resolve_model(self, requested: str | None, *, fall_back: bool = True) -> tuple[str, Path]:
+    def resolve_model(self, requested: str | None, *, fall_back: bool = True,
+                      requested_from: str = "--model") -> tuple[str, Path]:
         """(name, file) for `requested`; with `fall_back`, QUIPU_MODEL, the config and the bundled
         default stand in for a model not given. `hf:OWNER/REPO[:QUANT]` is a model pulled from
         the Hub (`quipu models pull`)."""
@@ -123,7 +125,8 @@ class Environment:
             return resolve_model(requested, environ=environ, configured=None, models_dir=self.dirs.models,
                                  locations_config=self.config.models)
         return resolve_model(requested, environ=self.environ, configured=self.config.model,
-                             models_dir=self.dirs.models, locations_config=self.config.models)
+                             models_dir=self.dirs.models, locations_config=self.config.models,
+                             requested_from=requested_from)
 
     def effective_settings(self) -> list[tuple[str, Any, str]]:
         """(setting, value, where it came from) for everything a command line does not give."""
@@ -192,6 +195,9 @@ def check_config(config: Config) -> Config:
     for key in ("max_tokens", "ctx", "threads"):
         if key in gen and gen[key] <= 0:
             raise config.error(key, f"{key} must be more than 0, got {gen[key]}", "generation")
+    timeout = config.remote.get("timeout")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise config.error("timeout", f"timeout is the longest wait in seconds, more than 0, not {timeout}", "remote")
     if config.sessions.get("max_state_bytes", 0) < 0:
         raise config.error("max_state_bytes", "max_state_bytes must be 0 or more", "sessions")
     if config.cache.get("max_bytes", 0) < 0:

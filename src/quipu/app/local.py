@@ -23,7 +23,7 @@ from quipu.app.environment import (
     with_logit_biases,
 )
 from quipu.app.hosts import Opened, made_elsewhere, saved_params
-from quipu.engine.base import ContextSettings, ProgressFn
+from quipu.engine.base import KV_TYPES, ContextSettings, ProgressFn
 from quipu.errors import EngineError, ModelMismatch, SnapshotError, UsageError
 from quipu.models import fingerprint
 from quipu.sessions.base import LOCAL, Message
@@ -75,6 +75,10 @@ class LocalHost:
         params = sampling_params(opts, env, saved_params(store, name, record))
         parse_logit_bias(opts.logit_bias)
         saved_ctx = record.context
+        if opts.kv_type is None and saved_ctx["kv_type"] not in KV_TYPES:
+            raise SnapshotError(f"session '{name}' is damaged: its KV cache type '{saved_ctx['kv_type']}' is not one "
+                                f"quipu knows ({', '.join(KV_TYPES)}); {store.transcript_path(name)} was left as it "
+                                "is (--kv-type continues it with another)")
         model_name, model_path = self._resume_model(name, record.model, opts, env)
         model_fp = fingerprint(model_path)
         same_model = model_fp == record.model.get("fingerprint")

@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 
 from quipu import __version__
 from quipu.app.environment import (
+    SAMPLING_TYPES,
     Environment,
     TurnOptions,
     chat_template_source,
+    max_tokens,
     system_prompt,
     template_variables,
 )
@@ -40,6 +42,10 @@ class NamedSession:
     created: str
     notices: list[str] = field(default_factory=list)
     chat_template: str | None = None  # the user's template, remembered by the session
+    # The reply's length and stop strings, when given (a command line, or `/set`): kept by the session.
+    max_tokens: int | None = None
+    stop: tuple[str, ...] | None = None
+    origins: dict[str, str] = field(default_factory=dict)  # where each setting's value came from
     _told_fold: bool = False
 
     @property
@@ -76,7 +82,18 @@ class NamedSession:
         except BaseException:
             opened.session.close()
             raise
-        return cls(store, name, conv, opened.keeper, created, list(opened.notices), chat_template=source)
+        limits = record.limits if record is not None else {}
+        named = cls(store, name, conv, opened.keeper, created, list(opened.notices), chat_template=source,
+                    max_tokens=opts.max_tokens if opts.max_tokens is not None else limits.get("max_tokens"),
+                    stop=tuple(opts.stop) if opts.stop else (tuple(limits["stop"]) if "stop" in limits else None))
+        named.origins = origins(opts, env, record)
+        return named
+
+    def reply_limits(self, opts: TurnOptions, env: Environment) -> tuple[int, tuple[str, ...]]:
+        """The longest reply and the stop strings: the command line's, else the session's, else
+        the config's or the defaults."""
+        limit = self.max_tokens if self.max_tokens is not None else max_tokens(opts, env)
+        return limit, self.stop if self.stop is not None else tuple(opts.stop)
 
     def note_template(self) -> None:
         """Says once that the template had no system role, when the system prompt was folded."""
@@ -94,12 +111,36 @@ class NamedSession:
         """Saves the transcript (and what the host keeps beside it), each file atomically: at
         worst the turn in progress is lost."""
         conv = self.conversation
+        limits = {k: v for k, v in (("max_tokens", self.max_tokens),
+                                    ("stop", list(self.stop) if self.stop is not None else None)) if v is not None}
         record = Transcript(
             messages=[m.to_dict() for m in conv.messages], created=self.created, updated=now_iso(),
             quipu=__version__, chat_template=self.chat_template, template_variables=conv.variables,
-            **self.keeper.fields(self.session),
+            limits=limits, **self.keeper.fields(self.session),
         )
         self.notices += self.keeper.save(self.store, self.name, record, self.session)
 
     def close(self) -> None:
         self.session.close()
+
+
+def origins(opts: TurnOptions, env: Environment, record: Transcript | None) -> dict[str, str]:
+    """Where each setting of a session came from: "command line", "session", "config" or "default"."""
+    out = {}
+    given = opts.sampling()
+    for key in SAMPLING_TYPES:
+        if key in given:
+            out[key] = "command line"
+        elif record is not None and key in record.params:
+            out[key] = "session"
+        elif key in env.config.generation:
+            out[key] = "config"
+        else:
+            out[key] = "default"
+    if opts.max_tokens is not None:
+        out["max_tokens"] = "command line"
+    elif record is not None and "max_tokens" in record.limits:
+        out["max_tokens"] = "session"
+    else:
+        out["max_tokens"] = "config" if "max_tokens" in env.config.generation else "default"
+    return out

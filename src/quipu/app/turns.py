@@ -126,19 +126,20 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
     """`quipu run --session NAME` (see run_turn): continue or create the session, run one turn,
     save it (a reply cut short by a failing server is saved with what came)."""
     name = check_session_turn(prompt, opts)
-    limit = max_tokens(opts, env)
+    max_tokens(opts, env)  # a bad value is said before anything is loaded
     store = store_for(env)
     store.clean_temporaries()
     with store.lock(name):
         named = NamedSession.open(store, name, opts, env, host, sink.reading)
         try:
             conv = named.conversation
+            limit, stop = named.reply_limits(opts, env)
             try:
                 if opts.continue_reply:
-                    gen = conv.continue_reply(max_tokens=limit, stop=opts.stop, sink=sink)
+                    gen = conv.continue_reply(max_tokens=limit, stop=stop, sink=sink)
                 else:
                     named.warm(prompt, opts, env)
-                    gen = conv.send(prompt, max_tokens=limit, stop=opts.stop, sink=sink)
+                    gen = conv.send(prompt, max_tokens=limit, stop=stop, sink=sink)
             except ContextOverflow as exc:
                 if named.session.used < exc.n_ctx // 2:
                     raise  # the prompt alone is too long

@@ -19,6 +19,9 @@ def build_app():
     import typer
 
     from quipu.cli import cache, chat, config, embed, models, root, run, sessions
+    from quipu.cli.options import plain_help
+
+    plain_help()
 
     app = typer.Typer(
         name="quipu",

@@ -19,6 +19,8 @@ def run_batch_file(source: str, opts, env, term: Terminal, parallel: int | None)
             raise BadInput("--batch - reads the rows from standard input, and nothing is piped in")
     else:
         text = read_text_file(source, "batch file")
+        if "\x00" in text:
+            raise BadInput(f"the batch file {source} is binary data, not text")
     progress = BatchProgress(term)
 
     def on_row(outcome) -> None:

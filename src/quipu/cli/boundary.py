@@ -73,9 +73,24 @@ def typer_exit(exc: Exception, debug: bool) -> int | None:
         sys.stderr.write("\nquipu: interrupted\n")
         return ExitCode.INTERRUPTED
     if isinstance(exc, typer.TyperException):
-        if hasattr(exc, "show"):
-            exc.show()
-        else:
-            error_line(str(exc))
+        # Typer's usage errors in quipu's voice: one line, and where to look.
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (`{ctx.command_path} --help` lists what it takes)" if ctx is not None else ""
+        if message.strip():  # (a command given no arguments has shown its help, and says no more)
+            error_line(plain(message).rstrip(".") + hint)
         return exc.exit_code
     return None
+
+
+# Typer's value errors come in the words of the library that checks them; these say it plainly.
+PLAIN = (("Input should be a valid number, unable to parse string as a number", "not a number"),
+         ("Input should be a valid integer, unable to parse string as an integer", "not a whole number"),
+         ("Input should be a valid integer", "not a whole number"),
+         ("Input should be a valid number", "not a number"))
+
+
+def plain(message: str) -> str:
+    for said, meant in PLAIN:
+        message = message.replace(said, meant)
+    return " ".join(message.split())

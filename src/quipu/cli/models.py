@@ -74,7 +74,7 @@ def info(
     from quipu.models import model_info
 
     env = context.obj
-    name, path = env.resolve_model(model)
+    name, path = env.resolve_model(model, requested_from="")
     data = model_info(name, path)
     if template:
         from quipu.app.templates import template_features

@@ -14,11 +14,40 @@ from quipu.cli import spec
 def annotated(option: spec.Opt | spec.Arg):
     """`Annotated[type, typer.Option(...)]` for an option (or the argument) declared in spec.py."""
     if isinstance(option, spec.Arg):
-        return Annotated[Optional[str], typer.Argument(help=option.help)]
+        return Annotated[Optional[str], typer.Argument(help=option.help, metavar="PROMPT")]
     kind = List[option.type] if option.multiple else option.type
     if not option.multiple and option.default is None:
         kind = Optional[kind]
-    return Annotated[kind, typer.Option(*option.decls, help=option.help, autocompletion=option.complete)]
+    metavar = None if option.type is bool else option.shown
+    return Annotated[kind, typer.Option(*option.decls, help=option.help, autocompletion=option.complete,
+                                        metavar=metavar)]
+
+
+WORDS = {"str": "TEXT", "int": "N", "float": "NUMBER", "path": "PATH", "bool": ""}
+
+
+def plain_help() -> None:
+    """Help that reads like a person wrote it: a flag shows no `<bool>` tag, and a value its kind
+    in words (N, NUMBER, TEXT, PATH) where it was not named where it is declared."""
+    from typer.core import TyperArgument, TyperOption
+
+    for kind in (TyperOption, TyperArgument):
+        if getattr(kind, "_quipu_plain", False):
+            continue
+        shown = kind.display_type_rich
+
+        def display_type_rich(self, ctx, shown=shown):
+            if getattr(self, "is_flag", False):
+                return None
+            said = shown(self, ctx)
+            if not isinstance(said, str) or not (said.startswith("<") and ">" in said):
+                return said
+            inner, _, rest = said[1:].partition(">")
+            inner = inner[5:-1] if inner.startswith("list[") else inner
+            return (WORDS.get(inner, inner.upper()) + rest) or None
+
+        kind.display_type_rich = display_type_rich
+        kind._quipu_plain = True
 
 
 def signature(params: dict[str, spec.Opt | spec.Arg]) -> inspect.Signature:

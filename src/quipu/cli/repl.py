@@ -56,7 +56,8 @@ def _sessions(repl: "Repl", _arg: str) -> None:
         return
     for i in infos:
         mark = "*" if i.name == repl.chat.name else " "
-        repl.say(f" {mark} {i.name:<28} {i.model:<24} {i.turns:>3} turns {i.tokens:>6} tokens  {i.updated}")
+        turns = f"{i.turns:>3} turn{'' if i.turns == 1 else 's'}"
+        repl.say(f" {mark} {i.name:<28} {i.model:<24} {turns:<9} {i.tokens:>6} tokens  {i.updated}")
 
 
 def _reset(repl: "Repl", _arg: str) -> None:
@@ -86,6 +87,12 @@ def _system(repl: "Repl", arg: str) -> None:
 
 def _set(repl: "Repl", arg: str) -> None:
     parts = arg.split()
+    if not parts:
+        for key, value, origin in repl.chat.settings():
+            shown = "random" if value is None else value
+            repl.say(f"  {key:<15} {shown!s:<22} {origin}")
+        repl.say("the session keeps them all; /set KEY VALUE changes one")
+        return
     if len(parts) != 2:
         from quipu.app.chat import SETTABLE
 

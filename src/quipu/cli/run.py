@@ -27,7 +27,8 @@ PARAMS: dict[str, spec.Opt | spec.Arg] = {
     "verbose": spec.VERBOSE,
     "url": spec.URL,
     "batch": spec.opt("--batch", help="Answer every row of this file side by side (JSON lines, or one prompt per "
-                                      "line; - for stdin); prints one JSON line per row, in input order."),
+                                      "line; - for stdin); prints one JSON line per row, in input order.",
+                      metavar="FILE"),
     "parallel": spec.opt("--parallel", type=int, help="With --batch: rows decoded side by side (default: 4 per "
                                                       "CPU, from 4 to 16)."),
 }
@@ -80,6 +81,9 @@ def run(env, **given) -> int:
         with StopOnCtrlC() as stopper:
             sink.stopper = stopper
             result = run_turn(text, opts, env, sink, on_result=sink.finish)
+    except BaseException:
+        sink.end_line()  # what was streamed ends its line before the error is said
+        raise
     finally:
         sink.progress_bar.close()
     for notice in result.notices:
@@ -120,6 +124,7 @@ def stream_to_terminal(term: Terminal, as_json: bool):
             self.stopper = None
             self.wrote: list[str] = []
             self.thought = False
+            self.finished = False
 
         def text(self, piece: str) -> None:
             if as_json:
@@ -144,8 +149,14 @@ def stream_to_terminal(term: Terminal, as_json: bool):
         def stopped(self) -> bool:
             return self.stopper is not None and self.stopper()
 
+        def end_line(self) -> None:
+            if self.wrote and self.wrote[-1] != "\n" and not self.finished:
+                term.stdout.write("\n")
+                term.stdout.flush()
+
         def finish(self, result) -> None:
             """The answer's end: out, and the pipe let go, before anything else is written to disk."""
+            self.finished = True
             self.progress_bar.close()
             if as_json:
                 term.stdout.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")

@@ -38,6 +38,12 @@ class Opt:
     help: str
     multiple: bool = False
     complete: Optional[Callable[[str], list[str]]] = None
+    metavar: str | None = None  # what help shows for the value (default: by its type)
+
+    @property
+    def shown(self) -> str:
+        """The value's name in help: N for a whole number, NUMBER, TEXT, or the declared one."""
+        return self.metavar or {int: "N", float: "NUMBER"}.get(self.type, "TEXT")
 
     @property
     def default(self):
@@ -57,8 +63,9 @@ class Arg:
     help: str
 
 
-def opt(*decls: str, type: type = str, help: str, multiple: bool = False, complete=None) -> Opt:
-    return Opt(decls, type, help, multiple, complete)
+def opt(*decls: str, type: type = str, help: str, multiple: bool = False, complete=None,
+        metavar: str | None = None) -> Opt:
+    return Opt(decls, type, help, multiple, complete, metavar)
 
 
 def flag(*decls: str, help: str) -> Opt:
@@ -67,8 +74,9 @@ def flag(*decls: str, help: str) -> Opt:
 
 # ---- shared by `run` and `chat` (and some by `embed`) ---------------------------------------
 
-MODEL = opt("--model", "-m", help="A .gguf file or a known model name.", complete=complete_model)
-SESSION = opt("--session", "-S", help="Continue or create this named session.", complete=complete_session)
+MODEL = opt("--model", "-m", help="A .gguf file or a known model name.", complete=complete_model, metavar="MODEL")
+SESSION = opt("--session", "-S", help="Continue or create this named session.", complete=complete_session,
+              metavar="NAME")
 SYSTEM = opt("--system", "-s", help="System prompt.")
 MAX_TOKENS = opt("--max-tokens", "-n", type=int, help="Most tokens to generate per reply (default: 512).")
 TEMPERATURE = opt("--temperature", "-t", type=float, help="0 is greedy (default: 0.8).")
@@ -80,18 +88,20 @@ SEED = opt("--seed", type=int, help="Random seed (default: random; --json report
 STOP = opt("--stop", multiple=True, help="Stop at this text (repeatable); it is not printed.")
 CTX = opt("--ctx", type=int, help="Context size in tokens (default: the model's, at most 8192).")
 THREADS = opt("--threads", type=int, help="CPU threads (default: the CPUs this process may use).")
-KV_TYPE = opt("--kv-type", help="KV cache type: f16, or q8_0 for half-size snapshots.")
+KV_TYPE = opt("--kv-type", help="KV cache type: f16, or q8_0 for half-size snapshots.", metavar="f16|q8_0")
 VERBOSE = flag("--verbose", help="Show llama.cpp's own log on stderr.")
 CHAT_TEMPLATE = opt("--chat-template", help="A Jinja chat template file to use in place of the model's (a session "
-                                            "remembers it).")
+                                            "remembers it).", metavar="FILE")
 SCHEMA = opt("--schema", help="Answer as JSON that validates against this JSON Schema (inline, or @file.json; off "
-                              "drops a session's).")
+                              "drops a session's).", metavar="SCHEMA")
 GRAMMAR = opt("--grammar", help="Answer as this GBNF grammar file allows (llama.cpp's format; off drops a "
-                                "session's).")
+                                "session's).", metavar="FILE")
 LOGIT_BIAS = opt("--logit-bias", multiple=True, help="TOKEN=BIAS added to a token's logit, TOKEN an id or a "
-                                                     "one-token text; -inf bans it (repeatable).")
+                                                     "one-token text; -inf bans it (repeatable).",
+                 metavar="TOKEN=BIAS")
 URL = opt("--url", help="Use the model on this OpenAI-compatible server (llama-server, vLLM, Ollama, LM Studio); "
-                        "-m names one of its models (default: QUIPU_URL, or [remote] url in the config).")
+                        "-m names one of its models (default: QUIPU_URL, or [remote] url in the config).",
+          metavar="URL")
 THINK = Opt(("--think/--no-think",), bool, "Turn a thinking model's reasoning on or off, where its template has "
                                            "the switch.")
 

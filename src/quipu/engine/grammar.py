@@ -55,9 +55,58 @@ def unsupported_keywords(schema: Any, path: str = "") -> list[str]:
     return found
 
 
+# The most a length or a count may bound: each unit of it is a rule of the grammar.
+MAX_BOUND = 1000
+_BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"))
+
+
+def subschemas(schema: Any, path: str = ""):
+    """Every schema object within `schema`, with the place it stands (a JSON pointer)."""
+    if not isinstance(schema, dict):
+        return
+    yield path or "/", schema
+    for key in _ONE:
+        if isinstance(schema.get(key), dict):
+            yield from subschemas(schema[key], f"{path}/{key}")
+    for key in _MANY:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                yield from subschemas(sub, f"{path}/{key}/{i}")
+    for key in _MAP:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                yield from subschemas(sub, f"{path}/{key}/{name}")
+
+
+def check_values(schema: dict[str, Any]) -> None:
+    """Refuses, by place, values no JSON could satisfy or no grammar should be made of: an empty
+    `enum`, a length or count that is not a whole number from 0 to MAX_BOUND, a minimum above
+    its maximum. Whole numbers written as floats (`2.0`) become integers."""
+    for where, sub in subschemas(schema):
+        if "enum" in sub and (not isinstance(sub["enum"], list) or not sub["enum"]):
+            raise InvalidParameter(f"enum at {where} must list at least one value: no JSON could validate")
+        for pair in _BOUNDS:
+            for key in pair:
+                if key not in sub:
+                    continue
+                value = sub[key]
+                if isinstance(value, float) and value.is_integer():
+                    sub[key] = value = int(value)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise InvalidParameter(f"{key} at {where} must be a whole number of 0 or more, not {value!r}")
+                if value > MAX_BOUND:
+                    raise InvalidParameter(f"{key} at {where} is {value}; quipu's grammars bound a length or a "
+                                           f"count to at most {MAX_BOUND} (leave {key} out for no bound)")
+            low, high = sub.get(pair[0]), sub.get(pair[1])
+            if low is not None and high is not None and low > high:
+                raise InvalidParameter(f"{pair[0]} at {where} ({low}) is more than {pair[1]} ({high}): no value "
+                                       "could validate")
+
+
 def schema_to_gbnf(text: str) -> str:
     """GBNF for a JSON Schema, through llama-cpp-python's converter."""
     schema = parse_schema(text)
+    check_values(schema)
     missing = unsupported_keywords(schema)
     if missing:
         raise InvalidParameter(f"the schema uses {', '.join(missing)}, which quipu's JSON Schema converter "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
 import typing
 from dataclasses import dataclass
@@ -22,6 +23,14 @@ class SamplingParams(SamplerSettings):
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise InvalidParameter(f"{name.replace('_', '-')} must be a finite number, got {value}")
+        for name in ("top_k", "repeat_last_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidParameter(f"{name.replace('_', '-')} must be a whole number, got {value}")
         checks = (
             ("temperature", self.temperature >= 0, "must be 0 or more (0 is greedy)"),
             ("top_k", self.top_k >= 0, "must be 0 or more (0 turns it off)"),

@@ -45,6 +45,8 @@ class Transcript:
     # A context kept on llama-server: the model it was made on (`identity`), the text the tokens
     # spell, and the places a turn may go on from (`marks`, [tokens, characters] pairs).
     served: dict[str, Any] | None = None
+    # What a reply may be, when the session was given it: `max_tokens`, `stop` (a list of texts).
+    limits: dict[str, Any] = field(default_factory=dict)
 
     @property
     def turns(self) -> int:
@@ -70,7 +72,7 @@ class Transcript:
             draws=record["draws"], created=str(record.get("created", "")), updated=str(record.get("updated", "")),
             quipu=str(record.get("quipu", "")), build=str(record.get("build", "")),
             chat_template=record.get("chat_template"), template_variables=record.get("template_variables") or {},
-            served=record.get("served"),
+            served=record.get("served"), limits=record.get("limits") or {},
         )
 
 
@@ -121,6 +123,12 @@ def check(record: Any) -> str | None:
         return "the transcript's chat template is not text"
     if not isinstance(record.get("template_variables", {}), dict):
         return "the transcript's template variables are not an object"
+    limits = record.get("limits") or {}
+    if not isinstance(limits, dict) or not (
+            limits.get("max_tokens") is None or (_is_count(limits["max_tokens"]) and limits["max_tokens"] > 0)) or not (
+            limits.get("stop") is None or (isinstance(limits["stop"], list)
+                                           and all(isinstance(t, str) for t in limits["stop"]))):
+        return "the transcript's reply limits are damaged"
     problem = _check_served(record.get("served"), tokens)
     if problem:
         return problem
