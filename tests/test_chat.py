@@ -353,3 +353,39 @@ def test_reasoning_is_shown_dimmed_and_can_be_hidden(tmp_path, tiny_model):
         chat.close()
     record = json.loads((tmp_path / "home" / "data" / "sessions" / "switch.json").read_text())
     assert record["template_variables"] == {"enable_thinking": False}  # the session remembers it
+
+
+@pytest.mark.model
+def test_replies_break_between_words_and_nothing_shows_after_ctrl_c(home):
+    import re
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ.update(QUIPU_HOME=str(home), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
+    child = pexpect.spawn(sys.executable, ["-m", "quipu", "chat", "-S", "wrap", "-n", "60", "--seed", "2",
+                                           "--logit-bias", "0=-inf", "--logit-bias", "2=-inf"],
+                          env=environ, encoding="utf-8", dimensions=(30, 40), timeout=120)
+    child.expect("›")
+    child.send("Describe a busy market in a long paragraph.\r")
+    child.expect(r"\x1b\[\?2004l")
+    child.expect("›")
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", child.before).replace("\r", "")
+    record = json.loads((home / "data" / "sessions" / "wrap.json").read_text())
+    reply = record["messages"][-1]["content"]
+    lines = [line for line in shown.split("\n") if line.strip()]
+    assert all(len(line.rstrip()) <= 40 for line in lines), lines
+    assert " ".join(" ".join(lines).split()).find(" ".join(reply.split()[:-1])) >= 0  # every word whole
+    # Ctrl-C: the reply stops, and no more of it is printed after the ^C.
+    child.send("/set max_tokens 4000\r")
+    child.expect("max_tokens = 4000")
+    child.expect("›")
+    child.send("Now write a very long story about the market.\r")
+    child.expect(r"\x1b\[\?2004l")
+    child.expect(r"[A-Za-z]{4,}")
+    child.sendintr()
+    child.expect(r"\[stopped\]")
+    after = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", child.before).replace("\r", "")
+    tail = after.split("^C", 1)[1] if "^C" in after else after
+    assert tail.strip() == "", tail
+    child.expect("›")
+    child.sendeof()
+    child.expect(pexpect.EOF)
