@@ -407,6 +407,16 @@ def test_ctrl_c_at_any_stage_exits_130_and_leaves_a_loadable_session(home):
         # -SIGINT: the signal came before Python had started; a shell reports that as 130 too.
         assert proc.returncode in (0, 130, -signal.SIGINT), err.decode()
         assert b"Traceback" not in err
+    # Early, while quipu is imported, the model loaded or the session restored: still one line.
+    for delay in (0.05, 0.08, 0.12, 0.16, 0.2, 0.25, 0.3, 0.4):
+        proc = subprocess.Popen([sys.executable, "-m", "quipu", "run", "-S", "sig", "-n", "64", "Go on."],
+                                env=environ(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode in (0, 130, -signal.SIGINT), err.decode()
+        assert b"Traceback" not in err and b"Exception ignored" not in err, err.decode()
     r = subprocess.run([sys.executable, "-m", "quipu", "run", "-S", "sig", "-n", "4", "OK?"], env=environ(home),
                        capture_output=True, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr.decode()

@@ -44,7 +44,16 @@ def build_app():
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the console script and `python -m quipu`."""
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:  # Ctrl-C while quipu itself is still being imported
+        if os.environ.get("QUIPU_DEBUG") == "1":
+            raise
+        sys.stderr.write("\nquipu: interrupted\n")
+        sys.exit(130)
+
+
+def _main(argv: list[str]) -> None:
     if argv == ["--version"]:  # answered before anything heavy is imported
         from quipu import __version__
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from quipu.engine.native import lc
 
 from quipu.engine.logs import LOG
-from quipu.errors import EngineError, ModelLoadError
+from quipu.errors import EngineError, Interrupted, ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
 
@@ -40,6 +40,32 @@ def check_gguf(path: Path) -> None:
         raise ModelLoadError(f"{path} is not a GGUF model file")
 
 
+def load_interruptibly(path: Path):
+    """llama.cpp's model load, given up on Ctrl-C: loading a large model takes seconds inside
+    llama.cpp, where Python runs no signal handler, but its progress callback asks between
+    tensors whether to go on. While it loads, Ctrl-C only says so; then `Interrupted`."""
+    import signal
+
+    asked: list[bool] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: asked.append(True))
+    except ValueError:  # not the main thread: loads as it comes
+        previous = None
+    mparams = lc.llama_model_default_params()
+    keep = mparams.progress_callback = lc.llama_progress_callback(lambda progress, data: not asked)
+    try:
+        model = lc.llama_model_load_from_file(str(path).encode(), mparams)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+        del keep
+    if asked:
+        if model:
+            lc.llama_model_free(model)
+        raise Interrupted("interrupted while loading the model")
+    return model
+
+
 class LlamaModel:
     """One loaded model file and its vocabulary. Contexts share it: each `LlamaBackend` on it
     holds a reference, and the model is freed when the last one is released."""
@@ -48,9 +74,8 @@ class LlamaModel:
         init_backend()
         self.path = Path(path)
         check_gguf(self.path)
-        mparams = lc.llama_model_default_params()
         LOG.clear_errors()
-        model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
+        model = load_interruptibly(self.path)
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}{LOG.reason()}")
         self.ptr = model
