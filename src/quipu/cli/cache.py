@@ -6,7 +6,7 @@ import json
 
 import typer
 
-from quipu.cli.sessions import human_size
+from quipu.cli.terminal import human_size
 from quipu.cli.terminal import Terminal
 
 app = typer.Typer(help="The prompt cache: context states of earlier prompts, reused by later runs.",

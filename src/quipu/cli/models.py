@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from quipu.cli.spec import complete_model
-from quipu.cli.sessions import human_size
+from quipu.cli.terminal import human_size
 from quipu.cli.terminal import Terminal
 
 app = typer.Typer(help="Find and inspect models.", no_args_is_help=True)
@@ -127,11 +127,11 @@ def pull(context: typer.Context,
                                               "Hugging Face Hub.")) -> None:
     """Download a GGUF model from the Hugging Face Hub into its cache (resumes; checks its checksum)."""
     from quipu.app.hub import hf_name
-    from quipu.cli.pull import human_bytes, pull as pull_model
+    from quipu.cli.pull import pull as pull_model
 
     term = Terminal.detect()
     model_ = pull_model(model, context.obj, term)
-    term.stderr.write(f"pulled {model_.repo} {model_.quant} ({human_bytes(model_.size)}): use it as "
+    term.stderr.write(f"pulled {model_.repo} {model_.quant} ({human_size(model_.size)}): use it as "
                       f"-m hf:{model_.ref} or -m {hf_name(model_)}\n")
 
 

@@ -3,15 +3,7 @@ big it is, then a progress bar (bytes, speed, time left) on stderr when it is a 
 
 from __future__ import annotations
 
-from quipu.cli.terminal import Terminal
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
+from quipu.cli.terminal import Terminal, human_size
 
 
 def pull(text: str, env, term: Terminal):
@@ -24,7 +16,7 @@ def pull(text: str, env, term: Terminal):
     def on_plan(plan) -> None:
         names = ", ".join(f.path for f in plan.files)
         others = f" (also there: {', '.join(plan.others)})" if plan.others else ""
-        term.stderr.write(f"pulling {plan.repo} {plan.quant}: {names}, {human_bytes(plan.size)}{others}\n")
+        term.stderr.write(f"pulling {plan.repo} {plan.quant}: {names}, {human_size(plan.size)}{others}\n")
         term.stderr.flush()
         bar.total = plan.size
 

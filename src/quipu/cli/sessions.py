@@ -8,7 +8,7 @@ from typing import List
 import typer
 
 from quipu.cli.spec import complete_session
-from quipu.cli.terminal import Terminal
+from quipu.cli.terminal import Terminal, human_size
 
 NAME = typer.Argument(..., help="Session name.", autocompletion=complete_session)
 
@@ -20,12 +20,6 @@ def register(root: typer.Typer) -> None:
 
 
 
-def human_size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 @app.command("list")

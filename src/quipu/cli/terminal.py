@@ -171,3 +171,12 @@ def read_stdin(term: Terminal) -> str | None:
     except UnicodeDecodeError:
         term.warn("standard input is not valid UTF-8; undecodable bytes were replaced")
         return data.decode("utf-8", errors="replace")
+
+
+def human_size(n: float) -> str:
+    """A size in bytes as people read it (KB, MB, GB of 1,024)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
