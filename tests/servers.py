@@ -166,6 +166,11 @@ class Faulty(BaseHTTPRequestHandler):
                 self.wfile.write(b"data: {not json\n\n")
                 self.wfile.flush()
                 return
+            if mode == "badtypes" and i == 4:  # a piece that is not text, after four that are
+                event = {"choices": [{"index": 0, "delta": {"content": 5}, "finish_reason": None}]}
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                self.wfile.flush()
+                return
             if mode == "stall" and i == 4:
                 self.wfile.flush()
                 server.release.wait(60)
@@ -175,8 +180,10 @@ class Faulty(BaseHTTPRequestHandler):
             self.wfile.flush()
         finish = "length" if len(words) < len(WORDS) else "stop"
         self.wfile.write(chunk(finish=finish))
-        self.wfile.write(chunk(usage={"prompt_tokens": 11, "completion_tokens": len(words),
-                                      "prompt_tokens_details": {"cached_tokens": 3}}))
+        counts = ({"prompt_tokens": "many", "completion_tokens": None, "prompt_tokens_details": "x"}
+                  if mode == "badcounts" else {"prompt_tokens": 11, "completion_tokens": len(words),
+                                               "prompt_tokens_details": {"cached_tokens": 3}})
+        self.wfile.write(chunk(usage=counts))
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 

@@ -463,3 +463,19 @@ def test_a_one_shot_and_a_session_turn_on_llama_server_draw_alike(quipu, llama_s
     assert alone.returncode == 0 and kept.returncode == 0, alone.stderr.decode() + kept.stderr.decode()
     one, two = json.loads(alone.stdout), json.loads(kept.stdout)
     assert one["seed"] == two["seed"] == 11 and one["text"] == two["text"] and one["text"]
+
+
+def test_a_server_event_of_the_wrong_types_keeps_what_came(quipu, fake, home):
+    # A piece that is not text, mid-reply: what came is printed and saved as with a cut stream;
+    # counts that are not counts are taken for none.
+    fake.mode = "badtypes"
+    r = quipu("run", "--url", fake.url, "-S", "odd", "hi")
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "not text" in err and "Traceback" not in err, err
+    assert r.stdout.decode().startswith("".join(WORDS[:4]))
+    saved = transcript(home, "odd")["messages"]
+    assert saved[-1]["role"] == "assistant" and saved[-1]["content"] == "".join(WORDS[:4])
+    fake.mode = "badcounts"
+    r = quipu("run", "--url", fake.url, "--json", "hi")
+    assert r.returncode == 0, r.stderr.decode()
+    assert json.loads(r.stdout)["usage"]["prompt_tokens"] == 0

@@ -11,6 +11,7 @@ row, and the others go on.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -146,8 +147,9 @@ def row_params(base: SamplingParams, fields: dict[str, Any], seed: int | None) -
     for key, kind in SAMPLING_TYPES.items():
         if key in fields:
             value = fields[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-                raise UsageError(f"{key} must be {'an integer' if kind is int else 'a number'}")
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or (kind is int and value != int(value))):
+                raise UsageError(f"{key} must be {'an integer' if kind is int else 'a finite number'}, not {value!r}")
             changes[key] = kind(value)
     if "seed" in fields:
         if isinstance(fields["seed"], bool) or not isinstance(fields["seed"], int):

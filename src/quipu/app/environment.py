@@ -238,7 +238,11 @@ def grammar_of(opts: TurnOptions) -> str | None:
         text = read_text_file(schema[1:], "schema") if schema.startswith("@") else schema
         return schema_to_gbnf(text)
     if grammar is not None:
-        return read_text_file(grammar, "grammar")
+        from quipu.engine.grammar import check_grammar_depth
+
+        text = read_text_file(grammar, "grammar")
+        check_grammar_depth(text)  # before any parser sees it, a server's included
+        return text
     return None
 
 
@@ -275,7 +279,7 @@ def logit_biases(backend: Backend, specs: Sequence[str]) -> tuple[tuple[int, flo
     """--logit-bias with each TOKEN made a token id: an id, or a text the model spells as one token."""
     out = []
     for token, bias in parse_logit_bias(specs):
-        if token.isdigit():
+        if token.isascii() and token.isdigit():
             token_id = int(token)
             if token_id >= backend.n_vocab:
                 raise UsageError(f"--logit-bias: token {token_id} is not in the model's vocabulary "

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import os
 import shlex
 from dataclasses import dataclass
 from typing import Callable
 
 from quipu.cli.terminal import PrefillProgress, StopOnCtrlC, Terminal
-from quipu.errors import Interrupted, QuipuError, UsageError
+from quipu.errors import ExitCode, Interrupted, QuipuError, UsageError
 
 PROMPT = "› "
 
@@ -215,6 +216,10 @@ def reply_sink(renderer, stopper, progress):
     return Sink()
 
 
+# The longest line a piped chat takes as one message (far more than any context holds).
+MAX_LINE_BYTES = 4 << 20
+
+
 class Repl:
     """Reads messages and commands, streams replies. Errors are shown in one line; it goes on."""
 
@@ -253,7 +258,7 @@ class Repl:
     def turn(self, action, *args, room_made: bool = False) -> None:
         progress = PrefillProgress(self.term)
         renderer = self._renderer()
-        with StopOnCtrlC(hard_second=False) as stopper:
+        with StopOnCtrlC(hard_second=False, quit_too=True) as stopper:
             try:
                 outcome = action(*args, sink=reply_sink(renderer, stopper, progress))
             finally:
@@ -292,16 +297,21 @@ class Repl:
         if unsent:
             self.turn(self.chat.send, unsent, room_made=True)
 
-    def ask(self, question: str, default: str) -> str:
+    def ask(self, question: str, default: str, choices: str = "dnc") -> str:
         if not self.term.stdin_tty:
             self.say(question + default)
             return default
         from prompt_toolkit import prompt
 
-        try:
-            return (prompt(question) or default).strip().lower()
-        except (KeyboardInterrupt, EOFError):
-            return "c"
+        while True:
+            try:
+                answer = (prompt(question) or default).strip().lower()
+            except (KeyboardInterrupt, EOFError):
+                return "c"
+            if answer[:1] and answer[:1] in choices:
+                return answer
+            # Not an answer (a message typed too soon?): nothing is taken for one, ask again.
+            self.say(f"please answer {', '.join(choices[:-1])} or {choices[-1]} (what you typed was not sent)")
 
     def handle(self, line: str) -> None:
         if line.strip().startswith("/"):
@@ -334,9 +344,19 @@ class Repl:
     # ---- loops -----------------------------------------------------------------------------
 
     def run(self) -> int:
-        if self.term.stdin_tty:
-            return self.interactive()
-        return self.piped()
+        import signal
+
+        # Ctrl-\ (SIGQUIT) would end the chat with a core dump: it stops a reply as Ctrl-C does,
+        # and does nothing at the prompt.
+        try:
+            previous = signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+        except (ValueError, AttributeError):  # not the main thread, or no SIGQUIT here
+            previous = None
+        try:
+            return self.interactive() if self.term.stdin_tty else self.piped()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGQUIT, previous)
 
     def piped(self) -> int:
         """One message per line of stdin, each reply printed; no prompt, no escape codes."""
@@ -346,6 +366,12 @@ class Repl:
         for raw in self._stdin_lines():
             if not self.running:
                 break
+            if raw is None:
+                self.error(f"a line of standard input is longer than {MAX_LINE_BYTES >> 20} MB; it was skipped")
+                continue
+            if b"\x00" in raw:
+                self.error("standard input is binary data, not text; the chat stops here")
+                return ExitCode.USAGE
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
@@ -357,13 +383,21 @@ class Repl:
         return 0
 
     def _stdin_lines(self):
-        """Lines of standard input as bytes, so that no encoding error can end the loop."""
+        """Lines of standard input as bytes, so that no encoding error can end the loop; None for
+        a line longer than MAX_LINE_BYTES, which is read past, never held."""
         stream = getattr(self.term.stdin, "buffer", None)
-        if stream is not None:
-            yield from stream
-        else:
-            for text in self.term.stdin:
-                yield text.encode("utf-8", "surrogateescape")
+        if stream is None:
+            stream = io.BytesIO(self.term.stdin.read(MAX_LINE_BYTES * 4).encode("utf-8", "surrogateescape"))
+        while True:
+            line = stream.readline(MAX_LINE_BYTES + 1)
+            if not line:
+                return
+            if len(line) > MAX_LINE_BYTES:
+                while line and not line.endswith(b"\n") and b"\x00" not in line:
+                    line = stream.readline(MAX_LINE_BYTES)
+                yield None if b"\x00" not in line else b"\x00"
+                continue
+            yield line
 
     def interactive(self) -> int:
         from prompt_toolkit import PromptSession

@@ -75,10 +75,12 @@ class StopOnCtrlC:
     """While active, the first Ctrl-C asks the work to stop at the next token; a second one
     interrupts at once, unless `hard_second` is off (the chat never dies of Ctrl-C)."""
 
-    def __init__(self, hard_second: bool = True) -> None:
+    def __init__(self, hard_second: bool = True, quit_too: bool = False) -> None:
         self.requested = False
         self.hard_second = hard_second
+        self.quit_too = quit_too  # Ctrl-\ (SIGQUIT) stops too (the chat)
         self._previous = None
+        self._previous_quit = None
 
     def __call__(self) -> bool:
         return self.requested
@@ -88,9 +90,14 @@ class StopOnCtrlC:
             raise KeyboardInterrupt
         self.requested = True
 
+    def _quit(self, signum, frame) -> None:
+        self.requested = True
+
     def __enter__(self) -> "StopOnCtrlC":
         try:
             self._previous = signal.signal(signal.SIGINT, self._handle)
+            if self.quit_too and hasattr(signal, "SIGQUIT"):
+                self._previous_quit = signal.signal(signal.SIGQUIT, self._quit)
         except ValueError:  # not the main thread
             self._previous = None
         return self
@@ -98,6 +105,8 @@ class StopOnCtrlC:
     def __exit__(self, *exc) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
+        if self._previous_quit is not None:
+            signal.signal(signal.SIGQUIT, self._previous_quit)
 
 
 class PrefillProgress:

@@ -327,21 +327,25 @@ class ChatApiModel:
             reply.model = event["model"]  # the name the server answers to
         usage = event.get("usage")
         if isinstance(usage, dict):
-            reply.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            reply.completion_tokens = int(usage.get("completion_tokens") or 0)
+            reply.prompt_tokens = _count(usage.get("prompt_tokens"))
+            reply.completion_tokens = _count(usage.get("completion_tokens"))
             details = usage.get("prompt_tokens_details") or {}
-            reply.cached_tokens = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+            reply.cached_tokens = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
         timings = event.get("timings")  # llama-server's own figures, in milliseconds
         if isinstance(timings, dict):
             reply.timings = {k: float(v) / 1000 for k, v in timings.items()
                              if k in ("prompt_ms", "predicted_ms") and isinstance(v, (int, float))}
             if "cache_n" in timings and not reply.cached_tokens:
-                reply.cached_tokens = int(timings["cache_n"] or 0)
+                reply.cached_tokens = _count(timings["cache_n"])
         for choice in event.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
             delta = choice.get("delta") or {}
             text = delta.get("content") if isinstance(delta, dict) else None
+            if text is not None and not isinstance(text, str):
+                reply.text = "".join(pieces)
+                raise ServerError(f"{self.where()} sent a reply piece that is not text ({type(text).__name__})",
+                                  partial=reply)
             if text:
                 if not pieces:
                     reply.first_token_s = time.perf_counter() - started
@@ -354,6 +358,11 @@ class ChatApiModel:
             finish = choice.get("finish_reason")
             if finish:
                 reply.finish_reason = {"stop": "stop", "length": "length"}.get(finish, finish)
+
+
+def _count(value: Any) -> int:
+    """A count a server reported; what is not one counts as nothing (the figures are the server's)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def _server_message(body: Any) -> str:

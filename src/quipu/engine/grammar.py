@@ -28,9 +28,26 @@ def parse_schema(text: str) -> dict[str, Any]:
         schema = json.loads(text)
     except ValueError as exc:
         raise InvalidParameter(f"the schema is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidParameter(f"the schema nests deeper than {MAX_DEPTH} levels") from None
     if not isinstance(schema, dict):
         raise InvalidParameter("the schema must be a JSON object")
+    if depth(schema) > MAX_DEPTH:
+        raise InvalidParameter(f"the schema nests deeper than {MAX_DEPTH} levels")
     return schema
+
+
+def depth(value: Any) -> int:
+    """How deep JSON nests (counted without recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        deepest = max(deepest, level)
+        if isinstance(item, dict):
+            todo += [(v, level + 1) for v in item.values()]
+        elif isinstance(item, list):
+            todo += [(v, level + 1) for v in item]
+    return deepest
 
 
 def unsupported_keywords(schema: Any, path: str = "") -> list[str]:
@@ -57,6 +74,10 @@ def unsupported_keywords(schema: Any, path: str = "") -> list[str]:
 
 # The most a length or a count may bound: each unit of it is a rule of the grammar.
 MAX_BOUND = 1000
+# The deepest a schema or a grammar may nest: llama.cpp's grammar parser recurses once a level,
+# and a deep enough nesting overflows its stack (a segmentation fault, not an error).
+MAX_DEPTH = 100
+MAX_GRAMMAR_DEPTH = 2000  # (a bound of MAX_BOUND nests about that deep; measured here, 20,000 crashed)
 _BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"))
 
 
@@ -115,8 +136,10 @@ def schema_to_gbnf(text: str) -> str:
 
     try:
         gbnf = json_schema_to_gbnf(json.dumps(schema))
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise InvalidParameter(f"the schema cannot be turned into a grammar: {exc}") from None
+    except (AssertionError, ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as exc:
+        # The converter asserts on what it cannot read: a $ref to nowhere, an unknown type, a pattern.
+        said = str(exc).replace("stdin#", "#").splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise InvalidParameter(f"the schema cannot be turned into a grammar: {said}") from None
     # The converter's `char` lets raw control characters into strings, which JSON forbids; this
     # is llama.cpp's own rule for it (common/json-schema-to-grammar.cpp).
     return re.sub(r"(?m)^char ::= .*$", lambda _: JSON_CHAR, gbnf)
@@ -125,9 +148,39 @@ def schema_to_gbnf(text: str) -> str:
 JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] | [\\] (["\\bfnrt] | "u" [0-9a-fA-F]{4})'
 
 
+def grammar_depth(gbnf: str) -> int:
+    """How deep a GBNF grammar's groups nest, outside its strings, character classes and comments."""
+    deepest = level = 0
+    i, n = 0, len(gbnf)
+    while i < n:
+        c = gbnf[i]
+        if c == "#":
+            while i < n and gbnf[i] != "\n":
+                i += 1
+        elif c in "\"[":
+            end = '"' if c == '"' else "]"
+            i += 1
+            while i < n and gbnf[i] != end:
+                i += 2 if gbnf[i] == "\\" else 1
+        elif c == "(":
+            level += 1
+            deepest = max(deepest, level)
+        elif c == ")":
+            level = max(0, level - 1)
+        i += 1
+    return deepest
+
+
+def check_grammar_depth(gbnf: str) -> None:
+    if grammar_depth(gbnf) > MAX_GRAMMAR_DEPTH:
+        raise InvalidParameter(f"the grammar is invalid: its groups nest deeper than {MAX_GRAMMAR_DEPTH} levels")
+
+
 def init_grammar_sampler(lc, vocab, gbnf: str):
     """llama.cpp's grammar sampler for `gbnf` (root rule `root`); a grammar it cannot parse is
-    refused with the parser's own message and the line it points at."""
+    refused with the parser's own message and the line it points at, and one that nests too deep
+    for its parser before the parser sees it."""
+    check_grammar_depth(gbnf)
     with _CapturedStderr() as captured:
         sampler = lc.llama_sampler_init_grammar(vocab, gbnf.encode("utf-8"), b"root")
     if sampler:

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from quipu.engine.base import SamplerSettings
-from quipu.engine.chat_api import ChatApiModel, ServerError
+from quipu.engine.chat_api import ChatApiModel, ServerError, _count
+from quipu.engine.grammar import check_grammar_depth
 
 
 
@@ -181,6 +182,7 @@ class LlamaServerModel:
                 "min_p": sampler.min_p, "repeat_penalty": sampler.repeat_penalty,
                 "repeat_last_n": sampler.repeat_last_n, "stop": list(stop)}
         if sampler.grammar:
+            check_grammar_depth(sampler.grammar)  # (one nested too deep would crash the server's parser)
             body["grammar"] = sampler.grammar
         if sampler.logit_bias:  # JSON has no -inf: the server's way to ban a token is `false`
             body["logit_bias"] = [[t, False if b == float("-inf") else b] for t, b in sampler.logit_bias]
@@ -205,9 +207,9 @@ class LlamaServerModel:
         if event.get("stop") is True:
             done.finish_reason = FINISH.get(str(event.get("stop_type")), "stop")
             timings = event.get("timings") if isinstance(event.get("timings"), dict) else {}
-            done.cached_tokens = int(timings.get("cache_n") or 0)
-            done.prefill_s = float(timings.get("prompt_ms") or 0) / 1000
-            done.decode_s = float(timings.get("predicted_ms") or 0) / 1000
+            done.cached_tokens = _count(timings.get("cache_n"))
+            done.prefill_s = _ms(timings.get("prompt_ms")) / 1000
+            done.decode_s = _ms(timings.get("predicted_ms")) / 1000
             return None
         tokens = event.get("tokens")
         if not isinstance(tokens, list) or len(tokens) != 1 or not isinstance(tokens[0], int):
@@ -239,3 +241,8 @@ class LlamaServerModel:
                     return [t for t, _ in pieces[:-1]]
         done.exact = False
         return [-1] * missing
+
+
+def _ms(value) -> float:
+    """A duration the server reported, in ms; what is not one counts as none."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else 0.0

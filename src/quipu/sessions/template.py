@@ -27,6 +27,10 @@ class TemplateRefused(TemplateError):
 SYSTEM_JOINER = "\n\n"
 
 
+# The most a template may write beyond what its messages bring (a chat template is a few KB).
+MAX_OUTPUT = 1 << 20
+
+
 class ChatTemplate:
     """A Jinja chat template, rendered as Hugging Face transformers renders one (the sandbox,
     `trim_blocks`, `lstrip_blocks`, loop controls, the `generation` block, `raise_exception`,
@@ -65,18 +69,25 @@ class ChatTemplate:
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool, variables: dict) -> str:
         from jinja2 import TemplateError as JinjaError
 
+        # The output is bounded as it is made: a template (from a downloaded file, a session) must
+        # not be able to fill the memory; what messages bring is allowed for.
+        limit = MAX_OUTPUT + 4 * sum(len(str(m.get("content", ""))) for m in messages)
+        pieces: list[str] = []
+        size = 0
         try:
-            return self._template.render(
-                **variables,
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._bos,
-                eos_token=self._eos,
-            )
-        except TemplateRefused:
+            for piece in self._template.generate(**variables, messages=messages,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 bos_token=self._bos, eos_token=self._eos):
+                size += len(piece)
+                if size > limit:
+                    raise TemplateError(f"the chat template's output is longer than {limit:,} characters")
+                pieces.append(piece)
+        except (TemplateRefused, TemplateError):
             raise
-        except (JinjaError, TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as exc:
+        except (JinjaError, TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError,
+                ArithmeticError, MemoryError) as exc:
             raise TemplateError(f"the chat template failed: {exc}") from exc
+        return "".join(pieces)
 
     def features(self) -> dict[str, bool]:
         """What the template does, as far as its text tells: a system role, thinking (and a switch
@@ -143,8 +154,21 @@ def _environment():
         def _as_is(self, caller):
             return caller()
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    class Bounded(ImmutableSandboxedEnvironment):
+        """The sandbox, with `*` and `**` kept from making values no template needs."""
+
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                for seq, times in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and len(seq) * times > MAX_OUTPUT:
+                        raise TemplateError(f"the chat template makes a value longer than {MAX_OUTPUT:,}")
+            if operator == "**" and isinstance(right, int) and abs(right) > 64 and isinstance(left, int) and abs(left) > 1:
+                raise TemplateError("the chat template raises a number to a power too large")
+            return super().call_binop(context, operator, left, right)
+
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -116,6 +116,10 @@ class SessionStore:
         try:
             yield
         finally:
+            if not self.exists(name):
+                # A session that was never made (or was removed) leaves no lock file behind; a
+                # waiter on this file sees it is gone and locks the one at the path instead.
+                path.unlink(missing_ok=True)
             os.close(fd)
 
     # ---- reading -------------------------------------------------------------------------

@@ -1,0 +1,142 @@
+"""Inputs that once crashed quipu, filled its memory or ended in a traceback: each now a one-line
+error with its exit code. A case that could eat memory runs in a subprocess under a memory limit,
+so that a regression fails the test and not the machine."""
+
+from __future__ import annotations
+
+import io
+import os
+import resource
+import signal
+import subprocess
+import sys
+
+import pytest
+
+MEMORY_LIMIT = 3 << 30  # the address space a case may take
+
+
+def limited() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+
+def run_limited(home, *args, stdin=subprocess.DEVNULL, timeout=120):
+    """`quipu ARGS` under the memory limit; `stdin` a file, or bytes to pipe in."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ["QUIPU_HOME"] = str(home)
+    piped = {"input": stdin} if isinstance(stdin, bytes) else {"stdin": stdin}
+    return subprocess.run([sys.executable, "-m", "quipu", *map(str, args)], capture_output=True, env=environ,
+                          timeout=timeout, preexec_fn=limited, **piped)
+
+
+def one_line(r) -> str:
+    err = r.stderr.decode()
+    assert "Traceback" not in err and r.returncode not in (-signal.SIGSEGV, -signal.SIGKILL, 139), err[-2000:]
+    return err
+
+
+def test_a_chat_fed_endless_zeros_stops_with_one_line(home, tiny_model):
+    with open("/dev/zero", "rb") as zeros:
+        r = run_limited(home, "chat", "-m", tiny_model, "-S", "zero", stdin=zeros)
+    err = one_line(r)
+    assert r.returncode == 2 and "standard input is binary data" in err
+    assert not (home / "data" / "sessions" / "zero.lock").exists()  # a session never made leaves no lock
+
+
+def test_a_piped_line_too_long_for_any_context_is_skipped_and_the_chat_goes_on(home, tiny_model):
+    data = b"x" * (5 << 20) + b"\nhello\n"
+    r = run_limited(home, "chat", "-m", tiny_model, "-n", "2", "-S", "long", stdin=data)
+    err = one_line(r)
+    assert r.returncode == 0 and "longer than 4 MB; it was skipped" in err
+    from quipu.store.store import SessionStore
+
+    messages = SessionStore(home / "data" / "sessions").load_transcript("long").messages
+    assert [m["content"] for m in messages if m["role"] == "user"] == ["hello"]
+
+
+@pytest.mark.parametrize("kind, text, words", [
+    ("grammar", "root ::= " + "(" * 100_000 + '"a"' + ")" * 100_000, "nest deeper than 2000 levels"),
+    ("schema", "[" * 5000 + "]" * 5000, "nests deeper than 100 levels"),
+    ("schema", '{"type": "string", "maxLength": 100000}', "maxLength at / is 100000"),
+    ("schema", '{"$ref": "#/nope"}', "cannot be turned into a grammar: Error resolving ref #/nope"),
+    ("schema", '{"type": "string", "pattern": "(("}', "cannot be turned into a grammar"),
+    ("schema", '{"type": "nosuch"}', "cannot be turned into a grammar: Unrecognized schema"),
+])
+def test_grammars_and_schemas_that_crashed_the_parser(home, tiny_model, tmp_path, kind, text, words):
+    path = tmp_path / f"input.{kind}"
+    path.write_text(text)
+    r = run_limited(home, "run", "-m", tiny_model, f"--{kind}", path if kind == "grammar" else f"@{path}", "-n", "2", "hi")
+    err = one_line(r)
+    assert r.returncode == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("template, words", [
+    ('{{ "x" * 10000000000 }}', "makes a value longer than"),
+    ("{% for i in range(10**12) %}x{% endfor %}", "Range too big"),
+    ("{{ 1/0 }}", "division by zero"),
+    ("{{ 2**100000000 }}", "a power too large"),
+    ('{% for i in range(100000) %}{% for j in range(100) %}abcdef{% endfor %}{% endfor %}', "output is longer than"),
+])
+def test_a_template_cannot_fill_the_memory_or_end_in_a_traceback(home, tiny_model, tmp_path, template, words):
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    r = run_limited(home, "run", "-m", tiny_model, "--chat-template", path, "-n", "2", "hi")
+    err = one_line(r)
+    assert r.returncode == 1 and words in err, err
+
+
+def test_batch_rows_with_numbers_that_are_no_numbers_fail_alone(quipu, tiny_model, tmp_path):
+    import json
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "hi", "top_k": NaN}\n{"prompt": "yo", "temperature": 1e400}\n{"prompt": "ok"}\n')
+    r = quipu("run", "-m", tiny_model, "--batch", rows, "-n", "2")
+    out = [json.loads(line) for line in r.stdout.decode().splitlines()]
+    assert r.returncode == 0 and "Traceback" not in r.stderr.decode()
+    assert "top_k must be an integer" in out[0]["error"] and "temperature must be a finite number" in out[1]["error"]
+    assert "text" in out[2]
+
+
+def test_a_failed_run_on_a_new_session_leaves_no_lock_file(quipu, tiny_model, home):
+    r = quipu("run", "-m", tiny_model, "--ctx", "64", "-S", "never", "x " * 400)
+    assert r.returncode == 2
+    assert not list((home / "data" / "sessions").glob("never.*"))
+
+
+def test_an_answer_to_the_full_context_question_is_never_a_message(monkeypatch, tmp_path):
+    # What is typed when the chat asks "[d]rop, [n]ew or [c]ancel?" is taken as an answer only if
+    # it is one; anything else is asked again, and said not to have been sent.
+    import prompt_toolkit
+
+    from quipu.cli.repl import Repl
+    from quipu.cli.terminal import Terminal
+
+    answers = iter(["tell me about rivers", "", "d"])
+    monkeypatch.setattr(prompt_toolkit, "prompt", lambda question: next(answers))
+    err = io.StringIO()
+    repl = Repl(None, Terminal(io.StringIO(), io.StringIO(), err, True, True, True, False), None)
+    assert repl.ask("[d]rop, [n]ew or [c]ancel? ", default="d") == "d"  # "" takes the default
+    assert "what you typed was not sent" in err.getvalue()
+    answers = iter(["what?", "c"])
+    assert repl.ask("? ", default="d") == "c"
+
+
+def test_ctrl_backslash_in_a_chat_stops_a_reply_and_the_chat_goes_on(home):
+    pexpect = pytest.importorskip("pexpect")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ.update(QUIPU_HOME=str(home), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
+    child = pexpect.spawn(sys.executable, ["-m", "quipu", "chat", "-S", "quit", "-n", "4000",
+                                           "--logit-bias", "0=-inf", "--logit-bias", "2=-inf"],
+                          env=environ, encoding="utf-8", dimensions=(30, 120), timeout=120)
+    child.expect("›")
+    child.send("Write a very long story.\r")
+    child.expect(r"\x1b\[\?2004l")
+    child.expect(r"[A-Za-z]{4,}")
+    child.send("\x1c")  # Ctrl-\
+    child.expect(r"\[stopped\]")
+    child.expect("›")
+    child.send("\x1c")  # at the prompt: nothing
+    child.send("/exit\r")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0 and child.signalstatus is None
