@@ -166,6 +166,14 @@ class Faulty(BaseHTTPRequestHandler):
                 self.wfile.write(b"data: {not json\n\n")
                 self.wfile.flush()
                 return
+            if mode == "endless" and i == 4:  # an event that never ends (until the client lets go)
+                try:
+                    for _ in range(64):
+                        self.wfile.write(b"data: " + b"x" * (1 << 20))
+                        self.wfile.flush()
+                except OSError:
+                    pass
+                return
             if mode == "badtypes" and i == 4:  # a piece that is not text, after four that are
                 event = {"choices": [{"index": 0, "delta": {"content": 5}, "finish_reason": None}]}
                 self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())

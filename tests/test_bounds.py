@@ -140,3 +140,10 @@ def test_ctrl_backslash_in_a_chat_stops_a_reply_and_the_chat_goes_on(home):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0 and child.signalstatus is None
+
+
+def test_a_template_loop_that_writes_nothing_is_bounded_too(home, tiny_model, tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    r = run_limited(home, "run", "-m", tiny_model, "--chat-template", path, "-n", "2", "hi", timeout=60)
+    assert r.returncode == 1 and "loops count more than 1,000,000 numbers" in one_line(r)

@@ -479,3 +479,11 @@ def test_a_server_event_of_the_wrong_types_keeps_what_came(quipu, fake, home):
     r = quipu("run", "--url", fake.url, "--json", "hi")
     assert r.returncode == 0, r.stderr.decode()
     assert json.loads(r.stdout)["usage"]["prompt_tokens"] == 0
+
+
+def test_an_event_that_never_ends_is_cut_off(quipu, fake):
+    fake.mode = "endless"
+    r = quipu("run", "--url", fake.url, "hi")
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "sent an event longer than 8 MB" in err and "Traceback" not in err, err
+    assert r.stdout.decode().startswith("".join(WORDS[:4]))  # what came before it is kept

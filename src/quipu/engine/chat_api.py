@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Protocol
 from quipu.errors import CapabilityError, QuipuError
 
 RETRY_STATUSES = (429, 502, 503, 504)
+MAX_EVENT_BYTES = 8 << 20  # the longest line of a stream of events (a token's event is a few hundred bytes)
 
 
 class Sink(Protocol):
@@ -293,7 +294,7 @@ class ChatApiModel:
         httpx = self._httpx
         finished = False
         try:
-            for line in response.iter_lines():
+            for line in self._lines(response, partial):
                 if not line.startswith("data:"):
                     continue  # comments (pings), event names, blank separators
                 data = line[5:].strip()
@@ -321,6 +322,23 @@ class ChatApiModel:
             raise ServerError(f"{self.where()} cut the reply short: {_reason(exc)}", partial=partial()) from None
         if not finished and not getattr(partial(), "finish_reason", ""):
             raise ServerError(f"{self.where()} closed the stream before the reply was over", partial=partial())
+
+    def _lines(self, response, partial: Callable[[], Any]) -> Iterator[str]:
+        """The stream's lines, each held only up to MAX_EVENT_BYTES: a server that never ends a
+        line is an error, not a process that grows until it is killed."""
+        held = b""
+        for chunk in response.iter_bytes():
+            held += chunk
+            start = 0
+            while (end := held.find(b"\n", start)) >= 0:
+                yield held[start:end].rstrip(b"\r").decode("utf-8", "replace")
+                start = end + 1
+            held = held[start:]
+            if len(held) > MAX_EVENT_BYTES:
+                raise ServerError(f"{self.where()} sent an event longer than {MAX_EVENT_BYTES >> 20} MB",
+                                  partial=partial())
+        if held:
+            yield held.rstrip(b"\r").decode("utf-8", "replace")
 
     def _take(self, event: dict, reply: ChatReply, pieces: list[str], started: float, sink: Sink | None) -> None:
         if isinstance(event.get("model"), str) and event["model"]:

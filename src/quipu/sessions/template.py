@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+
 import functools
 import json
 from datetime import datetime
@@ -29,6 +31,10 @@ SYSTEM_JOINER = "\n\n"
 
 # The most a template may write beyond what its messages bring (a chat template is a few KB).
 MAX_OUTPUT = 1 << 20
+# The most numbers all of a render's `range`s may count, nested loops included: a loop that
+# writes nothing is bounded by this, not by its output.
+MAX_RANGE_ITEMS = 1_000_000
+_RANGE_BUDGET: contextvars.ContextVar = contextvars.ContextVar("range_budget", default=None)
 
 
 class ChatTemplate:
@@ -74,6 +80,7 @@ class ChatTemplate:
         limit = MAX_OUTPUT + 4 * sum(len(str(m.get("content", ""))) for m in messages)
         pieces: list[str] = []
         size = 0
+        budget = _RANGE_BUDGET.set([MAX_RANGE_ITEMS])
         try:
             for piece in self._template.generate(**variables, messages=messages,
                                                  add_generation_prompt=add_generation_prompt,
@@ -87,6 +94,8 @@ class ChatTemplate:
         except (JinjaError, TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError,
                 ArithmeticError, MemoryError) as exc:
             raise TemplateError(f"the chat template failed: {exc}") from exc
+        finally:
+            _RANGE_BUDGET.reset(budget)
         return "".join(pieces)
 
     def features(self) -> dict[str, bool]:
@@ -112,6 +121,20 @@ def fold_system(messages: list[dict[str, str]]) -> list[dict[str, str]]:
         return messages
     joined = {"role": "user", "content": messages[0]["content"] + SYSTEM_JOINER + messages[1]["content"]}
     return [joined, *messages[2:]]
+
+
+def _budgeted_range(*args):
+    """`range`, drawing on the render's budget of numbers (the sandbox bounds each range alone)."""
+    from jinja2.sandbox import safe_range
+
+    numbers = safe_range(*args)
+    left = _RANGE_BUDGET.get()  # (None outside a render of ours)
+    if left is None:
+        return numbers
+    left[0] -= len(numbers)
+    if left[0] < 0:
+        raise TemplateError(f"the chat template's loops count more than {MAX_RANGE_ITEMS:,} numbers")
+    return numbers
 
 
 def _raise_exception(message: str) -> None:
@@ -171,5 +194,6 @@ def _environment():
     env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
+    env.globals["range"] = _budgeted_range
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
