@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -147,3 +148,38 @@ def test_a_template_loop_that_writes_nothing_is_bounded_too(home, tiny_model, tm
     path.write_text("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
     r = run_limited(home, "run", "-m", tiny_model, "--chat-template", path, "-n", "2", "hi", timeout=60)
     assert r.returncode == 1 and "loops count more than 1,000,000 numbers" in one_line(r)
+
+
+def test_llama_cpp_s_own_grammars_still_pass_the_checks(tiny_model):
+    # The checks made before llama.cpp's parser (depth, rules used but never defined) refuse none
+    # of the grammars llama.cpp ships, and those still parse.
+    from bench.llamacpp import build_root
+
+    from quipu.engine.grammar import check_grammar_depth, init_grammar_sampler
+    from quipu.engine.model import LlamaModel
+    from quipu.engine.native import lc
+
+    files = sorted((build_root() / "llama.cpp" / "grammars").glob("*.gbnf"))
+    if not files:
+        pytest.skip("llama.cpp's sources are unpacked by `python -m bench.llamacpp llama-server`")
+    vocab = LlamaModel(tiny_model).vocab
+    for path in files:
+        text = path.read_text()
+        check_grammar_depth(text)
+        lc.llama_sampler_free(init_grammar_sampler(lc, vocab, text))
+
+
+@pytest.mark.parametrize("gbnf, words", [
+    ('item ::= root\nitem ::= ""', "no 'root' rule"),
+    ('root ::= item "x"', "rule 'item' is used but never defined (line 1)"),
+    ('root   ::=   "a" | b-c\n# a comment naming nosuch\nb-c ::= [a-z] "nosuch"', None),
+])
+def test_rules_used_but_never_defined_are_refused_before_the_parser(gbnf, words):
+    from quipu.engine.grammar import check_grammar_depth
+    from quipu.errors import InvalidParameter
+
+    if words is None:
+        check_grammar_depth(gbnf)
+    else:
+        with pytest.raises(InvalidParameter, match=re.escape(words)):
+            check_grammar_depth(gbnf)

@@ -171,9 +171,56 @@ def grammar_depth(gbnf: str) -> int:
     return deepest
 
 
+_DEFINES = re.compile(r"[ \t]*::=")
+
+
+def rule_names(gbnf: str) -> tuple[dict[str, int], dict[str, int]]:
+    """({rule defined: its line}, {rule used: the line of its first use}), outside strings,
+    character classes and comments."""
+    defined: dict[str, int] = {}
+    used: dict[str, int] = {}
+    i, n, line = 0, len(gbnf), 1
+    while i < n:
+        c = gbnf[i]
+        if c == "\n":
+            line += 1
+        elif c == "#":
+            while i < n and gbnf[i] != "\n":
+                i += 1
+            continue
+        elif c in "\"[":
+            end = '"' if c == '"' else "]"
+            i += 1
+            while i < n and gbnf[i] != end:
+                if gbnf[i] == "\n":
+                    line += 1
+                i += 2 if gbnf[i] == "\\" else 1
+        elif c.isalnum() or c in "-_":
+            start = i
+            while i < n and (gbnf[i].isalnum() or gbnf[i] in "-_"):
+                i += 1
+            name = gbnf[start:i]
+            if _DEFINES.match(gbnf, i):
+                defined.setdefault(name, line)
+            elif not name.isdigit():
+                used.setdefault(name, line)
+            continue
+        i += 1
+    return defined, used
+
+
 def check_grammar_depth(gbnf: str) -> None:
+    """What llama.cpp's grammar parser would crash on, refused before it sees it: groups nested
+    too deep, and a rule that is used but never defined (root included)."""
     if grammar_depth(gbnf) > MAX_GRAMMAR_DEPTH:
         raise InvalidParameter(f"the grammar is invalid: its groups nest deeper than {MAX_GRAMMAR_DEPTH} levels")
+    defined, used = rule_names(gbnf)
+    if "root" not in defined:
+        raise InvalidParameter("the grammar is invalid: it has no 'root' rule")
+    missing = sorted((line, name) for name, line in used.items() if name not in defined)
+    if missing:
+        line, name = missing[0]
+        raise InvalidParameter(f"the grammar is invalid: rule '{name}' is used but never defined (line {line})")
 
 
 def init_grammar_sampler(lc, vocab, gbnf: str):
