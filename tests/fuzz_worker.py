@@ -93,6 +93,33 @@ def configs(draw):
     return "\n".join(lines)
 
 
+ROW_KEYS = ["prompt", "messages", "id", "system", "seed", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+            "repeat_penalty", "stop", "role", "content", "x"]
+row_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=10) | st.sampled_from(["user", "assistant", "system"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(ROW_KEYS), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@st.composite
+def batch_files(draw):
+    rows = []
+    for _ in range(draw(st.integers(1, 5))):
+        kind = draw(st.integers(0, 3))
+        if kind == 0:
+            rows.append(json.dumps(draw(st.dictionaries(st.sampled_from(ROW_KEYS), row_values, max_size=6))))
+        elif kind == 1:
+            rows.append(draw(st.text(max_size=20)).replace("\n", " "))
+        elif kind == 2:
+            rows.append(draw(st.sampled_from(["{", "[1, 2]", "null", '{"prompt": NaN}', '{"top_k": 1e400}'])))
+        else:
+            rows.append(json.dumps({"messages": draw(st.lists(st.dictionaries(st.sampled_from(ROW_KEYS), row_values,
+                                                                              max_size=3), max_size=3))}))
+    return "\n".join(rows)
+
+
 def keep(text: str) -> None:
     """The input about to be tried, where a test can read it should this process die on it."""
     import os
@@ -172,6 +199,25 @@ def main() -> None:
                 check_config(load_config(path, GENERATION_TYPES))
             except QuipuError:
                 pass
+    elif surface == "batch":
+        from quipu.app.batch import read_rows, row_params
+        from quipu.sessions.params import SamplingParams
+
+        @seed(seed_value)
+        @checks
+        @given(batch_files())
+        def case(text):
+            keep(text)
+            try:
+                rows = read_rows(text)
+            except QuipuError:
+                return
+            for row in rows:  # each row is runnable, or has its own error
+                if row.error is None:
+                    try:
+                        row_params(SamplingParams(), row.fields, None)
+                    except QuipuError:
+                        pass
     else:
         raise SystemExit(f"no surface {surface}")
     case()

@@ -137,6 +137,8 @@ class Faulty(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         server.requests.append((body, self.headers.get("Authorization")))
         mode = server.mode
+        if mode == "random" and self.path in ("/completion", "/v1/chat/completions"):
+            return self.random_events()
         if self.server.llama and self.path in ("/tokenize", "/detokenize", "/completion"):
             return self.llama_server(body, mode)
         if self.path == "/v1/embeddings":
@@ -195,6 +197,60 @@ class Faulty(BaseHTTPRequestHandler):
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 
+    def random_events(self) -> None:
+        """A stream of events drawn from `server.seed`: the shapes a server sends, with any value
+        in any place, sometimes not JSON, sometimes no end."""
+        import random
+
+        rng = random.Random(self.server.seed)
+
+        def value(depth=0):
+            kinds = ["none", "int", "float", "text", "bool"] + (["list", "dict"] if depth < 3 else [])
+            kind = rng.choice(kinds)
+            if kind == "int":
+                return rng.choice([0, 1, -1, 5, 2**40, 10**30])
+            if kind == "float":
+                return rng.choice([0.5, -1.0, 1e308])
+            if kind == "text":
+                return rng.choice(["", "hi", " world", "<|im_end|>", "\u2603", "x" * 100])
+            if kind == "bool":
+                return rng.choice([True, False])
+            if kind == "list":
+                return [value(depth + 1) for _ in range(rng.randrange(3))]
+            if kind == "dict":
+                keys = ["choices", "delta", "content", "finish_reason", "usage", "prompt_tokens", "timings",
+                        "tokens", "stop", "stop_type", "tokens_predicted", "tokens_evaluated", "model", "error",
+                        "cache_n", "prompt_ms"]
+                return {rng.choice(keys): value(depth + 1) for _ in range(rng.randrange(4))}
+            return None
+
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        try:
+            self._random_stream(rng, value)
+        except OSError:
+            pass  # the client let go (it may, on a stream that makes no sense)
+
+    def _random_stream(self, rng, value) -> None:
+        for _ in range(rng.randrange(8)):
+            shape = rng.randrange(6)
+            if shape == 0:
+                event = {"choices": [{"delta": {"content": value()}, "finish_reason": value()}]}
+            elif shape == 1:
+                event = {"content": value(), "tokens": [rng.choice([5, -1, 10**9])], "stop": value(),
+                         "tokens_predicted": value(), "tokens_evaluated": value(), "timings": value()}
+            elif shape == 2:
+                event = {"usage": value(), "timings": value(), "choices": value()}
+            else:
+                event = value()
+            data = json.dumps(event) if rng.randrange(10) else "{not json"
+            self.wfile.write(f"data: {data}\n\n".encode())
+        if rng.randrange(2):
+            self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
     def llama_server(self, body: dict, mode: str) -> None:
         """llama-server's token endpoints, for a vocabulary of one token a character (id: its code)."""
         if self.path == "/tokenize":
@@ -235,6 +291,7 @@ class Faulty(BaseHTTPRequestHandler):
 def fake():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Faulty)
     server.mode = "ok"
+    server.seed = 0  # (mode "random": the events drawn)
     server.llama = False  # True: also llama-server's /props and token endpoints
     server.requests = []
     server.release = threading.Event()

@@ -1,5 +1,6 @@
 """Every surface that takes input from outside, fuzzed: JSON values as schemas, GBNF grammars
-(deep nesting included), chat templates from Jinja's constructs, config files. Each surface runs
+(deep nesting included), chat templates from Jinja's constructs, config files, batch files (and,
+in test_remote.py, a server's events). Each surface runs
 in a process of its own under a memory limit (tests/fuzz_worker.py): every input ends in a result
 or a one-line error of quipu's, never a crash, a traceback or a process that eats the machine.
 Seeded, so a failure replays; QUIPU_STRESS=N runs N times as many (400: 10,000 a surface)."""
@@ -22,7 +23,8 @@ def limited() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
 
 
-@pytest.mark.parametrize("surface, count", [("schema", 60), ("gbnf", 60), ("template", 80), ("config", 80)])
+@pytest.mark.parametrize("surface, count", [("schema", 60), ("gbnf", 60), ("template", 80), ("config", 80),
+                                            ("batch", 80)])
 def test_no_input_crashes_a_surface(surface, count, tiny_model, tmp_path):
     worker = Path(__file__).with_name("fuzz_worker.py")
     seed = 20261201

@@ -487,3 +487,31 @@ def test_an_event_that_never_ends_is_cut_off(quipu, fake):
     err = r.stderr.decode()
     assert r.returncode == 1 and "sent an event longer than 8 MB" in err and "Traceback" not in err, err
     assert r.stdout.decode().startswith("".join(WORDS[:4]))  # what came before it is kept
+
+
+def test_random_server_events_end_in_a_reply_or_one_error(fake):
+    # Events of any shape and type, from the chat API and from llama-server's /completion, seeded:
+    # each stream ends in a reply or in the client's one error, never in anything else.
+    import os
+
+    from quipu.engine.base import SamplerSettings
+    from quipu.engine.chat_api import ChatApiModel, ServerError, ServerSettings
+    from quipu.engine.llama_server import LlamaServerModel
+    from quipu.sessions.base import ReplySink
+
+    fake.mode = "random"
+    stress = int(os.environ.get("QUIPU_STRESS", "1"))
+    client = ChatApiModel(ServerSettings(url=fake.url, retries=0))
+    served = LlamaServerModel(client, {"default_generation_settings": {"n_ctx": 512}})
+    try:
+        for seed in range(150 * stress):
+            fake.seed = seed
+            for ask in (lambda: client.chat([{"role": "user", "content": "hi"}], params={}, max_tokens=8,
+                                            sink=ReplySink()),
+                        lambda: served.complete([1, 2, 3], SamplerSettings(), 1, 8, sink=ReplySink())):
+                try:
+                    ask()
+                except ServerError:
+                    pass
+    finally:
+        client.close()

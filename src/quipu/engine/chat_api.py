@@ -355,7 +355,8 @@ class ChatApiModel:
                              if k in ("prompt_ms", "predicted_ms") and isinstance(v, (int, float))}
             if "cache_n" in timings and not reply.cached_tokens:
                 reply.cached_tokens = _count(timings["cache_n"])
-        for choice in event.get("choices") or ():
+        choices = event.get("choices")
+        for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict):
                 continue
             delta = choice.get("delta") or {}
@@ -374,7 +375,7 @@ class ChatApiModel:
                     reply.finish_reason = "interrupted"
                     return
             finish = choice.get("finish_reason")
-            if finish:
+            if finish and isinstance(finish, str):
                 reply.finish_reason = {"stop": "stop", "length": "length"}.get(finish, finish)
 
 

@@ -43,6 +43,8 @@ class Sink(Protocol):
 # apply as llama.cpp's common sampler applies them).
 SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]
 FINISH = {"eos": "stop", "word": "stop_sequence", "limit": "length"}
+# The most tokens the server may hold back before a character is whole (one a byte, before the last).
+MAX_HIDDEN = 3
 # What every control token's spelling has one of (see the module's notes).
 CONTROL_MARKS = re.compile("[<>\\[\\]|\uff5c]")
 
@@ -220,6 +222,9 @@ class LlamaServerModel:
         if not done.tokens:
             done.first_token_s = time.perf_counter() - started
         missing = count - len(done.tokens) - 1 if isinstance(count, int) else 0
+        if missing > MAX_HIDDEN:  # a character is at most 4 bytes: the count is not the reply's
+            raise ServerError(f"{self.remote.where()} counted {count} tokens for a reply of {len(done.tokens)}",
+                              partial=done)
         if missing > 0:  # tokens inside a character: the server showed neither them nor their ids
             done.tokens += self._recover(missing, token, text, done)
         done.tokens.append(token)
