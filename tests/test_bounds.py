@@ -183,3 +183,29 @@ def test_rules_used_but_never_defined_are_refused_before_the_parser(gbnf, words)
     else:
         with pytest.raises(InvalidParameter, match=re.escape(words)):
             check_grammar_depth(gbnf)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_told_to_end_mid_reply_a_run_and_a_chat_save_what_came(home, signum):
+    from quipu.store.store import SessionStore
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ["QUIPU_HOME"] = str(home)
+    never_ends = ["-n", "3000", "--logit-bias", "0=-inf", "--logit-bias", "2=-inf"]
+    store = SessionStore(home / "data" / "sessions")
+    for name, command, given in (("run", ["run", "-S", "ends-run", *never_ends, "Tell a long story."], None),
+                                 ("chat", ["chat", "-S", "ends-chat", *never_ends], b"Tell a long story.\nMore.\n")):
+        proc = subprocess.Popen([sys.executable, "-m", "quipu", *command], env=environ, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, stdin=subprocess.PIPE if given else subprocess.DEVNULL)
+        if given:
+            proc.stdin.write(given)
+            proc.stdin.close()
+        assert proc.stdout.read(1)  # the reply streams, with thousands of tokens to go
+        proc.send_signal(signum)
+        proc.stdout.read()  # to its end: the reply stops at the next token
+        err = proc.stderr.read()
+        proc.wait(120)
+        assert proc.returncode in (0, 130), err.decode()
+        assert b"Traceback" not in err
+        messages = store.load_transcript(f"ends-{name}").messages
+        assert [m["role"] for m in messages] == ["user", "assistant"] and messages[1]["content"], name

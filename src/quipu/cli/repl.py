@@ -267,6 +267,9 @@ class Repl:
         gen = outcome.generation
         if gen.finish_reason == "interrupted":
             self.say("[stopped]")
+        if stopper.ended:  # told to end (SIGTERM, SIGHUP): the reply so far is saved; leave
+            self.running = False
+            return
         self.show_notices()
         if outcome.context_full:
             unsent = args[0] if args and not gen.tokens else None

@@ -79,8 +79,10 @@ class StopOnCtrlC:
         self.requested = False
         self.hard_second = hard_second
         self.quit_too = quit_too  # Ctrl-\ (SIGQUIT) stops too (the chat)
+        self.ended = False  # SIGTERM or SIGHUP came: the reply stops, is saved, and quipu leaves
         self._previous = None
         self._previous_quit = None
+        self._previous_ends: list = []
 
     def __call__(self) -> bool:
         return self.requested
@@ -93,11 +95,18 @@ class StopOnCtrlC:
     def _quit(self, signum, frame) -> None:
         self.requested = True
 
+    def _end(self, signum, frame) -> None:
+        self.requested = self.ended = True
+
     def __enter__(self) -> "StopOnCtrlC":
         try:
             self._previous = signal.signal(signal.SIGINT, self._handle)
             if self.quit_too and hasattr(signal, "SIGQUIT"):
                 self._previous_quit = signal.signal(signal.SIGQUIT, self._quit)
+            for name in ("SIGTERM", "SIGHUP"):
+                if hasattr(signal, name):
+                    signum = getattr(signal, name)
+                    self._previous_ends.append((signum, signal.signal(signum, self._end)))
         except ValueError:  # not the main thread
             self._previous = None
         return self
@@ -107,6 +116,8 @@ class StopOnCtrlC:
             signal.signal(signal.SIGINT, self._previous)
         if self._previous_quit is not None:
             signal.signal(signal.SIGQUIT, self._previous_quit)
+        for signum, previous in self._previous_ends:
+            signal.signal(signum, previous)
 
 
 class PrefillProgress:
