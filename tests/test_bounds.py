@@ -209,3 +209,10 @@ def test_told_to_end_mid_reply_a_run_and_a_chat_save_what_came(home, signum):
         assert b"Traceback" not in err
         messages = store.load_transcript(f"ends-{name}").messages
         assert [m["role"] for m in messages] == ["user", "assistant"] and messages[1]["content"], name
+
+
+def test_a_template_that_takes_forever_is_stopped(home, tiny_model, tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text('{% set s = "x" * 1000000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}')
+    r = run_limited(home, "run", "-m", tiny_model, "--chat-template", path, "-n", "2", "hi", timeout=120)
+    assert r.returncode == 1 and "took longer than 5 s to render" in one_line(r)

@@ -34,6 +34,9 @@ MAX_OUTPUT = 1 << 20
 # The most numbers all of a render's `range`s may count, nested loops included: a loop that
 # writes nothing is bounded by this, not by its output.
 MAX_RANGE_ITEMS = 1_000_000
+# The longest a render may take (a real template takes milliseconds; a loop over the characters
+# of a long text, say, could take hours).
+MAX_RENDER_S = 5.0
 _RANGE_BUDGET: contextvars.ContextVar = contextvars.ContextVar("range_budget", default=None)
 
 
@@ -81,6 +84,7 @@ class ChatTemplate:
         pieces: list[str] = []
         size = 0
         budget = _RANGE_BUDGET.set([MAX_RANGE_ITEMS])
+        clock = _Deadline(MAX_RENDER_S)
         try:
             for piece in self._template.generate(**variables, messages=messages,
                                                  add_generation_prompt=add_generation_prompt,
@@ -95,6 +99,7 @@ class ChatTemplate:
                 ArithmeticError, MemoryError) as exc:
             raise TemplateError(f"the chat template failed: {exc}") from exc
         finally:
+            clock.cancel()
             _RANGE_BUDGET.reset(budget)
         return "".join(pieces)
 
@@ -121,6 +126,35 @@ def fold_system(messages: list[dict[str, str]]) -> list[dict[str, str]]:
         return messages
     joined = {"role": "user", "content": messages[0]["content"] + SYSTEM_JOINER + messages[1]["content"]}
     return [joined, *messages[2:]]
+
+
+class _Deadline:
+    """Ends a render that runs past its time: a timer signal (SIGALRM) raises in the render's
+    Python code. Only in the main thread, where a signal can be had; a timer already set (by
+    whoever embeds quipu) is left alone."""
+
+    def __init__(self, seconds: float):
+        import signal
+        import threading
+
+        self._signal = None
+        if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+            return
+        self._signal = signal
+        self._previous = signal.signal(signal.SIGALRM, self._expired)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+
+    @staticmethod
+    def _expired(signum, frame):
+        raise TemplateError(f"the chat template took longer than {MAX_RENDER_S:g} s to render")
+
+    def cancel(self) -> None:
+        if self._signal is not None:
+            self._signal.setitimer(self._signal.ITIMER_REAL, 0)
+            self._signal.signal(self._signal.SIGALRM, self._previous)
+            self._signal = None
 
 
 def _budgeted_range(*args):
