@@ -168,3 +168,37 @@ def test_a_plain_run_imports_nothing_it_does_not_use(tiny_model, home):
     assert code == 0 and r.stdout
     assert loaded == []
     assert llama == "Llama" and version
+
+
+def test_random_command_lines_end_in_an_exit_code_never_a_traceback(home, monkeypatch, capsys):
+    # Any words, options and values, to any command: each ends in 0, 1, 2 or 130 with at most a
+    # line of error, before a model is loaded (the model named does not exist).
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from quipu.cli.boundary import run_app
+
+    monkeypatch.setenv("QUIPU_HOME", str(home))
+    for name in ("QUIPU_URL", "QUIPU_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # (nothing here may reach for a network)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    words = st.sampled_from([
+        "run", "chat", "sessions", "models", "embed", "config", "cache", "show", "rm", "list", "info",
+        "-t", "--temperature", "-n", "--top-k", "--top-p", "--seed", "--stop", "--ctx", "--kv-type", "--schema",
+        "--grammar", "--logit-bias", "--url", "--batch", "--parallel", "-S", "--session", "--continue", "--raw",
+        "--json", "--think", "--no-think", "--show-prompt", "-s", "--", "-", "nan", "inf", "-1", "1e400", "0",
+        "x", "../x", "{", '{"type": "nosuch"}', "@/nonexistent", "http://[::1", "q4_0", "=", "--nope", "-h",
+    ])
+
+    @settings(max_examples=150 * STRESS, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(words | st.text(max_size=6), max_size=8))
+    def check(argv):
+        code = run_app(build_app, [*argv[:1], "-m", "/nonexistent/model.gguf", *argv[1:]]
+                       if argv[:1] in (["run"], ["chat"], ["embed"]) else argv)
+        out = capsys.readouterr()
+        assert code in (0, 1, 2, 130), (argv, code, out.err)
+        assert "Traceback" not in out.err, (argv, out.err)
+
+    check()
