@@ -218,6 +218,63 @@ def main() -> None:
                         row_params(SamplingParams(), row.fields, None)
                     except QuipuError:
                         pass
+    elif surface == "events":
+        import os
+
+        from quipu.engine.base import SamplerSettings
+        from quipu.engine.chat_api import ChatApiModel, ServerError, ServerSettings
+        from quipu.engine.llama_server import LlamaServerModel
+        from quipu.sessions.base import ReplySink
+
+        # The server (tests/servers.py, mode "random") draws its events from the seed it is told.
+        url = os.environ["QUIPU_FUZZ_URL"]
+        client = ChatApiModel(ServerSettings(url=url, retries=0))
+        served = LlamaServerModel(client, {"default_generation_settings": {"n_ctx": 512}})
+
+        @seed(seed_value)
+        @checks
+        @given(st.integers(0, 2**31))
+        def case(drawn):
+            keep(str(drawn))
+            client.request_json("POST", "/fuzz-seed", {"seed": drawn})
+            for ask in (lambda: client.chat([{"role": "user", "content": "hi"}], params={}, max_tokens=8,
+                                            sink=ReplySink()),
+                        lambda: served.complete([1, 2, 3], SamplerSettings(), 1, 8, sink=ReplySink())):
+                try:
+                    ask()
+                except ServerError:
+                    pass
+    elif surface == "cli":
+        import contextlib
+        import io
+        import os
+
+        from quipu.cli import build_app
+        from quipu.cli.boundary import run_app
+
+        os.environ.update(HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9")  # no network, ever
+        for name in ("QUIPU_URL", "QUIPU_MODEL"):
+            os.environ.pop(name, None)
+        words = st.sampled_from([
+            "run", "chat", "sessions", "models", "embed", "config", "cache", "show", "rm", "list", "info",
+            "-t", "--temperature", "-n", "--top-k", "--top-p", "--seed", "--stop", "--ctx", "--kv-type", "--schema",
+            "--grammar", "--logit-bias", "--url", "--batch", "--parallel", "-S", "--session", "--continue", "--raw",
+            "--json", "--think", "--no-think", "--show-prompt", "-s", "--", "-", "nan", "inf", "-1", "1e400", "0",
+            "x", "../x", "{", '{"type": "nosuch"}', "@/nonexistent", "http://[::1", "q4_0", "=", "--nope", "-h",
+        ])
+
+        @seed(seed_value)
+        @checks
+        @given(st.lists(words | st.text(max_size=6), max_size=8))
+        def case(argv):
+            keep(json.dumps(argv))
+            if argv[:1] in (["run"], ["chat"], ["embed"]):  # a model that is not there: nothing loads
+                argv = [argv[0], "-m", "/nonexistent/model.gguf", *argv[1:]]
+            err = io.StringIO()
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+                code = run_app(build_app, argv)
+            assert code in (0, 1, 2, 130), (argv, code, err.getvalue())
+            assert "Traceback" not in err.getvalue(), (argv, err.getvalue())
     else:
         raise SystemExit(f"no surface {surface}")
     case()

@@ -137,6 +137,9 @@ class Faulty(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         server.requests.append((body, self.headers.get("Authorization")))
         mode = server.mode
+        if self.path == "/fuzz-seed":  # the fuzz's client says which events to draw next
+            server.seed = body["seed"]
+            return self.reply(200, {})
         if mode == "random" and self.path in ("/completion", "/v1/chat/completions"):
             return self.random_events()
         if self.server.llama and self.path in ("/tokenize", "/detokenize", "/completion"):
