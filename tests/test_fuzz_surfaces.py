@@ -3,7 +3,7 @@
 in test_remote.py, a server's events). Each surface runs
 in a process of its own under a memory limit (tests/fuzz_worker.py): every input ends in a result
 or a one-line error of quipu's, never a crash, a traceback or a process that eats the machine.
-Seeded, so a failure replays; QUIPU_STRESS=N runs N times as many (400: 10,000 a surface)."""
+Seeded, so a failure replays; QUIPU_STRESS=N runs N times as many (167: 10,000 or more a surface)."""
 
 from __future__ import annotations
 
