@@ -7,19 +7,13 @@ from __future__ import annotations
 import io
 import os
 import re
-import resource
 import signal
 import subprocess
 import sys
 
 import pytest
 
-MEMORY_LIMIT = 3 << 30  # the address space a case may take
-
-
-def limited() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
-
+from limits import memory_limited
 
 def run_limited(home, *args, stdin=subprocess.DEVNULL, timeout=120):
     """`quipu ARGS` under the memory limit; `stdin` a file, or bytes to pipe in."""
@@ -27,7 +21,7 @@ def run_limited(home, *args, stdin=subprocess.DEVNULL, timeout=120):
     environ["QUIPU_HOME"] = str(home)
     piped = {"input": stdin} if isinstance(stdin, bytes) else {"stdin": stdin}
     return subprocess.run([sys.executable, "-m", "quipu", *map(str, args)], capture_output=True, env=environ,
-                          timeout=timeout, preexec_fn=limited, **piped)
+                          timeout=timeout, preexec_fn=memory_limited, **piped)
 
 
 def one_line(r) -> str:

@@ -173,16 +173,6 @@ def test_a_plain_run_imports_nothing_it_does_not_use(tiny_model, home):
 def test_random_command_lines_end_in_an_exit_code_never_a_traceback(tiny_model, tmp_path, home):
     # Any words, options and values, to any command: each ends in 0, 1, 2 or 130 and no traceback,
     # before a model is loaded; in a process of its own under a memory limit (tests/fuzz_worker.py).
-    import resource
-    from pathlib import Path
+    from limits import run_fuzz
 
-    def limited():
-        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
-
-    last = tmp_path / "last-input"
-    worker = Path(__file__).with_name("fuzz_worker.py")
-    r = subprocess.run([sys.executable, str(worker), "cli", "20261201", str(150 * STRESS), str(tiny_model)],
-                       capture_output=True, timeout=600 * STRESS, preexec_fn=limited,
-                       env={**os.environ, "QUIPU_HOME": str(home), "QUIPU_FUZZ_LAST": str(last)})
-    tried = last.read_text() if last.exists() else ""
-    assert r.returncode == 0, f"cli exited {r.returncode} on {tried}:\n{(r.stdout + r.stderr).decode()[-4000:]}"
+    run_fuzz("cli", 150, tiny_model, tmp_path, {"QUIPU_HOME": str(home)})

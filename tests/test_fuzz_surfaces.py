@@ -7,32 +7,12 @@ Seeded, so a failure replays; QUIPU_STRESS=N runs N times as many (167: 10,000 o
 
 from __future__ import annotations
 
-import os
-import resource
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-STRESS = int(os.environ.get("QUIPU_STRESS", "1"))
-MEMORY_LIMIT = 3 << 30
-
-
-def limited() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+from limits import run_fuzz
 
 
 @pytest.mark.parametrize("surface, count", [("schema", 60), ("gbnf", 60), ("template", 80), ("config", 80),
                                             ("batch", 80)])
 def test_no_input_crashes_a_surface(surface, count, tiny_model, tmp_path):
-    worker = Path(__file__).with_name("fuzz_worker.py")
-    seed = 20261201
-    last = tmp_path / "last-input"
-    r = subprocess.run([sys.executable, str(worker), surface, str(seed), str(count * STRESS), str(tiny_model)],
-                       capture_output=True, timeout=600 * STRESS, preexec_fn=limited,
-                       env={**os.environ, "QUIPU_FUZZ_LAST": str(last)})
-    said = (r.stdout + r.stderr).decode("utf-8", "replace")
-    tried = last.read_text()[:2000] if last.exists() else ""
-    assert r.returncode == 0, f"{surface} (seed {seed}) exited {r.returncode} on:\n{tried}\n{said[-4000:]}"
-    assert f"ok {surface}" in said
+    assert f"ok {surface}" in run_fuzz(surface, count, tiny_model, tmp_path)

@@ -19,6 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from limits import small_filesystem
+
 from quipu.errors import SessionSaveError, SnapshotError
 from quipu.store.statefile import MAGIC, decode_state, encode_state
 from quipu.store.store import SessionStore
@@ -153,18 +155,13 @@ def test_a_full_filesystem_never_fails_a_run_for_its_cache(quipu, tiny_model, tm
     home = tmp_path / "small"
     cache = home / "cache" / "prompts"
     cache.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(cache)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here")
-    try:
+    with small_filesystem(cache, "64k"):
         args = ("run", "-m", tiny_model, "--json", "-t", "0", "-n", "8", "-s", CACHED_SYSTEM, "hello")
         full = quipu(*args, env={"QUIPU_HOME": str(home)})
         honest = quipu(*args, "--no-cache", env={"QUIPU_HOME": str(home)})
         assert full.returncode == 0 and full.stderr == b"", full.stderr.decode()
         assert json.loads(full.stdout)["text"] == json.loads(honest.stdout)["text"]
         assert [p for p in cache.iterdir()] == []  # no partial entry left behind
-    finally:
-        subprocess.run(["umount", str(cache)], capture_output=True)
 
 
 # ---- kill -9 ---------------------------------------------------------------------------------
@@ -322,11 +319,7 @@ def test_a_failed_save_leaves_the_previous_one_intact(tmp_path, monkeypatch):
 def test_a_full_filesystem_is_a_clear_error(quipu, tiny_model, tmp_path):
     home = tmp_path / "small"
     (home / "data" / "sessions").mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(home / "data" / "sessions")],
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here; the injected failure above covers it")
-    try:
+    with small_filesystem(home / "data" / "sessions", "256k"):  # (the injected failure above covers it elsewhere)
         r = quipu("run", "-m", tiny_model, "-S", "big", "-n", "4", "hello", env={"QUIPU_HOME": str(home)})
         first = r.returncode
         r = quipu("run", "-m", tiny_model, "--ctx", "2048", "-S", "big", "-n", "200", "x " * 300,
@@ -336,8 +329,6 @@ def test_a_full_filesystem_is_a_clear_error(quipu, tiny_model, tmp_path):
         assert r.returncode == 1 and "could not save" in err and "Traceback" not in err
         record = SessionStore(home / "data" / "sessions").load_transcript("big")
         assert record.turns == 1
-    finally:
-        subprocess.run(["umount", str(home / "data" / "sessions")], capture_output=True)
 
 
 # ---- hostile models, templates and input ---------------------------------------------------------

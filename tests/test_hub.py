@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from hub_server import start_hub
+from limits import small_filesystem
 from tinymodel import write_tiny_gguf
 
 LARGE = b"GGUF" + bytes(range(256)) * (96 * 1024)  # 24 MB: a GGUF's magic, then bytes (never loaded)
@@ -184,10 +185,7 @@ def test_rm_removes_what_was_pulled_and_nothing_else(quipu, hub, hub_env, tiny_m
 def test_a_full_disk_is_one_line_and_leaves_no_model_behind(quipu, hub, hub_env, tmp_path):
     cache = tmp_path / "small-cache"
     cache.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(cache)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here")
-    try:
+    with small_filesystem(cache, "4m"):
         env = {**hub_env, "HF_HUB_CACHE": str(cache)}
         r = quipu("models", "pull", "tiny/Large-GGUF", env=env)
         err = r.stderr.decode()
@@ -195,8 +193,6 @@ def test_a_full_disk_is_one_line_and_leaves_no_model_behind(quipu, hub, hub_env,
         assert not list(cache.rglob("snapshots/*/*.gguf"))  # nothing quipu would take for a model
         listed = json.loads(quipu("models", "list", "--json", env=env).stdout)
         assert not [m for m in listed if m["name"].startswith("tiny/Large-GGUF")]
-    finally:
-        subprocess.run(["umount", str(cache)], capture_output=True)
 
 
 def test_a_pull_shows_its_progress_on_a_terminal_and_nothing_on_stdout(hub, hub_env, home):

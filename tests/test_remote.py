@@ -493,22 +493,7 @@ def test_random_server_events_end_in_a_reply_or_one_error(fake, tiny_model, tmp_
     # Events of any shape and type, from the chat API and from llama-server's /completion, seeded:
     # each stream ends in a reply or in the client's one error. The client runs in a process of
     # its own under a memory limit (tests/fuzz_worker.py), so that a leak fails here, not the machine.
-    import os
-    import resource
-    import subprocess
-    import sys
-    from pathlib import Path
+    from limits import run_fuzz
 
     fake.mode = "random"
-    stress = int(os.environ.get("QUIPU_STRESS", "1"))
-    last = tmp_path / "last-input"
-
-    def limited():
-        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
-
-    worker = Path(__file__).with_name("fuzz_worker.py")
-    r = subprocess.run([sys.executable, str(worker), "events", "20261201", str(150 * stress), str(tiny_model)],
-                       capture_output=True, timeout=600 * stress, preexec_fn=limited,
-                       env={**os.environ, "QUIPU_FUZZ_URL": fake.url, "QUIPU_FUZZ_LAST": str(last)})
-    tried = last.read_text() if last.exists() else ""
-    assert r.returncode == 0, f"events (seed {tried}) exited {r.returncode}:\n{(r.stdout + r.stderr).decode()[-4000:]}"
+    run_fuzz("events", 150, tiny_model, tmp_path, {"QUIPU_FUZZ_URL": fake.url})

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from limits import small_filesystem
+
 
 def one_line(r) -> str:
     err = r.stderr.decode()
@@ -134,10 +136,7 @@ def test_a_failed_save_ends_the_streamed_line_before_the_error(tmp_path, tiny_mo
     home = tmp_path / "small"
     sessions = home / "data" / "sessions"
     sessions.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(sessions)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here")
-    try:
+    with small_filesystem(sessions, "256k"):
         environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
         environ["QUIPU_HOME"] = str(home)
         r = subprocess.run([sys.executable, "-m", "quipu", "run", "-m", str(tiny_model), "--ctx", "2048", "-S", "big",
@@ -145,8 +144,6 @@ def test_a_failed_save_ends_the_streamed_line_before_the_error(tmp_path, tiny_mo
                            stdin=subprocess.DEVNULL)
         assert r.returncode == 1 and "could not save" in r.stderr.decode()
         assert r.stdout and r.stdout.endswith(b"\n")
-    finally:
-        subprocess.run(["umount", str(sessions)], capture_output=True)
 
 
 @pytest.mark.parametrize("args, words", [
