@@ -345,16 +345,16 @@ class ChatApiModel:
             reply.model = event["model"]  # the name the server answers to
         usage = event.get("usage")
         if isinstance(usage, dict):
-            reply.prompt_tokens = _count(usage.get("prompt_tokens"))
-            reply.completion_tokens = _count(usage.get("completion_tokens"))
+            reply.prompt_tokens = count_of(usage.get("prompt_tokens"))
+            reply.completion_tokens = count_of(usage.get("completion_tokens"))
             details = usage.get("prompt_tokens_details") or {}
-            reply.cached_tokens = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
+            reply.cached_tokens = count_of(details.get("cached_tokens")) if isinstance(details, dict) else 0
         timings = event.get("timings")  # llama-server's own figures, in milliseconds
         if isinstance(timings, dict):
             reply.timings = {k: float(v) / 1000 for k, v in timings.items()
                              if k in ("prompt_ms", "predicted_ms") and isinstance(v, (int, float))}
             if "cache_n" in timings and not reply.cached_tokens:
-                reply.cached_tokens = _count(timings["cache_n"])
+                reply.cached_tokens = count_of(timings["cache_n"])
         choices = event.get("choices")
         for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict):
@@ -379,7 +379,7 @@ class ChatApiModel:
                 reply.finish_reason = {"stop": "stop", "length": "length"}.get(finish, finish)
 
 
-def _count(value: Any) -> int:
+def count_of(value: Any) -> int:
     """A count a server reported; what is not one counts as nothing (the figures are the server's)."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from quipu.engine.base import SamplerSettings
-from quipu.engine.chat_api import ChatApiModel, ServerError, _count
+from quipu.engine.chat_api import ChatApiModel, ServerError, count_of
 from quipu.engine.grammar import check_grammar_depth
 
 
@@ -209,7 +209,7 @@ class LlamaServerModel:
         if event.get("stop") is True:
             done.finish_reason = FINISH.get(str(event.get("stop_type")), "stop")
             timings = event.get("timings") if isinstance(event.get("timings"), dict) else {}
-            done.cached_tokens = _count(timings.get("cache_n"))
+            done.cached_tokens = count_of(timings.get("cache_n"))
             done.prefill_s = _ms(timings.get("prompt_ms")) / 1000
             done.decode_s = _ms(timings.get("predicted_ms")) / 1000
             return None
