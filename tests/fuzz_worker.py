@@ -136,16 +136,22 @@ def main() -> None:
                       suppress_health_check=list(HealthCheck))
 
     if surface in ("schema", "gbnf"):
-        from quipu.engine.grammar import init_grammar_sampler, schema_to_gbnf
+        from quipu.engine.constraint import Matcher
+        from quipu.engine.grammar import Grammar, check_grammar_depth, schema_grammar
         from quipu.engine.model import LlamaModel
         from quipu.engine.native import lc
 
-        vocab = LlamaModel(model).vocab
+        loaded = LlamaModel(model)
 
-        def grammar(gbnf: str) -> None:
-            keep(gbnf)
-            sampler = init_grammar_sampler(lc, vocab, gbnf)
-            lc.llama_sampler_free(sampler)
+        def grammar(made: Grammar) -> None:
+            keep(made.text)
+            matcher = Matcher(loaded, made)  # quipu's engine (llguidance): a first mask
+            matcher.fill()
+            if made.kind == "gbnf":  # and llama.cpp's parser, which llama-server runs on GBNF
+                check_grammar_depth(made.text)
+                sampler = lc.llama_sampler_init_grammar(loaded.vocab, made.text.encode(), b"root")
+                if sampler:
+                    lc.llama_sampler_free(sampler)
 
         if surface == "schema":
             @seed(seed_value)
@@ -153,7 +159,7 @@ def main() -> None:
             @given(json_values)
             def case(value):
                 try:
-                    grammar(schema_to_gbnf(json.dumps(value)))
+                    grammar(schema_grammar(json.dumps(value)))
                 except QuipuError:
                     pass
         else:
@@ -162,7 +168,7 @@ def main() -> None:
             @given(gbnf_texts())
             def case(text):
                 try:
-                    grammar(text)
+                    grammar(Grammar("gbnf", text))
                 except QuipuError:
                     pass
     elif surface == "template":

@@ -77,17 +77,17 @@ def test_rows_too_long_for_their_share_are_refused(make_backend):
 def test_reading_rows():
     plain = read_rows("first question\n\n  \nsecond question\n")
     assert [(r.index, r.prompt) for r in plain] == [(0, "first question"), (1, "second question")]
-    rows = read_rows('{"prompt": "a", "id": 7, "seed": 3}\n'
+    rows = read_rows('{"prompt": "a", "id": 7, "seed": 3, "schema": {}}\n'
                      '{"messages": [{"role": "user", "content": "b"}], "stop": ["x"]}\n'
-                     'not json\n{"prompt": "c", "colour": 1}\n{"prompt": "d", "schema": {}}\n'
+                     'not json\n{"prompt": "c", "colour": 1}\n{"prompt": "d", "messages": []}\n'
                      '{"messages": [{"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]}\n'
                      '{"prompt": "a", "messages": []}\n[1, 2]\n')
-    assert rows[0].prompt == "a" and rows[0].id == 7 and rows[0].fields == {"seed": 3} and rows[0].error is None
+    assert rows[0].prompt == "a" and rows[0].id == 7 and rows[0].fields == {"seed": 3, "schema": {}} and rows[0].error is None
     assert rows[1].messages[0].content == "b" and rows[1].fields == {"stop": ["x"]}
     errors = [r.error for r in rows[2:]]
     assert "not a JSON object" in errors[0]
     assert "unknown field 'colour'" in errors[1]
-    assert "schema" in errors[2]
+    assert "either prompt or messages" in errors[2]
     assert "last message" in errors[3]
     assert "either prompt or messages" in errors[4]
     assert "not a JSON object" in errors[5]

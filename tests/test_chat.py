@@ -39,7 +39,7 @@ def test_completion_comes_from_the_table():
     from prompt_toolkit.document import Document
 
     got = [c.text for c in SlashCompleter().get_completions(Document("/re"), None)]
-    assert got == ["/reset", "/retry"]
+    assert got == ["/reset", "/retry", "/regex"]
     assert list(SlashCompleter().get_completions(Document("hello /re"), None)) == []
 
 

@@ -497,3 +497,26 @@ def test_random_server_events_end_in_a_reply_or_one_error(fake, tiny_model, tmp_
 
     fake.mode = "random"
     run_fuzz("events", 150, tiny_model, tmp_path, {"QUIPU_FUZZ_URL": fake.url})
+
+
+def test_llama_server_constrains_with_its_own_engine_and_refuses_what_it_would_ignore(quipu, llama_server, home,
+                                                                                         tmp_path):
+    url = llama_server.url
+    schema = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 18, "maximum": 30}},
+              "required": ["age"], "additionalProperties": False}
+    for seed in range(3):  # an integer range, enforced by the server's own converter (json_schema)
+        r = quipu("run", "--url", url, "--schema", json.dumps(schema), "-t", "1.0", "--seed", str(seed), "-n", "40",
+                  "--verbose", "A person's age as JSON.")
+        assert r.returncode == 0, r.stderr.decode()
+        assert 18 <= json.loads(r.stdout)["age"] <= 30
+        assert "llama-server's own grammar engine enforces the JSON Schema" in r.stderr.decode()
+    (tmp_path / "g.lark").write_text('start: "a"\n')
+    for args, words in ((["--regex", "[0-9]+"], "a regular expression constrains a reply on a local model only"),
+                        (["--grammar", str(tmp_path / "g.lark")], "a Lark grammar constrains a reply on a local"),
+                        (["--schema", '{"type": "integer", "multipleOf": 3}'],
+                         "multipleOf at /, which llama-server's JSON Schema converter cannot enforce"),
+                        (["--schema", '{"type": "number", "maximum": 3.5}'], "on a number")):
+        r = quipu("run", "--url", url, "-S", "never", *args, "x")
+        err = r.stderr.decode()
+        assert r.returncode in (1, 2) and words in err and len(err.splitlines()) == 1, err
+        assert not (home / "data" / "sessions" / "never.json").exists()

@@ -42,7 +42,8 @@ from quipu.sessions.inference import InferenceSession, Stats
 from quipu.sessions.params import SamplingParams
 
 # What a JSON row may hold besides its prompt (or messages).
-ROW_FIELDS = {"id", "system", "seed", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "stop"}
+ROW_FIELDS = {"id", "system", "seed", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "stop",
+              "schema"}
 ROLES = ("system", "user", "assistant")
 CTX_STEP = 256  # a row's share of the context is rounded up to this
 MAX_PARALLEL = 256  # llama.cpp's most sequences in one context
@@ -108,9 +109,7 @@ def _json_row(index: int, line: str) -> RowInput:
         return RowInput(index, error="not a JSON object")
     row = RowInput(index, id=data.get("id"))
     unknown = sorted(set(data) - ROW_FIELDS - {"prompt", "messages"})
-    if "schema" in unknown:
-        row.error = "schema is not available with --batch; run such rows one by one"
-    elif unknown:
+    if unknown:
         row.error = f"unknown field '{unknown[0]}' (known: prompt, messages, {', '.join(sorted(ROW_FIELDS))})"
     elif ("prompt" in data) == ("messages" in data):
         row.error = "give either prompt or messages"
@@ -140,6 +139,21 @@ def _messages(value: Any) -> tuple[list[Message] | None, str | None]:
     return out, None
 
 
+def row_schema(value: Any):
+    """A row's `schema` field (a JSON Schema object, or its text), checked as --schema is."""
+    from quipu.engine.constraint import compile_grammar
+    from quipu.engine.grammar import schema_grammar
+
+    if isinstance(value, str):
+        grammar = schema_grammar(value)
+    elif isinstance(value, dict):
+        grammar = schema_grammar(json.dumps(value))
+    else:
+        raise UsageError("schema must be a JSON Schema (an object, or its text)")
+    compile_grammar(grammar)
+    return grammar
+
+
 def row_params(base: SamplingParams, fields: dict[str, Any], seed: int | None) -> tuple[SamplingParams, int | None, tuple]:
     """A row's sampling parameters, reply length and stop strings, from its fields over the
     command line's (InvalidParameter or UsageError when a field is wrong)."""
@@ -157,6 +171,8 @@ def row_params(base: SamplingParams, fields: dict[str, Any], seed: int | None) -
         changes["seed"] = fields["seed"]
     elif seed is not None:
         changes["seed"] = seed
+    if "schema" in fields:
+        changes["grammar"] = row_schema(fields["schema"])
     params = base.replace(**changes).resolved()
     limit = fields.get("max_tokens")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
@@ -177,8 +193,6 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
     it and every row before it are done. Returns how many rows were written."""
     if opts.session is not None or opts.continue_reply:
         raise UsageError("--batch answers each row on its own; it cannot be used with --session or --continue")
-    if opts.schema is not None or opts.grammar is not None:
-        raise UsageError("--schema and --grammar are not available with --batch yet")
     if env.remote(opts.url, opts.model) is not None:
         raise UsageError("--batch runs on a local model; it cannot be used with a server (--url, QUIPU_URL)")
     check_positive("--parallel", parallel)

@@ -180,15 +180,15 @@ class ChatSession:
         self.capabilities.require("continue", chat=True)
         return self._turn(self._named.conversation.continue_reply, sink)
 
-    def constrain(self, schema: str | None = None, grammar: str | None = None) -> bool:
-        """The next replies keep to a JSON Schema or a GBNF grammar (a file; "off" for neither).
-        Returns whether a constraint is now on."""
+    def constrain(self, schema: str | None = None, grammar: str | None = None, regex: str | None = None) -> bool:
+        """The next replies keep to a JSON Schema, a grammar file (GBNF, or Lark for .lark) or a
+        regular expression ("off" for none). Returns whether a constraint is now on."""
         from quipu.app.environment import sampling_params
 
         self.capabilities.require("grammar", chat=True)
         session = self._named.session
         # A bad file, schema or grammar is refused before anything changes.
-        session.set_params(sampling_params(TurnOptions(schema=schema, grammar=grammar), self.env, session.params))
+        session.set_params(sampling_params(TurnOptions(schema=schema, grammar=grammar, regex=regex), self.env, session.params))
         self.save()
         return session.params.grammar is not None
 

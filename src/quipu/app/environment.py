@@ -50,7 +50,8 @@ class TurnOptions:
     chat_template: str | None = None  # a file whose template replaces the model's
     think: bool | None = None  # the template's `enable_thinking`, where it has one
     schema: str | None = None  # a JSON Schema, inline or @file; "off" drops a session's constraint
-    grammar: str | None = None  # a GBNF file; "off" as for schema
+    grammar: str | None = None  # a GBNF or Lark (.lark) file; "off" as for schema
+    regex: str | None = None  # a regular expression; "off" as for schema
     logit_bias: tuple[str, ...] = ()  # TOKEN=BIAS, TOKEN an id or a text that is one token
     no_cache: bool = False  # neither use nor fill the prompt cache
     url: str | None = None  # a server (else QUIPU_URL, else the config's [remote] url)
@@ -212,12 +213,12 @@ def check_positive(name: str, value: int | None) -> None:
 
 def sampling_params(opts: TurnOptions, env: Environment, base: SamplingParams | None = None) -> SamplingParams:
     """Command line > config > `base` (a session's own settings) > built-in defaults. The
-    grammar of --schema or --grammar is included; --logit-bias needs the model (`logit_biases`)."""
+    grammar of --schema, --grammar or --regex is included; --logit-bias needs the model (`logit_biases`)."""
     params = base or SamplingParams().replace(
         **{k: v for k, v in env.config.generation.items() if k in SAMPLING_TYPES}
     )
     params = params.replace(**opts.sampling())
-    if OFF in (opts.schema, opts.grammar):
+    if OFF in (opts.schema, opts.grammar, opts.regex):
         params = params.unconstrained()
     grammar = grammar_of(opts)
     return params.replace(grammar=grammar) if grammar else params
@@ -226,24 +227,33 @@ def sampling_params(opts: TurnOptions, env: Environment, base: SamplingParams | 
 OFF = "off"
 
 
-def grammar_of(opts: TurnOptions) -> str | None:
-    """The GBNF that --schema or --grammar asks for (None when neither does)."""
-    schema = None if opts.schema == OFF else opts.schema
-    grammar = None if opts.grammar == OFF else opts.grammar
-    if schema is not None and grammar is not None:
-        raise UsageError("give --schema or --grammar, not both")
-    if schema is not None:
-        from quipu.engine.grammar import schema_to_gbnf  # imports llama.cpp's binding: only when asked
+def grammar_of(opts: TurnOptions):
+    """The grammar (`engine.grammar.Grammar`) that --schema, --grammar or --regex asks for,
+    checked (None when none does)."""
+    given = {name: value for name, value in (("--schema", opts.schema), ("--grammar", opts.grammar),
+                                              ("--regex", opts.regex)) if value not in (None, OFF)}
+    if len(given) > 1:
+        raise UsageError(f"give one of --schema, --grammar and --regex, not {' and '.join(given)}")
+    if not given:
+        return None
+    from quipu.engine.grammar import Grammar, grammar_kind, schema_grammar
 
-        text = read_text_file(schema[1:], "schema") if schema.startswith("@") else schema
-        return schema_to_gbnf(text)
-    if grammar is not None:
+    if opts.schema not in (None, OFF):
+        text = read_text_file(opts.schema[1:], "schema") if opts.schema.startswith("@") else opts.schema
+        grammar = schema_grammar(text)
+    elif opts.grammar not in (None, OFF):
+        grammar = Grammar(grammar_kind(opts.grammar), read_text_file(opts.grammar, "grammar"))
+    else:
+        grammar = Grammar("regex", opts.regex)
+    from quipu.engine.constraint import compile_grammar  # llguidance: only when a grammar is asked for
+
+    if grammar.kind != "gbnf" or not opts.url:
+        compile_grammar(grammar)  # an invalid grammar is refused before a model is loaded
+    else:
         from quipu.engine.grammar import check_grammar_depth
 
-        text = read_text_file(grammar, "grammar")
-        check_grammar_depth(text)  # before any parser sees it, a server's included
-        return text
-    return None
+        check_grammar_depth(grammar.text)
+    return grammar
 
 
 def read_text_file(name: str, what: str) -> str:

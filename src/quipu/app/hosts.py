@@ -75,7 +75,7 @@ def check_options(capabilities: Capabilities, opts: TurnOptions, *, show: bool =
     asked = {
         "continue": opts.continue_reply,
         "raw": opts.raw,
-        "grammar": opts.schema is not None or opts.grammar is not None,
+        "grammar": any(v is not None for v in (opts.schema, opts.grammar, opts.regex)),
         "logit_bias": bool(opts.logit_bias),
         "chat_template": opts.chat_template is not None,
         "think": opts.think is not None,

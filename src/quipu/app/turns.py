@@ -36,12 +36,13 @@ class TurnResult:
     notices: list[str] = field(default_factory=list)
     reasoning: str = ""
     failure: Exception | None = None  # a server failing mid-reply: raised once the result is out
+    constrained_by: str | None = None  # which engine kept the reply to a grammar (said under --verbose)
 
     @classmethod
     def of(cls, gen: Generation, model: str, session, name: str | None, notices: list[str] | None = None):
         answer = gen.text if gen.answer is None else gen.answer
         return cls(answer, gen.finish_reason, model, session.params.seed, name, session.stats, list(notices or []),
-                   gen.reasoning, gen.error)
+                   gen.reasoning, gen.error, constrained_by(session))
 
     def to_json(self) -> dict:
         return {
@@ -86,9 +87,23 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
                 on_result(result)
         else:
             result = _one_shot(prompt, opts, env, host, sink, on_result)
+    if opts.verbose and result.constrained_by:
+        result.notices.append(result.constrained_by)
     if result.failure is not None:
         raise result.failure
     return result
+
+
+def constrained_by(session) -> str | None:
+    """Which engine keeps a session's replies to its grammar, in words (None: no grammar)."""
+    grammar = session.params.grammar
+    if grammar is None:
+        return None
+    if session.capabilities.kind == "local":
+        from quipu.engine.constraint import describe
+
+        return describe(grammar)
+    return f"llama-server's own grammar engine enforces the {grammar.what}"
 
 
 def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost, sink: ReplySink,

@@ -128,6 +128,11 @@ def _grammar(repl: "Repl", arg: str) -> None:
     repl.say("replies keep to the grammar" if on else "replies are free again")
 
 
+def _regex(repl: "Repl", arg: str) -> None:
+    on = repl.chat.constrain(regex=repl.need(arg, "/regex PATTERN|off"))
+    repl.say("replies match the regular expression" if on else "replies are free again")
+
+
 def _stats(repl: "Repl", _arg: str) -> None:
     s = repl.chat.last_stats
     if s is None:
@@ -172,7 +177,8 @@ COMMANDS: list[SlashCommand] = [
     SlashCommand("think", "[show|hide|on|off]", "show or hide a thinking model's reasoning; turn thinking on or off",
                  _think),
     SlashCommand("schema", "FILE|off", "the next replies are JSON valid against this JSON Schema file", _schema),
-    SlashCommand("grammar", "FILE|off", "the next replies keep to this GBNF grammar file", _grammar),
+    SlashCommand("grammar", "FILE|off", "the next replies keep to this grammar file (GBNF, or Lark: .lark)", _grammar),
+    SlashCommand("regex", "PATTERN|off", "the next replies match this regular expression", _regex),
     SlashCommand("stats", "", "figures of the last reply", _stats),
     SlashCommand("context", "", "tokens used of the context", _context),
     SlashCommand("trim", "", "drop the oldest exchanges to free half the context", _trim),

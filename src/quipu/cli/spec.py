@@ -94,8 +94,10 @@ CHAT_TEMPLATE = opt("--chat-template", help="A Jinja chat template file to use i
                                             "remembers it).", metavar="FILE")
 SCHEMA = opt("--schema", help="Answer as JSON that validates against this JSON Schema (inline, or @file.json; off "
                               "drops a session's).", metavar="SCHEMA")
-GRAMMAR = opt("--grammar", help="Answer as this GBNF grammar file allows (llama.cpp's format; off drops a "
-                                "session's).", metavar="FILE")
+GRAMMAR = opt("--grammar", help="Answer as this grammar file allows: GBNF (llama.cpp's format), or Lark for a "
+                                "FILE.lark (off drops a session's).", metavar="FILE")
+REGEX = opt("--regex", help="Answer with text that this regular expression matches in full (off drops a "
+                            "session's).", metavar="PATTERN")
 LOGIT_BIAS = opt("--logit-bias", multiple=True, help="TOKEN=BIAS added to a token's logit, TOKEN an id or a "
                                                      "one-token text; -inf bans it (repeatable).",
                  metavar="TOKEN=BIAS")
@@ -110,7 +112,7 @@ GENERATION = {"model": MODEL, "system": SYSTEM, "max_tokens": MAX_TOKENS, "tempe
               "top_k": TOP_K, "top_p": TOP_P, "min_p": MIN_P, "repeat_penalty": REPEAT_PENALTY, "seed": SEED,
               "stop": STOP, "ctx": CTX, "threads": THREADS, "kv_type": KV_TYPE}
 SHAPING = {"chat_template": CHAT_TEMPLATE, "think": THINK, "schema": SCHEMA, "grammar": GRAMMAR,
-           "logit_bias": LOGIT_BIAS}
+           "regex": REGEX, "logit_bias": LOGIT_BIAS}
 
 # ---- the fast parser -----------------------------------------------------------------------
 

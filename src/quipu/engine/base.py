@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol, Sequence
 
+from quipu.engine.grammar import Grammar
 from quipu.errors import CapabilityError
 
 KV_TYPES = ("f16", "q8_0")
@@ -42,7 +43,8 @@ class ContextSettings:
 @dataclass(frozen=True)
 class SamplerSettings:
     """A native sampler chain: logit biases, penalties, then top-k, top-p, min-p, temperature, a
-    seeded draw; and a grammar (GBNF, rule `root`) that every token must keep to."""
+    seeded draw; and a grammar (a JSON Schema, GBNF, Lark or a regular expression) that every
+    token of a reply must keep to."""
 
     temperature: float = 0.8
     top_k: int = 40
@@ -50,7 +52,7 @@ class SamplerSettings:
     min_p: float = 0.05
     repeat_penalty: float = 1.1
     repeat_last_n: int = 64
-    grammar: str | None = None
+    grammar: Grammar | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
 
 

@@ -1,25 +1,83 @@
-"""Grammars: llama.cpp's GBNF, and JSON Schema turned into GBNF by llama-cpp-python's own
-converter. A schema keyword the converter would silently ignore is refused by name, so that
-what is generated always validates."""
+"""Grammars as the user gives them, checked before any engine sees them: a JSON Schema, GBNF
+(llama.cpp's format), a Lark grammar or a regular expression (`Grammar`). The checks here are
+pure Python; the engine that enforces a grammar is `constraint.py` (llguidance) on a local model,
+or the server's own on llama-server.
+
+A JSON Schema keyword that the engine in use would not enforce is refused by name and place
+(`uniqueItems at /properties/tags`), and so is a keyword that is no JSON Schema keyword at all (a
+typo such as `maxLenght` would otherwise constrain nothing): what is generated always validates."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
+from dataclasses import dataclass
 from typing import Any
 
 from quipu.errors import InvalidParameter
 
-# Keywords llama-cpp-python's converter (0.3.36) does not enforce: a schema using them is refused.
-UNSUPPORTED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
-               "minProperties", "maxProperties", "not", "if", "then", "else", "contains", "patternProperties",
-               "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems")
+KINDS = ("json_schema", "gbnf", "lark", "regex")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A constraint on every token of a reply: `kind` is one of KINDS, `text` its source (a
+    schema as compact JSON)."""
+
+    kind: str
+    text: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidParameter(f"a grammar is one of {', '.join(KINDS)}, not {self.kind!r}")
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise InvalidParameter(f"the {self.kind} grammar is empty")
+
+    @property
+    def what(self) -> str:
+        return {"json_schema": "JSON Schema", "gbnf": "GBNF grammar", "lark": "Lark grammar",
+                "regex": "regular expression"}[self.kind]
+
+
+def grammar_kind(path: str) -> str:
+    """The syntax of a grammar file, by its name: `.lark` is Lark, anything else GBNF."""
+    return "lark" if path.lower().endswith(".lark") else "gbnf"
+
+
+# ---- JSON Schema -----------------------------------------------------------------------------
+
 # Keywords whose values are schemas (or lists or maps of them): where a schema's keywords are.
-_ONE = ("items", "additionalProperties", "additionalItems", "propertyNames")
+_ONE = ("items", "additionalProperties", "additionalItems", "propertyNames", "not", "if", "then", "else",
+        "contains", "unevaluatedItems", "unevaluatedProperties")
 _MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
-_MAP = ("properties", "$defs", "definitions")
+_MAP = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+# Every keyword of JSON Schema (2020-12, with draft-07's spellings) that constrains a value...
+VALIDATION = frozenset(_ONE + _MANY + _MAP + (
+    "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+    "maxLength", "minLength", "pattern", "format", "maxItems", "minItems", "uniqueItems", "minContains",
+    "maxContains", "required", "maxProperties", "minProperties", "dependentRequired", "dependencies",
+    "$ref", "$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor"))
+# ... and those that only describe it (an OpenAPI `discriminator` among them).
+ANNOTATIONS = frozenset((
+    "title", "description", "default", "examples", "$schema", "$id", "$comment", "readOnly", "writeOnly",
+    "deprecated", "contentEncoding", "contentMediaType", "contentSchema", "$anchor", "$vocabulary", "id",
+    "discriminator"))
+# What llguidance (1.x) does not enforce: refused, where it would otherwise stop at the schema.
+LOCAL_REFUSED = frozenset((
+    "uniqueItems", "not", "if", "then", "else", "contains", "minContains", "maxContains", "propertyNames",
+    "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedItems", "unevaluatedProperties",
+    "$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor"))
+# What llama-server's converter (common/json-schema.cpp) does not read: it would ignore them.
+SERVER_REFUSED = LOCAL_REFUSED | {"multipleOf", "minProperties", "maxProperties", "patternProperties"}
+SERVER_FORMATS = ("date", "time", "date-time", "uuid")
+TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
+
+# The deepest a schema may nest (its JSON, counted without recursion).
+MAX_DEPTH = 100
+# The most a length or a count may be on llama-server: its converter writes one rule per unit.
+SERVER_MAX_BOUND = 1000
+_BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"))
 
 
 def parse_schema(text: str) -> dict[str, Any]:
@@ -50,37 +108,6 @@ def depth(value: Any) -> int:
     return deepest
 
 
-def unsupported_keywords(schema: Any, path: str = "") -> list[str]:
-    """Where the schema uses a keyword the converter does not enforce, as 'keyword at path'."""
-    found: list[str] = []
-    if not isinstance(schema, dict):
-        return found
-    for key in UNSUPPORTED:
-        if key in schema:
-            found.append(f"{key} at {path or '/'}")
-    for key in _ONE:
-        if isinstance(schema.get(key), dict):
-            found += unsupported_keywords(schema[key], f"{path}/{key}")
-    for key in _MANY:
-        if isinstance(schema.get(key), list):
-            for i, sub in enumerate(schema[key]):
-                found += unsupported_keywords(sub, f"{path}/{key}/{i}")
-    for key in _MAP:
-        if isinstance(schema.get(key), dict):
-            for name, sub in schema[key].items():
-                found += unsupported_keywords(sub, f"{path}/{key}/{name}")
-    return found
-
-
-# The most a length or a count may bound: each unit of it is a rule of the grammar.
-MAX_BOUND = 1000
-# The deepest a schema or a grammar may nest: llama.cpp's grammar parser recurses once a level,
-# and a deep enough nesting overflows its stack (a segmentation fault, not an error).
-MAX_DEPTH = 100
-MAX_GRAMMAR_DEPTH = 2000  # (a bound of MAX_BOUND nests about that deep; measured here, 20,000 crashed)
-_BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"))
-
-
 def subschemas(schema: Any, path: str = ""):
     """Every schema object within `schema`, with the place it stands (a JSON pointer)."""
     if not isinstance(schema, dict):
@@ -96,13 +123,81 @@ def subschemas(schema: Any, path: str = ""):
     for key in _MAP:
         if isinstance(schema.get(key), dict):
             for name, sub in schema[key].items():
-                yield from subschemas(sub, f"{path}/{key}/{name}")
+                yield from subschemas(sub, f"{path}/{key}/{_pointer(name)}")
 
 
-def check_values(schema: dict[str, Any]) -> None:
+def _pointer(name: str) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")
+
+
+def check_schema(schema: dict[str, Any], *, server: bool = False) -> None:
+    """Refuses, by keyword and place, what the engine would not enforce (llguidance, or with
+    `server` llama-server's converter), a keyword JSON Schema does not have, an unknown type, a
+    `$ref` to nowhere, and values no JSON could satisfy. Whole numbers written as floats (`2.0`)
+    become integers."""
+    refused = SERVER_REFUSED if server else LOCAL_REFUSED
+    engine = "llama-server's JSON Schema converter" if server else "quipu's constraint engine"
+    for where, sub in subschemas(schema):
+        for key in sub:
+            if key in refused:
+                raise InvalidParameter(f"the schema uses {key} at {where}, which {engine} cannot enforce; "
+                                       "remove it or write a --grammar")
+            if key not in VALIDATION and key not in ANNOTATIONS and not str(key).startswith("x-"):
+                raise InvalidParameter(f"the schema has an unknown keyword {key!r} at {where} (JSON Schema has no "
+                                       "such keyword; extensions are spelled x-...)")
+        _check_types(sub, where)
+        if "$ref" in sub:
+            _check_ref(schema, sub["$ref"], where)
+        if server:
+            _check_server_only(sub, where)
+    check_values(schema, bound=SERVER_MAX_BOUND if server else None)
+
+
+def _check_types(sub: dict[str, Any], where: str) -> None:
+    if "type" not in sub:
+        return
+    kinds = sub["type"] if isinstance(sub["type"], list) else [sub["type"]]
+    for kind in kinds:
+        if kind not in TYPES:
+            raise InvalidParameter(f"the schema's type at {where} is {kind!r}; a type is one of {', '.join(TYPES)}")
+
+
+def _check_ref(schema: dict[str, Any], ref: Any, where: str) -> None:
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        raise InvalidParameter(f"$ref at {where} is {ref!r}; quipu follows references within the schema only "
+                               "(#/$defs/...)")
+    target: Any = schema
+    for part in ref[1:].lstrip("/").split("/") if ref not in ("#", "#/") else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and part in target:
+            target = target[part]
+        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        else:
+            raise InvalidParameter(f"$ref at {where} points to {ref}, which the schema does not have")
+    if not isinstance(target, (dict, bool)):
+        raise InvalidParameter(f"$ref at {where} points to {ref}, which is not a schema")
+
+
+def _check_server_only(sub: dict[str, Any], where: str) -> None:
+    kinds = sub["type"] if isinstance(sub.get("type"), list) else [sub.get("type")]
+    if "number" in kinds:
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            if key in sub:
+                raise InvalidParameter(f"the schema uses {key} at {where} on a number, which llama-server's JSON "
+                                       "Schema converter cannot enforce (it bounds integers only)")
+    if "format" in sub and sub["format"] not in SERVER_FORMATS:
+        raise InvalidParameter(f"the schema's format at {where} is {sub['format']!r}; llama-server's JSON Schema "
+                               f"converter enforces only {', '.join(SERVER_FORMATS)}")
+    if isinstance(sub.get("pattern"), str) and not (sub["pattern"].startswith("^") and sub["pattern"].endswith("$")):
+        raise InvalidParameter(f"the pattern at {where} is not anchored with ^ and $, and llama-server's JSON "
+                               "Schema converter would accept any string for it")
+
+
+def check_values(schema: dict[str, Any], bound: int | None = None) -> None:
     """Refuses, by place, values no JSON could satisfy or no grammar should be made of: an empty
-    `enum`, a length or count that is not a whole number from 0 to MAX_BOUND, a minimum above
-    its maximum. Whole numbers written as floats (`2.0`) become integers."""
+    `enum`, a length or count that is not a whole number of 0 or more (or above `bound`), a
+    minimum above its maximum."""
     for where, sub in subschemas(schema):
         if "enum" in sub and (not isinstance(sub["enum"], list) or not sub["enum"]):
             raise InvalidParameter(f"enum at {where} must list at least one value: no JSON could validate")
@@ -115,37 +210,38 @@ def check_values(schema: dict[str, Any]) -> None:
                     sub[key] = value = int(value)
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise InvalidParameter(f"{key} at {where} must be a whole number of 0 or more, not {value!r}")
-                if value > MAX_BOUND:
-                    raise InvalidParameter(f"{key} at {where} is {value}; quipu's grammars bound a length or a "
-                                           f"count to at most {MAX_BOUND} (leave {key} out for no bound)")
+                if bound is not None and value > bound:
+                    raise InvalidParameter(f"{key} at {where} is {value}; llama-server's converter bounds a length "
+                                           f"or a count to at most {bound} (leave {key} out for no bound)")
             low, high = sub.get(pair[0]), sub.get(pair[1])
             if low is not None and high is not None and low > high:
                 raise InvalidParameter(f"{pair[0]} at {where} ({low}) is more than {pair[1]} ({high}): no value "
                                        "could validate")
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
+            value = sub.get(key)
+            if key in sub and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise InvalidParameter(f"{key} at {where} must be a number, not {value!r}")
+        if isinstance(sub.get("multipleOf"), (int, float)) and sub["multipleOf"] <= 0:
+            raise InvalidParameter(f"multipleOf at {where} must be more than 0, not {sub['multipleOf']!r}")
+        low = sub.get("minimum", sub.get("exclusiveMinimum"))
+        high = sub.get("maximum", sub.get("exclusiveMaximum"))
+        if isinstance(low, (int, float)) and isinstance(high, (int, float)) and low > high:
+            raise InvalidParameter(f"the minimum at {where} ({low}) is more than its maximum ({high}): no value "
+                                   "could validate")
 
 
-def schema_to_gbnf(text: str) -> str:
-    """GBNF for a JSON Schema, through llama-cpp-python's converter."""
+def schema_grammar(text: str, *, server: bool = False) -> Grammar:
+    """A checked JSON Schema, as compact JSON."""
     schema = parse_schema(text)
-    check_values(schema)
-    missing = unsupported_keywords(schema)
-    if missing:
-        raise InvalidParameter(f"the schema uses {', '.join(missing)}, which quipu's JSON Schema converter "
-                               "cannot enforce; remove it or write a --grammar")
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
-
-    try:
-        gbnf = json_schema_to_gbnf(json.dumps(schema))
-    except (AssertionError, ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as exc:
-        # The converter asserts on what it cannot read: a $ref to nowhere, an unknown type, a pattern.
-        said = str(exc).replace("stdin#", "#").splitlines()[0][:200] if str(exc) else type(exc).__name__
-        raise InvalidParameter(f"the schema cannot be turned into a grammar: {said}") from None
-    # The converter's `char` lets raw control characters into strings, which JSON forbids; this
-    # is llama.cpp's own rule for it (common/json-schema-to-grammar.cpp).
-    return re.sub(r"(?m)^char ::= .*$", lambda _: JSON_CHAR, gbnf)
+    check_schema(schema, server=server)
+    return Grammar("json_schema", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
 
 
-JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] | [\\] (["\\bfnrt] | "u" [0-9a-fA-F]{4})'
+# ---- GBNF --------------------------------------------------------------------------------
+
+# The deepest a GBNF grammar's groups may nest: llama.cpp's parser (on llama-server) recurses
+# once a level, and a deep enough nesting overflows its stack (a segmentation fault, not an error).
+MAX_GRAMMAR_DEPTH = 2000  # (measured here, 20,000 crashed)
 
 
 def grammar_depth(gbnf: str) -> int:
@@ -221,44 +317,3 @@ def check_grammar_depth(gbnf: str) -> None:
     if missing:
         line, name = missing[0]
         raise InvalidParameter(f"the grammar is invalid: rule '{name}' is used but never defined (line {line})")
-
-
-def init_grammar_sampler(lc, vocab, gbnf: str):
-    """llama.cpp's grammar sampler for `gbnf` (root rule `root`); a grammar it cannot parse is
-    refused with the parser's own message and the line it points at, and one that nests too deep
-    for its parser before the parser sees it."""
-    check_grammar_depth(gbnf)
-    with _CapturedStderr() as captured:
-        sampler = lc.llama_sampler_init_grammar(vocab, gbnf.encode("utf-8"), b"root")
-    if sampler:
-        return sampler
-    said = [line.strip() for line in captured.text.splitlines() if line.strip()]
-    message = next((line.split("error parsing grammar:", 1)[1].strip() for line in said
-                    if "error parsing grammar:" in line), None)
-    if message is None:
-        has_root = re.search(r"^\s*root\s*::=", gbnf, re.M)
-        message = "llama.cpp cannot parse it" if has_root else "it has no 'root' rule"
-    where = ""
-    at = re.search(r" at (.+)$", message)
-    if at and at.group(1).strip() and at.group(1).strip() in gbnf:
-        where = f" (line {gbnf[:gbnf.index(at.group(1).strip())].count(chr(10)) + 1})"
-    raise InvalidParameter(f"the grammar is invalid: {message}{where}")
-
-
-class _CapturedStderr:
-    """Captures what native code writes to file descriptor 2 (llama.cpp's grammar parser prints
-    its errors there rather than to its log)."""
-
-    def __enter__(self) -> "_CapturedStderr":
-        self.text = ""
-        self._file = tempfile.TemporaryFile()
-        self._saved = os.dup(2)
-        os.dup2(self._file.fileno(), 2)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        os.dup2(self._saved, 2)
-        os.close(self._saved)
-        self._file.seek(0)
-        self.text = self._file.read().decode("utf-8", "replace")
-        self._file.close()

@@ -1,6 +1,6 @@
 """The llama.cpp backend, on llama-cpp-python's low-level (ctypes) API: a context on a loaded
-model (model.py), its decoding, its samplers (native, or shaped in Python for grammars,
-filters and processors), its state bytes and embeddings."""
+model (model.py), its decoding, its samplers (native, with a grammar's mask, filters and
+processors applied to the logits first), its state bytes and embeddings."""
 
 from __future__ import annotations
 
@@ -22,18 +22,12 @@ from quipu.engine.base import (
     available_cpus,
     refuse_embeddings,
 )
-from quipu.engine.grammar import init_grammar_sampler
 from quipu.engine.logs import LOG
 from quipu.engine.model import LlamaModel
-from quipu.engine.text import utf8_after
 from quipu.errors import EngineError, InvalidParameter, ModelLoadError
 
 MAX_DEFAULT_CTX = 8192
 _KV_GGML_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
-# How many of the likeliest tokens a rejected token's grammar is tried on before all of them.
-GRAMMAR_FIRST_TRY = 512
-# llama_token_data as NumPy lays it out: candidates built from the logits without a Python loop.
-_TOKEN_DATA = [("id", "<i4"), ("logit", "<f4"), ("p", "<f4")]
 
 class LlamaBackend:
     """One context on a model (loaded from `model_path`, or a shared `LlamaModel`). Close it (or
@@ -104,10 +98,8 @@ class LlamaBackend:
         self._stack.callback(lc.llama_batch_free, self._batch)
         self._chain: SamplerChain | None = None
         self._sampler = None
-        self._grammar = None
-        self._id_range = None
-        self._utf8_pending = b""  # the bytes of a character the reply has begun and not finished
-        self._utf8_standalone = None
+        self._grammar = None  # a constraint.Matcher while replies keep to a grammar
+        self._masks = None  # a constraint.MaskBatch, for the rows of a batch under grammars
         self._stack.callback(self._free_sampler)
 
     # ---- vocabulary: the model's ----------------------------------------------------------
@@ -222,6 +214,37 @@ class LlamaBackend:
         chain.reseed(draw_seed)
         return lc.llama_sampler_sample(chain.ptr, self._ctx, index)
 
+    def row_matcher(self, settings: SamplerSettings):
+        """A grammar's matcher of its own, for one sequence of a batch (None without a grammar)."""
+        return self._matcher_for(settings)
+
+    def sample_rows(self, rows: Sequence[tuple[SamplerChain, object, int, int]]) -> list[int]:
+        """One token (sampled and accepted) for each (chain, matcher or None, draw seed, batch
+        index) of a step. The masks of every row under a grammar are computed together, on
+        llguidance's threads, and applied to each row's logits before its chain draws."""
+        constrained = [(matcher, k) for k, (_, matcher, _, _) in enumerate(rows) if matcher is not None]
+        if constrained:
+            import numpy as np
+
+            from quipu.engine.constraint import MaskBatch
+
+            if self._masks is None or self._masks.masks.shape[0] < len(rows):
+                self._masks = MaskBatch(self.n_vocab, max(len(rows), self.context.n_seq))
+            self._masks.fill(constrained)
+            for _, k in constrained:
+                logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, rows[k][3]), shape=(self.n_vocab,))
+                self._masks.apply(logits, k)
+        tokens = []
+        for chain, matcher, draw_seed, index in rows:
+            token = self.sample_at(chain, draw_seed, index)
+            if matcher is not None:
+                try:
+                    matcher.accept(token)
+                except EngineError:
+                    raise EngineError("no token is allowed here (the grammar or the biases rule out every one)") from None
+            tokens.append(token)
+        return tokens
+
     def reopen(self) -> "LlamaBackend":
         """A new context with the same settings on the same loaded model: no second load."""
         return LlamaBackend(self.model, self.context, verbose=LOG.verbose)
@@ -229,20 +252,25 @@ class LlamaBackend:
     # ---- sampling -----------------------------------------------------------------------
 
     def set_sampler(self, settings: SamplerSettings) -> None:
-        grammar = init_grammar_sampler(lc, self.model.vocab, settings.grammar) if settings.grammar else None
+        matcher = self._matcher_for(settings)  # a bad grammar is refused before anything changes
         self._free_sampler()
         self._settings = settings
-        self._grammar = grammar
+        self._grammar = matcher
         self._chain = SamplerChain(self.n_vocab, settings)
         self._sampler = self._chain.ptr
+
+    def _matcher_for(self, settings: SamplerSettings):
+        if settings.grammar is None:
+            return None
+        from quipu.engine.constraint import Matcher  # llguidance: only for a constrained reply
+
+        return Matcher(self.model, settings.grammar)
 
     def _free_sampler(self) -> None:
         if self._chain is not None:
             self._chain.free()
             self._chain = self._sampler = None
-        if self._grammar is not None:
-            lc.llama_sampler_free(self._grammar)
-            self._grammar = None
+        self._grammar = None
 
     def sampler_reset(self, window: Sequence[int]) -> None:
         self._chain.reset(window)
@@ -251,41 +279,31 @@ class LlamaBackend:
         self._chain.accept(tokens)
 
     def constraint_reset(self, reply: Sequence[int]) -> None:
-        if self._grammar is None:
-            return
-        lc.llama_sampler_reset(self._grammar)
-        self._utf8_pending = b""
-        for tok in reply:
-            # llama.cpp aborts the process on a token its grammar does not allow: check first.
-            if not self._grammar_allows(tok):
-                lc.llama_sampler_reset(self._grammar)
-                raise InvalidParameter("the reply so far does not keep to the grammar; generate it anew instead")
-            lc.llama_sampler_accept(self._grammar, tok)
-            self._utf8_pending = utf8_after(self._utf8_pending, self.token_bytes(tok)) or b""
-
-    def _grammar_allows(self, token: int) -> bool:
-        import numpy as np
-
-        one = np.array([(token, 0.0, 0.0)], dtype=_TOKEN_DATA)
-        self._apply(self._grammar, one)
-        return not np.isneginf(one["logit"][0])
+        if self._grammar is not None:
+            self._grammar.replay(reply)
 
     def _reseed(self, draw_seed: int) -> None:
         self._chain.reseed(draw_seed)
 
     def sample(self, draw_seed: int, history: Sequence[int] = (), processors: Sequence[LogitsProcessor] = (),
                token_filter: TokenFilter | None = None) -> int:
+        """The chain's draw from the last logits. A grammar's mask, the processors and the filter
+        change those logits in place first (ruled-out tokens become -inf), so that the native
+        chain draws as it always does, seeded, among the tokens left."""
         self._reseed(draw_seed)
-        if self._grammar is None and not processors and token_filter is None:
-            return lc.llama_sampler_sample(self._sampler, self._ctx, -1)
-        return self._sample_shaped(draw_seed, history, processors, token_filter)
+        if self._grammar is not None or processors or token_filter is not None:
+            self._shape(history, processors, token_filter)
+        token = lc.llama_sampler_sample(self._sampler, self._ctx, -1)
+        if self._grammar is not None:
+            try:
+                self._grammar.accept(token)
+            except EngineError:
+                raise EngineError("no token is allowed here (the grammar, the filter or the biases rule out "
+                                  "every one)") from None
+        return token
 
-    def _sample_shaped(self, draw_seed: int, history: Sequence[int], processors: Sequence[LogitsProcessor],
-                       token_filter: TokenFilter | None) -> int:
-        """Sampling with Python in the loop, as llama.cpp's common sampler does it: processors and
-        the filter change the logits in place; the chain picks a token; the grammar only checks
-        that one token, and only when it is rejected is the grammar applied to every candidate
-        and the token picked again (the same draw)."""
+    def _shape(self, history: Sequence[int], processors: Sequence[LogitsProcessor],
+               token_filter: TokenFilter | None) -> None:
         import numpy as np
 
         logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,))
@@ -298,97 +316,8 @@ class LlamaBackend:
                 kept = logits[keep].copy()
                 logits.fill(-np.inf)
                 logits[keep] = kept
-        token = self._pick(logits, with_grammar=False)
         if self._grammar is not None:
-            # What a grammar admits must also be text: a token that would break UTF-8 (a random
-            # or very hot model emits stray bytes) is as rejected as one the grammar refuses.
-            if not (self._grammar_allows(token) and self._utf8_continues(token)):
-                self._reseed(draw_seed)
-                token = self._pick_allowed(logits, history)
-                if not self._utf8_continues(token):
-                    self._reseed(draw_seed)
-                    token = self._pick_allowed(np.where(self._utf8_mask(), logits, -np.inf), history)
-                if not (self._grammar_allows(token) and self._utf8_continues(token)):
-                    raise EngineError("the grammar allows no token here")
-            lc.llama_sampler_accept(self._grammar, token)
-            self._utf8_pending = utf8_after(self._utf8_pending, self.token_bytes(token)) or b""
-        lc.llama_sampler_accept(self._sampler, token)
-        return token
-
-    def _pick_allowed(self, logits, history: Sequence[int]) -> int:
-        """The chain's pick among the tokens the grammar allows. The grammar is tried on the
-        likeliest few hundred tokens first (by logit after the biases and the repeat penalty, as
-        the chain sees them): when at least top-k of them are allowed (one, for greedy), those
-        hold the chain's whole choice; only otherwise is every token of the vocabulary checked."""
-        import numpy as np
-
-        settings = self._settings
-        need = 1 if settings.temperature <= 0 else settings.top_k
-        few = min(self.n_vocab, GRAMMAR_FIRST_TRY)
-        if need <= 0 or few == self.n_vocab:
-            return self._pick(logits, with_grammar=True)
-        seen = logits.copy()
-        for token, bias in settings.logit_bias:
-            seen[token] += bias
-        if settings.repeat_penalty != 1.0 and settings.repeat_last_n:
-            window = np.unique(np.asarray(history[-settings.repeat_last_n:], dtype=np.int64))
-            window = window[(window >= 0) & (window < self.n_vocab)]
-            held = seen[window]
-            seen[window] = np.where(held <= 0, held * settings.repeat_penalty, held / settings.repeat_penalty)
-        top = np.argpartition(-seen, few - 1)[:few]
-        candidates = np.empty(few, dtype=_TOKEN_DATA)
-        candidates["id"] = top
-        candidates["logit"] = logits[top]
-        candidates["p"] = 0.0
-        self._apply(self._grammar, candidates)
-        if np.count_nonzero(np.isfinite(candidates["logit"])) < need:
-            return self._pick(logits, with_grammar=True)
-        selected = self._apply(self._sampler, candidates)
-        if selected < 0:
-            raise EngineError("no token is allowed here (the grammar, the filter or the biases rule out every one)")
-        return int(candidates["id"][selected])
-
-    def _utf8_continues(self, token: int) -> bool:
-        return utf8_after(self._utf8_pending, self.token_bytes(token)) is not None
-
-    def _utf8_mask(self):
-        """Which tokens keep the reply valid UTF-8 after what it holds."""
-        import numpy as np
-
-        if self._utf8_pending:
-            return np.fromiter((self._utf8_continues(t) for t in range(self.n_vocab)), dtype=bool, count=self.n_vocab)
-        if self._utf8_standalone is None:
-            self._utf8_standalone = np.fromiter((utf8_after(b"", self.token_bytes(t)) is not None
-                                                 for t in range(self.n_vocab)), dtype=bool, count=self.n_vocab)
-        return self._utf8_standalone
-
-    def _pick(self, logits, *, with_grammar: bool) -> int:
-        import numpy as np
-
-        candidates = np.empty(self.n_vocab, dtype=_TOKEN_DATA)
-        candidates["id"] = self._ids()
-        candidates["logit"] = logits
-        candidates["p"] = 0.0
-        if with_grammar:
-            self._apply(self._grammar, candidates)
-        selected = self._apply(self._sampler, candidates)
-        if selected < 0:
-            raise EngineError("no token is allowed here (the grammar, the filter or the biases rule out every one)")
-        return int(candidates["id"][selected])
-
-    def _apply(self, sampler, candidates) -> int:
-        """Applies a sampler to a NumPy array of candidates in place; returns the selected index."""
-        data = lc.llama_token_data_array(
-            candidates.ctypes.data_as(lc.llama_token_data_p), len(candidates), -1, False)
-        lc.llama_sampler_apply(sampler, ctypes.byref(data))
-        return data.selected
-
-    def _ids(self):
-        if self._id_range is None:
-            import numpy as np
-
-            self._id_range = np.arange(self.n_vocab, dtype=np.int32)
-        return self._id_range
+            self._grammar.apply(logits)
 
     # ---- state --------------------------------------------------------------------------
 

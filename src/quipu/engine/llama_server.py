@@ -22,6 +22,7 @@ none of them is not sent to be checked, and no text is checked twice.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -29,7 +30,8 @@ from typing import Protocol, Sequence
 
 from quipu.engine.base import SamplerSettings
 from quipu.engine.chat_api import ChatApiModel, ServerError, count_of
-from quipu.engine.grammar import check_grammar_depth
+from quipu.engine.grammar import Grammar, check_grammar_depth, check_schema
+from quipu.errors import CapabilityError
 
 
 
@@ -183,9 +185,8 @@ class LlamaServerModel:
                 "temperature": sampler.temperature, "top_k": sampler.top_k, "top_p": sampler.top_p,
                 "min_p": sampler.min_p, "repeat_penalty": sampler.repeat_penalty,
                 "repeat_last_n": sampler.repeat_last_n, "stop": list(stop)}
-        if sampler.grammar:
-            check_grammar_depth(sampler.grammar)  # (one nested too deep would crash the server's parser)
-            body["grammar"] = sampler.grammar
+        if sampler.grammar is not None:
+            body.update(server_grammar(sampler.grammar))
         if sampler.logit_bias:  # JSON has no -inf: the server's way to ban a token is `false`
             body["logit_bias"] = [[t, False if b == float("-inf") else b] for t, b in sampler.logit_bias]
         if slot >= 0:
@@ -251,3 +252,19 @@ class LlamaServerModel:
 def _ms(value) -> float:
     """A duration the server reported, in ms; what is not one counts as none."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else 0.0
+
+
+def server_grammar(grammar: Grammar) -> dict:
+    """The request fields that constrain a reply on llama-server, by its own engine: GBNF as
+    `grammar`, a JSON Schema as `json_schema` (which the server turns into GBNF), each checked
+    for what that engine would crash on or ignore. Lark and regular expressions are quipu's
+    engine's (llguidance) alone: the server is built without it."""
+    if grammar.kind == "gbnf":
+        check_grammar_depth(grammar.text)  # (one nested too deep would crash the server's parser)
+        return {"grammar": grammar.text}
+    if grammar.kind == "json_schema":
+        schema = json.loads(grammar.text)
+        check_schema(schema, server=True)
+        return {"json_schema": schema}
+    raise CapabilityError(f"a {grammar.what} constrains a reply on a local model only; llama-server takes GBNF "
+                          "(--grammar FILE.gbnf) and JSON Schema (--schema)")

@@ -10,8 +10,9 @@ a finished row's sequence goes to the next row at once.
 The beginning every row shares (a system prompt, few-shot examples) is read once, into
 sequence 0, and copied to the others; a sequence keeps it when its row ends, for the next row.
 
-Each row has its own sampler chain, penalty window and draws seeded by (its seed, draw index),
-as `InferenceSession` does: a row's text does not depend on the other rows or on `n_seq`, up
+Each row has its own sampler chain, penalty window, grammar (the masks of all rows under one
+are computed together each step) and draws seeded by (its seed, draw index), as
+`InferenceSession` does: a row's text does not depend on the other rows or on `n_seq`, up
 to the floating-point differences of batched arithmetic.
 """
 
@@ -50,6 +51,7 @@ class _Slot:
     pending: list[int] = field(default_factory=list)  # tokens to decode next
     pos: int = 0  # where pending[0] goes
     chain: object = None
+    matcher: object = None  # the grammar's place in this row's reply (None: no grammar)
     params: SamplingParams | None = None
     draws: int = 0
     max_tokens: int = 0
@@ -103,9 +105,11 @@ class BatchSession:
                 if should_stop is not None and should_stop():
                     raise Interrupted("stopped")
                 wanting = self._step(active)
+                tokens = self.backend.sample_rows([(slot.chain, slot.matcher, draw_seed(slot.params.seed, slot.draws),
+                                                    index) for slot, index in wanting])
                 now = time.perf_counter()
-                for slot, index in wanting:
-                    self._sample(slot, index, now, on_token, on_done)
+                for (slot, _), token in zip(wanting, tokens):
+                    self._took(slot, token, now, on_token, on_done)
         finally:
             for slot in slots:
                 self._free(slot)
@@ -143,6 +147,7 @@ class BatchSession:
         slot.row = row_index
         self.backend.seq_keep(slot.seq, self.shared)  # what the last row left, past the shared part
         slot.chain = self.backend.row_sampler(params.sampler())
+        slot.matcher = self.backend.row_matcher(params.sampler())
         slot.chain.accept(row.tokens)  # the penalty window sees the prompt, as a lone run's does
         slot.params = params
         slot.pending = list(row.tokens[self.shared :])
@@ -177,8 +182,7 @@ class BatchSession:
         self.backend.decode_batch(items)
         return wanting
 
-    def _sample(self, slot: _Slot, index: int, now: float, on_token, on_done) -> None:
-        token = self.backend.sample_at(slot.chain, draw_seed(slot.params.seed, slot.draws), index)
+    def _took(self, slot: _Slot, token: int, now: float, on_token, on_done) -> None:
         slot.draws += 1
         slot.sampled += 1
         slot.last_at = now
@@ -220,5 +224,6 @@ class BatchSession:
         if slot.chain is not None:
             slot.chain.free()
             slot.chain = None
+        slot.matcher = None
         slot.row = -1
         slot.pending = []

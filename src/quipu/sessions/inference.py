@@ -2,9 +2,10 @@
 
 Constraining what is generated, from the strictest to the freest:
 
-- `SamplingParams(grammar=GBNF)`: every reply keeps to the grammar (llama.cpp's native grammar
-  sampler; a JSON Schema becomes GBNF with `quipu.engine.grammar.schema_to_gbnf`). The
-  grammar starts over with each reply and is part of a snapshot: restoring a reply in progress
+- `SamplingParams(grammar=Grammar(kind, text))`: every reply keeps to the grammar, a JSON
+  Schema (`quipu.engine.grammar.schema_grammar` checks one), GBNF, Lark or a regular
+  expression, through the constraint engine (`quipu.engine.constraint`: llguidance's masks on
+  llama.cpp's logits, before the native chain draws). The grammar starts over with each reply and is part of a snapshot: restoring a reply in progress
   replays its tokens into it, so a resumed reply continues exactly.
 - `SamplingParams(logit_bias=((token, bias), ...))`: added to those tokens' logits
   (`-inf` bans a token), natively.

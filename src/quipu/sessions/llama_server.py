@@ -23,6 +23,7 @@ import time
 from typing import Protocol, Sequence
 
 from quipu.engine.base import TokenServer
+from quipu.engine.llama_server import server_grammar
 from quipu.errors import CapabilityError, ContextOverflow
 from quipu.sessions.base import LLAMA_SERVER, SILENT, Generation, ReplySink, Stats, TurnPrompt, common_prefix
 from quipu.sessions.params import SamplingParams, draw_seed
@@ -50,7 +51,8 @@ class LlamaServerSession(HeldTokens):
 
     def __init__(self, backend: TokenServer, params: SamplingParams | None = None):
         self.backend = backend
-        self.params = (params or SamplingParams()).resolved()
+        self.params = SamplingParams().resolved()
+        self.set_params(params or self.params)
         self.tokens: list[int] = []
         self.text = ""  # what `tokens` spell, control tokens written out
         self.marks: list[tuple[int, int]] = []  # (k, n): tokens[:k] spell text[:n]; a turn may go on from there
@@ -74,6 +76,8 @@ class LlamaServerSession(HeldTokens):
         pass  # the connection is the server's host's to close
 
     def set_params(self, params: SamplingParams) -> None:
+        if params.grammar is not None:
+            server_grammar(params.grammar)  # refused now, not at the next reply
         self.params = params.resolved()
 
     def restore(self, tokens: Sequence[int], text: str, marks: Sequence[tuple[int, int]], draws: int) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quipu.engine.base import SamplerSettings
+from quipu.engine.grammar import Grammar
 from quipu.errors import InvalidParameter
 
 MAX_SEED = 2**63 - 1
@@ -41,8 +42,7 @@ class SamplingParams(SamplerSettings):
             ("seed", self.seed is None or 0 <= self.seed <= MAX_SEED, f"must be in [0, {MAX_SEED}]"),
             ("logit_bias", all(isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and b == b
                                for t, b in self.logit_bias), "must be pairs of a token id and a number"),
-            ("grammar", self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
-             "must be GBNF text"),
+            ("grammar", self.grammar is None or isinstance(self.grammar, Grammar), "must be a grammar"),
         )
         for name, ok, rule in checks:
             if not ok:
@@ -96,6 +96,13 @@ class SamplingParams(SamplerSettings):
                 data["logit_bias"] = tuple((int(t), float(b)) for t, b in data["logit_bias"])
             except (TypeError, ValueError):
                 raise InvalidParameter("logit-bias must be pairs of a token id and a number") from None
+        grammar = data.get("grammar")
+        if isinstance(grammar, str):  # saved before grammars had kinds: GBNF
+            data["grammar"] = Grammar("gbnf", grammar)
+        elif isinstance(grammar, dict):
+            if set(grammar) != {"kind", "text"}:
+                raise InvalidParameter("grammar must have a kind and a text")
+            data["grammar"] = Grammar(**grammar)
         return cls(**data)
 
 
