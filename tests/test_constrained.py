@@ -311,3 +311,26 @@ def test_a_batch_row_under_a_grammar_answers_as_the_same_row_alone(quipu, tiny_m
         seed = json.loads(batch.stdout.decode().splitlines()[i])["seed"]
         alone = quipu("run", *args[:-4], "--seed", str(seed), "-n", "30", "--json", prompt)
         assert json.loads(alone.stdout)["text"] == texts[i]
+
+
+def test_json_may_be_compact_or_indented_but_no_long_run_of_blanks_is_open(tiny_model):
+    from quipu.engine.constraint import Matcher
+    from quipu.engine.model import LlamaModel
+
+    model = LlamaModel(tiny_model)
+    space = model.tokenize(" ", add_special=False, parse_special=False)[-1]
+    newline = model.tokenize("\n", add_special=False, parse_special=False)[-1]
+    grammar = schema_grammar(json.dumps(SCHEMAS["optional"]))
+    brace = model.tokenize("{", add_special=False, parse_special=False)[-1]
+
+    def allowed_after(tokens):
+        matcher = Matcher(model, grammar)
+        matcher.replay([brace, *tokens])
+        matcher.fill()
+        return matcher.allowed()
+
+    assert allowed_after([])[space] and allowed_after([])[newline]  # compact, spaced or indented: the model's choice
+    assert not allowed_after([space])[space]  # one space, not two
+    indent = [newline] + [space] * 32
+    assert allowed_after(indent[:-1])[space] and not allowed_after(indent)[space]  # up to 32 of indentation
+    assert not allowed_after([newline])[newline]
