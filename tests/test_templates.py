@@ -264,3 +264,47 @@ def test_reasoning_splits_from_the_answer_however_the_text_streams(text, opened,
         pieces += splitter.flush()
         got = ("".join(t for r, t in pieces if r), "".join(t for r, t in pieces if not r))
         assert got == (reasoning, answer), seed
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city, today.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city"},
+                                                    "unit": {"type": "string", "enum": ["C", "F"]}},
+                   "required": ["city"]}}}
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call12345", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": '{"temperature": 21, "sky": "clear"}', "tool_call_id": "call12345",
+     "name": "get_weather"},
+]
+WITH_TOOLS = [p for p in TEMPLATES if "tools" in p.read_text()]
+
+
+@pytest.mark.parametrize("path", WITH_TOOLS, ids=[p.stem for p in WITH_TOOLS])
+def test_a_conversation_with_tools_renders_as_the_reference(backend, path):
+    # The tools, an assistant's call and the tool's result, as the template itself renders them.
+    from quipu.sessions.tools import ToolSpec
+
+    source = path.read_text()
+    bos, eos = backend.special_token_text("bos"), backend.special_token_text("eos")
+    fn = WEATHER["function"]
+    conv = conversation(backend, source, [])
+    conv.messages = [Message.from_dict(m) for m in TOOL_CONVERSATION]
+    conv.tools = [ToolSpec(fn["name"], fn["description"], fn["parameters"])]
+    try:
+        expected = render_reference(source, TOOL_CONVERSATION, add_generation_prompt=True, bos_token=bos,
+                                    eos_token=eos, tools=[WEATHER])
+    except Exception as exc:
+        if "System role not supported" in str(exc):
+            expected = render_reference(source, fold_system(TOOL_CONVERSATION), add_generation_prompt=True,
+                                        bos_token=bos, eos_token=eos, tools=[WEATHER])
+        else:
+            with pytest.raises(TemplateError):
+                conv.render(conv.messages, True)
+            return
+    rendered = conv.render(conv.messages, True)
+    assert rendered.text == expected
+    assert "get_weather" in rendered.text and "21" in rendered.text
+    assert conv.render_tokens(conv.messages, True) == reference_tokens(backend, expected)

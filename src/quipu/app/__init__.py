@@ -21,6 +21,8 @@ Every turn, named session and chat is written once, for every host a model can r
 - `batch.py`: `quipu run --batch`: rows read, planned and answered side by side, in order.
 - `manage.py`: `quipu sessions ...` over the store.
 - `embed.py`: `quipu embed`.
+- `tools.py`: tools a model may call (`--functions FILE.py`, `--tools FILE.json`), their
+  approval, and the loop that runs them and gives the results back.
 - `hub.py`: models pulled from the Hugging Face Hub into its cache (`quipu models pull|rm`,
   `-m hf:OWNER/REPO[:QUANT]`), resumed, checked against the Hub's checksums.
 - `templates.py`: what a model's chat template does (`quipu models info --template`).

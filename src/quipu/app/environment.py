@@ -55,6 +55,16 @@ class TurnOptions:
     logit_bias: tuple[str, ...] = ()  # TOKEN=BIAS, TOKEN an id or a text that is one token
     no_cache: bool = False  # neither use nor fill the prompt cache
     url: str | None = None  # a server (else QUIPU_URL, else the config's [remote] url)
+    # Tools: Python files whose functions the model may call, definitions the caller runs, the
+    # results of such calls (ID=TEXT), and how the loop goes.
+    functions: tuple[str, ...] = ()
+    tools_file: str | None = None
+    tool_results: tuple[str, ...] = ()
+    tool_choice: str | None = None  # auto, required, none, or a tool's name
+    chain_limit: int | None = None
+    tool_output_max: int | None = None
+    tool_timeout: float | None = None
+    yes: bool = False  # approve every call
 
     def sampling(self) -> dict:
         """The sampling parameters given on the command line."""

@@ -82,6 +82,11 @@ class NamedSession:
         except BaseException:
             opened.session.close()
             raise
+        if record is not None and record.tools:
+            from quipu.sessions.tools import ToolSpec
+
+            conv.tools = [ToolSpec(t["function"]["name"], str(t["function"].get("description") or ""),
+                                   t["function"].get("parameters") or {"type": "object"}) for t in record.tools]
         limits = record.limits if record is not None else {}
         named = cls(store, name, conv, opened.keeper, created, list(opened.notices), chat_template=source,
                     max_tokens=opts.max_tokens if opts.max_tokens is not None else limits.get("max_tokens"),
@@ -116,7 +121,7 @@ class NamedSession:
         record = Transcript(
             messages=[m.to_dict() for m in conv.messages], created=self.created, updated=now_iso(),
             quipu=__version__, chat_template=self.chat_template, template_variables=conv.variables,
-            limits=limits, **self.keeper.fields(self.session),
+            limits=limits, tools=[t.to_openai() for t in conv.tools], **self.keeper.fields(self.session),
         )
         self.notices += self.keeper.save(self.store, self.name, record, self.session)
 

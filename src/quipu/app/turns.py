@@ -19,6 +19,7 @@ from quipu.app.environment import (
 from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost, check_options
 from quipu.app.named import FOLD_NOTICE, NamedSession, store_for
+from quipu.app.tools import ToolHooks, Tools, answer_pending, follow_calls, offer, toolbox
 from quipu.errors import BadInput, ContextOverflow, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink, Stats, common_prefix
 from quipu.sessions.conversation import Conversation
@@ -37,6 +38,7 @@ class TurnResult:
     reasoning: str = ""
     failure: Exception | None = None  # a server failing mid-reply: raised once the result is out
     constrained_by: str | None = None  # which engine kept the reply to a grammar (said under --verbose)
+    tool_calls: list = field(default_factory=list)  # app.tools.CallRecord: the calls run, then those left to run
 
     @classmethod
     def of(cls, gen: Generation, model: str, session, name: str | None, notices: list[str] | None = None):
@@ -54,6 +56,7 @@ class TurnResult:
             "session": self.session,
             "usage": self.stats.usage(),
             "timings": self.stats.timings(),
+            **({"tool_calls": [c.to_json() for c in self.tool_calls]} if self.tool_calls else {}),
         }
 
 
@@ -73,7 +76,7 @@ class PromptView:
 
 
 def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: ReplySink = SILENT, *,
-             on_result: Callable[[TurnResult], None] | None = None) -> TurnResult:
+             on_result: Callable[[TurnResult], None] | None = None, hooks: ToolHooks | None = None) -> TurnResult:
     """Runs one prompt to a reply on the host the options name; `sink` receives the answer and a
     thinking model's reasoning as they are generated, and says when to stop; `on_result` the
     result before anything else is written (a session's save comes first; the prompt cache's
@@ -81,12 +84,13 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     the result is out."""
     with closing(open_host(opts, env)) as host:
         check_options(host.capabilities, opts)
+        tools = toolbox(opts)
         if opts.session is not None or opts.continue_reply:
-            result = run_session_turn(prompt, opts, env, host, sink)
+            result = run_session_turn(prompt, opts, env, host, sink, tools, hooks)
             if on_result is not None:
                 on_result(result)
         else:
-            result = _one_shot(prompt, opts, env, host, sink, on_result)
+            result = _one_shot(prompt, opts, env, host, sink, on_result, tools, hooks)
     if opts.verbose and result.constrained_by:
         result.notices.append(result.constrained_by)
     if result.failure is not None:
@@ -107,9 +111,12 @@ def constrained_by(session) -> str | None:
 
 
 def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost, sink: ReplySink,
-              on_result: Callable[[TurnResult], None] | None) -> TurnResult:
+              on_result: Callable[[TurnResult], None] | None, tools: Tools | None = None,
+              hooks: ToolHooks | None = None) -> TurnResult:
     if not prompt:
         raise BadInput("no prompt: give one as an argument or on standard input")
+    if opts.tool_results:
+        raise UsageError("--tool-result continues a session: give -S NAME")
     limit = max_tokens(opts, env)
     source = chat_template_source(opts)
     opened = host.create(opts, env)
@@ -124,10 +131,14 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
         else:
             conv = Conversation.start(session, system_prompt(opts, env), template=source,
                                       variables=template_variables(opts))
+            offer(conv, tools, opts)
             cached = keeper.warm(session, lambda: conv.tokens_with(prompt), opts, env)
             gen = conv.send(prompt, max_tokens=limit, stop=opts.stop, sink=sink)
-            notices = [FOLD_NOTICE] if conv.folds_system else []
+            gen, calls, tool_notes = follow_calls(conv, tools, gen, opts, limit, opts.stop, sink, hooks)
+            notices = ([FOLD_NOTICE] if conv.folds_system else []) + tool_notes
         result = TurnResult.of(gen, keeper.model_name, session, None, notices)
+        if not opts.raw:
+            result.tool_calls = calls
         if on_result is not None:
             on_result(result)  # the answer is out before the cache is written
         result.notices += keeper.remember(session, cached, opts)
@@ -137,7 +148,7 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
 
 
 def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost,
-                     sink: ReplySink = SILENT) -> TurnResult:
+                     sink: ReplySink = SILENT, tools: Tools | None = None, hooks: ToolHooks | None = None) -> TurnResult:
     """`quipu run --session NAME` (see run_turn): continue or create the session, run one turn,
     save it (a reply cut short by a failing server is saved with what came)."""
     name = check_session_turn(prompt, opts)
@@ -149,12 +160,17 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
         try:
             conv = named.conversation
             limit, stop = named.reply_limits(opts, env)
+            offer(conv, tools, opts)
             try:
-                if opts.continue_reply:
+                if opts.tool_results:
+                    gen = answer_pending(conv, opts, limit, stop, sink)
+                elif opts.continue_reply:
                     gen = conv.continue_reply(max_tokens=limit, stop=stop, sink=sink)
                 else:
                     named.warm(prompt, opts, env)
                     gen = conv.send(prompt, max_tokens=limit, stop=stop, sink=sink)
+                gen, calls, tool_notes = follow_calls(conv, tools, gen, opts, limit, stop, sink, hooks)
+                named.notices += tool_notes
             except ContextOverflow as exc:
                 if named.session.used < exc.n_ctx // 2:
                     raise  # the prompt alone is too long
@@ -166,7 +182,9 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
             named.save()
         finally:
             named.close()
-    return TurnResult.of(gen, named.model_name, named.session, name, named.notices)
+    result = TurnResult.of(gen, named.model_name, named.session, name, named.notices)
+    result.tool_calls = calls
+    return result
 
 
 def check_session_turn(prompt: str | None, opts: TurnOptions) -> str:
@@ -177,7 +195,9 @@ def check_session_turn(prompt: str | None, opts: TurnOptions) -> str:
         raise UsageError("--raw cannot be used with --session: sessions are conversations")
     if opts.continue_reply and prompt:
         raise UsageError("--continue keeps generating the last reply; it takes no prompt")
-    if not opts.continue_reply and not prompt:
+    if opts.tool_results and (prompt or opts.continue_reply):
+        raise UsageError("--tool-result gives the model what its calls returned; it takes no prompt")
+    if not opts.continue_reply and not opts.tool_results and not prompt:
         raise BadInput("no prompt: give one as an argument or on standard input")
     return validate_name(opts.session)
 

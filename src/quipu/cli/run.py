@@ -19,6 +19,8 @@ PARAMS: dict[str, spec.Opt | spec.Arg] = {
     "session": spec.SESSION,
     "continue_reply": spec.flag("--continue", help="With --session and no prompt: keep generating the last reply."),
     **spec.SHAPING,
+    **spec.TOOLS,
+    "tools_debug": spec.flag("--tools-debug", help="Show each call and its result, raw, on stderr."),
     "no_cache": spec.flag("--no-cache", help="Neither use nor fill the prompt cache for this run."),
     "show": spec.flag("--show-prompt", help="Print the exact context that would be fed (with --json: its token "
                                             "ids, and how many a session reuses), and generate nothing."),
@@ -52,13 +54,13 @@ def run_plain(given: dict) -> int:
 
 
 # The parameters of `run` that are the command's own, not options of the turn.
-OWN = ("prompt", "show", "as_json", "stats", "batch", "parallel")
+OWN = ("prompt", "show", "as_json", "stats", "batch", "parallel", "tools_debug")
 
 
 def run(env, **given) -> int:
     from quipu.app.turns import run_turn
 
-    prompt, show, as_json, stats, batch, parallel = (given[k] for k in OWN)
+    prompt, show, as_json, stats, batch, parallel, tools_debug = (given[k] for k in OWN)
     term = Terminal.detect()
     if batch is None and parallel is not None:
         raise UsageError("--parallel goes with --batch")
@@ -80,7 +82,8 @@ def run(env, **given) -> int:
     try:
         with StopOnCtrlC() as stopper:
             sink.stopper = stopper
-            result = run_turn(text, opts, env, sink, on_result=sink.finish)
+            result = run_turn(text, opts, env, sink, on_result=sink.finish,
+                              hooks=tool_hooks(term, as_json, tools_debug, stopper))
     except BaseException:
         sink.end_line()  # what was streamed ends its line before the error is said
         raise
@@ -94,6 +97,49 @@ def run(env, **given) -> int:
         term.stderr.write(stats_line(result) + "\n")
     interrupted = result.finish_reason == "interrupted" or stopper.requested
     return ExitCode.INTERRUPTED if interrupted else ExitCode.OK
+
+
+def tool_hooks(term: Terminal, as_json: bool, debug: bool, stopper):
+    """How `run` shows calls (stderr: `name(arguments)` on a terminal, raw with --tools-debug)
+    and asks to approve them (on a terminal: yes, no, or always for that tool)."""
+    from quipu.app.tools import ToolHooks
+
+    always: set[str] = set()
+
+    def spelled(call) -> str:
+        return f"{call.name}({json.dumps(call.arguments, ensure_ascii=False)})"
+
+    def approve(call) -> bool:
+        if call.name in always:
+            return True
+        term.stderr.write(f"run {spelled(call)}? [y]es, [n]o, [a]lways for {call.name}: ")
+        term.stderr.flush()
+        try:
+            answer = input().strip().lower()
+        except EOFError:
+            answer = ""
+        if answer in ("a", "always"):
+            always.add(call.name)
+        return answer in ("y", "yes", "a", "always")
+
+    def on_start(call) -> None:
+        if debug:
+            term.stderr.write(json.dumps({"call": call.name, "id": call.id, "arguments": call.arguments},
+                                         ensure_ascii=False) + "\n")
+        elif term.stderr_tty and not as_json:
+            term.stderr.write(term.dim(f"→ {spelled(call)}") + "\n")
+        term.stderr.flush()
+
+    def on_call(record) -> None:
+        if debug:
+            term.stderr.write(json.dumps(record.to_json(), ensure_ascii=False) + "\n")
+        elif term.stderr_tty and not as_json:
+            said = record.error if record.error is not None else (record.result or "")
+            short = said if len(said) <= 200 else said[:200] + "…"
+            term.stderr.write(term.dim(f"  {short}") + "\n")
+        term.stderr.flush()
+
+    return ToolHooks(approve if term.stdin_tty else None, on_start, on_call)
 
 
 def show_prompt(text, opts, env, term: Terminal, as_json: bool) -> int:

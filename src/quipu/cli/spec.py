@@ -114,6 +114,22 @@ GENERATION = {"model": MODEL, "system": SYSTEM, "max_tokens": MAX_TOKENS, "tempe
 SHAPING = {"chat_template": CHAT_TEMPLATE, "think": THINK, "schema": SCHEMA, "grammar": GRAMMAR,
            "regex": REGEX, "logit_bias": LOGIT_BIAS}
 
+FUNCTIONS = opt("--functions", multiple=True, help="A Python file whose public functions the model may call "
+                                                  "(name, docstring and type hints define each; repeatable).",
+                metavar="FILE.py")
+TOOLS_FILE = opt("--tools", help="Tool definitions (OpenAI's tools JSON) that the caller runs: the reply stops at a "
+                                 "call (finish_reason tool_calls).", metavar="FILE.json")
+TOOL_RESULT = opt("--tool-result", multiple=True, help="With -S: what a call returned, ID=TEXT or ID=@FILE "
+                                                       "(repeatable); the model goes on from it.", metavar="ID=TEXT")
+TOOL_CHOICE = opt("--tool-choice", help="auto (default), required, none, or a tool's name.", metavar="CHOICE")
+CHAIN_LIMIT = opt("--chain-limit", type=int, help="The most rounds of calls in one turn (default 5).")
+TOOL_OUTPUT_MAX = opt("--tool-output-max", type=int, help="Characters of a tool's result the model is given "
+                                                          "(default 8000; the rest is cut, with a note).")
+TOOL_TIMEOUT = opt("--tool-timeout", type=float, help="Seconds a call may run before it is given up (default 60).")
+YES = flag("--yes", help="Run every call the model makes without asking.")
+TOOLS = {"functions": FUNCTIONS, "tools_file": TOOLS_FILE, "tool_results": TOOL_RESULT, "tool_choice": TOOL_CHOICE,
+         "chain_limit": CHAIN_LIMIT, "tool_output_max": TOOL_OUTPUT_MAX, "tool_timeout": TOOL_TIMEOUT, "yes": YES}
+
 # ---- the fast parser -----------------------------------------------------------------------
 
 _INT = re.compile(r"[+-]?\d{1,18}")

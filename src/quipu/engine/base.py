@@ -111,6 +111,9 @@ class Backend(Protocol):
         """Samples from the last logits with a draw seeded by `draw_seed`; accepts the token. The
         processors and the filter (given the token history) shape the logits first."""
 
+    def set_constraint(self, grammar: "Grammar | None") -> None:
+        """From the next token on, the reply keeps to `grammar` (None: the settings' own again)."""
+
     def constraint_reset(self, reply: Sequence[int]) -> None:
         """Starts the grammar over and replays `reply`, the tokens generated so far in this reply."""
 

@@ -5,6 +5,7 @@ processors applied to the logits first), its state bytes and embeddings."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Sequence
@@ -277,6 +278,12 @@ class LlamaBackend:
 
     def sampler_accept(self, tokens: Sequence[int]) -> None:
         self._chain.accept(tokens)
+
+    def set_constraint(self, grammar) -> None:
+        """From the next token on, the reply keeps to `grammar` (an `engine.grammar.Grammar`, from
+        its start), or, with None, to the sampler settings' own grammar again."""
+        self._grammar = self._matcher_for(self._settings if grammar is None else
+                                          dataclasses.replace(self._settings, grammar=grammar))
 
     def constraint_reset(self, reply: Sequence[int]) -> None:
         if self._grammar is not None:

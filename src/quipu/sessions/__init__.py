@@ -20,6 +20,9 @@
 - `thinking.py`: a thinking model's reasoning apart from its answer (`ThinkingSink`).
 - `params.py`: `SamplingParams`, validated, and the per-draw seeds that make resuming exact.
 - `stops.py`: stop strings, held back while they could still match.
+- `tools.py`: tool calls in each model family's own format: the format a template speaks,
+  replies read into content, reasoning and calls (`parse_reply`), and the grammar a call is
+  held to once its trigger is written.
 
 It drives the engine and knows no terminal and no files: saving a session is the job of
 `quipu.app` with `quipu.store`.

@@ -36,21 +36,38 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 @dataclass
 class Message:
-    role: str
+    role: str  # system, user, assistant, or tool (a tool's result)
     content: str
     # For user messages: how many tokens the context held before this exchange (for /undo).
     context_before: int | None = None
+    # An assistant's calls, in OpenAI's shape ({"id"?, "type": "function", "function": {"name",
+    # "arguments": a dict}}); a tool message's call id and tool name.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.context_before is not None:
             data["context_before"] = self.context_before
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                data[key] = getattr(self, key)
+        return data
+
+    def for_template(self, content: str) -> dict[str, Any]:
+        """The message as a chat template is given it (`content` as the template is to see it)."""
+        data: dict[str, Any] = {"role": self.role, "content": content}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                data[key] = getattr(self, key)
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Message":
         """From `to_dict`'s shape, as a checked transcript holds it."""
-        return cls(data["role"], data["content"], data.get("context_before"))
+        return cls(data["role"], data["content"], data.get("context_before"), data.get("tool_calls"),
+                   data.get("tool_call_id"), data.get("name"))
 
 
 class ReplySink:
@@ -136,6 +153,7 @@ class Generation:
     error: Exception | None = None
     answer: str | None = None  # None: all of `text`
     reasoning: str = ""
+    tool_calls: list = field(default_factory=list)  # the calls the reply made (`sessions.tools.ToolCall`)
 
 
 # ---- what a session can do -------------------------------------------------------------------
@@ -149,6 +167,7 @@ FEATURES: dict[str, tuple[str, str]] = {
     "chat_template": ("--chat-template (the server renders its own)", "--chat-template"),
     "think": ("--think/--no-think", "/think on|off"),
     "show_prompt": ("--show-prompt", "--show-prompt"),
+    "tools": ("--functions and --tools", "--functions and --tools"),
     "context_settings": ("--ctx, --threads and --kv-type (the server's own settings)", "--ctx"),
     "prompt_cache": ("the prompt cache", "the prompt cache"),
     "state_files": ("context state files", "context state files"),
@@ -177,7 +196,7 @@ class Capabilities:
 
 _ALL = frozenset(FEATURES)
 LOCAL = Capabilities("local", _ALL - {"slot_files"}, "a local model", exact_tokens=True, context_size=True)
-LLAMA_SERVER = Capabilities("llama-server", _ALL - {"context_settings", "prompt_cache", "state_files"},
+LLAMA_SERVER = Capabilities("llama-server", _ALL - {"context_settings", "prompt_cache", "state_files", "tools"},
                             "a server", exact_tokens=True, context_size=True)
 CHAT_API = Capabilities("chat-api", frozenset(), "this server (only llama.cpp's llama-server takes it)",
                         exact_tokens=False, context_size=False)

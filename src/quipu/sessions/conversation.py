@@ -10,6 +10,8 @@ from quipu.sessions.base import SILENT, Generation, Message, ModelSession, Reply
 from quipu.sessions.prompt import Protector, Rendered
 from quipu.sessions.template import ChatTemplate
 from quipu.sessions.thinking import ThinkingSink, starts_thinking
+from quipu.sessions.tools import (CHOICES, Format, call_grammar, format_of, generic_system_prompt, parse_reply,
+                                  split_reasoning)
 
 __all__ = ["Conversation", "Message"]
 
@@ -28,6 +30,10 @@ class Conversation:
     variables: dict[str, Any] = field(default_factory=dict)
     # The text the current (or last) reply was generated after.
     prompt_text: str = ""
+    # The tools the model is told of (`sessions.tools.ToolSpec`), rendered by its template, and
+    # whether it may call them: "auto", "required", "none", or a tool's name (that one, required).
+    tools: list[Any] = field(default_factory=list)
+    tool_choice: str = "auto"
 
     @property
     def reply_starts_thinking(self) -> bool:
@@ -73,8 +79,19 @@ class Conversation:
         if self.template is None:
             self.session.capabilities.require("show_prompt")
         protector = Protector(self.session.control_spellings([m.content for m in messages] + [tail]))
-        shown = [{"role": m.role, "content": protector.hide(m.content)} for m in messages]
-        text = self.template.render(shown, add_generation_prompt, **self.variables)
+        shown = [m.for_template(protector.hide(m.content)) for m in messages]
+        variables = dict(self.variables)
+        if self.tools:
+            if self.tool_format.generic and "tools" not in self.template.source:
+                # the template cannot tell the model of them: the system prompt does
+                told = generic_system_prompt(self.tools)
+                if shown and shown[0]["role"] == "system":
+                    shown[0] = {**shown[0], "content": f"{shown[0]['content']}\n\n{told}"}
+                else:
+                    shown.insert(0, {"role": "system", "content": told})
+            else:
+                variables["tools"] = [tool.to_openai() for tool in self.tools]
+        text = self.template.render(shown, add_generation_prompt, **variables)
         return protector.reveal(text + protector.hide(tail))
 
     def render_tokens(self, messages: Sequence[Message], add_generation_prompt: bool) -> list[int]:
@@ -127,15 +144,80 @@ class Conversation:
 
     def _generate(self, reply: Message, max_tokens: int, stop: Sequence[str], sink: ReplySink) -> Generation:
         """Generates into `reply` after the conversation (and what `reply` holds so far), which
-        joins the conversation when done; the answer and a thinking model's reasoning apart."""
+        joins the conversation when done; the answer and a thinking model's reasoning apart, and
+        the tool calls it made."""
         render = self.render if self.template is not None else None
         prompt = TurnPrompt(self.messages, reply.content, render)
         split = ThinkingSink(sink, lambda: starts_thinking(prompt.text))
-        gen = self.session.reply(prompt, max_tokens, stop, split)
+        offered = self._offer_tools(lambda: starts_thinking(prompt.text))
+        try:
+            gen = self.session.reply(prompt, max_tokens, stop, split)
+        finally:
+            if offered:
+                self.session.call_grammar = None
         self.prompt_text = prompt.text
         self.messages.append(reply)
         reply.content += gen.text
-        return split.finish(gen)
+        gen = split.finish(gen)
+        if offered:
+            self._read_calls(reply, gen)
+        return gen
+
+    # ---- tools ------------------------------------------------------------------------------
+
+    @property
+    def tool_format(self) -> Format:
+        return format_of(self.template.source if self.template is not None else None)
+
+    def _offer_tools(self, thinking) -> bool:
+        """Readies the session to hold a call to the grammar of the offered tools; False when no
+        call is to be read (no tools, `none`, or a session that reads no calls)."""
+        if not self.tools or self.tool_choice == "none" or not hasattr(self.session, "call_grammar"):
+            return False
+        offered = self.tools if self.tool_choice in CHOICES else [t for t in self.tools if t.name == self.tool_choice]
+        if not offered:
+            raise UsageError(f"--tool-choice names {self.tool_choice!r}, which is not one of the tools offered")
+        grammar = call_grammar(self.tool_format, offered)
+        self.session.call_grammar = grammar
+        self.session.call_forced = grammar is not None and self.tool_choice != "auto"
+        self.session.starts_thinking = thinking()
+        return True
+
+    def _read_calls(self, reply: Message, gen: Generation) -> None:
+        """Reads the calls of the reply just generated into its message (and `gen.tool_calls`):
+        the message then holds the text before them and the calls, as the template renders them."""
+        tokens = self.session.tokens[self.session.reply_start:]
+        if tokens and self.session.backend.is_eog(tokens[-1]):
+            tokens = tokens[:-1]
+        raw = self.session.spell(tokens)
+        thinking = starts_thinking(self.prompt_text)
+        parsed = parse_reply(self.template.source if self.template else None, raw, starts_thinking=thinking)
+        if not parsed.tool_calls:
+            return
+        for i, call in enumerate(parsed.tool_calls):
+            call.id = call.id or f"call_{len(self.messages)}_{i}"
+        gen.tool_calls = parsed.tool_calls
+        gen.answer = parsed.content
+        reply.tool_calls = [c.to_message() for c in parsed.tool_calls]
+        if not self.tool_format.generic:  # (a template that knows no calls is given the reply as written)
+            rest = split_reasoning(raw, thinking)[1]
+            reply.content = raw[:len(raw) - len(rest)] + parsed.content  # reasoning as written, then the text
+
+    def add_tool_results(self, results: Sequence[tuple[Any, str]]) -> None:
+        """Each (call, its result's text) as a tool message, after the reply that made the calls."""
+        for call, text in results:
+            self.messages.append(Message("tool", text, tool_call_id=call.id, name=call.name))
+
+    def reply_to_tools(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT) -> Generation:
+        """Generates the model's next reply after the tools' results (no new user message)."""
+        if not self.messages or self.messages[-1].role != "tool":
+            raise UsageError("there is no tool result to reply to")
+        mark = len(self.messages)
+        try:
+            return self._generate(Message("assistant", ""), max_tokens, stop, sink)
+        except BaseException:
+            del self.messages[mark:]
+            raise
 
     def undo(self) -> bool:
         """Drops the last exchange (the last user message and what followed it) and returns the

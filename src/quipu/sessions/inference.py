@@ -29,6 +29,7 @@ from quipu.engine.base import Backend, LogitsProcessor, ProgressFn, TokenFilter
 from quipu.engine.text import Detokenizer, unfinished_character
 from quipu.errors import ContextOverflow, EngineError, Interrupted, QuipuError
 from quipu.sessions.base import LOCAL, SILENT, Generation, ReplySink, Stats, TurnPrompt, common_prefix
+from quipu.sessions.tools import CallGrammar, TriggerWatch
 from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.prompt import HeldTokens, Rendered, context_tokens
 from quipu.sessions.stops import StopMatcher
@@ -115,6 +116,11 @@ class InferenceSession(HeldTokens):
         self._carry = b""  # the unfinished character a continued reply's text starts with
         self.logits_processors: list[LogitsProcessor] = []
         self.token_filter: TokenFilter | None = None
+        # Tools offered: a call, once its trigger is written (or from the start, `call_forced`),
+        # keeps to this grammar; its markup never reaches the sink.
+        self.call_grammar: CallGrammar | None = None
+        self.call_forced = False
+        self.starts_thinking = False  # the reply begins inside reasoning its prompt opened
         backend.set_sampler(self.params.sampler())
         backend.truncate(0)  # a session starts from an empty context, whatever the backend held
 
@@ -328,6 +334,8 @@ class InferenceSession(HeldTokens):
         finish = "length"
         if not self._turn_started:
             self.begin_turn()
+        calls = _CallWatch(self, sink) if self.call_grammar is not None else None
+        shown = calls or sink
         for _ in range(max_tokens):
             if len(self.tokens) >= self.n_ctx:
                 finish = "context_full"
@@ -341,9 +349,11 @@ class InferenceSession(HeldTokens):
             if self.backend.is_eog(token):
                 finish = "stop"
                 break
+            if calls is not None:
+                calls.took(token)
             text = reply.push(token)
             if text:
-                sink.text(text)
+                shown.text(text)
             if reply.stopped:
                 finish = "stop_sequence"
                 break
@@ -352,11 +362,23 @@ class InferenceSession(HeldTokens):
                 break
         tail, finish, self._carry = reply.end(finish)
         if tail:
-            sink.text(tail)
+            shown.text(tail)
+        if calls is not None:
+            calls.end()
         self.stats.completion_tokens = sampled
         self.stats.decode_s = last_at - first_at
         self._turn_started = 0.0
         return Generation(reply.text, reply.tokens, finish)
+
+    def force(self, text: str) -> None:
+        """Appends `text` (control tokens parsed) to the reply as if the model had written it."""
+        tokens = self.backend.tokenize(text, add_special=False, parse_special=True)
+        # (A SentencePiece tokenizer puts a space before a text's start: not what follows a reply's text.)
+        if len(tokens) > 1 and self.backend.token_text(tokens[0]) == b" " and \
+                b"".join(self.backend.token_text(t) for t in tokens[1:]) == text.encode():
+            tokens = tokens[1:]
+        self.tokens.extend(tokens)
+        self.backend.sampler_accept(tokens)
 
     def complete(self, tokens: Sequence[int], max_tokens: int, stop: Sequence[str] = (),
                  sink: ReplySink = SILENT) -> Generation:
@@ -377,3 +399,57 @@ class InferenceSession(HeldTokens):
         self.set_context(tokens, sink)
         self.start_reply(start)
         return self.infer(max_tokens, stop, sink)
+
+
+class _CallWatch(ReplySink):
+    """A reply's sink while tools are offered: text goes on to `sink` until a call's trigger is
+    written (a text that might be the start of one is held back until it is known not to be);
+    from the trigger on, the reply keeps to the call's grammar and nothing more is shown."""
+
+    def __init__(self, session: InferenceSession, sink: ReplySink):
+        self.session, self.sink = session, sink
+        grammar = session.call_grammar
+        self.watch = TriggerWatch(grammar.triggers, session.starts_thinking)
+        self.held = ""
+        self.calling = False
+        if session.call_forced:
+            session.force(grammar.triggers[0])
+            self.watch.push(grammar.triggers[0])
+            self._begin()
+
+    def _begin(self) -> None:
+        from quipu.engine.grammar import Grammar
+
+        self.calling = True
+        self.held = ""
+        self.session.backend.set_constraint(Grammar("lark", self.session.call_grammar.lark))
+
+    def took(self, token: int) -> None:
+        if not self.calling and self.watch.push(self.session.backend.token_text(token).decode("utf-8", "replace")):
+            self._begin()
+
+    def text(self, text: str) -> None:
+        if self.calling:
+            return
+        self.held += text
+        keep = max((n for t in self.watch.triggers for n in range(min(len(t), len(self.held)), 0, -1)
+                    if self.held.endswith(t[:n])), default=0)
+        if len(self.held) > keep:
+            self.sink.text(self.held[:len(self.held) - keep])
+            self.held = self.held[len(self.held) - keep:]
+
+    def reasoning(self, text: str) -> None:
+        self.sink.reasoning(text)
+
+    def progress(self, done: int, total: int) -> None:
+        self.sink.progress(done, total)
+
+    def stopped(self) -> bool:
+        return self.sink.stopped()
+
+    def end(self) -> None:
+        if self.held and not self.calling:
+            self.sink.text(self.held)
+        self.held = ""
+        if self.calling:
+            self.session.backend.set_constraint(None)

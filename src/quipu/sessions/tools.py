@@ -536,3 +536,117 @@ def parse_reply(template: str | None, text: str, *, starts_thinking: bool = Fals
     reasoning, rest = split_reasoning(text, starts_thinking)
     content, calls = format_of(template).parse(rest)
     return ParsedReply(content, reasoning, calls)
+
+
+# ---- the grammar of a call -----------------------------------------------------------------
+
+# JSON as a template's `tojson` writes it, so that a call the model wrote renders back to the
+# very tokens it was generated as: nothing of it is read again on the next turn.
+_AS_TOJSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+CHOICES = ("auto", "required", "none")
+
+
+def _json(schema: dict[str, Any]) -> str:
+    return "%json " + json.dumps({**schema, "x-guidance": _AS_TOJSON}, ensure_ascii=False)
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _one_of_calls(tools: Sequence[ToolSpec], name_key: str, args_key: str, extra: dict | None = None) -> str:
+    """A JSON call object: `{name_key: one of the tools, args_key: its arguments}`, in that order."""
+    shapes = []
+    for tool in tools:
+        props = {name_key: {"const": tool.name}, args_key: tool.parameters or {"type": "object"}}
+        props.update(extra or {})
+        shapes.append({"type": "object", "properties": props, "required": list(props), "additionalProperties": False})
+    return _json(shapes[0] if len(shapes) == 1 else {"anyOf": shapes})
+
+
+def _named_args(tools: Sequence[ToolSpec], between: str) -> str:
+    """`NAME<between>{arguments}` for one of the tools, as Lark alternatives."""
+    return " | ".join(f"{_lark_string(t.name + between)} {_json(t.parameters or {'type': 'object'})}" for t in tools)
+
+
+@dataclass(frozen=True)
+class CallGrammar:
+    """What holds a call to the offered tools: the texts that begin one (`triggers`), and the
+    grammar (Lark, llguidance's) of what follows a trigger, to the call's end."""
+
+    triggers: tuple[str, ...]
+    lark: str
+
+
+def call_grammar(fmt: Format, tools: Sequence[ToolSpec]) -> CallGrammar | None:
+    """The grammar a call in `fmt` is held to once it begins (None: the format's calls are read
+    but not constrained, which is said in `Format.constrained`)."""
+    if not tools:
+        return None
+    if fmt.name in ("hermes", "granite-4"):
+        call = _one_of_calls(tools, "name", "arguments")
+        return CallGrammar(("<tool_call>",), f'start: "\\n" call "\\n</tool_call>" ("\\n<tool_call>\\n" call '
+                                              f'"\\n</tool_call>")*\ncall: {call}\n')
+    if fmt.name == "llama3":
+        rest = " | ".join(f'{_lark_string(f": {json.dumps(t.name)}, " + chr(34) + "parameters" + chr(34) + ": ")} '
+                          f'{_json(t.parameters or {"type": "object"})} "}}"' for t in tools)
+        return CallGrammar(('{"name"',), f"start: {rest}\n")
+    if fmt.name == "mistral-nemo":
+        call = _one_of_calls(tools, "name", "arguments", {"id": {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}})
+        return CallGrammar(("[TOOL_CALLS]",), f'start: "[" call (", " call)* "]"\ncall: {call}\n')
+    if fmt.name == "mistral-args":
+        return CallGrammar(("[TOOL_CALLS]",), f'start: call\ncall: {_named_args(tools, "[ARGS]")}\n')
+    if fmt.name == "generic":
+        call = _one_of_calls(tools, "name", "arguments")
+        return CallGrammar(('{"tool_call": ',), f'start: call "}}"\ncall: {call}\n')
+    return None
+
+
+CONSTRAINED = ("hermes", "granite-4", "llama3", "mistral-nemo", "mistral-args", "generic")
+
+
+def generic_system_prompt(tools: Sequence[ToolSpec]) -> str:
+    """What a model whose template has no tools path is told, in the system prompt."""
+    listed = json.dumps([t.to_openai()["function"] for t in tools], ensure_ascii=False)
+    return (f"You can call these tools: {listed}\nTo call one, reply with nothing but the JSON "
+            '{"tool_call": {"name": "<tool name>", "arguments": {...}}}; its result comes back in the next '
+            "message. Otherwise, answer in plain text.")
+
+
+class TriggerWatch:
+    """Watches a reply's text (control tokens spelled out) for the text that begins a call,
+    outside reasoning; says where it began, once."""
+
+    def __init__(self, triggers: Sequence[str], starts_thinking: bool = False):
+        self.triggers = tuple(triggers)
+        self.text = ""
+        self.fired_at: int | None = None  # where in `text` the trigger began
+        self._thinking = starts_thinking
+
+    def push(self, piece: str) -> bool:
+        """Adds a token's text; True when this completes a trigger."""
+        if self.fired_at is not None:
+            self.text += piece
+            return False
+        self.text += piece
+        visible = self._outside_reasoning()
+        if visible is None:
+            return False
+        offset, tail = visible
+        for trigger in self.triggers:
+            at = tail.find(trigger)
+            if at >= 0:
+                self.fired_at = offset + at
+                return True
+        return False
+
+    def _outside_reasoning(self) -> tuple[int, str] | None:
+        text = self.text
+        for open_, close in _REASONING:
+            stripped = text.lstrip()
+            if self._thinking or stripped.startswith(open_) or (open_.startswith(stripped) and stripped):
+                end = text.find(close)
+                if end < 0:
+                    return None
+                return end + len(close), text[end + len(close):]
+        return 0, text

@@ -16,7 +16,7 @@ from typing import Any
 
 FORMAT = "quipu-session"
 VERSION = 1
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class TranscriptError(ValueError):
@@ -47,6 +47,8 @@ class Transcript:
     served: dict[str, Any] | None = None
     # What a reply may be, when the session was given it: `max_tokens`, `stop` (a list of texts).
     limits: dict[str, Any] = field(default_factory=dict)
+    # The tools the model was told of (OpenAI's shape): definitions only, never what runs them.
+    tools: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def turns(self) -> int:
@@ -72,7 +74,7 @@ class Transcript:
             draws=record["draws"], created=str(record.get("created", "")), updated=str(record.get("updated", "")),
             quipu=str(record.get("quipu", "")), build=str(record.get("build", "")),
             chat_template=record.get("chat_template"), template_variables=record.get("template_variables") or {},
-            served=record.get("served"), limits=record.get("limits") or {},
+            served=record.get("served"), limits=record.get("limits") or {}, tools=record.get("tools") or [],
         )
 
 
@@ -91,6 +93,14 @@ def _check_message(m: Any) -> str | None:
     before = m.get("context_before")
     if before is not None and not _is_count(before):
         return "a message's context_before is not a count"
+    calls = m.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments"), dict) for c in calls)):
+        return "a message's tool calls are not calls"
+    for key in ("tool_call_id", "name"):
+        if m.get(key) is not None and not isinstance(m[key], str):
+            return f"a message's {key} is not a text"
     return None
 
 
@@ -129,6 +139,11 @@ def check(record: Any) -> str | None:
             limits.get("stop") is None or (isinstance(limits["stop"], list)
                                            and all(isinstance(t, str) for t in limits["stop"]))):
         return "the transcript's reply limits are damaged"
+    tools = record.get("tools") or []
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            and isinstance(t["function"].get("parameters", {}), dict) for t in tools):
+        return "the transcript's tools are damaged"
     problem = _check_served(record.get("served"), tokens)
     if problem:
         return problem

@@ -1,0 +1,502 @@
+"""Tools a model may call, and the loop that runs them: Python functions from the user's own
+file (`--functions FILE.py`), definitions the caller runs itself (`--tools FILE.json`), and, in
+`mcp.py`, MCP servers. A call runs only once approved; its result goes back to the model, which
+goes on until it answers in text or the chain's limit is reached.
+
+A functions file is the user's code: it is imported only when the command line (or the config)
+names it, never because a session file does. Approvals are never saved."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import json
+import threading
+import time
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Sequence
+
+from quipu.errors import BadInput, UsageError
+from quipu.sessions.base import SILENT, Generation, ReplySink
+from quipu.sessions.conversation import Conversation
+from quipu.sessions.tools import ToolCall, ToolSpec
+
+DEFAULT_CHAIN_LIMIT = 5
+DEFAULT_OUTPUT_MAX = 8000  # characters of a tool's result the model is given
+DEFAULT_TIMEOUT = 60.0  # seconds a tool may run
+REPEATS = 3  # the same call with the same arguments this many times stops the loop
+
+
+@dataclass
+class Tool:
+    spec: ToolSpec
+    run: Callable[[dict[str, Any]], Any] | None  # None: the caller runs it (--tools FILE.json)
+    source: str  # where it came from, for messages: "functions.py", "tools.json", "mcp server x"
+    timeout: float = DEFAULT_TIMEOUT
+
+
+@dataclass
+class CallRecord:
+    """One call of a loop, as `--json` reports it."""
+
+    id: str | None
+    name: str
+    arguments: dict[str, Any]
+    result: str | None = None
+    error: str | None = None
+    time_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "name": self.name, "arguments": self.arguments}
+        out["error" if self.error is not None else "result"] = self.error if self.error is not None else self.result
+        out["time_s"] = round(self.time_s, 4)
+        return out
+
+
+class Toolbox:
+    """The tools of a turn, by name; two with one name is a usage error."""
+
+    def __init__(self) -> None:
+        self.tools: dict[str, Tool] = {}
+
+    def add(self, tools: Sequence[Tool]) -> None:
+        for tool in tools:
+            if tool.spec.name in self.tools:
+                raise UsageError(f"two tools are named {tool.spec.name!r}: in {self.tools[tool.spec.name].source} "
+                                 f"and in {tool.source}")
+            self.tools[tool.spec.name] = tool
+
+    @property
+    def specs(self) -> list[ToolSpec]:
+        return [t.spec for t in self.tools.values()]
+
+    def __bool__(self) -> bool:
+        return bool(self.tools)
+
+
+# ---- tools from a Python file ---------------------------------------------------------------
+
+def functions_from_file(path: str) -> tuple[list[Tool], list[str]]:
+    """Each public function defined in the file, as a tool (and notices: parameters taken as
+    strings for want of a type hint)."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UsageError(f"the functions file {file} does not exist")
+    name = f"quipu_functions_{abs(hash(str(file.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"{file} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as exc:  # the user's code: whatever it raises is said in one line
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        where = ""
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == str(file):
+                where = f" (line {tb.tb_lineno})"
+            tb = tb.tb_next
+        raise UsageError(f"the functions file {file} does not import{where}: {type(exc).__name__}: {exc}") from None
+    tools, notices = [], []
+    for fname, fn in vars(module).items():
+        if fname.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != name:
+            continue
+        schema, untyped = parameters_schema(fn)
+        for param in untyped:
+            notices.append(f"{file.name}: {fname}({param}) has no type hint; the model gives it as a string")
+        doc = inspect.getdoc(fn) or ""
+        tools.append(Tool(ToolSpec(fname, doc, schema), _caller(fn), file.name))
+    if not tools:
+        raise UsageError(f"the functions file {file} defines no public function")
+    return tools, notices
+
+
+def _caller(fn: Callable) -> Callable[[dict[str, Any]], Any]:
+    hints = _hints(fn)
+
+    def call(arguments: dict[str, Any]) -> Any:
+        kwargs = {k: _to_python(v, hints.get(k)) for k, v in arguments.items()}
+        return fn(**kwargs)
+
+    return call
+
+
+def _hints(fn: Callable) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(fn)
+    except Exception:  # a hint that does not resolve: the parameter is taken as untyped
+        return {}
+
+
+def parameters_schema(fn: Callable) -> tuple[dict[str, Any], list[str]]:
+    """The JSON Schema of a function's parameters, from its type hints and defaults; and the
+    parameters that have no hint (taken as strings)."""
+    hints = _hints(fn)
+    props: dict[str, Any] = {}
+    required: list[str] = []
+    untyped: list[str] = []
+    for name, param in inspect.signature(fn).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if name in hints:
+            props[name] = type_schema(hints[name])
+        else:
+            props[name] = {"type": "string"}
+            untyped.append(name)
+        if param.default is param.empty:
+            required.append(name)
+        elif _jsonable(param.default):
+            props[name]["default"] = param.default
+    schema: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
+    if required:
+        schema["required"] = required
+    return schema, untyped
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def type_schema(hint: Any) -> dict[str, Any]:
+    """The JSON Schema of a type hint."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any or hint is inspect.Parameter.empty:
+        return {}
+    if hint is type(None):
+        return {"type": "null"}
+    if origin is Literal:
+        return {"enum": list(args)}
+    if origin in (typing.Union, types.UnionType):
+        options = [type_schema(a) for a in args]
+        return options[0] if len(options) == 1 else {"anyOf": options}
+    if origin in (list, tuple, set, frozenset, Sequence) or hint in (list, tuple, set):
+        items = args[0] if args else Any
+        out: dict[str, Any] = {"type": "array"}
+        if items is not Any and items is not Ellipsis:
+            out["items"] = type_schema(items)
+        return out
+    if origin is dict or hint is dict:
+        out = {"type": "object"}
+        if len(args) == 2 and args[1] is not Any:
+            out["additionalProperties"] = type_schema(args[1])
+        return out
+    if dataclasses.is_dataclass(hint):
+        hints = typing.get_type_hints(hint)
+        fields = dataclasses.fields(hint)
+        return {"type": "object", "properties": {f.name: type_schema(hints[f.name]) for f in fields},
+                "required": [f.name for f in fields if f.default is dataclasses.MISSING
+                             and f.default_factory is dataclasses.MISSING],
+                "additionalProperties": False}
+    if typing.is_typeddict(hint):
+        hints = typing.get_type_hints(hint)
+        return {"type": "object", "properties": {k: type_schema(v) for k, v in hints.items()},
+                "required": sorted(hint.__required_keys__), "additionalProperties": False}
+    simple = {str: "string", int: "integer", float: "number", bool: "boolean"}
+    if hint in simple:
+        return {"type": simple[hint]}
+    return {"type": "string"}
+
+
+def _to_python(value: Any, hint: Any) -> Any:
+    """A JSON argument as the function's hint asks (a dataclass from its object)."""
+    if hint is not None and dataclasses.is_dataclass(hint) and isinstance(value, dict):
+        hints = typing.get_type_hints(hint)
+        return hint(**{k: _to_python(v, hints.get(k)) for k, v in value.items()})
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:
+            if dataclasses.is_dataclass(arg) and isinstance(value, dict):
+                return _to_python(value, arg)
+    if origin is list and args and isinstance(value, list):
+        return [_to_python(v, args[0]) for v in value]
+    return value
+
+
+# ---- tools the caller runs ---------------------------------------------------------------------
+
+def tools_from_json(path: str) -> list[Tool]:
+    """Tool definitions in OpenAI's `tools` shape, which the caller runs (`--tool-result`)."""
+    file = Path(path).expanduser()
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"cannot read the tools file {file}: {exc.strerror or exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"the tools file {file} is not valid JSON: {exc}") from None
+    if isinstance(data, dict) and "tools" in data:
+        data = data["tools"]
+    if not isinstance(data, list) or not data:
+        raise UsageError(f"the tools file {file} must be a list of tools ({{\"type\": \"function\", \"function\": ...}})")
+    tools = []
+    for i, item in enumerate(data):
+        fn = item.get("function") if isinstance(item, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise UsageError(f"tool {i} of {file} has no function name ({{\"type\": \"function\", \"function\": "
+                             "{\"name\": ...}})")
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise UsageError(f"the parameters of tool {fn['name']!r} in {file} are not a JSON Schema")
+        tools.append(Tool(ToolSpec(fn["name"], str(fn.get("description") or ""), params), None, file.name))
+    return tools
+
+
+def check_tool_schemas(box: Toolbox) -> None:
+    """Each tool's parameters as --schema checks a schema: a call is held to them."""
+    from quipu.engine.constraint import compile_grammar
+    from quipu.engine.grammar import schema_grammar
+    from quipu.errors import InvalidParameter
+
+    for tool in box.tools.values():
+        try:
+            compile_grammar(schema_grammar(json.dumps(tool.spec.parameters)))
+        except InvalidParameter as exc:
+            raise UsageError(f"the parameters of tool {tool.spec.name!r} ({tool.source}): {exc}") from None
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+
+Approve = Callable[[ToolCall], bool]
+
+
+@dataclass
+class LoopResult:
+    generation: Generation
+    calls: list[CallRecord] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
+    pending: list[ToolCall] = field(default_factory=list)  # calls left for the caller to run
+
+
+def run_call(tool: Tool, call: ToolCall, output_max: int) -> CallRecord:
+    """Runs one call (its own timeout); an error is the result the model is given."""
+    record = CallRecord(call.id, call.name, call.arguments)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = tool.run(call.arguments)
+        except BaseException as exc:  # the tool's own failure goes back to the model
+            box["error"] = f"{type(exc).__name__}: {exc}"
+
+    started = time.perf_counter()
+    worker = threading.Thread(target=target, daemon=True, name=f"tool {call.name}")
+    worker.start()
+    worker.join(tool.timeout)
+    record.time_s = time.perf_counter() - started
+    if worker.is_alive():
+        record.error = f"the tool did not answer within {tool.timeout:g} s"
+    elif "error" in box:
+        record.error = box["error"]
+    else:
+        value = box.get("value")
+        record.result = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return record
+
+
+def cut(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"\n[cut: the result was {len(text):,} characters; the first {limit:,} are above]"
+
+
+def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: Approve, max_tokens: int,
+              stop: Sequence[str] = (), sink: ReplySink = SILENT, chain_limit: int = DEFAULT_CHAIN_LIMIT,
+              output_max: int = DEFAULT_OUTPUT_MAX, on_call: Callable[[CallRecord], None] | None = None,
+              on_start: Callable[[ToolCall], None] | None = None) -> LoopResult:
+    """From a reply that made calls: run each (once approved), give the results back, and let
+    the model go on, until it answers in text, a call is the caller's to run, or the chain's
+    limit. Returns the last reply and every call made."""
+    result = LoopResult(gen)
+    seen: dict[str, int] = {}
+    rounds = 0
+    while result.generation.tool_calls and result.generation.finish_reason == "stop":
+        calls = result.generation.tool_calls
+        unknown = [c for c in calls if c.name not in box.tools]
+        theirs = [c for c in calls if c.name in box.tools and box.tools[c.name].run is None]
+        if theirs:
+            result.pending = list(calls)
+            result.generation.finish_reason = "tool_calls"
+            return result
+        if rounds >= chain_limit:
+            result.notices.append(f"the model asked for more tools after {chain_limit} rounds (--chain-limit); "
+                                  "stopped there")
+            result.generation.finish_reason = "tool_calls"
+            result.pending = list(calls)
+            return result
+        answers: list[tuple[ToolCall, str]] = []
+        for call in calls:
+            key = json.dumps([call.name, call.arguments], sort_keys=True, default=str)
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] >= REPEATS:
+                result.notices.append(f"the model called {call.name} with the same arguments {REPEATS} times; "
+                                      "the loop stopped")
+                result.generation.finish_reason = "tool_calls"
+                result.pending = list(calls)
+                return result
+            if on_start is not None:
+                on_start(call)
+            if call in unknown:
+                record = CallRecord(call.id, call.name, call.arguments, error=f"there is no tool named {call.name}")
+            elif not approve(call):
+                record = CallRecord(call.id, call.name, call.arguments, error="the user did not approve this call")
+            else:
+                record = run_call(box.tools[call.name], call, output_max)
+            result.calls.append(record)
+            if on_call is not None:
+                on_call(record)
+            text = record.result if record.error is None else f"error: {record.error}"
+            answers.append((call, cut(text or "", output_max)))
+        conv.add_tool_results(answers)
+        choice = conv.tool_choice
+        if choice != "none":  # a call asked for (required, or a tool's name) is the first reply's only
+            conv.tool_choice = "auto"
+        try:
+            result.generation = conv.reply_to_tools(max_tokens=max_tokens, stop=stop, sink=sink)
+        finally:
+            conv.tool_choice = choice
+        rounds += 1
+    return result
+
+
+def parse_tool_results(given: Sequence[str]) -> list[tuple[str, str]]:
+    """--tool-result ID=TEXT or ID=@FILE, each as (id, text)."""
+    out = []
+    for item in given:
+        ident, sep, value = item.partition("=")
+        if not sep or not ident:
+            raise UsageError(f"--tool-result takes ID=TEXT or ID=@FILE, not {item!r}")
+        if value.startswith("@"):
+            try:
+                value = Path(value[1:]).expanduser().read_text(encoding="utf-8")
+            except OSError as exc:
+                raise UsageError(f"cannot read the tool result {value[1:]}: {exc.strerror or exc}") from None
+            except UnicodeDecodeError:
+                raise BadInput(f"the tool result {value[1:]} is not UTF-8 text") from None
+        out.append((ident, value))
+    return out
+
+
+def pending_calls(conv: Conversation) -> list[ToolCall]:
+    """The calls of the conversation's last reply that have no result yet."""
+    answered = set()
+    for message in reversed(conv.messages):
+        if message.role == "tool":
+            answered.add(message.tool_call_id)
+            continue
+        if message.role == "assistant" and message.tool_calls:
+            return [ToolCall(c["function"]["name"], c["function"]["arguments"], c.get("id"))
+                    for c in message.tool_calls if c.get("id") not in answered]
+        break
+    return []
+
+
+# ---- a turn with tools -------------------------------------------------------------------------
+
+@dataclass
+class ToolHooks:
+    """What the front end does in a loop: asks to approve a call (None: refused unless --yes),
+    and hears of each call as it starts and ends."""
+
+    approve: Approve | None = None
+    on_start: Callable[[ToolCall], None] | None = None
+    on_call: Callable[[CallRecord], None] | None = None
+
+
+@dataclass
+class Tools:
+    box: Toolbox
+    notices: list[str] = field(default_factory=list)
+
+
+def toolbox(opts) -> Tools | None:
+    """The tools the options give (None when they give none), each checked."""
+    if not opts.functions and not opts.tools_file:
+        return None
+    if any(v not in (None, "off") for v in (opts.schema, opts.grammar, opts.regex)):
+        raise UsageError("give tools or --schema/--grammar/--regex, not both: a call is held to the tools' own schemas")
+    for name, value in (("--chain-limit", opts.chain_limit), ("--tool-output-max", opts.tool_output_max),
+                        ("--tool-timeout", opts.tool_timeout)):
+        if value is not None and not value > 0:
+            raise UsageError(f"{name} must be more than 0, got {value}")
+    tools = Tools(Toolbox())
+    for path in opts.functions:
+        made, notices = functions_from_file(path)
+        tools.box.add(made)
+        tools.notices += notices
+    if opts.tools_file:
+        tools.box.add(tools_from_json(opts.tools_file))
+    check_tool_schemas(tools.box)
+    if opts.tool_timeout is not None:
+        for tool in tools.box.tools.values():
+            tool.timeout = opts.tool_timeout
+    return tools
+
+
+def offer(conv: Conversation, tools: Tools | None, opts) -> None:
+    """Tells the conversation of the tools (those given now replace a session's own)."""
+    if tools is not None:
+        conv.tools = tools.box.specs
+    if opts.tool_choice is not None:
+        choice = opts.tool_choice
+        if choice not in ("auto", "required", "none") and choice not in {t.name for t in conv.tools}:
+            raise UsageError(f"--tool-choice is auto, required, none or a tool's name, not {choice!r}")
+        conv.tool_choice = choice
+
+
+def answer_pending(conv: Conversation, opts, limit: int, stop: Sequence[str], sink: ReplySink) -> Generation:
+    """--tool-result: the results of the last reply's calls, then the model's next reply."""
+    pending = {c.id: c for c in pending_calls(conv)}
+    if not pending:
+        raise UsageError("the session's last reply made no call that waits for a result")
+    given = parse_tool_results(opts.tool_results)
+    answers = []
+    for ident, text in given:
+        if ident not in pending:
+            raise UsageError(f"--tool-result names {ident!r}, which the last reply did not call "
+                             f"(it called: {', '.join(sorted(pending))})")
+        answers.append((pending.pop(ident), text))
+    if pending:
+        raise UsageError(f"give a --tool-result for each call: {', '.join(sorted(pending))} has none")
+    conv.add_tool_results(answers)
+    return conv.reply_to_tools(max_tokens=limit, stop=stop, sink=sink)
+
+
+def follow_calls(conv: Conversation, tools: Tools | None, gen: Generation, opts, limit: int, stop: Sequence[str],
+                 sink: ReplySink, hooks: ToolHooks | None) -> tuple[Generation, list[CallRecord], list[str]]:
+    """Runs the loop from a reply that made calls; (the last reply, the calls, notices)."""
+    notices = list(tools.notices) if tools is not None else []
+    if not gen.tool_calls:
+        return gen, [], notices
+    box = tools.box if tools is not None else Toolbox()
+    for spec in conv.tools:  # a session's tools that nothing runs now: the caller's to run
+        if spec.name not in box.tools:
+            box.tools[spec.name] = Tool(spec, None, "the session")
+    hooks = hooks or ToolHooks()
+    refused: list[str] = []
+
+    def approve(call: ToolCall) -> bool:
+        if opts.yes:
+            return True
+        if hooks.approve is not None:
+            return hooks.approve(call)
+        refused.append(call.name)
+        return False
+
+    loop = tool_loop(conv, box, gen, approve=approve, max_tokens=limit, stop=stop, sink=sink,
+                     chain_limit=opts.chain_limit or DEFAULT_CHAIN_LIMIT,
+                     output_max=opts.tool_output_max or DEFAULT_OUTPUT_MAX, on_call=hooks.on_call,
+                     on_start=hooks.on_start)
+    if refused:
+        notices.append(f"refused {', '.join(sorted(set(refused)))}: no terminal to ask and no --yes; the model "
+                       "was told")
+    records = loop.calls + [CallRecord(c.id, c.name, c.arguments) for c in loop.pending]
+    return loop.generation, records, notices + loop.notices
