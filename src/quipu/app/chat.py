@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import secrets
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from quipu.app.environment import SAMPLING_TYPES, Environment, TurnOptions, max_tokens
 from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost
+from quipu.app.tools import ToolHooks, follow_calls, offer, toolbox
 from quipu.app.named import NamedSession, store_for
 from quipu.engine.base import ProgressFn
 from quipu.errors import ContextOverflow, InvalidParameter, UsageError
@@ -40,6 +41,7 @@ class TurnOutcome:
     generation: Generation
     stats: Stats
     context_full: bool = False
+    calls: list = field(default_factory=list)  # app.tools.CallRecord: the tools the turn ran
 
 
 class ChatSession:
@@ -55,6 +57,8 @@ class ChatSession:
         self._stack = ExitStack()
         self.last_stats: Stats | None = None
         self.resumed = False
+        self.tools = toolbox(opts)  # a bad file is said before anything is loaded
+        self.hooks: ToolHooks | None = None  # how the front end approves and shows calls
 
     # ---- opening and closing ---------------------------------------------------------------
 
@@ -91,6 +95,7 @@ class ChatSession:
         except BaseException:
             stack.close()
             raise
+        offer(named.conversation, self.tools, opts or self.opts)
         self._release()
         self._stack, self.named = stack, named
         self.resumed = resumed
@@ -142,6 +147,9 @@ class ChatSession:
         try:
             limit, stop = named.reply_limits(self.opts, self.env)
             gen = action(max_tokens=limit, stop=stop, sink=sink)
+            gen, calls, notes = follow_calls(named.conversation, self.tools, gen, self.opts, limit, stop, sink,
+                                             self.hooks)
+            named.notices += notes
         except ContextOverflow as exc:
             if message is not None:
                 self._refuse_if_it_never_fits(message, exc)
@@ -151,7 +159,7 @@ class ChatSession:
         self.last_stats = named.session.stats
         if gen.error is not None:
             raise gen.error  # a server failed mid-reply: what came is kept and saved
-        return TurnOutcome(gen, named.session.stats, gen.finish_reason == "context_full")
+        return TurnOutcome(gen, named.session.stats, gen.finish_reason == "context_full", calls)
 
     def _refuse_if_it_never_fits(self, text: str, exc: ContextOverflow) -> None:
         """A message too long even for a conversation of nothing but the system prompt gets one
@@ -315,3 +323,9 @@ class ChatSession:
     @property
     def context_nearly_full(self) -> bool:
         return bool(self.context_size) and self.context_used >= WARN_FRACTION * self.context_size
+
+    def tool_list(self) -> list[tuple[str, str, str]]:
+        """(name, where it comes from, description) of each tool the model is told of."""
+        conv = self._named.conversation
+        sources = {name: t.source for name, t in self.tools.box.tools.items()} if self.tools else {}
+        return [(t.name, sources.get(t.name, "the session (the caller runs it)"), t.description) for t in conv.tools]

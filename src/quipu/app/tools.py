@@ -96,7 +96,9 @@ def functions_from_file(path: str) -> tuple[list[Tool], list[str]]:
     except BaseException as exc:  # the user's code: whatever it raises is said in one line
         if isinstance(exc, KeyboardInterrupt):
             raise
-        where = ""
+        where = f" (line {exc.lineno})" if isinstance(exc, SyntaxError) and exc.lineno else ""
+        if isinstance(exc, SyntaxError):
+            exc = SyntaxError(exc.msg)
         tb = exc.__traceback__
         while tb is not None:
             if tb.tb_frame.f_code.co_filename == str(file):
@@ -332,16 +334,20 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
             result.generation.finish_reason = "tool_calls"
             result.pending = list(calls)
             return result
+        # A call asked for again, round after round, with the same arguments: the loop stops
+        # before the round runs (calls repeated within one reply count once).
+        keys = {json.dumps([c.name, c.arguments], sort_keys=True, default=str): c.name for c in calls}
+        for key in keys:
+            seen[key] = seen.get(key, 0) + 1
+        looping = [name for key, name in keys.items() if seen[key] >= REPEATS]
+        if looping:
+            result.notices.append(f"the model called {looping[0]} with the same arguments {REPEATS} times; "
+                                  "the loop stopped")
+            result.generation.finish_reason = "tool_calls"
+            result.pending = list(calls)
+            return result
         answers: list[tuple[ToolCall, str]] = []
         for call in calls:
-            key = json.dumps([call.name, call.arguments], sort_keys=True, default=str)
-            seen[key] = seen.get(key, 0) + 1
-            if seen[key] >= REPEATS:
-                result.notices.append(f"the model called {call.name} with the same arguments {REPEATS} times; "
-                                      "the loop stopped")
-                result.generation.finish_reason = "tool_calls"
-                result.pending = list(calls)
-                return result
             if on_start is not None:
                 on_start(call)
             if call in unknown:

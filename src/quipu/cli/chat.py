@@ -15,6 +15,7 @@ PARAMS: dict[str, spec.Opt] = {
     "markdown": spec.flag("--markdown", help="Render replies as Markdown as they stream."),
     **spec.GENERATION,
     **spec.SHAPING,
+    **{k: v for k, v in spec.TOOLS.items() if k != "tool_results"},
     "hide_thinking": spec.flag("--hide-thinking", help="Do not show a thinking model's reasoning (/think shows "
                                                        "it again)."),
     "verbose": spec.VERBOSE,

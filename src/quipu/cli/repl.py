@@ -123,6 +123,22 @@ def _schema(repl: "Repl", arg: str) -> None:
     repl.say("replies keep to the schema" if on else "replies are free again")
 
 
+def spelled_call(call) -> str:
+    """A call as a chat shows it: `name({"arg": ...})`."""
+    import json
+
+    return f"{call.name}({json.dumps(call.arguments, ensure_ascii=False)})"
+
+
+def _tools(repl: "Repl", arg: str) -> None:
+    listed = repl.chat.tool_list()
+    if not listed:
+        repl.say("no tools: start the chat with --functions FILE.py or --tools FILE.json")
+    for name, source, description in listed:
+        first = description.strip().splitlines()[0] if description.strip() else ""
+        repl.say(f"{name}  ({source}){'  ' + first if first else ''}")
+
+
 def _grammar(repl: "Repl", arg: str) -> None:
     on = repl.chat.constrain(grammar=repl.need(arg, "/grammar FILE|off"))
     repl.say("replies keep to the grammar" if on else "replies are free again")
@@ -179,6 +195,7 @@ COMMANDS: list[SlashCommand] = [
     SlashCommand("schema", "FILE|off", "the next replies are JSON valid against this JSON Schema file", _schema),
     SlashCommand("grammar", "FILE|off", "the next replies keep to this grammar file (GBNF, or Lark: .lark)", _grammar),
     SlashCommand("regex", "PATTERN|off", "the next replies match this regular expression", _regex),
+    SlashCommand("tools", "", "the tools the model may call, and where each comes from", _tools),
     SlashCommand("stats", "", "figures of the last reply", _stats),
     SlashCommand("context", "", "tokens used of the context", _context),
     SlashCommand("trim", "", "drop the oldest exchanges to free half the context", _trim),
@@ -237,6 +254,29 @@ class Repl:
         self.show_thinking = show_thinking
         self.running = True
         self._pending_retry: str | None = None
+        self._always: set[str] = set()  # tools approved for the rest of this chat (never saved)
+        from quipu.app.tools import ToolHooks
+
+        chat.hooks = ToolHooks(self._approve, self._call_starts, self._call_ended)
+
+    # ---- tools -------------------------------------------------------------------------------
+
+    def _approve(self, call) -> bool:
+        if call.name in self._always:
+            return True
+        answer = self.ask(f"run {spelled_call(call)}? [y]es, [n]o, [a]lways for {call.name}: ", default="n",
+                          choices="yna")
+        if answer.startswith("a"):
+            self._always.add(call.name)
+        return answer[:1] in ("y", "a")
+
+    def _call_starts(self, call) -> None:
+        self.say(self.term.dim(spelled_call(call)))
+
+    def _call_ended(self, record) -> None:
+        said = record.error if record.error is not None else (record.result or "")
+        said = " ".join(said.split())
+        self.say(self.term.dim("  " + (said if len(said) <= 160 else said[:160] + "…")))
 
     # ---- output ----------------------------------------------------------------------------
 

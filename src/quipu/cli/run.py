@@ -65,7 +65,7 @@ def run(env, **given) -> int:
     if batch is None and parallel is not None:
         raise UsageError("--parallel goes with --batch")
     opts = spec.turn_options(given)
-    text = gather_prompt(prompt, term, allow_empty=opts.continue_reply) if batch is None else None
+    text = gather_prompt(prompt, term, allow_empty=opts.continue_reply or bool(opts.tool_results)) if batch is None else None
     if batch is not None:
         from quipu.cli.batch import run_batch_file
 

@@ -194,8 +194,10 @@ class Conversation:
         parsed = parse_reply(self.template.source if self.template else None, raw, starts_thinking=thinking)
         if not parsed.tool_calls:
             return
+        made = sum(len(m.tool_calls or ()) for m in self.messages)
         for i, call in enumerate(parsed.tool_calls):
-            call.id = call.id or f"call_{len(self.messages)}_{i}"
+            # (nine characters, letters and digits: what the strictest templates, Mistral's, accept)
+            call.id = call.id or f"{made + i + 1:09d}"
         gen.tool_calls = parsed.tool_calls
         gen.answer = parsed.content
         reply.tool_calls = [c.to_message() for c in parsed.tool_calls]

@@ -544,6 +544,7 @@ def parse_reply(template: str | None, text: str, *, starts_thinking: bool = Fals
 # very tokens it was generated as: nothing of it is read again on the next turn.
 _AS_TOJSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CHOICES = ("auto", "required", "none")
+MAX_PARALLEL = 8  # calls in one reply, where the format allows several
 
 
 def _json(schema: dict[str, Any]) -> str:
@@ -585,15 +586,16 @@ def call_grammar(fmt: Format, tools: Sequence[ToolSpec]) -> CallGrammar | None:
         return None
     if fmt.name in ("hermes", "granite-4"):
         call = _one_of_calls(tools, "name", "arguments")
-        return CallGrammar(("<tool_call>",), f'start: "\\n" call "\\n</tool_call>" ("\\n<tool_call>\\n" call '
-                                              f'"\\n</tool_call>")*\ncall: {call}\n')
+        return CallGrammar(("<tool_call>",), f'start: "\\n" call "\\n</tool_call>" more~0..{MAX_PARALLEL - 1}\n'
+                                              f'more: "\\n<tool_call>\\n" call "\\n</tool_call>"\ncall: {call}\n')
     if fmt.name == "llama3":
         rest = " | ".join(f'{_lark_string(f": {json.dumps(t.name)}, " + chr(34) + "parameters" + chr(34) + ": ")} '
                           f'{_json(t.parameters or {"type": "object"})} "}}"' for t in tools)
         return CallGrammar(('{"name"',), f"start: {rest}\n")
     if fmt.name == "mistral-nemo":
         call = _one_of_calls(tools, "name", "arguments", {"id": {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}})
-        return CallGrammar(("[TOOL_CALLS]",), f'start: "[" call (", " call)* "]"\ncall: {call}\n')
+        return CallGrammar(("[TOOL_CALLS]",), f'start: "[" call more~0..{MAX_PARALLEL - 1} "]"\nmore: ", " call\n'
+                                              f'call: {call}\n')
     if fmt.name == "mistral-args":
         return CallGrammar(("[TOOL_CALLS]",), f'start: call\ncall: {_named_args(tools, "[ARGS]")}\n')
     if fmt.name == "generic":

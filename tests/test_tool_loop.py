@@ -1,0 +1,292 @@
+"""Tools end to end on the real engine: a call held to the tools' schemas in each family's
+format, the loop that runs it and gives the result back, approvals, a loop that stops at a call
+the caller runs and resumes exactly, and the bad input a user can give."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+TEMPLATES = Path(__file__).parent / "templates"
+FUNCTIONS = '''
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+
+@dataclass
+class Place:
+    city: str
+    country: Optional[str] = None
+
+
+def get_weather(city: str, unit: Literal["C", "F"] = "C") -> dict:
+    """The weather in a city, today."""
+    return {"city": city[:3], "temperature": 21, "unit": unit}
+
+
+def distance(a: Place, b: Place, roads: list[str] = []) -> float:
+    """How far apart two places are, in km."""
+    return 42.0
+
+
+def _private():
+    pass
+'''
+# The tiny random model writes long strings: bounded here, so that a call ends.
+BOUNDED = FUNCTIONS.replace("def get_weather(city: str,", "def get_weather(city: Literal['Paris', 'Rome'],")
+
+
+def write(tmp_path, text: str = BOUNDED, name: str = "fns.py") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def transcript(home, name: str) -> dict:
+    return json.loads((home / "data" / "sessions" / f"{name}.json").read_text())
+
+
+@pytest.mark.parametrize("template", ["Qwen-Qwen2.5-7B-Instruct", "meta-llama-Llama-3.1-8B-Instruct",
+                                      "mistralai-Mistral-Nemo-Instruct-2407", "Mistral-Small-3.2-24B-Instruct-2506"])
+def test_a_call_in_the_family_s_format_runs_and_its_result_is_read(quipu, tiny_model, tmp_path, home, template):
+    fns = write(tmp_path)
+    args = ("-m", tiny_model, "--chat-template", str(TEMPLATES / f"{template}.jinja"), "--functions", fns,
+            "--tool-choice", "get_weather", "--yes", "-t", "1.0", "--seed", "3", "-n", "400", "--ctx", "8192")
+    r = quipu("run", *args, "--json", "-S", "w", "What is the weather in Paris?")
+    assert r.returncode == 0, r.stderr.decode()
+    out = json.loads(r.stdout)
+    first = out["tool_calls"][0]
+    assert first["name"] == "get_weather" and first["arguments"]["city"] in ("Paris", "Rome")
+    assert json.loads(first["result"]) == {"city": first["arguments"]["city"][:3], "temperature": 21,
+                                           "unit": first["arguments"].get("unit", "C")}
+    saved = transcript(home, "w")["messages"]
+    calls = [m for m in saved if m["role"] == "assistant" and m.get("tool_calls")]
+    results = [m for m in saved if m["role"] == "tool"]
+    assert calls[0]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert results[0]["content"] == first["result"] and results[0]["tool_call_id"] == first["id"]
+    assert saved[-1]["role"] == "assistant"  # the model went on after the result
+    # The markup of a call never reaches stdout.
+    plain = quipu("run", *args, "What is the weather in Paris?")
+    assert plain.returncode == 0, plain.stderr.decode()
+    for markup in ("<tool_call>", "[TOOL_CALLS]", '"parameters"', '"arguments"', "get_weather"):
+        assert markup not in plain.stdout.decode()
+
+
+def test_the_result_is_read_as_new_tokens_only(make_backend):
+    # After a call, only the result and the template's few tokens around it are read again.
+    from quipu.sessions.conversation import Conversation
+    from quipu.sessions.inference import InferenceSession
+    from quipu.sessions.params import SamplingParams
+    from quipu.sessions.tools import ToolSpec
+
+    backend = make_backend(n_ctx=2048)
+    session = InferenceSession(backend, SamplingParams(seed=3, temperature=1.0))
+    conv = Conversation.start(session, template=(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text())
+    conv.tools = [ToolSpec("get_weather", "w", {"type": "object", "properties": {"city": {"enum": ["Paris"]}},
+                                                "required": ["city"], "additionalProperties": False})]
+    conv.tool_choice = "required"
+    gen = conv.send("weather?", max_tokens=100)
+    assert [c.name for c in gen.tool_calls] == ["get_weather"] and gen.tool_calls[0].arguments == {"city": "Paris"}
+    held = len(session.tokens)
+    conv.add_tool_results([(gen.tool_calls[0], "sunny")])
+    conv.tool_choice = "auto"
+    conv.reply_to_tools(max_tokens=4)
+    # (The tiny model ends a reply with </s>, where the template writes <|im_end|>: that one token.)
+    assert session.stats.cached_tokens >= held - 1
+
+
+def test_a_call_begins_where_the_model_writes_its_trigger(make_backend):
+    # With tool_choice auto nothing is constrained until the model writes `<tool_call>`; from
+    # there the call keeps to the tools' schema, and none of it reaches the sink.
+    import numpy as np
+
+    from quipu.sessions.base import ReplySink
+    from quipu.sessions.conversation import Conversation
+    from quipu.sessions.inference import InferenceSession
+    from quipu.sessions.params import SamplingParams
+    from quipu.sessions.tools import ToolSpec
+
+    backend = make_backend(n_ctx=2048)
+    session = InferenceSession(backend, SamplingParams(seed=5, temperature=1.0))
+    conv = Conversation.start(session, template=(TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text())
+    conv.tools = [ToolSpec("lookup", "l", {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1,
+                                                                                 "maximum": 9}},
+                                           "required": ["n"], "additionalProperties": False})]
+    wanted = backend.tokenize("Sure.<tool_call>", add_special=False, parse_special=True)
+    if backend.token_text(wanted[0]) == b" ":
+        wanted = wanted[1:]
+    forced = []
+
+    def write_the_trigger(tokens, logits):  # the model "decides" to call: its first tokens forced
+        if len(forced) < len(wanted):
+            logits[:] = -np.inf
+            logits[wanted[len(forced)]] = 0.0
+            forced.append(1)
+
+    session.logits_processors.append(write_the_trigger)
+
+    class Seen(ReplySink):
+        def __init__(self):
+            self.shown = ""
+
+        def text(self, piece):
+            self.shown += piece
+
+    seen = Seen()
+    gen = conv.send("look it up", max_tokens=600, sink=seen)
+    assert {c.name for c in gen.tool_calls} == {"lookup"} and all(1 <= c.arguments["n"] <= 9 for c in gen.tool_calls)
+    assert seen.shown == "Sure." and gen.answer == "Sure."
+
+
+@pytest.mark.model
+def test_smollm2_calls_a_function_when_it_is_required(quipu, tmp_path):
+    fns = write(tmp_path, FUNCTIONS)
+    r = quipu("run", "--functions", fns, "--tool-choice", "required", "--yes", "--json", "-t", "0", "-n", "80",
+              "What is the weather in Paris?")
+    assert r.returncode == 0, r.stderr.decode()
+    out = json.loads(r.stdout)
+    assert out["tool_calls"][0]["name"] in ("get_weather", "distance")
+    assert out["tool_calls"][0]["result"] and out["finish_reason"] in ("stop", "length")
+
+
+def test_a_call_the_caller_runs_stops_the_turn_and_its_result_resumes_it_exactly(quipu, tiny_model, tmp_path,
+                                                                                 home):
+    # --tools FILE.json: the reply stops at the call; `--tool-result` gives what it returned and
+    # the model goes on. With the same seed that is the very loop --functions runs in one go.
+    from quipu.app.tools import functions_from_file
+
+    fns = write(tmp_path)
+    specs = [t.spec.to_openai() for t in functions_from_file(fns)[0]]
+    (tmp_path / "tools.json").write_text(json.dumps(specs))
+    common = ("-m", tiny_model, "--chat-template", str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"),
+              "--tool-choice", "get_weather", "-t", "1.0", "--seed", "11", "-n", "400", "--json")
+    whole = json.loads(quipu("run", *common, "--functions", fns, "--yes", "-S", "whole", "Weather?").stdout)
+    stopped = json.loads(quipu("run", *common, "--tools", str(tmp_path / "tools.json"), "-S", "half",
+                               "Weather?").stdout)
+    assert stopped["finish_reason"] == "tool_calls" and "result" in stopped["tool_calls"][0]
+    call = stopped["tool_calls"][0]
+    assert call["result"] is None and call["arguments"] == whole["tool_calls"][0]["arguments"]
+    result = whole["tool_calls"][0]["result"]
+    resumed = quipu("run", "-S", "half", "--json", "--tool-result", f"{call['id']}={result}")
+    assert resumed.returncode == 0, resumed.stderr.decode()
+    assert json.loads(resumed.stdout)["text"] == whole["text"]
+    assert transcript(home, "half")["tokens"] == transcript(home, "whole")["tokens"]
+    assert transcript(home, "half")["tools"] == specs  # definitions only: nothing that runs them
+
+
+def test_with_no_terminal_and_no_yes_a_call_is_refused_and_the_model_told(quipu, tiny_model, tmp_path, home):
+    fns = write(tmp_path)
+    r = quipu("run", "-m", tiny_model, "--chat-template", str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"),
+              "--functions", fns, "--tool-choice", "get_weather", "-S", "no", "-n", "400", "Weather?")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "refused get_weather: no terminal to ask and no --yes" in r.stderr.decode()
+    told = [m for m in transcript(home, "no")["messages"] if m["role"] == "tool"]
+    assert told and "did not approve" in told[0]["content"]
+
+
+def test_undo_after_a_loop_leaves_the_context_as_before_it(make_backend):
+    from quipu.sessions.conversation import Conversation
+    from quipu.sessions.inference import InferenceSession
+    from quipu.sessions.params import SamplingParams
+    from quipu.sessions.tools import ToolSpec
+
+    session = InferenceSession(make_backend(n_ctx=2048), SamplingParams(seed=2, temperature=1.0))
+    conv = Conversation.start(session, template=(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text())
+    conv.tools = [ToolSpec("f", "", {"type": "object", "properties": {}, "additionalProperties": False})]
+    conv.tool_choice = "none"
+    end = session.backend.tokenize("<|im_end|>", add_special=False, parse_special=True)[-1]
+
+    def answer_at_once(tokens, logits):  # a first exchange that ends as the template ends it
+        logits[:] = float("-inf")
+        logits[end] = 0.0
+
+    session.logits_processors.append(answer_at_once)
+    conv.send("hello", max_tokens=8)
+    session.logits_processors.clear()
+    before, messages = list(session.tokens), len(conv.messages)
+    conv.tool_choice = "required"
+    gen = conv.send("call it", max_tokens=400)
+    conv.add_tool_results([(gen.tool_calls[0], "done")])
+    conv.tool_choice = "auto"
+    conv.reply_to_tools(max_tokens=8)
+    assert conv.undo()
+    assert session.tokens == before and len(conv.messages) == messages
+
+
+@pytest.mark.parametrize("case, words", [
+    ("raises", "error: ValueError: no such city"),
+    ("hangs", "error: the tool did not answer within 1 s"),
+])
+def test_a_tool_that_fails_gives_its_error_to_the_model(quipu, tiny_model, tmp_path, home, case, words):
+    body = {"raises": "raise ValueError('no such city')", "hangs": "import time; time.sleep(30)"}[case]
+    fns = write(tmp_path, "from typing import Literal\n\n\ndef get_weather(city: Literal['Paris']) -> str:\n"
+                          f"    \"\"\"Weather.\"\"\"\n    {body}\n")
+    r = quipu("run", "-m", tiny_model, "--chat-template", str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"),
+              "--functions", fns, "--tool-choice", "required", "--yes", "--tool-timeout", "1", "-S", "f", "-n", "400",
+              "--json", "-t", "0", "Weather?")
+    assert r.returncode == 0, r.stderr.decode()
+    told = [m for m in transcript(home, "f")["messages"] if m["role"] == "tool"]
+    assert told and told[0]["content"].startswith(words)
+    assert json.loads(r.stdout)["tool_calls"][0]["error"] in words
+
+
+@pytest.mark.parametrize("files, args, words", [
+    ({"bad.py": "def f(:\n"}, ["--functions", "bad.py"], "does not import (line 1): SyntaxError"),
+    ({"boom.py": "x = 1\nraise RuntimeError('no')\n"}, ["--functions", "boom.py"], "does not import (line 2)"),
+    ({"none.py": "X = 1\n"}, ["--functions", "none.py"], "defines no public function"),
+    ({"a.py": "def f(x: int): return x\n", "b.py": "def f(y: str): return y\n"},
+     ["--functions", "a.py", "--functions", "b.py"], "two tools are named 'f': in a.py and in b.py"),
+    ({"t.json": "[{\"type\": \"function\""}, ["--tools", "t.json"], "is not valid JSON"),
+    ({"t.json": "[{\"type\": \"function\", \"function\": {}}]"}, ["--tools", "t.json"], "tool 0 of"),
+    ({"a.py": "def f(x: int): return x\n"}, ["--functions", "a.py", "--schema", "{}"], "not both"),
+    ({"a.py": "def f(x: int): return x\n"}, ["--functions", "a.py", "--tool-choice", "g"], "not 'g'"),
+    ({"a.py": "def f(x: int): return x\n"}, ["--functions", "a.py", "--chain-limit", "0"], "--chain-limit must be"),
+    ({}, ["--tool-result", "x=1"], "continues a session"),
+])
+def test_bad_tools_are_one_line_usage_errors(quipu, tiny_model, tmp_path, files, args, words):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    given = [str(tmp_path / a) if a in files else a for a in args]
+    r = quipu("run", "-m", tiny_model, *given, "hi")
+    err = r.stderr.decode()
+    assert r.returncode == 2 and words in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_a_tool_result_for_a_call_never_made_is_refused(quipu, tiny_model, tmp_path, home):
+    (tmp_path / "t.json").write_text(json.dumps([{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}]))
+    common = ("-m", tiny_model, "--chat-template", str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"))
+    r = quipu("run", *common, "--tools", str(tmp_path / "t.json"), "--tool-choice", "required", "-S", "s", "--json",
+              "-n", "400", "go")
+    call = json.loads(r.stdout)["tool_calls"][0]
+    bad = quipu("run", "-S", "s", "--tool-result", "nope=1")
+    err = bad.stderr.decode()
+    assert bad.returncode == 2 and "'nope', which the last reply did not call" in err and call["id"] in err
+    missing = quipu("run", "-S", "s", "--tool-result", f"{call['id']}=1", "--tool-result", f"{call['id']}x=2")
+    assert missing.returncode == 2
+
+
+def test_a_function_s_type_hints_become_its_schema(tmp_path):
+    from quipu.app.tools import functions_from_file
+
+    untyped = FUNCTIONS + "\ndef shout(text, times: int = 2):\n    return text * times\n"
+    tools, notices = functions_from_file(write(tmp_path, untyped))
+    by_name = {t.spec.name: t for t in tools}
+    assert set(by_name) == {"get_weather", "distance", "shout"}
+    weather = by_name["get_weather"].spec
+    assert weather.description == "The weather in a city, today."
+    assert weather.parameters["properties"]["unit"] == {"enum": ["C", "F"], "default": "C"}
+    assert weather.parameters["required"] == ["city"]
+    place = by_name["distance"].spec.parameters["properties"]["a"]
+    assert place["properties"]["country"] == {"anyOf": [{"type": "string"}, {"type": "null"}]}
+    assert place["required"] == ["city"]
+    assert by_name["distance"].spec.parameters["properties"]["roads"]["items"] == {"type": "string"}
+    assert by_name["shout"].spec.parameters["properties"]["text"] == {"type": "string"}
+    assert notices == ["fns.py: shout(text) has no type hint; the model gives it as a string"]
+    # The model's JSON arguments reach the function as its hints ask: a dataclass from an object.
+    assert by_name["distance"].run({"a": {"city": "Paris"}, "b": {"city": "Rome"}}) == 42.0
+    for tool in tools:
+        jsonschema.Draft202012Validator.check_schema(tool.spec.parameters)
