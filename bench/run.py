@@ -412,6 +412,50 @@ def bench_constrained(model: str, threads: int, repeats: int) -> list[dict]:
     return rows
 
 
+def bench_tools(model: str, threads: int, repeats: int) -> list[dict]:
+    """A tool round trip on a ~1,000-token conversation: the tokens read again once the result
+    is added, and the time from the tool's return to the next token, against reading the whole
+    conversation again."""
+    from quipu.engine.base import ContextSettings
+    from quipu.engine.llama import LlamaBackend
+    from quipu.sessions.conversation import Conversation
+    from quipu.sessions.inference import InferenceSession
+    from quipu.sessions.params import SamplingParams
+    from quipu.sessions.tools import ToolSpec
+
+    weather = ToolSpec("get_weather", "The weather in a city today.", {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False})
+    system = "You answer questions about this text.\n\n" + prompt_of(900)
+    rounds, fresh, reread = [], [], []
+    with LlamaBackend(model, ContextSettings(n_ctx=4096, n_threads=threads)) as backend:
+        for i in range(repeats):
+            session = InferenceSession(backend, SamplingParams(seed=i, temperature=0.7))
+            conv = Conversation.start(session, system)
+            conv.tools, conv.tool_choice = [weather], "required"
+            gen = conv.send("What is the weather in Paris?", max_tokens=60)
+            if not gen.tool_calls:
+                continue
+            conv.add_tool_results([(gen.tool_calls[0], '{"temperature": 21, "sky": "clear"}')])
+            conv.tool_choice = "auto"
+            conv.reply_to_tools(max_tokens=1)
+            stats = session.stats
+            rounds.append(stats.ttft_s)
+            reread.append(stats.prompt_tokens - stats.cached_tokens)
+            whole = list(session.tokens[:stats.prompt_tokens])
+            again = InferenceSession(backend.reopen(), SamplingParams(seed=i))
+            again.complete(whole, 1)
+            fresh.append(again.stats.ttft_s)
+            again.close()
+    if not rounds:
+        return [{"what": "tool round trip", "quipu": "no call made"}]
+    r, f = median(rounds), median(fresh)
+    return [{"what": f"a tool round trip at ~{len(whole)} tokens: tokens read after the result; first token (s) "
+                     "vs the conversation read again",
+             "quipu": f"{int(median(reread))} tokens, {r:.3f}", "re-read from scratch": round(f, 3),
+             "ratio": round(r / f, 3)}]
+
+
 def bench_cache(model: str, threads: int, repeats: int, home: str) -> list[dict]:
     """The prompt cache: a run sharing a long beginning with an earlier one, questions about one
     piped document, and what the cache costs a run with nothing to reuse."""
@@ -810,7 +854,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128, help="tokens to decode per run")
-    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache")
+    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools")
     args = ap.parse_args(argv)
     model = model_path()
     # An installed quipu has its bytecode compiled by pip; a checkout may not (PYTHONDONTWRITEBYTECODE).
@@ -832,6 +876,7 @@ def main(argv: list[str] | None = None) -> None:
             "templates": lambda: bench_templates(model, args.threads),
             "constrained": lambda: bench_constrained(model, args.threads, args.repeats),
             "cache": lambda: bench_cache(model, args.threads, args.repeats, home),
+            "tools": lambda: bench_tools(model, args.threads, args.repeats),
         }
         rows = []
         for name, part in parts.items():

@@ -290,3 +290,50 @@ def test_a_function_s_type_hints_become_its_schema(tmp_path):
     assert by_name["distance"].run({"a": {"city": "Paris"}, "b": {"city": "Rome"}}) == 42.0
     for tool in tools:
         jsonschema.Draft202012Validator.check_schema(tool.spec.parameters)
+
+
+def mcp_config(tmp_path, **extra) -> str:
+    import sys
+
+    server = {"command": sys.executable, "args": [str(Path(__file__).parent / "mcp_server.py")], **extra}
+    (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": {"demo": server}}))
+    return str(tmp_path / "mcp.json")
+
+
+
+@pytest.mark.parametrize("tool, words", [
+    ("demo_add", None),
+    ("demo_crash", "error: the MCP server 'demo' died"),
+])
+def test_an_mcp_server_s_tools_are_called_over_stdio(quipu, tiny_model, tmp_path, home, tool, words):
+    r = quipu("run", "-m", tiny_model, "--chat-template", str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"),
+              "--mcp", "demo", "--mcp-config", mcp_config(tmp_path), "--tool-choice", tool, "--yes", "--json",
+              "-S", "m", "-n", "400", "-t", "1.0", "--seed", "2", "Use the tool.")
+    assert r.returncode == 0, r.stderr.decode()
+    call = json.loads(r.stdout)["tool_calls"][0]
+    told = [m for m in transcript(home, "m")["messages"] if m["role"] == "tool"][0]["content"]
+    if words is None:
+        assert call["name"] == "demo_add" and call["result"] == str(call["arguments"]["a"] + call["arguments"]["b"])
+        assert told == call["result"]
+    else:
+        assert told.startswith(words) and call["error"]
+
+
+def test_an_mcp_server_that_never_answers_times_out(quipu, tiny_model, tmp_path, home):
+    r = quipu("run", "-m", tiny_model, "--chat-template", str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"),
+              "--mcp", "demo", "--mcp-config", mcp_config(tmp_path, timeout=1), "--tool-choice", "demo_stall",
+              "--yes", "-S", "m", "-n", "400", "--json", "-t", "1.0", "--seed", "2", "Use the tool.")
+    assert r.returncode == 0, r.stderr.decode()
+    told = [m for m in transcript(home, "m")["messages"] if m["role"] == "tool"][0]["content"]
+    assert told == "error: the MCP server 'demo' did not answer within 1 s"
+
+
+def test_an_mcp_server_from_the_config_that_cannot_start_is_one_line(quipu, tiny_model, home):
+    config = home / "config" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text('[mcp.broken]\ncommand = "/no/such/server"\n\n[mcp.dies]\ncommand = "false"\n')
+    for name, words in (("broken", "the MCP server 'broken' did not start"),
+                        ("dies", "the MCP server 'dies' did not start"), ("nope", "no MCP server named 'nope'")):
+        r = quipu("run", "-m", tiny_model, "--mcp", name, "hi")
+        err = r.stderr.decode()
+        assert r.returncode in (1, 2) and words in err and len(err.splitlines()) == 1, err

@@ -38,6 +38,7 @@ class Config:
     cache: dict[str, Any] = field(default_factory=dict)
     models: dict[str, str] = field(default_factory=dict)
     remote: dict[str, str] = field(default_factory=dict)
+    mcp: dict[str, dict[str, Any]] = field(default_factory=dict)  # [mcp.NAME]: command, args, env, timeout
     text: str = ""
 
     def error(self, key: str, message: str, table: str | None = None) -> ConfigError:
@@ -71,6 +72,12 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
             if not isinstance(value, str):
                 raise fail(key, f"'{key}' must be a string")
             setattr(config, key, value)
+        elif key == "mcp":
+            if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+                raise fail(key, "[mcp] holds one table a server: [mcp.NAME] with command, args and env")
+            for name, server in value.items():
+                config.mcp[name] = check_mcp_server(server, lambda message: fail(name, message, "mcp"),
+                                                    f"[mcp.{name}]")
         elif key in tables:
             allowed = tables[key]
             if not isinstance(value, dict):
@@ -88,8 +95,31 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
                     raise fail(sub, f"[{key}] {sub} must be {'an integer' if kind is int else 'a number'}", key)
                 getattr(config, key)[sub] = kind(subvalue)
         else:
-            raise fail(key, f"unknown key '{key}' (known: model, system, [{'], ['.join(tables)}])")
+            raise fail(key, f"unknown key '{key}' (known: model, system, [{'], ['.join(tables)}], [mcp.NAME])")
     return config
+
+
+MCP_KEYS = ("command", "args", "env", "timeout")
+
+
+def check_mcp_server(server: dict[str, Any], fail, where: str) -> dict[str, Any]:
+    """An MCP server's definition (`command`, `args`, `env`, `timeout`), checked; `fail(message)`
+    makes the error."""
+    unknown = sorted(set(server) - set(MCP_KEYS))
+    if unknown:
+        raise fail(f"unknown key '{unknown[0]}' in {where} (known: {', '.join(MCP_KEYS)})")
+    if not isinstance(server.get("command"), str) or not server["command"]:
+        raise fail(f"{where} needs a command (a string)")
+    args = server.get("args", [])
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise fail(f"{where} args must be a list of strings")
+    env = server.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise fail(f"{where} env must be a table of strings")
+    timeout = server.get("timeout", 60)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise fail(f"{where} timeout must be a number of seconds, more than 0")
+    return {"command": server["command"], "args": list(args), "env": dict(env), "timeout": float(timeout)}
 
 
 def _line_of(text: str, key: str, table: str | None) -> int:

@@ -22,7 +22,8 @@ Every turn, named session and chat is written once, for every host a model can r
 - `manage.py`: `quipu sessions ...` over the store.
 - `embed.py`: `quipu embed`.
 - `tools.py`: tools a model may call (`--functions FILE.py`, `--tools FILE.json`), their
-  approval, and the loop that runs them and gives the results back.
+  approval, and the loop that runs them and gives the results back; `tooldefs.py`, what a tool
+  is wherever it comes from; `mcp.py`, MCP servers over stdio as tools (`--mcp NAME`).
 - `hub.py`: models pulled from the Hugging Face Hub into its cache (`quipu models pull|rm`,
   `-m hf:OWNER/REPO[:QUANT]`), resumed, checked against the Hub's checksums.
 - `templates.py`: what a model's chat template does (`quipu models info --template`).

@@ -57,7 +57,7 @@ class ChatSession:
         self._stack = ExitStack()
         self.last_stats: Stats | None = None
         self.resumed = False
-        self.tools = toolbox(opts)  # a bad file is said before anything is loaded
+        self.tools = toolbox(opts, env)  # a bad file is said before anything is loaded
         self.hooks: ToolHooks | None = None  # how the front end approves and shows calls
 
     # ---- opening and closing ---------------------------------------------------------------
@@ -67,10 +67,13 @@ class ChatSession:
              on_progress: ProgressFn | None = None) -> "ChatSession":
         """The chat on the host the options name (a local model, or `opts.url`'s server)."""
         host = open_host(opts, env)
+        chat = None
         try:
             chat = cls(env, opts, host)
             chat._switch(chat._name_to_open(name, resume_latest), on_progress)
         except BaseException:
+            if chat is not None and chat.tools is not None:
+                chat.tools.close()
             host.close()
             raise
         return chat
@@ -107,6 +110,8 @@ class ChatSession:
 
     def close(self) -> None:
         self._release()
+        if self.tools is not None:
+            self.tools.close()
         self.host.close()
 
     @property

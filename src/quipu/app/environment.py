@@ -64,6 +64,8 @@ class TurnOptions:
     chain_limit: int | None = None
     tool_output_max: int | None = None
     tool_timeout: float | None = None
+    mcp: tuple[str, ...] = ()  # MCP servers by name ([mcp.NAME] in the config, or --mcp-config)
+    mcp_config: str | None = None  # a JSON file of servers in the `mcpServers` shape
     yes: bool = False  # approve every call
 
     def sampling(self) -> dict:

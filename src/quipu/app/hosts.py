@@ -80,7 +80,7 @@ def check_options(capabilities: Capabilities, opts: TurnOptions, *, show: bool =
         "chat_template": opts.chat_template is not None,
         "think": opts.think is not None,
         "show_prompt": show,
-        "tools": bool(opts.functions or opts.tools_file),
+        "tools": bool(opts.functions or opts.tools_file or opts.mcp),
         "context_settings": opts.kv_type is not None or opts.ctx is not None or opts.threads is not None,
     }
     for feature, given in asked.items():

@@ -23,20 +23,12 @@ from typing import Any, Callable, Literal, Sequence
 from quipu.errors import BadInput, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink
 from quipu.sessions.conversation import Conversation
+from quipu.app.tooldefs import Tool, ToolFailure
 from quipu.sessions.tools import ToolCall, ToolSpec
 
 DEFAULT_CHAIN_LIMIT = 5
 DEFAULT_OUTPUT_MAX = 8000  # characters of a tool's result the model is given
-DEFAULT_TIMEOUT = 60.0  # seconds a tool may run
 REPEATS = 3  # the same call with the same arguments this many times stops the loop
-
-
-@dataclass
-class Tool:
-    spec: ToolSpec
-    run: Callable[[dict[str, Any]], Any] | None  # None: the caller runs it (--tools FILE.json)
-    source: str  # where it came from, for messages: "functions.py", "tools.json", "mcp server x"
-    timeout: float = DEFAULT_TIMEOUT
 
 
 @dataclass
@@ -286,6 +278,8 @@ def run_call(tool: Tool, call: ToolCall, output_max: int) -> CallRecord:
     def target() -> None:
         try:
             box["value"] = tool.run(call.arguments)
+        except ToolFailure as exc:
+            box["error"] = str(exc)
         except BaseException as exc:  # the tool's own failure goes back to the model
             box["error"] = f"{type(exc).__name__}: {exc}"
 
@@ -421,11 +415,20 @@ class ToolHooks:
 class Tools:
     box: Toolbox
     notices: list[str] = field(default_factory=list)
+    servers: list = field(default_factory=list)  # app.mcp.McpServer, running until `close`
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+        self.servers = []
 
 
-def toolbox(opts) -> Tools | None:
-    """The tools the options give (None when they give none), each checked."""
-    if not opts.functions and not opts.tools_file:
+def toolbox(opts, env=None) -> Tools | None:
+    """The tools the options give (None when they give none), each checked; MCP servers are
+    started (close the result to stop them)."""
+    if not opts.functions and not opts.tools_file and not opts.mcp:
+        if opts.mcp_config:
+            raise UsageError("--mcp-config names where servers are defined; pick them with --mcp NAME")
         return None
     if any(v not in (None, "off") for v in (opts.schema, opts.grammar, opts.regex)):
         raise UsageError("give tools or --schema/--grammar/--regex, not both: a call is held to the tools' own schemas")
@@ -441,6 +444,17 @@ def toolbox(opts) -> Tools | None:
     if opts.tools_file:
         tools.box.add(tools_from_json(opts.tools_file))
     check_tool_schemas(tools.box)
+    if opts.mcp:
+        from quipu.app.mcp import start_servers
+
+        tools.servers = start_servers(opts.mcp, env.config.mcp if env is not None else {}, opts.mcp_config)
+        try:
+            for server in tools.servers:
+                tools.box.add(server.tools)
+            check_tool_schemas(tools.box)
+        except BaseException:
+            tools.close()
+            raise
     if opts.tool_timeout is not None:
         for tool in tools.box.tools.values():
             tool.timeout = opts.tool_timeout

@@ -84,13 +84,17 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     the result is out."""
     with closing(open_host(opts, env)) as host:
         check_options(host.capabilities, opts)
-        tools = toolbox(opts)
-        if opts.session is not None or opts.continue_reply:
-            result = run_session_turn(prompt, opts, env, host, sink, tools, hooks)
-            if on_result is not None:
-                on_result(result)
-        else:
-            result = _one_shot(prompt, opts, env, host, sink, on_result, tools, hooks)
+        tools = toolbox(opts, env)
+        try:
+            if opts.session is not None or opts.continue_reply:
+                result = run_session_turn(prompt, opts, env, host, sink, tools, hooks)
+                if on_result is not None:
+                    on_result(result)
+            else:
+                result = _one_shot(prompt, opts, env, host, sink, on_result, tools, hooks)
+        finally:
+            if tools is not None:
+                tools.close()
     if opts.verbose and result.constrained_by:
         result.notices.append(result.constrained_by)
     if result.failure is not None:

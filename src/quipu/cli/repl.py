@@ -257,7 +257,8 @@ class Repl:
         self._always: set[str] = set()  # tools approved for the rest of this chat (never saved)
         from quipu.app.tools import ToolHooks
 
-        chat.hooks = ToolHooks(self._approve, self._call_starts, self._call_ended)
+        if chat is not None:
+            chat.hooks = ToolHooks(self._approve, self._call_starts, self._call_ended)
 
     # ---- tools -------------------------------------------------------------------------------
 

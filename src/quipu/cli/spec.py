@@ -126,9 +126,14 @@ CHAIN_LIMIT = opt("--chain-limit", type=int, help="The most rounds of calls in o
 TOOL_OUTPUT_MAX = opt("--tool-output-max", type=int, help="Characters of a tool's result the model is given "
                                                           "(default 8000; the rest is cut, with a note).")
 TOOL_TIMEOUT = opt("--tool-timeout", type=float, help="Seconds a call may run before it is given up (default 60).")
+MCP = opt("--mcp", multiple=True, help="An MCP server whose tools the model may call, by name: [mcp.NAME] in the "
+                                      "config, or a server of --mcp-config (repeatable).", metavar="NAME")
+MCP_CONFIG = opt("--mcp-config", help="A JSON file of MCP servers in the mcpServers shape other tools use.",
+                 metavar="FILE.json")
 YES = flag("--yes", help="Run every call the model makes without asking.")
 TOOLS = {"functions": FUNCTIONS, "tools_file": TOOLS_FILE, "tool_results": TOOL_RESULT, "tool_choice": TOOL_CHOICE,
-         "chain_limit": CHAIN_LIMIT, "tool_output_max": TOOL_OUTPUT_MAX, "tool_timeout": TOOL_TIMEOUT, "yes": YES}
+         "chain_limit": CHAIN_LIMIT, "tool_output_max": TOOL_OUTPUT_MAX, "tool_timeout": TOOL_TIMEOUT, "mcp": MCP, "mcp_config": MCP_CONFIG,
+         "yes": YES}
 
 # ---- the fast parser -----------------------------------------------------------------------
 

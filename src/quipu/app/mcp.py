@@ -1,0 +1,183 @@
+"""MCP servers as tools (`--mcp NAME`): each server is started over stdio with the official
+`mcp` package, its tools listed and offered to the model as `NAME_tool`, and its calls made on
+an event loop of the server's own, in a thread, so that the tool loop stays plain code.
+
+A server comes from the config (`[mcp.NAME]`: command, args, env, timeout) or from a JSON file
+in the `mcpServers` shape other tools use (`--mcp-config FILE`). One that fails to start is a
+one-line error naming it; one that dies or never answers gives the call an error, which goes
+back to the model as the call's result. Imported only when a server is asked for."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import re
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from quipu.app.tooldefs import Tool, ToolFailure
+from quipu.config import check_mcp_server
+from quipu.errors import QuipuError, UsageError
+from quipu.sessions.tools import ToolSpec
+
+START_TIMEOUT = 30.0  # seconds a server may take to start and list its tools
+
+
+class McpError(QuipuError):
+    """An MCP server could not be started."""
+
+
+def servers_from_file(path: str) -> dict[str, dict[str, Any]]:
+    """`{"mcpServers": {NAME: {"command", "args", "env"}}}`, checked."""
+    file = Path(path).expanduser()
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"cannot read the MCP config {file}: {exc.strerror or exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"the MCP config {file} is not valid JSON: {exc}") from None
+    servers = data.get("mcpServers") if isinstance(data, dict) else None
+    if not isinstance(servers, dict) or not all(isinstance(v, dict) for v in servers.values()):
+        raise UsageError(f"the MCP config {file} has no mcpServers object ({{\"mcpServers\": {{NAME: "
+                         "{\"command\": ...}}}})")
+    out = {}
+    for name, server in servers.items():
+        server = {k: v for k, v in server.items() if k in ("command", "args", "env", "timeout")}
+        out[name] = check_mcp_server(server, lambda message: UsageError(f"{file}: {message}"), f"server {name!r}")
+    return out
+
+
+def tool_name(server: str, tool: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", f"{server}_{tool}")
+
+
+class McpServer:
+    """One MCP server over stdio, its session held open on an event loop in a thread of its own."""
+
+    def __init__(self, name: str, definition: dict[str, Any]):
+        self.name = name
+        self.definition = definition
+        self.timeout = definition.get("timeout", 60.0)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._session = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self._listed: list[Any] = []
+        self.tools: list[Tool] = []
+        self._errlog = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"mcp {name}")
+
+    # ---- the server's thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # said to the waiting side, never lost in the thread
+            self._failure = self._failure or exc
+        finally:
+            self._ready.set()
+
+    async def _main(self) -> None:
+        from mcp import ClientSession
+        from mcp.client.stdio import StdioServerParameters, stdio_client
+
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        params = StdioServerParameters(command=self.definition["command"], args=self.definition["args"],
+                                       env={**os.environ, **self.definition["env"]})
+        async with stdio_client(params, errlog=self._errlog) as (read, write):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                listed = await session.list_tools()
+                self._listed = list(listed.tools)
+                self._session = session
+                self._ready.set()
+                await self._stop.wait()
+
+    # ---- the caller's side ---------------------------------------------------------------------
+
+    def start(self) -> list[Tool]:
+        """Starts the server and lists its tools; a one-line McpError when it cannot."""
+        self._thread.start()
+        if not self._ready.wait(START_TIMEOUT):
+            self.close()
+            raise McpError(f"the MCP server {self.name!r} did not start within {START_TIMEOUT:g} s")
+        if self._session is None:
+            raise McpError(f"the MCP server {self.name!r} did not start: {self._why()}")
+        tools = []
+        for listed in self._listed:
+            schema = getattr(listed, "input_schema", None) or getattr(listed, "inputSchema", None) or {
+                "type": "object"}
+            schema = {k: v for k, v in schema.items() if k != "title"}
+            spec = ToolSpec(tool_name(self.name, listed.name), listed.description or "", schema)
+            # (the call times itself out, and says so; the loop's own limit is a backstop)
+            tools.append(Tool(spec, self._caller(listed.name), f"MCP server {self.name}", self.timeout + 5))
+        self.tools = tools
+        return tools
+
+    def _why(self) -> str:
+        self._errlog.seek(0)
+        said = [line.strip() for line in self._errlog.read().splitlines() if line.strip()]
+        failure = self._failure
+        while isinstance(failure, BaseExceptionGroup) and failure.exceptions:
+            failure = failure.exceptions[0]
+        if said:
+            return said[-1][:300]
+        if failure is not None:
+            return f"{type(failure).__name__}: {failure}"[:300] if str(failure) else type(failure).__name__
+        return "it ended before listing its tools"
+
+    def _caller(self, tool: str):
+        def call(arguments: dict[str, Any]) -> str:
+            if self._session is None or self._loop is None or not self._thread.is_alive():
+                raise ToolFailure(f"the MCP server {self.name!r} is no longer running")
+            future = asyncio.run_coroutine_threadsafe(self._session.call_tool(tool, arguments), self._loop)
+            try:
+                result = future.result(self.timeout)
+            except concurrent.futures.TimeoutError:
+                future.cancel()
+                raise ToolFailure(f"the MCP server {self.name!r} did not answer within {self.timeout:g} s") from None
+            except Exception as exc:
+                self._thread.join(1.0)
+                if not self._thread.is_alive() or "closed" in str(exc).lower():
+                    raise ToolFailure(f"the MCP server {self.name!r} died during the call") from None
+                raise ToolFailure(str(exc) or type(exc).__name__) from None
+            text = "\n".join(getattr(part, "text", "") or json.dumps(part.model_dump(), default=str)
+                             for part in (result.content or []))
+            if getattr(result, "is_error", False) or getattr(result, "isError", False):
+                raise ToolFailure(text or "the tool failed")
+            return text
+
+        return call
+
+    def close(self) -> None:
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(5)
+        self._errlog.close()
+
+
+def start_servers(names, config_servers: dict[str, dict[str, Any]], config_file: str | None) -> list[McpServer]:
+    """The servers named, started (those already started are closed if one fails)."""
+    known = dict(config_servers)
+    if config_file:
+        known.update(servers_from_file(config_file))
+    started: list[McpServer] = []
+    try:
+        for name in names:
+            if name not in known:
+                listed = ", ".join(sorted(known)) or "none: add [mcp.NAME] to the config, or give --mcp-config FILE"
+                raise UsageError(f"no MCP server named {name!r} (known: {listed})")
+            server = McpServer(name, known[name])
+            started.append(server)
+            server.start()
+    except BaseException:
+        for server in started:
+            server.close()
+        raise
+    return started
