@@ -67,6 +67,19 @@ def stop(proc) -> None:
 
 
 @pytest.fixture(scope="module")
+def function_calling_server(bundled_model, tmp_path_factory):
+    """llama-cpp-python's server with its function-calling chat format: tools over the chat API."""
+    pytest.importorskip("uvicorn", reason="llama-cpp-python[server] is in the test extras")
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "log.txt"
+    proc = serve([sys.executable, "-m", "llama_cpp.server", "--model", str(bundled_model), "--host", "127.0.0.1",
+                  "--port", str(port), "--n_ctx", "2048", "--n_threads", "2", "--chat_format",
+                  "chatml-function-calling"], "/v1/models", port, log)
+    yield f"http://127.0.0.1:{port}"
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
 def llama_cpp_python_server(bundled_model, tmp_path_factory):
     pytest.importorskip("uvicorn", reason="llama-cpp-python[server] is in the test extras")
     port = free_port()

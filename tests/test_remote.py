@@ -520,3 +520,29 @@ def test_llama_server_constrains_with_its_own_engine_and_refuses_what_it_would_i
         err = r.stderr.decode()
         assert r.returncode in (1, 2) and words in err and len(err.splitlines()) == 1, err
         assert not (home / "data" / "sessions" / "never.json").exists()
+
+
+def test_tools_on_a_chat_api_go_in_the_request_and_the_calls_come_back_streamed(function_calling_server):
+    # The server renders the tools and reads the calls; quipu runs them and sends the results.
+    from quipu.app.tooldefs import Tool
+    from quipu.app.tools import Toolbox, tool_loop
+    from quipu.engine.chat_api import ChatApiModel, ServerSettings
+    from quipu.sessions.chat_api import ChatApiSession
+    from quipu.sessions.conversation import Conversation
+    from quipu.sessions.tools import ToolSpec
+
+    spec = ToolSpec("get_weather", "The weather in a city.", {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]})
+    box = Toolbox()
+    box.add([Tool(spec, lambda args: {"city": args["city"], "temperature": 21}, "test")])
+    with ChatApiModel(ServerSettings(url=function_calling_server)) as client:
+        conv = Conversation.start(ChatApiSession(client, {"temperature": 0.0, "seed": 1}))
+        conv.tools, conv.tool_choice = [spec], "get_weather"
+        gen = conv.send("What is the weather in Paris?", max_tokens=80)
+        assert [c.name for c in gen.tool_calls] == ["get_weather"], gen
+        conv.tool_choice = "none"  # (this server streams no reply that may or may not call)
+        loop = tool_loop(conv, box, gen, approve=lambda call: True, max_tokens=30)
+    assert loop.calls and loop.calls[0].result and '"temperature": 21' in loop.calls[0].result
+    roles = [m.role for m in conv.messages]
+    assert roles[:3] == ["user", "assistant", "tool"] and roles[-1] == "assistant"
+    assert conv.messages[1].tool_calls[0]["function"]["name"] == "get_weather"

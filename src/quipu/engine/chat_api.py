@@ -67,6 +67,8 @@ class ChatReply:
     timings: dict[str, float] = field(default_factory=dict)  # the server's, in seconds
     first_token_s: float = 0.0  # from the request's start, as measured here
     total_s: float = 0.0
+    # The calls the reply made, as streamed: [{"id", "name", "arguments": the JSON text}].
+    tool_calls: list[dict[str, str]] = field(default_factory=list)
 
 
 class ChatApiModel:
@@ -243,15 +245,21 @@ class ChatApiModel:
 
     # ---- generation -----------------------------------------------------------------------
 
-    def chat(self, messages: list[dict[str, str]], *, params: dict[str, Any], max_tokens: int,
-             stop: tuple[str, ...] = (), sink: Sink | None = None) -> ChatReply:
-        """Streams a reply to `messages` into `sink`, which may stop it."""
+    def chat(self, messages: list[dict[str, Any]], *, params: dict[str, Any], max_tokens: int,
+             stop: tuple[str, ...] = (), sink: Sink | None = None, tools: list[dict] | None = None,
+             tool_choice: Any = None) -> ChatReply:
+        """Streams a reply to `messages` into `sink`, which may stop it; with `tools` (OpenAI's
+        shape) the reply may call them (`ChatReply.tool_calls`)."""
         # No model named: most servers with one model take any name, so ask at once; a server that
         # wants a real one says so, and gets its first (one round trip spared in the common case).
         body = {"model": self._model or "", "messages": messages, "stream": True, "max_tokens": max_tokens,
                 "stream_options": {"include_usage": True}, **params}
         if stop:
             body["stop"] = list(stop)
+        if tools:
+            body["tools"] = tools
+            if tool_choice is not None:
+                body["tool_choice"] = tool_choice
         started = time.perf_counter()
         try:
             response = self.request("POST", "/v1/chat/completions", body, stream=True)
@@ -374,9 +382,35 @@ class ChatApiModel:
                 if sink is not None and sink.stopped():
                     reply.finish_reason = "interrupted"
                     return
+            calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+            for call in calls if isinstance(calls, list) else ():
+                self._take_call(call, reply)
             finish = choice.get("finish_reason")
             if finish and isinstance(finish, str):
                 reply.finish_reason = {"stop": "stop", "length": "length"}.get(finish, finish)
+
+    def _take_call(self, call: Any, reply: ChatReply) -> None:
+        """A piece of a streamed call: its index says which call; name and arguments come in parts."""
+        if not isinstance(call, dict):
+            raise ServerError(f"{self.where()} sent a tool call that is not an object", partial=reply)
+        index = call.get("index", len(reply.tool_calls))
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= len(reply.tool_calls):
+            raise ServerError(f"{self.where()} sent a tool call out of order", partial=reply)
+        if index == len(reply.tool_calls):
+            reply.tool_calls.append({"id": "", "name": "", "arguments": ""})
+        held = reply.tool_calls[index]
+        fn = call.get("function") or {}
+        if isinstance(call.get("id"), str):
+            held["id"] = call["id"]
+        if isinstance(fn, dict):
+            name = fn.get("name")
+            if isinstance(name, str) and name != held["name"]:  # (some servers repeat the whole name each piece)
+                held["name"] += name
+            if isinstance(fn.get("arguments"), str):
+                held["arguments"] += fn["arguments"]
+            if len(held["arguments"]) > MAX_EVENT_BYTES:
+                raise ServerError(f"{self.where()} sent a tool call longer than {MAX_EVENT_BYTES >> 20} MB",
+                                  partial=reply)
 
 
 def count_of(value: Any) -> int:

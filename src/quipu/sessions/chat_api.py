@@ -10,10 +10,12 @@ given are sent (`request`); the rest are the server's own. What the chat API can
 
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
 
-from quipu.sessions.base import CHAT_API, SILENT, Generation, ReplySink, Stats, TurnPrompt
+from quipu.sessions.base import CHAT_API, SILENT, Generation, Message, ReplySink, Stats, TurnPrompt
 from quipu.sessions.params import SamplingParams
+from quipu.sessions.tools import ToolCall, ToolSpec
 
 # The sampling parameters a chat API takes, under the names servers know.
 REQUEST_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")
@@ -32,6 +34,9 @@ class ChatApiSession:
         self.draws = 0
         self.model = ""  # the name the server answered to
         self._used = 0
+        # Tools the next replies may call: the server renders them and parses the calls itself.
+        self.offered_tools: list[ToolSpec] = []
+        self.tool_choice = "auto"
 
     @property
     def n_ctx(self) -> int:
@@ -79,11 +84,12 @@ class ChatApiSession:
         from quipu.engine.chat_api import ServerError
 
         self.stats = Stats()
-        wire = [{"role": m.role, "content": m.content} for m in prompt.messages]
+        wire = [_wire(m) for m in prompt.messages]
         error = None
+        tools = [t.to_openai() for t in self.offered_tools] or None
         try:
             reply = self.client.chat(wire, params=dict(self.request), max_tokens=max_tokens, stop=tuple(stop),
-                                     sink=sink)
+                                     sink=sink, tools=tools, tool_choice=_choice(self.tool_choice) if tools else None)
             finish = reply.finish_reason
         except ServerError as exc:
             if exc.partial is None or not exc.partial.text:
@@ -96,7 +102,20 @@ class ChatApiSession:
                            prefill_s=reply.timings.get("prompt_ms", 0.0),
                            decode_s=reply.timings.get("predicted_ms", 0.0))
         self._used = reply.prompt_tokens + reply.completion_tokens
-        return Generation(reply.text, [], finish, error)
+        gen = Generation(reply.text, [], "stop" if finish == "tool_calls" else finish, error)
+        calls = []
+        for call in reply.tool_calls:
+            try:
+                arguments = json.loads(call["arguments"] or "{}")
+            except ValueError:
+                arguments = None
+            if not call["name"] or not isinstance(arguments, dict):
+                calls = []  # a call that does not parse: the reply stays text
+                gen.text += "".join(f"\n{c['name']}({c['arguments']})" for c in reply.tool_calls)
+                break
+            calls.append(ToolCall(call["name"], arguments, call["id"] or None))
+        gen.tool_calls = calls
+        return gen
 
     def complete(self, tokens: Sequence[int], max_tokens: int, stop: Sequence[str] = (),
                  sink: ReplySink = SILENT) -> Generation:
@@ -108,3 +127,24 @@ class ChatApiSession:
 
     def close(self) -> None:
         pass  # the connection is the server's host's to close
+
+
+def _wire(message: Message) -> dict[str, Any]:
+    """A message as the chat API takes it: a call's arguments as JSON text."""
+    data: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        data["tool_calls"] = [{"id": c.get("id"), "type": "function",
+                               "function": {"name": c["function"]["name"],
+                                            "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
+                              for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        data["tool_call_id"] = message.tool_call_id
+    if message.role == "tool" and message.name:
+        data["name"] = message.name
+    return data
+
+
+def _choice(choice: str) -> Any:
+    if choice in ("auto", "required", "none"):
+        return choice
+    return {"type": "function", "function": {"name": choice}}

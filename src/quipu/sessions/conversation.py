@@ -153,8 +153,10 @@ class Conversation:
         try:
             gen = self.session.reply(prompt, max_tokens, stop, split)
         finally:
-            if offered:
+            if offered and self.template is not None:
                 self.session.call_grammar = None
+            elif offered:
+                self.session.offered_tools = []
         self.prompt_text = prompt.text
         self.messages.append(reply)
         reply.content += gen.text
@@ -172,11 +174,16 @@ class Conversation:
     def _offer_tools(self, thinking) -> bool:
         """Readies the session to hold a call to the grammar of the offered tools; False when no
         call is to be read (no tools, `none`, or a session that reads no calls)."""
-        if not self.tools or self.tool_choice == "none" or not hasattr(self.session, "call_grammar"):
+        if not self.tools or self.tool_choice == "none":
             return False
         offered = self.tools if self.tool_choice in CHOICES else [t for t in self.tools if t.name == self.tool_choice]
         if not offered:
             raise UsageError(f"--tool-choice names {self.tool_choice!r}, which is not one of the tools offered")
+        if self.template is None:  # a chat API: the server renders the tools and reads the calls
+            self.session.offered_tools, self.session.tool_choice = list(self.tools), self.tool_choice
+            return True
+        if not hasattr(self.session, "call_grammar"):
+            return False
         grammar = call_grammar(self.tool_format, offered)
         self.session.call_grammar = grammar
         self.session.call_forced = grammar is not None and self.tool_choice != "auto"
@@ -186,6 +193,13 @@ class Conversation:
     def _read_calls(self, reply: Message, gen: Generation) -> None:
         """Reads the calls of the reply just generated into its message (and `gen.tool_calls`):
         the message then holds the text before them and the calls, as the template renders them."""
+        if self.template is None:  # the server read them
+            if gen.tool_calls:
+                made = sum(len(m.tool_calls or ()) for m in self.messages)
+                for i, call in enumerate(gen.tool_calls):
+                    call.id = call.id or f"{made + i + 1:09d}"
+                reply.tool_calls = [c.to_message() for c in gen.tool_calls]
+            return
         tokens = self.session.tokens[self.session.reply_start:]
         if tokens and self.session.backend.is_eog(tokens[-1]):
             tokens = tokens[:-1]
