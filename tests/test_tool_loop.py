@@ -337,3 +337,37 @@ def test_an_mcp_server_from_the_config_that_cannot_start_is_one_line(quipu, tiny
         r = quipu("run", "-m", tiny_model, "--mcp", name, "hi")
         err = r.stderr.decode()
         assert r.returncode in (1, 2) and words in err and len(err.splitlines()) == 1, err
+
+
+MESSAGES = [
+    {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call12345", "type": "function", "function": {
+        "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "call12345", "name": "get_weather", "content": "{\"temperature\": 21}"},
+]
+
+
+def test_messages_from_a_file_are_the_conversation_a_run_goes_on_from(quipu, tiny_model, tmp_path, make_backend):
+    from chat_reference import reference_tokens, render_reference
+
+    (tmp_path / "m.json").write_text(json.dumps(MESSAGES))
+    template = TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"
+    args = ("-m", tiny_model, "--chat-template", str(template), "--messages", str(tmp_path / "m.json"))
+    shown = quipu("run", *args, "--show-prompt", "--json")
+    assert shown.returncode == 0, shown.stderr.decode()
+    wire = [dict(m) for m in MESSAGES]
+    wire[2] = {**wire[2], "tool_calls": [{**wire[2]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    backend = make_backend(n_ctx=1024)
+    expected = render_reference(template.read_text(), wire, add_generation_prompt=True,
+                                bos_token=backend.special_token_text("bos"), eos_token=backend.special_token_text("eos"))
+    assert json.loads(shown.stdout)["tokens"] == reference_tokens(backend, expected)
+    reply = quipu("run", *args, "-n", "5", "--json")
+    assert reply.returncode == 0 and json.loads(reply.stdout)["usage"]["completion_tokens"] >= 1
+    more = quipu("run", *args, "-n", "5", "--json", "And in Rome?")  # a prompt is the next user message
+    assert more.returncode == 0 and "Rome" in quipu("run", *args, "--show-prompt", "And in Rome?").stdout.decode()
+    (tmp_path / "bad.json").write_text('[{"role": "robot", "content": "x"}]')
+    bad = quipu("run", "-m", tiny_model, "--messages", str(tmp_path / "bad.json"))
+    assert bad.returncode == 2 and "message 0 of" in bad.stderr.decode()
+    with_session = quipu("run", *args, "-S", "x")
+    assert with_session.returncode == 2 and "--messages is a conversation of its own" in with_session.stderr.decode()

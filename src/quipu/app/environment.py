@@ -67,6 +67,7 @@ class TurnOptions:
     mcp: tuple[str, ...] = ()  # MCP servers by name ([mcp.NAME] in the config, or --mcp-config)
     mcp_config: str | None = None  # a JSON file of servers in the `mcpServers` shape
     yes: bool = False  # approve every call
+    messages: str | None = None  # a JSON file: the conversation a one-shot run goes on from
 
     def sampling(self) -> dict:
         """The sampling parameters given on the command line."""

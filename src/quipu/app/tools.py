@@ -520,3 +520,58 @@ def follow_calls(conv: Conversation, tools: Tools | None, gen: Generation, opts,
                        "was told")
     records = loop.calls + [CallRecord(c.id, c.name, c.arguments) for c in loop.pending]
     return loop.generation, records, notices + loop.notices
+
+
+# ---- a conversation from a file -----------------------------------------------------------------
+
+def messages_from_file(path: str):
+    """An OpenAI-style message list (`[{"role", "content", "tool_calls"?, "tool_call_id"?}]`, or
+    `{"messages": [...]}`) as the conversation's messages, checked."""
+    from quipu.sessions.base import Message
+
+    file = Path(path).expanduser()
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"cannot read the messages {file}: {exc.strerror or exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"the messages {file} are not valid JSON: {exc}") from None
+    if isinstance(data, dict):
+        data = data.get("messages")
+    if not isinstance(data, list) or not data:
+        raise UsageError(f"{file} must hold a list of messages ({{\"role\", \"content\"}})")
+    out = []
+    for i, m in enumerate(data):
+        where = f"message {i} of {file}"
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise UsageError(f"{where} has no role of system, user, assistant or tool")
+        content = m.get("content") or ""
+        if isinstance(content, list):  # parts: the text ones, joined
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if not isinstance(content, str):
+            raise UsageError(f"{where} has a content that is not text")
+        calls = None
+        if m.get("tool_calls"):
+            calls = []
+            for call in m["tool_calls"] if isinstance(m["tool_calls"], list) else [None]:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise UsageError(f"{where} has a tool call without a function name")
+                args = fn.get("arguments") or {}
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args or "{}")
+                    except ValueError:
+                        raise UsageError(f"{where}: the arguments of {fn['name']} are not JSON") from None
+                if not isinstance(args, dict):
+                    raise UsageError(f"{where}: the arguments of {fn['name']} are not an object")
+                made = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+                if isinstance(call.get("id"), str):
+                    made = {"id": call["id"], **made}
+                calls.append(made)
+        ident = m.get("tool_call_id")
+        name = m.get("name")
+        out.append(Message(m["role"], content, tool_calls=calls,
+                           tool_call_id=ident if isinstance(ident, str) else None,
+                           name=name if isinstance(name, str) and m["role"] == "tool" else None))
+    return out

@@ -84,6 +84,8 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     the result is out."""
     with closing(open_host(opts, env)) as host:
         check_options(host.capabilities, opts)
+        if opts.messages and (opts.session is not None or opts.continue_reply or opts.raw):
+            raise UsageError("--messages is a conversation of its own: give no --session, --continue or --raw")
         tools = toolbox(opts, env)
         try:
             if opts.session is not None or opts.continue_reply:
@@ -117,7 +119,7 @@ def constrained_by(session) -> str | None:
 def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost, sink: ReplySink,
               on_result: Callable[[TurnResult], None] | None, tools: Tools | None = None,
               hooks: ToolHooks | None = None) -> TurnResult:
-    if not prompt:
+    if not prompt and not opts.messages:
         raise BadInput("no prompt: give one as an argument or on standard input")
     if opts.tool_results:
         raise UsageError("--tool-result continues a session: give -S NAME")
@@ -126,18 +128,28 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
     opened = host.create(opts, env)
     session, keeper = opened.session, opened.keeper
     try:
-        session.check_text_fits(prompt)
+        if prompt:
+            session.check_text_fits(prompt)
         notices = []
         if opts.raw:
             tokens = session.raw_tokens(prompt)
             cached = keeper.warm(session, lambda: tokens, opts, env)
             gen = session.complete(tokens, limit, opts.stop, sink)
         else:
-            conv = Conversation.start(session, system_prompt(opts, env), template=source,
-                                      variables=template_variables(opts))
+            conv = _conversation(session, opts, env, source)
             offer(conv, tools, opts)
-            cached = keeper.warm(session, lambda: conv.tokens_with(prompt), opts, env)
-            gen = conv.send(prompt, max_tokens=limit, stop=opts.stop, sink=sink)
+            if prompt:
+                cached = keeper.warm(session, lambda: conv.tokens_with(prompt), opts, env)
+                gen = conv.send(prompt, max_tokens=limit, stop=opts.stop, sink=sink)
+            else:  # --messages alone: the reply to its last message, or its last reply continued
+                last = conv.messages[-1]
+                cached = keeper.warm(session, lambda: conv.context_tokens(last.role != "assistant",
+                                                                          last.content if last.role == "assistant"
+                                                                          else ""), opts, env)
+                if last.role == "assistant":
+                    gen = conv.continue_reply(max_tokens=limit, stop=opts.stop, sink=sink)
+                else:
+                    gen = conv.answer(max_tokens=limit, stop=opts.stop, sink=sink)
             gen, calls, tool_notes = follow_calls(conv, tools, gen, opts, limit, opts.stop, sink, hooks)
             notices = ([FOLD_NOTICE] if conv.folds_system else []) + tool_notes
         result = TurnResult.of(gen, keeper.model_name, session, None, notices)
@@ -149,6 +161,20 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
         return result
     finally:
         session.close()
+
+
+def _conversation(session, opts: TurnOptions, env: Environment, source) -> Conversation:
+    """A one-shot run's conversation: the system prompt alone, or --messages' conversation."""
+    if not opts.messages:
+        return Conversation.start(session, system_prompt(opts, env), template=source,
+                                  variables=template_variables(opts))
+    from quipu.app.tools import messages_from_file
+
+    conv = Conversation.start(session, None, template=source, variables=template_variables(opts),
+                              messages=messages_from_file(opts.messages))
+    if opts.system is not None:
+        conv.set_system(opts.system)
+    return conv
 
 
 def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost,
@@ -213,20 +239,29 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
         check_options(host.capabilities, opts, show=True)
         if opts.session is not None or opts.continue_reply:
             return _show_session_prompt(prompt, opts, env, host)
-        if not prompt:
+        if not prompt and not opts.messages:
             raise BadInput("no prompt: give one as an argument or on standard input")
         opened = host.create(opts, env)
         session = opened.session
+        tools = toolbox(opts, env)  # the tools are part of the context their definitions are written into
         try:
             if opts.raw:
                 tokens = session.raw_tokens(prompt)
             else:
-                conv = Conversation.start(session, system_prompt(opts, env), template=chat_template_source(opts),
-                                          variables=template_variables(opts))
-                tokens = conv.tokens_with(prompt)
+                conv = _conversation(session, opts, env, chat_template_source(opts))
+                offer(conv, tools, opts)
+                if prompt:
+                    tokens = conv.tokens_with(prompt)
+                elif conv.messages[-1].role == "assistant":
+                    tail = conv.messages.pop().content
+                    tokens = conv.context_tokens(True, tail)
+                else:
+                    tokens = conv.context_tokens()
             reused = opened.keeper.cached(session, tokens, opts, env)
             return PromptView(session.spell(tokens), tokens, reused, opened.keeper.model_name, None)
         finally:
+            if tools is not None:
+                tools.close()
             session.close()
 
 

@@ -20,6 +20,7 @@ PARAMS: dict[str, spec.Opt | spec.Arg] = {
     "continue_reply": spec.flag("--continue", help="With --session and no prompt: keep generating the last reply."),
     **spec.SHAPING,
     **spec.TOOLS,
+    "messages": spec.MESSAGES,
     "tools_debug": spec.flag("--tools-debug", help="Show each call and its result, raw, on stderr."),
     "no_cache": spec.flag("--no-cache", help="Neither use nor fill the prompt cache for this run."),
     "show": spec.flag("--show-prompt", help="Print the exact context that would be fed (with --json: its token "
@@ -65,7 +66,7 @@ def run(env, **given) -> int:
     if batch is None and parallel is not None:
         raise UsageError("--parallel goes with --batch")
     opts = spec.turn_options(given)
-    text = gather_prompt(prompt, term, allow_empty=opts.continue_reply or bool(opts.tool_results)) if batch is None else None
+    text = gather_prompt(prompt, term, allow_empty=opts.continue_reply or bool(opts.tool_results) or bool(opts.messages)) if batch is None else None
     if batch is not None:
         from quipu.cli.batch import run_batch_file
 

@@ -131,6 +131,8 @@ MCP = opt("--mcp", multiple=True, help="An MCP server whose tools the model may 
 MCP_CONFIG = opt("--mcp-config", help="A JSON file of MCP servers in the mcpServers shape other tools use.",
                  metavar="FILE.json")
 YES = flag("--yes", help="Run every call the model makes without asking.")
+MESSAGES = opt("--messages", help="Go on from this conversation (OpenAI-style messages JSON, tool calls and results "
+                                  "included): reply to its last message, or --show-prompt it.", metavar="FILE.json")
 TOOLS = {"functions": FUNCTIONS, "tools_file": TOOLS_FILE, "tool_results": TOOL_RESULT, "tool_choice": TOOL_CHOICE,
          "chain_limit": CHAIN_LIMIT, "tool_output_max": TOOL_OUTPUT_MAX, "tool_timeout": TOOL_TIMEOUT, "mcp": MCP, "mcp_config": MCP_CONFIG,
          "yes": YES}

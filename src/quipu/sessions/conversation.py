@@ -228,6 +228,13 @@ class Conversation:
         """Generates the model's next reply after the tools' results (no new user message)."""
         if not self.messages or self.messages[-1].role != "tool":
             raise UsageError("there is no tool result to reply to")
+        return self.answer(max_tokens=max_tokens, stop=stop, sink=sink)
+
+    def answer(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT) -> Generation:
+        """Generates the reply to the conversation as it stands: its last message a user's or a
+        tool's result."""
+        if not self.messages or self.messages[-1].role not in ("user", "tool"):
+            raise UsageError("the conversation does not end with a message to reply to (a user's or a tool's)")
         mark = len(self.messages)
         try:
             return self._generate(Message("assistant", ""), max_tokens, stop, sink)
