@@ -88,10 +88,11 @@ def test_the_result_is_read_as_new_tokens_only(make_backend):
     conv.tools = [ToolSpec("get_weather", "w", {"type": "object", "properties": {"city": {"enum": ["Paris"]}},
                                                 "required": ["city"], "additionalProperties": False})]
     conv.tool_choice = "required"
-    gen = conv.send("weather?", max_tokens=100)
-    assert [c.name for c in gen.tool_calls] == ["get_weather"] and gen.tool_calls[0].arguments == {"city": "Paris"}
+    gen = conv.send("weather?", max_tokens=800)
+    assert gen.finish_reason == "stop" and {c.name for c in gen.tool_calls} == {"get_weather"}
+    assert all(c.arguments == {"city": "Paris"} for c in gen.tool_calls)
     held = len(session.tokens)
-    conv.add_tool_results([(gen.tool_calls[0], "sunny")])
+    conv.add_tool_results([(call, "sunny") for call in gen.tool_calls])
     conv.tool_choice = "auto"
     conv.reply_to_tools(max_tokens=4)
     # (The tiny model ends a reply with </s>, where the template writes <|im_end|>: that one token.)
@@ -371,3 +372,46 @@ def test_messages_from_a_file_are_the_conversation_a_run_goes_on_from(quipu, tin
     assert bad.returncode == 2 and "message 0 of" in bad.stderr.decode()
     with_session = quipu("run", *args, "-S", "x")
     assert with_session.returncode == 2 and "--messages is a conversation of its own" in with_session.stderr.decode()
+
+
+CONSTRAINED_FAMILIES = {
+    "hermes": "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use", "qwen3": "Qwen-Qwen3-0.6B",
+    "qwen3-coder": "Qwen3-Coder", "qwen3.5": "Qwen3.5-4B", "llama3.1": "meta-llama-Llama-3.1-8B-Instruct",
+    "mistral-nemo": "mistralai-Mistral-Nemo-Instruct-2407", "mistral-small-3.2": "Mistral-Small-3.2-24B-Instruct-2506",
+    "command-r7b": "CohereForAI-c4ai-command-r7b-12-2024-tool_use", "deepseek-v3.1": "deepseek-ai-DeepSeek-V3.1", "functionary-v3.1": "meetkai-functionary-medium-v3.1",
+    "functionary-v3.2": "meetkai-functionary-medium-v3.2", "gpt-oss": "openai-gpt-oss-120b", "granite-3.3": "ibm-granite-granite-3.3-2B-Instruct",
+    "granite-4": "ibm-granite-granite-4.0", "kimi-k2": "moonshotai-Kimi-K2",
+}
+
+
+@pytest.mark.parametrize("family", CONSTRAINED_FAMILIES)
+def test_a_required_call_keeps_to_the_tool_s_schema_in_every_constrained_format(make_backend, tmp_path, family):
+    # The random tiny model, under the call's grammar, writes a call that parses in the family's
+    # own format, names the tool and keeps to its schema: every seed. Its vocabulary has the
+    # families' markup as special tokens, as theirs do, which the grammar writes as those tokens.
+    from tinymodel import write_tiny_gguf
+
+    from quipu.sessions.conversation import Conversation
+    from quipu.sessions.inference import InferenceSession
+    from quipu.sessions.params import SamplingParams
+    from quipu.sessions.tools import ToolSpec
+
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                               "note": {"type": "string", "maxLength": 6}},
+              "required": ["city"], "additionalProperties": False}
+    backend = make_backend(write_tiny_gguf(tmp_path / "tools.gguf", tool_specials=True), n_ctx=8192)
+    source = (TEMPLATES / f"{CONSTRAINED_FAMILIES[family]}.jinja").read_text()
+    for seed in range(3):
+        session = InferenceSession(backend, SamplingParams(seed=seed, temperature=1.0))
+        conv = Conversation.start(session, template=source)
+        conv.tools, conv.tool_choice = [ToolSpec("get_weather", "The weather.", schema)], "required"
+        gen = conv.send("What is the weather?", max_tokens=600)
+        reply = session.tokens[session.reply_start:]
+        assert gen.tool_calls, (family, seed, session.spell(reply))
+        spelled = session.spell(reply)
+        for text, ident in session.special_tokens().items():  # markup is its token, never spelled out
+            assert spelled.count(text) == reply.count(ident), (family, text)
+        for call in gen.tool_calls:
+            assert call.name == "get_weather"
+            jsonschema.validate(call.arguments, schema)

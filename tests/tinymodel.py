@@ -25,10 +25,16 @@ SPECIALS = [
     "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>",
     "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>",
 ]
+TOOL_SPECIALS = [
+    "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+    "<|constrain|>", "<|call|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|START_ACTION|>", "<|END_ACTION|>",
+    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|python_tag|>", "<|tool_call|>",
+]
 CONTROL, USER_DEFINED = 3, 4
 
 
-def vocab() -> tuple[list[str], list[float], list[int]]:
+def vocab(tool_specials: bool = False) -> tuple[list[str], list[float], list[int]]:
     tokens, scores, types = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"], [0.0] * 5, [2, 3, 3, 3, 3]
     tokens += SPECIALS
     scores += [0.0] * len(SPECIALS)
@@ -47,6 +53,10 @@ def vocab() -> tuple[list[str], list[float], list[int]]:
         tokens.append(text)
         scores.append(-float(i) if len(text) == 1 else float(len(text)))
         types.append(1)
+    if tool_specials:  # tool-call markup that is one token in its family's vocabulary
+        tokens += TOOL_SPECIALS
+        scores += [0.0] * len(TOOL_SPECIALS)
+        types += [CONTROL] * len(TOOL_SPECIALS)
     return tokens, scores, types
 
 
@@ -118,6 +128,7 @@ def write_tiny_gguf(
     architecture: str = "llama",
     tokenizer: str = "spm",
     split_max_tensors: int = 0,
+    tool_specials: bool = False,
 ) -> Path:
     """`tokenizer`: "spm" (SentencePiece with byte fallback, as Llama 2 and Gemma) or "bpe"
     (GPT-2 style byte-level BPE, as Llama 3, Qwen and most recent models). With
@@ -128,7 +139,7 @@ def write_tiny_gguf(
         tokens, types, merges = bpe_vocab()
         scores = None
     else:
-        tokens, scores, types = vocab()
+        tokens, scores, types = vocab(tool_specials)
     n_vocab = len(tokens)
     head_dim = n_embd // n_head
     rng = np.random.default_rng(seed)

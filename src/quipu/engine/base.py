@@ -82,6 +82,9 @@ class Backend(Protocol):
     def control_texts(self) -> list[str]:
         """The text of every control token, longest first."""
 
+    def special_tokens(self) -> dict[str, int]:
+        """{text: id} of the tokens a grammar writes as themselves, never spelled out."""
+
     def is_eog(self, token: int) -> bool: ...
     def max_token_bytes(self) -> int: ...
     def bos_token(self) -> int | None: ...

@@ -123,6 +123,9 @@ class LlamaBackend:
     def control_texts(self) -> list[str]:
         return self.model.control_texts()
 
+    def special_tokens(self) -> dict[str, int]:
+        return self.model.special_tokens()
+
     def is_eog(self, token: int) -> bool:
         return self.model.is_eog(token)
 

@@ -152,6 +152,21 @@ class LlamaModel:
             self._control_texts = sorted((t for t in texts if t), key=len, reverse=True)
         return self._control_texts
 
+    def special_tokens(self) -> dict[str, int]:
+        """{text: id} of the tokens llguidance treats as special: control tokens, and added tokens
+        spelled `<...>` (as `constraint.tokenizer` marks them)."""
+        if getattr(self, "_special_tokens", None) is None:
+            get_attr, vocab = lc.llama_vocab_get_attr, self.vocab
+            found: dict[str, int] = {}
+            for t in range(self.n_vocab):
+                attr = get_attr(vocab, t)
+                if attr & lc.LLAMA_TOKEN_ATTR_CONTROL or attr & lc.LLAMA_TOKEN_ATTR_USER_DEFINED:
+                    text = (lc.llama_vocab_get_text(vocab, t) or b"").decode("utf-8", "replace")
+                    if attr & lc.LLAMA_TOKEN_ATTR_CONTROL or (text.startswith("<") and text.endswith(">")):
+                        found.setdefault(text, t)
+            self._special_tokens = found
+        return self._special_tokens
+
     def max_token_bytes(self) -> int:
         """The longest text any one token stands for."""
         if self._max_token_bytes is None:

@@ -184,7 +184,7 @@ class Conversation:
             return True
         if not hasattr(self.session, "call_grammar"):
             return False
-        grammar = call_grammar(self.tool_format, offered)
+        grammar = call_grammar(self.tool_format, offered, self.session.special_tokens())
         self.session.call_grammar = grammar
         self.session.call_forced = grammar is not None and self.tool_choice != "auto"
         self.session.starts_thinking = thinking()
@@ -212,6 +212,8 @@ class Conversation:
         for i, call in enumerate(parsed.tool_calls):
             # (nine characters, letters and digits: what the strictest templates, Mistral's, accept)
             call.id = call.id or f"{made + i + 1:09d}"
+        for call in parsed.tool_calls:
+            call.arguments = _as_schema(call.arguments, next((t for t in self.tools if t.name == call.name), None))
         gen.tool_calls = parsed.tool_calls
         gen.answer = parsed.content
         reply.tool_calls = [c.to_message() for c in parsed.tool_calls]
@@ -287,3 +289,19 @@ class Conversation:
         for m in self.messages:
             m.context_before = None  # the context is re-read from here; old marks mean nothing
         return dropped
+
+
+def _as_schema(arguments: dict[str, Any], tool) -> dict[str, Any]:
+    """A call's arguments with what the tool's schema types as a string kept a string: formats
+    that write strings bare (`<parameter=code>\n123\n`) read `123` as a number."""
+    props = (tool.parameters or {}).get("properties") if tool is not None else None
+    if not isinstance(props, dict):
+        return arguments
+    out = dict(arguments)
+    for key, value in arguments.items():
+        schema = props.get(key)
+        if isinstance(schema, dict) and schema.get("type") == "string" and not isinstance(value, str):
+            import json
+
+            out[key] = json.dumps(value, ensure_ascii=False)
+    return out

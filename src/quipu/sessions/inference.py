@@ -129,6 +129,11 @@ class InferenceSession(HeldTokens):
     def control_spellings(self, texts: Sequence[str]) -> list[str]:
         return self.backend.control_texts()  # every one the model has: a local vocabulary is cheap to ask
 
+    def special_tokens(self) -> dict[str, int]:
+        """{text: id} of the tokens a grammar writes as themselves (control tokens, and added
+        tokens spelled `<...>`), never spelled out."""
+        return self.backend.special_tokens()
+
     def context_for(self, rendered: Rendered) -> list[int]:
         return context_tokens(self.backend, self.tokens, rendered)
 
@@ -413,8 +418,9 @@ class _CallWatch(ReplySink):
         self.held = ""
         self.calling = False
         if session.call_forced:
-            session.force(grammar.triggers[0])
-            self.watch.push(grammar.triggers[0])
+            if grammar.forced:
+                session.force(grammar.forced)
+                self.watch.push(grammar.forced)
             self._begin()
 
     def _begin(self) -> None:

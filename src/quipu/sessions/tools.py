@@ -566,8 +566,9 @@ def _one_of_calls(tools: Sequence[ToolSpec], name_key: str, args_key: str, extra
 
 
 def _named_args(tools: Sequence[ToolSpec], between: str) -> str:
-    """`NAME<between>{arguments}` for one of the tools, as Lark alternatives."""
-    return " | ".join(f"{_lark_string(t.name + between)} {_json(t.parameters or {'type': 'object'})}" for t in tools)
+    """`NAME`, then `between` (a Lark expression), then the arguments, for one of the tools, as
+    Lark alternatives."""
+    return " | ".join(f"{_lark_string(t.name)} {between} {_json(t.parameters or {'type': 'object'})}" for t in tools)
 
 
 @dataclass(frozen=True)
@@ -577,34 +578,122 @@ class CallGrammar:
 
     triggers: tuple[str, ...]
     lark: str
+    force: str | None = None  # what a required call begins with (default: the first trigger)
+
+    @property
+    def forced(self) -> str:
+        return self.triggers[0] if self.force is None else self.force
 
 
-def call_grammar(fmt: Format, tools: Sequence[ToolSpec]) -> CallGrammar | None:
+def call_grammar(fmt: Format, tools: Sequence[ToolSpec], specials: dict[str, int] | None = None) -> CallGrammar | None:
     """The grammar a call in `fmt` is held to once it begins (None: the format's calls are read
-    but not constrained, which is said in `Format.constrained`)."""
+    but not constrained: LFM2's Python calls and GLM's). `specials` are the model's special
+    tokens ({text: id}): markup that is one of them is written as that token, never spelled."""
     if not tools:
         return None
-    if fmt.name in ("hermes", "granite-4"):
+    special = specials or {}
+
+    def lit(text: str) -> str:
+        """Markup in the grammar: the special token where the model has one (by its id), else the text."""
+        return f"<[{special[text]}]>" if text in special else _lark_string(text)
+
+    more = f"more~0..{MAX_PARALLEL - 1}"
+    name = fmt.name
+    if name in ("hermes", "granite-4"):
         call = _one_of_calls(tools, "name", "arguments")
-        return CallGrammar(("<tool_call>",), f'start: "\\n" call "\\n</tool_call>" more~0..{MAX_PARALLEL - 1}\n'
-                                              f'more: "\\n<tool_call>\\n" call "\\n</tool_call>"\ncall: {call}\n')
-    if fmt.name == "llama3":
+        return CallGrammar(("<tool_call>",), f'start: "\\n" call "\\n" {lit("</tool_call>")} {more}\n'
+                                              f'more: "\\n" {lit("<tool_call>")} "\\n" call "\\n" {lit("</tool_call>")}\n'
+                                              f'call: {call}\n')
+    if name == "llama3":
         rest = " | ".join(f'{_lark_string(f": {json.dumps(t.name)}, " + chr(34) + "parameters" + chr(34) + ": ")} '
                           f'{_json(t.parameters or {"type": "object"})} "}}"' for t in tools)
         return CallGrammar(('{"name"',), f"start: {rest}\n")
-    if fmt.name == "mistral-nemo":
+    if name == "mistral-nemo":
         call = _one_of_calls(tools, "name", "arguments", {"id": {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}})
-        return CallGrammar(("[TOOL_CALLS]",), f'start: "[" call more~0..{MAX_PARALLEL - 1} "]"\nmore: ", " call\n'
-                                              f'call: {call}\n')
-    if fmt.name == "mistral-args":
-        return CallGrammar(("[TOOL_CALLS]",), f'start: call\ncall: {_named_args(tools, "[ARGS]")}\n')
-    if fmt.name == "generic":
+        return CallGrammar(("[TOOL_CALLS]",), f'start: "[" call {more} "]"\nmore: ", " call\ncall: {call}\n')
+    if name == "mistral-args":
+        return CallGrammar(("[TOOL_CALLS]",), f'start: call {more}\nmore: {lit("[TOOL_CALLS]")} call\n'
+                                              f'call: {_named_args(tools, lit("[ARGS]"))}\n')
+    if name in ("granite", "firefunction-v2"):  # a JSON list of {"name", "arguments"}
+        call = _one_of_calls(tools, "name", "arguments")
+        trigger = "<|tool_call|>" if name == "granite" else " functools"
+        return CallGrammar((trigger,), f'start: "[" call {more} "]"\nmore: ", " call\ncall: {call}\n')
+    if name == "command-r7b":
+        call = _one_of_calls(tools, "tool_name", "parameters")
+        shaped = call.replace('"properties": {"tool_name"', '"properties": {"tool_call_id": {"type": "string", '
+                              '"pattern": "^[0-9]$"}, "tool_name"').replace('"required": ["tool_name"',
+                                                                         '"required": ["tool_call_id", "tool_name"')
+        return CallGrammar(("<|START_ACTION|>",), f'start: "[" call {more} "]" {lit("<|END_ACTION|>")}\n'
+                                                  f'more: ", " call\ncall: {shaped}\n')
+    if name == "functionary-v3.1":
+        return CallGrammar(("<function=",), f'start: call "</function>" {more}\n'
+                                             f'more: "<function=" call "</function>"\ncall: {_named_args(tools, _lark_string(">"))}\n')
+    if name == "functionary-v3.2":
+        # (the generation prompt ends with `>>>`: a required call starts right there)
+        return CallGrammar((">>>",), f'start: call {more}\nmore: ">>>" call\ncall: {_named_args(tools, _lark_string(chr(10)))}\n',
+                           force="")
+    if name in ("deepseek-v3", "deepseek-r1"):
+        begin, sep, end = lit("<｜tool▁call▁begin｜>"), lit("<｜tool▁sep｜>"), lit("<｜tool▁call▁end｜>")
+        if name == "deepseek-v3":
+            body = " | ".join(f'{_lark_string(t.name)} {sep} {_json(t.parameters or {"type": "object"})}' for t in tools)
+        else:
+            body = " | ".join(f'"function" {sep} {_lark_string(t.name + chr(10) + "```json" + chr(10))} '
+                              f'{_json(t.parameters or {"type": "object"})} "\\n```"' for t in tools)
+        return CallGrammar(("<｜tool▁calls▁begin｜>",), f'start: call {more} {lit("<｜tool▁calls▁end｜>")}\n'
+                                                        f'more: call\ncall: {begin} body {end}\nbody: {body}\n')
+    if name == "kimi-k2":
+        body = " | ".join(f'{_lark_string("functions." + t.name + ":")} /[0-9]/ {lit("<|tool_call_argument_begin|>")} '
+                          f'{_json(t.parameters or {"type": "object"})}' for t in tools)
+        return CallGrammar(("<|tool_calls_section_begin|>",),
+                           f'start: call {more} {lit("<|tool_calls_section_end|>")}\nmore: call\n'
+                           f'call: {lit("<|tool_call_begin|>")} body {lit("<|tool_call_end|>")}\nbody: {body}\n')
+    if name == "gpt-oss":
+        body = " | ".join(f'{_lark_string(t.name)} " " {lit("<|constrain|>")} "json" {lit("<|message|>")} '
+                          f'{_json(t.parameters or {"type": "object"})}' for t in tools)
+        return CallGrammar((" to=functions.",), f'start: body {lit("<|call|>")}\nbody: {body}\n',
+                           force="<|channel|>commentary to=functions.")
+    if name == "qwen3-coder":
+        fns = " | ".join(_xml_call(t) for t in tools)
+        return CallGrammar(("<tool_call>",), f'start: "\\n" fn "\\n" {lit("</tool_call>")} {more}\n'
+                                              f'more: "\\n" {lit("<tool_call>")} "\\n" fn "\\n" {lit("</tool_call>")}\n'
+                                              f'fn: {fns}\nTEXT: /[^<]*/\n')
+    if name == "generic":
         call = _one_of_calls(tools, "name", "arguments")
         return CallGrammar(('{"tool_call": ',), f'start: call "}}"\ncall: {call}\n')
     return None
 
 
-CONSTRAINED = ("hermes", "granite-4", "llama3", "mistral-nemo", "mistral-args", "generic")
+def _xml_call(tool: ToolSpec) -> str:
+    """`<function=NAME>` and its parameters in order, as Qwen3-Coder's template writes them: a
+    string as it is, anything else as JSON; those not required may be left out."""
+    props = (tool.parameters or {}).get("properties") or {}
+    required = set((tool.parameters or {}).get("required") or [])
+    parts = [_lark_string(f"<function={tool.name}>\n")]
+    for key, schema in props.items():
+        value = _bare_value(schema)
+        param = f'{_lark_string(f"<parameter={key}>" + chr(10))} {value} {_lark_string(chr(10) + "</parameter>" + chr(10))}'
+        parts.append(param if key in required else f"({param})?")
+    parts.append('"</function>"')
+    return "(" + " ".join(parts) + ")"
+
+
+def _bare_value(schema: Any) -> str:
+    """A parameter's value as a template writes it bare: a string (or a choice of strings) as it
+    is, up to its maxLength; anything else as JSON."""
+    if not isinstance(schema, dict):
+        return _json({})
+    choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices):
+        return "(" + " | ".join(_lark_string(c) for c in choices) + ")"
+    if schema.get("type") == "string":
+        low, high = schema.get("minLength", 0), schema.get("maxLength")
+        return f"/[^<]{{{low},{high}}}/" if isinstance(high, int) else (f"/[^<]{{{low},}}/" if low else "TEXT")
+    return _json(schema)
+
+
+CONSTRAINED = ("hermes", "granite-4", "llama3", "mistral-nemo", "mistral-args", "granite", "firefunction-v2",
+               "command-r7b", "functionary-v3.1", "functionary-v3.2", "deepseek-v3", "deepseek-r1", "kimi-k2",
+               "gpt-oss", "qwen3-coder", "generic")
 
 
 def generic_system_prompt(tools: Sequence[ToolSpec]) -> str:
