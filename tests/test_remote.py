@@ -546,3 +546,40 @@ def test_tools_on_a_chat_api_go_in_the_request_and_the_calls_come_back_streamed(
     roles = [m.role for m in conv.messages]
     assert roles[:3] == ["user", "assistant", "tool"] and roles[-1] == "assistant"
     assert conv.messages[1].tool_calls[0]["function"]["name"] == "get_weather"
+
+
+def test_on_llama_server_by_tokens_quipu_reads_the_calls_and_runs_the_loop(llama_server):
+    # The server writes a call in the template's format (here a grammar makes it, as a model
+    # would); quipu reads it from the exact tokens, runs the tool, and the model goes on.
+    from quipu.app.llama_server import open_llama_server
+    from quipu.app.tooldefs import Tool
+    from quipu.app.tools import Toolbox, tool_loop
+    from quipu.engine.chat_api import ServerSettings
+    from quipu.engine.grammar import Grammar
+    from quipu.sessions.conversation import Conversation
+    from quipu.sessions.llama_server import LlamaServerSession
+    from quipu.sessions.params import SamplingParams
+    from quipu.sessions.tools import ToolSpec
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    writes_a_call = Grammar("gbnf", "root ::= " + json.dumps(call))
+    spec = ToolSpec("get_weather", "w", {"type": "object", "properties": {"city": {"type": "string"}}})
+    box = Toolbox()
+    box.add([Tool(spec, lambda args: f"sunny in {args['city']}", "test")])
+    host = open_llama_server(ServerSettings(url=llama_server.url))
+    try:
+        session = LlamaServerSession(host.served, SamplingParams(seed=1, temperature=0.0, grammar=writes_a_call))
+        from pathlib import Path
+
+        template = (Path(__file__).parent / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+        conv = Conversation.start(session, template=template)
+        conv.tools = [spec]
+        gen = conv.send("Weather in Paris?", max_tokens=60)
+        assert [(c.name, c.arguments) for c in gen.tool_calls] == [("get_weather", {"city": "Paris"})], (gen, session.reply_spelled())
+        session.set_params(SamplingParams(seed=1, temperature=0.0))
+        held = len(session.tokens)
+        loop = tool_loop(conv, box, gen, approve=lambda c: True, max_tokens=8)
+        assert loop.calls[0].result == "sunny in Paris" and conv.messages[-2].role == "tool"
+        assert session.stats.cached_tokens >= held - 1  # the call is not read again: only the result
+    finally:
+        host.close()

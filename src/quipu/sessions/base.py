@@ -196,7 +196,7 @@ class Capabilities:
 
 _ALL = frozenset(FEATURES)
 LOCAL = Capabilities("local", _ALL - {"slot_files"}, "a local model", exact_tokens=True, context_size=True)
-LLAMA_SERVER = Capabilities("llama-server", _ALL - {"context_settings", "prompt_cache", "state_files", "tools"},
+LLAMA_SERVER = Capabilities("llama-server", _ALL - {"context_settings", "prompt_cache", "state_files"},
                             "a server", exact_tokens=True, context_size=True)
 CHAT_API = Capabilities("chat-api", frozenset({"tools"}), "this server (only llama.cpp's llama-server takes it)",
                         exact_tokens=False, context_size=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from quipu.errors import UsageError
+from quipu.errors import CapabilityError, UsageError
 from quipu.sessions.base import SILENT, Generation, Message, ModelSession, ReplySink, TurnPrompt
 from quipu.sessions.prompt import Protector, Rendered
 from quipu.sessions.template import ChatTemplate
@@ -153,9 +153,9 @@ class Conversation:
         try:
             gen = self.session.reply(prompt, max_tokens, stop, split)
         finally:
-            if offered and self.template is not None:
+            if offered == "constrain":
                 self.session.call_grammar = None
-            elif offered:
+            elif offered == "server":
                 self.session.offered_tools = []
         self.prompt_text = prompt.text
         self.messages.append(reply)
@@ -171,24 +171,28 @@ class Conversation:
     def tool_format(self) -> Format:
         return format_of(self.template.source if self.template is not None else None)
 
-    def _offer_tools(self, thinking) -> bool:
-        """Readies the session to hold a call to the grammar of the offered tools; False when no
-        call is to be read (no tools, `none`, or a session that reads no calls)."""
+    def _offer_tools(self, thinking) -> str | None:
+        """Readies the session for calls: "constrain" (a local context holds a call to the
+        offered tools' grammar), "read" (llama-server: quipu reads the calls from the reply),
+        "server" (a chat API: the server reads them); None when no call is to be read."""
         if not self.tools or self.tool_choice == "none":
-            return False
+            return None
         offered = self.tools if self.tool_choice in CHOICES else [t for t in self.tools if t.name == self.tool_choice]
         if not offered:
             raise UsageError(f"--tool-choice names {self.tool_choice!r}, which is not one of the tools offered")
         if self.template is None:  # a chat API: the server renders the tools and reads the calls
             self.session.offered_tools, self.session.tool_choice = list(self.tools), self.tool_choice
-            return True
+            return "server"
         if not hasattr(self.session, "call_grammar"):
-            return False
+            if self.tool_choice != "auto":
+                raise CapabilityError("--tool-choice required or NAME makes a call on a local model only; on a "
+                                      "server by tokens the model's calls are read as it writes them (auto)")
+            return "read"
         grammar = call_grammar(self.tool_format, offered, self.session.special_tokens())
         self.session.call_grammar = grammar
         self.session.call_forced = grammar is not None and self.tool_choice != "auto"
         self.session.starts_thinking = thinking()
-        return True
+        return "constrain"
 
     def _read_calls(self, reply: Message, gen: Generation) -> None:
         """Reads the calls of the reply just generated into its message (and `gen.tool_calls`):
@@ -200,10 +204,7 @@ class Conversation:
                     call.id = call.id or f"{made + i + 1:09d}"
                 reply.tool_calls = [c.to_message() for c in gen.tool_calls]
             return
-        tokens = self.session.tokens[self.session.reply_start:]
-        if tokens and self.session.backend.is_eog(tokens[-1]):
-            tokens = tokens[:-1]
-        raw = self.session.spell(tokens)
+        raw = self.session.reply_spelled()
         thinking = starts_thinking(self.prompt_text)
         parsed = parse_reply(self.template.source if self.template else None, raw, starts_thinking=thinking)
         if not parsed.tool_calls:

@@ -375,6 +375,13 @@ class InferenceSession(HeldTokens):
         self._turn_started = 0.0
         return Generation(reply.text, reply.tokens, finish)
 
+    def reply_spelled(self) -> str:
+        """The reply just generated, control tokens spelled out (its end-of-generation token not)."""
+        tokens = self.tokens[self.reply_start:]
+        if tokens and self.backend.is_eog(tokens[-1]):
+            tokens = tokens[:-1]
+        return self.spell(tokens)
+
     def force(self, text: str) -> None:
         """Appends `text` (control tokens parsed) to the reply as if the model had written it."""
         tokens = self.backend.tokenize(text, add_special=False, parse_special=True)

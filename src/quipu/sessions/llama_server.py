@@ -59,6 +59,7 @@ class LlamaServerSession(HeldTokens):
         self.draws = 0
         self.slot = -1  # the server's slot to use (-1: any)
         self.slot_holder: SlotHolder | None = None
+        self._spelled = ""  # the last reply, control tokens spelled out
         self.stats = Stats()
         self._turn_started = 0.0
 
@@ -215,7 +216,13 @@ class LlamaServerSession(HeldTokens):
         if done.tokens:
             stats.ttft_s = sent - self._turn_started + done.first_token_s
         self._turn_started = 0.0
+        body = done.tokens[:-1] if finish == "stop" and done.tokens else list(done.tokens)
+        self._spelled = self.backend.detokenize(body) if done.exact and body else done.text
         return Generation(done.text, list(done.tokens), finish, error)
+
+    def reply_spelled(self) -> str:
+        """The reply just generated, control tokens spelled out (its end-of-generation token not)."""
+        return self._spelled
 
     def _keep(self, prompt: list[int | str], ids: list[int] | None, prompt_text: str, done, finish: str) -> None:
         """The context after a reply: the prompt, then the reply's tokens when all their ids are
