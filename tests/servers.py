@@ -66,29 +66,26 @@ def stop(proc) -> None:
         proc.kill()
 
 
-@pytest.fixture(scope="module")
-def function_calling_server(bundled_model, tmp_path_factory):
-    """llama-cpp-python's server with its function-calling chat format: tools over the chat API."""
+def _llama_cpp_python(bundled_model, tmp_path_factory, *extra: str):
+    """llama-cpp-python's own server on the bundled model, on loopback, until the module is done."""
     pytest.importorskip("uvicorn", reason="llama-cpp-python[server] is in the test extras")
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "log.txt"
     proc = serve([sys.executable, "-m", "llama_cpp.server", "--model", str(bundled_model), "--host", "127.0.0.1",
-                  "--port", str(port), "--n_ctx", "2048", "--n_threads", "2", "--chat_format",
-                  "chatml-function-calling"], "/v1/models", port, log)
+                  "--port", str(port), "--n_ctx", "2048", "--n_threads", "2", *extra], "/v1/models", port, log)
     yield f"http://127.0.0.1:{port}"
     stop(proc)
+
+
+@pytest.fixture(scope="module")
+def function_calling_server(bundled_model, tmp_path_factory):
+    """llama-cpp-python's server with its function-calling chat format: tools over the chat API."""
+    yield from _llama_cpp_python(bundled_model, tmp_path_factory, "--chat_format", "chatml-function-calling")
 
 
 @pytest.fixture(scope="module")
 def llama_cpp_python_server(bundled_model, tmp_path_factory):
-    pytest.importorskip("uvicorn", reason="llama-cpp-python[server] is in the test extras")
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "log.txt"
-    proc = serve([sys.executable, "-m", "llama_cpp.server", "--model", str(bundled_model), "--host", "127.0.0.1",
-                  "--port", str(port), "--n_ctx", "2048", "--n_threads", "2", "--model_alias", "smollm2"],
-                 "/v1/models", port, log)
-    yield f"http://127.0.0.1:{port}"
-    stop(proc)
+    yield from _llama_cpp_python(bundled_model, tmp_path_factory, "--model_alias", "smollm2")
 
 
 @pytest.fixture(scope="module")

@@ -269,6 +269,19 @@ def grammar_of(opts: TurnOptions):
     return grammar
 
 
+def read_json_file(name: str, what: str):
+    """A JSON file the user named, parsed; a clear usage error when it cannot be read or parsed."""
+    import json
+
+    path = Path(name).expanduser()
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"the {what} {path} is not valid JSON: {exc}") from None
+
+
 def read_text_file(name: str, what: str) -> str:
     """A file the user named, as text; a clear usage error when it cannot be."""
     path = Path(name).expanduser()

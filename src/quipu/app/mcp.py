@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from quipu.app.environment import read_json_file
 from quipu.app.tooldefs import Tool, ToolFailure
 from quipu.config import check_mcp_server
 from quipu.errors import QuipuError, UsageError
@@ -34,12 +35,7 @@ class McpError(QuipuError):
 def servers_from_file(path: str) -> dict[str, dict[str, Any]]:
     """`{"mcpServers": {NAME: {"command", "args", "env"}}}`, checked."""
     file = Path(path).expanduser()
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise UsageError(f"cannot read the MCP config {file}: {exc.strerror or exc}") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise UsageError(f"the MCP config {file} is not valid JSON: {exc}") from None
+    data = read_json_file(path, "MCP config")
     servers = data.get("mcpServers") if isinstance(data, dict) else None
     if not isinstance(servers, dict) or not all(isinstance(v, dict) for v in servers.values()):
         raise UsageError(f"the MCP config {file} has no mcpServers object ({{\"mcpServers\": {{NAME: "

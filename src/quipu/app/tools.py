@@ -23,6 +23,7 @@ from typing import Any, Callable, Literal, Sequence
 from quipu.errors import BadInput, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink
 from quipu.sessions.conversation import Conversation
+from quipu.app.environment import read_json_file
 from quipu.app.tooldefs import Tool, ToolFailure
 from quipu.sessions.tools import ToolCall, ToolSpec
 
@@ -221,12 +222,7 @@ def _to_python(value: Any, hint: Any) -> Any:
 def tools_from_json(path: str) -> list[Tool]:
     """Tool definitions in OpenAI's `tools` shape, which the caller runs (`--tool-result`)."""
     file = Path(path).expanduser()
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise UsageError(f"cannot read the tools file {file}: {exc.strerror or exc}") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise UsageError(f"the tools file {file} is not valid JSON: {exc}") from None
+    data = read_json_file(path, "tools file")
     if isinstance(data, dict) and "tools" in data:
         data = data["tools"]
     if not isinstance(data, list) or not data:
@@ -530,12 +526,7 @@ def messages_from_file(path: str):
     from quipu.sessions.base import Message
 
     file = Path(path).expanduser()
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise UsageError(f"cannot read the messages {file}: {exc.strerror or exc}") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise UsageError(f"the messages {file} are not valid JSON: {exc}") from None
+    data = read_json_file(path, "messages file")
     if isinstance(data, dict):
         data = data.get("messages")
     if not isinstance(data, list) or not data:

@@ -234,13 +234,18 @@ def _python_kwargs(source: str) -> dict[str, Any] | None:
         return None
 
 
-def parse_mistral_nemo(text: str) -> tuple[str, list[ToolCall]]:
-    """`[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": "..."}]` (Mistral Nemo, 7B v0.3)."""
-    at = text.find("[TOOL_CALLS]")
+def _marked_list(text: str, marker: str, skip: str) -> tuple[str, list[ToolCall]]:
+    """Calls as a JSON list after `marker` (`skip` of it is markup; the rest belongs to the JSON)."""
+    at = text.find(marker)
     if at < 0:
         return text, []
-    calls = _json_calls(text[at + len("[TOOL_CALLS]"):])
+    calls = _json_calls(text[at + len(skip):])
     return (text[:at].strip(), calls) if calls else (text, [])
+
+
+def parse_mistral_nemo(text: str) -> tuple[str, list[ToolCall]]:
+    """`[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": "..."}]` (Mistral Nemo, 7B v0.3)."""
+    return _marked_list(text, "[TOOL_CALLS]", "[TOOL_CALLS]")
 
 
 def parse_mistral_args(text: str) -> tuple[str, list[ToolCall]]:
@@ -364,11 +369,7 @@ def parse_functionary_v3_2(text: str) -> tuple[str, list[ToolCall]]:
 
 def parse_firefunction(text: str) -> tuple[str, list[ToolCall]]:
     """` functools[{"name": ..., "arguments": {...}}]` (FireFunction v2)."""
-    at = text.find("functools[")
-    if at < 0:
-        return text, []
-    calls = _json_calls(text[at + len("functools"):])
-    return (text[:at].strip(), calls) if calls else (text, [])
+    return _marked_list(text, "functools[", "functools")
 
 
 def parse_gpt_oss(text: str) -> tuple[str, list[ToolCall]]:
