@@ -415,3 +415,36 @@ def test_a_required_call_keeps_to_the_tool_s_schema_in_every_constrained_format(
         for call in gen.tool_calls:
             assert call.name == "get_weather"
             jsonschema.validate(call.arguments, schema)
+
+
+def test_a_loop_stopped_at_its_approval_resumes_in_a_new_process_as_if_never_stopped(quipu, tiny_model, tmp_path,
+                                                                                     home):
+    # On a terminal the approval is asked; "stop" leaves the calls waiting in the session. The
+    # next run with the tools (and no prompt) runs them and goes on: the very tokens of a loop
+    # that never stopped, with the same seed.
+    import os
+    import sys
+
+    import pexpect
+
+    fns = write(tmp_path)
+    common = ["-m", str(tiny_model), "--chat-template", str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"),
+              "--functions", fns, "-t", "1.0", "--seed", "13", "-n", "400"]
+    whole = quipu("run", *common, "--tool-choice", "get_weather", "--yes", "--json", "-S", "whole", "Weather?")
+    assert whole.returncode == 0, whole.stderr.decode()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ.update(QUIPU_HOME=str(home), TERM="xterm")
+    child = pexpect.spawn(sys.executable, ["-m", "quipu", "run", *common, "--tool-choice", "get_weather", "-S", "half",
+                                           "Weather?"], env=environ, encoding="utf-8", timeout=120)
+    child.expect(r"\[s\]top here: ")
+    child.sendline("s")
+    child.expect(pexpect.EOF)
+    child.close()
+    stopped = transcript(home, "half")
+    assert stopped["messages"][-1]["tool_calls"] and stopped["messages"][-1]["role"] == "assistant"
+    resumed = quipu("run", "-S", "half", "--functions", fns, "--yes", "--json")
+    assert resumed.returncode == 0, resumed.stderr.decode()
+    assert json.loads(resumed.stdout)["text"] == json.loads(whole.stdout)["text"]
+    assert transcript(home, "half")["tokens"] == transcript(home, "whole")["tokens"]
+    nothing = quipu("run", "-S", "half", "--functions", fns, "--yes")
+    assert nothing.returncode == 2 and "has no calls waiting to run" in nothing.stderr.decode()

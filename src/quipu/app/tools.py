@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
-from quipu.errors import BadInput, UsageError
+from quipu.errors import BadInput, Interrupted, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink
 from quipu.sessions.conversation import Conversation
 from quipu.app.environment import read_json_file
@@ -336,13 +336,23 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
             result.generation.finish_reason = "tool_calls"
             result.pending = list(calls)
             return result
+        # Every call of the round is approved (or not) before any runs: a loop stopped at an
+        # approval (Interrupted) has run nothing of its round, and resumes from its calls.
+        try:
+            approved = [call not in unknown and approve(call) for call in calls]
+        except Interrupted:
+            result.notices.append("stopped before the calls ran; the session goes on from them when it is next "
+                                  "run with its tools (-S NAME and --functions, --mcp)")
+            result.generation.finish_reason = "tool_calls"
+            result.pending = list(calls)
+            return result
         answers: list[tuple[ToolCall, str]] = []
-        for call in calls:
+        for call, ok in zip(calls, approved):
             if on_start is not None:
                 on_start(call)
             if call in unknown:
                 record = CallRecord(call.id, call.name, call.arguments, error=f"there is no tool named {call.name}")
-            elif not approve(call):
+            elif not ok:
                 record = CallRecord(call.id, call.name, call.arguments, error="the user did not approve this call")
             else:
                 record = run_call(box.tools[call.name], call, output_max)
@@ -566,3 +576,12 @@ def messages_from_file(path: str):
                            tool_call_id=ident if isinstance(ident, str) else None,
                            name=name if isinstance(name, str) and m["role"] == "tool" else None))
     return out
+
+
+def resume_pending(conv: Conversation) -> Generation | None:
+    """The session's last reply as a reply that made calls, when they wait for results (a loop
+    that stopped at an approval, or a crash): the loop goes on from them. None when none wait."""
+    pending = pending_calls(conv)
+    if not pending or any(m.role == "tool" for m in conv.messages[-1:]):
+        return None
+    return Generation(conv.messages[-1].content, [], "stop", tool_calls=pending)

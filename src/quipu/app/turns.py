@@ -19,7 +19,7 @@ from quipu.app.environment import (
 from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost, check_options
 from quipu.app.named import FOLD_NOTICE, NamedSession, store_for
-from quipu.app.tools import ToolHooks, Tools, answer_pending, follow_calls, offer, toolbox
+from quipu.app.tools import ToolHooks, Tools, answer_pending, follow_calls, offer, resume_pending, toolbox
 from quipu.errors import BadInput, ContextOverflow, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink, Stats, common_prefix
 from quipu.sessions.conversation import Conversation
@@ -194,6 +194,11 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
             try:
                 if opts.tool_results:
                     gen = answer_pending(conv, opts, limit, stop, sink)
+                elif not prompt and not opts.continue_reply:
+                    gen = resume_pending(conv)  # a loop that stopped before its calls ran goes on
+                    if gen is None:
+                        raise BadInput("no prompt: give one as an argument or on standard input (session "
+                                       f"'{name}' has no calls waiting to run)")
                 elif opts.continue_reply:
                     gen = conv.continue_reply(max_tokens=limit, stop=stop, sink=sink)
                 else:
@@ -227,7 +232,8 @@ def check_session_turn(prompt: str | None, opts: TurnOptions) -> str:
         raise UsageError("--continue keeps generating the last reply; it takes no prompt")
     if opts.tool_results and (prompt or opts.continue_reply):
         raise UsageError("--tool-result gives the model what its calls returned; it takes no prompt")
-    if not opts.continue_reply and not opts.tool_results and not prompt:
+    if not opts.continue_reply and not opts.tool_results and not prompt and not (
+            opts.functions or opts.mcp or opts.tools_file):
         raise BadInput("no prompt: give one as an argument or on standard input")
     return validate_name(opts.session)
 

@@ -265,8 +265,12 @@ class Repl:
     def _approve(self, call) -> bool:
         if call.name in self._always:
             return True
-        answer = self.ask(f"run {spelled_call(call)}? [y]es, [n]o, [a]lways for {call.name}: ", default="n",
-                          choices="yna")
+        answer = self.ask(f"run {spelled_call(call)}? [y]es, [n]o, [a]lways for {call.name}, [s]top here: ",
+                          default="n", choices="ynasc")
+        if answer[:1] in ("s", "c"):  # (c: Ctrl-C at the question) the calls wait; the chat goes on
+            from quipu.errors import Interrupted
+
+            raise Interrupted("stopped at the approval of a call")
         if answer.startswith("a"):
             self._always.add(call.name)
         return answer[:1] in ("y", "a")

@@ -6,7 +6,7 @@ import json
 
 from quipu.cli import spec
 from quipu.cli.terminal import PrefillProgress, StopOnCtrlC, Terminal, gather_prompt
-from quipu.errors import ExitCode, UsageError
+from quipu.errors import ExitCode, Interrupted, UsageError
 
 HELP = "Answer one prompt, given as an argument and/or on standard input."
 
@@ -66,7 +66,7 @@ def run(env, **given) -> int:
     if batch is None and parallel is not None:
         raise UsageError("--parallel goes with --batch")
     opts = spec.turn_options(given)
-    text = gather_prompt(prompt, term, allow_empty=opts.continue_reply or bool(opts.tool_results) or bool(opts.messages)) if batch is None else None
+    text = gather_prompt(prompt, term, allow_empty=empty_allowed(opts)) if batch is None else None
     if batch is not None:
         from quipu.cli.batch import run_batch_file
 
@@ -100,6 +100,13 @@ def run(env, **given) -> int:
     return ExitCode.INTERRUPTED if interrupted else ExitCode.OK
 
 
+def empty_allowed(opts) -> bool:
+    """Whether a run may have no prompt: it goes on from a reply, a tool's result, a messages file,
+    or a session's calls that wait to run."""
+    return bool(opts.continue_reply or opts.tool_results or opts.messages
+                or (opts.session and (opts.functions or opts.mcp or opts.tools_file)))
+
+
 def tool_hooks(term: Terminal, as_json: bool, debug: bool, stopper):
     """How `run` shows calls (stderr: `name(arguments)` on a terminal, raw with --tools-debug)
     and asks to approve them (on a terminal: yes, no, or always for that tool)."""
@@ -113,12 +120,16 @@ def tool_hooks(term: Terminal, as_json: bool, debug: bool, stopper):
     def approve(call) -> bool:
         if call.name in always:
             return True
-        term.stderr.write(f"run {spelled(call)}? [y]es, [n]o, [a]lways for {call.name}: ")
+        term.stderr.write(f"run {spelled(call)}? [y]es, [n]o, [a]lways for {call.name}, [s]top here: ")
         term.stderr.flush()
         try:
             answer = input().strip().lower()
         except EOFError:
             answer = ""
+        except KeyboardInterrupt:
+            answer = "s"
+        if answer in ("s", "stop") or stopper.requested:
+            raise Interrupted("stopped at the approval of a call")
         if answer in ("a", "always"):
             always.add(call.name)
         return answer in ("y", "yes", "a", "always")
