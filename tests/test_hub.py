@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -155,6 +156,10 @@ def test_an_interrupted_pull_goes_on_where_it_stopped(hub, hub_env, home):
     pull = [sys.executable, "-m", "quipu", "models", "pull", "tiny/Large-GGUF"]
     proc = subprocess.Popen(pull, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     assert hub.stalled.wait(60)  # 15 MB sent, and the server holds the rest back
+    deadline = time.monotonic() + 60  # (the client writes what came at its own pace: waited for, not timed)
+    while time.monotonic() < deadline and not any(
+            p.name.endswith(".incomplete") and p.stat().st_size >= 10 << 20 for p in cached_blobs(hub_env)):
+        time.sleep(0.05)
     proc.send_signal(signal.SIGINT)  # Ctrl-C
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err.decode()

@@ -448,3 +448,18 @@ def test_a_loop_stopped_at_its_approval_resumes_in_a_new_process_as_if_never_sto
     assert transcript(home, "half")["tokens"] == transcript(home, "whole")["tokens"]
     nothing = quipu("run", "-S", "half", "--functions", fns, "--yes")
     assert nothing.returncode == 2 and "has no calls waiting to run" in nothing.stderr.decode()
+
+
+def test_sessions_show_and_export_show_the_calls_and_results(quipu, tiny_model, tmp_path, home):
+    fns = write(tmp_path)
+    r = quipu("run", "-m", tiny_model, "--chat-template", str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"),
+              "--functions", fns, "--tool-choice", "get_weather", "--yes", "-S", "shown", "-n", "400", "--seed", "3",
+              "-t", "1.0", "Weather?")
+    assert r.returncode == 0, r.stderr.decode()
+    shown = quipu("sessions", "show", "shown").stdout.decode()
+    assert '→ get_weather({"city": ' in shown and "tool (get_weather)" in shown and '"temperature": 21' in shown
+    markdown = quipu("sessions", "export", "shown", "--format", "markdown").stdout.decode()
+    assert "Calls `get_weather(" in markdown and "## Tool result (get_weather)" in markdown
+    exported = json.loads(quipu("sessions", "export", "shown", "--format", "json").stdout)
+    assert any(m.get("tool_calls") for m in exported["messages"]) and any(m["role"] == "tool"
+                                                                         for m in exported["messages"])

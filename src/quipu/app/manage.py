@@ -36,8 +36,15 @@ def transcript(env: Environment, name: str) -> dict[str, Any]:
         "context": record.context,
         "context_tokens": info.tokens,
         "size_bytes": info.size_bytes,
-        "messages": [{"role": m["role"], "content": m["content"]} for m in record.messages],
+        "messages": [{k: m[k] for k in ("role", "content", "tool_calls", "tool_call_id", "name") if k in m}
+                     for m in record.messages],
     }
+
+
+def spelled_calls(message: dict) -> list[str]:
+    """An assistant message's calls as `name({"arguments"})`, one a line."""
+    return [f"{c['function']['name']}({json.dumps(c['function']['arguments'], ensure_ascii=False)})"
+            for c in message.get("tool_calls") or ()]
 
 
 def export(env: Environment, name: str, fmt: str) -> str:
@@ -47,7 +54,9 @@ def export(env: Environment, name: str, fmt: str) -> str:
     if fmt == "markdown":
         lines = [f"# {name}", "", f"Model: {data['model']}. Last used: {data['updated']}.", ""]
         for m in data["messages"]:
-            lines += [f"## {m['role'].capitalize()}", "", m["content"].rstrip(), ""]
+            head = f"## Tool result ({m['name']})" if m["role"] == "tool" and m.get("name") else f"## {m['role'].capitalize()}"
+            lines += [head, "", m["content"].rstrip(), ""]
+            lines += [f"Calls `{call}`" for call in spelled_calls(m)] + ([""] if m.get("tool_calls") else [])
         return "\n".join(lines)
     raise UsageError(f"--format must be markdown or json, not '{fmt}'")
 

@@ -52,16 +52,20 @@ def show(context: typer.Context, name: str = NAME) -> None:
     from rich.console import Console
     from rich.text import Text
 
-    from quipu.app.manage import transcript
+    from quipu.app.manage import spelled_calls, transcript
 
     term = Terminal.detect()
     data = transcript(context.obj, name)
     console = Console(file=term.stdout, no_color=not term.color, highlight=False)
     console.print(Text(f"{data['name']} · {data['model']} · {data['context_tokens']} tokens · {data['updated']}", style="dim"))
     for m in data["messages"]:
-        style = {"system": "magenta", "user": "bold cyan", "assistant": "bold green"}.get(m["role"], "")
-        console.print(Text(f"\n{m['role']}", style=style))
-        console.print(Text(m["content"]))
+        style = {"system": "magenta", "user": "bold cyan", "assistant": "bold green", "tool": "yellow"}.get(m["role"], "")
+        console.print(Text(f"\n{m['role']}" + (f" ({m['name']})" if m["role"] == "tool" and m.get("name") else ""),
+                           style=style))
+        if m["content"]:
+            console.print(Text(m["content"]))
+        for call in spelled_calls(m):
+            console.print(Text(f"→ {call}", style="dim"))
 
 
 @app.command()
