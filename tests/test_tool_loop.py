@@ -463,3 +463,13 @@ def test_sessions_show_and_export_show_the_calls_and_results(quipu, tiny_model, 
     exported = json.loads(quipu("sessions", "export", "shown", "--format", "json").stdout)
     assert any(m.get("tool_calls") for m in exported["messages"]) and any(m["role"] == "tool"
                                                                          for m in exported["messages"])
+
+
+def test_a_call_cut_short_is_shown_and_kept_as_text(quipu, tiny_model, tmp_path, home):
+    fns = write(tmp_path)
+    r = quipu("run", "-m", tiny_model, "--chat-template", str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"),
+              "--functions", fns, "--tool-choice", "get_weather", "-S", "cut", "-n", "12", "Weather?")
+    assert r.returncode == 0, r.stderr.decode()
+    kept = transcript(home, "cut")["messages"][-1]
+    assert not kept.get("tool_calls") and '{"name": "g' in kept["content"]
+    assert '{"name": "g' in r.stdout.decode()  # never dropped: what came is on stdout too

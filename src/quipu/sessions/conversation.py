@@ -163,6 +163,9 @@ class Conversation:
         gen = split.finish(gen)
         if offered:
             self._read_calls(reply, gen)
+            shown = getattr(self.session, "call_shown", None)
+            if offered == "constrain" and not gen.tool_calls and shown is not None and len(gen.text) > shown:
+                sink.text(gen.text[shown:])  # a call that did not parse is shown, and kept, as text
         return gen
 
     # ---- tools ------------------------------------------------------------------------------

@@ -120,6 +120,7 @@ class InferenceSession(HeldTokens):
         # keeps to this grammar; its markup never reaches the sink.
         self.call_grammar: CallGrammar | None = None
         self.call_forced = False
+        self.call_shown = None  # after a reply that began a call: how much of its text was shown
         self.starts_thinking = False  # the reply begins inside reasoning its prompt opened
         backend.set_sampler(self.params.sampler())
         backend.truncate(0)  # a session starts from an empty context, whatever the backend held
@@ -424,6 +425,8 @@ class _CallWatch(ReplySink):
         self.watch = TriggerWatch(grammar.triggers, session.starts_thinking)
         self.held = ""
         self.calling = False
+        self.shown = 0  # characters of the reply's text that went on to the sink
+        session.call_shown = None
         if session.call_forced:
             if grammar.forced:
                 session.force(grammar.forced)
@@ -449,6 +452,7 @@ class _CallWatch(ReplySink):
                     if self.held.endswith(t[:n])), default=0)
         if len(self.held) > keep:
             self.sink.text(self.held[:len(self.held) - keep])
+            self.shown += len(self.held) - keep
             self.held = self.held[len(self.held) - keep:]
 
     def reasoning(self, text: str) -> None:
@@ -463,6 +467,8 @@ class _CallWatch(ReplySink):
     def end(self) -> None:
         if self.held and not self.calling:
             self.sink.text(self.held)
+            self.shown += len(self.held)
         self.held = ""
         if self.calling:
             self.session.backend.set_constraint(None)
+            self.session.call_shown = self.shown  # what was held back from the trigger on starts here
