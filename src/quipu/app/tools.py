@@ -471,6 +471,10 @@ def offer(conv: Conversation, tools: Tools | None, opts) -> None:
     """Tells the conversation of the tools (those given now replace a session's own)."""
     if tools is not None:
         conv.tools = tools.box.specs
+        if conv.template is not None and conv.tool_format.generic:
+            tools.notices.append("this model's chat template has no tool-call format quipu knows; the model is "
+                                 'asked to call tools as {"tool_call": {"name", "arguments"}} JSON (the generic '
+                                 "format), which it may not follow")
     if opts.tool_choice is not None:
         choice = opts.tool_choice
         if choice not in ("auto", "required", "none") and choice not in {t.name for t in conv.tools}:
