@@ -321,6 +321,21 @@ def test_an_mcp_server_s_tools_are_called_over_stdio(quipu, tiny_model, tmp_path
         assert told.startswith(words) and call["error"]
 
 
+def test_an_mcp_server_s_tools_may_be_named_as_the_config_says(quipu, tiny_model, tmp_path, home):
+    import sys
+
+    config = home / "config" / "config.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(f'[mcp.calc]\ncommand = {json.dumps(sys.executable)}\n'
+                      f'args = [{json.dumps(str(Path(__file__).parent / "mcp_server.py"))}]\nprefix = ""\n')
+    r = quipu("run", "-m", tiny_model, "--chat-template", str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"),
+              "--mcp", "calc", "--tool-choice", "add", "--yes", "--json", "-n", "400", "-t", "1.0", "--seed", "2",
+              "Add.")
+    assert r.returncode == 0, r.stderr.decode()
+    call = json.loads(r.stdout)["tool_calls"][0]
+    assert call["name"] == "add" and call["result"] == str(call["arguments"]["a"] + call["arguments"]["b"])
+
+
 def test_an_mcp_server_that_never_answers_times_out(quipu, tiny_model, tmp_path, home):
     r = quipu("run", "-m", tiny_model, "--chat-template", str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"),
               "--mcp", "demo", "--mcp-config", mcp_config(tmp_path, timeout=1), "--tool-choice", "demo_stall",

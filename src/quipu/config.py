@@ -99,12 +99,14 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
     return config
 
 
-MCP_KEYS = ("command", "args", "env", "timeout")
+MCP_KEYS = ("command", "args", "env", "timeout", "prefix")
 
 
 def check_mcp_server(server: dict[str, Any], fail, where: str) -> dict[str, Any]:
-    """An MCP server's definition (`command`, `args`, `env`, `timeout`), checked; `fail(message)`
-    makes the error."""
+    """An MCP server's definition (`command`, `args`, `env`, `timeout`, and `prefix`: what its
+    tools' names begin with, `NAME_` by default), checked; `fail(message)` makes the error."""
+    import re
+
     unknown = sorted(set(server) - set(MCP_KEYS))
     if unknown:
         raise fail(f"unknown key '{unknown[0]}' in {where} (known: {', '.join(MCP_KEYS)})")
@@ -119,7 +121,11 @@ def check_mcp_server(server: dict[str, Any], fail, where: str) -> dict[str, Any]
     timeout = server.get("timeout", 60)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise fail(f"{where} timeout must be a number of seconds, more than 0")
-    return {"command": server["command"], "args": list(args), "env": dict(env), "timeout": float(timeout)}
+    prefix = server.get("prefix")
+    if prefix is not None and (not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]*", prefix)):
+        raise fail(f"{where} prefix must be letters, digits, '_', '.' or '-' (\"\" for the tools' own names)")
+    return {"command": server["command"], "args": list(args), "env": dict(env), "timeout": float(timeout),
+            "prefix": prefix}
 
 
 def _line_of(text: str, key: str, table: str | None) -> int:

@@ -42,13 +42,14 @@ def servers_from_file(path: str) -> dict[str, dict[str, Any]]:
                          "{\"command\": ...}}}})")
     out = {}
     for name, server in servers.items():
-        server = {k: v for k, v in server.items() if k in ("command", "args", "env", "timeout")}
+        server = {k: v for k, v in server.items() if k in ("command", "args", "env", "timeout", "prefix")}
         out[name] = check_mcp_server(server, lambda message: UsageError(f"{file}: {message}"), f"server {name!r}")
     return out
 
 
-def tool_name(server: str, tool: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_-]", "_", f"{server}_{tool}")
+def tool_name(server: str, tool: str, prefix: str | None = None) -> str:
+    """A server's tool as the model is told of it: `SERVER_tool`, or the config's own prefix."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{server}_{tool}" if prefix is None else f"{prefix}{tool}")
 
 
 class McpServer:
@@ -110,7 +111,8 @@ class McpServer:
             schema = getattr(listed, "input_schema", None) or getattr(listed, "inputSchema", None) or {
                 "type": "object"}
             schema = {k: v for k, v in schema.items() if k != "title"}
-            spec = ToolSpec(tool_name(self.name, listed.name), listed.description or "", schema)
+            spec = ToolSpec(tool_name(self.name, listed.name, self.definition.get("prefix")), listed.description or "",
+                            schema)
             # (the call times itself out, and says so; the loop's own limit is a backstop)
             tools.append(Tool(spec, self._caller(listed.name), f"MCP server {self.name}", self.timeout + 5))
         self.tools = tools
