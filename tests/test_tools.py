@@ -164,3 +164,11 @@ def test_an_unknown_template_gets_the_generic_json_format():
     reply = parse_reply("{{ messages }}", '{"tool_call": {"name": "f", "arguments": {"a": 1}}}')
     assert calls_of(reply) == [("f", {"a": 1})]
     assert parse_reply("{{ messages }}", '{"response": "hello"}').content == "hello"
+
+
+def test_the_formats_whose_calls_are_constrained_are_the_ones_said():
+    from quipu.sessions.tools import CONSTRAINED, FORMATS, GENERIC, ToolSpec, call_grammar
+
+    tool = [ToolSpec("f", "", {"type": "object", "properties": {"a": {"type": "string"}}})]
+    for fmt in (*FORMATS, GENERIC):
+        assert (call_grammar(fmt, tool) is not None) == (fmt.name in CONSTRAINED), fmt.name
