@@ -32,7 +32,7 @@ from quipu.sessions.base import LOCAL, SILENT, Generation, ReplySink, Stats, Tur
 from quipu.sessions.tools import CallGrammar, TriggerWatch
 from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.prompt import HeldTokens, Rendered, context_tokens
-from quipu.sessions.stops import StopMatcher
+from quipu.sessions.stops import StopMatcher, pending_prefix
 
 __all__ = ["InferenceSession", "Snapshot", "ReplyText", "Generation", "Stats", "common_prefix"]
 
@@ -448,8 +448,7 @@ class _CallWatch(ReplySink):
         if self.calling:
             return
         self.held += text
-        keep = max((n for t in self.watch.triggers for n in range(min(len(t), len(self.held)), 0, -1)
-                    if self.held.endswith(t[:n])), default=0)
+        keep = pending_prefix(self.held, self.watch.triggers)
         if len(self.held) > keep:
             self.sink.text(self.held[:len(self.held) - keep])
             self.shown += len(self.held) - keep

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Iterable
+
+
+def pending_prefix(text: str, marks: Iterable[str]) -> int:
+    """How many characters at the end of `text` could be the start of one of `marks` (and so
+    must be held back until the next text says whether it is)."""
+    return max((n for mark in marks for n in range(min(len(mark) - 1, len(text)), 0, -1)
+                if text.endswith(mark[:n])), default=0)
+
 
 class StopMatcher:
     """Feeds generated text through; releases only text that cannot be part of a stop string."""
@@ -25,13 +34,7 @@ class StopMatcher:
             at, self.matched = first
             out, self._held = self._held[:at], ""
             return out
-        keep = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(self._held)), 0, -1):
-                if self._held.endswith(stop[:n]):
-                    keep = max(keep, n)
-                    break
-        cut = len(self._held) - keep
+        cut = len(self._held) - pending_prefix(self._held, self.stops)
         out, self._held = self._held[:cut], self._held[cut:]
         return out
 

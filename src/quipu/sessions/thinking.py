@@ -6,6 +6,7 @@ generation prompt and the reply starts inside it. The reply is kept whole in the
 from __future__ import annotations
 
 from quipu.sessions.base import ReplySink
+from quipu.sessions.stops import pending_prefix
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -47,7 +48,7 @@ class ThinkingSplitter:
                 self._may_open = False
                 self._after_close = not self.thinking
                 continue
-            keep = next((n for n in range(min(len(tag) - 1, len(self._held)), 0, -1) if self._held.endswith(tag[:n])), 0)
+            keep = pending_prefix(self._held, (tag,))
             if self.thinking:
                 out.append((True, self._held[:len(self._held) - keep]))
                 self._held = self._held[len(self._held) - keep:]
