@@ -43,8 +43,9 @@ def transcript(env: Environment, name: str) -> dict[str, Any]:
 
 def spelled_calls(message: dict) -> list[str]:
     """An assistant message's calls as `name({"arguments"})`, one a line."""
-    return [f"{c['function']['name']}({json.dumps(c['function']['arguments'], ensure_ascii=False)})"
-            for c in message.get("tool_calls") or ()]
+    from quipu.sessions.tools import spell_call
+
+    return [spell_call(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or ()]
 
 
 def export(env: Environment, name: str, fmt: str) -> str:

@@ -18,7 +18,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Iterable, Literal, Sequence
 
 from quipu.errors import BadInput, Interrupted, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink
@@ -240,13 +240,13 @@ def tools_from_json(path: str) -> list[Tool]:
     return tools
 
 
-def check_tool_schemas(box: Toolbox) -> None:
+def check_tool_schemas(tools: Iterable[Tool]) -> None:
     """Each tool's parameters as --schema checks a schema: a call is held to them."""
     from quipu.engine.constraint import compile_grammar
     from quipu.engine.grammar import schema_grammar
     from quipu.errors import InvalidParameter
 
-    for tool in box.tools.values():
+    for tool in tools:
         try:
             compile_grammar(schema_grammar(json.dumps(tool.spec.parameters)))
         except InvalidParameter as exc:
@@ -266,7 +266,7 @@ class LoopResult:
     pending: list[ToolCall] = field(default_factory=list)  # calls left for the caller to run
 
 
-def run_call(tool: Tool, call: ToolCall, output_max: int) -> CallRecord:
+def run_call(tool: Tool, call: ToolCall) -> CallRecord:
     """Runs one call (its own timeout); an error is the result the model is given."""
     record = CallRecord(call.id, call.name, call.arguments)
     box: dict[str, Any] = {}
@@ -355,7 +355,7 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
             elif not ok:
                 record = CallRecord(call.id, call.name, call.arguments, error="the user did not approve this call")
             else:
-                record = run_call(box.tools[call.name], call, output_max)
+                record = run_call(box.tools[call.name], call)
             result.calls.append(record)
             if on_call is not None:
                 on_call(record)
@@ -449,7 +449,7 @@ def toolbox(opts, env=None) -> Tools | None:
         tools.notices += notices
     if opts.tools_file:
         tools.box.add(tools_from_json(opts.tools_file))
-    check_tool_schemas(tools.box)
+    check_tool_schemas(tools.box.tools.values())  # (before any server is started)
     if opts.mcp:
         from quipu.app.mcp import start_servers
 
@@ -457,7 +457,7 @@ def toolbox(opts, env=None) -> Tools | None:
         try:
             for server in tools.servers:
                 tools.box.add(server.tools)
-            check_tool_schemas(tools.box)
+                check_tool_schemas(server.tools)
         except BaseException:
             tools.close()
             raise
@@ -506,7 +506,8 @@ def follow_calls(conv: Conversation, tools: Tools | None, gen: Generation, opts,
     notices = list(tools.notices) if tools is not None else []
     if not gen.tool_calls:
         return gen, [], notices
-    box = tools.box if tools is not None else Toolbox()
+    box = Toolbox()  # (the turn's own: the tools given stay as they were for the next turn)
+    box.tools = dict(tools.box.tools) if tools is not None else {}
     for spec in conv.tools:  # a session's tools that nothing runs now: the caller's to run
         if spec.name not in box.tools:
             box.tools[spec.name] = Tool(spec, None, "the session")

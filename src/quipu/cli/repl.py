@@ -123,13 +123,6 @@ def _schema(repl: "Repl", arg: str) -> None:
     repl.say("replies keep to the schema" if on else "replies are free again")
 
 
-def spelled_call(call) -> str:
-    """A call as a chat shows it: `name({"arg": ...})`."""
-    import json
-
-    return f"{call.name}({json.dumps(call.arguments, ensure_ascii=False)})"
-
-
 def _tools(repl: "Repl", arg: str) -> None:
     listed = repl.chat.tool_list()
     if not listed:
@@ -265,7 +258,7 @@ class Repl:
     def _approve(self, call) -> bool:
         if call.name in self._always:
             return True
-        answer = self.ask(f"run {spelled_call(call)}? [y]es, [n]o, [a]lways for {call.name}, [s]top here: ",
+        answer = self.ask(f"run {call.spelled}? [y]es, [n]o, [a]lways for {call.name}, [s]top here: ",
                           default="n", choices="ynasc")
         if answer[:1] in ("s", "c"):  # (c: Ctrl-C at the question) the calls wait; the chat goes on
             from quipu.errors import Interrupted
@@ -276,7 +269,7 @@ class Repl:
         return answer[:1] in ("y", "a")
 
     def _call_starts(self, call) -> None:
-        self.say(self.term.dim(spelled_call(call)))
+        self.say(self.term.dim(call.spelled))
 
     def _call_ended(self, record) -> None:
         said = record.error if record.error is not None else (record.result or "")

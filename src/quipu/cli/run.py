@@ -114,13 +114,10 @@ def tool_hooks(term: Terminal, as_json: bool, debug: bool, stopper):
 
     always: set[str] = set()
 
-    def spelled(call) -> str:
-        return f"{call.name}({json.dumps(call.arguments, ensure_ascii=False)})"
-
     def approve(call) -> bool:
         if call.name in always:
             return True
-        term.stderr.write(f"run {spelled(call)}? [y]es, [n]o, [a]lways for {call.name}, [s]top here: ")
+        term.stderr.write(f"run {call.spelled}? [y]es, [n]o, [a]lways for {call.name}, [s]top here: ")
         term.stderr.flush()
         try:
             answer = input().strip().lower()
@@ -139,7 +136,7 @@ def tool_hooks(term: Terminal, as_json: bool, debug: bool, stopper):
             term.stderr.write(json.dumps({"call": call.name, "id": call.id, "arguments": call.arguments},
                                          ensure_ascii=False) + "\n")
         elif term.stderr_tty and not as_json:
-            term.stderr.write(term.dim(f"→ {spelled(call)}") + "\n")
+            term.stderr.write(term.dim(f"→ {call.spelled}") + "\n")
         term.stderr.flush()
 
     def on_call(record) -> None:

@@ -155,7 +155,7 @@ class Matcher:
 
     def allowed(self):
         """The mask as one boolean a token."""
-        return np.unpackbits(self.mask.view(np.uint8), bitorder="little", count=self.n_vocab).view(bool)
+        return mask_bits(self.mask, self.n_vocab)
 
     def apply(self, logits) -> None:
         """Computes the mask and rules out, in `logits` (in place), every token it does not allow."""
@@ -186,10 +186,14 @@ class Matcher:
         return self._matcher
 
 
+def mask_bits(mask, n_vocab: int):
+    """A bit mask (one bit a token, llguidance's layout) as one boolean a token."""
+    return np.unpackbits(mask.view(np.uint8), bitorder="little", count=n_vocab).view(bool)
+
+
 def apply_mask(logits, mask, n_vocab: int) -> None:
-    """-inf in `logits` wherever the bit mask (one bit a token, llguidance's layout) is 0."""
-    bits = np.unpackbits(mask.view(np.uint8), bitorder="little", count=n_vocab).view(bool)
-    np.copyto(logits, -np.inf, where=~bits)
+    """-inf in `logits` wherever the bit mask is 0."""
+    np.copyto(logits, -np.inf, where=~mask_bits(mask, n_vocab))
 
 
 class MaskBatch:

@@ -47,20 +47,16 @@ class Message:
     name: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"role": self.role, "content": self.content}
+        data = self.for_template(self.content)
         if self.context_before is not None:
             data["context_before"] = self.context_before
-        for key in ("tool_calls", "tool_call_id", "name"):
-            if getattr(self, key) is not None:
-                data[key] = getattr(self, key)
         return data
 
     def for_template(self, content: str) -> dict[str, Any]:
         """The message as a chat template is given it (`content` as the template is to see it)."""
         data: dict[str, Any] = {"role": self.role, "content": content}
-        for key in ("tool_calls", "tool_call_id", "name"):
-            if getattr(self, key) is not None:
-                data[key] = getattr(self, key)
+        data.update((key, getattr(self, key)) for key in ("tool_calls", "tool_call_id", "name")
+                    if getattr(self, key) is not None)
         return data
 
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -202,9 +203,7 @@ class Conversation:
         the message then holds the text before them and the calls, as the template renders them."""
         if self.template is None:  # the server read them
             if gen.tool_calls:
-                made = sum(len(m.tool_calls or ()) for m in self.messages)
-                for i, call in enumerate(gen.tool_calls):
-                    call.id = call.id or f"{made + i + 1:09d}"
+                self._number(gen.tool_calls)
                 reply.tool_calls = [c.to_message() for c in gen.tool_calls]
             return
         raw = self.session.reply_spelled()
@@ -212,10 +211,7 @@ class Conversation:
         parsed = parse_reply(self.template.source if self.template else None, raw, starts_thinking=thinking)
         if not parsed.tool_calls:
             return
-        made = sum(len(m.tool_calls or ()) for m in self.messages)
-        for i, call in enumerate(parsed.tool_calls):
-            # (nine characters, letters and digits: what the strictest templates, Mistral's, accept)
-            call.id = call.id or f"{made + i + 1:09d}"
+        self._number(parsed.tool_calls)
         for call in parsed.tool_calls:
             call.arguments = _as_schema(call.arguments, next((t for t in self.tools if t.name == call.name), None))
         gen.tool_calls = parsed.tool_calls
@@ -224,6 +220,13 @@ class Conversation:
         if not self.tool_format.generic:  # (a template that knows no calls is given the reply as written)
             rest = split_reasoning(raw, thinking)[1]
             reply.content = raw[:len(raw) - len(rest)] + parsed.content  # reasoning as written, then the text
+
+    def _number(self, calls) -> None:
+        """An id for each call that came without one: the count of calls in the conversation, in
+        nine digits (what the strictest templates, Mistral's, accept)."""
+        made = sum(len(m.tool_calls or ()) for m in self.messages)
+        for i, call in enumerate(calls):
+            call.id = call.id or f"{made + i + 1:09d}"
 
     def add_tool_results(self, results: Sequence[tuple[Any, str]]) -> None:
         """Each (call, its result's text) as a tool message, after the reply that made the calls."""
@@ -305,7 +308,5 @@ def _as_schema(arguments: dict[str, Any], tool) -> dict[str, Any]:
     for key, value in arguments.items():
         schema = props.get(key)
         if isinstance(schema, dict) and schema.get("type") == "string" and not isinstance(value, str):
-            import json
-
             out[key] = json.dumps(value, ensure_ascii=False)
     return out

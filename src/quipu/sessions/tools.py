@@ -32,10 +32,19 @@ class ToolCall:
     arguments: dict[str, Any]
     id: str | None = None
 
+    @property
+    def spelled(self) -> str:
+        return spell_call(self.name, self.arguments)
+
     def to_message(self) -> dict[str, Any]:
         """The call as an assistant message's `tool_calls` entry (OpenAI's shape, arguments a dict)."""
         call = {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
         return {"id": self.id, **call} if self.id else call
+
+
+def spell_call(name: str, arguments: dict[str, Any]) -> str:
+    """A call as people are shown it: `name({"arg": ...})`."""
+    return f"{name}({json.dumps(arguments, ensure_ascii=False)})"
 
 
 @dataclass
