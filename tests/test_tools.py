@@ -75,6 +75,12 @@ FAMILIES = {
     "glm": ("GLM-4.6", lambda calls: "".join(
         f"<tool_call>{n}\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else j(v)}"
                                       "</arg_value>\n" for k, v in a.items()) + "</tool_call>" for n, a in calls)),
+    "glm-4.7": ("GLM-4.7-Flash", lambda calls: "".join(
+        f"<tool_call>{n}" + "".join(f"<arg_key>{k}</arg_key><arg_value>{v if isinstance(v, str) else j(v)}"
+                                    "</arg_value>" for k, v in a.items()) + "</tool_call>" for n, a in calls)),
+    "lfm2.5": ("LFM2.5-8B-A1B", lambda calls: "<|tool_call_start|>[" + ", ".join(  # (a dict's values in JSON)
+        f"{n}(" + ", ".join(f"{k}={j(v) if isinstance(v, dict) else repr(v)}" for k, v in a.items()) + ")"
+        for n, a in calls) + "]<|tool_call_end|>"),
 }
 # Where a family writes text before a call its own way.
 BEFORE = {"functionary-v3.2": lambda text, calls: f"all\n{text}>>>" + calls,

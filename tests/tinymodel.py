@@ -30,6 +30,7 @@ TOOL_SPECIALS = [
     "<|constrain|>", "<|call|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|START_ACTION|>", "<|END_ACTION|>",
     "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
     "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|python_tag|>", "<|tool_call|>",
+    "<|tool_call_start|>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<think>", "</think>",
 ]
 CONTROL, USER_DEFINED = 3, 4
 
@@ -77,11 +78,12 @@ BPE_CORPUS = ("hello world the sky is blue and the world is hello. Paris is the 
               "user assistant system: Shorter, please. \n\n  Hi there!  ")
 
 
-def bpe_vocab(n_merges: int = 60) -> tuple[list[str], list[int], list[str]]:
+def bpe_vocab(n_merges: int = 60, tool_specials: bool = False) -> tuple[list[str], list[int], list[str]]:
     """A GPT-2 style byte-level BPE vocabulary: the special tokens, the 256 byte symbols, and
     merges learned from a small corpus."""
     chars = _byte_chars()
     tokens = ["<|endoftext|>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"] + [t for t in SPECIALS if t != "<|endoftext|>"]
+    tokens += TOOL_SPECIALS if tool_specials else []
     types = [CONTROL] * len(tokens)
     tokens += chars
     types += [1] * 256
@@ -136,7 +138,7 @@ def write_tiny_gguf(
     import gguf
 
     if tokenizer == "bpe":
-        tokens, types, merges = bpe_vocab()
+        tokens, types, merges = bpe_vocab(tool_specials=tool_specials)
         scores = None
     else:
         tokens, scores, types = vocab(tool_specials)

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
-from quipu.errors import CapabilityError, UsageError
+from quipu.errors import CapabilityError, TemplateError, UsageError
 from quipu.sessions.base import SILENT, Generation, Message, ModelSession, ReplySink, TurnPrompt
 from quipu.sessions.prompt import Protector, Rendered
 from quipu.sessions.template import ChatTemplate
-from quipu.sessions.thinking import ThinkingSink, starts_thinking
-from quipu.sessions.tools import (CHOICES, Format, call_grammar, format_of, generic_system_prompt, parse_reply,
-                                  split_reasoning)
+from quipu.sessions.thinking import CLOSE as THINK_CLOSE, ThinkingSink, starts_thinking
+from quipu.sessions.tools import (CHOICES, CallGrammar, Format, ToolSpec, call_grammar, format_of,
+                                  generic_system_prompt, parse_reply, split_reasoning)
 
 __all__ = ["Conversation", "Message"]
 
@@ -80,7 +80,9 @@ class Conversation:
         if self.template is None:
             self.session.capabilities.require("show_prompt")
         protector = Protector(self.session.control_spellings([m.content for m in messages] + [tail]))
-        shown = [m.for_template(protector.hide(m.content)) for m in messages]
+        # A user's, a tool's or a system prompt's spelling of a control token stays text; a reply
+        # is the model's own, whose markup (a call's, reasoning's) is the tokens it wrote.
+        shown = [m.for_template(m.content if m.role == "assistant" else protector.hide(m.content)) for m in messages]
         variables = dict(self.variables)
         if self.tools:
             if self.tool_format.generic and "tools" not in self.template.source:
@@ -150,7 +152,7 @@ class Conversation:
         render = self.render if self.template is not None else None
         prompt = TurnPrompt(self.messages, reply.content, render)
         split = ThinkingSink(sink, lambda: starts_thinking(prompt.text))
-        offered = self._offer_tools(lambda: starts_thinking(prompt.text))
+        offered = self._offer_tools(lambda: starts_thinking(prompt.rendered().text))  # (before the reply renders it)
         try:
             gen = self.session.reply(prompt, max_tokens, stop, split)
         finally:
@@ -192,11 +194,48 @@ class Conversation:
                 raise CapabilityError("--tool-choice required or NAME makes a call on a local model only; on a "
                                       "server by tokens the model's calls are read as it writes them (auto)")
             return "read"
-        grammar = call_grammar(self.tool_format, offered, self.session.special_tokens())
-        self.session.call_grammar = grammar
-        self.session.call_forced = grammar is not None and self.tool_choice != "auto"
+        made = sum(len(m.tool_calls or ()) for m in self.messages)
+        grammar = call_grammar(self.tool_format, offered, self.session.special_tokens(), self.template.source or "", made)
+        forced = grammar is not None and self.tool_choice != "auto"
         self.session.starts_thinking = thinking()
+        if forced:
+            grammar = self._lead_to_call(grammar, offered[0], self.session.starts_thinking)
+        self.session.call_grammar = grammar
+        self.session.call_forced = forced
         return "constrain"
+
+    def _lead_to_call(self, grammar: CallGrammar, tool: ToolSpec, thinking: bool) -> CallGrammar:
+        """A required call begins with what the template writes between the generation prompt
+        and a call (Qwen 3.5's closing of the reasoning its prompt opened, GLM's empty
+        reasoning): found by rendering the conversation with a call and reading the difference,
+        so that the call renders back to the tokens it was written as. Where the prompt opened
+        reasoning, the model reasons first and the call is forced once the reasoning ends."""
+        before = self.render(self.messages, True).text
+        call = {"id": "000000001", "type": "function", "function": {"name": tool.name, "arguments": {}}}
+
+        def lead(content: str) -> str | None:
+            try:
+                # (with its result after it: as the next turn renders it, not as a last message)
+                after = self.render([*self.messages, Message("assistant", content, tool_calls=[call]),
+                                     Message("tool", "r", tool_call_id="000000001", name=tool.name)], False).text
+            except TemplateError:
+                return None
+            if not after.startswith(before):
+                return None
+            tail = after[len(before):]
+            found = [(tail.find(t), t) for t in grammar.triggers if tail.find(t) >= 0]
+            if not found:
+                return None
+            at, trigger = min(found)
+            return tail[:at + len(trigger)]
+
+        if thinking:
+            # (the reasoning as the model leaves it: a placeholder, then the template's close)
+            reasoned = lead("R" + THINK_CLOSE)
+            if reasoned is not None and reasoned.startswith("R") and THINK_CLOSE in reasoned:
+                return replace(grammar, after_reasoning=reasoned.split(THINK_CLOSE, 1)[1])
+        plain = lead("")
+        return grammar if plain is None else replace(grammar, force=plain)
 
     def _read_calls(self, reply: Message, gen: Generation) -> None:
         """Reads the calls of the reply just generated into its message (and `gen.tool_calls`):
@@ -217,9 +256,14 @@ class Conversation:
         gen.tool_calls = parsed.tool_calls
         gen.answer = parsed.content
         reply.tool_calls = [c.to_message() for c in parsed.tool_calls]
-        if not self.tool_format.generic:  # (a template that knows no calls is given the reply as written)
+        # The text before the calls, where the template writes the calls itself; a template that
+        # writes no calls (the generic format, LFM2's first, Granite 3.3) is given the reply as
+        # written, a forced beginning included.
+        if not self.tool_format.generic and "tool_calls" in self.template.source:
             rest = split_reasoning(raw, thinking)[1]
             reply.content = raw[:len(raw) - len(rest)] + parsed.content  # reasoning as written, then the text
+        else:
+            reply.content = raw
 
     def _number(self, calls) -> None:
         """An id for each call that came without one: the count of calls in the conversation, in

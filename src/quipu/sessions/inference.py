@@ -427,22 +427,34 @@ class _CallWatch(ReplySink):
         self.calling = False
         self.shown = 0  # characters of the reply's text that went on to the sink
         session.call_shown = None
-        if session.call_forced:
-            if grammar.forced:
-                session.force(grammar.forced)
-                self.watch.push(grammar.forced)
-            self._begin()
+        # A required call is forced from the start, or once the reasoning the prompt opened ends.
+        self.pending = session.call_forced and session.starts_thinking and grammar.after_reasoning is not None
+        if session.call_forced and not self.pending:
+            self._force(grammar.forced)
 
-    def _begin(self) -> None:
+    def _force(self, text: str) -> None:
+        if text:
+            self.session.force(text)
+            self.watch.push(text)
+        self._begin(self.session.call_grammar.forced_lark)
+
+    def _begin(self, lark: str | None = None) -> None:
         from quipu.engine.grammar import Grammar
 
         self.calling = True
         self.held = ""
-        self.session.backend.set_constraint(Grammar("lark", self.session.call_grammar.lark))
+        self.session.backend.set_constraint(Grammar("lark", lark or self.session.call_grammar.lark))
 
     def took(self, token: int) -> None:
-        if not self.calling and self.watch.push(self.session.backend.token_text(token).decode("utf-8", "replace")):
+        if self.calling:
+            return
+        if self.watch.push(self.session.backend.token_text(token).decode("utf-8", "replace")):
             self._begin()
+        elif self.pending and (after := self.watch.after_reasoning()) is not None:
+            # (what the model wrote after the reasoning's end, where it is the start of what is due)
+            due = self.session.call_grammar.after_reasoning
+            self.pending = False
+            self._force(due[len(after):] if due.startswith(after) else self.session.call_grammar.forced)
 
     def text(self, text: str) -> None:
         if self.calling:

@@ -63,6 +63,8 @@ class ChatTemplate:
         """The template's text for `messages`. A template that refuses a system message gets it
         joined to the first user message instead (`folds_system` then says so)."""
         messages = list(messages)
+        if any(m.get("tool_calls") for m in messages) and self.string_arguments:
+            messages = [_arguments_as_json(m) for m in messages]
         if self.folds_system:
             messages = fold_system(messages)
         try:
@@ -74,6 +76,24 @@ class ChatTemplate:
             text = self._render(folded, add_generation_prompt, variables)
             self.folds_system = True
             return text
+
+    @functools.cached_property
+    def string_arguments(self) -> bool:
+        """Whether the template takes a call's arguments as a JSON string, not an object (as
+        Functionary v3.2's does): found by rendering a call both ways, as llama.cpp does."""
+        def call(arguments: Any) -> list[dict[str, Any]]:
+            return [{"role": "user", "content": "u"}, {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "000000001", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]
+        try:
+            self._render(call({"a": 1}), False, {})
+            return False
+        except TemplateError:
+            pass
+        try:
+            self._render(call('{"a": 1}'), False, {})
+            return True
+        except TemplateError:
+            return False
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool, variables: dict) -> str:
         from jinja2 import TemplateError as JinjaError
@@ -118,6 +138,19 @@ class ChatTemplate:
             "thinking_switch": "enable_thinking" in src,
             "tools": "tools" in src,
         }
+
+
+def _arguments_as_json(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose calls' arguments are JSON text, as `tojson` writes them."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        function = dict(call.get("function") or {})
+        if not isinstance(function.get("arguments"), str):
+            function["arguments"] = json.dumps(function.get("arguments"), ensure_ascii=False)
+        calls.append({**call, "function": function})
+    return {**message, "tool_calls": calls}
 
 
 def fold_system(messages: list[dict[str, str]]) -> list[dict[str, str]]:
