@@ -132,6 +132,17 @@ def refuse_embeddings(name: str) -> CapabilityError:
     return CapabilityError(f"the {name} backend cannot compute embeddings with this model")
 
 
+@dataclass(frozen=True)
+class CallConstraint:
+    """A grammar a server holds a reply to (GBNF, its `root` beginning with what it awaits):
+    from the start, or, `lazy`, from where the reply first matches `trigger` (a regular
+    expression matching the whole reply so far, whose first group is where the grammar begins)."""
+
+    gbnf: str
+    lazy: bool = False
+    trigger: str = ""
+
+
 class TokenServer(Protocol):
     """A model on a server that is driven by tokens (llama.cpp's llama-server): the context is
     the token array each request sends, and the server keeps what it can of it in a slot."""
@@ -150,10 +161,14 @@ class TokenServer(Protocol):
     def control_spellings(self, texts: Sequence[str]) -> list[str]:
         """The control tokens `texts` spell, which a user's text must keep as text."""
 
+    def special_token(self, text: str) -> int | None:
+        """The id of the one special token `text` spells (None: it spells none)."""
+
     def complete(self, prompt: Sequence[int | str], sampler: SamplerSettings, seed: int, max_tokens: int,
-                 stop: Sequence[str] = (), slot: int = -1, sink=None):
+                 stop: Sequence[str] = (), slot: int = -1, sink=None, constraint: CallConstraint | None = None):
         """Streams what follows `prompt` (token ids, then maybe text the server tokenizes with
-        special tokens parsed) into `sink` (its `text(piece)` and `stopped()`): a `Completion`
+        special tokens parsed) into `sink` (its `text(piece)` and `stopped()`), under `constraint`
+        where there is one (a tool call's grammar, from its trigger on): a `Completion`
         (the generated token ids, the text shown, why it ended, the prompt's token count, the
         server's figures). A failure mid-reply raises an error whose `partial` is the completion
         so far."""

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from quipu.engine.base import SamplerSettings
+from quipu.engine.base import CallConstraint, SamplerSettings
 from quipu.engine.chat_api import ChatApiModel, ServerError, count_of
 from quipu.engine.grammar import Grammar, check_grammar_depth, check_schema
 from quipu.errors import CapabilityError
@@ -81,6 +81,7 @@ class LlamaServerModel:
         self.build = str(props.get("build_info") or "")
         self._bos: list[int] | None = None
         self._spelled: dict[int, str] = {}
+        self._specials: dict[str, int | None] = {}
         self._controls_in: dict[str, list[str]] = {}
         self._model_meta: dict | None = None
 
@@ -155,6 +156,14 @@ class LlamaServerModel:
     def special_token_text(self, which: str) -> str:
         return str(self.props.get(f"{which}_token") or "")
 
+    def special_token(self, text: str) -> int | None:
+        """The id of the one special token `text` spells (None: it spells none)."""
+        if text not in self._specials:
+            parsed = self._pieces(text, False, True)
+            self._specials[text] = parsed[0][0] if len(parsed) == 1 and \
+                [t for t, _ in self._pieces(text, False, False)] != [parsed[0][0]] else None
+        return self._specials[text]
+
     def control_spellings(self, texts: Sequence[str]) -> list[str]:
         """The control tokens `texts` spell (`<|im_end|>`, ...), which a user's text must keep as
         text, longest first: found by tokenizing the texts not seen before with and without
@@ -175,7 +184,8 @@ class LlamaServerModel:
     # ---- generation --------------------------------------------------------------------------
 
     def complete(self, prompt: Sequence[int | str], sampler: SamplerSettings, seed: int, max_tokens: int,
-                 stop: Sequence[str] = (), slot: int = -1, sink: Sink | None = None) -> Completion:
+                 stop: Sequence[str] = (), slot: int = -1, sink: Sink | None = None,
+                 constraint: CallConstraint | None = None) -> Completion:
         """Streams what follows `prompt` (reusing what the slot holds of it) into `sink`, which may stop it.
         The prompt is token ids, then maybe text, which the server tokenizes with special tokens
         parsed (a leading text gets the model's BOS); `Completion.prompt_tokens` says how many
@@ -187,6 +197,10 @@ class LlamaServerModel:
                 "repeat_last_n": sampler.repeat_last_n, "stop": list(stop)}
         if sampler.grammar is not None:
             body.update(server_grammar(sampler.grammar))
+        elif constraint is not None:
+            body["grammar"] = constraint.gbnf
+            if constraint.lazy:  # (type 3: a pattern matching the whole text so far)
+                body.update(grammar_lazy=True, grammar_triggers=[{"type": 3, "value": constraint.trigger}])
         if sampler.logit_bias:  # JSON has no -inf: the server's way to ban a token is `false`
             body["logit_bias"] = [[t, False if b == float("-inf") else b] for t, b in sampler.logit_bias]
         if slot >= 0:

@@ -23,6 +23,8 @@
 - `tools.py`: tool calls in each model family's own format: the format a template speaks,
   replies read into content, reasoning and calls (`parse_reply`), and the grammar a call is
   held to once its trigger is written.
+- `calls.py`: a reply that may make calls, as it streams: where a call begins, the text shown
+  up to there, and the grammar a server holds the call to.
 
 It drives the engine and knows no terminal and no files: saving a session is the job of
 `quipu.app` with `quipu.store`.

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
-from quipu.errors import CapabilityError, TemplateError, UsageError
+from quipu.errors import TemplateError, UsageError
 from quipu.sessions.base import SILENT, Generation, Message, ModelSession, ReplySink, TurnPrompt
 from quipu.sessions.prompt import Protector, Rendered
 from quipu.sessions.template import ChatTemplate
@@ -178,8 +178,8 @@ class Conversation:
         return format_of(self.template.source if self.template is not None else None)
 
     def _offer_tools(self, thinking) -> str | None:
-        """Readies the session for calls: "constrain" (a local context holds a call to the
-        offered tools' grammar), "read" (llama-server: quipu reads the calls from the reply),
+        """Readies the session for calls: "constrain" (the model, local or on llama-server, is
+        held to the offered tools' grammar once a call begins, and quipu reads the calls), or
         "server" (a chat API: the server reads them); None when no call is to be read."""
         if not self.tools or self.tool_choice == "none":
             return None
@@ -189,11 +189,6 @@ class Conversation:
         if self.template is None:  # a chat API: the server renders the tools and reads the calls
             self.session.offered_tools, self.session.tool_choice = list(self.tools), self.tool_choice
             return "server"
-        if not hasattr(self.session, "call_grammar"):
-            if self.tool_choice != "auto":
-                raise CapabilityError("--tool-choice required or NAME makes a call on a local model only; on a "
-                                      "server by tokens the model's calls are read as it writes them (auto)")
-            return "read"
         made = sum(len(m.tool_calls or ()) for m in self.messages)
         grammar = call_grammar(self.tool_format, offered, self.session.special_tokens(), self.template.source or "", made)
         forced = grammar is not None and self.tool_choice != "auto"
@@ -229,12 +224,15 @@ class Conversation:
             at, trigger = min(found)
             return tail[:at + len(trigger)]
 
+        plain = lead("")
         if thinking:
             # (the reasoning as the model leaves it: a placeholder, then the template's close)
             reasoned = lead("R" + THINK_CLOSE)
             if reasoned is not None and reasoned.startswith("R") and THINK_CLOSE in reasoned:
-                return replace(grammar, after_reasoning=reasoned.split(THINK_CLOSE, 1)[1])
-        plain = lead("")
+                after = reasoned.split(THINK_CLOSE, 1)[1]
+                # (where the call cannot wait for the model's reasoning, a server's, the
+                # reasoning is closed at once)
+                return replace(grammar, after_reasoning=after, force=plain if plain is not None else THINK_CLOSE + after)
         return grammar if plain is None else replace(grammar, force=plain)
 
     def _read_calls(self, reply: Message, gen: Generation) -> None:

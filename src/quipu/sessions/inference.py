@@ -29,10 +29,11 @@ from quipu.engine.base import Backend, LogitsProcessor, ProgressFn, TokenFilter
 from quipu.engine.text import Detokenizer, unfinished_character
 from quipu.errors import ContextOverflow, EngineError, Interrupted, QuipuError
 from quipu.sessions.base import LOCAL, SILENT, Generation, ReplySink, Stats, TurnPrompt, common_prefix
-from quipu.sessions.tools import CallGrammar, TriggerWatch
+from quipu.sessions.calls import CallSink
+from quipu.sessions.tools import CallGrammar
 from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.prompt import HeldTokens, Rendered, context_tokens
-from quipu.sessions.stops import StopMatcher, pending_prefix
+from quipu.sessions.stops import StopMatcher
 
 __all__ = ["InferenceSession", "Snapshot", "ReplyText", "Generation", "Stats", "common_prefix"]
 
@@ -414,72 +415,57 @@ class InferenceSession(HeldTokens):
         return self.infer(max_tokens, stop, sink)
 
 
-class _CallWatch(ReplySink):
-    """A reply's sink while tools are offered: text goes on to `sink` until a call's trigger is
-    written (a text that might be the start of one is held back until it is known not to be);
-    from the trigger on, the reply keeps to the call's grammar and nothing more is shown."""
+class _CallWatch(CallSink):
+    """A reply's sink while tools are offered on the local model: from the token that completes
+    a call's trigger, the reply keeps to the call's grammar (llguidance's mask)."""
 
     def __init__(self, session: InferenceSession, sink: ReplySink):
-        self.session, self.sink = session, sink
         grammar = session.call_grammar
-        self.watch = TriggerWatch(grammar.triggers, session.starts_thinking)
-        self.held = ""
-        self.calling = False
-        self.shown = 0  # characters of the reply's text that went on to the sink
+        super().__init__(sink, grammar, session.starts_thinking)
+        self.session = session
         session.call_shown = None
         # A required call is forced from the start, or once the reasoning the prompt opened ends.
+        # Until then the reply may not end: the end-of-generation tokens are banned.
         self.pending = session.call_forced and session.starts_thinking and grammar.after_reasoning is not None
-        if session.call_forced and not self.pending:
+        self._ends = [t for t in session.special_tokens().values() if session.backend.is_eog(t)] if self.pending else []
+        if self.pending:
+            session.logits_processors.append(self._no_end)
+        elif session.call_forced:
             self._force(grammar.forced)
+
+    def _no_end(self, tokens, logits) -> None:
+        logits[self._ends] = float("-inf")
+
+    def _stop_pending(self) -> None:
+        if self.pending:
+            self.pending = False
+            self.session.logits_processors.remove(self._no_end)
 
     def _force(self, text: str) -> None:
         if text:
             self.session.force(text)
             self.watch.push(text)
-        self._begin(self.session.call_grammar.forced_lark)
+        self._constrain(self.session.call_grammar.forced_lark)
 
-    def _begin(self, lark: str | None = None) -> None:
+    def _constrain(self, lark: str | None = None) -> None:
         from quipu.engine.grammar import Grammar
 
-        self.calling = True
-        self.held = ""
+        self.begin()
         self.session.backend.set_constraint(Grammar("lark", lark or self.session.call_grammar.lark))
 
     def took(self, token: int) -> None:
         if self.calling:
             return
         if self.watch.push(self.session.backend.token_text(token).decode("utf-8", "replace")):
-            self._begin()
+            self._constrain()
         elif self.pending and (after := self.watch.after_reasoning()) is not None:
             # (what the model wrote after the reasoning's end, where it is the start of what is due)
             due = self.session.call_grammar.after_reasoning
-            self.pending = False
+            self._stop_pending()
             self._force(due[len(after):] if due.startswith(after) else self.session.call_grammar.forced)
 
-    def text(self, text: str) -> None:
-        if self.calling:
-            return
-        self.held += text
-        keep = pending_prefix(self.held, self.watch.triggers)
-        if len(self.held) > keep:
-            self.sink.text(self.held[:len(self.held) - keep])
-            self.shown += len(self.held) - keep
-            self.held = self.held[len(self.held) - keep:]
-
-    def reasoning(self, text: str) -> None:
-        self.sink.reasoning(text)
-
-    def progress(self, done: int, total: int) -> None:
-        self.sink.progress(done, total)
-
-    def stopped(self) -> bool:
-        return self.sink.stopped()
-
     def end(self) -> None:
-        if self.held and not self.calling:
-            self.sink.text(self.held)
-            self.shown += len(self.held)
-        self.held = ""
+        self._stop_pending()
         if self.calling:
             self.session.backend.set_constraint(None)
-            self.session.call_shown = self.shown  # what was held back from the trigger on starts here
+        self.session.call_shown = super().end()  # where the held-back call begins in the text

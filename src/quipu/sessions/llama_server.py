@@ -20,14 +20,16 @@ is tokenized first, to be sure of its size.
 from __future__ import annotations
 
 import time
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 from quipu.engine.base import TokenServer
 from quipu.engine.llama_server import server_grammar
 from quipu.errors import CapabilityError, ContextOverflow
 from quipu.sessions.base import LLAMA_SERVER, SILENT, Generation, ReplySink, Stats, TurnPrompt, common_prefix
+from quipu.sessions.calls import TextCallSink, server_constraint
 from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.prompt import HeldTokens, Rendered, reference_tokens
+from quipu.sessions.tools import CallGrammar
 
 # A token spells at most this many bytes (a generous bound): a longer text cannot fit, and is
 # refused before it is sent to be tokenized.
@@ -42,6 +44,34 @@ class SlotHolder(Protocol):
 
     def after(self, cached_tokens: int, held: int) -> None:
         """The reply is done: the server reused `cached_tokens`, of which the context held `held`."""
+
+
+class ServerSpecials(Mapping):
+    """The server's model's special tokens ({spelling: id}), asked for as they are needed."""
+
+    def __init__(self, backend: TokenServer):
+        self.backend = backend
+
+    def __getitem__(self, text: str) -> int:
+        token = self.backend.special_token(text) if isinstance(text, str) else None
+        if token is None:
+            raise KeyError(text)
+        return token
+
+    def __iter__(self):
+        return iter(())  # (not listed: there is no asking for them all)
+
+    def __len__(self) -> int:
+        return 0
+
+    def within(self, text: str) -> dict[str, int]:
+        """The special tokens `text` spells."""
+        found = {}
+        for spelling in self.backend.control_spellings([text]):
+            token = self.backend.special_token(spelling)
+            if token is not None:
+                found[spelling] = token
+        return found
 
 
 class LlamaServerSession(HeldTokens):
@@ -62,6 +92,11 @@ class LlamaServerSession(HeldTokens):
         self._spelled = ""  # the last reply, control tokens spelled out
         self.stats = Stats()
         self._turn_started = 0.0
+        # Tools offered: the server holds a call to this grammar (see InferenceSession's).
+        self.call_grammar: CallGrammar | None = None
+        self.call_forced = False
+        self.starts_thinking = False
+        self.call_shown: int | None = None
 
     @property
     def n_decoded(self) -> int:
@@ -72,6 +107,9 @@ class LlamaServerSession(HeldTokens):
 
     def spell(self, tokens: Sequence[int]) -> str:
         return self.backend.detokenize(tokens)
+
+    def special_tokens(self) -> "ServerSpecials":
+        return ServerSpecials(self.backend)
 
     def close(self) -> None:
         pass  # the connection is the server's host's to close
@@ -191,14 +229,22 @@ class LlamaServerSession(HeldTokens):
             self.slot = self.slot_holder.before()
         sent = time.perf_counter()
         error = None
+        constraint, calls = None, None
+        if self.call_grammar is not None:
+            specials = self.special_tokens()
+            constraint = server_constraint(self.call_grammar, self.call_forced, self.starts_thinking, specials.within)
+            sink = calls = TextCallSink(sink, self.call_grammar, self.starts_thinking, self.call_forced)
         try:
             done = self.backend.complete(prompt, self.params.sampler(), draw_seed(self.params.seed, self.draws),
-                                         min(max_tokens, room), stop, self.slot, sink)
+                                         min(max_tokens, room), stop, self.slot, sink, constraint)
         except Exception as exc:  # a server failing mid-reply: what came is kept, as after Ctrl-C
             done = getattr(exc, "partial", None)
             if done is None or not getattr(done, "tokens", None):
                 raise
             done.finish_reason, error = "interrupted", exc
+        finally:
+            if calls is not None:
+                self.call_shown = calls.end()
         ids = self._ids(prompt, done.prompt_tokens)
         held = common_prefix(ids or [], self.tokens)
         finish = done.finish_reason or "stop"

@@ -69,7 +69,7 @@ class ToolSpec:
 
 # ---- reasoning -------------------------------------------------------------------------------
 
-_REASONING = (("<think>", "</think>"), ("<|START_THINKING|>", "<|END_THINKING|>"),
+REASONING = (("<think>", "</think>"), ("<|START_THINKING|>", "<|END_THINKING|>"),
               ("<seed:think>", "</seed:think>"))
 
 
@@ -77,7 +77,7 @@ def split_reasoning(text: str, starts_thinking: bool = False) -> tuple[str, str]
     """(reasoning, the rest): a reasoning block at the start of the reply (or, when the prompt
     opened one, everything up to its close)."""
     stripped = text.lstrip()
-    for open_, close in _REASONING:
+    for open_, close in REASONING:
         if starts_thinking and close in text and open_ not in text.split(close, 1)[0]:
             head, rest = text.split(close, 1)
             return head.strip(), rest.lstrip()
@@ -817,7 +817,7 @@ def _bare_value(schema: Any) -> str:
 def _numbered(call: Callable[[int], str], sep: str = "") -> str:
     """Lark rules for `calls`: one to MAX_PARALLEL calls, the i-th written by `call(i)`, `sep`
     (a Lark expression) between two."""
-    lines = [f"calls: call_0 rest_1"]
+    lines = ["calls: call_0 rest_1"]
     for i in range(1, MAX_PARALLEL):
         lines.append(f'rest_{i}: {sep} call_{i} rest_{i + 1} | ""')
     lines.append(f'rest_{MAX_PARALLEL}: ""')
@@ -847,47 +847,3 @@ def generic_system_prompt(tools: Sequence[ToolSpec]) -> str:
     return (f"You can call these tools: {listed}\nTo call one, reply with nothing but the JSON "
             '{"tool_call": {"name": "<tool name>", "arguments": {...}}}; its result comes back in the next '
             "message. Otherwise, answer in plain text.")
-
-
-class TriggerWatch:
-    """Watches a reply's text (control tokens spelled out) for the text that begins a call,
-    outside reasoning; says where it began, once."""
-
-    def __init__(self, triggers: Sequence[str], starts_thinking: bool = False):
-        self.triggers = tuple(triggers)
-        self.text = ""
-        self.fired_at: int | None = None  # where in `text` the trigger began
-        self._thinking = starts_thinking
-
-    def push(self, piece: str) -> bool:
-        """Adds a token's text; True when this completes a trigger."""
-        if self.fired_at is not None:
-            self.text += piece
-            return False
-        self.text += piece
-        visible = self._outside_reasoning()
-        if visible is None:
-            return False
-        offset, tail = visible
-        for trigger in self.triggers:
-            at = tail.find(trigger)
-            if at >= 0:
-                self.fired_at = offset + at
-                return True
-        return False
-
-    def after_reasoning(self) -> str | None:
-        """The text after the reasoning's end (None while the reasoning goes on)."""
-        visible = self._outside_reasoning()
-        return None if visible is None else visible[1]
-
-    def _outside_reasoning(self) -> tuple[int, str] | None:
-        text = self.text
-        for open_, close in _REASONING:
-            stripped = text.lstrip()
-            if self._thinking or stripped.startswith(open_) or (open_.startswith(stripped) and stripped):
-                end = text.find(close)
-                if end < 0:
-                    return None
-                return end + len(close), text[end + len(close):]
-        return 0, text
