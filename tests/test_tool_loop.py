@@ -448,6 +448,31 @@ def test_a_required_call_keeps_to_the_tool_s_schema_in_every_constrained_format(
         assert session.stats.cached_tokens >= (start if thinking else held - 1), (family, seed, spelled)
 
 
+def test_a_required_call_after_reasoning_comes_even_from_a_model_that_would_end_its_reply(make_backend, tmp_path):
+    # Qwen 3.5's prompt opens the reasoning; the model, pushed hard toward ending its reply,
+    # may not end it inside the reasoning: once it closes it, the call comes.
+    from tinymodel import write_tiny_gguf
+
+    from quipu.sessions.conversation import Conversation
+    from quipu.sessions.inference import InferenceSession
+    from quipu.sessions.params import SamplingParams
+    from quipu.sessions.tools import ToolSpec
+
+    backend = make_backend(write_tiny_gguf(tmp_path / "tools.gguf", tool_specials=True, tokenizer="bpe"), n_ctx=4096)
+    specials = backend.special_tokens()
+    ends = [t for t in specials.values() if backend.is_eog(t)]
+    bias = [(t, 12.0) for t in ends] + [(specials["</think>"], 4.0)]
+    session = InferenceSession(backend, SamplingParams(seed=5, temperature=1.0, logit_bias=bias))
+    conv = Conversation.start(session, template=(TEMPLATES / "Qwen3.5-4B.jinja").read_text())
+    conv.tools = [ToolSpec("get_weather", "w", {"type": "object", "properties": {"city": {"enum": ["Paris"]}},
+                                                "required": ["city"]})]
+    conv.tool_choice = "required"
+    gen = conv.send("Weather?", max_tokens=400)
+    spelled = session.spell(session.tokens[session.reply_start:])
+    assert [c.arguments for c in gen.tool_calls] == [{"city": "Paris"}] * len(gen.tool_calls) and gen.tool_calls, spelled
+    assert spelled.index("</think>") < spelled.index("<tool_call>")
+
+
 def test_a_loop_stopped_at_its_approval_resumes_in_a_new_process_as_if_never_stopped(quipu, tiny_model, tmp_path,
                                                                                      home):
     # On a terminal the approval is asked; "stop" leaves the calls waiting in the session. The
