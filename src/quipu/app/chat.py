@@ -11,7 +11,7 @@ from typing import Any, Callable
 from quipu.app.environment import SAMPLING_TYPES, Environment, TurnOptions, max_tokens
 from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost
-from quipu.app.tools import ToolHooks, follow_calls, offer, toolbox
+from quipu.app.tools import ToolHooks, follow_calls, offer, resume_pending, skip_pending, toolbox, waiting_notice
 from quipu.app.named import NamedSession, store_for
 from quipu.engine.base import ProgressFn
 from quipu.errors import ContextOverflow, InvalidParameter, UsageError
@@ -99,6 +99,10 @@ class ChatSession:
             stack.close()
             raise
         offer(named.conversation, self.tools, opts or self.opts)
+        waiting = waiting_notice(named.conversation, "/continue runs them (asking first); a new message goes on "
+                                                      "without them")
+        if waiting:
+            named.notices.append(waiting)
         self._release()
         self._stack, self.named = stack, named
         self.resumed = resumed
@@ -183,6 +187,7 @@ class ChatSession:
 
     def send(self, text: str, sink: ReplySink = SILENT) -> TurnOutcome:
         conv = self._named.conversation
+        skip_pending(conv)  # (calls left waiting are answered "not run")
         self._named.warm(text, self.opts, self.env)
         return self._turn(lambda **kw: conv.send(text, **kw), sink, message=text)
 
@@ -190,6 +195,11 @@ class ChatSession:
         return self._turn(self._named.conversation.retry, sink)
 
     def continue_reply(self, sink: ReplySink = SILENT) -> TurnOutcome:
+        """Goes on with the last reply: runs its calls where they wait (a loop stopped at its
+        approval), else continues its text."""
+        waiting = resume_pending(self._named.conversation)
+        if waiting is not None:
+            return self._turn(lambda **kw: waiting, sink)
         self.capabilities.require("continue", chat=True)
         return self._turn(self._named.conversation.continue_reply, sink)
 

@@ -583,6 +583,27 @@ def messages_from_file(path: str):
     return out
 
 
+SKIPPED = "The call was not run: the user went on without it."
+
+
+def skip_pending(conv: Conversation) -> int:
+    """A new message while calls wait (a loop stopped at its approval): each gets a result that
+    says it was not run, so that the conversation goes on as the templates expect (every call
+    answered). Returns how many."""
+    pending = pending_calls(conv)
+    conv.add_tool_results([(call, SKIPPED) for call in pending])
+    return len(pending)
+
+
+def waiting_notice(conv: Conversation, how: str) -> str | None:
+    """What a front end says of calls left waiting in a session (None: none wait)."""
+    pending = pending_calls(conv)
+    if not pending:
+        return None
+    names = ", ".join(dict.fromkeys(call.name for call in pending))
+    return f"{len(pending)} call{'s' if len(pending) > 1 else ''} of the last reply wait to run ({names}): {how}"
+
+
 def resume_pending(conv: Conversation) -> Generation | None:
     """The session's last reply as a reply that made calls, when they wait for results (a loop
     that stopped at an approval, or a crash): the loop goes on from them. None when none wait."""

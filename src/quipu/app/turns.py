@@ -19,7 +19,8 @@ from quipu.app.environment import (
 from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost, check_options
 from quipu.app.named import FOLD_NOTICE, NamedSession, store_for
-from quipu.app.tools import ToolHooks, Tools, answer_pending, follow_calls, offer, resume_pending, toolbox
+from quipu.app.tools import (ToolHooks, Tools, answer_pending, follow_calls, offer, resume_pending, skip_pending,
+                              toolbox)
 from quipu.errors import BadInput, ContextOverflow, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink, Stats, common_prefix
 from quipu.sessions.conversation import Conversation
@@ -200,8 +201,9 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
                         raise BadInput("no prompt: give one as an argument or on standard input (session "
                                        f"'{name}' has no calls waiting to run)")
                 elif opts.continue_reply:
-                    gen = conv.continue_reply(max_tokens=limit, stop=stop, sink=sink)
+                    gen = resume_pending(conv) or conv.continue_reply(max_tokens=limit, stop=stop, sink=sink)
                 else:
+                    skip_pending(conv)  # (calls left waiting are answered "not run")
                     named.warm(prompt, opts, env)
                     gen = conv.send(prompt, max_tokens=limit, stop=stop, sink=sink)
                 gen, calls, tool_notes = follow_calls(conv, tools, gen, opts, limit, stop, sink, hooks)

@@ -180,7 +180,7 @@ COMMANDS: list[SlashCommand] = [
     SlashCommand("reset", "", "forget the conversation, keep the system prompt", _reset),
     SlashCommand("undo", "", "drop the last exchange, restoring the context before it", _undo),
     SlashCommand("retry", "", "generate the last reply again, with new draws", _retry),
-    SlashCommand("continue", "", "keep generating the last reply", _continue),
+    SlashCommand("continue", "", "keep generating the last reply (or run its calls left waiting)", _continue),
     SlashCommand("system", "TEXT", "set the system prompt (empty removes it)", _system),
     SlashCommand("set", "KEY VALUE", "change a sampling setting or max_tokens (/set alone lists them)", _set),
     SlashCommand("think", "[show|hide|on|off]", "show or hide a thinking model's reasoning; turn thinking on or off",
