@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from quipu.app.environment import (
 )
 from quipu.app.hosts import Opened, made_elsewhere, saved_params
 from quipu.engine.base import KV_TYPES, ContextSettings, ProgressFn
+from quipu.engine.kvstate import LAYOUT, check_piece
 from quipu.errors import EngineError, ModelMismatch, SnapshotError, UsageError
 from quipu.models import fingerprint
 from quipu.sessions.base import LOCAL, Message
@@ -68,7 +70,8 @@ class LocalHost:
 
     def create(self, opts: TurnOptions, env: Environment, name: str | None = None) -> Opened:
         model_name, model_path, session = open_session(opts, env)
-        return Opened(session, LocalKeeper(model_name, model_path, fingerprint(model_path), env.max_state_bytes))
+        return Opened(session, LocalKeeper(model_name, model_path, fingerprint(model_path), env.max_state_bytes,
+                                           verbose=opts.verbose))
 
     def resume(self, store: SessionStore, name: str, record: Transcript, messages: list[Message],
                opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened:
@@ -90,25 +93,27 @@ class LocalHost:
         started = time.perf_counter()
         backend = load_backend(model_path, settings, opts.verbose)
         notices: list[str] = []
-        keeper = LocalKeeper(model_name, model_path, model_fp, env.max_state_bytes)
+        keeper = LocalKeeper(model_name, model_path, model_fp, env.max_state_bytes, verbose=opts.verbose)
         try:
             load_s = time.perf_counter() - started
             params = with_logit_biases(params, backend, opts)
             if same_model:
                 restoring = time.perf_counter()  # a rebuild from the transcript is part of restoring
                 snap = Snapshot(record.tokens, record.n_decoded, record.draws, params, saved_ctx)
-                reason = self._attach_state(store, name, snap, backend, model_fp)
+                reason = self._attach_state(store, name, snap, backend, model_fp, keeper)
                 if reason:
                     notices.append(f"session '{name}': {reason}; re-reading its context from the transcript")
                 try:
                     session = InferenceSession.from_snapshot(backend, snap, on_progress)
                 except (EngineError, SnapshotError) as exc:
                     notices.append(f"session '{name}': {exc}; re-reading its context from the transcript")
-                    snap.state = None
+                    snap.state, snap.pieces, snap.state_decoded, keeper.chain = None, (), None, None
                     session = InferenceSession.from_snapshot(backend, snap, on_progress)
                 session.stats.restore_s = time.perf_counter() - restoring
                 if session.rebuilt_tokens == 0 and snap.state is not None:
                     keeper.saved_state = state_key(session)
+                elif snap.state is None:
+                    keeper.chain = None
             else:
                 notices.append(made_elsewhere(name, record, model_name, messages))
                 session = InferenceSession(backend, params)
@@ -138,7 +143,8 @@ class LocalHost:
         )
 
     @staticmethod
-    def _attach_state(store: SessionStore, name: str, snap: Snapshot, backend, model_fp: str) -> str | None:
+    def _attach_state(store: SessionStore, name: str, snap: Snapshot, backend, model_fp: str,
+                      keeper: "LocalKeeper") -> str | None:
         """Puts the verified KV bytes into `snap`; returns why not, if they cannot be used."""
         blob, why = store.load_state(name)
         if blob is None:
@@ -150,16 +156,60 @@ class LocalHost:
             return f"the saved context state was made by {meta.get('build', 'another build')}"
         if meta.get("context") != backend.context.state_key():
             return "the saved context state was made with other context settings"
-        if meta.get("n_decoded") != snap.n_decoded or meta.get("tokens_sha256") != tokens_digest(
-            snap.tokens[: snap.n_decoded]
-        ):
+        held = meta.get("n_decoded")
+        if not isinstance(held, int) or not 0 <= held <= snap.n_decoded or \
+                meta.get("tokens_sha256") != tokens_digest(snap.tokens[:held]):
             return "the saved context state is from another turn"
-        snap.state = blob.state
+        # The pieces after it, then: what the tokens beyond them are is read again (a turn whose
+        # state was not written, or a damaged piece and those after it).
+        pieces, log_end, why = LocalHost._pieces(store, name, meta, snap, held)
+        held = pieces[-1].meta["n_decoded"] if pieces else held
+        snap.state, snap.pieces = blob.state, [p.state for p in pieces]
+        snap.state_decoded = held if held < snap.n_decoded else None
         snap.context = meta["context"]
-        return None
+        keeper.chain = Chain(meta.get("nonce"), held, len(pieces), sum(len(p.state) for p in pieces),
+                             len(blob.state), log_end)
+        return why
+
+    @staticmethod
+    def _pieces(store: SessionStore, name: str, meta: dict, snap: Snapshot, held: int):
+        """The pieces of the state log that follow on from the state file, in order, as far as
+        the transcript's tokens bear them out; and why the log ends short, if it is damaged."""
+        records, _, damage = store.load_pieces(name)
+        pieces, log_end = [], 0
+        for record, end_at in records:
+            m = record.meta
+            if m.get("base") != meta.get("nonce") or meta.get("nonce") is None or m.get("start") != held:
+                break
+            end = m.get("n_decoded")
+            if not isinstance(end, int) or not held < end <= snap.n_decoded or \
+                    m.get("tokens_sha256") != tokens_digest(snap.tokens[:end]) or m.get("layout") != LAYOUT:
+                break
+            pieces.append(record)
+            held, log_end = end, end_at
+        why = None
+        if damage == "a piece is damaged":
+            why = "a piece of the saved context state is damaged"
+        return pieces, log_end, why
 
     def close(self) -> None:
         pass  # each session's model is closed with the session
+
+
+@dataclass
+class Chain:
+    """What the state on disk holds: the state file (its nonce, its size) and the pieces of the
+    log after it: together, the first `held` tokens' cells."""
+
+    nonce: str | None
+    held: int
+    pieces: int = 0
+    piece_bytes: int = 0
+    base_bytes: int = 0
+    log_end: int = 0
+
+
+MAX_PIECES = 64  # a longer chain is saved whole again (as is one whose pieces outgrow the state file)
 
 
 @dataclass
@@ -173,6 +223,8 @@ class LocalKeeper:
     # What the state file on disk holds (decoded tokens and context settings), when it is
     # known to be current: a save with nothing new in the context leaves the file alone.
     saved_state: tuple | None = None
+    chain: Chain | None = None  # what the state file and its log hold, when known
+    verbose: bool = False
 
     def fields(self, session: InferenceSession) -> dict:
         return {
@@ -187,22 +239,66 @@ class LocalKeeper:
         """Transcript and state, each atomically: at worst the turn in progress is lost. The
         state file is rewritten only when the context's decoded tokens or settings changed."""
         key = state_key(session)
+        notices = []
         if key == self.saved_state and store.has_state(name):
             store.save(name, record, KEEP_STATE)
         else:
-            meta = {
-                "fingerprint": self.model_fingerprint,
-                "build": session.backend.build,
-                "context": record.context,
-                "n_decoded": session.n_decoded,
-                "tokens_sha256": key[1],
-                "quipu": __version__,
-                "created": record.updated,
-            }
-            store.save(name, record, session.backend.snapshot_bytes(), meta)
+            why = self._append(store, name, record, session, key)
+            if why is not None:
+                if self.verbose and self.chain is not None:
+                    notices.append(f"session '{name}': the context state is saved whole ({why})")
+                self._save_whole(store, name, record, session, key)
             self.saved_state = key
-        return [f"session '{dropped}' lost its saved context to the disk budget; it will be re-read"
-                for dropped in store.enforce_budget(self.max_state_bytes, keep=name)]
+            session.low_water = session.n_decoded
+        return notices + [f"session '{dropped}' lost its saved context to the disk budget; it will be re-read"
+                          for dropped in store.enforce_budget(self.max_state_bytes, keep=name)]
+
+    def _save_whole(self, store: SessionStore, name: str, record: Transcript, session: InferenceSession,
+                    key: tuple) -> None:
+        nonce = secrets.token_hex(8)
+        meta = {
+            "fingerprint": self.model_fingerprint,
+            "build": session.backend.build,
+            "context": record.context,
+            "n_decoded": session.n_decoded,
+            "tokens_sha256": key[1],
+            "quipu": __version__,
+            "created": record.updated,
+            "nonce": nonce,  # (the pieces of the log after it name it)
+        }
+        state = session.backend.snapshot_bytes()
+        store.save(name, record, state, meta)
+        self.chain = Chain(nonce, session.n_decoded, base_bytes=len(state))
+
+    def _append(self, store: SessionStore, name: str, record: Transcript, session: InferenceSession,
+                key: tuple) -> str | None:
+        """Saves only the cells the context gained since the last save, as a piece of the state
+        log, then the transcript; returns why it cannot (the state is then saved whole)."""
+        chain, backend = self.chain, session.backend
+        if chain is None or chain.nonce is None or not store.has_state(name):
+            return "no state file to add to"
+        if session.low_water < chain.held:
+            return "the context went back before what was saved"
+        if session.n_decoded <= chain.held:
+            return "nothing new"
+        if chain.pieces >= MAX_PIECES or chain.piece_bytes > chain.base_bytes:
+            return "the pieces are many: put together again"
+        unsupported = backend.partial_state()
+        if unsupported:
+            return f"{unsupported} is saved whole"
+        piece = backend.state_since(chain.held)
+        try:
+            check_piece(piece, seq_id=1, cells=session.n_decoded - chain.held, first=chain.held,
+                        n_layer=backend.n_layer)
+        except SnapshotError as exc:
+            return f"the state's layout is not the one quipu reads: {exc}"
+        meta = {"base": chain.nonce, "start": chain.held, "n_decoded": session.n_decoded, "tokens_sha256": key[1],
+                "layout": LAYOUT, "build": backend.build, "bytes": len(piece)}
+        end = store.append_piece(name, meta, piece, chain.log_end)
+        store.save(name, record, KEEP_STATE)
+        self.chain = Chain(chain.nonce, session.n_decoded, chain.pieces + 1, chain.piece_bytes + len(piece),
+                           chain.base_bytes, end)
+        return None
 
     def warm(self, session: InferenceSession, tokens: Callable[[], list[int]], opts: TurnOptions,
              env: Environment) -> "CacheUse | None":

@@ -71,7 +71,10 @@ class LlamaBackend:
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_batch
-        cparams.n_seq_max = n_seq  # each sequence has its own n_ctx / n_seq cells (not unified)
+        if n_seq > 1:
+            cparams.n_seq_max = n_seq  # each sequence has its own n_ctx / n_seq cells (not unified)
+        else:  # one sequence, and a second sharing its cells, to save a turn's cells alone (kvstate.py)
+            cparams.n_seq_max, cparams.kv_unified = 2, True
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
@@ -339,6 +342,51 @@ class LlamaBackend:
         if written != size:
             raise EngineError("llama.cpp could not write the context state")
         return memoryview(buf).cast("B")
+
+    def partial_state(self) -> str | None:
+        """Why the state of some cells cannot be saved and restored apart from the rest (None:
+        it can): a plain attention cache of one sequence, whose positions are the tokens'."""
+        model = self.model.ptr
+        if self.context.n_seq != 1:
+            return "a context of several sequences"
+        if lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model):
+            return "a recurrent or hybrid model's memory"
+        if lc.llama_model_n_swa(model) > 0:
+            return "a sliding-window cache"
+        return None
+
+    @property
+    def n_layer(self) -> int:
+        return lc.llama_model_n_layer(self.model.ptr)
+
+    def state_since(self, start: int) -> memoryview:
+        """The state of the cells at positions `start` on: llama.cpp writes them as the state of
+        a second sequence that shares them for the moment (see kvstate.py)."""
+        lc.llama_memory_seq_cp(self._mem, 0, 1, start, -1)
+        try:
+            size = lc.llama_state_seq_get_size(self._ctx, 1)
+            buf = (ctypes.c_uint8 * size)()
+            written = lc.llama_state_seq_get_data(self._ctx, buf, size, 1)
+        finally:
+            lc.llama_memory_seq_rm(self._mem, 1, -1, -1)
+        if written != size:
+            raise EngineError("llama.cpp could not write the context state")
+        return memoryview(buf).cast("B")
+
+    def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[bytes | memoryview]) -> None:
+        """Restores a state saved whole, then pieces of it saved by `state_since`, in order: each
+        read as the second sequence's, whose cells then join the first."""
+        self.restore_bytes(base)
+        for piece in pieces:
+            view = memoryview(piece).cast("B")
+            buf = (ctypes.c_uint8 * len(view)).from_buffer_copy(view) if view.readonly else \
+                (ctypes.c_uint8 * len(view)).from_buffer(view)
+            read = lc.llama_state_seq_set_data(self._ctx, buf, len(view), 1)
+            if read != len(view):
+                lc.llama_memory_clear(self._mem, True)
+                raise EngineError(f"llama.cpp refused a piece of the saved context state{LOG.reason()}")
+            lc.llama_memory_seq_cp(self._mem, 1, 0, -1, -1)
+            lc.llama_memory_seq_rm(self._mem, 1, -1, -1)
 
     def restore_bytes(self, data: bytes | memoryview) -> None:
         lc.llama_memory_clear(self._mem, True)

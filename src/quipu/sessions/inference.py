@@ -48,6 +48,11 @@ class Snapshot:
     params: SamplingParams
     context: dict
     state: bytes | None = None
+    # Pieces of state saved after `state` (each the cells a later turn added, see
+    # `LlamaBackend.state_since`), and how many tokens the state and pieces hold when that is
+    # fewer than `n_decoded` (a turn whose state was not written: read again on restore).
+    pieces: Sequence = ()
+    state_decoded: int | None = None
 
 
 class ReplyText:
@@ -107,6 +112,9 @@ class InferenceSession(HeldTokens):
         self.n_decoded = 0
         self.draws = 0
         self._logits_at = -1  # n_decoded when the backend's logits were computed
+        # The fewest tokens the context has held since `low_water` was last set (by a save):
+        # the cells before it are as they were then.
+        self.low_water = 0
         self.stats = Stats()
         self._turn_started = 0.0
         # Tokens re-read from the token history (not restored from state bytes) when this
@@ -170,6 +178,7 @@ class InferenceSession(HeldTokens):
         if n_keep >= len(self.tokens):
             return
         del self.tokens[n_keep:]
+        self.low_water = min(self.low_water, n_keep)
         if self.n_decoded > n_keep:
             self.backend.truncate(n_keep)
             self.n_decoded = n_keep
@@ -265,12 +274,21 @@ class InferenceSession(HeldTokens):
         session = cls(backend, snap.params)
         session.draws = snap.draws
         if snap.state is not None and snap.context == backend.context.state_key():
-            backend.restore_bytes(snap.state)
-            if backend.positions() != snap.n_decoded:
+            held = snap.n_decoded if snap.state_decoded is None else snap.state_decoded
+            if snap.pieces:
+                backend.restore_pieces(snap.state, snap.pieces)
+            else:
+                backend.restore_bytes(snap.state)
+            if backend.positions() != held or held > snap.n_decoded:
                 backend.truncate(0)
                 raise EngineError("the saved context state does not match its token history")
+            session.tokens = list(snap.tokens[:held])
+            session.n_decoded = session.low_water = held
+            if held < snap.n_decoded:  # a turn whose state was not saved is read again
+                session.tokens = list(snap.tokens[:snap.n_decoded])
+                session._decode_pending(on_progress)
+                session.rebuilt_tokens = session._rebuilt_pending = snap.n_decoded - held
             session.tokens = list(snap.tokens)
-            session.n_decoded = snap.n_decoded
             session._reset_sampler()
         else:
             session.rebuild(snap.tokens, snap.n_decoded, on_progress)

@@ -1,4 +1,6 @@
-"""The state file, `NAME.kv`: the context's KV bytes, verified before anything reaches llama.cpp.
+"""The state file, `NAME.kv`: the context's KV bytes, verified before anything reaches llama.cpp;
+and the state log beside it, `NAME.kvlog`: the pieces later turns added, each a record of the
+same layout (magic b"QUIPUKVP"), one after another.
 
 Layout (little-endian):
 
@@ -25,6 +27,7 @@ from typing import Any
 from quipu.errors import SnapshotError
 
 MAGIC = b"QUIPUKV\n"
+PIECE_MAGIC = b"QUIPUKVP"
 VERSION = 1
 MAX_META = 1 << 20
 _HEAD = struct.Struct("<8sII")
@@ -38,12 +41,13 @@ class StateBlob:
     state: bytes | memoryview
 
 
-def state_chunks(meta: dict[str, Any], state: bytes | memoryview) -> list[bytes | memoryview]:
-    """The state file as pieces to write one after another: the state bytes are not copied."""
+def state_chunks(meta: dict[str, Any], state: bytes | memoryview, magic: bytes = MAGIC) -> list[bytes | memoryview]:
+    """The state file (or a log record, with PIECE_MAGIC) as pieces to write one after another:
+    the state bytes are not copied."""
     body = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode("utf-8")
     if len(body) > MAX_META:
         raise SnapshotError("snapshot metadata is too large")
-    parts = [_HEAD.pack(MAGIC, VERSION, len(body)), body, _LEN.pack(len(memoryview(state).cast("B"))), state]
+    parts = [_HEAD.pack(magic, VERSION, len(body)), body, _LEN.pack(len(memoryview(state).cast("B"))), state]
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part)
@@ -69,13 +73,13 @@ def read_state(path) -> "StateBlob":
     return decode_state(view[:got])
 
 
-def decode_state(data: bytes | memoryview) -> StateBlob:
+def decode_state(data: bytes | memoryview, expect: bytes = MAGIC) -> StateBlob:
     """Checks magic, version, lengths and checksum, then parses; raises SnapshotError on any flaw."""
     view = memoryview(data)
     if len(view) < _HEAD.size + _LEN.size + _DIGEST:
         raise SnapshotError("the state file is truncated")
     magic, version, meta_len = _HEAD.unpack_from(view, 0)
-    if magic != MAGIC:
+    if magic != expect:
         raise SnapshotError("not a quipu state file")
     if version != VERSION:
         raise SnapshotError(f"state file format {version} is not one this quipu reads ({VERSION})")
@@ -117,3 +121,52 @@ def read_meta(path) -> dict[str, Any]:
         raise SnapshotError("the state file's metadata is not an object")
     return meta
 
+
+def read_log(path) -> tuple[list[tuple[StateBlob, int]], int, str | None]:
+    """The records of a state log, read in order and each verified: (the good ones, each with
+    the byte it ends at; the length of the file they fill; what is wrong after them, if
+    anything: a record cut short by a crash while it was written, or damage). A missing log
+    holds no record."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        return [], 0, None
+    view = memoryview(data)
+    records: list[tuple[StateBlob, int]] = []
+    at = 0
+    while at < len(view):
+        if len(view) - at < _HEAD.size:
+            return records, at, "its last piece was cut short"
+        magic, version, meta_len = _HEAD.unpack_from(view, at)
+        end = at + _HEAD.size + meta_len
+        if magic != PIECE_MAGIC or version != VERSION or meta_len > MAX_META or end + _LEN.size > len(view):
+            return records, at, "a piece is damaged" if magic != PIECE_MAGIC else "its last piece was cut short"
+        (state_len,) = _LEN.unpack_from(view, end)
+        end += _LEN.size + state_len + _DIGEST
+        if end > len(view):
+            return records, at, "its last piece was cut short"
+        try:
+            records.append((decode_state(view[at:end], PIECE_MAGIC), end))
+        except SnapshotError:
+            return records, at, "a piece is damaged"
+        at = end
+    return records, at, None
+
+
+def append_record(path, meta: dict[str, Any], state: bytes | memoryview, at: int) -> int:
+    """Writes a record at byte `at` of the log (what is after it, a record cut short, goes),
+    fsynced; returns the log's new length."""
+    chunks = state_chunks(meta, state, PIECE_MAGIC)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, at)
+        os.lseek(fd, at, os.SEEK_SET)
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
+        os.fsync(fd)
+        return os.lseek(fd, 0, os.SEEK_CUR)
+    finally:
+        os.close(fd)

@@ -7,6 +7,9 @@ Each session NAME is two files in the sessions folder:
   to save space.
 - `NAME.kv`, the state file (see statefile.py): a cache of the context that makes resuming
   instant. It may be missing, stale or damaged; the transcript then rebuilds it.
+- `NAME.kvlog`, the state log: the pieces of the context later turns added to it, after the
+  state file, each checksummed. A piece that does not follow on from the state file, or is cut
+  short or damaged, ends what the log gives; the transcript rebuilds the rest.
 
 `NAME.lock` is held (flock) by whichever process is working on the session. A lock file is
 only ever removed by its holder, and a waiter that wins a lock checks that the file it locked
@@ -34,7 +37,7 @@ from quipu.errors import (
     SessionSaveError,
     SnapshotError,
 )
-from quipu.store.statefile import StateBlob, read_state, state_chunks
+from quipu.store.statefile import StateBlob, append_record, read_log, read_state, state_chunks
 from quipu.store.transcript import Transcript, TranscriptError
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -79,6 +82,9 @@ class SessionStore:
 
     def state_path(self, name: str) -> Path:
         return self.root / f"{validate_name(name)}.kv"
+
+    def log_path(self, name: str) -> Path:
+        return self.root / f"{validate_name(name)}.kvlog"
 
     def exists(self, name: str) -> bool:
         return self.transcript_path(name).exists()
@@ -152,7 +158,27 @@ class SessionStore:
         except SnapshotError as exc:
             return None, str(exc)
 
+    def load_pieces(self, name: str) -> tuple[list[tuple[StateBlob, int]], int, str | None]:
+        """The verified pieces of the state log, in order, each with the byte it ends at; the
+        bytes they fill; what is wrong after them."""
+        try:
+            return read_log(self.log_path(name))
+        except OSError as exc:
+            return [], 0, f"the state log cannot be read ({exc.strerror})"
+
     # ---- writing -------------------------------------------------------------------------
+
+    def append_piece(self, name: str, meta: dict[str, Any], state: bytes | memoryview, at: int) -> int:
+        """Adds a piece to the state log at byte `at` (a piece cut short after it goes); returns
+        the log's length. The transcript is saved after it (see `save`)."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            return append_record(self.log_path(name), meta, state, at)
+        except OSError as exc:
+            raise SessionSaveError(
+                f"could not save session '{name}' in {self.root}: {exc.strerror or exc}; "
+                "the previous save is intact"
+            ) from exc
 
     def save(self, name: str, transcript: Transcript, state: bytes | object | None,
              state_meta: dict[str, Any] | None = None) -> None:
@@ -163,8 +189,10 @@ class SessionStore:
             self.root.mkdir(parents=True, exist_ok=True)
             if isinstance(state, (bytes, memoryview)) and state_meta is not None:
                 atomic_write(self.state_path(name), state_chunks(state_meta, state))
+                self.log_path(name).unlink(missing_ok=True)  # (its pieces followed the old state)
             elif state is not KEEP_STATE:
                 self.state_path(name).unlink(missing_ok=True)
+                self.log_path(name).unlink(missing_ok=True)
             atomic_write(self.transcript_path(name), transcript.encode())
         except OSError as exc:
             raise SessionSaveError(
@@ -177,6 +205,7 @@ class SessionStore:
             raise SessionNotFound(f"no session named '{name}'")
         with self.lock(name):
             self.state_path(name).unlink(missing_ok=True)
+            self.log_path(name).unlink(missing_ok=True)
             self.transcript_path(name).unlink(missing_ok=True)
             self.lock_path(name).unlink(missing_ok=True)  # while held: see `lock`
 
@@ -197,14 +226,14 @@ class SessionStore:
             if not src_locked:
                 locks.enter_context(self.lock(src))
             locks.enter_context(self.lock(dst))
-            for path_of in (self.state_path, self.transcript_path):  # transcript last: it marks existence
+            for path_of in (self.state_path, self.log_path, self.transcript_path):  # transcript last: it marks existence
                 source, target = path_of(src), path_of(dst)
                 if not source.exists():
                     continue
                 if move:
                     os.replace(source, target)
                 else:
-                    atomic_write(target, source.read_bytes())
+                    atomic_copy(source, target)
             if move:
                 self.lock_path(src).unlink(missing_ok=True)  # while held: see `lock`
             fsync_dir(self.root)
@@ -245,6 +274,8 @@ class SessionStore:
         if not self.root.is_dir():
             return []
         states, total = oldest_first(self.root.glob("*.kv"))
+        logs = {path.stem: size for size, path in oldest_first(self.root.glob("*.kvlog"))[0]}
+        total += sum(logs.values())
         dropped = []
         for size, path in states:
             if total <= max_bytes:
@@ -254,9 +285,10 @@ class SessionStore:
             try:
                 with self.lock(path.stem, wait_s=0):
                     path.unlink(missing_ok=True)
+                    self.log_path(path.stem).unlink(missing_ok=True)
             except SessionLocked:
                 continue
-            total -= size
+            total -= size + logs.get(path.stem, 0)
             dropped.append(path.stem)
         return dropped
 
@@ -348,6 +380,44 @@ def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryv
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_copy(source: Path, target: Path) -> None:
+    """Copies a file as `atomic_write` writes one, the kernel moving the bytes (a reflink where
+    the file system shares blocks, else copy_file_range or sendfile): nothing of it passes
+    through this process's memory."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(source, "rb") as src, open(tmp, "xb") as dst:
+            if not _reflink(src.fileno(), dst.fileno()):
+                size = os.fstat(src.fileno()).st_size
+                done = 0
+                while done < size:
+                    try:
+                        moved = os.copy_file_range(src.fileno(), dst.fileno(), size - done)
+                    except OSError as exc:
+                        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                            raise
+                        moved = os.sendfile(dst.fileno(), src.fileno(), done, size - done)
+                    if moved == 0:
+                        break
+                    done += moved
+            os.fsync(dst.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(target.parent)
+
+
+def _reflink(src: int, dst: int) -> bool:
+    """Shares the source's blocks with the target (FICLONE: btrfs, XFS, ...); False where the
+    file system cannot."""
+    try:
+        fcntl.ioctl(dst, 0x40049409, src)  # FICLONE
+        return True
+    except OSError:
+        return False
 
 
 def fsync_dir(path: Path) -> None:

@@ -1,0 +1,109 @@
+"""The layout of llama.cpp's sequence state, as far as quipu relies on it.
+
+`llama_state_seq_get_data` on a context whose memory is a plain attention KV cache writes,
+little-endian (`llama_context::state_seq_get_data` in src/llama-context.cpp, then
+`llama_kv_cache::state_write` in src/llama-kv-cache.cpp, of the vendored llama.cpp):
+
+    magic                          u32   0xaf143cd8
+    seq_id                         i32   (the sequence written)
+    n_stream                       u32   (1: a single-stream cache)
+    per stream: cell_count         u32
+      per cell: pos                i32
+                n_seq_id           u32   (1: the cell of one sequence)
+                [ext]                    (only for a cache with cell extensions, M-RoPE models)
+                seq_id             i32 × n_seq_id
+      v_trans                      u32   (1: V stored transposed, as without flash attention)
+      n_layer                      u32
+      per layer: K type i32, K row size u64, cell_count rows
+      per layer: V type i32, then (not transposed) V row size u64, cell_count rows, or
+                 (transposed) element size u32, n_embd_v_gqa u32, n_embd_v_gqa runs of
+                 cell_count elements
+
+A session's saves after the first write only the cells a turn added: llama.cpp writes them
+itself, as the state of a second sequence that shares those cells (`llama_memory_seq_cp`), and
+reads them back the same way, so quipu never takes the bytes apart. What it checks here is
+that such a piece is what it must be: one stream, the expected number of cells, each of the
+one sequence, at the expected positions, of the model's layer count, and nothing after the
+last layer. Anything else (another llama.cpp's layout, a cache with cell extensions, a layer
+without V) is not understood, and the session is saved whole.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from quipu.errors import SnapshotError
+
+_U32 = struct.Struct("<I")
+_HEAD = struct.Struct("<Ii")
+MAGIC = 0xAF143CD8
+_CELL = struct.Struct("<iIi")  # pos, n_seq_id (1), seq_id
+_LAYER_K = struct.Struct("<iQ")
+_LAYER_V_TRANS = struct.Struct("<iII")
+LAYOUT = "llama_kv_cache-1"  # the layout above, as quipu names it in a session's state pieces
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What a piece of sequence state holds: its cells' positions (first, last) and count."""
+
+    cells: int
+    first: int
+    last: int
+    v_trans: bool
+
+
+def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int, n_layer: int) -> Piece:
+    """Checks that `data` is the state of `cells` cells of sequence `seq_id` at positions
+    `first`, `first` + 1, ... in order, in the layout above, for a model of `n_layer` layers;
+    raises SnapshotError naming what differs."""
+    view = memoryview(data).cast("B")
+    at = 0
+
+    def take(fmt: struct.Struct) -> tuple:
+        nonlocal at
+        if at + fmt.size > len(view):
+            raise SnapshotError("the piece of context state ends early")
+        got = fmt.unpack_from(view, at)
+        at += fmt.size
+        return got
+
+    magic, written = take(_HEAD)
+    if magic != MAGIC or written != seq_id:
+        raise SnapshotError("the piece of context state does not begin as llama.cpp's sequence state does")
+    (n_stream,) = take(_U32)
+    if n_stream != 1:
+        raise SnapshotError(f"the context state has {n_stream} streams, not 1")
+    (count,) = take(_U32)
+    if count != cells:
+        raise SnapshotError(f"the piece of context state holds {count} cells, not {cells}")
+    if count == 0:
+        if at != len(view):
+            raise SnapshotError("the piece of context state has bytes after its end")
+        return Piece(0, first, first - 1, False)
+    end = at + count * _CELL.size
+    if end > len(view):
+        raise SnapshotError("the piece of context state ends early")
+    for i in range(count):
+        pos, n_seq, seq = _CELL.unpack_from(view, at + i * _CELL.size)
+        if n_seq != 1 or seq != seq_id or pos != first + i:
+            raise SnapshotError(f"cell {i} of the piece of context state is not the one expected (position "
+                                f"{pos}, {n_seq} sequences)")
+    at = end
+    v_trans, layers = take(_U32)[0], take(_U32)[0]
+    if v_trans not in (0, 1) or layers != n_layer:
+        raise SnapshotError("the piece of context state is not of this model's layout")
+    for _ in range(layers):  # K: a row per cell
+        _, row = take(_LAYER_K)
+        at += count * row
+    for _ in range(layers):  # V: a row per cell, or transposed: a run per embedding row
+        if v_trans:
+            _, size, rows = take(_LAYER_V_TRANS)
+            at += rows * count * size
+        else:
+            _, row = take(_LAYER_K)
+            at += count * row
+    if at != len(view):
+        raise SnapshotError("the piece of context state is not of the layout quipu reads")
+    return Piece(count, first, first + count - 1, bool(v_trans))
