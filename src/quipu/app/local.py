@@ -28,7 +28,7 @@ from quipu.engine.base import KV_TYPES, ContextSettings, ProgressFn
 from quipu.engine.kvstate import LAYOUT, check_piece
 from quipu.errors import EngineError, ModelMismatch, SnapshotError, UsageError
 from quipu.models import fingerprint
-from quipu.sessions.base import LOCAL, Message
+from quipu.sessions.base import LOCAL, Message, common_prefix
 from quipu.sessions.inference import InferenceSession, Snapshot
 from quipu.store.cache import MIN_TOKENS, PromptCache
 from quipu.store.store import KEEP_STATE, SessionStore
@@ -157,14 +157,21 @@ class LocalHost:
         if meta.get("context") != backend.context.state_key():
             return "the saved context state was made with other context settings"
         held = meta.get("n_decoded")
-        if not isinstance(held, int) or not 0 <= held <= snap.n_decoded or \
-                meta.get("tokens_sha256") != tokens_digest(snap.tokens[:held]):
+        if not isinstance(held, int) or held < 0:
             return "the saved context state is from another turn"
         # The pieces after it, then: what the tokens beyond them are is read again (a turn whose
         # state was not written, or a damaged piece and those after it).
         pieces, log_end, why = LocalHost._pieces(store, name, meta, snap, held)
-        held = pieces[-1].meta["n_decoded"] if pieces else held
-        snap.state, snap.pieces = blob.state, [p.state for p in pieces]
+        if pieces:
+            held = pieces[-1].meta["n_decoded"]
+        elif held > snap.n_decoded or meta.get("tokens_sha256") != tokens_digest(snap.tokens[:held]):
+            # The state file alone, as far as its tokens are the transcript's (a piece after it
+            # replaced its last cells, and is lost): the rest is read again.
+            saved = meta.get("tokens")
+            held = common_prefix(saved, snap.tokens[:snap.n_decoded]) if isinstance(saved, list) else 0
+            if held == 0:
+                return why or "the saved context state is from another turn"
+        snap.state, snap.pieces = blob.state, [(p.meta["start"], p.state) for p in pieces]
         snap.state_decoded = held if held < snap.n_decoded else None
         snap.context = meta["context"]
         keeper.chain = Chain(meta.get("nonce"), held, len(pieces), sum(len(p.state) for p in pieces),
@@ -176,17 +183,26 @@ class LocalHost:
         """The pieces of the state log that follow on from the state file, in order, as far as
         the transcript's tokens bear them out; and why the log ends short, if it is damaged."""
         records, _, damage = store.load_pieces(name)
-        pieces, log_end = [], 0
+        chain = []  # the pieces that follow on from the state file, one from another
         for record, end_at in records:
             m = record.meta
-            if m.get("base") != meta.get("nonce") or meta.get("nonce") is None or m.get("start") != held:
+            start, end = m.get("start"), m.get("n_decoded")
+            if m.get("base") != meta.get("nonce") or meta.get("nonce") is None or m.get("layout") != LAYOUT or \
+                    not isinstance(start, int) or not isinstance(end, int) or not 0 <= start <= held or end < start:
                 break
-            end = m.get("n_decoded")
-            if not isinstance(end, int) or not held < end <= snap.n_decoded or \
-                    m.get("tokens_sha256") != tokens_digest(snap.tokens[:end]) or m.get("layout") != LAYOUT:
+            chain.append((record, end_at))
+            held = end
+        # Up to the last whose tokens the transcript's begin with: each piece was written when
+        # the context's cells before its start were those the pieces before it left, so the
+        # last one's tokens are those of all it keeps. (A piece newer than the transcript, its
+        # turn cut short before the transcript was written, is left out.)
+        while chain:
+            m = chain[-1][0].meta
+            if m["n_decoded"] <= snap.n_decoded and m.get("tokens_sha256") == tokens_digest(snap.tokens[:m["n_decoded"]]):
                 break
-            pieces.append(record)
-            held, log_end = end, end_at
+            chain.pop()
+        pieces = [record for record, _ in chain]
+        log_end = chain[-1][1] if chain else 0
         why = None
         if damage == "a piece is damaged":
             why = "a piece of the saved context state is damaged"
@@ -265,6 +281,7 @@ class LocalKeeper:
             "quipu": __version__,
             "created": record.updated,
             "nonce": nonce,  # (the pieces of the log after it name it)
+            "tokens": session.tokens[:session.n_decoded],
         }
         state = session.backend.snapshot_bytes()
         store.save(name, record, state, meta)
@@ -277,23 +294,23 @@ class LocalKeeper:
         chain, backend = self.chain, session.backend
         if chain is None or chain.nonce is None or not store.has_state(name):
             return "no state file to add to"
-        if session.low_water < chain.held:
-            return "the context went back before what was saved"
-        if session.n_decoded <= chain.held:
-            return "nothing new"
+        # The piece replaces the cells from where the context went back to, if it did (the
+        # last reply's end token, which the template writes its own way; an /undo), and adds the new.
+        start = min(session.low_water, chain.held)
+        if (session.n_decoded - start) * 2 > session.n_decoded:  # (none new: a piece that only cuts)
+            return "most of the context is new"
         if chain.pieces >= MAX_PIECES or chain.piece_bytes > chain.base_bytes:
             return "the pieces are many: put together again"
         unsupported = backend.partial_state()
         if unsupported:
             return f"{unsupported} is saved whole"
-        piece = backend.state_since(chain.held)
+        piece = backend.state_since(start)
         try:
-            check_piece(piece, seq_id=1, cells=session.n_decoded - chain.held, first=chain.held,
-                        n_layer=backend.n_layer)
+            check_piece(piece, seq_id=1, cells=session.n_decoded - start, first=start, n_layer=backend.n_layer)
         except SnapshotError as exc:
             return f"the state's layout is not the one quipu reads: {exc}"
-        meta = {"base": chain.nonce, "start": chain.held, "n_decoded": session.n_decoded, "tokens_sha256": key[1],
-                "layout": LAYOUT, "build": backend.build, "bytes": len(piece)}
+        meta = {"base": chain.nonce, "start": start, "n_decoded": session.n_decoded, "tokens_sha256": key[1],
+                "layout": LAYOUT, "build": backend.build}
         end = store.append_piece(name, meta, piece, chain.log_end)
         store.save(name, record, KEEP_STATE)
         self.chain = Chain(chain.nonce, session.n_decoded, chain.pieces + 1, chain.piece_bytes + len(piece),

@@ -373,11 +373,13 @@ class LlamaBackend:
             raise EngineError("llama.cpp could not write the context state")
         return memoryview(buf).cast("B")
 
-    def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[bytes | memoryview]) -> None:
-        """Restores a state saved whole, then pieces of it saved by `state_since`, in order: each
-        read as the second sequence's, whose cells then join the first."""
+    def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
+        """Restores a state saved whole, then pieces of it saved by `state_since`, in order, each
+        (the position it was taken from, its bytes): the cells from there on are dropped, the
+        piece read as the second sequence's, whose cells then join the first."""
         self.restore_bytes(base)
-        for piece in pieces:
+        for start, piece in pieces:
+            lc.llama_memory_seq_rm(self._mem, 0, start, -1)
             view = memoryview(piece).cast("B")
             buf = (ctypes.c_uint8 * len(view)).from_buffer_copy(view) if view.readonly else \
                 (ctypes.c_uint8 * len(view)).from_buffer(view)

@@ -48,9 +48,9 @@ class Snapshot:
     params: SamplingParams
     context: dict
     state: bytes | None = None
-    # Pieces of state saved after `state` (each the cells a later turn added, see
-    # `LlamaBackend.state_since`), and how many tokens the state and pieces hold when that is
-    # fewer than `n_decoded` (a turn whose state was not written: read again on restore).
+    # Pieces of state saved after `state`, (the position each replaces the cells from, its
+    # bytes: see `LlamaBackend.state_since`), and how many tokens the state and pieces hold
+    # when that is fewer than `n_decoded` (a turn whose state was not written: read again).
     pieces: Sequence = ()
     state_decoded: int | None = None
 
@@ -279,6 +279,8 @@ class InferenceSession(HeldTokens):
                 backend.restore_pieces(snap.state, snap.pieces)
             else:
                 backend.restore_bytes(snap.state)
+            if snap.state_decoded is not None and backend.positions() > held:
+                backend.truncate(held)  # (the state holds more than the transcript's tokens bear out)
             if backend.positions() != held or held > snap.n_decoded:
                 backend.truncate(0)
                 raise EngineError("the saved context state does not match its token history")
