@@ -556,6 +556,118 @@ print(json.dumps({"s": wall - load, "tokens": tokens, "texts": [r.result.text fo
 """
 
 
+SAVE_TURN = r"""
+import json, os, sys, time
+mode, out_path, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+from quipu.app import local, named
+spent = {"save_s": 0.0}
+keep = local.LocalKeeper.save
+def timed(self, *a, **k):
+    started = time.perf_counter()
+    try:
+        return keep(self, *a, **k)
+    finally:
+        spent["save_s"] += time.perf_counter() - started
+local.LocalKeeper.save = timed
+if mode == "whole":  # every save writes the whole state, as before the state log
+    local.LocalKeeper._append = lambda self, *a, **k: "whole, for the bench"
+if mode == "nosave":
+    named.NamedSession.save = lambda self: None
+def written():
+    return int(next(l for l in open("/proc/self/io") if l.startswith("wchar")).split()[1])
+before, started = written(), time.perf_counter()
+from quipu.cli import main
+try:
+    main(args)
+except SystemExit:
+    pass
+spent.update(process_s=time.perf_counter() - started, bytes=written() - before)
+open(out_path, "w").write(json.dumps(spent))
+"""
+
+
+def save_turn(mode: str, home: str, *args: str) -> dict:
+    """One `quipu` command in a process of its own, every save whole ("whole"), none ("nosave")
+    or as quipu saves ("pieces"): the time spent saving, the bytes the process wrote, its time."""
+    out = Path(home) / "save-turn.json"
+    subprocess.run([sys.executable, "-c", SAVE_TURN, mode, str(out), *args], capture_output=True, check=True,
+                   env={**os.environ, "QUIPU_HOME": home})
+    return json.loads(out.read_text())
+
+
+def bench_saves(model: str, threads: int, repeats: int, home: str) -> list[dict]:
+    """A short turn's save on a long session, against the whole save of every turn before the
+    state log; resuming a session saved as 50 pieces, against the same session saved whole; the
+    peak memory of `sessions fork` of a ~120 MB session."""
+    env = {"QUIPU_HOME": home}
+    common = ["-m", model, "--threads", str(threads), "--ctx", "8192", "--seed", "1"]
+    doc = context_text(model, 5000)
+    quipu_cmd("run", *common, "-S", "long", "-n", "1", "Read this.", stdin=doc.encode(), env=env)
+    turn = ["run", "-S", "{name}", "-n", "20", "--json", "Go on, in a few words."]
+    runs: dict[str, list[dict]] = {"pieces": [], "whole": [], "nosave": []}
+    for i in range(repeats):  # interleaved, each on a fork of the same session
+        for mode in runs:
+            name = f"long-{mode}-{i}"
+            quipu_cmd("sessions", "fork", "long", name, env=env)
+            runs[mode].append(save_turn(mode, home, *[a.replace("{name}", name) for a in turn]))
+    pieces, whole, nosave = ({k: median([r[k] for r in runs[m]]) for k in ("save_s", "bytes", "process_s")}
+                             for m in ("pieces", "whole", "nosave"))
+    state_mb = (Path(home) / "data" / "sessions" / "long.kv").stat().st_size / 2**20
+    rows = [
+        {"what": f"a 20-token turn on a 5,000-token session ({state_mb:.0f} MB of state): bytes the process writes (MB), "
+                 "quipu vs a whole save", "quipu": round(pieces["bytes"] / 2**20, 2),
+         "whole save": round(whole["bytes"] / 2**20, 2), "ratio": round(pieces["bytes"] / whole["bytes"], 4)},
+        {"what": "the same: time spent saving (s), quipu vs a whole save", "quipu": round(pieces["save_s"], 4),
+         "whole save": round(whole["save_s"], 4), "ratio": round(pieces["save_s"] / whole["save_s"], 3)},
+        {"what": "the same: the whole process (s), quipu vs the same turn with no save",
+         "quipu": round(pieces["process_s"], 3), "no save": round(nosave["process_s"], 3),
+         "ratio": round(pieces["process_s"] / nosave["process_s"], 3)},
+    ]
+
+    # A session of 50 appended turns, and the same session saved whole: time to the first token.
+    quipu_cmd("run", *common, "-S", "chain", "-n", "1", "Read this.", stdin=context_text(model, 3000).encode(), env=env)
+    for i in range(50):
+        quipu_cmd("run", "-S", "chain", "-n", "8", f"Turn {i}: one word.", env=env)
+    quipu_cmd("sessions", "fork", "chain", "chain-whole", env=env)
+    save_turn("whole", home, "run", "-S", "chain-whole", "--continue", "-n", "1")  # put together, whole
+    quipu_cmd("sessions", "fork", "chain", "chain-pieces", env=env)
+    save_turn("pieces", home, "run", "-S", "chain-pieces", "--continue", "-n", "1")  # the same turn, appended
+    log = Path(home) / "data" / "sessions" / "chain-pieces.kvlog"
+    from quipu.store.statefile import read_log
+
+    n_pieces = len(read_log(log)[0])
+    chain_t, whole_t = [], []
+    for i in range(repeats):
+        for name, into in (("chain-pieces", chain_t), ("chain-whole", whole_t)):
+            copy = f"{name}-{i}"
+            quipu_cmd("sessions", "fork", name, copy, env=env)
+            _, r = quipu_cmd("run", "-S", copy, "--json", "-n", "1", "Go on.", env=env)
+            out = json.loads(r.stdout)
+            into.append(out["timings"]["restore_s"] + out["timings"]["ttft_s"])
+    c, w = median(chain_t), median(whole_t)
+    rows.append({"what": f"resume a ~3,400-token session saved as {n_pieces} pieces, to the first token (s), vs "
+                         "the same saved whole", "quipu": round(c, 3), "whole save": round(w, 3), "ratio": round(c / w, 3)})
+
+    # `sessions fork` of the ~120 MB session: the process's peak memory above its start.
+    code = (
+        "import resource, subprocess, sys\n"
+        "subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, check=True)\n"
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+    )
+
+    def peak_of(*args: str) -> int:
+        r = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "quipu", *args], capture_output=True,
+                           env={**os.environ, **env}, check=True)
+        return int(r.stdout.decode().split()[-1]) * 1024
+
+    fork_peak = max(peak_of("sessions", "fork", "long", f"long-copy-{i}") for i in range(repeats))
+    base_peak = max(peak_of("sessions", "list") for _ in range(repeats))
+    rows.append({"what": f"sessions fork of a {state_mb:.0f} MB session: peak memory above `sessions list`'s (MB)",
+                 "quipu": round((fork_peak - base_peak) / 2**20, 1), "target": 50,
+                 "ratio": round((fork_peak - base_peak) / (50 * 2**20), 3)})
+    return rows
+
+
 def bench_batch(model: str, threads: int, repeats: int, home: str, n_rows: int = 32,
                 n_decode: int = 64) -> list[dict]:
     """`quipu run --batch`: 32 distinct prompts of ~40 tokens, 64 tokens each (end-of-text
@@ -854,7 +966,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128, help="tokens to decode per run")
-    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools")
+    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools, saves")
     args = ap.parse_args(argv)
     model = model_path()
     # An installed quipu has its bytecode compiled by pip; a checkout may not (PYTHONDONTWRITEBYTECODE).
@@ -877,6 +989,7 @@ def main(argv: list[str] | None = None) -> None:
             "constrained": lambda: bench_constrained(model, args.threads, args.repeats),
             "cache": lambda: bench_cache(model, args.threads, args.repeats, home),
             "tools": lambda: bench_tools(model, args.threads, args.repeats),
+            "saves": lambda: bench_saves(model, args.threads, args.repeats, home),
         }
         rows = []
         for name, part in parts.items():

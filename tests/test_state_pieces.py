@@ -223,3 +223,28 @@ def test_kill_9_at_any_moment_of_a_turn_leaves_the_session_at_a_finished_turn(qu
         r = quipu("run", "-S", "k", "-n", "4", "--json", "go on")
         assert r.returncode == 0 and "Traceback" not in r.stderr.decode(), r.stderr.decode()
         assert json.loads(r.stdout)["usage"]["cached_tokens"] > 1000  # restored, not read again
+
+
+def test_dropping_the_oldest_exchanges_moves_the_kept_cells_instead_of_reading_them_again(make_backend):
+    # A full context made room for: the oldest exchanges' tokens go, the kept ones move down
+    # (llama.cpp's K-shift), and the next turn reads only its own message. /undo still goes
+    # back to the exact context before the last exchange.
+    from quipu.sessions.conversation import Conversation
+    from quipu.sessions.inference import InferenceSession
+    from quipu.sessions.params import SamplingParams
+
+    backend = make_backend(n_ctx=2048)
+    session = InferenceSession(backend, SamplingParams(seed=3, temperature=1.0))
+    conv = Conversation.start(session, "You are brief.")
+    for i in range(4):
+        conv.send(f"message number {i} " + "the sky is blue " * 10, max_tokens=10)
+    held = len(session.tokens)
+    assert conv.drop_oldest(2048 - held + 150) == 2  # the oldest exchange: its two messages
+    kept = session.n_decoded
+    assert kept < held - 150 and [m.content[:16] for m in conv.messages if m.role == "user"] == \
+        ["message number 1", "message number 2", "message number 3"]
+    conv.send("and now?", max_tokens=5)
+    assert session.stats.cached_tokens >= kept - 1  # the kept exchanges were not read again
+    before_undo = conv.messages[-2].context_before
+    assert conv.undo() and session.n_decoded == before_undo
+

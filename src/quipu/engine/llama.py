@@ -180,10 +180,37 @@ class LlamaBackend:
             raise EngineError(f"llama.cpp failed to decode (code {rc}){LOG.reason()}")
 
     def truncate(self, n_keep: int) -> None:
+        """Keeps the first `n_keep` positions. A sliding-window cache that no longer holds the
+        window those positions end with (llama_memory_seq_pos_min past it) is emptied instead:
+        `positions()` then says 0, and the tokens are read again."""
         if n_keep <= 0:
             lc.llama_memory_clear(self._mem, True)
-        elif not lc.llama_memory_seq_rm(self._mem, 0, n_keep, -1):
+            return
+        if not lc.llama_memory_seq_rm(self._mem, 0, n_keep, -1):
             raise EngineError("llama.cpp could not trim the context")
+        n_swa = lc.llama_model_n_swa(self.model.ptr)
+        if n_swa > 0 and lc.llama_memory_seq_pos_min(self._mem, 0) > max(0, n_keep - n_swa):
+            lc.llama_memory_clear(self._mem, True)
+
+    def shift_refused(self) -> str | None:
+        """Why cells cannot be dropped from the middle of the context with those after them
+        moved down (None: they can). llama.cpp moves a cache's positions (re-rotating RoPE keys)
+        where `llama_memory_can_shift` says so: a plain attention cache of a model with one
+        position per token (not M-RoPE); not a sliding-window cache smaller than the context,
+        whose evicted cells a shift cannot bring back, nor a recurrent model's state, which is
+        not kept a token a cell."""
+        why = self.partial_state()
+        if why:
+            return why
+        if not lc.llama_memory_can_shift(self._mem):
+            return "this model's cache cannot move its positions"
+        return None
+
+    def shift_out(self, start: int, end: int) -> None:
+        """Drops positions [start, end) and moves those after them down by end - start."""
+        if not lc.llama_memory_seq_rm(self._mem, 0, start, end):
+            raise EngineError("llama.cpp could not drop part of the context")
+        lc.llama_memory_seq_add(self._mem, 0, end, -1, start - end)
 
     def positions(self) -> int:
         return lc.llama_memory_seq_pos_max(self._mem, 0) + 1

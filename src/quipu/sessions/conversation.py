@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
-from quipu.errors import TemplateError, UsageError
+from quipu.errors import CapabilityError, TemplateError, UsageError
 from quipu.sessions.base import SILENT, Generation, Message, ModelSession, ReplySink, TurnPrompt
 from quipu.sessions.prompt import Protector, Rendered
 from quipu.sessions.template import ChatTemplate
@@ -317,12 +317,46 @@ class Conversation:
         full = len(self.render_tokens(head + [Message("user", text)], add_generation_prompt=True))
         return full - empty, empty
 
+    def _dropped_span(self, before: list[Message], first: int) -> tuple[int, int] | None:
+        """The tokens of the exchanges just dropped, in the context: from where the first of
+        them began (after the system prompt, for the conversation's first) to where the first
+        kept one began; None where the context does not say so for sure."""
+        if len(self.messages) <= first:  # (all went: nothing to keep)
+            return None
+        start, end = before[first].context_before, self.messages[first].context_before
+        if start is None or end is None:
+            return None
+        if start == 0:  # sent with the system prompt: it begins where the system prompt's rendering ends
+            if not first:
+                return None
+            try:
+                system = self.render_tokens(before[:first], add_generation_prompt=False)
+            except (TemplateError, CapabilityError):
+                return None
+            if list(self.session.tokens[:len(system)]) != system:
+                return None
+            start = len(system)
+        # The mark is where that exchange's tokens began, which may be the end of the reply
+        # before it (`<|im_end|>` and a new line): the kept exchange begins where the context
+        # holds what its rendering begins with.
+        try:
+            kept = self.render_tokens(self.messages, add_generation_prompt=False)[start:start + 8]
+        except (TemplateError, CapabilityError):
+            return None
+        held = self.session.tokens
+        for k in range(16):
+            if list(held[end + k:end + k + len(kept)]) == kept:
+                end += k
+                return (start, end) if start < end <= self.session.n_decoded else None
+        return None
+
     def drop_oldest(self, keep_free: int) -> int:
         """Drops the oldest exchanges (never the system prompt) until the conversation leaves at
         least `keep_free` tokens of the context free; where the context's size is the server's
         own, the oldest exchange. Returns how many messages went."""
         first = 1 if self.system is not None else 0
         dropped = 0
+        before = list(self.messages)
         while len(self.messages) > first:
             if self.session.capabilities.context_size:
                 needed = len(self.render_tokens(self.messages, add_generation_prompt=True))
@@ -335,6 +369,16 @@ class Conversation:
                 del self.messages[first]
                 dropped += 1
             dropped += 1
+        # Where the model's cache can move its cells, the dropped exchanges' tokens go from the
+        # context and the kept ones move down, nothing read again (as llama.cpp's context shift:
+        # the kept cells were computed with the dropped tokens before them). The next turn keeps
+        # what of them its rendering still spells, as always.
+        span = self._dropped_span(before, first) if dropped and hasattr(self.session, "shift_out") else None
+        if span is not None and self.session.shift_out(*span):
+            for m in self.messages:
+                if m.context_before is not None:
+                    m.context_before = max(span[0], m.context_before - (span[1] - span[0]))
+            return dropped
         for m in self.messages:
             m.context_before = None  # the context is re-read from here; old marks mean nothing
         return dropped

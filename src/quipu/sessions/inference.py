@@ -181,9 +181,27 @@ class InferenceSession(HeldTokens):
         self.low_water = min(self.low_water, n_keep)
         if self.n_decoded > n_keep:
             self.backend.truncate(n_keep)
-            self.n_decoded = n_keep
+            # (a sliding-window cache that cannot go back so far keeps nothing: read again)
+            self.n_decoded = min(n_keep, self.backend.positions())
+            self.low_water = min(self.low_water, self.n_decoded)
             self._logits_at = -1
         self._reset_sampler()
+
+    def shift_out(self, start: int, end: int) -> bool:
+        """Drops tokens [start, end) from the context, moving the cells after them down, where
+        the backend can (see `LlamaBackend.shift_refused`); False where it cannot (the caller
+        reads the rest again). The moved cells keep what they were computed from, the dropped
+        tokens included, as llama.cpp's own context shift does."""
+        refused = getattr(self.backend, "shift_refused", lambda: "no shifting")()
+        if refused or not 0 <= start < end <= self.n_decoded:
+            return False
+        self.backend.shift_out(start, end)
+        del self.tokens[start:end]
+        self.n_decoded -= end - start
+        self.low_water = min(self.low_water, start)
+        self._logits_at = -1
+        self._reset_sampler()
+        return True
 
     def begin_turn(self) -> None:
         """Starts the clock and the counters of a new turn."""
@@ -309,6 +327,7 @@ class InferenceSession(HeldTokens):
             raise EngineError("the cached state does not match its tokens")
         keep = min(keep, len(held))
         self.backend.truncate(keep)
+        keep = min(keep, self.backend.positions())
         self.tokens = list(held[:keep])
         self.n_decoded = keep
         self._logits_at = -1

@@ -60,6 +60,11 @@ def encode_state(meta: dict[str, Any], state: bytes | memoryview) -> bytes:
 
 def read_state(path) -> "StateBlob":
     """A state file read and verified, its state bytes a view of one buffer (no copy)."""
+    return decode_state(_read_into(path))
+
+
+def _read_into(path) -> memoryview:
+    """A file's bytes in one writable buffer, read without a copy."""
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         data = bytearray(size)
@@ -70,7 +75,7 @@ def read_state(path) -> "StateBlob":
             if not n:
                 break
             got += n
-    return decode_state(view[:got])
+    return view[:got]
 
 
 def decode_state(data: bytes | memoryview, expect: bytes = MAGIC) -> StateBlob:
@@ -128,11 +133,9 @@ def read_log(path) -> tuple[list[tuple[StateBlob, int]], int, str | None]:
     anything: a record cut short by a crash while it was written, or damage). A missing log
     holds no record."""
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
+        view = _read_into(path)  # (a buffer llama.cpp reads the pieces from where they lie)
     except FileNotFoundError:
         return [], 0, None
-    view = memoryview(data)
     records: list[tuple[StateBlob, int]] = []
     at = 0
     while at < len(view):
