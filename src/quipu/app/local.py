@@ -294,6 +294,9 @@ class LocalKeeper:
         chain, backend = self.chain, session.backend
         if chain is None or chain.nonce is None or not store.has_state(name):
             return "no state file to add to"
+        unsupported = backend.partial_state()
+        if unsupported:
+            return f"{unsupported} is saved whole"
         # The piece replaces the cells from where the context went back to, if it did (the
         # last reply's end token, which the template writes its own way; an /undo), and adds the new.
         start = min(session.low_water, chain.held)
@@ -301,9 +304,6 @@ class LocalKeeper:
             return "most of the context is new"
         if chain.pieces >= MAX_PIECES or chain.piece_bytes > chain.base_bytes:
             return "the pieces are many: put together again"
-        unsupported = backend.partial_state()
-        if unsupported:
-            return f"{unsupported} is saved whole"
         piece = backend.state_since(start)
         try:
             check_piece(piece, seq_id=1, cells=session.n_decoded - start, first=start, n_layer=backend.n_layer)
