@@ -248,3 +248,29 @@ def test_dropping_the_oldest_exchanges_moves_the_kept_cells_instead_of_reading_t
     before_undo = conv.messages[-2].context_before
     assert conv.undo() and session.n_decoded == before_undo
 
+
+
+def test_a_chat_s_prompt_comes_back_with_the_transcript_written_and_a_kill_then_costs_at_most_that_turn(
+        quipu, tiny_model, home):
+    # The transcript is on disk when the prompt returns; the state is written while the user
+    # types. A kill -9 the moment the prompt is back leaves the turn in the transcript; resumed,
+    # the session holds the same tokens either way (the state was written, or the turn is read again).
+    import signal
+
+    pexpect = pytest.importorskip("pexpect")
+    turn(quipu, tiny_model, "c", LONG)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ.update(QUIPU_HOME=str(home), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
+    child = pexpect.spawn(sys.executable, ["-m", "quipu", "chat", "-S", "c", "-n", "12"], env=environ,
+                          encoding="utf-8", dimensions=(30, 120), timeout=120)
+    child.expect("›")
+    child.send("hello there\r")
+    child.send("/context\r")  # (answered once the turn is over and the prompt is back)
+    child.expect(r"context: \d+ of")
+    os.kill(child.pid, signal.SIGKILL)
+    child.close()
+    record = json.loads(files(home, "c")[0].read_text())
+    assert [m["content"] for m in record["messages"] if m["role"] == "user"][-1] == "hello there"
+    out, err = turn(quipu, tiny_model, "c", "and then?")
+    assert "Traceback" not in err and out["usage"]["cached_tokens"] > 1000
+    assert tokens(home, "c")[:len(record["tokens"]) - 13] == record["tokens"][:-13]

@@ -99,6 +99,8 @@ class ChatSession:
             stack.close()
             raise
         offer(named.conversation, self.tools, opts or self.opts)
+        if hasattr(named.keeper, "background"):  # the prompt comes back before the state is on disk
+            named.keeper.background = True
         waiting = waiting_notice(named.conversation, "/continue runs them (asking first); a new message goes on "
                                                       "without them")
         if waiting:
@@ -311,6 +313,7 @@ class ChatSession:
         if self.store.exists(name):
             raise UsageError(f"a session named '{name}' exists already")
         self.save()
+        self._named.flush()  # (the copy is of the state on disk)
         self.store.fork(self.name, name, src_locked=True)
 
     def load(self, name: str, on_progress: ProgressFn | None = None) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,6 +242,9 @@ class LocalKeeper:
     saved_state: tuple | None = None
     chain: Chain | None = None  # what the state file and its log hold, when known
     verbose: bool = False
+    background: bool = False  # (a chat's: the state written while the user types)
+    _writer: threading.Thread | None = None
+    _failed: str | None = None
 
     def fields(self, session: InferenceSession) -> dict:
         return {
@@ -253,24 +257,50 @@ class LocalKeeper:
 
     def save(self, store: SessionStore, name: str, record: Transcript, session: InferenceSession) -> list[str]:
         """Transcript and state, each atomically: at worst the turn in progress is lost. The
-        state file is rewritten only when the context's decoded tokens or settings changed."""
+        state is written only when the context's decoded tokens or settings changed, and then
+        only what the turn added where it can be (a piece of the state log). With `background`
+        (a chat), the state's bytes are taken now, the transcript written, and the state
+        written while the user types: a crash before it is on disk costs re-reading that turn."""
+        notices = self.wait()
         key = state_key(session)
-        notices = []
         if key == self.saved_state and store.has_state(name):
             store.save(name, record, KEEP_STATE)
         else:
-            why = self._append(store, name, record, session, key)
-            if why is not None:
+            write, why = self._piece(store, name, session, key)
+            if write is None:
                 if self.verbose and self.chain is not None:
                     notices.append(f"session '{name}': the context state is saved whole ({why})")
-                self._save_whole(store, name, record, session, key)
+                write = self._whole(store, name, record, session, key)
             self.saved_state = key
             session.low_water = session.n_decoded
+            if self.background:
+                store.save(name, record, KEEP_STATE)
+                self._writer = threading.Thread(target=self._write, args=(write, name), daemon=True)
+                self._writer.start()
+            else:
+                write()
+                store.save(name, record, KEEP_STATE)
         return notices + [f"session '{dropped}' lost its saved context to the disk budget; it will be re-read"
                           for dropped in store.enforce_budget(self.max_state_bytes, keep=name)]
 
-    def _save_whole(self, store: SessionStore, name: str, record: Transcript, session: InferenceSession,
-                    key: tuple) -> None:
+    def _write(self, write: Callable[[], None], name: str) -> None:
+        try:
+            write()
+        except Exception as exc:  # (the transcript is safe: the turn is read again on resume)
+            self.saved_state, self.chain = None, None
+            self._failed = f"session '{name}': its context state could not be written ({exc}); it will be re-read"
+
+    def wait(self) -> list[str]:
+        """Waits for a state being written in the background; what went wrong with it."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        failed, self._failed = self._failed, None
+        return [failed] if failed else []
+
+    def _whole(self, store: SessionStore, name: str, record: Transcript, session: InferenceSession,
+               key: tuple) -> Callable[[], None]:
+        """The state saved whole (a new state file; the log after the old one goes), to write."""
         nonce = secrets.token_hex(8)
         meta = {
             "fingerprint": self.model_fingerprint,
@@ -284,38 +314,46 @@ class LocalKeeper:
             "tokens": session.tokens[:session.n_decoded],
         }
         state = session.backend.snapshot_bytes()
-        store.save(name, record, state, meta)
-        self.chain = Chain(nonce, session.n_decoded, base_bytes=len(state))
+        held = session.n_decoded
 
-    def _append(self, store: SessionStore, name: str, record: Transcript, session: InferenceSession,
-                key: tuple) -> str | None:
-        """Saves only the cells the context gained since the last save, as a piece of the state
-        log, then the transcript; returns why it cannot (the state is then saved whole)."""
+        def write() -> None:
+            store.write_state(name, state, meta)
+            self.chain = Chain(nonce, held, base_bytes=len(state))
+
+        return write
+
+    def _piece(self, store: SessionStore, name: str, session: InferenceSession,
+               key: tuple) -> tuple[Callable[[], None] | None, str | None]:
+        """Only the cells the context gained since the last save, as a piece of the state log,
+        to write; or None and why it cannot be (the state is then saved whole)."""
         chain, backend = self.chain, session.backend
         if chain is None or chain.nonce is None or not store.has_state(name):
-            return "no state file to add to"
+            return None, "no state file to add to"
         unsupported = backend.partial_state()
         if unsupported:
-            return f"{unsupported} is saved whole"
+            return None, f"{unsupported} is saved whole"
         # The piece replaces the cells from where the context went back to, if it did (the
         # last reply's end token, which the template writes its own way; an /undo), and adds the new.
         start = min(session.low_water, chain.held)
         if (session.n_decoded - start) * 2 > session.n_decoded:  # (none new: a piece that only cuts)
-            return "most of the context is new"
+            return None, "most of the context is new"
         if chain.pieces >= MAX_PIECES or chain.piece_bytes > chain.base_bytes:
-            return "the pieces are many: put together again"
+            return None, "the pieces are many: put together again"
         piece = backend.state_since(start)
         try:
             check_piece(piece, seq_id=1, cells=session.n_decoded - start, first=start, n_layer=backend.n_layer)
         except SnapshotError as exc:
-            return f"the state's layout is not the one quipu reads: {exc}"
+            return None, f"the state's layout is not the one quipu reads: {exc}"
         meta = {"base": chain.nonce, "start": start, "n_decoded": session.n_decoded, "tokens_sha256": key[1],
                 "layout": LAYOUT, "build": backend.build}
-        end = store.append_piece(name, meta, piece, chain.log_end)
-        store.save(name, record, KEEP_STATE)
-        self.chain = Chain(chain.nonce, session.n_decoded, chain.pieces + 1, chain.piece_bytes + len(piece),
-                           chain.base_bytes, end)
-        return None
+        held = session.n_decoded
+
+        def write() -> None:
+            end = store.append_piece(name, meta, piece, chain.log_end)
+            self.chain = Chain(chain.nonce, held, chain.pieces + 1, chain.piece_bytes + len(piece),
+                               chain.base_bytes, end)
+
+        return write, None
 
     def warm(self, session: InferenceSession, tokens: Callable[[], list[int]], opts: TurnOptions,
              env: Environment) -> "CacheUse | None":

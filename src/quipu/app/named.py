@@ -125,7 +125,14 @@ class NamedSession:
         )
         self.notices += self.keeper.save(self.store, self.name, record, self.session)
 
+    def flush(self) -> None:
+        """Waits for a state still being written in the background (a chat's)."""
+        wait = getattr(self.keeper, "wait", None)
+        if wait is not None:
+            self.notices += wait()
+
     def close(self) -> None:
+        self.flush()
         self.session.close()
 
 

@@ -168,6 +168,19 @@ class SessionStore:
 
     # ---- writing -------------------------------------------------------------------------
 
+    def write_state(self, name: str, state: bytes | memoryview, meta: dict[str, Any]) -> None:
+        """Writes the state file whole, atomically (the log after the old one goes); the
+        transcript is the caller's to write (see `save`)."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.state_path(name), state_chunks(meta, state))
+            self.log_path(name).unlink(missing_ok=True)  # (its pieces followed the old state)
+        except OSError as exc:
+            raise SessionSaveError(
+                f"could not save session '{name}' in {self.root}: {exc.strerror or exc}; "
+                "the previous save is intact"
+            ) from exc
+
     def append_piece(self, name: str, meta: dict[str, Any], state: bytes | memoryview, at: int) -> int:
         """Adds a piece to the state log at byte `at` (a piece cut short after it goes); returns
         the log's length. The transcript is saved after it (see `save`)."""
