@@ -668,6 +668,43 @@ def bench_saves(model: str, threads: int, repeats: int, home: str) -> list[dict]
     return rows
 
 
+def bench_shift(model: str, threads: int, repeats: int) -> list[dict]:
+    """A full 8,192-token context made room for: dropping the oldest exchange and the next first
+    token, moving the kept cells down (quipu) against reading the kept part again."""
+    import copy
+
+    from quipu.engine.base import ContextSettings
+    from quipu.engine.llama import LlamaBackend
+    from quipu.sessions.conversation import Conversation
+    from quipu.sessions.inference import InferenceSession
+    from quipu.sessions.params import SamplingParams
+
+    with LlamaBackend(model, ContextSettings(n_ctx=8192, n_threads=threads)) as backend:
+        session = InferenceSession(backend, SamplingParams(seed=1, temperature=0.0))
+        conv = Conversation.start(session, "You answer questions about what you read.")
+        text = prompt_of(1000)
+        while len(session.tokens) < 8192 - 1300:  # (each exchange its own: no two render alike)
+            conv.send(f"Text {len(conv.messages)}, a version of its own: {text} What is it about?", max_tokens=16)
+        snap, messages, held = session.snapshot(), conv.messages, len(session.tokens)
+        times: dict[str, list[float]] = {"shift": [], "reread": []}
+        for _ in range(repeats):
+            for way in times:
+                s2 = InferenceSession.from_snapshot(backend, snap)
+                c2 = Conversation.start(s2, messages=copy.deepcopy(messages))
+                if way == "reread":
+                    s2.shift_out = lambda start, end: False
+                started = time.perf_counter()
+                c2.drop_oldest(8192 - held + 900)
+                c2.send("And in short?", max_tokens=1)
+                times[way].append(time.perf_counter() - started)
+                if way == "shift":
+                    kept = s2.stats.cached_tokens
+    a, b = median(times["shift"]), median(times["reread"])
+    return [{"what": f"a full {held:,}-token context: drop the oldest exchange, to the next first token (s), "
+                     f"kept cells moved ({kept:,} of them reused) vs read again", "quipu": round(a, 3),
+             "re-read from scratch": round(b, 3), "ratio": round(a / b, 3)}]
+
+
 def bench_batch(model: str, threads: int, repeats: int, home: str, n_rows: int = 32,
                 n_decode: int = 64) -> list[dict]:
     """`quipu run --batch`: 32 distinct prompts of ~40 tokens, 64 tokens each (end-of-text
@@ -966,7 +1003,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128, help="tokens to decode per run")
-    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools, saves")
+    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools, saves, shift")
     args = ap.parse_args(argv)
     model = model_path()
     # An installed quipu has its bytecode compiled by pip; a checkout may not (PYTHONDONTWRITEBYTECODE).
@@ -990,6 +1027,7 @@ def main(argv: list[str] | None = None) -> None:
             "cache": lambda: bench_cache(model, args.threads, args.repeats, home),
             "tools": lambda: bench_tools(model, args.threads, args.repeats),
             "saves": lambda: bench_saves(model, args.threads, args.repeats, home),
+            "shift": lambda: bench_shift(model, args.threads, args.repeats),
         }
         rows = []
         for name, part in parts.items():
