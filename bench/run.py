@@ -570,7 +570,7 @@ def timed(self, *a, **k):
         spent["save_s"] += time.perf_counter() - started
 local.LocalKeeper.save = timed
 if mode == "whole":  # every save writes the whole state, as before the state log
-    local.LocalKeeper._append = lambda self, *a, **k: "whole, for the bench"
+    local.LocalKeeper._piece = lambda self, *a, **k: (None, "whole, for the bench")
 if mode == "nosave":
     named.NamedSession.save = lambda self: None
 def written():
@@ -616,11 +616,13 @@ def bench_saves(model: str, threads: int, repeats: int, home: str) -> list[dict]
     rows = [
         {"what": f"a 20-token turn on a 5,000-token session ({state_mb:.0f} MB of state): bytes the process writes (MB), "
                  "quipu vs a whole save", "quipu": round(pieces["bytes"] / 2**20, 2),
-         "whole save": round(whole["bytes"] / 2**20, 2), "ratio": round(pieces["bytes"] / whole["bytes"], 4)},
+         "re-read from scratch": f"{whole['bytes'] / 2**20:.2f} (whole save)",
+         "ratio": round(pieces["bytes"] / whole["bytes"], 4)},
         {"what": "the same: time spent saving (s), quipu vs a whole save", "quipu": round(pieces["save_s"], 4),
-         "whole save": round(whole["save_s"], 4), "ratio": round(pieces["save_s"] / whole["save_s"], 3)},
+         "re-read from scratch": f"{whole['save_s']:.4f} (whole save)",
+         "ratio": round(pieces["save_s"] / whole["save_s"], 3)},
         {"what": "the same: the whole process (s), quipu vs the same turn with no save",
-         "quipu": round(pieces["process_s"], 3), "no save": round(nosave["process_s"], 3),
+         "quipu": round(pieces["process_s"], 3), "re-read from scratch": f"{nosave['process_s']:.3f} (no save)",
          "ratio": round(pieces["process_s"] / nosave["process_s"], 3)},
     ]
 
@@ -646,7 +648,8 @@ def bench_saves(model: str, threads: int, repeats: int, home: str) -> list[dict]
             into.append(out["timings"]["restore_s"] + out["timings"]["ttft_s"])
     c, w = median(chain_t), median(whole_t)
     rows.append({"what": f"resume a ~3,400-token session saved as {n_pieces} pieces, to the first token (s), vs "
-                         "the same saved whole", "quipu": round(c, 3), "whole save": round(w, 3), "ratio": round(c / w, 3)})
+                         "the same saved whole", "quipu": round(c, 3), "re-read from scratch": f"{w:.3f} (saved whole)",
+                 "ratio": round(c / w, 3)})
 
     # `sessions fork` of the ~120 MB session: the process's peak memory above its start.
     code = (
@@ -663,7 +666,7 @@ def bench_saves(model: str, threads: int, repeats: int, home: str) -> list[dict]
     fork_peak = max(peak_of("sessions", "fork", "long", f"long-copy-{i}") for i in range(repeats))
     base_peak = max(peak_of("sessions", "list") for _ in range(repeats))
     rows.append({"what": f"sessions fork of a {state_mb:.0f} MB session: peak memory above `sessions list`'s (MB)",
-                 "quipu": round((fork_peak - base_peak) / 2**20, 1), "target": 50,
+                 "quipu": round((fork_peak - base_peak) / 2**20, 1), "re-read from scratch": "50 (the target)",
                  "ratio": round((fork_peak - base_peak) / (50 * 2**20), 3)})
     return rows
 

@@ -143,10 +143,11 @@ def test_a_piece_cut_short_anywhere_leaves_the_session_at_its_last_whole_turn(qu
         log.write_bytes(full)
 
 
-@pytest.mark.parametrize("field, value", [("layout", "some-other-layout"), ("base", "0" * 16)])
-def test_a_piece_of_another_layout_or_state_file_is_not_used(quipu, tiny_model, home, field, value):
-    # A piece whose layout is not the one this quipu reads, or that follows another state file,
-    # is never given to llama.cpp: what it held is read again.
+@pytest.mark.parametrize("field, value", [("layout", "some-other-layout"), ("base", "0" * 16),
+                                          ("build", "another build")])
+def test_a_piece_of_another_layout_build_or_state_file_is_not_used(quipu, tiny_model, home, field, value):
+    # A piece whose layout is not the one this quipu reads, of another llama.cpp build, or that
+    # follows another state file, is never given to llama.cpp: what it held is read again.
     from quipu.store.statefile import PIECE_MAGIC, state_chunks
 
     pieces = _chain(quipu, tiny_model, home, "l")

@@ -189,6 +189,7 @@ class LocalHost:
             m = record.meta
             start, end = m.get("start"), m.get("n_decoded")
             if m.get("base") != meta.get("nonce") or meta.get("nonce") is None or m.get("layout") != LAYOUT or \
+                    m.get("build") != meta.get("build") or \
                     not isinstance(start, int) or not isinstance(end, int) or not 0 <= start <= held or end < start:
                 break
             chain.append((record, end_at))

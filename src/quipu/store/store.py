@@ -372,12 +372,25 @@ def _same_file(fd: int, path: Path) -> bool:
     return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
+@contextmanager
+def _replacing(path: Path) -> Iterator[Path]:
+    """A temporary file beside `path` to write, renamed into place (the folder fsynced) when the
+    block ends well, removed when it does not."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
 def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryview]) -> None:
     """Writes `data` (or its pieces, one after another) to a temporary file beside `path`, fsyncs
     it, renames it into place."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
-    try:
+    with _replacing(path) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             for chunk in chunks:
@@ -388,39 +401,27 @@ def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryv
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
 
 
 def atomic_copy(source: Path, target: Path) -> None:
     """Copies a file as `atomic_write` writes one, the kernel moving the bytes (a reflink where
     the file system shares blocks, else copy_file_range or sendfile): nothing of it passes
     through this process's memory."""
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        with open(source, "rb") as src, open(tmp, "xb") as dst:
-            if not _reflink(src.fileno(), dst.fileno()):
-                size = os.fstat(src.fileno()).st_size
-                done = 0
-                while done < size:
-                    try:
-                        moved = os.copy_file_range(src.fileno(), dst.fileno(), size - done)
-                    except OSError as exc:
-                        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                            raise
-                        moved = os.sendfile(dst.fileno(), src.fileno(), done, size - done)
-                    if moved == 0:
-                        break
-                    done += moved
-            os.fsync(dst.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(target.parent)
+    with _replacing(target) as tmp, open(source, "rb") as src, open(tmp, "xb") as dst:
+        if not _reflink(src.fileno(), dst.fileno()):
+            size = os.fstat(src.fileno()).st_size
+            done = 0
+            while done < size:
+                try:
+                    moved = os.copy_file_range(src.fileno(), dst.fileno(), size - done)
+                except OSError as exc:
+                    if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    moved = os.sendfile(dst.fileno(), src.fileno(), done, size - done)
+                if moved == 0:
+                    break
+                done += moved
+        os.fsync(dst.fileno())
 
 
 def _reflink(src: int, dst: int) -> bool:
