@@ -363,12 +363,26 @@ class LlamaBackend:
 
     def snapshot_bytes(self) -> memoryview:
         """The context's state, as a view of the one buffer llama.cpp wrote it into (no copy)."""
-        size = lc.llama_state_seq_get_size(self._ctx, 0)
+        return self._seq_state(0)
+
+    def _seq_state(self, seq: int) -> memoryview:
+        size = lc.llama_state_seq_get_size(self._ctx, seq)
         buf = (ctypes.c_uint8 * size)()
-        written = lc.llama_state_seq_get_data(self._ctx, buf, size, 0)
+        written = lc.llama_state_seq_get_data(self._ctx, buf, size, seq)
         if written != size:
             raise EngineError("llama.cpp could not write the context state")
         return memoryview(buf).cast("B")
+
+    def _set_seq_state(self, data: bytes | memoryview, seq: int, what: str) -> None:
+        """Gives llama.cpp a sequence's state; refused, the context is emptied."""
+        view = memoryview(data).cast("B")
+        if view.readonly:
+            buf = (ctypes.c_uint8 * len(view)).from_buffer_copy(view)
+        else:  # read where it lies: a state is tens of megabytes
+            buf = (ctypes.c_uint8 * len(view)).from_buffer(view)
+        if lc.llama_state_seq_set_data(self._ctx, buf, len(view), seq) != len(view):
+            lc.llama_memory_clear(self._mem, True)
+            raise EngineError(f"llama.cpp refused {what}{LOG.reason()}")
 
     def partial_state(self) -> str | None:
         """Why the state of some cells cannot be saved and restored apart from the rest (None:
@@ -391,14 +405,9 @@ class LlamaBackend:
         a second sequence that shares them for the moment (see kvstate.py)."""
         lc.llama_memory_seq_cp(self._mem, 0, 1, start, -1)
         try:
-            size = lc.llama_state_seq_get_size(self._ctx, 1)
-            buf = (ctypes.c_uint8 * size)()
-            written = lc.llama_state_seq_get_data(self._ctx, buf, size, 1)
+            return self._seq_state(1)
         finally:
             lc.llama_memory_seq_rm(self._mem, 1, -1, -1)
-        if written != size:
-            raise EngineError("llama.cpp could not write the context state")
-        return memoryview(buf).cast("B")
 
     def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
         """Restores a state saved whole, then pieces of it saved by `state_since`, in order, each
@@ -407,27 +416,13 @@ class LlamaBackend:
         self.restore_bytes(base)
         for start, piece in pieces:
             lc.llama_memory_seq_rm(self._mem, 0, start, -1)
-            view = memoryview(piece).cast("B")
-            buf = (ctypes.c_uint8 * len(view)).from_buffer_copy(view) if view.readonly else \
-                (ctypes.c_uint8 * len(view)).from_buffer(view)
-            read = lc.llama_state_seq_set_data(self._ctx, buf, len(view), 1)
-            if read != len(view):
-                lc.llama_memory_clear(self._mem, True)
-                raise EngineError(f"llama.cpp refused a piece of the saved context state{LOG.reason()}")
+            self._set_seq_state(piece, 1, "a piece of the saved context state")
             lc.llama_memory_seq_cp(self._mem, 1, 0, -1, -1)
             lc.llama_memory_seq_rm(self._mem, 1, -1, -1)
 
     def restore_bytes(self, data: bytes | memoryview) -> None:
         lc.llama_memory_clear(self._mem, True)
-        view = memoryview(data).cast("B")
-        if view.readonly:
-            buf = (ctypes.c_uint8 * len(view)).from_buffer_copy(view)
-        else:  # read where it lies: a state is tens of megabytes
-            buf = (ctypes.c_uint8 * len(view)).from_buffer(view)
-        read = lc.llama_state_seq_set_data(self._ctx, buf, len(view), 0)
-        if read != len(view):
-            lc.llama_memory_clear(self._mem, True)
-            raise EngineError(f"llama.cpp refused the saved context state{LOG.reason()}")
+        self._set_seq_state(data, 0, "the saved context state")
 
     def embed(self, texts: Sequence[str], pooling: str = "mean") -> list[list[float]]:
         """One pooled embedding per text, several texts to each llama_decode call. The embedding

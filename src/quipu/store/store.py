@@ -168,50 +168,47 @@ class SessionStore:
 
     # ---- writing -------------------------------------------------------------------------
 
-    def write_state(self, name: str, state: bytes | memoryview, meta: dict[str, Any]) -> None:
-        """Writes the state file whole, atomically (the log after the old one goes); the
-        transcript is the caller's to write (see `save`)."""
+    @contextmanager
+    def _writing(self, name: str) -> Iterator[None]:
+        """The sessions folder made; a failed write (disk full, a read-only folder) one clear
+        error, the previous save as it was."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            atomic_write(self.state_path(name), state_chunks(meta, state))
-            self.log_path(name).unlink(missing_ok=True)  # (its pieces followed the old state)
+            yield
         except OSError as exc:
             raise SessionSaveError(
                 f"could not save session '{name}' in {self.root}: {exc.strerror or exc}; "
                 "the previous save is intact"
             ) from exc
 
+    def _replace_state(self, name: str, state: bytes | memoryview, meta: dict[str, Any]) -> None:
+        atomic_write(self.state_path(name), state_chunks(meta, state))
+        self.log_path(name).unlink(missing_ok=True)  # (its pieces followed the old state)
+
+    def write_state(self, name: str, state: bytes | memoryview, meta: dict[str, Any]) -> None:
+        """Writes the state file whole, atomically (the log after the old one goes); the
+        transcript is the caller's to write (see `save`)."""
+        with self._writing(name):
+            self._replace_state(name, state, meta)
+
     def append_piece(self, name: str, meta: dict[str, Any], state: bytes | memoryview, at: int) -> int:
         """Adds a piece to the state log at byte `at` (a piece cut short after it goes); returns
         the log's length. The transcript is saved after it (see `save`)."""
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
+        with self._writing(name):
             return append_record(self.log_path(name), meta, state, at)
-        except OSError as exc:
-            raise SessionSaveError(
-                f"could not save session '{name}' in {self.root}: {exc.strerror or exc}; "
-                "the previous save is intact"
-            ) from exc
 
     def save(self, name: str, transcript: Transcript, state: bytes | object | None,
              state_meta: dict[str, Any] | None = None) -> None:
         """Writes the state file (or removes a stale one, or keeps it with KEEP_STATE), then the
         transcript, each atomically. A failed write (disk full, read-only folder) leaves the
         previous save as it was."""
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
+        with self._writing(name):
             if isinstance(state, (bytes, memoryview)) and state_meta is not None:
-                atomic_write(self.state_path(name), state_chunks(state_meta, state))
-                self.log_path(name).unlink(missing_ok=True)  # (its pieces followed the old state)
+                self._replace_state(name, state, state_meta)
             elif state is not KEEP_STATE:
                 self.state_path(name).unlink(missing_ok=True)
                 self.log_path(name).unlink(missing_ok=True)
             atomic_write(self.transcript_path(name), transcript.encode())
-        except OSError as exc:
-            raise SessionSaveError(
-                f"could not save session '{name}' in {self.root}: {exc.strerror or exc}; "
-                "the previous save is intact"
-            ) from exc
 
     def remove(self, name: str) -> None:
         if not self.exists(name):
