@@ -173,7 +173,8 @@ def test_an_unknown_template_gets_the_generic_json_format():
 
 
 def test_the_formats_whose_calls_are_constrained_are_the_ones_said():
-    from quipu.sessions.tools import CONSTRAINED, FORMATS, GENERIC, ToolSpec, call_grammar
+    from quipu.sessions.call_grammars import CONSTRAINED, call_grammar
+    from quipu.sessions.tools import FORMATS, GENERIC, ToolSpec
 
     tool = [ToolSpec("f", "", {"type": "object", "properties": {"a": {"type": "string"}}})]
     for fmt in (*FORMATS, GENERIC):

@@ -20,9 +20,10 @@
 - `thinking.py`: a thinking model's reasoning apart from its answer (`ThinkingSink`).
 - `params.py`: `SamplingParams`, validated, and the per-draw seeds that make resuming exact.
 - `stops.py`: stop strings, held back while they could still match.
-- `tools.py`: tool calls in each model family's own format: the format a template speaks,
-  replies read into content, reasoning and calls (`parse_reply`), and the grammar a call is
-  held to once its trigger is written.
+- `tools.py`: tool calls in each model family's own format: the format a template speaks, and
+  replies read into content, reasoning and calls (`parse_reply`).
+- `call_grammars.py`: the grammar a call is held to once its trigger is written, in each
+  constrained format (`call_grammar`).
 - `calls.py`: a reply that may make calls, as it streams: where a call begins, the text shown
   up to there, and the grammar a server holds the call to.
 

@@ -11,7 +11,8 @@ from typing import Callable, Sequence
 from quipu.engine.base import CallConstraint
 from quipu.sessions.base import ReplySink
 from quipu.sessions.stops import pending_prefix
-from quipu.sessions.tools import REASONING, CallGrammar
+from quipu.sessions.call_grammars import CallGrammar
+from quipu.sessions.tools import REASONING
 
 class TriggerWatch:
     """Watches a reply's text (control tokens spelled out) for the text that begins a call,

@@ -11,8 +11,8 @@ from quipu.sessions.base import SILENT, Generation, Message, ModelSession, Reply
 from quipu.sessions.prompt import Protector, Rendered
 from quipu.sessions.template import ChatTemplate
 from quipu.sessions.thinking import CLOSE as THINK_CLOSE, ThinkingSink, starts_thinking
-from quipu.sessions.tools import (CHOICES, CallGrammar, Format, ToolSpec, call_grammar, format_of,
-                                  generic_system_prompt, parse_reply, split_reasoning)
+from quipu.sessions.call_grammars import CHOICES, CallGrammar, call_grammar
+from quipu.sessions.tools import Format, ToolSpec, format_of, generic_system_prompt, parse_reply, split_reasoning
 
 __all__ = ["Conversation", "Message"]
 
@@ -189,8 +189,8 @@ class Conversation:
         if self.template is None:  # a chat API: the server renders the tools and reads the calls
             self.session.offered_tools, self.session.tool_choice = list(self.tools), self.tool_choice
             return "server"
-        made = sum(len(m.tool_calls or ()) for m in self.messages)
-        grammar = call_grammar(self.tool_format, offered, self.session.special_tokens(), self.template.source or "", made)
+        grammar = call_grammar(self.tool_format, offered, self.session.special_tokens(), self.template.source or "",
+                               self._calls_made())
         forced = grammar is not None and self.tool_choice != "auto"
         self.session.starts_thinking = thinking()
         if forced:
@@ -245,7 +245,7 @@ class Conversation:
             return
         raw = self.session.reply_spelled()
         thinking = starts_thinking(self.prompt_text)
-        parsed = parse_reply(self.template.source if self.template else None, raw, starts_thinking=thinking)
+        parsed = parse_reply(self.template.source, raw, starts_thinking=thinking)
         if not parsed.tool_calls:
             return
         self._number(parsed.tool_calls)
@@ -263,10 +263,13 @@ class Conversation:
         else:
             reply.content = raw
 
+    def _calls_made(self) -> int:
+        return sum(len(m.tool_calls or ()) for m in self.messages)
+
     def _number(self, calls) -> None:
         """An id for each call that came without one: the count of calls in the conversation, in
         nine digits (what the strictest templates, Mistral's, accept)."""
-        made = sum(len(m.tool_calls or ()) for m in self.messages)
+        made = self._calls_made()
         for i, call in enumerate(calls):
             call.id = call.id or f"{made + i + 1:09d}"
 

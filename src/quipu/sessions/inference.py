@@ -29,8 +29,8 @@ from quipu.engine.base import Backend, LogitsProcessor, ProgressFn, TokenFilter
 from quipu.engine.text import Detokenizer, unfinished_character
 from quipu.errors import ContextOverflow, EngineError, Interrupted, QuipuError
 from quipu.sessions.base import LOCAL, SILENT, Generation, ReplySink, Stats, TurnPrompt, common_prefix
+from quipu.sessions.call_grammars import CallGrammar
 from quipu.sessions.calls import CallSink
-from quipu.sessions.tools import CallGrammar
 from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.prompt import HeldTokens, Rendered, context_tokens
 from quipu.sessions.stops import StopMatcher

@@ -29,7 +29,7 @@ from quipu.sessions.base import LLAMA_SERVER, SILENT, Generation, ReplySink, Sta
 from quipu.sessions.calls import TextCallSink, server_constraint
 from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.prompt import HeldTokens, Rendered, reference_tokens
-from quipu.sessions.tools import CallGrammar
+from quipu.sessions.call_grammars import CallGrammar
 
 # A token spells at most this many bytes (a generous bound): a longer text cannot fit, and is
 # refused before it is sent to be tokenized.
