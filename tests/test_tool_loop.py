@@ -158,7 +158,7 @@ def test_a_call_the_caller_runs_stops_the_turn_and_its_result_resumes_it_exactly
                                                                                  home):
     # --tools FILE.json: the reply stops at the call; `--tool-result` gives what it returned and
     # the model goes on. With the same seed that is the very loop --functions runs in one go.
-    from quipu.app.tools import functions_from_file
+    from quipu.app.tool_files import functions_from_file
 
     fns = write(tmp_path)
     specs = [t.spec.to_openai() for t in functions_from_file(fns)[0]]
@@ -272,7 +272,7 @@ def test_a_tool_result_for_a_call_never_made_is_refused(quipu, tiny_model, tmp_p
 
 
 def test_a_function_s_type_hints_become_its_schema(tmp_path):
-    from quipu.app.tools import functions_from_file
+    from quipu.app.tool_files import functions_from_file
 
     untyped = FUNCTIONS + "\ndef shout(text, times: int = 2):\n    return text * times\n"
     tools, notices = functions_from_file(write(tmp_path, untyped))

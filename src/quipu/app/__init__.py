@@ -22,8 +22,10 @@ Every turn, named session and chat is written once, for every host a model can r
 - `manage.py`: `quipu sessions ...` over the store.
 - `embed.py`: `quipu embed`.
 - `tools.py`: tools a model may call (`--functions FILE.py`, `--tools FILE.json`), their
-  approval, and the loop that runs them and gives the results back; `tooldefs.py`, what a tool
-  is wherever it comes from; `mcp.py`, MCP servers over stdio as tools (`--mcp NAME`).
+  approval, and the loop that runs them and gives the results back; `tool_files.py`, tools and
+  conversations read from the user's files (functions and their type hints, tool definitions,
+  `--messages`); `tooldefs.py`, what a tool is wherever it comes from; `mcp.py`, MCP servers
+  over stdio as tools (`--mcp NAME`).
 - `hub.py`: models pulled from the Hugging Face Hub into its cache (`quipu models pull|rm`,
   `-m hf:OWNER/REPO[:QUANT]`), resumed, checked against the Hub's checksums.
 - `templates.py`: what a model's chat template does (`quipu models info --template`).

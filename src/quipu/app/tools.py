@@ -1,30 +1,23 @@
 """Tools a model may call, and the loop that runs them: Python functions from the user's own
-file (`--functions FILE.py`), definitions the caller runs itself (`--tools FILE.json`), and, in
-`mcp.py`, MCP servers. A call runs only once approved; its result goes back to the model, which
-goes on until it answers in text or the chain's limit is reached.
-
-A functions file is the user's code: it is imported only when the command line (or the config)
-names it, never because a session file does. Approvals are never saved."""
+file (`--functions FILE.py`), definitions the caller runs itself (`--tools FILE.json`), both
+read by `tool_files.py`, and, in `mcp.py`, MCP servers. A call runs only once approved; its
+result goes back to the model, which goes on until it answers in text or the chain's limit is
+reached. Approvals are never saved."""
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
-import inspect
 import json
 import threading
 import time
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Sequence
+from typing import Any, Callable, Sequence
 
+from quipu.app.tool_files import check_tool_schemas, functions_from_file, tools_from_json
+from quipu.app.tooldefs import Tool, ToolFailure
 from quipu.errors import BadInput, Interrupted, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink
 from quipu.sessions.conversation import Conversation
-from quipu.app.environment import read_json_file
-from quipu.app.tooldefs import Tool, ToolFailure
 from quipu.sessions.tools import ToolCall, ToolSpec
 
 DEFAULT_CHAIN_LIMIT = 5
@@ -69,188 +62,6 @@ class Toolbox:
 
     def __bool__(self) -> bool:
         return bool(self.tools)
-
-
-# ---- tools from a Python file ---------------------------------------------------------------
-
-def functions_from_file(path: str) -> tuple[list[Tool], list[str]]:
-    """Each public function defined in the file, as a tool (and notices: parameters taken as
-    strings for want of a type hint)."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise UsageError(f"the functions file {file} does not exist")
-    name = f"quipu_functions_{abs(hash(str(file.resolve())))}"
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None:
-        raise UsageError(f"{file} is not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as exc:  # the user's code: whatever it raises is said in one line
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        where = f" (line {exc.lineno})" if isinstance(exc, SyntaxError) and exc.lineno else ""
-        if isinstance(exc, SyntaxError):
-            exc = SyntaxError(exc.msg)
-        tb = exc.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename == str(file):
-                where = f" (line {tb.tb_lineno})"
-            tb = tb.tb_next
-        raise UsageError(f"the functions file {file} does not import{where}: {type(exc).__name__}: {exc}") from None
-    tools, notices = [], []
-    for fname, fn in vars(module).items():
-        if fname.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != name:
-            continue
-        schema, untyped = parameters_schema(fn)
-        for param in untyped:
-            notices.append(f"{file.name}: {fname}({param}) has no type hint; the model gives it as a string")
-        doc = inspect.getdoc(fn) or ""
-        tools.append(Tool(ToolSpec(fname, doc, schema), _caller(fn), file.name))
-    if not tools:
-        raise UsageError(f"the functions file {file} defines no public function")
-    return tools, notices
-
-
-def _caller(fn: Callable) -> Callable[[dict[str, Any]], Any]:
-    hints = _hints(fn)
-
-    def call(arguments: dict[str, Any]) -> Any:
-        kwargs = {k: _to_python(v, hints.get(k)) for k, v in arguments.items()}
-        return fn(**kwargs)
-
-    return call
-
-
-def _hints(fn: Callable) -> dict[str, Any]:
-    try:
-        return typing.get_type_hints(fn)
-    except Exception:  # a hint that does not resolve: the parameter is taken as untyped
-        return {}
-
-
-def parameters_schema(fn: Callable) -> tuple[dict[str, Any], list[str]]:
-    """The JSON Schema of a function's parameters, from its type hints and defaults; and the
-    parameters that have no hint (taken as strings)."""
-    hints = _hints(fn)
-    props: dict[str, Any] = {}
-    required: list[str] = []
-    untyped: list[str] = []
-    for name, param in inspect.signature(fn).parameters.items():
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            continue
-        if name in hints:
-            props[name] = type_schema(hints[name])
-        else:
-            props[name] = {"type": "string"}
-            untyped.append(name)
-        if param.default is param.empty:
-            required.append(name)
-        elif _jsonable(param.default):
-            props[name]["default"] = param.default
-    schema: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
-    if required:
-        schema["required"] = required
-    return schema, untyped
-
-
-def _jsonable(value: Any) -> bool:
-    try:
-        json.dumps(value)
-        return True
-    except (TypeError, ValueError):
-        return False
-
-
-def type_schema(hint: Any) -> dict[str, Any]:
-    """The JSON Schema of a type hint."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any or hint is inspect.Parameter.empty:
-        return {}
-    if hint is type(None):
-        return {"type": "null"}
-    if origin is Literal:
-        return {"enum": list(args)}
-    if origin in (typing.Union, types.UnionType):
-        options = [type_schema(a) for a in args]
-        return options[0] if len(options) == 1 else {"anyOf": options}
-    if origin in (list, tuple, set, frozenset, Sequence) or hint in (list, tuple, set):
-        items = args[0] if args else Any
-        out: dict[str, Any] = {"type": "array"}
-        if items is not Any and items is not Ellipsis:
-            out["items"] = type_schema(items)
-        return out
-    if origin is dict or hint is dict:
-        out = {"type": "object"}
-        if len(args) == 2 and args[1] is not Any:
-            out["additionalProperties"] = type_schema(args[1])
-        return out
-    if dataclasses.is_dataclass(hint):
-        hints = typing.get_type_hints(hint)
-        fields = dataclasses.fields(hint)
-        return {"type": "object", "properties": {f.name: type_schema(hints[f.name]) for f in fields},
-                "required": [f.name for f in fields if f.default is dataclasses.MISSING
-                             and f.default_factory is dataclasses.MISSING],
-                "additionalProperties": False}
-    if typing.is_typeddict(hint):
-        hints = typing.get_type_hints(hint)
-        return {"type": "object", "properties": {k: type_schema(v) for k, v in hints.items()},
-                "required": sorted(hint.__required_keys__), "additionalProperties": False}
-    simple = {str: "string", int: "integer", float: "number", bool: "boolean"}
-    if hint in simple:
-        return {"type": simple[hint]}
-    return {"type": "string"}
-
-
-def _to_python(value: Any, hint: Any) -> Any:
-    """A JSON argument as the function's hint asks (a dataclass from its object)."""
-    if hint is not None and dataclasses.is_dataclass(hint) and isinstance(value, dict):
-        hints = typing.get_type_hints(hint)
-        return hint(**{k: _to_python(v, hints.get(k)) for k, v in value.items()})
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        for arg in args:
-            if dataclasses.is_dataclass(arg) and isinstance(value, dict):
-                return _to_python(value, arg)
-    if origin is list and args and isinstance(value, list):
-        return [_to_python(v, args[0]) for v in value]
-    return value
-
-
-# ---- tools the caller runs ---------------------------------------------------------------------
-
-def tools_from_json(path: str) -> list[Tool]:
-    """Tool definitions in OpenAI's `tools` shape, which the caller runs (`--tool-result`)."""
-    file = Path(path).expanduser()
-    data = read_json_file(path, "tools file")
-    if isinstance(data, dict) and "tools" in data:
-        data = data["tools"]
-    if not isinstance(data, list) or not data:
-        raise UsageError(f"the tools file {file} must be a list of tools ({{\"type\": \"function\", \"function\": ...}})")
-    tools = []
-    for i, item in enumerate(data):
-        fn = item.get("function") if isinstance(item, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise UsageError(f"tool {i} of {file} has no function name ({{\"type\": \"function\", \"function\": "
-                             "{\"name\": ...}})")
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
-        if not isinstance(params, dict):
-            raise UsageError(f"the parameters of tool {fn['name']!r} in {file} are not a JSON Schema")
-        tools.append(Tool(ToolSpec(fn["name"], str(fn.get("description") or ""), params), None, file.name))
-    return tools
-
-
-def check_tool_schemas(tools: Iterable[Tool]) -> None:
-    """Each tool's parameters as --schema checks a schema: a call is held to them."""
-    from quipu.engine.constraint import compile_grammar
-    from quipu.engine.grammar import schema_grammar
-    from quipu.errors import InvalidParameter
-
-    for tool in tools:
-        try:
-            compile_grammar(schema_grammar(json.dumps(tool.spec.parameters)))
-        except InvalidParameter as exc:
-            raise UsageError(f"the parameters of tool {tool.spec.name!r} ({tool.source}): {exc}") from None
 
 
 # ---- the loop ------------------------------------------------------------------------------------
@@ -531,56 +342,6 @@ def follow_calls(conv: Conversation, tools: Tools | None, gen: Generation, opts,
                        "was told")
     records = loop.calls + [CallRecord(c.id, c.name, c.arguments) for c in loop.pending]
     return loop.generation, records, notices + loop.notices
-
-
-# ---- a conversation from a file -----------------------------------------------------------------
-
-def messages_from_file(path: str):
-    """An OpenAI-style message list (`[{"role", "content", "tool_calls"?, "tool_call_id"?}]`, or
-    `{"messages": [...]}`) as the conversation's messages, checked."""
-    from quipu.sessions.base import Message
-
-    file = Path(path).expanduser()
-    data = read_json_file(path, "messages file")
-    if isinstance(data, dict):
-        data = data.get("messages")
-    if not isinstance(data, list) or not data:
-        raise UsageError(f"{file} must hold a list of messages ({{\"role\", \"content\"}})")
-    out = []
-    for i, m in enumerate(data):
-        where = f"message {i} of {file}"
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-            raise UsageError(f"{where} has no role of system, user, assistant or tool")
-        content = m.get("content") or ""
-        if isinstance(content, list):  # parts: the text ones, joined
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        if not isinstance(content, str):
-            raise UsageError(f"{where} has a content that is not text")
-        calls = None
-        if m.get("tool_calls"):
-            calls = []
-            for call in m["tool_calls"] if isinstance(m["tool_calls"], list) else [None]:
-                fn = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise UsageError(f"{where} has a tool call without a function name")
-                args = fn.get("arguments") or {}
-                if isinstance(args, str):
-                    try:
-                        args = json.loads(args or "{}")
-                    except ValueError:
-                        raise UsageError(f"{where}: the arguments of {fn['name']} are not JSON") from None
-                if not isinstance(args, dict):
-                    raise UsageError(f"{where}: the arguments of {fn['name']} are not an object")
-                made = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
-                if isinstance(call.get("id"), str):
-                    made = {"id": call["id"], **made}
-                calls.append(made)
-        ident = m.get("tool_call_id")
-        name = m.get("name")
-        out.append(Message(m["role"], content, tool_calls=calls,
-                           tool_call_id=ident if isinstance(ident, str) else None,
-                           name=name if isinstance(name, str) and m["role"] == "tool" else None))
-    return out
 
 
 SKIPPED = "The call was not run: the user went on without it."

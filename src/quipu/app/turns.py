@@ -169,7 +169,7 @@ def _conversation(session, opts: TurnOptions, env: Environment, source) -> Conve
     if not opts.messages:
         return Conversation.start(session, system_prompt(opts, env), template=source,
                                   variables=template_variables(opts))
-    from quipu.app.tools import messages_from_file
+    from quipu.app.tool_files import messages_from_file
 
     conv = Conversation.start(session, None, template=source, variables=template_variables(opts),
                               messages=messages_from_file(opts.messages))
