@@ -49,7 +49,7 @@ def servers_from_file(path: str) -> dict[str, dict[str, Any]]:
 
 def tool_name(server: str, tool: str, prefix: str | None = None) -> str:
     """A server's tool as the model is told of it: `SERVER_tool`, or the config's own prefix."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{server}_{tool}" if prefix is None else f"{prefix}{tool}")
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{server}_{tool}" if prefix is None else f"{prefix}{tool}")[:64] or "_"
 
 
 class McpServer:

@@ -3,12 +3,17 @@ server): its definition as the model is told it, and what runs it."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from quipu.errors import UsageError
 from quipu.sessions.tools import ToolSpec
 
 DEFAULT_TIMEOUT = 60.0  # seconds a tool may run
+# What a tool may be named (as OpenAI's API allows, with dots): a name is written into the prompt
+# as the template spells it, so it can hold no markup.
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class ToolFailure(Exception):
@@ -21,3 +26,10 @@ class Tool:
     run: Callable[[dict[str, Any]], Any] | None  # None: the caller runs it (--tools FILE.json)
     source: str  # where it came from, for messages: "functions.py", "tools.json", "mcp server x"
     timeout: float = DEFAULT_TIMEOUT
+
+
+def check_tool_name(name: str, source: str) -> None:
+    """A usage error unless `name` is one a tool may have."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        shown = repr(name) if len(str(name)) <= 80 else repr(str(name)[:80]) + "..."
+        raise UsageError(f"the tool name {shown} ({source}) is not 1 to 64 letters, digits, '_', '.' or '-'")

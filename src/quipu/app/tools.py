@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from quipu.app.tool_files import check_tool_schemas, functions_from_file, tools_from_json
-from quipu.app.tooldefs import Tool, ToolFailure
+from quipu.app.tooldefs import Tool, ToolFailure, check_tool_name
 from quipu.errors import BadInput, Interrupted, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink
 from quipu.sessions.conversation import Conversation
@@ -51,6 +51,7 @@ class Toolbox:
 
     def add(self, tools: Sequence[Tool]) -> None:
         for tool in tools:
+            check_tool_name(tool.spec.name, tool.source)
             if tool.spec.name in self.tools:
                 raise UsageError(f"two tools are named {tool.spec.name!r}: in {self.tools[tool.spec.name].source} "
                                  f"and in {tool.source}")

@@ -79,21 +79,26 @@ class Conversation:
         keep a user's spelling of a control token as text."""
         if self.template is None:
             self.session.capabilities.require("show_prompt")
-        protector = Protector(self.session.control_spellings([m.content for m in messages] + [tail]))
+        # Every text from outside (a tool's definition, a call's arguments) is data, never markup.
+        defined = [tool.to_openai() for tool in self.tools]
+        calls = [m.tool_calls for m in messages if m.tool_calls]
+        protector = Protector(self.session.control_spellings(
+            [m.content for m in messages] + [tail] + list(strings_of(defined)) + list(strings_of(calls))))
         # A user's, a tool's or a system prompt's spelling of a control token stays text; a reply
-        # is the model's own, whose markup (a call's, reasoning's) is the tokens it wrote.
-        shown = [m.for_template(m.content if m.role == "assistant" else protector.hide(m.content)) for m in messages]
+        # is the model's own, whose markup (a call's, reasoning's) is the tokens it wrote, and
+        # whose calls' arguments are data the grammar kept to text.
+        shown = [_shown(m, protector) for m in messages]
         variables = dict(self.variables)
         if self.tools:
             if self.tool_format.generic and "tools" not in self.template.source:
                 # the template cannot tell the model of them: the system prompt does
-                told = generic_system_prompt(self.tools)
+                told = protector.hide(generic_system_prompt(self.tools))
                 if shown and shown[0]["role"] == "system":
                     shown[0] = {**shown[0], "content": f"{shown[0]['content']}\n\n{told}"}
                 else:
                     shown.insert(0, {"role": "system", "content": told})
             else:
-                variables["tools"] = [tool.to_openai() for tool in self.tools]
+                variables["tools"] = hidden(defined, protector.hide)
         text = self.template.render(shown, add_generation_prompt, **variables)
         return protector.reveal(text + protector.hide(tail))
 
@@ -385,6 +390,40 @@ class Conversation:
         for m in self.messages:
             m.context_before = None  # the context is re-read from here; old marks mean nothing
         return dropped
+
+
+def _shown(message: Message, protector: Protector) -> dict[str, Any]:
+    """A message as the template is given it, what comes from outside hidden from markup."""
+    content = message.content if message.role == "assistant" else protector.hide(message.content)
+    shown = message.for_template(content)
+    if message.tool_calls:
+        shown["tool_calls"] = hidden(message.tool_calls, protector.hide)
+    return shown
+
+
+def strings_of(value: Any):
+    """Every string JSON holds, keys included (walked without recursion)."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            todo += item.keys()
+            todo += item.values()
+        elif isinstance(item, (list, tuple)):
+            todo += item
+
+
+def hidden(value: Any, hide) -> Any:
+    """JSON with `hide` applied to each string in it, keys included."""
+    if isinstance(value, str):
+        return hide(value)
+    if isinstance(value, dict):
+        return {hide(k) if isinstance(k, str) else k: hidden(v, hide) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [hidden(v, hide) for v in value]
+    return value
 
 
 def _as_schema(arguments: dict[str, Any], tool) -> dict[str, Any]:
