@@ -3,7 +3,9 @@ repository and download its files (the tree API, `resolve` with a redirect to a 
 ETag and checksum headers, ranged GETs), serving files the tests make. Repositories are
 {"owner/name": {"path": bytes}}; `gated` ones refuse downloads without `token`; faults a test can pick: `corrupt`
 (bytes that do not match the checksum), `stall_at` (stop sending after that many bytes of a file
-until `release` is set; `stalled` is set when it happens). Every GET's Range is kept in `ranges`."""
+until `release` is set; `stalled` is set when it happens), `sizes` (a size to advertise for a file
+instead of its own), `commit` (the version to name). Every GET's Range is kept in `ranges`, and the
+file of every HEAD in `heads`."""
 
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ class Hub(BaseHTTPRequestHandler):
             files = server.repos.get(repo)
             if files is None:
                 return self.send(404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"})
-            listing = [{"type": "file", "oid": hashlib.sha1(data).hexdigest(), "size": len(data), "path": name,
+            listing = [{"type": "file", "oid": hashlib.sha1(data).hexdigest(), "size": server.sizes.get(name, len(data)),
+                        "path": name,
                         **({"lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 130}}
                            if name.endswith(".gguf") else {})}
                        for name, data in files.items()]
@@ -56,9 +59,12 @@ class Hub(BaseHTTPRequestHandler):
             if name not in files:
                 return self.send(404, b"{}", {"X-Error-Code": "EntryNotFound"})
             data = files[name]
+            if head:
+                server.heads.append(name)
             digest = hashlib.sha256(data).hexdigest()
             server.blobs[digest] = data
-            headers = {"X-Repo-Commit": COMMIT, "X-Linked-Etag": f'"{digest}"', "X-Linked-Size": str(len(data)),
+            headers = {"X-Repo-Commit": server.commit, "X-Linked-Etag": f'"{digest}"',
+                       "X-Linked-Size": str(server.sizes.get(name, len(data))),
                        "ETag": f'"{hashlib.sha1(data).hexdigest()}"',
                        "Location": f"http://localhost:{server.server_address[1]}/cdn/{digest}"}  # another host: a CDN
             return self.send(302, b"", headers, head=head)
@@ -112,7 +118,8 @@ def start_hub(repos: dict[str, dict[str, bytes]]):
     server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
     server.daemon_threads = True
     server.repos, server.gated, server.blobs, server.token = repos, set(), {}, "hf_a-good-token"
-    server.corrupt, server.stall_at, server.ranges = False, None, []
+    server.corrupt, server.stall_at, server.ranges, server.heads = False, None, [], []
+    server.sizes, server.commit = {}, COMMIT
     server.stalled, server.release = threading.Event(), threading.Event()
     threading.Thread(target=server.serve_forever, daemon=True).start()
     server.url = f"http://127.0.0.1:{server.server_address[1]}"

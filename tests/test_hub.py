@@ -190,7 +190,9 @@ def test_rm_removes_what_was_pulled_and_nothing_else(quipu, hub, hub_env, tiny_m
 def test_a_full_disk_is_one_line_and_leaves_no_model_behind(quipu, hub, hub_env, tmp_path):
     cache = tmp_path / "small-cache"
     cache.mkdir()
-    with small_filesystem(cache, "4m"):
+    # (the file says it is 1 MB, so that it passes the check of free room and fills the disk as it comes)
+    hub.sizes["large-Q4_K_M.gguf"] = 1 << 20
+    with small_filesystem(cache, "20m"):
         env = {**hub_env, "HF_HUB_CACHE": str(cache)}
         r = quipu("models", "pull", "tiny/Large-GGUF", env=env)
         err = r.stderr.decode()
@@ -247,3 +249,75 @@ def test_the_default_pick_and_the_nearest():
     assert [f.path for f in plan.files] == ["m-Q8_0-00001-of-00002.gguf", "m-Q8_0-00002-of-00002.gguf"]
     with pytest.raises(Exception, match="has 1 of the 2 parts"):
         choose("a/b", files("m-Q8_0-00001-of-00002.gguf"), None)
+
+
+# ---- what a listing and its headers may not do ----------------------------------------------------
+
+@pytest.mark.parametrize("name", ["ABSOLUTE", "sub/../../x-Q4_K_M.gguf", "a\\b-Q4_K_M.gguf", "C:x-Q4_K_M.gguf",
+                                  "a//x-Q4_K_M.gguf", "./x-Q4_K_M.gguf"])
+def test_a_listing_that_names_a_path_outside_the_repository_is_refused(quipu, hub, hub_env, files, tmp_path, name):
+    outside = tmp_path / "outside" / "x-Q4_K_M.gguf"
+    if name == "ABSOLUTE":
+        name = str(outside)
+    hub.repos["evil/Evil-GGUF"] = {name: files["q4"]}
+    r = quipu("models", "pull", "evil/Evil-GGUF", env=hub_env)
+    assert r.returncode == 1, r.stderr.decode()
+    err = r.stderr.decode().strip()
+    assert "evil/Evil-GGUF" in err and "not a path inside the repository" in err
+    assert len(err.splitlines()) == 1
+    assert not outside.exists() and not outside.parent.exists()
+    assert hub.ranges == []  # nothing was fetched
+
+
+@pytest.mark.parametrize("commit", ["../../../../escaped", "a/b", ".."])
+def test_a_version_that_is_not_a_plain_name_is_refused(quipu, hub, hub_env, tmp_path, commit):
+    hub.commit = commit
+    r = quipu("models", "pull", "tiny/Tiny-GGUF", env=hub_env)
+    assert r.returncode == 1
+    err = r.stderr.decode()
+    assert "not a plain name" in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if not line.startswith("pulling ")]) == 1
+    assert not list(tmp_path.rglob("escaped")) and hub.ranges == []
+
+
+def test_a_file_larger_than_the_free_disk_is_refused_before_the_download(quipu, hub, hub_env):
+    hub.sizes["tiny-Q4_K_M.gguf"] = 1 << 40  # a terabyte
+    r = quipu("models", "pull", "tiny/Tiny-GGUF", env=hub_env)
+    assert r.returncode == 1
+    err = r.stderr.decode().strip()
+    assert "needs 1,099.5 GB" in err and "free" in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if not line.startswith("pulling ")]) == 1
+    assert hub.ranges == []  # refused before a byte was asked for
+
+
+def test_two_pulls_of_one_file_take_turns(hub, hub_env, home):
+    import fcntl
+
+    hub.stall_at = 15 << 20
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ.update(QUIPU_HOME=str(home), **hub_env)
+    pull = [sys.executable, "-m", "quipu", "models", "pull", "tiny/Large-GGUF"]
+    first = subprocess.Popen(pull, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    assert hub.stalled.wait(60)
+    from pathlib import Path
+
+    [lock] = Path(hub_env["HF_HUB_CACHE"]).rglob(".locks/*/*.lock")
+    with open(lock) as held:  # the first pull holds its file's lock while it downloads
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    second = subprocess.Popen(pull, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while hub.heads.count("large-Q4_K_M.gguf") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # (until the second has asked what to fetch: observed, not timed)
+    hub.stall_at = None
+    hub.release.set()
+    _, err1 = first.communicate(timeout=120)
+    _, err2 = second.communicate(timeout=120)
+    # The stalled connection is cut; the first pull says so or goes on, and the second
+    # takes what the first leaves: one of them ends with the whole file, unmixed.
+    assert 0 in (first.returncode, second.returncode), (err1.decode(), err2.decode())
+    r = subprocess.run(pull, env=environ, capture_output=True, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr.decode()
+    blobs = [p for p in cached_blobs(hub_env) if not p.name.endswith(".incomplete")]
+    assert [b.read_bytes() == LARGE for b in blobs] == [True]

@@ -167,14 +167,48 @@ class _HubErrors:
         return False
 
 
+# A name the Hub gives a version or a blob (a commit's 40 hex digits, a checksum): joined to a
+# folder of the cache only when it is one plain name.
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
+MAX_LISTING = 100_000  # files a repository's listing may name
+DISK_MARGIN = 16 << 20  # bytes a pull leaves free beyond what it fetches
+
+
+def repository_path(path: object, repo: str) -> str:
+    """`path` from the Hub's listing of `repo`, when it is a relative POSIX path inside the
+    repository (no absolute path, `..`, backslash, NUL or drive letter); else a HubError."""
+    if (not isinstance(path, str) or not path or len(path) > 1024 or path.startswith("/") or "\\" in path
+            or "\0" in path or re.match(r"[A-Za-z]:", path) or any(ord(c) < 32 for c in path)
+            or any(part in ("", ".", "..") for part in path.split("/"))):
+        shown = repr(path)[:120]
+        raise HubError(f"'{repo}' lists a file named {shown}, which is not a path inside the repository; "
+                       "nothing was fetched")
+    return path
+
+
+def _size(value: object, repo: str, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise HubError(f"'{repo}' lists {path!r} with a size that is not a number of bytes; nothing was fetched")
+    return value
+
+
 def plan_pull(ref: HubRef) -> PullPlan:
-    """What pulling `ref` would fetch, asked of the Hub."""
+    """What pulling `ref` would fetch, asked of the Hub; every path it lists checked first."""
     from huggingface_hub import HfApi
 
+    entries = []
     with _HubErrors(ref.repo):
-        entries = list(HfApi().list_repo_tree(ref.repo, recursive=True))
-    files = [HubFile(e.path, int(e.size), e.lfs.sha256 if getattr(e, "lfs", None) else None)
-             for e in entries if hasattr(e, "size")]
+        for entry in HfApi().list_repo_tree(ref.repo, recursive=True):
+            entries.append(entry)
+            if len(entries) > MAX_LISTING:
+                raise HubError(f"'{ref.repo}' lists more than {MAX_LISTING:,} files; nothing was fetched")
+    files = []
+    for e in entries:
+        path = repository_path(getattr(e, "path", None), ref.repo)
+        if hasattr(e, "size"):
+            lfs = getattr(e, "lfs", None)
+            sha = getattr(lfs, "sha256", None) if lfs else None
+            files.append(HubFile(path, _size(e.size, ref.repo, path), sha if isinstance(sha, str) else None))
     plan = choose(ref.repo, files, ref.quant)
     paths = {f.path for f in files}
     plan.template = next((t for t in TEMPLATE_FILES if t in paths), None)
@@ -245,36 +279,79 @@ def hub_cache() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
+def check_room(folder: Path, size: int, repo: str, have: int = 0) -> None:
+    """A HubError when the disk under `folder` has no room for `size` bytes (less `have` already
+    there) and a margin: said before the download, not when the disk fills."""
+    import shutil
+
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if size - have + DISK_MARGIN > free:
+        raise HubError(f"'{repo}' needs {_gb(size - have)} and the disk at {probe} has {_gb(free)} free; "
+                       "nothing more was fetched")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+
+
+def _locked(path: Path):
+    """An exclusive lock on `path` (a pull of the same file in another process waits for it)."""
+    import contextlib
+    import fcntl
+    import time
+
+    @contextlib.contextmanager
+    def held():
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    time.sleep(0.1)  # (a Ctrl-C here ends the wait)
+            yield
+        finally:
+            os.close(fd)
+
+    return held()
+
+
 def fetch(repo: str, f: HubFile, cache: Path, on_progress: ProgressFn | None) -> tuple[Path, Path, str]:
     """One file of `repo` into the cache: (its snapshot path, its blob, the commit). A partial
-    download is kept as `BLOB.incomplete` and continued with a range request next time."""
+    download is kept as `BLOB.incomplete` and continued with a range request next time; two
+    pulls of one file take turns (the Hub client's `.locks/`)."""
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.file_download import http_get, repo_folder_name
+    from huggingface_hub.file_download import repo_folder_name
 
     with _HubErrors(repo):
         meta = get_hf_file_metadata(hf_hub_url(repo, f.path), token=os.environ.get("HF_TOKEN") or None)
         if not meta.commit_hash or not meta.etag:
             raise HubError(f"{endpoint()} did not say which version of {f.path} it serves")
+        for what, value in (("version", meta.commit_hash), ("checksum", meta.etag)):
+            if not PLAIN_NAME.fullmatch(value):
+                raise HubError(f"{endpoint()} gave {f.path} of '{repo}' a {what} that is not a plain name "
+                               f"({value[:80]!r}); nothing was fetched")
         folder = cache / repo_folder_name(repo_id=repo, repo_type="model")
         blob = folder / "blobs" / meta.etag
-        snapshot = folder / "snapshots" / meta.commit_hash / f.path
+        snapshots = folder / "snapshots" / meta.commit_hash
+        snapshot = snapshots / repository_path(f.path, repo)
+        if not os.path.normpath(snapshot).startswith(os.path.normpath(snapshots) + os.sep):
+            raise HubError(f"'{repo}' lists {f.path!r}, which is not a path inside the repository")
         size = meta.size if meta.size is not None else f.size
         if not blob.exists():
             blob.parent.mkdir(parents=True, exist_ok=True)
             partial = blob.with_name(blob.name + ".incomplete")
-            with open(partial, "ab") as out:
-                have = out.tell()
-                if on_progress is not None:
-                    on_progress(f.path, have, size)
-                if have < size or size == 0:
-                    http_get(meta.location, out, resume_size=have, headers=_auth_for(meta.location),
-                             expected_size=size, tqdm_class=_progress_class(f.path, on_progress))
-            expected = f.sha256 or (meta.etag if re.fullmatch(r"[0-9a-f]{64}", meta.etag) else None)
-            if expected is not None and sha256_of(partial) != expected:
-                partial.unlink()
-                raise HubError(f"{f.path} of '{repo}' does not match the Hub's checksum; the download was removed, "
-                               "pull again")
-            os.replace(partial, blob)
+            # (where the Hub's own client locks a blob, so that its downloads and quipu's take turns too)
+            lock = cache / ".locks" / folder.name / f"{meta.etag}.lock"
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            with _locked(lock):
+                if not blob.exists():  # (another pull may have finished it while this one waited)
+                    _download(repo, f, meta, partial, size, on_progress)
+                    os.replace(partial, blob)
         snapshot.parent.mkdir(parents=True, exist_ok=True)
         if not snapshot.exists():
             snapshot.unlink(missing_ok=True)  # a link left dangling
@@ -283,6 +360,25 @@ def fetch(repo: str, f: HubFile, cache: Path, on_progress: ProgressFn | None) ->
         refs.parent.mkdir(parents=True, exist_ok=True)
         refs.write_text(meta.commit_hash)
     return snapshot, blob, meta.commit_hash
+
+
+def _download(repo: str, f: HubFile, meta, partial: Path, size: int, on_progress: ProgressFn | None) -> None:
+    """The file into `partial`, from where an earlier pull left it, checked against the Hub's checksum."""
+    from huggingface_hub.file_download import http_get
+
+    with open(partial, "ab") as out:
+        have = out.tell()
+        check_room(partial.parent, size, repo, have)
+        if on_progress is not None:
+            on_progress(f.path, have, size)
+        if have < size or size == 0:
+            http_get(meta.location, out, resume_size=have, headers=_auth_for(meta.location),
+                     expected_size=size, tqdm_class=_progress_class(f.path, on_progress))
+    expected = f.sha256 or (meta.etag if re.fullmatch(r"[0-9a-f]{64}", meta.etag) else None)
+    if expected is not None and sha256_of(partial) != expected:
+        partial.unlink()
+        raise HubError(f"{f.path} of '{repo}' does not match the Hub's checksum; the download was removed, "
+                       "pull again")
 
 
 def _auth_for(url: str) -> dict[str, str]:
