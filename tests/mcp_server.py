@@ -1,6 +1,8 @@
 """A real MCP server for the tests, written with the `mcp` package and run over stdio:
-`add` answers, `crash` ends the process mid-call, `stall` never answers."""
+`add` answers, `crash` ends the process mid-call, `stall` never answers, `environment` names
+the environment variables the server was given."""
 
+import json
 import os
 import time
 
@@ -26,6 +28,12 @@ def stall(seconds: int) -> str:
     """Never answers."""
     time.sleep(3600)
     return "late"
+
+
+@app.tool()
+def environment() -> str:
+    """The names of the server's environment variables."""
+    return json.dumps(sorted(os.environ))
 
 
 if __name__ == "__main__":

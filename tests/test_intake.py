@@ -95,3 +95,30 @@ def test_a_functions_file_s_unicode_name_is_refused_in_one_line(quipu, tiny_mode
     r = quipu("run", "-m", tiny_model, "--functions", path, "-n", "2", "hi")
     assert r.returncode == 2
     assert "café" in r.stderr.decode() and len(r.stderr.decode().strip().splitlines()) == 1
+
+
+def test_an_mcp_server_gets_the_safe_names_and_what_its_entry_asks_for_only(quipu, tiny_model, tmp_path, home):
+    import sys
+
+    server = Path(__file__).parent / "mcp_server.py"
+    config = home / "config" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text(f'[mcp.demo]\ncommand = {json.dumps(sys.executable)}\nargs = [{json.dumps(str(server))}]\n'
+                      'env = { SET_HERE = "set" }\nenv_pass = ["PASSED_ON", "NOT_THERE"]\n')
+    secrets = {"HF_TOKEN": "hf_secret", "AWS_SECRET_ACCESS_KEY": "aws", "GITHUB_TOKEN": "gh", "PASSED_ON": "yes"}
+    r = quipu("run", "-m", tiny_model, "--chat-template", str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"),
+              "--mcp", "demo", "--tool-choice", "demo_environment", "--yes", "--json", "-n", "500", "--seed", "1",
+              "Look.", env=secrets)
+    assert r.returncode == 0, r.stderr.decode()
+    seen = json.loads(json.loads(r.stdout)["tool_calls"][0]["result"])
+    assert {"SET_HERE", "PASSED_ON", "PATH", "HOME"} <= set(seen)
+    for name in ("HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "GITHUB_TOKEN", "QUIPU_HOME", "NOT_THERE"):
+        assert name not in seen, name
+
+
+def test_a_bad_env_pass_is_one_line(quipu, tiny_model, home):
+    config = home / "config" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text('[mcp.demo]\ncommand = "x"\nenv_pass = "HF_TOKEN"\n')
+    r = quipu("run", "-m", tiny_model, "--mcp", "demo", "hi")
+    assert r.returncode == 2 and "env_pass must be a list" in r.stderr.decode()

@@ -99,12 +99,13 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
     return config
 
 
-MCP_KEYS = ("command", "args", "env", "timeout", "prefix")
+MCP_KEYS = ("command", "args", "env", "env_pass", "timeout", "prefix")
 
 
 def check_mcp_server(server: dict[str, Any], fail, where: str) -> dict[str, Any]:
-    """An MCP server's definition (`command`, `args`, `env`, `timeout`, and `prefix`: what its
-    tools' names begin with, `NAME_` by default), checked; `fail(message)` makes the error."""
+    """An MCP server's definition (`command`, `args`, `env`, `env_pass`: the names of variables of
+    quipu's own environment the server is given, `timeout`, and `prefix`: what its tools' names
+    begin with, `NAME_` by default), checked; `fail(message)` makes the error."""
     import re
 
     unknown = sorted(set(server) - set(MCP_KEYS))
@@ -118,14 +119,18 @@ def check_mcp_server(server: dict[str, Any], fail, where: str) -> dict[str, Any]
     env = server.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise fail(f"{where} env must be a table of strings")
+    passed = server.get("env_pass", [])
+    if not isinstance(passed, list) or not all(isinstance(n, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n)
+                                              for n in passed):
+        raise fail(f"{where} env_pass must be a list of environment variables' names")
     timeout = server.get("timeout", 60)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise fail(f"{where} timeout must be a number of seconds, more than 0")
     prefix = server.get("prefix")
     if prefix is not None and (not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]*", prefix)):
         raise fail(f"{where} prefix must be letters, digits, '_', '.' or '-' (\"\" for the tools' own names)")
-    return {"command": server["command"], "args": list(args), "env": dict(env), "timeout": float(timeout),
-            "prefix": prefix}
+    return {"command": server["command"], "args": list(args), "env": dict(env), "env_pass": list(passed),
+            "timeout": float(timeout), "prefix": prefix}
 
 
 def _line_of(text: str, key: str, table: str | None) -> int:

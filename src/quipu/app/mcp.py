@@ -2,7 +2,7 @@
 `mcp` package, its tools listed and offered to the model as `NAME_tool`, and its calls made on
 an event loop of the server's own, in a thread, so that the tool loop stays plain code.
 
-A server comes from the config (`[mcp.NAME]`: command, args, env, timeout) or from a JSON file
+A server comes from the config (`[mcp.NAME]`: command, args, env, env_pass, timeout) or from a JSON file
 in the `mcpServers` shape other tools use (`--mcp-config FILE`). One that fails to start is a
 one-line error naming it; one that dies or never answers gives the call an error, which goes
 back to the model as the call's result. Imported only when a server is asked for."""
@@ -21,7 +21,7 @@ from typing import Any
 
 from quipu.app.environment import read_json_file
 from quipu.app.tooldefs import Tool, ToolFailure
-from quipu.config import check_mcp_server
+from quipu.config import MCP_KEYS, check_mcp_server
 from quipu.errors import QuipuError, UsageError
 from quipu.sessions.tools import ToolSpec
 
@@ -42,7 +42,7 @@ def servers_from_file(path: str) -> dict[str, dict[str, Any]]:
                          "{\"command\": ...}}}})")
     out = {}
     for name, server in servers.items():
-        server = {k: v for k, v in server.items() if k in ("command", "args", "env", "timeout", "prefix")}
+        server = {k: v for k, v in server.items() if k in MCP_KEYS}
         out[name] = check_mcp_server(server, lambda message: UsageError(f"{file}: {message}"), f"server {name!r}")
     return out
 
@@ -50,6 +50,16 @@ def servers_from_file(path: str) -> dict[str, dict[str, Any]]:
 def tool_name(server: str, tool: str, prefix: str | None = None) -> str:
     """A server's tool as the model is told of it: `SERVER_tool`, or the config's own prefix."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{server}_{tool}" if prefix is None else f"{prefix}{tool}")[:64] or "_"
+
+
+def server_environment(definition: dict[str, Any]) -> dict[str, str]:
+    """What a server's process is given of the environment: the `mcp` package's few safe names
+    (HOME, PATH, USER, ...), those its definition passes by name (`env_pass`), and what it sets
+    (`env`). Never the rest: a token or a cloud credential goes only to a server asked to have it."""
+    from mcp.client.stdio import get_default_environment
+
+    passed = {name: os.environ[name] for name in definition.get("env_pass", ()) if name in os.environ}
+    return {**get_default_environment(), **passed, **definition.get("env", {})}
 
 
 class McpServer:
@@ -86,7 +96,7 @@ class McpServer:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         params = StdioServerParameters(command=self.definition["command"], args=self.definition["args"],
-                                       env={**os.environ, **self.definition["env"]})
+                                       env=server_environment(self.definition))
         async with stdio_client(params, errlog=self._errlog) as (read, write):
             async with ClientSession(read, write) as session:
                 await session.initialize()
