@@ -158,10 +158,12 @@ def test_a_call_the_caller_runs_stops_the_turn_and_its_result_resumes_it_exactly
                                                                                  home):
     # --tools FILE.json: the reply stops at the call; `--tool-result` gives what it returned and
     # the model goes on. With the same seed that is the very loop --functions runs in one go.
-    from quipu.app.tool_files import functions_from_file
+    from quipu.app.functions import functions_from_files
 
     fns = write(tmp_path)
-    specs = [t.spec.to_openai() for t in functions_from_file(fns)[0]]
+    tools, _, worker = functions_from_files([fns])
+    worker.close()
+    specs = [t.spec.to_openai() for t in tools]
     (tmp_path / "tools.json").write_text(json.dumps(specs))
     common = ("-m", tiny_model, "--chat-template", str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"),
               "--tool-choice", "get_weather", "-t", "1.0", "--seed", "11", "-n", "400", "--json")
@@ -232,7 +234,7 @@ def test_a_tool_that_fails_gives_its_error_to_the_model(quipu, tiny_model, tmp_p
     assert r.returncode == 0, r.stderr.decode()
     told = [m for m in transcript(home, "f")["messages"] if m["role"] == "tool"]
     assert told and told[0]["content"].startswith(words)
-    assert json.loads(r.stdout)["tool_calls"][0]["error"] in words
+    assert ("error: " + json.loads(r.stdout)["tool_calls"][0]["error"]).startswith(words)
 
 
 @pytest.mark.parametrize("files, args, words", [
@@ -272,10 +274,10 @@ def test_a_tool_result_for_a_call_never_made_is_refused(quipu, tiny_model, tmp_p
 
 
 def test_a_function_s_type_hints_become_its_schema(tmp_path):
-    from quipu.app.tool_files import functions_from_file
+    from quipu.app.functions import functions_from_files
 
     untyped = FUNCTIONS + "\ndef shout(text, times: int = 2):\n    return text * times\n"
-    tools, notices = functions_from_file(write(tmp_path, untyped))
+    tools, notices, worker = functions_from_files([write(tmp_path, untyped)])
     by_name = {t.spec.name: t for t in tools}
     assert set(by_name) == {"get_weather", "distance", "shout"}
     weather = by_name["get_weather"].spec
@@ -289,7 +291,11 @@ def test_a_function_s_type_hints_become_its_schema(tmp_path):
     assert by_name["shout"].spec.parameters["properties"]["text"] == {"type": "string"}
     assert notices == ["fns.py: shout(text) has no type hint; the model gives it as a string"]
     # The model's JSON arguments reach the function as its hints ask: a dataclass from an object.
-    assert by_name["distance"].run({"a": {"city": "Paris"}, "b": {"city": "Rome"}}) == 42.0
+    try:
+        out = by_name["distance"].run({"a": {"city": "Paris"}, "b": {"city": "Rome"}}, 60, lambda: False)
+    finally:
+        worker.close()
+    assert out.text == "42.0"
     for tool in tools:
         jsonschema.Draft202012Validator.check_schema(tool.spec.parameters)
 

@@ -6,17 +6,13 @@ settings, and reported here with the file and line (`Config.error`)."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from quipu.errors import UsageError
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+import tomllib
 
 SESSION_KEYS = {"max_state_bytes": int}
 CACHE_KEYS = {"max_bytes": int}

@@ -57,8 +57,12 @@ class ChatSession:
         self._stack = ExitStack()
         self.last_stats: Stats | None = None
         self.resumed = False
-        self.tools = toolbox(opts, env)  # a bad file is said before anything is loaded
         self.hooks: ToolHooks | None = None  # how the front end approves and shows calls
+        self.tools = toolbox(opts, env, on_output=self._output)  # a bad file is said before anything is loaded
+
+    def _output(self, line: str) -> None:
+        if self.hooks is not None and self.hooks.on_output is not None:
+            self.hooks.on_output(line)
 
     # ---- opening and closing ---------------------------------------------------------------
 

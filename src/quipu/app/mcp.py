@@ -16,16 +16,18 @@ import os
 import re
 import tempfile
 import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from quipu.app.environment import read_json_file
-from quipu.app.tooldefs import Tool, ToolFailure
+from quipu.app.tooldefs import Runner, Tool, ToolFailure, ToolOutput
 from quipu.config import MCP_KEYS, check_mcp_server
-from quipu.errors import QuipuError, UsageError
+from quipu.errors import Interrupted, QuipuError, UsageError
 from quipu.sessions.tools import ToolSpec
 
 START_TIMEOUT = 30.0  # seconds a server may take to start and list its tools
+POLL_S = 0.05  # how often a wait looks whether the user stopped it
 
 
 class McpError(QuipuError):
@@ -65,8 +67,10 @@ def server_environment(definition: dict[str, Any]) -> dict[str, str]:
 class McpServer:
     """One MCP server over stdio, its session held open on an event loop in a thread of its own."""
 
-    def __init__(self, name: str, definition: dict[str, Any]):
+    def __init__(self, name: str, definition: dict[str, Any], stopped: Callable[[], bool] = lambda: False):
         self.name = name
+        self.stopped = stopped  # asked while the server is waited for to start (Ctrl-C, SIGTERM)
+        self.notices: list[str] = []
         self.definition = definition
         self.timeout = definition.get("timeout", 60.0)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -111,9 +115,14 @@ class McpServer:
     def start(self) -> list[Tool]:
         """Starts the server and lists its tools; a one-line McpError when it cannot."""
         self._thread.start()
-        if not self._ready.wait(START_TIMEOUT):
-            self.close()
-            raise McpError(f"the MCP server {self.name!r} did not start within {START_TIMEOUT:g} s")
+        deadline = time.monotonic() + START_TIMEOUT
+        while not self._ready.wait(POLL_S):
+            if self.stopped():
+                self.close()
+                raise Interrupted(f"stopped while the MCP server {self.name!r} started")
+            if time.monotonic() > deadline:
+                self.close()
+                raise McpError(f"the MCP server {self.name!r} did not start within {START_TIMEOUT:g} s")
         if self._session is None:
             raise McpError(f"the MCP server {self.name!r} did not start: {self._why()}")
         tools = []
@@ -123,8 +132,7 @@ class McpServer:
             schema = {k: v for k, v in schema.items() if k != "title"}
             spec = ToolSpec(tool_name(self.name, listed.name, self.definition.get("prefix")), listed.description or "",
                             schema)
-            # (the call times itself out, and says so; the loop's own limit is a backstop)
-            tools.append(Tool(spec, self._caller(listed.name), f"MCP server {self.name}", self.timeout + 5))
+            tools.append(Tool(spec, self._caller(listed.name), f"MCP server {self.name}", self.timeout))
         self.tools = tools
         return tools
 
@@ -132,7 +140,7 @@ class McpServer:
         self._errlog.seek(0)
         said = [line.strip() for line in self._errlog.read().splitlines() if line.strip()]
         failure = self._failure
-        while isinstance(failure, BaseExceptionGroup) and failure.exceptions:
+        while isinstance(failure, BaseExceptionGroup) and failure.exceptions:  # (anyio's task groups wrap the cause)
             failure = failure.exceptions[0]
         if said:
             return said[-1][:300]
@@ -140,26 +148,40 @@ class McpServer:
             return f"{type(failure).__name__}: {failure}"[:300] if str(failure) else type(failure).__name__
         return "it ended before listing its tools"
 
-    def _caller(self, tool: str):
-        def call(arguments: dict[str, Any]) -> str:
+    def _caller(self, tool: str) -> Runner:
+        def call(arguments: dict[str, Any], timeout: float, stopped: Callable[[], bool]) -> ToolOutput:
             if self._session is None or self._loop is None or not self._thread.is_alive():
                 raise ToolFailure(f"the MCP server {self.name!r} is no longer running")
             future = asyncio.run_coroutine_threadsafe(self._session.call_tool(tool, arguments), self._loop)
+            deadline = time.monotonic() + timeout
             try:
-                result = future.result(self.timeout)
-            except concurrent.futures.TimeoutError:
-                future.cancel()
-                raise ToolFailure(f"the MCP server {self.name!r} did not answer within {self.timeout:g} s") from None
+                while True:
+                    try:
+                        result = future.result(POLL_S)
+                        break
+                    except concurrent.futures.TimeoutError:
+                        if stopped():
+                            future.cancel()
+                            raise Interrupted(f"stopped during a call of the MCP server {self.name!r}") from None
+                        if time.monotonic() > deadline:
+                            future.cancel()
+                            raise ToolFailure(f"the MCP server {self.name!r} did not answer within {timeout:g} s") \
+                                from None
+            except (ToolFailure, Interrupted):
+                raise
             except Exception as exc:
                 self._thread.join(1.0)
                 if not self._thread.is_alive() or "closed" in str(exc).lower():
                     raise ToolFailure(f"the MCP server {self.name!r} died during the call") from None
                 raise ToolFailure(str(exc) or type(exc).__name__) from None
+            except BaseException:
+                future.cancel()  # (a Ctrl-C while waiting)
+                raise
             text = "\n".join(getattr(part, "text", "") or json.dumps(part.model_dump(), default=str)
                              for part in (result.content or []))
             if getattr(result, "is_error", False) or getattr(result, "isError", False):
                 raise ToolFailure(text or "the tool failed")
-            return text
+            return ToolOutput(text, len(text))
 
         return call
 
@@ -170,7 +192,8 @@ class McpServer:
         self._errlog.close()
 
 
-def start_servers(names, config_servers: dict[str, dict[str, Any]], config_file: str | None) -> list[McpServer]:
+def start_servers(names, config_servers: dict[str, dict[str, Any]], config_file: str | None,
+                  stopped: Callable[[], bool] = lambda: False) -> list[McpServer]:
     """The servers named, started (those already started are closed if one fails)."""
     known = dict(config_servers)
     if config_file:
@@ -181,7 +204,7 @@ def start_servers(names, config_servers: dict[str, dict[str, Any]], config_file:
             if name not in known:
                 listed = ", ".join(sorted(known)) or "none: add [mcp.NAME] to the config, or give --mcp-config FILE"
                 raise UsageError(f"no MCP server named {name!r} (known: {listed})")
-            server = McpServer(name, known[name])
+            server = McpServer(name, known[name], stopped)
             started.append(server)
             server.start()
     except BaseException:

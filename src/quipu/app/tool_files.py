@@ -1,15 +1,11 @@
-"""What the user's files give the tools and the loop: tools from a Python file of functions
-(`--functions FILE.py`, each function's name, docstring and type hints), tool definitions the
-caller runs itself (`--tools FILE.json`), and a conversation as OpenAI-style messages
-(`--messages FILE.json`).
-
-A functions file is the user's code: it is imported only when the command line (or the config)
-names it, never because a session file does."""
+"""What the user's files give the tools and the loop: the JSON Schemas of a Python file's
+functions (`--functions FILE.py`, from their type hints; read in the process that runs them,
+`function_worker.py`), tool definitions the caller runs itself (`--tools FILE.json`), and a
+conversation as OpenAI-style messages (`--messages FILE.json`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import inspect
 import json
 import types
@@ -22,76 +18,31 @@ from quipu.app.tooldefs import Tool
 from quipu.errors import UsageError
 from quipu.sessions.tools import ToolSpec
 
-# ---- tools from a Python file ---------------------------------------------------------------
+# ---- the schemas of a Python file's functions (read in the process that runs them) ---------------
 
-def functions_from_file(path: str) -> tuple[list[Tool], list[str]]:
-    """Each public function defined in the file, as a tool (and notices: parameters taken as
-    strings for want of a type hint)."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise UsageError(f"the functions file {file} does not exist")
-    name = f"quipu_functions_{abs(hash(str(file.resolve())))}"
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None:
-        raise UsageError(f"{file} is not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as exc:  # the user's code: whatever it raises is said in one line
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        where = f" (line {exc.lineno})" if isinstance(exc, SyntaxError) and exc.lineno else ""
-        if isinstance(exc, SyntaxError):
-            exc = SyntaxError(exc.msg)
-        tb = exc.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename == str(file):
-                where = f" (line {tb.tb_lineno})"
-            tb = tb.tb_next
-        raise UsageError(f"the functions file {file} does not import{where}: {type(exc).__name__}: {exc}") from None
-    tools, notices = [], []
-    for fname, fn in vars(module).items():
-        if fname.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != name:
-            continue
-        schema, untyped = parameters_schema(fn)
-        for param in untyped:
-            notices.append(f"{file.name}: {fname}({param}) has no type hint; the model gives it as a string")
-        doc = inspect.getdoc(fn) or ""
-        tools.append(Tool(ToolSpec(fname, doc, schema), _caller(fn), file.name))
-    if not tools:
-        raise UsageError(f"the functions file {file} defines no public function")
-    return tools, notices
-
-
-def _caller(fn: Callable) -> Callable[[dict[str, Any]], Any]:
-    hints = _hints(fn)
-
-    def call(arguments: dict[str, Any]) -> Any:
-        kwargs = {k: _to_python(v, hints.get(k)) for k, v in arguments.items()}
-        return fn(**kwargs)
-
-    return call
-
-
-def _hints(fn: Callable) -> dict[str, Any]:
+def hints_of(fn: Callable) -> dict[str, Any]:
+    """A function's type hints, resolved; {} where one does not resolve (its parameters are then
+    taken as untyped)."""
     try:
         return typing.get_type_hints(fn)
-    except Exception:  # a hint that does not resolve: the parameter is taken as untyped
+    except Exception:
         return {}
 
 
 def parameters_schema(fn: Callable) -> tuple[dict[str, Any], list[str]]:
     """The JSON Schema of a function's parameters, from its type hints and defaults; and the
-    parameters that have no hint (taken as strings)."""
-    hints = _hints(fn)
+    parameters that have no hint (taken as strings). A dataclass or TypedDict that holds
+    itself, at any depth, is written once in `$defs` and referred to."""
+    hints = hints_of(fn)
     props: dict[str, Any] = {}
     required: list[str] = []
     untyped: list[str] = []
+    reader = _SchemaReader()
     for name, param in inspect.signature(fn).parameters.items():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
         if name in hints:
-            props[name] = type_schema(hints[name])
+            props[name] = reader.schema(hints[name])
         else:
             props[name] = {"type": "string"}
             untyped.append(name)
@@ -102,6 +53,8 @@ def parameters_schema(fn: Callable) -> tuple[dict[str, Any], list[str]]:
     schema: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
     if required:
         schema["required"] = required
+    if reader.defs:
+        schema["$defs"] = reader.defs
     return schema, untyped
 
 
@@ -109,62 +62,87 @@ def _jsonable(value: Any) -> bool:
     try:
         json.dumps(value)
         return True
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return False
 
 
-def type_schema(hint: Any) -> dict[str, Any]:
-    """The JSON Schema of a type hint."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any or hint is inspect.Parameter.empty:
-        return {}
-    if hint is type(None):
-        return {"type": "null"}
-    if origin is Literal:
-        return {"enum": list(args)}
-    if origin in (typing.Union, types.UnionType):
-        options = [type_schema(a) for a in args]
-        return options[0] if len(options) == 1 else {"anyOf": options}
-    if origin in (list, tuple, set, frozenset, Sequence) or hint in (list, tuple, set):
-        items = args[0] if args else Any
-        out: dict[str, Any] = {"type": "array"}
-        if items is not Any and items is not Ellipsis:
-            out["items"] = type_schema(items)
-        return out
-    if origin is dict or hint is dict:
-        out = {"type": "object"}
-        if len(args) == 2 and args[1] is not Any:
-            out["additionalProperties"] = type_schema(args[1])
-        return out
-    if dataclasses.is_dataclass(hint):
-        hints = typing.get_type_hints(hint)
-        fields = dataclasses.fields(hint)
-        return {"type": "object", "properties": {f.name: type_schema(hints[f.name]) for f in fields},
-                "required": [f.name for f in fields if f.default is dataclasses.MISSING
-                             and f.default_factory is dataclasses.MISSING],
-                "additionalProperties": False}
-    if typing.is_typeddict(hint):
-        hints = typing.get_type_hints(hint)
-        return {"type": "object", "properties": {k: type_schema(v) for k, v in hints.items()},
-                "required": sorted(hint.__required_keys__), "additionalProperties": False}
-    simple = {str: "string", int: "integer", float: "number", bool: "boolean"}
-    if hint in simple:
-        return {"type": simple[hint]}
-    return {"type": "string"}
+class _SchemaReader:
+    """Type hints to JSON Schema; a class met again inside itself becomes a `$ref` to `$defs`."""
+
+    def __init__(self) -> None:
+        self.defs: dict[str, Any] = {}
+        self._open: dict[Any, str] = {}  # the classes being read, by the name they have in $defs
+        self._recursive: set[Any] = set()
+
+    def schema(self, hint: Any) -> dict[str, Any]:
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+        if hint is Any or hint is inspect.Parameter.empty:
+            return {}
+        if hint is type(None):
+            return {"type": "null"}
+        if origin is Literal:
+            return {"enum": [a for a in args if _jsonable(a)]}
+        if origin in (typing.Union, types.UnionType):
+            options = [self.schema(a) for a in args]
+            return options[0] if len(options) == 1 else {"anyOf": options}
+        if origin in (list, tuple, set, frozenset, Sequence) or hint in (list, tuple, set):
+            items = args[0] if args else Any
+            out: dict[str, Any] = {"type": "array"}
+            if items is not Any and items is not Ellipsis:
+                out["items"] = self.schema(items)
+            return out
+        if origin is dict or hint is dict:
+            out = {"type": "object"}
+            if len(args) == 2 and args[1] is not Any:
+                out["additionalProperties"] = self.schema(args[1])
+            return out
+        if isinstance(hint, type) and (dataclasses.is_dataclass(hint) or typing.is_typeddict(hint)):
+            return self._class(hint)
+        simple = {str: "string", int: "integer", float: "number", bool: "boolean"}
+        if hint in simple:
+            return {"type": simple[hint]}
+        return {"type": "string"}
+
+    def _class(self, hint: type) -> dict[str, Any]:
+        if hint in self._open:
+            self._recursive.add(hint)
+            return {"$ref": f"#/$defs/{self._open[hint]}"}
+        name = hint.__name__
+        while name in self.defs or name in self._open.values():
+            name += "_"
+        self._open[hint] = name
+        try:
+            hints = hints_of(hint)
+            if dataclasses.is_dataclass(hint):
+                fields = dataclasses.fields(hint)
+                schema = {"type": "object",
+                          "properties": {f.name: self.schema(hints.get(f.name, Any)) for f in fields},
+                          "required": [f.name for f in fields if f.default is dataclasses.MISSING
+                                       and f.default_factory is dataclasses.MISSING],
+                          "additionalProperties": False}
+            else:
+                schema = {"type": "object", "properties": {k: self.schema(v) for k, v in hints.items()},
+                          "required": sorted(getattr(hint, "__required_keys__", ())), "additionalProperties": False}
+        finally:
+            del self._open[hint]
+        if hint in self._recursive:
+            self.defs[name] = schema
+            return {"$ref": f"#/$defs/{name}"}
+        return schema
 
 
-def _to_python(value: Any, hint: Any) -> Any:
+def to_python(value: Any, hint: Any) -> Any:
     """A JSON argument as the function's hint asks (a dataclass from its object)."""
-    if hint is not None and dataclasses.is_dataclass(hint) and isinstance(value, dict):
-        hints = typing.get_type_hints(hint)
-        return hint(**{k: _to_python(v, hints.get(k)) for k, v in value.items()})
+    if hint is not None and isinstance(hint, type) and dataclasses.is_dataclass(hint) and isinstance(value, dict):
+        hints = hints_of(hint)
+        return hint(**{k: to_python(v, hints.get(k)) for k, v in value.items()})
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         for arg in args:
-            if dataclasses.is_dataclass(arg) and isinstance(value, dict):
-                return _to_python(value, arg)
+            if isinstance(arg, type) and dataclasses.is_dataclass(arg) and isinstance(value, dict):
+                return to_python(value, arg)
     if origin is list and args and isinstance(value, list):
-        return [_to_python(v, args[0]) for v in value]
+        return [to_python(v, args[0]) for v in value]
     return value
 
 

@@ -17,13 +17,34 @@ NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class ToolFailure(Exception):
-    """A call that failed in a way its message says whole (the model is given the message)."""
+    """A call that failed in a way its message says whole (the model is given the message);
+    `stdout`, what the call printed before it failed."""
+
+    def __init__(self, message: str, stdout: str = ""):
+        super().__init__(message)
+        self.stdout = stdout
+
+
+@dataclass
+class ToolOutput:
+    """What a call gave: its result's text (perhaps cut where it was made), the whole result's
+    size in characters, and what the call printed."""
+
+    text: str
+    size: int
+    stdout: str = ""
+
+
+# A tool's runner: (the call's arguments, the seconds it may take, whether the user stopped the
+# work: asked as it waits) -> its output; it raises ToolFailure when the call failed, and
+# Interrupted when the user stopped it.
+Runner = Callable[[dict[str, Any], float, Callable[[], bool]], ToolOutput]
 
 
 @dataclass
 class Tool:
     spec: ToolSpec
-    run: Callable[[dict[str, Any]], Any] | None  # None: the caller runs it (--tools FILE.json)
+    run: Runner | None  # None: the caller runs it (--tools FILE.json)
     source: str  # where it came from, for messages: "functions.py", "tools.json", "mcp server x"
     timeout: float = DEFAULT_TIMEOUT
 

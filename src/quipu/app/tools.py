@@ -7,14 +7,13 @@ reached. Approvals are never saved."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-from quipu.app.tool_files import check_tool_schemas, functions_from_file, tools_from_json
-from quipu.app.tooldefs import Tool, ToolFailure, check_tool_name
+from quipu.app.tool_files import check_tool_schemas, tools_from_json
+from quipu.app.tooldefs import DEFAULT_TIMEOUT, Tool, ToolFailure, check_tool_name
 from quipu.errors import BadInput, Interrupted, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink
 from quipu.sessions.conversation import Conversation
@@ -27,7 +26,8 @@ REPEATS = 3  # the same call with the same arguments this many times stops the l
 
 @dataclass
 class CallRecord:
-    """One call of a loop, as `--json` reports it."""
+    """One call of a loop, as `--json` reports it: the result as the model was given it, the
+    whole result's size, what the call printed."""
 
     id: str | None
     name: str
@@ -35,10 +35,16 @@ class CallRecord:
     result: str | None = None
     error: str | None = None
     time_s: float = 0.0
+    size: int | None = None  # characters of the whole result
+    stdout: str = ""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "name": self.name, "arguments": self.arguments}
         out["error" if self.error is not None else "result"] = self.error if self.error is not None else self.result
+        if self.size is not None:
+            out["result_chars"] = self.size
+        if self.stdout:
+            out["stdout"] = self.stdout
         out["time_s"] = round(self.time_s, 4)
         return out
 
@@ -78,38 +84,29 @@ class LoopResult:
     pending: list[ToolCall] = field(default_factory=list)  # calls left for the caller to run
 
 
-def run_call(tool: Tool, call: ToolCall) -> CallRecord:
-    """Runs one call (its own timeout); an error is the result the model is given."""
+def run_call(tool: Tool, call: ToolCall, output_max: int = DEFAULT_OUTPUT_MAX,
+             stopped: Callable[[], bool] = lambda: False) -> CallRecord:
+    """Runs one call (within its tool's timeout, which the runner keeps); an error is the result
+    the model is given. The result is kept as the model is given it (cut at `output_max`)."""
+    assert tool.run is not None
     record = CallRecord(call.id, call.name, call.arguments)
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = tool.run(call.arguments)
-        except ToolFailure as exc:
-            box["error"] = str(exc)
-        except BaseException as exc:  # the tool's own failure goes back to the model
-            box["error"] = f"{type(exc).__name__}: {exc}"
-
     started = time.perf_counter()
-    worker = threading.Thread(target=target, daemon=True, name=f"tool {call.name}")
-    worker.start()
-    worker.join(tool.timeout)
-    record.time_s = time.perf_counter() - started
-    if worker.is_alive():
-        record.error = f"the tool did not answer within {tool.timeout:g} s"
-    elif "error" in box:
-        record.error = box["error"]
-    else:
-        value = box.get("value")
-        record.result = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    try:
+        out = tool.run(call.arguments, tool.timeout, stopped)
+        record.result, record.size, record.stdout = cut(out.text, output_max, out.size), out.size, out.stdout
+    except ToolFailure as exc:
+        record.error, record.stdout = cut(str(exc), output_max), exc.stdout
+    finally:
+        record.time_s = time.perf_counter() - started
     return record
 
 
-def cut(text: str, limit: int) -> str:
-    if len(text) <= limit:
+def cut(text: str, limit: int, size: int | None = None) -> str:
+    """`text` as the model is given it: its first `limit` characters, and what was left out."""
+    size = len(text) if size is None else size
+    if size <= limit and len(text) <= limit:
         return text
-    return text[:limit] + f"\n[cut: the result was {len(text):,} characters; the first {limit:,} are above]"
+    return text[:limit] + f"\n[cut: the result was {size:,} characters; the first {limit:,} are above]"
 
 
 def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: Approve, max_tokens: int,
@@ -159,6 +156,7 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
             result.pending = list(calls)
             return result
         answers: list[tuple[ToolCall, str]] = []
+        records: list[CallRecord] = []
         for call, ok in zip(calls, approved):
             if on_start is not None:
                 on_start(call)
@@ -167,12 +165,21 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
             elif not ok:
                 record = CallRecord(call.id, call.name, call.arguments, error="the user did not approve this call")
             else:
-                record = run_call(box.tools[call.name], call)
-            result.calls.append(record)
+                try:
+                    record = run_call(box.tools[call.name], call, output_max, sink.stopped)
+                except Interrupted:
+                    # (as at an approval: the round's results are not kept, its calls wait to run)
+                    result.notices.append(f"stopped during the call of {call.name}; the session goes on from "
+                                          "the calls when it is next run with its tools")
+                    result.generation.finish_reason = "tool_calls"
+                    result.pending = list(calls)
+                    return result
+            records.append(record)
             if on_call is not None:
                 on_call(record)
             text = record.result if record.error is None else f"error: {record.error}"
-            answers.append((call, cut(text or "", output_max)))
+            answers.append((call, text or ""))
+        result.calls += records
         conv.add_tool_results(answers)
         choice = conv.tool_choice
         if choice != "none":  # a call asked for (required, or a tool's name) is the first reply's only
@@ -222,28 +229,54 @@ def pending_calls(conv: Conversation) -> list[ToolCall]:
 @dataclass
 class ToolHooks:
     """What the front end does in a loop: asks to approve a call (None: refused unless --yes),
-    and hears of each call as it starts and ends."""
+    hears of each call as it starts and ends, and shows what the user's functions write on
+    stderr, a line at a time."""
 
     approve: Approve | None = None
     on_start: Callable[[ToolCall], None] | None = None
     on_call: Callable[[CallRecord], None] | None = None
+    on_output: Callable[[str], None] | None = None
+
+
+class ToolProcess(Protocol):
+    """A process that runs tools: what went wrong with it, to be said; and its end."""
+
+    notices: list[str]
+
+    def close(self) -> None: ...
 
 
 @dataclass
 class Tools:
     box: Toolbox
     notices: list[str] = field(default_factory=list)
-    servers: list = field(default_factory=list)  # app.mcp.McpServer, running until `close`
+    # what runs the tools until `close`: the functions files' process, MCP servers
+    processes: list[ToolProcess] = field(default_factory=list)
 
     def close(self) -> None:
-        for server in self.servers:
-            server.close()
-        self.servers = []
+        for process in self.processes:
+            process.close()
+        self.processes = []
+
+    def said(self) -> list[str]:
+        """What went wrong with the processes since last asked (a functions process that died)."""
+        out = []
+        for process in self.processes:
+            out += process.notices
+            process.notices = []
+        return out
 
 
-def toolbox(opts, env=None) -> Tools | None:
-    """The tools the options give (None when they give none), each checked; MCP servers are
-    started (close the result to stop them)."""
+def _never() -> bool:
+    return False
+
+
+def toolbox(opts, env=None, *, stopped: Callable[[], bool] = _never,
+            on_output: Callable[[str], None] | None = None) -> Tools | None:
+    """The tools the options give (None when they give none), each checked; the functions files'
+    process and MCP servers are started (close the result to stop them). `stopped` is asked
+    while a process is waited for (Ctrl-C, SIGTERM); `on_output` gets each line the user's
+    functions write on stderr."""
     if not opts.functions and not opts.tools_file and not opts.mcp:
         if opts.mcp_config:
             raise UsageError("--mcp-config names where servers are defined; pick them with --mcp NAME")
@@ -254,25 +287,30 @@ def toolbox(opts, env=None) -> Tools | None:
                         ("--tool-timeout", opts.tool_timeout)):
         if value is not None and not value > 0:
             raise UsageError(f"{name} must be more than 0, got {value}")
+    timeout = opts.tool_timeout or DEFAULT_TIMEOUT
     tools = Tools(Toolbox())
-    for path in opts.functions:
-        made, notices = functions_from_file(path)
-        tools.box.add(made)
-        tools.notices += notices
-    if opts.tools_file:
-        tools.box.add(tools_from_json(opts.tools_file))
-    check_tool_schemas(tools.box.tools.values())  # (before any server is started)
-    if opts.mcp:
-        from quipu.app.mcp import start_servers
+    try:
+        if opts.tools_file:
+            tools.box.add(tools_from_json(opts.tools_file))
+        if opts.functions:
+            from quipu.app.functions import functions_from_files
 
-        tools.servers = start_servers(opts.mcp, env.config.mcp if env is not None else {}, opts.mcp_config)
-        try:
-            for server in tools.servers:
+            made, notices, worker = functions_from_files(list(opts.functions), timeout, stopped, on_output)
+            tools.processes.append(worker)
+            tools.box.add(made)
+            tools.notices += notices
+        check_tool_schemas(tools.box.tools.values())  # (before any server is started)
+        if opts.mcp:
+            from quipu.app.mcp import start_servers
+
+            servers = start_servers(opts.mcp, env.config.mcp if env is not None else {}, opts.mcp_config, stopped)
+            tools.processes += servers
+            for server in servers:
                 tools.box.add(server.tools)
                 check_tool_schemas(server.tools)
-        except BaseException:
-            tools.close()
-            raise
+    except BaseException:
+        tools.close()
+        raise
     if opts.tool_timeout is not None:
         for tool in tools.box.tools.values():
             tool.timeout = opts.tool_timeout
@@ -342,7 +380,7 @@ def follow_calls(conv: Conversation, tools: Tools | None, gen: Generation, opts,
         notices.append(f"refused {', '.join(sorted(set(refused)))}: no terminal to ask and no --yes; the model "
                        "was told")
     records = loop.calls + [CallRecord(c.id, c.name, c.arguments) for c in loop.pending]
-    return loop.generation, records, notices + loop.notices
+    return loop.generation, records, notices + loop.notices + (tools.said() if tools is not None else [])
 
 
 SKIPPED = "The call was not run: the user went on without it."

@@ -87,7 +87,7 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
         check_options(host.capabilities, opts)
         if opts.messages and (opts.session is not None or opts.continue_reply or opts.raw):
             raise UsageError("--messages is a conversation of its own: give no --session, --continue or --raw")
-        tools = toolbox(opts, env)
+        tools = toolbox(opts, env, stopped=sink.stopped, on_output=hooks.on_output if hooks is not None else None)
         try:
             if opts.session is not None or opts.continue_reply:
                 result = run_session_turn(prompt, opts, env, host, sink, tools, hooks)

@@ -252,7 +252,8 @@ class Repl:
         from quipu.app.tools import ToolHooks
 
         if chat is not None:
-            chat.hooks = ToolHooks(self._approve, self._call_starts, self._call_ended)
+            chat.hooks = ToolHooks(self._approve, self._call_starts, self._call_ended,
+                                   lambda line: self.say(self.term.dim(line)))
 
     # ---- tools -------------------------------------------------------------------------------
 

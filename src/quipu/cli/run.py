@@ -148,7 +148,11 @@ def tool_hooks(term: Terminal, as_json: bool, debug: bool, stopper):
             term.stderr.write(term.dim(f"  {short}") + "\n")
         term.stderr.flush()
 
-    return ToolHooks(approve if term.stdin_tty else None, on_start, on_call)
+    def on_output(line: str) -> None:  # what the user's functions write on stderr: theirs, dimmed
+        term.stderr.write((term.dim(line) if term.stderr_tty else line) + "\n")
+        term.stderr.flush()
+
+    return ToolHooks(approve if term.stdin_tty else None, on_start, on_call, on_output)
 
 
 def show_prompt(text, opts, env, term: Terminal, as_json: bool) -> int:
