@@ -122,3 +122,202 @@ def test_a_bad_env_pass_is_one_line(quipu, tiny_model, home):
     config.write_text('[mcp.demo]\ncommand = "x"\nenv_pass = "HF_TOKEN"\n')
     r = quipu("run", "-m", tiny_model, "--mcp", "demo", "hi")
     assert r.returncode == 2 and "env_pass must be a list" in r.stderr.decode()
+
+
+# ---- user code runs in a process of its own ----------------------------------------------------------
+
+QWEN = str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja")
+
+
+def functions(tmp_path, body: str, head: str = "", name: str = "fns.py") -> Path:
+    path = tmp_path / name
+    path.write_text("from typing import Literal\n" + head + "\n\ndef get_weather(city: Literal['Paris']) -> str:\n"
+                    '    """Weather."""\n' + "".join(f"    {line}\n" for line in body.splitlines()))
+    return path
+
+
+def call_once(quipu, tiny_model, fns, *extra, env=None):
+    return quipu("run", "-m", tiny_model, "--chat-template", QWEN, "--functions", fns, "--tool-choice", "required",
+                 "--yes", "--json", "-n", "400", "-t", "0", *extra, "Weather?", env=env)
+
+
+def test_what_the_functions_print_never_reaches_stdout(quipu, tiny_model, tmp_path):
+    fns = functions(tmp_path, "print('printed in the call'); import sys; print('on stderr', file=sys.stderr)\n"
+                              "return 'sunny'", head="print('printed at import')\nimport os\nos.write(1, b'raw fd 1')")
+    r = call_once(quipu, tiny_model, fns)
+    assert r.returncode == 0, r.stderr.decode()
+    out = json.loads(r.stdout)  # stdout is the JSON object alone
+    call = out["tool_calls"][0]
+    assert call["result"] == "sunny" and call["stdout"] == "printed in the call\n"
+    assert "on stderr" in r.stderr.decode() and b"printed" not in r.stdout.replace(b"printed in the call", b"")
+
+
+def test_a_function_that_prints_its_answer_gives_what_it_printed(quipu, tiny_model, tmp_path):
+    r = call_once(quipu, tiny_model, functions(tmp_path, "print('21 degrees')"))
+    assert json.loads(r.stdout)["tool_calls"][0]["result"] == "21 degrees\n"
+
+
+@pytest.mark.parametrize("body, words", [
+    ("import os; os._exit(9)", "exited with 9"),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "killed by signal 9"),
+    ("import ctypes; ctypes.string_at(0)", "killed by signal 11"),
+])
+def test_a_function_that_takes_its_process_down_is_an_error_and_the_loop_goes_on(quipu, tiny_model, tmp_path, home,
+                                                                                  body, words):
+    r = call_once(quipu, tiny_model, functions(tmp_path, body), "-S", "s", "--chain-limit", "2")
+    assert r.returncode == 0, r.stderr.decode()
+    calls = json.loads(r.stdout)["tool_calls"]
+    assert words in calls[0]["error"]
+    said = [line for line in r.stderr.decode().splitlines() if words in line]
+    assert len(said) >= 1 and "Traceback" not in r.stderr.decode()
+    # the loop went on: the model was told, and a later call ran in a new process
+    told = [m for m in json.loads((home / "data" / "sessions" / "s.json").read_text())["messages"] if m["role"] == "tool"]
+    assert told[0]["content"].startswith("error: ") and words in told[0]["content"]
+
+
+def test_a_worker_is_started_again_after_it_dies(tmp_path):
+    from quipu.app.functions import functions_from_files
+    from quipu.app.tooldefs import ToolFailure
+
+    path = tmp_path / "fns.py"
+    path.write_text("import os\n\ndef die(code: int) -> str:\n    os._exit(code)\n\n"
+                    "def pid() -> int:\n    return os.getpid()\n")
+    tools, _, worker = functions_from_files([str(path)])
+    by_name = {t.spec.name: t for t in tools}
+    try:
+        first = by_name["pid"].run({}, 30, lambda: False).text
+        with pytest.raises(ToolFailure, match="exited with 4"):
+            by_name["die"].run({"code": 4}, 30, lambda: False)
+        second = by_name["pid"].run({}, 30, lambda: False).text
+        assert first != second and worker.notices
+    finally:
+        worker.close()
+
+
+def pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_a_call_past_the_timeout_ends_its_process(quipu, tiny_model, tmp_path):
+    marker = tmp_path / "pid"
+    fns = functions(tmp_path, f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid()))\n"
+                              "while True: time.sleep(0.01)")
+    r = call_once(quipu, tiny_model, fns, "--tool-timeout", "1", "--chain-limit", "1")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "did not answer within 1 s" in json.loads(r.stdout)["tool_calls"][0]["error"]
+    assert not pid_alive(int(marker.read_text()))
+
+
+@pytest.mark.parametrize("head, words", [
+    ("while True: pass", "the import did not finish within 1 s"),
+    ("import os\nos._exit(9)", "exited with 9 during the import"),
+    ("x = 1\nraise RuntimeError('no')", "(line 3): RuntimeError: no"),
+])
+def test_an_import_that_does_not_finish_or_fails_is_one_line(quipu, tiny_model, tmp_path, head, words):
+    r = call_once(quipu, tiny_model, functions(tmp_path, "return 'x'", head=head), "--tool-timeout", "1")
+    err = r.stderr.decode().strip()
+    assert r.returncode == 2 and words in err and len(err.splitlines()) == 1, err
+    assert r.stdout == b""
+
+
+def test_an_import_error_of_a_file_named_by_a_relative_path_names_its_line(quipu, tiny_model, tmp_path):
+    import subprocess
+    import sys
+
+    functions(tmp_path, "return 'x'", head="x = 1\nraise RuntimeError('no')")
+    r = subprocess.run([sys.executable, "-m", "quipu", "run", "-m", str(tiny_model), "--functions", "fns.py", "hi"],
+                       cwd=tmp_path, capture_output=True, env={**__import__("os").environ, "QUIPU_HOME": str(tmp_path)})
+    assert r.returncode == 2 and "fns.py does not import (line 3): RuntimeError: no" in r.stderr.decode()
+
+
+@pytest.mark.parametrize("where", ["import", "call"])
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_and_sigterm_end_the_user_s_code_at_once(tiny_model, tmp_path, home, where, how):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / "pid"
+    loop = (f"import os, signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            f"open({str(marker)!r}, 'w').write(str(os.getpid()))\nwhile True:\n    time.sleep(0.01)")
+    fns = functions(tmp_path, loop if where == "call" else "return 'x'", head=loop if where == "import" else "")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ["QUIPU_HOME"] = str(home)
+    proc = subprocess.Popen([sys.executable, "-m", "quipu", "run", "-m", str(tiny_model), "--chat-template", QWEN,
+                             "--functions", str(fns), "--tool-choice", "required", "--yes", "-n", "400", "-t", "0",
+                             "Weather?"], env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)  # (until the user's code runs: observed, not timed)
+    worker = int(marker.read_text())
+    proc.send_signal(getattr(signal, how))
+    _, err = proc.communicate(timeout=30)  # (far more than the second it takes)
+    assert proc.returncode == 130, err.decode()
+    assert "Traceback" not in err.decode()
+    deadline = time.monotonic() + 5
+    while pid_alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not pid_alive(worker)
+
+
+def test_future_annotations_and_recursive_types_are_read(tmp_path):
+    import jsonschema
+
+    from quipu.app.functions import functions_from_files
+
+    path = tmp_path / "fns.py"
+    path.write_text('''from __future__ import annotations
+from dataclasses import dataclass
+from typing import Optional, TypedDict
+
+
+@dataclass
+class Place:
+    city: str
+    near: Optional[Place] = None
+
+
+class Node(TypedDict):
+    name: str
+    children: list[Node]
+
+
+def route(start: Place, tree: Node) -> str:
+    """A route."""
+    depth, place = 0, start
+    while place is not None:
+        depth, place = depth + 1, place.near
+    return f"{depth} places, {type(start).__name__}"
+''')
+    tools, _, worker = functions_from_files([str(path)])
+    try:
+        [tool] = tools
+        schema = tool.spec.parameters
+        assert schema["properties"]["start"] == {"$ref": "#/$defs/Place"}
+        assert schema["$defs"]["Place"]["properties"]["near"] == {"anyOf": [{"$ref": "#/$defs/Place"},
+                                                                             {"type": "null"}]}
+        assert schema["$defs"]["Node"]["properties"]["children"] == {"type": "array", "items": {"$ref": "#/$defs/Node"}}
+        jsonschema.Draft202012Validator.check_schema(schema)
+        args = {"start": {"city": "a", "near": {"city": "b", "near": None}}, "tree": {"name": "r", "children": []}}
+        jsonschema.validate(args, schema)
+        assert tool.run(args, 30, lambda: False).text == "2 places, Place"
+    finally:
+        worker.close()
+
+
+def test_the_model_s_result_and_its_whole_size_in_json(quipu, tiny_model, tmp_path):
+    r = call_once(quipu, tiny_model, functions(tmp_path, "return 'x' * 50_000_000"), "--tool-output-max", "100",
+                  "--chain-limit", "1")
+    assert r.returncode == 0, r.stderr.decode()
+    call = json.loads(r.stdout)["tool_calls"][0]
+    assert call["result_chars"] == 50_000_000
+    assert call["result"].startswith("x" * 100) and len(call["result"]) < 200
