@@ -321,3 +321,77 @@ def test_the_model_s_result_and_its_whole_size_in_json(quipu, tiny_model, tmp_pa
     call = json.loads(r.stdout)["tool_calls"][0]
     assert call["result_chars"] == 50_000_000
     assert call["result"].startswith("x" * 100) and len(call["result"]) < 200
+
+
+# ---- files the user names: bounded before they become Python objects ---------------------------------
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("option", ["--tools", "--messages", "--mcp-config"])
+def test_deeply_nested_json_is_one_line(quipu, tiny_model, tmp_path, option):
+    path = tmp_path / "deep.json"
+    path.write_text(DEEP)
+    extra = ["--mcp", "x"] if option == "--mcp-config" else []
+    r = quipu("run", "-m", tiny_model, option, path, *extra, "hi")
+    err = r.stderr.decode().strip()
+    assert r.returncode == 2 and "nests deeper than 100 levels" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_schema_3000_levels_deep_is_one_line(quipu, tiny_model, tmp_path):
+    deep = '{"type": "array", "items": ' * 3000 + '{"type": "string"}' + "}" * 3000
+    path = tmp_path / "tools.json"
+    path.write_text('[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", '
+                    '"properties": {"x": ' + deep + "}}}}]")
+    r = quipu("run", "-m", tiny_model, "--tools", path, "hi")
+    err = r.stderr.decode().strip()
+    assert r.returncode == 2 and "nests deeper" in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("messages, words", [
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content[0].text is a number, not text"),
+    ([{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}], "messages[1].role is not system, user"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages[0].content[0] is a 'image_url' part"),
+    ([{"role": "user", "content": {"text": "x"}}], "messages[0].content is an object"),
+    ([{"role": "tool", "content": "x", "tool_call_id": 7}], "messages[0].tool_call_id is a number"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"id": 1, "function": {"name": "f", "arguments": {}}}]}],
+     "messages[0].tool_calls[0].id is a number"),
+    (["hello"], "messages[0] is text, not a message"),
+])
+def test_a_message_of_the_wrong_shape_is_named_in_one_line(quipu, tiny_model, tmp_path, messages, words):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(messages))
+    r = quipu("run", "-m", tiny_model, "--messages", path, "-n", "2")
+    err = r.stderr.decode().strip()
+    assert r.returncode == 2 and words in err and len(err.splitlines()) == 1, err
+
+
+def test_a_tool_description_that_is_not_text_is_named(quipu, tiny_model, tmp_path):
+    path = write_tools(tmp_path, [{"type": "function", "function": {"name": "f", "description": 3}}])
+    r = quipu("run", "-m", tiny_model, "--tools", path, "hi")
+    assert r.returncode == 2 and "tools[0].function.description is a number" in r.stderr.decode()
+
+
+@pytest.mark.parametrize("what", ["message", "description"])
+def test_text_far_longer_than_the_context_is_refused_before_llama_cpp_sees_it(tiny_model, tmp_path, home, what):
+    import os
+    import subprocess
+    import sys
+
+    from limits import memory_limited
+
+    big = "word " * (6 << 20)  # 30 MB
+    if what == "message":
+        path = tmp_path / "m.json"
+        path.write_text(json.dumps([{"role": "user", "content": big}]))
+        args = ["--messages", str(path)]
+    else:
+        args = ["--tools", str(write_tools(tmp_path, [{"type": "function", "function": {"name": "f",
+                                                                                          "description": big}}])), "hi"]
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ["QUIPU_HOME"] = str(home)
+    r = subprocess.run([sys.executable, "-m", "quipu", "run", "-m", str(tiny_model), *args], env=environ,
+                       capture_output=True, preexec_fn=memory_limited, timeout=300, stdin=subprocess.DEVNULL)
+    err = r.stderr.decode().strip()
+    assert r.returncode == 2 and "context" in err and len(err.splitlines()) == 1, err

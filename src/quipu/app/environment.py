@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -269,16 +270,52 @@ def grammar_of(opts: TurnOptions):
     return grammar
 
 
+MAX_JSON_BYTES = 64 << 20  # the largest JSON file the user names that is read (as standard input)
+# A JSON string, or one bracket: what a depth scan needs to see of a JSON text.
+_JSON_MARKS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+
+
+def json_depth(text: str, stop_past: int) -> int:
+    """How deep brackets nest in a JSON text, found without parsing it (strings skipped), the
+    scan ended once past `stop_past`."""
+    depth = deepest = 0
+    for mark in _JSON_MARKS.finditer(text):
+        c = mark.group()
+        if c in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > stop_past:
+                    break
+        elif c in "]}":
+            depth -= 1
+    return deepest
+
+
 def read_json_file(name: str, what: str):
-    """A JSON file the user named, parsed; a clear usage error when it cannot be read or parsed."""
+    """A JSON file the user named, parsed; a clear usage error when it cannot be read or parsed,
+    or is larger or deeper than quipu takes (checked before it becomes Python objects)."""
     import json
+
+    from quipu.engine.grammar import MAX_DEPTH
 
     path = Path(name).expanduser()
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as f:
+            data = f.read(MAX_JSON_BYTES + 1)
     except OSError as exc:
         raise UsageError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
-    except (ValueError, UnicodeDecodeError) as exc:
+    if len(data) > MAX_JSON_BYTES:
+        raise UsageError(f"the {what} {path} is larger than {MAX_JSON_BYTES >> 20} MB")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"the {what} {path} is not UTF-8 text") from None
+    if json_depth(text, MAX_DEPTH) > MAX_DEPTH:
+        raise UsageError(f"the {what} {path} nests deeper than {MAX_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
         raise UsageError(f"the {what} {path} is not valid JSON: {exc}") from None
 
 

@@ -148,6 +148,25 @@ def to_python(value: Any, hint: Any) -> Any:
 
 # ---- tools the caller runs ---------------------------------------------------------------------
 
+def kind(value: Any) -> str:
+    """What a JSON value is, in words ("a number", "a list", ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true or false"
+    return {str: "text", int: "a number", float: "a number", list: "a list", dict: "an object"}.get(type(value),
+                                                                                                  type(value).__name__)
+
+
+def _text(value: Any, where: str, file: Path, optional: bool = True) -> str | None:
+    """A JSON value that must be text (or absent, where `optional`)."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise UsageError(f"{file}: {where} is {kind(value)}, not text")
+    return value
+
+
 def tools_from_json(path: str) -> list[Tool]:
     """Tool definitions in OpenAI's `tools` shape, which the caller runs (`--tool-result`)."""
     file = Path(path).expanduser()
@@ -162,10 +181,11 @@ def tools_from_json(path: str) -> list[Tool]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise UsageError(f"tool {i} of {file} has no function name ({{\"type\": \"function\", \"function\": "
                              "{\"name\": ...}})")
+        description = _text(fn.get("description"), f"tools[{i}].function.description", file) or ""
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise UsageError(f"the parameters of tool {fn['name']!r} in {file} are not a JSON Schema")
-        tools.append(Tool(ToolSpec(fn["name"], str(fn.get("description") or ""), params), None, file.name))
+        tools.append(Tool(ToolSpec(fn["name"], description, params), None, file.name))
     return tools
 
 
@@ -186,7 +206,8 @@ def check_tool_schemas(tools: Iterable[Tool]) -> None:
 
 def messages_from_file(path: str):
     """An OpenAI-style message list (`[{"role", "content", "tool_calls"?, "tool_call_id"?}]`, or
-    `{"messages": [...]}`) as the conversation's messages, checked."""
+    `{"messages": [...]}`) as the conversation's messages, each field checked: a one-line error
+    names the place (`messages[3].content[0].text is a number, not text`)."""
     from quipu.sessions.base import Message
 
     file = Path(path).expanduser()
@@ -197,36 +218,62 @@ def messages_from_file(path: str):
         raise UsageError(f"{file} must hold a list of messages ({{\"role\", \"content\"}})")
     out = []
     for i, m in enumerate(data):
-        where = f"message {i} of {file}"
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-            raise UsageError(f"{where} has no role of system, user, assistant or tool")
-        content = m.get("content") or ""
-        if isinstance(content, list):  # parts: the text ones, joined
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        if not isinstance(content, str):
-            raise UsageError(f"{where} has a content that is not text")
-        calls = None
-        if m.get("tool_calls"):
-            calls = []
-            for call in m["tool_calls"] if isinstance(m["tool_calls"], list) else [None]:
-                fn = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise UsageError(f"{where} has a tool call without a function name")
-                args = fn.get("arguments") or {}
-                if isinstance(args, str):
-                    try:
-                        args = json.loads(args or "{}")
-                    except ValueError:
-                        raise UsageError(f"{where}: the arguments of {fn['name']} are not JSON") from None
-                if not isinstance(args, dict):
-                    raise UsageError(f"{where}: the arguments of {fn['name']} are not an object")
-                made = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
-                if isinstance(call.get("id"), str):
-                    made = {"id": call["id"], **made}
-                calls.append(made)
-        ident = m.get("tool_call_id")
-        name = m.get("name")
-        out.append(Message(m["role"], content, tool_calls=calls,
-                           tool_call_id=ident if isinstance(ident, str) else None,
-                           name=name if isinstance(name, str) and m["role"] == "tool" else None))
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise UsageError(f"{file}: {where} is {kind(m)}, not a message ({{\"role\", \"content\"}})")
+        if m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise UsageError(f"{file}: {where}.role is not system, user, assistant or tool")
+        content = _content(m.get("content"), f"{where}.content", file)
+        calls = _calls(m.get("tool_calls"), f"{where}.tool_calls", file) if m.get("tool_calls") else None
+        ident = _text(m.get("tool_call_id"), f"{where}.tool_call_id", file)
+        name = _text(m.get("name"), f"{where}.name", file)
+        out.append(Message(m["role"], content, tool_calls=calls, tool_call_id=ident,
+                           name=name if m["role"] == "tool" else None))
     return out
+
+
+def _content(content: Any, where: str, file: Path) -> str:
+    """A message's content: text, or a list of text parts (joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise UsageError(f"{file}: {where} is {kind(content)}, not text or a list of parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise UsageError(f"{file}: {where}[{j}] is {kind(part)}, not a part ({{\"type\": \"text\", \"text\"}})")
+        if part.get("type", "text") != "text":
+            raise UsageError(f"{file}: {where}[{j}] is a {str(part.get('type'))[:40]!r} part; quipu reads text parts")
+        texts.append(_text(part.get("text"), f"{where}[{j}].text", file, optional=False))
+    return "".join(t for t in texts if t)
+
+
+def _calls(given: Any, where: str, file: Path) -> list[dict[str, Any]]:
+    """An assistant message's tool calls, as the conversation keeps them."""
+    from quipu.engine.grammar import MAX_DEPTH, depth
+
+    if not isinstance(given, list):
+        raise UsageError(f"{file}: {where} is {kind(given)}, not a list of calls")
+    calls = []
+    for j, call in enumerate(given):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise UsageError(f"{file}: {where}[{j}] has no function name")
+        args = fn.get("arguments") or {}
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except (ValueError, RecursionError):
+                raise UsageError(f"{file}: {where}[{j}].function.arguments are not JSON") from None
+        if not isinstance(args, dict):
+            raise UsageError(f"{file}: {where}[{j}].function.arguments are {kind(args)}, not an object")
+        if depth(args) > MAX_DEPTH:
+            raise UsageError(f"{file}: {where}[{j}].function.arguments nest deeper than {MAX_DEPTH} levels")
+        made: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        ident = _text(call.get("id"), f"{where}[{j}].id", file)
+        if ident is not None:
+            made = {"id": ident, **made}
+        calls.append(made)
+    return calls

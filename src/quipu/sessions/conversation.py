@@ -82,8 +82,9 @@ class Conversation:
         # Every text from outside (a tool's definition, a call's arguments) is data, never markup.
         defined = [tool.to_openai() for tool in self.tools]
         calls = [m.tool_calls for m in messages if m.tool_calls]
-        protector = Protector(self.session.control_spellings(
-            [m.content for m in messages] + [tail] + list(strings_of(defined)) + list(strings_of(calls))))
+        texts = [m.content for m in messages] + [tail] + list(strings_of(defined)) + list(strings_of(calls))
+        self.session.check_text_fits("".join(texts))  # (refused before a tokenizer sees megabytes)
+        protector = Protector(self.session.control_spellings(texts))
         # A user's, a tool's or a system prompt's spelling of a control token stays text; a reply
         # is the model's own, whose markup (a call's, reasoning's) is the tokens it wrote, and
         # whose calls' arguments are data the grammar kept to text.
