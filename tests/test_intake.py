@@ -395,3 +395,18 @@ def test_text_far_longer_than_the_context_is_refused_before_llama_cpp_sees_it(ti
                        capture_output=True, preexec_fn=memory_limited, timeout=300, stdin=subprocess.DEVNULL)
     err = r.stderr.decode().strip()
     assert r.returncode == 2 and "context" in err and len(err.splitlines()) == 1, err
+
+
+# ---- one voice --------------------------------------------------------------------------------
+
+def test_an_mcp_server_that_writes_garbage_is_one_line(quipu, tiny_model, tmp_path, home):
+    import sys
+
+    config = home / "config" / "config.toml"
+    config.parent.mkdir(parents=True)
+    garbage = "print('not json-rpc at all'); print('{\"jsonrpc\": 5}'); print('[1, 2'); import sys; sys.stdout.flush()"
+    config.write_text(f'[mcp.junk]\ncommand = {json.dumps(sys.executable)}\nargs = ["-c", {json.dumps(garbage)}]\n')
+    r = quipu("run", "-m", tiny_model, "--mcp", "junk", "hi")
+    err = r.stderr.decode().strip()
+    assert r.returncode in (1, 2) and "junk" in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and "pydantic" not in err, err

@@ -23,9 +23,41 @@ def run_app(build_app: Callable, argv: list[str]) -> int:
     return guarded(call)
 
 
+# The libraries whose loggers would otherwise speak over quipu (and Python's warnings).
+LIBRARIES = ("mcp", "httpx", "httpcore", "huggingface_hub", "asyncio", "anyio", "urllib3", "filelock", "py.warnings")
+
+
+def quiet_libraries() -> None:
+    """The libraries quipu uses speak only through quipu: what they log prints nothing on its
+    own (what matters reaches the user as quipu's own error or warning); `--verbose` shows it."""
+    import logging
+
+    logging.captureWarnings(True)
+    for name in LIBRARIES:
+        log = logging.getLogger(name)
+        log.handlers = [logging.NullHandler()]
+        log.propagate = False
+
+
+def library_logs(stream) -> None:
+    """`--verbose`: what the libraries log, one line a record, on `stream`."""
+    import logging
+
+    class OneLine(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            said = record.getMessage().strip().splitlines()
+            return f"quipu: {record.name}: {said[0][:300] if said else record.levelname.lower()}"
+
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(OneLine())
+    for name in LIBRARIES:
+        logging.getLogger(name).addHandler(handler)
+
+
 def guarded(call: Callable[[], object]) -> int:
     """Runs a command; its result, or what it raised, becomes the exit code (and a message)."""
     debug = os.environ.get("QUIPU_DEBUG") == "1"
+    quiet_libraries()
     try:
         result = call()
         return int(result) if isinstance(result, int) else ExitCode.OK

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from quipu.cli import spec
 from quipu.cli.terminal import PrefillProgress, Terminal
 from quipu.errors import UsageError
@@ -41,6 +43,10 @@ def chat(env, **given) -> int:
 
     resume, markdown, hide_thinking = (given[k] for k in OWN)
     opts = spec.turn_options(given)
+    if opts.verbose:
+        from quipu.cli.boundary import library_logs
+
+        library_logs(sys.stderr)
     if opts.session is not None and resume:
         raise UsageError("give either --session NAME or --resume, not both")
     term = Terminal.detect()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from quipu.cli import spec
 from quipu.cli.terminal import PrefillProgress, StopOnCtrlC, Terminal, gather_prompt
@@ -66,6 +67,10 @@ def run(env, **given) -> int:
     if batch is None and parallel is not None:
         raise UsageError("--parallel goes with --batch")
     opts = spec.turn_options(given)
+    if opts.verbose:
+        from quipu.cli.boundary import library_logs
+
+        library_logs(sys.stderr)
     text = gather_prompt(prompt, term, allow_empty=empty_allowed(opts)) if batch is None else None
     if batch is not None:
         from quipu.cli.batch import run_batch_file
