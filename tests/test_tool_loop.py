@@ -271,6 +271,9 @@ def test_a_tool_result_for_a_call_never_made_is_refused(quipu, tiny_model, tmp_p
     assert bad.returncode == 2 and "'nope', which the last reply did not call" in err and call["id"] in err
     missing = quipu("run", "-S", "s", "--tool-result", f"{call['id']}=1", "--tool-result", f"{call['id']}x=2")
     assert missing.returncode == 2
+    twice = quipu("run", "-S", "s", "--tool-result", f"{call['id']}=1", "--tool-result", f"{call['id']}=2")
+    err = twice.stderr.decode()
+    assert twice.returncode == 2 and f"gives '{call['id']}' twice" in err and "(it called: )" not in err, err
 
 
 def test_a_function_s_type_hints_become_its_schema(tmp_path):

@@ -339,7 +339,11 @@ def answer_pending(conv: Conversation, opts, limit: int, stop: Sequence[str], si
         raise UsageError("the session's last reply made no call that waits for a result")
     given = parse_tool_results(opts.tool_results)
     answers = []
+    seen: set[str] = set()
     for ident, text in given:
+        if ident in seen:
+            raise UsageError(f"--tool-result gives {ident!r} twice; give one result for each call")
+        seen.add(ident)
         if ident not in pending:
             raise UsageError(f"--tool-result names {ident!r}, which the last reply did not call "
                              f"(it called: {', '.join(sorted(pending))})")
