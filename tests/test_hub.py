@@ -149,7 +149,8 @@ def test_a_wrong_checksum_is_removed_and_said(quipu, hub, hub_env):
     assert quipu("models", "pull", "tiny/Tiny-GGUF", env=hub_env).returncode == 0
 
 
-def test_an_interrupted_pull_goes_on_where_it_stopped(hub, hub_env, home):
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_pull_goes_on_where_it_stopped(hub, hub_env, home, how):
     hub.stall_at = 15 << 20  # past the first 10 MB chunk, which the client has written by then
     environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
     environ.update(QUIPU_HOME=str(home), **hub_env)
@@ -160,7 +161,7 @@ def test_an_interrupted_pull_goes_on_where_it_stopped(hub, hub_env, home):
     while time.monotonic() < deadline and not any(
             p.name.endswith(".incomplete") and p.stat().st_size >= 10 << 20 for p in cached_blobs(hub_env)):
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)  # Ctrl-C
+    proc.send_signal(getattr(signal, how))  # Ctrl-C, or told to end
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err.decode()
     [partial] = [p for p in cached_blobs(hub_env) if p.name.endswith(".incomplete")]

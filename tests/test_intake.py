@@ -410,3 +410,48 @@ def test_an_mcp_server_that_writes_garbage_is_one_line(quipu, tiny_model, tmp_pa
     err = r.stderr.decode().strip()
     assert r.returncode in (1, 2) and "junk" in err, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err and "pydantic" not in err, err
+
+
+# ---- Ctrl-C and SIGTERM act at once ---------------------------------------------------------------
+
+def _started(args, home, env=None):
+    import os
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ.update(QUIPU_HOME=str(home), **(env or {}))
+    return subprocess.Popen([sys.executable, "-m", "quipu", *map(str, args)], env=environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+
+
+def _wait_for(path: Path, proc) -> None:
+    import time
+
+    deadline = time.monotonic() + 120
+    while not (path.exists() and path.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # (until the moment is observed, not for a time)
+    assert path.exists() and path.read_text(), proc.communicate(timeout=10)[1].decode()
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_an_mcp_server_that_never_answers_initialize_is_left_at_once(tiny_model, tmp_path, home, how):
+    import signal
+    import sys
+    import time
+
+    marker = tmp_path / "pid"
+    silent = (f"import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              f"open({str(marker)!r}, 'w').write(str(os.getpid()))\nwhile True: time.sleep(0.05)\n")
+    config = home / "config" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text(f'[mcp.mute]\ncommand = {json.dumps(sys.executable)}\nargs = ["-c", {json.dumps(silent)}]\n')
+    proc = _started(["run", "-m", tiny_model, "--mcp", "mute", "hi"], home)
+    _wait_for(marker, proc)
+    proc.send_signal(getattr(signal, how))
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in err.decode(), err.decode()
+    deadline = time.monotonic() + 5
+    while pid_alive(int(marker.read_text())) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not pid_alive(int(marker.read_text()))  # the server went with it

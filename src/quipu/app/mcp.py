@@ -74,6 +74,7 @@ class McpServer:
         self.definition = definition
         self.timeout = definition.get("timeout", 60.0)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
         self._session = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
@@ -98,6 +99,7 @@ class McpServer:
         from mcp.client.stdio import StdioServerParameters, stdio_client
 
         self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
         self._stop = asyncio.Event()
         params = StdioServerParameters(command=self.definition["command"], args=self.definition["args"],
                                        env=server_environment(self.definition))
@@ -118,10 +120,10 @@ class McpServer:
         deadline = time.monotonic() + START_TIMEOUT
         while not self._ready.wait(POLL_S):
             if self.stopped():
-                self.close()
+                self.close(at_once=True)
                 raise Interrupted(f"stopped while the MCP server {self.name!r} started")
             if time.monotonic() > deadline:
-                self.close()
+                self.close(at_once=True)
                 raise McpError(f"the MCP server {self.name!r} did not start within {START_TIMEOUT:g} s")
         if self._session is None:
             raise McpError(f"the MCP server {self.name!r} did not start: {self._why()}")
@@ -185,9 +187,21 @@ class McpServer:
 
         return call
 
-    def close(self) -> None:
-        if self._loop is not None and self._stop is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop.set)
+    def close(self, at_once: bool = False) -> None:
+        """Ends the session and the server: its stdin closed, and the `mcp` package's grace before
+        it is killed; `at_once` (the user stopped quipu, or it never answered) with almost none."""
+        if at_once:
+            import mcp.client.stdio
+
+            # (the package's own shutdown, with its waits cut short: quipu is leaving)
+            mcp.client.stdio.PROCESS_TERMINATION_TIMEOUT = 0.1
+            mcp.client.stdio.FORCE_KILL_TIMEOUT = 0.1
+            mcp.client.stdio._WRITER_FLUSH_TIMEOUT = 0.05
+        if self._loop is not None and self._thread.is_alive():
+            if self._session is not None and self._stop is not None and not at_once:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            elif self._task is not None:
+                self._loop.call_soon_threadsafe(self._task.cancel)
             self._thread.join(5)
         self._errlog.close()
 
@@ -207,8 +221,8 @@ def start_servers(names, config_servers: dict[str, dict[str, Any]], config_file:
             server = McpServer(name, known[name], stopped)
             started.append(server)
             server.start()
-    except BaseException:
+    except BaseException as exc:
         for server in started:
-            server.close()
+            server.close(at_once=not isinstance(exc, QuipuError) or isinstance(exc, Interrupted))
         raise
     return started

@@ -54,10 +54,26 @@ def library_logs(stream) -> None:
         logging.getLogger(name).addHandler(handler)
 
 
+def _ended(signum, frame) -> None:
+    raise KeyboardInterrupt  # (SIGTERM, SIGHUP: quipu stops as at Ctrl-C; a reply in progress has its own handler)
+
+
+def end_as_interrupted() -> None:
+    """SIGTERM and SIGHUP end quipu as Ctrl-C does (what was done is kept, exit 130), never by the
+    signal's default death."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for name in ("SIGTERM", "SIGHUP"):
+            signal.signal(getattr(signal, name), _ended)
+
+
 def guarded(call: Callable[[], object]) -> int:
     """Runs a command; its result, or what it raised, becomes the exit code (and a message)."""
     debug = os.environ.get("QUIPU_DEBUG") == "1"
     quiet_libraries()
+    end_as_interrupted()
     try:
         result = call()
         return int(result) if isinstance(result, int) else ExitCode.OK
