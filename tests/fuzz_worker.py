@@ -120,6 +120,86 @@ def batch_files(draw):
     return "\n".join(rows)
 
 
+# ---- what quipu lets in: tool files, message files, functions files, MCP servers, the Hub -------------
+
+NASTY = ["<|im_end|>", "<|im_start|>system\n", "</tool_call>", "\u0000", "\ud7ff", "é", "\\", "/", "..", "{", "}",
+         '"', "\n", "$ref", "#/$defs/a"]
+nasty_text = st.text(max_size=8) | st.sampled_from(NASTY) | st.builds(lambda a, b: a + b, st.sampled_from(NASTY),
+                                                                     st.text(max_size=4))
+names = st.sampled_from(["f", "get_weather", "a.b-c", "x" * 64, "x" * 65, "", "a b", "<|im_end|>", "café"]) | nasty_text
+
+
+@st.composite
+def tool_files(draw):
+    def tool():
+        fn = {"name": draw(names), "description": draw(nasty_text | st.integers() | st.none()),
+              "parameters": draw(json_values | st.just({"type": "object", "properties": {
+                  draw(nasty_text): {"type": "string", "description": draw(nasty_text), "enum": [draw(nasty_text)]}}}))}
+        fn = {k: v for k, v in fn.items() if draw(st.booleans()) or k == "name"}
+        return draw(st.sampled_from([{"type": "function", "function": fn}, fn, [fn], "x", None]))
+
+    return draw(st.one_of(st.lists(st.builds(tool), max_size=4), st.builds(lambda t: {"tools": t},
+                                                                           st.lists(st.builds(tool), max_size=3)),
+                          json_values))
+
+
+@st.composite
+def message_files(draw):
+    def part():
+        return draw(st.sampled_from([{"type": "text", "text": draw(nasty_text | st.integers() | st.none())},
+                                     {"type": "image_url", "image_url": {"url": "x"}}, "text", 5, {"text": "t"}]))
+
+    def message():
+        m = {"role": draw(st.sampled_from(["system", "user", "assistant", "tool", "bot", 5])),
+             "content": draw(nasty_text | st.lists(st.builds(part), max_size=3) | st.none() | st.integers()),
+             "tool_call_id": draw(nasty_text | st.integers() | st.none()), "name": draw(names | st.integers()),
+             "tool_calls": draw(st.none() | st.lists(st.fixed_dictionaries({
+                 "id": nasty_text | st.integers(), "type": st.just("function"),
+                 "function": st.fixed_dictionaries({"name": names, "arguments": json_values | nasty_text})}),
+                 max_size=2) | json_values)}
+        return {k: v for k, v in m.items() if draw(st.booleans()) or k == "role"}
+
+    messages = draw(st.lists(st.builds(message), max_size=5))
+    return draw(st.sampled_from([messages, {"messages": messages}, "x", None, [None]]))
+
+
+HINTS = ["int", "str", "float", "bool", "list[int]", "list[Place]", "dict[str, int]", "Optional[str]",
+         "Literal['a', 'b']", "Literal[1, None]", "Place", "Node", "Optional['Place']", "'Nope'", "tuple[int, ...]",
+         "set[str]", "Any", "list", "dict", "bytes", "Union[int, str]", "Callable", "TypedDictNode", "None"]
+BODIES = ["return 1", "return 'x' * 100", "return None", "print('out'); return 2", "raise ValueError('no')",
+          "import sys; sys.exit(3)", "import sys; print('err', file=sys.stderr); return {'a': [1]}",
+          "return object()", "return float('nan')", "import os; os._exit(5)", "return [1] * 10000"]
+
+
+@st.composite
+def functions_files(draw):
+    head = ["from __future__ import annotations" if draw(st.booleans()) else "",
+            "from dataclasses import dataclass, field", "from typing import *",
+            "@dataclass\nclass Place:\n    city: " + draw(st.sampled_from(HINTS))
+            + "\n    near: Optional[Place] = None",
+            "class Node(TypedDict):\n    name: str\n    kids: list[Node]",
+            "TypedDictNode = Node"]
+    if draw(st.integers(0, 9)) == 0:
+        head.append(draw(st.sampled_from(["raise RuntimeError('import')", "def (:", "import nosuchmodule",
+                                          "print('at import')"])))
+    fns = []
+    for i in range(draw(st.integers(0, 3))):
+        params = []
+        for j in range(draw(st.integers(0, 3))):
+            hint = draw(st.sampled_from(HINTS + [""]))
+            default = draw(st.sampled_from(["", " = 1", " = None", " = 'x'", " = []"]))
+            params.append(f"p{j}" + (f": {hint}" if hint else "") + (default if default or not params else ""))
+        fixed = []  # (a parameter without a default may not follow one with a default)
+        seen_default = False
+        for p in params:
+            seen_default = seen_default or "=" in p
+            fixed.append(p if "=" in p or not seen_default else p + " = None")
+        doc = draw(nasty_text).replace("\\", "").replace('"', "")
+        fns.append(f"def {draw(st.sampled_from(['f', 'g', 'h_' + str(i), '_private']))}({', '.join(fixed)}):\n"
+                   f'    """{doc}"""\n    {draw(st.sampled_from(BODIES))}')
+    return "\n\n".join(head + fns) + "\n"
+
+
 def keep(text: str) -> None:
     """The input about to be tried, where a test can read it should this process die on it."""
     import os
@@ -131,6 +211,9 @@ def keep(text: str) -> None:
 
 
 def main() -> None:
+    from quipu.cli.boundary import quiet_libraries
+
+    quiet_libraries()  # (as the command line does: the libraries' loggers print nothing)
     surface, seed_value, count, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     checks = settings(max_examples=count, deadline=None, database=None, derandomize=False,
                       suppress_health_check=list(HealthCheck))
@@ -281,6 +364,166 @@ def main() -> None:
                 code = run_app(build_app, argv)
             assert code in (0, 1, 2, 130), (argv, code, err.getvalue())
             assert "Traceback" not in err.getvalue(), (argv, err.getvalue())
+    elif surface in ("tools", "messages"):
+        import tempfile
+        from pathlib import Path
+
+        from quipu.app.tool_files import check_tool_schemas, messages_from_file, tools_from_json
+        from quipu.app.tools import Toolbox
+        from quipu.engine.base import ContextSettings
+        from quipu.engine.llama import LlamaBackend
+        from quipu.errors import TemplateError
+        from quipu.sessions.conversation import Conversation
+        from quipu.sessions.inference import InferenceSession
+        from quipu.sessions.params import SamplingParams
+
+        folder = Path(tempfile.mkdtemp())
+        backend = LlamaBackend(model, ContextSettings(n_ctx=2048, n_threads=1))
+        template = (Path(__file__).parent / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+
+        def render(tools=(), messages=()):
+            session = InferenceSession(backend, SamplingParams(seed=0))
+            conv = Conversation.start(session, template=template, messages=list(messages))
+            conv.tools = list(tools)
+            try:
+                conv.render_tokens(conv.messages + ([] if messages else []), add_generation_prompt=True)
+            except TemplateError:
+                pass  # (a template may refuse a conversation, in its own words)
+
+        @seed(seed_value)
+        @checks
+        @given(tool_files() if surface == "tools" else message_files())
+        def case(value):
+            text = json.dumps(value)
+            keep(text)
+            path = folder / "input.json"
+            path.write_text(text)
+            try:
+                if surface == "tools":
+                    box = Toolbox()
+                    box.add(tools_from_json(str(path)))
+                    check_tool_schemas(box.tools.values())
+                    render(tools=box.specs)
+                else:
+                    render(messages=messages_from_file(str(path)))
+            except QuipuError:
+                pass
+    elif surface == "functions":
+        import tempfile
+        from pathlib import Path
+
+        from quipu.app.functions import functions_from_files
+        from quipu.app.tool_files import check_tool_schemas
+        from quipu.app.tooldefs import ToolFailure
+
+        folder = Path(tempfile.mkdtemp())
+
+        @seed(seed_value)
+        @checks
+        @given(functions_files(), json_values)
+        def case(source, arguments):
+            keep(source)
+            path = folder / "fns.py"
+            path.write_text(source)
+            try:
+                tools, _, worker = functions_from_files([str(path)], timeout=20)
+            except QuipuError:
+                return
+            try:
+                check_tool_schemas(tools)
+                for tool in tools:
+                    try:
+                        tool.run(arguments if isinstance(arguments, dict) else {}, 20, lambda: False)
+                    except ToolFailure:
+                        pass
+            except QuipuError:
+                pass
+            finally:
+                worker.close()
+    elif surface == "mcp":
+        import tempfile
+        from pathlib import Path
+
+        import quipu.app.mcp as mcp_tools
+        from quipu.app.tooldefs import ToolFailure
+
+        mcp_tools.START_TIMEOUT = 1.5  # (a script that leaves a request unanswered is waited for this long)
+        folder = Path(tempfile.mkdtemp())
+        scripted = Path(__file__).with_name("scripted_server.py")
+        answer = st.one_of(
+            st.builds(lambda r: {"jsonrpc": "2.0", "result": r}, json_values),
+            st.builds(lambda t: {"jsonrpc": "2.0", "result": {"tools": t}}, st.lists(st.fixed_dictionaries({
+                "name": names, "description": nasty_text | st.integers(), "inputSchema": json_values}), max_size=3)),
+            st.just({"jsonrpc": "2.0", "result": {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}},
+                                                  "serverInfo": {"name": "s", "version": "1"}}}),
+            st.builds(lambda c: {"jsonrpc": "2.0", "result": {"content": c}}, json_values),
+            st.builds(lambda e: {"jsonrpc": "2.0", "error": e}, json_values),
+            nasty_text, json_values)
+
+        @seed(seed_value)
+        @checks
+        @given(st.lists(st.tuples(answer, st.sampled_from(["same", "other", "none"])), max_size=6))
+        def case(script):
+            text = json.dumps(script)
+            keep(text)
+            (folder / "script.json").write_text(text)
+            server = {"command": sys.executable, "args": [str(scripted), str(folder / "script.json")], "env": {},
+                      "env_pass": [], "timeout": 5.0, "prefix": None}
+            try:
+                [started] = mcp_tools.start_servers(["s"], {"s": server}, None)
+            except QuipuError:
+                return
+            try:
+                for tool in started.tools:
+                    try:
+                        tool.run({}, 1.5, lambda: False)
+                    except ToolFailure:
+                        pass
+            finally:
+                started.close()
+    elif surface == "hub":
+        import os
+        import tempfile
+        import types
+        from pathlib import Path
+
+        from hub_server import start_hub
+
+        root = Path(tempfile.mkdtemp())
+        outside = Path(tempfile.mkdtemp()) / "outside"
+        os.environ.update(HF_ENDPOINT="", HF_HUB_CACHE=str(root / "hf"), HF_HUB_DISABLE_XET="1",
+                          HF_HUB_DISABLE_TELEMETRY="1", HF_TOKEN="")
+        hub = start_hub({"fz/Fuzz-GGUF": {"a-Q4_K_M.gguf": b"GGUF" + bytes(64)}})
+        os.environ["HF_ENDPOINT"] = hub.url
+        from quipu.app import hub as hubs
+
+        env = types.SimpleNamespace(dirs=types.SimpleNamespace(models=root / "models"))
+        paths = st.sampled_from(["a-Q4_K_M.gguf", str(outside / "x-Q4_K_M.gguf"), "../x-Q4_K_M.gguf",
+                                 "a/../../x-Q4_K_M.gguf", "C:\\x-Q4_K_M.gguf", "a\\b-Q4_K_M.gguf",
+                                 "x\x00-Q4_K_M.gguf", "sub/a-Q4_K_M.gguf", "chat_template.jinja",
+                                 "b-00001-of-00002.gguf", ""]) | nasty_text
+        entry = st.fixed_dictionaries({"type": st.sampled_from(["file", "directory", "x", 5]), "path": paths | st.integers(),
+                                       "size": st.integers(-5, 2**62) | st.none() | nasty_text,
+                                       "oid": st.just("0" * 40)},
+                                      optional={"lfs": st.fixed_dictionaries({"oid": nasty_text | st.just("0" * 64),
+                                                                              "size": st.integers(0, 100)})})
+        listing = st.one_of(st.lists(entry, max_size=4).map(lambda x: json.dumps(x).encode()),
+                            json_values.map(lambda x: json.dumps(x).encode()), st.binary(max_size=20))
+
+        @seed(seed_value)
+        @checks
+        @given(listing, st.sampled_from(["0123456789abcdef0123456789abcdef01234567", "../../x", "", "a/b", "é"]),
+               st.sampled_from([None, '"../../../x"', '"abc"', '""', "W/\"x\""]))
+        def case(body, commit, etag):
+            keep(json.dumps([body.decode("latin-1"), commit, etag]))
+            hub.listing, hub.commit, hub.etag = body, commit, etag
+            try:
+                hubs.pull(hubs.HubRef.parse("fz/Fuzz-GGUF"), env)
+            except QuipuError:
+                pass
+            assert not outside.exists(), "a listing wrote outside the cache"
+            for path in Path("/").glob("*-Q4_K_M.gguf"):
+                raise AssertionError(f"written at {path}")
     else:
         raise SystemExit(f"no surface {surface}")
     case()

@@ -4,7 +4,8 @@ ETag and checksum headers, ranged GETs), serving files the tests make. Repositor
 {"owner/name": {"path": bytes}}; `gated` ones refuse downloads without `token`; faults a test can pick: `corrupt`
 (bytes that do not match the checksum), `stall_at` (stop sending after that many bytes of a file
 until `release` is set; `stalled` is set when it happens), `sizes` (a size to advertise for a file
-instead of its own), `commit` (the version to name). Every GET's Range is kept in `ranges`, and the
+instead of its own), `commit` and `etag` (the version and checksum to name), `listing` (the bytes to
+answer any listing with). Every GET's Range is kept in `ranges`, and the
 file of every HEAD in `heads`."""
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class Hub(BaseHTTPRequestHandler):
         server = self.server
         path = unquote(urlsplit(self.path).path)
         parts = path.strip("/").split("/")
+        if parts[:2] == ["api", "models"] and "tree" in parts and server.listing is not None:
+            return self.send(200, server.listing, {"Content-Type": "application/json"})
         if parts[:2] == ["api", "models"] and "tree" in parts:
             repo = "/".join(parts[2:parts.index("tree")])
             files = server.repos.get(repo)
@@ -63,7 +66,7 @@ class Hub(BaseHTTPRequestHandler):
                 server.heads.append(name)
             digest = hashlib.sha256(data).hexdigest()
             server.blobs[digest] = data
-            headers = {"X-Repo-Commit": server.commit, "X-Linked-Etag": f'"{digest}"',
+            headers = {"X-Repo-Commit": server.commit, "X-Linked-Etag": server.etag or f'"{digest}"',
                        "X-Linked-Size": str(server.sizes.get(name, len(data))),
                        "ETag": f'"{hashlib.sha1(data).hexdigest()}"',
                        "Location": f"http://localhost:{server.server_address[1]}/cdn/{digest}"}  # another host: a CDN
@@ -119,7 +122,7 @@ def start_hub(repos: dict[str, dict[str, bytes]]):
     server.daemon_threads = True
     server.repos, server.gated, server.blobs, server.token = repos, set(), {}, "hf_a-good-token"
     server.corrupt, server.stall_at, server.ranges, server.heads = False, None, [], []
-    server.sizes, server.commit = {}, COMMIT
+    server.sizes, server.commit, server.etag, server.listing = {}, COMMIT, None, None
     server.stalled, server.release = threading.Event(), threading.Event()
     threading.Thread(target=server.serve_forever, daemon=True).start()
     server.url = f"http://127.0.0.1:{server.server_address[1]}"

@@ -198,10 +198,14 @@ def plan_pull(ref: HubRef) -> PullPlan:
 
     entries = []
     with _HubErrors(ref.repo):
-        for entry in HfApi().list_repo_tree(ref.repo, recursive=True):
-            entries.append(entry)
-            if len(entries) > MAX_LISTING:
-                raise HubError(f"'{ref.repo}' lists more than {MAX_LISTING:,} files; nothing was fetched")
+        try:
+            for entry in HfApi().list_repo_tree(ref.repo, recursive=True):
+                entries.append(entry)
+                if len(entries) > MAX_LISTING:
+                    raise HubError(f"'{ref.repo}' lists more than {MAX_LISTING:,} files; nothing was fetched")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # (what the client makes of a bad listing)
+            raise HubError(f"{endpoint()} answered a listing of '{ref.repo}' that cannot be read "
+                           f"({type(exc).__name__}); nothing was fetched") from None
     files = []
     for e in entries:
         path = repository_path(getattr(e, "path", None), ref.repo)
