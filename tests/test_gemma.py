@@ -39,7 +39,11 @@ def test_undo_and_the_prompt_cache_on_a_sliding_window_cache(quipu, gemma_model,
     before = tokens(home, "u")
     r = quipu("chat", "-S", "u", "-n", "8", input="Name a mountain.\n/undo\n")
     assert r.returncode == 0 and "Traceback" not in r.stderr.decode(), r.stderr.decode()[-800:]
-    assert tokens(home, "u") == before
+    # (without a chat template of its own, Gemma reads the ChatML fallback's markup as text, which
+    # may join the reply's last token: the turn read that token again, and /undo goes back to
+    # where the context was still as before)
+    after = tokens(home, "u")
+    assert after == before[:len(after)] and len(after) >= len(before) - 2
     again = quipu("run", "-S", "u", "-n", "8", "--json", "Name a lake.")
     assert again.returncode == 0 and json.loads(again.stdout)["usage"]["cached_tokens"] > 5
     # The prompt cache: a second one-shot run on the same document restores its beginning,

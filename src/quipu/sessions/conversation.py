@@ -124,13 +124,23 @@ class Conversation:
         """Adds a user message and generates the reply, which joins the conversation."""
         self.session.check_text_fits(text)
         before = self.session.used if self.session.capabilities.exact_tokens else None
-        self.messages.append(Message("user", text, context_before=before))
+        held = list(self.session.tokens) if before is not None else []
+        user = Message("user", text, context_before=before)
+        self.messages.append(user)
         try:
-            return self._generate(Message("assistant", ""), max_tokens, stop, sink)
+            gen = self._generate(Message("assistant", ""), max_tokens, stop, sink)
         except BaseException:
             del self.messages[-1]
             self.session.rewind(before or 0)  # no half-read prompt stays behind
             raise
+        if before is not None:
+            # The turn may have read the end of the last reply again (where the template's text
+            # after it tokenizes with it, as with no markup of the model's own): the context is
+            # as it was only up to there, and an /undo goes back to that point.
+            now = self.session.tokens
+            same = next((i for i, (a, b) in enumerate(zip(held, now)) if a != b), min(len(held), len(now)))
+            user.context_before = min(before, same)
+        return gen
 
     def continue_reply(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT) -> Generation:
         """Keeps generating the last reply, as if it had never ended."""
@@ -304,7 +314,8 @@ class Conversation:
 
     def undo(self) -> bool:
         """Drops the last exchange (the last user message and what followed it) and returns the
-        context to exactly what it held before it: a rewind, nothing is re-read."""
+        context to what it held before it: a rewind, nothing is re-read (where that turn read the
+        end of the reply before it again, to the point the context was still as before)."""
         for i in range(len(self.messages) - 1, -1, -1):
             if self.messages[i].role == "user":
                 before = self.messages[i].context_before
