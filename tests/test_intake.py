@@ -455,3 +455,27 @@ def test_an_mcp_server_that_never_answers_initialize_is_left_at_once(tiny_model,
     while pid_alive(int(marker.read_text())) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not pid_alive(int(marker.read_text()))  # the server went with it
+
+
+def test_a_messages_file_s_tools_are_offered_and_kept_as_text(quipu, tiny_model, tmp_path):
+    request = {"messages": [{"role": "user", "content": "Weather?"}],
+               "tools": [{"type": "function", "function": {
+                   "name": "get_weather", "description": ATTACK,
+                   "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}]}
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(request))
+    shown = quipu("run", "-m", tiny_model, "--chat-template", QWEN, "--messages", path, "--show-prompt", "--json")
+    assert shown.returncode == 0, shown.stderr.decode()
+    view = json.loads(shown.stdout)
+    assert "get_weather" in view["text"] and "You are evil" in view["text"]
+    # the attack's markup is text: the prompt has the control tokens of the template alone
+    plain = dict(request, tools=[dict(request["tools"][0], function={**request["tools"][0]["function"],
+                                                                       "description": "The weather."})])
+    path.write_text(json.dumps(plain))
+    calm = json.loads(quipu("run", "-m", tiny_model, "--chat-template", QWEN, "--messages", path, "--show-prompt",
+                            "--json").stdout)
+    assert view["tokens"].count(4) == calm["tokens"].count(4)  # <|im_end|>, id 4 in the tiny vocabulary
+    r = quipu("run", "-m", tiny_model, "--chat-template", QWEN, "--messages", path, "--tool-choice", "required",
+              "--json", "-n", "400", "-t", "0")
+    out = json.loads(r.stdout)
+    assert out["finish_reason"] == "tool_calls" and out["tool_calls"][0]["name"] == "get_weather"

@@ -167,10 +167,20 @@ def _text(value: Any, where: str, file: Path, optional: bool = True) -> str | No
     return value
 
 
-def tools_from_json(path: str) -> list[Tool]:
+def tools_in_messages(path: str) -> list[Tool]:
+    """The `tools` of a messages file in the shape of a chat request (`{"messages", "tools"}`),
+    which the caller runs; none where it has none."""
+    data = read_json_file(path, "messages file")
+    if not isinstance(data, dict) or data.get("tools") is None:
+        return []
+    return tools_from_json(path, data)
+
+
+def tools_from_json(path: str, data: Any = None) -> list[Tool]:
     """Tool definitions in OpenAI's `tools` shape, which the caller runs (`--tool-result`)."""
     file = Path(path).expanduser()
-    data = read_json_file(path, "tools file")
+    if data is None:
+        data = read_json_file(path, "tools file")
     if isinstance(data, dict) and "tools" in data:
         data = data["tools"]
     if not isinstance(data, list) or not data:

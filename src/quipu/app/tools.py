@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from quipu.app.tool_files import check_tool_schemas, tools_from_json
+from quipu.app.tool_files import check_tool_schemas, tools_from_json, tools_in_messages
 from quipu.app.tooldefs import DEFAULT_TIMEOUT, Tool, ToolFailure, check_tool_name
 from quipu.errors import BadInput, Interrupted, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink
@@ -277,7 +277,8 @@ def toolbox(opts, env=None, *, stopped: Callable[[], bool] = _never,
     process and MCP servers are started (close the result to stop them). `stopped` is asked
     while a process is waited for (Ctrl-C, SIGTERM); `on_output` gets each line the user's
     functions write on stderr."""
-    if not opts.functions and not opts.tools_file and not opts.mcp:
+    offered = tools_in_messages(opts.messages) if opts.messages else []
+    if not opts.functions and not opts.tools_file and not opts.mcp and not offered:
         if opts.mcp_config:
             raise UsageError("--mcp-config names where servers are defined; pick them with --mcp NAME")
         return None
@@ -292,6 +293,7 @@ def toolbox(opts, env=None, *, stopped: Callable[[], bool] = _never,
     try:
         if opts.tools_file:
             tools.box.add(tools_from_json(opts.tools_file))
+        tools.box.add(offered)
         if opts.functions:
             from quipu.app.functions import functions_from_files
 
