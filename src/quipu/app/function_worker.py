@@ -40,7 +40,8 @@ def load(files: list[str]) -> tuple[list[dict[str, Any]], dict[tuple[int, str], 
     """Each public function of each file: what quipu is told of it, and the function."""
     from quipu.app.tool_files import parameters_schema
 
-    told, functions = [], {}
+    told: list[dict[str, Any]] = []
+    functions: dict[tuple[int, str], Callable[..., Any]] = {}
     for index, given in enumerate(files):
         module = _import(Path(given), index)
         for fname, fn in vars(module).items():
