@@ -6,13 +6,14 @@ settings, and reported here with the file and line (`Config.error`)."""
 
 from __future__ import annotations
 
+import re
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from quipu.errors import UsageError
 
-import tomllib
 
 SESSION_KEYS = {"max_state_bytes": int}
 CACHE_KEYS = {"max_bytes": int}
@@ -36,6 +37,7 @@ class Config:
     remote: dict[str, str] = field(default_factory=dict)
     mcp: dict[str, dict[str, Any]] = field(default_factory=dict)  # [mcp.NAME]: command, args, env, timeout
     text: str = ""
+    warnings: list[str] = field(default_factory=list)  # for the front end to say
 
     def error(self, key: str, message: str, table: str | None = None) -> ConfigError:
         """An error about `key` (in [table]) that names the file and the line where it is set."""
@@ -92,7 +94,31 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
                 getattr(config, key)[sub] = kind(subvalue)
         else:
             raise fail(key, f"unknown key '{key}' (known: model, system, [{'], ['.join(tables)}], [mcp.NAME])")
+    if _readable_by_others(path) and _holds_secret(doc):
+        config.warnings.append(f"the config file {path} holds a token or key and other accounts can read it; "
+                               f"`chmod 600 {path}` keeps it to you")
     return config
+
+
+SECRET_NAME = re.compile(r"(?i)token|secret|password|passwd|api_?key|credential|auth")
+
+
+def _holds_secret(value: Any, name: str = "") -> bool:
+    """Whether a config's values look like a credential: set under a name that says so."""
+    if isinstance(value, dict):
+        return any(_holds_secret(v, str(k)) for k, v in value.items())
+    if isinstance(value, list):
+        return False  # (names, as env_pass lists them: no value of their own)
+    return isinstance(value, str) and bool(value) and bool(SECRET_NAME.search(name))
+
+
+def _readable_by_others(path: Path) -> bool:
+    import stat
+
+    try:
+        return bool(stat.S_IMODE(path.stat().st_mode) & 0o044)
+    except OSError:
+        return False
 
 
 MCP_KEYS = ("command", "args", "env", "env_pass", "timeout", "prefix")

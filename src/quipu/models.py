@@ -209,7 +209,9 @@ def add_model(path: Path, models_dir: Path, name: str | None = None) -> ModelEnt
     name = name or path.stem
     if not name or "/" in name or name.startswith("."):
         raise UsageError(f"bad model name '{name}'")
-    models_dir.mkdir(parents=True, exist_ok=True)
+    from quipu.store.private import private_dir
+
+    private_dir(models_dir, levels=2)
     link = models_dir / f"{name}.gguf"
     if link.exists() or link.is_symlink():
         raise UsageError(f"a model named '{name}' exists already in {models_dir}")

@@ -351,3 +351,15 @@ class ChatSession:
         conv = self._named.conversation
         sources = {name: t.source for name, t in self.tools.box.tools.items()} if self.tools else {}
         return [(t.name, sources.get(t.name, "the session (the caller runs it)"), t.description) for t in conv.tools]
+
+
+def history_file(env: Environment) -> str:
+    """The chat's input history (what the user typed: kept to the user, 0600 in a 0700 folder),
+    made private before prompt_toolkit appends to it."""
+    import os
+
+    from quipu.store.private import open_private, private_dir
+
+    path = private_dir(env.dirs.state) / "chat_history"
+    os.close(open_private(path, os.O_WRONLY | os.O_APPEND))
+    return str(path)

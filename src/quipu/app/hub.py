@@ -28,6 +28,7 @@ from typing import Callable
 
 from quipu.errors import QuipuError, UsageError
 from quipu.store.pulled import PulledModel, PulledRecord
+from quipu.store.private import private_dir
 from quipu.store.store import atomic_write
 
 # A quantization tag as GGUF file names spell it: Q4_K_M, IQ4_XS, Q8_0, TQ1_0, BF16, F16, ...
@@ -272,7 +273,7 @@ def repository_template(repo: str, path: Path, env) -> str | None:
     if not isinstance(text, str) or not text.strip():
         return None
     out = env.dirs.models / "templates" / (repo.replace("/", "--") + ".jinja")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(out.parent)
     atomic_write(out, text.encode("utf-8"))
     return str(out)
 

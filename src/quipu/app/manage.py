@@ -18,6 +18,15 @@ def list_sessions(env: Environment) -> tuple[list[SessionInfo], list[str]]:
     return _store(env).list()
 
 
+def exposed_folders(env: Environment) -> list[str]:
+    """quipu's folders of conversations, cache and history that other accounts can read or enter."""
+    from quipu.store.private import shared_with_others
+
+    folders = (env.dirs.data, env.dirs.sessions, env.dirs.models, env.dirs.cache, env.dirs.prompt_cache,
+               env.dirs.state)
+    return [str(f) for f in folders if shared_with_others(f)]
+
+
 def session_names(env: Environment) -> list[str]:
     return _store(env).names()
 

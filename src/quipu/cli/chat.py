@@ -43,6 +43,8 @@ def chat(env, **given) -> int:
 
     resume, markdown, hide_thinking = (given[k] for k in OWN)
     opts = spec.turn_options(given)
+    for warning in env.config.warnings:  # (a config that others can read holds a token)
+        Terminal.detect().warn(warning)
     if opts.verbose:
         from quipu.cli.boundary import library_logs
 

@@ -452,10 +452,10 @@ class Repl:
         from prompt_toolkit import PromptSession
         from prompt_toolkit.history import FileHistory
 
-        state = self.env.dirs.state
-        state.mkdir(parents=True, exist_ok=True)
+        from quipu.app.chat import history_file
+
         session = PromptSession(
-            history=FileHistory(str(state / "chat_history")),
+            history=FileHistory(history_file(self.env)),
             completer=SlashCompleter(),
             complete_while_typing=True,
             key_bindings=key_bindings(),

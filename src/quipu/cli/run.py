@@ -67,6 +67,8 @@ def run(env, **given) -> int:
     if batch is None and parallel is not None:
         raise UsageError("--parallel goes with --batch")
     opts = spec.turn_options(given)
+    for warning in env.config.warnings:  # (a config that others can read holds a token)
+        Terminal.detect().warn(warning)
     if opts.verbose:
         from quipu.cli.boundary import library_logs
 

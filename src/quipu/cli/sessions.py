@@ -28,10 +28,13 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
     from rich.console import Console
     from rich.table import Table
 
-    from quipu.app.manage import list_sessions
+    from quipu.app.manage import exposed_folders, list_sessions
 
     term = Terminal.detect()
     infos, damaged = list_sessions(context.obj)
+    for folder in exposed_folders(context.obj):
+        term.warn(f"{folder} can be read by other accounts; quipu narrows it to you when it next writes there "
+                  f"(or `chmod 700 {folder}`)")
     if as_json:
         term.stdout.write(json.dumps([i.to_dict() for i in infos], indent=1) + "\n")
     elif not infos:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from quipu.errors import SnapshotError
+from quipu.store.private import private_dir
 from quipu.store.statefile import read_meta, read_state, state_chunks
 from quipu.store.store import atomic_write, clean_temporaries, oldest_first
 
@@ -110,7 +111,7 @@ class PromptCache:
         path = self.root / f"{self._digest(key, tokens)[:40]}{SUFFIX}"
         meta = {"key": self._digest(key), "tokens": list(tokens), "n_tokens": len(tokens)}
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            private_dir(self.root, levels=2)  # (the prompts folder, and quipu's cache folder)
             atomic_write(path, state_chunks(meta, state))
         except (OSError, SnapshotError) as exc:
             self.notes.append(f"prompt cache: could not save an entry: {exc}")

@@ -10,6 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from quipu.store.private import private_dir
 from quipu.store.store import atomic_write
 
 FILENAME = "pulled.json"
@@ -64,6 +65,6 @@ class PulledRecord:
         self._write(models)
 
     def _write(self, models: dict[str, PulledModel]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent, levels=2)  # (the models folder, and quipu's data folder)
         data = {"format": "quipu-pulled", "version": 1, "models": {ref: asdict(m) for ref, m in models.items()}}
         atomic_write(self.path, json.dumps(data, indent=1, ensure_ascii=False).encode("utf-8"))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quipu.errors import SnapshotError
+from quipu.store.private import open_private
 
 MAGIC = b"QUIPUKV\n"
 PIECE_MAGIC = b"QUIPUKVP"
@@ -161,7 +162,7 @@ def append_record(path, meta: dict[str, Any], state: bytes | memoryview, at: int
     """Writes a record at byte `at` of the log (what is after it, a record cut short, goes),
     fsynced; returns the log's new length."""
     chunks = state_chunks(meta, state, PIECE_MAGIC)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    fd = open_private(path, os.O_WRONLY)
     try:
         os.ftruncate(fd, at)
         os.lseek(fd, at, os.SEEK_SET)

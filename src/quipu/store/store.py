@@ -37,6 +37,7 @@ from quipu.errors import (
     SessionSaveError,
     SnapshotError,
 )
+from quipu.store.private import FILE_MODE, open_private, private_dir
 from quipu.store.statefile import StateBlob, append_record, read_log, read_state, state_chunks
 from quipu.store.transcript import Transcript, TranscriptError
 
@@ -102,11 +103,11 @@ class SessionStore:
     @contextmanager
     def lock(self, name: str, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
         """Holds the session's lock; waits up to `wait_s`, then fails with a clear message."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        private_dir(self.root, levels=2)  # (the sessions folder, and quipu's data folder it is in)
         path = self.lock_path(name)
         deadline = time.monotonic() + wait_s
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_private(path, os.O_RDWR)
             try:
                 got = _flock_until(fd, deadline)
                 # The holder may have removed the file (rm, rename) while we waited: then we hold
@@ -173,7 +174,7 @@ class SessionStore:
         """The sessions folder made; a failed write (disk full, a read-only folder) one clear
         error, the previous save as it was."""
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            private_dir(self.root, levels=2)  # (the sessions folder, and quipu's data folder it is in)
             yield
         except OSError as exc:
             raise SessionSaveError(
@@ -388,7 +389,7 @@ def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryv
     it, renames it into place."""
     chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
     with _replacing(path) as tmp:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)  # (private before a byte goes in)
         try:
             for chunk in chunks:
                 view = memoryview(chunk).cast("B")
@@ -404,7 +405,8 @@ def atomic_copy(source: Path, target: Path) -> None:
     """Copies a file as `atomic_write` writes one, the kernel moving the bytes (a reflink where
     the file system shares blocks, else copy_file_range or sendfile): nothing of it passes
     through this process's memory."""
-    with _replacing(target) as tmp, open(source, "rb") as src, open(tmp, "xb") as dst:
+    with _replacing(target) as tmp, open(source, "rb") as src, \
+            open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as dst:
         if not _reflink(src.fileno(), dst.fileno()):
             size = os.fstat(src.fileno()).st_size
             done = 0
