@@ -386,7 +386,7 @@ def main() -> None:
             conv = Conversation.start(session, template=template, messages=list(messages))
             conv.tools = list(tools)
             try:
-                conv.render_tokens(conv.messages + ([] if messages else []), add_generation_prompt=True)
+                conv.render_tokens(conv.messages, add_generation_prompt=True)
             except TemplateError:
                 pass  # (a template may refuse a conversation, in its own words)
 

@@ -83,6 +83,14 @@ class LoopResult:
     notices: list[str] = field(default_factory=list)
     pending: list[ToolCall] = field(default_factory=list)  # calls left for the caller to run
 
+    def stopped_at(self, calls: Sequence[ToolCall], notice: str | None = None) -> "LoopResult":
+        """The loop ends before `calls` run: they wait (for the caller, or the next run)."""
+        if notice is not None:
+            self.notices.append(notice)
+        self.generation.finish_reason = "tool_calls"
+        self.pending = list(calls)
+        return self
+
 
 def run_call(tool: Tool, call: ToolCall, output_max: int = DEFAULT_OUTPUT_MAX,
              stopped: Callable[[], bool] = lambda: False) -> CallRecord:
@@ -124,15 +132,10 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
         unknown = [c for c in calls if c.name not in box.tools]
         theirs = [c for c in calls if c.name in box.tools and box.tools[c.name].run is None]
         if theirs:
-            result.pending = list(calls)
-            result.generation.finish_reason = "tool_calls"
-            return result
+            return result.stopped_at(calls)
         if rounds >= chain_limit:
-            result.notices.append(f"the model asked for more tools after {chain_limit} rounds (--chain-limit); "
-                                  "stopped there")
-            result.generation.finish_reason = "tool_calls"
-            result.pending = list(calls)
-            return result
+            return result.stopped_at(calls, f"the model asked for more tools after {chain_limit} rounds "
+                                            "(--chain-limit); stopped there")
         # A call asked for again, round after round, with the same arguments: the loop stops
         # before the round runs (calls repeated within one reply count once).
         keys = {json.dumps([c.name, c.arguments], sort_keys=True, default=str): c.name for c in calls}
@@ -140,21 +143,15 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
             seen[key] = seen.get(key, 0) + 1
         looping = [name for key, name in keys.items() if seen[key] >= REPEATS]
         if looping:
-            result.notices.append(f"the model called {looping[0]} with the same arguments {REPEATS} times; "
-                                  "the loop stopped")
-            result.generation.finish_reason = "tool_calls"
-            result.pending = list(calls)
-            return result
+            return result.stopped_at(calls, f"the model called {looping[0]} with the same arguments {REPEATS} "
+                                            "times; the loop stopped")
         # Every call of the round is approved (or not) before any runs: a loop stopped at an
         # approval (Interrupted) has run nothing of its round, and resumes from its calls.
         try:
             approved = [call not in unknown and approve(call) for call in calls]
         except Interrupted:
-            result.notices.append("stopped before the calls ran; the session goes on from them when it is next "
-                                  "run with its tools (-S NAME and --functions, --mcp)")
-            result.generation.finish_reason = "tool_calls"
-            result.pending = list(calls)
-            return result
+            return result.stopped_at(calls, "stopped before the calls ran; the session goes on from them when it "
+                                            "is next run with its tools (-S NAME and --functions, --mcp)")
         answers: list[tuple[ToolCall, str]] = []
         records: list[CallRecord] = []
         for call, ok in zip(calls, approved):
@@ -169,11 +166,8 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
                     record = run_call(box.tools[call.name], call, output_max, sink.stopped)
                 except Interrupted:
                     # (as at an approval: the round's results are not kept, its calls wait to run)
-                    result.notices.append(f"stopped during the call of {call.name}; the session goes on from "
-                                          "the calls when it is next run with its tools")
-                    result.generation.finish_reason = "tool_calls"
-                    result.pending = list(calls)
-                    return result
+                    return result.stopped_at(calls, f"stopped during the call of {call.name}; the session goes on "
+                                                    "from the calls when it is next run with its tools")
             records.append(record)
             if on_call is not None:
                 on_call(record)
