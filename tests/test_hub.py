@@ -188,19 +188,46 @@ def test_rm_removes_what_was_pulled_and_nothing_else(quipu, hub, hub_env, tiny_m
     assert gone.returncode == 2
 
 
-def test_a_full_disk_is_one_line_and_leaves_no_model_behind(quipu, hub, hub_env, tmp_path):
+def test_a_full_disk_is_one_line_and_leaves_no_model_behind(hub, hub_env, home, tmp_path):
+    # The disk had room when the pull began, and fills up while it runs (another writer).
     cache = tmp_path / "small-cache"
     cache.mkdir()
-    # (the file says it is 1 MB, so that it passes the check of free room and fills the disk as it comes)
-    hub.sizes["large-Q4_K_M.gguf"] = 1 << 20
-    with small_filesystem(cache, "20m"):
+    hub.stall_at = 15 << 20
+    with small_filesystem(cache, "48m"):
         env = {**hub_env, "HF_HUB_CACHE": str(cache)}
-        r = quipu("models", "pull", "tiny/Large-GGUF", env=env)
-        err = r.stderr.decode()
-        assert r.returncode == 1 and "the disk is full" in err and "Traceback" not in err, err
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+        environ.update(QUIPU_HOME=str(home), **env)
+        proc = subprocess.Popen([sys.executable, "-m", "quipu", "models", "pull", "tiny/Large-GGUF"], env=environ,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        assert hub.stalled.wait(60)
+        deadline = time.monotonic() + 60  # (until the first chunk is on disk: observed, not timed)
+        while time.monotonic() < deadline and not any(
+                p.name.endswith(".incomplete") and p.stat().st_size >= 10 << 20 for p in cached_blobs(env)):
+            time.sleep(0.05)
+        with open(cache / "filler", "wb") as filler:  # the rest of the disk, taken
+            try:
+                while True:
+                    filler.write(b"\0" * (1 << 20))
+                    filler.flush()
+            except OSError:
+                pass
+        hub.stall_at = None
+        hub.release.set()
+        _, err = proc.communicate(timeout=120)
+        err = err.decode()
+        assert proc.returncode == 1 and "the disk is full" in err and "Traceback" not in err, err
         assert not list(cache.rglob("snapshots/*/*.gguf"))  # nothing quipu would take for a model
-        listed = json.loads(quipu("models", "list", "--json", env=env).stdout)
+        listed = json.loads(subprocess.run([sys.executable, "-m", "quipu", "models", "list", "--json"], env=environ,
+                                           capture_output=True).stdout)
         assert not [m for m in listed if m["name"].startswith("tiny/Large-GGUF")]
+
+
+def test_a_file_longer_than_the_hub_said_is_stopped(quipu, hub, hub_env):
+    hub.sizes["tiny-Q4_K_M.gguf"] = 100
+    r = quipu("models", "pull", "tiny/Tiny-GGUF", env=hub_env)
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "longer than the 100 bytes the Hub said" in err and "Traceback" not in err, err
+    assert all(p.stat().st_size <= 100 for p in cached_blobs(hub_env))
 
 
 def test_a_pull_shows_its_progress_on_a_terminal_and_nothing_on_stdout(hub, hub_env, home):

@@ -479,3 +479,25 @@ def test_a_messages_file_s_tools_are_offered_and_kept_as_text(quipu, tiny_model,
               "--json", "-n", "400", "-t", "0")
     out = json.loads(r.stdout)
     assert out["finish_reason"] == "tool_calls" and out["tool_calls"][0]["name"] == "get_weather"
+
+
+def test_a_server_s_schema_too_deep_to_walk_is_one_line():
+    from quipu.app.tool_files import check_tool_schemas
+    from quipu.app.tooldefs import Tool
+    from quipu.errors import UsageError
+
+    schema: dict = {"type": "string"}
+    for _ in range(5000):  # (as an MCP server may list one: never a file's depth scan)
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(UsageError, match="nest deeper than 100 levels"):
+        check_tool_schemas([Tool(ToolSpec("deep", "", {"type": "object", "properties": {"x": schema}}), None, "s")])
+
+
+def test_a_function_that_wants_most_of_the_machine_s_memory_fails_alone(quipu, tiny_model, tmp_path):
+    import os
+
+    # (nine tenths of the memory: an allocation the kernel would grant, and the worker's bound refuses)
+    size = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 9 // 10
+    r = call_once(quipu, tiny_model, functions(tmp_path, f"return len(bytearray({size}))"), "--chain-limit", "1")
+    assert r.returncode == 0, r.stderr.decode()
+    assert json.loads(r.stdout)["tool_calls"][0]["error"].startswith("MemoryError")

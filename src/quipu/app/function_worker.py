@@ -100,6 +100,21 @@ def _watch(parent: int) -> None:
         time.sleep(0.2)
 
 
+def _bound_memory() -> None:
+    """The user's code may take at most three quarters of the machine's memory: a call that wants
+    more fails with MemoryError (an error for the model) before the machine does."""
+    import resource
+
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        limit = total * 3 // 4
+        if soft == resource.RLIM_INFINITY or soft > limit:
+            resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+    except (ValueError, OSError):
+        pass
+
+
 def main(argv: list[str]) -> int:
     parent, files = int(argv[0]), argv[1:]
     requests = os.fdopen(os.dup(0), "rb")
@@ -110,6 +125,7 @@ def main(argv: list[str]) -> int:
     printed = tempfile.TemporaryFile()
     os.dup2(printed.fileno(), 1)
     threading.Thread(target=_watch, args=(parent,), daemon=True).start()
+    _bound_memory()
 
     def send(message: dict[str, Any]) -> None:
         replies.write(json.dumps(message, ensure_ascii=False, default=str).encode("utf-8", "replace") + b"\n")

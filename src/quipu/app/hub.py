@@ -378,7 +378,7 @@ def _download(repo: str, f: HubFile, meta, partial: Path, size: int, on_progress
             on_progress(f.path, have, size)
         if have < size or size == 0:
             http_get(meta.location, out, resume_size=have, headers=_auth_for(meta.location),
-                     expected_size=size, tqdm_class=_progress_class(f.path, on_progress))
+                     expected_size=size, tqdm_class=_progress_class(f.path, on_progress, size, repo))
     expected = f.sha256 or (meta.etag if re.fullmatch(r"[0-9a-f]{64}", meta.etag) else None)
     if expected is not None and sha256_of(partial) != expected:
         partial.unlink()
@@ -404,8 +404,10 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _progress_class(name: str, on_progress: ProgressFn | None):
-    """A tqdm class for the client's download loop that hands its counts to `on_progress` and draws nothing."""
+def _progress_class(name: str, on_progress: ProgressFn | None, size: int = 0, repo: str = ""):
+    """A tqdm class for the client's download loop that hands its counts to `on_progress`, draws
+    nothing, and stops a download that runs past the `size` the Hub said (before it is written:
+    the client counts a chunk, then writes it)."""
     from tqdm import tqdm
 
     class Progress(tqdm):
@@ -415,6 +417,9 @@ def _progress_class(name: str, on_progress: ProgressFn | None):
 
         def update(self, n=1):
             super().update(n)
+            if size and self.n > size:
+                raise HubError(f"{name} of '{repo}' is longer than the {size:,} bytes the Hub said; the download "
+                               "was stopped")
             if on_progress is not None:
                 on_progress(name, int(self.n), int(self.total or 0))
 

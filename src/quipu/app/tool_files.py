@@ -205,7 +205,12 @@ def check_tool_schemas(tools: Iterable[Tool]) -> None:
     from quipu.engine.grammar import schema_grammar
     from quipu.errors import InvalidParameter
 
+    from quipu.engine.grammar import MAX_DEPTH, depth
+
     for tool in tools:
+        if depth(tool.spec.parameters) > MAX_DEPTH:  # (before anything walks it by recursion)
+            raise UsageError(f"the parameters of tool {tool.spec.name!r} ({tool.source}) nest deeper than "
+                             f"{MAX_DEPTH} levels")
         try:
             compile_grammar(schema_grammar(json.dumps(tool.spec.parameters)))
         except InvalidParameter as exc:
