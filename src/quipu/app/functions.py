@@ -172,7 +172,8 @@ class FunctionWorker:
             self.kill()
             code = proc.returncode
         self._drain_errors()
-        self._said(b"\n") if self._errors else None
+        if self._errors:  # (its last words, though they end no line)
+            self._said(b"\n")
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with {code}"
         self.notices.append(f"the process of the functions file {how} {when}; it starts again for the next call")
         self._proc = None
