@@ -501,3 +501,28 @@ def test_a_function_that_wants_most_of_the_machine_s_memory_fails_alone(quipu, t
     r = call_once(quipu, tiny_model, functions(tmp_path, f"return len(bytearray({size}))"), "--chain-limit", "1")
     assert r.returncode == 0, r.stderr.decode()
     assert json.loads(r.stdout)["tool_calls"][0]["error"].startswith("MemoryError")
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGHUP"])
+def test_a_chat_told_to_end_at_its_prompt_leaves_and_keeps_its_turns(tiny_model, home, how):
+    import os
+    import signal
+    import sys
+
+    pexpect = pytest.importorskip("pexpect")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ.update(QUIPU_HOME=str(home), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
+    child = pexpect.spawn(sys.executable, ["-m", "quipu", "chat", "-S", "t", "-m", str(tiny_model), "-n", "4"],
+                          env=environ, encoding="utf-8", dimensions=(30, 120), timeout=120)
+    child.expect("›")
+    child.send("hello\r")
+    child.send("/context\r")  # (answered once the reply is done: the chat waits at its prompt)
+    child.expect(r"context: \d+ of \d+ tokens")
+    child.expect("›")
+    child.kill(getattr(signal, how))
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus in (0, 130) and child.signalstatus is None, (child.exitstatus, child.signalstatus)
+    assert "Traceback" not in child.before
+    saved = json.loads((home / "data" / "sessions" / "t.json").read_text())["messages"]
+    assert [m["role"] for m in saved] == ["user", "assistant"]

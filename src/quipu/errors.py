@@ -24,6 +24,11 @@ class Interrupted(QuipuError):
     exit_code = ExitCode.INTERRUPTED
 
 
+class Ended(KeyboardInterrupt):
+    """quipu was told to end (SIGTERM, SIGHUP): it stops as at Ctrl-C, and a chat leaves even
+    at its prompt, where a Ctrl-C would not."""
+
+
 class UsageError(QuipuError):
     """The user asked for something that cannot be done as asked (exit 2)."""
 

@@ -55,7 +55,9 @@ def library_logs(stream) -> None:
 
 
 def _ended(signum, frame) -> None:
-    raise KeyboardInterrupt  # (SIGTERM, SIGHUP: quipu stops as at Ctrl-C; a reply in progress has its own handler)
+    from quipu.errors import Ended
+
+    raise Ended  # (SIGTERM, SIGHUP: quipu stops as at Ctrl-C; a reply in progress has its own handler)
 
 
 def end_as_interrupted() -> None:

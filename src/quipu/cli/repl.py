@@ -10,7 +10,7 @@ from typing import Callable
 
 from quipu.cli.render import MarkdownRenderer, PlainRenderer
 from quipu.cli.terminal import PrefillProgress, StopOnCtrlC, Terminal
-from quipu.errors import ExitCode, Interrupted, QuipuError, UsageError
+from quipu.errors import Ended, ExitCode, Interrupted, QuipuError, UsageError
 
 PROMPT = "› "
 
@@ -355,6 +355,8 @@ class Repl:
         while True:
             try:
                 answer = (prompt(question) or default).strip().lower()
+            except Ended:
+                raise
             except (KeyboardInterrupt, EOFError):
                 return "c"
             if answer[:1] and answer[:1] in choices:
@@ -470,6 +472,8 @@ class Repl:
         while self.running:
             try:
                 line = session.prompt(PROMPT)
+            except Ended:  # told to end (SIGTERM, SIGHUP): every turn is saved already; leave
+                break
             except KeyboardInterrupt:
                 self.say("(to leave, press Ctrl-D or type /exit)")
                 continue
