@@ -209,7 +209,7 @@ def add_model(path: Path, models_dir: Path, name: str | None = None) -> ModelEnt
     name = name or path.stem
     if not name or "/" in name or name.startswith("."):
         raise UsageError(f"bad model name '{name}'")
-    from quipu.store.private import private_dir
+    from quipu.paths import private_dir
 
     private_dir(models_dir, levels=2)
     link = models_dir / f"{name}.gguf"

@@ -1,8 +1,14 @@
-"""Where quipu reads and writes: one function, one environment override (QUIPU_HOME)."""
+"""Where quipu reads and writes: one function, one environment override (QUIPU_HOME); and how:
+what a user said stays readable by that user alone. Every folder quipu makes for a user's
+conversations, cache and history is 0700 and every file in it 0600, whatever the umask (as
+`~/.bash_history` and ssh's keys are kept). Files are created private before data goes in, never
+chmod-ed afterwards; a wider file or folder left by an older version is narrowed when quipu next
+writes there."""
 
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -47,3 +53,61 @@ def dirs(environ: Mapping[str, str] | None = None) -> Dirs:
         Path(platformdirs.user_state_dir("quipu")),
         Path(platformdirs.user_cache_dir("quipu")),
     )
+
+
+# ---- private files and folders ----------------------------------------------------------------
+
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+def private_dir(path: Path, levels: int = 1) -> Path:
+    """`path`, made with its missing parents at 0700 (the umask can only take bits away, so the
+    mode is set as well); it and the `levels - 1` folders above it, quipu's own, narrowed to
+    their owner when they are there already."""
+    missing = []
+    at = path
+    while not at.exists():
+        missing.append(at)
+        if at.parent == at:
+            break
+        at = at.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, DIR_MODE)
+        except FileExistsError:
+            pass
+        os.chmod(folder, DIR_MODE)
+    for folder in [path, *path.parents][:levels]:
+        narrow(folder)
+    return path
+
+
+def narrow(path: Path | int) -> None:
+    """A file or folder (or an open file) kept to its owner: group's and others' bits removed."""
+    st = os.stat(path) if not isinstance(path, int) else os.fstat(path)
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        if isinstance(path, int):
+            os.fchmod(path, mode & 0o700)
+        else:
+            os.chmod(path, mode & 0o700)
+
+
+def open_private(path: Path, flags: int) -> int:
+    """`os.open` of a file that is created 0600 and, when it was there already, narrowed."""
+    fd = os.open(path, flags | os.O_CREAT, FILE_MODE)
+    try:
+        narrow(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def shared_with_others(path: Path) -> bool:
+    """Whether another account may read or enter `path`."""
+    try:
+        return bool(stat.S_IMODE(os.stat(path).st_mode) & 0o077)
+    except OSError:
+        return False

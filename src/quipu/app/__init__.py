@@ -23,9 +23,10 @@ Every turn, named session and chat is written once, for every host a model can r
 - `embed.py`: `quipu embed`.
 - `tools.py`: tools a model may call (`--functions FILE.py`, `--tools FILE.json`), their
   approval, and the loop that runs them and gives the results back; `tool_files.py`, tools and
-  conversations read from the user's files (functions and their type hints, tool definitions,
-  `--messages`); `tooldefs.py`, what a tool is wherever it comes from; `mcp.py`, MCP servers
-  over stdio as tools (`--mcp NAME`).
+  conversations read from the user's files (the schemas of functions from their type hints, tool
+  definitions, `--messages`); `tooldefs.py`, what a tool is wherever it comes from; `functions.py`,
+  the process the user's functions run in, and `function_worker.py`, what runs in it; `mcp.py`,
+  MCP servers over stdio as tools (`--mcp NAME`).
 - `hub.py`: models pulled from the Hugging Face Hub into its cache (`quipu models pull|rm`,
   `-m hf:OWNER/REPO[:QUANT]`), resumed, checked against the Hub's checksums.
 - `templates.py`: what a model's chat template does (`quipu models info --template`).

@@ -358,7 +358,7 @@ def history_file(env: Environment) -> str:
     made private before prompt_toolkit appends to it."""
     import os
 
-    from quipu.store.private import open_private, private_dir
+    from quipu.paths import open_private, private_dir
 
     path = private_dir(env.dirs.state) / "chat_history"
     os.close(open_private(path, os.O_WRONLY | os.O_APPEND))

@@ -28,7 +28,7 @@ from typing import Callable
 
 from quipu.errors import QuipuError, UsageError
 from quipu.store.pulled import PulledModel, PulledRecord
-from quipu.store.private import private_dir
+from quipu.paths import private_dir
 from quipu.store.store import atomic_write
 
 # A quantization tag as GGUF file names spell it: Q4_K_M, IQ4_XS, Q8_0, TQ1_0, BF16, F16, ...

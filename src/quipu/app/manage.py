@@ -20,7 +20,7 @@ def list_sessions(env: Environment) -> tuple[list[SessionInfo], list[str]]:
 
 def exposed_folders(env: Environment) -> list[str]:
     """quipu's folders of conversations, cache and history that other accounts can read or enter."""
-    from quipu.store.private import shared_with_others
+    from quipu.paths import shared_with_others
 
     folders = (env.dirs.data, env.dirs.sessions, env.dirs.models, env.dirs.cache, env.dirs.prompt_cache,
                env.dirs.state)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from quipu.errors import SnapshotError
-from quipu.store.private import private_dir
+from quipu.paths import private_dir
 from quipu.store.statefile import read_meta, read_state, state_chunks
 from quipu.store.store import atomic_write, clean_temporaries, oldest_first
 

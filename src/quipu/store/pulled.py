@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from quipu.store.private import private_dir
+from quipu.paths import private_dir
 from quipu.store.store import atomic_write
 
 FILENAME = "pulled.json"

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quipu.errors import SnapshotError
-from quipu.store.private import open_private
+from quipu.paths import open_private
 
 MAGIC = b"QUIPUKV\n"
 PIECE_MAGIC = b"QUIPUKVP"

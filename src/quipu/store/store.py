@@ -37,7 +37,7 @@ from quipu.errors import (
     SessionSaveError,
     SnapshotError,
 )
-from quipu.store.private import FILE_MODE, open_private, private_dir
+from quipu.paths import FILE_MODE, open_private, private_dir
 from quipu.store.statefile import StateBlob, append_record, read_log, read_state, state_chunks
 from quipu.store.transcript import Transcript, TranscriptError
 
