@@ -527,6 +527,17 @@ def test_llama_server_constrains_with_its_own_engine_and_refuses_what_it_would_i
         assert not (home / "data" / "sessions" / "never.json").exists()
 
 
+def answers(text_of):
+    """A tool's runner that answers at once with `text_of(arguments)`."""
+    from quipu.app.tooldefs import ToolOutput
+
+    def run(arguments, timeout, stopped):
+        text = text_of(arguments)
+        return ToolOutput(text, len(text))
+
+    return run
+
+
 def test_tools_on_a_chat_api_go_in_the_request_and_the_calls_come_back_streamed(function_calling_server):
     # The server renders the tools and reads the calls; quipu runs them and sends the results.
     from quipu.app.tooldefs import Tool
@@ -539,7 +550,7 @@ def test_tools_on_a_chat_api_go_in_the_request_and_the_calls_come_back_streamed(
     spec = ToolSpec("get_weather", "The weather in a city.", {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]})
     box = Toolbox()
-    box.add([Tool(spec, lambda args: {"city": args["city"], "temperature": 21}, "test")])
+    box.add([Tool(spec, answers(lambda args: json.dumps({"city": args["city"], "temperature": 21})), "test")])
     with ChatApiModel(ServerSettings(url=function_calling_server)) as client:
         conv = Conversation.start(ChatApiSession(client, {"temperature": 0.0, "seed": 1}))
         conv.tools, conv.tool_choice = [spec], "get_weather"
@@ -570,7 +581,7 @@ def test_on_llama_server_by_tokens_quipu_reads_the_calls_and_runs_the_loop(llama
     writes_a_call = Grammar("gbnf", "root ::= " + json.dumps(call))
     spec = ToolSpec("get_weather", "w", {"type": "object", "properties": {"city": {"type": "string"}}})
     box = Toolbox()
-    box.add([Tool(spec, lambda args: f"sunny in {args['city']}", "test")])
+    box.add([Tool(spec, answers(lambda args: f"sunny in {args['city']}"), "test")])
     host = open_llama_server(ServerSettings(url=llama_server.url))
     try:
         session = LlamaServerSession(host.served, SamplingParams(seed=1, temperature=0.0, grammar=writes_a_call))
