@@ -394,7 +394,7 @@ def test_messages_from_a_file_are_the_conversation_a_run_goes_on_from(quipu, tin
     assert more.returncode == 0 and "Rome" in quipu("run", *args, "--show-prompt", "And in Rome?").stdout.decode()
     (tmp_path / "bad.json").write_text('[{"role": "robot", "content": "x"}]')
     bad = quipu("run", "-m", tiny_model, "--messages", str(tmp_path / "bad.json"))
-    assert bad.returncode == 2 and "message 0 of" in bad.stderr.decode()
+    assert bad.returncode == 2 and "messages[0].role is not" in bad.stderr.decode()
     with_session = quipu("run", *args, "-S", "x")
     assert with_session.returncode == 2 and "--messages is a conversation of its own" in with_session.stderr.decode()
 
