@@ -456,6 +456,37 @@ def bench_tools(model: str, threads: int, repeats: int) -> list[dict]:
              "ratio": round(r / f, 3)}]
 
 
+def bench_functions(repeats: int, home: str) -> list[dict]:
+    """What running `--functions` in a process of its own costs: starting it (the import of a
+    small file) and a call's round trip, against calling the function in quipu's process."""
+    from quipu.app.functions import functions_from_files
+
+    path = Path(home) / "bench_fns.py"
+    path.write_text('def get_weather(city: str) -> dict:\n    """The weather."""\n'
+                    '    return {"city": city, "temperature": 21}\n')
+    starts, calls = [], []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        tools, _, worker = functions_from_files([str(path)])
+        starts.append(time.perf_counter() - began)
+        try:
+            for _ in range(50):
+                began = time.perf_counter()
+                tools[0].run({"city": "Paris"}, 60, lambda: False)
+                calls.append(time.perf_counter() - began)
+        finally:
+            worker.close()
+    namespace: dict = {}
+    exec(path.read_text(), namespace)
+    began = time.perf_counter()
+    for _ in range(1000):
+        json.dumps(namespace["get_weather"]("Paris"))
+    inline = (time.perf_counter() - began) / 1000
+    return [{"what": "--functions in its own process: start and import (s); a call's round trip (ms), and the "
+                     "same call in quipu's own process (ms)",
+             "quipu": f"{median(starts):.3f} s; {median(calls) * 1000:.2f} ms (in-process {inline * 1000:.4f} ms)"}]
+
+
 def bench_cache(model: str, threads: int, repeats: int, home: str) -> list[dict]:
     """The prompt cache: a run sharing a long beginning with an earlier one, questions about one
     piped document, and what the cache costs a run with nothing to reuse."""
@@ -1006,7 +1037,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128, help="tokens to decode per run")
-    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools, saves, shift")
+    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools, functions, saves, shift")
     args = ap.parse_args(argv)
     model = model_path()
     # An installed quipu has its bytecode compiled by pip; a checkout may not (PYTHONDONTWRITEBYTECODE).
@@ -1029,6 +1060,7 @@ def main(argv: list[str] | None = None) -> None:
             "constrained": lambda: bench_constrained(model, args.threads, args.repeats),
             "cache": lambda: bench_cache(model, args.threads, args.repeats, home),
             "tools": lambda: bench_tools(model, args.threads, args.repeats),
+            "functions": lambda: bench_functions(args.repeats, home),
             "saves": lambda: bench_saves(model, args.threads, args.repeats, home),
             "shift": lambda: bench_shift(model, args.threads, args.repeats),
         }
