@@ -15,6 +15,7 @@ from typing import Any
 from quipu.errors import UsageError
 
 
+MAX_CONFIG_BYTES = 4 << 20  # (a config file is a few lines)
 SESSION_KEYS = {"max_state_bytes": int}
 CACHE_KEYS = {"max_bytes": int}
 MODEL_KEYS = {"huggingface": str, "lmstudio": str, "ollama": str}
@@ -50,11 +51,14 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
     tables = {"generation": generation_keys, "sessions": SESSION_KEYS, "models": MODEL_KEYS, "cache": CACHE_KEYS,
               "remote": REMOTE_KEYS}
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         return Config()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the config file: {exc.strerror}") from exc
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: the config file is larger than {MAX_CONFIG_BYTES >> 20} MB")
     try:
         text = raw.decode("utf-8")
         doc = tomllib.loads(text)

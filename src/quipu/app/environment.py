@@ -270,7 +270,7 @@ def grammar_of(opts: TurnOptions):
     return grammar
 
 
-MAX_JSON_BYTES = 64 << 20  # the largest JSON file the user names that is read (as standard input)
+MAX_JSON_BYTES = 64 << 20  # the largest file the user names that is read (as standard input)
 # A JSON string, or one bracket: what a depth scan needs to see of a JSON text.
 _JSON_MARKS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
 
@@ -319,16 +319,22 @@ def read_json_file(name: str, what: str):
         raise UsageError(f"the {what} {path} is not valid JSON: {exc}") from None
 
 
-def read_text_file(name: str, what: str) -> str:
-    """A file the user named, as text; a clear usage error when it cannot be."""
+def read_text_file(name: str, what: str, allow_empty: bool = False) -> str:
+    """A file the user named, as text (at most `MAX_JSON_BYTES`); a clear usage error when it
+    cannot be."""
     path = Path(name).expanduser()
     try:
-        text = path.read_bytes().decode("utf-8")
+        with open(path, "rb") as f:
+            data = f.read(MAX_JSON_BYTES + 1)
     except OSError as exc:
         raise UsageError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_JSON_BYTES:
+        raise UsageError(f"the {what} {path} is larger than {MAX_JSON_BYTES >> 20} MB")
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise UsageError(f"the {what} {path} is not UTF-8 text") from None
-    if not text.strip():
+    if not text.strip() and not allow_empty:
         raise UsageError(f"the {what} {path} is empty")
     return text
 

@@ -133,7 +133,10 @@ def main(argv: list[str]) -> int:
 
     def taken() -> str:
         """What the user's code printed since last asked, and the file emptied."""
-        sys.stdout.flush()
+        try:
+            sys.stdout.flush()
+        except (ValueError, OSError, AttributeError):  # (the user's code closed or replaced it)
+            pass
         printed.seek(0)
         data = printed.read(STDOUT_MAX * 4)
         printed.seek(0)

@@ -171,7 +171,7 @@ def tools_in_messages(path: str) -> list[Tool]:
     """The `tools` of a messages file in the shape of a chat request (`{"messages", "tools"}`),
     which the caller runs; none where it has none."""
     data = read_json_file(path, "messages file")
-    if not isinstance(data, dict) or data.get("tools") is None:
+    if not isinstance(data, dict) or data.get("tools") in (None, []):
         return []
     return tools_from_json(path, data)
 

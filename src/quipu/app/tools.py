@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
+from quipu.app.environment import read_text_file
 from quipu.app.tool_files import check_tool_schemas, tools_from_json, tools_in_messages
 from quipu.app.tooldefs import DEFAULT_TIMEOUT, Tool, ToolFailure, check_tool_name
-from quipu.errors import BadInput, Interrupted, UsageError
+from quipu.errors import Interrupted, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink
 from quipu.sessions.conversation import Conversation
 from quipu.sessions.tools import ToolCall, ToolSpec
@@ -194,12 +194,7 @@ def parse_tool_results(given: Sequence[str]) -> list[tuple[str, str]]:
         if not sep or not ident:
             raise UsageError(f"--tool-result takes ID=TEXT or ID=@FILE, not {item!r}")
         if value.startswith("@"):
-            try:
-                value = Path(value[1:]).expanduser().read_text(encoding="utf-8")
-            except OSError as exc:
-                raise UsageError(f"cannot read the tool result {value[1:]}: {exc.strerror or exc}") from None
-            except UnicodeDecodeError:
-                raise BadInput(f"the tool result {value[1:]} is not UTF-8 text") from None
+            value = read_text_file(value[1:], "tool result", allow_empty=True)
         out.append((ident, value))
     return out
 

@@ -37,6 +37,16 @@ LIMITS = dict(max_grammar_size=500_000, step_max_items=50_000, verbose_errors=Fa
 @functools.lru_cache(maxsize=64)
 def compile_grammar(grammar: Grammar) -> str:
     """llguidance's form of `grammar`, checked: an invalid grammar is one line naming its place."""
+    try:
+        return _compiled(grammar)
+    except ValueError as exc:  # (what llguidance's converters raise on a text they cannot read)
+        if grammar.kind == "json_schema" and ("Infinity" in grammar.text or "NaN" in grammar.text):
+            raise InvalidParameter(f"the {grammar.what} is invalid: it holds a number JSON cannot write "
+                                   "(Infinity or NaN)") from None
+        raise InvalidParameter(f"the {grammar.what} is invalid: {one_line(str(exc))}") from None
+
+
+def _compiled(grammar: Grammar) -> str:
     if grammar.kind == "json_schema":
         source = llguidance.LLMatcher.grammar_from_json_schema(grammar.text, defaults=JSON_OPTIONS)
     elif grammar.kind == "regex":
