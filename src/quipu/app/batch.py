@@ -195,6 +195,12 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
         raise UsageError("--batch answers each row on its own; it cannot be used with --session or --continue")
     if env.remote(opts.url, opts.model) is not None:
         raise UsageError("--batch runs on a local model; it cannot be used with a server (--url, QUIPU_URL)")
+    toolish = [flag for flag, value in (("--functions", opts.functions), ("--tools", opts.tools_file),
+                                        ("--mcp", opts.mcp), ("--messages", opts.messages),
+                                        ("--tool-choice", opts.tool_choice), ("--tool-result", opts.tool_results))
+               if value]
+    if toolish:  # (never dropped silently: a batch with tools would answer in plain text)
+        raise UsageError(f"--batch answers each row in one reply and runs no tools; give no {', '.join(toolish)}")
     check_positive("--parallel", parallel)
     if parallel is not None and parallel > MAX_PARALLEL:
         raise UsageError(f"--parallel must be at most {MAX_PARALLEL} (llama.cpp's limit of sequences), got {parallel}")
