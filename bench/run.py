@@ -290,7 +290,7 @@ def bench_templates(model: str, threads: int) -> list[dict]:
                                                                    "Qwen-Qwen3-0.6B.jinja").read_text())):
             conv = Conversation.start(InferenceSession(backend), template=source)
             reread = []
-            for question, reply in zip(questions, replies + [None]):
+            for question, reply in zip(questions, replies + [None], strict=False):
                 conv.messages.append(Message("user", question))
                 new = conv.context_tokens()
                 reread.append(len(new) - common_prefix(new, conv.session.tokens))
@@ -524,7 +524,7 @@ def bench_cache(model: str, threads: int, repeats: int, home: str) -> list[dict]
         return out, time.perf_counter() - started
 
     on, off = [], []
-    for i in range(repeats):  # interleaved
+    for _ in range(repeats):  # interleaved
         on.append(answered(at="overhead"))
         off.append(answered("--no-cache", at="overhead"))
     ratio = median([a for a, _ in on]) / median([a for a, _ in off])
@@ -802,7 +802,7 @@ def bench_batch(model: str, threads: int, repeats: int, home: str, n_rows: int =
     solo_texts = samples["solo"][0]["texts"]
     for parallel in (8, 32):
         rate = median([g["rate"] for g in samples[parallel]])
-        same = sum(a == b for a, b in zip(samples[parallel][0]["texts"], solo_texts))
+        same = sum(a == b for a, b in zip(samples[parallel][0]["texts"], solo_texts, strict=False))
         row = {"what": f"--batch, {n_rows} rows, --parallel {parallel}: tokens/s (prompt + generated)",
                "quipu": round(rate, 1),
                "ratio": f"{rate / solo_rate:.2f}x one by one in one process, {rate / processes_rate:.2f}x {n_rows} "

@@ -127,7 +127,7 @@ def test_cli_plain_lines_as_lone_runs(quipu, tiny_model):
     r, lines = batch(quipu, tiny_model, "-n", "8", "--seed", "5", "--parallel", "3", input="\n".join(questions))
     assert r.returncode == 0, r.stderr.decode()
     assert [line["index"] for line in lines] == [0, 1, 2, 3]
-    for q, line in zip(questions, lines):
+    for q, line in zip(questions, lines, strict=False):
         lone = json.loads(quipu("run", "-m", tiny_model, "-n", "8", "--seed", "5", "--json", q).stdout)
         assert line["text"] == lone["text"] and line["seed"] == 5
         assert line["usage"]["completion_tokens"] == lone["usage"]["completion_tokens"]

@@ -297,7 +297,7 @@ def test_a_batch_keeps_each_row_to_its_own_schema(quipu, tiny_model, tmp_path):
     assert r.returncode == 0, r.stderr.decode()  # (an error row is a row written)
     out = [json.loads(line) for line in r.stdout.decode().splitlines()]
     assert "type at / is 'nope'" in out[2]["error"]
-    for row, schema in zip([out[0], out[1], out[3], out[4]], ["enum_const", "array", "defs", "enum_const"]):
+    for row, schema in zip([out[0], out[1], out[3], out[4]], ["enum_const", "array", "defs", "enum_const"], strict=True):
         assert row["finish_reason"] == "stop", row
         check(row["text"], SCHEMAS[schema])
 

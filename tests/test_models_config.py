@@ -186,7 +186,7 @@ def test_embed_gives_one_vector_per_input_from_one_batch(tiny_model):
         vectors = backend.embed(texts)
         assert backend.embed_calls == 1
         assert len(vectors) == 3 and all(len(v) == 128 for v in vectors)
-        close = lambda a, b: max(abs(x - y) for x, y in zip(a, b)) < 1e-4  # noqa: E731
+        close = lambda a, b: max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4  # noqa: E731
         assert close(vectors[0], vectors[2]) and not close(vectors[0], vectors[1])
         alone = backend.embed(["the sky is blue"])
         assert close(alone[0], vectors[1])

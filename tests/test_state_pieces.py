@@ -51,7 +51,7 @@ def test_each_turn_writes_only_its_cells_and_the_session_resumes_exactly(quipu, 
     assert len(pieces) == 3 and end == sizes[-1] and damage is None
     held = json.loads(transcript.read_text())
     base_tokens = pieces[0][0].meta["start"]
-    for (piece, _), before, after in zip(pieces, [0] + sizes, sizes):
+    for (piece, _), before, after in zip(pieces, [0] + sizes, sizes, strict=False):
         # Each turn wrote its own cells: bytes in proportion to the tokens it added.
         added = piece.meta["n_decoded"] - piece.meta["start"]
         assert after - before < len(whole) * added / base_tokens * 1.2 + 4096
@@ -79,7 +79,7 @@ def test_a_rewind_into_saved_cells_replaces_them_and_a_deep_one_saves_whole(quip
     assert r.returncode == 0 and "warning" not in r.stderr.decode(), r.stderr.decode()
     assert state.read_bytes() == first
     metas = [piece.meta for piece, _ in read_log(log)[0]]
-    assert any(b["start"] < a["n_decoded"] for a, b in zip(metas, metas[1:]))  # back into a piece before
+    assert any(b["start"] < a["n_decoded"] for a, b in zip(metas, metas[1:], strict=False))  # back into a piece before
     assert tokens(home, "u") == tokens(home, "one")
     out, err = turn(quipu, tiny_model, "u", "again")
     assert err == "" and out["usage"]["cached_tokens"] > 1000
@@ -190,7 +190,7 @@ def test_fork_copies_in_the_kernel_and_keeps_the_pieces(quipu, tiny_model, home)
     _chain(quipu, tiny_model, home, "f")
     r = quipu("sessions", "fork", "f", "g")
     assert r.returncode == 0, r.stderr.decode()
-    for a, b in zip(files(home, "f")[1:], files(home, "g")[1:]):
+    for a, b in zip(files(home, "f")[1:], files(home, "g")[1:], strict=False):
         assert a.read_bytes() == b.read_bytes()
     out, err = turn(quipu, tiny_model, "g", "and more")
     assert err == "" and out["usage"]["cached_tokens"] > 300

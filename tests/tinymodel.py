@@ -93,7 +93,7 @@ def bpe_vocab(n_merges: int = 60, tool_specials: bool = False) -> tuple[list[str
     for _ in range(n_merges):
         pairs: dict[tuple[str, str], int] = {}
         for w in words:
-            for a, b in zip(w, w[1:]):
+            for a, b in zip(w, w[1:], strict=False):
                 pairs[(a, b)] = pairs.get((a, b), 0) + 1
         if not pairs:
             break

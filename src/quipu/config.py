@@ -78,7 +78,7 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
             if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
                 raise fail(key, "[mcp] holds one table a server: [mcp.NAME] with command, args and env")
             for name, server in value.items():
-                config.mcp[name] = check_mcp_server(server, lambda message: fail(name, message, "mcp"),
+                config.mcp[name] = check_mcp_server(server, lambda message, name=name: fail(name, message, "mcp"),
                                                     f"[mcp.{name}]")
         elif key in tables:
             allowed = tables[key]

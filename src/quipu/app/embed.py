@@ -26,7 +26,7 @@ def embed_texts(texts: Sequence[str], opts: TurnOptions, env: Environment, *, po
     else:
         vectors = _embed_local(list(texts), opts, env, pooling)
     out = []
-    for i, (text, vec) in enumerate(zip(texts, vectors)):
+    for i, (text, vec) in enumerate(zip(texts, vectors, strict=False)):
         if normalize:
             norm = math.sqrt(sum(x * x for x in vec)) or 1.0
             vec = [x / norm for x in vec]

@@ -154,7 +154,7 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
                                             "is next run with its tools (-S NAME and --functions, --mcp)")
         answers: list[tuple[ToolCall, str]] = []
         records: list[CallRecord] = []
-        for call, ok in zip(calls, approved):
+        for call, ok in zip(calls, approved, strict=True):
             if on_start is not None:
                 on_start(call)
             if call in unknown:

@@ -108,7 +108,7 @@ class BatchSession:
                 tokens = self.backend.sample_rows([(slot.chain, slot.matcher, draw_seed(slot.params.seed, slot.draws),
                                                     index) for slot, index in wanting])
                 now = time.perf_counter()
-                for (slot, _), token in zip(wanting, tokens):
+                for (slot, _), token in zip(wanting, tokens, strict=False):
                     self._took(slot, token, now, on_token, on_done)
         finally:
             for slot in slots:

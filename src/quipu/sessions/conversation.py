@@ -138,7 +138,7 @@ class Conversation:
             # after it tokenizes with it, as with no markup of the model's own): the context is
             # as it was only up to there, and an /undo goes back to that point.
             now = self.session.tokens
-            same = next((i for i, (a, b) in enumerate(zip(held, now)) if a != b), min(len(held), len(now)))
+            same = next((i for i, (a, b) in enumerate(zip(held, now, strict=False)) if a != b), min(len(held), len(now)))
             user.context_before = min(before, same)
         return gen
 
