@@ -9,7 +9,6 @@ from quipu.engine.base import ContextSettings
 from quipu.errors import BadInput, CapabilityError
 from quipu.app.environment import Environment, TurnOptions, load_backend
 
-POOLINGS = ("mean", "last", "cls")
 
 
 def embed_texts(texts: Sequence[str], opts: TurnOptions, env: Environment, *, pooling: str = "mean",

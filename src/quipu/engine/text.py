@@ -32,13 +32,3 @@ def unfinished_character(pieces: list[bytes]) -> bytes:
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     decoder.decode(b"".join(pieces))
     return decoder.getstate()[0]
-
-
-def utf8_after(pending: bytes, piece: bytes) -> bytes | None:
-    """The unfinished character's bytes after `piece` follows `pending`; None if that is not UTF-8."""
-    decoder = codecs.getincrementaldecoder("utf-8")("strict")
-    try:
-        decoder.decode(pending + piece, final=False)
-    except UnicodeDecodeError:
-        return None
-    return decoder.getstate()[0]

@@ -36,11 +36,6 @@ class Conversation:
     tools: list[Any] = field(default_factory=list)
     tool_choice: str = "auto"
 
-    @property
-    def reply_starts_thinking(self) -> bool:
-        """Whether the reply being generated starts inside a reasoning block its prompt opened."""
-        return starts_thinking(self.prompt_text)
-
     @classmethod
     def start(cls, session: ModelSession, system: str | None = None, *, template: str | None = None,
               variables: dict[str, Any] | None = None, messages: Sequence[Message] = ()) -> "Conversation":

@@ -70,13 +70,6 @@ class ThinkingSplitter:
         return out
 
 
-def split_reply(text: str, thinking: bool = False) -> tuple[str, str]:
-    """(reasoning, answer) of a whole reply."""
-    splitter = ThinkingSplitter(thinking)
-    pieces = splitter.feed(text) + splitter.flush()
-    return "".join(t for r, t in pieces if r), "".join(t for r, t in pieces if not r)
-
-
 class ThinkingSink(ReplySink):
     """A reply sink that passes a thinking model's reasoning on as reasoning and the rest as the
     answer, and keeps both. `starts_thinking` is asked at the first piece, once the prompt is
