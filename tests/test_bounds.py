@@ -116,7 +116,7 @@ def test_an_answer_to_the_full_context_question_is_never_a_message(monkeypatch, 
 
 
 def test_ctrl_backslash_in_a_chat_stops_a_reply_and_the_chat_goes_on(home):
-    pexpect = pytest.importorskip("pexpect")
+    import pexpect
     environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
     environ.update(QUIPU_HOME=str(home), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
     child = pexpect.spawn(sys.executable, ["-m", "quipu", "chat", "-S", "quit", "-n", "4000",

@@ -205,7 +205,7 @@ def test_a_chat_holds_its_session_against_a_run(home, tiny_model):
 
 # ---- the real REPL in a pseudo-terminal ---------------------------------------------------
 
-pexpect = pytest.importorskip("pexpect")
+import pexpect
 
 
 def spawn(home, *args):

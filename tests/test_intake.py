@@ -509,7 +509,7 @@ def test_a_chat_told_to_end_at_its_prompt_leaves_and_keeps_its_turns(tiny_model,
     import signal
     import sys
 
-    pexpect = pytest.importorskip("pexpect")
+    import pexpect
     environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
     environ.update(QUIPU_HOME=str(home), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
     child = pexpect.spawn(sys.executable, ["-m", "quipu", "chat", "-S", "t", "-m", str(tiny_model), "-n", "4"],

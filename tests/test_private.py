@@ -63,7 +63,7 @@ def test_everything_quipu_writes_is_the_user_s_alone(tiny_model, tmp_path, home,
 
 
 def test_the_chat_history_is_private(tiny_model, home):
-    pexpect = pytest.importorskip("pexpect")
+    import pexpect
     environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
     environ.update(QUIPU_HOME=str(home), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
     child = pexpect.spawn("/bin/sh", ["-c", f"umask 000; exec {sys.executable} -m quipu chat -S h -m {tiny_model} -n 4"],

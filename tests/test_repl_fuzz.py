@@ -148,7 +148,7 @@ def test_thousands_of_piped_lines_exit_0_and_every_session_loads(quipu, tiny_mod
 
 
 def test_random_keys_in_a_terminal(home, tiny_model):
-    pexpect = pytest.importorskip("pexpect")
+    import pexpect
     environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
     environ.update(QUIPU_HOME=str(home), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
     child = pexpect.spawn(sys.executable, ["-m", "quipu", "chat", "-m", str(tiny_model), "-n", "2", "-S", "tty"],

@@ -258,7 +258,7 @@ def test_a_chat_s_prompt_comes_back_with_the_transcript_written_and_a_kill_then_
     # the session holds the same tokens either way (the state was written, or the turn is read again).
     import signal
 
-    pexpect = pytest.importorskip("pexpect")
+    import pexpect
     turn(quipu, tiny_model, "c", LONG)
     environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
     environ.update(QUIPU_HOME=str(home), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
