@@ -45,6 +45,9 @@ def build_app():
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the console script and `python -m quipu`."""
     try:
+        from quipu.cli.boundary import end_as_interrupted
+
+        end_as_interrupted()  # (from the start: a SIGTERM while quipu is imported is an interruption too)
         _main(sys.argv[1:] if argv is None else argv)
     except KeyboardInterrupt:  # Ctrl-C while quipu itself is still being imported
         if os.environ.get("QUIPU_DEBUG") == "1":
