@@ -44,7 +44,7 @@ def not_private(home: Path) -> dict[str, str]:
             if m != (0o700 if (home / p).is_dir() else 0o600)}
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o000])
+@pytest.mark.parametrize("umask", [0o022, 0o000, 0o277])  # (the last takes even the owner's write away)
 def test_everything_quipu_writes_is_the_user_s_alone(tiny_model, tmp_path, home, umask):
     doc = " ".join(["The river runs past the old mill and under the stone bridge."] * 12)
     for args in (["run", "-m", tiny_model, "-S", "s", "-n", "4", doc],       # a session: transcript, state, lock

@@ -95,14 +95,21 @@ def narrow(path: Path | int) -> None:
 
 
 def open_private(path: Path, flags: int) -> int:
-    """`os.open` of a file that is created 0600 and, when it was there already, narrowed."""
+    """`os.open` of a file that is 0600 once open (made so whatever the umask, before any data
+    goes in, and narrowed when it was there already with a wider mode)."""
     fd = os.open(path, flags | os.O_CREAT, FILE_MODE)
     try:
-        narrow(fd)
+        if stat.S_IMODE(os.fstat(fd).st_mode) != FILE_MODE:
+            os.fchmod(fd, FILE_MODE)  # (a umask that took the owner's bits away, or an older wide file)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def create_private(path: Path) -> int:
+    """A new file (`O_EXCL`) for writing, 0600 whatever the umask, before any data goes in."""
+    return open_private(path, os.O_WRONLY | os.O_EXCL)
 
 
 def shared_with_others(path: Path) -> bool:

@@ -37,7 +37,7 @@ from quipu.errors import (
     SessionSaveError,
     SnapshotError,
 )
-from quipu.paths import FILE_MODE, open_private, private_dir
+from quipu.paths import create_private, open_private, private_dir
 from quipu.store.statefile import StateBlob, append_record, read_log, read_state, state_chunks
 from quipu.store.transcript import Transcript, TranscriptError
 
@@ -389,7 +389,7 @@ def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryv
     it, renames it into place."""
     chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
     with _replacing(path) as tmp:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)  # (private before a byte goes in)
+        fd = create_private(tmp)
         try:
             for chunk in chunks:
                 view = memoryview(chunk).cast("B")
@@ -406,7 +406,7 @@ def atomic_copy(source: Path, target: Path) -> None:
     the file system shares blocks, else copy_file_range or sendfile): nothing of it passes
     through this process's memory."""
     with _replacing(target) as tmp, open(source, "rb") as src, \
-            open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as dst:
+            open(create_private(tmp), "wb") as dst:
         if not _reflink(src.fileno(), dst.fileno()):
             size = os.fstat(src.fileno()).st_size
             done = 0
