@@ -270,7 +270,7 @@ def grammar_of(opts: TurnOptions):
     return grammar
 
 
-MAX_JSON_BYTES = 64 << 20  # the largest file the user names that is read (as standard input)
+MAX_FILE_BYTES = 64 << 20  # the largest file the user names that is read (as standard input)
 # A JSON string, or one bracket: what a depth scan needs to see of a JSON text.
 _JSON_MARKS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
 
@@ -300,17 +300,7 @@ def read_json_file(name: str, what: str):
     from quipu.engine.grammar import MAX_DEPTH
 
     path = Path(name).expanduser()
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_JSON_BYTES + 1)
-    except OSError as exc:
-        raise UsageError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
-    if len(data) > MAX_JSON_BYTES:
-        raise UsageError(f"the {what} {path} is larger than {MAX_JSON_BYTES >> 20} MB")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise UsageError(f"the {what} {path} is not UTF-8 text") from None
+    text = read_text_file(name, what, allow_empty=True)
     if json_depth(text, MAX_DEPTH) > MAX_DEPTH:
         raise UsageError(f"the {what} {path} nests deeper than {MAX_DEPTH} levels")
     try:
@@ -320,16 +310,16 @@ def read_json_file(name: str, what: str):
 
 
 def read_text_file(name: str, what: str, allow_empty: bool = False) -> str:
-    """A file the user named, as text (at most `MAX_JSON_BYTES`); a clear usage error when it
+    """A file the user named, as text (at most `MAX_FILE_BYTES`); a clear usage error when it
     cannot be."""
     path = Path(name).expanduser()
     try:
         with open(path, "rb") as f:
-            data = f.read(MAX_JSON_BYTES + 1)
+            data = f.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise UsageError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
-    if len(data) > MAX_JSON_BYTES:
-        raise UsageError(f"the {what} {path} is larger than {MAX_JSON_BYTES >> 20} MB")
+    if len(data) > MAX_FILE_BYTES:
+        raise UsageError(f"the {what} {path} is larger than {MAX_FILE_BYTES >> 20} MB")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
