@@ -127,8 +127,10 @@ def test_a_run_in_a_session_keeps_its_reply_length(quipu, tiny_model):
     assert first.returncode == 0, first.stderr.decode()
     again = json.loads(quipu("run", "-m", tiny_model, "-S", "short", "--json", "and?").stdout)
     assert again["usage"]["completion_tokens"] <= 2
+    # (every end of the reply banned, the model's and the template's: it cannot end early, whatever it draws)
     longer = json.loads(quipu("run", "-m", tiny_model, "-S", "short", "-n", "9", "--temperature", "1",
-                              "--logit-bias", "2=-inf", "--json", "more").stdout)
+                              "--logit-bias", "0=-inf", "--logit-bias", "2=-inf", "--logit-bias", "4=-inf",
+                              "--json", "more").stdout)
     assert longer["usage"]["completion_tokens"] > 2  # the command line wins, and is kept from then on
 
 
