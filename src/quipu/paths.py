@@ -83,15 +83,11 @@ def private_dir(path: Path, levels: int = 1) -> Path:
     return path
 
 
-def narrow(path: Path | int) -> None:
-    """A file or folder (or an open file) kept to its owner: group's and others' bits removed."""
-    st = os.stat(path) if not isinstance(path, int) else os.fstat(path)
-    mode = stat.S_IMODE(st.st_mode)
+def narrow(path: Path) -> None:
+    """A folder kept to its owner: group's and others' bits removed."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
     if mode & 0o077:
-        if isinstance(path, int):
-            os.fchmod(path, mode & 0o700)
-        else:
-            os.chmod(path, mode & 0o700)
+        os.chmod(path, mode & 0o700)
 
 
 def open_private(path: Path, flags: int) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from quipu.errors import CapabilityError, TemplateError, UsageError
-from quipu.sessions.base import SILENT, Generation, Message, ModelSession, ReplySink, TurnPrompt
+from quipu.sessions.base import SILENT, Generation, Message, ModelSession, ReplySink, TurnPrompt, common_prefix
 from quipu.sessions.prompt import Protector, Rendered
 from quipu.sessions.template import ChatTemplate
 from quipu.sessions.thinking import CLOSE as THINK_CLOSE, ThinkingSink, starts_thinking
@@ -132,9 +132,7 @@ class Conversation:
             # The turn may have read the end of the last reply again (where the template's text
             # after it tokenizes with it, as with no markup of the model's own): the context is
             # as it was only up to there, and an /undo goes back to that point.
-            now = self.session.tokens
-            same = next((i for i, (a, b) in enumerate(zip(held, now, strict=False)) if a != b), min(len(held), len(now)))
-            user.context_before = min(before, same)
+            user.context_before = min(before, common_prefix(held, self.session.tokens))
         return gen
 
     def continue_reply(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT) -> Generation:
