@@ -17,19 +17,21 @@ magic before it is linked in; a file that fails is removed and said so.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from quipu.errors import QuipuError, UsageError
-from quipu.store.pulled import PulledModel, PulledRecord
 from quipu.paths import private_dir
-from quipu.store.store import atomic_write
+from quipu.store.pulled import PulledModel, PulledRecord
+from quipu.store.store import atomic_write, flock_until
 
 # A quantization tag as GGUF file names spell it: Q4_K_M, IQ4_XS, Q8_0, TQ1_0, BF16, F16, ...
 QUANT = re.compile(r"(?i)(?<![a-z0-9])(t?i?q\d(?:_[a-z0-9]+)*|bf16|fp16|f16|f32)(?![a-z0-9])")
@@ -302,27 +304,15 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
 
 
-def _locked(path: Path):
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
     """An exclusive lock on `path` (a pull of the same file in another process waits for it)."""
-    import contextlib
-    import fcntl
-    import time
-
-    @contextlib.contextmanager
-    def held():
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    time.sleep(0.1)  # (a Ctrl-C here ends the wait)
-            yield
-        finally:
-            os.close(fd)
-
-    return held()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        flock_until(fd, math.inf)
+        yield
+    finally:
+        os.close(fd)
 
 
 def fetch(repo: str, f: HubFile, cache: Path, on_progress: ProgressFn | None) -> tuple[Path, Path, str]:

@@ -109,7 +109,7 @@ class SessionStore:
         while True:
             fd = open_private(path, os.O_RDWR)
             try:
-                got = _flock_until(fd, deadline)
+                got = flock_until(fd, deadline)
                 # The holder may have removed the file (rm, rename) while we waited: then we hold
                 # a lock on a file nobody else will ever open. Start again on the one at the path.
                 if got and _same_file(fd, path):
@@ -347,8 +347,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _flock_until(fd: int, deadline: float) -> bool:
-    """Takes an exclusive flock on `fd`, polling until `deadline`; False if it never came free."""
+def flock_until(fd: int, deadline: float) -> bool:
+    """Takes an exclusive flock on `fd`, polling until `deadline` (`math.inf`: for as long as it
+    takes, a Ctrl-C ending the wait); False if it never came free."""
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
