@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from quipu.app.tooldefs import DEFAULT_TIMEOUT, Tool, ToolFailure, ToolOutput
+from quipu.app.tooldefs import DEFAULT_TIMEOUT, Tool, ToolFailure, ToolOutput, never
 from quipu.errors import Interrupted, QuipuError, UsageError
 from quipu.sessions.tools import ToolSpec
 
@@ -33,15 +33,11 @@ class WorkerGone(Exception):
     """The process ended, or was ended, before it answered."""
 
 
-def _never() -> bool:
-    return False
-
-
 class FunctionWorker:
     """The process the functions files run in, and the one way to talk to it."""
 
     def __init__(self, files: list[str], timeout: float = DEFAULT_TIMEOUT,
-                 stopped: Callable[[], bool] = _never, on_output: Callable[[str], None] | None = None):
+                 stopped: Callable[[], bool] = never, on_output: Callable[[str], None] | None = None):
         self.files = files
         self.timeout = timeout  # for the import
         self.stopped = stopped  # asked while the import is waited for (a call has its own)
@@ -209,7 +205,7 @@ class FunctionWorker:
         self.kill()
 
 
-def functions_from_files(files: list[str], timeout: float = DEFAULT_TIMEOUT, stopped: Callable[[], bool] = _never,
+def functions_from_files(files: list[str], timeout: float = DEFAULT_TIMEOUT, stopped: Callable[[], bool] = never,
                          on_output: Callable[[str], None] | None = None) -> tuple[list[Tool], list[str], FunctionWorker]:
     """Each public function of the files, as a tool that runs in the worker; notices (parameters
     taken as strings for want of a type hint); and the worker (close it when done)."""

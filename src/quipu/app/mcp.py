@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from quipu.app.environment import read_json_file
-from quipu.app.tooldefs import Runner, Tool, ToolFailure, ToolOutput
+from quipu.app.tooldefs import Runner, Tool, ToolFailure, ToolOutput, never
 from quipu.config import MCP_KEYS, check_mcp_server
 from quipu.errors import Interrupted, QuipuError, UsageError
 from quipu.sessions.tools import ToolSpec
@@ -67,7 +67,7 @@ def server_environment(definition: dict[str, Any]) -> dict[str, str]:
 class McpServer:
     """One MCP server over stdio, its session held open on an event loop in a thread of its own."""
 
-    def __init__(self, name: str, definition: dict[str, Any], stopped: Callable[[], bool] = lambda: False):
+    def __init__(self, name: str, definition: dict[str, Any], stopped: Callable[[], bool] = never):
         self.name = name
         self.stopped = stopped  # asked while the server is waited for to start (Ctrl-C, SIGTERM)
         self.notices: list[str] = []
@@ -207,7 +207,7 @@ class McpServer:
 
 
 def start_servers(names, config_servers: dict[str, dict[str, Any]], config_file: str | None,
-                  stopped: Callable[[], bool] = lambda: False) -> list[McpServer]:
+                  stopped: Callable[[], bool] = never) -> list[McpServer]:
     """The servers named, started (those already started are closed if one fails)."""
     known = dict(config_servers)
     if config_file:

@@ -35,6 +35,11 @@ class ToolOutput:
     stdout: str = ""
 
 
+def never() -> bool:
+    """A `stopped()` for work that nothing stops but its own bounds."""
+    return False
+
+
 # A tool's runner: (the call's arguments, the seconds it may take, whether the user stopped the
 # work: asked as it waits) -> its output; it raises ToolFailure when the call failed, and
 # Interrupted when the user stopped it.

@@ -13,7 +13,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from quipu.app.environment import read_text_file
 from quipu.app.tool_files import check_tool_schemas, tools_from_json, tools_in_messages
-from quipu.app.tooldefs import DEFAULT_TIMEOUT, Tool, ToolFailure, check_tool_name
+from quipu.app.tooldefs import DEFAULT_TIMEOUT, Tool, ToolFailure, check_tool_name, never
 from quipu.errors import Interrupted, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink
 from quipu.sessions.conversation import Conversation
@@ -93,7 +93,7 @@ class LoopResult:
 
 
 def run_call(tool: Tool, call: ToolCall, output_max: int = DEFAULT_OUTPUT_MAX,
-             stopped: Callable[[], bool] = lambda: False) -> CallRecord:
+             stopped: Callable[[], bool] = never) -> CallRecord:
     """Runs one call (within its tool's timeout, which the runner keeps); an error is the result
     the model is given. The result is kept as the model is given it (cut at `output_max`)."""
     assert tool.run is not None
@@ -256,11 +256,7 @@ class Tools:
         return out
 
 
-def _never() -> bool:
-    return False
-
-
-def toolbox(opts, env=None, *, stopped: Callable[[], bool] = _never,
+def toolbox(opts, env=None, *, stopped: Callable[[], bool] = never,
             on_output: Callable[[str], None] | None = None) -> Tools | None:
     """The tools the options give (None when they give none), each checked; the functions files'
     process and MCP servers are started (close the result to stop them). `stopped` is asked
