@@ -163,7 +163,7 @@ def test_cli_json_rows_fail_one_by_one(quipu, tiny_model):
     (["--batch", "/nonexistent/rows.jsonl"], None, "cannot read the batch file"),
     (["--batch", "-"], b"\n\n", "no rows"),
     (["--batch", "-", "--tool-choice", "required", "--tools", "/nonexistent.json"], b"row\n",
-     "runs no tools; give no --tools, --tool-choice"),
+     "no tools and no reasoning budget; give no --tools, --tool-choice"),
     (["--batch", "-", "--functions", "f.py", "--mcp", "m"], b"row\n", "give no --functions, --mcp"),
 ])
 def test_cli_bad_batches_are_one_line_errors(quipu, tiny_model, args, input, message):

@@ -244,31 +244,6 @@ def test_models_info_says_what_a_template_does(quipu, tmp_path):
     assert "a system prompt joins the first user message" in text
 
 
-@pytest.mark.parametrize("text, opened, reasoning, answer", [
-    ("<think>\nI think.\n</think>\n\nThe answer.", False, "\nI think.\n", "The answer."),
-    ("  <think>a</think>b", False, "a", "b"),
-    ("The <think> tag is HTML-like.", False, "", "The <think> tag is HTML-like."),
-    ("reasoning here</think>\n\nanswer", True, "reasoning here", "answer"),
-    ("<think>cut inside", False, "cut inside", ""),
-    ("<thin", False, "", "<thin"),
-    ("  Hello", False, "", "  Hello"),
-])
-def test_reasoning_splits_from_the_answer_however_the_text_streams(text, opened, reasoning, answer):
-    import random
-
-    from quipu.sessions.thinking import ThinkingSplitter
-
-    for seed in range(30):
-        rng, splitter, pieces, at = random.Random(seed), ThinkingSplitter(opened), [], 0
-        while at < len(text):
-            step = rng.randint(1, 4)
-            pieces += splitter.feed(text[at:at + step])
-            at += step
-        pieces += splitter.flush()
-        got = ("".join(t for r, t in pieces if r), "".join(t for r, t in pieces if not r))
-        assert got == (reasoning, answer), seed
-
-
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city, today.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city"},

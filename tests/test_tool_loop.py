@@ -445,7 +445,9 @@ def test_a_required_call_keeps_to_the_tool_s_schema_in_every_constrained_format(
         for call in gen.tool_calls:
             assert call.name == "get_weather"
             jsonschema.validate(call.arguments, schema)
-        held, start, thinking = len(session.tokens), session.reply_start, session.starts_thinking
+        fmt = conv.reasoning
+        thinking = fmt is not None and fmt.starts_inside(conv.prompt_text)
+        held, start = len(session.tokens), session.reply_start
         if thinking:  # the model reasoned first; the call came once its reasoning ended
             assert "</think>" in spelled and spelled.index("</think>") < spelled.index(gen.tool_calls[0].name)
         conv.add_tool_results([(call, "sunny") for call in gen.tool_calls])

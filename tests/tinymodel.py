@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import string
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -31,6 +32,14 @@ TOOL_SPECIALS = [
     "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
     "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|python_tag|>", "<|tool_call|>",
     "<|tool_call_start|>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<think>", "</think>",
+]
+# Reasoning markup that is one token in its family's vocabulary.
+REASONING_SPECIALS = [
+    "<|START_THINKING|>", "<|END_THINKING|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TEXT|>",
+    "<|END_TEXT|>", "<seed:think>", "</seed:think>", "[THINK]", "[/THINK]", "<|channel>", "<channel|>",
+    "<|inner_prefix|>", "<|inner_suffix|>", "<mm:think>", "</mm:think>", "<|think|>", "<|content|>", "<|begin|>",
+    "<|turn>", "<turn|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
+    "<seed:bos>", "<seed:eos>",
 ]
 CONTROL, USER_DEFINED = 3, 4
 
@@ -78,12 +87,14 @@ BPE_CORPUS = ("hello world the sky is blue and the world is hello. Paris is the 
               "user assistant system: Shorter, please. \n\n  Hi there!  ")
 
 
-def bpe_vocab(n_merges: int = 60, tool_specials: bool = False) -> tuple[list[str], list[int], list[str]]:
+def bpe_vocab(n_merges: int = 60, tool_specials: bool = False,
+              extra_specials: Sequence[str] = ()) -> tuple[list[str], list[int], list[str]]:
     """A GPT-2 style byte-level BPE vocabulary: the special tokens, the 256 byte symbols, and
     merges learned from a small corpus."""
     chars = _byte_chars()
     tokens = ["<|endoftext|>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"] + [t for t in SPECIALS if t != "<|endoftext|>"]
     tokens += TOOL_SPECIALS if tool_specials else []
+    tokens += [t for t in extra_specials if t not in tokens]
     types = [CONTROL] * len(tokens)
     tokens += chars
     types += [1] * 256
@@ -131,6 +142,7 @@ def write_tiny_gguf(
     tokenizer: str = "spm",
     split_max_tensors: int = 0,
     tool_specials: bool = False,
+    extra_specials: Sequence[str] = (),
 ) -> Path:
     """`tokenizer`: "spm" (SentencePiece with byte fallback, as Llama 2 and Gemma) or "bpe"
     (GPT-2 style byte-level BPE, as Llama 3, Qwen and most recent models). With
@@ -138,7 +150,7 @@ def write_tiny_gguf(
     import gguf
 
     if tokenizer == "bpe":
-        tokens, types, merges = bpe_vocab(tool_specials=tool_specials)
+        tokens, types, merges = bpe_vocab(tool_specials=tool_specials, extra_specials=extra_specials)
         scores = None
     else:
         tokens, scores, types = vocab(tool_specials)

@@ -37,7 +37,7 @@ from quipu.errors import BadInput, QuipuError, UsageError
 from quipu.sessions.batch import BatchRow, BatchSession
 from quipu.sessions.base import SILENT
 from quipu.sessions.conversation import Conversation, Message
-from quipu.sessions.thinking import ThinkingSink, starts_thinking
+from quipu.sessions.reasoning import ReasoningSink, Thinking
 from quipu.sessions.inference import InferenceSession, Stats
 from quipu.sessions.params import SamplingParams
 
@@ -197,10 +197,12 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
         raise UsageError("--batch runs on a local model; it cannot be used with a server (--url, QUIPU_URL)")
     toolish = [flag for flag, value in (("--functions", opts.functions), ("--tools", opts.tools_file),
                                         ("--mcp", opts.mcp), ("--messages", opts.messages),
-                                        ("--tool-choice", opts.tool_choice), ("--tool-result", opts.tool_results))
+                                        ("--tool-choice", opts.tool_choice), ("--tool-result", opts.tool_results),
+                                        ("--reasoning-budget", opts.reasoning_budget is not None))
                if value]
     if toolish:  # (never dropped silently: a batch with tools would answer in plain text)
-        raise UsageError(f"--batch answers each row in one reply and runs no tools; give no {', '.join(toolish)}")
+        raise UsageError(f"--batch answers each row in one reply, with no tools and no reasoning budget; give no "
+                         f"{', '.join(toolish)}")
     check_positive("--parallel", parallel)
     if parallel is not None and parallel > MAX_PARALLEL:
         raise UsageError(f"--parallel must be at most {MAX_PARALLEL} (llama.cpp's limit of sequences), got {parallel}")
@@ -246,15 +248,20 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
     try:
         batch = BatchSession(batch_backend)
 
-        def on_token(i: int, _token: int, text: str) -> None:
-            runnable[i].stream.text(text)
+        def on_token(i: int, token: int, text: str) -> None:
+            stream = runnable[i].stream
+            assert stream is not None
+            stream.text(text)
+            if batch_backend.is_control(token):  # (markup the text does not show)
+                stream.control(batch_backend.token_text(token).decode("utf-8", "replace"))
 
         def on_done(i: int, gen, stats: Stats) -> None:
             plan = runnable[i]
+            assert plan.stream is not None and plan.row is not None
             stats.load_s = load_s
-            plan.stream.finish(gen)
-            result = TurnResult(gen.answer, gen.finish_reason, model_name, plan.row.params.seed, None, stats, [],
-                                gen.reasoning)
+            reasoning, answer = plan.stream.finish()
+            result = TurnResult(answer, gen.finish_reason, model_name, plan.row.params.seed, None, stats, [],
+                                reasoning.strip())
             generated[0] += stats.completion_tokens
             writer.done(RowOutcome(plan.input.index, plan.input.id, result=result))
             if on_progress is not None:
@@ -270,7 +277,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
 class _Plan:
     input: RowInput
     row: BatchRow | None = None
-    stream: ThinkingSink | None = None
+    stream: ReasoningSink | None = None
     error: str | None = None
 
 
@@ -285,11 +292,12 @@ def _plan(row: RowInput, base: SamplingParams, opts: TurnOptions, env: Environme
             if row.messages is not None:
                 raise UsageError("messages need the chat template; --raw takes prompts")
             tokens = tokenizer.tokenize(row.prompt, add_special=True, parse_special=False)
-            thinking = False
+            thinking = Thinking()
         else:
             session = InferenceSession(tokenizer, SamplingParams())
             system = row.system if row.system is not None else system_prompt(opts, env)
             conv = Conversation.start(session, system, template=source, variables=template_variables(opts))
+            conv.set_reasoning(effort=opts.reasoning_effort)
             if row.messages is not None:
                 if row.messages[0].role == "system":
                     conv.messages = []
@@ -298,12 +306,13 @@ def _plan(row: RowInput, base: SamplingParams, opts: TurnOptions, env: Environme
                 conv.messages.append(Message("user", row.prompt))
             rendered = conv.render(conv.messages, True)
             tokens = session.context_for(rendered)
-            thinking = starts_thinking(rendered.text)
+            fmt = conv.reasoning
+            thinking = Thinking(fmt, fmt is not None and fmt.starts_inside(rendered.text))
     except QuipuError as exc:
         plan.error = str(exc)
         return plan
     plan.row = BatchRow(tokens, params, row_limit or limit, tuple(opts.stop) + stop)
-    plan.stream = ThinkingSink(SILENT, lambda: thinking)
+    plan.stream = ReasoningSink(SILENT, lambda: thinking)
     return plan
 
 

@@ -232,6 +232,17 @@ class ChatSession:
         self.save()
         return True
 
+    def set_reasoning(self, *, effort: str | None = None, budget: int | None = None) -> None:
+        """How the model reasons in the next replies (see `Conversation.set_reasoning`); kept by the session."""
+        self._named.conversation.set_reasoning(effort=effort, budget=budget, chat=True)
+        self.save()
+
+    @property
+    def reasoning(self) -> tuple[str | None, int | None]:
+        """(the reasoning effort, the reasoning budget) the next replies are given."""
+        conv = self._named.conversation
+        return conv.variables.get("reasoning_effort"), conv.reasoning_budget
+
     def undo(self) -> bool:
         done = self._named.conversation.undo()
         if done:

@@ -50,6 +50,8 @@ class TurnOptions:
     verbose: bool = False
     chat_template: str | None = None  # a file whose template replaces the model's
     think: bool | None = None  # the template's `enable_thinking`, where it has one
+    reasoning_budget: int | None = None  # the most tokens of reasoning (0: none; -1: no limit)
+    reasoning_effort: str | None = None  # the template's `reasoning_effort`: low, medium, high
     schema: str | None = None  # a JSON Schema, inline or @file; "off" drops a session's constraint
     grammar: str | None = None  # a GBNF or Lark (.lark) file; "off" as for schema
     regex: str | None = None  # a regular expression; "off" as for schema

@@ -45,9 +45,16 @@ def transcript(env: Environment, name: str) -> dict[str, Any]:
         "context": record.context,
         "context_tokens": info.tokens,
         "size_bytes": info.size_bytes,
-        "messages": [{k: m[k] for k in ("role", "content", "tool_calls", "tool_call_id", "name") if k in m}
-                     for m in record.messages],
+        "messages": [_readable(m) for m in record.messages],
     }
+
+
+def _readable(message: dict) -> dict:
+    """A message as people read it: a reply's reasoning beside its answer, markup and tokens aside."""
+    out = {k: message[k] for k in ("role", "content", "tool_calls", "tool_call_id", "name") if k in message}
+    if isinstance(message.get("reasoning"), str) and message["reasoning"].strip():
+        out["reasoning"] = message["reasoning"].strip()
+    return out
 
 
 def spelled_calls(message: dict) -> list[str]:
@@ -65,7 +72,10 @@ def export(env: Environment, name: str, fmt: str) -> str:
         lines = [f"# {name}", "", f"Model: {data['model']}. Last used: {data['updated']}.", ""]
         for m in data["messages"]:
             head = f"## Tool result ({m['name']})" if m["role"] == "tool" and m.get("name") else f"## {m['role'].capitalize()}"
-            lines += [head, "", m["content"].rstrip(), ""]
+            lines += [head, ""]
+            if m.get("reasoning"):
+                lines += ["> " + line if line else ">" for line in m["reasoning"].splitlines()] + [""]
+            lines += [m["content"].rstrip(), ""]
             lines += [f"Calls `{call}`" for call in spelled_calls(m)] + ([""] if m.get("tool_calls") else [])
         return "\n".join(lines)
     raise UsageError(f"--format must be markdown or json, not '{fmt}'")

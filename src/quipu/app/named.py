@@ -88,6 +88,12 @@ class NamedSession:
             conv.tools = [ToolSpec(t["function"]["name"], str(t["function"].get("description") or ""),
                                    t["function"].get("parameters") or {"type": "object"}) for t in record.tools]
         limits = record.limits if record is not None else {}
+        try:
+            conv.reasoning_budget = limits.get("reasoning_budget")
+            conv.set_reasoning(effort=opts.reasoning_effort, budget=opts.reasoning_budget)
+        except BaseException:
+            opened.session.close()
+            raise
         named = cls(store, name, conv, opened.keeper, created, list(opened.notices), chat_template=source,
                     max_tokens=opts.max_tokens if opts.max_tokens is not None else limits.get("max_tokens"),
                     stop=tuple(opts.stop) if opts.stop else (tuple(limits["stop"]) if "stop" in limits else None))
@@ -117,7 +123,8 @@ class NamedSession:
         worst the turn in progress is lost."""
         conv = self.conversation
         limits = {k: v for k, v in (("max_tokens", self.max_tokens),
-                                    ("stop", list(self.stop) if self.stop is not None else None)) if v is not None}
+                                    ("stop", list(self.stop) if self.stop is not None else None),
+                                    ("reasoning_budget", conv.reasoning_budget)) if v is not None}
         record = Transcript(
             messages=[m.to_dict() for m in conv.messages], created=self.created, updated=now_iso(),
             quipu=__version__, chat_template=self.chat_template, template_variables=conv.variables,

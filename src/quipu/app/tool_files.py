@@ -224,6 +224,7 @@ def messages_from_file(path: str):
     `{"messages": [...]}`) as the conversation's messages, each field checked: a one-line error
     names the place (`messages[3].content[0].text is a number, not text`)."""
     from quipu.sessions.base import Message
+    from quipu.sessions.reasoning import FIELDS
 
     file = Path(path).expanduser()
     data = read_json_file(path, "messages file")
@@ -242,8 +243,11 @@ def messages_from_file(path: str):
         calls = _calls(m.get("tool_calls"), f"{where}.tool_calls", file) if m.get("tool_calls") else None
         ident = _text(m.get("tool_call_id"), f"{where}.tool_call_id", file)
         name = _text(m.get("name"), f"{where}.name", file)
+        # (an assistant's reasoning, in whichever field the file's writer used)
+        key = next((k for k in FIELDS if m.get(k) is not None), None) if m["role"] == "assistant" else None
+        reasoning = _text(m.get(key), f"{where}.{key}", file) if key else None
         out.append(Message(m["role"], content, tool_calls=calls, tool_call_id=ident,
-                           name=name if m["role"] == "tool" else None))
+                           name=name if m["role"] == "tool" else None, reasoning=reasoning or None))
     return out
 
 

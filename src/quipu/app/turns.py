@@ -167,14 +167,16 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
 def _conversation(session, opts: TurnOptions, env: Environment, source) -> Conversation:
     """A one-shot run's conversation: the system prompt alone, or --messages' conversation."""
     if not opts.messages:
-        return Conversation.start(session, system_prompt(opts, env), template=source,
+        conv = Conversation.start(session, system_prompt(opts, env), template=source,
                                   variables=template_variables(opts))
-    from quipu.app.tool_files import messages_from_file
+    else:
+        from quipu.app.tool_files import messages_from_file
 
-    conv = Conversation.start(session, None, template=source, variables=template_variables(opts),
-                              messages=messages_from_file(opts.messages))
-    if opts.system is not None:
-        conv.set_system(opts.system)
+        conv = Conversation.start(session, None, template=source, variables=template_variables(opts),
+                                  messages=messages_from_file(opts.messages))
+        if opts.system is not None:
+            conv.set_system(opts.system)
+    conv.set_reasoning(effort=opts.reasoning_effort, budget=opts.reasoning_budget)
     return conv
 
 

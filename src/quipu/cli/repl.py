@@ -104,6 +104,9 @@ def _set(repl: "Repl", arg: str) -> None:
     repl.say(f"{parts[0]} = {value}")
 
 
+THINK_WORDS = "show|hide|on|off|low|medium|high|budget N|budget off"
+
+
 def _think(repl: "Repl", arg: str) -> None:
     word = arg.strip().lower()
     if word in ("on", "off"):
@@ -114,8 +117,16 @@ def _think(repl: "Repl", arg: str) -> None:
     elif word in ("", "show", "hide"):
         repl.show_thinking = (not repl.show_thinking) if not word else word == "show"
         repl.say("reasoning is shown" if repl.show_thinking else "reasoning is hidden")
+    elif word in ("low", "medium", "high"):
+        repl.chat.set_reasoning(effort=word)
+        repl.say(f"reasoning effort {word} for the next replies")
+    elif word.split()[:1] == ["budget"] and len(word.split()) == 2 and \
+            (word.split()[1] == "off" or word.split()[1].isdigit()):
+        count = word.split()[1]
+        repl.chat.set_reasoning(budget=-1 if count == "off" else int(count))
+        repl.say("no reasoning budget" if count == "off" else f"at most {count} tokens of reasoning a reply")
     else:
-        raise UsageError("usage: /think [show|hide|on|off]")
+        raise UsageError(f"usage: /think [{THINK_WORDS}]")
 
 
 def _schema(repl: "Repl", arg: str) -> None:
@@ -184,8 +195,8 @@ COMMANDS: list[SlashCommand] = [
     SlashCommand("continue", "", "keep generating the last reply (or run its calls left waiting)", _continue),
     SlashCommand("system", "TEXT", "set the system prompt (empty removes it)", _system),
     SlashCommand("set", "KEY VALUE", "change a sampling setting or max_tokens (/set alone lists them)", _set),
-    SlashCommand("think", "[show|hide|on|off]", "show or hide a thinking model's reasoning; turn thinking on or off",
-                 _think),
+    SlashCommand("think", f"[{THINK_WORDS}]", "show or hide a thinking model's reasoning; turn it on or off; "
+                 "how hard it reasons; at most N tokens of it", _think),
     SlashCommand("schema", "FILE|off", "the next replies are JSON valid against this JSON Schema file", _schema),
     SlashCommand("grammar", "FILE|off", "the next replies keep to this grammar file (GBNF, or Lark: .lark)", _grammar),
     SlashCommand("regex", "PATTERN|off", "the next replies match this regular expression", _regex),

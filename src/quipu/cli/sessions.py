@@ -65,6 +65,8 @@ def show(context: typer.Context, name: str = NAME) -> None:
         style = {"system": "magenta", "user": "bold cyan", "assistant": "bold green", "tool": "yellow"}.get(m["role"], "")
         console.print(Text(f"\n{m['role']}" + (f" ({m['name']})" if m["role"] == "tool" and m.get("name") else ""),
                            style=style))
+        if m.get("reasoning"):
+            console.print(Text(m["reasoning"], style="dim"))
         if m["content"]:
             console.print(Text(m["content"]))
         for call in spelled_calls(m):

@@ -111,7 +111,13 @@ THINK = Opt(("--think/--no-think",), bool, "Turn a thinking model's reasoning on
 GENERATION = {"model": MODEL, "system": SYSTEM, "max_tokens": MAX_TOKENS, "temperature": TEMPERATURE,
               "top_k": TOP_K, "top_p": TOP_P, "min_p": MIN_P, "repeat_penalty": REPEAT_PENALTY, "seed": SEED,
               "stop": STOP, "ctx": CTX, "threads": THREADS, "kv_type": KV_TYPE}
-SHAPING = {"chat_template": CHAT_TEMPLATE, "think": THINK, "schema": SCHEMA, "grammar": GRAMMAR,
+REASONING_BUDGET = opt("--reasoning-budget", type=int, help="At most N tokens of reasoning: then the model is made "
+                                                         "to close it and answer; 0 answers without reasoning, -1 "
+                                                         "drops a session's limit.", metavar="N")
+REASONING_EFFORT = opt("--reasoning-effort", help="How hard a model whose template takes it (GPT-OSS) reasons.",
+                       metavar="low|medium|high")
+SHAPING = {"chat_template": CHAT_TEMPLATE, "think": THINK, "reasoning_budget": REASONING_BUDGET,
+           "reasoning_effort": REASONING_EFFORT, "schema": SCHEMA, "grammar": GRAMMAR,
            "regex": REGEX, "logit_bias": LOGIT_BIAS}
 
 FUNCTIONS = opt("--functions", multiple=True, help="A Python file whose public functions the model may call "

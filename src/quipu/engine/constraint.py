@@ -155,6 +155,9 @@ class Matcher:
                                              limits=_limits())
         if self._matcher.is_error():
             raise InvalidParameter(f"the {grammar.what} is invalid: {one_line(self._matcher.get_error())}")
+        # (llguidance's reset after the grammar ended at an end-of-generation token starts from
+        # the wrong place: a new reply starts from a copy of the matcher as it was made)
+        self._start = self._matcher.deep_copy()
         self.mask = np.empty(((self.n_vocab + 31) // 32,), dtype=np.int32)
 
     def fill(self, mask=None) -> None:
@@ -179,9 +182,8 @@ class Matcher:
 
     def replay(self, tokens: Sequence[int]) -> None:
         """Starts over and accepts `tokens`; refuses (InvalidParameter) tokens the grammar does not allow."""
-        self._matcher.reset()
+        self._matcher = self._start.deep_copy()
         if tokens and self._matcher.validate_tokens(list(tokens)) != len(tokens):
-            self._matcher.reset()
             raise InvalidParameter("the reply so far does not keep to the grammar; generate it anew instead")
         if tokens:
             self._matcher.consume_tokens(list(tokens))

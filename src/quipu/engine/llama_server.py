@@ -39,6 +39,7 @@ class Sink(Protocol):
     """Where a reply's text goes as it comes, and whether to stop (the session layer's ReplySink)."""
 
     def text(self, piece: str) -> None: ...
+    def control(self, spelling: str) -> None: ...
     def stopped(self) -> bool: ...
 
 # The server's samplers, in the order quipu's own chain applies them (logit biases and a grammar
@@ -248,6 +249,12 @@ class LlamaServerModel:
             return None
         if text:
             sink.text(text)
+        elif not missing and event.get("stop") is not True:
+            # A token that shows nothing: a control token, whose spelling is markup a reader of
+            # the reply's format may need (asked once a token; a character's part spells U+FFFD).
+            spelled = self.spell(token)
+            if spelled and "\ufffd" not in spelled:
+                sink.control(spelled)
         return not sink.stopped()
 
     def _recover(self, missing: int, token: int, text: str, done: Completion) -> list[int]:

@@ -23,6 +23,7 @@ from quipu.errors import CapabilityError
 if TYPE_CHECKING:
     from quipu.sessions.params import SamplingParams
     from quipu.sessions.prompt import Rendered
+    from quipu.sessions.reasoning import ReasoningFormat, Thinking
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -45,12 +46,23 @@ class Message:
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    # An assistant's reasoning, apart from its answer (`content`); and the reply as its model wrote
+    # it, markup and control tokens spelled, where that is more than the two (what a
+    # continuation goes on from).
+    reasoning: str | None = None
+    spelled: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = self.for_template(self.content)
-        if self.context_before is not None:
-            data["context_before"] = self.context_before
+        for key in ("reasoning", "spelled", "context_before"):
+            if getattr(self, key) is not None:
+                data[key] = getattr(self, key)
         return data
+
+    @property
+    def written(self) -> str:
+        """The reply as its model wrote it (its content, where nothing more is known)."""
+        return self.spelled if self.spelled is not None else self.content
 
     def for_template(self, content: str) -> dict[str, Any]:
         """The message as a chat template is given it (`content` as the template is to see it)."""
@@ -63,7 +75,7 @@ class Message:
     def from_dict(cls, data: dict[str, Any]) -> "Message":
         """From `to_dict`'s shape, as a checked transcript holds it."""
         return cls(data["role"], data["content"], data.get("context_before"), data.get("tool_calls"),
-                   data.get("tool_call_id"), data.get("name"))
+                   data.get("tool_call_id"), data.get("name"), data.get("reasoning"), data.get("spelled"))
 
 
 class ReplySink:
@@ -78,6 +90,10 @@ class ReplySink:
 
     def reasoning(self, piece: str) -> None:
         pass
+
+    def control(self, spelling: str) -> None:
+        """A control token the model wrote, which the text does not show (markup a reader of
+        the reply's format may need: `<|channel|>`, `<|END_THINKING|>`)."""
 
     def progress(self, done: int, total: int) -> None:
         pass
@@ -149,6 +165,9 @@ class Generation:
     error: Exception | None = None
     answer: str | None = None  # None: all of `text`
     reasoning: str = ""
+    # The whole reply (a continued one's start included) as its model wrote it, control tokens
+    # spelled, where the session knows its tokens.
+    spelled: str | None = None
     tool_calls: list = field(default_factory=list)  # the calls the reply made (`sessions.tools.ToolCall`)
 
 
@@ -161,7 +180,8 @@ FEATURES: dict[str, tuple[str, str]] = {
     "grammar": ("--schema and --grammar", "/schema and /grammar"),
     "logit_bias": ("--logit-bias", "--logit-bias"),
     "chat_template": ("--chat-template (the server renders its own)", "--chat-template"),
-    "think": ("--think/--no-think", "/think on|off"),
+    "think": ("--think/--no-think and --reasoning-effort", "/think on|off and /think low|medium|high"),
+    "reasoning_budget": ("--reasoning-budget", "/think budget"),
     "show_prompt": ("--show-prompt", "--show-prompt"),
     "tools": ("--functions and --tools", "--functions and --tools"),
     "context_settings": ("--ctx, --threads and --kv-type (the server's own settings)", "--ctx"),
@@ -192,7 +212,8 @@ class Capabilities:
 
 _ALL = frozenset(FEATURES)
 LOCAL = Capabilities("local", _ALL - {"slot_files"}, "a local model", exact_tokens=True, context_size=True)
-LLAMA_SERVER = Capabilities("llama-server", _ALL - {"context_settings", "prompt_cache", "state_files"},
+LLAMA_SERVER = Capabilities("llama-server", _ALL - {"context_settings", "prompt_cache", "state_files",
+                                                    "reasoning_budget"},
                             "a server", exact_tokens=True, context_size=True)
 CHAT_API = Capabilities("chat-api", frozenset({"tools"}), "this server (only llama.cpp's llama-server takes it)",
                         exact_tokens=False, context_size=False)
@@ -214,6 +235,17 @@ class TurnPrompt:
     tail: str = ""
     render: RenderFn | None = None
     text: str = ""  # the text the reply follows, once rendered
+    # How the reply's reasoning is written (None: it has none quipu reads), and at most how many
+    # tokens it may take (None: no limit; 0: none).
+    reasoning: "ReasoningFormat | None" = None
+    budget: int | None = None
+
+    def thinking(self, text: str) -> "Thinking":
+        """The reply's reasoning, for a reply that follows `text` (its rendering)."""
+        from quipu.sessions.reasoning import Thinking
+
+        fmt = self.reasoning
+        return Thinking(fmt, fmt is not None and fmt.starts_inside(text), self.budget)
 
     def rendered(self, with_tail: bool = True) -> "Rendered":
         if self.render is None:

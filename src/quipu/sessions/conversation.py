@@ -10,11 +10,13 @@ from quipu.errors import CapabilityError, TemplateError, UsageError
 from quipu.sessions.base import SILENT, Generation, Message, ModelSession, ReplySink, TurnPrompt, common_prefix
 from quipu.sessions.prompt import Protector, Rendered
 from quipu.sessions.template import ChatTemplate
-from quipu.sessions.thinking import CLOSE as THINK_CLOSE, ThinkingSink, starts_thinking
+from quipu.sessions.reasoning import BY_DEFAULT, ReasoningFormat, ReasoningSink, format_of_template
 from quipu.sessions.call_grammars import CHOICES, CallGrammar, call_grammar
-from quipu.sessions.tools import Format, ToolSpec, format_of, generic_system_prompt, parse_reply, split_reasoning
+from quipu.sessions.tools import Format, ToolSpec, format_of, generic_system_prompt, parse_reply
 
-__all__ = ["Conversation", "Message"]
+__all__ = ["Conversation", "Message", "EFFORTS"]
+
+EFFORTS = ("low", "medium", "high")
 
 
 @dataclass
@@ -35,6 +37,8 @@ class Conversation:
     # whether it may call them: "auto", "required", "none", or a tool's name (that one, required).
     tools: list[Any] = field(default_factory=list)
     tool_choice: str = "auto"
+    # At most how many tokens a reply's reasoning may take (None: no limit; 0: no reasoning).
+    reasoning_budget: int | None = None
 
     @classmethod
     def start(cls, session: ModelSession, system: str | None = None, *, template: str | None = None,
@@ -54,6 +58,33 @@ class Conversation:
             return None
         return ChatTemplate(source or session.chat_template(), session.special_token_text("bos"),
                             session.special_token_text("eos"))
+
+    def set_reasoning(self, *, effort: str | None = None, budget: int | None = None, chat: bool = False) -> None:
+        """How the model reasons in the next replies: `effort` (the template's `reasoning_effort`:
+        low, medium, high), `budget` (at most so many tokens of reasoning; 0: none; -1: no limit).
+        Refused in one line where the template or the session cannot do it."""
+        if effort is not None:
+            self.session.capabilities.require("think", chat=chat)
+            if effort not in EFFORTS:
+                raise UsageError(f"the reasoning effort must be {', '.join(EFFORTS)}; got {effort!r}")
+            if self.template is None or "reasoning_effort" not in self.template.source:
+                raise UsageError("this model's chat template takes no reasoning effort")
+            self.variables["reasoning_effort"] = effort
+        if budget is not None:
+            self.session.capabilities.require("reasoning_budget", chat=chat)
+            if budget < -1:
+                raise UsageError(f"the reasoning budget must be 0 or more (-1: no limit); got {budget}")
+            if budget >= 0 and (self.template is None or format_of_template(self.template) is None):
+                raise UsageError("this model's chat template writes no reasoning that quipu knows how to limit")
+            self.reasoning_budget = None if budget == -1 else budget
+
+    @property
+    def reasoning(self) -> ReasoningFormat | None:
+        """How the model's template writes a reply's reasoning (`<think>` where it shows none;
+        None where the server renders the conversation and splits the reply itself)."""
+        if self.template is None:
+            return None
+        return format_of_template(self.template) or BY_DEFAULT
 
     @property
     def folds_system(self) -> bool:
@@ -83,8 +114,12 @@ class Conversation:
         # A user's, a tool's or a system prompt's spelling of a control token stays text; a reply
         # is the model's own, whose markup (a call's, reasoning's) is the tokens it wrote, and
         # whose calls' arguments are data the grammar kept to text.
-        shown = [_shown(m, protector) for m in messages]
+        fmt = self.reasoning
+        shown = [_shown(m, protector, fmt) for m in messages]
         variables = dict(self.variables)
+        if self.reasoning_budget == 0 and "enable_thinking" not in variables and \
+                "enable_thinking" in self.template.source:
+            variables["enable_thinking"] = False  # (no reasoning: the template's own switch first)
         if self.tools:
             if self.tool_format.generic and "tools" not in self.template.source:
                 # the template cannot tell the model of them: the system prompt does
@@ -159,9 +194,11 @@ class Conversation:
         joins the conversation when done; the answer and a thinking model's reasoning apart, and
         the tool calls it made."""
         render = self.render if self.template is not None else None
-        prompt = TurnPrompt(self.messages, reply.content, render)
-        split = ThinkingSink(sink, lambda: starts_thinking(prompt.text))
-        offered = self._offer_tools(lambda: starts_thinking(prompt.rendered().text))  # (before the reply renders it)
+        fmt = self.reasoning
+        tail = reply.written if reply.content or reply.reasoning else ""
+        prompt = TurnPrompt(self.messages, tail, render, reasoning=fmt, budget=self.reasoning_budget)
+        split = ReasoningSink(sink, lambda: prompt.thinking(prompt.text))
+        offered = self._offer_tools(lambda: prompt.thinking(prompt.rendered().text).inside)  # (before the reply renders it)
         try:
             gen = self.session.reply(prompt, max_tokens, stop, split)
         finally:
@@ -171,13 +208,20 @@ class Conversation:
                 self.session.offered_tools = []
         self.prompt_text = prompt.text
         self.messages.append(reply)
-        reply.content += gen.text
-        gen = split.finish(gen)
+        reasoning, answer = split.finish()
+        reply.content += answer
+        reply.reasoning = (reply.reasoning or "") + reasoning or None
+        spelled = gen.spelled if gen.spelled is not None else tail + gen.text
+        reply.spelled = spelled if spelled != reply.content else None
+        gen.answer, gen.reasoning = answer, reasoning.strip()
         if offered:
-            self._read_calls(reply, gen)
+            opened = fmt is not None and fmt.starts_inside(prompt.text[:len(prompt.text) - len(tail)])
+            self._read_calls(reply, gen, opened)
             shown = getattr(self.session, "call_shown", None)
             if offered == "constrain" and not gen.tool_calls and shown is not None and len(gen.text) > shown:
                 sink.text(gen.text[shown:])  # a call that did not parse is shown, and kept, as text
+                reply.content += gen.text[shown:]
+                gen.answer += gen.text[shown:]
         return gen
 
     # ---- tools ------------------------------------------------------------------------------
@@ -201,9 +245,8 @@ class Conversation:
         grammar = call_grammar(self.tool_format, offered, self.session.special_tokens(), self.template.source or "",
                                self._calls_made())
         forced = grammar is not None and self.tool_choice != "auto"
-        self.session.starts_thinking = thinking()
         if forced:
-            grammar = self._lead_to_call(grammar, offered[0], self.session.starts_thinking)
+            grammar = self._lead_to_call(grammar, offered[0], thinking())
         self.session.call_grammar = grammar
         self.session.call_forced = forced
         return "constrain"
@@ -217,10 +260,11 @@ class Conversation:
         before = self.render(self.messages, True).text
         call = {"id": "000000001", "type": "function", "function": {"name": tool.name, "arguments": {}}}
 
-        def lead(content: str) -> str | None:
+        def lead(content: str, reasoning: str | None = None) -> str | None:
             try:
                 # (with its result after it: as the next turn renders it, not as a last message)
-                after = self.render([*self.messages, Message("assistant", content, tool_calls=[call]),
+                made = Message("assistant", content, tool_calls=[call], reasoning=reasoning)
+                after = self.render([*self.messages, made,
                                      Message("tool", "r", tool_call_id="000000001", name=tool.name)], False).text
             except TemplateError:
                 return None
@@ -234,27 +278,29 @@ class Conversation:
             return tail[:at + len(trigger)]
 
         plain = lead("")
-        if thinking:
+        fmt = self.reasoning
+        if thinking and fmt is not None:
             # (the reasoning as the model leaves it: a placeholder, then the template's close)
-            reasoned = lead("R" + THINK_CLOSE)
-            if reasoned is not None and reasoned.startswith("R") and THINK_CLOSE in reasoned:
-                after = reasoned.split(THINK_CLOSE, 1)[1]
+            reasoned = lead("", "R") if fmt.field else lead("R" + fmt.close)
+            close = fmt.close
+            if reasoned is not None and reasoned.lstrip().startswith("R") and close in reasoned:
+                after = reasoned.split(close, 1)[1]
                 # (where the call cannot wait for the model's reasoning, a server's, the
                 # reasoning is closed at once)
-                return replace(grammar, after_reasoning=after, force=plain if plain is not None else THINK_CLOSE + after)
+                return replace(grammar, after_reasoning=after, force=plain if plain is not None else close + after)
         return grammar if plain is None else replace(grammar, force=plain)
 
-    def _read_calls(self, reply: Message, gen: Generation) -> None:
+    def _read_calls(self, reply: Message, gen: Generation, opened: bool) -> None:
         """Reads the calls of the reply just generated into its message (and `gen.tool_calls`):
-        the message then holds the text before them and the calls, as the template renders them."""
+        the message then holds the text before them and the calls, as the template renders them.
+        `opened`: the reply began inside reasoning its prompt opened."""
         if self.template is None:  # the server read them
             if gen.tool_calls:
                 self._number(gen.tool_calls)
                 reply.tool_calls = [c.to_message() for c in gen.tool_calls]
             return
-        raw = self.session.reply_spelled()
-        thinking = starts_thinking(self.prompt_text)
-        parsed = parse_reply(self.template.source, raw, starts_thinking=thinking)
+        raw = reply.written
+        parsed = parse_reply(self.template.source, raw, self.reasoning, inside=opened)
         if not parsed.tool_calls:
             return
         self._number(parsed.tool_calls)
@@ -264,13 +310,12 @@ class Conversation:
         gen.answer = parsed.content
         reply.tool_calls = [c.to_message() for c in parsed.tool_calls]
         # The text before the calls, where the template writes the calls itself; a template that
-        # writes no calls (the generic format, LFM2's first, Granite 3.3) is given the reply as
+        # writes no calls (the generic format, LFM2's first, Granite 3.3) is given the answer as
         # written, a forced beginning included.
         if not self.tool_format.generic and "tool_calls" in self.template.source:
-            rest = split_reasoning(raw, thinking)[1]
-            reply.content = raw[:len(raw) - len(rest)] + parsed.content  # reasoning as written, then the text
+            reply.content = parsed.content
         else:
-            reply.content = raw
+            reply.content = parsed.answer
 
     def _calls_made(self) -> int:
         return sum(len(m.tool_calls or ()) for m in self.messages)
@@ -397,10 +442,16 @@ class Conversation:
         return dropped
 
 
-def _shown(message: Message, protector: Protector) -> dict[str, Any]:
-    """A message as the template is given it, what comes from outside hidden from markup."""
+def _shown(message: Message, protector: Protector, fmt: ReasoningFormat | None) -> dict[str, Any]:
+    """A message as the template is given it, what comes from outside hidden from markup; a
+    reply's reasoning where the template reads it (its field, or the content as written)."""
     content = message.content if message.role == "assistant" else protector.hide(message.content)
+    if message.reasoning and fmt is not None and fmt.in_content:
+        content = (message.spelled if message.spelled is not None and not message.tool_calls
+                   else fmt.written(message.reasoning, content))
     shown = message.for_template(content)
+    if message.reasoning and fmt is not None and fmt.field:
+        shown[fmt.field] = message.reasoning
     if message.tool_calls:
         shown["tool_calls"] = hidden(message.tool_calls, protector.hide)
     return shown

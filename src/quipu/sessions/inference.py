@@ -33,6 +33,7 @@ from quipu.sessions.call_grammars import CallGrammar
 from quipu.sessions.calls import CallSink
 from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.prompt import HeldTokens, Rendered, context_tokens
+from quipu.sessions.reasoning import Thinking
 from quipu.sessions.stops import StopMatcher
 
 __all__ = ["InferenceSession", "Snapshot", "ReplyText", "Generation", "Stats", "common_prefix"]
@@ -130,7 +131,6 @@ class InferenceSession(HeldTokens):
         self.call_grammar: CallGrammar | None = None
         self.call_forced = False
         self.call_shown = None  # after a reply that began a call: how much of its text was shown
-        self.starts_thinking = False  # the reply begins inside reasoning its prompt opened
         backend.set_sampler(self.params.sampler())
         backend.truncate(0)  # a session starts from an empty context, whatever the backend held
 
@@ -370,9 +370,12 @@ class InferenceSession(HeldTokens):
         self.tokens.append(token)
         return token
 
-    def infer(self, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT) -> Generation:
+    def infer(self, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT,
+              thinking: Thinking | None = None) -> Generation:
         """Generates up to `max_tokens` tokens into `sink`; ends at end-of-generation, a stop
-        string, a full context, or when the sink says stop ("interrupted")."""
+        string, a full context, or when the sink says stop ("interrupted"). `thinking`: the
+        reply's reasoning (its format, a budget that closes it after so many tokens)."""
+        thinking = thinking or Thinking()
         reply = ReplyText(self.backend.token_bytes, self._carry, stop)
         self._carry = b""
         sampled = 0
@@ -380,8 +383,21 @@ class InferenceSession(HeldTokens):
         finish = "length"
         if not self._turn_started:
             self.begin_turn()
-        calls = _CallWatch(self, sink) if self.call_grammar is not None else None
+        calls = _CallWatch(self, sink, thinking) if self.call_grammar is not None else None
         shown = calls or sink
+        budget = _Budget(self, thinking) if thinking.budget is not None and thinking.fmt is not None else None
+
+        def took(token: int) -> None:
+            if calls is not None:
+                calls.took(token)
+            text = reply.push(token)
+            if text:
+                shown.text(text)
+            if self.backend.is_control(token):  # (markup the text does not show)
+                shown.control(self.backend.token_text(token).decode("utf-8", "replace"))
+
+        for token in budget.start() if budget is not None else ():
+            took(token)
         for _ in range(max_tokens):
             if len(self.tokens) >= self.n_ctx:
                 finish = "context_full"
@@ -395,11 +411,9 @@ class InferenceSession(HeldTokens):
             if self.backend.is_eog(token):
                 finish = "stop"
                 break
-            if calls is not None:
-                calls.took(token)
-            text = reply.push(token)
-            if text:
-                shown.text(text)
+            took(token)
+            for forced in budget.took(token) if budget is not None else ():
+                took(forced)
             if reply.stopped:
                 finish = "stop_sequence"
                 break
@@ -423,8 +437,9 @@ class InferenceSession(HeldTokens):
             tokens = tokens[:-1]
         return self.spell(tokens)
 
-    def force(self, text: str) -> None:
-        """Appends `text` (control tokens parsed) to the reply as if the model had written it."""
+    def force(self, text: str) -> list[int]:
+        """Appends `text` (control tokens parsed) to the reply as if the model had written it;
+        returns its tokens."""
         tokens = self.backend.tokenize(text, add_special=False, parse_special=True)
         # (A SentencePiece tokenizer puts a space before a text's start: not what follows a reply's text.)
         if len(tokens) > 1 and self.backend.token_text(tokens[0]) == b" " and \
@@ -432,6 +447,7 @@ class InferenceSession(HeldTokens):
             tokens = tokens[1:]
         self.tokens.extend(tokens)
         self.backend.sampler_accept(tokens)
+        return tokens
 
     def complete(self, tokens: Sequence[int], max_tokens: int, stop: Sequence[str] = (),
                  sink: ReplySink = SILENT) -> Generation:
@@ -451,21 +467,58 @@ class InferenceSession(HeldTokens):
         self.begin_turn()
         self.set_context(tokens, sink)
         self.start_reply(start)
-        return self.infer(max_tokens, stop, sink)
+        gen = self.infer(max_tokens, stop, sink, prompt.thinking(prompt.text))
+        gen.spelled = self.reply_spelled()
+        return gen
+
+
+class _Budget:
+    """A reasoning budget: once the reply's reasoning has taken so many tokens, its close (and
+    what the template writes before an answer) is written as if the model had, and the model
+    goes on with its answer; a budget of 0 begins the reply without reasoning."""
+
+    def __init__(self, session: InferenceSession, thinking: Thinking):
+        assert thinking.fmt is not None and thinking.budget is not None
+        self.session, self.fmt, self.left = session, thinking.fmt, thinking.budget
+        self.split = thinking.splitter()
+        self.inside = thinking.inside
+
+    def start(self) -> list[int]:
+        if self.left > 0:
+            return []
+        if self.inside:
+            empty = self.fmt.empty
+            return self._force(empty if empty.strip().startswith(self.fmt.close) else self.fmt.closes_with)
+        return self._force(self.fmt.no_reasoning)
+
+    def took(self, token: int) -> list[int]:
+        was = self.split.in_reasoning
+        self.split.feed(self.session.backend.token_text(token).decode("utf-8", "replace"))
+        if was:
+            self.left -= 1
+        if self.split.in_reasoning and self.left <= 0:
+            return self._force(self.fmt.closes_with)
+        return []
+
+    def _force(self, text: str) -> list[int]:
+        tokens = self.session.force(text)
+        self.split.feed(text)
+        return tokens
 
 
 class _CallWatch(CallSink):
     """A reply's sink while tools are offered on the local model: from the token that completes
     a call's trigger, the reply keeps to the call's grammar (llguidance's mask)."""
 
-    def __init__(self, session: InferenceSession, sink: ReplySink):
+    def __init__(self, session: InferenceSession, sink: ReplySink, thinking: Thinking):
         grammar = session.call_grammar
-        super().__init__(sink, grammar, session.starts_thinking)
+        assert grammar is not None
+        super().__init__(sink, grammar, thinking)
         self.session = session
         session.call_shown = None
         # A required call is forced from the start, or once the reasoning the prompt opened ends.
         # Until then the reply may not end: the end-of-generation tokens are banned.
-        self.pending = session.call_forced and session.starts_thinking and grammar.after_reasoning is not None
+        self.pending = session.call_forced and thinking.inside and grammar.after_reasoning is not None
         self._ends = [t for t in session.special_tokens().values() if session.backend.is_eog(t)] if self.pending else []
         if self.pending:
             session.logits_processors.append(self._no_end)
@@ -495,7 +548,8 @@ class _CallWatch(CallSink):
     def took(self, token: int) -> None:
         if self.calling:
             return
-        if self.watch.push(self.session.backend.token_text(token).decode("utf-8", "replace")):
+        spelled = self.session.backend.token_text(token).decode("utf-8", "replace")
+        if self.watch.push(spelled, control=self.session.backend.is_control(token)):
             self._constrain()
         elif self.pending and (after := self.watch.after_reasoning()) is not None:
             # (what the model wrote after the reasoning's end, where it is the start of what is due)

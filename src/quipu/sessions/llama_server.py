@@ -29,6 +29,7 @@ from quipu.sessions.base import LLAMA_SERVER, SILENT, Generation, ReplySink, Sta
 from quipu.sessions.calls import TextCallSink, server_constraint
 from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.prompt import HeldTokens, Rendered, reference_tokens
+from quipu.sessions.reasoning import Thinking
 from quipu.sessions.call_grammars import CallGrammar
 
 # A token spells at most this many bytes (a generous bound): a longer text cannot fit, and is
@@ -95,7 +96,6 @@ class LlamaServerSession(HeldTokens):
         # Tools offered: the server holds a call to this grammar (see InferenceSession's).
         self.call_grammar: CallGrammar | None = None
         self.call_forced = False
-        self.starts_thinking = False
         self.call_shown: int | None = None
 
     @property
@@ -206,7 +206,10 @@ class LlamaServerSession(HeldTokens):
                                   "start over")
         self.begin_turn()
         rendered = prompt.rendered()
-        return self.generate(self.prompt_for(rendered, max_tokens), rendered.text, max_tokens, stop, sink)
+        gen = self.generate(self.prompt_for(rendered, max_tokens), rendered.text, max_tokens, stop, sink,
+                            prompt.thinking(rendered.text))
+        gen.spelled = prompt.tail + self._spelled
+        return gen
 
     def complete(self, tokens: Sequence[int], max_tokens: int, stop: Sequence[str] = (),
                  sink: ReplySink = SILENT) -> Generation:
@@ -214,7 +217,7 @@ class LlamaServerSession(HeldTokens):
         return self.generate(list(tokens), self.backend.detokenize(tokens), max_tokens, stop, sink)
 
     def generate(self, prompt: Sequence[int | str], prompt_text: str, max_tokens: int, stop: Sequence[str] = (),
-                 sink: ReplySink = SILENT) -> Generation:
+                 sink: ReplySink = SILENT, thinking: Thinking | None = None) -> Generation:
         """Continues `prompt` (token ids, then maybe text; it spells `prompt_text`) by up to
         `max_tokens` tokens; the context becomes the prompt and the reply. A failure mid-reply
         keeps what came (`Generation.error`)."""
@@ -232,8 +235,9 @@ class LlamaServerSession(HeldTokens):
         constraint, calls = None, None
         if self.call_grammar is not None:
             specials = self.special_tokens()
-            constraint = server_constraint(self.call_grammar, self.call_forced, self.starts_thinking, specials.within)
-            sink = calls = TextCallSink(sink, self.call_grammar, self.starts_thinking, self.call_forced)
+            thinking = thinking or Thinking()
+            constraint = server_constraint(self.call_grammar, self.call_forced, thinking, specials.within)
+            sink = calls = TextCallSink(sink, self.call_grammar, thinking, self.call_forced)
         try:
             done = self.backend.complete(prompt, self.params.sampler(), draw_seed(self.params.seed, self.draws),
                                          min(max_tokens, room), stop, self.slot, sink, constraint)

@@ -11,7 +11,7 @@ newer parser), needs no table but cannot tell a format's separators from its con
 table is tested on every shipped template (tests/test_tools.py).
 
 A reply is parsed on its text with control tokens spelled out (`[TOOL_CALLS]` is a control
-token in Mistral's vocabulary). Reasoning (`<think>...</think>` and the like) is set apart
+token in Mistral's vocabulary). Reasoning (in its format, `reasoning.py`'s) is set apart
 first: what looks like a call inside reasoning is not one. A call that does not parse (cut
 short, broken JSON) stays text in `content`, never dropped.
 """
@@ -22,7 +22,10 @@ import ast
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    from quipu.sessions.reasoning import ReasoningFormat
 
 __all__ = ["ToolCall", "ParsedReply", "Format", "ToolSpec", "format_of", "parse_reply", "FORMATS"]
 
@@ -50,9 +53,10 @@ def spell_call(name: str, arguments: dict[str, Any]) -> str:
 
 @dataclass
 class ParsedReply:
-    content: str
+    content: str  # the text besides the calls
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
+    answer: str = ""  # all after the reasoning, as written (the calls' markup included)
 
 
 @dataclass(frozen=True)
@@ -66,29 +70,6 @@ class ToolSpec:
     def to_openai(self) -> dict[str, Any]:
         return {"type": "function", "function": {"name": self.name, "description": self.description,
                                                  "parameters": self.parameters}}
-
-
-# ---- reasoning -------------------------------------------------------------------------------
-
-REASONING = (("<think>", "</think>"), ("<|START_THINKING|>", "<|END_THINKING|>"),
-              ("<seed:think>", "</seed:think>"))
-
-
-def split_reasoning(text: str, starts_thinking: bool = False) -> tuple[str, str]:
-    """(reasoning, the rest): a reasoning block at the start of the reply (or, when the prompt
-    opened one, everything up to its close)."""
-    stripped = text.lstrip()
-    for open_, close in REASONING:
-        if starts_thinking and close in text and open_ not in text.split(close, 1)[0]:
-            head, rest = text.split(close, 1)
-            return head.strip(), rest.lstrip()
-        if stripped.startswith(open_):
-            body = stripped[len(open_):]
-            if close in body:
-                head, rest = body.split(close, 1)
-                return head.strip(), rest.lstrip()
-            return body.strip(), ""  # cut inside its reasoning: no answer yet
-    return "", text
 
 
 # ---- the formats -------------------------------------------------------------------------------
@@ -558,12 +539,17 @@ def format_of(template: str | None) -> Format:
     return next((f for f in FORMATS if f.detect(source)), GENERIC)
 
 
-def parse_reply(template: str | None, text: str, *, starts_thinking: bool = False) -> ParsedReply:
+def parse_reply(template: str | None, text: str, reasoning: ReasoningFormat | None = None, *,
+                inside: bool = False) -> ParsedReply:
     """A reply's answer, reasoning and tool calls, read in the format of `template` (its Jinja
-    source). `text` is the reply with control tokens spelled out."""
-    reasoning, rest = split_reasoning(text, starts_thinking)
+    source) and its reasoning's format (`<think>` by default; `inside`: the reply began inside
+    reasoning). `text` is
+    the reply with control tokens spelled out: calls are read outside the reasoning."""
+    from quipu.sessions.reasoning import BY_DEFAULT
+
+    thought, rest = (reasoning or BY_DEFAULT).set_apart(text, inside)
     content, calls = format_of(template).parse(rest)
-    return ParsedReply(content, reasoning, calls)
+    return ParsedReply(content, thought, calls, rest)
 
 
 def generic_system_prompt(tools: Sequence[ToolSpec]) -> str:

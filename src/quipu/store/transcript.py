@@ -98,7 +98,7 @@ def _check_message(m: Any) -> str | None:
             isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
             and isinstance(c["function"].get("arguments"), dict) for c in calls)):
         return "a message's tool calls are not calls"
-    for key in ("tool_call_id", "name"):
+    for key in ("tool_call_id", "name", "reasoning", "spelled"):
         if m.get(key) is not None and not isinstance(m[key], str):
             return f"a message's {key} is not a text"
     return None
@@ -137,7 +137,8 @@ def check(record: Any) -> str | None:
     if not isinstance(limits, dict) or not (
             limits.get("max_tokens") is None or (_is_count(limits["max_tokens"]) and limits["max_tokens"] > 0)) or not (
             limits.get("stop") is None or (isinstance(limits["stop"], list)
-                                           and all(isinstance(t, str) for t in limits["stop"]))):
+                                           and all(isinstance(t, str) for t in limits["stop"]))) or not (
+            limits.get("reasoning_budget") is None or _is_count(limits["reasoning_budget"])):
         return "the transcript's reply limits are damaged"
     tools = record.get("tools") or []
     if not isinstance(tools, list) or not all(
