@@ -359,6 +359,36 @@ def test_reasoning_is_shown_dimmed_and_can_be_hidden(tmp_path, tiny_model):
     assert record["template_variables"] == {"enable_thinking": False}  # the session remembers it
 
 
+def test_think_sets_a_reasoning_effort_and_budget_that_the_session_keeps(tmp_path, tiny_model):
+    from pathlib import Path
+
+    from quipu.app.chat import ChatSession
+    from quipu.app.environment import Environment, TurnOptions
+
+    oss = Path(__file__).parent / "templates" / "openai-gpt-oss-120b.jinja"
+    env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
+    out, err = io.StringIO(), io.StringIO()
+    term = Terminal(io.StringIO(), out, err, False, True, True, True)
+    chat = ChatSession.open(env, TurnOptions(model=str(tiny_model), max_tokens=4, chat_template=str(oss)), name="oss")
+    try:
+        repl = Repl(chat, term, env)
+        repl.safely("/think high")
+        repl.safely("/think budget 64")
+        assert chat.reasoning == ("high", 64)
+        repl.safely("/think budget lots")
+        assert "usage: /think" in err.getvalue()
+    finally:
+        chat.close()
+    chat = ChatSession.open(env, TurnOptions(model=str(tiny_model)), name="oss")  # resumed
+    try:
+        assert chat.reasoning == ("high", 64)
+        from quipu.sessions.base import Message
+
+        assert "Reasoning: high" in chat.named.conversation.render([Message("user", "hi")], True).text
+    finally:
+        chat.close()
+
+
 @pytest.mark.model
 def test_replies_break_between_words_and_nothing_shows_after_ctrl_c(home):
     import re

@@ -17,7 +17,7 @@ from quipu.sessions.base import Message, ReplySink, common_prefix
 from quipu.sessions.conversation import Conversation
 from quipu.sessions.inference import InferenceSession
 from quipu.sessions.params import SamplingParams
-from quipu.sessions.reasoning import TABLE, format_of_template
+from quipu.sessions.reasoning import TABLE
 from quipu.sessions.template import ChatTemplate
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -122,7 +122,7 @@ def test_every_family_s_reasoning_is_split_from_its_answer_and_its_next_turn_ren
         new = conv.render_tokens(conv.messages[:-1], add_generation_prompt=False)
         assert session.stats.cached_tokens >= min(common_prefix(held, new), len(held) - 1) - 1, family
         if family in KEEPS_REASONING:  # the first reply's reasoning kept, not read again
-            close = backend.special_tokens()[format_of_template(conv.template).close]
+            close = backend.special_tokens()[conv.template.reasoning.close]
             assert session.stats.cached_tokens > len(held) - 1 - held[::-1].index(close), family
 
 
@@ -150,7 +150,7 @@ def test_a_reply_cut_inside_its_reasoning_continues_exactly(backend, family):
 
 
 def test_a_template_spells_its_markup_and_a_new_model_in_a_known_style_needs_no_new_row():
-    found = {name: format_of_template(ChatTemplate((TEMPLATES / f"{t}.jinja").read_text()))
+    found = {name: ChatTemplate((TEMPLATES / f"{t}.jinja").read_text()).reasoning
              for name, (t, _, _) in FAMILIES.items()}
     for name, fmt in found.items():
         assert fmt is not None, name
@@ -160,12 +160,12 @@ def test_a_template_spells_its_markup_and_a_new_model_in_a_known_style_needs_no_
     source = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and m.reason %}"
               "<deliberate>{{ m.reason }}</deliberate>{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    assert format_of_template(ChatTemplate(source)) is None  # (`reason` is no field templates read)
-    fmt = format_of_template(ChatTemplate(source.replace("m.reason", "m.reasoning_content")))
+    assert ChatTemplate(source).reasoning is None  # (`reason` is no field templates read)
+    fmt = ChatTemplate(source.replace("m.reason", "m.reasoning_content")).reasoning
     assert fmt is not None and (fmt.opens, fmt.close, fmt.field) == (("<deliberate>",), "</deliberate>",
                                                                        "reasoning_content")
     # an unknown style is plain answer text
-    assert format_of_template(ChatTemplate((TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text())) is None
+    assert ChatTemplate((TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()).reasoning is None
 
 
 SPLITS = [
@@ -311,3 +311,29 @@ def test_a_reasoning_budget_is_kept_by_a_session_and_refused_by_batch(quipu, tin
     batch.write_text('{"prompt": "hi"}\n')
     refused = quipu("run", "-m", model, "--batch", batch, "--reasoning-budget", "3")
     assert refused.returncode == 2 and "--reasoning-budget" in refused.stderr.decode()
+
+
+def test_a_gpt_oss_call_after_its_analysis_is_read_and_its_markup_never_shown(backend):
+    # Tools offered: the model reasons in the analysis channel, then calls in the commentary
+    # channel; the call is read, its markup never shown, the analysis kept as its reasoning.
+    from quipu.engine.grammar import Grammar
+    from quipu.sessions.tools import ToolSpec
+
+    special = backend.special_tokens()
+    head = held_to(backend, "<|channel|>analysis<|message|>R<|end|><|start|>assistant<|channel|>").split("\n")[0]
+    lark = head + ' "commentary to=functions." rest\nrest: /[a-z_]*/\n' + "\n".join(
+        held_to(backend, "R").split("\n")[1:])
+    session = InferenceSession(backend, SamplingParams(seed=3, temperature=1.0, grammar=Grammar("lark", lark)))
+    conv = Conversation.start(session, template=(TEMPLATES / "openai-gpt-oss-120b.jinja").read_text())
+    conv.tools = [ToolSpec("get_weather", "The weather.", {"type": "object", "properties": {
+        "city": {"enum": ["Paris"]}}, "required": ["city"], "additionalProperties": False})]
+    sink = Collect()
+    gen = conv.send("Weather in Paris?", max_tokens=200, sink=sink)
+    assert [(c.name, c.arguments) for c in gen.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert re.fullmatch(r"[a-m ]+", gen.reasoning) and "".join(sink.thought).strip() == gen.reasoning
+    assert "".join(sink.answer).strip() == "" and special["<|call|>"] == session.tokens[-1]
+    reply = conv.messages[-1]
+    assert reply.reasoning.strip() == gen.reasoning and reply.tool_calls and reply.content == ""
+    conv.add_tool_results([(gen.tool_calls[0], "sunny")])
+    text = conv.render(conv.messages, True).text  # the analysis renders where the template keeps it
+    assert f"<|channel|>analysis<|message|>{reply.reasoning}<|end|>" in text

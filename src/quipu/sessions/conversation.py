@@ -10,7 +10,7 @@ from quipu.errors import CapabilityError, TemplateError, UsageError
 from quipu.sessions.base import SILENT, Generation, Message, ModelSession, ReplySink, TurnPrompt, common_prefix
 from quipu.sessions.prompt import Protector, Rendered
 from quipu.sessions.template import ChatTemplate
-from quipu.sessions.reasoning import BY_DEFAULT, ReasoningFormat, ReasoningSink, format_of_template
+from quipu.sessions.reasoning import BY_DEFAULT, ReasoningFormat, ReasoningSink
 from quipu.sessions.call_grammars import CHOICES, CallGrammar, call_grammar
 from quipu.sessions.tools import Format, ToolSpec, format_of, generic_system_prompt, parse_reply
 
@@ -74,7 +74,7 @@ class Conversation:
             self.session.capabilities.require("reasoning_budget", chat=chat)
             if budget < -1:
                 raise UsageError(f"the reasoning budget must be 0 or more (-1: no limit); got {budget}")
-            if budget >= 0 and (self.template is None or format_of_template(self.template) is None):
+            if budget >= 0 and (self.template is None or self.template.reasoning is None):
                 raise UsageError("this model's chat template writes no reasoning that quipu knows how to limit")
             self.reasoning_budget = None if budget == -1 else budget
 
@@ -84,7 +84,7 @@ class Conversation:
         None where the server renders the conversation and splits the reply itself)."""
         if self.template is None:
             return None
-        return format_of_template(self.template) or BY_DEFAULT
+        return self.template.reasoning or BY_DEFAULT
 
     @property
     def folds_system(self) -> bool:

@@ -33,7 +33,7 @@ from quipu.sessions.stops import pending_prefix
 if TYPE_CHECKING:
     from quipu.sessions.template import ChatTemplate
 
-__all__ = ["ReasoningFormat", "Splitter", "TABLE", "format_of_template", "FIELDS", "Thinking", "ReasoningSink"]
+__all__ = ["ReasoningFormat", "Splitter", "TABLE", "find_format", "FIELDS", "Thinking", "ReasoningSink"]
 
 # The message fields a template may read a reply's reasoning from, most common first.
 FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -369,7 +369,7 @@ def _by_rendering(template: "ChatTemplate") -> ReasoningFormat | None:
         after = text[a + len(_ANSWER):].lstrip()
         answer_close = _first_markup(after) if answer_open else ""
         empty = plain[len(prompt):plain.index(_ANSWER)] if plain.startswith(prompt) and _ANSWER in plain else ""
-        answers = (answer_open,) if answer_open else ()
+        answers: tuple[str, ...] = (answer_open,) if answer_open else ()
         if empty.strip() and not any(empty.strip().startswith(o) for o in (opener, close, *answers)):
             answers += (empty.strip(),)
         return ReasoningFormat("template", (opener,), close, answers, (answer_close,) if answer_close else (),
@@ -413,11 +413,9 @@ def _by_switch(template: "ChatTemplate") -> ReasoningFormat | None:
     return None
 
 
-def format_of_template(template: "ChatTemplate") -> ReasoningFormat | None:
-    """The reasoning format of a chat template (cached on it); None: it writes no reasoning quipu knows."""
-    cached = getattr(template, "_reasoning", _UNSET)
-    if cached is not _UNSET:
-        return cached
+def find_format(template: "ChatTemplate") -> ReasoningFormat | None:
+    """The reasoning format of a chat template (`ChatTemplate.reasoning` keeps it); None: it
+    writes no reasoning quipu knows."""
     source = template.source
     known = next((f for f in TABLE if all(m in source for m in (*f.opens, f.close))), None)
     found = _by_rendering(template) if any(n in source for n in FIELDS) else None
@@ -436,11 +434,7 @@ def format_of_template(template: "ChatTemplate") -> ReasoningFormat | None:
             found = switched or _by_prompt(template, source)
     if found is not None and found.field is None:
         found = replace(found, in_content=_keeps_in_content(template, found))
-    template._reasoning = found  # type: ignore[attr-defined]
     return found
-
-
-_UNSET = object()
 
 
 def _keeps_in_content(template: "ChatTemplate", fmt: ReasoningFormat) -> bool:

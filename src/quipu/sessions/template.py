@@ -7,10 +7,13 @@ import contextvars
 import functools
 import json
 from datetime import datetime
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from quipu.engine.base import Backend
 from quipu.errors import TemplateError
+
+if TYPE_CHECKING:
+    from quipu.sessions.reasoning import ReasoningFormat
 
 # Used when a GGUF has no chat template (as llama.cpp does).
 CHATML_TEMPLATE = (
@@ -123,6 +126,13 @@ class ChatTemplate:
             _RANGE_BUDGET.reset(budget)
         return "".join(pieces)
 
+    @functools.cached_property
+    def reasoning(self) -> "ReasoningFormat | None":
+        """How a reply under this template writes its reasoning (None: in no way quipu knows)."""
+        from quipu.sessions.reasoning import find_format
+
+        return find_format(self)
+
     def features(self) -> dict[str, bool]:
         """What the template does, as far as its text tells: a system role, thinking (and a switch
         for it), tools."""
@@ -134,7 +144,7 @@ class ChatTemplate:
             system = False
         return {
             "system_role": system,
-            "thinking": any(k in src for k in ("<think>", "reasoning_content", "enable_thinking", "thinking")),
+            "thinking": self.reasoning is not None,
             "thinking_switch": "enable_thinking" in src,
             "tools": "tools" in src,
         }
