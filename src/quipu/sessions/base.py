@@ -23,6 +23,7 @@ from quipu.errors import CapabilityError
 if TYPE_CHECKING:
     from quipu.sessions.params import SamplingParams
     from quipu.sessions.prompt import Rendered
+    from quipu.sessions.call_grammars import CallGrammar
     from quipu.sessions.reasoning import ReasoningFormat, Thinking
 
 
@@ -169,6 +170,8 @@ class Generation:
     # spelled, where the session knows its tokens.
     spelled: str | None = None
     tool_calls: list = field(default_factory=list)  # the calls the reply made (`sessions.tools.ToolCall`)
+    # Where a reply began a call (held back from the sink): how much of its text was shown.
+    call_shown: int | None = None
 
 
 # ---- what a session can do -------------------------------------------------------------------
@@ -221,6 +224,18 @@ CHAT_API = Capabilities("chat-api", frozenset({"tools"}), "this server (only lla
 
 # ---- a turn ----------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class ToolOffer:
+    """The tools a reply may call. A session that reads calls itself (a local model,
+    llama-server) holds a call to `grammar` once its trigger is written (from the start where
+    `forced`); a chat API's server is given `tools` and `choice`, renders them and reads the calls."""
+
+    grammar: "CallGrammar | None" = None
+    forced: bool = False
+    tools: tuple[Any, ...] = ()  # `sessions.tools.ToolSpec`s
+    choice: str = "auto"
+
+
 # render(messages, add_generation_prompt, tail) -> the template's text, in parts (prompt.py)
 RenderFn = Callable[[Sequence[Message], bool, str], "Rendered"]
 
@@ -239,6 +254,7 @@ class TurnPrompt:
     # tokens it may take (None: no limit; 0: none).
     reasoning: "ReasoningFormat | None" = None
     budget: int | None = None
+    offer: "ToolOffer | None" = None  # the tools the reply may call
 
     def thinking(self, text: str) -> "Thinking":
         """The reply's reasoning, for a reply that follows `text` (its rendering)."""

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from quipu.sessions.base import CHAT_API, SILENT, Generation, Message, ReplySink, Stats, TurnPrompt
 from quipu.sessions.params import SamplingParams
-from quipu.sessions.tools import ToolCall, ToolSpec
+from quipu.sessions.tools import ToolCall
 
 # The sampling parameters a chat API takes, under the names servers know.
 REQUEST_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")
@@ -34,9 +34,6 @@ class ChatApiSession:
         self.draws = 0
         self.model = ""  # the name the server answered to
         self._used = 0
-        # Tools the next replies may call: the server renders them and parses the calls itself.
-        self.offered_tools: list[ToolSpec] = []
-        self.tool_choice = "auto"
 
     @property
     def n_ctx(self) -> int:
@@ -86,10 +83,13 @@ class ChatApiSession:
         self.stats = Stats()
         wire = [_wire(m) for m in prompt.messages]
         error = None
-        tools = [t.to_openai() for t in self.offered_tools] or None
+        # (tools offered: the server renders them and reads the calls itself)
+        offer = prompt.offer
+        tools = [t.to_openai() for t in offer.tools] if offer is not None and offer.tools else None
         try:
             reply = self.client.chat(wire, params=dict(self.request), max_tokens=max_tokens, stop=tuple(stop),
-                                     sink=sink, tools=tools, tool_choice=_choice(self.tool_choice) if tools else None)
+                                     sink=sink, tools=tools,
+                                     tool_choice=_choice(offer.choice) if tools and offer is not None else None)
             finish = reply.finish_reason
         except ServerError as exc:
             if exc.partial is None or not exc.partial.text:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from quipu.errors import CapabilityError, TemplateError, UsageError
-from quipu.sessions.base import SILENT, Generation, Message, ModelSession, ReplySink, TurnPrompt, common_prefix
+from quipu.sessions.base import (SILENT, Generation, Message, ModelSession, ReplySink, ToolOffer, TurnPrompt,
+                                 common_prefix)
 from quipu.sessions.prompt import Protector, Rendered
 from quipu.sessions.template import ChatTemplate
 from quipu.sessions.reasoning import BY_DEFAULT, ReasoningFormat, ReasoningSink
@@ -198,14 +199,8 @@ class Conversation:
         tail = reply.written if reply.content or reply.reasoning else ""
         prompt = TurnPrompt(self.messages, tail, render, reasoning=fmt, budget=self.reasoning_budget)
         split = ReasoningSink(sink, lambda: prompt.thinking(prompt.text))
-        offered = self._offer_tools(lambda: prompt.thinking(prompt.rendered().text).inside)  # (before the reply renders it)
-        try:
-            gen = self.session.reply(prompt, max_tokens, stop, split)
-        finally:
-            if offered == "constrain":
-                self.session.call_grammar = None
-            elif offered == "server":
-                self.session.offered_tools = []
+        prompt.offer = self._offer_tools(lambda: prompt.thinking(prompt.rendered().text).inside)  # (before the reply renders it)
+        gen = self.session.reply(prompt, max_tokens, stop, split)
         self.prompt_text = prompt.text
         self.messages.append(reply)
         reasoning, answer = split.finish()
@@ -214,11 +209,11 @@ class Conversation:
         spelled = gen.spelled if gen.spelled is not None else tail + gen.text
         reply.spelled = spelled if spelled != reply.content else None
         gen.answer, gen.reasoning = answer, reasoning.strip()
-        if offered:
+        if prompt.offer is not None:
             opened = fmt is not None and fmt.starts_inside(prompt.text[:len(prompt.text) - len(tail)])
             self._read_calls(reply, gen, opened)
-            shown = getattr(self.session, "call_shown", None)
-            if offered == "constrain" and not gen.tool_calls and shown is not None and len(gen.text) > shown:
+            shown = gen.call_shown
+            if self.template is not None and not gen.tool_calls and shown is not None and len(gen.text) > shown:
                 sink.text(gen.text[shown:])  # a call that did not parse is shown, and kept, as text
                 reply.content += gen.text[shown:]
                 gen.answer += gen.text[shown:]
@@ -230,26 +225,23 @@ class Conversation:
     def tool_format(self) -> Format:
         return format_of(self.template.source if self.template is not None else None)
 
-    def _offer_tools(self, thinking) -> str | None:
-        """Readies the session for calls: "constrain" (the model, local or on llama-server, is
-        held to the offered tools' grammar once a call begins, and quipu reads the calls), or
-        "server" (a chat API: the server reads them); None when no call is to be read."""
+    def _offer_tools(self, thinking: Callable[[], bool]) -> ToolOffer | None:
+        """What the reply is offered: the call grammar the model (local, or on llama-server) is
+        held to once a call begins, quipu reading the calls; or, for a chat API, the tools, the
+        server reading them. None when no call is to be read."""
         if not self.tools or self.tool_choice == "none":
             return None
         offered = self.tools if self.tool_choice in CHOICES else [t for t in self.tools if t.name == self.tool_choice]
         if not offered:
             raise UsageError(f"--tool-choice names {self.tool_choice!r}, which is not one of the tools offered")
         if self.template is None:  # a chat API: the server renders the tools and reads the calls
-            self.session.offered_tools, self.session.tool_choice = list(self.tools), self.tool_choice
-            return "server"
+            return ToolOffer(tools=tuple(self.tools), choice=self.tool_choice)
         grammar = call_grammar(self.tool_format, offered, self.session.special_tokens(), self.template.source or "",
                                self._calls_made())
         forced = grammar is not None and self.tool_choice != "auto"
-        if forced:
+        if grammar is not None and forced:
             grammar = self._lead_to_call(grammar, offered[0], thinking())
-        self.session.call_grammar = grammar
-        self.session.call_forced = forced
-        return "constrain"
+        return ToolOffer(grammar, forced)
 
     def _lead_to_call(self, grammar: CallGrammar, tool: ToolSpec, thinking: bool) -> CallGrammar:
         """A required call begins with what the template writes between the generation prompt

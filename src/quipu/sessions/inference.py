@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 from quipu.engine.base import Backend, LogitsProcessor, ProgressFn, TokenFilter
 from quipu.engine.text import Detokenizer, unfinished_character
 from quipu.errors import ContextOverflow, EngineError, Interrupted, QuipuError
-from quipu.sessions.base import LOCAL, SILENT, Generation, ReplySink, Stats, TurnPrompt, common_prefix
+from quipu.sessions.base import LOCAL, SILENT, Generation, ReplySink, Stats, ToolOffer, TurnPrompt, common_prefix
 from quipu.sessions.call_grammars import CallGrammar
 from quipu.sessions.calls import CallSink
 from quipu.sessions.params import SamplingParams, draw_seed
@@ -126,11 +126,6 @@ class InferenceSession(HeldTokens):
         self._carry = b""  # the unfinished character a continued reply's text starts with
         self.logits_processors: list[LogitsProcessor] = []
         self.token_filter: TokenFilter | None = None
-        # Tools offered: a call, once its trigger is written (or from the start, `call_forced`),
-        # keeps to this grammar; its markup never reaches the sink.
-        self.call_grammar: CallGrammar | None = None
-        self.call_forced = False
-        self.call_shown = None  # after a reply that began a call: how much of its text was shown
         backend.set_sampler(self.params.sampler())
         backend.truncate(0)  # a session starts from an empty context, whatever the backend held
 
@@ -371,10 +366,12 @@ class InferenceSession(HeldTokens):
         return token
 
     def infer(self, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT,
-              thinking: Thinking | None = None) -> Generation:
+              thinking: Thinking | None = None, offer: ToolOffer | None = None) -> Generation:
         """Generates up to `max_tokens` tokens into `sink`; ends at end-of-generation, a stop
         string, a full context, or when the sink says stop ("interrupted"). `thinking`: the
-        reply's reasoning (its format, a budget that closes it after so many tokens)."""
+        reply's reasoning (its format, a budget that closes it after so many tokens); `offer`:
+        tools, whose call, once its trigger is written (or from the start, where forced), keeps
+        to the call's grammar, its markup never reaching the sink."""
         thinking = thinking or Thinking()
         reply = ReplyText(self.backend.token_bytes, self._carry, stop)
         self._carry = b""
@@ -383,7 +380,8 @@ class InferenceSession(HeldTokens):
         finish = "length"
         if not self._turn_started:
             self.begin_turn()
-        calls = _CallWatch(self, sink, thinking) if self.call_grammar is not None else None
+        grammar = offer.grammar if offer is not None else None
+        calls = _CallWatch(self, sink, thinking, grammar, offer.forced) if offer is not None and grammar else None
         shown = calls or sink
         budget = _Budget(self, thinking) if thinking.budget is not None and thinking.fmt is not None else None
 
@@ -423,12 +421,11 @@ class InferenceSession(HeldTokens):
         tail, finish, self._carry = reply.end(finish)
         if tail:
             shown.text(tail)
-        if calls is not None:
-            calls.end()
+        shown_before_call = calls.end() if calls is not None else None
         self.stats.completion_tokens = sampled
         self.stats.decode_s = last_at - first_at
         self._turn_started = 0.0
-        return Generation(reply.text, reply.tokens, finish)
+        return Generation(reply.text, reply.tokens, finish, call_shown=shown_before_call)
 
     def reply_spelled(self) -> str:
         """The reply just generated, control tokens spelled out (its end-of-generation token not)."""
@@ -467,7 +464,7 @@ class InferenceSession(HeldTokens):
         self.begin_turn()
         self.set_context(tokens, sink)
         self.start_reply(start)
-        gen = self.infer(max_tokens, stop, sink, prompt.thinking(prompt.text))
+        gen = self.infer(max_tokens, stop, sink, prompt.thinking(prompt.text), prompt.offer)
         gen.spelled = self.reply_spelled()
         return gen
 
@@ -510,19 +507,17 @@ class _CallWatch(CallSink):
     """A reply's sink while tools are offered on the local model: from the token that completes
     a call's trigger, the reply keeps to the call's grammar (llguidance's mask)."""
 
-    def __init__(self, session: InferenceSession, sink: ReplySink, thinking: Thinking):
-        grammar = session.call_grammar
-        assert grammar is not None
+    def __init__(self, session: InferenceSession, sink: ReplySink, thinking: Thinking, grammar: CallGrammar,
+                 forced: bool):
         super().__init__(sink, grammar, thinking)
-        self.session = session
-        session.call_shown = None
+        self.session, self.grammar = session, grammar
         # A required call is forced from the start, or once the reasoning the prompt opened ends.
         # Until then the reply may not end: the end-of-generation tokens are banned.
-        self.pending = session.call_forced and thinking.inside and grammar.after_reasoning is not None
+        self.pending = forced and thinking.inside and grammar.after_reasoning is not None
         self._ends = [t for t in session.special_tokens().values() if session.backend.is_eog(t)] if self.pending else []
         if self.pending:
             session.logits_processors.append(self._no_end)
-        elif session.call_forced:
+        elif forced:
             self._force(grammar.forced)
 
     def _no_end(self, tokens, logits) -> None:
@@ -537,13 +532,13 @@ class _CallWatch(CallSink):
         if text:
             self.session.force(text)
             self.watch.push(text)
-        self._constrain(self.session.call_grammar.forced_lark)
+        self._constrain(self.grammar.forced_lark)
 
     def _constrain(self, lark: str | None = None) -> None:
         from quipu.engine.grammar import Grammar
 
         self.begin()
-        self.session.backend.set_constraint(Grammar("lark", lark or self.session.call_grammar.lark))
+        self.session.backend.set_constraint(Grammar("lark", lark or self.grammar.lark))
 
     def took(self, token: int) -> None:
         if self.calling:
@@ -553,12 +548,13 @@ class _CallWatch(CallSink):
             self._constrain()
         elif self.pending and (after := self.watch.after_reasoning()) is not None:
             # (what the model wrote after the reasoning's end, where it is the start of what is due)
-            due = self.session.call_grammar.after_reasoning
+            due = self.grammar.after_reasoning or ""
             self._stop_pending()
-            self._force(due[len(after):] if due.startswith(after) else self.session.call_grammar.forced)
+            self._force(due[len(after):] if due.startswith(after) else self.grammar.forced)
 
-    def end(self) -> None:
+    def end(self) -> int | None:
+        """The reply is over: where the held-back call begins in the text (None: no call began)."""
         self._stop_pending()
         if self.calling:
             self.session.backend.set_constraint(None)
-        self.session.call_shown = super().end()  # where the held-back call begins in the text
+        return super().end()

@@ -25,12 +25,12 @@ from typing import Mapping, Protocol, Sequence
 from quipu.engine.base import TokenServer
 from quipu.engine.llama_server import server_grammar
 from quipu.errors import CapabilityError, ContextOverflow
-from quipu.sessions.base import LLAMA_SERVER, SILENT, Generation, ReplySink, Stats, TurnPrompt, common_prefix
+from quipu.sessions.base import (LLAMA_SERVER, SILENT, Generation, ReplySink, Stats, ToolOffer, TurnPrompt,
+                                 common_prefix)
 from quipu.sessions.calls import TextCallSink, server_constraint
 from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.prompt import HeldTokens, Rendered, reference_tokens
 from quipu.sessions.reasoning import Thinking
-from quipu.sessions.call_grammars import CallGrammar
 
 # A token spells at most this many bytes (a generous bound): a longer text cannot fit, and is
 # refused before it is sent to be tokenized.
@@ -94,9 +94,6 @@ class LlamaServerSession(HeldTokens):
         self.stats = Stats()
         self._turn_started = 0.0
         # Tools offered: the server holds a call to this grammar (see InferenceSession's).
-        self.call_grammar: CallGrammar | None = None
-        self.call_forced = False
-        self.call_shown: int | None = None
 
     @property
     def n_decoded(self) -> int:
@@ -207,7 +204,7 @@ class LlamaServerSession(HeldTokens):
         self.begin_turn()
         rendered = prompt.rendered()
         gen = self.generate(self.prompt_for(rendered, max_tokens), rendered.text, max_tokens, stop, sink,
-                            prompt.thinking(rendered.text))
+                            prompt.thinking(rendered.text), prompt.offer)
         gen.spelled = prompt.tail + self._spelled
         return gen
 
@@ -217,7 +214,8 @@ class LlamaServerSession(HeldTokens):
         return self.generate(list(tokens), self.backend.detokenize(tokens), max_tokens, stop, sink)
 
     def generate(self, prompt: Sequence[int | str], prompt_text: str, max_tokens: int, stop: Sequence[str] = (),
-                 sink: ReplySink = SILENT, thinking: Thinking | None = None) -> Generation:
+                 sink: ReplySink = SILENT, thinking: Thinking | None = None,
+                 offer: ToolOffer | None = None) -> Generation:
         """Continues `prompt` (token ids, then maybe text; it spells `prompt_text`) by up to
         `max_tokens` tokens; the context becomes the prompt and the reply. A failure mid-reply
         keeps what came (`Generation.error`)."""
@@ -233,11 +231,12 @@ class LlamaServerSession(HeldTokens):
         sent = time.perf_counter()
         error = None
         constraint, calls = None, None
-        if self.call_grammar is not None:
+        shown_before_call = None
+        if offer is not None and offer.grammar is not None:
             specials = self.special_tokens()
             thinking = thinking or Thinking()
-            constraint = server_constraint(self.call_grammar, self.call_forced, thinking, specials.within)
-            sink = calls = TextCallSink(sink, self.call_grammar, thinking, self.call_forced)
+            constraint = server_constraint(offer.grammar, offer.forced, thinking, specials.within)
+            sink = calls = TextCallSink(sink, offer.grammar, thinking, offer.forced)
         try:
             done = self.backend.complete(prompt, self.params.sampler(), draw_seed(self.params.seed, self.draws),
                                          min(max_tokens, room), stop, self.slot, sink, constraint)
@@ -248,7 +247,7 @@ class LlamaServerSession(HeldTokens):
             done.finish_reason, error = "interrupted", exc
         finally:
             if calls is not None:
-                self.call_shown = calls.end()
+                shown_before_call = calls.end()
         ids = self._ids(prompt, done.prompt_tokens)
         held = common_prefix(ids or [], self.tokens)
         finish = done.finish_reason or "stop"
@@ -268,7 +267,7 @@ class LlamaServerSession(HeldTokens):
         self._turn_started = 0.0
         body = done.tokens[:-1] if finish == "stop" and done.tokens else list(done.tokens)
         self._spelled = self.backend.detokenize(body) if done.exact and body else done.text
-        return Generation(done.text, list(done.tokens), finish, error)
+        return Generation(done.text, list(done.tokens), finish, error, call_shown=shown_before_call)
 
     def reply_spelled(self) -> str:
         """The reply just generated, control tokens spelled out (its end-of-generation token not)."""
