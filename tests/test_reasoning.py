@@ -337,3 +337,17 @@ def test_a_gpt_oss_call_after_its_analysis_is_read_and_its_markup_never_shown(ba
     conv.add_tool_results([(gen.tool_calls[0], "sunny")])
     text = conv.render(conv.messages, True).text  # the analysis renders where the template keeps it
     assert f"<|channel|>analysis<|message|>{reply.reasoning}<|end|>" in text
+
+
+def test_a_batch_splits_each_row_s_reasoning(quipu, tmp_path, backend):
+    model = write_model(tmp_path)
+    grammar = tmp_path / "harmony.lark"
+    grammar.write_text(held_to(backend, FAMILIES["gpt-oss"][2]))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "Why?"}\n{"prompt": "How?"}\n')
+    r = quipu("run", "-m", model, "--grammar", grammar, "-t", "1", "-n", "120", "--seed", "1", "--batch", rows)
+    assert r.returncode == 0, r.stderr
+    outs = [json.loads(line) for line in r.stdout.decode().splitlines()]
+    assert len(outs) == 2
+    for out in outs:
+        assert re.fullmatch(r"[n-z ]+", out["text"]) and re.fullmatch(r"[a-m ]+", out["reasoning"]), out

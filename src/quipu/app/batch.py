@@ -252,7 +252,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
             stream = runnable[i].stream
             assert stream is not None
             stream.text(text)
-            if batch_backend.is_control(token):  # (markup the text does not show)
+            if token >= 0 and batch_backend.is_control(token):  # (markup the text does not show)
                 stream.control(batch_backend.token_text(token).decode("utf-8", "replace"))
 
         def on_done(i: int, gen, stats: Stats) -> None:

@@ -226,7 +226,7 @@ class ChatSession:
         has no such switch."""
         self.capabilities.require("think", chat=True)
         conv = self._named.conversation
-        if not conv.template.features()["thinking_switch"]:
+        if conv.template is None or not conv.template.features()["thinking_switch"]:
             return False
         conv.variables["enable_thinking"] = on
         self.save()

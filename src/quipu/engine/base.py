@@ -122,10 +122,51 @@ class Backend(Protocol):
 
     def snapshot_bytes(self) -> bytes: ...
     def restore_bytes(self, data: bytes) -> None: ...
+
+    # ---- the state in pieces, and the cells moved (where the cache allows it) -------------------
+    def partial_state(self) -> str | None:
+        """Why the cells' state cannot be saved and restored in pieces (None: it can)."""
+    def state_since(self, start: int) -> memoryview:
+        """The state of the cells at positions `start` on."""
+    def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
+        """Restores a state saved whole, then pieces of it saved by `state_since`, in order."""
+    def shift_refused(self) -> str | None:
+        """Why positions cannot be dropped from the middle with those after them moved down (None: they can)."""
+    def shift_out(self, start: int, end: int) -> None:
+        """Drops positions [start, end) and moves those after them down by end - start."""
+
     def embed(self, texts: Sequence[str], pooling: str = "mean") -> list[list[float]]:
         """One pooled vector per text, computed in batches; refuses (CapabilityError) where the
         backend or model cannot embed, never returns empty vectors."""
     def close(self) -> None: ...
+
+
+class RowChain(Protocol):
+    """One batch row's sampler chain."""
+
+    def accept(self, tokens: Sequence[int]) -> None: ...
+    def free(self) -> None: ...
+
+
+class RowMatcher(Protocol):
+    """One batch row's place in its grammar."""
+
+    def accept(self, token: int) -> None: ...
+
+
+class BatchBackend(Backend, Protocol):
+    """A context of several sequences, decoded side by side (a batch's rows)."""
+
+    n_ctx_seq: int
+
+    def decode_batch(self, items: Sequence[tuple[int, int, int, bool]]) -> None:
+        """Decodes (token, position, sequence, wants logits) items in one step."""
+    def seq_keep(self, seq: int, n_keep: int) -> None: ...
+    def seq_copy(self, src: int, dst: int) -> None: ...
+    def row_sampler(self, settings: SamplerSettings) -> RowChain: ...
+    def row_matcher(self, settings: SamplerSettings) -> RowMatcher | None: ...
+    def sample_rows(self, rows: Sequence[tuple[RowChain, RowMatcher | None, int, int]]) -> list[int]:
+        """One token for each (chain, matcher, draw seed, batch index) of a step."""
 
 
 def refuse_embeddings(name: str) -> CapabilityError:

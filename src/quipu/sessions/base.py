@@ -16,7 +16,7 @@ sessions and the chat in `quipu.app`) is written once against it:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 from quipu.errors import CapabilityError
 
@@ -210,7 +210,11 @@ class Capabilities:
     def require(self, feature: str, *, chat: bool = False) -> None:
         """Refuses, in one line, what this kind of session cannot do."""
         if feature not in self.features:
-            raise CapabilityError(f"{FEATURES[feature][1 if chat else 0]} cannot be used with {self.where}")
+            raise self.refusal(feature, chat=chat)
+
+    def refusal(self, feature: str, *, chat: bool = False) -> CapabilityError:
+        """The one line that refuses `feature` here."""
+        return CapabilityError(f"{FEATURES[feature][1 if chat else 0]} cannot be used with {self.where}")
 
 
 _ALL = frozenset(FEATURES)
@@ -292,6 +296,10 @@ class ModelSession(Protocol):
     def used(self) -> int:
         """How many tokens the context holds (a chat API: as the last reply counted them)."""
 
+    @property
+    def n_decoded(self) -> int:
+        """How many of the context's tokens its cache holds (0 where the server keeps them)."""
+
     def set_params(self, params: "SamplingParams") -> None: ...
 
     def check_text_fits(self, text: str) -> None:
@@ -301,6 +309,10 @@ class ModelSession(Protocol):
         """The model's own chat template (None: none, or the server renders it)."""
 
     def special_token_text(self, which: str) -> str: ...
+
+    def special_tokens(self) -> Mapping[str, int]:
+        """{spelling: id} of the tokens a grammar writes as themselves (control tokens, added
+        tokens spelled `<...>`); empty where the server writes markup itself."""
 
     def control_spellings(self, texts: Sequence[str]) -> list[str]:
         """The control tokens' spellings `texts` hold, which a user's text must keep as text."""
@@ -325,5 +337,9 @@ class ModelSession(Protocol):
 
     def rewind(self, n_keep: int) -> None:
         """Forgets the context from token `n_keep` on."""
+
+    def shift_out(self, start: int, end: int) -> bool:
+        """Drops tokens [start, end) from the context, moving the cells after them down (as
+        llama.cpp's context shift); False where it cannot (the caller reads the rest again)."""
 
     def close(self) -> None: ...

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from quipu.engine.base import Backend
+from quipu.engine.base import BatchBackend, RowChain, RowMatcher
 from quipu.errors import ContextOverflow, Interrupted
 from quipu.sessions.inference import Generation, ReplyText, Stats, common_prefix
 from quipu.sessions.params import SamplingParams, draw_seed
@@ -50,9 +50,9 @@ class _Slot:
     row: int = -1
     pending: list[int] = field(default_factory=list)  # tokens to decode next
     pos: int = 0  # where pending[0] goes
-    chain: object = None
-    matcher: object = None  # the grammar's place in this row's reply (None: no grammar)
-    params: SamplingParams | None = None
+    chain: RowChain | None = None
+    matcher: RowMatcher | None = None  # the grammar's place in this row's reply (None: no grammar)
+    params: SamplingParams = field(default_factory=SamplingParams)
     draws: int = 0
     max_tokens: int = 0
     reply: ReplyText | None = None
@@ -63,10 +63,15 @@ class _Slot:
     last_at: float = 0.0
 
 
+def _chain(slot: _Slot) -> RowChain:
+    assert slot.chain is not None  # (a row's chain is made as it starts)
+    return slot.chain
+
+
 class BatchSession:
     """Runs rows to replies on a backend opened with several sequences."""
 
-    def __init__(self, backend: Backend):
+    def __init__(self, backend: BatchBackend):
         self.backend = backend
         self.n_seq = backend.context.n_seq
         self.n_ctx_seq = backend.n_ctx_seq
@@ -105,7 +110,7 @@ class BatchSession:
                 if should_stop is not None and should_stop():
                     raise Interrupted("stopped")
                 wanting = self._step(active)
-                tokens = self.backend.sample_rows([(slot.chain, slot.matcher, draw_seed(slot.params.seed, slot.draws),
+                tokens = self.backend.sample_rows([(_chain(slot), slot.matcher, draw_seed(slot.params.seed or 0, slot.draws),
                                                     index) for slot, index in wanting])
                 now = time.perf_counter()
                 for (slot, _), token in zip(wanting, tokens, strict=False):
@@ -146,9 +151,9 @@ class BatchSession:
         params = row.params.resolved()
         slot.row = row_index
         self.backend.seq_keep(slot.seq, self.shared)  # what the last row left, past the shared part
-        slot.chain = self.backend.row_sampler(params.sampler())
+        chain = slot.chain = self.backend.row_sampler(params.sampler())
         slot.matcher = self.backend.row_matcher(params.sampler())
-        slot.chain.accept(row.tokens)  # the penalty window sees the prompt, as a lone run's does
+        chain.accept(row.tokens)  # the penalty window sees the prompt, as a lone run's does
         slot.params = params
         slot.pending = list(row.tokens[self.shared :])
         slot.pos = self.shared
@@ -191,13 +196,15 @@ class BatchSession:
             slot.stats.prefill_s = now - slot.started
             slot.stats.ttft_s = now - slot.started
         finish = None
+        reply = slot.reply
+        assert reply is not None
         if self.backend.is_eog(token):
             finish = "stop"
         else:
-            text = slot.reply.push(token)
-            if on_token is not None and text:
-                on_token(slot.row, token, text)
-            if slot.reply.stopped:
+            text = reply.push(token)
+            if on_token is not None and (text or self.backend.is_control(token)):
+                on_token(slot.row, token, text)  # (a control token's too: markup a reader may need)
+            if reply.stopped:
                 finish = "stop_sequence"
             elif slot.sampled >= slot.max_tokens:
                 finish = "length"
@@ -207,14 +214,14 @@ class BatchSession:
                 slot.pending = [token]
         if finish is None:
             return
-        tail, finish, _ = slot.reply.end(finish)
+        tail, finish, _ = reply.end(finish)
         if tail and on_token is not None:
             on_token(slot.row, -1, tail)
         stats = slot.stats
         stats.completion_tokens = slot.sampled
         stats.decode_s = slot.last_at - slot.first_at
         stats.prefill_tokens = stats.prompt_tokens - stats.cached_tokens
-        gen = Generation(slot.reply.text, slot.reply.tokens, finish)
+        gen = Generation(reply.text, reply.tokens, finish)
         row = slot.row
         self._free(slot)
         if on_done is not None:

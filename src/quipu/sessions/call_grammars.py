@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from quipu.sessions.tools import Format, ToolSpec
 
@@ -71,7 +71,7 @@ class CallGrammar:
         return self.triggers[0] if self.force is None else self.force
 
 
-def call_grammar(fmt: Format, tools: Sequence[ToolSpec], specials: dict[str, int] | None = None,
+def call_grammar(fmt: Format, tools: Sequence[ToolSpec], specials: Mapping[str, int] | None = None,
                  template: str = "", first_id: int = 0) -> CallGrammar | None:
     """The grammar a call in `fmt` is held to once it begins (None: a format whose calls are
     read but not constrained). `specials` are the model's special tokens ({text: id}): markup

@@ -47,6 +47,16 @@ class ChatApiSession:
     def used(self) -> int:
         return self._used
 
+    @property
+    def n_decoded(self) -> int:
+        return 0  # (the server's context is its own)
+
+    def shift_out(self, start: int, end: int) -> bool:
+        return False
+
+    def special_tokens(self) -> dict[str, int]:
+        return {}  # (the server writes and reads markup itself)
+
     def set_params(self, params: SamplingParams) -> None:
         """New parameters: those that differ from the current ones are sent from now on."""
         for key in REQUEST_KEYS:

@@ -104,8 +104,9 @@ class Conversation:
     def render(self, messages: Sequence[Message], add_generation_prompt: bool, tail: str = "") -> Rendered:
         """The template's text for `messages` (and `tail`, a reply in progress), in parts that
         keep a user's spelling of a control token as text."""
-        if self.template is None:
-            self.session.capabilities.require("show_prompt")
+        template = self.template
+        if template is None:
+            raise self.session.capabilities.refusal("show_prompt")
         # Every text from outside (a tool's definition, a call's arguments) is data, never markup.
         defined = [tool.to_openai() for tool in self.tools]
         calls = [m.tool_calls for m in messages if m.tool_calls]
@@ -119,10 +120,10 @@ class Conversation:
         shown = [_shown(m, protector, fmt) for m in messages]
         variables = dict(self.variables)
         if self.reasoning_budget == 0 and "enable_thinking" not in variables and \
-                "enable_thinking" in self.template.source:
+                "enable_thinking" in template.source:
             variables["enable_thinking"] = False  # (no reasoning: the template's own switch first)
         if self.tools:
-            if self.tool_format.generic and "tools" not in self.template.source:
+            if self.tool_format.generic and "tools" not in template.source:
                 # the template cannot tell the model of them: the system prompt does
                 told = protector.hide(generic_system_prompt(self.tools))
                 if shown and shown[0]["role"] == "system":
@@ -131,7 +132,7 @@ class Conversation:
                     shown.insert(0, {"role": "system", "content": told})
             else:
                 variables["tools"] = hidden(defined, protector.hide)
-        text = self.template.render(shown, add_generation_prompt, **variables)
+        text = template.render(shown, add_generation_prompt, **variables)
         return protector.reveal(text + protector.hide(tail))
 
     def render_tokens(self, messages: Sequence[Message], add_generation_prompt: bool) -> list[int]:
@@ -423,7 +424,7 @@ class Conversation:
         # context and the kept ones move down, nothing read again (as llama.cpp's context shift:
         # the kept cells were computed with the dropped tokens before them). The next turn keeps
         # what of them its rendering still spells, as always.
-        span = self._dropped_span(before, first) if dropped and hasattr(self.session, "shift_out") else None
+        span = self._dropped_span(before, first) if dropped else None
         if span is not None and self.session.shift_out(*span):
             for m in self.messages:
                 if m.context_before is not None:

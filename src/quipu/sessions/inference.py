@@ -187,7 +187,7 @@ class InferenceSession(HeldTokens):
         the backend can (see `LlamaBackend.shift_refused`); False where it cannot (the caller
         reads the rest again). The moved cells keep what they were computed from, the dropped
         tokens included, as llama.cpp's own context shift does."""
-        refused = getattr(self.backend, "shift_refused", lambda: "no shifting")()
+        refused = self.backend.shift_refused()
         if refused or not 0 <= start < end <= self.n_decoded:
             return False
         self.backend.shift_out(start, end)

@@ -93,11 +93,13 @@ class LlamaServerSession(HeldTokens):
         self._spelled = ""  # the last reply, control tokens spelled out
         self.stats = Stats()
         self._turn_started = 0.0
-        # Tools offered: the server holds a call to this grammar (see InferenceSession's).
 
     @property
     def n_decoded(self) -> int:
         return len(self.tokens)
+
+    def shift_out(self, start: int, end: int) -> bool:
+        return False  # (the server's cells are its own to move: the rest is read again)
 
     def control_spellings(self, texts: Sequence[str]) -> list[str]:
         return self.backend.control_spellings(texts)
