@@ -155,6 +155,8 @@ def test_a_template_spells_its_markup_and_a_new_model_in_a_known_style_needs_no_
     for name, fmt in found.items():
         assert fmt is not None, name
     assert found["gpt-oss"].field == "thinking" and found["qwen3"].field == "reasoning_content"
+    # (templates that render reasoning only in a turn's tool loop: found there)
+    assert found["gemma-4"].field == found["command-r7b"].field == "reasoning_content"
     assert found["minimax-m3"].opens == ("<mm:think>",) and found["minimax-m3"].name == "template"
     # a template no one has seen, in the `<tag>` style, with its own field
     source = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and m.reason %}"

@@ -349,6 +349,9 @@ def _by_rendering(template: "ChatTemplate") -> ReasoningFormat | None:
             if text and _REASON in text and _ANSWER in text and text.index(_REASON) < text.index(_ANSWER):
                 break
         else:
+            found = _in_a_call(template, user, prompt, name)
+            if found is not None:
+                return found
             continue
         r, a = text.index(_REASON), text.index(_ANSWER)
         plain = _render(template, user + [{"role": "assistant", "content": _ANSWER}], False) or ""
@@ -375,6 +378,28 @@ def _by_rendering(template: "ChatTemplate") -> ReasoningFormat | None:
         return ReasoningFormat("template", (opener,), close, answers, (answer_close,) if answer_close else (),
                                field=name, empty=empty, between=written_between)
     return None
+
+
+def _in_a_call(template: "ChatTemplate", user: list[dict[str, Any]], prompt: str,
+               name: str) -> ReasoningFormat | None:
+    """The markup around the reasoning of a reply that made a call, for templates that render
+    reasoning there alone (Command R7B, Gemma 4: the reasoning of a turn's tool loop)."""
+    call = {"id": "000000001", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+    text = _render(template, user + [{"role": "assistant", "content": "", name: _REASON, "tool_calls": [call]},
+                                     {"role": "tool", "content": "r", "tool_call_id": "000000001", "name": "f"}],
+                   True)
+    if not text or _REASON not in text:
+        return None
+    r = text.index(_REASON)
+    opener = text[len(prompt):r].strip() if text.startswith(prompt) else ""
+    if not opener:  # (a prompt that closes the reasoning itself, as thinking off does: the markup before it)
+        opener = _last_markup(text[:r])
+    after = text[r + len(_REASON):]
+    close = _first_markup(after.lstrip())
+    if not opener or not close or "\n" in opener:
+        return None
+    return ReasoningFormat("template", (opener,), close, field=name,
+                           between=after[:after.index(close) + len(close)])
 
 
 def _opens_block(text: str, opener: str, answer: str) -> bool:
