@@ -48,7 +48,7 @@ class Config:
 def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
     """Read `path` and check its shape, with `generation_keys` the names and types [generation]
     may hold; a missing file is an empty config. Errors name the file and line."""
-    tables = {"generation": generation_keys, "sessions": SESSION_KEYS, "models": MODEL_KEYS, "cache": CACHE_KEYS,
+    tables: dict[str, dict[str, Any]] = {"generation": generation_keys, "sessions": SESSION_KEYS, "models": MODEL_KEYS, "cache": CACHE_KEYS,
               "remote": REMOTE_KEYS}
     try:
         with open(path, "rb") as f:

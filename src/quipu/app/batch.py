@@ -79,6 +79,7 @@ class RowOutcome:
         head = {"index": self.index} if self.id is None else {"id": self.id, "index": self.index}
         if self.error is not None:
             return {**head, "error": self.error}
+        assert self.result is not None  # (an outcome has its result or its error)
         return {**head, **self.result.to_json()}
 
 
@@ -223,11 +224,11 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
         plans = [_plan(row, base, opts, env, tokenizer, source, limit) for row in rows]
         runnable = [p for p in plans if p.error is None]
         n_ctx_train = tokenizer.n_ctx_train or settings.n_ctx or 4096
-        need = max((len(p.row.tokens) + p.row.max_tokens for p in runnable), default=CTX_STEP)
+        need = max((len(p.ready.tokens) + p.ready.max_tokens for p in runnable), default=CTX_STEP)
         share = settings.n_ctx or min(n_ctx_train, -(-need // CTX_STEP) * CTX_STEP)
         for p in runnable:
-            if len(p.row.tokens) >= share:
-                p.error = (f"the prompt is {len(p.row.tokens)} tokens, and each row's share of the context is "
+            if len(p.ready.tokens) >= share:
+                p.error = (f"the prompt is {len(p.ready.tokens)} tokens, and each row's share of the context is "
                            f"{share}; shorten it, or give a larger --ctx")
         runnable = [p for p in plans if p.error is None]
         n_seq = max(1, min(parallel or default_parallel(), len(runnable)))
@@ -267,7 +268,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
             if on_progress is not None:
                 on_progress(writer.finished, len(plans), generated[0])
 
-        batch.run([p.row for p in runnable], on_token, on_done, should_stop)
+        batch.run([p.ready for p in runnable], on_token, on_done, should_stop)
     finally:
         batch_backend.close()
     return writer.written
@@ -279,6 +280,12 @@ class _Plan:
     row: BatchRow | None = None
     stream: ReasoningSink | None = None
     error: str | None = None
+
+    @property
+    def ready(self) -> BatchRow:
+        """The row to run (a plan without an error has one)."""
+        assert self.row is not None, self.error
+        return self.row
 
 
 def _plan(row: RowInput, base: SamplingParams, opts: TurnOptions, env: Environment, tokenizer, source,
@@ -303,7 +310,7 @@ def _plan(row: RowInput, base: SamplingParams, opts: TurnOptions, env: Environme
                     conv.messages = []
                 conv.messages.extend(row.messages)
             else:
-                conv.messages.append(Message("user", row.prompt))
+                conv.messages.append(Message("user", row.prompt or ""))
             rendered = conv.render(conv.messages, True)
             tokens = session.context_for(rendered)
             fmt = conv.reasoning

@@ -114,7 +114,7 @@ class Environment:
         settings = ServerSettings(url=url, model=model or conf.get("model"),
                                   api_key_env=conf.get("api_key_env", "QUIPU_API_KEY"))
         if "timeout" in conf:
-            settings.read_timeout = settings.connect_timeout = conf["timeout"]
+            settings.read_timeout = settings.connect_timeout = float(conf["timeout"])
         return settings
 
     def requested_model(self, requested: str | None) -> str | None:
@@ -260,6 +260,7 @@ def grammar_of(opts: TurnOptions):
     elif opts.grammar not in (None, OFF):
         grammar = Grammar(grammar_kind(opts.grammar), read_text_file(opts.grammar, "grammar"))
     else:
+        assert opts.regex is not None  # (one of the three was given: the caller says so)
         grammar = Grammar("regex", opts.regex)
     from quipu.engine.constraint import compile_grammar  # llguidance: only when a grammar is asked for
 

@@ -8,7 +8,7 @@ messages). Everything else, turns, named sessions, the chat, is written once abo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 from quipu.app.environment import Environment, TurnOptions
 from quipu.engine.base import ProgressFn
@@ -21,26 +21,30 @@ if TYPE_CHECKING:
     from quipu.store.transcript import Transcript
 
 
-class Keeper(Protocol):
-    """What one named session keeps on its host besides its messages."""
+S = TypeVar("S", bound=ModelSession, contravariant=True)
 
-    model_name: str
 
-    def fields(self, session: ModelSession) -> dict:
+class Keeper(Protocol[S]):
+    """What one named session keeps on its host besides its messages (its host's kind of session, `S`)."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    def fields(self, session: S) -> dict:
         """The transcript's fields that depend on the host: model, params, context, tokens,
         n_decoded, draws, build, served."""
 
-    def save(self, store: "SessionStore", name: str, record: "Transcript", session: ModelSession) -> list[str]:
+    def save(self, store: "SessionStore", name: str, record: "Transcript", session: S) -> list[str]:
         """Writes the session (the transcript, and a state file where the host keeps one); notices."""
 
-    def warm(self, session: ModelSession, tokens: Callable[[], list[int]], opts: TurnOptions, env: Environment):
+    def warm(self, session: S, tokens: Callable[[], list[int]], opts: TurnOptions, env: Environment):
         """Before a new context's first turn: restores what the prompt cache holds of its
         prompt, `tokens()` (local models); the cache's use, or None."""
 
-    def remember(self, session: ModelSession, use, opts: TurnOptions) -> list[str]:
+    def remember(self, session: S, use, opts: TurnOptions) -> list[str]:
         """After a one-shot answer is out: keeps its prompt in the prompt cache; notices."""
 
-    def cached(self, session: ModelSession, tokens: list[int], opts: TurnOptions, env: Environment) -> int:
+    def cached(self, session: S, tokens: list[int], opts: TurnOptions, env: Environment) -> int:
         """How many of `tokens` the prompt cache would restore (`--show-prompt`)."""
 
     def model_for_new(self, opts: TurnOptions) -> str | None:
@@ -52,7 +56,7 @@ class Opened:
     """A session opened on a host, with its keeper and what to tell the user."""
 
     session: ModelSession
-    keeper: Keeper
+    keeper: "Keeper[Any]"
     notices: list[str] = field(default_factory=list)
 
 

@@ -116,8 +116,7 @@ def choose(repo: str, files: list[HubFile], wanted: str | None) -> PullPlan:
     if first:  # one model in parts: the parts of the first one's set, in order
         total = first.group(2)
         prefix = parts[0].path[: -len(first.group(0))]
-        parts = [f for f in parts if f.path.startswith(prefix) and SPLIT.search(f.path)
-                 and SPLIT.search(f.path).group(2) == total]
+        parts = [f for f in parts if f.path.startswith(prefix) and (m := SPLIT.search(f.path)) and m.group(2) == total]
         if len(parts) != int(total):
             raise UsageError(f"'{repo}' has {len(parts)} of the {int(total)} parts of its {chosen} model")
     else:
@@ -240,18 +239,18 @@ def pull(ref: HubRef, env, *, on_plan: Callable[[PullPlan], None] | None = None,
         blobs.append(str(blob))
     with open(paths[0], "rb") as head:
         if head.read(4) != GGUF_MAGIC:
-            for blob in blobs:
-                Path(blob).unlink(missing_ok=True)
-            for path in paths:
-                path.unlink(missing_ok=True)
+            for stored in blobs:
+                Path(stored).unlink(missing_ok=True)
+            for link in paths:
+                link.unlink(missing_ok=True)
             raise HubError(f"{plan.files[0].path} of '{plan.repo}' is not a GGUF file; it was removed")
     template, extras = None, []
     if plan.template is not None:
         try:
-            link, blob, _ = fetch(plan.repo, HubFile(plan.template, 0, None), cache, None)
+            link, template_blob, _ = fetch(plan.repo, HubFile(plan.template, 0, None), cache, None)
             template = repository_template(plan.repo, link, env)
             extras.append(plan.template)
-            blobs.append(str(blob))
+            blobs.append(str(template_blob))
         except QuipuError:
             template = None  # a model without its repository's template is still a model
     model = PulledModel(plan.repo, plan.quant, [f.path for f in plan.files], str(paths[0]), plan.size, revision,

@@ -146,7 +146,7 @@ class SlotKeeper:
         return self.slot
 
     def slot_of(self, slots: int) -> int:
-        return zlib.crc32(self.filename.encode()) % slots
+        return zlib.crc32((self.filename or "").encode()) % slots
 
     def after(self, remote, cached_tokens: int, held: int) -> list[str]:
         """Saves the slot; notices of a context that was not reused (`held`: the tokens the turn's

@@ -18,13 +18,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from quipu.app.environment import read_json_file
 from quipu.app.tooldefs import Runner, Tool, ToolFailure, ToolOutput, never
 from quipu.config import MCP_KEYS, check_mcp_server
 from quipu.errors import Interrupted, QuipuError, UsageError
 from quipu.sessions.tools import ToolSpec
+
+if TYPE_CHECKING:
+    from mcp import ClientSession
 
 START_TIMEOUT = 30.0  # seconds a server may take to start and list its tools
 POLL_S = 0.05  # how often a wait looks whether the user stopped it
@@ -75,7 +78,7 @@ class McpServer:
         self.timeout = definition.get("timeout", 60.0)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
-        self._session = None
+        self._session: "ClientSession | None" = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
         self._failure: BaseException | None = None

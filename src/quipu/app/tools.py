@@ -333,10 +333,10 @@ def answer_pending(conv: Conversation, opts, limit: int, stop: Sequence[str], si
         seen.add(ident)
         if ident not in pending:
             raise UsageError(f"--tool-result names {ident!r}, which the last reply did not call "
-                             f"(it called: {', '.join(sorted(pending))})")
+                             f"(it called: {', '.join(sorted(str(k) for k in pending))})")
         answers.append((pending.pop(ident), text))
     if pending:
-        raise UsageError(f"give a --tool-result for each call: {', '.join(sorted(pending))} has none")
+        raise UsageError(f"give a --tool-result for each call: {', '.join(sorted(str(k) for k in pending))} has none")
     conv.add_tool_results(answers)
     return conv.reply_to_tools(max_tokens=limit, stop=stop, sink=sink)
 

@@ -133,7 +133,7 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
             session.check_text_fits(prompt)
         notices = []
         if opts.raw:
-            tokens = session.raw_tokens(prompt)
+            tokens = session.raw_tokens(prompt or "")
             cached = keeper.warm(session, lambda: tokens, opts, env)
             gen = session.complete(tokens, limit, opts.stop, sink)
         else:
@@ -198,13 +198,15 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
                 if opts.tool_results:
                     gen = answer_pending(conv, opts, limit, stop, sink)
                 elif not prompt and not opts.continue_reply:
-                    gen = resume_pending(conv)  # a loop that stopped before its calls ran goes on
-                    if gen is None:
+                    resumed = resume_pending(conv)  # a loop that stopped before its calls ran goes on
+                    if resumed is None:
                         raise BadInput("no prompt: give one as an argument or on standard input (session "
                                        f"'{name}' has no calls waiting to run)")
+                    gen = resumed
                 elif opts.continue_reply:
                     gen = resume_pending(conv) or conv.continue_reply(max_tokens=limit, stop=stop, sink=sink)
                 else:
+                    assert prompt  # (a turn without a prompt went another way above)
                     skip_pending(conv)  # (calls left waiting are answered "not run")
                     named.warm(prompt, opts, env)
                     gen = conv.send(prompt, max_tokens=limit, stop=stop, sink=sink)
@@ -256,7 +258,7 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
         tools = toolbox(opts, env)  # the tools are part of the context their definitions are written into
         try:
             if opts.raw:
-                tokens = session.raw_tokens(prompt)
+                tokens = session.raw_tokens(prompt or "")
             else:
                 conv = _conversation(session, opts, env, chat_template_source(opts))
                 offer(conv, tools, opts)

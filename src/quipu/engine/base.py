@@ -14,7 +14,7 @@ from quipu.errors import CapabilityError
 
 KV_TYPES = ("f16", "q8_0")
 
-ProgressFn = Callable[[int, int], None]
+ProgressFn = Callable[[int, int], "bool | None"]
 
 
 def available_cpus() -> int:
@@ -130,6 +130,9 @@ class Backend(Protocol):
         """The state of the cells at positions `start` on."""
     def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
         """Restores a state saved whole, then pieces of it saved by `state_since`, in order."""
+    @property
+    def n_layer(self) -> int:
+        """The model's layers (a state piece's layout has one record a layer)."""
     def shift_refused(self) -> str | None:
         """Why positions cannot be dropped from the middle with those after them moved down (None: they can)."""
     def shift_out(self, start: int, end: int) -> None:

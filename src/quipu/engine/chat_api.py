@@ -19,9 +19,12 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 from quipu.errors import CapabilityError, QuipuError
+
+if TYPE_CHECKING:
+    from quipu.engine.llama_server import Completion
 
 RETRY_STATUSES = (429, 502, 503, 504)
 MAX_EVENT_BYTES = 8 << 20  # the longest line of a stream of events (a token's event is a few hundred bytes)
@@ -37,7 +40,7 @@ class Sink(Protocol):
 class ServerError(QuipuError):
     """The server could not be used, or failed mid-reply (`partial` holds what came first)."""
 
-    def __init__(self, message: str, *, partial: "ChatReply | None" = None, status: int = 0):
+    def __init__(self, message: str, *, partial: "ChatReply | Completion | None" = None, status: int = 0):
         super().__init__(message)
         self.partial = partial
         self.status = status  # the HTTP status that said no, if one did
@@ -239,9 +242,11 @@ class ChatApiModel:
             raise ServerError(f"{self.where()} answered /v1/embeddings with something else than one vector a text")
         ordered = sorted(items, key=lambda item: item.get("index", 0) if isinstance(item, dict) else 0)
         vectors = [item.get("embedding") if isinstance(item, dict) else None for item in ordered]
-        if not all(isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v) for v in vectors):
+        usable = [[float(x) for x in v] for v in vectors
+                  if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v)]
+        if len(usable) != len(vectors):
             raise CapabilityError(f"{self.where()} gave no usable embeddings (was it started with embeddings on?)")
-        return vectors
+        return usable
 
     # ---- generation -----------------------------------------------------------------------
 

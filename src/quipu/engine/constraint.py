@@ -18,7 +18,7 @@ import ctypes
 import functools
 import json
 import re
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import llguidance
 import numpy as np
@@ -26,10 +26,13 @@ import numpy as np
 from quipu.engine.grammar import Grammar, MAX_GRAMMAR_DEPTH, check_grammar_depth, grammar_depth, subschemas
 from quipu.errors import EngineError, InvalidParameter
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 # Between JSON's tokens: nothing, a space, or a new line and some indentation, as the model
 # prefers; never a long run of blanks, which a small model can fall into and not leave.
 WHITESPACE = r"[ ]?|\n(?:[ ]{0,32}|\t{0,8})"
-JSON_OPTIONS = {"whitespace_pattern": WHITESPACE}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": WHITESPACE}
 # What one grammar may cost: llguidance's own limits, which end a step in an error, not a hang.
 LIMITS = dict(max_grammar_size=500_000, step_max_items=50_000, verbose_errors=False)
 
@@ -139,7 +142,8 @@ def tokenizer(model) -> "llguidance.LLTokenizer":
     ends = [t for t in range(model.n_vocab) if lc.llama_vocab_is_eog(vocab, t)]
     if not ends:
         ends = [max(0, lc.llama_vocab_eos(vocab))]
-    made = llguidance.LLTokenizer.from_llamacpp(
+    # (llguidance's stub lacks `from_llamacpp`; its own llamacpp module ignores that too)
+    made = llguidance.LLTokenizer.from_llamacpp(  # type: ignore[attr-defined]
         tokens=pieces, vocab_ptr=vocab, tokenize_fptr=ctypes.cast(lc._lib.llama_tokenize, ctypes.c_void_p).value,
         eos_token=ends, slices=None)
     model._llg_tokenizer = made

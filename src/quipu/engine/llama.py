@@ -8,7 +8,7 @@ import ctypes
 import dataclasses
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from quipu.engine.native import binding_version, lc
 from quipu.engine.sampler import SamplerChain
@@ -26,6 +26,9 @@ from quipu.engine.base import (
 from quipu.engine.logs import LOG
 from quipu.engine.model import LlamaModel
 from quipu.errors import EngineError, InvalidParameter, ModelLoadError
+
+if TYPE_CHECKING:
+    from quipu.engine.constraint import MaskBatch, Matcher
 
 MAX_DEFAULT_CTX = 8192
 _KV_GGML_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
@@ -103,7 +106,7 @@ class LlamaBackend:
         self._chain: SamplerChain | None = None
         self._sampler = None
         self._grammar = None  # a constraint.Matcher while replies keep to a grammar
-        self._masks = None  # a constraint.MaskBatch, for the rows of a batch under grammars
+        self._masks: "MaskBatch | None" = None  # for the rows of a batch under grammars
         self._stack.callback(self._free_sampler)
 
     # ---- vocabulary: the model's ----------------------------------------------------------
@@ -252,7 +255,7 @@ class LlamaBackend:
         """A grammar's matcher of its own, for one sequence of a batch (None without a grammar)."""
         return self._matcher_for(settings)
 
-    def sample_rows(self, rows: Sequence[tuple[SamplerChain, object, int, int]]) -> list[int]:
+    def sample_rows(self, rows: Sequence[tuple[SamplerChain, "Matcher | None", int, int]]) -> list[int]:
         """One token (sampled and accepted) for each (chain, matcher or None, draw seed, batch
         index) of a step. The masks of every row under a grammar are computed together, on
         llguidance's threads, and applied to each row's logits before its chain draws."""
@@ -262,12 +265,13 @@ class LlamaBackend:
 
             from quipu.engine.constraint import MaskBatch
 
-            if self._masks is None or self._masks.masks.shape[0] < len(rows):
-                self._masks = MaskBatch(self.n_vocab, max(len(rows), self.context.n_seq))
-            self._masks.fill(constrained)
+            masks = self._masks
+            if masks is None or masks.masks.shape[0] < len(rows):
+                masks = self._masks = MaskBatch(self.n_vocab, max(len(rows), self.context.n_seq))
+            masks.fill(constrained)
             for _, k in constrained:
                 logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, rows[k][3]), shape=(self.n_vocab,))
-                self._masks.apply(logits, k)
+                masks.apply(logits, k)
         tokens = []
         for chain, matcher, draw_seed, index in rows:
             token = self.sample_at(chain, draw_seed, index)
@@ -306,11 +310,18 @@ class LlamaBackend:
             self._chain = self._sampler = None
         self._grammar = None
 
+    @property
+    def chain(self) -> SamplerChain:
+        """The sampler chain (made by `set_sampler`, which a session calls first)."""
+        if self._chain is None:
+            raise EngineError("no sampler is set on this context")
+        return self._chain
+
     def sampler_reset(self, window: Sequence[int]) -> None:
-        self._chain.reset(window)
+        self.chain.reset(window)
 
     def sampler_accept(self, tokens: Sequence[int]) -> None:
-        self._chain.accept(tokens)
+        self.chain.accept(tokens)
 
     def set_constraint(self, grammar) -> None:
         """From the next token on, the reply keeps to `grammar` (an `engine.grammar.Grammar`, from
@@ -323,7 +334,7 @@ class LlamaBackend:
             self._grammar.replay(reply)
 
     def _reseed(self, draw_seed: int) -> None:
-        self._chain.reseed(draw_seed)
+        self.chain.reseed(draw_seed)
 
     def sample(self, draw_seed: int, history: Sequence[int] = (), processors: Sequence[LogitsProcessor] = (),
                token_filter: TokenFilter | None = None) -> int:
@@ -442,7 +453,8 @@ class LlamaBackend:
             stack.callback(lc.llama_batch_free, batch)
             start = 0
             while start < len(tokenized):
-                group, used = [], 0
+                group: list[list[int]] = []
+                used = 0
                 while (start + len(group) < len(tokenized) and len(group) < self.EMBED_SEQS
                        and used + len(tokenized[start + len(group)]) <= self.EMBED_BATCH):
                     used += len(tokenized[start + len(group)])

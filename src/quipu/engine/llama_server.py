@@ -224,7 +224,7 @@ class LlamaServerModel:
             done.prompt_tokens = event["tokens_evaluated"]
         if event.get("stop") is True:
             done.finish_reason = FINISH.get(str(event.get("stop_type")), "stop")
-            timings = event.get("timings") if isinstance(event.get("timings"), dict) else {}
+            timings = event["timings"] if isinstance(event.get("timings"), dict) else {}
             done.cached_tokens = count_of(timings.get("cache_n"))
             done.prefill_s = _ms(timings.get("prompt_ms")) / 1000
             done.decode_s = _ms(timings.get("predicted_ms")) / 1000
@@ -232,7 +232,7 @@ class LlamaServerModel:
         tokens = event.get("tokens")
         if not isinstance(tokens, list) or len(tokens) != 1 or not isinstance(tokens[0], int):
             return None  # a progress event
-        text = event.get("content") if isinstance(event.get("content"), str) else ""
+        text = event["content"] if isinstance(event.get("content"), str) else ""
         token = tokens[0]
         count = event.get("tokens_predicted")
         if not done.tokens:

@@ -22,11 +22,12 @@ def _bare_package() -> ModuleType:
     if spec is None or spec.loader is None:
         raise ImportError("llama-cpp-python is not installed")
     package = importlib.util.module_from_spec(spec)
+    loader = spec.loader
 
     def complete(name: str):
         # Runs the real __init__ in this module object, once, then answers from it.
         del package.__dict__["__getattr__"]
-        spec.loader.exec_module(package)
+        loader.exec_module(package)
         return getattr(package, name)
 
     package.__dict__["__getattr__"] = complete
@@ -46,6 +47,8 @@ def binding_version() -> str:
     if package is not None and "__version__" in package.__dict__:
         return package.__dict__["__version__"]
     spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        return "unknown"
     with open(spec.origin, encoding="utf-8") as f:
         found = re.search(r'^__version__\s*=\s*["\']([^"\']+)["\']', f.read(), re.MULTILINE)
     return found.group(1) if found else "unknown"

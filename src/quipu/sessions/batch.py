@@ -110,7 +110,7 @@ class BatchSession:
                 if should_stop is not None and should_stop():
                     raise Interrupted("stopped")
                 wanting = self._step(active)
-                tokens = self.backend.sample_rows([(_chain(slot), slot.matcher, draw_seed(slot.params.seed or 0, slot.draws),
+                tokens = self.backend.sample_rows([(_chain(slot), slot.matcher, draw_seed(slot.params.draw_base, slot.draws),
                                                     index) for slot, index in wanting])
                 now = time.perf_counter()
                 for (slot, _), token in zip(wanting, tokens, strict=False):

@@ -153,14 +153,14 @@ def call_grammar(fmt: Format, tools: Sequence[ToolSpec], specials: Mapping[str, 
         # as the model writes it), or after it, as the template writes a call
         # (`<|start|>assistant to=functions.NAME<|channel|>commentary json`): a required call is
         # written so, to render back as it was written. One call a reply: the template writes one.
-        def body(channel: str) -> str:
+        def calls_in(channel: str) -> str:
             return " | ".join(f'{_lark_string(t.name)} {channel} {lit("<|message|>")} '
                               f'{_arguments(t)}' for t in tools)
 
         written = f'" " {lit("<|constrain|>")} "json"'
         rendered = f'{lit("<|channel|>")} "commentary json"'
-        return CallGrammar((" to=functions.",), f'start: body {lit("<|call|>")}\nbody: {body(f"({written} | {rendered})")}\n',
-                           force=" to=functions.", forced_lark=f'start: body {lit("<|call|>")}\nbody: {body(rendered)}\n')
+        return CallGrammar((" to=functions.",), f'start: body {lit("<|call|>")}\nbody: {calls_in(f"({written} | {rendered})")}\n',
+                           force=" to=functions.", forced_lark=f'start: body {lit("<|call|>")}\nbody: {calls_in(rendered)}\n')
     if name == "qwen3-coder":
         fns, rules = _each(tools, _xml_call)
         return CallGrammar(("<tool_call>",), f'start: "\\n" fn "\\n" {lit("</tool_call>")} {more}\n'

@@ -113,7 +113,7 @@ class ChatApiSession:
                            decode_s=reply.timings.get("predicted_ms", 0.0))
         self._used = reply.prompt_tokens + reply.completion_tokens
         gen = Generation(reply.text, [], "stop" if finish == "tool_calls" else finish, error)
-        calls = []
+        calls: list[ToolCall] = []
         for call in reply.tool_calls:
             try:
                 arguments = json.loads(call["arguments"] or "{}")

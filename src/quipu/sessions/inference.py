@@ -48,7 +48,7 @@ class Snapshot:
     draws: int
     params: SamplingParams
     context: dict
-    state: bytes | None = None
+    state: bytes | memoryview | None = None
     # Pieces of state saved after `state`, (the position each replaces the cells from, its
     # bytes: see `LlamaBackend.state_since`), and how many tokens the state and pieces hold
     # when that is fewer than `n_decoded` (a turn whose state was not written: read again).
@@ -105,6 +105,7 @@ class InferenceSession(HeldTokens):
     """
 
     capabilities = LOCAL
+    backend: Backend
 
     def __init__(self, backend: Backend, params: SamplingParams | None = None):
         self.backend = backend
@@ -310,7 +311,7 @@ class InferenceSession(HeldTokens):
         session.stats.restore_s = time.perf_counter() - started
         return session
 
-    def restore_prefix(self, state: bytes, held: Sequence[int], keep: int) -> None:
+    def restore_prefix(self, state: bytes | memoryview, held: Sequence[int], keep: int) -> None:
         """Takes the state of a context that held `held` and keeps its first `keep` tokens (a
         prompt cache hit); the next `set_context` reuses them. Raises EngineError when the bytes
         do not fit, leaving the context empty."""
@@ -359,7 +360,7 @@ class InferenceSession(HeldTokens):
             self.tokens.append(last)
             self.backend.sampler_accept([last])
             self._decode_pending()
-        token = self.backend.sample(draw_seed(self.params.seed, self.draws), self.tokens, self.logits_processors,
+        token = self.backend.sample(draw_seed(self.params.draw_base, self.draws), self.tokens, self.logits_processors,
                                     self.token_filter)
         self.draws += 1
         self.tokens.append(token)

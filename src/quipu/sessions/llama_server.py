@@ -79,6 +79,7 @@ class LlamaServerSession(HeldTokens):
     """A context on a llama-server slot: exact tokens, the text they spell, and the draw count."""
 
     capabilities = LLAMA_SERVER
+    backend: TokenServer
 
     def __init__(self, backend: TokenServer, params: SamplingParams | None = None):
         self.backend = backend
@@ -240,7 +241,7 @@ class LlamaServerSession(HeldTokens):
             constraint = server_constraint(offer.grammar, offer.forced, thinking, specials.within)
             sink = calls = TextCallSink(sink, offer.grammar, thinking, offer.forced)
         try:
-            done = self.backend.complete(prompt, self.params.sampler(), draw_seed(self.params.seed, self.draws),
+            done = self.backend.complete(prompt, self.params.sampler(), draw_seed(self.params.draw_base, self.draws),
                                          min(max_tokens, room), stop, self.slot, sink, constraint)
         except Exception as exc:  # a server failing mid-reply: what came is kept, as after Ctrl-C
             done = getattr(exc, "partial", None)

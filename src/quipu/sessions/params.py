@@ -62,6 +62,13 @@ class SamplingParams(SamplerSettings):
         return types
 
     @property
+    def draw_base(self) -> int:
+        """The seed draws are made from (a resolved set of parameters has one)."""
+        if self.seed is None:
+            raise ValueError("these sampling parameters have no seed yet (resolve them first)")
+        return self.seed
+
+    @property
     def constrained(self) -> bool:
         return self.grammar is not None or bool(self.logit_bias)
 

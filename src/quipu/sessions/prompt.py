@@ -19,9 +19,20 @@ import codecs
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from quipu.engine.base import Backend
+
+
+class Vocabulary(Protocol):
+    """What turns a rendering into tokens: a local model's (`Backend`) or a server's (`TokenServer`)."""
+
+    n_ctx: int
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
+    def bos_token(self) -> int | None: ...
+    def chat_template(self) -> str | None: ...
+    def special_token_text(self, which: str) -> str: ...
 
 
 @dataclass
@@ -35,7 +46,7 @@ class Rendered:
     def text(self) -> str:
         return "".join(text for text, _ in self.parts)
 
-    def tokenize_from(self, backend: Backend, start: int) -> list[int]:
+    def tokenize_from(self, backend: "Vocabulary", start: int) -> list[int]:
         """The tokens of this text from character `start` on."""
         tokens: list[int] = []
         at = 0
@@ -85,7 +96,7 @@ class Protector:
         return Rendered(parts)
 
 
-def reference_tokens(backend: Backend, rendered: Rendered) -> list[int]:
+def reference_tokens(backend: "Vocabulary", rendered: Rendered) -> list[int]:
     """The whole text tokenized as the reference does, with the model's BOS where it wants one
     and the template did not write it."""
     tokens = rendered.tokenize_from(backend, 0)
@@ -159,6 +170,9 @@ class HeldTokens:
     """What a session whose context is exact tokens on a backend with a vocabulary (a local
     context, llama-server's) answers alike: its size, the model's template and special tokens,
     a rendering or a plain prompt as tokens. Needs `backend` and `tokens`."""
+
+    backend: "Vocabulary"
+    tokens: list[int]
 
     @property
     def n_ctx(self) -> int:

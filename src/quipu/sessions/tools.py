@@ -148,8 +148,8 @@ def _json_calls(inner: str, **keys) -> list[ToolCall] | None:
     if got is None or got[1].strip():
         return None
     items = got[0] if isinstance(got[0], list) else [got[0]]
-    calls = [_call_of(item, **keys) for item in items]
-    return calls if calls and all(calls) else None
+    calls = [c for c in (_call_of(item, **keys) for item in items) if c is not None]
+    return calls if calls and len(calls) == len(items) else None
 
 
 def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
@@ -477,8 +477,8 @@ def parse_generic(text: str) -> tuple[str, list[ToolCall]]:
         return text, []
     obj = got[0]
     if isinstance(obj.get("tool_calls"), list):
-        calls = [_call_of(c) for c in obj["tool_calls"]]
-        return ("", calls) if calls and all(calls) else (text, [])
+        calls = [c for c in (_call_of(item) for item in obj["tool_calls"]) if c is not None]
+        return ("", calls) if calls and len(calls) == len(obj["tool_calls"]) else (text, [])
     if isinstance(obj.get("tool_call"), dict):
         call = _call_of(obj["tool_call"])
         return ("", [call]) if call else (text, [])

@@ -18,6 +18,7 @@ is still the one at the path (see `lock`), so two processes never both hold "the
 
 from __future__ import annotations
 
+import builtins
 import errno
 import fcntl
 import os
@@ -279,7 +280,7 @@ class SessionStore:
         infos.sort(key=lambda i: (i.updated, i.saved_ns), reverse=True)
         return infos, damaged
 
-    def enforce_budget(self, max_bytes: int, keep: str | None = None) -> list[str]:
+    def enforce_budget(self, max_bytes: int, keep: str | None = None) -> builtins.list[str]:
         """Drops the state files of the least recently used sessions until the rest fit in
         `max_bytes`. Transcripts stay. Returns the sessions whose state was dropped."""
         if not self.root.is_dir():
