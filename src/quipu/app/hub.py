@@ -397,7 +397,7 @@ def _progress_class(name: str, on_progress: ProgressFn | None, size: int = 0, re
     """A tqdm class for the client's download loop that hands its counts to `on_progress`, draws
     nothing, and stops a download that runs past the `size` the Hub said (before it is written:
     the client counts a chunk, then writes it)."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]  # (tqdm ships no types)
 
     class Progress(tqdm):
         def __init__(self, *args, **kwargs):

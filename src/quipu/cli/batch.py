@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import json
 import time
 
 from quipu.cli.terminal import StopOnCtrlC, Terminal, read_stdin
 from quipu.errors import BadInput, ExitCode
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 
 def run_batch_file(source: str, opts, env, term: Terminal, parallel: int | None) -> int:
@@ -40,8 +45,8 @@ class BatchProgress:
 
     def __init__(self, terminal: Terminal):
         self.terminal = terminal
-        self._progress = None
-        self._task = None
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
         self._started = time.perf_counter()
 
     def __call__(self, done: int, total: int, tokens: int) -> None:
@@ -61,6 +66,7 @@ class BatchProgress:
             self._progress.start()
             self._task = self._progress.add_task("rows", total=total, rate="")
         rate = tokens / max(time.perf_counter() - self._started, 1e-9)
+        assert self._task is not None
         self._progress.update(self._task, completed=done, rate=f"{rate:.0f} tok/s")
 
     def close(self) -> None:

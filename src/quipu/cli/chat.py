@@ -33,7 +33,7 @@ def register(app) -> None:
     def command(context, **given) -> int:
         return chat(context.obj, **given)
 
-    command.__signature__ = signature(PARAMS)
+    command.__signature__ = signature(PARAMS)  # type: ignore[attr-defined]  # (what Typer reads the parameters from)
     app.command("chat", help=HELP)(command)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import List
+from typing import Annotated, List, Optional
 
 import typer
 
@@ -18,12 +18,12 @@ def register(app: typer.Typer) -> None:
 def embed(
     context: typer.Context,
     texts: List[str] = typer.Argument(None, help="Texts to embed (default: each line of standard input)."),
-    model: opt.Model = None,
+    model: Annotated[Optional[str], opt.typer_option(spec.MODEL)] = None,
     pooling: str = typer.Option("mean", "--pooling", help="mean, last or cls."),
     normalize: bool = typer.Option(False, "--normalize", help="Scale each vector to length 1."),
-    threads: opt.Threads = None,
-    verbose: opt.Verbose = False,
-    url: opt.Url = None,
+    threads: Annotated[Optional[int], opt.typer_option(spec.THREADS)] = None,
+    verbose: Annotated[bool, opt.typer_option(spec.VERBOSE)] = False,
+    url: Annotated[Optional[str], opt.typer_option(spec.URL)] = None,
 ) -> None:
     from quipu.cli.terminal import gather_prompt
     from quipu.app.embed import embed_texts

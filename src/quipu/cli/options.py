@@ -4,7 +4,7 @@ and whole signatures for commands declared as a table (`run`)."""
 from __future__ import annotations
 
 import inspect
-from typing import Annotated, List, Optional
+from typing import Annotated, Any, List, Mapping, Optional
 
 import typer
 
@@ -15,12 +15,16 @@ def annotated(option: spec.Opt | spec.Arg):
     """`Annotated[type, typer.Option(...)]` for an option (or the argument) declared in spec.py."""
     if isinstance(option, spec.Arg):
         return Annotated[Optional[str], typer.Argument(help=option.help, metavar="PROMPT")]
-    kind = List[option.type] if option.multiple else option.type
+    kind: Any = List[option.type] if option.multiple else option.type  # type: ignore[name-defined]  # (a type made at run time, for Typer)
     if not option.multiple and option.default is None:
         kind = Optional[kind]
+    return Annotated[kind, typer_option(option)]
+
+
+def typer_option(option: spec.Opt):
+    """The `typer.Option(...)` of an option declared in spec.py."""
     metavar = None if option.type is bool else option.shown
-    return Annotated[kind, typer.Option(*option.decls, help=option.help, autocompletion=option.complete,
-                                        metavar=metavar)]
+    return typer.Option(*option.decls, help=option.help, autocompletion=option.complete, metavar=metavar)
 
 
 WORDS = {"str": "TEXT", "int": "N", "float": "NUMBER", "path": "PATH", "bool": ""}
@@ -46,11 +50,11 @@ def plain_help() -> None:
             inner = inner[5:-1] if inner.startswith("list[") else inner
             return (WORDS.get(inner, inner.upper()) + rest) or None
 
-        kind.display_type_rich = display_type_rich
-        kind._quipu_plain = True
+        kind.display_type_rich = display_type_rich  # type: ignore[method-assign]  # (Typer's own method, replaced once)
+        kind._quipu_plain = True  # type: ignore[union-attr]  # (a mark: replaced already)
 
 
-def signature(params: dict[str, spec.Opt | spec.Arg]) -> inspect.Signature:
+def signature(params: Mapping[str, spec.Opt | spec.Arg]) -> inspect.Signature:
     """A command's signature for Typer: the context, then the declared parameters in order."""
     context = inspect.Parameter("context", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
     return inspect.Signature([context] + [
@@ -59,8 +63,3 @@ def signature(params: dict[str, spec.Opt | spec.Arg]) -> inspect.Signature:
         for name, option in params.items()
     ])
 
-
-Model = annotated(spec.MODEL)
-Threads = annotated(spec.THREADS)
-Verbose = annotated(spec.VERBOSE)
-Url = annotated(spec.URL)

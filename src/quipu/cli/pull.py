@@ -3,7 +3,12 @@ big it is, then a progress bar (bytes, speed, time left) on stderr when it is a 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from quipu.cli.terminal import Terminal, human_size
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 
 def pull(text: str, env, term: Terminal):
@@ -45,8 +50,8 @@ class DownloadBar:
         self.term = term
         self.total = 0
         self._done: dict[str, int] = {}
-        self._progress = None
-        self._task = None
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
 
     def __call__(self, name: str, done: int, total: int) -> None:
         self._done[name] = done
@@ -61,6 +66,7 @@ class DownloadBar:
                                       transient=True)
             self._progress.start()
             self._task = self._progress.add_task("pull", total=self.total or total or None)
+        assert self._task is not None
         self._progress.update(self._task, completed=sum(self._done.values()))
 
     def close(self) -> None:

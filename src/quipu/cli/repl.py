@@ -467,7 +467,7 @@ class Repl:
 
         from quipu.app.chat import history_file
 
-        session = PromptSession(
+        session: PromptSession[str] = PromptSession(
             history=FileHistory(history_file(self.env)),
             completer=SlashCompleter(),
             complete_while_typing=True,

@@ -44,7 +44,7 @@ def register(app) -> None:
     def command(context, **given) -> int:
         return run(context.obj, **given)
 
-    command.__signature__ = signature(PARAMS)
+    command.__signature__ = signature(PARAMS)  # type: ignore[attr-defined]  # (what Typer reads the parameters from)
     app.command("run", help=HELP, no_args_is_help=False)(command)
 
 

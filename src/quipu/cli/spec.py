@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 
 def complete_model(incomplete: str) -> list[str]:
@@ -160,9 +160,9 @@ def _convert(spec: Opt, text: str):
 def parse(params: dict[str, Opt | Arg], args: list[str]) -> dict | None:
     """The parameters a plain command line gives, by name (defaults for the rest); None when
     Typer should read it instead."""
-    given = {name: (None if isinstance(spec, Arg) else spec.default) for name, spec in params.items()}
-    spellings: dict[str, tuple[str, Opt, object]] = {}
-    positional = None
+    given: dict[str, Any] = {name: (None if isinstance(spec, Arg) else spec.default) for name, spec in params.items()}
+    spellings: dict[str, tuple[str, Opt, bool]] = {}
+    positional: str | None = None
     for name, spec in params.items():
         if isinstance(spec, Arg):
             positional = name
@@ -183,11 +183,11 @@ def parse(params: dict[str, Opt | Arg], args: list[str]) -> dict | None:
             found = spellings.get(spelling)
             if found is None:
                 return None  # help, `--`, a short option run together with its value, a mistake
-            name, spec, on = found
+            name, spec, switched_on = found
             if spec.type is bool:
                 if eq:
                     return None
-                given[name] = on
+                given[name] = switched_on
                 continue
             if not eq:
                 if not rest or rest[0].startswith("-"):
@@ -208,7 +208,7 @@ def parse(params: dict[str, Opt | Arg], args: list[str]) -> dict | None:
     return given
 
 
-def turn_options(given: dict):
+def turn_options(given: dict[str, Any]):
     """A TurnOptions from a command's parameters, by name: each option of a turn is a field of
     TurnOptions under its parameter's name (a repeatable one as a tuple); the rest are the
     command's own."""
@@ -217,4 +217,5 @@ def turn_options(given: dict):
     from quipu.app.environment import TurnOptions
 
     names = {f.name for f in dataclasses.fields(TurnOptions)}
-    return TurnOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if k in names})
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if k in names}
+    return TurnOptions(**fields)

@@ -6,9 +6,12 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import IO, Mapping
+from typing import TYPE_CHECKING, IO, Mapping
 
 from quipu.errors import BadInput
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 
 @dataclass(frozen=True)
@@ -80,8 +83,8 @@ class StopOnCtrlC:
         self.hard_second = hard_second
         self.quit_too = quit_too  # Ctrl-\ (SIGQUIT) stops too (the chat)
         self.ended = False  # SIGTERM or SIGHUP came: the reply stops, is saved, and quipu leaves
-        self._previous = None
-        self._previous_quit = None
+        self._previous: "signal._HANDLER" = None
+        self._previous_quit: "signal._HANDLER" = None
         self._previous_ends: list = []
 
     def __call__(self) -> bool:
@@ -128,8 +131,8 @@ class PrefillProgress:
     def __init__(self, terminal: Terminal, label: str = "reading the prompt"):
         self.terminal = terminal
         self.label = label
-        self._progress = None
-        self._task = None
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
 
     def __call__(self, done: int, total: int) -> None:
         if not self.terminal.stderr_tty or total < self.MIN_TOKENS:
@@ -147,6 +150,7 @@ class PrefillProgress:
             )
             self._progress.start()
             self._task = self._progress.add_task(self.label, total=total)
+        assert self._task is not None
         self._progress.update(self._task, completed=done)
         if done >= total:
             self.close()
@@ -179,7 +183,7 @@ def read_stdin(term: Terminal) -> str | None:
     if term.stdin_tty or term.stdin is None:
         return None
     try:
-        data = term.stdin.buffer.read(MAX_STDIN_BYTES + 1)
+        data = term.stdin.buffer.read(MAX_STDIN_BYTES + 1)  # type: ignore[attr-defined]  # (its bytes; caught below where it has none)
     except (OSError, ValueError, AttributeError):
         data = b""
     if len(data) > MAX_STDIN_BYTES:
