@@ -17,7 +17,9 @@
   transformers renders it.
 - `prompt.py`: rendered text to context tokens, as the reference tokenizes it, keeping a
   user's spelling of a control token as text and the tokens the context already holds.
-- `thinking.py`: a thinking model's reasoning apart from its answer (`ThinkingSink`).
+- `reasoning.py`: the one table of reasoning formats (tag pairs, harmony's channels), and a
+  reply split into its reasoning and its answer as it streams (`ReasoningSink`);
+  `reasoning_found.py`: a template's format found by rendering it.
 - `params.py`: `SamplingParams`, validated, and the per-draw seeds that make resuming exact.
 - `stops.py`: stop strings, held back while they could still match.
 - `tools.py`: tool calls in each model family's own format: the format a template speaks, and

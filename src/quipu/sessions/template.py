@@ -129,7 +129,7 @@ class ChatTemplate:
     @functools.cached_property
     def reasoning(self) -> "ReasoningFormat | None":
         """How a reply under this template writes its reasoning (None: in no way quipu knows)."""
-        from quipu.sessions.reasoning import find_format
+        from quipu.sessions.reasoning_found import find_format
 
         return find_format(self)
 
