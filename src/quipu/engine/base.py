@@ -6,7 +6,7 @@ arrays (`llama_server.py`). A server spoken to through the OpenAI chat API is `c
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
 
 from quipu.engine.grammar import Grammar
@@ -185,6 +185,22 @@ class CallConstraint:
     gbnf: str
     lazy: bool = False
     trigger: str = ""
+
+
+@dataclass
+class Completion:
+    """What one request generated: token ids in order (an end-of-generation token included),
+    the text shown, why it ended, and the server's figures (llama-server's, driven by tokens)."""
+
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    exact: bool = True  # False: some ids could not be recovered (see the module's notes)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    first_token_s: float = 0.0
 
 
 class TokenServer(Protocol):

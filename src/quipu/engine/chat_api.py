@@ -19,12 +19,10 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
+from quipu.engine.base import Completion
 from quipu.errors import CapabilityError, QuipuError
-
-if TYPE_CHECKING:
-    from quipu.engine.llama_server import Completion
 
 RETRY_STATUSES = (429, 502, 503, 504)
 MAX_EVENT_BYTES = 8 << 20  # the longest line of a stream of events (a token's event is a few hundred bytes)

@@ -25,10 +25,9 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from quipu.engine.base import CallConstraint, SamplerSettings
+from quipu.engine.base import CallConstraint, Completion, SamplerSettings
 from quipu.engine.chat_api import ChatApiModel, ServerError, count_of
 from quipu.engine.grammar import Grammar, check_grammar_depth, check_schema
 from quipu.errors import CapabilityError
@@ -50,22 +49,6 @@ FINISH = {"eos": "stop", "word": "stop_sequence", "limit": "length"}
 MAX_HIDDEN = 3
 # What every control token's spelling has one of (see the module's notes).
 CONTROL_MARKS = re.compile("[<>\\[\\]|\uff5c]")
-
-
-@dataclass
-class Completion:
-    """What one request generated: token ids in order (an end-of-generation token included),
-    the text shown, why it ended, and the server's figures."""
-
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str = ""
-    exact: bool = True  # False: some ids could not be recovered (see the module's notes)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    first_token_s: float = 0.0
 
 
 class LlamaServerModel:

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from quipu.errors import TemplateError
 from quipu.sessions.reasoning import FIELDS, TABLE, ReasoningFormat
 
-if TYPE_CHECKING:
-    from quipu.sessions.template import ChatTemplate
+
+class Renders(Protocol):
+    """What finding a format needs of a chat template (`template.ChatTemplate`)."""
+
+    source: str
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **variables: Any) -> str: ...
 
 __all__ = ["find_format"]
 
@@ -69,7 +74,7 @@ def _closing_of(opener: str, source: str) -> str:
     return close if close in source else ""
 
 
-def _render(template: "ChatTemplate", messages: list[dict[str, Any]], generation: bool,
+def _render(template: Renders, messages: list[dict[str, Any]], generation: bool,
             **variables: Any) -> str | None:
     try:
         return template.render(messages, generation, **variables)
@@ -77,7 +82,7 @@ def _render(template: "ChatTemplate", messages: list[dict[str, Any]], generation
         return None
 
 
-def _by_rendering(template: "ChatTemplate") -> ReasoningFormat | None:
+def _by_rendering(template: Renders) -> ReasoningFormat | None:
     user = [{"role": "user", "content": _USER}]
     prompt = _render(template, user, True)
     if prompt is None:
@@ -121,7 +126,7 @@ def _by_rendering(template: "ChatTemplate") -> ReasoningFormat | None:
     return None
 
 
-def _in_a_call(template: "ChatTemplate", user: list[dict[str, Any]], prompt: str,
+def _in_a_call(template: Renders, user: list[dict[str, Any]], prompt: str,
                name: str) -> ReasoningFormat | None:
     """The markup around the reasoning of a reply that made a call, for templates that render
     reasoning there alone (Command R7B, Gemma 4: the reasoning of a turn's tool loop)."""
@@ -149,7 +154,7 @@ def _opens_block(text: str, opener: str, answer: str) -> bool:
     return at >= 0 and bool(MARKUP.match(text[at + len(opener):].lstrip()))
 
 
-def _by_switch(template: "ChatTemplate") -> ReasoningFormat | None:
+def _by_switch(template: Renders) -> ReasoningFormat | None:
     """The markup a generation prompt writes with thinking on and off: an empty block when off
     (Qwen3's `<think>\\n\\n</think>`, Gemma 4's `<|channel>thought\\n<channel|>`), the opener when on."""
     user = [{"role": "user", "content": _USER}]
@@ -179,7 +184,7 @@ def _by_switch(template: "ChatTemplate") -> ReasoningFormat | None:
     return None
 
 
-def find_format(template: "ChatTemplate") -> ReasoningFormat | None:
+def find_format(template: Renders) -> ReasoningFormat | None:
     """The reasoning format of a chat template (`ChatTemplate.reasoning` keeps it); None: it
     writes no reasoning quipu knows."""
     source = template.source
@@ -203,7 +208,7 @@ def find_format(template: "ChatTemplate") -> ReasoningFormat | None:
     return found
 
 
-def _keeps_in_content(template: "ChatTemplate", fmt: ReasoningFormat) -> bool:
+def _keeps_in_content(template: Renders, fmt: ReasoningFormat) -> bool:
     """Whether the template, reading no reasoning field, shows an earlier reply's reasoning as
     written in its content."""
     user = {"role": "user", "content": _USER}
@@ -211,7 +216,7 @@ def _keeps_in_content(template: "ChatTemplate", fmt: ReasoningFormat) -> bool:
     return _REASON in (_render(template, [user, reply, user], True) or "")
 
 
-def _by_prompt(template: "ChatTemplate", source: str) -> ReasoningFormat | None:
+def _by_prompt(template: Renders, source: str) -> ReasoningFormat | None:
     """A generation prompt that ends with an opener whose close the source spells (DeepSeek-R1's `<think>\\n`)."""
     prompt = _render(template, [{"role": "user", "content": _USER}], True)
     opener = _last_markup(prompt or "")
