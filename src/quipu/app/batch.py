@@ -37,8 +37,8 @@ from quipu.errors import BadInput, QuipuError, UsageError
 from quipu.sessions.batch import BatchRow, BatchSession
 from quipu.sessions.base import SILENT
 from quipu.sessions.conversation import Conversation, Message
-from quipu.sessions.conversation import ReasoningSink
 from quipu.sessions.reasoning import Thinking
+from quipu.sessions.reasoning_sink import ReasoningSink
 from quipu.sessions.inference import InferenceSession, Stats
 from quipu.sessions.params import SamplingParams
 

@@ -18,8 +18,8 @@
 - `prompt.py`: rendered text to context tokens, as the reference tokenizes it, keeping a
   user's spelling of a control token as text and the tokens the context already holds.
 - `reasoning.py`: the one table of reasoning formats (tag pairs, harmony's channels), and a
-  reply split into its reasoning and its answer as it streams (`Splitter`; the conversation's
-  `ReasoningSink` passes the two on);
+  reply split into its reasoning and its answer as it streams (`Splitter`);
+  `reasoning_sink.py`: `ReasoningSink`, which passes the two on as they stream;
   `reasoning_found.py`: a template's format found by rendering it.
 - `params.py`: `SamplingParams`, validated, and the per-draw seeds that make resuming exact.
 - `stops.py`: stop strings, held back while they could still match.

@@ -129,9 +129,7 @@ class CallSink(ReplySink):
     def end(self) -> int | None:
         """The reply is done: where its call began in what was shown (None: it made none)."""
         if self.held and not self.calling:
-            self._release(len(self.held))
-        for _, spelling in self._controls if not self.calling else ():
-            self.sink.control(spelling)
+            self._release(len(self.held))  # (the control tokens held back among it too)
         self.held, self._controls = "", []
         return self.shown if self.calling else None
 

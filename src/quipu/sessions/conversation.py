@@ -11,11 +11,12 @@ from quipu.sessions.base import (SILENT, Generation, Message, ModelSession, Repl
                                  common_prefix)
 from quipu.sessions.prompt import Protector, Rendered
 from quipu.sessions.template import ChatTemplate
-from quipu.sessions.reasoning import BY_DEFAULT, ReasoningFormat, Splitter, Thinking
+from quipu.sessions.reasoning import BY_DEFAULT, ReasoningFormat
+from quipu.sessions.reasoning_sink import ReasoningSink
 from quipu.sessions.call_grammars import CHOICES, CallGrammar, call_grammar
 from quipu.sessions.tools import Format, ToolSpec, format_of, generic_system_prompt, parse_reply
 
-__all__ = ["Conversation", "Message", "EFFORTS", "ReasoningSink"]
+__all__ = ["Conversation", "Message", "EFFORTS"]
 
 EFFORTS = ("low", "medium", "high")
 
@@ -487,52 +488,3 @@ def _as_schema(arguments: dict[str, Any], tool) -> dict[str, Any]:
         if isinstance(schema, dict) and schema.get("type") == "string" and not isinstance(value, str):
             out[key] = json.dumps(value, ensure_ascii=False)
     return out
-
-
-class ReasoningSink(ReplySink):
-    """A reply's sink that passes a thinking model's reasoning on as reasoning and the rest as the
-    answer, its markup taken out (control tokens included), and keeps both as they streamed.
-    `thinking` is asked at the first piece, once the prompt is rendered (it may open reasoning)."""
-
-    def __init__(self, sink: ReplySink, thinking: Callable[[], Thinking]):
-        self.sink = sink
-        self._thinking = thinking
-        self._splitter: Splitter | None = None
-        self.answer: list[str] = []
-        self.reasoning_parts: list[str] = []
-
-    def _split(self) -> Splitter:
-        if self._splitter is None:
-            self._splitter = self._thinking().splitter()
-        return self._splitter
-
-    def text(self, piece: str) -> None:
-        self._emit(self._split().feed(piece))
-
-    def control(self, spelling: str) -> None:
-        self._emit(self._split().feed(spelling, control=True))
-
-    def reasoning(self, piece: str) -> None:  # (a server that splits the reply itself)
-        self.reasoning_parts.append(piece)
-        self.sink.reasoning(piece)
-
-    def progress(self, done: int, total: int) -> None:
-        self.sink.progress(done, total)
-
-    def stopped(self) -> bool:
-        return self.sink.stopped()
-
-    def finish(self) -> tuple[str, str]:
-        """The reply is over: (its reasoning, its answer), as they streamed."""
-        if self._splitter is not None:
-            self._emit(self._splitter.flush())
-        return "".join(self.reasoning_parts), "".join(self.answer)
-
-    def _emit(self, pieces: list[tuple[bool, str]]) -> None:
-        for is_reasoning, text in pieces:
-            if is_reasoning:
-                self.reasoning_parts.append(text)
-                self.sink.reasoning(text)
-            else:
-                self.answer.append(text)
-                self.sink.text(text)

@@ -140,7 +140,9 @@ class Splitter:
         self.outside_from = self._consumed_at() + at
 
     def _emit(self, out: list, reasoning: bool, n: int) -> None:
-        text = "".join(c for c, ctl in zip(self._buf[:n], self._ctl[:n], strict=True) if not ctl)
+        text = self._buf[:n]
+        if any(self._ctl[:n]):  # (a control token's spelling is not shown)
+            text = "".join(c for c, ctl in zip(text, self._ctl[:n], strict=True) if not ctl)
         if text:
             out.append((reasoning, text))
         self._drop(n)

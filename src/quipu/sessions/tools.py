@@ -22,10 +22,9 @@ import ast
 import json
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
-if TYPE_CHECKING:
-    from quipu.sessions.reasoning import ReasoningFormat
+from quipu.sessions.reasoning import BY_DEFAULT, ReasoningFormat
 
 __all__ = ["ToolCall", "ParsedReply", "Format", "ToolSpec", "format_of", "parse_reply", "FORMATS"]
 
@@ -545,8 +544,6 @@ def parse_reply(template: str | None, text: str, reasoning: ReasoningFormat | No
     source) and its reasoning's format (`<think>` by default; `inside`: the reply began inside
     reasoning). `text` is
     the reply with control tokens spelled out: calls are read outside the reasoning."""
-    from quipu.sessions.reasoning import BY_DEFAULT
-
     thought, rest = (reasoning or BY_DEFAULT).set_apart(text, inside)
     content, calls = format_of(template).parse(rest)
     return ParsedReply(content, thought, calls, rest)

@@ -1,0 +1,60 @@
+"""Where a reply streams while its reasoning is split from its answer: `ReasoningSink` passes
+each on as it comes (markup taken out, control tokens included) and keeps both."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from quipu.sessions.base import ReplySink
+from quipu.sessions.reasoning import Splitter, Thinking
+
+__all__ = ["ReasoningSink"]
+
+
+class ReasoningSink(ReplySink):
+    """A reply's sink that passes a thinking model's reasoning on as reasoning and the rest as the
+    answer, its markup taken out (control tokens included), and keeps both as they streamed.
+    `thinking` is asked at the first piece, once the prompt is rendered (it may open reasoning)."""
+
+    def __init__(self, sink: ReplySink, thinking: Callable[[], Thinking]):
+        self.sink = sink
+        self._thinking = thinking
+        self._splitter: Splitter | None = None
+        self.answer: list[str] = []
+        self.reasoning_parts: list[str] = []
+
+    def _split(self) -> Splitter:
+        if self._splitter is None:
+            self._splitter = self._thinking().splitter()
+        return self._splitter
+
+    def text(self, piece: str) -> None:
+        self._emit(self._split().feed(piece))
+
+    def control(self, spelling: str) -> None:
+        self._emit(self._split().feed(spelling, control=True))
+
+    def reasoning(self, piece: str) -> None:  # (a server that splits the reply itself)
+        self.reasoning_parts.append(piece)
+        self.sink.reasoning(piece)
+
+    def progress(self, done: int, total: int) -> None:
+        self.sink.progress(done, total)
+
+    def stopped(self) -> bool:
+        return self.sink.stopped()
+
+    def finish(self) -> tuple[str, str]:
+        """The reply is over: (its reasoning, its answer), as they streamed."""
+        if self._splitter is not None:
+            self._emit(self._splitter.flush())
+        return "".join(self.reasoning_parts), "".join(self.answer)
+
+    def _emit(self, pieces: list[tuple[bool, str]]) -> None:
+        for is_reasoning, text in pieces:
+            if is_reasoning:
+                self.reasoning_parts.append(text)
+                self.sink.reasoning(text)
+            else:
+                self.answer.append(text)
+                self.sink.text(text)
