@@ -159,12 +159,17 @@ def test_cli_json_rows_fail_one_by_one(quipu, tiny_model):
     (["--parallel", "2", "a prompt"], None, "--parallel goes with --batch"),
     (["--batch", "-", "--parallel", "0"], b"row\n", "--parallel must be more than 0"),
     (["--batch", "-", "--parallel", "1000"], b"row\n", "--parallel must be at most 256"),
-    (["--batch", "-", "-S", "work"], b"row\n", "--session"),
+    (["--batch", "-", "-S", "work"], b"row\n", "--session cannot be used with --batch"),
+    (["--batch", "-", "--show-prompt"], b"row\n", "--show-prompt cannot be used with --batch"),
+    (["--batch", "-", "--url", "http://127.0.0.1:9"], b"row\n", "a server (--url, QUIPU_URL or the config's [remote] "
+                                                                "url) cannot be used with --batch"),
+    (["--batch", "-", "--reasoning-budget", "4", "--messages", "m.json"], b"row\n",
+     "--reasoning-budget and --messages cannot be used with --batch"),
     (["--batch", "/nonexistent/rows.jsonl"], None, "cannot read the batch file"),
     (["--batch", "-"], b"\n\n", "no rows"),
     (["--batch", "-", "--tool-choice", "required", "--tools", "/nonexistent.json"], b"row\n",
-     "no tools and no reasoning budget; give no --tools, --tool-choice"),
-    (["--batch", "-", "--functions", "f.py", "--mcp", "m"], b"row\n", "give no --functions, --mcp"),
+     "--tools and --tool-choice cannot be used with --batch (each row is answered in one reply"),
+    (["--batch", "-", "--functions", "f.py", "--mcp", "m"], b"row\n", "--functions and --mcp cannot be used with"),
 ])
 def test_cli_bad_batches_are_one_line_errors(quipu, tiny_model, args, input, message):
     r = quipu("run", "-m", tiny_model, *args, input=input)

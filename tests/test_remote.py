@@ -241,10 +241,11 @@ def test_a_chat_on_llama_server_keeps_its_context_in_its_slot(llama_server, tmp_
     # going back (/undo) warns of nothing.
     from quipu.app.chat import ChatSession
     from quipu.app.environment import Environment, TurnOptions
+    from quipu.engine.chat_api import ServerSettings
 
     env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
     opts = TurnOptions(max_tokens=6, temperature=0.0, system="You are a careful geographer. " * 20,
-                       url=llama_server.url)
+                       server=ServerSettings(url=llama_server.url))
     chat = ChatSession.open(env, opts, name="held")
     try:
         for question, taken in (("Name a river.", False), ("And a sea?", False), ("And a mountain?", True),
@@ -345,6 +346,23 @@ def test_characters_split_across_tokens_keep_their_tokens(quipu, llama_server, h
     assert second["usage"]["cached_tokens"] >= len(saved["tokens"]) - 1  # nothing of the reply read again
 
 
+def test_a_gbnf_grammar_is_read_by_the_server_however_it_is_named(quipu, llama_server, home, tmp_path):
+    # llama.cpp's GBNF reads `[^]` as any character, which quipu's own checker (llguidance) refuses:
+    # on llama-server the grammar goes to the server, whether --url, QUIPU_URL or the config names it.
+    grammar = tmp_path / "g.gbnf"
+    grammar.write_text('root ::= "Hi" [^]', encoding="utf-8")
+    assert quipu("run", "--grammar", str(grammar), "-n", "4", "Hello").returncode != 0  # locally: refused
+    config = home / "config" / "config.toml"
+    for named in ("--url", "QUIPU_URL", "config"):
+        if named == "config":
+            config.parent.mkdir()
+            config.write_text(f'[remote]\nurl = "{llama_server.url}"\n', encoding="utf-8")
+        r = quipu("run", *(("--url", llama_server.url) if named == "--url" else ()), "--grammar", str(grammar),
+                  "-n", "8", "--json", "Hello", env={"QUIPU_URL": llama_server.url} if named == "QUIPU_URL" else None)
+        assert r.returncode == 0, (named, r.stderr.decode())
+        assert json.loads(r.stdout)["text"].startswith("Hi")
+
+
 def test_a_reply_whose_ids_cannot_be_recovered_is_read_again(quipu, llama_server, home, tmp_path):
     # Under this grammar the model spells 日 a byte a token, a split the character's own
     # tokenization does not give, so the ids before the last cannot be known: the context keeps
@@ -432,10 +450,11 @@ def test_a_retry_that_fails_keeps_the_exchange(fake, tmp_path):
     # disk, as it does on a local model (the last reply is put back, and the user's message kept).
     from quipu.app.chat import ChatSession
     from quipu.app.environment import Environment, TurnOptions
+    from quipu.engine.chat_api import ServerSettings
     from quipu.store.store import SessionStore
 
     env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
-    chat = ChatSession.open(env, TurnOptions(url=fake.url, max_tokens=8), name="kept")
+    chat = ChatSession.open(env, TurnOptions(server=ServerSettings(url=fake.url), max_tokens=8), name="kept")
     try:
         chat.send("Say hello.")
         before = [(m.role, m.content) for m in chat.messages]

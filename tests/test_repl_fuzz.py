@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from quipu.cli.repl import COMMANDS, Repl, parse_command
+from quipu.engine.chat_api import ServerSettings
 from quipu.cli.terminal import Terminal
 
 STRESS = int(os.environ.get("QUIPU_STRESS", "1"))
@@ -84,10 +85,10 @@ def chat(request, tmp_path, tiny_model):
     if request.param == "local":
         opts = TurnOptions(model=str(tiny_model), max_tokens=3, seed=5, ctx=384)
     elif request.param == "llama-server":
-        opts = TurnOptions(url=request.getfixturevalue("llama_server").url, max_tokens=3, seed=5)
+        opts = TurnOptions(server=ServerSettings(url=request.getfixturevalue("llama_server").url), max_tokens=3, seed=5)
     else:
         server = request.getfixturevalue("fake")
-        opts = TurnOptions(url=server.url, max_tokens=6, seed=5)  # (a stream is cut at its 5th piece)
+        opts = TurnOptions(server=ServerSettings(url=server.url), max_tokens=6, seed=5)  # (a stream is cut at its 5th piece)
     session = ChatSession.open(env, opts, name="fz")
     yield env, session, server
     session.close()

@@ -248,7 +248,8 @@ def test_a_tool_that_fails_gives_its_error_to_the_model(quipu, tiny_model, tmp_p
     ({"a.py": "def f(x: int): return x\n"}, ["--functions", "a.py", "--schema", "{}"], "not both"),
     ({"a.py": "def f(x: int): return x\n"}, ["--functions", "a.py", "--tool-choice", "g"], "not 'g'"),
     ({"a.py": "def f(x: int): return x\n"}, ["--functions", "a.py", "--chain-limit", "0"], "--chain-limit must be"),
-    ({}, ["--tool-result", "x=1"], "continues a session"),
+    ({}, ["--tool-result", "x=1"], "--tool-result cannot be used with a one-shot run (give -S NAME"),
+    ({}, ["--continue"], "--continue cannot be used with a one-shot run"),
 ])
 def test_bad_tools_are_one_line_usage_errors(quipu, tiny_model, tmp_path, files, args, words):
     for name, text in files.items():
@@ -396,7 +397,7 @@ def test_messages_from_a_file_are_the_conversation_a_run_goes_on_from(quipu, tin
     bad = quipu("run", "-m", tiny_model, "--messages", str(tmp_path / "bad.json"))
     assert bad.returncode == 2 and "messages[0].role is not" in bad.stderr.decode()
     with_session = quipu("run", *args, "-S", "x")
-    assert with_session.returncode == 2 and "--messages is a conversation of its own" in with_session.stderr.decode()
+    assert with_session.returncode == 2 and "--session cannot be used with --messages" in with_session.stderr.decode()
 
 
 CONSTRAINED_FAMILIES = {

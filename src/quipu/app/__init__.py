@@ -8,7 +8,7 @@ Every turn, named session and chat is written once, for every host a model can r
 - `hosts.py`: what a host is (`ModelHost`: it makes the `ModelSession` a conversation runs on;
   `Keeper`: what a named session keeps there besides its messages), and the one check of the
   options against what the host can do.
-- `choose.py`: `open_host`, where the model runs, chosen once per command.
+- `choose.py`: where the model runs, chosen once per command (`server_of`, `open_host`).
 - `local.py`: a local model: the state file beside a transcript, the prompt cache.
 - `llama_server.py`: llama.cpp's llama-server driven by tokens, the context kept in a slot
   file between turns (`SlotKeeper`).

@@ -31,11 +31,12 @@ from quipu.app.environment import (
     system_prompt,
     template_variables,
 )
+from quipu.app.modes import BATCH, check_options
 from quipu.app.turns import TurnResult
 from quipu.engine.base import ContextSettings, available_cpus
 from quipu.errors import BadInput, QuipuError, UsageError
 from quipu.sessions.batch import BatchRow, BatchSession
-from quipu.sessions.base import SILENT
+from quipu.sessions.base import LOCAL, SILENT
 from quipu.sessions.conversation import Conversation, Message
 from quipu.sessions.reasoning import Thinking
 from quipu.sessions.reasoning_sink import ReasoningSink
@@ -193,18 +194,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
               should_stop: Callable[[], bool] | None = None) -> int:
     """Answers every row of `text`; `on_row` gets the outcomes in input order, each as soon as
     it and every row before it are done. Returns how many rows were written."""
-    if opts.session is not None or opts.continue_reply:
-        raise UsageError("--batch answers each row on its own; it cannot be used with --session or --continue")
-    if env.remote(opts.url, opts.model) is not None:
-        raise UsageError("--batch runs on a local model; it cannot be used with a server (--url, QUIPU_URL)")
-    toolish = [flag for flag, value in (("--functions", opts.functions), ("--tools", opts.tools_file),
-                                        ("--mcp", opts.mcp), ("--messages", opts.messages),
-                                        ("--tool-choice", opts.tool_choice), ("--tool-result", opts.tool_results),
-                                        ("--reasoning-budget", opts.reasoning_budget is not None))
-               if value]
-    if toolish:  # (never dropped silently: a batch with tools would answer in plain text)
-        raise UsageError(f"--batch answers each row in one reply, with no tools and no reasoning budget; give no "
-                         f"{', '.join(toolish)}")
+    check_options(opts, BATCH, LOCAL)  # (never dropped silently: a batch with tools would answer in plain text)
     check_positive("--parallel", parallel)
     if parallel is not None and parallel > MAX_PARALLEL:
         raise UsageError(f"--parallel must be at most {MAX_PARALLEL} (llama.cpp's limit of sequences), got {parallel}")

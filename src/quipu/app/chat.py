@@ -11,6 +11,7 @@ from typing import Any, Callable
 from quipu.app.environment import SAMPLING_TYPES, Environment, TurnOptions, max_tokens
 from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost
+from quipu.app.modes import CHAT, check_options
 from quipu.app.tools import ToolHooks, follow_calls, offer, resume_pending, skip_pending, toolbox, waiting_notice
 from quipu.app.named import NamedSession, store_for
 from quipu.engine.base import ProgressFn
@@ -69,10 +70,11 @@ class ChatSession:
     @classmethod
     def open(cls, env: Environment, opts: TurnOptions, *, name: str | None = None, resume_latest: bool = False,
              on_progress: ProgressFn | None = None) -> "ChatSession":
-        """The chat on the host the options name (a local model, or `opts.url`'s server)."""
-        host = open_host(opts, env)
+        """The chat on the host the options name (a local model, or `opts.server`)."""
+        host = open_host(opts)
         chat = None
         try:
+            check_options(opts, CHAT, host.capabilities)
             chat = cls(env, opts, host)
             chat._switch(chat._name_to_open(name, resume_latest), on_progress)
         except BaseException:
@@ -217,7 +219,8 @@ class ChatSession:
         self.capabilities.require("grammar", chat=True)
         session = self._named.session
         # A bad file, schema or grammar is refused before anything changes.
-        session.set_params(sampling_params(TurnOptions(schema=schema, grammar=grammar, regex=regex), self.env, session.params))
+        asked = TurnOptions(schema=schema, grammar=grammar, regex=regex)
+        session.set_params(sampling_params(asked, self.env, session.params, self.capabilities))
         self.save()
         return session.params.grammar is not None
 
@@ -338,7 +341,7 @@ class ChatSession:
             raise UsageError(f"no session named '{name}'")
         self.save()
         self._switch(name, on_progress, TurnOptions(verbose=self.opts.verbose, threads=self.opts.threads,
-                                                    url=self.opts.url))
+                                                    server=self.opts.server))
 
     def sessions(self) -> list[SessionInfo]:
         return self.store.list()[0]

@@ -9,6 +9,8 @@ the session layer's `CHAT_API` capabilities and refused before anything is sent.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from quipu.app.environment import Environment, TurnOptions
 from quipu.app.hosts import NoCache, Opened
 from quipu.engine.base import ContextSettings, ProgressFn
@@ -16,6 +18,9 @@ from quipu.sessions.base import CHAT_API, Message
 from quipu.sessions.chat_api import REQUEST_KEYS, ChatApiSession
 from quipu.store.store import SessionStore
 from quipu.store.transcript import Transcript
+
+if TYPE_CHECKING:
+    from quipu.engine.chat_api import ServerSettings
 
 
 def request_params(opts: TurnOptions, env: Environment, saved: dict | None = None) -> dict:
@@ -32,7 +37,7 @@ class ChatApiHost:
 
     capabilities = CHAT_API
 
-    def __init__(self, settings):
+    def __init__(self, settings: "ServerSettings"):
         from quipu.engine.chat_api import ChatApiModel
 
         self.settings = settings
@@ -81,9 +86,9 @@ class ChatApiKeeper(NoCache):
         return []
 
 
-def list_remote_models(env: Environment, url: str | None) -> list[dict]:
+def list_remote_models(settings: ServerSettings) -> list[dict]:
     """The models a server lists (`quipu models list --url`)."""
-    host = ChatApiHost(env.remote(url))
+    host = ChatApiHost(settings)
     try:
         return host.models()
     finally:

@@ -19,9 +19,8 @@ def embed_texts(texts: Sequence[str], opts: TurnOptions, env: Environment, *, po
     empty = [i for i, text in enumerate(texts) if not text.strip()]
     if empty:
         raise BadInput(f"text {empty[0] + 1} is empty: there is nothing in it to embed")
-    remote = env.remote(opts.url, opts.model)
-    if remote is not None:
-        vectors = _embed_remote(list(texts), opts, remote, pooling)
+    if opts.server is not None:
+        vectors = _embed_remote(list(texts), opts, opts.server, pooling)
     else:
         vectors = _embed_local(list(texts), opts, env, pooling)
     out = []

@@ -9,15 +9,19 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from quipu import paths
 from quipu.config import Config, load_config
 from quipu.engine.base import Backend, ContextSettings
 from quipu.errors import InvalidParameter, ModelNotFound, TemplateError, UsageError
 from quipu.models import resolve_model
+from quipu.sessions.base import LOCAL, Capabilities
 from quipu.sessions.params import SamplingParams
 from quipu.sessions.template import ChatTemplate
+
+if TYPE_CHECKING:
+    from quipu.engine.chat_api import ServerSettings
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_MAX_STATE_BYTES = 4 << 30
@@ -57,7 +61,9 @@ class TurnOptions:
     regex: str | None = None  # a regular expression; "off" as for schema
     logit_bias: tuple[str, ...] = ()  # TOKEN=BIAS, TOKEN an id or a text that is one token
     no_cache: bool = False  # neither use nor fill the prompt cache
-    url: str | None = None  # a server (else QUIPU_URL, else the config's [remote] url)
+    # The server the command talks to (from --url, QUIPU_URL or the config: `choose.server_of`);
+    # None: a model on this machine.
+    server: "ServerSettings | None" = None
     # Tools: Python files whose functions the model may call, definitions the caller runs, the
     # results of such calls (ID=TEXT), and how the loop goes.
     functions: tuple[str, ...] = ()
@@ -100,22 +106,6 @@ class Environment:
     @property
     def cache_max_bytes(self) -> int:
         return self.config.cache.get("max_bytes", DEFAULT_CACHE_BYTES)
-
-    def remote(self, url: str | None, model: str | None = None):
-        """The server to use (`--url`, else QUIPU_URL, else [remote] url in the config) as
-        ServerSettings, asking for `model` (`-m`), else the config's; None for a local model."""
-        url = url or self.environ.get("QUIPU_URL") or self.config.remote.get("url")
-        if not url:
-            return None
-        check_url(url)
-        from quipu.engine.chat_api import ServerSettings
-
-        conf = self.config.remote
-        settings = ServerSettings(url=url, model=model or conf.get("model"),
-                                  api_key_env=conf.get("api_key_env", "QUIPU_API_KEY"))
-        if "timeout" in conf:
-            settings.read_timeout = settings.connect_timeout = float(conf["timeout"])
-        return settings
 
     def requested_model(self, requested: str | None) -> str | None:
         """The model name a command would use: `--model`, else QUIPU_MODEL, else the config's
@@ -227,25 +217,27 @@ def check_positive(name: str, value: int | None) -> None:
         raise UsageError(f"{name} must be more than 0, got {value}")
 
 
-def sampling_params(opts: TurnOptions, env: Environment, base: SamplingParams | None = None) -> SamplingParams:
+def sampling_params(opts: TurnOptions, env: Environment, base: SamplingParams | None = None,
+                    host: Capabilities = LOCAL) -> SamplingParams:
     """Command line > config > `base` (a session's own settings) > built-in defaults. The
-    grammar of --schema, --grammar or --regex is included; --logit-bias needs the model (`logit_biases`)."""
+    grammar of --schema, --grammar or --regex is included, checked as `host` reads it;
+    --logit-bias needs the model (`logit_biases`)."""
     params = base or SamplingParams().replace(
         **{k: v for k, v in env.config.generation.items() if k in SAMPLING_TYPES}
     )
     params = params.replace(**opts.sampling())
     if OFF in (opts.schema, opts.grammar, opts.regex):
         params = params.unconstrained()
-    grammar = grammar_of(opts)
+    grammar = grammar_of(opts, host.reads_gbnf)
     return params.replace(grammar=grammar) if grammar else params
 
 
 OFF = "off"
 
 
-def grammar_of(opts: TurnOptions):
+def grammar_of(opts: TurnOptions, reads_gbnf: bool = False):
     """The grammar (`engine.grammar.Grammar`) that --schema, --grammar or --regex asks for,
-    checked (None when none does)."""
+    checked (None when none does); by its depth alone for a host that `reads_gbnf` itself."""
     given = {name: value for name, value in (("--schema", opts.schema), ("--grammar", opts.grammar),
                                               ("--regex", opts.regex)) if value not in (None, OFF)}
     if len(given) > 1:
@@ -264,7 +256,7 @@ def grammar_of(opts: TurnOptions):
         grammar = Grammar("regex", opts.regex)
     from quipu.engine.constraint import compile_grammar  # llguidance: only when a grammar is asked for
 
-    if grammar.kind != "gbnf" or not opts.url:
+    if grammar.kind != "gbnf" or not reads_gbnf:
         compile_grammar(grammar)  # an invalid grammar is refused before a model is loaded
     else:
         from quipu.engine.grammar import check_grammar_depth

@@ -74,25 +74,6 @@ class ModelHost(Protocol):
     def close(self) -> None: ...
 
 
-def check_options(capabilities: Capabilities, opts: TurnOptions, *, show: bool = False) -> None:
-    """Refuses, before anything is sent or loaded, what was asked that the host cannot do."""
-    asked = {
-        "continue": opts.continue_reply,
-        "raw": opts.raw,
-        "grammar": any(v is not None for v in (opts.schema, opts.grammar, opts.regex)),
-        "logit_bias": bool(opts.logit_bias),
-        "chat_template": opts.chat_template is not None,
-        "think": opts.think is not None or opts.reasoning_effort is not None,
-        "reasoning_budget": opts.reasoning_budget is not None,
-        "show_prompt": show,
-        "tools": bool(opts.functions or opts.tools_file or opts.mcp),
-        "context_settings": opts.kv_type is not None or opts.ctx is not None or opts.threads is not None,
-    }
-    for feature, given in asked.items():
-        if given:
-            capabilities.require(feature)
-
-
 class NoCache:
     """The prompt cache's part of a keeper, for hosts that keep no context state here."""
 

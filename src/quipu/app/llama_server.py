@@ -49,7 +49,7 @@ class LlamaServerHost:
         self.served, self.url = served, url
 
     def _params(self, opts: TurnOptions, env: Environment, base=None):
-        return with_logit_biases(sampling_params(opts, env, base), self.served, opts)
+        return with_logit_biases(sampling_params(opts, env, base, self.capabilities), self.served, opts)
 
     def create(self, opts: TurnOptions, env: Environment, name: str | None = None) -> Opened:
         session = LlamaServerSession(self.served, self._params(opts, env))

@@ -16,7 +16,7 @@ from quipu.app.environment import (
     system_prompt,
     template_variables,
 )
-from quipu.app.hosts import Keeper, ModelHost, check_options
+from quipu.app.hosts import Keeper, ModelHost
 from quipu.engine.base import ProgressFn
 from quipu.sessions.base import Message, ModelSession
 from quipu.sessions.conversation import Conversation
@@ -60,7 +60,6 @@ class NamedSession:
     def open(cls, store: SessionStore, name: str, opts: TurnOptions, env: Environment, host: ModelHost,
              on_progress: ProgressFn | None = None) -> "NamedSession":
         validate_name(name)
-        check_options(host.capabilities, opts)
         record = store.load_transcript(name) if store.exists(name) else None
         source = chat_template_source(opts)
         if record is None:

@@ -17,7 +17,8 @@ from quipu.app.environment import (
     template_variables,
 )
 from quipu.app.choose import open_host
-from quipu.app.hosts import ModelHost, check_options
+from quipu.app.hosts import ModelHost
+from quipu.app.modes import check_options, mode_of
 from quipu.app.named import FOLD_NOTICE, NamedSession, store_for
 from quipu.app.tools import (ToolHooks, Tools, answer_pending, follow_calls, offer, resume_pending, skip_pending,
                               toolbox)
@@ -83,13 +84,11 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     result before anything else is written (a session's save comes first; the prompt cache's
     after, so a reader of the answer does not wait for it). A failure mid-reply is raised once
     the result is out."""
-    with closing(open_host(opts, env)) as host:
-        check_options(host.capabilities, opts)
-        if opts.messages and (opts.session is not None or opts.continue_reply or opts.raw):
-            raise UsageError("--messages is a conversation of its own: give no --session, --continue or --raw")
+    with closing(open_host(opts)) as host:
+        check_options(opts, mode_of(opts), host.capabilities)
         tools = toolbox(opts, env, stopped=sink.stopped, on_output=hooks.on_output if hooks is not None else None)
         try:
-            if opts.session is not None or opts.continue_reply:
+            if opts.session is not None:
                 result = run_session_turn(prompt, opts, env, host, sink, tools, hooks)
                 if on_result is not None:
                     on_result(result)
@@ -122,8 +121,6 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
               hooks: ToolHooks | None = None) -> TurnResult:
     if not prompt and not opts.messages:
         raise BadInput("no prompt: give one as an argument or on standard input")
-    if opts.tool_results:
-        raise UsageError("--tool-result continues a session: give -S NAME")
     limit = max_tokens(opts, env)
     source = chat_template_source(opts)
     opened = host.create(opts, env)
@@ -229,11 +226,9 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
 
 
 def check_session_turn(prompt: str | None, opts: TurnOptions) -> str:
-    """The session's name, once the options make sense for a session turn."""
-    if opts.session is None:
-        raise UsageError("--continue needs --session NAME")
-    if opts.raw:
-        raise UsageError("--raw cannot be used with --session: sessions are conversations")
+    """The session's name, once the options make sense for a session turn (its mode's are checked
+    already: `modes.py`)."""
+    assert opts.session is not None  # (a session turn is one with --session)
     if opts.continue_reply and prompt:
         raise UsageError("--continue keeps generating the last reply; it takes no prompt")
     if opts.tool_results and (prompt or opts.continue_reply):
@@ -247,9 +242,9 @@ def check_session_turn(prompt: str | None, opts: TurnOptions) -> str:
 def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> PromptView:
     """The context `run_turn` would feed for this prompt (a session's included), without
     generating or saving anything."""
-    with closing(open_host(opts, env)) as host:
-        check_options(host.capabilities, opts, show=True)
-        if opts.session is not None or opts.continue_reply:
+    with closing(open_host(opts)) as host:
+        check_options(opts, mode_of(opts), host.capabilities, show=True)
+        if opts.session is not None:
             return _show_session_prompt(prompt, opts, env, host)
         if not prompt and not opts.messages:
             raise BadInput("no prompt: give one as an argument or on standard input")

@@ -42,7 +42,7 @@ def chat(env, **given) -> int:
     from quipu.cli.repl import Repl
 
     resume, markdown, hide_thinking = (given[k] for k in OWN)
-    opts = spec.turn_options(given)
+    opts = spec.turn_options(given, env)
     for warning in env.config.warnings:  # (a config that others can read holds a token)
         Terminal.detect().warn(warning)
     if opts.verbose:
@@ -52,7 +52,7 @@ def chat(env, **given) -> int:
     if opts.session is not None and resume:
         raise UsageError("give either --session NAME or --resume, not both")
     term = Terminal.detect()
-    if opts.url is None and env.remote(None) is None:
+    if opts.server is None:
         from quipu.cli.pull import pull_if_needed
 
         pull_if_needed(env, opts.model, term)

@@ -32,8 +32,8 @@ def embed(
     if not texts:
         piped = gather_prompt(None, term, allow_empty=True)
         texts = [line for line in (piped or "").splitlines() if line.strip()]
-    opts = spec.turn_options({"model": model, "threads": threads, "verbose": verbose, "url": url})
     env = context.obj
+    opts = spec.turn_options({"model": model, "threads": threads, "verbose": verbose, "url": url}, env)
     for row in embed_texts(texts, opts, env, pooling=pooling, normalize=normalize):
         vector = ",".join(f"{x:.8g}" for x in row["embedding"])
         head = json.dumps({"index": row["index"], "text": row["text"]}, ensure_ascii=False)[:-1]

@@ -32,10 +32,13 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
 
     env = context.obj
     term = Terminal.detect()
-    if url or env.remote(None) is not None:
+    from quipu.app.choose import server_of
+
+    server = server_of(url, None, env)
+    if server is not None:
         from quipu.app.chat_api import list_remote_models
 
-        served = list_remote_models(env, url)
+        served = list_remote_models(server)
         if as_json:
             term.stdout.write(json.dumps(served, indent=1) + "\n")
         else:

@@ -66,7 +66,7 @@ def run(env, **given) -> int:
     term = Terminal.detect()
     if batch is None and parallel is not None:
         raise UsageError("--parallel goes with --batch")
-    opts = spec.turn_options(given)
+    opts = spec.turn_options(given, env)
     for warning in env.config.warnings:  # (a config that others can read holds a token)
         Terminal.detect().warn(warning)
     if opts.verbose:
@@ -77,10 +77,13 @@ def run(env, **given) -> int:
     if batch is not None:
         from quipu.cli.batch import run_batch_file
 
-        if prompt is not None or show or opts.continue_reply:
-            raise UsageError("--batch reads its prompts from the file; give no prompt, --show-prompt or --continue")
+        from quipu.app.modes import BATCH, check_options
+
+        if prompt is not None:
+            raise UsageError("--batch reads its prompts from the file; give no prompt")
+        check_options(opts, BATCH, show=show)
         return run_batch_file(batch, opts, env, term, parallel)
-    if opts.url is None and env.remote(None) is None:
+    if opts.server is None:
         from quipu.cli.pull import pull_if_needed
 
         pull_if_needed(env, opts.model, term)

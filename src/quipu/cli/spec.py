@@ -208,14 +208,15 @@ def parse(params: dict[str, Opt | Arg], args: list[str]) -> dict | None:
     return given
 
 
-def turn_options(given: dict[str, Any]):
+def turn_options(given: dict[str, Any], env):
     """A TurnOptions from a command's parameters, by name: each option of a turn is a field of
     TurnOptions under its parameter's name (a repeatable one as a tuple); the rest are the
-    command's own."""
+    command's own. `--url` (or QUIPU_URL, or the config) is settled here into the server."""
     import dataclasses
 
+    from quipu.app.choose import server_of
     from quipu.app.environment import TurnOptions
 
     names = {f.name for f in dataclasses.fields(TurnOptions)}
     fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if k in names}
-    return TurnOptions(**fields)
+    return TurnOptions(**fields, server=server_of(given.get("url"), given.get("model"), env))

@@ -186,12 +186,17 @@ FEATURES: dict[str, tuple[str, str]] = {
     "think": ("--think/--no-think and --reasoning-effort", "/think on|off and /think low|medium|high"),
     "reasoning_budget": ("--reasoning-budget", "/think budget"),
     "show_prompt": ("--show-prompt", "--show-prompt"),
-    "tools": ("--functions and --tools", "--functions and --tools"),
+    "tools": ("--functions, --tools and --mcp", "--functions, --tools and --mcp"),
     "context_settings": ("--ctx, --threads and --kv-type (the server's own settings)", "--ctx"),
     "prompt_cache": ("the prompt cache", "the prompt cache"),
     "state_files": ("context state files", "context state files"),
     "slot_files": ("slot files", "slot files"),
 }
+
+
+def refusal_words(named: str, where: str) -> str:
+    """The one wording of a refusal, for a host's (`Capabilities`) and a mode's (`app/modes.py`)."""
+    return f"{named} cannot be used with {where}"
 
 
 @dataclass(frozen=True)
@@ -203,6 +208,7 @@ class Capabilities:
     where: str  # how a refusal names it: "... cannot be used with {where}"
     exact_tokens: bool  # the context is kept as exact tokens: a reply is never read again
     context_size: bool  # the context's size is known here (else it is the server's own)
+    reads_gbnf: bool = False  # a GBNF grammar goes as text to llama.cpp's own parser (quipu checks its depth)
 
     def can(self, feature: str) -> bool:
         return feature in self.features
@@ -214,14 +220,14 @@ class Capabilities:
 
     def refusal(self, feature: str, *, chat: bool = False) -> CapabilityError:
         """The one line that refuses `feature` here."""
-        return CapabilityError(f"{FEATURES[feature][1 if chat else 0]} cannot be used with {self.where}")
+        return CapabilityError(refusal_words(FEATURES[feature][1 if chat else 0], self.where))
 
 
 _ALL = frozenset(FEATURES)
 LOCAL = Capabilities("local", _ALL - {"slot_files"}, "a local model", exact_tokens=True, context_size=True)
 LLAMA_SERVER = Capabilities("llama-server", _ALL - {"context_settings", "prompt_cache", "state_files",
                                                     "reasoning_budget"},
-                            "a server", exact_tokens=True, context_size=True)
+                            "a server", exact_tokens=True, context_size=True, reads_gbnf=True)
 CHAT_API = Capabilities("chat-api", frozenset({"tools"}), "this server (only llama.cpp's llama-server takes it)",
                         exact_tokens=False, context_size=False)
 
