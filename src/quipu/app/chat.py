@@ -105,8 +105,7 @@ class ChatSession:
             stack.close()
             raise
         offer(named.conversation, self.tools, opts or self.opts)
-        if hasattr(named.keeper, "background"):  # the prompt comes back before the state is on disk
-            named.keeper.background = True
+        named.keeper.background = True  # the prompt comes back before the state is on disk
         waiting = waiting_notice(named.conversation, "/continue runs them (asking first); a new message goes on "
                                                       "without them")
         if waiting:

@@ -30,6 +30,13 @@ class Keeper(Protocol[S]):
     @property
     def model_name(self) -> str: ...
 
+    # With `background` (a chat's), a save takes the state's bytes and writes them while the user
+    # types; `wait` waits for that write and says what went wrong with it. (Hosts that keep no
+    # state file here write nothing behind.)
+    background: bool
+
+    def wait(self) -> list[str]: ...
+
     def fields(self, session: S) -> dict:
         """The transcript's fields that depend on the host: model, params, context, tokens,
         n_decoded, draws, build, served."""
@@ -75,7 +82,13 @@ class ModelHost(Protocol):
 
 
 class NoCache:
-    """The prompt cache's part of a keeper, for hosts that keep no context state here."""
+    """The part of a keeper that is about context state, for hosts that keep none here: no
+    prompt cache, nothing written behind."""
+
+    background = False
+
+    def wait(self) -> list[str]:
+        return []
 
     def warm(self, session, tokens, opts, env):
         return None

@@ -3,7 +3,7 @@
 A server is taken for llama-server when its `/props` says so. Then everything a local model
 does works, through the same `Conversation`, named sessions and chat: the transcript keeps the
 context's exact tokens, the text they spell and the model they were made on, and the session's
-context is kept in a slot file between turns (`SlotKeeper`) when the server allows slot files.
+context is kept in a slot file between turns (`SlotFile`) when the server allows slot files.
 A session made elsewhere (a local model, another server model, a chat API) is read again from
 its messages.
 """
@@ -19,6 +19,7 @@ from quipu.app.hosts import NoCache, Opened, made_elsewhere, saved_params
 from quipu.engine.base import ContextSettings, ProgressFn
 from quipu.sessions.base import LLAMA_SERVER, Message
 from quipu.sessions.llama_server import LlamaServerSession
+from quipu.sessions.params import SamplingParams
 from quipu.store.store import SessionStore
 from quipu.store.transcript import Transcript
 
@@ -51,14 +52,22 @@ class LlamaServerHost:
     def _params(self, opts: TurnOptions, env: Environment, base=None):
         return with_logit_biases(sampling_params(opts, env, base, self.capabilities), self.served, opts)
 
+    def _open(self, params: SamplingParams, slot: "SlotFile | None") -> tuple[LlamaServerSession, "LlamaServerKeeper"]:
+        """A session, and its keeper; with `slot`, the session's slot is kept between turns."""
+        notices: list[str] = []
+        holder = HeldSlot(self.served, slot, notices) if slot is not None else None
+        session = LlamaServerSession(self.served, params, slot_holder=holder)
+        return session, LlamaServerKeeper(self.served, self.url, slot, notices)
+
     def create(self, opts: TurnOptions, env: Environment, name: str | None = None) -> Opened:
-        session = LlamaServerSession(self.served, self._params(opts, env))
-        slot = SlotKeeper(None, name) if name is not None else None  # a one-shot keeps no slot file
-        return Opened(session, LlamaServerKeeper(self.served, self.url, slot, session))
+        # (a one-shot keeps no slot file)
+        session, keeper = self._open(self._params(opts, env), SlotFile(None, name) if name is not None else None)
+        return Opened(session, keeper)
 
     def resume(self, store: SessionStore, name: str, record: Transcript, messages: list[Message],
                opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened:
-        session = LlamaServerSession(self.served, self._params(opts, env, saved_params(store, name, record)))
+        session, keeper = self._open(self._params(opts, env, saved_params(store, name, record)),
+                                     SlotFile(slot_file_of(record), name))
         notices = []
         saved = record.served
         if saved is not None and saved["identity"] == self.served.identity:
@@ -68,8 +77,7 @@ class LlamaServerHost:
             if record.tokens:
                 notices.append(notice)
             session.draws = record.draws
-        return Opened(session, LlamaServerKeeper(self.served, self.url, SlotKeeper(slot_file_of(record), name),
-                                                 session), notices)
+        return Opened(session, keeper, notices)
 
     def close(self) -> None:
         self.served.close()
@@ -78,12 +86,10 @@ class LlamaServerHost:
 class LlamaServerKeeper(NoCache):
     """A session's exact tokens on llama-server, and its slot file."""
 
-    def __init__(self, served, url: str, slot: "SlotKeeper | None", session: LlamaServerSession):
+    def __init__(self, served, url: str, slot: "SlotFile | None", notices: list[str]):
         self.served, self.url, self.slot = served, url, slot
         self.model_name = served.name
-        self.notices: list[str] = []
-        if slot is not None:
-            session.slot_holder = HeldSlot(served, slot, self.notices)
+        self.notices = notices  # (what the session's held slot says, shared with it)
 
     def fields(self, session: LlamaServerSession) -> dict:
         where = {"name": self.model_name, "url": self.url}
@@ -103,7 +109,7 @@ class LlamaServerKeeper(NoCache):
         return out
 
 
-class SlotKeeper:
+class SlotFile:
     """A named session's context on llama.cpp's llama-server, kept in a slot file between turns
     (the server must be started with --slot-save-path). Before a turn the file is restored into
     the session's slot, unless the slot is as the last save left it (the same last task, the same
@@ -181,14 +187,14 @@ def slot_file_of(record) -> str | None:
 
 
 class HeldSlot:
-    """A session's slot on llama-server, kept in a slot file between turns (see SlotKeeper): the
+    """A session's slot on llama-server, kept in a slot file between turns (see SlotFile): the
     session layer's `SlotHolder`."""
 
-    def __init__(self, served, keeper: SlotKeeper, notices: list[str]):
-        self.served, self.keeper, self.notices = served, keeper, notices
+    def __init__(self, served, slot_file: SlotFile, notices: list[str]):
+        self.served, self.slot_file, self.notices = served, slot_file, notices
 
     def before(self) -> int:
-        return self.keeper.before(self.served.remote)
+        return self.slot_file.before(self.served.remote)
 
     def after(self, cached_tokens: int, held: int) -> None:
-        self.notices += self.keeper.after(self.served.remote, cached_tokens, held)
+        self.notices += self.slot_file.after(self.served.remote, cached_tokens, held)

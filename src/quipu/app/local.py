@@ -267,13 +267,12 @@ class LocalKeeper:
         if key == self.saved_state and store.has_state(name):
             store.save(name, record, KEEP_STATE)
         else:
-            write, why = self._piece(store, name, session, key)
+            write, why = self._piece(store, name, session, key, session.take_low_water())
             if write is None:
                 if self.verbose and self.chain is not None:
                     notices.append(f"session '{name}': the context state is saved whole ({why})")
                 write = self._whole(store, name, record, session, key)
             self.saved_state = key
-            session.low_water = session.n_decoded
             if self.background:
                 store.save(name, record, KEEP_STATE)
                 self._writer = threading.Thread(target=self._write, args=(write, name), daemon=True)
@@ -323,10 +322,11 @@ class LocalKeeper:
 
         return write
 
-    def _piece(self, store: SessionStore, name: str, session: InferenceSession,
-               key: tuple) -> tuple[Callable[[], None] | None, str | None]:
-        """Only the cells the context gained since the last save, as a piece of the state log,
-        to write; or None and why it cannot be (the state is then saved whole)."""
+    def _piece(self, store: SessionStore, name: str, session: InferenceSession, key: tuple,
+               low_water: int) -> tuple[Callable[[], None] | None, str | None]:
+        """Only the cells the context gained since the last save (the context has held no fewer
+        than `low_water` tokens since), as a piece of the state log, to write; or None and why it
+        cannot be (the state is then saved whole)."""
         chain, backend = self.chain, session.backend
         if chain is None or chain.nonce is None or not store.has_state(name):
             return None, "no state file to add to"
@@ -335,7 +335,7 @@ class LocalKeeper:
             return None, f"{unsupported} is saved whole"
         # The piece replaces the cells from where the context went back to, if it did (the
         # last reply's end token, which the template writes its own way; an /undo), and adds the new.
-        start = min(session.low_water, chain.held)
+        start = min(low_water, chain.held)
         if (session.n_decoded - start) * 2 > session.n_decoded:  # (none new: a piece that only cuts)
             return None, "most of the context is new"
         if chain.pieces >= MAX_PIECES or chain.piece_bytes > chain.base_bytes:

@@ -133,9 +133,7 @@ class NamedSession:
 
     def flush(self) -> None:
         """Waits for a state still being written in the background (a chat's)."""
-        wait = getattr(self.keeper, "wait", None)
-        if wait is not None:
-            self.notices += wait()
+        self.notices += self.keeper.wait()
 
     def close(self) -> None:
         self.flush()

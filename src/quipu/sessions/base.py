@@ -259,12 +259,12 @@ class TurnPrompt:
     messages: Sequence[Message]
     tail: str = ""
     render: RenderFn | None = None
-    text: str = ""  # the text the reply follows, once rendered
     # How the reply's reasoning is written (None: it has none quipu reads), and at most how many
     # tokens it may take (None: no limit; 0: none).
     reasoning: "ReasoningFormat | None" = None
     budget: int | None = None
     offer: "ToolOffer | None" = None  # the tools the reply may call
+    _renders: dict[bool, "Rendered"] = field(default_factory=dict, repr=False, compare=False)
 
     def thinking(self, text: str) -> "Thinking":
         """The reply's reasoning, for a reply that follows `text` (its rendering)."""
@@ -274,12 +274,17 @@ class TurnPrompt:
         return Thinking(fmt, fmt is not None and fmt.starts_inside(text), self.budget)
 
     def rendered(self, with_tail: bool = True) -> "Rendered":
+        """The template's text the reply follows (with what it holds already, or without); rendered once."""
         if self.render is None:
             raise CapabilityError("this conversation has no chat template to render")
-        rendered = self.render(self.messages, True, self.tail if with_tail else "")
-        if with_tail:
-            self.text = rendered.text
-        return rendered
+        if with_tail not in self._renders:
+            self._renders[with_tail] = self.render(self.messages, True, self.tail if with_tail else "")
+        return self._renders[with_tail]
+
+    @property
+    def text(self) -> str:
+        """The text the reply follows ("" where the server renders the conversation)."""
+        return self.rendered().text if self.render is not None else ""
 
 
 class ModelSession(Protocol):

@@ -201,7 +201,7 @@ class Conversation:
         tail = reply.written if reply.content or reply.reasoning else ""
         prompt = TurnPrompt(self.messages, tail, render, reasoning=fmt, budget=self.reasoning_budget)
         split = ReasoningSink(sink, lambda: prompt.thinking(prompt.text))
-        prompt.offer = self._offer_tools(lambda: prompt.thinking(prompt.rendered().text).inside)  # (before the reply renders it)
+        prompt.offer = self._offer_tools(lambda: prompt.thinking(prompt.text).inside)
         gen = self.session.reply(prompt, max_tokens, stop, split)
         self.prompt_text = prompt.text
         self.messages.append(reply)

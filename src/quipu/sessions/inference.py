@@ -114,9 +114,9 @@ class InferenceSession(HeldTokens):
         self.n_decoded = 0
         self.draws = 0
         self._logits_at = -1  # n_decoded when the backend's logits were computed
-        # The fewest tokens the context has held since `low_water` was last set (by a save):
+        # The fewest tokens the context has held since it was last taken (`take_low_water`):
         # the cells before it are as they were then.
-        self.low_water = 0
+        self._low_water = 0
         self.stats = Stats()
         self._turn_started = 0.0
         # Tokens re-read from the token history (not restored from state bytes) when this
@@ -169,17 +169,24 @@ class InferenceSession(HeldTokens):
         n = self.params.repeat_last_n
         self.backend.sampler_reset(self.tokens[-n:] if n else [])
 
+    def take_low_water(self) -> int:
+        """The fewest tokens the context has held since this was last taken (the cells before
+        it are as they were then: a save of what changed starts there); from now on it counts
+        from what the context holds."""
+        low, self._low_water = self._low_water, self.n_decoded
+        return low
+
     def rewind(self, n_keep: int) -> None:
         """Forgets the tokens from `n_keep` on, in the history, the KV cache and the penalty window."""
         if n_keep >= len(self.tokens):
             return
         del self.tokens[n_keep:]
-        self.low_water = min(self.low_water, n_keep)
+        self._low_water = min(self._low_water, n_keep)
         if self.n_decoded > n_keep:
             self.backend.truncate(n_keep)
             # (a sliding-window cache that cannot go back so far keeps nothing: read again)
             self.n_decoded = min(n_keep, self.backend.positions())
-            self.low_water = min(self.low_water, self.n_decoded)
+            self._low_water = min(self._low_water, self.n_decoded)
             self._logits_at = -1
         self._reset_sampler()
 
@@ -194,7 +201,7 @@ class InferenceSession(HeldTokens):
         self.backend.shift_out(start, end)
         del self.tokens[start:end]
         self.n_decoded -= end - start
-        self.low_water = min(self.low_water, start)
+        self._low_water = min(self._low_water, start)
         self._logits_at = -1
         self._reset_sampler()
         return True
@@ -299,7 +306,7 @@ class InferenceSession(HeldTokens):
                 backend.truncate(0)
                 raise EngineError("the saved context state does not match its token history")
             session.tokens = list(snap.tokens[:held])
-            session.n_decoded = session.low_water = held
+            session.n_decoded = session._low_water = held
             if held < snap.n_decoded:  # a turn whose state was not saved is read again
                 session.tokens = list(snap.tokens[:snap.n_decoded])
                 session._decode_pending(on_progress)

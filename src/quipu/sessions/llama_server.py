@@ -81,7 +81,8 @@ class LlamaServerSession(HeldTokens):
     capabilities = LLAMA_SERVER
     backend: TokenServer
 
-    def __init__(self, backend: TokenServer, params: SamplingParams | None = None):
+    def __init__(self, backend: TokenServer, params: SamplingParams | None = None,
+                 slot_holder: SlotHolder | None = None):
         self.backend = backend
         self.params = SamplingParams().resolved()
         self.set_params(params or self.params)
@@ -90,7 +91,7 @@ class LlamaServerSession(HeldTokens):
         self.marks: list[tuple[int, int]] = []  # (k, n): tokens[:k] spell text[:n]; a turn may go on from there
         self.draws = 0
         self.slot = -1  # the server's slot to use (-1: any)
-        self.slot_holder: SlotHolder | None = None
+        self.slot_holder = slot_holder  # keeps the session's slot between turns (a named session's)
         self._spelled = ""  # the last reply, control tokens spelled out
         self.stats = Stats()
         self._turn_started = 0.0
