@@ -421,7 +421,7 @@ def bench_tools(model: str, threads: int, repeats: int) -> list[dict]:
     from quipu.sessions.conversation import Conversation
     from quipu.sessions.inference import InferenceSession
     from quipu.sessions.params import SamplingParams
-    from quipu.sessions.tools import ToolSpec
+    from quipu.sessions.toolspec import ToolSpec
 
     weather = ToolSpec("get_weather", "The weather in a city today.", {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],

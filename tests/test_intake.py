@@ -13,7 +13,7 @@ from quipu.sessions.base import Message
 from quipu.sessions.conversation import Conversation
 from quipu.sessions.inference import InferenceSession
 from quipu.sessions.params import SamplingParams
-from quipu.sessions.tools import ToolSpec
+from quipu.sessions.toolspec import ToolSpec
 
 TEMPLATES = Path(__file__).parent / "templates"
 WITH_TOOLS = sorted(p.stem for p in TEMPLATES.glob("*.jinja") if "tools" in p.read_text())

@@ -319,7 +319,7 @@ def test_a_gpt_oss_call_after_its_analysis_is_read_and_its_markup_never_shown(ba
     # Tools offered: the model reasons in the analysis channel, then calls in the commentary
     # channel; the call is read, its markup never shown, the analysis kept as its reasoning.
     from quipu.engine.grammar import Grammar
-    from quipu.sessions.tools import ToolSpec
+    from quipu.sessions.toolspec import ToolSpec
 
     special = backend.special_tokens()
     head = held_to(backend, "<|channel|>analysis<|message|>R<|end|><|start|>assistant<|channel|>").split("\n")[0]

@@ -564,7 +564,7 @@ def test_tools_on_a_chat_api_go_in_the_request_and_the_calls_come_back_streamed(
     from quipu.engine.chat_api import ChatApiModel, ServerSettings
     from quipu.sessions.chat_api import ChatApiSession
     from quipu.sessions.conversation import Conversation
-    from quipu.sessions.tools import ToolSpec
+    from quipu.sessions.toolspec import ToolSpec
 
     spec = ToolSpec("get_weather", "The weather in a city.", {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]})
@@ -594,7 +594,7 @@ def test_on_llama_server_by_tokens_quipu_reads_the_calls_and_runs_the_loop(llama
     from quipu.sessions.conversation import Conversation
     from quipu.sessions.llama_server import LlamaServerSession
     from quipu.sessions.params import SamplingParams
-    from quipu.sessions.tools import ToolSpec
+    from quipu.sessions.toolspec import ToolSpec
 
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     writes_a_call = Grammar("gbnf", "root ::= " + json.dumps(call))
@@ -648,7 +648,7 @@ def _server_conversation(host, template: str, seed: int, choice: str, history=()
     from quipu.sessions.conversation import Conversation
     from quipu.sessions.llama_server import LlamaServerSession
     from quipu.sessions.params import SamplingParams
-    from quipu.sessions.tools import ToolSpec
+    from quipu.sessions.toolspec import ToolSpec
 
     session = LlamaServerSession(host.served, SamplingParams(seed=seed, temperature=0.8))
     conv = Conversation.start(session, template=(TEMPLATES / f"{template}.jinja").read_text())

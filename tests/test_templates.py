@@ -263,7 +263,7 @@ WITH_TOOLS = [p for p in TEMPLATES if "tools" in p.read_text()]
 @pytest.mark.parametrize("path", WITH_TOOLS, ids=[p.stem for p in WITH_TOOLS])
 def test_a_conversation_with_tools_renders_as_the_reference(backend, path):
     # The tools, an assistant's call and the tool's result, as the template itself renders them.
-    from quipu.sessions.tools import ToolSpec
+    from quipu.sessions.toolspec import ToolSpec
 
     source = path.read_text()
     bos, eos = backend.special_token_text("bos"), backend.special_token_text("eos")

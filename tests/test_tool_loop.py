@@ -80,7 +80,7 @@ def test_the_result_is_read_as_new_tokens_only(make_backend):
     from quipu.sessions.conversation import Conversation
     from quipu.sessions.inference import InferenceSession
     from quipu.sessions.params import SamplingParams
-    from quipu.sessions.tools import ToolSpec
+    from quipu.sessions.toolspec import ToolSpec
 
     backend = make_backend(n_ctx=2048)
     session = InferenceSession(backend, SamplingParams(seed=3, temperature=1.0))
@@ -108,7 +108,7 @@ def test_a_call_begins_where_the_model_writes_its_trigger(make_backend):
     from quipu.sessions.conversation import Conversation
     from quipu.sessions.inference import InferenceSession
     from quipu.sessions.params import SamplingParams
-    from quipu.sessions.tools import ToolSpec
+    from quipu.sessions.toolspec import ToolSpec
 
     backend = make_backend(n_ctx=2048)
     session = InferenceSession(backend, SamplingParams(seed=5, temperature=1.0))
@@ -195,7 +195,7 @@ def test_undo_after_a_loop_leaves_the_context_as_before_it(make_backend):
     from quipu.sessions.conversation import Conversation
     from quipu.sessions.inference import InferenceSession
     from quipu.sessions.params import SamplingParams
-    from quipu.sessions.tools import ToolSpec
+    from quipu.sessions.toolspec import ToolSpec
 
     session = InferenceSession(make_backend(n_ctx=2048), SamplingParams(seed=2, temperature=1.0))
     conv = Conversation.start(session, template=(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text())
@@ -424,7 +424,7 @@ def test_a_required_call_keeps_to_the_tool_s_schema_in_every_constrained_format(
     from quipu.sessions.conversation import Conversation
     from quipu.sessions.inference import InferenceSession
     from quipu.sessions.params import SamplingParams
-    from quipu.sessions.tools import ToolSpec
+    from quipu.sessions.toolspec import ToolSpec
 
     schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
                                                "days": {"type": "integer", "minimum": 1, "maximum": 7},
@@ -468,7 +468,7 @@ def test_a_required_call_after_reasoning_comes_even_from_a_model_that_would_end_
     from quipu.sessions.conversation import Conversation
     from quipu.sessions.inference import InferenceSession
     from quipu.sessions.params import SamplingParams
-    from quipu.sessions.tools import ToolSpec
+    from quipu.sessions.toolspec import ToolSpec
 
     backend = make_backend(write_tiny_gguf(tmp_path / "tools.gguf", tool_specials=True, tokenizer="bpe"), n_ctx=4096)
     specials = backend.special_tokens()

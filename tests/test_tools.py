@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from quipu.sessions.tools import ToolCall, format_of, parse_reply
+from quipu.sessions.tools import format_of, parse_reply
+from quipu.sessions.toolspec import ToolCall
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -156,12 +157,49 @@ def test_llama_3_1_built_in_tools_come_after_the_python_tag():
     assert calls_of(reply) == [("brave_search", {"query": "weather in Paris"})]
 
 
-def test_every_shipped_template_with_a_tools_path_has_a_format_or_is_said_generic():
-    known = {f: format_of(template(f)).name for f in FAMILIES}
-    assert "generic" not in known.values(), known
-    for path in TEMPLATES.glob("*.jinja"):
-        fmt = format_of(path.read_text())
-        assert fmt.generic or fmt.detect(path.read_text())
+# Every shipped template's tool-call format, as its markup says (one whose markup is none quipu
+# knows, or that has no tools path, gets the generic JSON format).
+SHIPPED_FORMATS = {
+    "command-r7b": ("Cohere2MoE", "CohereForAI-c4ai-command-r7b-12-2024-tool_use"),
+    "deepseek-r1": ("deepseek-ai-DeepSeek-R1-Distill-Llama-8B", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
+                    "llama-cpp-deepseek-r1"),
+    "deepseek-v3": ("deepseek-ai-DeepSeek-V3.1",),
+    "firefunction-v2": ("fireworks-ai-llama-3-firefunction-v2",),
+    "functionary-v3.1": ("meetkai-functionary-medium-v3.1",),
+    "functionary-v3.2": ("meetkai-functionary-medium-v3.2",),
+    "generic": ("Apertus-8B-Instruct", "Apriel-1.6-15b-Thinker-fixed",
+                "CohereForAI-c4ai-command-r-plus-tool_use", "GigaChat3-10B-A1.8B", "GigaChat3.1-10B-A1.8B",
+                "HuggingFaceTB-SmolLM3-3B", "Kimi-K3", "LFM2.5-Instruct", "MiniMax-M1", "MiniMax-M2",
+                "NVIDIA-Nemotron-Nano-v2", "deepseek-ai-DeepSeek-V3.2", "deepseek-ai-DeepSeek-V4-Flash-0731",
+                "deepseek-ai-DeepSeek-V4", "google-gemma-2-2b-it", "google-gemma-4-31B-it-interleaved",
+                "google-gemma-4-31B-it", "llama-cpp-rwkv-world", "microsoft-Phi-3.5-mini-instruct",
+                "muse-glimmer", "openbmb-MiniCPM5-1B", "tencent-Hy3", "upstage-Solar-Open-100B"),
+    "glm": ("GLM-4.6", "GLM-4.7-Flash", "Spark2.5", "inclusionai-ling-3.0-flash", "poolside-Laguna-S-2.1",
+            "poolside-Laguna-XS-2.1", "poolside-Laguna-XS.2"),
+    "gpt-oss": ("openai-gpt-oss-120b",),
+    "granite": ("ibm-granite-granite-3.3-2B-Instruct",),
+    "hermes": ("Bielik-11B-v3.0-Instruct", "MiMo-VL", "MiniMax-M3",
+               "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use",
+               "Qwen-QwQ-32B", "Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B", "Reka-Edge",
+               "ibm-granite-granite-4.0", "ibm-granite-granite-4.1", "unsloth-Apriel-1.5"),
+    "kimi-k2": ("Kimi-K2-Instruct", "Kimi-K2-Thinking", "moonshotai-Kimi-K2"),
+    "lfm2": ("LFM2-8B-A1B", "LFM2.5-8B-A1B"),
+    "llama3": ("meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct",
+               "meta-llama-Llama-3.3-70B-Instruct"),
+    "mistral-args": ("Mistral-Small-3.2-24B-Instruct-2506", "mistralai-Ministral-3-14B-Reasoning-2512",
+                     "unsloth-mistral-Devstral-Small-2507"),
+    "mistral-nemo": ("mistralai-Mistral-Nemo-Instruct-2407",),
+    "qwen3-coder": ("ByteDance-Seed-OSS", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", "Qwen3-Coder", "Qwen3.5-4B",
+                    "StepFun3.5-Flash"),
+}
+
+
+def test_every_shipped_template_gets_the_format_its_markup_says():
+    found: dict[str, list[str]] = {}
+    for path in sorted(TEMPLATES.glob("*.jinja")):
+        found.setdefault(format_of(path.read_text()).name, []).append(path.stem)
+    assert {name: tuple(stems) for name, stems in found.items()} == SHIPPED_FORMATS
+    assert "generic" not in {format_of(template(f)).name for f in FAMILIES}
 
 
 def test_an_unknown_template_gets_the_generic_json_format():
@@ -172,10 +210,22 @@ def test_an_unknown_template_gets_the_generic_json_format():
     assert parse_reply("{{ messages }}", '{"response": "hello"}').content == "hello"
 
 
-def test_the_formats_whose_calls_are_constrained_are_the_ones_said():
-    from quipu.sessions.call_grammars import CONSTRAINED, call_grammar
-    from quipu.sessions.tools import FORMATS, GENERIC, ToolSpec
+def test_every_format_holds_a_call_to_a_grammar_llguidance_takes():
+    # Each shipped template's grammar (its required call's too, where it differs), for one tool
+    # and for two, is one llguidance compiles; every format in the table is among them.
+    from quipu.engine.constraint import compile_grammar
+    from quipu.engine.grammar import Grammar
+    from quipu.sessions.tools import FORMATS
+    from quipu.sessions.toolspec import ToolSpec
 
-    tool = [ToolSpec("f", "", {"type": "object", "properties": {"a": {"type": "string"}}})]
-    for fmt in (*FORMATS, GENERIC):
-        assert (call_grammar(fmt, tool) is not None) == (fmt.name in CONSTRAINED), fmt.name
+    one = ToolSpec("f", "", {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})
+    two = [one, ToolSpec("g", "", {"type": "object", "properties": {"n": {"type": "integer"}, "b": {"enum": ["x"]}}})]
+    assert {f.name for f in FORMATS} <= SHIPPED_FORMATS.keys()
+    for path in sorted(TEMPLATES.glob("*.jinja")):
+        fmt = format_of(path.read_text())
+        assert fmt.call_grammar([]) is None
+        for tools in ([one], two):
+            grammar = fmt.call_grammar(tools, template=path.read_text())
+            assert grammar is not None and grammar.triggers == fmt.triggers, fmt.name
+            for lark in filter(None, (grammar.lark, grammar.forced_lark)):
+                compile_grammar(Grammar("lark", lark))

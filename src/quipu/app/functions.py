@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from quipu.app.tooldefs import DEFAULT_TIMEOUT, Tool, ToolFailure, ToolOutput, never
 from quipu.errors import Interrupted, QuipuError, UsageError
-from quipu.sessions.tools import ToolSpec
+from quipu.sessions.toolspec import ToolSpec
 
 REPLY_MAX = 32 << 20  # bytes of one line from the process (its results are cut well below this)
 POLL_S = 0.05  # how often a wait looks at `stopped()`

@@ -59,7 +59,7 @@ def _readable(message: dict) -> dict:
 
 def spelled_calls(message: dict) -> list[str]:
     """An assistant message's calls as `name({"arguments"})`, one a line."""
-    from quipu.sessions.tools import spell_call
+    from quipu.sessions.toolspec import spell_call
 
     return [spell_call(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or ()]
 

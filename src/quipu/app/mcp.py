@@ -24,7 +24,7 @@ from quipu.app.environment import read_json_file
 from quipu.app.tooldefs import Runner, Tool, ToolFailure, ToolOutput, never
 from quipu.config import MCP_KEYS, check_mcp_server
 from quipu.errors import Interrupted, QuipuError, UsageError
-from quipu.sessions.tools import ToolSpec
+from quipu.sessions.toolspec import ToolSpec
 
 if TYPE_CHECKING:
     from mcp import ClientSession

@@ -82,7 +82,7 @@ class NamedSession:
             opened.session.close()
             raise
         if record is not None and record.tools:
-            from quipu.sessions.tools import ToolSpec
+            from quipu.sessions.toolspec import ToolSpec
 
             conv.tools = [ToolSpec(t["function"]["name"], str(t["function"].get("description") or ""),
                                    t["function"].get("parameters") or {"type": "object"}) for t in record.tools]

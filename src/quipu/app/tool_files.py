@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Literal, Sequence
 from quipu.app.environment import read_json_file
 from quipu.app.tooldefs import Tool
 from quipu.errors import UsageError
-from quipu.sessions.tools import ToolSpec
+from quipu.sessions.toolspec import ToolSpec
 
 # ---- the schemas of a Python file's functions (read in the process that runs them) ---------------
 

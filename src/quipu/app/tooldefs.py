@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from quipu.errors import UsageError
-from quipu.sessions.tools import ToolSpec
+from quipu.sessions.toolspec import ToolSpec
 
 DEFAULT_TIMEOUT = 60.0  # seconds a tool may run
 # What a tool may be named (as OpenAI's API allows, with dots): a name is written into the prompt

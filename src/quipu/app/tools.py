@@ -17,7 +17,7 @@ from quipu.app.tooldefs import DEFAULT_TIMEOUT, Tool, ToolFailure, check_tool_na
 from quipu.errors import Interrupted, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink
 from quipu.sessions.conversation import Conversation
-from quipu.sessions.tools import ToolCall, ToolSpec
+from quipu.sessions.toolspec import ToolCall, ToolSpec
 
 DEFAULT_CHAIN_LIMIT = 5
 DEFAULT_OUTPUT_MAX = 8000  # characters of a tool's result the model is given

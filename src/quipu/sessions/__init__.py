@@ -23,10 +23,11 @@
   `reasoning_found.py`: a template's format found by rendering it.
 - `params.py`: `SamplingParams`, validated, and the per-draw seeds that make resuming exact.
 - `stops.py`: stop strings, held back while they could still match.
-- `tools.py`: tool calls in each model family's own format: the format a template speaks, and
-  replies read into content, reasoning and calls (`parse_reply`).
-- `call_grammars.py`: the grammar a call is held to once its trigger is written, in each
-  constrained format (`call_grammar`).
+- `tools.py`: the one table of tool-call formats, an entry a family (`Format`: how its template
+  is known, the texts that begin a call, its call's grammar, its parser), and replies read into
+  content, reasoning and calls (`parse_reply`); `call_grammars.py`: each family's grammar of a
+  call, once its trigger is written; `call_parsers.py`: each family's parser; `toolspec.py`:
+  the values they share (`ToolSpec`, `ToolCall`).
 - `calls.py`: a reply that may make calls, as it streams: where a call begins, the text shown
   up to there, and the grammar a server holds the call to.
 

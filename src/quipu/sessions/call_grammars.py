@@ -1,8 +1,8 @@
-"""The grammar a tool call is held to once it begins, in each constrained format
-(`call_grammar`): Lark for llguidance, with the tools' schemas as `%json`, the JSON spelled as a
-template's `tojson` spells it and the markup as the model's own special tokens, so that a call
-renders back to the very tokens it was generated as. The formats themselves, and how a reply
-is read, are `tools.py`'s."""
+"""The grammar a tool call is held to once it begins, one builder a family (the table that
+joins each family's builder to its detection, triggers and parser is `tools.py`'s): Lark for
+llguidance, with the tools' schemas as `%json`, the JSON spelled as a template's `tojson` spells
+it and the markup as the model's own special tokens (`Writing.lit`), so that a call renders back
+to the very tokens it was generated as."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from quipu.sessions.tools import Format, ToolSpec
+from quipu.sessions.toolspec import ToolSpec
 
 # JSON as a template's `tojson` writes it, so that a call the model wrote renders back to the
 # very tokens it was generated as: nothing of it is read again on the next turn.
@@ -71,116 +71,151 @@ class CallGrammar:
         return self.triggers[0] if self.force is None else self.force
 
 
-def call_grammar(fmt: Format, tools: Sequence[ToolSpec], specials: Mapping[str, int] | None = None,
-                 template: str = "", first_id: int = 0) -> CallGrammar | None:
-    """The grammar a call in `fmt` is held to once it begins (None: a format whose calls are
-    read but not constrained). `specials` are the model's special tokens ({text: id}): markup
-    that is one of them is written as that token, never spelled. `template` (its source) tells
-    the variants of a family apart where they write a call differently (GLM 4.6 and 4.7);
-    `first_id` is the number of calls the conversation holds (where ids are counted)."""
-    if not tools:
-        return None
+@dataclass(frozen=True)
+class Writing:
+    """What a family's grammar is written with: `lit` writes markup (the model's special token
+    where it has one, by its id, else the text); `template` (its source) tells the variants of a
+    family apart where they write a call differently; `first_id` is the number of calls the
+    conversation holds (where ids are counted)."""
+
+    lit: Callable[[str], str]
+    template: str = ""
+    first_id: int = 0
+
+
+def writing(specials: Mapping[str, int] | None, template: str = "", first_id: int = 0) -> Writing:
+    """A `Writing` for a model whose special tokens are `specials` ({text: id})."""
     special = specials or {}
+    return Writing(lambda text: f"<[{special[text]}]>" if text in special else _lark_string(text), template, first_id)
 
-    def lit(text: str) -> str:
-        """Markup in the grammar: the special token where the model has one (by its id), else the text."""
-        return f"<[{special[text]}]>" if text in special else _lark_string(text)
 
-    more = f"more~0..{MAX_PARALLEL - 1}"
-    name = fmt.name
-    glm_new_lines = "</arg_key>\n<arg_value>" in template
-    if name in ("hermes", "granite-4"):
-        call = _one_of_calls(tools, "name", "arguments")
-        return CallGrammar(("<tool_call>",), f'start: "\\n" call "\\n" {lit("</tool_call>")} {more}\n'
-                                              f'more: "\\n" {lit("<tool_call>")} "\\n" call "\\n" {lit("</tool_call>")}\n'
-                                              f'call: {call}\n')
-    if name == "llama3":
-        rest = " | ".join(f'{_lark_string(f": {json.dumps(t.name)}, " + chr(34) + "parameters" + chr(34) + ": ")} '
-                          f'{_arguments(t)} "}}"' for t in tools)
-        return CallGrammar(('{"name"',), f"start: {rest}\n")
-    if name == "mistral-nemo":
-        call = _one_of_calls(tools, "name", "arguments", {"id": {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}})
-        return CallGrammar(("[TOOL_CALLS]",), f'start: "[" call {more} "]"\nmore: ", " call\ncall: {call}\n')
-    if name == "mistral-args":
-        # (Mistral Small 3.2's template writes each call's id, `[CALL_ID]` and nine letters or digits)
-        between = f'{lit("[CALL_ID]")} /[a-zA-Z0-9]{{9}}/ {lit("[ARGS]")}' if "[CALL_ID]" in template else lit("[ARGS]")
-        return CallGrammar(("[TOOL_CALLS]",), f'start: call {more}\nmore: {lit("[TOOL_CALLS]")} call\n'
-                                              f'call: {_named_args(tools, between)}\n')
-    if name in ("granite", "firefunction-v2"):  # a JSON list of {"name", "arguments"}
-        call = _one_of_calls(tools, "name", "arguments")
-        trigger = "<|tool_call|>" if name == "granite" else " functools"
-        return CallGrammar((trigger,), f'start: "[" call {more} "]"\nmore: ", " call\ncall: {call}\n')
-    if name == "command-r7b":
-        # `[`, the calls a line each, indented by four, `]`; each call's id is its number in the
-        # conversation, counted from `first_id` (the calls before it), as the template writes them.
-        def command_call(i: int) -> str:
-            shapes = [{"type": "object", "properties": {"tool_call_id": {"const": str(first_id + i)},
-                                                        "tool_name": {"const": t.name},
-                                                        "parameters": _schema(t)},
-                       "required": ["tool_call_id", "tool_name", "parameters"], "additionalProperties": False}
-                      for t in tools]
-            return _json(shapes[0] if len(shapes) == 1 else {"anyOf": shapes})
+MORE = f"more~0..{MAX_PARALLEL - 1}"
+Builder = Callable[[Sequence[ToolSpec], Writing], str]
 
-        return CallGrammar(("<|START_ACTION|>",), f'start: "[\\n    " calls "\\n]" {lit("<|END_ACTION|>")}\n'
-                                                  + _numbered(command_call, '",\\n    "'))
-    if name == "functionary-v3.1":
-        return CallGrammar(("<function=",), f'start: call "</function>" {more}\n'
-                                             f'more: "<function=" call "</function>"\ncall: {_named_args(tools, _lark_string(">"))}\n')
-    if name == "functionary-v3.2":
-        # (the generation prompt ends with `>>>`: a required call starts right there)
-        return CallGrammar((">>>",), f'start: call {more}\nmore: ">>>" call\ncall: {_named_args(tools, _lark_string(chr(10)))}\n',
-                           force="")
-    if name in ("deepseek-v3", "deepseek-r1"):
-        begin, sep, end = lit("<｜tool▁call▁begin｜>"), lit("<｜tool▁sep｜>"), lit("<｜tool▁call▁end｜>")
-        if name == "deepseek-v3":
-            body = " | ".join(f'{_lark_string(t.name)} {sep} {_arguments(t)}' for t in tools)
-        else:
-            body = " | ".join(f'"function" {sep} {_lark_string(t.name + chr(10) + "```json" + chr(10))} '
-                              f'{_arguments(t)} "\\n```"' for t in tools)
-        return CallGrammar(("<｜tool▁calls▁begin｜>",), f'start: call {more} {lit("<｜tool▁calls▁end｜>")}\n'
-                                                        f'more: call\ncall: {begin} body {end}\nbody: {body}\n')
-    if name == "kimi-k2":
-        # (each call's id is `functions.NAME:I`, I its place in the reply, as the template writes it)
-        def kimi_call(i: int) -> str:
-            body = " | ".join(f'{_lark_string(f"functions.{t.name}:{i}")} {lit("<|tool_call_argument_begin|>")} '
-                              f'{_arguments(t)}' for t in tools)
-            return f'{lit("<|tool_call_begin|>")} ({body}) {lit("<|tool_call_end|>")}'
 
-        return CallGrammar(("<|tool_calls_section_begin|>",),
-                           f'start: calls {lit("<|tool_calls_section_end|>")}\n' + _numbered(kimi_call))
-    if name == "gpt-oss":
-        # The channel before the recipient (`<|channel|>commentary to=functions.NAME <|constrain|>json`,
-        # as the model writes it), or after it, as the template writes a call
-        # (`<|start|>assistant to=functions.NAME<|channel|>commentary json`): a required call is
-        # written so, to render back as it was written. One call a reply: the template writes one.
-        def calls_in(channel: str) -> str:
-            return " | ".join(f'{_lark_string(t.name)} {channel} {lit("<|message|>")} '
-                              f'{_arguments(t)}' for t in tools)
+def hermes(tools: Sequence[ToolSpec], w: Writing) -> str:
+    call = _one_of_calls(tools, "name", "arguments")
+    return (f'start: "\\n" call "\\n" {w.lit("</tool_call>")} {MORE}\n'
+            f'more: "\\n" {w.lit("<tool_call>")} "\\n" call "\\n" {w.lit("</tool_call>")}\n'
+            f'call: {call}\n')
 
-        written = f'" " {lit("<|constrain|>")} "json"'
-        rendered = f'{lit("<|channel|>")} "commentary json"'
-        return CallGrammar((" to=functions.",), f'start: body {lit("<|call|>")}\nbody: {calls_in(f"({written} | {rendered})")}\n',
-                           force=" to=functions.", forced_lark=f'start: body {lit("<|call|>")}\nbody: {calls_in(rendered)}\n')
-    if name == "qwen3-coder":
-        fns, rules = _each(tools, _xml_call)
-        return CallGrammar(("<tool_call>",), f'start: "\\n" fn "\\n" {lit("</tool_call>")} {more}\n'
-                                              f'more: "\\n" {lit("<tool_call>")} "\\n" fn "\\n" {lit("</tool_call>")}\n'
-                                              f'fn: {fns}\n{rules}TEXT: /[^<]*/\n')
-    if name == "glm":
-        nl = "\\n" if glm_new_lines else ""
-        fns, rules = _each(tools, lambda tool, rule: _glm_call(tool, rule, nl, lit))
-        gap = f' "{nl}"' if nl else ""
-        return CallGrammar(("<tool_call>",), f'start: fn {lit("</tool_call>")} {more}\n'
-                                              f'more:{gap} {lit("<tool_call>")} fn {lit("</tool_call>")}\n'
-                                              f'fn: {fns}\n{rules}TEXT: /[^<]*/\n')
-    if name == "lfm2":
-        fns, rules = _each(tools, _python_call)
-        return CallGrammar(("<|tool_call_start|>",), f'start: "[" fn {more} "]" {lit("<|tool_call_end|>")}\n'
-                                                      f'more: ", " fn\nfn: {fns}\n{rules}')
-    if name == "generic":
-        call = _one_of_calls(tools, "name", "arguments")
-        return CallGrammar(('{"tool_call": ',), f'start: call "}}"\ncall: {call}\n')
-    return None
+
+def llama3(tools: Sequence[ToolSpec], w: Writing) -> str:
+    rest = " | ".join(f'{_lark_string(f": {json.dumps(t.name)}, " + chr(34) + "parameters" + chr(34) + ": ")} '
+                      f'{_arguments(t)} "}}"' for t in tools)
+    return f"start: {rest}\n"
+
+
+def mistral_nemo(tools: Sequence[ToolSpec], w: Writing) -> str:
+    call = _one_of_calls(tools, "name", "arguments", {"id": {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}})
+    return f'start: "[" call {MORE} "]"\nmore: ", " call\ncall: {call}\n'
+
+
+def mistral_args(tools: Sequence[ToolSpec], w: Writing) -> str:
+    # (Mistral Small 3.2's template writes each call's id, `[CALL_ID]` and nine letters or digits)
+    lit = w.lit
+    between = f'{lit("[CALL_ID]")} /[a-zA-Z0-9]{{9}}/ {lit("[ARGS]")}' if "[CALL_ID]" in w.template else lit("[ARGS]")
+    return f'start: call {MORE}\nmore: {lit("[TOOL_CALLS]")} call\ncall: {_named_args(tools, between)}\n'
+
+
+def json_list(tools: Sequence[ToolSpec], w: Writing) -> str:
+    """A JSON list of {"name", "arguments"} (Granite 3, FireFunction v2)."""
+    return f'start: "[" call {MORE} "]"\nmore: ", " call\ncall: {_one_of_calls(tools, "name", "arguments")}\n'
+
+
+def command_r7b(tools: Sequence[ToolSpec], w: Writing) -> str:
+    # `[`, the calls a line each, indented by four, `]`; each call's id is its number in the
+    # conversation, counted from `first_id` (the calls before it), as the template writes them.
+    def command_call(i: int) -> str:
+        shapes = [{"type": "object", "properties": {"tool_call_id": {"const": str(w.first_id + i)},
+                                                    "tool_name": {"const": t.name},
+                                                    "parameters": _schema(t)},
+                   "required": ["tool_call_id", "tool_name", "parameters"], "additionalProperties": False}
+                  for t in tools]
+        return _json(shapes[0] if len(shapes) == 1 else {"anyOf": shapes})
+
+    return f'start: "[\\n    " calls "\\n]" {w.lit("<|END_ACTION|>")}\n' + _numbered(command_call, '",\\n    "')
+
+
+def functionary_v3_1(tools: Sequence[ToolSpec], w: Writing) -> str:
+    return (f'start: call "</function>" {MORE}\n'
+            f'more: "<function=" call "</function>"\ncall: {_named_args(tools, _lark_string(">"))}\n')
+
+
+def functionary_v3_2(tools: Sequence[ToolSpec], w: Writing) -> str:
+    return f'start: call {MORE}\nmore: ">>>" call\ncall: {_named_args(tools, _lark_string(chr(10)))}\n'
+
+
+def _deepseek(body: str, w: Writing) -> str:
+    begin, end = w.lit("<｜tool▁call▁begin｜>"), w.lit("<｜tool▁call▁end｜>")
+    return (f'start: call {MORE} {w.lit("<｜tool▁calls▁end｜>")}\n'
+            f'more: call\ncall: {begin} body {end}\nbody: {body}\n')
+
+
+def deepseek_v3(tools: Sequence[ToolSpec], w: Writing) -> str:
+    sep = w.lit("<｜tool▁sep｜>")
+    return _deepseek(" | ".join(f'{_lark_string(t.name)} {sep} {_arguments(t)}' for t in tools), w)
+
+
+def deepseek_r1(tools: Sequence[ToolSpec], w: Writing) -> str:
+    sep = w.lit("<｜tool▁sep｜>")
+    return _deepseek(" | ".join(f'"function" {sep} {_lark_string(t.name + chr(10) + "```json" + chr(10))} '
+                                f'{_arguments(t)} "\\n```"' for t in tools), w)
+
+
+def kimi_k2(tools: Sequence[ToolSpec], w: Writing) -> str:
+    # (each call's id is `functions.NAME:I`, I its place in the reply, as the template writes it)
+    lit = w.lit
+
+    def kimi_call(i: int) -> str:
+        body = " | ".join(f'{_lark_string(f"functions.{t.name}:{i}")} {lit("<|tool_call_argument_begin|>")} '
+                          f'{_arguments(t)}' for t in tools)
+        return f'{lit("<|tool_call_begin|>")} ({body}) {lit("<|tool_call_end|>")}'
+
+    return f'start: calls {lit("<|tool_calls_section_end|>")}\n' + _numbered(kimi_call)
+
+
+# GPT-OSS: the channel before the recipient (`<|channel|>commentary to=functions.NAME
+# <|constrain|>json`, as the model writes it), or after it, as the template writes a call
+# (`<|start|>assistant to=functions.NAME<|channel|>commentary json`): a required call is written
+# so, to render back as it was written. One call a reply: the template writes one.
+def _gpt_oss(tools: Sequence[ToolSpec], w: Writing, channel: str) -> str:
+    body = " | ".join(f'{_lark_string(t.name)} {channel} {w.lit("<|message|>")} {_arguments(t)}' for t in tools)
+    return f'start: body {w.lit("<|call|>")}\nbody: {body}\n'
+
+
+def gpt_oss(tools: Sequence[ToolSpec], w: Writing) -> str:
+    written, rendered = f'" " {w.lit("<|constrain|>")} "json"', f'{w.lit("<|channel|>")} "commentary json"'
+    return _gpt_oss(tools, w, f"({written} | {rendered})")
+
+
+def gpt_oss_required(tools: Sequence[ToolSpec], w: Writing) -> str:
+    return _gpt_oss(tools, w, f'{w.lit("<|channel|>")} "commentary json"')
+
+
+def qwen3_coder(tools: Sequence[ToolSpec], w: Writing) -> str:
+    fns, rules = _each(tools, _xml_call)
+    return (f'start: "\\n" fn "\\n" {w.lit("</tool_call>")} {MORE}\n'
+            f'more: "\\n" {w.lit("<tool_call>")} "\\n" fn "\\n" {w.lit("</tool_call>")}\n'
+            f'fn: {fns}\n{rules}TEXT: /[^<]*/\n')
+
+
+def glm(tools: Sequence[ToolSpec], w: Writing) -> str:
+    nl = "\\n" if "</arg_key>\n<arg_value>" in w.template else ""  # GLM 4.6's new lines; 4.7 has none
+    fns, rules = _each(tools, lambda tool, rule: _glm_call(tool, rule, nl, w.lit))
+    gap = f' "{nl}"' if nl else ""
+    return (f'start: fn {w.lit("</tool_call>")} {MORE}\n'
+            f'more:{gap} {w.lit("<tool_call>")} fn {w.lit("</tool_call>")}\n'
+            f'fn: {fns}\n{rules}TEXT: /[^<]*/\n')
+
+
+def lfm2(tools: Sequence[ToolSpec], w: Writing) -> str:
+    fns, rules = _each(tools, _python_call)
+    return f'start: "[" fn {MORE} "]" {w.lit("<|tool_call_end|>")}\nmore: ", " fn\nfn: {fns}\n{rules}'
+
+
+def generic(tools: Sequence[ToolSpec], w: Writing) -> str:
+    return f'start: call "}}"\ncall: {_one_of_calls(tools, "name", "arguments")}\n'
 
 
 def _in_order(tool: ToolSpec, rule: str, param: Callable[[str, Any], str], sep: str = "") -> tuple[str, list[str]]:
@@ -289,8 +324,3 @@ def _each(tools: Sequence[ToolSpec], call: Callable[[ToolSpec, str], tuple[str, 
         shapes.append(shape)
         rules += more
     return " | ".join(shapes), "".join(line + "\n" for line in rules)
-
-
-CONSTRAINED = ("hermes", "granite-4", "llama3", "mistral-nemo", "mistral-args", "granite", "firefunction-v2",
-               "command-r7b", "functionary-v3.1", "functionary-v3.2", "deepseek-v3", "deepseek-r1", "kimi-k2",
-               "gpt-oss", "qwen3-coder", "glm", "lfm2", "generic")

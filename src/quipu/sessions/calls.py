@@ -1,7 +1,7 @@
 """A reply that may make tool calls, as it streams: where a call begins (`TriggerWatch`), the
 text shown up to there and none after (`CallSink`), and, for a server that samples its own
 tokens, the grammar it is to hold the call to (`server_constraint`). The formats themselves,
-and the grammars of their calls, are `quipu.sessions.tools`'s."""
+and the grammars of their calls, are the table's of `quipu.sessions.tools`."""
 
 from __future__ import annotations
 

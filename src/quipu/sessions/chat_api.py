@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from quipu.sessions.base import CHAT_API, SILENT, Generation, Message, ReplySink, Stats, TurnPrompt
 from quipu.sessions.params import SamplingParams
-from quipu.sessions.tools import ToolCall
+from quipu.sessions.toolspec import ToolCall
 
 # The sampling parameters a chat API takes, under the names servers know.
 REQUEST_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")

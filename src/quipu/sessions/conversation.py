@@ -13,8 +13,9 @@ from quipu.sessions.prompt import Protector, Rendered
 from quipu.sessions.template import ChatTemplate
 from quipu.sessions.reasoning import BY_DEFAULT, ReasoningFormat
 from quipu.sessions.reasoning_sink import ReasoningSink
-from quipu.sessions.call_grammars import CHOICES, CallGrammar, call_grammar
-from quipu.sessions.tools import Format, ToolSpec, format_of, generic_system_prompt, parse_reply
+from quipu.sessions.call_grammars import CHOICES, CallGrammar
+from quipu.sessions.tools import Format, format_of, generic_system_prompt, parse_reply
+from quipu.sessions.toolspec import ToolSpec
 
 __all__ = ["Conversation", "Message", "EFFORTS"]
 
@@ -238,8 +239,8 @@ class Conversation:
             raise UsageError(f"--tool-choice names {self.tool_choice!r}, which is not one of the tools offered")
         if self.template is None:  # a chat API: the server renders the tools and reads the calls
             return ToolOffer(tools=tuple(self.tools), choice=self.tool_choice)
-        grammar = call_grammar(self.tool_format, offered, self.session.special_tokens(), self.template.source or "",
-                               self._calls_made())
+        grammar = self.tool_format.call_grammar(offered, self.session.special_tokens(), self.template.source or "",
+                                                self._calls_made())
         forced = grammar is not None and self.tool_choice != "auto"
         if grammar is not None and forced:
             grammar = self._lead_to_call(grammar, offered[0], thinking())
