@@ -123,6 +123,14 @@ def chunk(text: str | None = None, finish: str | None = None, usage: dict | None
     return f"data: {json.dumps(event)}\n\n".encode()
 
 
+def usage_of(body: dict, completion_tokens: int) -> dict:
+    """What the fake server counts of a request: a token a character of the messages' text, the
+    first message's held in its cache."""
+    texts = [m.get("content") or "" for m in body.get("messages", [])]
+    return {"prompt_tokens": sum(map(len, texts)), "completion_tokens": completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": len(texts[0]) if texts else 0}}
+
+
 class Faulty(BaseHTTPRequestHandler):
     """A chat completions server whose behaviour the test picks (`server.mode`)."""
 
@@ -204,8 +212,7 @@ class Faulty(BaseHTTPRequestHandler):
         finish = "length" if len(words) < len(WORDS) else "stop"
         self.wfile.write(chunk(finish=finish))
         counts = ({"prompt_tokens": "many", "completion_tokens": None, "prompt_tokens_details": "x"}
-                  if mode == "badcounts" else {"prompt_tokens": 11, "completion_tokens": len(words),
-                                               "prompt_tokens_details": {"cached_tokens": 3}})
+                  if mode == "badcounts" else usage_of(body, len(words)))
         self.wfile.write(chunk(usage=counts))
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()

@@ -225,12 +225,22 @@ def test_a_fork_shares_the_loaded_model_and_outlives_the_original(tmp_path, tiny
     assert backend.model.ptr is None  # freed with its last context
 
 
-def test_embedding_leaves_no_context_behind(tiny_model):
+def test_embedding_leaves_no_context_behind(tiny_model, monkeypatch):
+    # Each embedding call makes a llama.cpp context of its own and frees it (and its batch)
+    # before it returns, failing or not; the backend's own context stays.
+    from quipu.engine import llama
     from quipu.engine.base import ContextSettings
     from quipu.engine.llama import LlamaBackend
 
+    made, freed = [], []
+    init, free = llama.lc.llama_init_from_model, llama.lc.llama_free
+    monkeypatch.setattr(llama.lc, "llama_init_from_model", lambda *a: made.append(init(*a)) or made[-1])
+    monkeypatch.setattr(llama.lc, "llama_free", lambda ctx: freed.append(ctx) or free(ctx))
     with LlamaBackend(tiny_model, ContextSettings(n_ctx=256, n_threads=2)) as backend:
-        handles = len(backend._stack._exit_callbacks)  # native handles the backend will free at close
+        own = list(made)
         for pooling in ("mean", "last", "cls", "mean", "last"):
             assert len(backend.embed(["hello world"], pooling)[0]) == 128
-        assert len(backend._stack._exit_callbacks) == handles
+        with pytest.raises(InvalidParameter):
+            backend.embed(["word " * (backend.EMBED_BATCH + 1)])
+        assert len(made) == len(own) + 5 and made[len(own):] == freed  # each freed, in turn
+    assert freed[-len(own):] == own  # the backend's own, at its close

@@ -20,7 +20,9 @@ def test_a_reply_streams_with_usage_in_json(quipu, fake):
     assert r.returncode == 0, r.stderr.decode()
     out = json.loads(r.stdout)
     assert out["text"] == "".join(WORDS) and out["finish_reason"] == "stop" and out["model"] == "fake-model"
-    assert out["usage"] == {"prompt_tokens": 11, "completion_tokens": len(WORDS), "cached_tokens": 3}
+    # (the server's counts of this request, as it gave them: `servers.usage_of`)
+    assert out["usage"] == {"prompt_tokens": len("Be brief.Say hello."), "completion_tokens": len(WORDS),
+                            "cached_tokens": len("Be brief.")}
     assert out["seed"] == 4
     body, _ = fake.requests[0]
     assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
@@ -194,14 +196,20 @@ def test_run_on_llama_cpp_pythons_server(quipu, llama_cpp_python_server):
 
 
 def test_run_on_llama_server(quipu, llama_server):
+    import time
+
     url = llama_server.url
+    began = time.monotonic()
     first = quipu("run", "--url", url, "--json", "-t", "0", "-n", "16", "-s", "You answer in one sentence.",
                   "Why is the sky blue?")
+    took = time.monotonic() - began
     assert first.returncode == 0, first.stderr.decode()
     out = json.loads(first.stdout)
     assert out["text"].strip() and out["finish_reason"] == "length"
     assert out["usage"]["completion_tokens"] == 16 and out["usage"]["prompt_tokens"] > 10
-    assert out["timings"]["prefill_s"] > 0 and out["timings"]["decode_s"] > 0  # the server's own figures
+    # The server's own figures, in seconds: each more than nothing, together within the run's time.
+    assert 0 < out["timings"]["prefill_s"] and 0 < out["timings"]["decode_s"]
+    assert out["timings"]["prefill_s"] + out["timings"]["decode_s"] < took
     again = json.loads(quipu("run", "--url", url, "--json", "-t", "0", "-n", "16", "-s",
                              "You answer in one sentence.", "Why is the grass green?").stdout)
     assert again["usage"]["cached_tokens"] > 5  # the server kept the shared beginning

@@ -197,27 +197,40 @@ def test_fork_copies_in_the_kernel_and_keeps_the_pieces(quipu, tiny_model, home)
 
 
 def test_kill_9_at_any_moment_of_a_turn_leaves_the_session_at_a_finished_turn(quipu, tiny_model, home):
-    # A turn's process killed at a random moment (loading, generating, writing its piece, its
-    # transcript): the session is at its last finished turn or at the one being saved, and the
-    # next turn goes on from it. Where the kill lands differs from run to run; what must hold
-    # holds wherever it lands.
+    # A turn's process killed at each moment in turn, each one observed, not timed: as it
+    # starts (loading), once its reply has begun (generating), once the state log has grown
+    # (writing its piece), once the transcript has changed (writing it). The session is at its
+    # last finished turn or at the one being saved, and the next turn goes on from it. (A
+    # process that ends before its moment is seen is a finished turn, which must hold too.)
     import time
 
     from limits import STRESS
 
     _chain(quipu, tiny_model, home, "k")
-    transcript = files(home, "k")[0]
+    transcript, _, log = files(home, "k")
     environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
     environ["QUIPU_HOME"] = str(home)
-    rng = random.Random(11)
+
+    def seen(proc, changed) -> None:
+        while proc.poll() is None and not changed():
+            time.sleep(0.001)  # (polled: the kill waits for what is observed, however long it takes)
+
     for i in range(4 * STRESS):
         before = json.loads(transcript.read_text())
+        log_size, text = log.stat().st_size, transcript.read_bytes()
         proc = subprocess.Popen([sys.executable, "-m", "quipu", "run", "-S", "k", "-n", "12", f"turn {i}"],
-                                env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.2, 1.2))
+        moment = i % 4
+        if moment == 1:
+            proc.stdout.read(1)
+        elif moment == 2:
+            seen(proc, lambda size=log_size: log.stat().st_size != size)
+        elif moment == 3:
+            seen(proc, lambda was=text: transcript.read_bytes() != was)
         proc.kill()
         proc.wait()
+        proc.stdout.close()
         after = json.loads(transcript.read_text())
         old, new = before["messages"], after["messages"]
         assert new[:len(old)] == old and len(new) - len(old) in (0, 2)  # as it was, or with the turn

@@ -12,7 +12,7 @@ from quipu.app.environment import SAMPLING_TYPES, Environment, TurnOptions, max_
 from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost
 from quipu.app.modes import CHAT, check_options
-from quipu.app.tools import ToolHooks, follow_calls, offer, resume_pending, skip_pending, toolbox, waiting_notice
+from quipu.app.tools import ToolHooks, follow_calls, offer, resume_pending, skip_pending, open_tools, waiting_notice
 from quipu.app.named import NamedSession, store_for
 from quipu.engine.base import ProgressFn
 from quipu.errors import ContextOverflow, InvalidParameter, UsageError
@@ -59,7 +59,7 @@ class ChatSession:
         self.last_stats: Stats | None = None
         self.resumed = False
         self.hooks: ToolHooks | None = None  # how the front end approves and shows calls
-        self.tools = toolbox(opts, env, on_output=self._output)  # a bad file is said before anything is loaded
+        self.tools = open_tools(opts, env, on_output=self._output)  # a bad file is said before anything is loaded
 
     def _output(self, line: str) -> None:
         if self.hooks is not None and self.hooks.on_output is not None:
@@ -71,7 +71,7 @@ class ChatSession:
     def open(cls, env: Environment, opts: TurnOptions, *, name: str | None = None, resume_latest: bool = False,
              on_progress: ProgressFn | None = None) -> "ChatSession":
         """The chat on the host the options name (a local model, or `opts.server`)."""
-        host = open_host(opts)
+        host = open_host(opts.server)
         chat = None
         try:
             check_options(opts, CHAT, host.capabilities)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from quipu.app.environment import Environment, TurnOptions, check_url
+from quipu.app.environment import Environment, check_url
 from quipu.app.hosts import ModelHost
 
 if TYPE_CHECKING:
@@ -30,18 +30,18 @@ def server_of(url: str | None, model: str | None, env: Environment) -> "ServerSe
     return settings
 
 
-def open_host(opts: TurnOptions) -> ModelHost:
-    """The host of `opts.server`: llama.cpp's llama-server when its /props says so, else the
-    server's chat API; a local model when there is no server."""
-    if opts.server is None:
+def open_host(server: "ServerSettings | None") -> ModelHost:
+    """The host of `server` (`TurnOptions.server`): llama.cpp's llama-server when its /props
+    says so, else the server's chat API; a local model when there is no server."""
+    if server is None:
         from quipu.app.local import LocalHost
 
         return LocalHost()
     from quipu.app.llama_server import open_llama_server
 
-    host = open_llama_server(opts.server)
+    host = open_llama_server(server)
     if host is not None:
         return host
     from quipu.app.chat_api import ChatApiHost
 
-    return ChatApiHost(opts.server)
+    return ChatApiHost(server)

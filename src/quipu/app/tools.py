@@ -236,7 +236,9 @@ class ToolProcess(Protocol):
 
 
 @dataclass
-class Tools:
+class OpenTools:
+    """A command's tools (`box`, by name), and the processes that run them, open until `close`."""
+
     box: Toolbox
     notices: list[str] = field(default_factory=list)
     # what runs the tools until `close`: the functions files' process, MCP servers
@@ -256,8 +258,8 @@ class Tools:
         return out
 
 
-def toolbox(opts, env=None, *, stopped: Callable[[], bool] = never,
-            on_output: Callable[[str], None] | None = None) -> Tools | None:
+def open_tools(opts, env=None, *, stopped: Callable[[], bool] = never,
+            on_output: Callable[[str], None] | None = None) -> OpenTools | None:
     """The tools the options give (None when they give none), each checked; the functions files'
     process and MCP servers are started (close the result to stop them). `stopped` is asked
     while a process is waited for (Ctrl-C, SIGTERM); `on_output` gets each line the user's
@@ -274,7 +276,7 @@ def toolbox(opts, env=None, *, stopped: Callable[[], bool] = never,
         if value is not None and not value > 0:
             raise UsageError(f"{name} must be more than 0, got {value}")
     timeout = opts.tool_timeout or DEFAULT_TIMEOUT
-    tools = Tools(Toolbox())
+    tools = OpenTools(Toolbox())
     try:
         if opts.tools_file:
             tools.box.add(tools_from_json(opts.tools_file))
@@ -304,7 +306,7 @@ def toolbox(opts, env=None, *, stopped: Callable[[], bool] = never,
     return tools
 
 
-def offer(conv: Conversation, tools: Tools | None, opts) -> None:
+def offer(conv: Conversation, tools: OpenTools | None, opts) -> None:
     """Tells the conversation of the tools (those given now replace a session's own)."""
     if tools is not None:
         conv.tools = tools.box.specs
@@ -341,7 +343,7 @@ def answer_pending(conv: Conversation, opts, limit: int, stop: Sequence[str], si
     return conv.reply_to_tools(max_tokens=limit, stop=stop, sink=sink)
 
 
-def follow_calls(conv: Conversation, tools: Tools | None, gen: Generation, opts, limit: int, stop: Sequence[str],
+def follow_calls(conv: Conversation, tools: OpenTools | None, gen: Generation, opts, limit: int, stop: Sequence[str],
                  sink: ReplySink, hooks: ToolHooks | None) -> tuple[Generation, list[CallRecord], list[str]]:
     """Runs the loop from a reply that made calls; (the last reply, the calls, notices)."""
     notices = list(tools.notices) if tools is not None else []

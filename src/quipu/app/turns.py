@@ -20,8 +20,8 @@ from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost
 from quipu.app.modes import check_options, mode_of
 from quipu.app.named import FOLD_NOTICE, NamedSession, store_for
-from quipu.app.tools import (ToolHooks, Tools, answer_pending, follow_calls, offer, resume_pending, skip_pending,
-                              toolbox)
+from quipu.app.tools import (ToolHooks, OpenTools, answer_pending, follow_calls, offer, resume_pending, skip_pending,
+                              open_tools)
 from quipu.errors import BadInput, ContextOverflow, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink, Stats, common_prefix
 from quipu.sessions.conversation import Conversation
@@ -84,9 +84,9 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     result before anything else is written (a session's save comes first; the prompt cache's
     after, so a reader of the answer does not wait for it). A failure mid-reply is raised once
     the result is out."""
-    with closing(open_host(opts)) as host:
+    with closing(open_host(opts.server)) as host:
         check_options(opts, mode_of(opts), host.capabilities)
-        tools = toolbox(opts, env, stopped=sink.stopped, on_output=hooks.on_output if hooks is not None else None)
+        tools = open_tools(opts, env, stopped=sink.stopped, on_output=hooks.on_output if hooks is not None else None)
         try:
             if opts.session is not None:
                 result = run_session_turn(prompt, opts, env, host, sink, tools, hooks)
@@ -117,7 +117,7 @@ def constrained_by(session) -> str | None:
 
 
 def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost, sink: ReplySink,
-              on_result: Callable[[TurnResult], None] | None, tools: Tools | None = None,
+              on_result: Callable[[TurnResult], None] | None, tools: OpenTools | None = None,
               hooks: ToolHooks | None = None) -> TurnResult:
     if not prompt and not opts.messages:
         raise BadInput("no prompt: give one as an argument or on standard input")
@@ -178,7 +178,7 @@ def _conversation(session, opts: TurnOptions, env: Environment, source) -> Conve
 
 
 def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost,
-                     sink: ReplySink = SILENT, tools: Tools | None = None, hooks: ToolHooks | None = None) -> TurnResult:
+                     sink: ReplySink = SILENT, tools: OpenTools | None = None, hooks: ToolHooks | None = None) -> TurnResult:
     """`quipu run --session NAME` (see run_turn): continue or create the session, run one turn,
     save it (a reply cut short by a failing server is saved with what came)."""
     name = check_session_turn(prompt, opts)
@@ -242,7 +242,7 @@ def check_session_turn(prompt: str | None, opts: TurnOptions) -> str:
 def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> PromptView:
     """The context `run_turn` would feed for this prompt (a session's included), without
     generating or saving anything."""
-    with closing(open_host(opts)) as host:
+    with closing(open_host(opts.server)) as host:
         check_options(opts, mode_of(opts), host.capabilities, show=True)
         if opts.session is not None:
             return _show_session_prompt(prompt, opts, env, host)
@@ -250,7 +250,7 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
             raise BadInput("no prompt: give one as an argument or on standard input")
         opened = host.create(opts, env)
         session = opened.session
-        tools = toolbox(opts, env)  # the tools are part of the context their definitions are written into
+        tools = open_tools(opts, env)  # the tools are part of the context their definitions are written into
         try:
             if opts.raw:
                 tokens = session.raw_tokens(prompt or "")

@@ -25,6 +25,8 @@ from quipu.engine.base import Completion
 from quipu.errors import CapabilityError, QuipuError
 
 RETRY_STATUSES = (429, 502, 503, 504)
+# llama-server's timings (milliseconds), under the names quipu gives them in seconds
+TIMINGS = {"prompt_ms": "prefill_s", "predicted_ms": "decode_s"}
 MAX_EVENT_BYTES = 8 << 20  # the longest line of a stream of events (a token's event is a few hundred bytes)
 
 
@@ -362,8 +364,8 @@ class ChatApiModel:
             reply.cached_tokens = count_of(details.get("cached_tokens")) if isinstance(details, dict) else 0
         timings = event.get("timings")  # llama-server's own figures, in milliseconds
         if isinstance(timings, dict):
-            reply.timings = {k: float(v) / 1000 for k, v in timings.items()
-                             if k in ("prompt_ms", "predicted_ms") and isinstance(v, (int, float))}
+            reply.timings = {ours: float(timings[theirs]) / 1000 for theirs, ours in TIMINGS.items()
+                             if isinstance(timings.get(theirs), (int, float))}
             if "cache_n" in timings and not reply.cached_tokens:
                 reply.cached_tokens = count_of(timings["cache_n"])
         choices = event.get("choices")

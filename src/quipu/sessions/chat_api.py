@@ -109,8 +109,8 @@ class ChatApiSession:
         self.stats = Stats(prompt_tokens=reply.prompt_tokens, cached_tokens=reply.cached_tokens,
                            completion_tokens=reply.completion_tokens, ttft_s=reply.first_token_s,
                            prefill_tokens=max(0, reply.prompt_tokens - reply.cached_tokens),
-                           prefill_s=reply.timings.get("prompt_ms", 0.0),
-                           decode_s=reply.timings.get("predicted_ms", 0.0))
+                           prefill_s=reply.timings.get("prefill_s", 0.0),
+                           decode_s=reply.timings.get("decode_s", 0.0))
         self._used = reply.prompt_tokens + reply.completion_tokens
         gen = Generation(reply.text, [], "stop" if finish == "tool_calls" else finish, error)
         calls: list[ToolCall] = []
