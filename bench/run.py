@@ -831,10 +831,11 @@ import itertools, json, sys, tempfile, time
 import httpx
 from quipu.app.environment import Environment, TurnOptions
 from quipu.app.llama_server import LlamaServerHost, open_llama_server
-from quipu.engine.llama_server import LlamaServerModel
+from quipu.engine.llama_server import LlamaServerModel, llama_server_props
 from quipu.app.named import NamedSession, store_for
 from quipu.app.turns import ReplySink
-from quipu.engine.chat_api import ChatApiModel, ServerSettings
+from quipu.engine.chat_api import ChatApiModel
+from quipu.engine.http import ServerSettings
 from quipu.sessions.conversation import Conversation
 url, n, long_text = sys.argv[1], int(sys.argv[2]), sys.stdin.read()
 home = tempfile.TemporaryDirectory()  # (removed at exit)
@@ -898,8 +899,9 @@ def one_shot(client, text):  # `quipu run --url` on llama-server: /props, the BO
     stamps = Stamps()
     idle()
     started = time.perf_counter()
-    client._props = None  # asked anew, as each process does (the client itself, like the bare one, made before)
-    conv = Conversation.start(LlamaServerHost(LlamaServerModel(client, client.props()), url).create(opts, env).session)
+    # (/props asked anew, as each process does; the client itself, like the bare one, made before)
+    conv = Conversation.start(LlamaServerHost(LlamaServerModel(client, llama_server_props(client)), url)
+                              .create(opts, env).session)
     conv.send(text, max_tokens=n, sink=stamps)
     return figures(started, stamps.at)
 

@@ -311,7 +311,8 @@ def main() -> None:
         import os
 
         from quipu.engine.base import SamplerSettings
-        from quipu.engine.chat_api import ChatApiModel, ServerError, ServerSettings
+        from quipu.engine.chat_api import ChatApiModel
+        from quipu.engine.http import ServerError, ServerSettings
         from quipu.engine.llama_server import LlamaServerModel
         from quipu.sessions.base import ReplySink
 

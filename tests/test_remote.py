@@ -249,7 +249,7 @@ def test_a_chat_on_llama_server_keeps_its_context_in_its_slot(llama_server, tmp_
     # going back (/undo) warns of nothing.
     from quipu.app.chat import ChatSession
     from quipu.app.environment import Environment, TurnOptions
-    from quipu.engine.chat_api import ServerSettings
+    from quipu.engine.http import ServerSettings
 
     env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
     opts = TurnOptions(max_tokens=6, temperature=0.0, system="You are a careful geographer. " * 20,
@@ -458,7 +458,7 @@ def test_a_retry_that_fails_keeps_the_exchange(fake, tmp_path):
     # disk, as it does on a local model (the last reply is put back, and the user's message kept).
     from quipu.app.chat import ChatSession
     from quipu.app.environment import Environment, TurnOptions
-    from quipu.engine.chat_api import ServerSettings
+    from quipu.engine.http import ServerSettings
     from quipu.store.store import SessionStore
 
     env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
@@ -569,7 +569,8 @@ def test_tools_on_a_chat_api_go_in_the_request_and_the_calls_come_back_streamed(
     # The server renders the tools and reads the calls; quipu runs them and sends the results.
     from quipu.app.tooldefs import Tool
     from quipu.app.tools import Toolbox, tool_loop
-    from quipu.engine.chat_api import ChatApiModel, ServerSettings
+    from quipu.engine.chat_api import ChatApiModel
+    from quipu.engine.http import ServerSettings
     from quipu.sessions.chat_api import ChatApiSession
     from quipu.sessions.conversation import Conversation
     from quipu.sessions.toolspec import ToolSpec
@@ -597,7 +598,7 @@ def test_on_llama_server_by_tokens_quipu_reads_the_calls_and_runs_the_loop(llama
     from quipu.app.llama_server import open_llama_server
     from quipu.app.tooldefs import Tool
     from quipu.app.tools import Toolbox, tool_loop
-    from quipu.engine.chat_api import ServerSettings
+    from quipu.engine.http import ServerSettings
     from quipu.engine.grammar import Grammar
     from quipu.sessions.conversation import Conversation
     from quipu.sessions.llama_server import LlamaServerSession
@@ -672,7 +673,7 @@ def test_on_llama_server_a_required_call_is_held_to_the_tool_s_schema(llama_serv
     # the tool with arguments of its schema, which the small model would not write by itself,
     # and nothing of the call is shown.
     from quipu.app.llama_server import open_llama_server
-    from quipu.engine.chat_api import ServerSettings
+    from quipu.engine.http import ServerSettings
 
     host = open_llama_server(ServerSettings(url=llama_server.url))
     try:
@@ -694,7 +695,7 @@ def test_on_llama_server_a_call_the_model_begins_is_held_to_the_schema_from_its_
     # Shown earlier calls, the small model begins one of its own; from `<tool_call>` on, the
     # server keeps it to the schema, whose values the examples never had.
     from quipu.app.llama_server import open_llama_server
-    from quipu.engine.chat_api import ServerSettings
+    from quipu.engine.http import ServerSettings
     from quipu.sessions.base import Message
 
     def call(city, n):

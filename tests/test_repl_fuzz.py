@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from quipu.cli.repl import COMMANDS, Repl, parse_command
-from quipu.engine.chat_api import ServerSettings
+from quipu.engine.http import ServerSettings
 from quipu.cli.terminal import Terminal
 
 STRESS = int(os.environ.get("QUIPU_STRESS", "1"))

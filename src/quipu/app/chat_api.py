@@ -20,7 +20,7 @@ from quipu.store.store import SessionStore
 from quipu.store.transcript import Transcript
 
 if TYPE_CHECKING:
-    from quipu.engine.chat_api import ServerSettings
+    from quipu.engine.http import ServerSettings
 
 
 def request_params(opts: TurnOptions, env: Environment, saved: dict | None = None) -> dict:

@@ -10,7 +10,7 @@ from quipu.app.environment import Environment, check_url
 from quipu.app.hosts import ModelHost
 
 if TYPE_CHECKING:
-    from quipu.engine.chat_api import ServerSettings
+    from quipu.engine.http import ServerSettings
 
 
 def server_of(url: str | None, model: str | None, env: Environment) -> "ServerSettings | None":
@@ -20,7 +20,7 @@ def server_of(url: str | None, model: str | None, env: Environment) -> "ServerSe
     if not url:
         return None
     check_url(url)
-    from quipu.engine.chat_api import ServerSettings
+    from quipu.engine.http import ServerSettings
 
     conf = env.config.remote
     settings = ServerSettings(url=url, model=model or conf.get("model"),

@@ -21,7 +21,7 @@ from quipu.sessions.params import SamplingParams
 from quipu.sessions.template import ChatTemplate
 
 if TYPE_CHECKING:
-    from quipu.engine.chat_api import ServerSettings
+    from quipu.engine.http import ServerSettings
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_MAX_STATE_BYTES = 4 << 30

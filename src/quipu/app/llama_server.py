@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import uuid
 import zlib
+from typing import TYPE_CHECKING
 
 from quipu.app.environment import Environment, TurnOptions, sampling_params, with_logit_biases
 from quipu.app.hosts import NoCache, Opened, made_elsewhere, saved_params
@@ -23,15 +24,18 @@ from quipu.sessions.params import SamplingParams
 from quipu.store.store import SessionStore
 from quipu.store.transcript import Transcript
 
+if TYPE_CHECKING:
+    from quipu.engine.llama_server import LlamaServerModel
+
 
 def open_llama_server(settings) -> "LlamaServerHost | None":
     """The server as a host driven by tokens when it is llama.cpp's llama-server, else None."""
-    from quipu.engine.chat_api import ChatApiModel
-    from quipu.engine.llama_server import LlamaServerModel
+    from quipu.engine.http import ServerClient
+    from quipu.engine.llama_server import LlamaServerModel, llama_server_props
 
-    client = ChatApiModel(settings)
+    client = ServerClient(settings)
     try:
-        props = client.props()
+        props = llama_server_props(client)
     except BaseException:
         client.close()
         raise
@@ -128,25 +132,25 @@ class SlotFile:
         self.saved = 0
         self.left: tuple | None = None  # how the slot looked after the last save
 
-    def before(self, remote) -> int:
+    def before(self, served: "LlamaServerModel") -> int:
         """Restores the session's file into its slot; the slot to use (-1: the server has none)."""
-        from quipu.engine.chat_api import ServerError
+        from quipu.engine.http import ServerError
 
-        slots = remote.slots()
+        slots = served.slots()
         if not slots:
             return -1
         self.why_not, self.restored = "", 0
-        fresh = self.filename is None  # a new session (or a server that kept no file): nothing to restore
-        if fresh:
+        filename = self.filename
+        if filename is None:  # a new session (or a server that kept no file): nothing to restore
             self.filename = f"quipu-{uuid.uuid4().hex}.bin"
-        self.slot = self.slot_of(slots)
-        if fresh:
+            self.slot = self.slot_of(slots)
             return self.slot
-        if self.left is not None and remote.slot_look(self.slot) == self.left:
+        self.slot = self.slot_of(slots)
+        if self.left is not None and served.slot_look(self.slot) == self.left:
             self.restored = self.saved  # nobody used the slot since: it holds the session still
             return self.slot
         try:
-            self.restored = remote.slot_file(self.slot, "restore", self.filename)
+            self.restored = served.slot_file(self.slot, "restore", filename)
         except ServerError as exc:
             self.restored, self.why_not = 0, str(exc)
         return self.slot
@@ -154,10 +158,10 @@ class SlotFile:
     def slot_of(self, slots: int) -> int:
         return zlib.crc32((self.filename or "").encode()) % slots
 
-    def after(self, remote, cached_tokens: int, held: int) -> list[str]:
+    def after(self, served: "LlamaServerModel", cached_tokens: int, held: int) -> list[str]:
         """Saves the slot; notices of a context that was not reused (`held`: the tokens the turn's
         prompt shared with the session's context)."""
-        from quipu.engine.chat_api import ServerError
+        from quipu.engine.http import ServerError
 
         if self.slot < 0:
             return []
@@ -170,12 +174,13 @@ class SlotFile:
             notices.append(f"session '{self.name}': llama-server did not reuse its context ({cached_tokens} of "
                            f"{expected} tokens); the conversation was read again")
         self.left = None
+        assert self.filename is not None  # (named by `before`, which gave the slot)
         try:
-            self.saved = remote.slot_file(self.slot, "save", self.filename)
+            self.saved = served.slot_file(self.slot, "save", self.filename)
         except ServerError:
             self.filename = None  # the server keeps no slot files (no --slot-save-path): nothing to restore
             return notices
-        self.left = remote.slot_look(self.slot)
+        self.left = served.slot_look(self.slot)
         return notices
 
 
@@ -194,7 +199,7 @@ class HeldSlot:
         self.served, self.slot_file, self.notices = served, slot_file, notices
 
     def before(self) -> int:
-        return self.slot_file.before(self.served.remote)
+        return self.slot_file.before(self.served)
 
     def after(self, cached_tokens: int, held: int) -> None:
-        self.notices += self.slot_file.after(self.served.remote, cached_tokens, held)
+        self.notices += self.slot_file.after(self.served, cached_tokens, held)

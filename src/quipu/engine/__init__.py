@@ -8,9 +8,10 @@ checked before any engine sees them (`grammar.py`), and the constraint engine th
 local reply to one, llguidance's token masks on llama.cpp's logits (`constraint.py`); a tool
 call's grammar as GBNF, for a server that samples its own tokens (`gbnf.py`); the layout of
 llama.cpp's sequence state as far as a session's saves rely on it (`kvstate.py`). Apart from
-them, models on servers: any server's OpenAI chat API, and the HTTP plumbing every server
-request goes through (`chat_api.py`, `ChatApiModel`), and llama.cpp's llama-server driven by
-token arrays (`llama_server.py`, `LlamaServerModel`, a `TokenServer`).
+them, models on servers: the HTTP plumbing every server request goes through (`http.py`,
+`ServerClient`), any server's OpenAI chat API (`chat_api.py`, `ChatApiModel`), and llama.cpp's
+llama-server driven by token arrays, with its slots (`llama_server.py`, `LlamaServerModel`, a
+`TokenServer`).
 
 Nothing here imports anything above it.
 """

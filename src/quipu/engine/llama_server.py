@@ -13,6 +13,9 @@ A prompt may be sent as token ids followed by text (llama-server tokenizes the t
 `/tokenize` does, special tokens parsed), so a turn's new text costs no round trip before the
 first token; the session asks for its ids after the reply.
 
+Its slots' contexts can be saved to a file in the server's --slot-save-path and restored
+(`slot_file`), which a named session on the server keeps between turns.
+
 A user's spelling of a control token must stay text, and only the server knows its control
 tokens: a text is checked by tokenizing it with and without special tokens parsed. Every
 control token of the vocabularies llama.cpp runs is spelled with one of `<>[]|` or the wide
@@ -28,7 +31,7 @@ import time
 from typing import Protocol, Sequence
 
 from quipu.engine.base import CallConstraint, Completion, SamplerSettings
-from quipu.engine.chat_api import ChatApiModel, ServerError, count_of
+from quipu.engine.http import ServerClient, ServerError, count_of
 from quipu.engine.grammar import Grammar, check_grammar_depth, check_schema
 from quipu.errors import CapabilityError
 
@@ -51,10 +54,20 @@ MAX_HIDDEN = 3
 CONTROL_MARKS = re.compile("[<>\\[\\]|\uff5c]")
 
 
+def llama_server_props(remote: ServerClient) -> dict | None:
+    """llama.cpp's llama-server's `/props` (its slots, context, chat template, special tokens);
+    None for any other server."""
+    try:
+        props = remote.request_json("GET", "/props")
+    except ServerError:
+        return None
+    return props if isinstance(props, dict) and isinstance(props.get("default_generation_settings"), dict) else None
+
+
 class LlamaServerModel:
     """A model on llama.cpp's llama-server, as the session layer drives it by tokens."""
 
-    def __init__(self, remote: ChatApiModel, props: dict):
+    def __init__(self, remote: ServerClient, props: dict):
         self.remote = remote
         self.props = props
         settings = props.get("default_generation_settings") or {}
@@ -94,6 +107,34 @@ class LlamaServerModel:
 
     def close(self) -> None:
         self.remote.close()
+
+    # ---- slots whose context can be saved to a file and restored -----------------------------
+
+    def slots(self) -> int:
+        """How many slots the server has."""
+        total = self.props.get("total_slots")
+        return total if isinstance(total, int) and total > 0 else 0
+
+    def slot_look(self, slot: int) -> tuple | None:
+        """What tells a slot's context changed (its last task, its prompt's size); None when the
+        server does not say (`/slots` turned off)."""
+        try:
+            data = self.remote.request_json("GET", "/slots")
+        except ServerError:
+            return None
+        for item in data if isinstance(data, list) else ():
+            if isinstance(item, dict) and item.get("id") == slot and item.get("id_task") is not None:
+                return item.get("id_task"), item.get("n_prompt_tokens")
+        return None
+
+    def slot_file(self, slot: int, action: str, filename: str) -> int:
+        """Saves a slot's context to `filename` (in the server's --slot-save-path) or restores it;
+        the number of tokens saved or restored."""
+        data = self.remote.request_json("POST", f"/slots/{slot}?action={action}", {"filename": filename})
+        count = data.get("n_saved" if action == "save" else "n_restored") if isinstance(data, dict) else None
+        if not isinstance(count, int):
+            raise ServerError(f"{self.remote.where()} answered a slot {action} with something unexpected")
+        return count
 
     # ---- the vocabulary, the server's --------------------------------------------------------
 

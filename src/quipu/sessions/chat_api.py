@@ -88,7 +88,7 @@ class ChatApiSession:
 
     def reply(self, prompt: TurnPrompt, max_tokens: int, stop: Sequence[str] = (),
               sink: ReplySink = SILENT) -> Generation:
-        from quipu.engine.chat_api import ServerError
+        from quipu.engine.http import ServerError
 
         self.stats = Stats()
         wire = [_wire(m) for m in prompt.messages]
