@@ -6,12 +6,14 @@ Every turn, named session and chat is written once, for every host a model can r
   built once per command) and `TurnOptions` turned into settings: sampling parameters,
   context settings, the server to use.
 - `hosts.py`: what a host is (`ModelHost`: it makes the `ModelSession` a conversation runs on;
-  `Keeper`: what a named session keeps there besides its messages), and the one check of the
-  options against what the host can do.
+  `Keeper`: what a named session keeps there besides its messages).
+- `modes.py`: the one table of what each mode of a command refuses, and the one check of the
+  options against it and against what the host can do.
 - `choose.py`: where the model runs, chosen once per command (`server_of`, `open_host`).
-- `local.py`: a local model: the state file beside a transcript, the prompt cache.
+- `local.py`: a local model: the state file beside a transcript; `prompt_cache.py`, the prompt
+  cache as a local session uses it.
 - `llama_server.py`: llama.cpp's llama-server driven by tokens, the context kept in a slot
-  file between turns (`SlotKeeper`).
+  file between turns (`SlotFile`).
 - `chat_api.py`: any OpenAI-compatible chat API: sessions kept as transcripts alone.
 - `named.py`: `NamedSession`, a conversation bound to a name in the store: opened (created,
   restored or re-read) on a host and saved.
@@ -21,7 +23,7 @@ Every turn, named session and chat is written once, for every host a model can r
 - `batch.py`: `quipu run --batch`: rows read, planned and answered side by side, in order.
 - `manage.py`: `quipu sessions ...` over the store.
 - `embed.py`: `quipu embed`.
-- `tools.py`: tools a model may call (`--functions FILE.py`, `--tools FILE.json`), their
+- `tools.py`: the tools a command opens (`open_tools`) (`--functions FILE.py`, `--tools FILE.json`), their
   approval, and the loop that runs them and gives the results back; `tool_files.py`, tools and
   conversations read from the user's files (the schemas of functions from their type hints, tool
   definitions, `--messages`); `tooldefs.py`, what a tool is wherever it comes from; `functions.py`,
@@ -30,5 +32,5 @@ Every turn, named session and chat is written once, for every host a model can r
 - `hub.py`: models pulled from the Hugging Face Hub into its cache (`quipu models pull|rm`,
   `-m hf:OWNER/REPO[:QUANT]`), resumed, checked against the Hub's checksums.
 - `templates.py`: what a model's chat template does (`quipu models info --template`).
-- `cache.py`: `quipu cache info|clear` (the prompt cache itself is used by `local.py`).
+- `cache.py`: `quipu cache info|clear` (the prompt cache itself is used by `prompt_cache.py`).
 """

@@ -1,11 +1,10 @@
 """A local model: the host that loads the GGUF file with llama.cpp, a session's context state
 kept in a state file beside its transcript (restored instead of read again), and the prompt
-cache that lets a new prompt restore the beginning it shares with earlier ones."""
+cache that lets a new prompt restore the beginning it shares with earlier ones (`prompt_cache.py`).
+What the state files hold is read from their metadata by `store/chain.py`."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import secrets
 import threading
 import time
@@ -25,19 +24,16 @@ from quipu.app.environment import (
     with_logit_biases,
 )
 from quipu.app.hosts import Opened, made_elsewhere, saved_params
+from quipu.app.prompt_cache import CacheUse, cache_lookup, cache_save, cached_count
 from quipu.engine.base import KV_TYPES, ContextSettings, ProgressFn
 from quipu.engine.kvstate import LAYOUT, check_piece
 from quipu.errors import EngineError, ModelMismatch, SnapshotError, UsageError
 from quipu.models import fingerprint
-from quipu.sessions.base import LOCAL, Message, common_prefix
+from quipu.sessions.base import LOCAL, Message
 from quipu.sessions.inference import InferenceSession, Snapshot
-from quipu.store.cache import MIN_TOKENS, PromptCache
+from quipu.store.chain import Chain, held_cells, tokens_digest
 from quipu.store.store import KEEP_STATE, SessionStore
 from quipu.store.transcript import Transcript
-
-
-def tokens_digest(tokens: list[int]) -> str:
-    return hashlib.sha256(json.dumps(tokens, separators=(",", ":")).encode()).hexdigest()
 
 
 def state_key(session: InferenceSession) -> tuple:
@@ -157,74 +153,21 @@ class LocalHost:
             return f"the saved context state was made by {meta.get('build', 'another build')}"
         if meta.get("context") != backend.context.state_key():
             return "the saved context state was made with other context settings"
-        held = meta.get("n_decoded")
-        if not isinstance(held, int) or held < 0:
+        if not isinstance(meta.get("n_decoded"), int) or meta["n_decoded"] < 0:
             return "the saved context state is from another turn"
         # The pieces after it, then: what the tokens beyond them are is read again (a turn whose
         # state was not written, or a damaged piece and those after it).
-        pieces, log_end, why = LocalHost._pieces(store, name, meta, snap, held)
-        if pieces:
-            held = pieces[-1].meta["n_decoded"]
-        elif held > snap.n_decoded or meta.get("tokens_sha256") != tokens_digest(snap.tokens[:held]):
-            # The state file alone, as far as its tokens are the transcript's (a piece after it
-            # replaced its last cells, and is lost): the rest is read again.
-            saved = meta.get("tokens")
-            held = common_prefix(saved, snap.tokens[:snap.n_decoded]) if isinstance(saved, list) else 0
-            if held == 0:
-                return why or "the saved context state is from another turn"
-        snap.state, snap.pieces = blob.state, [(p.meta["start"], p.state) for p in pieces]
-        snap.state_decoded = held if held < snap.n_decoded else None
+        held = held_cells(meta, store.load_pieces(name), snap.tokens[:snap.n_decoded], LAYOUT)
+        if held.cells == 0 and not held.pieces:
+            return held.why
+        snap.state, snap.pieces = blob.state, [(p.meta["start"], p.state) for p in held.pieces]
+        snap.state_decoded = held.cells if held.cells < snap.n_decoded else None
         snap.context = meta["context"]
-        keeper.chain = Chain(meta.get("nonce"), held, len(pieces), sum(len(p.state) for p in pieces),
-                             len(blob.state), log_end)
-        return why
-
-    @staticmethod
-    def _pieces(store: SessionStore, name: str, meta: dict, snap: Snapshot, held: int):
-        """The pieces of the state log that follow on from the state file, in order, as far as
-        the transcript's tokens bear them out; and why the log ends short, if it is damaged."""
-        records, _, damage = store.load_pieces(name)
-        chain = []  # the pieces that follow on from the state file, one from another
-        for record, end_at in records:
-            m = record.meta
-            start, end = m.get("start"), m.get("n_decoded")
-            if m.get("base") != meta.get("nonce") or meta.get("nonce") is None or m.get("layout") != LAYOUT or \
-                    m.get("build") != meta.get("build") or \
-                    not isinstance(start, int) or not isinstance(end, int) or not 0 <= start <= held or end < start:
-                break
-            chain.append((record, end_at))
-            held = end
-        # Up to the last whose tokens the transcript's begin with: each piece was written when
-        # the context's cells before its start were those the pieces before it left, so the
-        # last one's tokens are those of all it keeps. (A piece newer than the transcript, its
-        # turn cut short before the transcript was written, is left out.)
-        while chain:
-            m = chain[-1][0].meta
-            if m["n_decoded"] <= snap.n_decoded and m.get("tokens_sha256") == tokens_digest(snap.tokens[:m["n_decoded"]]):
-                break
-            chain.pop()
-        pieces = [record for record, _ in chain]
-        log_end = chain[-1][1] if chain else 0
-        why = None
-        if damage == "a piece is damaged":
-            why = "a piece of the saved context state is damaged"
-        return pieces, log_end, why
+        keeper.chain = held.chain(meta, len(blob.state))
+        return held.why
 
     def close(self) -> None:
         pass  # each session's model is closed with the session
-
-
-@dataclass
-class Chain:
-    """What the state on disk holds: the state file (its nonce, its size) and the pieces of the
-    log after it: together, the first `held` tokens' cells."""
-
-    nonce: str | None
-    held: int
-    pieces: int = 0
-    piece_bytes: int = 0
-    base_bytes: int = 0
-    log_end: int = 0
 
 
 MAX_PIECES = 64  # a longer chain is saved whole again (as is one whose pieces outgrow the state file)
@@ -377,61 +320,3 @@ class LocalKeeper:
 
     def model_for_new(self, opts: TurnOptions) -> str | None:
         return str(self.model_path)
-
-
-# ---- the prompt cache --------------------------------------------------------------------------
-
-@dataclass
-class CacheUse:
-    cache: PromptCache
-    key: dict
-    tokens: list[int]
-    reused: int
-
-
-def cache_key(session: InferenceSession, model_path) -> dict:
-    """What a cache entry's state bytes are valid under: the model, the native build, the context."""
-    backend = session.backend
-    return {"fingerprint": fingerprint(model_path), "build": backend.build, "context": backend.context.state_key()}
-
-
-def cache_lookup(session: InferenceSession, tokens: list[int], model_path, opts: TurnOptions,
-                 env: Environment) -> CacheUse | None:
-    """Restores the longest cached beginning of `tokens` into the session, if any; None when the
-    cache is off for this run."""
-    if opts.no_cache:
-        return None
-    cache = PromptCache(env.dirs.prompt_cache, env.cache_max_bytes)
-    key = cache_key(session, model_path)
-    hit = cache.lookup(key, tokens)
-    reused = 0
-    if hit is not None:
-        keep = min(hit.reuse, len(tokens) - 1)  # the last token is read again, for its logits
-        try:
-            session.restore_prefix(hit.state, hit.tokens, keep)
-            reused = keep
-        except EngineError as exc:
-            cache.drop(hit.path, str(exc))
-    return CacheUse(cache, key, tokens, reused)
-
-
-def cached_count(session: InferenceSession, tokens: list[int], model_path, opts: TurnOptions,
-                 env: Environment) -> int:
-    """How many of `tokens` a run would restore from the prompt cache (`--show-prompt`)."""
-    if opts.no_cache:
-        return 0
-    found = PromptCache(env.dirs.prompt_cache, env.cache_max_bytes).peek(cache_key(session, model_path), tokens)
-    return min(found, len(tokens) - 1) if found else 0
-
-
-def cache_save(session: InferenceSession, use: CacheUse) -> None:
-    """Keeps the state of the prompt (not the reply), unless the cache had nearly all of it
-    already: questions after one long beginning share one entry."""
-    tokens = use.tokens
-    if len(tokens) - use.reused < MIN_TOKENS or session.n_decoded < len(tokens):
-        return
-    try:
-        session.rewind(len(tokens))
-        use.cache.save(use.key, tokens, session.backend.snapshot_bytes())
-    except (EngineError, OSError):
-        pass  # a cache never fails a run

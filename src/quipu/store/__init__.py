@@ -5,6 +5,8 @@ locked, and never pickled.
   budget, atomic writes.
 - `transcript.py`: the transcript format (`NAME.json`), the truth of a session.
 - `statefile.py`: the state file format (`NAME.kv`), the verified KV bytes of a context.
+- `chain.py`: what a state file and the pieces of its log (`NAME.kvlog`) hold of a transcript's
+  tokens, read from their metadata.
 - `cache.py`: `PromptCache`, context states of earlier prompts, reused by later ones.
 - `pulled.py`: `PulledRecord`, the models quipu pulled from the Hugging Face Hub.
 
