@@ -1,10 +1,10 @@
 """The llama.cpp backend, on llama-cpp-python's low-level (ctypes) API: a context on a loaded
 model (model.py), its decoding, its samplers (native, with a grammar's mask, filters and
-processors applied to the logits first), its state bytes and embeddings."""
+processors applied to the logits first); its state bytes, batch rows and embeddings are parts of
+their own (`llama_state.py`, `llama_rows.py`, `embeddings.py`)."""
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 from contextlib import ExitStack
 from pathlib import Path
@@ -21,27 +21,28 @@ from quipu.engine.base import (
     SamplerSettings,
     TokenFilter,
     available_cpus,
-    refuse_embeddings,
 )
+from quipu.engine.embeddings import Embeddings
+from quipu.engine.llama_rows import BatchRows
+from quipu.engine.llama_state import StateBytes
 from quipu.engine.logs import LOG
 from quipu.engine.model import LlamaModel
 from quipu.errors import EngineError, InvalidParameter, ModelLoadError
 
 if TYPE_CHECKING:
-    from quipu.engine.constraint import MaskBatch, Matcher
+    from quipu.engine.constraint import MaskBatch
 
 MAX_DEFAULT_CTX = 8192
 _KV_GGML_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
 
-class LlamaBackend:
+class LlamaBackend(BatchRows, StateBytes, Embeddings):
     """One context on a model (loaded from `model_path`, or a shared `LlamaModel`). Close it (or
-    use it as a context manager) to free its native memory; the model goes with its last context."""
+    use it as a context manager) to free its native memory; the model goes with its last context.
+    Its parts: the rows of a batch (`llama_rows.py`), its state bytes (`llama_state.py`), and
+    embeddings (`embeddings.py`)."""
 
     name = "llama.cpp"
     build = f"llama-cpp-python {binding_version()}"
-    supports_embeddings = True
-    EMBED_BATCH = 2048
-    EMBED_SEQS = 64
 
     def __init__(self, model_path: Path | LlamaModel, context: ContextSettings = ContextSettings(), *,
                  verbose: bool = False):
@@ -218,71 +219,6 @@ class LlamaBackend:
     def positions(self) -> int:
         return lc.llama_memory_seq_pos_max(self._mem, 0) + 1
 
-    # ---- several sequences at once (a context opened with n_seq > 1) --------------------------
-
-    def decode_batch(self, items: Sequence[tuple[int, int, int, bool]]) -> None:
-        """Decodes (token, position, sequence, wants logits) items, at most n_batch, in one step;
-        the logits of the i-th item that wanted them are then at batch index i."""
-        batch = self._batch
-        for i, (tok, pos, seq, logits) in enumerate(items):
-            batch.token[i] = tok
-            batch.pos[i] = pos
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = logits
-        batch.n_tokens = len(items)
-        self._decode(batch)
-
-    def seq_keep(self, seq: int, n_keep: int) -> None:
-        """Forgets sequence `seq`'s positions from `n_keep` on."""
-        if not lc.llama_memory_seq_rm(self._mem, seq, n_keep, -1):
-            raise EngineError("llama.cpp could not trim a sequence")
-
-    def seq_copy(self, src: int, dst: int) -> None:
-        """Sequence `dst` becomes a copy of `src` (which must be all it holds: a shared beginning)."""
-        lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
-
-    def row_sampler(self, settings: SamplerSettings) -> SamplerChain:
-        """A sampler chain of its own, for one sequence of a batch (free it when done)."""
-        return SamplerChain(self.n_vocab, settings)
-
-    def sample_at(self, chain: SamplerChain, draw_seed: int, index: int) -> int:
-        """Samples (and accepts) with `chain` from the logits at batch index `index`."""
-        chain.reseed(draw_seed)
-        return lc.llama_sampler_sample(chain.ptr, self._ctx, index)
-
-    def row_matcher(self, settings: SamplerSettings):
-        """A grammar's matcher of its own, for one sequence of a batch (None without a grammar)."""
-        return self._matcher_for(settings)
-
-    def sample_rows(self, rows: Sequence[tuple[SamplerChain, "Matcher | None", int, int]]) -> list[int]:
-        """One token (sampled and accepted) for each (chain, matcher or None, draw seed, batch
-        index) of a step. The masks of every row under a grammar are computed together, on
-        llguidance's threads, and applied to each row's logits before its chain draws."""
-        constrained = [(matcher, k) for k, (_, matcher, _, _) in enumerate(rows) if matcher is not None]
-        if constrained:
-            import numpy as np
-
-            from quipu.engine.constraint import MaskBatch
-
-            masks = self._masks
-            if masks is None or masks.masks.shape[0] < len(rows):
-                masks = self._masks = MaskBatch(self.n_vocab, max(len(rows), self.context.n_seq))
-            masks.fill(constrained)
-            for _, k in constrained:
-                logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, rows[k][3]), shape=(self.n_vocab,))
-                masks.apply(logits, k)
-        tokens = []
-        for chain, matcher, draw_seed, index in rows:
-            token = self.sample_at(chain, draw_seed, index)
-            if matcher is not None:
-                try:
-                    matcher.accept(token)
-                except EngineError:
-                    raise EngineError("no token is allowed here (the grammar or the biases rule out every one)") from None
-            tokens.append(token)
-        return tokens
-
     def reopen(self) -> "LlamaBackend":
         """A new context with the same settings on the same loaded model: no second load."""
         return LlamaBackend(self.model, self.context, verbose=LOG.verbose)
@@ -369,133 +305,6 @@ class LlamaBackend:
                 logits[keep] = kept
         if self._grammar is not None:
             self._grammar.apply(logits)
-
-    # ---- state --------------------------------------------------------------------------
-
-    def snapshot_bytes(self) -> memoryview:
-        """The context's state, as a view of the one buffer llama.cpp wrote it into (no copy)."""
-        return self._seq_state(0)
-
-    def _seq_state(self, seq: int) -> memoryview:
-        size = lc.llama_state_seq_get_size(self._ctx, seq)
-        buf = (ctypes.c_uint8 * size)()
-        written = lc.llama_state_seq_get_data(self._ctx, buf, size, seq)
-        if written != size:
-            raise EngineError("llama.cpp could not write the context state")
-        return memoryview(buf).cast("B")
-
-    def _set_seq_state(self, data: bytes | memoryview, seq: int, what: str) -> None:
-        """Gives llama.cpp a sequence's state; refused, the context is emptied."""
-        view = memoryview(data).cast("B")
-        if view.readonly:
-            buf = (ctypes.c_uint8 * len(view)).from_buffer_copy(view)
-        else:  # read where it lies: a state is tens of megabytes
-            buf = (ctypes.c_uint8 * len(view)).from_buffer(view)
-        if lc.llama_state_seq_set_data(self._ctx, buf, len(view), seq) != len(view):
-            lc.llama_memory_clear(self._mem, True)
-            raise EngineError(f"llama.cpp refused {what}{LOG.reason()}")
-
-    def partial_state(self) -> str | None:
-        """Why the state of some cells cannot be saved and restored apart from the rest (None:
-        it can): a plain attention cache of one sequence, whose positions are the tokens'."""
-        model = self.model.ptr
-        if self.context.n_seq != 1:
-            return "a context of several sequences"
-        if lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model):
-            return "a recurrent or hybrid model's memory"
-        if lc.llama_model_n_swa(model) > 0:
-            return "a sliding-window cache"
-        return None
-
-    @property
-    def n_layer(self) -> int:
-        return lc.llama_model_n_layer(self.model.ptr)
-
-    def state_since(self, start: int) -> memoryview:
-        """The state of the cells at positions `start` on: llama.cpp writes them as the state of
-        a second sequence that shares them for the moment (see kvstate.py)."""
-        lc.llama_memory_seq_cp(self._mem, 0, 1, start, -1)
-        try:
-            return self._seq_state(1)
-        finally:
-            lc.llama_memory_seq_rm(self._mem, 1, -1, -1)
-
-    def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
-        """Restores a state saved whole, then pieces of it saved by `state_since`, in order, each
-        (the position it was taken from, its bytes): the cells from there on are dropped, the
-        piece read as the second sequence's, whose cells then join the first."""
-        self.restore_bytes(base)
-        for start, piece in pieces:
-            lc.llama_memory_seq_rm(self._mem, 0, start, -1)
-            self._set_seq_state(piece, 1, "a piece of the saved context state")
-            lc.llama_memory_seq_cp(self._mem, 1, 0, -1, -1)
-            lc.llama_memory_seq_rm(self._mem, 1, -1, -1)
-
-    def restore_bytes(self, data: bytes | memoryview) -> None:
-        lc.llama_memory_clear(self._mem, True)
-        self._set_seq_state(data, 0, "the saved context state")
-
-    def embed(self, texts: Sequence[str], pooling: str = "mean") -> list[list[float]]:
-        """One pooled embedding per text, several texts to each llama_decode call. The embedding
-        context lives for this call only."""
-        model = self.model.ptr
-        n_embd = lc.llama_model_n_embd(model)
-        encoder_only = lc.llama_model_has_encoder(model) and not lc.llama_model_has_decoder(model)
-        tokenized = [self.tokenize(t, add_special=True, parse_special=False) for t in texts]
-        for i, toks in enumerate(tokenized):
-            if len(toks) > self.EMBED_BATCH:
-                raise InvalidParameter(f"text {i} is {len(toks)} tokens; at most {self.EMBED_BATCH} can be embedded")
-        out: list[list[float]] = []
-        with ExitStack() as stack:
-            ctx = self._embedding_context(pooling)
-            stack.callback(lc.llama_free, ctx)
-            batch = lc.llama_batch_init(self.EMBED_BATCH, 0, 1)
-            stack.callback(lc.llama_batch_free, batch)
-            start = 0
-            while start < len(tokenized):
-                group: list[list[int]] = []
-                used = 0
-                while (start + len(group) < len(tokenized) and len(group) < self.EMBED_SEQS
-                       and used + len(tokenized[start + len(group)]) <= self.EMBED_BATCH):
-                    used += len(tokenized[start + len(group)])
-                    group.append(tokenized[start + len(group)])
-                n = 0
-                for seq, toks in enumerate(group):
-                    for pos, tok in enumerate(toks):
-                        batch.token[n], batch.pos[n], batch.n_seq_id[n] = tok, pos, 1
-                        batch.seq_id[n][0], batch.logits[n] = seq, True
-                        n += 1
-                batch.n_tokens = n
-                lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
-                rc = (lc.llama_encode if encoder_only else lc.llama_decode)(ctx, batch)
-                if rc != 0:
-                    raise EngineError(f"llama.cpp failed to compute embeddings (code {rc}){LOG.reason()}")
-                for seq in range(len(group)):
-                    ptr = lc.llama_get_embeddings_seq(ctx, seq)
-                    if not ptr:
-                        raise refuse_embeddings(self.name)
-                    out.append(ptr[:n_embd])
-                self.embed_calls += 1
-                start += len(group)
-        return out
-
-    def _embedding_context(self, pooling: str):
-        types = {"mean": lc.LLAMA_POOLING_TYPE_MEAN, "last": lc.LLAMA_POOLING_TYPE_LAST, "cls": lc.LLAMA_POOLING_TYPE_CLS}
-        if pooling not in types:
-            raise InvalidParameter(f"--pooling must be one of {', '.join(types)}, not '{pooling}'")
-        cparams = lc.llama_context_default_params()
-        cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = self.EMBED_BATCH
-        cparams.n_seq_max = self.EMBED_SEQS
-        cparams.kv_unified = True
-        cparams.n_threads = cparams.n_threads_batch = self.context.n_threads
-        cparams.embeddings = True
-        cparams.pooling_type = types[pooling]
-        cparams.no_perf = True
-        LOG.clear_errors()
-        ctx = lc.llama_init_from_model(self.model.ptr, cparams)
-        if not ctx:
-            raise refuse_embeddings(self.name)
-        return ctx
 
     def close(self) -> None:
         self._stack.close()

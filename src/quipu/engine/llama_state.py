@@ -1,0 +1,89 @@
+"""A context's state as bytes: saved whole, or the cells from a position on (a piece, written
+as a second sequence's state that shares them for the moment; see kvstate.py), and restored.
+A part of `LlamaBackend` (`llama.py`)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Any, Sequence
+
+from quipu.engine.base import ContextSettings
+from quipu.engine.logs import LOG
+from quipu.engine.native import lc
+from quipu.errors import EngineError
+
+if TYPE_CHECKING:
+    from quipu.engine.model import LlamaModel
+
+
+class StateBytes:
+    """`LlamaBackend`'s state bytes."""
+
+    if TYPE_CHECKING:  # (what they use of the backend)
+        _ctx: Any
+        _mem: Any
+        model: LlamaModel
+        context: ContextSettings
+
+    def snapshot_bytes(self) -> memoryview:
+        """The context's state, as a view of the one buffer llama.cpp wrote it into (no copy)."""
+        return self._seq_state(0)
+
+    def _seq_state(self, seq: int) -> memoryview:
+        size = lc.llama_state_seq_get_size(self._ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        written = lc.llama_state_seq_get_data(self._ctx, buf, size, seq)
+        if written != size:
+            raise EngineError("llama.cpp could not write the context state")
+        return memoryview(buf).cast("B")
+
+    def _set_seq_state(self, data: bytes | memoryview, seq: int, what: str) -> None:
+        """Gives llama.cpp a sequence's state; refused, the context is emptied."""
+        view = memoryview(data).cast("B")
+        if view.readonly:
+            buf = (ctypes.c_uint8 * len(view)).from_buffer_copy(view)
+        else:  # read where it lies: a state is tens of megabytes
+            buf = (ctypes.c_uint8 * len(view)).from_buffer(view)
+        if lc.llama_state_seq_set_data(self._ctx, buf, len(view), seq) != len(view):
+            lc.llama_memory_clear(self._mem, True)
+            raise EngineError(f"llama.cpp refused {what}{LOG.reason()}")
+
+    def partial_state(self) -> str | None:
+        """Why the state of some cells cannot be saved and restored apart from the rest (None:
+        it can): a plain attention cache of one sequence, whose positions are the tokens'."""
+        model = self.model.ptr
+        if self.context.n_seq != 1:
+            return "a context of several sequences"
+        if lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model):
+            return "a recurrent or hybrid model's memory"
+        if lc.llama_model_n_swa(model) > 0:
+            return "a sliding-window cache"
+        return None
+
+    @property
+    def n_layer(self) -> int:
+        return lc.llama_model_n_layer(self.model.ptr)
+
+    def state_since(self, start: int) -> memoryview:
+        """The state of the cells at positions `start` on: llama.cpp writes them as the state of
+        a second sequence that shares them for the moment (see kvstate.py)."""
+        lc.llama_memory_seq_cp(self._mem, 0, 1, start, -1)
+        try:
+            return self._seq_state(1)
+        finally:
+            lc.llama_memory_seq_rm(self._mem, 1, -1, -1)
+
+    def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
+        """Restores a state saved whole, then pieces of it saved by `state_since`, in order, each
+        (the position it was taken from, its bytes): the cells from there on are dropped, the
+        piece read as the second sequence's, whose cells then join the first."""
+        self.restore_bytes(base)
+        for start, piece in pieces:
+            lc.llama_memory_seq_rm(self._mem, 0, start, -1)
+            self._set_seq_state(piece, 1, "a piece of the saved context state")
+            lc.llama_memory_seq_cp(self._mem, 1, 0, -1, -1)
+            lc.llama_memory_seq_rm(self._mem, 1, -1, -1)
+
+    def restore_bytes(self, data: bytes | memoryview) -> None:
+        lc.llama_memory_clear(self._mem, True)
+        self._set_seq_state(data, 0, "the saved context state")
