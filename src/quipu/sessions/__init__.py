@@ -5,12 +5,14 @@
   (where a reply goes as it is generated, and the one way to stop it); `Message`,
   `TurnPrompt`, `Generation`, `Stats`.
 - `inference.py`: `InferenceSession`, a local llama.cpp context: feeds prompts, infers the next
-  token, keeps stats, and snapshots or restores itself (`Snapshot`).
+  token, keeps stats, and snapshots or restores itself (`Snapshot`); `reply_watch.py`, what
+  watches its reply as it comes (a reasoning budget, a call's trigger).
 - `llama_server.py`: `LlamaServerSession`, a conversation's exact tokens on llama.cpp's
   llama-server (an `engine.TokenServer`), one request a reply, seeded per draw.
 - `chat_api.py`: `ChatApiSession`, a server's OpenAI chat API, whose context is the message list.
 - `conversation.py`: `Conversation`, one for every session: turns as the model's chat template
-  renders them, fed incrementally; undo, retry, continue, drop the oldest exchanges.
+  renders them, fed incrementally; undo, retry, continue, drop the oldest exchanges; its turns
+  with tools, `tool_turns.py`.
 - `batch.py`: `BatchSession`, many prompts decoded side by side on one context, each row with
   its own seed (continuous batching; a shared beginning read once).
 - `template.py`: `ChatTemplate`, the model's Jinja template in a sandbox, rendered as
@@ -22,7 +24,8 @@
   `reasoning_sink.py`: `ReasoningSink`, which passes the two on as they stream;
   `reasoning_found.py`: a template's format found by rendering it.
 - `params.py`: `SamplingParams`, validated, and the per-draw seeds that make resuming exact.
-- `stops.py`: stop strings, held back while they could still match.
+- `stops.py`: stop strings, held back while they could still match, and a reply's text as its
+  tokens come (`ReplyText`).
 - `tools.py`: the one table of tool-call formats, an entry a family (`Format`: how its template
   is known, the texts that begin a call, its call's grammar, its parser), and replies read into
   content, reasoning and calls (`parse_reply`); `call_grammars.py`: each family's grammar of a

@@ -24,7 +24,8 @@ from typing import Callable, Sequence
 
 from quipu.engine.base import BatchBackend, RowChain, RowMatcher
 from quipu.errors import ContextOverflow, Interrupted
-from quipu.sessions.inference import Generation, ReplyText, Stats, common_prefix
+from quipu.sessions.inference import Generation, Stats, common_prefix
+from quipu.sessions.stops import ReplyText
 from quipu.sessions.params import SamplingParams, draw_seed
 
 OWN_TOKENS = 2  # each row decodes at least this many of its prompt's tokens itself

@@ -23,20 +23,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 from quipu.engine.base import Backend, LogitsProcessor, ProgressFn, TokenFilter
-from quipu.engine.text import Detokenizer, unfinished_character
+from quipu.engine.text import unfinished_character
 from quipu.errors import ContextOverflow, EngineError, Interrupted, QuipuError
 from quipu.sessions.base import LOCAL, SILENT, Generation, ReplySink, Stats, ToolOffer, TurnPrompt, common_prefix
-from quipu.sessions.call_grammars import CallGrammar
-from quipu.sessions.calls import CallSink
 from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.prompt import HeldTokens, Rendered, context_tokens
 from quipu.sessions.reasoning import Thinking
-from quipu.sessions.stops import StopMatcher
+from quipu.sessions.reply_watch import Budget, CallWatch
+from quipu.sessions.stops import ReplyText
 
-__all__ = ["InferenceSession", "Snapshot", "ReplyText", "Generation", "Stats", "common_prefix"]
+__all__ = ["InferenceSession", "Snapshot", "Generation", "Stats", "common_prefix"]
 
 @dataclass
 class Snapshot:
@@ -54,46 +53,6 @@ class Snapshot:
     # when that is fewer than `n_decoded` (a turn whose state was not written: read again).
     pieces: Sequence = ()
     state_decoded: int | None = None
-
-
-class ReplyText:
-    """A reply's text as its tokens come: pieces decoded as UTF-8 (a character split across
-    tokens waits for its end), stop strings held back until they cannot match."""
-
-    def __init__(self, token_bytes: Callable[[int], bytes], carry: bytes = b"", stop: Sequence[str] = ()):
-        self._detok = Detokenizer(token_bytes, carry)
-        self._matcher = StopMatcher(list(stop))
-        self._shown: list[str] = []
-        self.tokens: list[int] = []
-
-    @property
-    def stopped(self) -> bool:
-        return self._matcher.matched is not None
-
-    @property
-    def text(self) -> str:
-        return "".join(self._shown)
-
-    def push(self, token: int) -> str:
-        """Takes a generated token (not end-of-generation); returns the text that may be shown now."""
-        self.tokens.append(token)
-        text = self._matcher.feed(self._detok.push(token))
-        self._shown.append(text)
-        return text
-
-    def end(self, finish: str) -> tuple[str, str, bytes]:
-        """The reply is over: (the text still to show, the finish reason, the bytes of a
-        character it was cut inside, which a continuation finishes)."""
-        carry = self._detok.pending if finish in ("length", "interrupted") else b""
-        if self.stopped:
-            return "", finish, carry
-        tail = self._matcher.feed("" if carry else self._detok.flush())
-        if self.stopped:
-            finish = "stop_sequence"
-        else:
-            tail += self._matcher.flush()
-        self._shown.append(tail)
-        return tail, finish, carry
 
 
 class InferenceSession(HeldTokens):
@@ -389,9 +348,9 @@ class InferenceSession(HeldTokens):
         if not self._turn_started:
             self.begin_turn()
         grammar = offer.grammar if offer is not None else None
-        calls = _CallWatch(self, sink, thinking, grammar, offer.forced) if offer is not None and grammar else None
+        calls = CallWatch(self, sink, thinking, grammar, offer.forced) if offer is not None and grammar else None
         shown = calls or sink
-        budget = _Budget(self, thinking) if thinking.budget is not None and thinking.fmt is not None else None
+        budget = Budget(self, thinking) if thinking.budget is not None and thinking.fmt is not None else None
 
         def took(token: int) -> None:
             if calls is not None:
@@ -475,94 +434,3 @@ class InferenceSession(HeldTokens):
         gen = self.infer(max_tokens, stop, sink, prompt.thinking(prompt.text), prompt.offer)
         gen.spelled = self.reply_spelled()
         return gen
-
-
-class _Budget:
-    """A reasoning budget: once the reply's reasoning has taken so many tokens, its close (and
-    what the template writes before an answer) is written as if the model had, and the model
-    goes on with its answer; a budget of 0 begins the reply without reasoning."""
-
-    def __init__(self, session: InferenceSession, thinking: Thinking):
-        assert thinking.fmt is not None and thinking.budget is not None
-        self.session, self.fmt, self.left = session, thinking.fmt, thinking.budget
-        self.split = thinking.splitter()
-        self.inside = thinking.inside
-
-    def start(self) -> list[int]:
-        if self.left > 0:
-            return []
-        if self.inside:
-            empty = self.fmt.empty
-            return self._force(empty if empty.strip().startswith(self.fmt.close) else self.fmt.closes_with)
-        return self._force(self.fmt.no_reasoning)
-
-    def took(self, token: int) -> list[int]:
-        was = self.split.in_reasoning
-        self.split.feed(self.session.backend.token_text(token).decode("utf-8", "replace"))
-        if was:
-            self.left -= 1
-        if self.split.in_reasoning and self.left <= 0:
-            return self._force(self.fmt.closes_with)
-        return []
-
-    def _force(self, text: str) -> list[int]:
-        tokens = self.session.force(text)
-        self.split.feed(text)
-        return tokens
-
-
-class _CallWatch(CallSink):
-    """A reply's sink while tools are offered on the local model: from the token that completes
-    a call's trigger, the reply keeps to the call's grammar (llguidance's mask)."""
-
-    def __init__(self, session: InferenceSession, sink: ReplySink, thinking: Thinking, grammar: CallGrammar,
-                 forced: bool):
-        super().__init__(sink, grammar, thinking)
-        self.session, self.grammar = session, grammar
-        # A required call is forced from the start, or once the reasoning the prompt opened ends.
-        # Until then the reply may not end: the end-of-generation tokens are banned.
-        self.pending = forced and thinking.inside and grammar.after_reasoning is not None
-        self._ends = [t for t in session.special_tokens().values() if session.backend.is_eog(t)] if self.pending else []
-        if self.pending:
-            session.logits_processors.append(self._no_end)
-        elif forced:
-            self._force(grammar.forced)
-
-    def _no_end(self, tokens, logits) -> None:
-        logits[self._ends] = float("-inf")
-
-    def _stop_pending(self) -> None:
-        if self.pending:
-            self.pending = False
-            self.session.logits_processors.remove(self._no_end)
-
-    def _force(self, text: str) -> None:
-        if text:
-            self.session.force(text)
-            self.watch.push(text)
-        self._constrain(self.grammar.forced_lark)
-
-    def _constrain(self, lark: str | None = None) -> None:
-        from quipu.engine.grammar import Grammar
-
-        self.begin()
-        self.session.backend.set_constraint(Grammar("lark", lark or self.grammar.lark))
-
-    def took(self, token: int) -> None:
-        if self.calling:
-            return
-        spelled = self.session.backend.token_text(token).decode("utf-8", "replace")
-        if self.watch.push(spelled, control=self.session.backend.is_control(token)):
-            self._constrain()
-        elif self.pending and (after := self.watch.after_reasoning()) is not None:
-            # (what the model wrote after the reasoning's end, where it is the start of what is due)
-            due = self.grammar.after_reasoning or ""
-            self._stop_pending()
-            self._force(due[len(after):] if due.startswith(after) else self.grammar.forced)
-
-    def end(self) -> int | None:
-        """The reply is over: where the held-back call begins in the text (None: no call began)."""
-        self._stop_pending()
-        if self.calling:
-            self.session.backend.set_constraint(None)
-        return super().end()

@@ -1,8 +1,11 @@
-"""Stop strings: text is held back while it could still be the start of a stop string."""
+"""Stop strings: text is held back while it could still be the start of a stop string; and a
+reply's text as its tokens come (`ReplyText`), with its stop strings held back."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
+
+from quipu.engine.text import Detokenizer
 
 
 def pending_prefix(text: str, marks: Iterable[str]) -> int:
@@ -42,3 +45,43 @@ class StopMatcher:
         """The held-back text, once generation ended without completing a stop string."""
         out, self._held = self._held, ""
         return out
+
+
+class ReplyText:
+    """A reply's text as its tokens come: pieces decoded as UTF-8 (a character split across
+    tokens waits for its end), stop strings held back until they cannot match."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes], carry: bytes = b"", stop: Sequence[str] = ()):
+        self._detok = Detokenizer(token_bytes, carry)
+        self._matcher = StopMatcher(list(stop))
+        self._shown: list[str] = []
+        self.tokens: list[int] = []
+
+    @property
+    def stopped(self) -> bool:
+        return self._matcher.matched is not None
+
+    @property
+    def text(self) -> str:
+        return "".join(self._shown)
+
+    def push(self, token: int) -> str:
+        """Takes a generated token (not end-of-generation); returns the text that may be shown now."""
+        self.tokens.append(token)
+        text = self._matcher.feed(self._detok.push(token))
+        self._shown.append(text)
+        return text
+
+    def end(self, finish: str) -> tuple[str, str, bytes]:
+        """The reply is over: (the text still to show, the finish reason, the bytes of a
+        character it was cut inside, which a continuation finishes)."""
+        carry = self._detok.pending if finish in ("length", "interrupted") else b""
+        if self.stopped:
+            return "", finish, carry
+        tail = self._matcher.feed("" if carry else self._detok.flush())
+        if self.stopped:
+            finish = "stop_sequence"
+        else:
+            tail += self._matcher.flush()
+        self._shown.append(tail)
+        return tail, finish, carry

@@ -1,0 +1,116 @@
+"""What watches a local reply as its tokens come: a reasoning budget, which writes the
+reasoning's close once it has taken so many tokens (`Budget`), and tools offered, whose call,
+from the token that completes its trigger, keeps to the call's grammar (`CallWatch`)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from quipu.engine.base import Backend, LogitsProcessor
+from quipu.sessions.call_grammars import CallGrammar
+from quipu.sessions.calls import CallSink
+from quipu.sessions.base import ReplySink
+from quipu.sessions.reasoning import Thinking
+
+
+class Forcing(Protocol):
+    """What the watches need of a local session: its backend, its logits processors, its
+    special tokens, and writing text into the reply as if the model had."""
+
+    backend: Backend
+    logits_processors: list[LogitsProcessor]
+
+    def special_tokens(self) -> dict[str, int]: ...
+
+    def force(self, text: str) -> list[int]: ...
+
+
+class Budget:
+    """A reasoning budget: once the reply's reasoning has taken so many tokens, its close (and
+    what the template writes before an answer) is written as if the model had, and the model
+    goes on with its answer; a budget of 0 begins the reply without reasoning."""
+
+    def __init__(self, session: Forcing, thinking: Thinking):
+        assert thinking.fmt is not None and thinking.budget is not None
+        self.session, self.fmt, self.left = session, thinking.fmt, thinking.budget
+        self.split = thinking.splitter()
+        self.inside = thinking.inside
+
+    def start(self) -> list[int]:
+        if self.left > 0:
+            return []
+        if self.inside:
+            empty = self.fmt.empty
+            return self._force(empty if empty.strip().startswith(self.fmt.close) else self.fmt.closes_with)
+        return self._force(self.fmt.no_reasoning)
+
+    def took(self, token: int) -> list[int]:
+        was = self.split.in_reasoning
+        self.split.feed(self.session.backend.token_text(token).decode("utf-8", "replace"))
+        if was:
+            self.left -= 1
+        if self.split.in_reasoning and self.left <= 0:
+            return self._force(self.fmt.closes_with)
+        return []
+
+    def _force(self, text: str) -> list[int]:
+        tokens = self.session.force(text)
+        self.split.feed(text)
+        return tokens
+
+
+class CallWatch(CallSink):
+    """A reply's sink while tools are offered on the local model: from the token that completes
+    a call's trigger, the reply keeps to the call's grammar (llguidance's mask)."""
+
+    def __init__(self, session: Forcing, sink: ReplySink, thinking: Thinking, grammar: CallGrammar,
+                 forced: bool):
+        super().__init__(sink, grammar, thinking)
+        self.session, self.grammar = session, grammar
+        # A required call is forced from the start, or once the reasoning the prompt opened ends.
+        # Until then the reply may not end: the end-of-generation tokens are banned.
+        self.pending = forced and thinking.inside and grammar.after_reasoning is not None
+        self._ends = [t for t in session.special_tokens().values() if session.backend.is_eog(t)] if self.pending else []
+        if self.pending:
+            session.logits_processors.append(self._no_end)
+        elif forced:
+            self._force(grammar.forced)
+
+    def _no_end(self, tokens, logits) -> None:
+        logits[self._ends] = float("-inf")
+
+    def _stop_pending(self) -> None:
+        if self.pending:
+            self.pending = False
+            self.session.logits_processors.remove(self._no_end)
+
+    def _force(self, text: str) -> None:
+        if text:
+            self.session.force(text)
+            self.watch.push(text)
+        self._constrain(self.grammar.forced_lark)
+
+    def _constrain(self, lark: str | None = None) -> None:
+        from quipu.engine.grammar import Grammar
+
+        self.begin()
+        self.session.backend.set_constraint(Grammar("lark", lark or self.grammar.lark))
+
+    def took(self, token: int) -> None:
+        if self.calling:
+            return
+        spelled = self.session.backend.token_text(token).decode("utf-8", "replace")
+        if self.watch.push(spelled, control=self.session.backend.is_control(token)):
+            self._constrain()
+        elif self.pending and (after := self.watch.after_reasoning()) is not None:
+            # (what the model wrote after the reasoning's end, where it is the start of what is due)
+            due = self.grammar.after_reasoning or ""
+            self._stop_pending()
+            self._force(due[len(after):] if due.startswith(after) else self.grammar.forced)
+
+    def end(self) -> int | None:
+        """The reply is over: where the held-back call begins in the text (None: no call began)."""
+        self._stop_pending()
+        if self.calling:
+            self.session.backend.set_constraint(None)
+        return super().end()
