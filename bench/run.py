@@ -571,7 +571,8 @@ def bench_coldstart(model: str, threads: int, repeats: int, home: str) -> list[d
 BATCH_CODE = """
 import json, sys, time
 from quipu.app.batch import run_batch
-from quipu.app.environment import Environment, TurnOptions
+from quipu.app.environment import Environment
+from quipu.app.turn_options import TurnOptions
 model, threads, parallel, n_decode, text = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.stdin.read()
 rows = []
 opts = TurnOptions(model=model, raw=True, temperature=0.0, max_tokens=n_decode, threads=threads, logit_bias=("2=-inf",))
@@ -829,7 +830,8 @@ def bench_batch(model: str, threads: int, repeats: int, home: str, n_rows: int =
 REMOTE_CODE = """
 import itertools, json, sys, tempfile, time
 import httpx
-from quipu.app.environment import Environment, TurnOptions
+from quipu.app.environment import Environment
+from quipu.app.turn_options import TurnOptions
 from quipu.app.llama_server import LlamaServerHost, open_llama_server
 from quipu.engine.llama_server import LlamaServerModel, llama_server_props
 from quipu.app.named import NamedSession, store_for

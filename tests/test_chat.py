@@ -46,7 +46,8 @@ def test_completion_comes_from_the_table():
 @pytest.fixture
 def repl(tmp_path, tiny_model):
     from quipu.app.chat import ChatSession
-    from quipu.app.environment import Environment, TurnOptions
+    from quipu.app.environment import Environment
+    from quipu.app.turn_options import TurnOptions
 
     env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
     out, err = io.StringIO(), io.StringIO()
@@ -327,7 +328,8 @@ def test_reasoning_is_shown_dimmed_and_can_be_hidden(tmp_path, tiny_model):
     from pathlib import Path
 
     from quipu.app.chat import ChatSession
-    from quipu.app.environment import Environment, TurnOptions
+    from quipu.app.environment import Environment
+    from quipu.app.turn_options import TurnOptions
 
     r1 = Path(__file__).parent / "templates" / "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja"
     qwen3 = Path(__file__).parent / "templates" / "Qwen-Qwen3-0.6B.jinja"
@@ -363,7 +365,8 @@ def test_think_sets_a_reasoning_effort_and_budget_that_the_session_keeps(tmp_pat
     from pathlib import Path
 
     from quipu.app.chat import ChatSession
-    from quipu.app.environment import Environment, TurnOptions
+    from quipu.app.environment import Environment
+    from quipu.app.turn_options import TurnOptions
 
     oss = Path(__file__).parent / "templates" / "openai-gpt-oss-120b.jinja"
     env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})

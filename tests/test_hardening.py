@@ -169,7 +169,8 @@ def test_a_full_filesystem_never_fails_a_run_for_its_cache(quipu, tiny_model, tm
 SAVER = r"""
 import sys
 from quipu.app.named import NamedSession
-from quipu.app.environment import Environment, TurnOptions
+from quipu.app.environment import Environment
+from quipu.app.turn_options import TurnOptions
 from quipu.app.local import LocalHost
 from quipu.store.store import SessionStore
 env = Environment.load()

@@ -209,7 +209,8 @@ def test_a_backend_that_cannot_embed_refuses(tiny_model, monkeypatch):
     from quipu.engine.llama import LlamaBackend
     from quipu.errors import CapabilityError
     from quipu.app.embed import embed_texts
-    from quipu.app.environment import Environment, TurnOptions
+    from quipu.app.environment import Environment
+    from quipu.app.turn_options import TurnOptions
 
     monkeypatch.setattr(LlamaBackend, "supports_embeddings", False)
     with pytest.raises(CapabilityError, match="cannot compute embeddings"):

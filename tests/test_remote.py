@@ -248,7 +248,8 @@ def test_a_chat_on_llama_server_keeps_its_context_in_its_slot(llama_server, tmp_
     # only when someone else used the slot since; either way a turn reads only what is new, and
     # going back (/undo) warns of nothing.
     from quipu.app.chat import ChatSession
-    from quipu.app.environment import Environment, TurnOptions
+    from quipu.app.environment import Environment
+    from quipu.app.turn_options import TurnOptions
     from quipu.engine.http import ServerSettings
 
     env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
@@ -457,7 +458,8 @@ def test_a_retry_that_fails_keeps_the_exchange(fake, tmp_path):
     # /retry on a chat-API server whose request then fails: the exchange stays, in the chat and on
     # disk, as it does on a local model (the last reply is put back, and the user's message kept).
     from quipu.app.chat import ChatSession
-    from quipu.app.environment import Environment, TurnOptions
+    from quipu.app.environment import Environment
+    from quipu.app.turn_options import TurnOptions
     from quipu.engine.http import ServerSettings
     from quipu.store.store import SessionStore
 

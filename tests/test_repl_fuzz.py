@@ -78,7 +78,8 @@ def chat(request, tmp_path, tiny_model):
     """A chat on each host: the tiny model here, the bundled one on a real llama-server, and the
     fake chat-API server (whose faults the test mixes in)."""
     from quipu.app.chat import ChatSession
-    from quipu.app.environment import Environment, TurnOptions
+    from quipu.app.environment import Environment
+    from quipu.app.turn_options import TurnOptions
 
     env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
     server = None

@@ -89,7 +89,8 @@ def test_a_relative_quipu_home_is_made_absolute_once(tmp_path, monkeypatch):
 
 def test_the_chat_keeps_every_setting_set_and_lists_them(tmp_path, tiny_model):
     from quipu.app.chat import ChatSession
-    from quipu.app.environment import Environment, TurnOptions
+    from quipu.app.environment import Environment
+    from quipu.app.turn_options import TurnOptions
     from quipu.cli.repl import Repl
     from quipu.cli.terminal import Terminal
 

@@ -16,9 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from quipu.app.environment import (
-    SAMPLING_TYPES,
-    Environment,
+from quipu.app.environment import SAMPLING_TYPES, Environment
+from quipu.app.turn_options import (
     TurnOptions,
     chat_template_source,
     check_positive,

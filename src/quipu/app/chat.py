@@ -8,7 +8,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from quipu.app.environment import SAMPLING_TYPES, Environment, TurnOptions, max_tokens
+from quipu.app.environment import SAMPLING_TYPES, Environment
+from quipu.app.turn_options import TurnOptions, max_tokens
 from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost
 from quipu.app.modes import CHAT, check_options
@@ -213,7 +214,7 @@ class ChatSession:
     def constrain(self, schema: str | None = None, grammar: str | None = None, regex: str | None = None) -> bool:
         """The next replies keep to a JSON Schema, a grammar file (GBNF, or Lark for .lark) or a
         regular expression ("off" for none). Returns whether a constraint is now on."""
-        from quipu.app.environment import sampling_params
+        from quipu.app.turn_options import sampling_params
 
         self.capabilities.require("grammar", chat=True)
         session = self._named.session

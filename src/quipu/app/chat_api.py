@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from quipu.app.environment import Environment, TurnOptions
+from quipu.app.environment import Environment
+from quipu.app.turn_options import TurnOptions
 from quipu.app.hosts import NoCache, Opened
 from quipu.engine.base import ContextSettings, ProgressFn
 from quipu.sessions.base import CHAT_API, Message

@@ -7,7 +7,8 @@ from typing import Sequence
 
 from quipu.engine.base import ContextSettings
 from quipu.errors import BadInput, CapabilityError
-from quipu.app.environment import Environment, TurnOptions, load_backend
+from quipu.app.environment import Environment
+from quipu.app.turn_options import TurnOptions, load_backend
 
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
-from quipu.app.environment import Environment, TurnOptions
+from quipu.app.environment import Environment
+from quipu.app.turn_options import TurnOptions
 from quipu.engine.base import ProgressFn
 from quipu.errors import InvalidParameter, SnapshotError
 from quipu.sessions.base import Capabilities, Message, ModelSession

@@ -15,7 +15,8 @@ import uuid
 import zlib
 from typing import TYPE_CHECKING
 
-from quipu.app.environment import Environment, TurnOptions, sampling_params, with_logit_biases
+from quipu.app.environment import Environment
+from quipu.app.turn_options import TurnOptions, sampling_params, with_logit_biases
 from quipu.app.hosts import NoCache, Opened, made_elsewhere, saved_params
 from quipu.engine.base import ContextSettings, ProgressFn
 from quipu.sessions.base import LLAMA_SERVER, Message

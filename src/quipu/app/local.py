@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from quipu import __version__
-from quipu.app.environment import (
-    DEFAULT_MAX_STATE_BYTES,
-    Environment,
+from quipu.app.environment import DEFAULT_MAX_STATE_BYTES, Environment
+from quipu.app.turn_options import (
     TurnOptions,
     context_settings,
     load_backend,

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from quipu.app.environment import read_json_file
+from quipu.app.user_files import read_json_file
 from quipu.app.tooldefs import Runner, Tool, ToolFailure, ToolOutput, never
 from quipu.config import MCP_KEYS, check_mcp_server
 from quipu.errors import Interrupted, QuipuError, UsageError

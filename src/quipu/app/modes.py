@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from quipu.app.environment import TurnOptions
+from quipu.app.turn_options import TurnOptions
 from quipu.errors import UsageError
 from quipu.sessions.base import FEATURES, Capabilities, refusal_words
 

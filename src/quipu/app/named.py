@@ -7,15 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from quipu import __version__
-from quipu.app.environment import (
-    SAMPLING_TYPES,
-    Environment,
-    TurnOptions,
-    chat_template_source,
-    max_tokens,
-    system_prompt,
-    template_variables,
-)
+from quipu.app.environment import SAMPLING_TYPES, Environment
+from quipu.app.turn_options import TurnOptions, chat_template_source, max_tokens, system_prompt, template_variables
 from quipu.app.hosts import Keeper, ModelHost
 from quipu.engine.base import ProgressFn
 from quipu.sessions.base import Message, ModelSession

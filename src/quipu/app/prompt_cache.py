@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quipu.app.environment import Environment, TurnOptions
+from quipu.app.environment import Environment
+from quipu.app.turn_options import TurnOptions
 from quipu.errors import EngineError
 from quipu.models import fingerprint
 from quipu.sessions.inference import InferenceSession

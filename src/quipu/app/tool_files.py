@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Sequence
 
-from quipu.app.environment import read_json_file
+from quipu.app.user_files import read_json_file
 from quipu.app.tooldefs import Tool
 from quipu.errors import UsageError
 from quipu.sessions.toolspec import ToolSpec

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
-from quipu.app.environment import read_text_file
+from quipu.app.user_files import read_text_file
 from quipu.app.tool_files import check_tool_schemas, tools_from_json, tools_in_messages
 from quipu.app.tooldefs import DEFAULT_TIMEOUT, Tool, ToolFailure, check_tool_name, never
 from quipu.errors import Interrupted, UsageError

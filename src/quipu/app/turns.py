@@ -8,14 +8,8 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Callable
 
-from quipu.app.environment import (
-    Environment,
-    TurnOptions,
-    chat_template_source,
-    max_tokens,
-    system_prompt,
-    template_variables,
-)
+from quipu.app.environment import Environment
+from quipu.app.turn_options import TurnOptions, chat_template_source, max_tokens, system_prompt, template_variables
 from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost
 from quipu.app.modes import check_options, mode_of

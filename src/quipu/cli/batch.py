@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def run_batch_file(source: str, opts, env, term: Terminal, parallel: int | None) -> int:
     from quipu.app.batch import run_batch
-    from quipu.app.environment import read_text_file
+    from quipu.app.user_files import read_text_file
 
     if source == "-":
         text = read_stdin(term)

@@ -208,14 +208,19 @@ def parse(params: dict[str, Opt | Arg], args: list[str]) -> dict | None:
     return given
 
 
+# Options of a turn settled into a field of another name: --url (or QUIPU_URL, or the config's
+# [remote] url) is the server the command talks to.
+SETTLED = {"url": "server"}
+
+
 def turn_options(given: dict[str, Any], env):
     """A TurnOptions from a command's parameters, by name: each option of a turn is a field of
-    TurnOptions under its parameter's name (a repeatable one as a tuple); the rest are the
-    command's own. `--url` (or QUIPU_URL, or the config) is settled here into the server."""
+    TurnOptions under its parameter's name (a repeatable one as a tuple), or settled into one
+    (`SETTLED`); the rest are the command's own."""
     import dataclasses
 
     from quipu.app.choose import server_of
-    from quipu.app.environment import TurnOptions
+    from quipu.app.turn_options import TurnOptions
 
     names = {f.name for f in dataclasses.fields(TurnOptions)}
     fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if k in names}

@@ -1,0 +1,214 @@
+"""What the user asked for (`TurnOptions`), turned into settings: sampling parameters (with the
+grammar of --schema, --grammar or --regex, and --logit-bias made token ids), context settings,
+the reply's length, the system prompt, the chat template and its variables: command line >
+session > config file > built-in defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from quipu.engine.base import Backend, ContextSettings
+from quipu.errors import TemplateError, UsageError
+from quipu.sessions.base import LOCAL, Capabilities
+from quipu.sessions.params import SamplingParams
+from quipu.sessions.template import ChatTemplate
+
+from quipu.app.environment import DEFAULT_MAX_TOKENS, SAMPLING_TYPES, Environment
+from quipu.app.user_files import read_text_file
+
+if TYPE_CHECKING:
+    from quipu.engine.http import ServerSettings
+
+
+
+@dataclass
+class TurnOptions:
+    """What the user asked for; None means not given (session, then config, then defaults apply)."""
+
+    model: str | None = None
+    system: str | None = None
+    raw: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    ctx: int | None = None
+    threads: int | None = None
+    kv_type: str | None = None
+    session: str | None = None
+    continue_reply: bool = False
+    verbose: bool = False
+    chat_template: str | None = None  # a file whose template replaces the model's
+    think: bool | None = None  # the template's `enable_thinking`, where it has one
+    reasoning_budget: int | None = None  # the most tokens of reasoning (0: none; -1: no limit)
+    reasoning_effort: str | None = None  # the template's `reasoning_effort`: low, medium, high
+    schema: str | None = None  # a JSON Schema, inline or @file; "off" drops a session's constraint
+    grammar: str | None = None  # a GBNF or Lark (.lark) file; "off" as for schema
+    regex: str | None = None  # a regular expression; "off" as for schema
+    logit_bias: tuple[str, ...] = ()  # TOKEN=BIAS, TOKEN an id or a text that is one token
+    no_cache: bool = False  # neither use nor fill the prompt cache
+    # The server the command talks to (from --url, QUIPU_URL or the config: `choose.server_of`);
+    # None: a model on this machine.
+    server: "ServerSettings | None" = None
+    # Tools: Python files whose functions the model may call, definitions the caller runs, the
+    # results of such calls (ID=TEXT), and how the loop goes.
+    functions: tuple[str, ...] = ()
+    tools_file: str | None = None
+    tool_results: tuple[str, ...] = ()
+    tool_choice: str | None = None  # auto, required, none, or a tool's name
+    chain_limit: int | None = None
+    tool_output_max: int | None = None
+    tool_timeout: float | None = None
+    mcp: tuple[str, ...] = ()  # MCP servers by name ([mcp.NAME] in the config, or --mcp-config)
+    mcp_config: str | None = None  # a JSON file of servers in the `mcpServers` shape
+    yes: bool = False  # approve every call
+    messages: str | None = None  # a JSON file: the conversation a one-shot run goes on from
+
+    def sampling(self) -> dict:
+        """The sampling parameters given on the command line."""
+        return {k: getattr(self, k) for k in SAMPLING_TYPES if getattr(self, k, None) is not None}
+
+
+def check_positive(name: str, value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise UsageError(f"{name} must be more than 0, got {value}")
+
+
+def sampling_params(opts: TurnOptions, env: Environment, base: SamplingParams | None = None,
+                    host: Capabilities = LOCAL) -> SamplingParams:
+    """Command line > config > `base` (a session's own settings) > built-in defaults. The
+    grammar of --schema, --grammar or --regex is included, checked as `host` reads it;
+    --logit-bias needs the model (`logit_biases`)."""
+    params = base or SamplingParams().replace(
+        **{k: v for k, v in env.config.generation.items() if k in SAMPLING_TYPES}
+    )
+    params = params.replace(**opts.sampling())
+    if OFF in (opts.schema, opts.grammar, opts.regex):
+        params = params.unconstrained()
+    grammar = grammar_of(opts, host.reads_gbnf)
+    return params.replace(grammar=grammar) if grammar else params
+
+
+OFF = "off"
+
+
+def grammar_of(opts: TurnOptions, reads_gbnf: bool = False):
+    """The grammar (`engine.grammar.Grammar`) that --schema, --grammar or --regex asks for,
+    checked (None when none does); by its depth alone for a host that `reads_gbnf` itself."""
+    given = {name: value for name, value in (("--schema", opts.schema), ("--grammar", opts.grammar),
+                                              ("--regex", opts.regex)) if value not in (None, OFF)}
+    if len(given) > 1:
+        raise UsageError(f"give one of --schema, --grammar and --regex, not {' and '.join(given)}")
+    if not given:
+        return None
+    from quipu.engine.grammar import Grammar, grammar_kind, schema_grammar
+
+    if opts.schema not in (None, OFF):
+        text = read_text_file(opts.schema[1:], "schema") if opts.schema.startswith("@") else opts.schema
+        grammar = schema_grammar(text)
+    elif opts.grammar not in (None, OFF):
+        grammar = Grammar(grammar_kind(opts.grammar), read_text_file(opts.grammar, "grammar"))
+    else:
+        assert opts.regex is not None  # (one of the three was given: the caller says so)
+        grammar = Grammar("regex", opts.regex)
+    from quipu.engine.constraint import compile_grammar  # llguidance: only when a grammar is asked for
+
+    if grammar.kind != "gbnf" or not reads_gbnf:
+        compile_grammar(grammar)  # an invalid grammar is refused before a model is loaded
+    else:
+        from quipu.engine.grammar import check_grammar_depth
+
+        check_grammar_depth(grammar.text)
+    return grammar
+
+
+def parse_logit_bias(specs: Sequence[str]) -> list[tuple[str, float]]:
+    """TOKEN=BIAS pairs, checked before any model is loaded."""
+    pairs = []
+    for spec in specs:
+        token, sep, bias = spec.rpartition("=")
+        try:
+            value = float(bias)
+        except ValueError:
+            value = None
+        if not sep or not token or value is None or value != value:
+            raise UsageError(f"--logit-bias takes TOKEN=BIAS (a token id or text, a number or -inf), not '{spec}'")
+        pairs.append((token, value))
+    return pairs
+
+
+def logit_biases(backend: Backend, specs: Sequence[str]) -> tuple[tuple[int, float], ...]:
+    """--logit-bias with each TOKEN made a token id: an id, or a text the model spells as one token."""
+    out = []
+    for token, bias in parse_logit_bias(specs):
+        if token.isascii() and token.isdigit():
+            token_id = int(token)
+            if token_id >= backend.n_vocab:
+                raise UsageError(f"--logit-bias: token {token_id} is not in the model's vocabulary "
+                                 f"of {backend.n_vocab}")
+        else:
+            ids = backend.tokenize(token, add_special=False, parse_special=True)
+            if len(ids) != 1:
+                raise UsageError(f"--logit-bias: '{token}' is {len(ids)} tokens for this model, not one; give its id")
+            token_id = ids[0]
+        out.append((token_id, bias))
+    return tuple(out)
+
+
+def with_logit_biases(params: SamplingParams, backend: Backend, opts: TurnOptions) -> SamplingParams:
+    """`params` with --logit-bias made token ids for `backend`'s model (checked before it loaded)."""
+    if not opts.logit_bias:
+        return params
+    return params.replace(logit_bias=logit_biases(backend, opts.logit_bias))
+
+
+def context_settings(opts: TurnOptions, env: Environment) -> ContextSettings:
+    gen = env.config.generation
+    ctx = opts.ctx if opts.ctx is not None else gen.get("ctx")
+    threads = opts.threads if opts.threads is not None else gen.get("threads")
+    check_positive("--ctx", ctx)
+    check_positive("--threads", threads)
+    return ContextSettings(n_ctx=ctx or 0, n_threads=threads or 0, kv_type=opts.kv_type or "f16")
+
+
+def max_tokens(opts: TurnOptions, env: Environment) -> int:
+    value = opts.max_tokens if opts.max_tokens is not None else env.config.generation.get("max_tokens")
+    check_positive("--max-tokens", value)
+    return value or DEFAULT_MAX_TOKENS
+
+
+def load_backend(model_path, settings: ContextSettings, verbose: bool):
+    from quipu.engine.llama import LlamaBackend  # imported here: llama.cpp loads in a blink only when needed
+
+    return LlamaBackend(model_path, settings, verbose=verbose)
+
+
+def system_prompt(opts: TurnOptions, env: Environment) -> str | None:
+    """--system, else the config's; an explicit empty --system means none."""
+    return opts.system if opts.system is not None else env.config.system
+
+
+def chat_template_source(opts: TurnOptions) -> str | None:
+    """The text of --chat-template FILE, checked to be a template; None when not given."""
+    if opts.chat_template is None:
+        return None
+    text = read_text_file(opts.chat_template, "chat template")
+    try:
+        ChatTemplate(text)
+    except TemplateError as exc:
+        raise UsageError(f"{Path(opts.chat_template).expanduser()}: {exc}") from None
+    return text
+
+
+def template_variables(opts: TurnOptions, saved: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What the template is given besides the messages: a session's own, then --think/--no-think."""
+    variables = dict(saved or {})
+    if opts.think is not None:
+        variables["enable_thinking"] = opts.think
+    return variables

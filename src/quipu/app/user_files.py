@@ -1,0 +1,68 @@
+"""Files the user names (a schema, a grammar, a template, a tools or messages file): read with
+a bound on their size (and, for JSON, their depth, found before they become Python objects),
+each failure a one-line usage error."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from quipu.errors import UsageError
+
+MAX_FILE_BYTES = 64 << 20  # the largest file the user names that is read (as standard input)
+# A JSON string, or one bracket: what a depth scan needs to see of a JSON text.
+_JSON_MARKS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+
+
+def json_depth(text: str, stop_past: int) -> int:
+    """How deep brackets nest in a JSON text, found without parsing it (strings skipped), the
+    scan ended once past `stop_past`."""
+    depth = deepest = 0
+    for mark in _JSON_MARKS.finditer(text):
+        c = mark.group()
+        if c in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > stop_past:
+                    break
+        elif c in "]}":
+            depth -= 1
+    return deepest
+
+
+def read_json_file(name: str, what: str):
+    """A JSON file the user named, parsed; a clear usage error when it cannot be read or parsed,
+    or is larger or deeper than quipu takes (checked before it becomes Python objects)."""
+    import json
+
+    from quipu.engine.grammar import MAX_DEPTH
+
+    path = Path(name).expanduser()
+    text = read_text_file(name, what, allow_empty=True)
+    if json_depth(text, MAX_DEPTH) > MAX_DEPTH:
+        raise UsageError(f"the {what} {path} nests deeper than {MAX_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise UsageError(f"the {what} {path} is not valid JSON: {exc}") from None
+
+
+def read_text_file(name: str, what: str, allow_empty: bool = False) -> str:
+    """A file the user named, as text (at most `MAX_FILE_BYTES`); a clear usage error when it
+    cannot be."""
+    path = Path(name).expanduser()
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise UsageError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise UsageError(f"the {what} {path} is larger than {MAX_FILE_BYTES >> 20} MB")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"the {what} {path} is not UTF-8 text") from None
+    if not text.strip() and not allow_empty:
+        raise UsageError(f"the {what} {path} is empty")
+    return text
