@@ -60,7 +60,7 @@ class ChatSession:
         self.last_stats: Stats | None = None
         self.resumed = False
         self.hooks: ToolHooks | None = None  # how the front end approves and shows calls
-        self.tools = open_tools(opts, env, on_output=self._output)  # a bad file is said before anything is loaded
+        self.tools = open_tools(opts.tool_options, env, constrained=opts.constrained, on_output=self._output)  # a bad file is said before anything is loaded
 
     def _output(self, line: str) -> None:
         if self.hooks is not None and self.hooks.on_output is not None:
@@ -105,7 +105,7 @@ class ChatSession:
         except BaseException:
             stack.close()
             raise
-        offer(named.conversation, self.tools, opts or self.opts)
+        offer(named.conversation, self.tools, (opts or self.opts).tool_options)
         named.keeper.background = True  # the prompt comes back before the state is on disk
         waiting = waiting_notice(named.conversation, "/continue runs them (asking first); a new message goes on "
                                                       "without them")
@@ -164,7 +164,7 @@ class ChatSession:
         try:
             limit, stop = named.reply_limits(self.opts, self.env)
             gen = action(max_tokens=limit, stop=stop, sink=sink)
-            gen, calls, notes = follow_calls(named.conversation, self.tools, gen, self.opts, limit, stop, sink,
+            gen, calls, notes = follow_calls(named.conversation, self.tools, gen, self.opts.tool_options, limit, stop, sink,
                                              self.hooks)
             named.notices += notes
         except ContextOverflow as exc:
@@ -196,7 +196,7 @@ class ChatSession:
     def send(self, text: str, sink: ReplySink = SILENT) -> TurnOutcome:
         conv = self._named.conversation
         skip_pending(conv)  # (calls left waiting are answered "not run")
-        self._named.warm(text, self.opts, self.env)
+        self._named.warm(text)
         return self._turn(lambda **kw: conv.send(text, **kw), sink, message=text)
 
     def retry(self, sink: ReplySink = SILENT) -> TurnOutcome:

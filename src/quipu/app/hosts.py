@@ -45,14 +45,14 @@ class Keeper(Protocol[S]):
     def save(self, store: "SessionStore", name: str, record: "Transcript", session: S) -> list[str]:
         """Writes the session (the transcript, and a state file where the host keeps one); notices."""
 
-    def warm(self, session: S, tokens: Callable[[], list[int]], opts: TurnOptions, env: Environment):
+    def warm(self, session: S, tokens: Callable[[], list[int]]):
         """Before a new context's first turn: restores what the prompt cache holds of its
-        prompt, `tokens()` (local models); the cache's use, or None."""
+        prompt, `tokens()` (local models, unless --no-cache); the cache's use, or None."""
 
-    def remember(self, session: S, use, opts: TurnOptions) -> list[str]:
+    def remember(self, session: S, use) -> list[str]:
         """After a one-shot answer is out: keeps its prompt in the prompt cache; notices."""
 
-    def cached(self, session: S, tokens: list[int], opts: TurnOptions, env: Environment) -> int:
+    def cached(self, session: S, tokens: list[int]) -> int:
         """How many of `tokens` the prompt cache would restore (`--show-prompt`)."""
 
     def model_for_new(self, opts: TurnOptions) -> str | None:
@@ -91,13 +91,13 @@ class NoCache:
     def wait(self) -> list[str]:
         return []
 
-    def warm(self, session, tokens, opts, env):
+    def warm(self, session, tokens):
         return None
 
-    def remember(self, session, use, opts) -> list[str]:
+    def remember(self, session, use) -> list[str]:
         return []
 
-    def cached(self, session, tokens, opts, env) -> int:
+    def cached(self, session, tokens) -> int:
         return 0
 
     def model_for_new(self, opts: TurnOptions) -> str | None:

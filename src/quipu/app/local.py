@@ -23,7 +23,8 @@ from quipu.app.turn_options import (
     with_logit_biases,
 )
 from quipu.app.hosts import Opened, made_elsewhere, saved_params
-from quipu.app.prompt_cache import CacheUse, cache_lookup, cache_save, cached_count
+from quipu.app.prompt_cache import CacheUse, cache_lookup, cache_save, cached_count, open_cache
+from quipu.store.cache import PromptCache
 from quipu.engine.base import KV_TYPES, ContextSettings, ProgressFn
 from quipu.engine.kvstate import LAYOUT, check_piece
 from quipu.errors import EngineError, ModelMismatch, SnapshotError, UsageError
@@ -67,7 +68,7 @@ class LocalHost:
     def create(self, opts: TurnOptions, env: Environment, name: str | None = None) -> Opened:
         model_name, model_path, session = open_session(opts, env)
         return Opened(session, LocalKeeper(model_name, model_path, fingerprint(model_path), env.max_state_bytes,
-                                           verbose=opts.verbose))
+                                           verbose=opts.verbose, cache=open_cache(env, opts.no_cache)))
 
     def resume(self, store: SessionStore, name: str, record: Transcript, messages: list[Message],
                opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened:
@@ -89,7 +90,8 @@ class LocalHost:
         started = time.perf_counter()
         backend = load_backend(model_path, settings, opts.verbose)
         notices: list[str] = []
-        keeper = LocalKeeper(model_name, model_path, model_fp, env.max_state_bytes, verbose=opts.verbose)
+        keeper = LocalKeeper(model_name, model_path, model_fp, env.max_state_bytes, verbose=opts.verbose,
+                             cache=open_cache(env, opts.no_cache))
         try:
             load_s = time.perf_counter() - started
             params = with_logit_biases(params, backend, opts)
@@ -185,6 +187,7 @@ class LocalKeeper:
     saved_state: tuple | None = None
     chain: Chain | None = None  # what the state file and its log hold, when known
     verbose: bool = False
+    cache: PromptCache | None = None  # the prompt cache this run uses (None: --no-cache)
     background: bool = False  # (a chat's: the state written while the user types)
     _writer: threading.Thread | None = None
     _failed: str | None = None
@@ -298,24 +301,23 @@ class LocalKeeper:
 
         return write, None
 
-    def warm(self, session: InferenceSession, tokens: Callable[[], list[int]], opts: TurnOptions,
-             env: Environment) -> "CacheUse | None":
+    def warm(self, session: InferenceSession, tokens: Callable[[], list[int]]) -> "CacheUse | None":
         """A new context's first prompt begins, perhaps, as earlier runs' did (a long system
         prompt): the cached beginning is restored, and the turn reads only the rest."""
-        if session.n_decoded:
+        if session.n_decoded or self.cache is None:
             return None
-        return cache_lookup(session, tokens(), self.model_path, opts, env)
+        return cache_lookup(session, tokens(), self.model_path, self.cache)
 
-    def remember(self, session: InferenceSession, use: "CacheUse | None", opts: TurnOptions) -> list[str]:
+    def remember(self, session: InferenceSession, use: "CacheUse | None") -> list[str]:
         """After a one-shot answer is out: the prompt's state joins the cache."""
         if use is None:
             return []
         cache_save(session, use)
-        return use.cache.notes if opts.verbose else []  # a damaged entry is dropped quietly, said when asked
+        return use.cache.notes if self.verbose else []  # a damaged entry is dropped quietly, said when asked
 
-    def cached(self, session: InferenceSession, tokens: list[int], opts: TurnOptions, env: Environment) -> int:
+    def cached(self, session: InferenceSession, tokens: list[int]) -> int:
         """How many of `tokens` the prompt cache would restore (`--show-prompt`)."""
-        return cached_count(session, tokens, self.model_path, opts, env)
+        return cached_count(session, tokens, self.model_path, self.cache) if self.cache is not None else 0
 
     def model_for_new(self, opts: TurnOptions) -> str | None:
         return str(self.model_path)

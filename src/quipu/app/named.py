@@ -104,11 +104,11 @@ class NamedSession:
             self._told_fold = True
             self.notices.append(FOLD_NOTICE)
 
-    def warm(self, text: str, opts: TurnOptions, env: Environment) -> None:
+    def warm(self, text: str) -> None:
         """Before the first turn of a new conversation: what the prompt cache holds of it is restored."""
         conv = self.conversation
         if all(m.role == "system" for m in conv.messages):
-            self.keeper.warm(self.session, lambda: conv.tokens_with(text), opts, env)
+            self.keeper.warm(self.session, lambda: conv.tokens_with(text))
 
     def save(self) -> None:
         """Saves the transcript (and what the host keeps beside it), each file atomically: at

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from quipu.app.environment import Environment
-from quipu.app.turn_options import TurnOptions
 from quipu.errors import EngineError
 from quipu.models import fingerprint
 from quipu.sessions.inference import InferenceSession
@@ -28,13 +27,13 @@ def cache_key(session: InferenceSession, model_path) -> dict:
     return {"fingerprint": fingerprint(model_path), "build": backend.build, "context": backend.context.state_key()}
 
 
-def cache_lookup(session: InferenceSession, tokens: list[int], model_path, opts: TurnOptions,
-                 env: Environment) -> CacheUse | None:
-    """Restores the longest cached beginning of `tokens` into the session, if any; None when the
-    cache is off for this run."""
-    if opts.no_cache:
-        return None
-    cache = PromptCache(env.dirs.prompt_cache, env.cache_max_bytes)
+def open_cache(env: Environment, no_cache: bool) -> PromptCache | None:
+    """The prompt cache a run uses (None with --no-cache)."""
+    return None if no_cache else PromptCache(env.dirs.prompt_cache, env.cache_max_bytes)
+
+
+def cache_lookup(session: InferenceSession, tokens: list[int], model_path, cache: PromptCache) -> CacheUse:
+    """Restores the longest cached beginning of `tokens` into the session, if any."""
     key = cache_key(session, model_path)
     hit = cache.lookup(key, tokens)
     reused = 0
@@ -48,12 +47,9 @@ def cache_lookup(session: InferenceSession, tokens: list[int], model_path, opts:
     return CacheUse(cache, key, tokens, reused)
 
 
-def cached_count(session: InferenceSession, tokens: list[int], model_path, opts: TurnOptions,
-                 env: Environment) -> int:
+def cached_count(session: InferenceSession, tokens: list[int], model_path, cache: PromptCache) -> int:
     """How many of `tokens` a run would restore from the prompt cache (`--show-prompt`)."""
-    if opts.no_cache:
-        return 0
-    found = PromptCache(env.dirs.prompt_cache, env.cache_max_bytes).peek(cache_key(session, model_path), tokens)
+    found = cache.peek(cache_key(session, model_path), tokens)
     return min(found, len(tokens) - 1) if found else 0
 
 

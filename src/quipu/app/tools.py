@@ -13,6 +13,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from quipu.app.user_files import read_text_file
 from quipu.app.tool_files import check_tool_schemas, tools_from_json, tools_in_messages
+from quipu.app.turn_options import ToolOptions
 from quipu.app.tooldefs import DEFAULT_TIMEOUT, Tool, ToolFailure, check_tool_name, never
 from quipu.errors import Interrupted, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink
@@ -258,10 +259,11 @@ class OpenTools:
         return out
 
 
-def open_tools(opts, env=None, *, stopped: Callable[[], bool] = never,
-            on_output: Callable[[str], None] | None = None) -> OpenTools | None:
+def open_tools(opts: ToolOptions, env=None, *, constrained: bool = False, stopped: Callable[[], bool] = never,
+               on_output: Callable[[str], None] | None = None) -> OpenTools | None:
     """The tools the options give (None when they give none), each checked; the functions files'
-    process and MCP servers are started (close the result to stop them). `stopped` is asked
+    process and MCP servers are started (close the result to stop them). `constrained`: the
+    turn's replies keep to a schema or grammar (which tools cannot go with); `stopped` is asked
     while a process is waited for (Ctrl-C, SIGTERM); `on_output` gets each line the user's
     functions write on stderr."""
     offered = tools_in_messages(opts.messages) if opts.messages else []
@@ -269,7 +271,7 @@ def open_tools(opts, env=None, *, stopped: Callable[[], bool] = never,
         if opts.mcp_config:
             raise UsageError("--mcp-config names where servers are defined; pick them with --mcp NAME")
         return None
-    if any(v not in (None, "off") for v in (opts.schema, opts.grammar, opts.regex)):
+    if constrained:
         raise UsageError("give tools or --schema/--grammar/--regex, not both: a call is held to the tools' own schemas")
     for name, value in (("--chain-limit", opts.chain_limit), ("--tool-output-max", opts.tool_output_max),
                         ("--tool-timeout", opts.tool_timeout)):
@@ -306,7 +308,7 @@ def open_tools(opts, env=None, *, stopped: Callable[[], bool] = never,
     return tools
 
 
-def offer(conv: Conversation, tools: OpenTools | None, opts) -> None:
+def offer(conv: Conversation, tools: OpenTools | None, opts: ToolOptions) -> None:
     """Tells the conversation of the tools (those given now replace a session's own)."""
     if tools is not None:
         conv.tools = tools.box.specs
@@ -321,7 +323,7 @@ def offer(conv: Conversation, tools: OpenTools | None, opts) -> None:
         conv.tool_choice = choice
 
 
-def answer_pending(conv: Conversation, opts, limit: int, stop: Sequence[str], sink: ReplySink) -> Generation:
+def answer_pending(conv: Conversation, opts: ToolOptions, limit: int, stop: Sequence[str], sink: ReplySink) -> Generation:
     """--tool-result: the results of the last reply's calls, then the model's next reply."""
     pending = {c.id: c for c in pending_calls(conv)}
     if not pending:
@@ -343,7 +345,8 @@ def answer_pending(conv: Conversation, opts, limit: int, stop: Sequence[str], si
     return conv.reply_to_tools(max_tokens=limit, stop=stop, sink=sink)
 
 
-def follow_calls(conv: Conversation, tools: OpenTools | None, gen: Generation, opts, limit: int, stop: Sequence[str],
+def follow_calls(conv: Conversation, tools: OpenTools | None, gen: Generation, opts: ToolOptions, limit: int,
+                 stop: Sequence[str],
                  sink: ReplySink, hooks: ToolHooks | None) -> tuple[Generation, list[CallRecord], list[str]]:
     """Runs the loop from a reply that made calls; (the last reply, the calls, notices)."""
     notices = list(tools.notices) if tools is not None else []

@@ -5,6 +5,7 @@ session > config file > built-in defaults."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -24,8 +25,27 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class TurnOptions:
-    """What the user asked for; None means not given (session, then config, then defaults apply)."""
+class ToolOptions:
+    """The options of a turn's tools: Python files whose functions the model may call,
+    definitions the caller runs, the results of such calls (ID=TEXT), and how the loop goes."""
+
+    functions: tuple[str, ...] = ()
+    tools_file: str | None = None
+    tool_results: tuple[str, ...] = ()
+    tool_choice: str | None = None  # auto, required, none, or a tool's name
+    chain_limit: int | None = None
+    tool_output_max: int | None = None
+    tool_timeout: float | None = None
+    mcp: tuple[str, ...] = ()  # MCP servers by name ([mcp.NAME] in the config, or --mcp-config)
+    mcp_config: str | None = None  # a JSON file of servers in the `mcpServers` shape
+    yes: bool = False  # approve every call
+    messages: str | None = None  # a JSON file: the conversation a one-shot run goes on from (its tools too)
+
+
+@dataclass
+class TurnOptions(ToolOptions):
+    """What the user asked for; None means not given (session, then config, then defaults apply).
+    Its tools' options are `ToolOptions`' (`tool_options` has them alone)."""
 
     model: str | None = None
     system: str | None = None
@@ -56,19 +76,15 @@ class TurnOptions:
     # The server the command talks to (from --url, QUIPU_URL or the config: `choose.server_of`);
     # None: a model on this machine.
     server: "ServerSettings | None" = None
-    # Tools: Python files whose functions the model may call, definitions the caller runs, the
-    # results of such calls (ID=TEXT), and how the loop goes.
-    functions: tuple[str, ...] = ()
-    tools_file: str | None = None
-    tool_results: tuple[str, ...] = ()
-    tool_choice: str | None = None  # auto, required, none, or a tool's name
-    chain_limit: int | None = None
-    tool_output_max: int | None = None
-    tool_timeout: float | None = None
-    mcp: tuple[str, ...] = ()  # MCP servers by name ([mcp.NAME] in the config, or --mcp-config)
-    mcp_config: str | None = None  # a JSON file of servers in the `mcpServers` shape
-    yes: bool = False  # approve every call
-    messages: str | None = None  # a JSON file: the conversation a one-shot run goes on from
+
+    @property
+    def constrained(self) -> bool:
+        """Whether --schema, --grammar or --regex asks for a constraint (not "off")."""
+        return any(v not in (None, OFF) for v in (self.schema, self.grammar, self.regex))
+
+    @property
+    def tool_options(self) -> ToolOptions:
+        return ToolOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ToolOptions)})
 
     def sampling(self) -> dict:
         """The sampling parameters given on the command line."""

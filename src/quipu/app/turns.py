@@ -80,7 +80,8 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     the result is out."""
     with closing(open_host(opts.server)) as host:
         check_options(opts, mode_of(opts), host.capabilities)
-        tools = open_tools(opts, env, stopped=sink.stopped, on_output=hooks.on_output if hooks is not None else None)
+        tools = open_tools(opts.tool_options, env, constrained=opts.constrained, stopped=sink.stopped,
+                           on_output=hooks.on_output if hooks is not None else None)
         try:
             if opts.session is not None:
                 result = run_session_turn(prompt, opts, env, host, sink, tools, hooks)
@@ -125,31 +126,31 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
         notices = []
         if opts.raw:
             tokens = session.raw_tokens(prompt or "")
-            cached = keeper.warm(session, lambda: tokens, opts, env)
+            cached = keeper.warm(session, lambda: tokens)
             gen = session.complete(tokens, limit, opts.stop, sink)
         else:
             conv = _conversation(session, opts, env, source)
-            offer(conv, tools, opts)
+            offer(conv, tools, opts.tool_options)
             if prompt:
-                cached = keeper.warm(session, lambda: conv.tokens_with(prompt), opts, env)
+                cached = keeper.warm(session, lambda: conv.tokens_with(prompt))
                 gen = conv.send(prompt, max_tokens=limit, stop=opts.stop, sink=sink)
             else:  # --messages alone: the reply to its last message, or its last reply continued
                 last = conv.messages[-1]
                 cached = keeper.warm(session, lambda: conv.context_tokens(last.role != "assistant",
                                                                           last.content if last.role == "assistant"
-                                                                          else ""), opts, env)
+                                                                          else ""))
                 if last.role == "assistant":
                     gen = conv.continue_reply(max_tokens=limit, stop=opts.stop, sink=sink)
                 else:
                     gen = conv.answer(max_tokens=limit, stop=opts.stop, sink=sink)
-            gen, calls, tool_notes = follow_calls(conv, tools, gen, opts, limit, opts.stop, sink, hooks)
+            gen, calls, tool_notes = follow_calls(conv, tools, gen, opts.tool_options, limit, opts.stop, sink, hooks)
             notices = ([FOLD_NOTICE] if conv.folds_system else []) + tool_notes
         result = TurnResult.of(gen, keeper.model_name, session, None, notices)
         if not opts.raw:
             result.tool_calls = calls
         if on_result is not None:
             on_result(result)  # the answer is out before the cache is written
-        result.notices += keeper.remember(session, cached, opts)
+        result.notices += keeper.remember(session, cached)
         return result
     finally:
         session.close()
@@ -184,10 +185,10 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
         try:
             conv = named.conversation
             limit, stop = named.reply_limits(opts, env)
-            offer(conv, tools, opts)
+            offer(conv, tools, opts.tool_options)
             try:
                 if opts.tool_results:
-                    gen = answer_pending(conv, opts, limit, stop, sink)
+                    gen = answer_pending(conv, opts.tool_options, limit, stop, sink)
                 elif not prompt and not opts.continue_reply:
                     resumed = resume_pending(conv)  # a loop that stopped before its calls ran goes on
                     if resumed is None:
@@ -199,9 +200,9 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
                 else:
                     assert prompt  # (a turn without a prompt went another way above)
                     skip_pending(conv)  # (calls left waiting are answered "not run")
-                    named.warm(prompt, opts, env)
+                    named.warm(prompt)
                     gen = conv.send(prompt, max_tokens=limit, stop=stop, sink=sink)
-                gen, calls, tool_notes = follow_calls(conv, tools, gen, opts, limit, stop, sink, hooks)
+                gen, calls, tool_notes = follow_calls(conv, tools, gen, opts.tool_options, limit, stop, sink, hooks)
                 named.notices += tool_notes
             except ContextOverflow as exc:
                 if named.session.used < exc.n_ctx // 2:
@@ -244,13 +245,14 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
             raise BadInput("no prompt: give one as an argument or on standard input")
         opened = host.create(opts, env)
         session = opened.session
-        tools = open_tools(opts, env)  # the tools are part of the context their definitions are written into
+        # (the tools are part of the context their definitions are written into)
+        tools = open_tools(opts.tool_options, env, constrained=opts.constrained)
         try:
             if opts.raw:
                 tokens = session.raw_tokens(prompt or "")
             else:
                 conv = _conversation(session, opts, env, chat_template_source(opts))
-                offer(conv, tools, opts)
+                offer(conv, tools, opts.tool_options)
                 if prompt:
                     tokens = conv.tokens_with(prompt)
                 elif conv.messages[-1].role == "assistant":
@@ -258,7 +260,7 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
                     tokens = conv.context_tokens(True, tail)
                 else:
                     tokens = conv.context_tokens()
-            reused = opened.keeper.cached(session, tokens, opts, env)
+            reused = opened.keeper.cached(session, tokens)
             return PromptView(session.spell(tokens), tokens, reused, opened.keeper.model_name, None)
         finally:
             if tools is not None:

@@ -102,7 +102,7 @@ def run(env, **given) -> int:
         sink.progress_bar.close()
     for notice in result.notices:
         term.warn(notice)
-    if result.finish_reason == "length" and any(v not in (None, "off") for v in (opts.schema, opts.grammar, opts.regex)):
+    if result.finish_reason == "length" and opts.constrained:
         term.warn("the reply was cut by --max-tokens, so it is incomplete and will not parse; raise -n")
     if stats:
         term.stderr.write(stats_line(result) + "\n")
