@@ -107,16 +107,17 @@ def sampling_params(opts: TurnOptions, env: Environment, base: SamplingParams | 
     params = params.replace(**opts.sampling())
     if OFF in (opts.schema, opts.grammar, opts.regex):
         params = params.unconstrained()
-    grammar = grammar_of(opts, host.reads_gbnf)
+    grammar = grammar_of(opts, host.own_grammar)
     return params.replace(grammar=grammar) if grammar else params
 
 
 OFF = "off"
 
 
-def grammar_of(opts: TurnOptions, reads_gbnf: bool = False):
+def grammar_of(opts: TurnOptions, own_grammar: bool = False):
     """The grammar (`engine.grammar.Grammar`) that --schema, --grammar or --regex asks for,
-    checked (None when none does); by its depth alone for a host that `reads_gbnf` itself."""
+    checked (None when none does); a GBNF grammar by its depth alone for a host that keeps
+    replies to it with its `own_grammar` engine."""
     given = {name: value for name, value in (("--schema", opts.schema), ("--grammar", opts.grammar),
                                               ("--regex", opts.regex)) if value not in (None, OFF)}
     if len(given) > 1:
@@ -135,7 +136,7 @@ def grammar_of(opts: TurnOptions, reads_gbnf: bool = False):
         grammar = Grammar("regex", opts.regex)
     from quipu.engine.constraint import compile_grammar  # llguidance: only when a grammar is asked for
 
-    if grammar.kind != "gbnf" or not reads_gbnf:
+    if grammar.kind != "gbnf" or not own_grammar:
         compile_grammar(grammar)  # an invalid grammar is refused before a model is loaded
     else:
         from quipu.engine.grammar import check_grammar_depth

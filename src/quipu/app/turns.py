@@ -104,7 +104,7 @@ def constrained_by(session) -> str | None:
     grammar = session.params.grammar
     if grammar is None:
         return None
-    if session.capabilities.kind == "local":
+    if not session.capabilities.own_grammar:
         from quipu.engine.constraint import describe
 
         return describe(grammar)

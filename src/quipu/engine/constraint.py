@@ -29,6 +29,8 @@ from quipu.errors import EngineError, InvalidParameter
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
+    from quipu.engine.model import LlamaModel
+
 # Between JSON's tokens: nothing, a space, or a new line and some indentation, as the model
 # prefers; never a long run of blanks, which a small model can fall into and not leave.
 WHITESPACE = r"[ ]?|\n(?:[ ]{0,32}|\t{0,8})"
@@ -113,13 +115,12 @@ def _limits():
     return llguidance.LLParserLimits(**LIMITS)
 
 
-def tokenizer(model) -> "llguidance.LLTokenizer":
+def tokenizer(model: "LlamaModel") -> "llguidance.LLTokenizer":
     """llguidance's view of a loaded model's vocabulary (kept on the model: building it reads
     every token once). Control tokens are marked as special, so that no grammar spells them;
     every end-of-generation token ends a reply the grammar has completed."""
-    cached = getattr(model, "_llg_tokenizer", None)
-    if cached is not None:
-        return cached
+    if model.guidance_tokenizer is not None:
+        return model.guidance_tokenizer
     from quipu.engine.native import lc
 
     vocab = model.vocab
@@ -146,7 +147,7 @@ def tokenizer(model) -> "llguidance.LLTokenizer":
     made = llguidance.LLTokenizer.from_llamacpp(  # type: ignore[attr-defined]
         tokens=pieces, vocab_ptr=vocab, tokenize_fptr=ctypes.cast(lc._lib.llama_tokenize, ctypes.c_void_p).value,
         eos_token=ends, slices=None)
-    model._llg_tokenizer = made
+    model.guidance_tokenizer = made
     return made
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 from quipu.engine.native import lc
 
@@ -86,6 +87,8 @@ class LlamaModel:
         self._pieces: dict[int, bytes] = {}
         self._max_token_bytes: int | None = None
         self._control_texts: list[str] | None = None
+        self._special_tokens: dict[str, int] | None = None
+        self.guidance_tokenizer: Any = None  # llguidance's view of the vocabulary, once built (constraint.py)
         self._controls: frozenset[int] | None = None
         self._piece_buf = ctypes.create_string_buffer(256)
 
@@ -155,7 +158,7 @@ class LlamaModel:
     def special_tokens(self) -> dict[str, int]:
         """{text: id} of the tokens llguidance treats as special: control tokens, and added tokens
         spelled `<...>` (as `constraint.tokenizer` marks them)."""
-        if getattr(self, "_special_tokens", None) is None:
+        if self._special_tokens is None:
             get_attr, vocab = lc.llama_vocab_get_attr, self.vocab
             found: dict[str, int] = {}
             for t in range(self.n_vocab):

@@ -208,7 +208,9 @@ class Capabilities:
     where: str  # how a refusal names it: "... cannot be used with {where}"
     exact_tokens: bool  # the context is kept as exact tokens: a reply is never read again
     context_size: bool  # the context's size is known here (else it is the server's own)
-    reads_gbnf: bool = False  # a GBNF grammar goes as text to llama.cpp's own parser (quipu checks its depth)
+    # The server keeps a reply to a grammar with its own engine (a GBNF grammar goes to it as
+    # text, quipu checking only its depth); else quipu's (llguidance) does.
+    own_grammar: bool = False
 
     def can(self, feature: str) -> bool:
         return feature in self.features
@@ -227,7 +229,7 @@ _ALL = frozenset(FEATURES)
 LOCAL = Capabilities("local", _ALL - {"slot_files"}, "a local model", exact_tokens=True, context_size=True)
 LLAMA_SERVER = Capabilities("llama-server", _ALL - {"context_settings", "prompt_cache", "state_files",
                                                     "reasoning_budget"},
-                            "a server", exact_tokens=True, context_size=True, reads_gbnf=True)
+                            "a server", exact_tokens=True, context_size=True, own_grammar=True)
 CHAT_API = Capabilities("chat-api", frozenset({"tools"}), "this server (only llama.cpp's llama-server takes it)",
                         exact_tokens=False, context_size=False)
 
