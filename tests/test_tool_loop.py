@@ -398,6 +398,8 @@ def test_messages_from_a_file_are_the_conversation_a_run_goes_on_from(quipu, tin
     assert bad.returncode == 2 and "messages[0].role is not" in bad.stderr.decode()
     with_session = quipu("run", *args, "-S", "x")
     assert with_session.returncode == 2 and "--session cannot be used with --messages" in with_session.stderr.decode()
+    with_results = quipu("run", *args, "--tool-result", "x=1")  # (the results go in the file's messages)
+    assert with_results.returncode == 2 and "--tool-result cannot be used with --messages" in with_results.stderr.decode()
 
 
 CONSTRAINED_FAMILIES = {

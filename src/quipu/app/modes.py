@@ -45,7 +45,8 @@ class Mode:
 
 
 ONE_SHOT = Mode("a one-shot run (give -S NAME for a session)", frozenset({"continue", "tool_results"}))
-FROM_MESSAGES = Mode("--messages (a conversation of its own)", frozenset({"session", "continue", "raw"}))
+FROM_MESSAGES = Mode("--messages (a conversation of its own)", frozenset({"session", "continue", "raw",
+                                                                         "tool_results"}))
 SESSION = Mode("--session (a session is a conversation)", frozenset({"raw"}))
 CHAT = Mode("a chat (it is a session)", frozenset({"raw", "messages", "continue", "tool_results"}))
 BATCH = Mode("--batch (each row is answered in one reply, on a local model)",
