@@ -81,6 +81,7 @@ class McpServer:
         self._session: "ClientSession | None" = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
+        self._closed = threading.Event()  # (a server given up on before its loop ran never starts)
         self._failure: BaseException | None = None
         self._listed: list[Any] = []
         self.tools: list[Tool] = []
@@ -104,6 +105,8 @@ class McpServer:
         self._loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
         self._stop = asyncio.Event()
+        if self._closed.is_set():  # given up on while its thread was starting: no process is made
+            return
         params = StdioServerParameters(command=self.definition["command"], args=self.definition["args"],
                                        env=server_environment(self.definition))
         async with stdio_client(params, errlog=self._errlog) as (read, write):
@@ -200,6 +203,7 @@ class McpServer:
             mcp.client.stdio.PROCESS_TERMINATION_TIMEOUT = 0.1
             mcp.client.stdio.FORCE_KILL_TIMEOUT = 0.1
             mcp.client.stdio._WRITER_FLUSH_TIMEOUT = 0.05
+        self._closed.set()  # (before the task is read: either it is cancelled, or it sees this and ends)
         if self._loop is not None and self._thread.is_alive():
             if self._session is not None and self._stop is not None and not at_once:
                 self._loop.call_soon_threadsafe(self._stop.set)
