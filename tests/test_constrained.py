@@ -5,6 +5,7 @@ extension points (token filter, logits processors)."""
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import json
 import re
 import uuid
@@ -80,6 +81,72 @@ def _is_uuid(value) -> bool:
 @FORMATS.checks("date")
 def _is_date(value) -> bool:
     return datetime.date.fromisoformat(value) is not None
+
+
+# What JSON Schema 2020-12 means by each format llguidance enforces (RFC 3339, its appendix A for
+# durations, RFC 5321/1123 for addresses and names, RFC 4122 for UUIDs), checked apart from quipu.
+_RFC_TIME = r"(?:[01]\d|2[0-3]):[0-5]\d:(?:[0-5]\d|60)(?:\.\d+)?(?:[zZ]|[+-](?:[01]\d|2[0-3]):[0-5]\d)"
+_DUR = r"(?:\d+H(?:\d+M(?:\d+S)?)?|\d+M(?:\d+S)?|\d+S)"
+
+
+def _a_date(text: str) -> bool:
+    """RFC 3339's full-date, as Python reads one: the days each month has, leap years."""
+    try:
+        return len(text) == 10 and datetime.date.fromisoformat(text) is not None
+    except ValueError:
+        return False
+
+
+RFC = {
+    "date": _a_date,
+    "time": lambda v: re.fullmatch(_RFC_TIME, v) is not None,
+    "date-time": lambda v: re.fullmatch(r"\d{4}-\d{2}-\d{2}[tT]" + _RFC_TIME, v) is not None and _a_date(v[:10]),
+    "duration": lambda v: re.fullmatch(r"P(?:(?:\d+D|\d+M(?:\d+D)?|\d+Y(?:\d+M(?:\d+D)?)?)(?:T" + _DUR + r")?|T" + _DUR
+                                       + r"|\d+W)", v) is not None,
+    "email": lambda v: v.count("@") == 1 and all(v.split("@")) and len(v) <= 254 and not re.search(r"\s", v),
+    "hostname": lambda v: len(v) <= 253 and all(1 <= len(label) <= 63 for label in v.split(".")),
+    "ipv4": lambda v: isinstance(ipaddress.ip_address(v), ipaddress.IPv4Address),
+    "ipv6": lambda v: isinstance(ipaddress.ip_address(v), ipaddress.IPv6Address),
+    "uuid": lambda v: str(uuid.UUID(v)) == v.lower(),
+}
+# The longest each format's text may be under quipu's bounds (nine digits of a second's fraction,
+# of each number of a duration; RFC 5321's and RFC 1035's lengths).
+LONGEST = {"date": 10, "time": 24, "date-time": 35, "duration": 62, "email": 254, "hostname": 253, "ipv4": 15,
+           "ipv6": 39, "uuid": 36}
+
+
+def bounded_outputs(backend, fmt: str, seeds, prompt: str) -> list[str]:
+    """The strings written under `{"type": "string", "format": fmt}`, with no other bound given."""
+    schema = {"type": "string", "format": fmt}
+    texts = []
+    for seed in seeds:
+        session = InferenceSession(backend, HOT.replace(seed=seed, grammar=schema_grammar(json.dumps(schema))))
+        gen = Conversation.start(session).send(prompt, max_tokens=LONGEST[fmt] + 8)
+        assert gen.finish_reason == "stop", (fmt, seed, gen.text)  # it ended, within its bound
+        value = json.loads(gen.text)
+        assert len(value) <= LONGEST[fmt] and RFC[fmt](value), (fmt, value)
+        texts.append(value)
+    return texts
+
+
+@pytest.mark.parametrize("fmt", RFC)
+def test_every_format_ends_within_its_bound_and_means_what_json_schema_says(make_backend, fmt):
+    # At temperature 1.0 with no maxLength, the random tiny model writes each format's text to
+    # its end: a time's fraction of a second of at most nine digits, not digits without end.
+    backend = make_backend(n_ctx=1024)
+    values = bounded_outputs(backend, fmt, range(12), "give json")
+    if fmt in ("time", "date-time"):
+        assert all(len(m) <= 10 for v in values for m in re.findall(r"\.\d+", v))
+
+
+@pytest.mark.model
+def test_smollm2_writes_every_format_to_its_end(bundled_model):
+    from quipu.engine.base import ContextSettings
+    from quipu.engine.llama import LlamaBackend
+
+    with LlamaBackend(bundled_model, ContextSettings(n_ctx=1024)) as backend:
+        for i, fmt in enumerate(RFC):
+            bounded_outputs(backend, fmt, range(i * 4, i * 4 + 4), f"Write one {fmt} value as a JSON string.")
 
 
 def check(text: str, schema: dict) -> None:
@@ -265,8 +332,14 @@ def test_bad_constraints_are_usage_errors(quipu, tiny_model, tmp_path, home, arg
 def test_a_cut_reply_under_a_schema_is_flagged(quipu, tiny_model):
     schema = '{"type": "array", "items": {"type": "string"}, "minItems": 3}'
     r = quipu("run", "-m", tiny_model, "--schema", schema, "-n", "3", "--json", "x")
-    assert r.returncode == 0 and json.loads(r.stdout)["finish_reason"] == "length"
-    assert "incomplete" in r.stderr.decode()
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["finish_reason"] == "length" and out["incomplete"] is True
+    assert "incomplete and will not parse" in r.stderr.decode() and r.stderr.decode().count("\n") == 1
+    whole = quipu("run", "-m", tiny_model, "--schema", '{"enum": ["yes", "no"]}', "-n", "20", "--json", "x")
+    out = json.loads(whole.stdout)
+    assert out["finish_reason"] == "stop" and out["incomplete"] is False and whole.stderr == b""
+    plain = json.loads(quipu("run", "-m", tiny_model, "-n", "3", "--json", "x").stdout)
+    assert "incomplete" not in plain  # (no grammar, nothing to be incomplete)
 
 
 def test_chat_constrains_the_next_replies(quipu, tiny_model, tmp_path, home):

@@ -4,6 +4,8 @@ named session, on whichever host the model runs; and what such a turn would feed
 
 from __future__ import annotations
 
+import json
+
 from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Callable
@@ -35,12 +37,17 @@ class TurnResult:
     failure: Exception | None = None  # a server failing mid-reply: raised once the result is out
     constrained_by: str | None = None  # which engine kept the reply to a grammar (said under --verbose)
     tool_calls: list = field(default_factory=list)  # app.tools.CallRecord: the calls run, then those left to run
+    # A reply under a grammar cut (by the token limit or a full context) before the grammar was
+    # done: its text will not parse.
+    incomplete: bool = False
 
     @classmethod
     def of(cls, gen: Generation, model: str, session, name: str | None, notices: list[str] | None = None):
         answer = gen.text if gen.answer is None else gen.answer
+        grammar = session.params.grammar
+        cut = grammar is not None and gen.finish_reason in ("length", "context_full") and not _parses(grammar, answer)
         return cls(answer, gen.finish_reason, model, session.params.seed, name, session.stats, list(notices or []),
-                   gen.reasoning, gen.error, constrained_by(session))
+                   gen.reasoning, gen.error, constrained_by(session), incomplete=cut)
 
     def to_json(self) -> dict:
         return {
@@ -53,7 +60,20 @@ class TurnResult:
             "usage": self.stats.usage(),
             "timings": self.stats.timings(),
             **({"tool_calls": [c.to_json() for c in self.tool_calls]} if self.tool_calls else {}),
+            **({"incomplete": self.incomplete} if self.constrained_by is not None else {}),
         }
+
+
+def _parses(grammar, text: str) -> bool:
+    """Whether a reply cut under `grammar` is whole all the same: JSON that parses, for a schema
+    (a reply under any other grammar that was cut is taken for unfinished)."""
+    if grammar.kind != "json_schema":
+        return False
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass

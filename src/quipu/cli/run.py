@@ -102,8 +102,10 @@ def run(env, **given) -> int:
         sink.progress_bar.close()
     for notice in result.notices:
         term.warn(notice)
-    if result.finish_reason == "length" and opts.constrained:
-        term.warn("the reply was cut by --max-tokens, so it is incomplete and will not parse; raise -n")
+    if result.incomplete:
+        term.warn("the reply was cut by --max-tokens, so it is incomplete and will not parse; raise -n"
+                  if result.finish_reason == "length" else
+                  "the reply was cut by a full context, so it is incomplete and will not parse")
     if stats:
         term.stderr.write(stats_line(result) + "\n")
     interrupted = result.finish_reason == "interrupted" or stopper.requested

@@ -35,6 +35,51 @@ if TYPE_CHECKING:
 # prefers; never a long run of blanks, which a small model can fall into and not leave.
 WHITESPACE = r"[ ]?|\n(?:[ ]{0,32}|\t{0,8})"
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": WHITESPACE}
+# Formats whose text has a natural bound that llguidance's own patterns leave open, held to it
+# (a small model at a high temperature otherwise writes digits without end): the fraction of a
+# second to nine digits, a nanosecond, the finest any clock keeps (`time`, `date-time`), and each
+# number of a `duration` to nine digits; an `email` to 254 characters, a `hostname` to 253 (the
+# limits of RFC 5321's path and of RFC 1035's names). Dates are held to the days their month has
+# (February 29 in leap years only), which llguidance's pattern does not know, and to the years
+# 0001-9999, and times to the seconds 00-59: stricter than RFC 3339 (year 0000, a leap second),
+# as the validators most programs use are (Python's `datetime`). `uuid`, `ipv4` and `ipv6` are
+# fixed groups in llguidance's patterns already.
+_ZONE = r"(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?" + _ZONE
+_YEAR = r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_MONTH_DAY = r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = f"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
+_N = "[0-9]{1,9}"
+_DUR_TIME = f"T(?:{_N}H(?:{_N}M(?:{_N}S)?)?|{_N}M(?:{_N}S)?|{_N}S)"  # RFC 3339, appendix A
+_DUR_DATE = f"(?:{_N}D|{_N}M(?:{_N}D)?|{_N}Y(?:{_N}M(?:{_N}D)?)?)(?:{_DUR_TIME})?"
+BOUNDED_FORMATS = {"date": _DATE, "time": _TIME, "date-time": f"{_DATE}[tT]{_TIME}",
+                   "duration": f"P(?:{_DUR_DATE}|{_DUR_TIME}|{_N}W)"}
+# The longest text of each format held to a bound, for a schema that gives a pattern beside it.
+FORMAT_LENGTHS = {"date": 10, "time": 24, "date-time": 35, "duration": 62, "email": 254, "hostname": 253}
+
+
+def bounded_formats(schema_text: str) -> str:
+    """A JSON Schema's text with each format that has a natural bound held to it: as the
+    format's bounded pattern, or, where the schema gives a pattern of its own (or for a format
+    bounded by its length alone), as a maxLength."""
+    schema = json.loads(schema_text)
+    changed = False
+    for _, sub in subschemas(schema):
+        fmt = sub.get("format")
+        if not isinstance(fmt, str) or fmt not in FORMAT_LENGTHS:
+            continue
+        changed = True
+        if fmt in BOUNDED_FORMATS and "pattern" not in sub:
+            del sub["format"]
+            sub["pattern"] = f"^{BOUNDED_FORMATS[fmt]}$"  # (a pattern matches anywhere in the text unless anchored)
+        else:
+            given = sub.get("maxLength")
+            bound = FORMAT_LENGTHS[fmt]
+            sub["maxLength"] = min(given, bound) if isinstance(given, int) and not isinstance(given, bool) else bound
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False) if changed else schema_text
+
+
 # What one grammar may cost: llguidance's own limits, which end a step in an error, not a hang.
 LIMITS = dict(max_grammar_size=500_000, step_max_items=50_000, verbose_errors=False)
 
@@ -53,7 +98,7 @@ def compile_grammar(grammar: Grammar) -> str:
 
 def _compiled(grammar: Grammar) -> str:
     if grammar.kind == "json_schema":
-        source = llguidance.LLMatcher.grammar_from_json_schema(grammar.text, defaults=JSON_OPTIONS)
+        source = llguidance.LLMatcher.grammar_from_json_schema(bounded_formats(grammar.text), defaults=JSON_OPTIONS)
     elif grammar.kind == "regex":
         source = llguidance.LLMatcher.grammar_from_regex(grammar.text)
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, None, limits=_limits())
