@@ -146,7 +146,7 @@ def test_smollm2_writes_every_format_to_its_end(bundled_model):
 
     with LlamaBackend(bundled_model, ContextSettings(n_ctx=1024)) as backend:
         for i, fmt in enumerate(RFC):
-            bounded_outputs(backend, fmt, range(i * 4, i * 4 + 4), f"Write one {fmt} value as a JSON string.")
+            bounded_outputs(backend, fmt, range(i * 8, i * 8 + 8), f"Write one {fmt} value as a JSON string.")
 
 
 def check(text: str, schema: dict) -> None:
@@ -371,8 +371,12 @@ def test_a_batch_keeps_each_row_to_its_own_schema(quipu, tiny_model, tmp_path):
     out = [json.loads(line) for line in r.stdout.decode().splitlines()]
     assert "type at / is 'nope'" in out[2]["error"]
     for row, schema in zip([out[0], out[1], out[3], out[4]], ["enum_const", "array", "defs", "enum_const"], strict=True):
-        assert row["finish_reason"] == "stop", row
+        assert row["finish_reason"] == "stop" and row["incomplete"] is False, row
         check(row["text"], SCHEMAS[schema])
+    cut = quipu("run", "-m", tiny_model, "--batch", "-", "--schema", json.dumps(SCHEMAS["defs"]), "-n", "3",
+                input="a\n")
+    [row] = [json.loads(line) for line in cut.stdout.decode().splitlines()]
+    assert row["finish_reason"] == "length" and row["incomplete"] is True  # (a batch's rows are marked too)
 
 
 def test_a_batch_row_under_a_grammar_answers_as_the_same_row_alone(quipu, tiny_model):

@@ -44,10 +44,9 @@ class TurnResult:
     @classmethod
     def of(cls, gen: Generation, model: str, session, name: str | None, notices: list[str] | None = None):
         answer = gen.text if gen.answer is None else gen.answer
-        grammar = session.params.grammar
-        cut = grammar is not None and gen.finish_reason in ("length", "context_full") and not _parses(grammar, answer)
         return cls(answer, gen.finish_reason, model, session.params.seed, name, session.stats, list(notices or []),
-                   gen.reasoning, gen.error, constrained_by(session), incomplete=cut)
+                   gen.reasoning, gen.error, constrained_by(session),
+                   incomplete=cut_short(session.params.grammar, gen.finish_reason, answer))
 
     def to_json(self) -> dict:
         return {
@@ -64,16 +63,19 @@ class TurnResult:
         }
 
 
-def _parses(grammar, text: str) -> bool:
-    """Whether a reply cut under `grammar` is whole all the same: JSON that parses, for a schema
-    (a reply under any other grammar that was cut is taken for unfinished)."""
-    if grammar.kind != "json_schema":
+def cut_short(grammar, finish_reason: str, text: str) -> bool:
+    """Whether a reply under `grammar` (None: none) was cut, by the token limit or a full
+    context, before the grammar was done: for a schema, JSON that does not parse (a reply under
+    any other grammar that was cut is taken for unfinished)."""
+    if grammar is None or finish_reason not in ("length", "context_full"):
         return False
+    if grammar.kind != "json_schema":
+        return True
     try:
         json.loads(text)
     except ValueError:
-        return False
-    return True
+        return True
+    return False
 
 
 @dataclass
