@@ -104,7 +104,9 @@ RFC = {
     "duration": lambda v: re.fullmatch(r"P(?:(?:\d+D|\d+M(?:\d+D)?|\d+Y(?:\d+M(?:\d+D)?)?)(?:T" + _DUR + r")?|T" + _DUR
                                        + r"|\d+W)", v) is not None,
     "email": lambda v: v.count("@") == 1 and all(v.split("@")) and len(v) <= 254 and not re.search(r"\s", v),
-    "hostname": lambda v: len(v) <= 253 and all(1 <= len(label) <= 63 for label in v.split(".")),
+    "hostname": lambda v: len(v) <= 253 and all(re.fullmatch(r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?", label)
+                                                 and len(label) <= 63 for label in v.split("."))
+    and v.split(".")[-1][0].isalpha(),  # (RFC 1123: the highest-level label is alphabetic)
     "ipv4": lambda v: isinstance(ipaddress.ip_address(v), ipaddress.IPv4Address),
     "ipv6": lambda v: isinstance(ipaddress.ip_address(v), ipaddress.IPv6Address),
     "uuid": lambda v: str(uuid.UUID(v)) == v.lower(),

@@ -43,7 +43,8 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": WHITESPACE}
 # (February 29 in leap years only), which llguidance's pattern does not know, and to the years
 # 0001-9999, and times to the seconds 00-59: stricter than RFC 3339 (year 0000, a leap second),
 # as the validators most programs use are (Python's `datetime`). `uuid`, `ipv4` and `ipv6` are
-# fixed groups in llguidance's patterns already.
+# fixed groups in llguidance's patterns already. A hostname's last label begins with a letter, as
+# RFC 1123 says the highest-level one is alphabetic (so that no hostname reads as an address).
 _ZONE = r"(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?" + _ZONE
 _YEAR = r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
@@ -53,16 +54,19 @@ _DATE = f"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
 _N = "[0-9]{1,9}"
 _DUR_TIME = f"T(?:{_N}H(?:{_N}M(?:{_N}S)?)?|{_N}M(?:{_N}S)?|{_N}S)"  # RFC 3339, appendix A
 _DUR_DATE = f"(?:{_N}D|{_N}M(?:{_N}D)?|{_N}Y(?:{_N}M(?:{_N}D)?)?)(?:{_DUR_TIME})?"
+_LABEL = "[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?"
 BOUNDED_FORMATS = {"date": _DATE, "time": _TIME, "date-time": f"{_DATE}[tT]{_TIME}",
-                   "duration": f"P(?:{_DUR_DATE}|{_DUR_TIME}|{_N}W)"}
-# The longest text of each format held to a bound, for a schema that gives a pattern beside it.
+                   "duration": f"P(?:{_DUR_DATE}|{_DUR_TIME}|{_N}W)",
+                   "hostname": f"(?:{_LABEL}\\.)*[a-zA-Z](?:[a-zA-Z0-9-]{{0,61}}[a-zA-Z0-9])?"}
+# The longest text of each format held to a bound (a maxLength beside its pattern, or beside the
+# schema's own pattern).
 FORMAT_LENGTHS = {"date": 10, "time": 24, "date-time": 35, "duration": 62, "email": 254, "hostname": 253}
 
 
 def bounded_formats(schema_text: str) -> str:
-    """A JSON Schema's text with each format that has a natural bound held to it: as the
-    format's bounded pattern, or, where the schema gives a pattern of its own (or for a format
-    bounded by its length alone), as a maxLength."""
+    """A JSON Schema's text with each format that has a natural bound held to it: the format's
+    bounded pattern in its place (unless the schema gives a pattern of its own), and its longest
+    length as a maxLength (a smaller one given kept)."""
     schema = json.loads(schema_text)
     changed = False
     for _, sub in subschemas(schema):
@@ -73,10 +77,9 @@ def bounded_formats(schema_text: str) -> str:
         if fmt in BOUNDED_FORMATS and "pattern" not in sub:
             del sub["format"]
             sub["pattern"] = f"^{BOUNDED_FORMATS[fmt]}$"  # (a pattern matches anywhere in the text unless anchored)
-        else:
-            given = sub.get("maxLength")
-            bound = FORMAT_LENGTHS[fmt]
-            sub["maxLength"] = min(given, bound) if isinstance(given, int) and not isinstance(given, bool) else bound
+        given = sub.get("maxLength")
+        bound = FORMAT_LENGTHS[fmt]
+        sub["maxLength"] = min(given, bound) if isinstance(given, int) and not isinstance(given, bool) else bound
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False) if changed else schema_text
 
 
