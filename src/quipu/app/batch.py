@@ -31,7 +31,7 @@ from quipu.app.turn_options import (
     template_variables,
 )
 from quipu.app.modes import BATCH, check_options
-from quipu.app.turns import TurnResult, cut_short
+from quipu.app.turns import TurnResult, constrained_by, cut_short
 from quipu.engine.base import ContextSettings, available_cpus
 from quipu.errors import BadInput, QuipuError, UsageError
 from quipu.sessions.batch import BatchRow, BatchSession
@@ -252,10 +252,8 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
             stats.load_s = load_s
             reasoning, answer = plan.stream.finish()
             grammar = plan.row.params.grammar
-            if grammar is not None:
-                from quipu.engine.constraint import describe  # (llguidance: only for rows under a grammar)
             result = TurnResult(answer, gen.finish_reason, model_name, plan.row.params.seed, None, stats, [],
-                                reasoning.strip(), constrained_by=describe(grammar) if grammar is not None else None,
+                                reasoning.strip(), constrained_by=constrained_by(grammar),
                                 incomplete=cut_short(grammar, gen.finish_reason, answer))
             generated[0] += stats.completion_tokens
             writer.done(RowOutcome(plan.input.index, plan.input.id, result=result))

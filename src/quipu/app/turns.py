@@ -19,7 +19,7 @@ from quipu.app.named import FOLD_NOTICE, NamedSession, store_for
 from quipu.app.tools import (ToolHooks, OpenTools, answer_pending, follow_calls, offer, resume_pending, skip_pending,
                               open_tools)
 from quipu.errors import BadInput, ContextOverflow, UsageError
-from quipu.sessions.base import SILENT, Generation, ReplySink, Stats, common_prefix
+from quipu.sessions.base import LOCAL, SILENT, Capabilities, Generation, ReplySink, Stats, common_prefix
 from quipu.sessions.conversation import Conversation
 from quipu.store.store import validate_name
 
@@ -45,7 +45,7 @@ class TurnResult:
     def of(cls, gen: Generation, model: str, session, name: str | None, notices: list[str] | None = None):
         answer = gen.text if gen.answer is None else gen.answer
         return cls(answer, gen.finish_reason, model, session.params.seed, name, session.stats, list(notices or []),
-                   gen.reasoning, gen.error, constrained_by(session),
+                   gen.reasoning, gen.error, constrained_by(session.params.grammar, session.capabilities),
                    incomplete=cut_short(session.params.grammar, gen.finish_reason, answer))
 
     def to_json(self) -> dict:
@@ -121,12 +121,11 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     return result
 
 
-def constrained_by(session) -> str | None:
-    """Which engine keeps a session's replies to its grammar, in words (None: no grammar)."""
-    grammar = session.params.grammar
+def constrained_by(grammar, host: Capabilities = LOCAL) -> str | None:
+    """Which engine keeps replies to `grammar` on `host`, in words (None: no grammar)."""
     if grammar is None:
         return None
-    if not session.capabilities.own_grammar:
+    if not host.own_grammar:
         from quipu.engine.constraint import describe
 
         return describe(grammar)
