@@ -193,7 +193,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
               should_stop: Callable[[], bool] | None = None) -> int:
     """Answers every row of `text`; `on_row` gets the outcomes in input order, each as soon as
     it and every row before it are done. Returns how many rows were written."""
-    check_options(opts, BATCH, LOCAL)  # (never dropped silently: a batch with tools would answer in plain text)
+    check_options(opts.asked, BATCH, LOCAL)  # (never dropped silently: a batch with tools would answer in plain text)
     check_positive("--parallel", parallel)
     if parallel is not None and parallel > MAX_PARALLEL:
         raise UsageError(f"--parallel must be at most {MAX_PARALLEL} (llama.cpp's limit of sequences), got {parallel}")

@@ -75,7 +75,7 @@ class ChatSession:
         host = open_host(opts.server)
         chat = None
         try:
-            check_options(opts, CHAT, host.capabilities)
+            check_options(opts.asked, CHAT, host.capabilities)
             chat = cls(env, opts, host)
             chat._switch(chat._name_to_open(name, resume_latest), on_progress)
         except BaseException:

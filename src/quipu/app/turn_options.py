@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from quipu.engine.base import Backend, ContextSettings
 from quipu.errors import TemplateError, UsageError
@@ -17,6 +17,7 @@ from quipu.sessions.params import SamplingParams
 from quipu.sessions.template import ChatTemplate
 
 from quipu.app.environment import DEFAULT_MAX_TOKENS, SAMPLING_TYPES, Environment
+from quipu.app.modes import FROM_MESSAGES, ONE_SHOT, SESSION, Mode
 from quipu.app.user_files import read_text_file
 
 if TYPE_CHECKING:
@@ -86,9 +87,45 @@ class TurnOptions(ToolOptions):
     def tool_options(self) -> ToolOptions:
         return ToolOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ToolOptions)})
 
+    @property
+    def asked(self) -> dict[str, list[str]]:
+        """The options given, by the feature a mode or a host may refuse (`modes.py`), spelled."""
+        return {feature: [name for name, given in options if given(self)] for feature, options in ASKED.items()}
+
+    @property
+    def mode(self) -> Mode:
+        """The mode of a `quipu run` turn."""
+        if self.messages is not None:
+            return FROM_MESSAGES
+        return SESSION if self.session is not None else ONE_SHOT
+
     def sampling(self) -> dict:
         """The sampling parameters given on the command line."""
         return {k: getattr(self, k) for k in SAMPLING_TYPES if getattr(self, k, None) is not None}
+
+
+# Each option a mode or a host may refuse, by feature (a feature of `sessions.base.FEATURES` is
+# what a host may lack): its spelling, and whether the options give it.
+ASKED: dict[str, tuple[tuple[str, Callable[[TurnOptions], bool]], ...]] = {
+    "continue": (("--continue", lambda o: o.continue_reply),),
+    "raw": (("--raw", lambda o: o.raw),),
+    "grammar": (("--schema", lambda o: o.schema is not None), ("--grammar", lambda o: o.grammar is not None),
+                ("--regex", lambda o: o.regex is not None)),
+    "logit_bias": (("--logit-bias", lambda o: bool(o.logit_bias)),),
+    "chat_template": (("--chat-template", lambda o: o.chat_template is not None),),
+    "think": (("--think/--no-think", lambda o: o.think is not None),
+              ("--reasoning-effort", lambda o: o.reasoning_effort is not None)),
+    "reasoning_budget": (("--reasoning-budget", lambda o: o.reasoning_budget is not None),),
+    "tools": (("--functions", lambda o: bool(o.functions)), ("--tools", lambda o: o.tools_file is not None),
+              ("--mcp", lambda o: bool(o.mcp))),
+    "tool_choice": (("--tool-choice", lambda o: o.tool_choice is not None),),
+    "tool_results": (("--tool-result", lambda o: bool(o.tool_results)),),
+    "context_settings": (("--ctx", lambda o: o.ctx is not None), ("--threads", lambda o: o.threads is not None),
+                         ("--kv-type", lambda o: o.kv_type is not None)),
+    "session": (("--session", lambda o: o.session is not None),),
+    "messages": (("--messages", lambda o: o.messages is not None),),
+    "server": (("a server (--url, QUIPU_URL or the config's [remote] url)", lambda o: o.server is not None),),
+}
 
 
 def check_positive(name: str, value: int | None) -> None:

@@ -14,7 +14,7 @@ from quipu.app.environment import Environment
 from quipu.app.turn_options import TurnOptions, chat_template_source, max_tokens, system_prompt, template_variables
 from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost
-from quipu.app.modes import check_options, mode_of
+from quipu.app.modes import check_options
 from quipu.app.named import FOLD_NOTICE, NamedSession, store_for
 from quipu.app.tools import (ToolHooks, OpenTools, answer_pending, follow_calls, offer, resume_pending, skip_pending,
                               open_tools)
@@ -101,7 +101,7 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     after, so a reader of the answer does not wait for it). A failure mid-reply is raised once
     the result is out."""
     with closing(open_host(opts.server)) as host:
-        check_options(opts, mode_of(opts), host.capabilities)
+        check_options(opts.asked, opts.mode, host.capabilities)
         tools = open_tools(opts.tool_options, env, constrained=opts.constrained, stopped=sink.stopped,
                            on_output=hooks.on_output if hooks is not None else None)
         try:
@@ -259,7 +259,7 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
     """The context `run_turn` would feed for this prompt (a session's included), without
     generating or saving anything."""
     with closing(open_host(opts.server)) as host:
-        check_options(opts, mode_of(opts), host.capabilities, show=True)
+        check_options(opts.asked, opts.mode, host.capabilities, show=True)
         if opts.session is not None:
             return _show_session_prompt(prompt, opts, env, host)
         if not prompt and not opts.messages:

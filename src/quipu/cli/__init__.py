@@ -66,9 +66,9 @@ def _main(argv: list[str]) -> None:
 
     if argv[:1] == ["run"] and "_QUIPU_COMPLETE" not in os.environ:
         # A plain `quipu run` skips Typer: a short run is a short process (see spec.py).
-        from quipu.cli import run, spec
+        from quipu.cli import run
 
-        given = spec.parse(run.PARAMS, argv[1:])
-        if given is not None:
-            sys.exit(guarded(lambda: run.run_plain(given)))
+        plain = run.plain(argv[1:])
+        if plain is not None:
+            sys.exit(guarded(plain))
     sys.exit(run_app(build_app, argv))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Callable
 
 from quipu.cli import spec
 from quipu.cli.terminal import PrefillProgress, StopOnCtrlC, Terminal, gather_prompt
@@ -48,11 +49,19 @@ def register(app) -> None:
     app.command("run", help=HELP, no_args_is_help=False)(command)
 
 
-def run_plain(given: dict) -> int:
-    """`quipu run` without Typer, on what `spec.parse` read from a plain command line."""
-    from quipu.app.environment import Environment
+def plain(args: list[str]) -> Callable[[], int] | None:
+    """`quipu run` without Typer, for a plain command line (`spec.parse` reads it), or None
+    when Typer must read it."""
+    given = spec.parse(PARAMS, args)
+    if given is None:
+        return None
 
-    return run(Environment.load(), **given)
+    def run_plain() -> int:
+        from quipu.app.environment import Environment
+
+        return run(Environment.load(), **given)
+
+    return run_plain
 
 
 # The parameters of `run` that are the command's own, not options of the turn.
@@ -81,7 +90,7 @@ def run(env, **given) -> int:
 
         if prompt is not None:
             raise UsageError("--batch reads its prompts from the file; give no prompt")
-        check_options(opts, BATCH, show=show)
+        check_options(opts.asked, BATCH, show=show)
         return run_batch_file(batch, opts, env, term, parallel)
     if opts.server is None:
         from quipu.cli.pull import pull_if_needed
