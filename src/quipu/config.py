@@ -88,7 +88,12 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
                 if sub not in allowed:
                     raise fail(sub, f"unknown key '{sub}' in [{key}] (known: {', '.join(sorted(allowed))})", key)
                 kind = allowed[sub]
-                if kind is str:
+                if kind is tuple:  # one text or a list of them
+                    texts = [subvalue] if isinstance(subvalue, str) else subvalue
+                    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+                        raise fail(sub, f"[{key}] {sub} must be a string or a list of strings", key)
+                    subvalue = texts
+                elif kind is str:
                     if not isinstance(subvalue, str):
                         raise fail(sub, f"[{key}] {sub} must be a string", key)
                 elif isinstance(subvalue, bool) or not isinstance(subvalue, (int, float)) or (

@@ -27,6 +27,7 @@ from quipu.app.turn_options import (
     max_tokens,
     parse_logit_bias,
     sampling_params,
+    stop_strings,
     system_prompt,
     template_variables,
 )
@@ -310,7 +311,7 @@ def _plan(row: RowInput, base: SamplingParams, opts: TurnOptions, env: Environme
     except QuipuError as exc:
         plan.error = str(exc)
         return plan
-    plan.row = BatchRow(tokens, params, row_limit or limit, tuple(opts.stop) + stop)
+    plan.row = BatchRow(tokens, params, row_limit or limit, stop_strings(opts, env) + stop)
     plan.stream = ReasoningSink(SILENT, lambda: thinking)
     return plan
 

@@ -18,13 +18,14 @@ from quipu.app.named import NamedSession, store_for
 from quipu.engine.base import ProgressFn
 from quipu.errors import ContextOverflow, InvalidParameter, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink, Stats
+from quipu.sessions.stops import read_escapes
 from quipu.store.store import SessionInfo, validate_name
 
 ADJECTIVES = "amber brave calm clever eager fuzzy gentle happy jolly keen lucky merry noble quiet rapid shy sunny swift tidy witty".split()
 NOUNS = "otter falcon maple river comet badger heron lynx meadow pebble quokka raven tulip walrus yak zebra cedar fjord ember harbor".split()
 
 # What /set can change: the sampling parameters, and the reply length.
-SETTABLE = {**SAMPLING_TYPES, "max_tokens": int}
+SETTABLE = {**SAMPLING_TYPES, "max_tokens": int, "stop": str}
 
 # Warn when the context is this full; drop old exchanges to leave this much free.
 WARN_FRACTION = 0.85
@@ -292,6 +293,9 @@ class ChatSession:
             if parsed <= 0:
                 raise InvalidParameter("max_tokens must be more than 0")
             named.max_tokens = parsed
+        elif key == "stop":  # a text, its escapes read (`/set stop \n\n`); off: none
+            named.stop = () if parsed == "off" else (read_escapes(parsed),)
+            parsed = list(named.stop)
         else:
             named.session.set_params(named.session.params.replace(**{key: parsed}))
         named.origins[key] = "set here"
@@ -302,8 +306,9 @@ class ChatSession:
         """(setting, value, where it came from) for everything `/set` can change; all are kept by
         the session."""
         named = self._named
-        limit, _ = named.reply_limits(self.opts, self.env)
-        values = {**{k: getattr(named.session.params, k) for k in SAMPLING_TYPES}, "max_tokens": limit}
+        limit, stop = named.reply_limits(self.opts, self.env)
+        values = {**{k: getattr(named.session.params, k) for k in SAMPLING_TYPES}, "max_tokens": limit,
+                  "stop": list(stop) or "none"}
         return [(k, values[k], named.origins.get(k, "default")) for k in SETTABLE]
 
     @staticmethod

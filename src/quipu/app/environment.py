@@ -20,7 +20,7 @@ DEFAULT_MAX_STATE_BYTES = 4 << 30
 DEFAULT_CACHE_BYTES = 2 << 30
 SAMPLING_TYPES = SamplingParams.field_types()
 # Everything [generation] in the config file may set: the sampling parameters and these.
-GENERATION_TYPES = {**SAMPLING_TYPES, "max_tokens": int, "ctx": int, "threads": int}
+GENERATION_TYPES = {**SAMPLING_TYPES, "max_tokens": int, "ctx": int, "threads": int, "stop": tuple}
 
 
 class Environment:
@@ -89,7 +89,7 @@ class Environment:
             rows.append(("model", DEFAULT_MODEL_NAME, "default"))
         rows.append(("system", self.config.system, where if self.config.system else "default"))
         defaults = {**SamplingParams().to_dict(), "max_tokens": DEFAULT_MAX_TOKENS, "ctx": "the model's, at most 8192",
-                    "threads": "the CPUs this process may use", "seed": "random"}
+                    "threads": "the CPUs this process may use", "seed": "random", "stop": "none"}
         for key in GENERATION_TYPES:
             if key in self.config.generation:
                 rows.append((f"generation.{key}", self.config.generation[key], where))

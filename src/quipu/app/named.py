@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from quipu import __version__
 from quipu.app.environment import SAMPLING_TYPES, Environment
-from quipu.app.turn_options import TurnOptions, chat_template_source, max_tokens, system_prompt, template_variables
+from quipu.app.turn_options import (TurnOptions, chat_template_source, max_tokens, stop_strings, system_prompt,
+                                     template_variables)
 from quipu.app.hosts import Keeper, ModelHost
 from quipu.engine.base import ProgressFn
 from quipu.sessions.base import Message, ModelSession
@@ -88,7 +89,7 @@ class NamedSession:
             raise
         named = cls(store, name, conv, opened.keeper, created, list(opened.notices), chat_template=source,
                     max_tokens=opts.max_tokens if opts.max_tokens is not None else limits.get("max_tokens"),
-                    stop=tuple(opts.stop) if opts.stop else (tuple(limits["stop"]) if "stop" in limits else None))
+                    stop=stop_strings(opts, env) if opts.stop else (tuple(limits["stop"]) if "stop" in limits else None))
         named.origins = origins(opts, env, record)
         return named
 
@@ -96,7 +97,7 @@ class NamedSession:
         """The longest reply and the stop strings: the command line's, else the session's, else
         the config's or the defaults."""
         limit = self.max_tokens if self.max_tokens is not None else max_tokens(opts, env)
-        return limit, self.stop if self.stop is not None else tuple(opts.stop)
+        return limit, self.stop if self.stop is not None else stop_strings(opts, env)
 
     def note_template(self) -> None:
         """Says once that the template had no system role, when the system prompt was folded."""
@@ -152,4 +153,10 @@ def origins(opts: TurnOptions, env: Environment, record: Transcript | None) -> d
         out["max_tokens"] = "session"
     else:
         out["max_tokens"] = "config" if "max_tokens" in env.config.generation else "default"
+    if opts.stop:
+        out["stop"] = "command line"
+    elif record is not None and "stop" in record.limits:
+        out["stop"] = "session"
+    else:
+        out["stop"] = "config" if "stop" in env.config.generation else "default"
     return out

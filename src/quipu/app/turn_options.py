@@ -14,6 +14,7 @@ from quipu.engine.base import Backend, ContextSettings
 from quipu.errors import TemplateError, UsageError
 from quipu.sessions.base import LOCAL, Capabilities
 from quipu.sessions.params import SamplingParams
+from quipu.sessions.stops import read_escapes
 from quipu.sessions.template import ChatTemplate
 
 from quipu.app.environment import DEFAULT_MAX_TOKENS, SAMPLING_TYPES, Environment
@@ -235,6 +236,12 @@ def max_tokens(opts: TurnOptions, env: Environment) -> int:
     value = opts.max_tokens if opts.max_tokens is not None else env.config.generation.get("max_tokens")
     check_positive("--max-tokens", value)
     return value or DEFAULT_MAX_TOKENS
+
+
+def stop_strings(opts: TurnOptions, env: Environment) -> tuple[str, ...]:
+    """The stop strings: --stop's, else the config's, each with its escapes read (`\\n`)."""
+    given = opts.stop or env.config.generation.get("stop", ())
+    return tuple(read_escapes(text) for text in given)
 
 
 def load_backend(model_path, settings: ContextSettings, verbose: bool):

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from quipu.app.environment import Environment
-from quipu.app.turn_options import TurnOptions, chat_template_source, max_tokens, system_prompt, template_variables
+from quipu.app.turn_options import (TurnOptions, chat_template_source, max_tokens, stop_strings, system_prompt,
+                                     template_variables)
 from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost
 from quipu.app.modes import check_options
@@ -137,7 +138,7 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
               hooks: ToolHooks | None = None) -> TurnResult:
     if not prompt and not opts.messages:
         raise BadInput("no prompt: give one as an argument or on standard input")
-    limit = max_tokens(opts, env)
+    limit, stop = max_tokens(opts, env), stop_strings(opts, env)
     source = chat_template_source(opts)
     opened = host.create(opts, env)
     session, keeper = opened.session, opened.keeper
@@ -148,23 +149,23 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
         if opts.raw:
             tokens = session.raw_tokens(prompt or "")
             cached = keeper.warm(session, lambda: tokens)
-            gen = session.complete(tokens, limit, opts.stop, sink)
+            gen = session.complete(tokens, limit, stop, sink)
         else:
             conv = _conversation(session, opts, env, source)
             offer(conv, tools, opts.tool_options)
             if prompt:
                 cached = keeper.warm(session, lambda: conv.tokens_with(prompt))
-                gen = conv.send(prompt, max_tokens=limit, stop=opts.stop, sink=sink)
+                gen = conv.send(prompt, max_tokens=limit, stop=stop, sink=sink)
             else:  # --messages alone: the reply to its last message, or its last reply continued
                 last = conv.messages[-1]
                 cached = keeper.warm(session, lambda: conv.context_tokens(last.role != "assistant",
                                                                           last.content if last.role == "assistant"
                                                                           else ""))
                 if last.role == "assistant":
-                    gen = conv.continue_reply(max_tokens=limit, stop=opts.stop, sink=sink)
+                    gen = conv.continue_reply(max_tokens=limit, stop=stop, sink=sink)
                 else:
-                    gen = conv.answer(max_tokens=limit, stop=opts.stop, sink=sink)
-            gen, calls, tool_notes = follow_calls(conv, tools, gen, opts.tool_options, limit, opts.stop, sink, hooks)
+                    gen = conv.answer(max_tokens=limit, stop=stop, sink=sink)
+            gen, calls, tool_notes = follow_calls(conv, tools, gen, opts.tool_options, limit, stop, sink, hooks)
             notices = ([FOLD_NOTICE] if conv.folds_system else []) + tool_notes
         result = TurnResult.of(gen, keeper.model_name, session, None, notices)
         if not opts.raw:

@@ -88,14 +88,14 @@ def _system(repl: "Repl", arg: str) -> None:
 
 
 def _set(repl: "Repl", arg: str) -> None:
-    parts = arg.split()
+    parts = arg.split(None, 1)
     if not parts:
         for key, value, origin in repl.chat.settings():
             shown = "random" if value is None else value
             repl.say(f"  {key:<15} {shown!s:<22} {origin}")
         repl.say("the session keeps them all; /set KEY VALUE changes one")
         return
-    if len(parts) != 2:
+    if len(parts) != 2 or (parts[0] != "stop" and len(parts[1].split()) != 1):
         from quipu.app.chat import SETTABLE
 
         repl.say(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}")

@@ -3,9 +3,28 @@ reply's text as its tokens come (`ReplyText`), with its stop strings held back."
 
 from __future__ import annotations
 
+import re
 from typing import Callable, Iterable, Sequence
 
 from quipu.engine.text import Detokenizer
+
+# The escapes llama.cpp's options read (`string_process_escapes`), and \uXXXX: any other
+# backslash stays as it is written.
+ESCAPE = re.compile(r"\\(?:([nrt'\"\\])|x([0-9A-Fa-f]{2})|u([0-9A-Fa-f]{4}))")
+SIMPLE_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
+
+
+def read_escapes(text: str) -> str:
+    """`text` as typed, its escapes read: \\n, \\r, \\t, \\\\, \\', \\", \\xHH and \\uXXXX (so
+    `--stop "\\n\\n"` is a blank line, and `\\\\n` a backslash and an n)."""
+    def one(match: re.Match[str]) -> str:
+        simple, byte, unit = match.groups()
+        if simple:
+            return SIMPLE_ESCAPES[simple]
+        code = int(byte or unit, 16)
+        return match.group(0) if 0xD800 <= code <= 0xDFFF else chr(code)  # (half a surrogate pair is no text)
+
+    return ESCAPE.sub(one, text)
 
 
 def pending_prefix(text: str, marks: Iterable[str]) -> int:

@@ -1,0 +1,82 @@
+"""What a newcomer meets on a first day, each as a user meets it: escapes in stop strings, tool
+calls shown in a pipe, help that shows what it says, a model without a chat template, an
+offline pull, short model names, and the small things."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from quipu.sessions.stops import read_escapes
+
+POEM = "Write a poem of four short lines about the sea."
+
+
+@pytest.mark.parametrize("typed, read", [
+    (r"\n\n", "\n\n"),
+    (r"\t|\r", "\t|\r"),
+    (r"\\n", "\\n"),  # a backslash, then an n
+    (r"\"quoted\" \'too\'", "\"quoted\" 'too'"),
+    (r"\x41\u00e9\u4e2d", "A\u00e9\u4e2d"),
+    (r"\q stays", r"\q stays"),  # not an escape: as typed, as llama.cpp keeps it
+    ("ends with \\", "ends with \\"),
+    (r"\ud800", r"\ud800"),  # half a surrogate pair is no character
+    (r"\x4", r"\x4"),
+    ("plain", "plain"),
+])
+def test_escapes_are_read_as_llama_cpp_reads_them(typed, read):
+    assert read_escapes(typed) == read
+
+
+def test_stop_at_a_blank_line_as_the_shell_passes_it(quipu, home):
+    full = json.loads(quipu("run", "--json", "-t", "0", "-n", "60", POEM).stdout)["text"]
+    first_line = full.split("\n")[0]
+    assert "\n" in full and first_line.strip(), full
+    cut = json.loads(quipu("run", "--json", "-t", "0", "-n", "60", "--stop", r"\n", POEM).stdout)
+    assert cut["finish_reason"] == "stop_sequence" and cut["text"] == first_line
+    # a backslash kept as one: the reply does not stop at a newline
+    literal = json.loads(quipu("run", "--json", "-t", "0", "-n", "60", "--stop", r"\\n", POEM).stdout)
+    assert literal["text"] == full
+    # the config's stop strings are read the same way, a text or a list
+    config = home / "config" / "config.toml"
+    config.parent.mkdir(parents=True)
+    for value in (r"'\n'", r"['\n', 'never']"):
+        config.write_text(f"[generation]\nstop = {value}\n")
+        from_config = json.loads(quipu("run", "--json", "-t", "0", "-n", "60", POEM).stdout)
+        assert from_config["text"] == first_line, value
+    config.write_text("[generation]\nstop = 3\n")
+    r = quipu("run", "-n", "2", "hi")
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "line 2: [generation] stop must be a string or a list of strings" in err
+
+
+def test_set_stop_in_a_chat_is_read_and_kept_by_the_session(tmp_path, tiny_model):
+    import io
+
+    from quipu.app.chat import ChatSession
+    from quipu.app.environment import Environment
+    from quipu.app.turn_options import TurnOptions
+    from quipu.cli.repl import Repl
+    from quipu.cli.terminal import Terminal
+
+    env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
+    out, err = io.StringIO(), io.StringIO()
+    term = Terminal(io.StringIO(), out, err, False, False, False, False)
+    opts = TurnOptions(model=str(tiny_model), max_tokens=8, seed=3)
+    chat = ChatSession.open(env, opts, name="stops")
+    try:
+        repl = Repl(chat, term, env)
+        repl.safely(r"/set stop \n\nUser:")
+        assert ("stop", ["\n\nUser:"], "set here") in chat.settings()
+        repl.safely("hello")
+    finally:
+        chat.close()
+    again = ChatSession.open(env, opts, name="stops")
+    try:
+        assert ("stop", ["\n\nUser:"], "session") in again.settings()
+        Repl(again, term, env).safely("/set stop off")
+        assert ("stop", "none", "set here") in again.settings()
+    finally:
+        again.close()
+    assert "Traceback" not in err.getvalue()
