@@ -80,3 +80,32 @@ def test_set_stop_in_a_chat_is_read_and_kept_by_the_session(tmp_path, tiny_model
     finally:
         again.close()
     assert "Traceback" not in err.getvalue()
+
+
+def test_help_shows_every_option_s_text_as_written():
+    """No help text is read as markup (`[mcp.NAME]` stays), in any command."""
+    import click
+    import typer
+    from typer.testing import CliRunner
+
+    from quipu.cli import build_app
+
+    app = build_app()
+    root = typer.main.get_command(app)
+    runner = CliRunner()
+    seen = 0
+
+    def visit(command: click.Command, path: list[str]) -> None:
+        nonlocal seen
+        shown = "".join(runner.invoke(app, [*path, "--help"], terminal_width=100).output.split())  # (wrapped anywhere)
+        texts = [command.help or ""] if path else []
+        texts += [p.help for p in command.params if getattr(p, "help", None)]  # type: ignore[attr-defined]
+        for text in texts:
+            assert "".join(text.split()) in shown, (path, text)
+            seen += 1
+        for name, sub in getattr(command, "commands", {}).items():
+            visit(sub, [*path, name])
+
+    visit(root, [])
+    assert seen > 100
+    assert "[mcp.NAME]" in runner.invoke(app, ["run", "--help"]).output

@@ -29,6 +29,7 @@ def build_app():
         no_args_is_help=True,
         context_settings={"help_option_names": ["-h", "--help"]},
         pretty_exceptions_enable=False,
+        rich_markup_mode=None,  # help says what it is given: `[mcp.NAME]` is text, not markup
     )
 
     app.callback()(root.root)

@@ -9,7 +9,7 @@ import typer
 from quipu.cli.terminal import human_size
 from quipu.cli.terminal import Terminal
 
-app = typer.Typer(help="The prompt cache: context states of earlier prompts, reused by later runs.",
+app = typer.Typer(rich_markup_mode=None, help="The prompt cache: context states of earlier prompts, reused by later runs.",
                   no_args_is_help=True)
 
 

@@ -8,7 +8,7 @@ import typer
 
 from quipu.cli.terminal import Terminal
 
-app = typer.Typer(help="Show the config file and the settings in force.", no_args_is_help=True)
+app = typer.Typer(rich_markup_mode=None, help="Show the config file and the settings in force.", no_args_is_help=True)
 
 
 def register(root: typer.Typer) -> None:

@@ -12,7 +12,7 @@ from quipu.cli.spec import complete_model
 from quipu.cli.terminal import human_size
 from quipu.cli.terminal import Terminal
 
-app = typer.Typer(help="Find and inspect models.", no_args_is_help=True)
+app = typer.Typer(rich_markup_mode=None, help="Find and inspect models.", no_args_is_help=True)
 
 
 def register(root: typer.Typer) -> None:

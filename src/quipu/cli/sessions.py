@@ -12,7 +12,7 @@ from quipu.cli.terminal import Terminal, human_size
 
 NAME = typer.Argument(..., help="Session name.", autocompletion=complete_session)
 
-app = typer.Typer(help="Manage saved sessions.", no_args_is_help=True)
+app = typer.Typer(rich_markup_mode=None, help="Manage saved sessions.", no_args_is_help=True)
 
 
 def register(root: typer.Typer) -> None:
