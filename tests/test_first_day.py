@@ -109,3 +109,53 @@ def test_help_shows_every_option_s_text_as_written():
     visit(root, [])
     assert seen > 100
     assert "[mcp.NAME]" in runner.invoke(app, ["run", "--help"]).output
+
+
+WEATHER = '''
+from typing import Literal
+
+
+def get_weather(city: Literal["Paris", "Rome"]) -> dict:
+    """The weather in a city, today."""
+    return {"city": city, "temperature": 21}
+'''
+
+
+def test_tool_calls_show_on_stderr_in_a_pipe_and_quiet_hides_them(quipu, tiny_model, tmp_path):
+    from pathlib import Path
+
+    fns = tmp_path / "fns.py"
+    fns.write_text(WEATHER)
+    template = Path(__file__).parent / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+    args = ("run", "-m", tiny_model, "--chat-template", template, "--functions", fns, "--tool-choice", "get_weather",
+            "--yes", "-t", "1.0", "--seed", "3", "-n", "200", "Weather?")
+    shown = quipu(*args)
+    err = shown.stderr.decode()
+    assert shown.returncode == 0, err
+    assert '→ get_weather({"city": "' in err and '"temperature": 21' in err and "\x1b[" not in err  # no colour in a pipe
+    assert "get_weather" not in shown.stdout.decode()
+    quiet = quipu(*args, "--quiet")
+    assert quiet.returncode == 0 and "get_weather" not in quiet.stderr.decode()
+    assert quiet.stdout == shown.stdout
+
+
+def test_a_model_without_a_chat_template_is_said_once_and_listed_as_base(quipu, home, tmp_path):
+    from tinymodel import write_tiny_gguf
+
+    models = home / "data" / "models"
+    models.mkdir(parents=True)
+    base = write_tiny_gguf(models / "base.gguf", chat_template=None)
+    r = quipu("run", "-m", base, "-n", "2", "hi")
+    err = r.stderr.decode()
+    assert r.returncode == 0 and err.count("this model has no chat template") == 1, err
+    assert "--raw" in err and "--chat-template FILE" in err
+    for quiet in (("--raw",), ("--chat-template", tmp_path / "t.jinja")):
+        (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m.content }}\n{% endfor %}")
+        r = quipu("run", "-m", base, "-n", "2", *quiet, "hi")
+        assert r.returncode == 0 and "no chat template" not in r.stderr.decode(), quiet
+    chat = quipu("chat", "-m", base, "-n", "2", input="hi\nagain\n")
+    assert chat.returncode == 0 and chat.stderr.decode().count("this model has no chat template") == 1, chat.stderr
+    listed = {m["name"]: m for m in json.loads(quipu("models", "list", "--json").stdout)}
+    assert listed["base"]["base"] is True and any(m["base"] is False for m in listed.values())  # the bundled one
+    table = quipu("models", "list").stdout.decode().splitlines()
+    assert any(line.startswith("base ") and " base " in line for line in table), table

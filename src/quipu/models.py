@@ -232,6 +232,7 @@ def describe(entry: ModelEntry) -> dict[str, Any]:
             architecture=info.architecture,
             parameters=human_params(info.n_params),
             context_length=info.context_length,
+            base=info.chat_template is None,  # no chat template: a base model, for plain completion
         )
     except (GGUFError, OSError) as exc:
         row["error"] = str(exc)

@@ -17,6 +17,8 @@ from quipu.sessions.conversation import Conversation
 from quipu.store.store import SessionStore, validate_name
 from quipu.store.transcript import Transcript, now_iso
 
+NO_TEMPLATE_NOTICE = ("this model has no chat template (a base model?): the conversation is written as ChatML, "
+                      "which it may not know; --raw completes the text as it is, --chat-template FILE gives it one")
 FOLD_NOTICE = ("the chat template has no system role; the system prompt was joined to the first user message, "
                "as llama.cpp does")
 
@@ -41,6 +43,7 @@ class NamedSession:
     stop: tuple[str, ...] | None = None
     origins: dict[str, str] = field(default_factory=dict)  # where each setting's value came from
     _told_fold: bool = False
+    _told_template: bool = False
 
     @property
     def session(self) -> ModelSession:
@@ -100,7 +103,11 @@ class NamedSession:
         return limit, self.stop if self.stop is not None else stop_strings(opts, env)
 
     def note_template(self) -> None:
-        """Says once that the template had no system role, when the system prompt was folded."""
+        """Says once that the model has no chat template, and once that the template had no
+        system role, when the system prompt was folded."""
+        if self.conversation.without_template and not self._told_template:
+            self._told_template = True
+            self.notices.append(NO_TEMPLATE_NOTICE)
         if self.conversation.folds_system and not self._told_fold:
             self._told_fold = True
             self.notices.append(FOLD_NOTICE)

@@ -16,7 +16,7 @@ from quipu.app.turn_options import (TurnOptions, chat_template_source, max_token
 from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost
 from quipu.app.modes import check_options
-from quipu.app.named import FOLD_NOTICE, NamedSession, store_for
+from quipu.app.named import FOLD_NOTICE, NO_TEMPLATE_NOTICE, NamedSession, store_for
 from quipu.app.tools import (ToolHooks, OpenTools, answer_pending, follow_calls, offer, resume_pending, skip_pending,
                               open_tools)
 from quipu.errors import BadInput, ContextOverflow, UsageError
@@ -166,7 +166,8 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
                 else:
                     gen = conv.answer(max_tokens=limit, stop=stop, sink=sink)
             gen, calls, tool_notes = follow_calls(conv, tools, gen, opts.tool_options, limit, stop, sink, hooks)
-            notices = ([FOLD_NOTICE] if conv.folds_system else []) + tool_notes
+            notices = ([NO_TEMPLATE_NOTICE] if conv.without_template else []) + \
+                ([FOLD_NOTICE] if conv.folds_system else []) + tool_notes
         result = TurnResult.of(gen, keeper.model_name, session, None, notices)
         if not opts.raw:
             result.tool_calls = calls

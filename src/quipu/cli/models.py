@@ -55,13 +55,13 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
     if as_json:
         term.stdout.write(json.dumps(rows, indent=1) + "\n")
         return
-    table = Table("name", "size", "quant", "arch", "params", "context", "from", box=None, pad_edge=False)
+    table = Table("name", "size", "quant", "arch", "params", "context", "kind", "from", box=None, pad_edge=False)
     for r in rows:
         if "error" in r:
-            table.add_row(r["name"], "", "", "", "", "", f"{r['source']} (unreadable: {r['error']})")
+            table.add_row(r["name"], "", "", "", "", "", "", f"{r['source']} (unreadable: {r['error']})")
             continue
         table.add_row(r["name"], human_size(r["size_bytes"]), r["quantization"], r["architecture"], r["parameters"],
-                      str(r["context_length"] or "?"), r["source"])
+                      str(r["context_length"] or "?"), "base" if r["base"] else "chat", r["source"])
     Console(file=term.stdout, no_color=not term.color, highlight=False, width=None if term.stdout_tty else 400).print(table)
 
 

@@ -24,6 +24,7 @@ PARAMS: dict[str, spec.Opt | spec.Arg] = {
     **spec.TOOLS,
     "messages": spec.MESSAGES,
     "tools_debug": spec.flag("--tools-debug", help="Show each call and its result, raw, on stderr."),
+    "quiet": spec.flag("--quiet", "-q", help="Show no tool calls and no reasoning on stderr (errors still show)."),
     "no_cache": spec.flag("--no-cache", help="Neither use nor fill the prompt cache for this run."),
     "show": spec.flag("--show-prompt", help="Print the exact context that would be fed (with --json: its token "
                                             "ids, and how many a session reuses), and generate nothing."),
@@ -65,13 +66,13 @@ def plain(args: list[str]) -> Callable[[], int] | None:
 
 
 # The parameters of `run` that are the command's own, not options of the turn.
-OWN = ("prompt", "show", "as_json", "stats", "batch", "parallel", "tools_debug")
+OWN = ("prompt", "show", "as_json", "stats", "batch", "parallel", "tools_debug", "quiet")
 
 
 def run(env, **given) -> int:
     from quipu.app.turns import run_turn
 
-    prompt, show, as_json, stats, batch, parallel, tools_debug = (given[k] for k in OWN)
+    prompt, show, as_json, stats, batch, parallel, tools_debug, quiet = (given[k] for k in OWN)
     term = Terminal.detect()
     if batch is None and parallel is not None:
         raise UsageError("--parallel goes with --batch")
@@ -98,12 +99,12 @@ def run(env, **given) -> int:
         pull_if_needed(env, opts.model, term)
     if show:
         return show_prompt(text, opts, env, term, as_json)
-    sink = stream_to_terminal(term, as_json)
+    sink = stream_to_terminal(term, as_json, quiet)
     try:
         with StopOnCtrlC() as stopper:
             sink.stopper = stopper
             result = run_turn(text, opts, env, sink, on_result=sink.finish,
-                              hooks=tool_hooks(term, as_json, tools_debug, stopper))
+                              hooks=tool_hooks(term, as_json or quiet, tools_debug, stopper))
     except BaseException:
         sink.end_line()  # what was streamed ends its line before the error is said
         raise
@@ -128,9 +129,10 @@ def empty_allowed(opts) -> bool:
                 or (opts.session and (opts.functions or opts.mcp or opts.tools_file)))
 
 
-def tool_hooks(term: Terminal, as_json: bool, debug: bool, stopper):
-    """How `run` shows calls (stderr: `name(arguments)` on a terminal, raw with --tools-debug)
-    and asks to approve them (on a terminal: yes, no, or always for that tool)."""
+def tool_hooks(term: Terminal, unshown: bool, debug: bool, stopper):
+    """How `run` shows calls (stderr: `name(arguments)` and the result shortened, dimmed on a
+    terminal; raw with --tools-debug; none when `unshown`: --json or --quiet) and asks to
+    approve them (on a terminal: yes, no, or always for that tool)."""
     from quipu.app.tools import ToolHooks
 
     always: set[str] = set()
@@ -156,14 +158,14 @@ def tool_hooks(term: Terminal, as_json: bool, debug: bool, stopper):
         if debug:
             term.stderr.write(json.dumps({"call": call.name, "id": call.id, "arguments": call.arguments},
                                          ensure_ascii=False) + "\n")
-        elif term.stderr_tty and not as_json:
+        elif not unshown:
             term.stderr.write(term.dim(f"→ {call.spelled}") + "\n")
         term.stderr.flush()
 
     def on_call(record) -> None:
         if debug:
             term.stderr.write(json.dumps(record.to_json(), ensure_ascii=False) + "\n")
-        elif term.stderr_tty and not as_json:
+        elif not unshown:
             said = record.error if record.error is not None else (record.result or "")
             short = said if len(said) <= 200 else said[:200] + "…"
             term.stderr.write(term.dim(f"  {short}") + "\n")
@@ -193,9 +195,10 @@ def show_prompt(text, opts, env, term: Terminal, as_json: bool) -> int:
     return ExitCode.OK
 
 
-def stream_to_terminal(term: Terminal, as_json: bool):
+def stream_to_terminal(term: Terminal, as_json: bool, quiet: bool = False):
     """Where `quipu run` sends a reply: the answer to stdout as it comes (or one JSON object at
-    the end), a thinking model's reasoning dimmed on a terminal's stderr, the prompt's progress."""
+    the end), a thinking model's reasoning dimmed on a terminal's stderr (unless `quiet`), the
+    prompt's progress."""
     from quipu.app.turns import ReplySink
 
     class Stream(ReplySink):
@@ -218,7 +221,7 @@ def stream_to_terminal(term: Terminal, as_json: bool):
 
         def reasoning(self, piece: str) -> None:
             # Reasoning is for a person watching: stderr, dimmed, and only on a terminal; pipes get the answer.
-            if not as_json and term.stderr_tty:
+            if not as_json and not quiet and term.stderr_tty:
                 term.stderr.write(term.dim(piece))
                 term.stderr.flush()
                 self.thought = True

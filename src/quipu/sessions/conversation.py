@@ -88,6 +88,11 @@ class Conversation(ToolTurns):
         return self.template.reasoning or BY_DEFAULT
 
     @property
+    def without_template(self) -> bool:
+        """Whether the model has no chat template of its own, nor was it given one (ChatML stands in)."""
+        return self.template is not None and self.template.is_fallback
+
+    @property
     def folds_system(self) -> bool:
         return self.template is not None and self.template.folds_system
 
