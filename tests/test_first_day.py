@@ -159,3 +159,17 @@ def test_a_model_without_a_chat_template_is_said_once_and_listed_as_base(quipu, 
     assert listed["base"]["base"] is True and any(m["base"] is False for m in listed.values())  # the bundled one
     table = quipu("models", "list").stdout.decode().splitlines()
     assert any(line.startswith("base ") and " base " in line for line in table), table
+
+
+def test_an_offline_pull_is_one_line_at_its_first_try(quipu, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: the Hub is not there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_CACHE": str(tmp_path / "hf"), "HF_TOKEN": ""}
+    for args in (("models", "pull", "some/Model-GGUF"), ("run", "-m", "hf:some/Model-GGUF", "hi")):
+        r = quipu(*args, env=env)
+        err = r.stderr.decode()
+        assert r.returncode == 1 and len(err.strip().splitlines()) == 1, err  # no retries, no lines of the client's
+        assert f"cannot reach the Hub at http://127.0.0.1:{port}" in err and "Retry" not in err

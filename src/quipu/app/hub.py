@@ -132,6 +132,22 @@ def endpoint() -> str:
     return constants.ENDPOINT
 
 
+REACH_TIMEOUT_S = 8.0  # the longest a first answer from the Hub is waited for
+
+
+def reach_hub() -> None:
+    """Makes sure the Hub answers, at once: the client tries a request it cannot send five more
+    times, over 24 s, before it gives up. Its own stderr handler (added when it is imported) is
+    taken off, so that what it logs reaches the user through quipu (`--verbose`) alone."""
+    import logging
+
+    from huggingface_hub.utils import get_session
+
+    log = logging.getLogger("huggingface_hub")
+    log.handlers = [h for h in log.handlers if not (type(h) is logging.StreamHandler and h.formatter is None)]
+    get_session().head(endpoint(), timeout=REACH_TIMEOUT_S)  # any answer will do: the Hub is there
+
+
 class _HubErrors:
     """Turns what the Hub's client raises into one-line errors that say what to do."""
 
@@ -200,6 +216,7 @@ def plan_pull(ref: HubRef) -> PullPlan:
 
     entries = []
     with _HubErrors(ref.repo):
+        reach_hub()
         try:
             for entry in HfApi().list_repo_tree(ref.repo, recursive=True):
                 entries.append(entry)
