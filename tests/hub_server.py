@@ -6,14 +6,17 @@ ETag and checksum headers, ranged GETs), serving files the tests make. Repositor
 until `release` is set; `stalled` is set when it happens), `sizes` (a size to advertise for a file
 instead of its own), `commit` and `etag` (the version and checksum to name), `listing` (the bytes to
 answer any listing with). Every GET's Range is kept in `ranges`, and the
-file of every HEAD in `heads`."""
+file of every HEAD in `heads`. The search (`/api/models?search=`) finds the repositories with a GGUF
+file whose name holds the text, most `downloads` (a count a repository) first, as the Hub orders them,
+and answers `found` instead when a test sets it."""
 
 from __future__ import annotations
 
 import hashlib
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import unquote, urlsplit
+import json
+from urllib.parse import parse_qs, unquote, urlsplit
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -34,6 +37,8 @@ class Hub(BaseHTTPRequestHandler):
         server = self.server
         path = unquote(urlsplit(self.path).path)
         parts = path.strip("/").split("/")
+        if parts == ["api", "models"]:
+            return self.search(parse_qs(urlsplit(self.path).query))
         if parts[:2] == ["api", "models"] and "tree" in parts and server.listing is not None:
             return self.send(200, server.listing, {"Content-Type": "application/json"})
         if parts[:2] == ["api", "models"] and "tree" in parts:
@@ -46,8 +51,6 @@ class Hub(BaseHTTPRequestHandler):
                         **({"lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 130}}
                            if name.endswith(".gguf") else {})}
                        for name, data in files.items()]
-            import json
-
             return self.send(200, json.dumps(listing).encode(), {"Content-Type": "application/json"})
         if parts[:1] == ["cdn"]:
             return self.content(parts[1], head)
@@ -107,6 +110,20 @@ class Hub(BaseHTTPRequestHandler):
             return
         self.wfile.write(body)
 
+    def search(self, query: dict[str, list[str]]) -> None:
+        server = self.server
+        server.searches.append(query)
+        if server.found is not None:
+            return self.send(200, server.found, {"Content-Type": "application/json"})
+        text = query.get("search", [""])[0].lower()
+        hits = [repo for repo, files in server.repos.items()
+                if text in repo.lower() and any(name.endswith(".gguf") for name in files)]
+        hits.sort(key=lambda repo: -server.downloads.get(repo, 0))
+        hits = hits[:int(query.get("limit", ["1000"])[0])]
+        body = [{"id": repo, "downloads": server.downloads.get(repo, 0),
+                 "siblings": [{"rfilename": name} for name in server.repos[repo]]} for repo in hits]
+        self.send(200, json.dumps(body).encode(), {"Content-Type": "application/json"})
+
     def send(self, status: int, body: bytes, headers: dict | None = None, head: bool = False) -> None:
         self.send_response(status)
         for k, v in (headers or {}).items():
@@ -124,6 +141,7 @@ def start_hub(repos: dict[str, dict[str, bytes]]):
     server.corrupt, server.stall_at, server.ranges, server.heads = False, None, [], []
     server.sizes, server.commit, server.etag, server.listing = {}, COMMIT, None, None
     server.stalled, server.release = threading.Event(), threading.Event()
+    server.downloads, server.searches, server.found = {}, [], None
     threading.Thread(target=server.serve_forever, daemon=True).start()
     server.url = f"http://127.0.0.1:{server.server_address[1]}"
     return server

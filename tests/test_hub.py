@@ -349,3 +349,75 @@ def test_two_pulls_of_one_file_take_turns(hub, hub_env, home):
     assert r.returncode == 0, r.stderr.decode()
     blobs = [p for p in cached_blobs(hub_env) if not p.name.endswith(".incomplete")]
     assert [b.read_bytes() == LARGE for b in blobs] == [True]
+
+
+@pytest.fixture
+def gemma_hub(files):
+    server = start_hub({
+        "ggml-org/gemma-3-1b-it-GGUF": {"gemma-3-1b-it-Q4_K_M.gguf": files["q4"], "gemma-3-1b-it-Q8_0.gguf": files["q8"]},
+        "someone/gemma-fork-GGUF": {"fork-Q8_0.gguf": files["q8"]},
+        "someone/gemma-safetensors": {"model.safetensors": b"\0" * 16},
+        "tiny/Split-GGUF": {f"split-Q8_0-0000{i}-of-00003.gguf": part for i, part in enumerate(files["parts"], 1)},
+    })
+    server.downloads = {"ggml-org/gemma-3-1b-it-GGUF": 900, "someone/gemma-fork-GGUF": 5000}
+    yield server
+    server.shutdown()
+
+
+def test_a_short_name_pulls_its_repository_and_runs(quipu, gemma_hub, tmp_path):
+    env = {"HF_ENDPOINT": gemma_hub.url, "HF_HUB_CACHE": str(tmp_path / "hf"), "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": ""}
+    listed = quipu("models", "pull", "--list").stdout.decode()
+    assert "gemma3:1b" in listed and "ggml-org/gemma-3-1b-it-GGUF:Q4_K_M" in listed and "about 768.7 MB" in listed
+    # -m NAME pulls it on first use, then runs it; the pull's own command then has nothing to fetch
+    r = quipu("run", "-m", "gemma3:1b", "-n", "2", "hi", env=env)
+    assert r.returncode == 0 and "pulling ggml-org/gemma-3-1b-it-GGUF Q4_K_M" in r.stderr.decode(), r.stderr
+    pulled = quipu("models", "pull", "gemma3:1b", env=env)
+    assert pulled.returncode == 0 and "pulled ggml-org/gemma-3-1b-it-GGUF Q4_K_M" in pulled.stderr.decode()
+    other = quipu("models", "pull", "gemma3:1b:q8_0", env=env)  # another quantization: a third part
+    assert other.returncode == 0 and "Q8_0" in other.stderr.decode(), other.stderr
+    unknown = quipu("run", "-m", "gemma3:9b", "hi", env=env)
+    err = unknown.stderr.decode()
+    assert unknown.returncode == 2 and len(err.strip().splitlines()) == 1
+    assert "'gemma3:9b' is not a short name quipu knows" in err and "gemma3:1b" in err and "qwen3:4b" in err
+    removed = quipu("models", "rm", "gemma3:1b", env=env)
+    assert removed.returncode == 0 and "removed ggml-org/gemma-3-1b-it-GGUF Q4_K_M" in removed.stderr.decode()
+
+
+def test_an_ollama_model_of_a_short_name_is_used_as_it_is(quipu, files, tmp_path):
+    ollama = tmp_path / "ollama"
+    manifest = ollama / "manifests" / "registry.ollama.ai" / "library" / "gemma3" / "1b"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"layers": [{"mediaType": "application/vnd.ollama.image.model",
+                                                "digest": "sha256:0123"}]}))
+    (ollama / "blobs").mkdir()
+    (ollama / "blobs" / "sha256-0123").write_bytes(files["q4"])
+    env = {"OLLAMA_MODELS": str(ollama), "HF_ENDPOINT": "http://127.0.0.1:9", "HF_TOKEN": ""}  # no Hub there
+    r = quipu("run", "-m", "gemma3:1b", "-n", "2", "--json", "hi", env=env)
+    assert r.returncode == 0, r.stderr.decode()
+    assert json.loads(r.stdout)["model"] == "gemma3:1b" and "pulling" not in r.stderr.decode()
+
+
+def test_models_search_lists_gguf_repositories_most_downloaded_first(quipu, gemma_hub):
+    env = {"HF_ENDPOINT": gemma_hub.url, "HF_TOKEN": ""}
+    r = quipu("models", "search", "gemma", env=env)
+    assert r.returncode == 0, r.stderr.decode()
+    lines = r.stdout.decode().splitlines()
+    assert [line.split()[0] for line in lines] == ["someone/gemma-fork-GGUF", "ggml-org/gemma-3-1b-it-GGUF"]
+    assert "Q4_K_M: gemma-3-1b-it-Q4_K_M.gguf (also 1 more)" in lines[1] and "5,000" in lines[0]
+    query = gemma_hub.searches[-1]
+    assert query["search"] == ["gemma"] and query["filter"] == ["gguf"] and query["sort"] == ["downloads"]
+    found = json.loads(quipu("models", "search", "split", "--json", "--limit", "1", env=env).stdout)
+    assert found == [{"repo": "tiny/Split-GGUF", "downloads": 0, "quant": "Q8_0",
+                      "files": [f"split-Q8_0-0000{i}-of-00003.gguf" for i in (1, 2, 3)], "others": []}]
+    assert gemma_hub.searches[-1]["limit"] == ["1"]
+    nothing = quipu("models", "search", "nomodelcalledthis", env=env)
+    assert nothing.returncode == 0 and nothing.stdout == b"" and "no GGUF repository" in nothing.stderr.decode()
+    # what a hostile listing names is not shown, and nothing fails
+    gemma_hub.found = json.dumps([{"id": "../../etc", "downloads": 1}, {"id": "ok/Repo-GGUF", "downloads": "many",
+                                   "siblings": [{"rfilename": "../../x.gguf"}, {"rfilename": "ok-Q4_0.gguf"}]}]).encode()
+    odd = quipu("models", "search", "x", "--json", env=env)
+    assert odd.returncode == 0, odd.stderr.decode()
+    assert json.loads(odd.stdout) == [{"repo": "ok/Repo-GGUF", "downloads": 0, "quant": "Q4_0", "files": ["ok-Q4_0.gguf"],
+                                       "others": []}]
+    bad = quipu("models", "search", "x", "--limit", "0", env=env)
+    assert bad.returncode == 2 and "--limit must be from 1 to 100" in bad.stderr.decode()

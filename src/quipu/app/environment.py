@@ -7,13 +7,16 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from quipu import paths
 from quipu.config import Config, load_config
 from quipu.errors import InvalidParameter, ModelNotFound, UsageError
 from quipu.models import resolve_model
 from quipu.sessions.params import SamplingParams
+
+if TYPE_CHECKING:
+    from quipu.app.hub import HubRef
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_MAX_STATE_BYTES = 4 << 30
@@ -58,12 +61,14 @@ class Environment:
         default stand in for a model not given. `hf:OWNER/REPO[:QUANT]` is a model pulled from
         the Hub (`quipu models pull`)."""
         name = self.requested_model(requested) if fall_back else requested
-        if name and name.startswith("hf:"):
-            from quipu.app.hub import HubRef, pulled
+        ref = self.hub_ref(name)
+        if name and ref is not None:
+            from quipu.app.hub import pulled
 
-            model = pulled(HubRef.parse(name), self)
+            model = pulled(ref, self)
             if model is None:
-                raise ModelNotFound(f"{name} is not pulled yet: `quipu models pull {name[3:]}` fetches it")
+                raise ModelNotFound(f"{name} is not pulled yet: `quipu models pull {name.removeprefix('hf:')}` "
+                                    "fetches it")
             return name, Path(model.path)
         if not fall_back:
             if not requested:
@@ -74,6 +79,27 @@ class Environment:
         return resolve_model(requested, environ=self.environ, configured=self.config.model,
                              models_dir=self.dirs.models, locations_config=self.config.models,
                              requested_from=requested_from)
+
+    def hub_ref(self, name: str | None) -> "HubRef | None":
+        """The Hub model (`hub.HubRef`) a model name asks for: `hf:OWNER/REPO[:QUANT]`, or a short
+        name (`gemma3:1b`) that no model here is called (an Ollama model of that name is used
+        as it is); None for any other name."""
+        if not name:
+            return None
+        from quipu.app.known_models import is_short_name
+
+        if not name.startswith("hf:") and not is_short_name(name):
+            return None
+        from quipu.app.hub import HubRef
+
+        if not name.startswith("hf:"):
+            try:
+                resolve_model(name, environ={k: v for k, v in self.environ.items() if k != "QUIPU_MODEL"},
+                              configured=None, models_dir=self.dirs.models, locations_config=self.config.models)
+                return None  # a model here has that name
+            except ModelNotFound:
+                pass
+        return HubRef.parse(name)
 
     def effective_settings(self) -> list[tuple[str, Any, str]]:
         """(setting, value, where it came from) for everything a command line does not give."""

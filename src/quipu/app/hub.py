@@ -34,11 +34,11 @@ from quipu.store.pulled import PulledModel, PulledRecord
 from quipu.store.store import atomic_write, flock_until
 
 # A quantization tag as GGUF file names spell it: Q4_K_M, IQ4_XS, Q8_0, TQ1_0, BF16, F16, ...
-QUANT = re.compile(r"(?i)(?<![a-z0-9])(t?i?q\d(?:_[a-z0-9]+)*|bf16|fp16|f16|f32)(?![a-z0-9])")
+QUANT = re.compile(r"(?i)(?<![a-z0-9])(t?i?q\d(?:_[a-z0-9]+)*|mxfp4|bf16|fp16|f16|f32)(?![a-z0-9])")
 SPLIT = re.compile(r"(?i)-(\d{5})-of-(\d{5})\.gguf$")
 REF = re.compile(r"(?:hf:)?([A-Za-z0-9][A-Za-z0-9._-]{0,95})/([A-Za-z0-9][A-Za-z0-9._-]{0,95})(?::([A-Za-z0-9_]{1,32}))?")
 # Without a tag: Q4_K_M, as llama.cpp's -hf picks; else the nearest in size and quality.
-PREFERENCE = ["Q4_K_M", "Q4_K_S", "Q4_0", "IQ4_XS", "IQ4_NL", "Q5_K_M", "Q5_K_S", "Q5_0", "Q3_K_L", "Q3_K_M",
+PREFERENCE = ["Q4_K_M", "Q4_K_S", "Q4_0", "MXFP4", "IQ4_XS", "IQ4_NL", "Q5_K_M", "Q5_K_S", "Q5_0", "Q3_K_L", "Q3_K_M",
               "Q6_K", "Q8_0", "Q3_K_S", "IQ3_M", "Q2_K", "F16", "BF16", "F32"]
 TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
 CHUNK = 1 << 20
@@ -56,6 +56,12 @@ class HubRef:
 
     @classmethod
     def parse(cls, text: str) -> "HubRef":
+        """OWNER/REPO[:QUANT] (or hf:...), or a short name (`gemma3:1b`, `known_models.py`)."""
+        from quipu.app.known_models import is_short_name, known_model
+
+        if is_short_name(text):
+            known, quant = known_model(text)
+            return cls(known.repo, quant)
         found = REF.fullmatch(text.strip())
         if not found:
             raise UsageError(f"'{text}' is not a Hub model: give OWNER/REPO or OWNER/REPO:QUANT "
@@ -236,6 +242,62 @@ def plan_pull(ref: HubRef) -> PullPlan:
     paths = {f.path for f in files}
     plan.template = next((t for t in TEMPLATE_FILES if t in paths), None)
     return plan
+
+
+@dataclass
+class Found:
+    """A GGUF repository the Hub's search found, and what a pull of it without a tag fetches."""
+
+    repo: str
+    downloads: int
+    quant: str | None = None  # None: it has no GGUF file quipu would pull
+    files: list[str] = field(default_factory=list)
+    others: list[str] = field(default_factory=list)  # its other quantizations
+
+    def to_json(self) -> dict:
+        return {"repo": self.repo, "downloads": self.downloads, "quant": self.quant, "files": self.files,
+                "others": self.others}
+
+
+MAX_FOUND = 100
+
+
+def search(text: str, limit: int = 20) -> list[Found]:
+    """The Hub's GGUF repositories that match `text`, most downloaded first (at most `limit`,
+    itself at most MAX_FOUND), each with what `quipu models pull` would fetch of it."""
+    if not text.strip():
+        raise UsageError("give a text to search the Hub for (a model's name: gemma, qwen3, llama)")
+    if not 1 <= limit <= MAX_FOUND:
+        raise UsageError(f"--limit must be from 1 to {MAX_FOUND}, got {limit}")
+    from huggingface_hub import HfApi
+
+    found = []
+    with _HubErrors(text):
+        reach_hub()
+        try:
+            listed = list(HfApi().list_models(search=text, filter="gguf", sort="downloads", limit=limit,
+                                              expand=["downloads", "siblings"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise HubError(f"{endpoint()} answered a search that cannot be read ({type(exc).__name__})") from None
+    for info in listed:
+        repo = getattr(info, "id", None)
+        if not isinstance(repo, str) or REF.fullmatch(repo) is None:
+            continue  # (not a name a pull could take)
+        downloads = getattr(info, "downloads", 0)
+        entry = Found(repo, downloads if isinstance(downloads, int) and not isinstance(downloads, bool) else 0)
+        names = []
+        for sibling in getattr(info, "siblings", None) or []:
+            try:
+                names.append(repository_path(getattr(sibling, "rfilename", None), repo))
+            except HubError:
+                continue  # (a name no pull would take: not shown)
+        try:
+            plan = choose(repo, [HubFile(name, 0, None) for name in names], None)
+            entry.quant, entry.files, entry.others = plan.quant, [f.path for f in plan.files], plan.others
+        except UsageError:
+            pass  # no GGUF file, or a split model with parts missing: nothing to pull
+        found.append(entry)
+    return found
 
 
 ProgressFn = Callable[[str, int, int], None]  # (file, bytes so far, bytes in all)
@@ -456,6 +518,10 @@ def remove(name: str, env) -> PulledModel:
     and from the record; a model quipu did not pull is refused."""
     record = PulledRecord(env.dirs.models)
     models = record.all().values()
+    from quipu.app.known_models import is_short_name
+
+    if is_short_name(name):
+        name = str(HubRef.parse(name))
     model = next((m for m in models if name.lower() in (m.ref.lower(), m.repo.lower(), f"hf:{m.ref}".lower(),
                                                           hf_name(m).lower())), None)
     if model is None:

@@ -11,6 +11,7 @@ import typer
 from quipu.cli.spec import complete_model
 from quipu.cli.terminal import human_size
 from quipu.cli.terminal import Terminal
+from quipu.errors import UsageError
 
 app = typer.Typer(rich_markup_mode=None, help="Find and inspect models.", no_args_is_help=True)
 
@@ -126,16 +127,52 @@ def add(
 
 @app.command()
 def pull(context: typer.Context,
-         model: str = typer.Argument(..., help="OWNER/REPO or OWNER/REPO:QUANT (Q4_K_M, Q8_0, IQ4_XS, ...) on the "
-                                              "Hugging Face Hub.")) -> None:
+         model: Optional[str] = typer.Argument(None, help="A short name (gemma3:1b; see --list), or OWNER/REPO or "
+                                                         "OWNER/REPO:QUANT (Q4_K_M, Q8_0, IQ4_XS, ...) on the "
+                                                         "Hugging Face Hub."),
+         list_names: bool = typer.Option(False, "--list", help="List the short names quipu knows, with sizes.")) -> None:
     """Download a GGUF model from the Hugging Face Hub into its cache (resumes; checks its checksum)."""
     from quipu.app.hub import hf_name
     from quipu.cli.pull import pull as pull_model
 
     term = Terminal.detect()
+    if list_names:
+        from quipu.app.known_models import KNOWN
+
+        width = max(map(len, KNOWN))
+        refs = {name: f"{known.repo}:{known.quant}" for name, known in KNOWN.items()}
+        wide = max(map(len, refs.values()))
+        for name, known in KNOWN.items():
+            term.stdout.write(f"{name:<{width}}  {'about ' + human_size(known.size):>14}  {refs[name]:<{wide}}  "
+                              f"{known.about}\n")
+        return
+    if model is None:
+        raise UsageError("name a model to pull (a short name, or OWNER/REPO), or give --list")
     model_ = pull_model(model, context.obj, term)
     term.stderr.write(f"pulled {model_.repo} {model_.quant} ({human_size(model_.size)}): use it as "
                       f"-m hf:{model_.ref} or -m {hf_name(model_)}\n")
+
+
+@app.command()
+def search(context: typer.Context, text: str = typer.Argument(..., help="What to look for: gemma, qwen3 4b, llama."),
+           limit: int = typer.Option(20, "--limit", help="The most repositories to show (1 to 100)."),
+           as_json: bool = typer.Option(False, "--json", help="One JSON array.")) -> None:
+    """The Hub's GGUF repositories matching TEXT, most downloaded first, with what a pull of each fetches."""
+    from quipu.app.hub import search as search_hub
+
+    term = Terminal.detect()
+    found = search_hub(text, limit)
+    if as_json:
+        term.stdout.write(json.dumps([f.to_json() for f in found], indent=1) + "\n")
+        return
+    if not found:
+        term.stderr.write(f"no GGUF repository on the Hub matches '{text}'\n")
+        return
+    width = max(len(f.repo) for f in found)
+    for f in found:
+        pulls = f"{f.quant}: {', '.join(f.files)}" if f.quant else "no GGUF file to pull"
+        others = f" (also {len(f.others)} more)" if f.others else ""
+        term.stdout.write(f"{f.repo:<{width}}  {f.downloads:>10,}  {pulls}{others}\n")
 
 
 @app.command()

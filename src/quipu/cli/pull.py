@@ -33,14 +33,15 @@ def pull(text: str, env, term: Terminal):
 
 
 def pull_if_needed(env, requested: str | None, term: Terminal) -> None:
-    """`--model hf:OWNER/REPO[:QUANT]` (or QUIPU_MODEL, or the config's) pulls it on first use."""
-    name = env.requested_model(requested)
-    if not name or not name.startswith("hf:"):
+    """`--model hf:OWNER/REPO[:QUANT]` or a short name (`gemma3:1b`; or QUIPU_MODEL, or the
+    config's) pulls it on first use."""
+    ref = env.hub_ref(env.requested_model(requested))
+    if ref is None:
         return
-    from quipu.app.hub import HubRef, pulled
+    from quipu.app.hub import pulled
 
-    if pulled(HubRef.parse(name), env) is None:
-        pull(name, env, term)
+    if pulled(ref, env) is None:
+        pull(str(ref), env, term)
 
 
 class DownloadBar:
