@@ -173,3 +173,33 @@ def test_an_offline_pull_is_one_line_at_its_first_try(quipu, tmp_path):
         err = r.stderr.decode()
         assert r.returncode == 1 and len(err.strip().splitlines()) == 1, err  # no retries, no lines of the client's
         assert f"cannot reach the Hub at http://127.0.0.1:{port}" in err and "Retry" not in err
+
+
+def test_the_resume_recap_breaks_between_words():
+    from quipu.cli.repl import between_words
+
+    long = "word " * 60 + "end"
+    cut = between_words(long, 200)
+    assert len(cut) <= 202 and cut.endswith("word …") and "wor …" not in cut
+    assert between_words("short", 200) == "short"
+    assert between_words("x" * 300, 200) == "x" * 199 + " …"  # one word longer than the line
+
+
+def test_a_resumed_chat_recaps_whole_words(quipu, tiny_model, home):
+    import os
+    import sys
+
+    import pexpect
+
+    words = " ".join(f"word{i}" for i in range(80))
+    assert quipu("run", "-m", tiny_model, "-S", "long", "-n", "2", words).returncode == 0
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ.update(QUIPU_HOME=str(home), PROMPT_TOOLKIT_NO_CPR="1")
+    child = pexpect.spawn(sys.executable, ["-m", "quipu", "chat", "-S", "long", "-m", str(tiny_model)], env=environ,
+                          encoding="utf-8", dimensions=(30, 400), timeout=60)
+    child.expect(r"you: (.*?) …")
+    said = child.match.group(1)
+    child.expect("›")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    assert said.split()[-1] in words.split() and len(said) <= 200, said

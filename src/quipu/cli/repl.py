@@ -500,7 +500,7 @@ class Repl:
         shown = [m for m in self.chat.messages if m.role != "system"][-last:]
         for m in shown:
             text = m.content.strip().splitlines() or [""]
-            body = "\n    ".join(t[:200] for t in text[:lines]) + (" …" if len(text) > lines else "")
+            body = "\n    ".join(between_words(t, 200) for t in text[:lines]) + (" …" if len(text) > lines else "")
             self.say(f"  {'you' if m.role == 'user' else 'model'}: {body}")
 
     def toolbar(self):
@@ -510,6 +510,15 @@ class Repl:
         if self.chat.context_nearly_full:
             text += " · nearly full: /trim or /new"
         return text
+
+
+def between_words(text: str, width: int) -> str:
+    """`text`, cut to at most `width` characters between two words (and `…` said), or within a
+    word only when one is longer than half the width."""
+    if len(text) <= width:
+        return text
+    cut = text.rfind(" ", 0, width)
+    return (text[:cut] if cut > width // 2 else text[:width - 1]).rstrip() + " …"
 
 
 def key_bindings():
