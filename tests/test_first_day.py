@@ -203,3 +203,51 @@ def test_a_resumed_chat_recaps_whole_words(quipu, tiny_model, home):
     child.sendeof()
     child.expect(pexpect.EOF)
     assert said.split()[-1] in words.split() and len(said) <= 200, said
+
+
+def test_text_typed_during_a_reply_waits_for_the_next_prompt(home, tiny_model, tmp_path):
+    """Typed while a call runs (a function that waits for the test to say go): not drawn into
+    the reply, but in the next prompt's line."""
+    import os
+    import sys
+    from pathlib import Path
+
+    import pexpect
+
+    go = tmp_path / "go"
+    fns = tmp_path / "fns.py"
+    fns.write_text(f'''
+import os
+import time
+from typing import Literal
+
+
+def wait_here(place: Literal["here"]) -> str:
+    """Waits to be told to go on."""
+    deadline = time.monotonic() + 60
+    while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return "went on"
+''')
+    template = Path(__file__).parent / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ.update(QUIPU_HOME=str(home), PROMPT_TOOLKIT_NO_CPR="1")
+    child = pexpect.spawn(sys.executable, ["-m", "quipu", "chat", "-m", str(tiny_model), "--chat-template", str(template),
+                                           "--functions", str(fns), "--tool-choice", "wait_here", "--yes", "-n", "400",
+                                           "--seed", "3"], env=environ, encoding="utf-8", dimensions=(30, 200),
+                          timeout=60)
+    child.expect("›")
+    child.send("hello\r")
+    child.expect("wait_here\\(")  # the call runs, and waits
+    child.send("typed ahead")
+    go.write_text("")
+    child.expect("went on")
+    above = child.before
+    child.expect("›")
+    above += child.before
+    assert "typed ahead" not in above  # not in the reply, nor anywhere above the prompt
+    child.expect("typed ahead")  # but in the prompt's line, to be sent or edited
+    child.sendcontrol("c")
+    child.expect("›")
+    child.sendeof()
+    child.expect(pexpect.EOF)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from quipu.cli.render import MarkdownRenderer, PlainRenderer
-from quipu.cli.terminal import PrefillProgress, StopOnCtrlC, Terminal
+from quipu.cli.terminal import HeldKeys, PrefillProgress, StopOnCtrlC, Terminal
 from quipu.errors import Ended, ExitCode, Interrupted, QuipuError, UsageError
 
 PROMPT = "› "
@@ -315,7 +315,7 @@ class Repl:
     def turn(self, action, *args, room_made: bool = False) -> None:
         progress = PrefillProgress(self.term)
         renderer = self._renderer()
-        with StopOnCtrlC(hard_second=False, quit_too=True) as stopper:
+        with StopOnCtrlC(hard_second=False, quit_too=True) as stopper, HeldKeys(self.term):
             try:
                 outcome = action(*args, sink=reply_sink(renderer, stopper, progress))
             finally:

@@ -123,6 +123,42 @@ class StopOnCtrlC:
             signal.signal(signum, previous)
 
 
+class HeldKeys:
+    """While a reply streams: what is typed is not echoed into the reply but kept, in the
+    terminal's own input buffer, for the next prompt, which shows it below the reply. (Ctrl-C
+    and Ctrl-\\ still reach quipu; a question asked meanwhile reads its keys as it always does.)"""
+
+    def __init__(self, term: Terminal) -> None:
+        self.on = term.stdin_tty
+        self._saved: list | None = None
+
+    def __enter__(self) -> "HeldKeys":
+        if not self.on:
+            return self
+        try:
+            import termios
+        except ImportError:  # (no termios here: keys echo as they always did)
+            return self
+        try:
+            fd = sys.stdin.fileno()
+            self._saved = termios.tcgetattr(fd)
+            quiet = termios.tcgetattr(fd)
+            quiet[3] &= ~termios.ECHO  # (the local modes: no echo; lines and signals as they were)
+            termios.tcsetattr(fd, termios.TCSANOW, quiet)  # (TCSANOW: what was typed already stays)
+        except (termios.error, OSError, ValueError):  # a terminal it cannot set
+            self._saved = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is not None:
+            import termios
+
+            try:
+                termios.tcsetattr(sys.stdin.fileno(), termios.TCSANOW, self._saved)
+            except (termios.error, OSError, ValueError):
+                pass
+
+
 class PrefillProgress:
     """A progress bar on stderr for long prompts, shown only on a terminal."""
 
