@@ -31,7 +31,8 @@ Every turn, named session and chat is written once, for every host a model can r
   the process the user's functions run in, and `function_worker.py`, what runs in it; `mcp.py`,
   MCP servers over stdio as tools (`--mcp NAME`).
 - `hub.py`: models pulled from the Hugging Face Hub into its cache (`quipu models pull|rm`,
-  `-m hf:OWNER/REPO[:QUANT]`), resumed, checked against the Hub's checksums.
+  `-m hf:OWNER/REPO[:QUANT]`), resumed, checked against the Hub's checksums, and the Hub's search
+  (`quipu models search`); `known_models.py`, the short names (`gemma3:1b`) and what each pulls.
 - `templates.py`: what a model's chat template does (`quipu models info --template`).
 - `cache.py`: `quipu cache info|clear` (the prompt cache itself is used by `prompt_cache.py`).
 """
