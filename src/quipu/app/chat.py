@@ -24,7 +24,7 @@ from quipu.store.store import SessionInfo, validate_name
 ADJECTIVES = "amber brave calm clever eager fuzzy gentle happy jolly keen lucky merry noble quiet rapid shy sunny swift tidy witty".split()
 NOUNS = "otter falcon maple river comet badger heron lynx meadow pebble quokka raven tulip walrus yak zebra cedar fjord ember harbor".split()
 
-# What /set can change: the sampling parameters, and the reply length.
+# What /set can change: the sampling parameters, the reply's length and its stop string.
 SETTABLE = {**SAMPLING_TYPES, "max_tokens": int, "stop": str}
 
 # Warn when the context is this full; drop old exchanges to leave this much free.
