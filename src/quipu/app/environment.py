@@ -73,9 +73,7 @@ class Environment:
         if not fall_back:
             if not requested:
                 raise ModelNotFound("no model named")
-            environ = {k: v for k, v in self.environ.items() if k != "QUIPU_MODEL"}
-            return resolve_model(requested, environ=environ, configured=None, models_dir=self.dirs.models,
-                                 locations_config=self.config.models)
+            return self._named_here(requested)
         return resolve_model(requested, environ=self.environ, configured=self.config.model,
                              models_dir=self.dirs.models, locations_config=self.config.models,
                              requested_from=requested_from)
@@ -94,12 +92,18 @@ class Environment:
 
         if not name.startswith("hf:"):
             try:
-                resolve_model(name, environ={k: v for k, v in self.environ.items() if k != "QUIPU_MODEL"},
-                              configured=None, models_dir=self.dirs.models, locations_config=self.config.models)
+                self._named_here(name)
                 return None  # a model here has that name
             except ModelNotFound:
                 pass
         return HubRef.parse(name)
+
+    def _named_here(self, name: str) -> tuple[str, Path]:
+        """(name, file) of the model `name` is here (a file, or a model found on this machine),
+        without the defaults (QUIPU_MODEL, the config's) standing in."""
+        environ = {k: v for k, v in self.environ.items() if k != "QUIPU_MODEL"}
+        return resolve_model(name, environ=environ, configured=None, models_dir=self.dirs.models,
+                             locations_config=self.config.models)
 
     def effective_settings(self) -> list[tuple[str, Any, str]]:
         """(setting, value, where it came from) for everything a command line does not give."""

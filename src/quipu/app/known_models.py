@@ -18,7 +18,7 @@ class KnownModel:
     about: str
 
 
-GB, MB = 1_000_000_000, 1_000_000
+MB = 1_000_000
 
 KNOWN: dict[str, KnownModel] = {
     "gemma3:1b": KnownModel("ggml-org/gemma-3-1b-it-GGUF", "Q4_K_M", 806 * MB, "Google's Gemma 3, 1B: a good first model"),
