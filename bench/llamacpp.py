@@ -1,6 +1,6 @@
 """Build llama.cpp's own programs from the sources that the installed llama-cpp-python vendors.
 
-The benchmarks compare quipu with `llama-completion` and `llama-batched-bench` built from the
+The benchmarks compare quipu with `llama-completion`, `llama-bench` and `llama-batched-bench` built from the
 same llama.cpp that quipu runs on. The sdist is fetched with pip (pip's cache makes that
 offline after the first time), unpacked and built once into a cache folder:
 
@@ -20,7 +20,7 @@ import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
-TARGETS = ("llama-completion", "llama-batched-bench", "llama-server")
+TARGETS = ("llama-completion", "llama-batched-bench", "llama-bench", "llama-server")
 
 
 def build_root() -> Path:

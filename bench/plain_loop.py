@@ -21,7 +21,7 @@ def plain_loop(model_path: str, prompt_tokens: list[int], n_decode: int, *, n_ct
     cp = lc.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
     cp.n_threads = cp.n_threads_batch = n_threads
-    cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_AUTO  # as quipu: llama.cpp chooses
     cp.no_perf = True
     ctx = lc.llama_init_from_model(model, cp)
     chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from bench.batch import bench_batch
 from bench.common import RESULTS, model_path
+from bench.llama_bench import bench_llama_bench
 from bench.remote import bench_remote
 from bench.sessions import bench_cache, bench_resume, bench_saves, bench_shift, bench_snapshots
 from bench.speed import bench_coldstart, bench_memory, bench_peers, bench_speed, bench_startup
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128, help="tokens to decode per run")
-    ap.add_argument("--only", help="run one part: speed, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools, functions, saves, shift")
+    ap.add_argument("--only", help="run one part: speed, llama-bench, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools, functions, saves, shift")
     args = ap.parse_args(argv)
     model = model_path()
     # An installed quipu has its bytecode compiled by pip; a checkout may not (PYTHONDONTWRITEBYTECODE).
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as home:
         parts = {
             "speed": lambda: bench_speed(model, args.threads, args.repeats, home, args.decode),
+            "llama-bench": lambda: bench_llama_bench(args.threads, args.repeats, home, args.decode),
             "resume": lambda: bench_resume(model, args.threads, args.repeats, home),
             "peers": lambda: bench_peers(model, args.repeats, home),
             "memory": lambda: bench_memory(model, args.threads, home),

@@ -199,6 +199,43 @@ def test_kv_q8_halves_the_state_and_is_kept_on_resume(quipu, tiny_model, home):
     assert json.loads(r.stdout)["usage"]["cached_tokens"] > 0
 
 
+def as_saved_before_the_layout_was_recorded(state):
+    """A session's state file whose metadata reads as a quipu that did not record the cache's
+    layout wrote it (for f16, V transposed: flash attention was kept off)."""
+    from quipu.store.statefile import decode_state, encode_state
+
+    blob = decode_state(state.read_bytes())
+    context = {k: v for k, v in blob.meta["context"].items() if k != "v_trans"}
+    state.write_bytes(encode_state({**blob.meta, "context": context}, bytes(blob.state)))
+
+
+def test_a_state_of_the_other_layout_is_read_again_with_a_warning_and_the_reply_is_the_same(
+        quipu, tiny_model, home):
+    whole = json.loads(tiny(quipu, tiny_model, "--json", "-S", "whole", "-n", "8", *HOT, "hello").stdout)
+    assert tiny(quipu, tiny_model, "-S", "old", "-n", "8", *HOT, "hello").returncode == 0
+    assert whole["usage"]["cached_tokens"] == 0
+    then = json.loads(tiny(quipu, tiny_model, "--json", "-S", "whole", "-n", "8", "the sky").stdout)
+
+    as_saved_before_the_layout_was_recorded(session_files(home, "old")[1])
+    r = tiny(quipu, tiny_model, "--json", "-S", "old", "-n", "8", "the sky")
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert "laid out without flash attention" in err and "re-reading its context" in err
+    out = json.loads(r.stdout)
+    assert out["usage"]["cached_tokens"] == 0 and out["text"] == then["text"]
+    # Saved again in this context's layout, it restores without a word.
+    r = tiny(quipu, tiny_model, "--json", "-S", "old", "-n", "4", "blue")
+    assert r.returncode == 0 and r.stderr == b"" and json.loads(r.stdout)["usage"]["cached_tokens"] > 0
+
+
+def test_a_q8_state_saved_before_the_layout_was_recorded_still_restores(quipu, tiny_model, home):
+    tiny(quipu, tiny_model, "-S", "q8", "--kv-type", "q8_0", "-n", "8", *HOT, "hello")
+    as_saved_before_the_layout_was_recorded(session_files(home, "q8")[1])  # (flash attention was on)
+    r = tiny(quipu, tiny_model, "--json", "-S", "q8", "-n", "4", "blue")
+    assert r.returncode == 0 and r.stderr == b""
+    assert json.loads(r.stdout)["usage"]["cached_tokens"] > 0
+
+
 def test_disk_budget_drops_least_recent_state_but_never_transcripts(quipu, tiny_model, home):
     for name in ("old", "mid", "new"):
         tiny(quipu, tiny_model, "-S", name, "-n", "8", "hello")

@@ -46,11 +46,11 @@ def test_undo_and_the_prompt_cache_on_a_sliding_window_cache(quipu, gemma_model,
     assert after == before[:len(after)] and len(after) >= len(before) - 2
     again = quipu("run", "-S", "u", "-n", "8", "--json", "Name a lake.")
     assert again.returncode == 0 and json.loads(again.stdout)["usage"]["cached_tokens"] > 5
-    # The prompt cache: a second one-shot run on the same document restores its beginning,
-    # where the window still holds what the new end needs; past the window it is read again,
-    # to the reply a run without the cache gives.
-    short = " ".join(["The river runs past the old mill."] * 20)
-    for doc, restored in ((short, lambda n: n > 150), (DOC, lambda n: n == 0)):
+    # The prompt cache: a second one-shot run on the same document restores its beginning (to
+    # where a prefill batch starts), where the window still holds what the new end needs; past
+    # the window it is read again; either way to the reply a run without the cache gives.
+    short = " ".join(["The river runs past the old mill."] * 45)
+    for doc, restored in ((short, lambda n: n > 200), (DOC, lambda n: n == 0)):
         first = quipu("run", "-m", gemma_model, "-n", "4", "--json", *HOT, doc + " Summarize.")
         second = quipu("run", "-m", gemma_model, "-n", "4", "--json", *HOT, doc + " Shorten.")
         alone = quipu("run", "-m", gemma_model, "-n", "4", "--json", "--no-cache", *HOT, doc + " Shorten.")

@@ -25,7 +25,7 @@ from quipu.app.turn_options import (
 from quipu.app.hosts import Opened, made_elsewhere, saved_params
 from quipu.app.prompt_cache import CacheUse, cache_lookup, cache_save, cached_count, open_cache
 from quipu.store.cache import PromptCache
-from quipu.engine.base import KV_TYPES, ContextSettings, ProgressFn
+from quipu.engine.base import KV_TYPES, ContextSettings, ProgressFn, layout_differs, saved_state_key
 from quipu.engine.kvstate import LAYOUT, check_piece
 from quipu.errors import EngineError, ModelMismatch, SnapshotError, UsageError
 from quipu.models import fingerprint
@@ -152,7 +152,14 @@ class LocalHost:
             return "the saved context state belongs to another model"
         if meta.get("build") != backend.build:
             return f"the saved context state was made by {meta.get('build', 'another build')}"
-        if meta.get("context") != backend.context.state_key():
+        saved = meta.get("context")
+        if not isinstance(saved, dict):
+            return "the saved context state names no context settings"
+        saved = saved_state_key(saved)
+        layout = layout_differs(saved, backend.context)
+        if layout:
+            return layout
+        if saved != backend.context.state_key():
             return "the saved context state was made with other context settings"
         if not isinstance(meta.get("n_decoded"), int) or meta["n_decoded"] < 0:
             return "the saved context state is from another turn"
@@ -163,7 +170,7 @@ class LocalHost:
             return held.why
         snap.state, snap.pieces = blob.state, [(p.meta["start"], p.state) for p in held.pieces]
         snap.state_decoded = held.cells if held.cells < snap.n_decoded else None
-        snap.context = meta["context"]
+        snap.context = saved
         keeper.chain = held.chain(meta, len(blob.state))
         return held.why
 
@@ -287,9 +294,11 @@ class LocalKeeper:
             return None, "the pieces are many: put together again"
         piece = backend.state_since(start)
         try:
-            check_piece(piece, seq_id=1, cells=session.n_decoded - start, first=start, n_layer=backend.n_layer)
+            made = check_piece(piece, seq_id=1, cells=session.n_decoded - start, first=start, n_layer=backend.n_layer)
         except SnapshotError as exc:
             return None, f"the state's layout is not the one quipu reads: {exc}"
+        if made.v_trans != backend.context.v_trans:
+            return None, "the state's V layout is not the one its context settings record"
         meta = {"base": chain.nonce, "start": start, "n_decoded": session.n_decoded, "tokens_sha256": key[1],
                 "layout": LAYOUT, "build": backend.build}
         held = session.n_decoded

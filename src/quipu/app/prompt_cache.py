@@ -19,6 +19,7 @@ class CacheUse:
     key: dict
     tokens: list[int]
     reused: int
+    held: int = 0  # how much of the prompt the cache held (reused: to where a prefill step starts)
 
 
 def cache_key(session: InferenceSession, model_path) -> dict:
@@ -37,27 +38,29 @@ def cache_lookup(session: InferenceSession, tokens: list[int], model_path, cache
     key = cache_key(session, model_path)
     hit = cache.lookup(key, tokens)
     reused = 0
-    if hit is not None:
-        keep = min(hit.reuse, len(tokens) - 1)  # the last token is read again, for its logits
+    # The last token is read again, for its logits; the rest from where a batch of the prefill
+    # starts, so that the tokens read compute as they would in a run without the cache.
+    keep = session.backend.step_start(min(hit.reuse, len(tokens) - 1)) if hit is not None else 0
+    if hit is not None and keep > 0:
         try:
             session.restore_prefix(hit.state, hit.tokens, keep)
             reused = keep
         except EngineError as exc:
             cache.drop(hit.path, str(exc))
-    return CacheUse(cache, key, tokens, reused)
+    return CacheUse(cache, key, tokens, reused, hit.reuse if hit is not None else 0)
 
 
 def cached_count(session: InferenceSession, tokens: list[int], model_path, cache: PromptCache) -> int:
     """How many of `tokens` a run would restore from the prompt cache (`--show-prompt`)."""
     found = cache.peek(cache_key(session, model_path), tokens)
-    return min(found, len(tokens) - 1) if found else 0
+    return session.backend.step_start(min(found, len(tokens) - 1)) if found else 0
 
 
 def cache_save(session: InferenceSession, use: CacheUse) -> None:
     """Keeps the state of the prompt (not the reply), unless the cache had nearly all of it
     already: questions after one long beginning share one entry."""
     tokens = use.tokens
-    if len(tokens) - use.reused < MIN_TOKENS or session.n_decoded < len(tokens):
+    if len(tokens) - max(use.reused, use.held) < MIN_TOKENS or session.n_decoded < len(tokens):
         return
     try:
         session.rewind(len(tokens))

@@ -30,14 +30,41 @@ class ContextSettings:
     """What the context (and so the state bytes) depends on, plus the thread count."""
 
     n_ctx: int = 0  # 0: the model's training context, capped at MAX_DEFAULT_CTX
-    n_batch: int = 512
+    # Tokens a prefill step takes (llama.cpp's n_batch and n_ubatch): on two cores as fast as 512
+    # (faster on Gemma 3), and a prompt cache entry is restored to a multiple of it (`step_start`).
+    n_batch: int = 256
     n_threads: int = 0  # 0: available_cpus()
     kv_type: str = "f16"
     n_seq: int = 1  # sequences decoded side by side (a batch); n_ctx is shared out among them
+    # Set by the backend, not asked for: whether its cache stores V transposed (as llama.cpp
+    # does for attention without flash attention); None where it is not known.
+    v_trans: bool | None = None
 
     def state_key(self) -> dict:
-        """The settings a snapshot's state bytes are only valid under."""
-        return {"n_ctx": self.n_ctx, "n_batch": self.n_batch, "kv_type": self.kv_type}
+        """The settings a snapshot's state bytes are only valid under, and their layout."""
+        return {"n_ctx": self.n_ctx, "n_batch": self.n_batch, "kv_type": self.kv_type, "v_trans": self.v_trans}
+
+
+def saved_state_key(saved: dict) -> dict:
+    """A state key as a snapshot's metadata holds it, with the layout of one written before the
+    layout was recorded: quipu then turned flash attention off for an f16 cache (V transposed)
+    and on for a quantized one."""
+    return saved if "v_trans" in saved else {**saved, "v_trans": saved.get("kv_type") == "f16"}
+
+
+def layout_differs(saved: dict, context: ContextSettings) -> str | None:
+    """Why state bytes saved under `saved` (a state key) cannot be restored into a context with
+    `context`'s layout, or None when they can be."""
+    was = saved_state_key(saved).get("v_trans")
+    if was == context.v_trans:
+        return None
+
+    def said(v_trans: bool | None) -> str:
+        if v_trans is None:
+            return "in a layout not known"
+        return "without flash attention (V transposed)" if v_trans else "for flash attention (V not transposed)"
+
+    return f"the saved context state was laid out {said(was)}, this context {said(context.v_trans)}"
 
 
 @dataclass(frozen=True)
@@ -93,6 +120,10 @@ class Backend(Protocol):
 
     def prefill(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None) -> None:
         """Decodes `tokens` at positions start.., in batches; logits are kept for the last one."""
+
+    def step_start(self, n: int) -> int:
+        """The last position at or before `n` at which `prefill` starts a batch whatever
+        position it was given: a context cut to it and read on holds what one read whole does."""
 
     def decode_one(self, token: int, pos: int) -> None: ...
     def truncate(self, n_keep: int) -> None:

@@ -68,8 +68,6 @@ class LlamaBackend(BatchRows, StateBytes, Embeddings):
         n_threads = context.n_threads or available_cpus()
         n_batch = max(1, min(context.n_batch, n_ctx))
         n_seq = max(1, context.n_seq)
-        self.context = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=context.kv_type,
-                                       n_seq=n_seq)
 
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = n_ctx
@@ -85,16 +83,17 @@ class LlamaBackend(BatchRows, StateBytes, Embeddings):
         kv = _KV_GGML_TYPES[context.kv_type]
         cparams.type_k = kv
         cparams.type_v = kv
-        # A quantized V cache needs flash attention; f16 keeps llama.cpp's automatic choice
-        # off so that the state bytes mean the same thing on every run (and a batch's rows are
-        # computed as lone runs are: with it on, most greedy rows would read differently).
-        cparams.flash_attn_type = (
-            lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if context.kv_type != "f16" else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
+        # Flash attention as llama.cpp chooses it (on where the device runs it; always for a
+        # quantized V cache). The cache's layout follows from the choice it was made with, which
+        # the new context states in its log: V is stored transposed only without flash attention.
+        cparams.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_AUTO
         LOG.clear_errors()
         ctx = lc.llama_init_from_model(self.model.ptr, cparams)
         if not ctx:
             raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens{LOG.reason()}")
+        made = LOG.flash_attn
+        self.context = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=context.kv_type,
+                                       n_seq=n_seq, v_trans=None if made is None else made == "disabled")
         self._ctx = ctx
         self._stack.callback(lc.llama_free, ctx)
         # llama.cpp rounds small contexts up; the user's number is the one we keep to.
@@ -148,12 +147,15 @@ class LlamaBackend(BatchRows, StateBytes, Embeddings):
     # ---- decoding -----------------------------------------------------------------------
 
     def prefill(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None) -> None:
+        """Decodes `tokens` at positions `start`, ... in steps that end where a multiple of
+        n_batch does (see `step_start`)."""
         total = len(tokens)
         n_batch = self.context.n_batch
         batch = self._batch
-        for offset in range(0, total, n_batch):
-            chunk = tokens[offset : offset + n_batch]
-            n = len(chunk)
+        offset = 0
+        while offset < total:
+            n = min(total - offset, n_batch - (start + offset) % n_batch)
+            chunk = tokens[offset : offset + n]
             last_chunk = offset + n == total
             for i, tok in enumerate(chunk):
                 batch.token[i] = tok
@@ -163,8 +165,16 @@ class LlamaBackend(BatchRows, StateBytes, Embeddings):
                 batch.logits[i] = last_chunk and i == n - 1
             batch.n_tokens = n
             self._decode(batch)
+            offset += n
             if on_progress is not None:
-                on_progress(offset + n, total)
+                on_progress(offset, total)
+
+    def step_start(self, n: int) -> int:
+        """The last position at or before `n` where a prefill step starts. llama.cpp's attention
+        computes a token by another road in a step of a few tokens than in a step of many (flash
+        attention's tiled kernel), so the last bits of what it keeps differ; a context restored
+        to such a position and read on computes what one read from the start computes."""
+        return n - n % self.context.n_batch
 
     def decode_one(self, token: int, pos: int) -> None:
         batch = self._batch

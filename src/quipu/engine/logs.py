@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import re
 import sys
 
 from quipu.engine.native import lc
 
 GGML_LOG_LEVEL_ERROR = 4
 GGML_LOG_LEVEL_CONT = 5
+# How a new context says which attention its cache was made for (`llama_context`'s constructor,
+# src/llama-context.cpp): "auto" and "enabled" make V untransposed, "disabled" transposed.
+_FLASH_ATTN = re.compile(r"llama_context: flash_attn\s*=\s*(\w+)")
 
 
 class LlamaLog:
@@ -20,6 +24,7 @@ class LlamaLog:
         self.errors: collections.deque[str] = collections.deque(maxlen=8)
         self._last_level = 0
         self._callback = None
+        self.flash_attn: str | None = None  # what the last context made was made with, as it said
 
     def install(self) -> None:
         if self._callback is None:
@@ -34,12 +39,16 @@ class LlamaLog:
         message = text.decode("utf-8", "replace") if text else ""
         if level == GGML_LOG_LEVEL_ERROR and message.strip():
             self.errors.append(message.strip())
+        elif message.startswith("llama_context: flash_attn"):
+            found = _FLASH_ATTN.match(message)
+            self.flash_attn = found.group(1) if found else None
         if self.verbose:
             sys.stderr.write(message)
             sys.stderr.flush()
 
     def clear_errors(self) -> None:
         self.errors.clear()
+        self.flash_attn = None
 
     def reason(self) -> str:
         """': <what llama.cpp said went wrong first>', or '' when it said nothing."""
