@@ -260,3 +260,44 @@ def test_the_recorded_layout_is_the_one_llama_cpp_writes(make_backend, kv_type):
     assert backend.context.v_trans is not None
     assert piece.v_trans == backend.context.v_trans
     assert backend.context.state_key()["v_trans"] == piece.v_trans
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_chain_draws_what_llama_cpps_own_order_draws(bundled_model, make_backend, temperature):
+    """quipu's chain keeps the top tokens before the repeat penalty (which looks every candidate
+    up otherwise); llama.cpp's own order (penalty, top-k, top-p, min-p, temperature, a seeded
+    draw) picks the same tokens, step after step, with a short window that the reply soon fills."""
+    from quipu.engine.base import SamplerSettings
+    from quipu.engine.native import lc
+
+    settings = SamplerSettings(temperature=temperature, top_k=5, repeat_penalty=1.5, repeat_last_n=8)
+    backend = make_backend(bundled_model)
+    backend.set_sampler(settings)
+    reference = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+    parts = [lc.llama_sampler_init_penalties(backend.n_vocab, 8, 1.5, 0.0, 0.0)]
+    if temperature > 0:
+        parts += [lc.llama_sampler_init_top_k(5), lc.llama_sampler_init_top_p(0.95, 1),
+                  lc.llama_sampler_init_min_p(0.05, 1), lc.llama_sampler_init_temp(temperature)]
+    for part in parts:
+        lc.llama_sampler_chain_add(reference, part)
+    tokens = backend.tokenize("The river runs past the old mill and the river", add_special=True, parse_special=False)
+    backend.prefill(tokens, 0)
+    for tok in tokens:
+        backend.sampler_accept([tok])
+        lc.llama_sampler_accept(reference, tok)
+    ours, theirs = [], []
+    try:
+        for step in range(96):
+            draw = lc.llama_sampler_init_dist(step) if temperature > 0 else lc.llama_sampler_init_greedy()
+            lc.llama_sampler_chain_add(reference, draw)
+            expected = lc.llama_sampler_sample(reference, backend._ctx, -1)
+            lc.llama_sampler_free(lc.llama_sampler_chain_remove(reference, lc.llama_sampler_chain_n(reference) - 1))
+            token = backend.sample(step)  # (a draw accepts its token into the window, as llama.cpp's does)
+            ours.append(token)
+            theirs.append(expected)
+            backend.decode_one(token, len(tokens) + step)
+    finally:
+        lc.llama_sampler_free(reference)
+    assert ours == theirs
+    assert len(set(ours)) > 8  # (the penalty moved the reply on: the window was full of it)

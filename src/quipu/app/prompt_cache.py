@@ -60,7 +60,8 @@ def cache_save(session: InferenceSession, use: CacheUse) -> None:
     """Keeps the state of the prompt (not the reply), unless the cache had nearly all of it
     already: questions after one long beginning share one entry."""
     tokens = use.tokens
-    if len(tokens) - max(use.reused, use.held) < MIN_TOKENS or session.n_decoded < len(tokens):
+    if (len(tokens) - max(use.reused, use.held) < MIN_TOKENS or session.n_decoded < len(tokens)
+            or session.backend.step_start(len(tokens) - 1) == 0):  # (a prompt no restore could use)
         return
     try:
         session.rewind(len(tokens))
