@@ -215,3 +215,19 @@ def test_a_backend_that_cannot_embed_refuses(tiny_model, monkeypatch):
     monkeypatch.setattr(LlamaBackend, "supports_embeddings", False)
     with pytest.raises(CapabilityError, match="cannot compute embeddings"):
         embed_texts(["hi"], TurnOptions(model=str(tiny_model)), Environment.load({"QUIPU_HOME": "/nonexistent"}))
+
+
+def test_a_model_file_changed_in_place_gets_a_new_fingerprint(tmp_path):
+    """The fingerprint is remembered by the process for a file that has not changed; one
+    written over (same name, same size) is read again."""
+    import os
+
+    from quipu.models import fingerprint
+
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + bytes(1000))
+    first = fingerprint(path)
+    assert fingerprint(path) == first
+    path.write_bytes(b"GGUF" + bytes([1]) * 1000)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
+    assert fingerprint(path) != first

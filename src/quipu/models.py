@@ -269,13 +269,22 @@ def model_info(name: str, path: Path) -> dict[str, Any]:
 FINGERPRINT_HEAD_BYTES = 8 << 20
 
 
+_FINGERPRINTS: dict[tuple, str] = {}  # this process's, by file identity (device, inode, size, mtime)
+
+
 def fingerprint(path: Path) -> str:
     """Identifies a model file cheaply: its size and a hash of its first 8 MiB (the GGUF header,
-    its metadata and vocabulary, and the start of the weights), not a full-file hash."""
+    its metadata and vocabulary, and the start of the weights), not a full-file hash. Asked
+    again of the same unchanged file, the process answers from memory."""
     import hashlib
 
-    size = path.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
+    st = path.stat()
+    identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    known = _FINGERPRINTS.get(identity)
+    if known is not None:
+        return known
+    digest = hashlib.sha256(str(st.st_size).encode())
     with path.open("rb") as fh:
         digest.update(fh.read(FINGERPRINT_HEAD_BYTES))
-    return f"{size}:{digest.hexdigest()[:32]}"
+    _FINGERPRINTS[identity] = found = f"{st.st_size}:{digest.hexdigest()[:32]}"
+    return found
