@@ -1,25 +1,20 @@
 """The llama.cpp backend, on llama-cpp-python's low-level (ctypes) API: a context on a loaded
-model (model.py), its decoding, its samplers (native, with a grammar's mask, filters and
-processors applied to the logits first); its state bytes, batch rows and embeddings are parts of
-their own (`llama_state.py`, `llama_rows.py`, `embeddings.py`)."""
+model (model.py) and its decoding; its sampling, state bytes, batch rows and embeddings are
+parts of their own (`sampler.py`, `llama_state.py`, `llama_rows.py`, `embeddings.py`)."""
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from quipu.engine.native import binding_version, lc
-from quipu.engine.sampler import SamplerChain
+from quipu.engine.sampler import Sampling
 
 from quipu.engine.base import (
     KV_TYPES,
     ContextSettings,
-    LogitsProcessor,
     ProgressFn,
-    SamplerSettings,
-    TokenFilter,
     available_cpus,
 )
 from quipu.engine.embeddings import Embeddings
@@ -35,11 +30,11 @@ if TYPE_CHECKING:
 MAX_DEFAULT_CTX = 8192
 _KV_GGML_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
 
-class LlamaBackend(BatchRows, StateBytes, Embeddings):
+class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings):
     """One context on a model (loaded from `model_path`, or a shared `LlamaModel`). Close it (or
     use it as a context manager) to free its native memory; the model goes with its last context.
-    Its parts: the rows of a batch (`llama_rows.py`), its state bytes (`llama_state.py`), and
-    embeddings (`embeddings.py`)."""
+    Its parts: its sampling (`sampler.py`), the rows of a batch (`llama_rows.py`), its state
+    bytes (`llama_state.py`), and embeddings (`embeddings.py`)."""
 
     name = "llama.cpp"
     build = f"llama-cpp-python {binding_version()}"
@@ -103,9 +98,7 @@ class LlamaBackend(BatchRows, StateBytes, Embeddings):
         self.n_ctx_seq = lc.llama_n_ctx_seq(ctx) if n_seq > 1 else self.n_ctx
         self._batch = lc.llama_batch_init(n_batch, 0, 1)
         self._stack.callback(lc.llama_batch_free, self._batch)
-        self._chain: SamplerChain | None = None
-        self._sampler = None
-        self._grammar = None  # a constraint.Matcher while replies keep to a grammar
+        self._chain = self._sampler = self._grammar = None
         self._masks: "MaskBatch | None" = None  # for the rows of a batch under grammars
         self._stack.callback(self._free_sampler)
 
@@ -232,89 +225,6 @@ class LlamaBackend(BatchRows, StateBytes, Embeddings):
     def reopen(self) -> "LlamaBackend":
         """A new context with the same settings on the same loaded model: no second load."""
         return LlamaBackend(self.model, self.context, verbose=LOG.verbose)
-
-    # ---- sampling -----------------------------------------------------------------------
-
-    def set_sampler(self, settings: SamplerSettings) -> None:
-        matcher = self._matcher_for(settings)  # a bad grammar is refused before anything changes
-        self._free_sampler()
-        self._settings = settings
-        self._grammar = matcher
-        self._chain = SamplerChain(self.n_vocab, settings)
-        self._sampler = self._chain.ptr
-
-    def _matcher_for(self, settings: SamplerSettings):
-        if settings.grammar is None:
-            return None
-        from quipu.engine.constraint import Matcher  # llguidance: only for a constrained reply
-
-        return Matcher(self.model, settings.grammar)
-
-    def _free_sampler(self) -> None:
-        if self._chain is not None:
-            self._chain.free()
-            self._chain = self._sampler = None
-        self._grammar = None
-
-    @property
-    def chain(self) -> SamplerChain:
-        """The sampler chain (made by `set_sampler`, which a session calls first)."""
-        if self._chain is None:
-            raise EngineError("no sampler is set on this context")
-        return self._chain
-
-    def sampler_reset(self, window: Sequence[int]) -> None:
-        self.chain.reset(window)
-
-    def sampler_accept(self, tokens: Sequence[int]) -> None:
-        self.chain.accept(tokens)
-
-    def set_constraint(self, grammar) -> None:
-        """From the next token on, the reply keeps to `grammar` (an `engine.grammar.Grammar`, from
-        its start), or, with None, to the sampler settings' own grammar again."""
-        self._grammar = self._matcher_for(self._settings if grammar is None else
-                                          dataclasses.replace(self._settings, grammar=grammar))
-
-    def constraint_reset(self, reply: Sequence[int]) -> None:
-        if self._grammar is not None:
-            self._grammar.replay(reply)
-
-    def _reseed(self, draw_seed: int) -> None:
-        self.chain.reseed(draw_seed)
-
-    def sample(self, draw_seed: int, history: Sequence[int] = (), processors: Sequence[LogitsProcessor] = (),
-               token_filter: TokenFilter | None = None) -> int:
-        """The chain's draw from the last logits. A grammar's mask, the processors and the filter
-        change those logits in place first (ruled-out tokens become -inf), so that the native
-        chain draws as it always does, seeded, among the tokens left."""
-        self._reseed(draw_seed)
-        if self._grammar is not None or processors or token_filter is not None:
-            self._shape(history, processors, token_filter)
-        token = lc.llama_sampler_sample(self._sampler, self._ctx, -1)
-        if self._grammar is not None:
-            try:
-                self._grammar.accept(token)
-            except EngineError:
-                raise EngineError("no token is allowed here (the grammar, the filter or the biases rule out "
-                                  "every one)") from None
-        return token
-
-    def _shape(self, history: Sequence[int], processors: Sequence[LogitsProcessor],
-               token_filter: TokenFilter | None) -> None:
-        import numpy as np
-
-        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,))
-        for processor in processors:
-            processor(history, logits)
-        if token_filter is not None:
-            allowed = token_filter(history)
-            if allowed is not None:
-                keep = np.fromiter(allowed, dtype=np.int64)
-                kept = logits[keep].copy()
-                logits.fill(-np.inf)
-                logits[keep] = kept
-        if self._grammar is not None:
-            self._grammar.apply(logits)
 
     def close(self) -> None:
         self._stack.close()

@@ -1,12 +1,19 @@
 """llama.cpp's native sampler chain, one per stream of tokens: the single context's, and each
-row's of a batch."""
+row's of a batch; and a context's sampling, a part of `LlamaBackend` (`llama.py`): the chain's
+draw from the last logits, with a grammar's mask, filters and processors applied first."""
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import TYPE_CHECKING, Any, Sequence
 
-from quipu.engine.base import SamplerSettings
+from quipu.engine.base import LogitsProcessor, SamplerSettings, TokenFilter
 from quipu.engine.native import lc
+from quipu.errors import EngineError
+
+if TYPE_CHECKING:
+    from quipu.engine.constraint import Matcher
+    from quipu.engine.model import LlamaModel
 
 
 class SamplerChain:
@@ -65,3 +72,99 @@ class SamplerChain:
         if self.ptr is not None:
             lc.llama_sampler_free(self.ptr)
             self.ptr = None
+
+
+class Sampling:
+    """`LlamaBackend`'s sampling: its chain, and the grammar a reply keeps to."""
+
+    if TYPE_CHECKING:  # (what it uses of the backend)
+        _ctx: Any
+        model: LlamaModel
+        n_vocab: int
+
+    _chain: SamplerChain | None = None
+    _sampler: Any = None
+    _grammar: "Matcher | None" = None  # while replies keep to a grammar
+    _settings: SamplerSettings = SamplerSettings()
+
+    def set_sampler(self, settings: SamplerSettings) -> None:
+        matcher = self._matcher_for(settings)  # a bad grammar is refused before anything changes
+        self._free_sampler()
+        self._settings = settings
+        self._grammar = matcher
+        self._chain = SamplerChain(self.n_vocab, settings)
+        self._sampler = self._chain.ptr
+
+    def _matcher_for(self, settings: SamplerSettings):
+        if settings.grammar is None:
+            return None
+        from quipu.engine.constraint import Matcher  # llguidance: only for a constrained reply
+
+        return Matcher(self.model, settings.grammar)
+
+    def _free_sampler(self) -> None:
+        if self._chain is not None:
+            self._chain.free()
+            self._chain = self._sampler = None
+        self._grammar = None
+
+    @property
+    def chain(self) -> SamplerChain:
+        """The sampler chain (made by `set_sampler`, which a session calls first)."""
+        if self._chain is None:
+            raise EngineError("no sampler is set on this context")
+        return self._chain
+
+    def sampler_reset(self, window: Sequence[int]) -> None:
+        self.chain.reset(window)
+
+    def sampler_accept(self, tokens: Sequence[int]) -> None:
+        self.chain.accept(tokens)
+
+    def set_constraint(self, grammar) -> None:
+        """From the next token on, the reply keeps to `grammar` (an `engine.grammar.Grammar`, from
+        its start), or, with None, to the sampler settings' own grammar again."""
+        self._grammar = self._matcher_for(self._settings if grammar is None else
+                                          dataclasses.replace(self._settings, grammar=grammar))
+
+    def constraint_reset(self, reply: Sequence[int]) -> None:
+        if self._grammar is not None:
+            self._grammar.replay(reply)
+
+    def _reseed(self, draw_seed: int) -> None:
+        self.chain.reseed(draw_seed)
+
+    def sample(self, draw_seed: int, history: Sequence[int] = (), processors: Sequence[LogitsProcessor] = (),
+               token_filter: TokenFilter | None = None) -> int:
+        """The chain's draw from the last logits. A grammar's mask, the processors and the filter
+        change those logits in place first (ruled-out tokens become -inf), so that the native
+        chain draws as it always does, seeded, among the tokens left."""
+        self._reseed(draw_seed)
+        if self._grammar is not None or processors or token_filter is not None:
+            self._shape(history, processors, token_filter)
+        token = lc.llama_sampler_sample(self._sampler, self._ctx, -1)
+        if self._grammar is not None:
+            try:
+                self._grammar.accept(token)
+            except EngineError:
+                raise EngineError("no token is allowed here (the grammar, the filter or the biases rule out "
+                                  "every one)") from None
+        return token
+
+    def _shape(self, history: Sequence[int], processors: Sequence[LogitsProcessor],
+               token_filter: TokenFilter | None) -> None:
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,))
+        for processor in processors:
+            processor(history, logits)
+        if token_filter is not None:
+            allowed = token_filter(history)
+            if allowed is not None:
+                keep = np.fromiter(allowed, dtype=np.int64)
+                kept = logits[keep].copy()
+                logits.fill(-np.inf)
+                logits[keep] = kept
+        if self._grammar is not None:
+            self._grammar.apply(logits)
+
