@@ -209,31 +209,46 @@ def as_saved_before_the_layout_was_recorded(state):
     state.write_bytes(encode_state({**blob.meta, "context": context}, bytes(blob.state)))
 
 
-def test_a_state_of_the_other_layout_is_read_again_with_a_warning_and_the_reply_is_the_same(
-        quipu, tiny_model, home):
-    whole = json.loads(tiny(quipu, tiny_model, "--json", "-S", "whole", "-n", "8", *HOT, "hello").stdout)
-    assert tiny(quipu, tiny_model, "-S", "old", "-n", "8", *HOT, "hello").returncode == 0
+def test_a_session_remembers_its_flash_attention_and_another_layout_is_read_again(quipu, tiny_model, home):
+    whole = json.loads(tiny(quipu, tiny_model, "--json", "-S", "whole", "--flash-attn", "off", "-n", "8", *HOT,
+                            "hello").stdout)
     assert whole["usage"]["cached_tokens"] == 0
-    then = json.loads(tiny(quipu, tiny_model, "--json", "-S", "whole", "-n", "8", "the sky").stdout)
-
-    as_saved_before_the_layout_was_recorded(session_files(home, "old")[1])
-    r = tiny(quipu, tiny_model, "--json", "-S", "old", "-n", "8", "the sky")
+    assert tiny(quipu, tiny_model, "-S", "off", "--flash-attn", "off", "-n", "8", *HOT, "hello").returncode == 0
+    # Continued without the option: the layout it was saved in, restored as it is.
+    then = tiny(quipu, tiny_model, "--json", "-S", "whole", "-n", "8", "the sky")
+    assert then.returncode == 0 and then.stderr == b""
+    then_out = json.loads(then.stdout)
+    assert then_out["usage"]["cached_tokens"] > 0
+    # Continued with flash attention on: the state is of the other layout, read again with a warning.
+    r = tiny(quipu, tiny_model, "--json", "-S", "off", "--flash-attn", "on", "-n", "8", "the sky")
     err = r.stderr.decode()
     assert r.returncode == 0, err
     assert "laid out without flash attention" in err and "re-reading its context" in err
-    out = json.loads(r.stdout)
-    assert out["usage"]["cached_tokens"] == 0 and out["text"] == then["text"]
-    # Saved again in this context's layout, it restores without a word.
-    r = tiny(quipu, tiny_model, "--json", "-S", "old", "-n", "4", "blue")
+    assert json.loads(r.stdout)["usage"]["cached_tokens"] == 0
+    # Saved again in that layout, it restores without a word, and is remembered so.
+    r = tiny(quipu, tiny_model, "--json", "-S", "off", "-n", "4", "blue")
     assert r.returncode == 0 and r.stderr == b"" and json.loads(r.stdout)["usage"]["cached_tokens"] > 0
 
 
-def test_a_q8_state_saved_before_the_layout_was_recorded_still_restores(quipu, tiny_model, home):
-    tiny(quipu, tiny_model, "-S", "q8", "--kv-type", "q8_0", "-n", "8", *HOT, "hello")
-    as_saved_before_the_layout_was_recorded(session_files(home, "q8")[1])  # (flash attention was on)
-    r = tiny(quipu, tiny_model, "--json", "-S", "q8", "-n", "4", "blue")
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_a_state_saved_before_the_layout_was_recorded_still_restores(quipu, tiny_model, home, kv_type):
+    # (f16: flash attention was kept off, and the session goes on so; q8_0: it was on)
+    tiny(quipu, tiny_model, "-S", "old", "--kv-type", kv_type, "--flash-attn", "off" if kv_type == "f16" else "auto",
+         "-n", "8", *HOT, "hello")
+    as_saved_before_the_layout_was_recorded(session_files(home, "old")[1])
+    r = tiny(quipu, tiny_model, "--json", "-S", "old", "-n", "4", "blue")
     assert r.returncode == 0 and r.stderr == b""
     assert json.loads(r.stdout)["usage"]["cached_tokens"] > 0
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--flash-attn", "maybe"], "--flash-attn must be one of auto, on, off"),
+    (["--flash-attn", "off", "--kv-type", "q8_0"], "needs flash attention"),
+])
+def test_a_flash_attention_that_cannot_be_is_one_line(quipu, tiny_model, args, said):
+    r = tiny(quipu, tiny_model, *args, "-n", "4", "hello")
+    err = r.stderr.decode()
+    assert r.returncode == 2 and said in err and len(err.strip().splitlines()) == 1
 
 
 def test_disk_budget_drops_least_recent_state_but_never_transcripts(quipu, tiny_model, home):

@@ -207,7 +207,8 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
     source = chat_template_source(opts)
     started = time.perf_counter()
     tokenizer = load_backend(model_path, ContextSettings(n_ctx=CTX_STEP, n_batch=CTX_STEP, n_threads=settings.n_threads,
-                                                           kv_type=settings.kv_type), opts.verbose)
+                                                           kv_type=settings.kv_type,
+                                                           flash_attn=settings.flash_attn), opts.verbose)
     load_s = time.perf_counter() - started
     try:
         if opts.logit_bias:
@@ -231,7 +232,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
             return writer.written
         batch_backend = load_backend(tokenizer.model, ContextSettings(
             n_ctx=share * n_seq, n_batch=settings.n_batch, n_threads=settings.n_threads, kv_type=settings.kv_type,
-            n_seq=n_seq), opts.verbose)
+            n_seq=n_seq, flash_attn=settings.flash_attn), opts.verbose)
     except BaseException:
         tokenizer.close()
         raise

@@ -25,7 +25,14 @@ from quipu.app.turn_options import (
 from quipu.app.hosts import Opened, made_elsewhere, saved_params
 from quipu.app.prompt_cache import CacheUse, cache_lookup, cache_save, cached_count, open_cache
 from quipu.store.cache import PromptCache
-from quipu.engine.base import KV_TYPES, ContextSettings, ProgressFn, layout_differs, saved_state_key
+from quipu.engine.base import (
+    KV_TYPES,
+    ContextSettings,
+    ProgressFn,
+    layout_differs,
+    remembered_flash_attn,
+    saved_state_key,
+)
 from quipu.engine.kvstate import LAYOUT, check_piece
 from quipu.errors import EngineError, ModelMismatch, SnapshotError, UsageError
 from quipu.models import fingerprint
@@ -85,7 +92,7 @@ class LocalHost:
         settings = context_settings(opts, env)
         settings = ContextSettings(
             n_ctx=opts.ctx or saved_ctx["n_ctx"], n_batch=saved_ctx["n_batch"], n_threads=settings.n_threads,
-            kv_type=opts.kv_type or saved_ctx["kv_type"],
+            kv_type=opts.kv_type or saved_ctx["kv_type"], flash_attn=opts.flash_attn or remembered_flash_attn(saved_ctx),
         )
         started = time.perf_counter()
         backend = load_backend(model_path, settings, opts.verbose)

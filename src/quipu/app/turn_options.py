@@ -63,6 +63,7 @@ class TurnOptions(ToolOptions):
     ctx: int | None = None
     threads: int | None = None
     kv_type: str | None = None
+    flash_attn: str | None = None  # auto, on or off
     session: str | None = None
     continue_reply: bool = False
     verbose: bool = False
@@ -122,7 +123,8 @@ ASKED: dict[str, tuple[tuple[str, Callable[[TurnOptions], bool]], ...]] = {
     "tool_choice": (("--tool-choice", lambda o: o.tool_choice is not None),),
     "tool_results": (("--tool-result", lambda o: bool(o.tool_results)),),
     "context_settings": (("--ctx", lambda o: o.ctx is not None), ("--threads", lambda o: o.threads is not None),
-                         ("--kv-type", lambda o: o.kv_type is not None)),
+                         ("--kv-type", lambda o: o.kv_type is not None),
+                         ("--flash-attn", lambda o: o.flash_attn is not None)),
     "session": (("--session", lambda o: o.session is not None),),
     "messages": (("--messages", lambda o: o.messages is not None),),
     "server": (("a server (--url, QUIPU_URL or the config's [remote] url)", lambda o: o.server is not None),),
@@ -229,7 +231,8 @@ def context_settings(opts: TurnOptions, env: Environment) -> ContextSettings:
     threads = opts.threads if opts.threads is not None else gen.get("threads")
     check_positive("--ctx", ctx)
     check_positive("--threads", threads)
-    return ContextSettings(n_ctx=ctx or 0, n_threads=threads or 0, kv_type=opts.kv_type or "f16")
+    return ContextSettings(n_ctx=ctx or 0, n_threads=threads or 0, kv_type=opts.kv_type or "f16",
+                           flash_attn=opts.flash_attn or "auto")
 
 
 def max_tokens(opts: TurnOptions, env: Environment) -> int:

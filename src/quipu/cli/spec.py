@@ -89,6 +89,8 @@ STOP = opt("--stop", multiple=True, help="Stop at this text (repeatable); it is 
 CTX = opt("--ctx", type=int, help="Context size in tokens (default: the model's, at most 8192).")
 THREADS = opt("--threads", type=int, help="CPU threads (default: the CPUs this process may use).")
 KV_TYPE = opt("--kv-type", help="KV cache type: f16, or q8_0 for half-size snapshots.", metavar="f16|q8_0")
+FLASH_ATTN = opt("--flash-attn", help="Flash attention: auto (llama.cpp's choice, the default), on or off (a "
+                                      "session remembers it).", metavar="auto|on|off")
 VERBOSE = flag("--verbose", help="Show llama.cpp's own log on stderr.")
 CHAT_TEMPLATE = opt("--chat-template", help="A Jinja chat template file to use in place of the model's (a session "
                                             "remembers it).", metavar="FILE")
@@ -110,7 +112,8 @@ THINK = Opt(("--think/--no-think",), bool, "Turn a thinking model's reasoning on
 # The options of a turn that `run` and `chat` share, in the order their help lists them.
 GENERATION = {"model": MODEL, "system": SYSTEM, "max_tokens": MAX_TOKENS, "temperature": TEMPERATURE,
               "top_k": TOP_K, "top_p": TOP_P, "min_p": MIN_P, "repeat_penalty": REPEAT_PENALTY, "seed": SEED,
-              "stop": STOP, "ctx": CTX, "threads": THREADS, "kv_type": KV_TYPE}
+              "stop": STOP, "ctx": CTX, "threads": THREADS, "kv_type": KV_TYPE,
+              "flash_attn": FLASH_ATTN}
 REASONING_BUDGET = opt("--reasoning-budget", type=int, help="At most N tokens of reasoning: then the model is made "
                                                          "to close it and answer; 0 answers without reasoning, -1 "
                                                          "drops a session's limit.", metavar="N")

@@ -13,6 +13,7 @@ from quipu.engine.grammar import Grammar
 from quipu.errors import CapabilityError
 
 KV_TYPES = ("f16", "q8_0")
+FLASH_ATTN = ("auto", "on", "off")
 
 ProgressFn = Callable[[int, int], "bool | None"]
 
@@ -36,6 +37,7 @@ class ContextSettings:
     n_threads: int = 0  # 0: available_cpus()
     kv_type: str = "f16"
     n_seq: int = 1  # sequences decoded side by side (a batch); n_ctx is shared out among them
+    flash_attn: str = "auto"  # auto (llama.cpp's choice), on or off
     # Set by the backend, not asked for: whether its cache stores V transposed (as llama.cpp
     # does for attention without flash attention); None where it is not known.
     v_trans: bool | None = None
@@ -50,6 +52,13 @@ def saved_state_key(saved: dict) -> dict:
     layout was recorded: quipu then turned flash attention off for an f16 cache (V transposed)
     and on for a quantized one."""
     return saved if "v_trans" in saved else {**saved, "v_trans": saved.get("kv_type") == "f16"}
+
+
+def remembered_flash_attn(saved: dict) -> str:
+    """The flash attention a session goes on with, from its saved state key: off where its cache
+    was laid out without it (V transposed, so that the state is restored as it is), else
+    llama.cpp's choice."""
+    return "off" if saved_state_key(saved).get("v_trans") is True else "auto"
 
 
 def layout_differs(saved: dict, context: ContextSettings) -> str | None:

@@ -12,6 +12,7 @@ from quipu.engine.native import binding_version, lc
 from quipu.engine.sampler import Sampling
 
 from quipu.engine.base import (
+    FLASH_ATTN,
     KV_TYPES,
     ContextSettings,
     ProgressFn,
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
 
 MAX_DEFAULT_CTX = 8192
 _KV_GGML_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
+_FLASH_ATTN_TYPES = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                     "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 
 class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings):
     """One context on a model (loaded from `model_path`, or a shared `LlamaModel`). Close it (or
@@ -43,6 +46,11 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings):
                  verbose: bool = False):
         if context.kv_type not in KV_TYPES:
             raise InvalidParameter(f"--kv-type must be one of {', '.join(KV_TYPES)}, not '{context.kv_type}'")
+        if context.flash_attn not in FLASH_ATTN:
+            raise InvalidParameter(f"--flash-attn must be one of {', '.join(FLASH_ATTN)}, not '{context.flash_attn}'")
+        if context.flash_attn == "off" and context.kv_type != "f16":
+            raise InvalidParameter(f"--kv-type {context.kv_type} needs flash attention (llama.cpp quantizes V only "
+                                   "there): drop --flash-attn off, or keep f16")
         LOG.verbose = verbose
         self._stack = ExitStack()
         try:
@@ -79,16 +87,17 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings):
         cparams.type_k = kv
         cparams.type_v = kv
         # Flash attention as llama.cpp chooses it (on where the device runs it; always for a
-        # quantized V cache). The cache's layout follows from the choice it was made with, which
-        # the new context states in its log: V is stored transposed only without flash attention.
-        cparams.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_AUTO
+        # quantized V cache), unless asked. The cache's layout follows from the choice it was made
+        # with, which the new context states in its log: V is stored transposed only without it.
+        cparams.flash_attn_type = _FLASH_ATTN_TYPES[context.flash_attn]
         LOG.clear_errors()
         ctx = lc.llama_init_from_model(self.model.ptr, cparams)
         if not ctx:
             raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens{LOG.reason()}")
         made = LOG.flash_attn
         self.context = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=context.kv_type,
-                                       n_seq=n_seq, v_trans=None if made is None else made == "disabled")
+                                       n_seq=n_seq, flash_attn=context.flash_attn,
+                                       v_trans=None if made is None else made == "disabled")
         self._ctx = ctx
         self._stack.callback(lc.llama_free, ctx)
         # llama.cpp rounds small contexts up; the user's number is the one we keep to.

@@ -187,7 +187,7 @@ FEATURES: dict[str, tuple[str, str]] = {
     "reasoning_budget": ("--reasoning-budget", "/think budget"),
     "show_prompt": ("--show-prompt", "--show-prompt"),
     "tools": ("--functions, --tools and --mcp", "--functions, --tools and --mcp"),
-    "context_settings": ("--ctx, --threads and --kv-type (the server's own settings)", "--ctx"),
+    "context_settings": ("--ctx, --threads, --kv-type and --flash-attn (the server's own settings)", "--ctx"),
     "prompt_cache": ("the prompt cache", "the prompt cache"),
     "state_files": ("context state files", "context state files"),
     "slot_files": ("slot files", "slot files"),
