@@ -122,6 +122,10 @@ class McpServer:
 
     def start(self) -> list[Tool]:
         """Starts the server and lists its tools; a one-line McpError when it cannot."""
+        # The package is imported here, before its thread runs: a close while that thread was
+        # still importing it would import it a second time alongside, and get half of it.
+        import mcp.client.stdio  # noqa: F401
+
         self._thread.start()
         deadline = time.monotonic() + START_TIMEOUT
         while not self._ready.wait(POLL_S):

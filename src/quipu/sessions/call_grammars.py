@@ -24,8 +24,24 @@ def _json(schema: dict[str, Any]) -> str:
 
 
 def _schema(tool: ToolSpec) -> dict[str, Any]:
-    """A tool's arguments' schema (any object, where it gives none)."""
-    return tool.parameters or {"type": "object"}
+    """A tool's arguments' schema (any object, where it gives none). An object that names its
+    properties and says nothing of others takes no others, as llama.cpp's tool-call grammars
+    read it (common/json-schema.cpp): a call to a tool of no parameters is `{}`."""
+    return _closed(tool.parameters) if tool.parameters else {"type": "object"}
+
+
+def _closed(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (_closed(v) if k in ("items", "anyOf", "oneOf") else
+               {n: _closed(s) for n, s in v.items()} if k in ("properties", "$defs", "definitions")
+               and isinstance(v, dict) else v)
+           for k, v in schema.items()}
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _arguments(tool: ToolSpec) -> str:
