@@ -386,6 +386,25 @@ def test_ten_megabytes_on_stdin_are_refused_quickly(tiny_model, home):
 
 # ---- Ctrl-C at any moment --------------------------------------------------------------------------
 
+CLASS_MADE_AT_CTRL_C = """
+import sys
+from quipu.cli.boundary import guarded
+
+class Lands:  # a Ctrl-C that arrives while Python makes a class (a module being imported)
+    def __set_name__(self, owner, name):
+        raise KeyboardInterrupt
+
+sys.exit(guarded(lambda: type("Made", (), {"part": Lands()})))
+"""
+
+
+def test_a_ctrl_c_python_wraps_in_another_error_is_still_an_interruption(home):
+    # (Python 3.11 reports it as "RuntimeError: Error calling __set_name__", caused by the Ctrl-C.)
+    r = subprocess.run([sys.executable, "-c", CLASS_MADE_AT_CTRL_C], env=environ(home), capture_output=True)
+    assert r.returncode == 130, r.stderr.decode()
+    assert r.stderr.decode().strip() == "quipu: interrupted"
+
+
 @pytest.mark.model
 def test_ctrl_c_at_any_stage_exits_130_and_leaves_a_loadable_session(home):
     rng = random.Random(11)

@@ -6,6 +6,7 @@ import os
 import sys
 from typing import Callable
 
+from quipu.cli import came_of_interrupt
 from quipu.errors import ExitCode, Interrupted, QuipuError
 
 
@@ -103,10 +104,14 @@ def guarded(call: Callable[[], object]) -> int:
         error_line(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}")
         return ExitCode.FAILURE
     except Exception as exc:
+        if came_of_interrupt(exc) and not debug:
+            sys.stderr.write("\nquipu: interrupted\n")
+            return ExitCode.INTERRUPTED
         code = typer_exit(exc, debug)
         if code is None:
             raise
         return code
+
 
 
 def typer_exit(exc: Exception, debug: bool) -> int | None:
