@@ -102,3 +102,17 @@ class SessionLocked(QuipuError):
 
 class ModelMismatch(UsageError):
     """A session is continued with a model other than the one it was made with."""
+
+
+def came_of_interrupt(exc: BaseException) -> bool:
+    """Whether an error was raised because of a Ctrl-C: Python turns a KeyboardInterrupt that
+    lands in some of its own machinery (a class being made while a module is imported) into
+    another error caused by it."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False

@@ -51,24 +51,12 @@ def main(argv: list[str] | None = None) -> None:
         end_as_interrupted()  # (from the start: a SIGTERM while quipu is imported is an interruption too)
         _main(sys.argv[1:] if argv is None else argv)
     except (KeyboardInterrupt, RuntimeError) as exc:  # Ctrl-C while quipu itself is still being imported
+        from quipu.errors import came_of_interrupt
+
         if os.environ.get("QUIPU_DEBUG") == "1" or not came_of_interrupt(exc):
             raise
         sys.stderr.write("\nquipu: interrupted\n")
         sys.exit(130)
-
-
-def came_of_interrupt(exc: BaseException) -> bool:
-    """Whether an error was raised because of a Ctrl-C: Python turns a KeyboardInterrupt that
-    lands in some of its own machinery (a class being made while a module is imported) into
-    another error caused by it."""
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, KeyboardInterrupt):
-            return True
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return False
 
 
 def _main(argv: list[str]) -> None:

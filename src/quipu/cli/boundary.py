@@ -6,8 +6,7 @@ import os
 import sys
 from typing import Callable
 
-from quipu.cli import came_of_interrupt
-from quipu.errors import ExitCode, Interrupted, QuipuError
+from quipu.errors import ExitCode, Interrupted, QuipuError, came_of_interrupt
 
 
 def error_line(message: str) -> None:
