@@ -5,7 +5,8 @@ Every turn, named session and chat is written once, for every host a model can r
 - `environment.py`: `Environment` (directories, environment variables, the config file;
   built once per command); `turn_options.py`: `TurnOptions`, what the user asked for, turned
   into settings (sampling parameters, context settings, the template's variables);
-  `user_files.py`: the files the user names, read within bounds.
+  `user_files.py`: the files the user names, read within bounds; `attachments.py`: the files
+  a message carries (`-a`, `/attach`), known by their bytes.
 - `hosts.py`: what a host is (`ModelHost`: it makes the `ModelSession` a conversation runs on;
   `Keeper`: what a named session keeps there besides its messages).
 - `modes.py`: the one table of what each mode of a command refuses, and the one check of the

@@ -8,6 +8,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from quipu.app.attachments import Attachment
 from quipu.app.environment import SAMPLING_TYPES, Environment
 from quipu.app.turn_options import TurnOptions, max_tokens
 from quipu.app.choose import open_host
@@ -61,6 +62,7 @@ class ChatSession:
         self.last_stats: Stats | None = None
         self.resumed = False
         self.hooks: ToolHooks | None = None  # how the front end approves and shows calls
+        self.attached: list[Attachment] = []  # files the next message carries (`/attach`)
         self.tools = open_tools(opts.tool_options, env, constrained=opts.constrained, on_output=self._output)  # a bad file is said before anything is loaded
 
     def _output(self, line: str) -> None:
@@ -197,8 +199,25 @@ class ChatSession:
     def send(self, text: str, sink: ReplySink = SILENT) -> TurnOutcome:
         conv = self._named.conversation
         skip_pending(conv)  # (calls left waiting are answered "not run")
+        if self.attached:
+            from quipu.app.attachments import message_with
+
+            text = message_with(text, self.attached)
         self._named.warm(text)
-        return self._turn(lambda **kw: conv.send(text, **kw), sink, message=text)
+        outcome = self._turn(lambda **kw: conv.send(text, **kw), sink, message=text)
+        if not (outcome.context_full and not outcome.generation.tokens):  # (not sent: they wait for it again)
+            self.attached = []
+        return outcome
+
+    def attach(self, name: str) -> Attachment:
+        """A file for the next message to carry; what cannot be attached, or what this model cannot
+        take, is refused now."""
+        from quipu.app.attachments import prompt_with, read_attachment
+
+        found = read_attachment(name)
+        prompt_with(None, [found])
+        self.attached.append(found)
+        return found
 
     def retry(self, sink: ReplySink = SILENT) -> TurnOutcome:
         return self._turn(self._named.conversation.retry, sink)

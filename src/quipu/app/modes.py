@@ -26,7 +26,7 @@ FROM_MESSAGES = Mode("--messages (a conversation of its own)", frozenset({"sessi
 SESSION = Mode("--session (a session is a conversation)", frozenset({"raw"}))
 CHAT = Mode("a chat (it is a session)", frozenset({"raw", "messages", "continue", "tool_results"}))
 BATCH = Mode("--batch (each row is answered in one reply, on a local model)",
-             frozenset({"session", "continue", "messages", "tools", "tool_choice", "tool_results",
+             frozenset({"session", "continue", "messages", "attach", "tools", "tool_choice", "tool_results",
                         "reasoning_budget", "show_prompt", "server"}))
 
 

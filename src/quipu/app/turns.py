@@ -103,6 +103,7 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     the result is out."""
     with closing(open_host(opts.server)) as host:
         check_options(opts.asked, opts.mode, host.capabilities)
+        prompt = attached(prompt, opts)
         tools = open_tools(opts.tool_options, env, constrained=opts.constrained, stopped=sink.stopped,
                            on_output=hooks.on_output if hooks is not None else None)
         try:
@@ -120,6 +121,16 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     if result.failure is not None:
         raise result.failure
     return result
+
+
+def attached(prompt: str | None, opts: TurnOptions) -> str | None:
+    """The prompt with the files `--attach` gives (read, and refused in one line, before the model
+    is loaded)."""
+    if not opts.attach:
+        return prompt
+    from quipu.app.attachments import prompt_with, read_attachment
+
+    return prompt_with(prompt, [read_attachment(name) for name in opts.attach])
 
 
 def constrained_by(grammar, host: Capabilities = LOCAL) -> str | None:
@@ -262,6 +273,7 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
     generating or saving anything."""
     with closing(open_host(opts.server)) as host:
         check_options(opts.asked, opts.mode, host.capabilities, show=True)
+        prompt = attached(prompt, opts)
         if opts.session is not None:
             return _show_session_prompt(prompt, opts, env, host)
         if not prompt and not opts.messages:

@@ -154,6 +154,16 @@ def _regex(repl: "Repl", arg: str) -> None:
     repl.say("replies match the regular expression" if on else "replies are free again")
 
 
+def _attach(repl: "Repl", arg: str) -> None:
+    if arg.strip():
+        found = repl.chat.attach(repl.need(arg, "/attach FILE"))
+        repl.say(f"attached {found.name} {found.describe()}; it goes with your next message")
+    elif repl.chat.attached:
+        repl.say("your next message carries: " + ", ".join(f"{a.name} {a.describe()}" for a in repl.chat.attached))
+    else:
+        repl.say("nothing is attached; /attach FILE gives your next message a file")
+
+
 def _stats(repl: "Repl", _arg: str) -> None:
     s = repl.chat.last_stats
     if s is None:
@@ -200,6 +210,8 @@ COMMANDS: list[SlashCommand] = [
     SlashCommand("schema", "FILE|off", "the next replies are JSON valid against this JSON Schema file", _schema),
     SlashCommand("grammar", "FILE|off", "the next replies keep to this grammar file (GBNF, or Lark: .lark)", _grammar),
     SlashCommand("regex", "PATTERN|off", "the next replies match this regular expression", _regex),
+    SlashCommand("attach", "[FILE]", "give your next message a file (text: the model reads it with its name); "
+                                     "alone, list what waits", _attach),
     SlashCommand("tools", "", "the tools the model may call, and where each comes from", _tools),
     SlashCommand("stats", "", "figures of the last reply", _stats),
     SlashCommand("context", "", "tokens used of the context", _context),

@@ -16,6 +16,7 @@ HELP = "Answer one prompt, given as an argument and/or on standard input."
 # `spec.parse` reads a plain command line from it without Typer.
 PARAMS: dict[str, spec.Opt | spec.Arg] = {
     "prompt": spec.Arg("The prompt. Piped stdin comes before it, then a blank line."),
+    "attach": spec.ATTACH,
     **spec.GENERATION,
     "raw": spec.flag("--raw", help="Plain completion, without the chat template."),
     "session": spec.SESSION,
@@ -125,7 +126,7 @@ def run(env, **given) -> int:
 def empty_allowed(opts) -> bool:
     """Whether a run may have no prompt: it goes on from a reply, a tool's result, a messages file,
     or a session's calls that wait to run."""
-    return bool(opts.continue_reply or opts.tool_results or opts.messages
+    return bool(opts.continue_reply or opts.tool_results or opts.messages or opts.attach
                 or (opts.session and (opts.functions or opts.mcp or opts.tools_file)))
 
 

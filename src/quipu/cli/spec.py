@@ -106,6 +106,8 @@ LOGIT_BIAS = opt("--logit-bias", multiple=True, help="TOKEN=BIAS added to a toke
 URL = opt("--url", help="Use the model on this OpenAI-compatible server (llama-server, vLLM, Ollama, LM Studio); "
                         "-m names one of its models (default: QUIPU_URL, or [remote] url in the config).",
           metavar="URL")
+ATTACH = opt("--attach", "-a", multiple=True, help="A file the message carries: text is given to the model with its "
+                                                 "name, before the message (repeatable).", metavar="FILE")
 THINK = Opt(("--think/--no-think",), bool, "Turn a thinking model's reasoning on or off, where its template has "
                                            "the switch.")
 

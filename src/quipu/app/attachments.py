@@ -1,0 +1,233 @@
+"""Files attached to a message (`run -a`, a chat's `/attach`): read with a bound on their size,
+known by their bytes and not by their name, and refused in one line when they are not what they
+claim or are more than quipu takes.
+
+A text file (UTF-8) goes to the model as a delimited block before the message, with its name.
+An image (PNG, JPEG, WebP, GIF, BMP) or a recording (WAV, MP3, FLAC) is known here with its
+size read from its header alone (an image's pixel count is checked before anything decodes it,
+so a file that claims a huge picture allocates nothing); whether the model can take it is the
+host's to say (`media_refusal`)."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from quipu.errors import UsageError
+
+MAX_ATTACHMENT_BYTES = 32 << 20  # the largest file attached
+MAX_IMAGE_PIXELS = 40_000_000  # the most pixels an image's header may claim (a 40-megapixel photo)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What an attachment is: its kind (text, image, audio) and format, and the file names'
+    endings that say so."""
+
+    kind: str
+    format: str
+    endings: tuple[str, ...]
+
+
+TEXT = Kind("text", "UTF-8 text", (".txt", ".md", ".markdown", ".rst", ".csv", ".tsv", ".log"))
+PNG = Kind("image", "PNG", (".png",))
+JPEG = Kind("image", "JPEG", (".jpg", ".jpeg", ".jfif"))
+WEBP = Kind("image", "WebP", (".webp",))
+GIF = Kind("image", "GIF", (".gif",))
+BMP = Kind("image", "BMP", (".bmp",))
+WAV = Kind("audio", "WAV", (".wav", ".wave"))
+MP3 = Kind("audio", "MP3", (".mp3",))
+FLAC = Kind("audio", "FLAC", (".flac",))
+KINDS = (TEXT, PNG, JPEG, WEBP, GIF, BMP, WAV, MP3, FLAC)
+# What a name's ending claims, for the kinds it names.
+CLAIMED = {ending: kind for kind in KINDS for ending in kind.endings}
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """One attached file: its name (as the model is told it), what it is, and its bytes."""
+
+    name: str
+    kind: Kind
+    data: bytes
+    pixels: tuple[int, int] | None = None  # an image's width and height, from its header
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+    @property
+    def text(self) -> str:
+        return self.data.decode("utf-8-sig")
+
+    def describe(self) -> str:
+        """What it is, in a few words: `[image: PNG, 640x480, 1.2 KB]`, `[text: 312 B]`."""
+        parts = [] if self.kind is TEXT else [self.kind.format]
+        if self.pixels:
+            parts.append(f"{self.pixels[0]}x{self.pixels[1]}")
+        return f"[{self.kind.kind}: {', '.join(parts + [_size(len(self.data))])}]"
+
+
+def read_attachment(name: str) -> Attachment:
+    """The file the user attached; a one-line usage error when it cannot be read, is larger than
+    `MAX_ATTACHMENT_BYTES`, is not a kind quipu takes, or is not what its name says."""
+    path = Path(name).expanduser()
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_ATTACHMENT_BYTES + 1)
+    except IsADirectoryError:
+        raise UsageError(f"cannot attach {path}: it is a folder, not a file") from None
+    except OSError as exc:
+        raise UsageError(f"cannot attach {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_ATTACHMENT_BYTES:
+        raise UsageError(f"cannot attach {path}: it is larger than {MAX_ATTACHMENT_BYTES >> 20} MB")
+    return attachment_of(path.name, data)
+
+
+def attachment_of(name: str, data: bytes) -> Attachment:
+    """An attachment from a name and its bytes (see `read_attachment`)."""
+    kind = sniff(data)
+    claimed = CLAIMED.get(Path(name).suffix.lower())
+    if kind is None:
+        if claimed is not None:
+            raise UsageError(f"cannot attach {name}: its name says {claimed.format}, but its bytes are not "
+                             f"{claimed.format}")
+        taken = ", ".join(k.format for k in KINDS[1:])
+        raise UsageError(f"cannot attach {name}: it is neither UTF-8 text nor a kind of image or audio quipu takes "
+                         f"({taken})")
+    if claimed is not None and claimed != kind:
+        raise UsageError(f"cannot attach {name}: its name says {claimed.format}, but its bytes are {kind.format}")
+    if kind is TEXT and not data.strip():
+        raise UsageError(f"cannot attach {name}: it is empty")
+    pixels = image_pixels(name, data, kind) if kind.kind == "image" else None
+    return Attachment(name, kind, data, pixels)
+
+
+def sniff(data: bytes) -> Kind | None:
+    """The kind a file's first bytes show; None for none quipu takes."""
+    head = data[:16]
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return PNG
+    if head.startswith(b"\xff\xd8\xff"):
+        return JPEG
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return WEBP
+    if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+        return WAV
+    if head[:6] in (b"GIF87a", b"GIF89a"):
+        return GIF
+    if head[:2] == b"BM" and len(data) >= 26:
+        return BMP
+    if head[:4] == b"fLaC":
+        return FLAC
+    if head[:3] == b"ID3" or (len(head) >= 2 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0
+                              and (head[1] >> 1) & 3 == 1):  # (an MPEG frame's sync, layer III)
+        return MP3
+    if b"\x00" not in data:
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        return TEXT
+    return None
+
+
+def image_pixels(name: str, data: bytes, kind: Kind) -> tuple[int, int]:
+    """An image's width and height, read from its header alone; a usage error when the header is
+    broken or claims more than `MAX_IMAGE_PIXELS`."""
+    try:
+        size = _HEADERS[kind.format](data)
+    except (struct.error, IndexError, ValueError):
+        size = None
+    if size is None or size[0] <= 0 or size[1] <= 0:
+        raise UsageError(f"cannot attach {name}: its {kind.format} header is damaged or cut short")
+    if size[0] * size[1] > MAX_IMAGE_PIXELS:
+        raise UsageError(f"cannot attach {name}: its header claims {size[0]}x{size[1]} pixels, more than the "
+                         f"{MAX_IMAGE_PIXELS // 1_000_000} million quipu takes")
+    return size
+
+
+def _png(data: bytes) -> tuple[int, int] | None:
+    if data[12:16] != b"IHDR":
+        return None
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def _jpeg(data: bytes) -> tuple[int, int] | None:
+    at = 2
+    while at + 4 <= len(data):
+        if data[at] != 0xFF:
+            return None
+        marker = data[at + 1]
+        if marker == 0xFF:  # (fill bytes)
+            at += 1
+            continue
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+            at += 2
+            continue
+        (length,) = struct.unpack(">H", data[at + 2:at + 4])
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a start of frame
+            height, width = struct.unpack(">HH", data[at + 5:at + 9])
+            return width, height
+        if length < 2:
+            return None
+        at += 2 + length
+    return None
+
+
+def _webp(data: bytes) -> tuple[int, int] | None:
+    chunk = data[12:16]
+    if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":
+        width, height = struct.unpack("<HH", data[26:30])
+        return width & 0x3FFF, height & 0x3FFF
+    if chunk == b"VP8L" and data[20] == 0x2F:
+        (bits,) = struct.unpack("<I", data[21:25])
+        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    if chunk == b"VP8X":
+        return int.from_bytes(data[24:27], "little") + 1, int.from_bytes(data[27:30], "little") + 1
+    return None
+
+
+def _gif(data: bytes) -> tuple[int, int]:
+    width, height = struct.unpack("<HH", data[6:10])
+    return width, height
+
+
+def _bmp(data: bytes) -> tuple[int, int]:
+    (header,) = struct.unpack("<I", data[14:18])
+    if header == 12:  # (the old OS/2 header)
+        width, height = struct.unpack("<HH", data[18:22])
+        return width, height
+    width, height = struct.unpack("<ii", data[18:26])
+    return width, abs(height)  # (a negative height is an image stored top-down)
+
+
+_HEADERS = {"PNG": _png, "JPEG": _jpeg, "WebP": _webp, "GIF": _gif, "BMP": _bmp}
+
+
+def message_with(text: str | None, attachments: Sequence[Attachment]) -> str:
+    """A message with its attached text files before it, each delimited and named (the model
+    reads the files, then what the user asks of them)."""
+    blocks = [f'<file name="{a.name}">\n{a.text.rstrip()}\n</file>' for a in attachments if a.kind is TEXT]
+    return "\n\n".join(blocks + ([text] if text else []))
+
+
+def prompt_with(text: str | None, attachments: Sequence[Attachment]) -> str | None:
+    """A message with what is attached to it, for a model that reads text alone: an image or a
+    recording is refused in one line."""
+    for media in attachments:
+        if media.kind is not TEXT:
+            sense = "see images" if media.kind.kind == "image" else "hear audio"
+            raise UsageError(f"cannot attach {media.name} {media.describe()}: this model cannot {sense} (it has "
+                             "no projector)")
+    return message_with(text, attachments) if attachments else text
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    return f"{n / 1024:.1f} KB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MB"

@@ -1,0 +1,214 @@
+"""Files attached to a message: known by their bytes, measured from their headers, refused in one
+line when they are not what they claim or more than quipu takes; text given to the model with its
+name, in `run -a` and a chat's `/attach`."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import subprocess
+import sys
+import wave
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from quipu.app.attachments import (MAX_ATTACHMENT_BYTES, MAX_IMAGE_PIXELS, attachment_of, message_with,
+                                   read_attachment)
+from quipu.errors import UsageError
+
+
+def picture(fmt: str, size=(37, 23), mode="RGB", **save) -> bytes:
+    out = io.BytesIO()
+    Image.new(mode, size, (200, 30, 90) if mode == "RGB" else (200, 30, 90, 128)).save(out, fmt, **save)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("name, data, fmt", [
+    ("a.png", picture("PNG"), "PNG"),
+    ("a.jpg", picture("JPEG"), "JPEG"),
+    ("a.jpg", picture("JPEG", progressive=True), "JPEG"),
+    ("a.webp", picture("WEBP"), "WebP"),
+    ("a.webp", picture("WEBP", lossless=True), "WebP"),
+    ("a.webp", picture("WEBP", mode="RGBA"), "WebP"),  # (the extended header, for its alpha)
+    ("a.gif", picture("GIF"), "GIF"),
+    ("a.bmp", picture("BMP"), "BMP"),
+    ("picture", picture("PNG"), "PNG"),  # no ending: the bytes say it
+])
+def test_an_image_is_known_by_its_bytes_with_its_size_from_the_header(name, data, fmt):
+    found = attachment_of(name, data)
+    assert (found.kind.kind, found.kind.format, found.pixels) == ("image", fmt, (37, 23))
+    assert found.describe().startswith(f"[image: {fmt}, 37x23, ")
+
+
+def wav_bytes() -> bytes:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(b"\x00\x01" * 1600)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("name, data, fmt", [
+    ("a.wav", wav_bytes(), "WAV"),
+    ("a.mp3", b"ID3\x04\x00\x00\x00\x00\x00\x00" + b"\xff\xfb\x90\x64" + bytes(400), "MP3"),
+    ("a.mp3", b"\xff\xfb\x90\x64" + bytes(400), "MP3"),  # (a bare MPEG frame, no tag)
+    ("a.flac", b"fLaC\x80\x00\x00\x22" + bytes(34), "FLAC"),
+])
+def test_a_recording_is_known_by_its_bytes(name, data, fmt):
+    found = attachment_of(name, data)
+    assert (found.kind.kind, found.kind.format, found.pixels) == ("audio", fmt, None)
+
+
+def test_text_is_utf8_without_nul_and_goes_before_the_message_with_its_name():
+    notes = attachment_of("notes.md", "# Plan\nñandú — 3 steps\n".encode())
+    other = attachment_of("data.csv", b"\xef\xbb\xbfa,b\n1,2\n")  # (a byte-order mark is not text of the file)
+    assert notes.kind.kind == "text" and notes.describe() == f"[text: {len(notes.data)} B]"
+    assert message_with("What now?", [notes, other]) == (
+        '<file name="notes.md">\n# Plan\nñandú — 3 steps\n</file>\n\n<file name="data.csv">\na,b\n1,2\n</file>'
+        "\n\nWhat now?")
+
+
+@pytest.mark.parametrize("name, data, said", [
+    ("photo.png", b"just some text\n", "its name says PNG, but its bytes are UTF-8 text"),
+    ("photo.png", picture("JPEG"), "its name says PNG, but its bytes are JPEG"),
+    ("notes.txt", picture("PNG"), "its name says UTF-8 text, but its bytes are PNG"),
+    ("blob.bin", b"\x00\x01\x02\x03\xfe", "neither UTF-8 text nor a kind of image or audio"),
+    ("latin.txt", "café".encode("latin-1"), "its name says UTF-8 text, but its bytes are not UTF-8 text"),
+    ("empty.txt", b"  \n", "it is empty"),
+    ("cut.png", picture("PNG")[:18], "its PNG header is damaged or cut short"),
+    ("cut.jpg", picture("JPEG")[:40], "its JPEG header is damaged or cut short"),
+    ("zero.gif", b"GIF89a\x00\x00\x10\x00" + bytes(20), "its GIF header is damaged or cut short"),
+])
+def test_what_is_not_what_it_claims_is_refused_in_one_line(name, data, said):
+    with pytest.raises(UsageError) as refused:
+        attachment_of(name, data)
+    assert said in str(refused.value) and "\n" not in str(refused.value)
+    assert str(refused.value).startswith(f"cannot attach {name}: ")
+
+
+def claiming(fmt: str, width: int, height: int) -> bytes:
+    """A real small image whose header is changed to claim another size (a decompression bomb's
+    trick: a few bytes that would decode to gigabytes)."""
+    data = bytearray(picture(fmt))
+    if fmt == "PNG":
+        data[16:24] = struct.pack(">II", width, height)
+    elif fmt == "JPEG":
+        at = next(i for i in range(2, len(data) - 9) if data[i] == 0xFF and data[i + 1] == 0xC0)
+        data[at + 5:at + 9] = struct.pack(">HH", height, width)
+    elif fmt == "GIF":
+        data[6:10] = struct.pack("<HH", width, height)
+    elif fmt == "BMP":
+        data[18:26] = struct.pack("<ii", width, -height)
+    elif fmt == "WEBP":
+        assert data[12:16] == b"VP8 "  # (the plain lossy form: 14 bits a side)
+        data[26:30] = struct.pack("<HH", width, height)
+    return bytes(data)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF", "BMP", "WEBP"])
+def test_an_image_whose_header_claims_too_many_pixels_is_refused_before_it_is_decoded(fmt):
+    side = 16383 if fmt == "WEBP" else 65535
+    with pytest.raises(UsageError, match=rf"its header claims {side}x{side} pixels, more than the 40 million"):
+        attachment_of(f"bomb.{fmt.lower()}", claiming(fmt, side, side))
+    # (just under the bound is taken: the bound is the pixels, not the bytes)
+    side = int(MAX_IMAGE_PIXELS ** 0.5)
+    assert attachment_of(f"big.{fmt.lower()}", claiming(fmt, side, side)).pixels == (side, side)
+
+
+@settings(max_examples=400 * int(os.environ.get("QUIPU_STRESS", "1")), deadline=None)
+@given(st.sampled_from(["x", "x.png", "x.jpg", "x.webp", "x.gif", "x.bmp", "x.txt", "x.wav"]),
+       st.sampled_from([b"", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", b"\xff\xd8\xff", b"RIFF\x00\x00\x00\x00WEBP",
+                        b"GIF89a", b"BM", b"RIFF\x00\x00\x00\x00WAVE", b"fLaC", b"ID3", b"\xff\xfb"]),
+       st.binary(max_size=64))
+def test_any_bytes_attach_or_are_refused_in_one_line(name, head, tail):
+    try:
+        found = attachment_of(name, head + tail)
+    except UsageError as exc:
+        assert "\n" not in str(exc)
+        return
+    assert found.kind.kind in ("text", "image", "audio")
+    if found.pixels is not None:
+        assert found.pixels[0] * found.pixels[1] <= MAX_IMAGE_PIXELS
+
+
+def test_a_file_too_large_a_folder_or_a_missing_one_is_refused(tmp_path):
+    huge = tmp_path / "huge.txt"
+    with open(huge, "wb") as f:
+        f.truncate(MAX_ATTACHMENT_BYTES + 1)  # (sparse: nothing is written)
+    for path, said in ((huge, f"larger than {MAX_ATTACHMENT_BYTES >> 20} MB"), (tmp_path, "it is a folder"),
+                       (tmp_path / "gone.txt", "No such file")):
+        with pytest.raises(UsageError, match=said):
+            read_attachment(str(path))
+
+
+# ---- on the command line -----------------------------------------------------------------------
+
+def test_run_gives_the_model_each_attached_file_with_its_name_before_the_prompt(quipu, tiny_model, tmp_path):
+    (tmp_path / "a.txt").write_text("alpha beta\n")
+    (tmp_path / "b.md").write_text("gamma\n")
+    r = quipu("run", "-m", tiny_model, "-a", tmp_path / "a.txt", "--attach", tmp_path / "b.md", "--show-prompt",
+              "--json", "Which words?")
+    assert r.returncode == 0, r.stderr.decode()
+    text = json.loads(r.stdout)["text"]
+    assert '<file name="a.txt">\nalpha beta\n</file>\n\n<file name="b.md">\ngamma\n</file>\n\nWhich words?' in text
+    # A file alone is a message too; and the reply comes as for any prompt.
+    r = quipu("run", "-m", tiny_model, "-a", tmp_path / "a.txt", "-n", "3", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["usage"]["completion_tokens"] == 3, r.stderr.decode()
+
+
+def test_run_refuses_media_for_a_text_model_and_bad_files_in_one_line(quipu, tiny_model, tmp_path):
+    (tmp_path / "photo.png").write_bytes(picture("PNG"))
+    (tmp_path / "fake.png").write_text("not an image")
+    (tmp_path / "talk.wav").write_bytes(wav_bytes())
+    cases = [(tmp_path / "photo.png", "cannot attach photo.png [image: PNG, 37x23, "),
+             (tmp_path / "talk.wav", "this model cannot hear audio (it has no projector)"),
+             (tmp_path / "fake.png", "its name says PNG, but its bytes are UTF-8 text"),
+             (tmp_path / "missing.txt", "No such file")]
+    for path, said in cases:
+        r = quipu("run", "-m", tiny_model, "-a", path, "hi")
+        err = r.stderr.decode()
+        assert r.returncode == 2 and said in err and len(err.strip().splitlines()) == 1, err
+    r = quipu("run", "-m", tiny_model, "-a", tmp_path / "photo.png", "--batch", "-", input="hi\n")
+    assert r.returncode == 2 and "--attach cannot be used with --batch" in r.stderr.decode()
+
+
+def test_a_session_keeps_an_attached_file_in_its_conversation(quipu, tiny_model, tmp_path):
+    (tmp_path / "n.txt").write_text("the code is 4417\n")
+    r = quipu("run", "-m", tiny_model, "-S", "files", "-a", tmp_path / "n.txt", "-n", "2", "What is the code?")
+    assert r.returncode == 0, r.stderr.decode()
+    shown = quipu("sessions", "export", "files", "--format", "json")
+    assert shown.returncode == 0, shown.stderr.decode()
+    users = [m["content"] for m in json.loads(shown.stdout)["messages"] if m["role"] == "user"]
+    assert users == ['<file name="n.txt">\nthe code is 4417\n</file>\n\nWhat is the code?']
+
+
+def test_chat_attach_gives_the_next_message_its_files_and_lists_what_waits(home, tiny_model, tmp_path):
+    (tmp_path / "n.txt").write_text("the code is 4417\n")
+    (tmp_path / "p.png").write_bytes(picture("PNG"))
+    lines = (f"/attach\n/attach {tmp_path / 'n.txt'}\n/attach\n/attach {tmp_path / 'p.png'}\n"
+             f"/attach {tmp_path / 'nope.txt'}\nWhat is the code?\n/attach\nAnd now?\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    env["QUIPU_HOME"] = str(home)
+    r = subprocess.run([sys.executable, "-m", "quipu", "chat", "-m", tiny_model, "-n", "2", "-S", "c"],
+                       input=lines.encode(), capture_output=True, env=env, timeout=300)
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    said = [line for line in err.splitlines() if "attach" in line or "carries" in line]
+    assert said == ["nothing is attached; /attach FILE gives your next message a file",
+                    "attached n.txt [text: 17 B]; it goes with your next message",
+                    "your next message carries: n.txt [text: 17 B]",
+                    said[3], said[4],
+                    "nothing is attached; /attach FILE gives your next message a file"], err
+    assert said[3].startswith("quipu: error: cannot attach p.png [image: PNG, 37x23, ")
+    assert said[4].startswith("quipu: error: cannot attach ") and "nope.txt: No such file" in said[4]
+    shown = subprocess.run([sys.executable, "-m", "quipu", "sessions", "export", "c", "--format", "json"],
+                           capture_output=True, env=env)
+    users = [m["content"] for m in json.loads(shown.stdout)["messages"] if m["role"] == "user"]
+    assert users == ['<file name="n.txt">\nthe code is 4417\n</file>\n\nWhat is the code?', "And now?"]
