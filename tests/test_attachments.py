@@ -168,7 +168,8 @@ def test_run_refuses_media_for_a_text_model_and_bad_files_in_one_line(quipu, tin
     (tmp_path / "fake.png").write_text("not an image")
     (tmp_path / "talk.wav").write_bytes(wav_bytes())
     cases = [(tmp_path / "photo.png", "cannot attach photo.png [image: PNG, 37x23, "),
-             (tmp_path / "talk.wav", "this model cannot hear audio (it has no projector)"),
+             (tmp_path / "talk.wav", "this model cannot hear audio (no projector beside tiny.gguf; --mmproj FILE "
+                                     "gives one)"),
              (tmp_path / "fake.png", "its name says PNG, but its bytes are UTF-8 text"),
              (tmp_path / "missing.txt", "No such file")]
     for path, said in cases:
@@ -207,6 +208,7 @@ def test_chat_attach_gives_the_next_message_its_files_and_lists_what_waits(home,
                     said[3], said[4],
                     "nothing is attached; /attach FILE gives your next message a file"], err
     assert said[3].startswith("quipu: error: cannot attach p.png [image: PNG, 37x23, ")
+    assert said[3].endswith("in a session: a session keeps text files alone for now; attach it to a run without -S")
     assert said[4].startswith("quipu: error: cannot attach ") and "nope.txt: No such file" in said[4]
     shown = subprocess.run([sys.executable, "-m", "quipu", "sessions", "export", "c", "--format", "json"],
                            capture_output=True, env=env)

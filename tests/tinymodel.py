@@ -210,3 +210,59 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
+
+
+def write_tiny_projector(path: Path, *, n_embd_text: int = 128, n_embd: int = 32, n_ff: int = 64, n_layer: int = 1,
+                         n_head: int = 2, image_size: int = 32, patch: int = 8, merge: int = 2, seed: int = 1) -> Path:
+    """A tiny random vision projector (an mmproj GGUF) of the kind llama.cpp's clip.cpp reads as
+    Gemma 3's: a SigLIP encoder, its patches averaged `merge` by `merge`, projected to the text
+    model's width (`n_embd_text`, the tiny model's by default). An image is (image_size / patch
+    / merge)^2 positions in the context: 4 by default."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, dtype=np.float32)
+
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_name("tiny-projector")
+    writer.add_file_type(0)
+    writer.add_string("clip.projector_type", "gemma3")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_bool("clip.has_audio_encoder", False)
+    writer.add_bool("clip.use_gelu", True)
+    for key, value in (("embedding_length", n_embd), ("feed_forward_length", n_ff), ("block_count", n_layer),
+                       ("projection_dim", n_embd_text), ("attention.head_count", n_head), ("image_size", image_size),
+                       ("patch_size", patch), ("projector.scale_factor", merge)):
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer.add_tensor("v.patch_embd.weight", w(n_embd, 3, patch, patch))
+    writer.add_tensor("v.patch_embd.bias", w(n_embd))
+    writer.add_tensor("v.position_embd.weight", w((image_size // patch) ** 2, n_embd))
+    for i in range(n_layer):
+        p = f"v.blk.{i}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            writer.add_tensor(p + name + ".weight", w(n_embd, n_embd))
+            writer.add_tensor(p + name + ".bias", w(n_embd))
+        for name in ("ln1", "ln2"):
+            writer.add_tensor(p + name + ".weight", ones(n_embd))
+            writer.add_tensor(p + name + ".bias", np.zeros(n_embd, dtype=np.float32))
+        writer.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
+        writer.add_tensor(p + "ffn_up.bias", w(n_ff))
+        writer.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
+        writer.add_tensor(p + "ffn_down.bias", w(n_embd))
+    writer.add_tensor("v.post_ln.weight", ones(n_embd))
+    writer.add_tensor("v.post_ln.bias", np.zeros(n_embd, dtype=np.float32))
+    writer.add_tensor("mm.input_projection.weight", w(n_embd, n_embd_text))
+    writer.add_tensor("mm.soft_emb_norm.weight", ones(n_embd))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

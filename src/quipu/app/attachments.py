@@ -216,15 +216,26 @@ def message_with(text: str | None, attachments: Sequence[Attachment]) -> str:
     return "\n\n".join(blocks + ([text] if text else []))
 
 
-def prompt_with(text: str | None, attachments: Sequence[Attachment]) -> str | None:
-    """A message with what is attached to it, for a model that reads text alone: an image or a
-    recording is refused in one line."""
-    for media in attachments:
-        if media.kind is not TEXT:
-            sense = "see images" if media.kind.kind == "image" else "hear audio"
-            raise UsageError(f"cannot attach {media.name} {media.describe()}: this model cannot {sense} (it has "
-                             "no projector)")
-    return message_with(text, attachments) if attachments else text
+def split_media(attachments: Sequence[Attachment]) -> tuple[list[Attachment], list[Attachment]]:
+    """(text files, media) of what is attached."""
+    return [a for a in attachments if a.kind is TEXT], [a for a in attachments if a.kind is not TEXT]
+
+
+def session_refusal(medium: Attachment) -> UsageError:
+    return UsageError(f"cannot attach {medium.name} {medium.describe()} in a session: a session keeps text files "
+                      "alone for now; attach it to a run without -S")
+
+
+def cannot_take(medium: Attachment, why: str) -> UsageError:
+    sense = "see images" if medium.kind.kind == "image" else "hear audio"
+    return UsageError(f"cannot attach {medium.name} {medium.describe()}: this model cannot {sense} ({why})")
+
+
+def projector_beside(model_path: Path) -> Path | None:
+    """The projector that came with a model: the one `mmproj*.gguf` in its folder (a Hugging Face
+    snapshot keeps the files of a repository side by side); None for none, or several."""
+    found = sorted(p for p in model_path.parent.glob("*.gguf") if p.name.lower().startswith("mmproj"))
+    return found[0] if len(found) == 1 else None
 
 
 def _size(n: int) -> str:

@@ -212,10 +212,11 @@ class ChatSession:
     def attach(self, name: str) -> Attachment:
         """A file for the next message to carry; what cannot be attached, or what this model cannot
         take, is refused now."""
-        from quipu.app.attachments import prompt_with, read_attachment
+        from quipu.app.attachments import TEXT, read_attachment, session_refusal
 
         found = read_attachment(name)
-        prompt_with(None, [found])
+        if found.kind is not TEXT:
+            raise session_refusal(found)
         self.attached.append(found)
         return found
 

@@ -21,6 +21,9 @@ from quipu.store.store import SessionStore
 from quipu.store.transcript import Transcript
 
 if TYPE_CHECKING:
+    from typing import Sequence
+
+    from quipu.app.attachments import Attachment
     from quipu.engine.http import ServerSettings
 
 
@@ -44,7 +47,8 @@ class ChatApiHost:
         self.settings = settings
         self.client = ChatApiModel(settings)
 
-    def create(self, opts: TurnOptions, env: Environment, name: str | None = None) -> Opened:
+    def create(self, opts: TurnOptions, env: Environment, name: str | None = None,
+               media: Sequence[Attachment] = ()) -> Opened:
         session = ChatApiSession(self.client, request_params(opts, env))
         return Opened(session, ChatApiKeeper(self.settings, session))
 

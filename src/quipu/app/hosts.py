@@ -18,6 +18,9 @@ from quipu.sessions.base import Capabilities, Message, ModelSession
 from quipu.sessions.params import SamplingParams
 
 if TYPE_CHECKING:
+    from typing import Sequence
+
+    from quipu.app.attachments import Attachment
     from quipu.store.store import SessionStore
     from quipu.store.transcript import Transcript
 
@@ -66,14 +69,17 @@ class Opened:
     session: ModelSession
     keeper: "Keeper[Any]"
     notices: list[str] = field(default_factory=list)
+    media_marks: str = ""  # where the message's media go in its text (`create`'s media, made ready)
 
 
 class ModelHost(Protocol):
     capabilities: Capabilities
 
-    def create(self, opts: TurnOptions, env: Environment, name: str | None = None) -> Opened:
+    def create(self, opts: TurnOptions, env: Environment, name: str | None = None,
+               media: "Sequence[Attachment]" = ()) -> Opened:
         """A new, empty session (the model loaded, with its load time in the stats); `name`,
-        the named session it starts (None: a one-shot)."""
+        the named session it starts (None: a one-shot); `media`, the images and recordings its
+        first message carries (a host without the "media" capability is given none)."""
 
     def resume(self, store: "SessionStore", name: str, record: "Transcript", messages: list[Message],
                opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened:

@@ -26,6 +26,9 @@ from quipu.store.store import SessionStore
 from quipu.store.transcript import Transcript
 
 if TYPE_CHECKING:
+    from typing import Sequence
+
+    from quipu.app.attachments import Attachment
     from quipu.engine.llama_server import LlamaServerModel
 
 
@@ -64,7 +67,8 @@ class LlamaServerHost:
         session = LlamaServerSession(self.served, params, slot_holder=holder)
         return session, LlamaServerKeeper(self.served, self.url, slot, notices)
 
-    def create(self, opts: TurnOptions, env: Environment, name: str | None = None) -> Opened:
+    def create(self, opts: TurnOptions, env: Environment, name: str | None = None,
+               media: Sequence[Attachment] = ()) -> Opened:
         # (a one-shot keeps no slot file)
         session, keeper = self._open(self._params(opts, env), SlotFile(None, name) if name is not None else None)
         return Opened(session, keeper)

@@ -10,9 +10,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from quipu import __version__
+from quipu.app.attachments import Attachment, cannot_take, projector_beside
 from quipu.app.environment import DEFAULT_MAX_STATE_BYTES, Environment
 from quipu.app.turn_options import (
     TurnOptions,
@@ -67,15 +68,41 @@ def open_session(opts: TurnOptions, env: Environment) -> tuple[str, Path, Infere
     return model_name, model_path, session
 
 
+def with_projector(session: InferenceSession, model_path: Path, mmproj: str | None,
+                   media: Sequence[Attachment]) -> str:
+    """Loads the model's projector (`--mmproj`, else the one beside the model) into the session's
+    context, and makes `media` ready in it: their markers, for the message's text."""
+    path = Path(mmproj).expanduser() if mmproj else projector_beside(model_path)
+    if path is None:
+        raise cannot_take(media[0], f"no projector beside {model_path.name}; --mmproj FILE gives one")
+    if not path.is_file():
+        raise UsageError(f"the projector {path} is not a file")
+    backend = session.backend
+    backend.open_projector(path)
+    for medium in media:
+        if medium.kind.kind not in backend.senses:
+            takes = " and ".join(f"{k}s" for k in sorted(backend.senses)) or "nothing"
+            raise cannot_take(medium, f"its projector {path.name} takes {takes}")
+    return "".join(backend.media_mark(medium.data) for medium in media)
+
+
 class LocalHost:
     """Models loaded here, one per session."""
 
     capabilities = LOCAL
 
-    def create(self, opts: TurnOptions, env: Environment, name: str | None = None) -> Opened:
+    def create(self, opts: TurnOptions, env: Environment, name: str | None = None,
+               media: Sequence[Attachment] = ()) -> Opened:
         model_name, model_path, session = open_session(opts, env)
+        try:
+            marks = with_projector(session, model_path, opts.mmproj, media) if media else ""
+        except BaseException:
+            session.close()
+            raise
+        # (a context holding media is not cached: its placeholders mean something in this process alone)
+        cache = open_cache(env, opts.no_cache or bool(media))
         return Opened(session, LocalKeeper(model_name, model_path, fingerprint(model_path), env.max_state_bytes,
-                                           verbose=opts.verbose, cache=open_cache(env, opts.no_cache)))
+                                           verbose=opts.verbose, cache=cache), media_marks=marks)
 
     def resume(self, store: SessionStore, name: str, record: Transcript, messages: list[Message],
                opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened:

@@ -77,6 +77,7 @@ class TurnOptions(ToolOptions):
     logit_bias: tuple[str, ...] = ()  # TOKEN=BIAS, TOKEN an id or a text that is one token
     no_cache: bool = False  # neither use nor fill the prompt cache
     attach: tuple[str, ...] = ()  # files the message carries (`attachments.py`)
+    mmproj: str | None = None  # the model's projector, for images and audio (default: the one beside it)
     # The server the command talks to (from --url, QUIPU_URL or the config: `choose.server_of`);
     # None: a model on this machine.
     server: "ServerSettings | None" = None
@@ -127,7 +128,7 @@ ASKED: dict[str, tuple[tuple[str, Callable[[TurnOptions], bool]], ...]] = {
                          ("--kv-type", lambda o: o.kv_type is not None),
                          ("--flash-attn", lambda o: o.flash_attn is not None)),
     "session": (("--session", lambda o: o.session is not None),),
-    "attach": (("--attach", lambda o: bool(o.attach)),),
+    "attach": (("--attach", lambda o: bool(o.attach)), ("--mmproj", lambda o: o.mmproj is not None)),
     "messages": (("--messages", lambda o: o.messages is not None),),
     "server": (("a server (--url, QUIPU_URL or the config's [remote] url)", lambda o: o.server is not None),),
 }

@@ -8,7 +8,7 @@ import json
 
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from quipu.app.environment import Environment
 from quipu.app.turn_options import (TurnOptions, chat_template_source, max_tokens, stop_strings, system_prompt,
@@ -19,10 +19,14 @@ from quipu.app.modes import check_options
 from quipu.app.named import FOLD_NOTICE, NO_TEMPLATE_NOTICE, NamedSession, store_for
 from quipu.app.tools import (ToolHooks, OpenTools, answer_pending, follow_calls, offer, resume_pending, skip_pending,
                               open_tools)
+from quipu.engine.base import MEDIA_MARK
 from quipu.errors import BadInput, ContextOverflow, UsageError
 from quipu.sessions.base import LOCAL, SILENT, Capabilities, Generation, ReplySink, Stats, common_prefix
 from quipu.sessions.conversation import Conversation
 from quipu.store.store import validate_name
+
+if TYPE_CHECKING:
+    from quipu.app.attachments import Attachment
 
 
 @dataclass
@@ -103,7 +107,7 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     the result is out."""
     with closing(open_host(opts.server)) as host:
         check_options(opts.asked, opts.mode, host.capabilities)
-        prompt = attached(prompt, opts)
+        prompt, media = attached(prompt, opts, host.capabilities)
         tools = open_tools(opts.tool_options, env, constrained=opts.constrained, stopped=sink.stopped,
                            on_output=hooks.on_output if hooks is not None else None)
         try:
@@ -112,7 +116,7 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
                 if on_result is not None:
                     on_result(result)
             else:
-                result = _one_shot(prompt, opts, env, host, sink, on_result, tools, hooks)
+                result = _one_shot(prompt, opts, env, host, sink, on_result, tools, hooks, media)
         finally:
             if tools is not None:
                 tools.close()
@@ -123,14 +127,29 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     return result
 
 
-def attached(prompt: str | None, opts: TurnOptions) -> str | None:
-    """The prompt with the files `--attach` gives (read, and refused in one line, before the model
-    is loaded)."""
+def attached(prompt: str | None, opts: TurnOptions, host: Capabilities) -> tuple[str | None, list]:
+    """The prompt with the text files `--attach` gives, and the images and recordings it gives
+    (`attachments.Attachment`), for the host to make ready: all read, and refused in one line,
+    before the model is loaded."""
     if not opts.attach:
-        return prompt
-    from quipu.app.attachments import prompt_with, read_attachment
+        return prompt, []
+    from quipu.app.attachments import message_with, read_attachment, session_refusal, split_media
 
-    return prompt_with(prompt, [read_attachment(name) for name in opts.attach])
+    files, media = split_media([read_attachment(name) for name in opts.attach])
+    if media:
+        host.require("media")
+        for medium in media:
+            if opts.session is not None:
+                raise session_refusal(medium)
+            if opts.raw:
+                raise UsageError(f"cannot attach {medium.name} {medium.describe()} with --raw: a medium goes in a "
+                                 "chat message")
+    return (message_with(prompt, files) if files else prompt), media
+
+
+def with_marks(prompt: str | None, marks: str) -> str | None:
+    """A message with its media (their markers) before its text."""
+    return marks + ("\n" + prompt if prompt else "") if marks else prompt
 
 
 def constrained_by(grammar, host: Capabilities = LOCAL) -> str | None:
@@ -146,13 +165,14 @@ def constrained_by(grammar, host: Capabilities = LOCAL) -> str | None:
 
 def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost, sink: ReplySink,
               on_result: Callable[[TurnResult], None] | None, tools: OpenTools | None = None,
-              hooks: ToolHooks | None = None) -> TurnResult:
-    if not prompt and not opts.messages:
+              hooks: ToolHooks | None = None, media: Sequence[Attachment] = ()) -> TurnResult:
+    if not prompt and not opts.messages and not media:
         raise BadInput("no prompt: give one as an argument or on standard input")
     limit, stop = max_tokens(opts, env), stop_strings(opts, env)
     source = chat_template_source(opts)
-    opened = host.create(opts, env)
+    opened = host.create(opts, env, media=media)
     session, keeper = opened.session, opened.keeper
+    prompt = with_marks(prompt, opened.media_marks)
     try:
         if prompt:
             session.check_text_fits(prompt)
@@ -273,13 +293,14 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
     generating or saving anything."""
     with closing(open_host(opts.server)) as host:
         check_options(opts.asked, opts.mode, host.capabilities, show=True)
-        prompt = attached(prompt, opts)
+        prompt, media = attached(prompt, opts, host.capabilities)
         if opts.session is not None:
             return _show_session_prompt(prompt, opts, env, host)
-        if not prompt and not opts.messages:
+        if not prompt and not opts.messages and not media:
             raise BadInput("no prompt: give one as an argument or on standard input")
-        opened = host.create(opts, env)
+        opened = host.create(opts, env, media=media)
         session = opened.session
+        prompt = with_marks(prompt, opened.media_marks)
         # (the tools are part of the context their definitions are written into)
         tools = open_tools(opts.tool_options, env, constrained=opts.constrained)
         try:
@@ -296,7 +317,9 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
                 else:
                     tokens = conv.context_tokens()
             reused = opened.keeper.cached(session, tokens)
-            return PromptView(session.spell(tokens), tokens, reused, opened.keeper.model_name, None)
+            # (a medium shows as llama.cpp's marker for one)
+            text = MEDIA_MARK.sub("<__media__>", session.spell(tokens))
+            return PromptView(text, tokens, reused, opened.keeper.model_name, None)
         finally:
             if tools is not None:
                 tools.close()

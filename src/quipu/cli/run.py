@@ -17,6 +17,7 @@ HELP = "Answer one prompt, given as an argument and/or on standard input."
 PARAMS: dict[str, spec.Opt | spec.Arg] = {
     "prompt": spec.Arg("The prompt. Piped stdin comes before it, then a blank line."),
     "attach": spec.ATTACH,
+    "mmproj": spec.MMPROJ,
     **spec.GENERATION,
     "raw": spec.flag("--raw", help="Plain completion, without the chat template."),
     "session": spec.SESSION,

@@ -107,7 +107,10 @@ URL = opt("--url", help="Use the model on this OpenAI-compatible server (llama-s
                         "-m names one of its models (default: QUIPU_URL, or [remote] url in the config).",
           metavar="URL")
 ATTACH = opt("--attach", "-a", multiple=True, help="A file the message carries: text is given to the model with its "
-                                                 "name, before the message (repeatable).", metavar="FILE")
+                                                 "name, before the message; an image or a recording to a model "
+                                                 "with a projector (repeatable).", metavar="FILE")
+MMPROJ = opt("--mmproj", help="The model's projector (an mmproj GGUF), for images and audio (default: the one beside "
+                              "the model).", metavar="FILE")
 THINK = Opt(("--think/--no-think",), bool, "Turn a thinking model's reasoning on or off, where its template has "
                                            "the switch.")
 

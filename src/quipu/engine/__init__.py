@@ -2,7 +2,8 @@
 `LlamaModel` owns a loaded model and its vocabulary (`model.py`), `LlamaBackend` a context on
 one (`llama.py`; its parts: sampling, `sampler.py`, whose `SamplerChain` is the native sampler
 chain of one stream of tokens; state bytes, `llama_state.py`; the rows of a batch,
-`llama_rows.py`; embeddings, `embeddings.py`). Beside them: llama-cpp-python's ctypes layer, loaded without its high-level API
+`llama_rows.py`; embeddings, `embeddings.py`; images and audio through a projector and
+llama.cpp's mtmd, `media.py`). Beside them: llama-cpp-python's ctypes layer, loaded without its high-level API
 (`native.py`), llama.cpp's log (`logs.py`), incremental UTF-8 decoding of token pieces
 (`text.py`), grammars as the user gives them (JSON Schema, GBNF, Lark, regular expressions),
 checked before any engine sees them (`grammar.py`), and the constraint engine that keeps a

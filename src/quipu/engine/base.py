@@ -6,7 +6,9 @@ arrays (`llama_server.py`). A server spoken to through the OpenAI chat API is `c
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, Protocol, Sequence
 
 from quipu.engine.grammar import Grammar
@@ -14,6 +16,16 @@ from quipu.errors import CapabilityError
 
 KV_TYPES = ("f16", "q8_0")
 FLASH_ATTN = ("auto", "on", "off")
+# A medium (an image, a recording) in a token history: placeholder ids no vocabulary has, a run of
+# them for its positions (`engine/media.py`), and its marker in a rendering.
+MEDIA_BASE = 1 << 30
+MEDIA_SPAN = 1 << 16
+MEDIA_MARK = re.compile("\ue002(\\d+)\ue003")
+
+
+def media_mark(k: int) -> str:
+    return f"\ue002{k}\ue003"
+
 
 ProgressFn = Callable[[int, int], "bool | None"]
 
@@ -126,6 +138,18 @@ class Backend(Protocol):
     def bos_token(self) -> int | None: ...
     def chat_template(self) -> str | None: ...
     def special_token_text(self, which: str) -> str: ...
+    def media_tokens(self, k: int) -> list[int]:
+        """The tokens of the k-th medium this context holds (`media.py`); LookupError for none."""
+
+    def open_projector(self, path: Path) -> None:
+        """Loads a projector (an mmproj GGUF) for this context's model (`media.py`)."""
+
+    def media_mark(self, data: bytes) -> str:
+        """A medium's marker in a rendering, the medium made ready (a UsageError without a projector)."""
+
+    @property
+    def senses(self) -> frozenset[str]:
+        """What the context takes besides text ("image", "audio")."""
 
     def prefill(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None) -> None:
         """Decodes `tokens` at positions start.., in batches; logits are kept for the last one."""
@@ -258,6 +282,9 @@ class TokenServer(Protocol):
     def bos_token(self) -> int | None: ...
     def chat_template(self) -> str | None: ...
     def special_token_text(self, which: str) -> str: ...
+    def media_tokens(self, k: int) -> list[int]:
+        """LookupError: media reach llama-server otherwise than by tokens."""
+
     def control_spellings(self, texts: Sequence[str]) -> list[str]:
         """The control tokens `texts` spell, which a user's text must keep as text."""
 

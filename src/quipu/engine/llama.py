@@ -19,6 +19,7 @@ from quipu.engine.base import (
     available_cpus,
 )
 from quipu.engine.embeddings import Embeddings
+from quipu.engine.media import Media, is_media, runs
 from quipu.engine.llama_rows import BatchRows
 from quipu.engine.llama_state import StateBytes
 from quipu.engine.logs import LOG
@@ -33,11 +34,12 @@ _KV_GGML_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
 _FLASH_ATTN_TYPES = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                      "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 
-class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings):
+class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
     """One context on a model (loaded from `model_path`, or a shared `LlamaModel`). Close it (or
     use it as a context manager) to free its native memory; the model goes with its last context.
     Its parts: its sampling (`sampler.py`), the rows of a batch (`llama_rows.py`), its state
-    bytes (`llama_state.py`), and embeddings (`embeddings.py`)."""
+    bytes (`llama_state.py`), embeddings (`embeddings.py`), and media (`media.py`: a projector's
+    images and audio)."""
 
     name = "llama.cpp"
     build = f"llama-cpp-python {binding_version()}"
@@ -117,16 +119,16 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings):
         return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def token_bytes(self, token: int) -> bytes:
-        return self.model.token_bytes(token)
+        return self.media_text(token) if is_media(token) else self.model.token_bytes(token)
 
     def max_token_bytes(self) -> int:
         return self.model.max_token_bytes()
 
     def token_text(self, token: int) -> bytes:
-        return self.model.token_text(token)
+        return self.media_text(token) if is_media(token) else self.model.token_text(token)
 
     def is_control(self, token: int) -> bool:
-        return self.model.is_control(token)
+        return not is_media(token) and self.model.is_control(token)
 
     def control_texts(self) -> list[str]:
         return self.model.control_texts()
@@ -150,7 +152,20 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings):
 
     def prefill(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None) -> None:
         """Decodes `tokens` at positions `start`, ... in steps that end where a multiple of
-        n_batch does (see `step_start`)."""
+        n_batch does (see `step_start`); a medium's placeholders as its projector's embeddings."""
+        if any(is_media(t) for t in tokens):
+            total = len(tokens)
+            for begin, end, media in runs(tokens):
+                if media:
+                    self.decode_media(tokens[begin:end], start + begin, end == total)
+                else:
+                    self._prefill_text(tokens[begin:end], start + begin)
+                if on_progress is not None:
+                    on_progress(end, total)
+            return
+        self._prefill_text(tokens, start, on_progress)
+
+    def _prefill_text(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None) -> None:
         total = len(tokens)
         n_batch = self.context.n_batch
         batch = self._batch
@@ -179,6 +194,9 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings):
         return n - n % self.context.n_batch
 
     def decode_one(self, token: int, pos: int) -> None:
+        if is_media(token):
+            self.decode_media([token], pos, True)
+            return
         batch = self._batch
         batch.token[0] = token
         batch.pos[0] = pos

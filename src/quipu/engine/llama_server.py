@@ -181,6 +181,9 @@ class LlamaServerModel:
     def special_token_text(self, which: str) -> str:
         return str(self.props.get(f"{which}_token") or "")
 
+    def media_tokens(self, k: int) -> list[int]:
+        raise LookupError("a medium reaches llama-server in its own request, not as tokens")
+
     def special_token(self, text: str) -> int | None:
         """The id of the one special token `text` spells (None: it spells none)."""
         if text not in self._specials:

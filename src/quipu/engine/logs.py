@@ -32,6 +32,14 @@ class LlamaLog:
             self._callback = lc.llama_log_callback(self._on_log)
         lc.llama_log_set(self._callback, ctypes.c_void_p(0))
 
+    def install_media(self) -> None:
+        """The multimodal library (mtmd) and its helpers log here too."""
+        from llama_cpp import mtmd_cpp
+
+        self.install()
+        mtmd_cpp.mtmd_log_set(self._callback, ctypes.c_void_p(0))
+        mtmd_cpp.mtmd_helper_log_set(self._callback, ctypes.c_void_p(0))
+
     def _on_log(self, level: int, text: bytes, _user: ctypes.c_void_p) -> None:
         if level == GGML_LOG_LEVEL_CONT:
             level = self._last_level

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Sequence
 
-from quipu.engine.base import LogitsProcessor, SamplerSettings, TokenFilter
+from quipu.engine.base import MEDIA_BASE, LogitsProcessor, SamplerSettings, TokenFilter
 from quipu.engine.native import lc
 from quipu.errors import EngineError
 
@@ -116,10 +116,10 @@ class Sampling:
         return self._chain
 
     def sampler_reset(self, window: Sequence[int]) -> None:
-        self.chain.reset(window)
+        self.chain.reset([t for t in window if t < MEDIA_BASE])  # (a medium is no token to penalize)
 
     def sampler_accept(self, tokens: Sequence[int]) -> None:
-        self.chain.accept(tokens)
+        self.chain.accept([t for t in tokens if t < MEDIA_BASE])
 
     def set_constraint(self, grammar) -> None:
         """From the next token on, the reply keeps to `grammar` (an `engine.grammar.Grammar`, from

@@ -191,6 +191,7 @@ FEATURES: dict[str, tuple[str, str]] = {
     "prompt_cache": ("the prompt cache", "the prompt cache"),
     "state_files": ("context state files", "context state files"),
     "slot_files": ("slot files", "slot files"),
+    "media": ("an image or a recording (--attach)", "an image or a recording (/attach)"),
 }
 
 
@@ -228,7 +229,7 @@ class Capabilities:
 _ALL = frozenset(FEATURES)
 LOCAL = Capabilities("local", _ALL - {"slot_files"}, "a local model", exact_tokens=True, context_size=True)
 LLAMA_SERVER = Capabilities("llama-server", _ALL - {"context_settings", "prompt_cache", "state_files",
-                                                    "reasoning_budget"},
+                                                    "reasoning_budget", "media"},
                             "a server", exact_tokens=True, context_size=True, own_grammar=True)
 CHAT_API = Capabilities("chat-api", frozenset({"tools"}), "this server (only llama.cpp's llama-server takes it)",
                         exact_tokens=False, context_size=False)

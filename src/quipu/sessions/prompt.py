@@ -21,7 +21,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from quipu.engine.base import Backend
+from quipu.engine.base import MEDIA_MARK, Backend
 
 
 class Vocabulary(Protocol):
@@ -33,6 +33,7 @@ class Vocabulary(Protocol):
     def bos_token(self) -> int | None: ...
     def chat_template(self) -> str | None: ...
     def special_token_text(self, which: str) -> str: ...
+    def media_tokens(self, k: int) -> list[int]: ...
 
 
 @dataclass
@@ -53,7 +54,10 @@ class Rendered:
         for text, plain in self.parts:
             if at + len(text) > start:
                 piece = text[max(0, start - at):]
-                tokens += backend.tokenize(piece, add_special=False, parse_special=not plain)
+                if plain:
+                    tokens += backend.tokenize(piece, add_special=False, parse_special=False)
+                else:
+                    tokens += _with_media(backend, piece)
             at += len(text)
         return tokens
 
@@ -65,6 +69,25 @@ class Rendered:
                 return plain
             at += len(text)
         return False
+
+
+def _with_media(backend: "Vocabulary", text: str) -> list[int]:
+    """Rendered text as tokens (specials parsed), each medium's marker as the medium's tokens
+    (`media_tokens` raises LookupError for a marker of none)."""
+    tokens: list[int] = []
+    at = 0
+    for found in MEDIA_MARK.finditer(text):
+        if found.start() > at:
+            tokens += backend.tokenize(text[at:found.start()], add_special=False, parse_special=True)
+        try:
+            media = backend.media_tokens(int(found.group(1)))
+        except LookupError:  # (not a medium this context holds: text that looks like a marker)
+            continue
+        tokens += media
+        at = found.end()
+    if at < len(text):
+        tokens += backend.tokenize(text[at:], add_special=False, parse_special=True)
+    return tokens
 
 
 class Protector:
@@ -118,6 +141,8 @@ def reusable(backend: Backend, held: Sequence[int], rendered: Rendered) -> tuple
     pattern = re.compile("|".join(re.escape(t) for t in controls)) if controls else None
     # Where a control token's text starts (and is not a user's spelling): the reference starts a piece there.
     piece_starts = {m.start() for m in pattern.finditer(text)} if pattern else set()
+    for medium in MEDIA_MARK.finditer(text):  # (a medium is a piece of its own)
+        piece_starts |= {medium.start(), medium.end()}
 
     def piece_ends_at(pos: int) -> bool:
         return pos == len(text) or (pos in piece_starts and not rendered.plain_at(pos))

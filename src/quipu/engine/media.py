@@ -1,0 +1,196 @@
+"""Images and audio in a context, through llama.cpp's multimodal library (mtmd) and the model's
+projector (an `mmproj` GGUF).
+
+A medium in the context is a run of positions holding the embeddings its projector made of it.
+The token history keeps that run as placeholder ids, `MEDIA_BASE + k * MEDIA_SPAN + i` (k: the
+medium's place in this context's list of media, i: the position in its run), which no vocabulary
+has. The run's last placeholder spells the medium's marker (`media_mark(k)`) and the others
+nothing, so a rendering that holds the same medium in the same place keeps the run, and one that
+holds another reads on from there. The projector's own wrapping (Gemma 3's `<start_of_image>`
+... `<end_of_image>`) is text around the run, as mtmd tokenizes it."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from quipu.engine.base import MEDIA_BASE, MEDIA_SPAN, media_mark
+from quipu.engine.logs import LOG
+from quipu.engine.native import lc
+from quipu.errors import EngineError, ModelLoadError, UsageError
+
+
+def _mtmd():
+    from llama_cpp import mtmd_cpp
+
+    return mtmd_cpp
+
+
+@dataclass
+class _Medium:
+    digest: str
+    chunks: Any  # the mtmd chunks its marker was tokenized into (freed with the context)
+    chunk: Any  # the media chunk among them
+    before: list[int]  # the text tokens the projector wraps it in
+    after: list[int]
+    n: int  # the positions it takes
+
+
+class Projector:
+    """A projector loaded for a text model: what it takes (images, audio), and its mtmd context."""
+
+    def __init__(self, path: Path, model_ptr, n_threads: int):
+        m = _mtmd()
+        LOG.install_media()
+        params = m.mtmd_context_params_default()
+        params.use_gpu = False
+        params.n_threads = n_threads
+        params.print_timings = False
+        params.warmup = False
+        LOG.clear_errors()
+        ptr = m.mtmd_init_from_file(str(path).encode(), model_ptr, params)
+        if not ptr:
+            raise ModelLoadError(f"llama.cpp could not load the projector {path}{LOG.reason()}")
+        self.ptr = ptr
+        self.path = path
+        self.sees = bool(m.mtmd_support_vision(ptr))
+        self.hears = bool(m.mtmd_support_audio(ptr))
+        if m.mtmd_decode_use_mrope(ptr):
+            self.close()
+            raise UsageError(f"the projector {path} places media by M-RoPE positions, which quipu does not read")
+
+    def close(self) -> None:
+        if self.ptr:
+            _mtmd().mtmd_free(self.ptr)
+            self.ptr = None
+
+
+class Media:
+    """A context's media (a part of `LlamaBackend`): its projector, the media it holds, their
+    placeholders in the token history and their decoding."""
+
+    model: Any
+    context: Any
+    _ctx: Any
+    _projector: Projector | None = None
+    _media: list[_Medium]
+
+    def open_projector(self, path: Path) -> None:
+        self._projector = Projector(path, self.model.ptr, self.context.n_threads)
+        self._media = []
+        self._stack.callback(self._free_media)  # type: ignore[attr-defined]  # (LlamaBackend's)
+
+    def _free_media(self) -> None:
+        m = _mtmd()
+        for medium in self._media:
+            m.mtmd_input_chunks_free(medium.chunks)
+        self._media = []
+        if self._projector is not None:
+            self._projector.close()
+
+    @property
+    def senses(self) -> frozenset[str]:
+        """What this context can be given besides text: "image", "audio"."""
+        p = self._projector
+        if p is None:
+            return frozenset()
+        return frozenset(k for k, on in (("image", p.sees), ("audio", p.hears)) if on)
+
+    def media_mark(self, data: bytes) -> str:
+        """The marker of a medium (an image's or a recording's file bytes) in a rendering: the
+        same bytes, the same marker, in this context."""
+        if self._projector is None:
+            raise UsageError("this model has no projector")
+        digest = hashlib.sha256(data).hexdigest()
+        for k, medium in enumerate(self._media):
+            if medium.digest == digest:
+                return media_mark(k)
+        self._media.append(self._tokenized(data, digest))
+        return media_mark(len(self._media) - 1)
+
+    def _tokenized(self, data: bytes, digest: str) -> _Medium:
+        m = _mtmd()
+        assert self._projector is not None
+        ptr = self._projector.ptr
+        buf = (ctypes.c_ubyte * len(data)).from_buffer_copy(data)
+        bitmap = m.mtmd_helper_bitmap_init_from_buf(ptr, buf, len(data), False)
+        if not bitmap:
+            raise UsageError(f"llama.cpp could not decode this medium{LOG.reason()}")
+        chunks = m.mtmd_input_chunks_init()
+        try:
+            marker = m.mtmd_default_marker()
+            text = m.mtmd_input_text(marker, len(marker), False, True)
+            rc = m.mtmd_tokenize(ptr, chunks, ctypes.byref(text), (m.mtmd_bitmap_p_ctypes * 1)(bitmap), 1)
+            if rc != 0:
+                raise UsageError(f"the projector cannot take this medium (mtmd code {rc}){LOG.reason()}")
+            before: list[int] = []
+            after: list[int] = []
+            chunk = None
+            for i in range(m.mtmd_input_chunks_size(chunks)):
+                part = m.mtmd_input_chunks_get(chunks, i)
+                if m.mtmd_input_chunk_get_type(part) == m.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                    n = ctypes.c_size_t(0)
+                    ids = m.mtmd_input_chunk_get_tokens_text(part, ctypes.byref(n))
+                    (after if chunk is not None else before).extend(ids[j] for j in range(n.value))
+                elif chunk is None:
+                    chunk = part
+            if chunk is None:
+                raise UsageError("the projector made nothing of this medium")
+            n_tokens = m.mtmd_input_chunk_get_n_tokens(chunk)
+            if n_tokens >= MEDIA_SPAN or m.mtmd_input_chunk_get_n_pos(chunk) != n_tokens:
+                raise UsageError(f"this medium takes {n_tokens} positions, more than quipu places")
+        except BaseException:
+            m.mtmd_input_chunks_free(chunks)
+            raise
+        finally:
+            m.mtmd_bitmap_free(bitmap)
+        return _Medium(digest, chunks, chunk, before, after, n_tokens)
+
+    def media_tokens(self, k: int) -> list[int]:
+        """The tokens of medium k in the context: its wrapping text, and its run of placeholders
+        (IndexError, a LookupError, for a medium it does not hold)."""
+        medium = getattr(self, "_media", [])[k]
+        return medium.before + [MEDIA_BASE + k * MEDIA_SPAN + i for i in range(medium.n)] + medium.after
+
+    def media_text(self, token: int) -> bytes:
+        """What a placeholder spells: the marker at the end of its run, else nothing."""
+        k, i = divmod(token - MEDIA_BASE, MEDIA_SPAN)
+        media = getattr(self, "_media", [])
+        if k < len(media) and i == media[k].n - 1:
+            return media_mark(k).encode()
+        return b""
+
+    def decode_media(self, tokens: Sequence[int], pos: int, logits_last: bool) -> None:
+        """Decodes the run of a medium that `tokens` (its placeholders, the whole run) stand for,
+        at positions from `pos` on."""
+        k, i = divmod(tokens[0] - MEDIA_BASE, MEDIA_SPAN)
+        media = getattr(self, "_media", [])
+        if k >= len(media) or i != 0 or len(tokens) != media[k].n:
+            raise EngineError("a medium's positions in the context are not whole")
+        assert self._projector is not None
+        m = _mtmd()
+        done = lc.llama_pos(0)
+        LOG.clear_errors()
+        rc = m.mtmd_helper_eval_chunk_single(self._projector.ptr, self._ctx, media[k].chunk, pos, 0,
+                                             self.context.n_batch, logits_last, ctypes.byref(done))
+        if rc != 0:
+            raise EngineError(f"llama.cpp could not read a medium into the context (code {rc}){LOG.reason()}")
+
+
+def is_media(token: int) -> bool:
+    return token >= MEDIA_BASE
+
+
+def runs(tokens: Sequence[int]) -> list[tuple[int, int, bool]]:
+    """(start, end, media) spans of `tokens`: text, and each medium's run of placeholders."""
+    out: list[tuple[int, int, bool]] = []
+    start = 0
+    for j in range(1, len(tokens) + 1):
+        if j == len(tokens) or is_media(tokens[j]) != is_media(tokens[start]) or (
+                is_media(tokens[j]) and (tokens[j] - MEDIA_BASE) % MEDIA_SPAN == 0):
+            out.append((start, j, is_media(tokens[start])))
+            start = j
+    return out

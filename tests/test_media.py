@@ -1,0 +1,90 @@
+"""Images in a conversation on a local model, through llama.cpp's mtmd and a tiny random
+projector written by the tests (clip.cpp reads it as Gemma 3's), paired with the tiny text model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from PIL import Image
+from tinymodel import write_tiny_gguf, write_tiny_projector
+
+
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory):
+    """A folder as a Hugging Face snapshot has it: the model, and its projector beside it."""
+    folder = tmp_path_factory.mktemp("vision")
+    write_tiny_gguf(folder / "tiny.gguf")
+    write_tiny_projector(folder / "mmproj-tiny.gguf")
+    for name, color in (("red", (200, 30, 90)), ("blue", (10, 40, 220))):
+        Image.new("RGB", (50, 40), color).save(folder / f"{name}.png")
+    Image.new("RGB", (50, 40), (200, 30, 90)).save(folder / "red-again.jpg", quality=100)
+    shutil.copy(folder / "red.png", folder / "red-copy.png")
+    return folder
+
+
+def answer(quipu, vision, *args):
+    r = quipu("run", "-m", vision / "tiny.gguf", "-t", "0", "-n", "12", "--json", *args)
+    assert r.returncode == 0, r.stderr.decode()
+    assert "clip_" not in r.stderr.decode() and "add_text" not in r.stderr.decode()  # (mtmd's log is quiet)
+    return json.loads(r.stdout)
+
+
+def test_the_model_sees_an_attached_image_through_the_projector_beside_it(quipu, vision):
+    red = answer(quipu, vision, "-a", vision / "red.png", "What is it?")
+    blue = answer(quipu, vision, "-a", vision / "blue.png", "What is it?")
+    plain = answer(quipu, vision, "What is it?")
+    assert red["text"] != blue["text"] and red["text"] != plain["text"]  # what it sees changes the answer
+    # The same bytes under another name are the same image; the projector named is the one beside it.
+    assert answer(quipu, vision, "-a", vision / "red-copy.png", "What is it?")["text"] == red["text"]
+    again = answer(quipu, vision, "--mmproj", vision / "mmproj-tiny.gguf", "-a", vision / "red.png", "What is it?")
+    assert again["text"] == red["text"]
+    # An image is 4 positions with the projector's wrapping around it; and no cache holds it.
+    assert red["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 4
+    assert again["usage"]["cached_tokens"] == 0
+
+
+def test_two_images_and_a_text_file_go_in_one_message(quipu, vision, tmp_path):
+    (tmp_path / "n.txt").write_text("colors\n")
+    both = answer(quipu, vision, "-a", vision / "red.png", "-a", vision / "blue.png", "-a", tmp_path / "n.txt", "Which?")
+    swapped = answer(quipu, vision, "-a", vision / "blue.png", "-a", vision / "red.png", "-a", tmp_path / "n.txt",
+                     "Which?")
+    assert both["text"] != swapped["text"]  # (their order is kept)
+    r = quipu("run", "-m", vision / "tiny.gguf", "-a", vision / "red.png", "-a", tmp_path / "n.txt", "--show-prompt",
+              "Which?")
+    shown = r.stdout.decode()
+    assert r.returncode == 0 and shown.count("<__media__>") == 1 and '<file name="n.txt">' in shown, r.stderr.decode()
+    assert shown.index("<__media__>") < shown.index("<file") < shown.index("Which?")
+
+
+def test_what_a_model_cannot_take_is_refused_in_one_line(quipu, vision, tmp_path, tiny_model):
+    import wave
+
+    with wave.open(str(tmp_path / "talk.wav"), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(b"\x00\x01" * 1600)
+    two = tmp_path / "two"
+    two.mkdir()
+    shutil.copy(vision / "tiny.gguf", two / "tiny.gguf")
+    for name in ("mmproj-f16.gguf", "mmproj-f32.gguf"):
+        shutil.copy(vision / "mmproj-tiny.gguf", two / name)
+    cases = [
+        ((vision / "tiny.gguf", "-a", tmp_path / "talk.wav"), 2,
+         "this model cannot hear audio (its projector mmproj-tiny.gguf takes images)"),
+        ((tiny_model, "-a", vision / "red.png"), 2, "this model cannot see images (no projector beside tiny.gguf; "
+                                                   "--mmproj FILE gives one)"),
+        ((two / "tiny.gguf", "-a", vision / "red.png"), 2, "no projector beside tiny.gguf"),  # (two: which one?)
+        ((vision / "tiny.gguf", "-a", vision / "red.png", "-S", "s"), 2, "a session keeps text files alone for now"),
+        ((vision / "tiny.gguf", "-a", vision / "red.png", "--raw"), 2, "with --raw"),
+        ((vision / "tiny.gguf", "-a", vision / "red.png", "--mmproj", tmp_path / "none.gguf"), 2, "is not a file"),
+        ((vision / "tiny.gguf", "-a", vision / "red.png", "--mmproj", vision / "tiny.gguf"), 1,
+         "llama.cpp could not load the projector"),
+    ]
+    for (model, *args), code, said in cases:
+        r = quipu("run", "-m", model, *args, "-n", "2", "hi")
+        err = r.stderr.decode()
+        assert r.returncode == code and said in err and "Traceback" not in err, err
+        assert len([line for line in err.splitlines() if line.startswith("quipu:")]) == 1, err
