@@ -88,3 +88,51 @@ def test_what_a_model_cannot_take_is_refused_in_one_line(quipu, vision, tmp_path
         err = r.stderr.decode()
         assert r.returncode == code and said in err and "Traceback" not in err, err
         assert len([line for line in err.splitlines() if line.startswith("quipu:")]) == 1, err
+
+
+@pytest.fixture(scope="module")
+def vision_server(vision, tmp_path_factory):
+    """llama-cpp-python's own server on the tiny model with the tiny projector (its mtmd chat
+    handler), on loopback: a chat API that sees images."""
+    import sys
+
+    from servers import free_port, serve, stop
+
+    pytest.importorskip("uvicorn", reason="llama-cpp-python[server] is in the test extras")
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "log.txt"
+    proc = serve([sys.executable, "-m", "llama_cpp.server", "--model", str(vision / "tiny.gguf"), "--clip_model_path",
+                  str(vision / "mmproj-tiny.gguf"), "--chat_format", "llava-1-5", "--host", "127.0.0.1", "--port",
+                  str(port), "--n_ctx", "1024", "--n_threads", "2"], "/v1/models", port, log)
+    yield f"http://127.0.0.1:{port}"
+    stop(proc)
+
+
+def test_a_chat_api_server_is_sent_the_image_as_a_content_part_and_sees_it(quipu, vision, vision_server):
+    def on_server(*args):
+        r = quipu("run", "--url", vision_server, "-t", "0", "-n", "8", "--json", *args)
+        assert r.returncode == 0, r.stderr.decode()
+        return json.loads(r.stdout)["text"]
+
+    red = on_server("-a", vision / "red.png", "What is it?")
+    assert red != on_server("-a", vision / "blue.png", "What is it?")
+    assert red != on_server("What is it?")
+    assert red == on_server("-a", vision / "red-copy.png", "What is it?")
+    # A JPEG goes as one (its media type named in the data URL): the server decodes it alike.
+    assert on_server("-a", vision / "red-again.jpg", "What is it?") != on_server("What is it?")
+
+
+def test_the_parts_a_chat_api_is_sent_are_the_image_then_the_text(quipu, vision, fake, tmp_path):
+    import base64
+
+    (tmp_path / "n.txt").write_text("notes\n")
+    r = quipu("run", "--url", fake.url, "-a", vision / "red-again.jpg", "-a", tmp_path / "n.txt", "What is it?")
+    assert r.returncode == 0, r.stderr.decode()
+    parts = fake.requests[-1][0]["messages"][-1]["content"]
+    assert [p["type"] for p in parts] == ["image_url", "text"]
+    url = parts[0]["image_url"]["url"]
+    assert url.startswith("data:image/jpeg;base64,")
+    assert base64.b64decode(url.split(",", 1)[1]) == (vision / "red-again.jpg").read_bytes()
+    assert parts[1]["text"] == '<file name="n.txt">\nnotes\n</file>\n\nWhat is it?'
+    r = quipu("run", "--url", fake.url, "-a", vision / "red.png", "-S", "s", "hi")
+    assert r.returncode == 2 and "a session keeps text files alone for now" in r.stderr.decode()

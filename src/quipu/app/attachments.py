@@ -30,16 +30,17 @@ class Kind:
     kind: str
     format: str
     endings: tuple[str, ...]
+    mime: str = ""  # its media type, where a chat API takes it
 
 
 TEXT = Kind("text", "UTF-8 text", (".txt", ".md", ".markdown", ".rst", ".csv", ".tsv", ".log"))
-PNG = Kind("image", "PNG", (".png",))
-JPEG = Kind("image", "JPEG", (".jpg", ".jpeg", ".jfif"))
-WEBP = Kind("image", "WebP", (".webp",))
-GIF = Kind("image", "GIF", (".gif",))
-BMP = Kind("image", "BMP", (".bmp",))
-WAV = Kind("audio", "WAV", (".wav", ".wave"))
-MP3 = Kind("audio", "MP3", (".mp3",))
+PNG = Kind("image", "PNG", (".png",), "image/png")
+JPEG = Kind("image", "JPEG", (".jpg", ".jpeg", ".jfif"), "image/jpeg")
+WEBP = Kind("image", "WebP", (".webp",), "image/webp")
+GIF = Kind("image", "GIF", (".gif",), "image/gif")
+BMP = Kind("image", "BMP", (".bmp",), "image/bmp")
+WAV = Kind("audio", "WAV", (".wav", ".wave"), "audio/wav")
+MP3 = Kind("audio", "MP3", (".mp3",), "audio/mp3")
 FLAC = Kind("audio", "FLAC", (".flac",))
 KINDS = (TEXT, PNG, JPEG, WEBP, GIF, BMP, WAV, MP3, FLAC)
 # What a name's ending claims, for the kinds it names.

@@ -15,6 +15,7 @@ from quipu.app.environment import Environment
 from quipu.app.turn_options import TurnOptions
 from quipu.app.hosts import NoCache, Opened
 from quipu.engine.base import ContextSettings, ProgressFn
+from quipu.errors import UsageError
 from quipu.sessions.base import CHAT_API, Message
 from quipu.sessions.chat_api import REQUEST_KEYS, ChatApiSession
 from quipu.store.store import SessionStore
@@ -49,8 +50,13 @@ class ChatApiHost:
 
     def create(self, opts: TurnOptions, env: Environment, name: str | None = None,
                media: Sequence[Attachment] = ()) -> Opened:
+        for medium in media:
+            if not medium.kind.mime:
+                raise UsageError(f"cannot attach {medium.name} {medium.describe()}: the chat API takes recordings as "
+                                 "WAV or MP3")
         session = ChatApiSession(self.client, request_params(opts, env))
-        return Opened(session, ChatApiKeeper(self.settings, session))
+        marks = "".join(session.media_mark(m.data, m.kind.mime) for m in media)
+        return Opened(session, ChatApiKeeper(self.settings, session), media_marks=marks)
 
     def resume(self, store: SessionStore, name: str, record: Transcript, messages: list[Message],
                opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened:

@@ -231,7 +231,7 @@ LOCAL = Capabilities("local", _ALL - {"slot_files"}, "a local model", exact_toke
 LLAMA_SERVER = Capabilities("llama-server", _ALL - {"context_settings", "prompt_cache", "state_files",
                                                     "reasoning_budget", "media"},
                             "a server", exact_tokens=True, context_size=True, own_grammar=True)
-CHAT_API = Capabilities("chat-api", frozenset({"tools"}), "this server (only llama.cpp's llama-server takes it)",
+CHAT_API = Capabilities("chat-api", frozenset({"tools", "media"}), "this server (only llama.cpp's llama-server takes it)",
                         exact_tokens=False, context_size=False)
 
 

@@ -10,9 +10,11 @@ given are sent (`request`); the rest are the server's own. What the chat API can
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any, Sequence
 
+from quipu.engine.base import MEDIA_MARK, media_mark
 from quipu.sessions.base import CHAT_API, SILENT, Generation, Message, ReplySink, Stats, TurnPrompt
 from quipu.sessions.params import SamplingParams
 from quipu.sessions.toolspec import ToolCall
@@ -34,6 +36,19 @@ class ChatApiSession:
         self.draws = 0
         self.model = ""  # the name the server answered to
         self._used = 0
+        self._media: list[dict[str, Any]] = []  # the content parts of the media its messages hold
+
+    def media_mark(self, data: bytes, mime: str) -> str:
+        """A medium's marker in a message's text; the message goes with it as an OpenAI content
+        part there (an image as a data URL, a recording as `input_audio`)."""
+        encoded = base64.b64encode(data).decode("ascii")
+        if mime.startswith("image/"):
+            part = {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{encoded}"}}
+        else:
+            part = {"type": "input_audio", "input_audio": {"data": encoded, "format": mime.split("/")[1]}}
+        if part not in self._media:
+            self._media.append(part)
+        return media_mark(self._media.index(part))
 
     @property
     def n_ctx(self) -> int:
@@ -91,7 +106,7 @@ class ChatApiSession:
         from quipu.engine.http import ServerError
 
         self.stats = Stats()
-        wire = [_wire(m) for m in prompt.messages]
+        wire = [self._wire(m) for m in prompt.messages]
         error = None
         # (tools offered: the server renders them and reads the calls itself)
         offer = prompt.offer
@@ -138,20 +153,38 @@ class ChatApiSession:
     def close(self) -> None:
         pass  # the connection is the server's host's to close
 
+    def _wire(self, message: Message) -> dict[str, Any]:
+        """A message as the chat API takes it: a call's arguments as JSON text, its media as
+        content parts where they are in its text."""
+        data: dict[str, Any] = {"role": message.role, "content": self._content(message.content)}
+        if message.tool_calls:
+            data["tool_calls"] = [{"id": c.get("id"), "type": "function",
+                                   "function": {"name": c["function"]["name"],
+                                                "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
+                                  for c in message.tool_calls]
+        if message.tool_call_id is not None:
+            data["tool_call_id"] = message.tool_call_id
+        if message.role == "tool" and message.name:
+            data["name"] = message.name
+        return data
 
-def _wire(message: Message) -> dict[str, Any]:
-    """A message as the chat API takes it: a call's arguments as JSON text."""
-    data: dict[str, Any] = {"role": message.role, "content": message.content}
-    if message.tool_calls:
-        data["tool_calls"] = [{"id": c.get("id"), "type": "function",
-                               "function": {"name": c["function"]["name"],
-                                            "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
-                              for c in message.tool_calls]
-    if message.tool_call_id is not None:
-        data["tool_call_id"] = message.tool_call_id
-    if message.role == "tool" and message.name:
-        data["name"] = message.name
-    return data
+    def _content(self, text: str) -> str | list[dict[str, Any]]:
+        if not self._media or not MEDIA_MARK.search(text):
+            return text
+        parts: list[dict[str, Any]] = []
+        at = 0
+        for found in MEDIA_MARK.finditer(text):
+            k = int(found.group(1))
+            if k >= len(self._media):
+                continue  # (text that looks like a marker)
+            if text[at:found.start()].strip():
+                parts.append({"type": "text", "text": text[at:found.start()]})
+            parts.append(self._media[k])
+            at = found.end()
+        if text[at:].strip():
+            parts.append({"type": "text", "text": text[at:].lstrip("\n")})
+        return parts
+
 
 
 def _choice(choice: str) -> Any:
