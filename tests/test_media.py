@@ -136,3 +136,16 @@ def test_the_parts_a_chat_api_is_sent_are_the_image_then_the_text(quipu, vision,
     assert parts[1]["text"] == '<file name="n.txt">\nnotes\n</file>\n\nWhat is it?'
     r = quipu("run", "--url", fake.url, "-a", vision / "red.png", "-S", "s", "hi")
     assert r.returncode == 2 and "a session keeps text files alone for now" in r.stderr.decode()
+
+
+def test_models_say_which_see_and_a_linked_model_finds_its_projector(quipu, vision):
+    info = quipu("models", "info", vision / "tiny.gguf", "--json")
+    data = json.loads(info.stdout)
+    assert data["media"] == ["image"] and data["projector"] == str(vision / "mmproj-tiny.gguf")
+    assert quipu("models", "add", vision / "tiny.gguf", "--name", "seer").returncode == 0
+    listed = {r["name"]: r for r in json.loads(quipu("models", "list", "--json").stdout)}
+    assert listed["seer"]["media"] == ["image"]
+    assert "takes" in quipu("models", "list").stdout.decode()
+    r = quipu("run", "-m", "seer", "-t", "0", "-n", "12", "--json", "-a", vision / "red.png", "What is it?")
+    assert r.returncode == 0, r.stderr.decode()
+    assert json.loads(r.stdout)["text"] == answer(quipu, vision, "-a", vision / "red.png", "What is it?")["text"]

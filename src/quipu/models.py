@@ -233,10 +233,41 @@ def describe(entry: ModelEntry) -> dict[str, Any]:
             parameters=human_params(info.n_params),
             context_length=info.context_length,
             base=info.chat_template is None,  # no chat template: a base model, for plain completion
+            media=media_of(entry.path)[1],
         )
     except (GGUFError, OSError) as exc:
         row["error"] = str(exc)
     return row
+
+
+def projector_beside(model_path: Path) -> Path | None:
+    """The projector that came with a model, for images and audio: the one `mmproj*.gguf` in its
+    folder (a Hugging Face snapshot keeps a repository's files side by side); None for none, or
+    for several (which one is then for `--mmproj` to say)."""
+    # (the link's folder first: a snapshot's files are links into its blobs; then the file's own, for `models add`)
+    for folder in dict.fromkeys((model_path.parent, model_path.resolve().parent)):
+        try:
+            found = sorted(p for p in folder.glob("*.gguf") if p.name.lower().startswith("mmproj"))
+        except OSError:
+            continue
+        if found:
+            return found[0] if len(found) == 1 else None
+    return None
+
+
+def media_of(model_path: Path) -> tuple[Path | None, list[str]]:
+    """The projector beside a model, and what it takes ("image", "audio"), from its header."""
+    from quipu.gguf import GGUFError, read_gguf
+
+    projector = projector_beside(model_path)
+    if projector is None:
+        return None, []
+    try:
+        meta = read_gguf(projector).metadata
+    except (GGUFError, OSError):
+        return projector, []
+    return projector, [kind for kind, key in (("image", "clip.has_vision_encoder"), ("audio", "clip.has_audio_encoder"))
+                       if meta.get(key) is True]
 
 
 def model_info(name: str, path: Path) -> dict[str, Any]:
@@ -252,6 +283,7 @@ def model_info(name: str, path: Path) -> dict[str, Any]:
         token_id = info.metadata.get(f"tokenizer.ggml.{which}_token_id")
         if isinstance(token_id, int):
             special[which] = info.token_text(token_id)
+    projector, media = media_of(path)
     return {
         "name": name,
         "path": str(path),
@@ -263,6 +295,8 @@ def model_info(name: str, path: Path) -> dict[str, Any]:
         "chat_template": info.chat_template,
         "special_tokens": special,
         "model_name": info.name,
+        "projector": str(projector) if projector is not None else None,
+        "media": media,
     }
 
 

@@ -232,13 +232,6 @@ def cannot_take(medium: Attachment, why: str) -> UsageError:
     return UsageError(f"cannot attach {medium.name} {medium.describe()}: this model cannot {sense} ({why})")
 
 
-def projector_beside(model_path: Path) -> Path | None:
-    """The projector that came with a model: the one `mmproj*.gguf` in its folder (a Hugging Face
-    snapshot keeps the files of a repository side by side); None for none, or several."""
-    found = sorted(p for p in model_path.parent.glob("*.gguf") if p.name.lower().startswith("mmproj"))
-    return found[0] if len(found) == 1 else None
-
-
 def _size(n: int) -> str:
     if n < 1024:
         return f"{n} B"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from quipu import __version__
-from quipu.app.attachments import Attachment, cannot_take, projector_beside
+from quipu.app.attachments import Attachment, cannot_take
 from quipu.app.environment import DEFAULT_MAX_STATE_BYTES, Environment
 from quipu.app.turn_options import (
     TurnOptions,
@@ -36,7 +36,7 @@ from quipu.engine.base import (
 )
 from quipu.engine.kvstate import LAYOUT, check_piece
 from quipu.errors import EngineError, ModelMismatch, SnapshotError, UsageError
-from quipu.models import fingerprint
+from quipu.models import fingerprint, projector_beside
 from quipu.sessions.base import LOCAL, Message
 from quipu.sessions.inference import InferenceSession, Snapshot
 from quipu.store.chain import Chain, held_cells, tokens_digest

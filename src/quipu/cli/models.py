@@ -56,14 +56,19 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
     if as_json:
         term.stdout.write(json.dumps(rows, indent=1) + "\n")
         return
-    table = Table("name", "size", "quant", "arch", "params", "context", "kind", "from", box=None, pad_edge=False)
+    table = Table("name", "size", "quant", "arch", "params", "context", "kind", "takes", "from", box=None,
+                  pad_edge=False)
     for r in rows:
         if "error" in r:
-            table.add_row(r["name"], "", "", "", "", "", "", f"{r['source']} (unreadable: {r['error']})")
+            table.add_row(r["name"], "", "", "", "", "", "", "", f"{r['source']} (unreadable: {r['error']})")
             continue
         table.add_row(r["name"], human_size(r["size_bytes"]), r["quantization"], r["architecture"], r["parameters"],
-                      str(r["context_length"] or "?"), "base" if r["base"] else "chat", r["source"])
+                      str(r["context_length"] or "?"), "base" if r["base"] else "chat",
+                      ", ".join(["text", *(SENSE_WORDS[m] for m in r["media"])]), r["source"])
     Console(file=term.stdout, no_color=not term.color, highlight=False, width=None if term.stdout_tty else 400).print(table)
+
+
+SENSE_WORDS = {"image": "images", "audio": "audio"}
 
 
 @app.command()
@@ -99,6 +104,8 @@ def info(
         f"context length  {data['context_length']}",
         f"chat template   {'yes' if data['chat_template'] else 'no (ChatML is used)'}",
         "special tokens  " + ", ".join(f"{k}={v!r}" for k, v in data["special_tokens"].items()),
+        "media           " + (f"{' and '.join(SENSE_WORDS[m] for m in data['media'])}, through {data['projector']}"
+                              if data["media"] else "none (no mmproj*.gguf beside it; --mmproj FILE gives one)"),
     ]
     newer = repository_template(env, path, data["chat_template"])
     if newer:
