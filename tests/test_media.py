@@ -77,7 +77,6 @@ def test_what_a_model_cannot_take_is_refused_in_one_line(quipu, vision, tmp_path
         ((tiny_model, "-a", vision / "red.png"), 2, "this model cannot see images (no projector beside tiny.gguf; "
                                                    "--mmproj FILE gives one)"),
         ((two / "tiny.gguf", "-a", vision / "red.png"), 2, "no projector beside tiny.gguf"),  # (two: which one?)
-        ((vision / "tiny.gguf", "-a", vision / "red.png", "-S", "s"), 2, "a session keeps text files alone for now"),
         ((vision / "tiny.gguf", "-a", vision / "red.png", "--raw"), 2, "with --raw"),
         ((vision / "tiny.gguf", "-a", vision / "red.png", "--mmproj", tmp_path / "none.gguf"), 2, "is not a file"),
         ((vision / "tiny.gguf", "-a", vision / "red.png", "--mmproj", vision / "tiny.gguf"), 1,
@@ -135,7 +134,7 @@ def test_the_parts_a_chat_api_is_sent_are_the_image_then_the_text(quipu, vision,
     assert base64.b64decode(url.split(",", 1)[1]) == (vision / "red-again.jpg").read_bytes()
     assert parts[1]["text"] == '<file name="n.txt">\nnotes\n</file>\n\nWhat is it?'
     r = quipu("run", "--url", fake.url, "-a", vision / "red.png", "-S", "s", "hi")
-    assert r.returncode == 2 and "a session keeps text files alone for now" in r.stderr.decode()
+    assert r.returncode == 2 and "in a session on a server: such a session keeps text files alone" in r.stderr.decode()
 
 
 def test_models_say_which_see_and_a_linked_model_finds_its_projector(quipu, vision):
@@ -149,3 +148,85 @@ def test_models_say_which_see_and_a_linked_model_finds_its_projector(quipu, visi
     r = quipu("run", "-m", "seer", "-t", "0", "-n", "12", "--json", "-a", vision / "red.png", "What is it?")
     assert r.returncode == 0, r.stderr.decode()
     assert json.loads(r.stdout)["text"] == answer(quipu, vision, "-a", vision / "red.png", "What is it?")["text"]
+
+
+# ---- sessions ------------------------------------------------------------------------------------
+
+def chat(home, vision, lines: str, *args) -> list[str]:
+    """A piped chat on the tiny vision model: its replies, one a line."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    env["QUIPU_HOME"] = str(home)
+    r = subprocess.run([sys.executable, "-m", "quipu", "chat", "-m", str(vision / "tiny.gguf"), "-t", "0", "-n", "12",
+                        *args], input=lines.encode(), capture_output=True, env=env, timeout=300)
+    assert r.returncode == 0 and "Traceback" not in r.stderr.decode(), r.stderr.decode()
+    assert "error" not in r.stderr.decode(), r.stderr.decode()
+    return r.stdout.decode().splitlines()
+
+
+def session_files(home):
+    return next(home.rglob("sessions"))
+
+
+def test_a_session_with_an_image_resumes_exactly_in_a_new_process(quipu, vision, home):
+    def turn(*args):
+        r = quipu("run", "-m", vision / "tiny.gguf", "-t", "0", "-n", "12", "--json", *args)
+        assert r.returncode == 0, r.stderr.decode()
+        return json.loads(r.stdout)
+
+    first = turn("-S", "look", "-a", vision / "red.png", "What is it?")
+    second = turn("-S", "look", "And now?")
+    # The second process restored the context (the image's positions with it), read none of it again.
+    assert second["usage"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+    # As one chat that never stopped: the same replies.
+    one = chat(home, vision, f"/attach {vision / 'red.png'}\nWhat is it?\nAnd now?\n", "-S", "whole")
+    assert one[:2] == [first["text"], second["text"]]
+    # With its state gone, the session is read again from its transcript, the image from the
+    # media folder: the same answer again.
+    folder = session_files(home)
+    turn("-S", "look", "-a", vision / "blue.png", "What is this one?")
+    for path in folder.glob("look.kv*"):
+        path.unlink()
+    reread = quipu("run", "-m", vision / "tiny.gguf", "-t", "0", "-n", "12", "--json", "-S", "look", "More?")
+    kept = quipu("run", "-m", vision / "tiny.gguf", "-t", "0", "-n", "12", "--json", "-S", "look", "More?")
+    assert reread.returncode == 0 and "re-reading its context" in reread.stderr.decode()
+    # (each More? goes on from its own context: the first one's answer is the reference)
+    assert json.loads(reread.stdout)["usage"]["cached_tokens"] == 0
+    assert json.loads(kept.stdout)["usage"]["cached_tokens"] > 0
+    record = json.loads((folder / "look.json").read_text())
+    assert [m["name"] for m in record["media"]] == ["red.png", "blue.png"]
+    assert record["model"]["projector"] == str(vision / "mmproj-tiny.gguf")
+    assert oct((folder / "media").stat().st_mode & 0o777) == "0o700"
+    for m in record["media"]:
+        assert oct((folder / "media" / m["sha256"]).stat().st_mode & 0o777) == "0o600"
+
+
+def test_undo_over_an_image_is_exact_and_the_image_goes_with_the_last_session(quipu, vision, home):
+    import os
+
+    fresh = chat(home, vision, f"/attach {vision / 'blue.png'}\nWhat is it?\n", "-S", "fresh")
+    undone = chat(home, vision, f"/attach {vision / 'red.png'}\nWhat is it?\n/undo\n/attach {vision / 'blue.png'}\n"
+                                "What is it?\n", "-S", "undo")
+    assert undone[-1] == fresh[-1]
+    shown = json.loads(quipu("sessions", "export", "undo", "--format", "json").stdout)
+    users = [m for m in shown["messages"] if m["role"] == "user"]
+    assert users[0]["content"] == "[image: blue.png]\nWhat is it?"
+    assert users[0]["media"][0]["name"] == "blue.png" and len(users[0]["media"][0]["sha256"]) == 64
+    assert "[image: blue.png]" in quipu("sessions", "export", "undo", "--format", "markdown").stdout.decode()
+    # A fork holds the same image; it goes on alike.
+    assert quipu("sessions", "fork", "undo", "copy").returncode == 0
+    a = quipu("run", "-m", vision / "tiny.gguf", "-t", "0", "-n", "8", "-S", "undo", "Again?").stdout
+    b = quipu("run", "-m", vision / "tiny.gguf", "-t", "0", "-n", "8", "-S", "copy", "Again?").stdout
+    assert a == b and a.strip()
+    media = session_files(home) / "media"
+    for path in media.iterdir():
+        os.utime(path, (1, 1))  # (an old file: a prune leaves one just written, that a save may be naming)
+    blue, red = (media / json.loads((session_files(home) / f"{n}.json").read_text())["media"][0]["sha256"]
+                 for n in ("fresh", "undo"))
+    assert quipu("sessions", "rm", "fresh", "undo").returncode == 0
+    assert blue.exists()  # (the fork still names it)
+    assert quipu("sessions", "rm", "copy").returncode == 0
+    assert not blue.exists() and not any(media.iterdir())

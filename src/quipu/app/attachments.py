@@ -64,6 +64,10 @@ class Attachment:
     def text(self) -> str:
         return self.data.decode("utf-8-sig")
 
+    def entry(self) -> dict[str, str]:
+        """How a session's transcript names it (`Transcript.media`)."""
+        return {"sha256": self.digest, "kind": self.kind.kind, "format": self.kind.format, "name": self.name}
+
     def describe(self) -> str:
         """What it is, in a few words: `[image: PNG, 640x480, 1.2 KB]`, `[text: 312 B]`."""
         parts = [] if self.kind is TEXT else [self.kind.format]
@@ -223,8 +227,8 @@ def split_media(attachments: Sequence[Attachment]) -> tuple[list[Attachment], li
 
 
 def session_refusal(medium: Attachment) -> UsageError:
-    return UsageError(f"cannot attach {medium.name} {medium.describe()} in a session: a session keeps text files "
-                      "alone for now; attach it to a run without -S")
+    return UsageError(f"cannot attach {medium.name} {medium.describe()} in a session on a server: such a session "
+                      "keeps text files alone; attach it to a run without -S")
 
 
 def cannot_take(medium: Attachment, why: str) -> UsageError:

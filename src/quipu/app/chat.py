@@ -63,6 +63,7 @@ class ChatSession:
         self.resumed = False
         self.hooks: ToolHooks | None = None  # how the front end approves and shows calls
         self.attached: list[Attachment] = []  # files the next message carries (`/attach`)
+        self._marks = ""  # where its media go in its text
         self.tools = open_tools(opts.tool_options, env, constrained=opts.constrained, on_output=self._output)  # a bad file is said before anything is loaded
 
     def _output(self, line: str) -> None:
@@ -116,6 +117,7 @@ class ChatSession:
             named.notices.append(waiting)
         self._release()
         self._stack, self.named = stack, named
+        self.attached, self._marks = [], ""  # (what waited was made ready in the context left)
         self.resumed = resumed
         self.last_stats = None
 
@@ -200,23 +202,26 @@ class ChatSession:
         conv = self._named.conversation
         skip_pending(conv)  # (calls left waiting are answered "not run")
         if self.attached:
-            from quipu.app.attachments import message_with
+            from quipu.app.attachments import message_with, split_media
+            from quipu.app.turns import with_marks
 
-            text = message_with(text, self.attached)
+            text = with_marks(message_with(text, split_media(self.attached)[0]), self._marks) or ""
         self._named.warm(text)
         outcome = self._turn(lambda **kw: conv.send(text, **kw), sink, message=text)
         if not (outcome.context_full and not outcome.generation.tokens):  # (not sent: they wait for it again)
-            self.attached = []
+            self.attached, self._marks = [], ""
         return outcome
 
     def attach(self, name: str) -> Attachment:
         """A file for the next message to carry; what cannot be attached, or what this model cannot
-        take, is refused now."""
-        from quipu.app.attachments import TEXT, read_attachment, session_refusal
+        take, is refused now (an image or a recording is made ready in the context at once)."""
+        from quipu.app.attachments import TEXT, read_attachment
 
         found = read_attachment(name)
         if found.kind is not TEXT:
-            raise session_refusal(found)
+            self.capabilities.require("media", chat=True)
+            named = self._named
+            self._marks += named.keeper.take_media(named.session, self.store, [found], self.opts.mmproj)
         self.attached.append(found)
         return found
 

@@ -61,6 +61,11 @@ class Keeper(Protocol[S]):
     def model_for_new(self, opts: TurnOptions) -> str | None:
         """The model a new session started from this one takes (`/new`)."""
 
+    def take_media(self, session: S, store: "SessionStore", media: "Sequence[Attachment]",
+                   mmproj: str | None) -> str:
+        """Makes a message's images and recordings ready in the session (their bytes kept for
+        it): their markers, for the message's text; refused in one line where they cannot be."""
+
 
 @dataclass
 class Opened:
@@ -108,6 +113,11 @@ class NoCache:
 
     def model_for_new(self, opts: TurnOptions) -> str | None:
         return opts.model
+
+    def take_media(self, session, store, media, mmproj) -> str:
+        from quipu.app.attachments import session_refusal
+
+        raise session_refusal(media[0])
 
 
 def saved_params(store: "SessionStore", name: str, record: "Transcript") -> SamplingParams:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -26,8 +26,10 @@ from quipu.app.turn_options import (
 from quipu.app.hosts import Opened, made_elsewhere, saved_params
 from quipu.app.prompt_cache import CacheUse, cache_lookup, cache_save, cached_count, open_cache
 from quipu.store.cache import PromptCache
+from quipu.store.media import MediaStore
 from quipu.engine.base import (
     KV_TYPES,
+    Backend,
     ContextSettings,
     ProgressFn,
     layout_differs,
@@ -68,22 +70,45 @@ def open_session(opts: TurnOptions, env: Environment) -> tuple[str, Path, Infere
     return model_name, model_path, session
 
 
-def with_projector(session: InferenceSession, model_path: Path, mmproj: str | None,
-                   media: Sequence[Attachment]) -> str:
+def with_projector(backend: Backend, model_path: Path, mmproj: str | None, media: Sequence[Attachment]) -> str:
     """Loads the model's projector (`--mmproj`, else the one beside the model) into the session's
     context, and makes `media` ready in it: their markers, for the message's text."""
-    path = Path(mmproj).expanduser() if mmproj else projector_beside(model_path)
-    if path is None:
-        raise cannot_take(media[0], f"no projector beside {model_path.name}; --mmproj FILE gives one")
-    if not path.is_file():
-        raise UsageError(f"the projector {path} is not a file")
-    backend = session.backend
-    backend.open_projector(path)
+    if backend.projector_path is None:
+        path = Path(mmproj).expanduser() if mmproj else projector_beside(model_path)
+        if path is None:
+            raise cannot_take(media[0], f"no projector beside {model_path.name}; --mmproj FILE gives one")
+        if not path.is_file():
+            raise UsageError(f"the projector {path} is not a file")
+        backend.open_projector(path)
+    path = backend.projector_path
+    assert path is not None
     for medium in media:
         if medium.kind.kind not in backend.senses:
             takes = " and ".join(f"{k}s" for k in sorted(backend.senses)) or "nothing"
             raise cannot_take(medium, f"its projector {path.name} takes {takes}")
     return "".join(backend.media_mark(medium.data) for medium in media)
+
+
+def media_store(store: SessionStore) -> MediaStore:
+    """The media of the sessions of `store`, kept beside them."""
+    return MediaStore(store.root / "media")
+
+
+def take_saved_media(backend: Backend, store: SessionStore, record: Transcript, mmproj: str | None,
+                     model_path: Path, keeper: "LocalKeeper") -> None:
+    """A resumed session's media made ready again in its new context, in the order it first took
+    them (so its token history's placeholders mean the same media): its projector (the one it
+    was saved with, unless --mmproj names another), their bytes from the media folder."""
+    from quipu.app.attachments import attachment_of
+
+    kept = media_store(store)
+    media = []
+    for entry in record.media:
+        media.append(attachment_of(entry["name"], kept.get(entry["sha256"])))
+        keeper.media[entry["sha256"]] = entry
+    saved = record.model.get("projector")
+    with_projector(backend, model_path, mmproj or (saved if isinstance(saved, str) else None), media)
+    keeper.cache = None
 
 
 class LocalHost:
@@ -95,7 +120,7 @@ class LocalHost:
                media: Sequence[Attachment] = ()) -> Opened:
         model_name, model_path, session = open_session(opts, env)
         try:
-            marks = with_projector(session, model_path, opts.mmproj, media) if media else ""
+            marks = with_projector(session.backend, model_path, opts.mmproj, media) if media else ""
         except BaseException:
             session.close()
             raise
@@ -129,6 +154,8 @@ class LocalHost:
         try:
             load_s = time.perf_counter() - started
             params = with_logit_biases(params, backend, opts)
+            if record.media:
+                take_saved_media(backend, store, record, opts.mmproj, model_path, keeper)
             if same_model:
                 restoring = time.perf_counter()  # a rebuild from the transcript is part of restoring
                 snap = Snapshot(record.tokens, record.n_decoded, record.draws, params, saved_ctx)
@@ -230,17 +257,31 @@ class LocalKeeper:
     verbose: bool = False
     cache: PromptCache | None = None  # the prompt cache this run uses (None: --no-cache)
     background: bool = False  # (a chat's: the state written while the user types)
+    media: dict[str, dict] = field(default_factory=dict)  # what the transcript says of each medium, by SHA-256
     _writer: threading.Thread | None = None
     _failed: str | None = None
 
     def fields(self, session: InferenceSession) -> dict:
+        projector = session.backend.projector_path
         return {
             "model": {"name": self.model_name, "path": str(self.model_path.resolve()),
-                      "fingerprint": self.model_fingerprint},
+                      "fingerprint": self.model_fingerprint,
+                      **({"projector": str(projector.resolve())} if projector is not None else {})},
+            "media": [self.media[d] for d in session.backend.media_digests() if d in self.media],
             "params": session.params.to_dict(), "context": session.backend.context.state_key(),
             "tokens": list(session.tokens), "n_decoded": session.n_decoded, "draws": session.draws,
             "build": session.backend.build,
         }
+
+    def take_media(self, session: InferenceSession, store: SessionStore, media: Sequence[Attachment],
+                   mmproj: str | None) -> str:
+        marks = with_projector(session.backend, self.model_path, mmproj, media)
+        kept = media_store(store)
+        for medium in media:
+            kept.put(medium.data)  # (before the transcript that names it)
+            self.media.setdefault(medium.digest, medium.entry())
+        self.cache = None  # (a context with media is not cached: its placeholders are this session's)
+        return marks
 
     def save(self, store: SessionStore, name: str, record: Transcript, session: InferenceSession) -> list[str]:
         """Transcript and state, each atomically: at worst the turn in progress is lost. The

@@ -6,7 +6,8 @@ import json
 from typing import Any
 
 from quipu.app.environment import Environment
-from quipu.errors import UsageError
+from quipu.engine.base import MEDIA_MARK
+from quipu.errors import SessionNotFound, SnapshotError, UsageError
 from quipu.store.store import SessionInfo, SessionStore
 
 
@@ -45,15 +46,28 @@ def transcript(env: Environment, name: str) -> dict[str, Any]:
         "context": record.context,
         "context_tokens": info.tokens,
         "size_bytes": info.size_bytes,
-        "messages": [_readable(m) for m in record.messages],
+        "messages": [_readable(m, record.media) for m in record.messages],
     }
 
 
-def _readable(message: dict) -> dict:
-    """A message as people read it: a reply's reasoning beside its answer, markup and tokens aside."""
+def _readable(message: dict, media: list[dict]) -> dict:
+    """A message as people read it: a reply's reasoning beside its answer, markup and tokens
+    aside, each medium in it as `[image: NAME]` (and named in `media`)."""
     out = {k: message[k] for k in ("role", "content", "tool_calls", "tool_call_id", "name") if k in message}
     if isinstance(message.get("reasoning"), str) and message["reasoning"].strip():
         out["reasoning"] = message["reasoning"].strip()
+    held = []
+
+    def shown(found) -> str:
+        k = int(found.group(1))
+        if k >= len(media):
+            return found.group(0)
+        held.append(media[k])
+        return f"[{media[k]['kind']}: {media[k]['name']}]"
+
+    out["content"] = MEDIA_MARK.sub(shown, out["content"])
+    if held:
+        out["media"] = held
     return out
 
 
@@ -85,6 +99,23 @@ def remove(env: Environment, names: list[str]) -> None:
     store = _store(env)
     for name in names:
         store.remove(name)
+    prune_media(store)
+
+
+def prune_media(store: SessionStore) -> None:
+    """Removes the media no session names any more (none while a transcript cannot be read:
+    what it names is not known)."""
+    from quipu.app.local import media_store
+
+    referenced = set()
+    for name in store.names():
+        try:
+            referenced |= {m["sha256"] for m in store.load_transcript(name).media}
+        except SessionNotFound:
+            continue  # (removed meanwhile)
+        except (SnapshotError, OSError):
+            return
+    media_store(store).prune(referenced)
 
 
 def rename(env: Environment, old: str, new: str) -> None:

@@ -112,7 +112,7 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
                            on_output=hooks.on_output if hooks is not None else None)
         try:
             if opts.session is not None:
-                result = run_session_turn(prompt, opts, env, host, sink, tools, hooks)
+                result = run_session_turn(prompt, opts, env, host, sink, tools, hooks, media)
                 if on_result is not None:
                     on_result(result)
             else:
@@ -133,14 +133,12 @@ def attached(prompt: str | None, opts: TurnOptions, host: Capabilities) -> tuple
     before the model is loaded."""
     if not opts.attach:
         return prompt, []
-    from quipu.app.attachments import message_with, read_attachment, session_refusal, split_media
+    from quipu.app.attachments import message_with, read_attachment, split_media
 
     files, media = split_media([read_attachment(name) for name in opts.attach])
     if media:
         host.require("media")
         for medium in media:
-            if opts.session is not None:
-                raise session_refusal(medium)
             if opts.raw:
                 raise UsageError(f"cannot attach {medium.name} {medium.describe()} with --raw: a medium goes in a "
                                  "chat message")
@@ -227,16 +225,20 @@ def _conversation(session, opts: TurnOptions, env: Environment, source) -> Conve
 
 
 def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost,
-                     sink: ReplySink = SILENT, tools: OpenTools | None = None, hooks: ToolHooks | None = None) -> TurnResult:
+                     sink: ReplySink = SILENT, tools: OpenTools | None = None, hooks: ToolHooks | None = None,
+                     media: Sequence[Attachment] = ()) -> TurnResult:
     """`quipu run --session NAME` (see run_turn): continue or create the session, run one turn,
-    save it (a reply cut short by a failing server is saved with what came)."""
-    name = check_session_turn(prompt, opts)
+    save it (a reply cut short by a failing server is saved with what came); `media`, the
+    images and recordings its message carries."""
+    name = check_session_turn(prompt, opts, bool(media))
     max_tokens(opts, env)  # a bad value is said before anything is loaded
     store = store_for(env)
     store.clean_temporaries()
     with store.lock(name):
         named = NamedSession.open(store, name, opts, env, host, sink.reading)
         try:
+            if media:
+                prompt = with_marks(prompt, named.keeper.take_media(named.session, store, media, opts.mmproj))
             conv = named.conversation
             limit, stop = named.reply_limits(opts, env)
             offer(conv, tools, opts.tool_options)
@@ -274,15 +276,15 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
     return result
 
 
-def check_session_turn(prompt: str | None, opts: TurnOptions) -> str:
+def check_session_turn(prompt: str | None, opts: TurnOptions, media: bool = False) -> str:
     """The session's name, once the options make sense for a session turn (its mode's are checked
-    already: `modes.py`)."""
+    already: `modes.py`); `media`: the message carries images or recordings."""
     assert opts.session is not None  # (a session turn is one with --session)
-    if opts.continue_reply and prompt:
+    if opts.continue_reply and (prompt or media):
         raise UsageError("--continue keeps generating the last reply; it takes no prompt")
-    if opts.tool_results and (prompt or opts.continue_reply):
+    if opts.tool_results and (prompt or media or opts.continue_reply):
         raise UsageError("--tool-result gives the model what its calls returned; it takes no prompt")
-    if not opts.continue_reply and not opts.tool_results and not prompt and not (
+    if not opts.continue_reply and not opts.tool_results and not prompt and not media and not (
             opts.functions or opts.mcp or opts.tools_file):
         raise BadInput("no prompt: give one as an argument or on standard input")
     return validate_name(opts.session)
@@ -295,7 +297,7 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
         check_options(opts.asked, opts.mode, host.capabilities, show=True)
         prompt, media = attached(prompt, opts, host.capabilities)
         if opts.session is not None:
-            return _show_session_prompt(prompt, opts, env, host)
+            return _show_session_prompt(prompt, opts, env, host, media)
         if not prompt and not opts.messages and not media:
             raise BadInput("no prompt: give one as an argument or on standard input")
         opened = host.create(opts, env, media=media)
@@ -326,12 +328,15 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
             session.close()
 
 
-def _show_session_prompt(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost) -> PromptView:
-    name = check_session_turn(prompt, opts)
+def _show_session_prompt(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost,
+                         media: Sequence[Attachment] = ()) -> PromptView:
+    name = check_session_turn(prompt, opts, bool(media))
     store = store_for(env)
     with store.lock(name):
         named = NamedSession.open(store, name, opts, env, host)
         try:
+            if media:
+                prompt = with_marks(prompt, named.keeper.take_media(named.session, store, media, opts.mmproj))
             conv = named.conversation
             if opts.continue_reply:
                 if not conv.messages or conv.messages[-1].role != "assistant":
@@ -340,6 +345,7 @@ def _show_session_prompt(prompt: str | None, opts: TurnOptions, env: Environment
             else:
                 tokens = conv.tokens_with(prompt or "")
             reused = common_prefix(tokens, named.session.tokens)
-            return PromptView(named.session.spell(tokens), tokens, reused, named.model_name, name)
+            text = MEDIA_MARK.sub("<__media__>", named.session.spell(tokens))
+            return PromptView(text, tokens, reused, named.model_name, name)
         finally:
             named.close()

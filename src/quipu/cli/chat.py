@@ -16,6 +16,7 @@ PARAMS: dict[str, spec.Opt] = {
     "resume": spec.flag("--resume", "-r", help="Resume the most recently used session."),
     "markdown": spec.flag("--markdown", help="Render replies as Markdown as they stream."),
     **spec.GENERATION,
+    "mmproj": spec.MMPROJ,
     **spec.SHAPING,
     **{k: v for k, v in spec.TOOLS.items() if k != "tool_results"},
     "hide_thinking": spec.flag("--hide-thinking", help="Do not show a thinking model's reasoning (/think shows "

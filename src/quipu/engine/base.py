@@ -151,6 +151,13 @@ class Backend(Protocol):
     def senses(self) -> frozenset[str]:
         """What the context takes besides text ("image", "audio")."""
 
+    @property
+    def projector_path(self) -> Path | None:
+        """The projector this context loaded (None: none)."""
+
+    def media_digests(self) -> list[str]:
+        """The SHA-256 of each medium the context holds, in the order it took them."""
+
     def prefill(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None) -> None:
         """Decodes `tokens` at positions start.., in batches; logits are kept for the last one."""
 

@@ -149,6 +149,14 @@ class Media:
             m.mtmd_bitmap_free(bitmap)
         return _Medium(digest, chunks, chunk, before, after, n_tokens)
 
+    def media_digests(self) -> list[str]:
+        """The SHA-256 of each medium this context holds, in the order it took them (k)."""
+        return [medium.digest for medium in getattr(self, "_media", [])]
+
+    @property
+    def projector_path(self) -> Path | None:
+        return self._projector.path if self._projector is not None else None
+
     def media_tokens(self, k: int) -> list[int]:
         """The tokens of medium k in the context: its wrapping text, and its run of placeholders
         (IndexError, a LookupError, for a medium it does not hold)."""

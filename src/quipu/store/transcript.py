@@ -10,10 +10,12 @@ objects.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+DIGEST = re.compile(r"[0-9a-f]{64}")
 FORMAT = "quipu-session"
 VERSION = 1
 ROLES = ("system", "user", "assistant", "tool")
@@ -49,6 +51,9 @@ class Transcript:
     limits: dict[str, Any] = field(default_factory=dict)
     # The tools the model was told of (OpenAI's shape): definitions only, never what runs them.
     tools: list[dict[str, Any]] = field(default_factory=list)
+    # The media its messages hold (images, recordings), in the order its context took them: each
+    # {"sha256", "kind", "format", "name"}; the bytes are kept once for every session (`media.py`).
+    media: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def turns(self) -> int:
@@ -75,6 +80,7 @@ class Transcript:
             quipu=str(record.get("quipu", "")), build=str(record.get("build", "")),
             chat_template=record.get("chat_template"), template_variables=record.get("template_variables") or {},
             served=record.get("served"), limits=record.get("limits") or {}, tools=record.get("tools") or [],
+            media=record.get("media") or [],
         )
 
 
@@ -145,6 +151,12 @@ def check(record: Any) -> str | None:
             isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
             and isinstance(t["function"].get("parameters", {}), dict) for t in tools):
         return "the transcript's tools are damaged"
+    media = record.get("media") or []
+    if not isinstance(media, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("sha256"), str) and DIGEST.fullmatch(m["sha256"])
+            and m.get("kind") in ("image", "audio") and isinstance(m.get("format"), str)
+            and isinstance(m.get("name"), str) for m in media):
+        return "the transcript's media are damaged"
     problem = _check_served(record.get("served"), tokens)
     if problem:
         return problem
