@@ -14,7 +14,7 @@ import pytest
 
 from hub_server import start_hub
 from limits import small_filesystem
-from tinymodel import write_tiny_gguf
+from tinymodel import write_tiny_gguf, write_tiny_projector
 
 LARGE = b"GGUF" + bytes(range(256)) * (96 * 1024)  # 24 MB: a GGUF's magic, then bytes (never loaded)
 
@@ -25,7 +25,9 @@ def files(tmp_path_factory):
     write_tiny_gguf(d / "tiny.gguf")
     write_tiny_gguf(d / "other.gguf", seed=3)
     write_tiny_gguf(d / "big.gguf", split_max_tensors=8)
+    write_tiny_projector(d / "mmproj.gguf")
     return {
+        "mmproj": (d / "mmproj.gguf").read_bytes(),
         "q4": (d / "tiny.gguf").read_bytes(),
         "q8": (d / "other.gguf").read_bytes(),
         "parts": [(d / f"big-0000{i}-of-00003.gguf").read_bytes() for i in (1, 2, 3)],
@@ -37,6 +39,8 @@ def hub(files):
     server = start_hub({
         "tiny/Tiny-GGUF": {"README.md": b"# tiny", "tiny-Q4_K_M.gguf": files["q4"], "tiny-Q8_0.gguf": files["q8"],
                            "chat_template.jinja": b"{% for m in messages %}{{ m.content }}\n{% endfor %}"},
+        "tiny/Vision-GGUF": {"tiny-Q4_K_M.gguf": files["q4"], "mmproj-tiny-Q8_0.gguf": files["mmproj"],
+                             "mmproj-tiny-f16.gguf": files["mmproj"]},
         "tiny/Split-GGUF": {f"split-Q8_0-0000{i}-of-00003.gguf": part for i, part in enumerate(files["parts"], 1)},
         "tiny/NoGGUF": {"README.md": b"# nothing", "model.safetensors": b"\0" * 16},
         "tiny/Gated-GGUF": {"gated-Q4_K_M.gguf": files["q4"]},
@@ -86,6 +90,24 @@ def test_pull_then_run_by_its_hub_name(quipu, hub, hub_env):
     # The repository's chat template differs from the file's: models info offers it.
     info = json.loads(quipu("models", "info", "hf:tiny/Tiny-GGUF:Q4_K_M", "--json", env=hub_env).stdout)
     assert info["repository_template"] and info["repository_template"].endswith("chat_template.jinja")
+
+
+def test_a_pull_brings_the_model_s_projector_and_it_sees(quipu, hub, hub_env, tmp_path):
+    from PIL import Image
+
+    r = quipu("models", "pull", "tiny/Vision-GGUF", env=hub_env)
+    assert r.returncode == 0, r.stderr.decode()
+    assert "and its projector mmproj-tiny-f16.gguf" in r.stderr.decode()  # (f16 before Q8_0, as llama.cpp's -hf)
+    info = json.loads(quipu("models", "info", "hf:tiny/Vision-GGUF", "--json", env=hub_env).stdout)
+    assert info["media"] == ["image"] and info["projector"].endswith("mmproj-tiny-f16.gguf")
+    Image.new("RGB", (50, 40), (200, 30, 90)).save(tmp_path / "red.png")
+    seen = quipu("run", "-m", "hf:tiny/Vision-GGUF", "-t", "0", "-n", "8", "-a", tmp_path / "red.png", "What?",
+                 env=hub_env)
+    blind = quipu("run", "-m", "hf:tiny/Vision-GGUF", "-t", "0", "-n", "8", "What?", env=hub_env)
+    assert seen.returncode == 0 and blind.returncode == 0, seen.stderr.decode()
+    assert seen.stdout != blind.stdout
+    assert quipu("models", "rm", "tiny/Vision-GGUF:Q4_K_M", env=hub_env).returncode == 0
+    assert cached_blobs(hub_env) == []  # (the projector went with its model)
 
 
 def test_hf_names_are_pulled_on_first_use(quipu, hub, hub_env):
@@ -357,6 +379,8 @@ def gemma_hub(files):
         "ggml-org/gemma-3-1b-it-GGUF": {"gemma-3-1b-it-Q4_K_M.gguf": files["q4"], "gemma-3-1b-it-Q8_0.gguf": files["q8"]},
         "someone/gemma-fork-GGUF": {"fork-Q8_0.gguf": files["q8"]},
         "someone/gemma-safetensors": {"model.safetensors": b"\0" * 16},
+        "tiny/Vision-GGUF": {"tiny-Q4_K_M.gguf": files["q4"], "mmproj-tiny-Q8_0.gguf": files["mmproj"],
+                             "mmproj-tiny-f16.gguf": files["mmproj"]},
         "tiny/Split-GGUF": {f"split-Q8_0-0000{i}-of-00003.gguf": part for i, part in enumerate(files["parts"], 1)},
     })
     server.downloads = {"ggml-org/gemma-3-1b-it-GGUF": 900, "someone/gemma-fork-GGUF": 5000}

@@ -86,6 +86,7 @@ class PullPlan:
     files: list[HubFile]  # a split model's parts in order
     others: list[str] = field(default_factory=list)  # the repository's other quantizations
     template: str | None = None  # a chat template file the repository has
+    projector: HubFile | None = None  # the projector (mmproj) for images and audio the repository has
 
     @property
     def size(self) -> int:
@@ -241,7 +242,28 @@ def plan_pull(ref: HubRef) -> PullPlan:
     plan = choose(ref.repo, files, ref.quant)
     paths = {f.path for f in files}
     plan.template = next((t for t in TEMPLATE_FILES if t in paths), None)
+    plan.projector = projector_of(files, plan.files[0].path)
     return plan
+
+
+# Which projector of several a pull takes, as llama.cpp's -hf does: full precision first.
+PROJECTOR_PREFERENCE = ("F16", "BF16", "F32", "Q8_0")
+
+
+def projector_of(files: list[HubFile], model: str) -> HubFile | None:
+    """The projector (`mmproj*.gguf`) beside the model file in its repository, the most precise
+    of them where there are several; None for none."""
+    folder = str(Path(model).parent)
+    found = sorted((f for f in files if Path(f.path).name.lower().startswith("mmproj")
+                    and f.path.lower().endswith(".gguf") and str(Path(f.path).parent) == folder),
+                   key=lambda f: f.path)
+    if not found:
+        return None
+    for tag in PROJECTOR_PREFERENCE:
+        for f in found:
+            if quant_of(f.path) == tag:
+                return f
+    return found[0]
 
 
 @dataclass
@@ -324,6 +346,10 @@ def pull(ref: HubRef, env, *, on_plan: Callable[[PullPlan], None] | None = None,
                 link.unlink(missing_ok=True)
             raise HubError(f"{plan.files[0].path} of '{plan.repo}' is not a GGUF file; it was removed")
     template, extras = None, []
+    if plan.projector is not None:  # (beside the model in the snapshot: `run -a IMAGE` finds it there)
+        _, projector_blob, _ = fetch(plan.repo, plan.projector, cache, on_progress)
+        extras.append(plan.projector.path)
+        blobs.append(str(projector_blob))
     if plan.template is not None:
         try:
             link, template_blob, _ = fetch(plan.repo, HubFile(plan.template, 0, None), cache, None)

@@ -20,10 +20,14 @@ def pull(text: str, env, term: Terminal):
 
     def on_plan(plan) -> None:
         names = ", ".join(f.path for f in plan.files)
+        size = plan.size
+        if plan.projector is not None:
+            names += f" and its projector {plan.projector.path}"
+            size += plan.projector.size
         others = f" (also there: {', '.join(plan.others)})" if plan.others else ""
-        term.stderr.write(f"pulling {plan.repo} {plan.quant}: {names}, {human_size(plan.size)}{others}\n")
+        term.stderr.write(f"pulling {plan.repo} {plan.quant}: {names}, {human_size(size)}{others}\n")
         term.stderr.flush()
-        bar.total = plan.size
+        bar.total = size
 
     try:
         model = pull_model(ref, env, on_plan=on_plan, on_progress=bar)

@@ -9,6 +9,7 @@ locked, and never pickled.
   tokens, read from their metadata.
 - `cache.py`: `PromptCache`, context states of earlier prompts, reused by later ones.
 - `pulled.py`: `PulledRecord`, the models quipu pulled from the Hugging Face Hub.
+- `media.py`: `MediaStore`, the images and recordings sessions hold, each kept once by its hash.
 
 This package imports neither `quipu.sessions` nor `quipu.app`.
 """
