@@ -313,14 +313,14 @@ def mcp_config(tmp_path, **extra) -> str:
 
 
 
-@pytest.mark.parametrize("tool, words", [
-    ("demo_add", None),
-    ("demo_crash", "error: the MCP server 'demo' died"),
+@pytest.mark.parametrize("tool, words, seed", [
+    ("demo_add", None, 2),
+    ("demo_crash", "error: the MCP server 'demo' died", 3),  # (a draw whose call ends within -n: the model is random)
 ])
-def test_an_mcp_server_s_tools_are_called_over_stdio(quipu, tiny_model, tmp_path, home, tool, words):
+def test_an_mcp_server_s_tools_are_called_over_stdio(quipu, tiny_model, tmp_path, home, tool, words, seed):
     r = quipu("run", "-m", tiny_model, "--chat-template", str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"),
               "--mcp", "demo", "--mcp-config", mcp_config(tmp_path), "--tool-choice", tool, "--yes", "--json",
-              "-S", "m", "-n", "400", "-t", "1.0", "--seed", "2", "Use the tool.")
+              "-S", "m", "-n", "400", "-t", "1.0", "--seed", str(seed), "Use the tool.")
     assert r.returncode == 0, r.stderr.decode()
     call = json.loads(r.stdout)["tool_calls"][0]
     told = [m for m in transcript(home, "m")["messages"] if m["role"] == "tool"][0]["content"]
@@ -329,6 +329,15 @@ def test_an_mcp_server_s_tools_are_called_over_stdio(quipu, tiny_model, tmp_path
         assert told == call["result"]
     else:
         assert told.startswith(words) and call["error"]
+
+
+def test_an_image_an_mcp_tool_returns_reaches_a_text_model_as_a_short_note(quipu, tiny_model, tmp_path, home):
+    r = quipu("run", "-m", tiny_model, "--chat-template", str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"),
+              "--mcp", "demo", "--mcp-config", mcp_config(tmp_path), "--tool-choice", "demo_picture", "--yes",
+              "--json", "-S", "m", "-n", "400", "-t", "1.0", "--seed", "2", "Show me.")
+    assert r.returncode == 0, r.stderr.decode()
+    told = [m for m in transcript(home, "m")["messages"] if m["role"] == "tool"][0]["content"]
+    assert told.startswith("[image: PNG, 8x6, ") and told.endswith(" B]") and "iVBOR" not in told
 
 
 def test_an_mcp_server_s_tools_may_be_named_as_the_config_says(quipu, tiny_model, tmp_path, home):

@@ -189,8 +189,7 @@ class McpServer:
             except BaseException:
                 future.cancel()  # (a Ctrl-C while waiting)
                 raise
-            text = "\n".join(getattr(part, "text", "") or json.dumps(part.model_dump(), default=str)
-                             for part in (result.content or []))
+            text = "\n".join(part_text(part) for part in (result.content or []))
             if getattr(result, "is_error", False) or getattr(result, "isError", False):
                 raise ToolFailure(text or "the tool failed")
             return ToolOutput(text, len(text))
@@ -237,3 +236,34 @@ def start_servers(names, config_servers: dict[str, dict[str, Any]], config_file:
             server.close(at_once=not isinstance(exc, QuipuError) or isinstance(exc, Interrupted))
         raise
     return started
+
+
+def part_text(part) -> str:
+    """A part of a tool's result as the model is given it: text as it is; an image, a recording
+    or a binary resource as a short note of what it is (`[image: PNG, 1.2 KB]`), never its
+    base64 bytes; anything else as its JSON."""
+    import base64
+    import binascii
+
+    from quipu.app.attachments import describe_bytes
+
+    kind = getattr(part, "type", None)
+    if kind == "text":
+        return str(getattr(part, "text", "") or "")
+    if kind in ("image", "audio"):
+        try:
+            data = base64.b64decode(str(getattr(part, "data", "") or ""), validate=True)
+        except (binascii.Error, ValueError):
+            return f"[{kind}: not valid base64]"
+        return describe_bytes(kind, data, str(getattr(part, "mimeType", "") or ""))
+    if kind == "resource":
+        resource = getattr(part, "resource", None)
+        text = getattr(resource, "text", None)
+        if isinstance(text, str):
+            return text
+        blob = str(getattr(resource, "blob", "") or "")
+        uri = getattr(resource, "uri", "")
+        return f"[resource: {uri}, {getattr(resource, 'mimeType', None) or 'bytes'}, about {len(blob) * 3 // 4} B]"
+    if kind == "resource_link":
+        return f"[resource: {getattr(part, 'uri', '')}]"
+    return json.dumps(part.model_dump(), default=str)
