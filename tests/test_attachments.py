@@ -19,7 +19,7 @@ from PIL import Image
 
 from quipu.app.attachments import (MAX_ATTACHMENT_BYTES, MAX_IMAGE_PIXELS, attachment_of, message_with,
                                    read_attachment)
-from quipu.errors import UsageError
+from quipu.errors import QuipuError, UsageError
 
 
 def picture(fmt: str, size=(37, 23), mode="RGB", **save) -> bytes:
@@ -214,3 +214,92 @@ def test_chat_attach_gives_the_next_message_its_files_and_lists_what_waits(home,
                            capture_output=True, env=env)
     users = [m["content"] for m in json.loads(shown.stdout)["messages"] if m["role"] == "user"]
     assert users == ['<file name="n.txt">\nthe code is 4417\n</file>\n\nWhat is the code?', "And now?"]
+
+
+# ---- by URL --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def web():
+    """A web server on loopback, serving what a URL attachment may meet."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    png = picture("PNG")
+    routes = {
+        "/notes.txt": (200, "text/plain; charset=utf-8", b"web notes\n"),
+        "/pic.png": (200, "image/png", png),
+        "/download": (200, "application/octet-stream", png),
+        "/lying.png": (200, "text/html", png),
+        "/page": (200, "text/html", b"<html><body>a page</body></html>"),
+    }
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            if self.path in routes:
+                status, kind, body = routes[self.path]
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            elif self.path in ("/moved", "/loop"):
+                self.send_response(302)
+                self.send_header("Location", "/notes.txt" if self.path == "/moved" else "/loop")
+                self.end_headers()
+            elif self.path == "/declared-huge":
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(MAX_ATTACHMENT_BYTES + 1))
+                self.end_headers()
+            elif self.path == "/streamed-huge":  # (no length said: the bound is counted as it comes)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.end_headers()
+                block = b"x" * (1 << 20)
+                try:
+                    for _ in range((MAX_ATTACHMENT_BYTES >> 20) + 2):
+                        self.wfile.write(block)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+            else:
+                self.send_error(404)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_url_is_fetched_and_known_by_its_bytes(web):
+    notes = read_attachment(f"{web}/notes.txt")
+    assert (notes.name, notes.text) == ("notes.txt", "web notes\n")
+    assert read_attachment(f"{web}/moved").text == "web notes\n"  # (a redirect followed)
+    assert read_attachment(f"{web}/pic.png").pixels == (37, 23)
+    assert read_attachment(f"{web}/download").kind.format == "PNG"  # (a server that says only "bytes")
+    assert read_attachment(f"{web}/page").kind.kind == "text"
+
+
+@pytest.mark.parametrize("path, error, said", [
+    ("/lying.png", UsageError, "its server says it is text/html, but its bytes are PNG"),
+    ("/declared-huge", UsageError, f"larger than {MAX_ATTACHMENT_BYTES >> 20} MB"),
+    ("/streamed-huge", UsageError, f"larger than {MAX_ATTACHMENT_BYTES >> 20} MB"),
+    ("/missing.txt", QuipuError, "it answered 404 Not Found"),
+    ("/loop", QuipuError, "it redirects more than five times"),
+])
+def test_a_url_that_cannot_be_attached_is_one_line(web, path, error, said):
+    with pytest.raises(error) as refused:
+        read_attachment(f"{web}{path}")
+    assert said in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_run_attaches_a_url(quipu, tiny_model, web):
+    r = quipu("run", "-m", tiny_model, "-a", f"{web}/notes.txt", "--show-prompt", "What?")
+    assert r.returncode == 0 and '<file name="notes.txt">\nweb notes\n</file>' in r.stdout.decode()
+    r = quipu("run", "-m", tiny_model, "-a", "http://127.0.0.1:9/nothing.txt", "hi")  # (port 9: nothing listens)
+    assert r.returncode == 1 and r.stderr.decode().strip() == (
+        "quipu: error: cannot attach http://127.0.0.1:9/nothing.txt: connection refused")

@@ -77,8 +77,11 @@ class Attachment:
 
 
 def read_attachment(name: str) -> Attachment:
-    """The file the user attached; a one-line usage error when it cannot be read, is larger than
-    `MAX_ATTACHMENT_BYTES`, is not a kind quipu takes, or is not what its name says."""
+    """The file the user attached (a path, or an http(s) URL); a one-line error when it cannot be
+    read, is larger than `MAX_ATTACHMENT_BYTES`, is not a kind quipu takes, or is not what its
+    name (or its server) says."""
+    if name.startswith(("http://", "https://")):
+        return _fetched(name)
     path = Path(name).expanduser()
     try:
         with open(path, "rb") as f:
@@ -90,6 +93,27 @@ def read_attachment(name: str) -> Attachment:
     if len(data) > MAX_ATTACHMENT_BYTES:
         raise UsageError(f"cannot attach {path}: it is larger than {MAX_ATTACHMENT_BYTES >> 20} MB")
     return attachment_of(path.name, data)
+
+
+def _fetched(url: str) -> Attachment:
+    """An attachment given by URL: fetched within the bounds a file has, what its server says it
+    is checked against what its bytes are."""
+    from urllib.parse import unquote, urlsplit
+
+    from quipu.engine.http import download
+
+    parts = urlsplit(url)
+    name = unquote(parts.path.rstrip("/").rsplit("/", 1)[-1]) or parts.hostname or url
+    data, content_type = download(url, MAX_ATTACHMENT_BYTES)
+    found = attachment_of(name, data)
+    said = content_type.split(";")[0].strip().lower()
+    if found.kind is TEXT:
+        fits = not said.startswith(("image/", "audio/", "video/"))
+    else:
+        fits = said in ("", "application/octet-stream", "binary/octet-stream") or said.split("/")[0] == found.kind.kind
+    if not fits:
+        raise UsageError(f"cannot attach {url}: its server says it is {said}, but its bytes are {found.kind.format}")
+    return found
 
 
 def attachment_of(name: str, data: bytes) -> Attachment:

@@ -217,6 +217,41 @@ class ServerClient:
             yield held.rstrip(b"\r").decode("utf-8", "replace")
 
 
+def download(url: str, max_bytes: int, timeout: float = 60.0) -> tuple[bytes, str]:
+    """A file from the web (an attachment given by URL): its bytes and its content type, read
+    within `max_bytes` and `timeout` seconds in all, redirects followed (five at most). Too large
+    is a UsageError; a failure on the way a ServerError; each one line."""
+    import httpx
+
+    from quipu import __version__
+    from quipu.errors import UsageError
+
+    too_large = UsageError(f"cannot attach {url}: it is larger than {max_bytes >> 20} MB")
+    deadline = time.monotonic() + timeout
+    try:
+        with httpx.Client(follow_redirects=True, max_redirects=5, timeout=httpx.Timeout(timeout, connect=10.0),
+                          headers={"User-Agent": f"quipu/{__version__}"}) as client:
+            with client.stream("GET", url) as response:
+                if response.status_code >= 400:
+                    raise ServerError(f"cannot attach {url}: it answered {response.status_code} "
+                                      f"{response.reason_phrase}".rstrip(), status=response.status_code)
+                declared = response.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > max_bytes:
+                    raise too_large
+                data = bytearray()
+                for chunk in response.iter_bytes():
+                    data += chunk
+                    if len(data) > max_bytes:
+                        raise too_large
+                    if time.monotonic() > deadline:
+                        raise ServerError(f"cannot attach {url}: it took more than {timeout:g} s to come")
+                return bytes(data), response.headers.get("content-type", "")
+    except httpx.TooManyRedirects:
+        raise ServerError(f"cannot attach {url}: it redirects more than five times") from None
+    except httpx.HTTPError as exc:
+        raise ServerError(f"cannot attach {url}: {_reason(exc)}") from None
+
+
 def count_of(value: Any) -> int:
     """A count a server reported; what is not one counts as nothing (the figures are the server's)."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
