@@ -208,7 +208,7 @@ def test_chat_attach_gives_the_next_message_its_files_and_lists_what_waits(home,
                     said[3], said[4],
                     "nothing is attached; /attach FILE gives your next message a file"], err
     assert said[3].startswith("quipu: error: cannot attach p.png [image: PNG, 37x23, ")
-    assert said[3].endswith("in a session: a session keeps text files alone for now; attach it to a run without -S")
+    assert said[3].endswith("this model cannot see images (no projector beside tiny.gguf; --mmproj FILE gives one)")
     assert said[4].startswith("quipu: error: cannot attach ") and "nope.txt: No such file" in said[4]
     shown = subprocess.run([sys.executable, "-m", "quipu", "sessions", "export", "c", "--format", "json"],
                            capture_output=True, env=env)
@@ -303,3 +303,30 @@ def test_run_attaches_a_url(quipu, tiny_model, web):
     r = quipu("run", "-m", tiny_model, "-a", "http://127.0.0.1:9/nothing.txt", "hi")  # (port 9: nothing listens)
     assert r.returncode == 1 and r.stderr.decode().strip() == (
         "quipu: error: cannot attach http://127.0.0.1:9/nothing.txt: connection refused")
+
+
+TEMPLATES = __import__("pathlib").Path(__file__).parent / "templates"
+
+
+@pytest.mark.parametrize("template, document", [
+    ("ibm-granite-granite-3.3-2B-Instruct.jinja", 'document {"document_id": "n.txt"}<|end_of_role|>'),
+    ("CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja", '"title": "n.txt", "text": "the code is 4417\\n"'),
+])
+def test_a_template_with_a_slot_for_documents_gets_the_files_there(quipu, tiny_model, tmp_path, template, document):
+    (tmp_path / "n.txt").write_text("the code is 4417\n")
+    (tmp_path / "m.txt").write_text("the door is red\n")
+    r = quipu("run", "-m", tiny_model, "--chat-template", TEMPLATES / template, "-a", tmp_path / "n.txt",
+              "--show-prompt", "What is the code?")
+    shown = r.stdout.decode()
+    assert r.returncode == 0 and document in shown, shown
+    assert "<file" not in shown and shown.count("4417") == 1
+    assert shown.index(document) <= shown.index("4417")  # (in the template's own place: Command R's after the question)
+    # A session keeps its documents: a second file joins the first.
+    for name, question in (("n.txt", "Code?"), ("m.txt", "Door?")):
+        r = quipu("run", "-m", tiny_model, "--chat-template", TEMPLATES / template, "-S", "docs", "-n", "2",
+                  "--ctx", "8192", "-a", tmp_path / name, question)  # (the tiny vocabulary spells these templates long)
+        assert r.returncode == 0, r.stderr.decode()
+    r = quipu("run", "-m", tiny_model, "-S", "docs", "--show-prompt", "And?")
+    shown = r.stdout.decode()
+    assert r.returncode == 0 and shown.count("4417") == 1 and shown.count("the door is red") == 1, shown
+    assert "<file" not in shown

@@ -11,6 +11,7 @@ host's to say (`media_refusal`)."""
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,6 +244,12 @@ def message_with(text: str | None, attachments: Sequence[Attachment]) -> str:
     reads the files, then what the user asks of them)."""
     blocks = [f'<file name="{a.name}">\n{a.text.rstrip()}\n</file>' for a in attachments if a.kind is TEXT]
     return "\n\n".join(blocks + ([text] if text else []))
+
+
+def takes_documents(template) -> bool:
+    """Whether a chat template (`sessions.template.ChatTemplate`, or None) has a slot for
+    documents: it reads the `documents` transformers passes (Command R's, Granite's)."""
+    return template is not None and re.search(r"\bdocuments\b", template.source) is not None
 
 
 def split_media(attachments: Sequence[Attachment]) -> tuple[list[Attachment], list[Attachment]]:

@@ -202,10 +202,10 @@ class ChatSession:
         conv = self._named.conversation
         skip_pending(conv)  # (calls left waiting are answered "not run")
         if self.attached:
-            from quipu.app.attachments import message_with, split_media
-            from quipu.app.turns import with_marks
+            from quipu.app.attachments import split_media
+            from quipu.app.turns import compose
 
-            text = with_marks(message_with(text, split_media(self.attached)[0]), self._marks) or ""
+            text = compose(conv, text, split_media(self.attached)[0], self._marks) or ""
         self._named.warm(text)
         outcome = self._turn(lambda **kw: conv.send(text, **kw), sink, message=text)
         if not (outcome.context_full and not outcome.generation.tokens):  # (not sent: they wait for it again)

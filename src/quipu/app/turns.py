@@ -107,16 +107,16 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     the result is out."""
     with closing(open_host(opts.server)) as host:
         check_options(opts.asked, opts.mode, host.capabilities)
-        prompt, media = attached(prompt, opts, host.capabilities)
+        files, media = attached(prompt, opts, host.capabilities)
         tools = open_tools(opts.tool_options, env, constrained=opts.constrained, stopped=sink.stopped,
                            on_output=hooks.on_output if hooks is not None else None)
         try:
             if opts.session is not None:
-                result = run_session_turn(prompt, opts, env, host, sink, tools, hooks, media)
+                result = run_session_turn(prompt, opts, env, host, sink, tools, hooks, files, media)
                 if on_result is not None:
                     on_result(result)
             else:
-                result = _one_shot(prompt, opts, env, host, sink, on_result, tools, hooks, media)
+                result = _one_shot(prompt, opts, env, host, sink, on_result, tools, hooks, files, media)
         finally:
             if tools is not None:
                 tools.close()
@@ -127,13 +127,13 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     return result
 
 
-def attached(prompt: str | None, opts: TurnOptions, host: Capabilities) -> tuple[str | None, list]:
-    """The prompt with the text files `--attach` gives, and the images and recordings it gives
-    (`attachments.Attachment`), for the host to make ready: all read, and refused in one line,
-    before the model is loaded."""
+def attached(prompt: str | None, opts: TurnOptions, host: Capabilities) -> tuple[list, list]:
+    """The text files and the images and recordings `--attach` gives (`attachments.Attachment`),
+    all read, and refused in one line, before the model is loaded; `compose` puts them in the
+    message."""
     if not opts.attach:
-        return prompt, []
-    from quipu.app.attachments import message_with, read_attachment, split_media
+        return [], []
+    from quipu.app.attachments import read_attachment, split_media
 
     files, media = split_media([read_attachment(name) for name in opts.attach])
     if media:
@@ -142,12 +142,27 @@ def attached(prompt: str | None, opts: TurnOptions, host: Capabilities) -> tuple
             if opts.raw:
                 raise UsageError(f"cannot attach {medium.name} {medium.describe()} with --raw: a medium goes in a "
                                  "chat message")
-    return (message_with(prompt, files) if files else prompt), media
+    return files, media
 
 
 def with_marks(prompt: str | None, marks: str) -> str | None:
     """A message with its media (their markers) before its text."""
     return marks + ("\n" + prompt if prompt else "") if marks else prompt
+
+
+def compose(conv: Conversation | None, prompt: str | None, files: Sequence[Attachment], marks: str) -> str | None:
+    """A message with what is attached to it: its media (their markers) first, then its text
+    files, delimited, then its text. Where the chat template has a slot for documents (Command
+    R's, Granite's), the files go there instead, as the conversation's `documents`, and stay."""
+    from quipu.app.attachments import message_with, takes_documents
+
+    if files and conv is not None and conv.template is not None and takes_documents(conv.template):
+        named = "doc_id" in conv.template.source  # (Granite's names a document so; others print every key)
+        conv.variables["documents"] = [*(conv.variables.get("documents") or []),
+                                       *({**({"doc_id": f.name} if named else {}), "title": f.name, "text": f.text}
+                                         for f in files)]
+        files = []
+    return with_marks(message_with(prompt, files) if files else prompt, marks)
 
 
 def constrained_by(grammar, host: Capabilities = LOCAL) -> str | None:
@@ -163,24 +178,25 @@ def constrained_by(grammar, host: Capabilities = LOCAL) -> str | None:
 
 def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost, sink: ReplySink,
               on_result: Callable[[TurnResult], None] | None, tools: OpenTools | None = None,
-              hooks: ToolHooks | None = None, media: Sequence[Attachment] = ()) -> TurnResult:
-    if not prompt and not opts.messages and not media:
+              hooks: ToolHooks | None = None, files: Sequence[Attachment] = (),
+              media: Sequence[Attachment] = ()) -> TurnResult:
+    if not prompt and not opts.messages and not media and not files:
         raise BadInput("no prompt: give one as an argument or on standard input")
     limit, stop = max_tokens(opts, env), stop_strings(opts, env)
     source = chat_template_source(opts)
     opened = host.create(opts, env, media=media)
     session, keeper = opened.session, opened.keeper
-    prompt = with_marks(prompt, opened.media_marks)
     try:
+        conv = None if opts.raw else _conversation(session, opts, env, source)
+        prompt = compose(conv, prompt, files, opened.media_marks)
         if prompt:
             session.check_text_fits(prompt)
         notices = []
-        if opts.raw:
+        if conv is None:
             tokens = session.raw_tokens(prompt or "")
             cached = keeper.warm(session, lambda: tokens)
             gen = session.complete(tokens, limit, stop, sink)
         else:
-            conv = _conversation(session, opts, env, source)
             offer(conv, tools, opts.tool_options)
             if prompt:
                 cached = keeper.warm(session, lambda: conv.tokens_with(prompt))
@@ -198,7 +214,7 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
             notices = ([NO_TEMPLATE_NOTICE] if conv.without_template else []) + \
                 ([FOLD_NOTICE] if conv.folds_system else []) + tool_notes
         result = TurnResult.of(gen, keeper.model_name, session, None, notices)
-        if not opts.raw:
+        if conv is not None:
             result.tool_calls = calls
         if on_result is not None:
             on_result(result)  # the answer is out before the cache is written
@@ -226,19 +242,20 @@ def _conversation(session, opts: TurnOptions, env: Environment, source) -> Conve
 
 def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost,
                      sink: ReplySink = SILENT, tools: OpenTools | None = None, hooks: ToolHooks | None = None,
-                     media: Sequence[Attachment] = ()) -> TurnResult:
+                     files: Sequence[Attachment] = (), media: Sequence[Attachment] = ()) -> TurnResult:
     """`quipu run --session NAME` (see run_turn): continue or create the session, run one turn,
-    save it (a reply cut short by a failing server is saved with what came); `media`, the
-    images and recordings its message carries."""
-    name = check_session_turn(prompt, opts, bool(media))
+    save it (a reply cut short by a failing server is saved with what came); `files` and
+    `media`, what its message carries."""
+    name = check_session_turn(prompt, opts, bool(media or files))
     max_tokens(opts, env)  # a bad value is said before anything is loaded
     store = store_for(env)
     store.clean_temporaries()
     with store.lock(name):
         named = NamedSession.open(store, name, opts, env, host, sink.reading)
         try:
-            if media:
-                prompt = with_marks(prompt, named.keeper.take_media(named.session, store, media, opts.mmproj))
+            marks = named.keeper.take_media(named.session, store, media, opts.mmproj) if media else ""
+            if files or media:
+                prompt = compose(named.conversation, prompt, files, marks)
             conv = named.conversation
             limit, stop = named.reply_limits(opts, env)
             offer(conv, tools, opts.tool_options)
@@ -295,21 +312,21 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
     generating or saving anything."""
     with closing(open_host(opts.server)) as host:
         check_options(opts.asked, opts.mode, host.capabilities, show=True)
-        prompt, media = attached(prompt, opts, host.capabilities)
+        files, media = attached(prompt, opts, host.capabilities)
         if opts.session is not None:
-            return _show_session_prompt(prompt, opts, env, host, media)
-        if not prompt and not opts.messages and not media:
+            return _show_session_prompt(prompt, opts, env, host, files, media)
+        if not prompt and not opts.messages and not media and not files:
             raise BadInput("no prompt: give one as an argument or on standard input")
         opened = host.create(opts, env, media=media)
         session = opened.session
-        prompt = with_marks(prompt, opened.media_marks)
         # (the tools are part of the context their definitions are written into)
         tools = open_tools(opts.tool_options, env, constrained=opts.constrained)
         try:
             if opts.raw:
-                tokens = session.raw_tokens(prompt or "")
+                tokens = session.raw_tokens(compose(None, prompt, files, opened.media_marks) or "")
             else:
                 conv = _conversation(session, opts, env, chat_template_source(opts))
+                prompt = compose(conv, prompt, files, opened.media_marks)
                 offer(conv, tools, opts.tool_options)
                 if prompt:
                     tokens = conv.tokens_with(prompt)
@@ -329,14 +346,15 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
 
 
 def _show_session_prompt(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost,
-                         media: Sequence[Attachment] = ()) -> PromptView:
-    name = check_session_turn(prompt, opts, bool(media))
+                         files: Sequence[Attachment] = (), media: Sequence[Attachment] = ()) -> PromptView:
+    name = check_session_turn(prompt, opts, bool(media or files))
     store = store_for(env)
     with store.lock(name):
         named = NamedSession.open(store, name, opts, env, host)
         try:
-            if media:
-                prompt = with_marks(prompt, named.keeper.take_media(named.session, store, media, opts.mmproj))
+            marks = named.keeper.take_media(named.session, store, media, opts.mmproj) if media else ""
+            if files or media:
+                prompt = compose(named.conversation, prompt, files, marks)
             conv = named.conversation
             if opts.continue_reply:
                 if not conv.messages or conv.messages[-1].role != "assistant":
