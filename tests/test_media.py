@@ -230,3 +230,25 @@ def test_undo_over_an_image_is_exact_and_the_image_goes_with_the_last_session(qu
     assert blue.exists()  # (the fork still names it)
     assert quipu("sessions", "rm", "copy").returncode == 0
     assert not blue.exists() and not any(media.iterdir())
+
+
+def test_an_image_an_mcp_tool_returns_goes_to_a_model_that_sees_as_an_image(quipu, vision, home):
+    import sys
+    from pathlib import Path
+
+    server = {"command": sys.executable, "args": [str(Path(__file__).parent / "mcp_server.py")]}
+    config = home / "mcp.json"
+    config.write_text(json.dumps({"mcpServers": {"demo": server}}))
+    template = Path(__file__).parent / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+    r = quipu("run", "-m", vision / "tiny.gguf", "--chat-template", template, "--mcp", "demo", "--mcp-config", config,
+              "--tool-choice", "demo_picture", "--yes", "--json", "-S", "tools", "-n", "200", "--ctx", "4096",
+              "-t", "1.0", "--seed", "2", "Show me.")
+    assert r.returncode == 0, r.stderr.decode()
+    call = json.loads(r.stdout)["tool_calls"][0]
+    assert call["result"].startswith("[image: PNG, 8x6, ")  # (--json reports the note)
+    record = json.loads((session_files(home) / "tools.json").read_text())
+    assert [m["name"] for m in record["media"]] == ["demo_picture result"]
+    assert any(t >= 1 << 30 for t in record["tokens"])  # the image's positions are in the context
+    told = [m for m in json.loads(quipu("sessions", "export", "tools", "--format", "json").stdout)["messages"]
+            if m["role"] == "tool"][0]
+    assert told["content"] == "[image: demo_picture result]" and told["media"][0]["format"] == "PNG"

@@ -170,7 +170,8 @@ class ChatSession:
             limit, stop = named.reply_limits(self.opts, self.env)
             gen = action(max_tokens=limit, stop=stop, sink=sink)
             gen, calls, notes = follow_calls(named.conversation, self.tools, gen, self.opts.tool_options, limit, stop, sink,
-                                             self.hooks)
+                                             self.hooks, lambda found: named.keeper.take_media(
+                                                 named.session, self.store, found, self.opts.mmproj))
             named.notices += notes
         except ContextOverflow as exc:
             if message is not None:

@@ -61,10 +61,11 @@ class Keeper(Protocol[S]):
     def model_for_new(self, opts: TurnOptions) -> str | None:
         """The model a new session started from this one takes (`/new`)."""
 
-    def take_media(self, session: S, store: "SessionStore", media: "Sequence[Attachment]",
+    def take_media(self, session: S, store: "SessionStore | None", media: "Sequence[Attachment]",
                    mmproj: str | None) -> str:
-        """Makes a message's images and recordings ready in the session (their bytes kept for
-        it): their markers, for the message's text; refused in one line where they cannot be."""
+        """Makes a message's images and recordings ready in the session (their bytes kept in
+        `store`, a named session's): their markers, for the message's text; refused in one line
+        where they cannot be."""
 
 
 @dataclass

@@ -273,12 +273,12 @@ class LocalKeeper:
             "build": session.backend.build,
         }
 
-    def take_media(self, session: InferenceSession, store: SessionStore, media: Sequence[Attachment],
+    def take_media(self, session: InferenceSession, store: SessionStore | None, media: Sequence[Attachment],
                    mmproj: str | None) -> str:
         marks = with_projector(session.backend, self.model_path, mmproj, media)
-        kept = media_store(store)
         for medium in media:
-            kept.put(medium.data)  # (before the transcript that names it)
+            if store is not None:  # (a session's: kept before the transcript that names it)
+                media_store(store).put(medium.data)
             self.media.setdefault(medium.digest, medium.entry())
         self.cache = None  # (a context with media is not cached: its placeholders are this session's)
         return marks

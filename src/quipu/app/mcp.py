@@ -189,10 +189,11 @@ class McpServer:
             except BaseException:
                 future.cancel()  # (a Ctrl-C while waiting)
                 raise
-            text = "\n".join(part_text(part) for part in (result.content or []))
+            parts = [part_text(part) for part in (result.content or [])]
+            text = "\n".join(note for note, _ in parts)
             if getattr(result, "is_error", False) or getattr(result, "isError", False):
                 raise ToolFailure(text or "the tool failed")
-            return ToolOutput(text, len(text))
+            return ToolOutput(text, len(text), media=tuple((note, data) for note, data in parts if data is not None))
 
         return call
 
@@ -238,10 +239,10 @@ def start_servers(names, config_servers: dict[str, dict[str, Any]], config_file:
     return started
 
 
-def part_text(part) -> str:
-    """A part of a tool's result as the model is given it: text as it is; an image, a recording
-    or a binary resource as a short note of what it is (`[image: PNG, 1.2 KB]`), never its
-    base64 bytes; anything else as its JSON."""
+def part_text(part) -> tuple[str, bytes | None]:
+    """A part of a tool's result as the model is given it, and its bytes where it is an image or
+    a recording: text as it is; an image, a recording or a binary resource as a short note of
+    what it is (`[image: PNG, 1.2 KB]`), never its base64 bytes; anything else as its JSON."""
     import base64
     import binascii
 
@@ -249,21 +250,21 @@ def part_text(part) -> str:
 
     kind = getattr(part, "type", None)
     if kind == "text":
-        return str(getattr(part, "text", "") or "")
+        return str(getattr(part, "text", "") or ""), None
     if kind in ("image", "audio"):
         try:
             data = base64.b64decode(str(getattr(part, "data", "") or ""), validate=True)
         except (binascii.Error, ValueError):
-            return f"[{kind}: not valid base64]"
-        return describe_bytes(kind, data, str(getattr(part, "mimeType", "") or ""))
+            return f"[{kind}: not valid base64]", None
+        return describe_bytes(kind, data, str(getattr(part, "mimeType", "") or "")), data
     if kind == "resource":
         resource = getattr(part, "resource", None)
         text = getattr(resource, "text", None)
         if isinstance(text, str):
-            return text
+            return text, None
         blob = str(getattr(resource, "blob", "") or "")
         uri = getattr(resource, "uri", "")
-        return f"[resource: {uri}, {getattr(resource, 'mimeType', None) or 'bytes'}, about {len(blob) * 3 // 4} B]"
+        return f"[resource: {uri}, {getattr(resource, 'mimeType', None) or 'bytes'}, about {len(blob) * 3 // 4} B]", None
     if kind == "resource_link":
-        return f"[resource: {getattr(part, 'uri', '')}]"
-    return json.dumps(part.model_dump(), default=str)
+        return f"[resource: {getattr(part, 'uri', '')}]", None
+    return json.dumps(part.model_dump(), default=str), None

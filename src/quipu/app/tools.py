@@ -11,11 +11,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
+from quipu.app.attachments import Attachment
 from quipu.app.user_files import read_text_file
 from quipu.app.tool_files import check_tool_schemas, tools_from_json, tools_in_messages
 from quipu.app.turn_options import ToolOptions
 from quipu.app.tooldefs import DEFAULT_TIMEOUT, Tool, ToolFailure, check_tool_name, never
-from quipu.errors import Interrupted, UsageError
+from quipu.errors import Interrupted, QuipuError, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink
 from quipu.sessions.conversation import Conversation
 from quipu.sessions.toolspec import ToolCall, ToolSpec
@@ -38,6 +39,7 @@ class CallRecord:
     time_s: float = 0.0
     size: int | None = None  # characters of the whole result
     stdout: str = ""
+    media: tuple[tuple[str, bytes], ...] = ()  # the result's images and recordings (`ToolOutput.media`)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "name": self.name, "arguments": self.arguments}
@@ -103,6 +105,7 @@ def run_call(tool: Tool, call: ToolCall, output_max: int = DEFAULT_OUTPUT_MAX,
     try:
         out = tool.run(call.arguments, tool.timeout, stopped)
         record.result, record.size, record.stdout = cut(out.text, output_max, out.size), out.size, out.stdout
+        record.media = out.media
     except ToolFailure as exc:
         record.error, record.stdout = cut(str(exc), output_max), exc.stdout
     finally:
@@ -121,10 +124,12 @@ def cut(text: str, limit: int, size: int | None = None) -> str:
 def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: Approve, max_tokens: int,
               stop: Sequence[str] = (), sink: ReplySink = SILENT, chain_limit: int = DEFAULT_CHAIN_LIMIT,
               output_max: int = DEFAULT_OUTPUT_MAX, on_call: Callable[[CallRecord], None] | None = None,
-              on_start: Callable[[ToolCall], None] | None = None) -> LoopResult:
+              on_start: Callable[[ToolCall], None] | None = None, take_media: TakeMedia | None = None) -> LoopResult:
     """From a reply that made calls: run each (once approved), give the results back, and let
     the model go on, until it answers in text, a call is the caller's to run, or the chain's
-    limit. Returns the last reply and every call made."""
+    limit. Returns the last reply and every call made. `take_media` makes a result's images
+    ready for a model that can see them (their markers); without it, or where it refuses, the
+    model reads the result's note of each."""
     result = LoopResult(gen)
     seen: dict[str, int] = {}
     rounds = 0
@@ -173,6 +178,8 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
             if on_call is not None:
                 on_call(record)
             text = record.result if record.error is None else f"error: {record.error}"
+            if record.media and take_media is not None and text:
+                text = with_media(text, record, take_media)
             answers.append((call, text or ""))
         result.calls += records
         conv.add_tool_results(answers)
@@ -185,6 +192,26 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
             conv.tool_choice = choice
         rounds += 1
     return result
+
+
+# What makes a tool result's media ready in the context: their markers (a UsageError where the
+# model cannot take them).
+TakeMedia = Callable[[list[Attachment]], str]
+
+
+def with_media(text: str, record: CallRecord, take_media: TakeMedia) -> str:
+    """A result's text with its media in it, each where its note was, for a model that takes
+    them; the notes stay where it does not (or the media are not what they claimed)."""
+    from quipu.app.attachments import attachment_of
+
+    try:
+        media = [attachment_of(f"{record.name} result", data) for _, data in record.media]
+        marks = [take_media([m]) for m in media]
+    except QuipuError:  # (a model without a projector, or one that does not load: it reads the notes)
+        return text
+    for (note, _), mark in zip(record.media, marks, strict=True):
+        text = text.replace(note, mark, 1)
+    return text
 
 
 def parse_tool_results(given: Sequence[str]) -> list[tuple[str, str]]:
@@ -346,8 +373,8 @@ def answer_pending(conv: Conversation, opts: ToolOptions, limit: int, stop: Sequ
 
 
 def follow_calls(conv: Conversation, tools: OpenTools | None, gen: Generation, opts: ToolOptions, limit: int,
-                 stop: Sequence[str],
-                 sink: ReplySink, hooks: ToolHooks | None) -> tuple[Generation, list[CallRecord], list[str]]:
+                 stop: Sequence[str], sink: ReplySink, hooks: ToolHooks | None,
+                 take_media: TakeMedia | None = None) -> tuple[Generation, list[CallRecord], list[str]]:
     """Runs the loop from a reply that made calls; (the last reply, the calls, notices)."""
     notices = list(tools.notices) if tools is not None else []
     if not gen.tool_calls:
@@ -371,7 +398,7 @@ def follow_calls(conv: Conversation, tools: OpenTools | None, gen: Generation, o
     loop = tool_loop(conv, box, gen, approve=approve, max_tokens=limit, stop=stop, sink=sink,
                      chain_limit=opts.chain_limit or DEFAULT_CHAIN_LIMIT,
                      output_max=opts.tool_output_max or DEFAULT_OUTPUT_MAX, on_call=hooks.on_call,
-                     on_start=hooks.on_start)
+                     on_start=hooks.on_start, take_media=take_media)
     if refused:
         notices.append(f"refused {', '.join(sorted(set(refused)))}: no terminal to ask and no --yes; the model "
                        "was told")

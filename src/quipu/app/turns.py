@@ -210,7 +210,8 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
                     gen = conv.continue_reply(max_tokens=limit, stop=stop, sink=sink)
                 else:
                     gen = conv.answer(max_tokens=limit, stop=stop, sink=sink)
-            gen, calls, tool_notes = follow_calls(conv, tools, gen, opts.tool_options, limit, stop, sink, hooks)
+            gen, calls, tool_notes = follow_calls(conv, tools, gen, opts.tool_options, limit, stop, sink, hooks,
+                                                  lambda found: keeper.take_media(session, None, found, opts.mmproj))
             notices = ([NO_TEMPLATE_NOTICE] if conv.without_template else []) + \
                 ([FOLD_NOTICE] if conv.folds_system else []) + tool_notes
         result = TurnResult.of(gen, keeper.model_name, session, None, notices)
@@ -275,7 +276,9 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
                     skip_pending(conv)  # (calls left waiting are answered "not run")
                     named.warm(prompt)
                     gen = conv.send(prompt, max_tokens=limit, stop=stop, sink=sink)
-                gen, calls, tool_notes = follow_calls(conv, tools, gen, opts.tool_options, limit, stop, sink, hooks)
+                gen, calls, tool_notes = follow_calls(
+                    conv, tools, gen, opts.tool_options, limit, stop, sink, hooks,
+                    lambda found: named.keeper.take_media(named.session, store, found, opts.mmproj))
                 named.notices += tool_notes
             except ContextOverflow as exc:
                 if named.session.used < exc.n_ctx // 2:
