@@ -252,3 +252,41 @@ def test_an_image_an_mcp_tool_returns_goes_to_a_model_that_sees_as_an_image(quip
     told = [m for m in json.loads(quipu("sessions", "export", "tools", "--format", "json").stdout)["messages"]
             if m["role"] == "tool"][0]
     assert told["content"] == "[image: demo_picture result]" and told["media"][0]["format"] == "PNG"
+
+
+@pytest.fixture(scope="module")
+def vision_llama_server(vision, tmp_path_factory):
+    """llama.cpp's own llama-server on the tiny model with the tiny projector (--mmproj)."""
+    import os
+
+    from servers import free_port, serve, stop
+
+    from bench.llamacpp import program
+
+    exe = program("llama-server")
+    if exe is None:
+        reason = "llama-server is not built here (python -m bench.llamacpp llama-server builds it)"
+        if os.environ.get("QUIPU_REQUIRE_SERVERS") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    port = free_port()
+    base = tmp_path_factory.mktemp("vision-llama-server")
+    proc = serve([str(exe), "-m", str(vision / "tiny.gguf"), "--mmproj", str(vision / "mmproj-tiny.gguf"), "--host",
+                  "127.0.0.1", "--port", str(port), "-c", "1024", "-t", "2", "--no-webui"], "/health", port,
+                 base / "log.txt")
+    yield f"http://127.0.0.1:{port}"
+    stop(proc)
+
+
+def test_llama_server_is_given_an_image_through_its_chat_api(quipu, vision, vision_llama_server):
+    def on_server(*args):
+        r = quipu("run", "--url", vision_llama_server, "-t", "0", "-n", "12", "--json", *args)
+        assert r.returncode == 0, r.stderr.decode()
+        return json.loads(r.stdout)["text"], r.stderr.decode()
+
+    red, blue = (on_server("-a", vision / f"{name}.png", "What is it?")[0] for name in ("red", "blue"))
+    assert red != blue and red == on_server("-a", vision / "red-copy.png", "What is it?")[0]
+    said = on_server("-a", vision / "red.png", "--verbose", "What?")[1]
+    assert "given this turn's media through its chat API" in said
+    r = quipu("run", "--url", vision_llama_server, "-a", vision / "red.png", "-S", "s", "hi")
+    assert r.returncode == 2 and "in a session on a server" in r.stderr.decode()

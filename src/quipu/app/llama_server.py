@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from typing import Sequence
 
     from quipu.app.attachments import Attachment
+    from quipu.app.chat_api import ChatApiHost
+    from quipu.engine.http import ServerSettings
     from quipu.engine.llama_server import LlamaServerModel
 
 
@@ -46,7 +48,7 @@ def open_llama_server(settings) -> "LlamaServerHost | None":
     if props is None:
         client.close()
         return None
-    return LlamaServerHost(LlamaServerModel(client, props), settings.url)
+    return LlamaServerHost(LlamaServerModel(client, props), settings.url, settings)
 
 
 class LlamaServerHost:
@@ -54,8 +56,10 @@ class LlamaServerHost:
 
     capabilities = LLAMA_SERVER
 
-    def __init__(self, served, url: str):
+    def __init__(self, served, url: str, settings: "ServerSettings | None" = None):
         self.served, self.url = served, url
+        self.settings = settings
+        self._chat: "ChatApiHost | None" = None  # (its chat API, for a turn with media)
 
     def _params(self, opts: TurnOptions, env: Environment, base=None):
         return with_logit_biases(sampling_params(opts, env, base, self.capabilities), self.served, opts)
@@ -69,6 +73,18 @@ class LlamaServerHost:
 
     def create(self, opts: TurnOptions, env: Environment, name: str | None = None,
                media: Sequence[Attachment] = ()) -> Opened:
+        if media and name is None and self.settings is not None:
+            # A one-shot with images goes through the server's chat API, which reads media: its
+            # prompt by tokens takes none.
+            from quipu.app.chat_api import ChatApiHost
+
+            if self._chat is None:
+                self._chat = ChatApiHost(self.settings)
+            opened = self._chat.create(opts, env, name, media)
+            if opts.verbose:
+                opened.notices.append("llama-server is given this turn's media through its chat API, which renders "
+                                      "the prompt with the server's template")
+            return opened
         # (a one-shot keeps no slot file)
         session, keeper = self._open(self._params(opts, env), SlotFile(None, name) if name is not None else None)
         return Opened(session, keeper)
@@ -89,6 +105,8 @@ class LlamaServerHost:
         return Opened(session, keeper, notices)
 
     def close(self) -> None:
+        if self._chat is not None:
+            self._chat.close()
         self.served.close()
 
 

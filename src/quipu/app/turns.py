@@ -212,7 +212,7 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
                     gen = conv.answer(max_tokens=limit, stop=stop, sink=sink)
             gen, calls, tool_notes = follow_calls(conv, tools, gen, opts.tool_options, limit, stop, sink, hooks,
                                                   lambda found: keeper.take_media(session, None, found, opts.mmproj))
-            notices = ([NO_TEMPLATE_NOTICE] if conv.without_template else []) + \
+            notices = opened.notices + ([NO_TEMPLATE_NOTICE] if conv.without_template else []) + \
                 ([FOLD_NOTICE] if conv.folds_system else []) + tool_notes
         result = TurnResult.of(gen, keeper.model_name, session, None, notices)
         if conv is not None:

@@ -229,7 +229,7 @@ class Capabilities:
 _ALL = frozenset(FEATURES)
 LOCAL = Capabilities("local", _ALL - {"slot_files"}, "a local model", exact_tokens=True, context_size=True)
 LLAMA_SERVER = Capabilities("llama-server", _ALL - {"context_settings", "prompt_cache", "state_files",
-                                                    "reasoning_budget", "media"},
+                                                    "reasoning_budget"},
                             "a server", exact_tokens=True, context_size=True, own_grammar=True)
 CHAT_API = Capabilities("chat-api", frozenset({"tools", "media"}), "this server (only llama.cpp's llama-server takes it)",
                         exact_tokens=False, context_size=False)
