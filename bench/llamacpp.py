@@ -20,7 +20,7 @@ import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
-TARGETS = ("llama-completion", "llama-batched-bench", "llama-bench", "llama-server")
+TARGETS = ("llama-completion", "llama-batched-bench", "llama-bench", "llama-server", "llama-mtmd-cli")
 
 
 def build_root() -> Path:

@@ -34,8 +34,9 @@ class LlamaLog:
 
     def install_media(self) -> None:
         """The multimodal library (mtmd) and its helpers log here too."""
-        from llama_cpp import mtmd_cpp
+        from quipu.engine.native import load_mtmd
 
+        mtmd_cpp = load_mtmd()
         self.install()
         mtmd_cpp.mtmd_log_set(self._callback, ctypes.c_void_p(0))
         mtmd_cpp.mtmd_helper_log_set(self._callback, ctypes.c_void_p(0))

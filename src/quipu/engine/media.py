@@ -24,9 +24,9 @@ from quipu.errors import EngineError, ModelLoadError, UsageError
 
 
 def _mtmd():
-    from llama_cpp import mtmd_cpp
+    from quipu.engine.native import load_mtmd
 
-    return mtmd_cpp
+    return load_mtmd()
 
 
 @dataclass

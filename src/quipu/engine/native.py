@@ -41,6 +41,13 @@ def load() -> ModuleType:
     return importlib.import_module("llama_cpp.llama_cpp")
 
 
+def load_mtmd() -> ModuleType:
+    """llama.cpp's multimodal library's binding (`llama_cpp.mtmd_cpp`), loaded as the ctypes layer
+    is: without the high-level API (`from llama_cpp import mtmd_cpp` would run it)."""
+    load()
+    return importlib.import_module("llama_cpp.mtmd_cpp")
+
+
 def binding_version() -> str:
     """llama-cpp-python's version, read without running its package (which `__version__` would)."""
     package = sys.modules.get("llama_cpp")
