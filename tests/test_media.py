@@ -45,6 +45,15 @@ def test_the_model_sees_an_attached_image_through_the_projector_beside_it(quipu,
     assert again["usage"]["cached_tokens"] == 0
 
 
+@pytest.mark.parametrize("fmt", ["GIF", "BMP", "JPEG"])
+def test_every_format_llama_cpp_reads_is_seen(quipu, vision, tmp_path, fmt):
+    Image.open(vision / "red.png").save(tmp_path / f"red.{fmt.lower()}", fmt)
+    Image.open(vision / "blue.png").save(tmp_path / f"blue.{fmt.lower()}", fmt)
+    red = answer(quipu, vision, "-a", tmp_path / f"red.{fmt.lower()}", "What is it?")
+    blue = answer(quipu, vision, "-a", tmp_path / f"blue.{fmt.lower()}", "What is it?")
+    assert red["text"] != blue["text"]
+
+
 def test_two_images_and_a_text_file_go_in_one_message(quipu, vision, tmp_path):
     (tmp_path / "n.txt").write_text("colors\n")
     both = answer(quipu, vision, "-a", vision / "red.png", "-a", vision / "blue.png", "-a", tmp_path / "n.txt", "Which?")
@@ -66,6 +75,10 @@ def test_what_a_model_cannot_take_is_refused_in_one_line(quipu, vision, tmp_path
         w.setsampwidth(2)
         w.setframerate(16000)
         w.writeframes(b"\x00\x01" * 1600)
+    Image.open(vision / "red.png").save(tmp_path / "red.webp")
+    damaged = bytearray((vision / "red.png").read_bytes())
+    damaged[40:60] = bytes(20)  # (its header whole, its pixels not)
+    (tmp_path / "damaged.png").write_bytes(bytes(damaged))
     two = tmp_path / "two"
     two.mkdir()
     shutil.copy(vision / "tiny.gguf", two / "tiny.gguf")
@@ -78,6 +91,10 @@ def test_what_a_model_cannot_take_is_refused_in_one_line(quipu, vision, tmp_path
                                                    "--mmproj FILE gives one)"),
         ((two / "tiny.gguf", "-a", vision / "red.png"), 2, "no projector beside tiny.gguf"),  # (two: which one?)
         ((vision / "tiny.gguf", "-a", vision / "red.png", "--raw"), 2, "with --raw"),
+        ((vision / "tiny.gguf", "-a", tmp_path / "red.webp"), 2,
+         "llama.cpp reads PNG, JPEG, GIF, BMP, WAV, MP3 and FLAC files, not WebP; convert it (to PNG, say)"),
+        ((vision / "tiny.gguf", "-a", tmp_path / "damaged.png"), 2, "cannot attach damaged.png [image: PNG, 50x40, "
+                                                                     "128 B]: llama.cpp could not decode it"),
         ((vision / "tiny.gguf", "-a", vision / "red.png", "--mmproj", tmp_path / "none.gguf"), 2, "is not a file"),
         ((vision / "tiny.gguf", "-a", vision / "red.png", "--mmproj", vision / "tiny.gguf"), 1,
          "llama.cpp could not load the projector"),

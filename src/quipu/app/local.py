@@ -86,7 +86,21 @@ def with_projector(backend: Backend, model_path: Path, mmproj: str | None, media
         if medium.kind.kind not in backend.senses:
             takes = " and ".join(f"{k}s" for k in sorted(backend.senses)) or "nothing"
             raise cannot_take(medium, f"its projector {path.name} takes {takes}")
-    return "".join(backend.media_mark(medium.data) for medium in media)
+        if medium.kind.format not in READ_HERE:
+            raise UsageError(f"cannot attach {medium.name} {medium.describe()}: llama.cpp reads "
+                             f"{', '.join(READ_HERE[:-1])} and {READ_HERE[-1]} files, not {medium.kind.format}; "
+                             "convert it (to PNG, say)")
+    marks = []
+    for medium in media:
+        try:
+            marks.append(backend.media_mark(medium.data))
+        except UsageError as exc:
+            raise UsageError(f"cannot attach {medium.name} {medium.describe()}: {exc}") from None
+    return "".join(marks)
+
+
+# The formats llama.cpp's multimodal helpers decode (stb_image's, miniaudio's).
+READ_HERE = ("PNG", "JPEG", "GIF", "BMP", "WAV", "MP3", "FLAC")
 
 
 def media_store(store: SessionStore) -> MediaStore:

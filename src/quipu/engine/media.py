@@ -117,8 +117,8 @@ class Media:
         ptr = self._projector.ptr
         buf = (ctypes.c_ubyte * len(data)).from_buffer_copy(data)
         bitmap = m.mtmd_helper_bitmap_init_from_buf(ptr, buf, len(data), False)
-        if not bitmap:
-            raise UsageError(f"llama.cpp could not decode this medium{LOG.reason()}")
+        if not bitmap:  # (what llama.cpp logs then is about the video reader it tries last)
+            raise UsageError("llama.cpp could not decode it: the file is damaged, or of a kind its readers do not know")
         chunks = m.mtmd_input_chunks_init()
         try:
             marker = m.mtmd_default_marker()
