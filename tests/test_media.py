@@ -307,3 +307,27 @@ def test_llama_server_is_given_an_image_through_its_chat_api(quipu, vision, visi
     assert "given this turn's media through its chat API" in said
     r = quipu("run", "--url", vision_llama_server, "-a", vision / "red.png", "-S", "s", "hi")
     assert r.returncode == 2 and "in a session on a server" in r.stderr.decode()
+
+
+def test_the_media_of_sessions_count_in_their_disk_budget(quipu, vision, home, tmp_path):
+    import numpy as np
+
+    noise = np.random.default_rng(1).integers(0, 256, (480, 640, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(tmp_path / "noise.png")  # (about 900 KB: it does not compress)
+    run = ["run", "-m", vision / "tiny.gguf", "-t", "0", "-n", "4"]
+    assert quipu(*run, "-S", "a", "-a", tmp_path / "noise.png", "What?").returncode == 0
+    assert quipu(*run, "-S", "b", "Hi.").returncode == 0
+    folder = session_files(home)
+    states = sum(p.stat().st_size for p in folder.glob("*.kv*"))
+    media = sum(p.stat().st_size for p in (folder / "media").iterdir())
+    assert media > states + 200_000
+    # Room for the states and what b's next turn adds, not for the image as well.
+    config = home / "config" / "config.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(f"[sessions]\nmax_state_bytes = {states + 100_000}\n")
+    r = quipu(*run, "-S", "b", "Again.")
+    assert r.returncode == 0 and "session 'a' lost its saved context to the disk budget" in r.stderr.decode()
+    assert not (folder / "a.kv").exists() and (folder / "b.kv").exists()
+    # What a lost: its snapshot, not its image; it is read again, the image with it.
+    again = quipu(*run, "-S", "a", "--json", "More?")
+    assert again.returncode == 0 and "re-reading its context" in again.stderr.decode()

@@ -42,7 +42,7 @@ from quipu.models import fingerprint, projector_beside
 from quipu.sessions.base import LOCAL, Message
 from quipu.sessions.inference import InferenceSession, Snapshot
 from quipu.store.chain import Chain, held_cells, tokens_digest
-from quipu.store.store import KEEP_STATE, SessionStore
+from quipu.store.store import KEEP_STATE, MEDIA_FOLDER, SessionStore
 from quipu.store.transcript import Transcript
 
 
@@ -105,7 +105,7 @@ READ_HERE = ("PNG", "JPEG", "GIF", "BMP", "WAV", "MP3", "FLAC")
 
 def media_store(store: SessionStore) -> MediaStore:
     """The media of the sessions of `store`, kept beside them."""
-    return MediaStore(store.root / "media")
+    return MediaStore(store.root / MEDIA_FOLDER)
 
 
 def take_saved_media(backend: Backend, store: SessionStore, record: Transcript, mmproj: str | None,

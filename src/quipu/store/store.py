@@ -73,6 +73,9 @@ class SessionInfo:
         return {k: v for k, v in self.__dict__.items() if k != "saved_ns"}
 
 
+MEDIA_FOLDER = "media"  # beside the sessions: the images and recordings they hold (`media.py`)
+
+
 class SessionStore:
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -288,6 +291,7 @@ class SessionStore:
         states, total = oldest_first(self.root.glob("*.kv"))
         logs = {path.stem: size for size, path in oldest_first(self.root.glob("*.kvlog"))[0]}
         total += sum(logs.values())
+        total += oldest_first((self.root / MEDIA_FOLDER).glob("*"))[1]  # (the sessions' media count too)
         dropped = []
         for size, path in states:
             if total <= max_bytes:
