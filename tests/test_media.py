@@ -331,3 +331,21 @@ def test_the_media_of_sessions_count_in_their_disk_budget(quipu, vision, home, t
     # What a lost: its snapshot, not its image; it is read again, the image with it.
     again = quipu(*run, "-S", "a", "--json", "More?")
     assert again.returncode == 0 and "re-reading its context" in again.stderr.decode()
+
+
+def test_the_prompt_cache_keys_an_image_by_its_bytes_and_answers_as_without_it(quipu, vision):
+    doc = "the sky is blue and the world is hello " * 20  # (a beginning long enough for the cache: 2 steps)
+
+    def ask(image, question, *more):
+        r = quipu("run", "-m", vision / "tiny.gguf", "-t", "0", "-n", "8", "--json", "--ctx", "2048",
+                  "-a", vision / image, *more, question, input=doc)
+        assert r.returncode == 0, r.stderr.decode()
+        return json.loads(r.stdout)
+
+    ask("red.png", "First question?")
+    again = ask("red-copy.png", "Second question?")  # (the same bytes: the same image)
+    assert again["usage"]["cached_tokens"] >= 256
+    assert again["text"] == ask("red.png", "Second question?", "--no-cache")["text"]
+    other = ask("blue.png", "Second question?")  # another image early in the prompt: little of it is held
+    assert other["usage"]["cached_tokens"] < 64
+    assert other["text"] == ask("blue.png", "Second question?", "--no-cache")["text"]

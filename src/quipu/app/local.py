@@ -122,7 +122,6 @@ def take_saved_media(backend: Backend, store: SessionStore, record: Transcript, 
         keeper.media[entry["sha256"]] = entry
     saved = record.model.get("projector")
     with_projector(backend, model_path, mmproj or (saved if isinstance(saved, str) else None), media)
-    keeper.cache = None
 
 
 class LocalHost:
@@ -138,10 +137,9 @@ class LocalHost:
         except BaseException:
             session.close()
             raise
-        # (a context holding media is not cached: its placeholders mean something in this process alone)
-        cache = open_cache(env, opts.no_cache or bool(media))
         return Opened(session, LocalKeeper(model_name, model_path, fingerprint(model_path), env.max_state_bytes,
-                                           verbose=opts.verbose, cache=cache), media_marks=marks)
+                                           verbose=opts.verbose, cache=open_cache(env, opts.no_cache)),
+                      media_marks=marks)
 
     def resume(self, store: SessionStore, name: str, record: Transcript, messages: list[Message],
                opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened:
@@ -294,7 +292,6 @@ class LocalKeeper:
             if store is not None:  # (a session's: kept before the transcript that names it)
                 media_store(store).put(medium.data)
             self.media.setdefault(medium.digest, medium.entry())
-        self.cache = None  # (a context with media is not cached: its placeholders are this session's)
         return marks
 
     def save(self, store: SessionStore, name: str, record: Transcript, session: InferenceSession) -> list[str]:

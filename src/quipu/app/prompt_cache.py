@@ -1,12 +1,15 @@
 """The prompt cache, as a local session uses it: a new prompt restores the longest beginning it
 shares with earlier ones (`cache_lookup`), and its own state is kept after the answer is out
-(`cache_save`). The entries themselves are `store/cache.py`'s."""
+(`cache_save`). The entries themselves are `store/cache.py`'s; an image in a prompt is keyed by
+its SHA-256 (`canonical`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from quipu.app.environment import Environment
+from quipu.engine.base import MEDIA_BASE, MEDIA_SPAN
 from quipu.errors import EngineError
 from quipu.models import fingerprint
 from quipu.sessions.inference import InferenceSession
@@ -17,7 +20,7 @@ from quipu.store.cache import MIN_TOKENS, PromptCache
 class CacheUse:
     cache: PromptCache
     key: dict
-    tokens: list[int]
+    tokens: list[int]  # as the cache keeps them (`canonical`)
     reused: int
     held: int = 0  # how much of the prompt the cache held (reused: to where a prefill step starts)
 
@@ -33,17 +36,56 @@ def open_cache(env: Environment, no_cache: bool) -> PromptCache | None:
     return None if no_cache else PromptCache(env.dirs.prompt_cache, env.cache_max_bytes)
 
 
+# A medium's positions in a cache entry: its SHA-256 and its place in its run (`canonical`).
+CANON_BASE = 1 << 40
+
+
+def canonical(tokens: Sequence[int], digests: Sequence[str]) -> list[int]:
+    """Tokens as the cache keeps them: a medium's placeholders (which name it by its place in
+    this context, `engine/media.py`) as ids made of its SHA-256, the same in every process."""
+    out = []
+    for t in tokens:
+        if t >= MEDIA_BASE:
+            k, i = divmod(t - MEDIA_BASE, MEDIA_SPAN)
+            t = CANON_BASE + (int(digests[k], 16) << 16) + i
+        out.append(t)
+    return out
+
+
+def local(tokens: Sequence[int], digests: Sequence[str]) -> list[int]:
+    """A cache entry's tokens as this context names them (`canonical` undone); a medium this
+    context does not hold, which can only be past what is kept of the entry, as 0."""
+    places = {int(d, 16): k for k, d in enumerate(digests)}
+    out = []
+    for t in tokens:
+        if t >= CANON_BASE:
+            digest, i = divmod(t - CANON_BASE, 1 << 16)
+            t = MEDIA_BASE + places[digest] * MEDIA_SPAN + i if digest in places else 0
+        out.append(t)
+    return out
+
+
+def whole_media(tokens: Sequence[int], keep: int) -> int:
+    """`keep`, moved back to where a medium's run starts when it falls inside one: a medium is
+    read in whole."""
+    while 0 < keep < len(tokens) and tokens[keep] >= CANON_BASE and (tokens[keep] - CANON_BASE) % (1 << 16):
+        keep -= 1
+    return keep
+
+
 def cache_lookup(session: InferenceSession, tokens: list[int], model_path, cache: PromptCache) -> CacheUse:
     """Restores the longest cached beginning of `tokens` into the session, if any."""
     key = cache_key(session, model_path)
+    digests = session.backend.media_digests()
+    tokens = canonical(tokens, digests)
     hit = cache.lookup(key, tokens)
     reused = 0
     # The last token is read again, for its logits; the rest from where a batch of the prefill
     # starts, so that the tokens read compute as they would in a run without the cache.
-    keep = session.backend.step_start(min(hit.reuse, len(tokens) - 1)) if hit is not None else 0
+    keep = whole_media(tokens, session.backend.step_start(min(hit.reuse, len(tokens) - 1))) if hit is not None else 0
     if hit is not None and keep > 0:
         try:
-            session.restore_prefix(hit.state, hit.tokens, keep)
+            session.restore_prefix(hit.state, local(hit.tokens, digests), keep)
             reused = keep
         except EngineError as exc:
             cache.drop(hit.path, str(exc))
@@ -52,8 +94,9 @@ def cache_lookup(session: InferenceSession, tokens: list[int], model_path, cache
 
 def cached_count(session: InferenceSession, tokens: list[int], model_path, cache: PromptCache) -> int:
     """How many of `tokens` a run would restore from the prompt cache (`--show-prompt`)."""
+    tokens = canonical(tokens, session.backend.media_digests())
     found = cache.peek(cache_key(session, model_path), tokens)
-    return session.backend.step_start(min(found, len(tokens) - 1)) if found else 0
+    return whole_media(tokens, session.backend.step_start(min(found, len(tokens) - 1))) if found else 0
 
 
 def cache_save(session: InferenceSession, use: CacheUse) -> None:
