@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 from PIL import Image
-from tinymodel import write_tiny_gguf, write_tiny_projector
+from tinymodel import write_tiny_audio_projector, write_tiny_gguf, write_tiny_projector
 
 
 @pytest.fixture(scope="module")
@@ -349,3 +349,50 @@ def test_the_prompt_cache_keys_an_image_by_its_bytes_and_answers_as_without_it(q
     other = ask("blue.png", "Second question?")  # another image early in the prompt: little of it is held
     assert other["usage"]["cached_tokens"] < 64
     assert other["text"] == ask("blue.png", "Second question?", "--no-cache")["text"]
+
+
+@pytest.fixture(scope="module")
+def hearing(tmp_path_factory):
+    """The tiny model with a tiny audio projector beside it, and two tones to hear."""
+    import math
+    import struct
+    import wave
+
+    folder = tmp_path_factory.mktemp("hearing")
+    write_tiny_gguf(folder / "tiny.gguf")
+    write_tiny_audio_projector(folder / "mmproj-audio.gguf")
+    for name, pitch in (("low", 220), ("high", 3000)):
+        with wave.open(str(folder / f"{name}.wav"), "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(16000)
+            w.writeframes(b"".join(struct.pack("<h", int(12000 * math.sin(2 * math.pi * pitch * i / 16000)))
+                                   for i in range(16000)))
+    return folder
+
+
+def test_the_model_hears_an_attached_recording_and_a_session_keeps_it(quipu, hearing, home):
+    def hear(*args):
+        r = quipu("run", "-m", hearing / "tiny.gguf", "-t", "0", "-n", "8", "--json", *args)
+        assert r.returncode == 0, r.stderr.decode()
+        return json.loads(r.stdout)
+
+    low, high = (hear("-a", hearing / f"{n}.wav", "What is it?") for n in ("low", "high"))
+    assert low["text"] != high["text"] and low["usage"]["prompt_tokens"] > 750  # (a second: one 30 s piece)
+    first = hear("-S", "ears", "-a", hearing / "low.wav", "What is it?")
+    assert first["text"] == low["text"]
+    second = hear("-S", "ears", "And now?")
+    assert second["usage"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+    # Its state dropped, the session is read again, the recording encoded again: as a copy that kept it.
+    assert quipu("sessions", "fork", "ears", "copy").returncode == 0
+    for path in session_files(home).glob("ears.kv*"):
+        path.unlink()
+    kept = json.loads((session_files(home) / "ears.json").read_text())
+    assert [(m["kind"], m["format"]) for m in kept["media"]] == [("audio", "WAV")]
+    reread = quipu("run", "-m", hearing / "tiny.gguf", "-t", "0", "-n", "8", "-S", "ears", "More?")
+    assert reread.returncode == 0 and "re-reading its context" in reread.stderr.decode()
+    assert reread.stdout == hear("-S", "copy", "More?")["text"].encode() + b"\n"
+    Image.new("RGB", (8, 8)).save(home / "dot.png")
+    r = quipu("run", "-m", hearing / "tiny.gguf", "-a", home / "dot.png", "hi")
+    assert r.returncode == 2 and "this model cannot see images (its projector mmproj-audio.gguf takes audio)" \
+        in r.stderr.decode()

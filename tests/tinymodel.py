@@ -266,3 +266,54 @@ def write_tiny_projector(path: Path, *, n_embd_text: int = 128, n_embd: int = 32
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_tiny_audio_projector(path: Path, *, n_embd_text: int = 128, n_embd: int = 32, n_ff: int = 64,
+                               n_layer: int = 1, n_head: int = 2, n_mel: int = 128, seed: int = 2) -> Path:
+    """A tiny random audio projector of the kind clip.cpp reads as Qwen2-Audio's: a Whisper
+    encoder (two convolutions over the log-mel frames, then blocks) and a linear projection to
+    the text model's width. A recording is cut in 30-second pieces of 750 positions each."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_name("tiny-audio-projector")
+    writer.add_file_type(0)
+    writer.add_string("clip.projector_type", "qwen2a")
+    writer.add_bool("clip.has_vision_encoder", False)
+    writer.add_bool("clip.has_audio_encoder", True)
+    for key, value in (("embedding_length", n_embd), ("feed_forward_length", n_ff), ("block_count", n_layer),
+                       ("projection_dim", n_embd_text), ("attention.head_count", n_head), ("num_mel_bins", n_mel)):
+        writer.add_uint32(f"clip.audio.{key}", value)
+    writer.add_float32("clip.audio.attention.layer_norm_epsilon", 1e-5)
+    writer.add_tensor("a.conv1d.1.weight", w(n_embd, n_mel, 3))
+    writer.add_tensor("a.conv1d.1.bias", w(n_embd, 1))
+    writer.add_tensor("a.conv1d.2.weight", w(n_embd, n_embd, 3))
+    writer.add_tensor("a.conv1d.2.bias", w(n_embd, 1))
+    writer.add_tensor("a.position_embd.weight", w(1500, n_embd))
+    for i in range(n_layer):
+        p = f"a.blk.{i}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            writer.add_tensor(p + name + ".weight", w(n_embd, n_embd))
+            if name != "attn_k":  # (Whisper's keys have no bias)
+                writer.add_tensor(p + name + ".bias", w(n_embd))
+        for name in ("ln1", "ln2"):
+            writer.add_tensor(p + name + ".weight", np.ones(n_embd, dtype=np.float32))
+            writer.add_tensor(p + name + ".bias", np.zeros(n_embd, dtype=np.float32))
+        writer.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
+        writer.add_tensor(p + "ffn_up.bias", w(n_ff))
+        writer.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
+        writer.add_tensor(p + "ffn_down.bias", w(n_embd))
+    writer.add_tensor("a.post_ln.weight", np.ones(n_embd, dtype=np.float32))
+    writer.add_tensor("a.post_ln.bias", np.zeros(n_embd, dtype=np.float32))
+    writer.add_tensor("mm.a.fc.weight", w(n_embd_text, n_embd))
+    writer.add_tensor("mm.a.fc.bias", w(n_embd_text))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -44,6 +44,8 @@ WAV = Kind("audio", "WAV", (".wav", ".wave"), "audio/wav")
 MP3 = Kind("audio", "MP3", (".mp3",), "audio/mp3")
 FLAC = Kind("audio", "FLAC", (".flac",))
 KINDS = (TEXT, PNG, JPEG, WEBP, GIF, BMP, WAV, MP3, FLAC)
+# What a model takes besides text, in words.
+SENSE_WORDS = {"image": "images", "audio": "audio"}
 # What a name's ending claims, for the kinds it names.
 CLAIMED = {ending: kind for kind in KINDS for ending in kind.endings}
 

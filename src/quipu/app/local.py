@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from quipu import __version__
-from quipu.app.attachments import Attachment, cannot_take
+from quipu.app.attachments import SENSE_WORDS, Attachment, cannot_take
 from quipu.app.environment import DEFAULT_MAX_STATE_BYTES, Environment
 from quipu.app.turn_options import (
     TurnOptions,
@@ -84,7 +84,7 @@ def with_projector(backend: Backend, model_path: Path, mmproj: str | None, media
     assert path is not None
     for medium in media:
         if medium.kind.kind not in backend.senses:
-            takes = " and ".join(f"{k}s" for k in sorted(backend.senses)) or "nothing"
+            takes = " and ".join(SENSE_WORDS[k] for k in sorted(backend.senses)) or "nothing"
             raise cannot_take(medium, f"its projector {path.name} takes {takes}")
         if medium.kind.format not in READ_HERE:
             raise UsageError(f"cannot attach {medium.name} {medium.describe()}: llama.cpp reads "

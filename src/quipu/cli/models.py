@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from quipu.app.attachments import SENSE_WORDS
 from quipu.cli.spec import complete_model
 from quipu.cli.terminal import human_size
 from quipu.cli.terminal import Terminal
@@ -66,9 +67,6 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
                       str(r["context_length"] or "?"), "base" if r["base"] else "chat",
                       ", ".join(["text", *(SENSE_WORDS[m] for m in r["media"])]), r["source"])
     Console(file=term.stdout, no_color=not term.color, highlight=False, width=None if term.stdout_tty else 400).print(table)
-
-
-SENSE_WORDS = {"image": "images", "audio": "audio"}
 
 
 @app.command()
