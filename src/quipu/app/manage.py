@@ -63,7 +63,8 @@ def _readable(message: dict, media: list[dict]) -> dict:
         if k >= len(media):
             return found.group(0)
         held.append(media[k])
-        return f"[{media[k]['kind']}: {media[k]['name']}]"
+        after = out["content"][found.end():found.end() + 1]
+        return f"[{media[k]['kind']}: {media[k]['name']}]" + ("\n" if after and after != "\n" else "")
 
     out["content"] = MEDIA_MARK.sub(shown, out["content"])
     if held:

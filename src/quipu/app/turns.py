@@ -146,8 +146,9 @@ def attached(prompt: str | None, opts: TurnOptions, host: Capabilities) -> tuple
 
 
 def with_marks(prompt: str | None, marks: str) -> str | None:
-    """A message with its media (their markers) before its text."""
-    return marks + ("\n" + prompt if prompt else "") if marks else prompt
+    """A message with its media (their markers) before its text, nothing between them: as
+    llama.cpp's server joins a message's content parts (no new line before or after a medium)."""
+    return marks + (prompt or "") if marks else prompt
 
 
 def compose(conv: Conversation | None, prompt: str | None, files: Sequence[Attachment], marks: str) -> str | None:
