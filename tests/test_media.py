@@ -396,3 +396,25 @@ def test_the_model_hears_an_attached_recording_and_a_session_keeps_it(quipu, hea
     r = quipu("run", "-m", hearing / "tiny.gguf", "-a", home / "dot.png", "hi")
     assert r.returncode == 2 and "this model cannot see images (its projector mmproj-audio.gguf takes audio)" \
         in r.stderr.decode()
+
+
+def test_a_messages_file_s_image_parts_are_seen_as_an_attached_image(quipu, vision, tmp_path, fake):
+    import base64
+
+    data = base64.b64encode((vision / "red.png").read_bytes()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+                                             {"type": "text", "text": "What is it?"}]}]
+    (tmp_path / "m.json").write_text(json.dumps(messages))
+    assert answer(quipu, vision, "--messages", tmp_path / "m.json")["text"] == \
+        answer(quipu, vision, "-a", vision / "red.png", "What is it?")["text"]
+    # On a chat API, the part goes on as a part.
+    r = quipu("run", "--url", fake.url, "--messages", tmp_path / "m.json")
+    assert r.returncode == 0, r.stderr.decode()
+    sent = fake.requests[-1][0]["messages"][-1]["content"]
+    assert [p["type"] for p in sent] == ["image_url", "text"] and sent[0]["image_url"]["url"].endswith(data)
+    # What is not an image is said where it is.
+    messages[0]["content"][0]["image_url"]["url"] = "data:image/png;base64,@@@"
+    (tmp_path / "bad.json").write_text(json.dumps(messages))
+    r = quipu("run", "-m", vision / "tiny.gguf", "--messages", tmp_path / "bad.json")
+    assert r.returncode == 2 and "messages[0].content[0].image_url is neither an http(s) URL nor base64 data" in \
+        r.stderr.decode()

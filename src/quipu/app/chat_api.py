@@ -55,7 +55,7 @@ class ChatApiHost:
                 raise UsageError(f"cannot attach {medium.name} {medium.describe()}: the chat API takes recordings as "
                                  "WAV or MP3")
         session = ChatApiSession(self.client, request_params(opts, env))
-        marks = "".join(session.media_mark(m.data, m.kind.mime) for m in media)
+        marks = [session.media_mark(m.data, m.kind.mime) for m in media]
         return Opened(session, ChatApiKeeper(self.settings, session), media_marks=marks)
 
     def resume(self, store: SessionStore, name: str, record: Transcript, messages: list[Message],

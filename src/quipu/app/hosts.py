@@ -75,7 +75,8 @@ class Opened:
     session: ModelSession
     keeper: "Keeper[Any]"
     notices: list[str] = field(default_factory=list)
-    media_marks: str = ""  # where the message's media go in its text (`create`'s media, made ready)
+    # The marker of each of `create`'s media, made ready, in their order: where each goes in a text.
+    media_marks: list[str] = field(default_factory=list)
 
 
 class ModelHost(Protocol):

@@ -70,9 +70,10 @@ def open_session(opts: TurnOptions, env: Environment) -> tuple[str, Path, Infere
     return model_name, model_path, session
 
 
-def with_projector(backend: Backend, model_path: Path, mmproj: str | None, media: Sequence[Attachment]) -> str:
+def with_projector(backend: Backend, model_path: Path, mmproj: str | None,
+                   media: Sequence[Attachment]) -> list[str]:
     """Loads the model's projector (`--mmproj`, else the one beside the model) into the session's
-    context, and makes `media` ready in it: their markers, for the message's text."""
+    context, and makes `media` ready in it: the marker of each, for a message's text."""
     if backend.projector_path is None:
         path = Path(mmproj).expanduser() if mmproj else projector_beside(model_path)
         if path is None:
@@ -96,7 +97,7 @@ def with_projector(backend: Backend, model_path: Path, mmproj: str | None, media
             marks.append(backend.media_mark(medium.data))
         except UsageError as exc:
             raise UsageError(f"cannot attach {medium.name} {medium.describe()}: {exc}") from None
-    return "".join(marks)
+    return marks
 
 
 # The formats llama.cpp's multimodal helpers decode (stb_image's, miniaudio's).
@@ -133,7 +134,7 @@ class LocalHost:
                media: Sequence[Attachment] = ()) -> Opened:
         model_name, model_path, session = open_session(opts, env)
         try:
-            marks = with_projector(session.backend, model_path, opts.mmproj, media) if media else ""
+            marks = with_projector(session.backend, model_path, opts.mmproj, media) if media else []
         except BaseException:
             session.close()
             raise
@@ -287,7 +288,7 @@ class LocalKeeper:
 
     def take_media(self, session: InferenceSession, store: SessionStore | None, media: Sequence[Attachment],
                    mmproj: str | None) -> str:
-        marks = with_projector(session.backend, self.model_path, mmproj, media)
+        marks = "".join(with_projector(session.backend, self.model_path, mmproj, media))
         for medium in media:
             if store is not None:  # (a session's: kept before the transcript that names it)
                 media_store(store).put(medium.data)

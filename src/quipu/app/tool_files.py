@@ -219,10 +219,13 @@ def check_tool_schemas(tools: Iterable[Tool]) -> None:
 
 # ---- a conversation from a file -----------------------------------------------------------------
 
-def messages_from_file(path: str):
+def messages_from_file(path: str, media: list | None = None):
     """An OpenAI-style message list (`[{"role", "content", "tool_calls"?, "tool_call_id"?}]`, or
     `{"messages": [...]}`) as the conversation's messages, each field checked: a one-line error
-    names the place (`messages[3].content[0].text is a number, not text`)."""
+    names the place (`messages[3].content[0].text is a number, not text`). With `media`, a
+    part that is an image (`image_url`: a data URL, or an http(s) one) or a recording
+    (`input_audio`) is read into it (`attachments.Attachment`), and the text holds
+    `media_placeholder(n)` where the n-th goes."""
     from quipu.sessions.base import Message
     from quipu.sessions.reasoning import FIELDS
 
@@ -239,7 +242,7 @@ def messages_from_file(path: str):
             raise UsageError(f"{file}: {where} is {kind(m)}, not a message ({{\"role\", \"content\"}})")
         if m.get("role") not in ("system", "user", "assistant", "tool"):
             raise UsageError(f"{file}: {where}.role is not system, user, assistant or tool")
-        content = _content(m.get("content"), f"{where}.content", file)
+        content = _content(m.get("content"), f"{where}.content", file, media)
         calls = _calls(m.get("tool_calls"), f"{where}.tool_calls", file) if m.get("tool_calls") else None
         ident = _text(m.get("tool_call_id"), f"{where}.tool_call_id", file)
         name = _text(m.get("name"), f"{where}.name", file)
@@ -251,22 +254,57 @@ def messages_from_file(path: str):
     return out
 
 
-def _content(content: Any, where: str, file: Path) -> str:
-    """A message's content: text, or a list of text parts (joined)."""
+def media_placeholder(n: int) -> str:
+    """Where the n-th medium of a messages file goes in its text, until it is made ready."""
+    return f"\ue004{n}\ue005"
+
+
+def _content(content: Any, where: str, file: Path, media: list | None = None) -> str:
+    """A message's content: text, or a list of parts (text joined; media, with `media`, read
+    there: see `messages_from_file`)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise UsageError(f"{file}: {where} is {kind(content)}, not text or a list of parts")
-    texts = []
+    texts: list[str | None] = []
     for j, part in enumerate(content):
         if not isinstance(part, dict):
             raise UsageError(f"{file}: {where}[{j}] is {kind(part)}, not a part ({{\"type\": \"text\", \"text\"}})")
-        if part.get("type", "text") != "text":
-            raise UsageError(f"{file}: {where}[{j}] is a {str(part.get('type'))[:40]!r} part; quipu reads text parts")
+        kind_of = part.get("type", "text")
+        if kind_of in ("image_url", "input_audio") and media is not None:
+            media.append(_medium(part, kind_of, f"{where}[{j}]", file))
+            texts.append(media_placeholder(len(media) - 1))
+            continue
+        if kind_of != "text":
+            raise UsageError(f"{file}: {where}[{j}] is a {str(kind_of)[:40]!r} part; quipu reads text, image_url and "
+                             "input_audio parts")
         texts.append(_text(part.get("text"), f"{where}[{j}].text", file, optional=False))
     return "".join(t for t in texts if t)
+
+
+def _medium(part: dict, kind_of: str, where: str, file: Path):
+    """An image or a recording of a messages file: a data URL's bytes, base64 ones, or what an
+    http(s) URL serves."""
+    import base64
+    import binascii
+
+    from quipu.app.attachments import attachment_of, read_attachment
+
+    given = part.get(kind_of)
+    value = (given.get("url") if kind_of == "image_url" else given.get("data") or given.get("url")) \
+        if isinstance(given, dict) else given
+    if not isinstance(value, str) or not value:
+        raise UsageError(f"{file}: {where}.{kind_of} has no url or data")
+    if value.startswith(("http://", "https://")):
+        return read_attachment(value)
+    encoded = value.split(",", 1)[1] if value.startswith("data:") and "," in value else value
+    try:
+        data = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise UsageError(f"{file}: {where}.{kind_of} is neither an http(s) URL nor base64 data") from None
+    return attachment_of(f"{where} of {file.name}", data)
 
 
 def _calls(given: Any, where: str, file: Path) -> list[dict[str, Any]]:

@@ -185,11 +185,14 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
         raise BadInput("no prompt: give one as an argument or on standard input")
     limit, stop = max_tokens(opts, env), stop_strings(opts, env)
     source = chat_template_source(opts)
-    opened = host.create(opts, env, media=media)
+    messages, theirs = file_messages(opts, host.capabilities)
+    opened = host.create(opts, env, media=[*media, *theirs])
     session, keeper = opened.session, opened.keeper
+    ours = opened.media_marks[:len(media)]
     try:
-        conv = None if opts.raw else _conversation(session, opts, env, source)
-        prompt = compose(conv, prompt, files, opened.media_marks)
+        conv = None if opts.raw else _conversation(session, opts, env, source, messages,
+                                                   opened.media_marks[len(media):])
+        prompt = compose(conv, prompt, files, "".join(ours))
         if prompt:
             session.check_text_fits(prompt)
         notices = []
@@ -226,16 +229,34 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
         session.close()
 
 
-def _conversation(session, opts: TurnOptions, env: Environment, source) -> Conversation:
-    """A one-shot run's conversation: the system prompt alone, or --messages' conversation."""
+def file_messages(opts: TurnOptions, host: Capabilities) -> tuple[list, list]:
+    """--messages' conversation, and the media its messages hold (read before the model is)."""
+    if not opts.messages:
+        return [], []
+    from quipu.app.tool_files import messages_from_file
+
+    media: list = []
+    messages = messages_from_file(opts.messages, media)
+    if media:
+        host.require("media")
+    return messages, media
+
+
+def _conversation(session, opts: TurnOptions, env: Environment, source, messages: Sequence = (),
+                  marks: Sequence[str] = ()) -> Conversation:
+    """A one-shot run's conversation: the system prompt alone, or --messages' conversation
+    (`messages`, their media's markers in `marks`)."""
     if not opts.messages:
         conv = Conversation.start(session, system_prompt(opts, env), template=source,
                                   variables=template_variables(opts))
     else:
-        from quipu.app.tool_files import messages_from_file
+        from quipu.app.tool_files import media_placeholder
 
+        for m in messages:
+            for n, mark in enumerate(marks):
+                m.content = m.content.replace(media_placeholder(n), mark)
         conv = Conversation.start(session, None, template=source, variables=template_variables(opts),
-                                  messages=messages_from_file(opts.messages))
+                                  messages=list(messages))
         if opts.system is not None:
             conv.set_system(opts.system)
     conv.set_reasoning(effort=opts.reasoning_effort, budget=opts.reasoning_budget)
@@ -321,16 +342,19 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
             return _show_session_prompt(prompt, opts, env, host, files, media)
         if not prompt and not opts.messages and not media and not files:
             raise BadInput("no prompt: give one as an argument or on standard input")
-        opened = host.create(opts, env, media=media)
+        messages, theirs = file_messages(opts, host.capabilities)
+        opened = host.create(opts, env, media=[*media, *theirs])
         session = opened.session
+        ours = "".join(opened.media_marks[:len(media)])
         # (the tools are part of the context their definitions are written into)
         tools = open_tools(opts.tool_options, env, constrained=opts.constrained)
         try:
             if opts.raw:
-                tokens = session.raw_tokens(compose(None, prompt, files, opened.media_marks) or "")
+                tokens = session.raw_tokens(compose(None, prompt, files, ours) or "")
             else:
-                conv = _conversation(session, opts, env, chat_template_source(opts))
-                prompt = compose(conv, prompt, files, opened.media_marks)
+                conv = _conversation(session, opts, env, chat_template_source(opts), messages,
+                                     opened.media_marks[len(media):])
+                prompt = compose(conv, prompt, files, ours)
                 offer(conv, tools, opts.tool_options)
                 if prompt:
                     tokens = conv.tokens_with(prompt)
