@@ -43,6 +43,18 @@ def test_completion_comes_from_the_table():
     assert list(SlashCompleter().get_completions(Document("hello /re"), None)) == []
 
 
+def test_a_file_argument_completes_as_a_path(tmp_path, monkeypatch):
+    from prompt_toolkit.completion import CompleteEvent
+    from prompt_toolkit.document import Document
+
+    (tmp_path / "photo.png").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("")
+    monkeypatch.chdir(tmp_path)
+    done = [c.text for c in SlashCompleter().get_completions(Document("/attach pho"), CompleteEvent())]
+    assert done == ["to.png"]  # (what the path lacks)
+    assert [c.text for c in SlashCompleter().get_completions(Document("/system pho"), CompleteEvent())] == []
+
+
 @pytest.fixture
 def repl(tmp_path, tiny_model):
     from quipu.app.chat import ChatSession

@@ -560,16 +560,28 @@ def key_bindings():
     return kb
 
 
+# The commands whose argument is a file: Tab completes its path.
+FILE_ARGUMENTS = ("attach", "schema", "grammar")
+
+
 def SlashCompleter():
-    from prompt_toolkit.completion import Completer, Completion
+    from prompt_toolkit.completion import Completer, Completion, PathCompleter
+    from prompt_toolkit.document import Document
+
+    paths = PathCompleter(expanduser=True)
 
     class _Completer(Completer):
         def get_completions(self, document, complete_event):
             text = document.text_before_cursor
-            if not text.startswith("/") or " " in text:
+            if not text.startswith("/"):
+                return
+            name, space, arg = text[1:].partition(" ")
+            if space:
+                if name.lower() in FILE_ARGUMENTS:
+                    yield from paths.get_completions(Document(arg, len(arg)), complete_event)
                 return
             for c in COMMANDS:
-                if c.name.startswith(text[1:].lower()):
+                if c.name.startswith(name.lower()):
                     yield Completion("/" + c.name, start_position=-len(text), display_meta=c.help)
 
     return _Completer()
