@@ -271,15 +271,10 @@ def cannot_take(medium: Attachment, why: str) -> UsageError:
 
 def describe_bytes(kind: str, data: bytes, mime: str = "") -> str:
     """A note of what some media bytes are, for a model that is not given them:
-    `[image: PNG, 640x480, 1.2 KB]` (the kind, as the bytes show it, else as `mime` says)."""
+    `[image: PNG, 1.2 KB]` (the format as the bytes show it, else as `mime` says)."""
     found = sniff(data)
-    if found is not None and found.kind == kind:
-        try:
-            pixels = image_pixels("it", data, found) if kind == "image" else None
-        except UsageError:
-            pixels = None
-        return Attachment("it", found, data, pixels).describe()
-    return f"[{kind}: {mime or 'unknown format'}, {_size(len(data))}]"
+    shown = found.format if found is not None and found.kind == kind else (mime or "unknown format")
+    return f"[{kind}: {shown}, {_size(len(data))}]"
 
 
 def _size(n: int) -> str:

@@ -34,7 +34,7 @@ class ToolOutput:
     size: int
     stdout: str = ""
     # The images and recordings of the result: each the note its text holds for it
-    # (`[image: PNG, 8x6, 93 B]`) and its bytes, for a model that can be given them instead.
+    # (`[image: PNG, 93 B]`) and its bytes, for a model that can be given them instead.
     media: tuple[tuple[str, bytes], ...] = ()
 
 
