@@ -219,6 +219,15 @@ def test_a_session_with_an_image_resumes_exactly_in_a_new_process(quipu, vision,
     assert oct((folder / "media").stat().st_mode & 0o777) == "0o700"
     for m in record["media"]:
         assert oct((folder / "media" / m["sha256"]).stat().st_mode & 0o777) == "0o600"
+    # An image gone from the media folder, or changed, is one line; the transcript stays as it was.
+    kept = (folder / "media" / record["media"][0]["sha256"])
+    data = kept.read_bytes()
+    for change, said in ((kept.unlink, "is missing"), (lambda: kept.write_bytes(data[:-1]), "is damaged")):
+        change()
+        r = quipu("run", "-m", vision / "tiny.gguf", "-S", "look", "Still there?")
+        err = r.stderr.decode()
+        assert r.returncode == 1 and err.startswith(f"quipu: error: session 'look': a medium it holds {said}"), err
+        assert len(err.strip().splitlines()) == 1 and json.loads((folder / "look.json").read_text()) == record
 
 
 def test_undo_over_an_image_is_exact_and_the_image_goes_with_the_last_session(quipu, vision, home):

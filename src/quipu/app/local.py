@@ -109,7 +109,7 @@ def media_store(store: SessionStore) -> MediaStore:
     return MediaStore(store.root / MEDIA_FOLDER)
 
 
-def take_saved_media(backend: Backend, store: SessionStore, record: Transcript, mmproj: str | None,
+def take_saved_media(backend: Backend, store: SessionStore, name: str, record: Transcript, mmproj: str | None,
                      model_path: Path, keeper: "LocalKeeper") -> None:
     """A resumed session's media made ready again in its new context, in the order it first took
     them (so its token history's placeholders mean the same media): its projector (the one it
@@ -119,7 +119,11 @@ def take_saved_media(backend: Backend, store: SessionStore, record: Transcript, 
     kept = media_store(store)
     media = []
     for entry in record.media:
-        media.append(attachment_of(entry["name"], kept.get(entry["sha256"])))
+        try:
+            data = kept.get(entry["sha256"])
+        except SnapshotError as exc:
+            raise SnapshotError(f"session '{name}': {exc}; its transcript was left as it is") from None
+        media.append(attachment_of(entry["name"], data))
         keeper.media[entry["sha256"]] = entry
     saved = record.model.get("projector")
     with_projector(backend, model_path, mmproj or (saved if isinstance(saved, str) else None), media)
@@ -168,7 +172,7 @@ class LocalHost:
             load_s = time.perf_counter() - started
             params = with_logit_biases(params, backend, opts)
             if record.media:
-                take_saved_media(backend, store, record, opts.mmproj, model_path, keeper)
+                take_saved_media(backend, store, name, record, opts.mmproj, model_path, keeper)
             if same_model:
                 restoring = time.perf_counter()  # a rebuild from the transcript is part of restoring
                 snap = Snapshot(record.tokens, record.n_decoded, record.draws, params, saved_ctx)

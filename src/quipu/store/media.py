@@ -43,9 +43,9 @@ class MediaStore:
         try:
             data = path.read_bytes()
         except OSError as exc:
-            raise SnapshotError(f"a medium of the session is missing ({path}: {exc.strerror or exc})") from None
+            raise SnapshotError(f"a medium it holds is missing ({path}: {exc.strerror or exc})") from None
         if hashlib.sha256(data).hexdigest() != digest:
-            raise SnapshotError(f"a medium of the session is damaged ({path} does not hash to its name)")
+            raise SnapshotError(f"a medium it holds is damaged ({path} does not hash to its name)")
         return data
 
     def size(self, digests: Iterable[str]) -> int:
