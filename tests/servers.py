@@ -88,8 +88,9 @@ def llama_cpp_python_server(bundled_model, tmp_path_factory):
     yield from _llama_cpp_python(bundled_model, tmp_path_factory, "--model_alias", "smollm2")
 
 
-@pytest.fixture(scope="module")
-def llama_server(bundled_model, tmp_path_factory):
+def llama_server_program() -> Path:
+    """llama.cpp's llama-server, built from the vendored sources; the test is skipped without it
+    (and fails where CI requires the servers)."""
     from bench.llamacpp import program
 
     exe = program("llama-server")
@@ -98,6 +99,12 @@ def llama_server(bundled_model, tmp_path_factory):
         if os.environ.get("QUIPU_REQUIRE_SERVERS") == "1":
             pytest.fail(reason)
         pytest.skip(reason)
+    return exe
+
+
+@pytest.fixture(scope="module")
+def llama_server(bundled_model, tmp_path_factory):
+    exe = llama_server_program()
     port = free_port()
     base = tmp_path_factory.mktemp("llama-server")
     slots = base / "slots"

@@ -283,18 +283,9 @@ def test_an_image_an_mcp_tool_returns_goes_to_a_model_that_sees_as_an_image(quip
 @pytest.fixture(scope="module")
 def vision_llama_server(vision, tmp_path_factory):
     """llama.cpp's own llama-server on the tiny model with the tiny projector (--mmproj)."""
-    import os
+    from servers import free_port, llama_server_program, serve, stop
 
-    from servers import free_port, serve, stop
-
-    from bench.llamacpp import program
-
-    exe = program("llama-server")
-    if exe is None:
-        reason = "llama-server is not built here (python -m bench.llamacpp llama-server builds it)"
-        if os.environ.get("QUIPU_REQUIRE_SERVERS") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
+    exe = llama_server_program()
     port = free_port()
     base = tmp_path_factory.mktemp("vision-llama-server")
     proc = serve([str(exe), "-m", str(vision / "tiny.gguf"), "--mmproj", str(vision / "mmproj-tiny.gguf"), "--host",
