@@ -418,3 +418,19 @@ def test_a_messages_file_s_image_parts_are_seen_as_an_attached_image(quipu, visi
     r = quipu("run", "-m", vision / "tiny.gguf", "--messages", tmp_path / "bad.json")
     assert r.returncode == 2 and "messages[0].content[0].image_url is neither an http(s) URL nor base64 data" in \
         r.stderr.decode()
+
+
+def test_a_session_keeps_the_projector_it_was_given_for_the_images_that_come_later(quipu, vision, tmp_path):
+    import shutil
+
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(vision / "tiny.gguf", alone / "tiny.gguf")  # (no projector beside it)
+    run = ["run", "-m", alone / "tiny.gguf", "-t", "0", "-n", "12", "--json"]
+    assert quipu(*run, "-S", "later", "--mmproj", vision / "mmproj-tiny.gguf", "Hello.").returncode == 0
+    r = quipu(*run, "-S", "later", "-a", vision / "red.png", "What is it?")
+    assert r.returncode == 0, r.stderr.decode()
+    seen = json.loads(r.stdout)["usage"]["prompt_tokens"]
+    assert seen > json.loads(quipu(*run, "-S", "blind", "Hello.").stdout)["usage"]["prompt_tokens"] + 4
+    r = quipu(*run, "--mmproj", tmp_path / "none.gguf", "Hello.")
+    assert r.returncode == 2 and "the projector" in r.stderr.decode() and "is not a file" in r.stderr.decode()

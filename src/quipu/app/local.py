@@ -104,6 +104,16 @@ def with_projector(backend: Backend, model_path: Path, mmproj: str | None,
 READ_HERE = ("PNG", "JPEG", "GIF", "BMP", "WAV", "MP3", "FLAC")
 
 
+def given_projector(mmproj: str | None) -> str | None:
+    """--mmproj as a session keeps it: the file's whole path (a one-line error when it is none)."""
+    if mmproj is None:
+        return None
+    path = Path(mmproj).expanduser()
+    if not path.is_file():
+        raise UsageError(f"the projector {path} is not a file")
+    return str(path.resolve())
+
+
 def media_store(store: SessionStore) -> MediaStore:
     """The media of the sessions of `store`, kept beside them."""
     return MediaStore(store.root / MEDIA_FOLDER)
@@ -125,8 +135,7 @@ def take_saved_media(backend: Backend, store: SessionStore, name: str, record: T
             raise SnapshotError(f"session '{name}': {exc}; its transcript was left as it is") from None
         media.append(attachment_of(entry["name"], data))
         keeper.media[entry["sha256"]] = entry
-    saved = record.model.get("projector")
-    with_projector(backend, model_path, mmproj or (saved if isinstance(saved, str) else None), media)
+    with_projector(backend, model_path, mmproj or keeper.projector, media)
 
 
 class LocalHost:
@@ -136,6 +145,7 @@ class LocalHost:
 
     def create(self, opts: TurnOptions, env: Environment, name: str | None = None,
                media: Sequence[Attachment] = ()) -> Opened:
+        projector = given_projector(opts.mmproj)  # (a wrong one is said before the model loads)
         model_name, model_path, session = open_session(opts, env)
         try:
             marks = with_projector(session.backend, model_path, opts.mmproj, media) if media else []
@@ -143,7 +153,8 @@ class LocalHost:
             session.close()
             raise
         return Opened(session, LocalKeeper(model_name, model_path, fingerprint(model_path), env.max_state_bytes,
-                                           verbose=opts.verbose, cache=open_cache(env, opts.no_cache)),
+                                           verbose=opts.verbose, cache=open_cache(env, opts.no_cache),
+                                           projector=projector),
                       media_marks=marks)
 
     def resume(self, store: SessionStore, name: str, record: Transcript, messages: list[Message],
@@ -155,6 +166,7 @@ class LocalHost:
             raise SnapshotError(f"session '{name}' is damaged: its KV cache type '{saved_ctx['kv_type']}' is not one "
                                 f"quipu knows ({', '.join(KV_TYPES)}); {store.transcript_path(name)} was left as it "
                                 "is (--kv-type continues it with another)")
+        given = given_projector(opts.mmproj)
         model_name, model_path = self._resume_model(name, record.model, opts, env)
         model_fp = fingerprint(model_path)
         same_model = model_fp == record.model.get("fingerprint")
@@ -166,8 +178,10 @@ class LocalHost:
         started = time.perf_counter()
         backend = load_backend(model_path, settings, opts.verbose)
         notices: list[str] = []
+        saved = record.model.get("projector")
         keeper = LocalKeeper(model_name, model_path, model_fp, env.max_state_bytes, verbose=opts.verbose,
-                             cache=open_cache(env, opts.no_cache))
+                             cache=open_cache(env, opts.no_cache),
+                             projector=given or (saved if isinstance(saved, str) else None))
         try:
             load_s = time.perf_counter() - started
             params = with_logit_biases(params, backend, opts)
@@ -275,15 +289,18 @@ class LocalKeeper:
     cache: PromptCache | None = None  # the prompt cache this run uses (None: --no-cache)
     background: bool = False  # (a chat's: the state written while the user types)
     media: dict[str, dict] = field(default_factory=dict)  # what the transcript says of each medium, by SHA-256
+    # The projector the session was given (--mmproj), kept for the media it is given later.
+    projector: str | None = None
     _writer: threading.Thread | None = None
     _failed: str | None = None
 
     def fields(self, session: InferenceSession) -> dict:
-        projector = session.backend.projector_path
+        loaded = session.backend.projector_path
+        projector = str(loaded.resolve()) if loaded is not None else self.projector
         return {
             "model": {"name": self.model_name, "path": str(self.model_path.resolve()),
                       "fingerprint": self.model_fingerprint,
-                      **({"projector": str(projector.resolve())} if projector is not None else {})},
+                      **({"projector": projector} if projector is not None else {})},
             "media": [self.media[d] for d in session.backend.media_digests() if d in self.media],
             "params": session.params.to_dict(), "context": session.backend.context.state_key(),
             "tokens": list(session.tokens), "n_decoded": session.n_decoded, "draws": session.draws,
@@ -292,7 +309,7 @@ class LocalKeeper:
 
     def take_media(self, session: InferenceSession, store: SessionStore | None, media: Sequence[Attachment],
                    mmproj: str | None) -> str:
-        marks = "".join(with_projector(session.backend, self.model_path, mmproj, media))
+        marks = "".join(with_projector(session.backend, self.model_path, mmproj or self.projector, media))
         for medium in media:
             if store is not None:  # (a session's: kept before the transcript that names it)
                 media_store(store).put(medium.data)
