@@ -169,16 +169,16 @@ def test_models_say_which_see_and_a_linked_model_finds_its_projector(quipu, visi
 
 # ---- sessions ------------------------------------------------------------------------------------
 
-def chat(home, vision, lines: str, *args) -> list[str]:
-    """A piped chat on the tiny vision model: its replies, one a line."""
+def chat(home, vision, lines: str, *args, model=None) -> list[str]:
+    """A piped chat on the tiny vision model (or `model`): its replies, one a line."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
     env["QUIPU_HOME"] = str(home)
-    r = subprocess.run([sys.executable, "-m", "quipu", "chat", "-m", str(vision / "tiny.gguf"), "-t", "0", "-n", "12",
-                        *args], input=lines.encode(), capture_output=True, env=env, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "quipu", "chat", "-m", str(model or vision / "tiny.gguf"), "-t", "0", "-n",
+                        "12", *args], input=lines.encode(), capture_output=True, env=env, timeout=300)
     assert r.returncode == 0 and "Traceback" not in r.stderr.decode(), r.stderr.decode()
     assert "error" not in r.stderr.decode(), r.stderr.decode()
     return r.stdout.decode().splitlines()
@@ -349,6 +349,12 @@ def test_the_prompt_cache_keys_an_image_by_its_bytes_and_answers_as_without_it(q
     other = ask("blue.png", "Second question?")  # another image early in the prompt: little of it is held
     assert other["usage"]["cached_tokens"] < 64
     assert other["text"] == ask("blue.png", "Second question?", "--no-cache")["text"]
+    # The same image through another projector is another context: what the first made of it is not taken.
+    write_tiny_projector(vision.parent / "mmproj-other.gguf", seed=7)
+    through = ("--mmproj", vision.parent / "mmproj-other.gguf")
+    elsewhere = ask("red.png", "Second question?", *through)
+    assert elsewhere["usage"]["cached_tokens"] < 64
+    assert elsewhere["text"] == ask("red.png", "Second question?", "--no-cache", *through)["text"]
 
 
 @pytest.fixture(scope="module")
@@ -434,3 +440,100 @@ def test_a_session_keeps_the_projector_it_was_given_for_the_images_that_come_lat
     assert seen > json.loads(quipu(*run, "-S", "blind", "Hello.").stdout)["usage"]["prompt_tokens"] + 4
     r = quipu(*run, "--mmproj", tmp_path / "none.gguf", "Hello.")
     assert r.returncode == 2 and "the projector" in r.stderr.decode() and "is not a file" in r.stderr.decode()
+
+
+@pytest.fixture(scope="module")
+def mrope(tmp_path_factory):
+    """A tiny M-RoPE pair, as Qwen2-VL is: a text model of architecture qwen2vl, and its projector."""
+    from tinymodel import write_tiny_mrope_projector
+
+    folder = tmp_path_factory.mktemp("mrope")
+    write_tiny_gguf(folder / "tiny-vl.gguf", architecture="qwen2vl", rope_sections=[4, 6, 6, 0])
+    write_tiny_mrope_projector(folder / "mmproj-vl.gguf")
+    return folder
+
+
+def llama_cpp_reads(model, projector, image, text: str) -> list[float]:
+    """The logits after llama.cpp's own helper reads `text` with `image` at its marker
+    (`mtmd_helper_eval_chunks`, as llama-mtmd-cli does), on a fresh context."""
+    import ctypes
+
+    from quipu.engine.native import lc, load_mtmd
+
+    m = load_mtmd()
+    mp = lc.llama_model_default_params()
+    llm = lc.llama_model_load_from_file(str(model).encode(), mp)
+    cp = lc.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 1024, 256, 256, 2, 2
+    ctx = lc.llama_init_from_model(llm, cp)
+    params = m.mtmd_context_params_default()
+    params.use_gpu, params.n_threads, params.warmup = False, 2, False
+    mctx = m.mtmd_init_from_file(str(projector).encode(), llm, params)
+    data = image.read_bytes()
+    bitmap = m.mtmd_helper_bitmap_init_from_buf(mctx, (ctypes.c_ubyte * len(data)).from_buffer_copy(data), len(data),
+                                                False)
+    chunks = m.mtmd_input_chunks_init()
+    raw = text.replace("<IMAGE>", m.mtmd_default_marker().decode()).encode()
+    given = m.mtmd_input_text(raw, len(raw), True, True)
+    assert m.mtmd_tokenize(mctx, chunks, ctypes.byref(given), (m.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) == 0
+    done = lc.llama_pos(0)
+    assert m.mtmd_helper_eval_chunks(mctx, ctx, chunks, 0, 0, 256, True, ctypes.byref(done)) == 0
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(llm))
+    logits = lc.llama_get_logits_ith(ctx, -1)
+    out = [logits[i] for i in range(n_vocab)]
+    m.mtmd_input_chunks_free(chunks)
+    m.mtmd_bitmap_free(bitmap)
+    m.mtmd_free(mctx)
+    lc.llama_free(ctx)
+    lc.llama_model_free(llm)
+    return out
+
+
+@pytest.mark.parametrize("pair", ["gemma3", "mrope"])
+def test_a_prompt_with_an_image_is_read_as_llama_cpp_reads_it(pair, vision, mrope):
+    from quipu.engine.base import ContextSettings
+    from quipu.engine.llama import LlamaBackend
+    from quipu.sessions.prompt import Rendered
+
+    model, projector = ((vision / "tiny.gguf", vision / "mmproj-tiny.gguf") if pair == "gemma3"
+                        else (mrope / "tiny-vl.gguf", mrope / "mmproj-vl.gguf"))
+    text = "<|im_start|>user\n<IMAGE>What is it?<|im_end|>\n<|im_start|>assistant\n"
+    theirs = llama_cpp_reads(model, projector, vision / "red.png", text)
+    with LlamaBackend(model, ContextSettings(n_ctx=1024, n_threads=2)) as backend:
+        backend.open_projector(projector)
+        mark = backend.media_mark((vision / "red.png").read_bytes())
+        tokens = [backend.bos_token()] + Rendered([(text.replace("<IMAGE>", mark), False)]).tokenize_from(backend, 0)
+        backend.prefill(tokens, 0)
+        from quipu.engine.native import lc
+
+        row = lc.llama_get_logits_ith(backend._ctx, -1)  # (the context's own logits, as llama.cpp's above)
+        ours = [row[i] for i in range(backend.n_vocab)]
+        assert backend.positions() == len(tokens)
+        assert ours == theirs  # (the same positions, the same numbers: bit for bit)
+
+
+def test_an_m_rope_session_resumes_and_is_read_again_alike_and_its_cache_answers_as_without(quipu, mrope, vision,
+                                                                                              home):
+    def turn(*args, stdin=None):
+        r = quipu("run", "-m", mrope / "tiny-vl.gguf", "-t", "0", "-n", "12", "--json", *args, input=stdin)
+        assert r.returncode == 0, r.stderr.decode()
+        return json.loads(r.stdout)
+
+    first = turn("-S", "a", "-a", vision / "red.png", "What is it?")
+    kept = turn("-S", "a", "And now?")
+    assert kept["usage"]["cached_tokens"] >= first["usage"]["prompt_tokens"]  # (restored, image and all)
+    assert turn("-S", "b", "-a", vision / "red.png", "What is it?")["text"] == first["text"]
+    for path in session_files(home).glob("b.kv*"):
+        path.unlink()
+    assert turn("-S", "b", "And now?")["text"] == kept["text"]  # (read again: the image's positions alike)
+    doc = "the sky is blue and the world is hello " * 20
+    turn("-a", vision / "red.png", "First?", stdin=doc)
+    cached = turn("-a", vision / "red.png", "Second?", stdin=doc)
+    assert cached["usage"]["cached_tokens"] >= 256
+    assert cached["text"] == turn("-a", vision / "red.png", "Second?", "--no-cache", stdin=doc)["text"]
+    # /undo over the image's turn: the context goes back, and a turn with another image is a fresh one's.
+    model = mrope / "tiny-vl.gguf"
+    fresh = chat(home, vision, f"/attach {vision / 'blue.png'}\nWhat is it?\n", "-S", "m-fresh", model=model)
+    undone = chat(home, vision, f"/attach {vision / 'red.png'}\nWhat is it?\n/undo\n/attach {vision / 'blue.png'}\n"
+                                "What is it?\n", "-S", "m-undo", model=model)
+    assert undone[-1] == fresh[-1]

@@ -143,6 +143,7 @@ def write_tiny_gguf(
     split_max_tensors: int = 0,
     tool_specials: bool = False,
     extra_specials: Sequence[str] = (),
+    rope_sections: Sequence[int] = (),
 ) -> Path:
     """`tokenizer`: "spm" (SentencePiece with byte fallback, as Llama 2 and Gemma) or "bpe"
     (GPT-2 style byte-level BPE, as Llama 3, Qwen and most recent models). With
@@ -172,6 +173,8 @@ def write_tiny_gguf(
     writer.add_head_count_kv(n_head_kv)
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
+    if rope_sections:  # (M-RoPE: the rotary dimensions of time, height, width and the rest)
+        writer.add_rope_dimension_sections(list(rope_sections))
     if tokenizer == "bpe":
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("default")
@@ -312,6 +315,59 @@ def write_tiny_audio_projector(path: Path, *, n_embd_text: int = 128, n_embd: in
     writer.add_tensor("a.post_ln.bias", np.zeros(n_embd, dtype=np.float32))
     writer.add_tensor("mm.a.fc.weight", w(n_embd_text, n_embd))
     writer.add_tensor("mm.a.fc.bias", w(n_embd_text))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_tiny_mrope_projector(path: Path, *, n_embd_text: int = 128, n_embd: int = 32, n_ff: int = 64,
+                               n_layer: int = 1, n_head: int = 2, patch: int = 14, seed: int = 3) -> Path:
+    """A tiny random vision projector of the kind clip.cpp reads as Qwen2-VL's: patches of two
+    frames, M-RoPE in the encoder, four patches merged into one position, whose positions in
+    the text model's context are M-RoPE ones too (a text model of architecture qwen2vl)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_name("tiny-mrope-projector")
+    writer.add_file_type(0)
+    writer.add_string("clip.projector_type", "qwen2vl_merger")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_bool("clip.has_audio_encoder", False)
+    writer.add_bool("clip.use_gelu", True)
+    for key, value in (("embedding_length", n_embd), ("feed_forward_length", n_ff), ("block_count", n_layer),
+                       ("projection_dim", n_embd_text), ("attention.head_count", n_head), ("image_size", 56),
+                       ("patch_size", patch)):
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer.add_tensor("v.patch_embd.weight", w(n_embd, 3, patch, patch))
+    writer.add_tensor("v.patch_embd.weight.1", w(n_embd, 3, patch, patch))
+    for i in range(n_layer):
+        p = f"v.blk.{i}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            writer.add_tensor(p + name + ".weight", w(n_embd, n_embd))
+            writer.add_tensor(p + name + ".bias", w(n_embd))
+        for name in ("ln1", "ln2"):
+            writer.add_tensor(p + name + ".weight", np.ones(n_embd, dtype=np.float32))
+            writer.add_tensor(p + name + ".bias", np.zeros(n_embd, dtype=np.float32))
+        writer.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
+        writer.add_tensor(p + "ffn_up.bias", w(n_ff))
+        writer.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
+        writer.add_tensor(p + "ffn_down.bias", w(n_embd))
+    writer.add_tensor("v.post_ln.weight", np.ones(n_embd, dtype=np.float32))
+    writer.add_tensor("v.post_ln.bias", np.zeros(n_embd, dtype=np.float32))
+    writer.add_tensor("mm.0.weight", w(4 * n_embd, 4 * n_embd))
+    writer.add_tensor("mm.0.bias", w(4 * n_embd))
+    writer.add_tensor("mm.2.weight", w(n_embd_text, 4 * n_embd))
+    writer.add_tensor("mm.2.bias", w(n_embd_text))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -40,6 +40,19 @@ def open_cache(env: Environment, no_cache: bool) -> PromptCache | None:
 CANON_BASE = 1 << 40
 
 
+def cache_digests(session: InferenceSession) -> list[str]:
+    """What names each medium of the context in the cache: its SHA-256 with the projector's
+    fingerprint, since what an image becomes is the projector's doing."""
+    import hashlib
+
+    backend = session.backend
+    digests = backend.media_digests()
+    if not digests or backend.projector_path is None:
+        return digests
+    made_by = fingerprint(backend.projector_path)
+    return [hashlib.sha256(f"{d}:{made_by}".encode()).hexdigest() for d in digests]
+
+
 def canonical(tokens: Sequence[int], digests: Sequence[str]) -> list[int]:
     """Tokens as the cache keeps them: a medium's placeholders (which name it by its place in
     this context, `engine/media.py`) as ids made of its SHA-256, the same in every process."""
@@ -76,7 +89,7 @@ def whole_media(tokens: Sequence[int], keep: int) -> int:
 def cache_lookup(session: InferenceSession, tokens: list[int], model_path, cache: PromptCache) -> CacheUse:
     """Restores the longest cached beginning of `tokens` into the session, if any."""
     key = cache_key(session, model_path)
-    digests = session.backend.media_digests()
+    digests = cache_digests(session)
     tokens = canonical(tokens, digests)
     hit = cache.lookup(key, tokens)
     reused = 0
@@ -94,7 +107,7 @@ def cache_lookup(session: InferenceSession, tokens: list[int], model_path, cache
 
 def cached_count(session: InferenceSession, tokens: list[int], model_path, cache: PromptCache) -> int:
     """How many of `tokens` a run would restore from the prompt cache (`--show-prompt`)."""
-    tokens = canonical(tokens, session.backend.media_digests())
+    tokens = canonical(tokens, cache_digests(session))
     found = cache.peek(cache_key(session, model_path), tokens)
     return whole_media(tokens, session.backend.step_start(min(found, len(tokens) - 1))) if found else 0
 

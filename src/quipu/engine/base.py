@@ -158,6 +158,10 @@ class Backend(Protocol):
     def media_digests(self) -> list[str]:
         """The SHA-256 of each medium the context holds, in the order it took them."""
 
+    def place_media(self, tokens: Sequence[int]) -> None:
+        """The token history a restored context holds, so that its media's positions are known
+        (on an M-RoPE model a medium takes fewer positions than cells)."""
+
     def prefill(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None) -> None:
         """Decodes `tokens` at positions start.., in batches; logits are kept for the last one."""
 

@@ -174,9 +174,10 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
             n = min(total - offset, n_batch - (start + offset) % n_batch)
             chunk = tokens[offset : offset + n]
             last_chunk = offset + n == total
+            first = self.position(start + offset)  # (a text's positions run on from its first)
             for i, tok in enumerate(chunk):
                 batch.token[i] = tok
-                batch.pos[i] = start + offset + i
+                batch.pos[i] = first + i
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = 0
                 batch.logits[i] = last_chunk and i == n - 1
@@ -199,7 +200,7 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
             return
         batch = self._batch
         batch.token[0] = token
-        batch.pos[0] = pos
+        batch.pos[0] = self.position(pos)
         batch.n_seq_id[0] = 1
         batch.seq_id[0][0] = 0
         batch.logits[0] = True
@@ -219,12 +220,16 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         `positions()` then says 0, and the tokens are read again."""
         if n_keep <= 0:
             lc.llama_memory_clear(self._mem, True)
+            self.forget_positions(0)
             return
-        if not lc.llama_memory_seq_rm(self._mem, 0, n_keep, -1):
+        keep = self.position(n_keep)
+        self.forget_positions(n_keep)
+        if not lc.llama_memory_seq_rm(self._mem, 0, keep, -1):
             raise EngineError("llama.cpp could not trim the context")
         n_swa = lc.llama_model_n_swa(self.model.ptr)
-        if n_swa > 0 and lc.llama_memory_seq_pos_min(self._mem, 0) > max(0, n_keep - n_swa):
+        if n_swa > 0 and lc.llama_memory_seq_pos_min(self._mem, 0) > max(0, keep - n_swa):
             lc.llama_memory_clear(self._mem, True)
+            self.forget_positions(0)
 
     def shift_refused(self) -> str | None:
         """Why cells cannot be dropped from the middle of the context with those after them
@@ -247,7 +252,10 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         lc.llama_memory_seq_add(self._mem, 0, end, -1, start - end)
 
     def positions(self) -> int:
-        return lc.llama_memory_seq_pos_max(self._mem, 0) + 1
+        """How many tokens of the history the context holds (its positions, where media take as
+        many as their cells)."""
+        last = lc.llama_memory_seq_pos_max(self._mem, 0)
+        return self.index_after(last) if last >= 0 else 0
 
     def reopen(self) -> "LlamaBackend":
         """A new context with the same settings on the same loaded model: no second load."""

@@ -58,6 +58,8 @@ class StateBytes:
             return "a recurrent or hybrid model's memory"
         if lc.llama_model_n_swa(model) > 0:
             return "a sliding-window cache"
+        if lc.llama_model_rope_type(model) in (lc.LLAMA_ROPE_TYPE_MROPE, lc.LLAMA_ROPE_TYPE_IMROPE):
+            return "an M-RoPE model (its images' positions are not their cells')"
         return None
 
     @property

@@ -7,7 +7,9 @@ medium's place in this context's list of media, i: the position in its run), whi
 has. The run's last placeholder spells the medium's marker (`media_mark(k)`) and the others
 nothing, so a rendering that holds the same medium in the same place keeps the run, and one that
 holds another reads on from there. The projector's own wrapping (Gemma 3's `<start_of_image>`
-... `<end_of_image>`) is text around the run, as mtmd tokenizes it."""
+... `<end_of_image>`) is text around the run, as mtmd tokenizes it. On an M-RoPE model
+(Qwen2-VL's kind) a medium takes fewer positions than cells, and the context's positions are
+kept apart from the history's indices (`position`)."""
 
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ class _Medium:
     chunk: Any  # the media chunk among them
     before: list[int]  # the text tokens the projector wraps it in
     after: list[int]
-    n: int  # the positions it takes
+    n: int  # the cells it takes (its placeholders)
+    n_pos: int  # the positions it moves the context on by: n, or fewer on an M-RoPE model
 
 
 class Projector:
@@ -58,9 +61,7 @@ class Projector:
         self.path = path
         self.sees = bool(m.mtmd_support_vision(ptr))
         self.hears = bool(m.mtmd_support_audio(ptr))
-        if m.mtmd_decode_use_mrope(ptr):
-            self.close()
-            raise UsageError(f"the projector {path} places media by M-RoPE positions, which quipu does not read")
+        self.mrope = bool(m.mtmd_decode_use_mrope(ptr))
 
     def close(self) -> None:
         if self.ptr:
@@ -140,14 +141,15 @@ class Media:
             if chunk is None:
                 raise UsageError("the projector made nothing of this medium")
             n_tokens = m.mtmd_input_chunk_get_n_tokens(chunk)
-            if n_tokens >= MEDIA_SPAN or m.mtmd_input_chunk_get_n_pos(chunk) != n_tokens:
+            n_pos = m.mtmd_input_chunk_get_n_pos(chunk)
+            if n_tokens >= MEDIA_SPAN:
                 raise UsageError(f"this medium takes {n_tokens} positions, more than quipu places")
         except BaseException:
             m.mtmd_input_chunks_free(chunks)
             raise
         finally:
             m.mtmd_bitmap_free(bitmap)
-        return _Medium(digest, chunks, chunk, before, after, n_tokens)
+        return _Medium(digest, chunks, chunk, before, after, n_tokens, n_pos)
 
     def media_digests(self) -> list[str]:
         """The SHA-256 of each medium this context holds, in the order it took them (k)."""
@@ -171,9 +173,9 @@ class Media:
             return media_mark(k).encode()
         return b""
 
-    def decode_media(self, tokens: Sequence[int], pos: int, logits_last: bool) -> None:
+    def decode_media(self, tokens: Sequence[int], at: int, logits_last: bool) -> None:
         """Decodes the run of a medium that `tokens` (its placeholders, the whole run) stand for,
-        at positions from `pos` on."""
+        from the token history's index `at` on."""
         k, i = divmod(tokens[0] - MEDIA_BASE, MEDIA_SPAN)
         media = getattr(self, "_media", [])
         if k >= len(media) or i != 0 or len(tokens) != media[k].n:
@@ -181,11 +183,71 @@ class Media:
         assert self._projector is not None
         m = _mtmd()
         done = lc.llama_pos(0)
+        start = self.position(at)
         LOG.clear_errors()
-        rc = m.mtmd_helper_eval_chunk_single(self._projector.ptr, self._ctx, media[k].chunk, pos, 0,
+        rc = m.mtmd_helper_eval_chunk_single(self._projector.ptr, self._ctx, media[k].chunk, start, 0,
                                              self.context.n_batch, logits_last, ctypes.byref(done))
         if rc != 0:
             raise EngineError(f"llama.cpp could not read a medium into the context (code {rc}){LOG.reason()}")
+        self._moved(at, media[k])
+
+    # ---- positions, where a medium takes fewer than its cells (M-RoPE) ----------------------
+    #
+    # On an M-RoPE model (Qwen2-VL's kind) an image's cells all sit at the position it starts at,
+    # and the text after it goes on `n_pos` positions later, fewer than its cells: a token's
+    # position is its index in the history less what the media before it saved. `_runs` holds,
+    # for each such medium in the context, (its first index, its end, its position, what the
+    # media up to its end have saved); elsewhere it stays empty and a position is an index.
+
+    def _moved(self, at: int, medium: _Medium) -> None:
+        if medium.n_pos == medium.n:
+            return
+        placed = self._position_runs()
+        saved = (placed[-1][3] if placed else 0) + medium.n - medium.n_pos
+        placed.append((at, at + medium.n, self.position(at), saved))
+
+    def _position_runs(self) -> list[tuple[int, int, int, int]]:
+        if "_runs" not in self.__dict__:
+            self._runs: list[tuple[int, int, int, int]] = []
+        return self._runs
+
+    def position(self, index: int) -> int:
+        """The position in the context of the token at `index` of the history."""
+        saved = 0
+        for start, end, pos, total in self.__dict__.get("_runs", ()):
+            if index < start:
+                break
+            if index < end:
+                return pos
+            saved = total
+        return index - saved
+
+    def index_after(self, last_position: int) -> int:
+        """How many tokens of the history the context holds, from its last position."""
+        saved = 0
+        for _start, end, pos, total in self.__dict__.get("_runs", ()):
+            if last_position == pos:
+                return end  # (it ends with this medium: its cells are all at its position)
+            if last_position < pos:
+                break
+            saved = total
+        return last_position + 1 + saved
+
+    def forget_positions(self, n_keep: int) -> None:
+        """The media past the first `n_keep` tokens of the history are gone from the context."""
+        placed = self.__dict__.get("_runs")
+        if placed:
+            placed[:] = [r for r in placed if r[1] <= n_keep]
+
+    def place_media(self, tokens: Sequence[int]) -> None:
+        """The history a restored context holds: where its media sit (see `position`)."""
+        self._position_runs().clear()
+        media = getattr(self, "_media", [])
+        for begin, end, is_run in runs(tokens):
+            if is_run:
+                k = (tokens[begin] - MEDIA_BASE) // MEDIA_SPAN
+                if k < len(media) and end - begin == media[k].n:
+                    self._moved(begin, media[k])
 
 
 def is_media(token: int) -> bool:

@@ -259,6 +259,7 @@ class InferenceSession(HeldTokens):
                 backend.restore_pieces(snap.state, snap.pieces)
             else:
                 backend.restore_bytes(snap.state)
+            backend.place_media(snap.tokens[:held])
             if snap.state_decoded is not None and backend.positions() > held:
                 backend.truncate(held)  # (the state holds more than the transcript's tokens bear out)
             if backend.positions() != held or held > snap.n_decoded:
@@ -284,6 +285,7 @@ class InferenceSession(HeldTokens):
         started = time.perf_counter()
         self.rewind(0)
         self.backend.restore_bytes(state)
+        self.backend.place_media(held)
         if self.backend.positions() != len(held):
             self.backend.truncate(0)
             raise EngineError("the cached state does not match its tokens")
