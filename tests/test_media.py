@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -537,3 +538,41 @@ def test_an_m_rope_session_resumes_and_is_read_again_alike_and_its_cache_answers
     undone = chat(home, vision, f"/attach {vision / 'red.png'}\nWhat is it?\n/undo\n/attach {vision / 'blue.png'}\n"
                                 "What is it?\n", "-S", "m-undo", model=model)
     assert undone[-1] == fresh[-1]
+
+
+IMAGES_FIRST = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
+                "{% else %}{% for p in m.content %}{% if p.type == 'image' %}<image>{% endif %}{% endfor %}"
+                "{% for p in m.content %}{% if p.type == 'text' %}{{ p.text }}{% endif %}{% endfor %}{% endif %}"
+                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_an_image_goes_where_the_chat_template_puts_an_image_part(quipu, vision, tmp_path):
+    import base64
+
+    from quipu.sessions.template import ChatTemplate
+
+    templates = Path(__file__).parent / "templates"
+    # What a template writes for an image part, found by rendering one: the model's own placeholder.
+    assert ChatTemplate((templates / "Qwen3.5-4B.jinja").read_text()).image_placeholder == \
+        "<|vision_start|><|image_pad|><|vision_end|>"
+    assert ChatTemplate((templates / "Mistral-Small-3.2-24B-Instruct-2506.jinja").read_text()).image_placeholder == \
+        "[IMG]"
+    assert ChatTemplate(None).image_placeholder is None  # (ChatML reads text alone: the marker stays in it)
+    (tmp_path / "first.jinja").write_text(IMAGES_FIRST)
+    data = base64.b64encode((vision / "red.png").read_bytes()).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look: "},
+                                             {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}]}]
+    (tmp_path / "m.json").write_text(json.dumps(messages))
+    shown = {}
+    for name, template in (("placed", tmp_path / "first.jinja"), ("joined", None)):
+        r = quipu("run", "-m", vision / "tiny.gguf", "--messages", tmp_path / "m.json", "--show-prompt",
+                  *(("--chat-template", template) if template else ()))
+        assert r.returncode == 0, r.stderr.decode()
+        shown[name] = r.stdout.decode()
+    assert shown["placed"].index("<__media__>") < shown["placed"].index("Look:")  # (the template puts images first)
+    assert shown["joined"].index("Look:") < shown["joined"].index("<__media__>")  # (ChatML: where the part was)
+    assert "<image>" not in shown["placed"]
+    # A template's own placeholder is not written beside the projector's wrapping.
+    r = quipu("run", "-m", vision / "tiny.gguf", "--chat-template", templates / "Qwen3.5-4B.jinja", "--ctx", "8192",
+              "-a", vision / "red.png", "--show-prompt", "What is it?")
+    assert r.returncode == 0 and "<__media__>" in r.stdout.decode() and "image_pad" not in r.stdout.decode()

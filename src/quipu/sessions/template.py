@@ -6,10 +6,11 @@ import contextvars
 
 import functools
 import json
+import os
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Sequence
 
-from quipu.engine.base import Backend
+from quipu.engine.base import MEDIA_MARK, Backend
 from quipu.errors import TemplateError
 
 if TYPE_CHECKING:
@@ -64,8 +65,70 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool, **variables: Any) -> str:
         """The template's text for `messages`. A template that refuses a system message gets it
-        joined to the first user message instead (`folds_system` then says so)."""
+        joined to the first user message instead (`folds_system` then says so). A medium in a
+        message's text (its marker, `engine.base.MEDIA_MARK`) goes where the template puts an
+        image of the message's content parts, where it has a place for one (`image_placeholder`)."""
         messages = list(messages)
+        if self.image_placeholder and any(MEDIA_MARK.search(str(m.get("content") or "")) for m in messages):
+            placed = self._render_media(messages, add_generation_prompt, variables)
+            if placed is not None:
+                return placed
+        return self._render_text(messages, add_generation_prompt, variables)
+
+    def _render_media(self, messages: list, add_generation_prompt: bool, variables: dict) -> str | None:
+        """The messages with media as content parts (`{"type": "image"}` between text parts, as
+        transformers passes them), each template's placeholder for one then the medium's marker;
+        None where the template does not place each of them once (the markers stay in the text)."""
+        marks: list[str] = []
+
+        def parts(content: str) -> list[dict[str, str]]:
+            out, at = [], 0
+            for found in MEDIA_MARK.finditer(content):
+                if found.start() > at:
+                    out.append({"type": "text", "text": content[at:found.start()]})
+                out.append({"type": "image"})
+                marks.append(found.group(0))
+                at = found.end()
+            if at < len(content):
+                out.append({"type": "text", "text": content[at:]})
+            return out
+
+        given = [{**m, "content": parts(m["content"])} if isinstance(m.get("content"), str)
+                 and MEDIA_MARK.search(m["content"]) else m for m in messages]
+        try:
+            text = self._render_text(given, add_generation_prompt, variables)
+        except (TemplateError, TypeError):  # (a system prompt folded into parts, say)
+            return None
+        placeholder = self.image_placeholder
+        assert placeholder is not None
+        if text.count(placeholder) != len(marks):
+            return None
+        for mark in marks:
+            text = text.replace(placeholder, mark, 1)
+        return text
+
+    @functools.cached_property
+    def image_placeholder(self) -> str | None:
+        """What the template writes for an image part of a message's content (Gemma 3's
+        `<start_of_image>`, Qwen-VL's `<|vision_start|><|image_pad|><|vision_end|>`), found by
+        rendering a message with one and without; None for a template without a place for one
+        (one that reads `content` as text alone, or writes nothing for an image)."""
+        said = "\ue010"
+        try:
+            plain = self._render([{"role": "user", "content": said}], True, {})
+            as_parts = self._render([{"role": "user", "content": [{"type": "text", "text": said}]}], True, {})
+            with_image = self._render([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": said}]}],
+                                      True, {})
+        except TemplateError:
+            return None
+        if as_parts != plain or said not in with_image:
+            return None
+        head = len(os.path.commonprefix([as_parts, with_image]))
+        tail = len(os.path.commonprefix([as_parts[head:][::-1], with_image[head:][::-1]]))
+        placeholder = with_image[head:len(with_image) - tail]
+        return placeholder if placeholder.strip() and said not in placeholder else None
+
+    def _render_text(self, messages: list, add_generation_prompt: bool, variables: dict) -> str:
         if any(m.get("tool_calls") for m in messages) and self.string_arguments:
             messages = [_arguments_as_json(m) for m in messages]
         if self.folds_system:
@@ -98,7 +161,7 @@ class ChatTemplate:
         except TemplateError:
             return False
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool, variables: dict) -> str:
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, variables: dict) -> str:
         from jinja2 import TemplateError as JinjaError
 
         # The output is bounded as it is made: a template (from a downloaded file, a session) must
