@@ -107,7 +107,7 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     the result is out."""
     with closing(open_host(opts.server)) as host:
         check_options(opts.asked, opts.mode, host.capabilities)
-        files, media = attached(prompt, opts, host.capabilities)
+        files, media = attached(opts, host.capabilities)
         tools = open_tools(opts.tool_options, env, constrained=opts.constrained, stopped=sink.stopped,
                            on_output=hooks.on_output if hooks is not None else None)
         try:
@@ -127,7 +127,7 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     return result
 
 
-def attached(prompt: str | None, opts: TurnOptions, host: Capabilities) -> tuple[list, list]:
+def attached(opts: TurnOptions, host: Capabilities) -> tuple[list, list]:
     """The text files and the images and recordings `--attach` gives (`attachments.Attachment`),
     all read, and refused in one line, before the model is loaded; `compose` puts them in the
     message."""
@@ -337,7 +337,7 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
     generating or saving anything."""
     with closing(open_host(opts.server)) as host:
         check_options(opts.asked, opts.mode, host.capabilities, show=True)
-        files, media = attached(prompt, opts, host.capabilities)
+        files, media = attached(opts, host.capabilities)
         if opts.session is not None:
             return _show_session_prompt(prompt, opts, env, host, files, media)
         if not prompt and not opts.messages and not media and not files:
