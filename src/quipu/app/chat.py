@@ -202,6 +202,7 @@ class ChatSession:
     def send(self, text: str, sink: ReplySink = SILENT) -> TurnOutcome:
         conv = self._named.conversation
         skip_pending(conv)  # (calls left waiting are answered "not run")
+        documents = conv.variables.get("documents")
         if self.attached:
             from quipu.app.attachments import split_media
             from quipu.app.turns import compose
@@ -209,8 +210,12 @@ class ChatSession:
             text = compose(conv, text, split_media(self.attached)[0], self._marks) or ""
         self._named.warm(text)
         outcome = self._turn(lambda **kw: conv.send(text, **kw), sink, message=text)
-        if not (outcome.context_full and not outcome.generation.tokens):  # (not sent: they wait for it again)
+        if not (outcome.context_full and not outcome.generation.tokens):
             self.attached, self._marks = [], ""
+        elif self.attached:  # (not sent: they wait for it again, its documents not yet given)
+            conv.variables["documents"] = documents
+            if documents is None:
+                del conv.variables["documents"]
         return outcome
 
     def attach(self, name: str) -> Attachment:
