@@ -30,7 +30,8 @@ FILES = {
     "sentences.txt": "The sky is blue.\nGrass is green.\n",
     "invoice.txt": "Invoice 17. Total: 42.50 EUR. Due on 2026-12-31.\n",
     "person.schema.json": '{"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, '
-                          '"age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"]}\n',
+                          '"age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"], '
+                          '"additionalProperties": false}\n',  # (a small model given room invents keys past -n)
     "reply.json": '{"type": "object", "properties": {"answer": {"type": "string", "maxLength": 80}}, '
                   '"required": ["answer"]}\n',
     "yes-no.gbnf": 'root ::= "yes" | "no"\n',
