@@ -102,11 +102,18 @@ def discover(models_dir: Path, environ: Mapping[str, str], configured: Mapping[s
 SPLIT_PART = re.compile(r"-(\d{5})-of-\d{5}\.gguf$")
 
 
+def is_projector(name: str) -> bool:
+    """Whether a file's name is a projector's (`mmproj*.gguf`: images and audio for a model), not
+    a model's."""
+    lowered = name.lower()
+    return lowered.startswith("mmproj") and lowered.endswith(".gguf")
+
+
 def _is_language_model(path: Path) -> bool:
     """A GGUF model file: not a vision projector, and of a model in parts only the first (llama.cpp
     finds the others beside it)."""
     part = SPLIT_PART.search(path.name)
-    return path.suffix == ".gguf" and not path.name.startswith("mmproj") and (part is None or part.group(1) == "00001")
+    return path.suffix == ".gguf" and not is_projector(path.name) and (part is None or part.group(1) == "00001")
 
 
 def _huggingface(root: Path) -> list[ModelEntry]:
@@ -247,7 +254,7 @@ def projector_beside(model_path: Path) -> Path | None:
     # (the link's folder first: a snapshot's files are links into its blobs; then the file's own, for `models add`)
     for folder in dict.fromkeys((model_path.parent, model_path.resolve().parent)):
         try:
-            found = sorted(p for p in folder.glob("*.gguf") if p.name.lower().startswith("mmproj"))
+            found = sorted(p for p in folder.glob("*.gguf") if is_projector(p.name))
         except OSError:
             continue
         if found:

@@ -6,7 +6,7 @@ A text file (UTF-8) goes to the model as a delimited block before the message, w
 An image (PNG, JPEG, WebP, GIF, BMP) or a recording (WAV, MP3, FLAC) is known here with its
 size read from its header alone (an image's pixel count is checked before anything decodes it,
 so a file that claims a huge picture allocates nothing); whether the model can take it is the
-host's to say (`media_refusal`)."""
+host's to say (`cannot_take`)."""
 
 from __future__ import annotations
 

@@ -171,7 +171,7 @@ class ChatSession:
             gen = action(max_tokens=limit, stop=stop, sink=sink)
             gen, calls, notes = follow_calls(named.conversation, self.tools, gen, self.opts.tool_options, limit, stop, sink,
                                              self.hooks, lambda found: named.keeper.take_media(
-                                                 named.session, self.store, found, self.opts.mmproj))
+                                                 named.session, self.store, found))
             named.notices += notes
         except ContextOverflow as exc:
             if message is not None:
@@ -227,7 +227,7 @@ class ChatSession:
         if found.kind is not TEXT:
             self.capabilities.require("media", chat=True)
             named = self._named
-            self._marks += named.keeper.take_media(named.session, self.store, [found], self.opts.mmproj)
+            self._marks += named.keeper.take_media(named.session, self.store, [found])
         self.attached.append(found)
         return found
 

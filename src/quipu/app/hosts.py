@@ -61,11 +61,10 @@ class Keeper(Protocol[S]):
     def model_for_new(self, opts: TurnOptions) -> str | None:
         """The model a new session started from this one takes (`/new`)."""
 
-    def take_media(self, session: S, store: "SessionStore | None", media: "Sequence[Attachment]",
-                   mmproj: str | None) -> str:
+    def take_media(self, session: S, store: "SessionStore | None", media: "Sequence[Attachment]") -> str:
         """Makes a message's images and recordings ready in the session (their bytes kept in
-        `store`, a named session's): their markers, for the message's text; refused in one line
-        where they cannot be."""
+        `store`, a named session's; the projector the keeper was given, else the one beside the
+        model): their markers, for the message's text; refused in one line where they cannot be."""
 
 
 @dataclass
@@ -116,7 +115,7 @@ class NoCache:
     def model_for_new(self, opts: TurnOptions) -> str | None:
         return opts.model
 
-    def take_media(self, session, store, media, mmproj) -> str:
+    def take_media(self, session, store, media) -> str:
         from quipu.app.attachments import session_refusal
 
         raise session_refusal(media[0])

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from quipu.errors import QuipuError, UsageError
+from quipu.models import is_projector
 from quipu.paths import private_dir
 from quipu.store.pulled import PulledModel, PulledRecord
 from quipu.store.store import atomic_write, flock_until
@@ -106,7 +107,7 @@ def choose(repo: str, files: list[HubFile], wanted: str | None) -> PullPlan:
     groups: dict[str, list[HubFile]] = {}
     for f in files:
         name = Path(f.path).name
-        if not name.lower().endswith(".gguf") or name.lower().startswith("mmproj"):
+        if not name.lower().endswith(".gguf") or is_projector(name):
             continue
         groups.setdefault(quant_of(name) or SPLIT.sub("", name).removesuffix(".gguf"), []).append(f)
     if not groups:
@@ -254,8 +255,7 @@ def projector_of(files: list[HubFile], model: str) -> HubFile | None:
     """The projector (`mmproj*.gguf`) beside the model file in its repository, the most precise
     of them where there are several; None for none."""
     folder = str(Path(model).parent)
-    found = sorted((f for f in files if Path(f.path).name.lower().startswith("mmproj")
-                    and f.path.lower().endswith(".gguf") and str(Path(f.path).parent) == folder),
+    found = sorted((f for f in files if is_projector(Path(f.path).name) and str(Path(f.path).parent) == folder),
                    key=lambda f: f.path)
     if not found:
         return None

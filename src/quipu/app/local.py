@@ -72,14 +72,14 @@ def open_session(opts: TurnOptions, env: Environment) -> tuple[str, Path, Infere
 
 def with_projector(backend: Backend, model_path: Path, mmproj: str | None,
                    media: Sequence[Attachment]) -> list[str]:
-    """Loads the model's projector (`--mmproj`, else the one beside the model) into the session's
-    context, and makes `media` ready in it: the marker of each, for a message's text."""
+    """Loads the model's projector (`mmproj`: --mmproj, or the one a session was given; else the
+    one beside the model) into the session's context, and makes `media` ready in it: the marker
+    of each, for a message's text."""
     if backend.projector_path is None:
-        path = Path(mmproj).expanduser() if mmproj else projector_beside(model_path)
+        given = given_projector(mmproj)
+        path = Path(given) if given is not None else projector_beside(model_path)
         if path is None:
             raise cannot_take(media[0], f"no projector beside {model_path.name}; --mmproj FILE gives one")
-        if not path.is_file():
-            raise UsageError(f"the projector {path} is not a file")
         backend.open_projector(path)
     path = backend.projector_path
     assert path is not None
@@ -119,11 +119,11 @@ def media_store(store: SessionStore) -> MediaStore:
     return MediaStore(store.root / MEDIA_FOLDER)
 
 
-def take_saved_media(backend: Backend, store: SessionStore, name: str, record: Transcript, mmproj: str | None,
-                     model_path: Path, keeper: "LocalKeeper") -> None:
+def take_saved_media(backend: Backend, store: SessionStore, name: str, record: Transcript, model_path: Path,
+                     keeper: "LocalKeeper") -> None:
     """A resumed session's media made ready again in its new context, in the order it first took
-    them (so its token history's placeholders mean the same media): its projector (the one it
-    was saved with, unless --mmproj names another), their bytes from the media folder."""
+    them (so its token history's placeholders mean the same media): its projector (the keeper's:
+    the one it was saved with, unless --mmproj names another), their bytes from the media folder."""
     from quipu.app.attachments import attachment_of
 
     kept = media_store(store)
@@ -135,7 +135,7 @@ def take_saved_media(backend: Backend, store: SessionStore, name: str, record: T
             raise SnapshotError(f"session '{name}': {exc}; its transcript was left as it is") from None
         media.append(attachment_of(entry["name"], data))
         keeper.media[entry["sha256"]] = entry
-    with_projector(backend, model_path, mmproj or keeper.projector, media)
+    with_projector(backend, model_path, keeper.projector, media)
 
 
 class LocalHost:
@@ -148,7 +148,7 @@ class LocalHost:
         projector = given_projector(opts.mmproj)  # (a wrong one is said before the model loads)
         model_name, model_path, session = open_session(opts, env)
         try:
-            marks = with_projector(session.backend, model_path, opts.mmproj, media) if media else []
+            marks = with_projector(session.backend, model_path, projector, media) if media else []
         except BaseException:
             session.close()
             raise
@@ -186,7 +186,7 @@ class LocalHost:
             load_s = time.perf_counter() - started
             params = with_logit_biases(params, backend, opts)
             if record.media:
-                take_saved_media(backend, store, name, record, opts.mmproj, model_path, keeper)
+                take_saved_media(backend, store, name, record, model_path, keeper)
             if same_model:
                 restoring = time.perf_counter()  # a rebuild from the transcript is part of restoring
                 snap = Snapshot(record.tokens, record.n_decoded, record.draws, params, saved_ctx)
@@ -307,9 +307,8 @@ class LocalKeeper:
             "build": session.backend.build,
         }
 
-    def take_media(self, session: InferenceSession, store: SessionStore | None, media: Sequence[Attachment],
-                   mmproj: str | None) -> str:
-        marks = "".join(with_projector(session.backend, self.model_path, mmproj or self.projector, media))
+    def take_media(self, session: InferenceSession, store: SessionStore | None, media: Sequence[Attachment]) -> str:
+        marks = "".join(with_projector(session.backend, self.model_path, self.projector, media))
         for medium in media:
             if store is not None:  # (a session's: kept before the transcript that names it)
                 media_store(store).put(medium.data)

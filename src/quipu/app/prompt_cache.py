@@ -60,7 +60,7 @@ def canonical(tokens: Sequence[int], digests: Sequence[str]) -> list[int]:
     for t in tokens:
         if t >= MEDIA_BASE:
             k, i = divmod(t - MEDIA_BASE, MEDIA_SPAN)
-            t = CANON_BASE + (int(digests[k], 16) << 16) + i
+            t = CANON_BASE + int(digests[k], 16) * MEDIA_SPAN + i
         out.append(t)
     return out
 
@@ -72,7 +72,7 @@ def local(tokens: Sequence[int], digests: Sequence[str]) -> list[int]:
     out = []
     for t in tokens:
         if t >= CANON_BASE:
-            digest, i = divmod(t - CANON_BASE, 1 << 16)
+            digest, i = divmod(t - CANON_BASE, MEDIA_SPAN)
             t = MEDIA_BASE + places[digest] * MEDIA_SPAN + i if digest in places else 0
         out.append(t)
     return out
@@ -81,7 +81,7 @@ def local(tokens: Sequence[int], digests: Sequence[str]) -> list[int]:
 def whole_media(tokens: Sequence[int], keep: int) -> int:
     """`keep`, moved back to where a medium's run starts when it falls inside one: a medium is
     read in whole."""
-    while 0 < keep < len(tokens) and tokens[keep] >= CANON_BASE and (tokens[keep] - CANON_BASE) % (1 << 16):
+    while 0 < keep < len(tokens) and tokens[keep] >= CANON_BASE and (tokens[keep] - CANON_BASE) % MEDIA_SPAN:
         keep -= 1
     return keep
 

@@ -215,7 +215,7 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
                 else:
                     gen = conv.answer(max_tokens=limit, stop=stop, sink=sink)
             gen, calls, tool_notes = follow_calls(conv, tools, gen, opts.tool_options, limit, stop, sink, hooks,
-                                                  lambda found: keeper.take_media(session, None, found, opts.mmproj))
+                                                  lambda found: keeper.take_media(session, None, found))
             notices = opened.notices + ([NO_TEMPLATE_NOTICE] if conv.without_template else []) + \
                 ([FOLD_NOTICE] if conv.folds_system else []) + tool_notes
         result = TurnResult.of(gen, keeper.model_name, session, None, notices)
@@ -276,7 +276,7 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
     with store.lock(name):
         named = NamedSession.open(store, name, opts, env, host, sink.reading)
         try:
-            marks = named.keeper.take_media(named.session, store, media, opts.mmproj) if media else ""
+            marks = named.keeper.take_media(named.session, store, media) if media else ""
             if files or media:
                 prompt = compose(named.conversation, prompt, files, marks)
             conv = named.conversation
@@ -300,7 +300,7 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
                     gen = conv.send(prompt, max_tokens=limit, stop=stop, sink=sink)
                 gen, calls, tool_notes = follow_calls(
                     conv, tools, gen, opts.tool_options, limit, stop, sink, hooks,
-                    lambda found: named.keeper.take_media(named.session, store, found, opts.mmproj))
+                    lambda found: named.keeper.take_media(named.session, store, found))
                 named.notices += tool_notes
             except ContextOverflow as exc:
                 if named.session.used < exc.n_ctx // 2:
@@ -380,7 +380,7 @@ def _show_session_prompt(prompt: str | None, opts: TurnOptions, env: Environment
     with store.lock(name):
         named = NamedSession.open(store, name, opts, env, host)
         try:
-            marks = named.keeper.take_media(named.session, store, media, opts.mmproj) if media else ""
+            marks = named.keeper.take_media(named.session, store, media) if media else ""
             if files or media:
                 prompt = compose(named.conversation, prompt, files, marks)
             conv = named.conversation
