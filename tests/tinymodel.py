@@ -215,6 +215,27 @@ def write_tiny_gguf(
     return Path(path)
 
 
+def _encoder_blocks(writer, prefix: str, w, n_layer: int, n_embd: int, n_ff: int, key_bias: bool = True) -> None:
+    """A projector's transformer blocks as clip.cpp names them (`v.blk.N.` for vision, `a.blk.N.`
+    for audio: attention with biases, two layer norms, a feed-forward), and its last layer norm;
+    `w` draws the random weights."""
+    for i in range(n_layer):
+        p = f"{prefix}.blk.{i}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            writer.add_tensor(p + name + ".weight", w(n_embd, n_embd))
+            if key_bias or name != "attn_k":
+                writer.add_tensor(p + name + ".bias", w(n_embd))
+        for name in ("ln1", "ln2"):
+            writer.add_tensor(p + name + ".weight", np.ones(n_embd, dtype=np.float32))
+            writer.add_tensor(p + name + ".bias", np.zeros(n_embd, dtype=np.float32))
+        writer.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
+        writer.add_tensor(p + "ffn_up.bias", w(n_ff))
+        writer.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
+        writer.add_tensor(p + "ffn_down.bias", w(n_embd))
+    writer.add_tensor(f"{prefix}.post_ln.weight", np.ones(n_embd, dtype=np.float32))
+    writer.add_tensor(f"{prefix}.post_ln.bias", np.zeros(n_embd, dtype=np.float32))
+
+
 def write_tiny_projector(path: Path, *, n_embd_text: int = 128, n_embd: int = 32, n_ff: int = 64, n_layer: int = 1,
                          n_head: int = 2, image_size: int = 32, patch: int = 8, merge: int = 2, seed: int = 1) -> Path:
     """A tiny random vision projector (an mmproj GGUF) of the kind llama.cpp's clip.cpp reads as
@@ -227,9 +248,6 @@ def write_tiny_projector(path: Path, *, n_embd_text: int = 128, n_embd: int = 32
 
     def w(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.2).astype(np.float32)
-
-    def ones(n: int) -> np.ndarray:
-        return np.ones(n, dtype=np.float32)
 
     writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_name("tiny-projector")
@@ -248,22 +266,9 @@ def write_tiny_projector(path: Path, *, n_embd_text: int = 128, n_embd: int = 32
     writer.add_tensor("v.patch_embd.weight", w(n_embd, 3, patch, patch))
     writer.add_tensor("v.patch_embd.bias", w(n_embd))
     writer.add_tensor("v.position_embd.weight", w((image_size // patch) ** 2, n_embd))
-    for i in range(n_layer):
-        p = f"v.blk.{i}."
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            writer.add_tensor(p + name + ".weight", w(n_embd, n_embd))
-            writer.add_tensor(p + name + ".bias", w(n_embd))
-        for name in ("ln1", "ln2"):
-            writer.add_tensor(p + name + ".weight", ones(n_embd))
-            writer.add_tensor(p + name + ".bias", np.zeros(n_embd, dtype=np.float32))
-        writer.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
-        writer.add_tensor(p + "ffn_up.bias", w(n_ff))
-        writer.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
-        writer.add_tensor(p + "ffn_down.bias", w(n_embd))
-    writer.add_tensor("v.post_ln.weight", ones(n_embd))
-    writer.add_tensor("v.post_ln.bias", np.zeros(n_embd, dtype=np.float32))
+    _encoder_blocks(writer, "v", w, n_layer, n_embd, n_ff)
     writer.add_tensor("mm.input_projection.weight", w(n_embd, n_embd_text))
-    writer.add_tensor("mm.soft_emb_norm.weight", ones(n_embd))
+    writer.add_tensor("mm.soft_emb_norm.weight", np.ones(n_embd, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -298,21 +303,7 @@ def write_tiny_audio_projector(path: Path, *, n_embd_text: int = 128, n_embd: in
     writer.add_tensor("a.conv1d.2.weight", w(n_embd, n_embd, 3))
     writer.add_tensor("a.conv1d.2.bias", w(n_embd, 1))
     writer.add_tensor("a.position_embd.weight", w(1500, n_embd))
-    for i in range(n_layer):
-        p = f"a.blk.{i}."
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            writer.add_tensor(p + name + ".weight", w(n_embd, n_embd))
-            if name != "attn_k":  # (Whisper's keys have no bias)
-                writer.add_tensor(p + name + ".bias", w(n_embd))
-        for name in ("ln1", "ln2"):
-            writer.add_tensor(p + name + ".weight", np.ones(n_embd, dtype=np.float32))
-            writer.add_tensor(p + name + ".bias", np.zeros(n_embd, dtype=np.float32))
-        writer.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
-        writer.add_tensor(p + "ffn_up.bias", w(n_ff))
-        writer.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
-        writer.add_tensor(p + "ffn_down.bias", w(n_embd))
-    writer.add_tensor("a.post_ln.weight", np.ones(n_embd, dtype=np.float32))
-    writer.add_tensor("a.post_ln.bias", np.zeros(n_embd, dtype=np.float32))
+    _encoder_blocks(writer, "a", w, n_layer, n_embd, n_ff, key_bias=False)  # (Whisper's keys have no bias)
     writer.add_tensor("mm.a.fc.weight", w(n_embd_text, n_embd))
     writer.add_tensor("mm.a.fc.bias", w(n_embd_text))
     writer.write_header_to_file()
@@ -350,20 +341,7 @@ def write_tiny_mrope_projector(path: Path, *, n_embd_text: int = 128, n_embd: in
     writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
     writer.add_tensor("v.patch_embd.weight", w(n_embd, 3, patch, patch))
     writer.add_tensor("v.patch_embd.weight.1", w(n_embd, 3, patch, patch))
-    for i in range(n_layer):
-        p = f"v.blk.{i}."
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            writer.add_tensor(p + name + ".weight", w(n_embd, n_embd))
-            writer.add_tensor(p + name + ".bias", w(n_embd))
-        for name in ("ln1", "ln2"):
-            writer.add_tensor(p + name + ".weight", np.ones(n_embd, dtype=np.float32))
-            writer.add_tensor(p + name + ".bias", np.zeros(n_embd, dtype=np.float32))
-        writer.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
-        writer.add_tensor(p + "ffn_up.bias", w(n_ff))
-        writer.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
-        writer.add_tensor(p + "ffn_down.bias", w(n_embd))
-    writer.add_tensor("v.post_ln.weight", np.ones(n_embd, dtype=np.float32))
-    writer.add_tensor("v.post_ln.bias", np.zeros(n_embd, dtype=np.float32))
+    _encoder_blocks(writer, "v", w, n_layer, n_embd, n_ff)
     writer.add_tensor("mm.0.weight", w(4 * n_embd, 4 * n_embd))
     writer.add_tensor("mm.0.bias", w(4 * n_embd))
     writer.add_tensor("mm.2.weight", w(n_embd_text, 4 * n_embd))
