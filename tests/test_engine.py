@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import re
 
-from quipu.engine.text import Detokenizer
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from quipu.engine.text import Detokenizer, Spellings
 from quipu.errors import ContextOverflow, InvalidParameter, ModelLoadError
 from quipu.sessions.base import ReplySink
 from quipu.sessions.conversation import Conversation
@@ -301,3 +305,22 @@ def test_the_chain_draws_what_llama_cpps_own_order_draws(bundled_model, make_bac
         lc.llama_sampler_free(reference)
     assert ours == theirs
     assert len(set(ours)) > 8  # (the penalty moved the reply on: the window was full of it)
+
+
+@given(st.lists(st.text(alphabet="<|>ab", min_size=1, max_size=5), max_size=12), st.text(alphabet="<|>abc", max_size=60))
+def test_spellings_are_found_as_an_expression_of_them_all_longest_first_finds_them(spellings, text):
+    expression = re.compile("|".join(re.escape(s) for s in sorted(set(spellings), key=len, reverse=True)))
+    expected = [m.span() for m in expression.finditer(text)] if spellings else []
+    assert list(Spellings(spellings).spans(text)) == expected
+    assert Spellings(spellings).within([text]) == sorted({text[s:e] for s, e in expected}, key=len, reverse=True)
+
+
+def test_a_token_is_known_as_control_or_not_alike_before_and_after_the_vocabulary_is_read(tiny_model):
+    from quipu.engine.model import LlamaModel
+
+    asked, read = LlamaModel(tiny_model), LlamaModel(tiny_model)
+    controls = read.controls()  # (reads every token's attributes once)
+    one_by_one = {t for t in range(asked.n_vocab) if asked.is_control(t)}
+    assert one_by_one == {t for t in range(read.n_vocab) if read.is_control(t)}
+    assert {asked.token_text(t).decode() for t in one_by_one} == set(controls.texts)
+    assert not asked.is_control(-1) and not asked.is_control(asked.n_vocab)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Protocol, Sequence
 
 from quipu.engine.grammar import Grammar
+from quipu.engine.text import Spellings
 from quipu.errors import CapabilityError
 
 KV_TYPES = ("f16", "q8_0")
@@ -127,8 +128,8 @@ class Backend(Protocol):
         """The token as a chat template spells it (control tokens written out, unlike token_bytes)."""
 
     def is_control(self, token: int) -> bool: ...
-    def control_texts(self) -> list[str]:
-        """The text of every control token, longest first."""
+    def controls(self) -> Spellings:
+        """The texts of its control tokens, to find in a text."""
 
     def special_tokens(self) -> dict[str, int]:
         """{text: id} of the tokens a grammar writes as themselves, never spelled out."""

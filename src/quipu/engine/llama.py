@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from quipu.engine.native import binding_version, lc
 from quipu.engine.sampler import Sampling
+from quipu.engine.text import Spellings
 
 from quipu.engine.base import (
     FLASH_ATTN,
@@ -130,8 +131,8 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
     def is_control(self, token: int) -> bool:
         return not is_media(token) and self.model.is_control(token)
 
-    def control_texts(self) -> list[str]:
-        return self.model.control_texts()
+    def controls(self) -> Spellings:
+        return self.model.controls()
 
     def special_tokens(self) -> dict[str, int]:
         return self.model.special_tokens()

@@ -9,9 +9,11 @@ from typing import Any
 from quipu.engine.native import lc
 
 from quipu.engine.logs import LOG
+from quipu.engine.text import Spellings
 from quipu.errors import EngineError, Interrupted, ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
+_CONTROL_ATTRS = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN
 
 _backend_ready = False
 
@@ -86,7 +88,7 @@ class LlamaModel:
         self.n_ctx_train = lc.llama_model_n_ctx_train(model)
         self._pieces: dict[int, bytes] = {}
         self._max_token_bytes: int | None = None
-        self._control_texts: list[str] | None = None
+        self._controls_spelled: Spellings | None = None
         self._special_tokens: dict[str, int] | None = None
         self.guidance_tokenizer: Any = None  # llguidance's view of the vocabulary, once built (constraint.py)
         self._controls: frozenset[int] | None = None
@@ -138,22 +140,25 @@ class LlamaModel:
         return lc.llama_vocab_get_text(self.vocab, token) or b""
 
     def is_control(self, token: int) -> bool:
-        """A token that only parsing special text yields (`<|im_end|>`, `<s>`, ...), never plain text."""
-        return token in self._control_ids()
+        """A token that only parsing special text yields (`<|im_end|>`, `<s>`, ...), never plain text.
+        Asked of the one token (a reply asks it of each as it comes): a pass over a vocabulary of
+        262k tokens takes a fifth of a second, which the first reply would wait for."""
+        if self._controls is not None:
+            return token in self._controls
+        return 0 <= token < self.n_vocab and bool(lc.llama_vocab_get_attr(self.vocab, token) & _CONTROL_ATTRS)
 
     def _control_ids(self) -> frozenset[int]:
         if self._controls is None:  # one pass over the vocabulary, on first use
             get_attr, vocab = lc.llama_vocab_get_attr, self.vocab
-            mask = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN
-            self._controls = frozenset(t for t in range(self.n_vocab) if get_attr(vocab, t) & mask)
+            self._controls = frozenset(t for t in range(self.n_vocab) if get_attr(vocab, t) & _CONTROL_ATTRS)
         return self._controls
 
-    def control_texts(self) -> list[str]:
-        """The text of every control token, longest first."""
-        if self._control_texts is None:
-            texts = {self.token_text(t).decode("utf-8", "replace") for t in self._control_ids()}
-            self._control_texts = sorted((t for t in texts if t), key=len, reverse=True)
-        return self._control_texts
+    def controls(self) -> Spellings:
+        """The texts of its control tokens, to find in a text."""
+        if self._controls_spelled is None:
+            self._controls_spelled = Spellings(self.token_text(t).decode("utf-8", "replace")
+                                               for t in self._control_ids())
+        return self._controls_spelled
 
     def special_tokens(self) -> dict[str, int]:
         """{text: id} of the tokens llguidance treats as special: control tokens, and added tokens

@@ -1,9 +1,11 @@
-"""Token bytes to text, one piece at a time, without splitting multi-byte characters."""
+"""Token bytes to text, one piece at a time, without splitting multi-byte characters; and a
+vocabulary's control spellings found in a text."""
 
 from __future__ import annotations
 
 import codecs
-from typing import Callable
+import re
+from typing import Callable, Iterable, Iterator
 
 
 class Detokenizer:
@@ -32,3 +34,42 @@ def unfinished_character(pieces: list[bytes]) -> bytes:
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     decoder.decode(b"".join(pieces))
     return decoder.getstate()[0]
+
+
+class Spellings:
+    """Literal spellings (a model's control tokens' texts) found in a text leftmost-longest, as a
+    regular expression of them all, longest first, finds them, without compiling one: Gemma 3's
+    vocabulary spells 6,250, whose expression takes a tenth of a second to compile and matches a
+    hundred times slower than looking up the few lengths that begin at each candidate character."""
+
+    def __init__(self, texts: Iterable[str]):
+        self._set = frozenset(t for t in texts if t)
+        lengths: dict[str, set[int]] = {}
+        for text in self._set:
+            lengths.setdefault(text[0], set()).add(len(text))
+        self._lengths = {first: sorted(ns, reverse=True) for first, ns in lengths.items()}
+        self._starts = re.compile("[" + "".join(re.escape(c) for c in sorted(lengths)) + "]") if lengths else None
+
+    @property
+    def texts(self) -> list[str]:
+        """Every spelling, longest first."""
+        return sorted(self._set, key=len, reverse=True)
+
+    def spans(self, text: str) -> Iterator[tuple[int, int]]:
+        """(start, end) of each spelling in `text`, left to right, the longest where several begin."""
+        if self._starts is None:
+            return
+        at = 0
+        while (found := self._starts.search(text, at)) is not None:
+            start = at = found.start()
+            for n in self._lengths[text[start]]:
+                if start + n <= len(text) and text[start:start + n] in self._set:
+                    yield start, start + n
+                    at = start + n
+                    break
+            else:
+                at = start + 1
+
+    def within(self, texts: Iterable[str]) -> list[str]:
+        """The spellings `texts` hold, longest first."""
+        return sorted({text[s:e] for text in texts for s, e in self.spans(text)}, key=len, reverse=True)

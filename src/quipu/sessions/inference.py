@@ -92,7 +92,7 @@ class InferenceSession(HeldTokens):
     # ---- context ------------------------------------------------------------------------
 
     def control_spellings(self, texts: Sequence[str]) -> list[str]:
-        return self.backend.control_texts()  # every one the model has: a local vocabulary is cheap to ask
+        return self.backend.controls().within(texts)
 
     def special_tokens(self) -> dict[str, int]:
         """{text: id} of the tokens a grammar writes as themselves (control tokens, and added

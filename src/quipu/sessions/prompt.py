@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from quipu.engine.base import MEDIA_MARK, Backend
+from quipu.engine.text import Spellings
 
 
 class Vocabulary(Protocol):
@@ -94,18 +95,17 @@ class Protector:
     """Swaps a user's spellings of control tokens for markers before rendering, and back after."""
 
     def __init__(self, control_texts: Sequence[str]):
-        self._pattern = re.compile("|".join(re.escape(t) for t in control_texts)) if control_texts else None
+        self._controls = Spellings(control_texts)
         self._nonce = secrets.token_hex(6)
         self._spelled: list[str] = []
 
     def hide(self, text: str) -> str:
-        if self._pattern is None:
-            return text
-        return self._pattern.sub(self._mark, text)
-
-    def _mark(self, match: re.Match) -> str:
-        self._spelled.append(match.group(0))
-        return f"\ue000{self._nonce}:{len(self._spelled) - 1}\ue001"
+        parts, at = [], 0
+        for start, end in self._controls.spans(text):
+            self._spelled.append(text[start:end])
+            parts += [text[at:start], f"\ue000{self._nonce}:{len(self._spelled) - 1}\ue001"]
+            at = end
+        return "".join(parts) + text[at:] if parts else text
 
     def reveal(self, rendered: str) -> Rendered:
         if not self._spelled:
@@ -137,10 +137,8 @@ def reusable(backend: Backend, held: Sequence[int], rendered: Rendered) -> tuple
     The held tokens are spelled as a reply's text was made from them (bytes decoded as they
     come, a broken character as U+FFFD), so a reply cut inside a character still matches."""
     text = rendered.text
-    controls = backend.control_texts()
-    pattern = re.compile("|".join(re.escape(t) for t in controls)) if controls else None
     # Where a control token's text starts (and is not a user's spelling): the reference starts a piece there.
-    piece_starts = {m.start() for m in pattern.finditer(text)} if pattern else set()
+    piece_starts = {start for start, _ in backend.controls().spans(text)}
     for medium in MEDIA_MARK.finditer(text):  # (a medium is a piece of its own)
         piece_starts |= {medium.start(), medium.end()}
 
