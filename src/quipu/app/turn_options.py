@@ -23,6 +23,8 @@ from quipu.app.user_files import read_text_file
 
 if TYPE_CHECKING:
     from quipu.engine.http import ServerSettings
+    from quipu.engine.llama import LlamaBackend
+    from quipu.engine.model import LlamaModel
 
 
 
@@ -250,7 +252,7 @@ def stop_strings(opts: TurnOptions, env: Environment) -> tuple[str, ...]:
     return tuple(read_escapes(text) for text in given)
 
 
-def load_backend(model_path, settings: ContextSettings, verbose: bool):
+def load_backend(model_path: "Path | LlamaModel", settings: ContextSettings, verbose: bool) -> "LlamaBackend":
     from quipu.engine.llama import LlamaBackend  # imported here: llama.cpp loads in a blink only when needed
 
     return LlamaBackend(model_path, settings, verbose=verbose)
