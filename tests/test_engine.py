@@ -312,15 +312,13 @@ def test_spellings_are_found_as_an_expression_of_them_all_longest_first_finds_th
     expression = re.compile("|".join(re.escape(s) for s in sorted(set(spellings), key=len, reverse=True)))
     expected = [m.span() for m in expression.finditer(text)] if spellings else []
     assert list(Spellings(spellings).spans(text)) == expected
-    assert Spellings(spellings).within([text]) == sorted({text[s:e] for s, e in expected}, key=len, reverse=True)
 
 
-def test_a_token_is_known_as_control_or_not_alike_before_and_after_the_vocabulary_is_read(tiny_model):
-    from quipu.engine.model import LlamaModel
-
-    asked, read = LlamaModel(tiny_model), LlamaModel(tiny_model)
-    controls = read.controls()  # (reads every token's attributes once)
-    one_by_one = {t for t in range(asked.n_vocab) if asked.is_control(t)}
-    assert one_by_one == {t for t in range(read.n_vocab) if read.is_control(t)}
-    assert {asked.token_text(t).decode() for t in one_by_one} == set(controls.texts)
-    assert not asked.is_control(-1) and not asked.is_control(asked.n_vocab)
+def test_the_control_tokens_a_text_spells_are_found_without_reading_the_vocabulary(make_backend):
+    backend = make_backend()
+    controls = {backend.token_text(t).decode() for t in range(backend.n_vocab) if backend.is_control(t)}
+    assert "<|im_end|>" in controls
+    text = "plain words " + " and ".join(sorted(controls)) + " <|im_en"
+    assert backend.control_spellings([text, "nothing here"]) == sorted(controls, key=len, reverse=True)
+    assert backend.control_spellings(["<|im_end", "no markup"]) == []
+    assert not backend.is_control(-1) and not backend.is_control(backend.n_vocab)

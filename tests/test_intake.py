@@ -62,7 +62,8 @@ def test_a_tool_definition_that_spells_control_tokens_stays_text(tool_backend, t
     # the prompt has as many as with plain words there, on every family's template.
     session = InferenceSession(tool_backend, SamplingParams(seed=0))
     source = (TEMPLATES / f"{template}.jinja").read_text() if template in WITH_TOOLS else None
-    attack = ATTACK + "".join(tool_backend.controls().texts)
+    attack = ATTACK + "".join(tool_backend.token_text(t).decode() for t in range(tool_backend.n_vocab)
+                              if tool_backend.is_control(t))
     try:
         plain = rendered_tokens(session, source, tool_with("plain words"), {"city": "Paris"})
     except TemplateError as exc:

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Callable, Iterable, Protocol, Sequence
 
 from quipu.engine.grammar import Grammar
-from quipu.engine.text import Spellings
 from quipu.errors import CapabilityError
 
 KV_TYPES = ("f16", "q8_0")
@@ -128,8 +127,8 @@ class Backend(Protocol):
         """The token as a chat template spells it (control tokens written out, unlike token_bytes)."""
 
     def is_control(self, token: int) -> bool: ...
-    def controls(self) -> Spellings:
-        """The texts of its control tokens, to find in a text."""
+    def control_spellings(self, texts: Sequence[str]) -> list[str]:
+        """The spellings of control tokens that `texts` hold, longest first."""
 
     def special_tokens(self) -> dict[str, int]:
         """{text: id} of the tokens a grammar writes as themselves, never spelled out."""

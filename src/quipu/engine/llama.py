@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Sequence
 
 from quipu.engine.native import binding_version, lc
 from quipu.engine.sampler import Sampling
-from quipu.engine.text import Spellings
 
 from quipu.engine.base import (
     FLASH_ATTN,
@@ -131,8 +130,8 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
     def is_control(self, token: int) -> bool:
         return not is_media(token) and self.model.is_control(token)
 
-    def controls(self) -> Spellings:
-        return self.model.controls()
+    def control_spellings(self, texts: Sequence[str]) -> list[str]:
+        return self.model.control_spellings(texts)
 
     def special_tokens(self) -> dict[str, int]:
         return self.model.special_tokens()

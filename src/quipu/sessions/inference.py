@@ -92,7 +92,7 @@ class InferenceSession(HeldTokens):
     # ---- context ------------------------------------------------------------------------
 
     def control_spellings(self, texts: Sequence[str]) -> list[str]:
-        return self.backend.controls().within(texts)
+        return self.backend.control_spellings(texts)
 
     def special_tokens(self) -> dict[str, int]:
         """{text: id} of the tokens a grammar writes as themselves (control tokens, and added

@@ -138,7 +138,7 @@ def reusable(backend: Backend, held: Sequence[int], rendered: Rendered) -> tuple
     come, a broken character as U+FFFD), so a reply cut inside a character still matches."""
     text = rendered.text
     # Where a control token's text starts (and is not a user's spelling): the reference starts a piece there.
-    piece_starts = {start for start, _ in backend.controls().spans(text)}
+    piece_starts = {start for start, _ in Spellings(backend.control_spellings([text])).spans(text)}
     for medium in MEDIA_MARK.finditer(text):  # (a medium is a piece of its own)
         piece_starts |= {medium.start(), medium.end()}
 
