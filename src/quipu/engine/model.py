@@ -87,7 +87,7 @@ class LlamaModel:
         self.n_ctx_train = lc.llama_model_n_ctx_train(model)
         self._pieces: dict[int, bytes] = {}
         self._max_token_bytes: int | None = None
-        self._spellings_in: dict[str, set[str]] = {}  # (a text asked of again: a chat's earlier messages)
+        self._spellings_in: dict[str, set[str]] = {}  # (the short texts asked of already)
         self._special_tokens: dict[str, int] | None = None
         self.guidance_tokenizer: Any = None  # llguidance's view of the vocabulary, once built (constraint.py)
         self._piece_buf = ctypes.create_string_buffer(256)
@@ -147,13 +147,15 @@ class LlamaModel:
         pass over the vocabulary that makes one takes a fifth of a second on Gemma 3's 262k.)"""
         found: set[str] = set()
         for text in texts:
-            if text not in self._spellings_in:
-                if len(self._spellings_in) > 1024:
-                    self._spellings_in.clear()
+            spelled = self._spellings_in.get(text)
+            if spelled is None:
                 tokens = self.tokenize(text, add_special=False, parse_special=True)
-                self._spellings_in[text] = {self.token_text(t).decode("utf-8", "replace")
-                                            for t in tokens if self.is_control(t)} - {""}
-            found |= self._spellings_in[text]
+                spelled = {self.token_text(t).decode("utf-8", "replace") for t in tokens if self.is_control(t)} - {""}
+                if len(text) <= 4096:  # (a chat's messages, asked of again each turn; not whole renderings)
+                    if len(self._spellings_in) >= 1024:
+                        self._spellings_in.clear()
+                    self._spellings_in[text] = spelled
+            found |= spelled
         return sorted(found, key=len, reverse=True)
 
     def special_tokens(self) -> dict[str, int]:
