@@ -319,6 +319,6 @@ def test_the_control_tokens_a_text_spells_are_found_without_reading_the_vocabula
     controls = {backend.token_text(t).decode() for t in range(backend.n_vocab) if backend.is_control(t)}
     assert "<|im_end|>" in controls
     text = "plain words " + " and ".join(sorted(controls)) + " <|im_en"
-    assert backend.control_spellings([text, "nothing here"]) == sorted(controls, key=len, reverse=True)
+    assert backend.control_spellings([text, "nothing here"]) == sorted(controls, key=lambda s: (-len(s), s))
     assert backend.control_spellings(["<|im_end", "no markup"]) == []
     assert not backend.is_control(-1) and not backend.is_control(backend.n_vocab)

@@ -156,7 +156,7 @@ class LlamaModel:
                         self._spellings_in.clear()
                     self._spellings_in[text] = spelled
             found |= spelled
-        return sorted(found, key=len, reverse=True)
+        return sorted(found, key=lambda s: (-len(s), s))
 
     def special_tokens(self) -> dict[str, int]:
         """{text: id} of the tokens llguidance treats as special: control tokens, and added tokens
