@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from quipu.engine.model import SHORT_TEXTS
 from quipu.engine.text import Detokenizer, Spellings
 from quipu.errors import ContextOverflow, InvalidParameter, ModelLoadError
 from quipu.sessions.base import ReplySink
@@ -319,6 +320,9 @@ def test_the_control_tokens_a_text_spells_are_found_without_reading_the_vocabula
     controls = {backend.token_text(t).decode() for t in range(backend.n_vocab) if backend.is_control(t)}
     assert "<|im_end|>" in controls
     text = "plain words " + " and ".join(sorted(controls)) + " <|im_en"
-    assert backend.control_spellings([text, "nothing here"]) == sorted(controls, key=lambda s: (-len(s), s))
+    every = sorted(controls, key=lambda s: (-len(s), s))
+    assert backend.control_spellings([text, "nothing here"]) == every
+    long = text + " filler" * SHORT_TEXTS  # (a long text is searched for every control spelling instead)
+    assert backend.control_spellings([long]) == every
     assert backend.control_spellings(["<|im_end", "no markup"]) == []
     assert not backend.is_control(-1) and not backend.is_control(backend.n_vocab)

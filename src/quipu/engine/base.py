@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Protocol, Sequence
 
 from quipu.engine.grammar import Grammar
+from quipu.engine.text import Spellings
 from quipu.errors import CapabilityError
 
 KV_TYPES = ("f16", "q8_0")
@@ -129,6 +130,9 @@ class Backend(Protocol):
     def is_control(self, token: int) -> bool: ...
     def control_spellings(self, texts: Sequence[str]) -> list[str]:
         """The spellings of control tokens that `texts` hold, longest first."""
+
+    def controls(self) -> Spellings:
+        """Every control token's text, to find in a text."""
 
     def special_tokens(self) -> dict[str, int]:
         """{text: id} of the tokens a grammar writes as themselves, never spelled out."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from quipu.engine.native import binding_version, lc
 from quipu.engine.sampler import Sampling
+from quipu.engine.text import Spellings
 
 from quipu.engine.base import (
     FLASH_ATTN,
@@ -132,6 +133,9 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
 
     def control_spellings(self, texts: Sequence[str]) -> list[str]:
         return self.model.control_spellings(texts)
+
+    def controls(self) -> Spellings:
+        return self.model.controls()
 
     def special_tokens(self) -> dict[str, int]:
         return self.model.special_tokens()

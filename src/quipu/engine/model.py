@@ -9,10 +9,13 @@ from typing import Any, Iterable
 from quipu.engine.native import lc
 
 from quipu.engine.logs import LOG
+from quipu.engine.text import Spellings
 from quipu.errors import EngineError, Interrupted, ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
 _CONTROL_ATTRS = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN
+# Texts longer than this in all are searched for every control spelling rather than tokenized.
+SHORT_TEXTS = 16384
 
 _backend_ready = False
 
@@ -88,6 +91,7 @@ class LlamaModel:
         self._pieces: dict[int, bytes] = {}
         self._max_token_bytes: int | None = None
         self._spellings_in: dict[str, set[str]] = {}  # (the short texts asked of already)
+        self._controls: Spellings | None = None
         self._special_tokens: dict[str, int] | None = None
         self.guidance_tokenizer: Any = None  # llguidance's view of the vocabulary, once built (constraint.py)
         self._piece_buf = ctypes.create_string_buffer(256)
@@ -142,21 +146,35 @@ class LlamaModel:
         return 0 <= token < self.n_vocab and bool(lc.llama_vocab_get_attr(self.vocab, token) & _CONTROL_ATTRS)
 
     def control_spellings(self, texts: Iterable[str]) -> list[str]:
-        """The spellings of control tokens that `texts` hold, longest first: what llama.cpp's
-        tokenizer reads as control tokens in them. (Not from a list of every control token: the
-        pass over the vocabulary that makes one takes a fifth of a second on Gemma 3's 262k.)"""
-        found: set[str] = set()
-        for text in texts:
-            spelled = self._spellings_in.get(text)
-            if spelled is None:
-                tokens = self.tokenize(text, add_special=False, parse_special=True)
-                spelled = {self.token_text(t).decode("utf-8", "replace") for t in tokens if self.is_control(t)} - {""}
-                if len(text) <= 4096:  # (a chat's messages, asked of again each turn; not whole renderings)
+        """The spellings of control tokens that `texts` hold, longest first: in short texts (a
+        chat's messages, asked of again each turn, remembered), what llama.cpp's tokenizer reads
+        as control tokens there, which needs no list of them all (the pass over the vocabulary
+        that makes one takes a fifth of a second on Gemma 3's 262k); in long ones, that list's."""
+        texts = list(texts)
+        if sum(map(len, texts)) > SHORT_TEXTS:
+            spellings = self.controls()
+            found = {text[start:end] for text in texts for start, end in spellings.spans(text)}
+        else:
+            found = set()
+            for text in texts:
+                spelled = self._spellings_in.get(text)
+                if spelled is None:
+                    tokens = self.tokenize(text, add_special=False, parse_special=True)
+                    spelled = {self.token_text(t).decode("utf-8", "replace") for t in tokens
+                               if self.is_control(t)} - {""}
                     if len(self._spellings_in) >= 1024:
                         self._spellings_in.clear()
                     self._spellings_in[text] = spelled
-            found |= spelled
+                found |= spelled
         return sorted(found, key=lambda s: (-len(s), s))
+
+    def controls(self) -> Spellings:
+        """Every control token's text, to find in a text (made on first use: a pass over the vocabulary)."""
+        if self._controls is None:
+            get_attr, vocab = lc.llama_vocab_get_attr, self.vocab
+            self._controls = Spellings(self.token_text(t).decode("utf-8", "replace") for t in range(self.n_vocab)
+                                       if get_attr(vocab, t) & _CONTROL_ATTRS)
+        return self._controls
 
     def special_tokens(self) -> dict[str, int]:
         """{text: id} of the tokens llguidance treats as special: control tokens, and added tokens

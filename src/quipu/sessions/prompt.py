@@ -137,13 +137,19 @@ def reusable(backend: Backend, held: Sequence[int], rendered: Rendered) -> tuple
     The held tokens are spelled as a reply's text was made from them (bytes decoded as they
     come, a broken character as U+FFFD), so a reply cut inside a character still matches."""
     text = rendered.text
-    # Where a control token's text starts (and is not a user's spelling): the reference starts a piece there.
-    piece_starts = {start for start, _ in Spellings(backend.control_spellings([text])).spans(text)}
-    for medium in MEDIA_MARK.finditer(text):  # (a medium is a piece of its own)
-        piece_starts |= {medium.start(), medium.end()}
+    # Where a control token's text starts (and is not a user's spelling): the reference starts a
+    # piece there. Found when first asked (a context that holds nothing asks nothing).
+    starts: list[set[int]] = []
 
     def piece_ends_at(pos: int) -> bool:
-        return pos == len(text) or (pos in piece_starts and not rendered.plain_at(pos))
+        if pos == len(text):
+            return True
+        if not starts:
+            found = {start for start, _ in backend.controls().spans(text)}
+            for medium in MEDIA_MARK.finditer(text):  # (a medium is a piece of its own)
+                found |= {medium.start(), medium.end()}
+            starts.append(found)
+        return pos in starts[0] and not rendered.plain_at(pos)
 
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     best, pos, start = (0, 0), 0, 0
