@@ -175,6 +175,7 @@ def tokenizer(model: "LlamaModel") -> "llguidance.LLTokenizer":
     buf = ctypes.create_string_buffer(1024)
     pieces: list[bytes] = []
     special = lc.LLAMA_TOKEN_ATTR_CONTROL
+    attrs = model.token_attrs()
     for token in range(model.n_vocab):
         n = lc.llama_token_to_piece(vocab, token, buf, len(buf), 0, True)
         if n < 0:
@@ -183,7 +184,7 @@ def tokenizer(model: "LlamaModel") -> "llguidance.LLTokenizer":
             piece = big.raw[:n]
         else:
             piece = buf.raw[:n]
-        attr = lc.llama_vocab_get_attr(vocab, token)
+        attr = attrs[token]
         if attr & special or (attr & lc.LLAMA_TOKEN_ATTR_USER_DEFINED and piece.startswith(b"<")
                               and piece.endswith(b">")):
             piece = b"\xff" + piece
