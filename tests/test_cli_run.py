@@ -151,6 +151,30 @@ def test_version(quipu):
     assert r.returncode == 0 and r.stdout.decode().strip() == f"quipu {__version__}"
 
 
+def test_a_reader_that_leaves_early_ends_the_run_quietly_and_a_whole_answer_arrives_whole(home):
+    """`quipu run ... | head -c 1`: exit 0 and nothing on stderr; read to the end, the answer
+    and its JSON arrive whole (the process ends without the interpreter's teardown)."""
+    import json
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    env["QUIPU_HOME"] = str(home)
+    args = [sys.executable, "-m", "quipu", "run", "--seed", "3", "-n", "150", "--logit-bias", "0=-inf", "--logit-bias",
+            "2=-inf"]  # (no end-of-text: every run makes its 150 tokens)
+    proc = subprocess.Popen([*args, "hello"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    assert proc.stdout.read(1)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0 and err == b"", err.decode()
+
+    plain, as_json = (subprocess.run([*extra, "hello"], stdin=subprocess.DEVNULL, capture_output=True, env=env,
+                                     timeout=120) for extra in (args, [*args, "--json"]))
+    assert plain.returncode == as_json.returncode == 0, plain.stderr.decode() + as_json.stderr.decode()
+    text = json.loads(as_json.stdout)["text"]
+    assert len(text) > 20 and plain.stdout.decode().rstrip("\n") == text.rstrip("\n")
+
+
 def test_ctrl_c_stops_generation_keeps_the_text_and_exits_130(home):
     import os
     import signal

@@ -217,6 +217,44 @@ def test_a_backend_that_cannot_embed_refuses(tiny_model, monkeypatch):
         embed_texts(["hi"], TurnOptions(model=str(tiny_model)), Environment.load({"QUIPU_HOME": "/nonexistent"}))
 
 
+def test_a_fingerprint_is_remembered_across_runs_until_the_file_changes(tmp_path, monkeypatch):
+    """A one-shot or a resume does not hash the model again (the record in the cache folder, kept
+    private); a file written over with its size and times put back, or a damaged record, is
+    hashed again, never trusted."""
+    import stat
+
+    from quipu import models
+    from quipu.app.environment import Environment
+    from quipu.app.local import model_fingerprint
+
+    env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + bytes(1000))
+    first = model_fingerprint(path, env)
+    record = env.dirs.cache / "fingerprints.json"
+    assert stat.S_IMODE(record.stat().st_mode) == 0o600 and stat.S_IMODE(record.parent.stat().st_mode) == 0o700
+
+    def no_hashing(_path):
+        raise AssertionError("hashed again")
+
+    models._FINGERPRINTS.clear()  # (a new process)
+    with monkeypatch.context() as m:
+        m.setattr("quipu.app.local.fingerprint", no_hashing)
+        assert model_fingerprint(path, env) == first
+
+    before = path.stat()
+    path.write_bytes(b"GGUF" + bytes([1]) * 1000)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # the same size and times as before
+    models._FINGERPRINTS.clear()
+    changed = model_fingerprint(path, env)
+    assert changed != first and changed == models.fingerprint(path)
+
+    for damage in (b"\xff\x00 not json", b"[1, 2]", json.dumps({str(path.resolve()): ["x", changed]}).encode()):
+        record.write_bytes(damage)
+        models._FINGERPRINTS.clear()
+        assert model_fingerprint(path, env) == changed
+
+
 def test_a_model_file_changed_in_place_gets_a_new_fingerprint(tmp_path):
     """The fingerprint is remembered by the process for a file that has not changed; one
     written over (same name, same size) is read again."""

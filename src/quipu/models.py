@@ -310,22 +310,30 @@ def model_info(name: str, path: Path) -> dict[str, Any]:
 FINGERPRINT_HEAD_BYTES = 8 << 20
 
 
-_FINGERPRINTS: dict[tuple, str] = {}  # this process's, by file identity (device, inode, size, mtime)
+_FINGERPRINTS: dict[tuple, str] = {}  # this process's, by file identity
+
+
+def file_identity(path: Path) -> tuple[int, ...]:
+    """What changes when the file at `path` is replaced, written or touched: device, inode, size,
+    and the modification and status-change times (writing the file, or setting its times back,
+    changes the last, which no call sets)."""
+    st = path.stat()
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def fingerprint(path: Path) -> str:
     """Identifies a model file cheaply: its size and a hash of its first 8 MiB (the GGUF header,
     its metadata and vocabulary, and the start of the weights), not a full-file hash. Asked
-    again of the same unchanged file, the process answers from memory."""
+    again of the same unchanged file, the process answers from memory (and the app from
+    store/fingerprints.py across runs)."""
     import hashlib
 
-    st = path.stat()
-    identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    identity = file_identity(path)
     known = _FINGERPRINTS.get(identity)
     if known is not None:
         return known
-    digest = hashlib.sha256(str(st.st_size).encode())
+    digest = hashlib.sha256(str(identity[2]).encode())
     with path.open("rb") as fh:
         digest.update(fh.read(FINGERPRINT_HEAD_BYTES))
-    _FINGERPRINTS[identity] = found = f"{st.st_size}:{digest.hexdigest()[:32]}"
+    _FINGERPRINTS[identity] = found = f"{identity[2]}:{digest.hexdigest()[:32]}"
     return found

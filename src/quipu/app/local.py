@@ -38,10 +38,11 @@ from quipu.engine.base import (
 )
 from quipu.engine.kvstate import LAYOUT, check_piece
 from quipu.errors import EngineError, ModelMismatch, SnapshotError, UsageError
-from quipu.models import fingerprint, projector_beside
+from quipu.models import file_identity, fingerprint, projector_beside
 from quipu.sessions.base import LOCAL, Message
 from quipu.sessions.inference import InferenceSession, Snapshot
 from quipu.store.chain import Chain, held_cells, tokens_digest
+from quipu.store.fingerprints import Fingerprints
 from quipu.store.store import KEEP_STATE, MEDIA_FOLDER, SessionStore
 from quipu.store.transcript import Transcript
 
@@ -50,6 +51,17 @@ def state_key(session: InferenceSession) -> tuple:
     """What a state file's bytes depend on: the decoded tokens and the context settings."""
     key = session.backend.context.state_key()
     return (session.n_decoded, tokens_digest(session.tokens[: session.n_decoded]), tuple(sorted(key.items())))
+
+
+def model_fingerprint(path: Path, env: Environment) -> str:
+    """`models.fingerprint` of a model file, remembered across runs in the cache folder."""
+    memo = Fingerprints(env.dirs.cache / "fingerprints.json")
+    where, identity = path.resolve(), file_identity(path)
+    found = memo.recall(where, identity)
+    if found is None:
+        found = fingerprint(path)
+        memo.keep(where, identity, found)
+    return found
 
 
 def open_session(opts: TurnOptions, env: Environment) -> tuple[str, Path, InferenceSession]:
@@ -152,7 +164,8 @@ class LocalHost:
         except BaseException:
             session.close()
             raise
-        return Opened(session, LocalKeeper(model_name, model_path, fingerprint(model_path), env.max_state_bytes,
+        return Opened(session, LocalKeeper(model_name, model_path, model_fingerprint(model_path, env),
+                                           env.max_state_bytes,
                                            verbose=opts.verbose, cache=open_cache(env, opts.no_cache),
                                            projector=projector),
                       media_marks=marks)
@@ -168,7 +181,7 @@ class LocalHost:
                                 "is (--kv-type continues it with another)")
         given = given_projector(opts.mmproj)
         model_name, model_path = self._resume_model(name, record.model, opts, env)
-        model_fp = fingerprint(model_path)
+        model_fp = model_fingerprint(model_path, env)
         same_model = model_fp == record.model.get("fingerprint")
         settings = context_settings(opts, env)
         settings = ContextSettings(
@@ -219,13 +232,13 @@ class LocalHost:
         if opts.model:
             return env.resolve_model(opts.model, fall_back=False)
         path = Path(str(saved.get("path", "")))
-        if path.is_file() and fingerprint(path) == saved.get("fingerprint"):
+        if path.is_file() and model_fingerprint(path, env) == saved.get("fingerprint"):
             return str(saved.get("name", path.stem)), path
         try:  # the file moved, or the bundled package was reinstalled elsewhere: look it up by name
             found = env.resolve_model(str(saved.get("name", "")), fall_back=False)
         except UsageError:
             found = None
-        if found is not None and fingerprint(found[1]) == saved.get("fingerprint"):
+        if found is not None and model_fingerprint(found[1], env) == saved.get("fingerprint"):
             return found
         raise ModelMismatch(
             f"session '{name}' was made with {saved.get('name', '?')} ({saved.get('path', '?')}), which is gone "
@@ -422,7 +435,7 @@ class LocalKeeper:
         prompt): the cached beginning is restored, and the turn reads only the rest."""
         if session.n_decoded or self.cache is None:
             return None
-        return cache_lookup(session, tokens(), self.model_path, self.cache)
+        return cache_lookup(session, tokens(), self.model_fingerprint, self.cache)
 
     def remember(self, session: InferenceSession, use: "CacheUse | None") -> list[str]:
         """After a one-shot answer is out: the prompt's state joins the cache."""
@@ -433,7 +446,7 @@ class LocalKeeper:
 
     def cached(self, session: InferenceSession, tokens: list[int]) -> int:
         """How many of `tokens` the prompt cache would restore (`--show-prompt`)."""
-        return cached_count(session, tokens, self.model_path, self.cache) if self.cache is not None else 0
+        return cached_count(session, tokens, self.model_fingerprint, self.cache) if self.cache is not None else 0
 
     def model_for_new(self, opts: TurnOptions) -> str | None:
         return str(self.model_path)

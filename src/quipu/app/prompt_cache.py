@@ -25,10 +25,11 @@ class CacheUse:
     held: int = 0  # how much of the prompt the cache held (reused: to where a prefill step starts)
 
 
-def cache_key(session: InferenceSession, model_path) -> dict:
-    """What a cache entry's state bytes are valid under: the model, the native build, the context."""
+def cache_key(session: InferenceSession, model_fp: str) -> dict:
+    """What a cache entry's state bytes are valid under: the model (`model_fp`, its fingerprint),
+    the native build, the context."""
     backend = session.backend
-    return {"fingerprint": fingerprint(model_path), "build": backend.build, "context": backend.context.state_key()}
+    return {"fingerprint": model_fp, "build": backend.build, "context": backend.context.state_key()}
 
 
 def open_cache(env: Environment, no_cache: bool) -> PromptCache | None:
@@ -86,9 +87,9 @@ def whole_media(tokens: Sequence[int], keep: int) -> int:
     return keep
 
 
-def cache_lookup(session: InferenceSession, tokens: list[int], model_path, cache: PromptCache) -> CacheUse:
+def cache_lookup(session: InferenceSession, tokens: list[int], model_fp: str, cache: PromptCache) -> CacheUse:
     """Restores the longest cached beginning of `tokens` into the session, if any."""
-    key = cache_key(session, model_path)
+    key = cache_key(session, model_fp)
     digests = cache_digests(session)
     tokens = canonical(tokens, digests)
     hit = cache.lookup(key, tokens)
@@ -105,10 +106,10 @@ def cache_lookup(session: InferenceSession, tokens: list[int], model_path, cache
     return CacheUse(cache, key, tokens, reused, hit.reuse if hit is not None else 0)
 
 
-def cached_count(session: InferenceSession, tokens: list[int], model_path, cache: PromptCache) -> int:
+def cached_count(session: InferenceSession, tokens: list[int], model_fp: str, cache: PromptCache) -> int:
     """How many of `tokens` a run would restore from the prompt cache (`--show-prompt`)."""
     tokens = canonical(tokens, cache_digests(session))
-    found = cache.peek(cache_key(session, model_path), tokens)
+    found = cache.peek(cache_key(session, model_fp), tokens)
     return whole_media(tokens, session.backend.step_start(min(found, len(tokens) - 1))) if found else 0
 
 

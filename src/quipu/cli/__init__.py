@@ -44,12 +44,21 @@ def build_app():
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the console script and `python -m quipu`."""
+    """Entry point of the console script and `python -m quipu` (`argv` None: the process is
+    quipu's, and ends as soon as the command is done, see `boundary.leave`)."""
     try:
-        from quipu.cli.boundary import end_as_interrupted
+        from quipu.cli.boundary import end_as_interrupted, leave
 
         end_as_interrupted()  # (from the start: a SIGTERM while quipu is imported is an interruption too)
-        _main(sys.argv[1:] if argv is None else argv)
+        if argv is not None:
+            _main(argv)
+            return
+        try:
+            _main(sys.argv[1:])
+        except SystemExit as exc:
+            leave(exc.code)
+            raise
+        leave(0)
     except (KeyboardInterrupt, RuntimeError) as exc:  # Ctrl-C while quipu itself is still being imported
         from quipu.errors import came_of_interrupt
 

@@ -54,6 +54,32 @@ def library_logs(stream) -> None:
         logging.getLogger(name).addHandler(handler)
 
 
+def leave(code: object) -> None:
+    """Ends the process now that its command is done, with `code` (an exit code; anything else
+    is left to `SystemExit`): standard output and error flushed, the exit handlers run, and then
+    no interpreter teardown, which frees every module's objects one by one (30-40 ms of a short
+    run) for a process about to end. Files are closed, and threads joined, by the code that opened
+    them; with a thread of quipu's still running the process ends the usual way."""
+    import atexit
+    import threading
+
+    if not (code is None or isinstance(code, int)) or any(
+            t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        return
+    atexit._run_exitfuncs()  # (what they write is flushed next)
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # (the reader left: what it did not read is not ours to keep)
+        pass
+    except (OSError, ValueError):
+        return
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(code or 0)
+
+
 def _ended(signum, frame) -> None:
     from quipu.errors import Ended
 

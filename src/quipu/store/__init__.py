@@ -10,6 +10,7 @@ locked, and never pickled.
 - `cache.py`: `PromptCache`, context states of earlier prompts, reused by later ones.
 - `pulled.py`: `PulledRecord`, the models quipu pulled from the Hugging Face Hub.
 - `media.py`: `MediaStore`, the images and recordings sessions hold, each kept once by its hash.
+- `fingerprints.py`: `Fingerprints`, model files' fingerprints remembered across runs.
 
 This package imports neither `quipu.sessions` nor `quipu.app`.
 """
