@@ -180,8 +180,7 @@ class LocalHost:
                                 f"quipu knows ({', '.join(KV_TYPES)}); {store.transcript_path(name)} was left as it "
                                 "is (--kv-type continues it with another)")
         given = given_projector(opts.mmproj)
-        model_name, model_path = self._resume_model(name, record.model, opts, env)
-        model_fp = model_fingerprint(model_path, env)
+        model_name, model_path, model_fp = self._resume_model(name, record.model, opts, env)
         same_model = model_fp == record.model.get("fingerprint")
         settings = context_settings(opts, env)
         settings = ContextSettings(
@@ -228,18 +227,22 @@ class LocalHost:
         return Opened(session, keeper, notices)
 
     @staticmethod
-    def _resume_model(name: str, saved: dict[str, Any], opts: TurnOptions, env: Environment) -> tuple[str, Path]:
+    def _resume_model(name: str, saved: dict[str, Any], opts: TurnOptions,
+                      env: Environment) -> tuple[str, Path, str]:
+        """(name, file, fingerprint) of the model a session continues with: --model's, else the
+        one it was saved with, where it was or found again by name."""
         if opts.model:
-            return env.resolve_model(opts.model, fall_back=False)
+            given, at = env.resolve_model(opts.model, fall_back=False)
+            return given, at, model_fingerprint(at, env)
         path = Path(str(saved.get("path", "")))
         if path.is_file() and model_fingerprint(path, env) == saved.get("fingerprint"):
-            return str(saved.get("name", path.stem)), path
+            return str(saved.get("name", path.stem)), path, saved["fingerprint"]
         try:  # the file moved, or the bundled package was reinstalled elsewhere: look it up by name
             found = env.resolve_model(str(saved.get("name", "")), fall_back=False)
         except UsageError:
             found = None
         if found is not None and model_fingerprint(found[1], env) == saved.get("fingerprint"):
-            return found
+            return found[0], found[1], saved["fingerprint"]
         raise ModelMismatch(
             f"session '{name}' was made with {saved.get('name', '?')} ({saved.get('path', '?')}), which is gone "
             "or has changed; pass --model to continue it with another model (re-read from the transcript)"
