@@ -94,8 +94,8 @@ def bench_peers(model: str, repeats: int, home: str) -> list[dict]:
     return rows
 
 def bench_memory(model: str, threads: int, home: str) -> list[dict]:
-    """Peak RSS of `quipu run` on a 1,500-token prompt at the default context (8192), against
-    the model file plus the KV cache it allocates."""
+    """Peak RSS of `quipu run` on a 1,500-token prompt at the default context, against the model
+    file plus the KV cache it allocates."""
     from quipu.engine.base import ContextSettings
     from quipu.engine.llama import LlamaBackend
 
@@ -117,13 +117,13 @@ def bench_memory(model: str, threads: int, home: str) -> list[dict]:
     plain_peak = peak_of("--no-cache")
     cache_peak = max(peak_of(), peak_of())
 
-    with LlamaBackend(model, ContextSettings(n_ctx=8192, n_threads=1)) as b:
+    with LlamaBackend(model, ContextSettings(n_threads=1)) as b:  # the default size, as the runs had
         ctx = b.n_ctx
     kv_bytes = ctx * kv_bytes_per_token(model)
     model_bytes = Path(model).stat().st_size
     budget = model_bytes + kv_bytes + 150 * 2**20
     state = kv_bytes // ctx * 1500  # the prompt's state, as the cache keeps it
-    return [{"what": "peak RSS of quipu run, 1,500-token prompt, 8192 context, no cache (MB)",
+    return [{"what": f"peak RSS of quipu run, 1,500-token prompt, {ctx} context, no cache (MB)",
              "quipu": round(plain_peak / 2**20), "budget: model + KV + 150 MB": round(budget / 2**20),
              "ratio": round(plain_peak / budget, 3)},
             {"what": "the same, writing or restoring the prompt cache; budget + the prompt's state (MB)",
@@ -139,7 +139,8 @@ def bench_startup(repeats: int, home: str) -> list[dict]:
 
 def bench_coldstart(model: str, threads: int, repeats: int, home: str) -> list[dict]:
     """A whole short `quipu run` (16 tokens, greedy) against llama.cpp's own `llama-completion`
-    built from the vendored sources, fed the same rendered prompt: pairs run back to back."""
+    built from the vendored sources, fed the same rendered prompt: pairs run back to back, in
+    turns."""
     from bench import llamacpp
 
     try:
@@ -152,12 +153,16 @@ def bench_coldstart(model: str, threads: int, repeats: int, home: str) -> list[d
     quipu = ["run", "-m", model, "-t", "0", "-n", "16", "--threads", str(threads), question]
     native = [str(exe), "-m", model, "-p", shown.stdout.decode().removesuffix("\n"), "-n", "16", "--temp", "0",
               "-t", str(threads), "--ignore-eos", "-no-cnv", "--simple-io", "--no-display-prompt"]
-    q, n = [], []
-    for _ in range(max(repeats, 5)):
-        q.append(quipu_cmd(*quipu, env=env)[0])
-        started = time.perf_counter()
-        subprocess.run(native, stdin=subprocess.DEVNULL, capture_output=True, check=True)
-        n.append(time.perf_counter() - started)
+    q: list[float] = []
+    n: list[float] = []
+    for rep in range(max(repeats, 5)):
+        for ours_now in (rep % 2 == 1, rep % 2 == 0):  # each pair's order turned round every other time
+            if ours_now:
+                q.append(quipu_cmd(*quipu, env=env)[0])
+                continue
+            started = time.perf_counter()
+            subprocess.run(native, stdin=subprocess.DEVNULL, capture_output=True, check=True)
+            n.append(time.perf_counter() - started)
     # The medians, and beside them the fastest runs' ratio (load only ever slows a run down).
     return [{"what": "whole `quipu run -t 0 -n 16`, short prompt (s)", "quipu": round(median(q), 3),
              "llama.cpp": f"{median(n):.3f} (the fastest runs' ratio {min(q) / min(n):.3f})",

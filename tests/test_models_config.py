@@ -124,6 +124,21 @@ def test_precedence_command_line_environment_config_default(quipu, home, tiny_mo
     assert quipu("config", "path").stdout.decode().strip() == str(home / "config" / "config.toml")
 
 
+def test_a_context_not_asked_for_is_the_models_training_length_at_most_the_cap(quipu, tmp_path):
+    # Each token of context is cache memory allocated and cleared at the start; the cap is what
+    # --help and `quipu config show` say it is.
+    from quipu.engine.base import DEFAULT_CTX_CAP, ContextSettings
+    from quipu.engine.llama import LlamaBackend
+
+    for trained, expected in ((DEFAULT_CTX_CAP * 8, DEFAULT_CTX_CAP), (512, 512)):
+        path = write_tiny_gguf(tmp_path / f"trained{trained}.gguf", n_ctx_train=trained)
+        with LlamaBackend(path, ContextSettings(n_threads=1)) as backend:
+            assert backend.context.n_ctx == expected
+    said = f"at most {DEFAULT_CTX_CAP}"
+    assert said in " ".join(quipu("run", "--help").stdout.decode().split())
+    assert said in json.loads(quipu("config", "show", "--json").stdout)["generation.ctx"]["value"]
+
+
 @pytest.mark.parametrize(
     "text, line, words",
     [

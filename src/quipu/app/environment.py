@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from quipu import paths
 from quipu.config import Config, load_config
+from quipu.engine.base import DEFAULT_CTX_CAP
 from quipu.errors import InvalidParameter, ModelNotFound, UsageError
 from quipu.models import resolve_model
 from quipu.sessions.params import SamplingParams
@@ -118,7 +119,7 @@ class Environment:
         else:
             rows.append(("model", DEFAULT_MODEL_NAME, "default"))
         rows.append(("system", self.config.system, where if self.config.system else "default"))
-        defaults = {**SamplingParams().to_dict(), "max_tokens": DEFAULT_MAX_TOKENS, "ctx": "the model's, at most 8192",
+        defaults = {**SamplingParams().to_dict(), "max_tokens": DEFAULT_MAX_TOKENS, "ctx": f"the model's, at most {DEFAULT_CTX_CAP}",
                     "threads": "the CPUs this process may use", "seed": "random", "stop": "none"}
         for key in GENERATION_TYPES:
             if key in self.config.generation:

@@ -30,6 +30,11 @@ def media_mark(k: int) -> str:
 
 ProgressFn = Callable[[int, int], "bool | None"]
 
+# A context's size when none is asked for: the model's training context, at most this, as in
+# llama.cpp's own programs. Each token of context is cache memory (23 KB on SmolLM2-135M, 128 KB
+# on Llama 3 8B at f16), allocated and cleared before the first token.
+DEFAULT_CTX_CAP = 4096
+
 
 def available_cpus() -> int:
     """The CPUs this process may run on (affinity), not the machine's count."""
@@ -43,7 +48,7 @@ def available_cpus() -> int:
 class ContextSettings:
     """What the context (and so the state bytes) depends on, plus the thread count."""
 
-    n_ctx: int = 0  # 0: the model's training context, capped at MAX_DEFAULT_CTX
+    n_ctx: int = 0  # 0: the model's training context, capped at DEFAULT_CTX_CAP
     # Tokens a prefill step takes (llama.cpp's n_batch and n_ubatch): on two cores as fast as 512
     # (faster on Gemma 3), and a prompt cache entry is restored to a multiple of it (`step_start`).
     n_batch: int = 256

@@ -13,6 +13,7 @@ from quipu.engine.sampler import Sampling
 from quipu.engine.text import Spellings
 
 from quipu.engine.base import (
+    DEFAULT_CTX_CAP,
     FLASH_ATTN,
     KV_TYPES,
     ContextSettings,
@@ -30,7 +31,6 @@ from quipu.errors import EngineError, InvalidParameter, ModelLoadError
 if TYPE_CHECKING:
     from quipu.engine.constraint import MaskBatch
 
-MAX_DEFAULT_CTX = 8192
 _KV_GGML_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
 _FLASH_ATTN_TYPES = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                      "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
@@ -70,7 +70,7 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         self.embed_calls = 0
 
     def _open_context(self, context: ContextSettings) -> None:
-        n_ctx = context.n_ctx or min(self.model.n_ctx_train or MAX_DEFAULT_CTX, MAX_DEFAULT_CTX)
+        n_ctx = context.n_ctx or min(self.model.n_ctx_train or DEFAULT_CTX_CAP, DEFAULT_CTX_CAP)
         n_threads = context.n_threads or available_cpus()
         n_batch = max(1, min(context.n_batch, n_ctx))
         n_seq = max(1, context.n_seq)
