@@ -6,9 +6,10 @@ on (the better of the two is llama.cpp at its best), and `quipu run --raw --no-c
 the same numbers of tokens, its own timings: decode at a short context (16 tokens) and at about
 1,400 tokens of context, and prefill of 1,400 tokens. quipu samples every token (the default
 chain) and streams it; llama-bench samples nothing. End-of-generation tokens are banned, so
-every run makes all its tokens. Each quipu run follows llama-bench's runs of its rows, so that
-load on the machine falls on both alike; a row is the median of each, llama-bench's with the
-setting of the higher median.
+every run makes all its tokens. Each quipu run is paired with llama-bench's runs of its rows, the
+pair's order turned round every other repetition, so that load on the machine, and whatever the
+runs before leave behind, falls on both alike; a row is the median of each, llama-bench's with
+the setting of the higher median.
 """
 
 from __future__ import annotations
@@ -81,16 +82,21 @@ def bench_llama_bench(threads: int, repeats: int, home: str, n_decode: int) -> l
         long, _ = _prompt_and_bans(model, N_LONG)
         ours: dict[str, list[float]] = {"short": [], "long": [], "prefill": []}
         theirs: dict[tuple[str, bool], list[float]] = {}
-        for _ in range(repeats):  # interleaved, each quipu run right after llama-bench's of its rows
-            for key, ts in _llama_bench(exe, model, threads, "-p", "0", "-n", str(n_decode), "-d", str(N_SHORT)).items():
-                theirs.setdefault(key, []).append(ts)
-            ours["short"].append(_quipu(model, short, bans, n_decode, threads, home)["decode_tok_s"])
-            for key, ts in {**_llama_bench(exe, model, threads, "-p", "0", "-n", str(n_decode), "-d", str(N_LONG)),
-                            **_llama_bench(exe, model, threads, "-p", str(N_LONG), "-n", "0")}.items():
-                theirs.setdefault(key, []).append(ts)
-            at_long = _quipu(model, long, bans, n_decode, threads, home)
-            ours["long"].append(at_long["decode_tok_s"])
-            ours["prefill"].append(at_long["prefill_tok_s"])
+        decode = ["-p", "0", "-n", str(n_decode)]
+        pairs = [([[*decode, "-d", str(N_SHORT)]], short, {"short": "decode_tok_s"}),
+                 ([[*decode, "-d", str(N_LONG)], ["-p", str(N_LONG), "-n", "0"]], long,
+                  {"long": "decode_tok_s", "prefill": "prefill_tok_s"})]
+        for rep in range(repeats):  # interleaved, each pair's order turned round every other repetition
+            for runs, text, wanted in pairs:
+                for ours_now in (rep % 2 == 1, rep % 2 == 0):
+                    if ours_now:
+                        timings = _quipu(model, text, bans, n_decode, threads, home)
+                        for key, field in wanted.items():
+                            ours[key].append(timings[field])
+                        continue
+                    for args in runs:
+                        for key, ts in _llama_bench(exe, model, threads, *args).items():
+                            theirs.setdefault(key, []).append(ts)
         for what, key, test in ((f"decode tok/s at {N_SHORT} tokens of context", "short", f"tg{n_decode}@d{N_SHORT}"),
                                 (f"decode tok/s at {N_LONG} tokens of context", "long", f"tg{n_decode}@d{N_LONG}"),
                                 (f"prefill tok/s, {N_LONG} tokens", "prefill", f"pp{N_LONG}")):
