@@ -151,36 +151,49 @@ def save_turn(mode: str, home: str, *args: str) -> dict:
                    env={**os.environ, "QUIPU_HOME": home})
     return json.loads(out.read_text())
 
-def bench_saves(model: str, threads: int, repeats: int, home: str) -> list[dict]:
-    """A short turn's save on a long session, against the whole save of every turn before the
-    state log; resuming a session saved as 50 pieces, against the same session saved whole; the
-    peak memory of `sessions fork` of a ~120 MB session."""
+def turn_saves(model: str, label: str, ctx: int, n_tokens: int, threads: int, repeats: int, home: str) -> list[dict]:
+    """A 20-token turn's save on a session of `n_tokens` tokens, as quipu saves it, against the
+    whole save of every turn (as before the state log) and against no save."""
     env = {"QUIPU_HOME": home}
-    common = ["-m", model, "--threads", str(threads), "--ctx", "8192", "--seed", "1"]
-    doc = context_text(model, 5000)
-    quipu_cmd("run", *common, "-S", "long", "-n", "1", "Read this.", stdin=doc.encode(), env=env)
+    name = f"long-{ctx}-{n_tokens}"
+    common = ["-m", model, "--threads", str(threads), "--ctx", str(ctx), "--seed", "1"]
+    quipu_cmd("run", *common, "-S", name, "-n", "1", "Read this.", stdin=context_text(model, n_tokens).encode(), env=env)
     turn = ["run", "-S", "{name}", "-n", "20", "--json", "Go on, in a few words."]
     runs: dict[str, list[dict]] = {"pieces": [], "whole": [], "nosave": []}
     for i in range(repeats):  # interleaved, each on a fork of the same session
         for mode in runs:
-            name = f"long-{mode}-{i}"
-            quipu_cmd("sessions", "fork", "long", name, env=env)
-            runs[mode].append(save_turn(mode, home, *[a.replace("{name}", name) for a in turn]))
+            fork = f"{name}-{mode}-{i}"
+            quipu_cmd("sessions", "fork", name, fork, env=env)
+            runs[mode].append(save_turn(mode, home, *[a.replace("{name}", fork) for a in turn]))
     pieces, whole, nosave = ({k: median([r[k] for r in runs[m]]) for k in ("save_s", "bytes", "process_s")}
                              for m in ("pieces", "whole", "nosave"))
-    state_mb = (Path(home) / "data" / "sessions" / "long.kv").stat().st_size / 2**20
-    rows = [
-        {"what": f"a 20-token turn on a 5,000-token session ({state_mb:.0f} MB of state): bytes the process writes (MB), "
-                 "quipu vs a whole save", "quipu": round(pieces["bytes"] / 2**20, 2),
+    state_mb = (Path(home) / "data" / "sessions" / f"{name}.kv").stat().st_size / 2**20
+    return [
+        {"what": f"{label}a 20-token turn on a {n_tokens:,}-token session ({state_mb:.0f} MB of state): bytes the "
+                 "process writes (MB), quipu vs a whole save", "quipu": round(pieces["bytes"] / 2**20, 2),
          "re-read from scratch": f"{whole['bytes'] / 2**20:.2f} (whole save)",
          "ratio": round(pieces["bytes"] / whole["bytes"], 4)},
-        {"what": "the same: time spent saving (s), quipu vs a whole save", "quipu": round(pieces["save_s"], 4),
+        {"what": f"{label}the same: time spent saving (s), quipu vs a whole save", "quipu": round(pieces["save_s"], 4),
          "re-read from scratch": f"{whole['save_s']:.4f} (whole save)",
          "ratio": round(pieces["save_s"] / whole["save_s"], 3)},
-        {"what": "the same: the whole process (s), quipu vs the same turn with no save",
+        {"what": f"{label}the same: the whole process (s), quipu vs the same turn with no save",
          "quipu": round(pieces["process_s"], 3), "re-read from scratch": f"{nosave['process_s']:.3f} (no save)",
          "ratio": round(pieces["process_s"] / nosave["process_s"], 3)},
     ]
+
+def bench_saves(model: str, threads: int, repeats: int, home: str) -> list[dict]:
+    """A short turn's save on a long session, against the whole save of every turn before the
+    state log, on the bundled model and on a sliding-window one (Gemma 3, where installed);
+    resuming a session saved as 50 pieces, against the same session saved whole; the peak
+    memory of `sessions fork` of a ~120 MB session."""
+    from bench.llama_bench import models
+
+    env = {"QUIPU_HOME": home}
+    common = ["-m", model, "--threads", str(threads), "--ctx", "8192", "--seed", "1"]
+    rows = turn_saves(model, "", 8192, 5000, threads, repeats, home)
+    for label, path in models()[1:]:
+        rows += turn_saves(path, f"{label}, sliding window: ", 4096, 3000, threads, repeats, home)
+    state_mb = (Path(home) / "data" / "sessions" / "long-8192-5000.kv").stat().st_size / 2**20
 
     # A session of 50 appended turns, and the same session saved whole: time to the first token.
     quipu_cmd("run", *common, "-S", "chain", "-n", "1", "Read this.", stdin=context_text(model, 3000).encode(), env=env)
@@ -219,7 +232,7 @@ def bench_saves(model: str, threads: int, repeats: int, home: str) -> list[dict]
                            env={**os.environ, **env}, check=True)
         return int(r.stdout.decode().split()[-1]) * 1024
 
-    fork_peak = max(peak_of("sessions", "fork", "long", f"long-copy-{i}") for i in range(repeats))
+    fork_peak = max(peak_of("sessions", "fork", "long-8192-5000", f"long-copy-{i}") for i in range(repeats))
     base_peak = max(peak_of("sessions", "list") for _ in range(repeats))
     rows.append({"what": f"sessions fork of a {state_mb:.0f} MB session: peak memory above `sessions list`'s (MB)",
                  "quipu": round((fork_peak - base_peak) / 2**20, 1), "re-read from scratch": "50 (the target)",

@@ -170,15 +170,28 @@ def test_the_layout_check_refuses_what_is_not_a_piece_of_this_model():
     from quipu.engine.kvstate import MAGIC, check_piece
     from quipu.errors import SnapshotError
 
-    def piece(cells, first, n_layer=2, seq=1, extra=b"", v_trans=1):
-        out = struct.pack("<IiII", MAGIC, seq, 1, cells)
+    def cache(cells, first, n_layer, seq, v_trans):
+        out = struct.pack("<II", 1, cells)
         out += b"".join(struct.pack("<iIi", first + i, 1, seq) for i in range(cells))
         out += struct.pack("<II", v_trans, n_layer)
         out += b"".join(struct.pack("<iQ", 1, 8) + b"k" * 8 * cells for _ in range(n_layer))
         out += b"".join(struct.pack("<iII", 1, 2, 4) + b"v" * 8 * cells for _ in range(n_layer))
-        return out + extra
+        return out
+
+    def piece(cells, first, n_layer=2, seq=1, extra=b"", v_trans=1):
+        return struct.pack("<Ii", MAGIC, seq) + cache(cells, first, n_layer, seq, v_trans) + extra
 
     assert check_piece(piece(3, 10), seq_id=1, cells=3, first=10, n_layer=2).last == 12
+    # A sliding-window model's: its full-attention layers' cache, then its window layers'.
+    head = struct.pack("<Ii", MAGIC, 1)
+    windowed = head + cache(3, 10, 1, 1, 1) + cache(3, 10, 2, 1, 1)
+    assert check_piece(windowed, seq_id=1, cells=3, first=10, n_layer=3).cells == 3
+    for bad, why in ((head + cache(3, 10, 1, 1, 1) + cache(2, 11, 2, 1, 1), "2 cells, not 3"),  # (out of the window)
+                     (head + cache(3, 10, 1, 1, 1) + cache(3, 10, 2, 1, 0), "layout"),
+                     (head + cache(3, 10, 1, 1, 1), "layout quipu reads"),
+                     (windowed + cache(3, 10, 1, 1, 1), "layout")):
+        with pytest.raises(SnapshotError, match=why):
+            check_piece(bad, seq_id=1, cells=3, first=10, n_layer=3)
     for bad, why in ((piece(3, 11), "position"), (piece(3, 10, n_layer=3), "layout"), (piece(2, 10), "cells"),
                      (piece(3, 10, extra=b"x"), "layout quipu reads"), (piece(3, 10, seq=0), "begin"),
                      (piece(3, 10)[:-1], "layout quipu reads"), (piece(3, 10, v_trans=2), "layout")):

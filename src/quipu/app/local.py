@@ -405,12 +405,12 @@ class LocalKeeper:
         chain, backend = self.chain, session.backend
         if chain is None or chain.nonce is None or not store.has_state(name):
             return None, "no state file to add to"
-        unsupported = backend.partial_state()
-        if unsupported:
-            return None, f"{unsupported} is saved whole"
         # The piece replaces the cells from where the context went back to, if it did (the
         # last reply's end token, which the template writes its own way; an /undo), and adds the new.
         start = min(low_water, chain.held)
+        unsupported = backend.partial_state(start)
+        if unsupported:
+            return None, f"{unsupported} is saved whole"
         if (session.n_decoded - start) * 2 > session.n_decoded:  # (none new: a piece that only cuts)
             return None, "most of the context is new"
         if chain.pieces >= MAX_PIECES or chain.piece_bytes > chain.base_bytes:

@@ -59,10 +59,15 @@ class ContextSettings:
     # Set by the backend, not asked for: whether its cache stores V transposed (as llama.cpp
     # does for attention without flash attention); None where it is not known.
     v_trans: bool | None = None
+    # Set by the backend of a sliding-window model: "every cell" when its state holds each cell
+    # the window's cache still has, where it lies, which restores it as it was (a state that held
+    # only the window's cells, as before, restored them elsewhere: not bit for bit). None: a plain cache.
+    window_cells: str | None = None
 
     def state_key(self) -> dict:
         """The settings a snapshot's state bytes are only valid under, and their layout."""
-        return {"n_ctx": self.n_ctx, "n_batch": self.n_batch, "kv_type": self.kv_type, "v_trans": self.v_trans}
+        key = {"n_ctx": self.n_ctx, "n_batch": self.n_batch, "kv_type": self.kv_type, "v_trans": self.v_trans}
+        return key if self.window_cells is None else {**key, "window_cells": self.window_cells}
 
 
 def saved_state_key(saved: dict) -> dict:
@@ -82,6 +87,8 @@ def remembered_flash_attn(saved: dict) -> str:
 def layout_differs(saved: dict, context: ContextSettings) -> str | None:
     """Why state bytes saved under `saved` (a state key) cannot be restored into a context with
     `context`'s layout, or None when they can be."""
+    if context.window_cells is not None and saved.get("window_cells") is None:
+        return "the saved context state holds only its sliding window's cells, which do not restore bit for bit"
     was = saved_state_key(saved).get("v_trans")
     if was == context.v_trans:
         return None
@@ -208,8 +215,9 @@ class Backend(Protocol):
     def restore_bytes(self, data: bytes | memoryview) -> None: ...
 
     # ---- the state in pieces, and the cells moved (where the cache allows it) -------------------
-    def partial_state(self) -> str | None:
-        """Why the cells' state cannot be saved and restored in pieces (None: it can)."""
+    def partial_state(self, since: int | None = None) -> str | None:
+        """Why the cells' state cannot be saved and restored in pieces (None: it can); with
+        `since`, why not the piece of the cells from there on."""
     def state_since(self, start: int) -> memoryview:
         """The state of the cells at positions `start` on."""
     def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:

@@ -19,13 +19,17 @@ little-endian (`llama_context::state_seq_get_data` in src/llama-context.cpp, the
                  (transposed) element size u32, n_embd_v_gqa u32, n_embd_v_gqa runs of
                  cell_count elements
 
+A sliding-window model's memory (`llama_kv_cache_iswa`) writes two such caches after the one
+head, from n_stream on: its full-attention layers', then its window layers'.
+
 A session's saves after the first write only the cells a turn added: llama.cpp writes them
 itself, as the state of a second sequence that shares those cells (`llama_memory_seq_cp`), and
 reads them back the same way, so quipu never takes the bytes apart. What it checks here is
 that such a piece is what it must be: one stream, the expected number of cells, each of the
-one sequence, at the expected positions, of the model's layer count, and nothing after the
-last layer. Anything else (another llama.cpp's layout, a cache with cell extensions, a layer
-without V) is not understood, and the session is saved whole.
+one sequence, at the expected positions, in each cache, of the model's layer count in all, and
+nothing after the last layer (a window cache leaves out a long turn's cells gone out of its
+window: the turn is saved whole). Anything else (another llama.cpp's layout, a cache with cell
+extensions, a layer without V) is not understood, and the session is saved whole.
 """
 
 from __future__ import annotations
@@ -56,8 +60,8 @@ class Piece:
 
 def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int, n_layer: int) -> Piece:
     """Checks that `data` is the state of `cells` cells of sequence `seq_id` at positions
-    `first`, `first` + 1, ... in order, in the layout above, for a model of `n_layer` layers;
-    raises SnapshotError naming what differs."""
+    `first`, `first` + 1, ... in order, in each cache of the layout above, for a model of
+    `n_layer` layers; raises SnapshotError naming what differs."""
     view = memoryview(data).cast("B")
     at = 0
 
@@ -72,38 +76,40 @@ def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int
     magic, written = take(_HEAD)
     if magic != MAGIC or written != seq_id:
         raise SnapshotError("the piece of context state does not begin as llama.cpp's sequence state does")
-    (n_stream,) = take(_U32)
-    if n_stream != 1:
-        raise SnapshotError(f"the context state has {n_stream} streams, not 1")
-    (count,) = take(_U32)
-    if count != cells:
-        raise SnapshotError(f"the piece of context state holds {count} cells, not {cells}")
-    if count == 0:
-        if at != len(view):
-            raise SnapshotError("the piece of context state has bytes after its end")
-        return Piece(0, first, first - 1, False)
-    end = at + count * _CELL.size
-    if end > len(view):
-        raise SnapshotError("the piece of context state ends early")
-    for i in range(count):
-        pos, n_seq, seq = _CELL.unpack_from(view, at + i * _CELL.size)
-        if n_seq != 1 or seq != seq_id or pos != first + i:
-            raise SnapshotError(f"cell {i} of the piece of context state is not the one expected (position "
-                                f"{pos}, {n_seq} sequences)")
-    at = end
-    v_trans, layers = take(_U32)[0], take(_U32)[0]
-    if v_trans not in (0, 1) or layers != n_layer:
-        raise SnapshotError("the piece of context state is not of this model's layout")
-    for _ in range(layers):  # K: a row per cell
-        _, row = take(_LAYER_K)
-        at += count * row
-    for _ in range(layers):  # V: a row per cell, or transposed: a run per embedding row
-        if v_trans:
-            _, size, rows = take(_LAYER_V_TRANS)
-            at += rows * count * size
-        else:
-            _, row = take(_LAYER_K)
-            at += count * row
-    if at != len(view):
+    layers_seen, v_trans = 0, None
+    while True:  # a cache, then perhaps a sliding window's
+        (n_stream,) = take(_U32)
+        if n_stream != 1:
+            raise SnapshotError(f"the context state has {n_stream} streams, not 1")
+        (count,) = take(_U32)
+        if count != cells:
+            raise SnapshotError(f"the piece of context state holds {count} cells, not {cells}")
+        if count:
+            end = at + count * _CELL.size
+            if end > len(view):
+                raise SnapshotError("the piece of context state ends early")
+            for i in range(count):
+                pos, n_seq, seq = _CELL.unpack_from(view, at + i * _CELL.size)
+                if n_seq != 1 or seq != seq_id or pos != first + i:
+                    raise SnapshotError(f"cell {i} of the piece of context state is not the one expected "
+                                        f"(position {pos}, {n_seq} sequences)")
+            at = end
+            trans, layers = take(_U32)[0], take(_U32)[0]
+            if trans not in (0, 1) or not 0 < layers <= n_layer - layers_seen or v_trans not in (None, trans):
+                raise SnapshotError("the piece of context state is not of this model's layout")
+            v_trans, layers_seen = trans, layers_seen + layers
+            for _ in range(layers):  # K: a row per cell
+                _, row = take(_LAYER_K)
+                at += count * row
+            for _ in range(layers):  # V: a row per cell, or transposed: a run per embedding row
+                if trans:
+                    _, size, rows = take(_LAYER_V_TRANS)
+                    at += rows * count * size
+                else:
+                    _, row = take(_LAYER_K)
+                    at += count * row
+        if at >= len(view) or layers_seen >= n_layer:
+            break
+    if at != len(view) or (cells and layers_seen != n_layer):
         raise SnapshotError("the piece of context state is not of the layout quipu reads")
-    return Piece(count, first, first + count - 1, bool(v_trans))
+    return Piece(cells, first, first + cells - 1, bool(v_trans))

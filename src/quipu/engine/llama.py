@@ -100,7 +100,8 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         made = LOG.flash_attn
         self.context = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=context.kv_type,
                                        n_seq=n_seq, flash_attn=context.flash_attn,
-                                       v_trans=None if made is None else made == "disabled")
+                                       v_trans=None if made is None else made == "disabled",
+                                       window_cells="every cell" if n_seq == 1 and self.model.n_swa > 0 else None)
         self._ctx = ctx
         self._stack.callback(lc.llama_free, ctx)
         # llama.cpp rounds small contexts up; the user's number is the one we keep to.
@@ -230,7 +231,7 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         self.forget_positions(n_keep)
         if not lc.llama_memory_seq_rm(self._mem, 0, keep, -1):
             raise EngineError("llama.cpp could not trim the context")
-        n_swa = lc.llama_model_n_swa(self.model.ptr)
+        n_swa = self.model.n_swa
         if n_swa > 0 and lc.llama_memory_seq_pos_min(self._mem, 0) > max(0, keep - n_swa):
             lc.llama_memory_clear(self._mem, True)
             self.forget_positions(0)
@@ -239,10 +240,9 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         """Why cells cannot be dropped from the middle of the context with those after them
         moved down (None: they can). llama.cpp moves a cache's positions (re-rotating RoPE keys)
         where `llama_memory_can_shift` says so: a plain attention cache of a model with one
-        position per token (not M-RoPE); not a sliding-window cache smaller than the context,
-        whose evicted cells a shift cannot bring back, nor a recurrent model's state, which is
-        not kept a token a cell."""
-        why = self.partial_state()
+        position per token (not M-RoPE); not a sliding-window cache, whose evicted cells a shift
+        cannot bring back, nor a recurrent model's state, which is not kept a token a cell."""
+        why = self.partial_state() or ("a sliding-window cache" if self.model.n_swa > 0 else None)
         if why:
             return why
         if not lc.llama_memory_can_shift(self._mem):

@@ -25,9 +25,18 @@ class StateBytes:
         model: LlamaModel
         context: ContextSettings
 
+        def positions(self) -> int: ...
+
     def snapshot_bytes(self) -> memoryview:
-        """The context's state, as a view of the one buffer llama.cpp wrote it into (no copy)."""
-        return self._seq_state(0)
+        """The context's state, as a view of the one buffer llama.cpp wrote it into (no copy).
+
+        A sliding-window cache's state is written as the whole memory's (sequence -1), which
+        keeps the cells gone out of the window: sequence 0's would hold only the window's, and
+        read back they would lie from the cache's first cell on, not where they were, so the
+        attention that follows would add its terms in another order (llama.cpp splits a decode's
+        cells among the threads by index) and drift from the run that never stopped. Every cell
+        read back in order lies where it was, and the next token's goes after the last, as then."""
+        return self._seq_state(-1 if self.context.window_cells else 0)
 
     def _seq_state(self, seq: int) -> memoryview:
         size = lc.llama_state_seq_get_size(self._ctx, seq)
@@ -48,18 +57,21 @@ class StateBytes:
             lc.llama_memory_clear(self._mem, True)
             raise EngineError(f"llama.cpp refused {what}{LOG.reason()}")
 
-    def partial_state(self) -> str | None:
+    def partial_state(self, since: int | None = None) -> str | None:
         """Why the state of some cells cannot be saved and restored apart from the rest (None:
-        it can): a plain attention cache of one sequence, whose positions are the tokens'."""
+        it can): an attention cache of one sequence, whose positions are the tokens', plain or
+        with a sliding window (whose state keeps every cell: `snapshot_bytes`). With `since`, why
+        not the cells from there on: a window cache leaves out of a sequence's state the cells
+        gone out of its window, so a piece longer than the window would not hold them all."""
         model = self.model.ptr
         if self.context.n_seq != 1:
             return "a context of several sequences"
         if lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model):
             return "a recurrent or hybrid model's memory"
-        if lc.llama_model_n_swa(model) > 0:
-            return "a sliding-window cache"
         if lc.llama_model_rope_type(model) in (lc.LLAMA_ROPE_TYPE_MROPE, lc.LLAMA_ROPE_TYPE_IMROPE):
             return "an M-RoPE model (its images' positions are not their cells')"
+        if since is not None and self.model.n_swa and self.positions() - since > self.model.n_swa:
+            return "a turn longer than the sliding window"
         return None
 
     @property

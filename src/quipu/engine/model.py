@@ -89,6 +89,7 @@ class LlamaModel:
         self.vocab = lc.llama_model_get_vocab(model)
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = lc.llama_model_n_ctx_train(model)
+        self.n_swa = lc.llama_model_n_swa(model)  # (0: no layer attends through a sliding window)
         self._pieces: dict[int, bytes] = {}
         self._max_token_bytes: int | None = None
         self._spellings_in: dict[str, set[str]] = {}  # (the short texts asked of already)
