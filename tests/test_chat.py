@@ -166,6 +166,24 @@ def test_a_message_that_can_never_fit_is_refused_once(repl, monkeypatch):
     assert len(r.chat.messages) == 4
 
 
+def test_trim_keeps_the_last_exchange_though_it_holds_more_than_half_the_context(repl):
+    # Room is made by the oldest exchanges; the last one (the reply just read, the one a full
+    # context stopped in) stays, though half the context is then not free.
+    r, out, err = repl
+    r.safely("hello")
+    conv, size = r.chat.named.conversation, r.chat.context_size
+    long = "the sky"
+    while conv.size_alone(long)[0] < size * 0.6:
+        long += " hello world the sky"
+    r.safely(long)
+    assert [m.role for m in r.chat.messages] == ["user", "assistant"] * 2
+    r.safely("/trim")
+    assert "dropped 2 old messages" in err.getvalue()
+    assert [m.content for m in r.chat.messages if m.role == "user"] == [long]
+    r.safely("/trim")  # (nothing older to drop)
+    assert "dropped 0 old messages" in err.getvalue() and len(r.chat.messages) == 2
+
+
 def test_a_long_line_piped_into_a_small_context_is_refused_once(home, tiny_model):
     long_line = " ".join(f"hello{i} world" for i in range(180))
     r = run_chat(home, "-m", tiny_model, "--ctx", "256", "-n", "8", "-S", "long",

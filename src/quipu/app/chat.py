@@ -295,14 +295,15 @@ class ChatSession:
     def drop_oldest(self, for_message: str | None = None) -> int:
         """Drops old exchanges so that half the context is free again, or more if `for_message`
         needs more (with room left for a reply); where the context's size is the server's own,
-        the oldest exchange."""
+        the oldest exchange. Without a message waiting, the last exchange (the reply the context
+        filled up in, the one a /trim follows) stays, though it holds more than half."""
         conv = self._named.conversation
         n_ctx = conv.session.n_ctx
         keep_free = int(n_ctx * KEEP_FREE_FRACTION)
         if for_message is not None and self.capabilities.context_size:
             size, _ = conv.size_alone(for_message)
             keep_free = max(keep_free, min(size + n_ctx // 8, n_ctx - 1))
-        dropped = conv.drop_oldest(keep_free)
+        dropped = conv.drop_oldest(keep_free, keep_latest=for_message is None)
         self.save()
         return dropped
 

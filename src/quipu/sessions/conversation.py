@@ -295,14 +295,17 @@ class Conversation(ToolTurns):
                 return (start, end) if start < end <= self.session.n_decoded else None
         return None
 
-    def drop_oldest(self, keep_free: int) -> int:
+    def drop_oldest(self, keep_free: int, keep_latest: bool = False) -> int:
         """Drops the oldest exchanges (never the system prompt) until the conversation leaves at
         least `keep_free` tokens of the context free; where the context's size is the server's
-        own, the oldest exchange. Returns how many messages went."""
+        own, the oldest exchange. With `keep_latest`, never the last exchange, though fewer
+        tokens are then free. Returns how many messages went."""
         first = 1 if self.system is not None else 0
         dropped = 0
         before = list(self.messages)
         while len(self.messages) > first:
+            if keep_latest and not any(m.role == "user" for m in self.messages[first + 1:]):
+                break  # (what is left is the last exchange)
             if self.session.capabilities.context_size:
                 needed = len(self.render_tokens(self.messages, add_generation_prompt=True))
                 if needed + keep_free <= self.session.n_ctx:
