@@ -151,11 +151,15 @@ def save_turn(mode: str, home: str, *args: str) -> dict:
                    env={**os.environ, "QUIPU_HOME": home})
     return json.loads(out.read_text())
 
+def long_session(ctx: int, n_tokens: int) -> str:
+    """The name of `turn_saves`' session."""
+    return f"long-{ctx}-{n_tokens}"
+
 def turn_saves(model: str, label: str, ctx: int, n_tokens: int, threads: int, repeats: int, home: str) -> list[dict]:
     """A 20-token turn's save on a session of `n_tokens` tokens, as quipu saves it, against the
     whole save of every turn (as before the state log) and against no save."""
     env = {"QUIPU_HOME": home}
-    name = f"long-{ctx}-{n_tokens}"
+    name = long_session(ctx, n_tokens)
     common = ["-m", model, "--threads", str(threads), "--ctx", str(ctx), "--seed", "1"]
     quipu_cmd("run", *common, "-S", name, "-n", "1", "Read this.", stdin=context_text(model, n_tokens).encode(), env=env)
     turn = ["run", "-S", "{name}", "-n", "20", "--json", "Go on, in a few words."]
@@ -193,7 +197,8 @@ def bench_saves(model: str, threads: int, repeats: int, home: str) -> list[dict]
     rows = turn_saves(model, "", 8192, 5000, threads, repeats, home)
     for label, path in models()[1:]:
         rows += turn_saves(path, f"{label}, sliding window: ", 4096, 3000, threads, repeats, home)
-    state_mb = (Path(home) / "data" / "sessions" / "long-8192-5000.kv").stat().st_size / 2**20
+    long = long_session(8192, 5000)
+    state_mb = (Path(home) / "data" / "sessions" / f"{long}.kv").stat().st_size / 2**20
 
     # A session of 50 appended turns, and the same session saved whole: time to the first token.
     quipu_cmd("run", *common, "-S", "chain", "-n", "1", "Read this.", stdin=context_text(model, 3000).encode(), env=env)
@@ -232,7 +237,7 @@ def bench_saves(model: str, threads: int, repeats: int, home: str) -> list[dict]
                            env={**os.environ, **env}, check=True)
         return int(r.stdout.decode().split()[-1]) * 1024
 
-    fork_peak = max(peak_of("sessions", "fork", "long-8192-5000", f"long-copy-{i}") for i in range(repeats))
+    fork_peak = max(peak_of("sessions", "fork", long, f"long-copy-{i}") for i in range(repeats))
     base_peak = max(peak_of("sessions", "list") for _ in range(repeats))
     rows.append({"what": f"sessions fork of a {state_mb:.0f} MB session: peak memory above `sessions list`'s (MB)",
                  "quipu": round((fork_peak - base_peak) / 2**20, 1), "re-read from scratch": "50 (the target)",
