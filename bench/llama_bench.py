@@ -8,8 +8,9 @@ the same numbers of tokens, its own timings: decode at a short context (16 token
 chain) and streams it; llama-bench samples nothing. End-of-generation tokens are banned, so
 every run makes all its tokens. Each quipu run is paired with llama-bench's runs of its rows, the
 pair's order turned round every other repetition, so that load on the machine, and whatever the
-runs before leave behind, falls on both alike; a row is the median of each, llama-bench's with
-the setting of the higher median.
+runs before leave behind, falls on both alike. A row gives the median of each, llama-bench's with
+the setting of the higher median ("at its best"), and the median of the pairs' ratios against that
+setting: the machine's load drifts over minutes, and a pair's two runs share the same moment.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ def bench_llama_bench(threads: int, repeats: int, home: str, n_decode: int) -> l
                                 (f"decode tok/s at {N_LONG} tokens of context", "long", f"tg{n_decode}@d{N_LONG}"),
                                 (f"prefill tok/s, {N_LONG} tokens", "prefill", f"pp{N_LONG}")):
             off, on = median(theirs[(test, False)]), median(theirs[(test, True)])
-            best, q = max(off, on), median(ours[key])
-            rows.append({"what": f"{name}: {what}, vs llama-bench at its best", "quipu": round(q, 1),
-                         "llama.cpp": f"{best:.1f} (flash attention off {off:.1f}, on {on:.1f})",
-                         "ratio": round(q / best, 3)})
+            paired = zip(ours[key], theirs[(test, on > off)], strict=True)  # (a repetition's quipu run, its llama-bench run)
+            rows.append({"what": f"{name}: {what}, vs llama-bench at its best", "quipu": round(median(ours[key]), 1),
+                         "llama.cpp": f"{max(off, on):.1f} (flash attention off {off:.1f}, on {on:.1f})",
+                         "ratio": round(median([q / t for q, t in paired]), 3)})
     return rows

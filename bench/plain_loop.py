@@ -8,13 +8,13 @@ import time
 import llama_cpp as lc
 
 
-_QUIET = lc.llama_log_callback(lambda level, text, user: None)  # kept alive: C holds the pointer
+QUIET = lc.llama_log_callback(lambda level, text, user: None)  # kept alive: C holds the pointer
 
 
 def plain_loop(model_path: str, prompt_tokens: list[int], n_decode: int, *, n_ctx: int, n_batch: int,
                n_threads: int, seed: int = 1) -> dict:
     """Prefills `prompt_tokens`, then samples and decodes `n_decode` tokens (never stopping early)."""
-    lc.llama_log_set(_QUIET, ctypes.c_void_p(0))
+    lc.llama_log_set(QUIET, ctypes.c_void_p(0))
     lc.llama_backend_init()
     model = lc.llama_model_load_from_file(model_path.encode(), lc.llama_model_default_params())
     vocab = lc.llama_model_get_vocab(model)

@@ -23,6 +23,7 @@ from bench.remote import bench_remote
 from bench.sessions import bench_cache, bench_resume, bench_saves, bench_shift, bench_snapshots
 from bench.speed import bench_coldstart, bench_memory, bench_peers, bench_speed, bench_startup
 from bench.structured import bench_constrained, bench_functions, bench_templates, bench_tools
+from bench.window_cache import bench_window_cache
 
 
 def machine() -> dict:
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128, help="tokens to decode per run")
-    ap.add_argument("--only", help="run one part: speed, llama-bench, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools, functions, saves, shift, media")
+    ap.add_argument("--only", help="run one part: speed, llama-bench, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools, functions, saves, shift, media, window")
     args = ap.parse_args(argv)
     model = model_path()
     # An installed quipu has its bytecode compiled by pip; a checkout may not (PYTHONDONTWRITEBYTECODE).
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
             "saves": lambda: bench_saves(model, args.threads, args.repeats, home),
             "shift": lambda: bench_shift(model, args.threads, args.repeats),
             "media": lambda: bench_media(args.threads, args.repeats, home),
+            "window": lambda: bench_window_cache(args.threads, args.repeats),
         }
         rows = []
         for name, part in parts.items():
