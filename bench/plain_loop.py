@@ -11,19 +11,29 @@ import llama_cpp as lc
 QUIET = lc.llama_log_callback(lambda level, text, user: None)  # kept alive: C holds the pointer
 
 
-def plain_loop(model_path: str, prompt_tokens: list[int], n_decode: int, *, n_ctx: int, n_batch: int,
-               n_threads: int, seed: int = 1) -> dict:
-    """Prefills `prompt_tokens`, then samples and decodes `n_decode` tokens (never stopping early)."""
+def load_model(model_path: str):
+    """llama.cpp's model, its log silenced."""
     lc.llama_log_set(QUIET, ctypes.c_void_p(0))
     lc.llama_backend_init()
-    model = lc.llama_model_load_from_file(model_path.encode(), lc.llama_model_default_params())
-    vocab = lc.llama_model_get_vocab(model)
+    return lc.llama_model_load_from_file(model_path.encode(), lc.llama_model_default_params())
+
+
+def context_params(n_ctx: int, n_batch: int, n_threads: int):
+    """A context's parameters as quipu sets them: steps of `n_batch`, flash attention as llama.cpp chooses."""
     cp = lc.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
     cp.n_threads = cp.n_threads_batch = n_threads
-    cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_AUTO  # as quipu: llama.cpp chooses
+    cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_AUTO
     cp.no_perf = True
-    ctx = lc.llama_init_from_model(model, cp)
+    return cp
+
+
+def plain_loop(model_path: str, prompt_tokens: list[int], n_decode: int, *, n_ctx: int, n_batch: int,
+               n_threads: int, seed: int = 1) -> dict:
+    """Prefills `prompt_tokens`, then samples and decodes `n_decode` tokens (never stopping early)."""
+    model = load_model(model_path)
+    vocab = lc.llama_model_get_vocab(model)
+    ctx = lc.llama_init_from_model(model, context_params(n_ctx, n_batch, n_threads))
     chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
     for s in (
         lc.llama_sampler_init_penalties(lc.llama_vocab_n_tokens(vocab), 64, 1.1, 0.0, 0.0),

@@ -14,7 +14,6 @@ window they all fall in the last thread's run and the others wait for it.
 
 from __future__ import annotations
 
-import ctypes
 import statistics
 import time
 
@@ -43,11 +42,9 @@ def _by_turns(path: str, depth: int, n_threads: int, repeats: int) -> tuple[floa
     """(median of the rounds' ratios, full-size tok/s, window-alone tok/s), medians."""
     import llama_cpp as lc
 
-    from bench.plain_loop import QUIET
+    from bench.plain_loop import context_params, load_model
 
-    lc.llama_log_set(QUIET, ctypes.c_void_p(0))
-    lc.llama_backend_init()
-    model = lc.llama_model_load_from_file(path.encode(), lc.llama_model_default_params())
+    model = load_model(path)
     n_batch = 256
     batch = lc.llama_batch_init(n_batch, 0, 1)
     tokens = [(i * 7919) % 20000 + 100 for i in range(depth + ROUND)]
@@ -63,11 +60,8 @@ def _by_turns(path: str, depth: int, n_threads: int, repeats: int) -> tuple[floa
 
     contexts = {}
     for full in (True, False):
-        cp = lc.llama_context_default_params()
-        cp.n_ctx, cp.n_batch, cp.n_ubatch = 4096, n_batch, n_batch
-        cp.n_threads = cp.n_threads_batch = n_threads
-        cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_AUTO
-        cp.swa_full, cp.no_perf = full, True
+        cp = context_params(4096, n_batch, n_threads)
+        cp.swa_full = full
         contexts[full] = lc.llama_init_from_model(model, cp)
     speeds: dict[bool, list[float]] = {True: [], False: []}
     try:
