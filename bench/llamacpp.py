@@ -12,6 +12,7 @@ offline after the first time), unpacked and built once into a cache folder:
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,10 @@ import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
+# Built without AMX on x86-64, as CI's llama-cpp-python is (.ci/llama-wheel): ggml's AMX matrix
+# multiplication crashes on some Sapphire Rapids machines (llama.cpp issue 20824).
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+NO_AMX = [f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"] if platform.machine() == "x86_64" else []
 TARGETS = ("llama-completion", "llama-batched-bench", "llama-bench", "llama-server", "llama-mtmd-cli")
 
 
@@ -69,7 +74,7 @@ def build(targets: tuple[str, ...] = TARGETS) -> Path:
     src = sources()
     out = build_root() / "build"
     subprocess.run(["cmake", "-S", str(src), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON"],
+                    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON", *NO_AMX],
                    check=True, stdout=subprocess.DEVNULL)
     jobs = str(os.cpu_count() or 2)
     subprocess.run(["cmake", "--build", str(out), "--config", "Release", "-j", jobs, "--target", *missing],

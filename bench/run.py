@@ -35,10 +35,17 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cpus_available": len(os.sched_getaffinity(0)), "python": platform.python_version()}
+    from quipu.engine.devices import offload_devices
+
+    gpus = ", ".join(f"{d.name} ({d.description})" for d in offload_devices())
+    return {"cpu": cpu, "cpus_available": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+            "gpu": gpus or None}
 
 def render(results: dict) -> str:
-    lines = [f"Machine: {results['machine']['cpu']}, {results['threads']} threads, "
+    gpu = results["machine"].get("gpu")
+    where = f"the model's layers on {gpu} (quipu's default, as fit; llama.cpp's programs every layer)" if gpu \
+        else "on the CPU alone (llama.cpp built for the CPU)"
+    lines = [f"Machine: {results['machine']['cpu']}, {results['threads']} threads, {where}, "
              f"{results['repeats']} runs of each (the median, unless a row says otherwise), {results['date']}."]
     lines += [f"The {part} rows measured again on their own (`--only {part}`): {when['repeats']} runs of each, "
               f"{when['date']}." for part, when in results.get("parts", {}).items()]

@@ -37,8 +37,11 @@ def test_json_has_exactly_the_contract_fields(quipu):
     r = quipu("run", "--json", "--seed", "9", "-n", "10", "Hi")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert set(out) == {"text", "reasoning", "finish_reason", "model", "seed", "session", "usage", "timings"}
+    assert set(out) == {"text", "reasoning", "finish_reason", "model", "seed", "session", "usage", "timings",
+                        "placement"}
     assert out["reasoning"] is None  # SmolLM2 does not think aloud
+    # Where the model ran: the backend, its devices and the layers on them, of how many, what each took.
+    assert set(out["placement"]) == {"backend", "devices", "gpu_layers", "layers", "memory", "summary"}
     assert set(out["usage"]) == {"prompt_tokens", "completion_tokens", "cached_tokens"}
     assert set(out["timings"]) == {
         "load_s", "restore_s", "prefill_s", "decode_s", "ttft_s", "prefill_tok_s", "decode_tok_s"

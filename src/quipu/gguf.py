@@ -46,6 +46,15 @@ class ArrayInfo:
     head: list[Any] = field(default_factory=list)  # the first few items, when they are scalars
 
 
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor of the table: its name, ggml type and dimensions (ggml's order, rows first)."""
+
+    name: str
+    ggml_type: int
+    dims: tuple[int, ...]
+
+
 @dataclass
 class GGUFInfo:
     path: Path
@@ -53,6 +62,7 @@ class GGUFInfo:
     metadata: dict[str, Any]
     n_tensors: int
     n_params: int
+    tensors: list[TensorInfo] = field(default_factory=list)
 
     @property
     def architecture(self) -> str:
@@ -191,16 +201,20 @@ def read_gguf(path: Path) -> GGUFInfo:
                 key = reader.string(MAX_KEY)
                 metadata[key] = reader.value(reader.scalar("<I"))
             n_params = 0
+            tensors = []
             for _ in range(n_tensors):
-                reader.skip_strings(1)
+                name = reader.string(MAX_KEY)
                 n_dims = reader.scalar("<I")
                 if n_dims > MAX_DIMS:
                     raise GGUFError(f"a tensor declares {n_dims} dimensions")
+                dims = tuple(reader.scalar("<Q") for _ in range(n_dims))
+                ggml_type = reader.scalar("<I")
+                reader.read(8)  # offset
                 count = 1
-                for _ in range(n_dims):
-                    count *= reader.scalar("<Q")
-                reader.read(12)  # type, offset
+                for d in dims:
+                    count *= d
                 n_params += count
+                tensors.append(TensorInfo(name, ggml_type, dims))
     except OSError as exc:
         raise GGUFError(exc.strerror or str(exc)) from exc
-    return GGUFInfo(path, version, metadata, n_tensors, n_params)
+    return GGUFInfo(path, version, metadata, n_tensors, n_params, tensors)

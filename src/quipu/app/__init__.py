@@ -25,6 +25,8 @@ Every turn, named session and chat is written once, for every host a model can r
 - `batch.py`: `quipu run --batch`: rows read, planned and answered side by side, in order.
 - `manage.py`: `quipu sessions ...` over the store.
 - `embed.py`: `quipu embed`.
+- `doctor.py`: `quipu doctor`: versions, backends, devices and files, how to get a GPU build,
+  and where a model would run and what it would take.
 - `tools.py`: the tools a command opens (`open_tools`) (`--functions FILE.py`, `--tools FILE.json`), their
   approval, and the loop that runs them and gives the results back; `tool_files.py`, tools and
   conversations read from the user's files (the schemas of functions from their type hints, tool

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from quipu.app.environment import SAMPLING_TYPES, Environment
@@ -23,6 +23,7 @@ from quipu.app.turn_options import (
     check_positive,
     context_settings,
     load_backend,
+    offload,
     logit_biases,
     max_tokens,
     parse_logit_bias,
@@ -32,8 +33,9 @@ from quipu.app.turn_options import (
     template_variables,
 )
 from quipu.app.modes import BATCH, check_options
+from quipu.app.local import placement_notices, placement_of
 from quipu.app.turns import TurnResult, constrained_by, cut_short
-from quipu.engine.base import ContextSettings, available_cpus
+from quipu.engine.base import DEFAULT_CTX_CAP, ContextSettings, available_cpus
 from quipu.errors import BadInput, QuipuError, UsageError
 from quipu.sessions.batch import BatchRow, BatchSession
 from quipu.sessions.base import LOCAL, SILENT
@@ -191,9 +193,10 @@ def row_params(base: SamplingParams, fields: dict[str, Any], seed: int | None) -
 
 def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int | None = None,
               on_row: Callable[[RowOutcome], None], on_progress: Callable[[int, int, int], None] | None = None,
-              should_stop: Callable[[], bool] | None = None) -> int:
+              should_stop: Callable[[], bool] | None = None, on_notice: Callable[[str], None] | None = None) -> int:
     """Answers every row of `text`; `on_row` gets the outcomes in input order, each as soon as
-    it and every row before it are done. Returns how many rows were written."""
+    it and every row before it are done; `on_notice` what to say of where the model runs (fewer
+    layers fit on the GPU). Returns how many rows were written."""
     check_options(opts.asked, BATCH, LOCAL)  # (never dropped silently: a batch with tools would answer in plain text)
     check_positive("--parallel", parallel)
     if parallel is not None and parallel > MAX_PARALLEL:
@@ -203,13 +206,19 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
     parse_logit_bias(opts.logit_bias)
     limit = max_tokens(opts, env)
     settings = context_settings(opts, env)
+    # (the model is placed for the most the batch's context may take: each row's share, side by side)
+    where = replace(offload(opts, env), fit_ctx=(settings.n_ctx or DEFAULT_CTX_CAP)
+                    * min(parallel or default_parallel(), max(1, len(rows))))
     model_name, model_path = env.resolve_model(opts.model)
     source = chat_template_source(opts)
     started = time.perf_counter()
     tokenizer = load_backend(model_path, ContextSettings(n_ctx=CTX_STEP, n_batch=CTX_STEP, n_threads=settings.n_threads,
                                                            kv_type=settings.kv_type,
-                                                           flash_attn=settings.flash_attn), opts.verbose)
+                                                           flash_attn=settings.flash_attn), opts.verbose, where)
     load_s = time.perf_counter() - started
+    for notice in placement_notices(tokenizer, opts):
+        if on_notice is not None:
+            on_notice(notice)
     try:
         if opts.logit_bias:
             base = base.replace(logit_bias=logit_biases(tokenizer, opts.logit_bias))
@@ -237,6 +246,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
         tokenizer.close()
         raise
     tokenizer.close()
+    placed = placement_of(batch_backend)
     generated = [0]
     try:
         batch = BatchSession(batch_backend)
@@ -252,6 +262,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
             plan = runnable[i]
             assert plan.stream is not None and plan.row is not None
             stats.load_s = load_s
+            stats.placement = placed
             reasoning, answer = plan.stream.finish()
             grammar = plan.row.params.grammar
             result = TurnResult(answer, gen.finish_reason, model_name, plan.row.params.seed, None, stats, [],

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 from quipu.engine.base import ContextSettings
 from quipu.errors import BadInput, CapabilityError
 from quipu.app.environment import Environment
-from quipu.app.turn_options import TurnOptions, load_backend
+from quipu.app.local import placement_notices
+from quipu.app.turn_options import TurnOptions, load_backend, offload
 
 
 
 def embed_texts(texts: Sequence[str], opts: TurnOptions, env: Environment, *, pooling: str = "mean",
-                normalize: bool = False) -> list[dict]:
-    """[{"index", "text", "embedding"}] for each text, in order; on the server the options name, if any."""
+                normalize: bool = False, on_notice: Callable[[str], None] | None = None) -> list[dict]:
+    """[{"index", "text", "embedding"}] for each text, in order; on the server the options name, if any.
+    `on_notice` hears what to say of where a local model runs (fewer layers fit on the GPU)."""
     if not texts:
         raise BadInput("nothing to embed: give texts as arguments or one per line on standard input")
     empty = [i for i, text in enumerate(texts) if not text.strip()]
@@ -23,7 +25,7 @@ def embed_texts(texts: Sequence[str], opts: TurnOptions, env: Environment, *, po
     if opts.server is not None:
         vectors = _embed_remote(list(texts), opts, opts.server, pooling)
     else:
-        vectors = _embed_local(list(texts), opts, env, pooling)
+        vectors = _embed_local(list(texts), opts, env, pooling, on_notice)
     out = []
     for i, (text, vec) in enumerate(zip(texts, vectors, strict=False)):
         if normalize:
@@ -33,11 +35,16 @@ def embed_texts(texts: Sequence[str], opts: TurnOptions, env: Environment, *, po
     return out
 
 
-def _embed_local(texts: list[str], opts: TurnOptions, env: Environment, pooling: str) -> list[list[float]]:
+def _embed_local(texts: list[str], opts: TurnOptions, env: Environment, pooling: str,
+                 on_notice: Callable[[str], None] | None) -> list[list[float]]:
     _, path = env.resolve_model(opts.model)
     # The generation context is not used here: keep it small.
-    backend = load_backend(path, ContextSettings(n_ctx=256, n_threads=opts.threads or 0), opts.verbose)
+    backend = load_backend(path, ContextSettings(n_ctx=256, n_threads=opts.threads or 0), opts.verbose,
+                           offload(opts, env))
     try:
+        for notice in placement_notices(backend, opts):
+            if on_notice is not None:
+                on_notice(notice)
         if not backend.supports_embeddings:
             raise CapabilityError(f"the {backend.name} backend cannot compute embeddings")
         return backend.embed(texts, pooling)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from quipu import paths
 from quipu.config import Config, load_config
-from quipu.engine.base import DEFAULT_CTX_CAP
+from quipu.engine.base import DEFAULT_CTX_CAP, parse_layers, parse_size
 from quipu.errors import InvalidParameter, ModelNotFound, UsageError
 from quipu.models import resolve_model
 from quipu.sessions.params import SamplingParams
@@ -24,7 +24,11 @@ DEFAULT_MAX_STATE_BYTES = 4 << 30
 DEFAULT_CACHE_BYTES = 2 << 30
 SAMPLING_TYPES = SamplingParams.field_types()
 # Everything [generation] in the config file may set: the sampling parameters and these.
-GENERATION_TYPES = {**SAMPLING_TYPES, "max_tokens": int, "ctx": int, "threads": int, "stop": tuple}
+# (gpu_layers and gpu_memory: a word or a number, `object` to the config's reader.)
+GENERATION_TYPES = {**SAMPLING_TYPES, "max_tokens": int, "ctx": int, "threads": int, "stop": tuple,
+                    "gpu_layers": object, "gpu_memory": object, "device": str}
+# Where the model runs: the variables that set it, between the command line's options and the config's.
+GPU_ENVIRON = {"gpu_layers": "QUIPU_GPU_LAYERS", "gpu_memory": "QUIPU_GPU_MEMORY", "device": "QUIPU_DEVICE"}
 
 
 class Environment:
@@ -120,9 +124,14 @@ class Environment:
             rows.append(("model", DEFAULT_MODEL_NAME, "default"))
         rows.append(("system", self.config.system, where if self.config.system else "default"))
         defaults = {**SamplingParams().to_dict(), "max_tokens": DEFAULT_MAX_TOKENS, "ctx": f"the model's, at most {DEFAULT_CTX_CAP}",
-                    "threads": "the CPUs this process may use", "seed": "random", "stop": "none"}
+                    "threads": "the CPUs this process may use", "seed": "random", "stop": "none",
+                    "gpu_layers": "auto (as many as fit in free GPU memory)", "gpu_memory": "the GPU's free memory",
+                    "device": "every GPU"}
         for key in GENERATION_TYPES:
-            if key in self.config.generation:
+            if key in GPU_ENVIRON and self.environ.get(GPU_ENVIRON[key]):
+                rows.append((f"generation.{key}", self.environ[GPU_ENVIRON[key]],
+                             f"environment ({GPU_ENVIRON[key]})"))
+            elif key in self.config.generation:
                 rows.append((f"generation.{key}", self.config.generation[key], where))
             else:
                 rows.append((f"generation.{key}", defaults[key], "default"))
@@ -173,6 +182,12 @@ def check_config(config: Config) -> Config:
     for key in ("max_tokens", "ctx", "threads"):
         if key in gen and gen[key] <= 0:
             raise config.error(key, f"{key} must be more than 0, got {gen[key]}", "generation")
+    for key, parse in (("gpu_layers", parse_layers), ("gpu_memory", parse_size)):
+        if key in gen:
+            try:
+                parse(gen[key], key)
+            except UsageError as exc:
+                raise config.error(key, str(exc), "generation") from None
     timeout = config.remote.get("timeout")
     if timeout is not None and not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
         raise config.error("timeout", f"timeout is the longest wait in seconds, more than 0, not {timeout}", "remote")

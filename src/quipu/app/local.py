@@ -19,6 +19,7 @@ from quipu.app.turn_options import (
     TurnOptions,
     context_settings,
     load_backend,
+    offload,
     parse_logit_bias,
     sampling_params,
     with_logit_biases,
@@ -37,6 +38,7 @@ from quipu.engine.base import (
     saved_state_key,
 )
 from quipu.engine.kvstate import LAYOUT, check_piece
+from quipu.engine.base import CPU
 from quipu.errors import EngineError, ModelMismatch, SnapshotError, UsageError
 from quipu.models import file_identity, fingerprint, projector_beside
 from quipu.sessions.base import LOCAL, Message
@@ -69,17 +71,54 @@ def open_session(opts: TurnOptions, env: Environment) -> tuple[str, Path, Infere
     are checked before the model is loaded."""
     params = sampling_params(opts, env)
     settings = context_settings(opts, env)
+    where = offload(opts, env)
     parse_logit_bias(opts.logit_bias)
     model_name, model_path = env.resolve_model(opts.model)
     started = time.perf_counter()
-    backend = load_backend(model_path, settings, opts.verbose)
+    backend = load_backend(model_path, settings, opts.verbose, where)
     try:
         session = InferenceSession(backend, with_logit_biases(params, backend, opts))
     except BaseException:
         backend.close()
         raise
     session.stats.load_s = time.perf_counter() - started
+    session.stats.placement = placement_of(backend)
     return model_name, model_path, session
+
+
+def placement_of(backend: Backend) -> dict[str, Any]:
+    """Where a local model runs, as --json and --stats show it."""
+    placement = backend.placement
+    return {**placement.to_dict(), "summary": placement.summary()}
+
+
+def placement_notices(backend: Backend, opts: TurnOptions) -> list[str]:
+    """What to say of where the model runs: always that fewer layers than asked fit on the GPU;
+    under --verbose, where it runs."""
+    placement = backend.placement
+    said = [placement.note] if placement.note else []
+    return said + ([f"the model runs on {placement.summary()}"] if opts.verbose else [])
+
+
+def placement_words(key: dict[str, Any]) -> str:
+    """A snapshot's recorded placement in words."""
+    layers, names = key.get("gpu_layers", 0), key.get("devices") or []
+    if not layers or not names:
+        return "the CPU"
+    return f"{layers} layers on {', '.join(str(n) for n in names)}"
+
+
+def moved_notice(name: str, saved: dict[str, Any] | None, backend: Backend) -> str | None:
+    """The line that says a session saved on one placement goes on on another: its context
+    state is restored (the bytes are the same on every device), but the sums are made elsewhere,
+    so what follows is no longer bit for bit what it would have been where it was saved."""
+    was = saved if isinstance(saved, dict) else CPU.key()
+    now = backend.placement.key()
+    if {k: was.get(k) for k in now} == now:
+        return None
+    return (f"session '{name}' was saved running on {placement_words(was)} and now runs on "
+            f"{placement_words(now)}: its context is restored, but from here the reply is no longer bit for bit "
+            "what it would have been there")
 
 
 def with_projector(backend: Backend, model_path: Path, mmproj: str | None,
@@ -168,7 +207,7 @@ class LocalHost:
                                            env.max_state_bytes,
                                            verbose=opts.verbose, cache=open_cache(env, opts.no_cache),
                                            projector=projector),
-                      media_marks=marks)
+                      placement_notices(session.backend, opts), media_marks=marks)
 
     def resume(self, store: SessionStore, name: str, record: Transcript, messages: list[Message],
                opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened:
@@ -180,6 +219,7 @@ class LocalHost:
                                 f"quipu knows ({', '.join(KV_TYPES)}); {store.transcript_path(name)} was left as it "
                                 "is (--kv-type continues it with another)")
         given = given_projector(opts.mmproj)
+        where = offload(opts, env)
         model_name, model_path, model_fp = self._resume_model(name, record.model, opts, env)
         same_model = model_fp == record.model.get("fingerprint")
         settings = context_settings(opts, env)
@@ -188,8 +228,8 @@ class LocalHost:
             kv_type=opts.kv_type or saved_ctx["kv_type"], flash_attn=opts.flash_attn or remembered_flash_attn(saved_ctx),
         )
         started = time.perf_counter()
-        backend = load_backend(model_path, settings, opts.verbose)
-        notices: list[str] = []
+        backend = load_backend(model_path, settings, opts.verbose, where)
+        notices: list[str] = placement_notices(backend, opts)
         saved = record.model.get("projector")
         keeper = LocalKeeper(model_name, model_path, model_fp, env.max_state_bytes, verbose=opts.verbose,
                              cache=open_cache(env, opts.no_cache),
@@ -200,6 +240,9 @@ class LocalHost:
             if record.media:
                 take_saved_media(backend, store, name, record, model_path, keeper)
             if same_model:
+                moved = moved_notice(name, record.model.get("placement"), backend)
+                if moved:
+                    notices.append(moved)
                 restoring = time.perf_counter()  # a rebuild from the transcript is part of restoring
                 snap = Snapshot(record.tokens, record.n_decoded, record.draws, params, saved_ctx)
                 reason = self._attach_state(store, name, snap, backend, model_fp, keeper)
@@ -221,6 +264,7 @@ class LocalHost:
                 session = InferenceSession(backend, params)
                 session.draws = record.draws
             session.stats.load_s = load_s
+            session.stats.placement = placement_of(backend)
         except BaseException:
             backend.close()
             raise
@@ -315,7 +359,7 @@ class LocalKeeper:
         projector = str(loaded.resolve()) if loaded is not None else self.projector
         return {
             "model": {"name": self.model_name, "path": str(self.model_path.resolve()),
-                      "fingerprint": self.model_fingerprint,
+                      "fingerprint": self.model_fingerprint, "placement": session.backend.placement.key(),
                       **({"projector": projector} if projector is not None else {})},
             "media": [self.media[d] for d in session.backend.media_digests() if d in self.media],
             "params": session.params.to_dict(), "context": session.backend.context.state_key(),

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from quipu.engine.base import Backend, ContextSettings
+from quipu.engine.base import AUTO, Backend, ContextSettings, Offload, parse_layers, parse_size
 from quipu.errors import TemplateError, UsageError
 from quipu.sessions.base import LOCAL, Capabilities
 from quipu.sessions.params import SamplingParams
 from quipu.sessions.stops import read_escapes
 from quipu.sessions.template import ChatTemplate
 
-from quipu.app.environment import DEFAULT_MAX_TOKENS, SAMPLING_TYPES, Environment
+from quipu.app.environment import DEFAULT_MAX_TOKENS, GPU_ENVIRON, SAMPLING_TYPES, Environment
 from quipu.app.modes import FROM_MESSAGES, ONE_SHOT, SESSION, Mode
 from quipu.app.user_files import read_text_file
 
@@ -66,6 +66,9 @@ class TurnOptions(ToolOptions):
     threads: int | None = None
     kv_type: str | None = None
     flash_attn: str | None = None  # auto, on or off
+    gpu_layers: str | None = None  # N, auto or all: layers on the GPU
+    gpu_memory: str | None = None  # at most this much of a device's memory (512M, 6G)
+    device: str | None = None  # the devices to use, by name (comma-separated); none: the CPU alone
     session: str | None = None
     continue_reply: bool = False
     verbose: bool = False
@@ -128,7 +131,10 @@ ASKED: dict[str, tuple[tuple[str, Callable[[TurnOptions], bool]], ...]] = {
     "tool_results": (("--tool-result", lambda o: bool(o.tool_results)),),
     "context_settings": (("--ctx", lambda o: o.ctx is not None), ("--threads", lambda o: o.threads is not None),
                          ("--kv-type", lambda o: o.kv_type is not None),
-                         ("--flash-attn", lambda o: o.flash_attn is not None)),
+                         ("--flash-attn", lambda o: o.flash_attn is not None),
+                         ("--gpu-layers", lambda o: o.gpu_layers is not None),
+                         ("--gpu-memory", lambda o: o.gpu_memory is not None),
+                         ("--device", lambda o: o.device is not None)),
     "session": (("--session", lambda o: o.session is not None),),
     "attach": (("--attach", lambda o: bool(o.attach)), ("--mmproj", lambda o: o.mmproj is not None)),
     "messages": (("--messages", lambda o: o.messages is not None),),
@@ -252,10 +258,30 @@ def stop_strings(opts: TurnOptions, env: Environment) -> tuple[str, ...]:
     return tuple(read_escapes(text) for text in given)
 
 
-def load_backend(model_path: "Path | LlamaModel", settings: ContextSettings, verbose: bool) -> "LlamaBackend":
+def offload(opts: TurnOptions, env: Environment) -> Offload:
+    """Where the model is to run: --gpu-layers, --gpu-memory and --device, else QUIPU_GPU_LAYERS,
+    QUIPU_GPU_MEMORY and QUIPU_DEVICE, else the config's; checked before anything loads."""
+    def given(key: str) -> str | None:
+        value = getattr(opts, key)
+        if value is None:
+            value = env.environ.get(GPU_ENVIRON[key]) or None
+        return value if value is not None else env.config.generation.get(key)
+
+    layers, memory, device = given("gpu_layers"), given("gpu_memory"), given("device")
+    names = None
+    if device is not None:
+        names = tuple(n.strip() for n in device.split(",") if n.strip())
+        if not names:
+            raise UsageError("--device takes device names (as `quipu doctor` lists them), comma-separated, or none")
+    return Offload(layers=parse_layers(layers) if layers is not None else AUTO,
+                   memory=parse_size(memory) if memory is not None else None, devices=names)
+
+
+def load_backend(model_path: "Path | LlamaModel", settings: ContextSettings, verbose: bool,
+                 where: Offload = Offload()) -> "LlamaBackend":
     from quipu.engine.llama import LlamaBackend  # imported here: llama.cpp loads in a blink only when needed
 
-    return LlamaBackend(model_path, settings, verbose=verbose)
+    return LlamaBackend(model_path, settings, verbose=verbose, offload=where)
 
 
 def system_prompt(opts: TurnOptions, env: Environment) -> str | None:

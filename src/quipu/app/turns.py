@@ -63,6 +63,7 @@ class TurnResult:
             "session": self.session,
             "usage": self.stats.usage(),
             "timings": self.stats.timings(),
+            **({"placement": self.stats.placement} if self.stats.placement is not None else {}),
             **({"tool_calls": [c.to_json() for c in self.tool_calls]} if self.tool_calls else {}),
             **({"incomplete": self.incomplete} if self.constrained_by is not None else {}),
         }

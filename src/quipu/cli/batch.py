@@ -34,7 +34,8 @@ def run_batch_file(source: str, opts, env, term: Terminal, parallel: int | None)
 
     try:
         with StopOnCtrlC() as stopper:
-            run_batch(text, opts, env, parallel=parallel, on_row=on_row, on_progress=progress, should_stop=stopper)
+            run_batch(text, opts, env, parallel=parallel, on_row=on_row, on_progress=progress, should_stop=stopper,
+                      on_notice=term.warn)
     finally:
         progress.close()
     return ExitCode.INTERRUPTED if stopper.requested else ExitCode.OK

@@ -22,6 +22,9 @@ def embed(
     pooling: str = typer.Option("mean", "--pooling", help="mean, last or cls."),
     normalize: bool = typer.Option(False, "--normalize", help="Scale each vector to length 1."),
     threads: Annotated[Optional[int], opt.typer_option(spec.THREADS)] = None,
+    gpu_layers: Annotated[Optional[str], opt.typer_option(spec.GPU_LAYERS)] = None,
+    gpu_memory: Annotated[Optional[str], opt.typer_option(spec.GPU_MEMORY)] = None,
+    device: Annotated[Optional[str], opt.typer_option(spec.DEVICE)] = None,
     verbose: Annotated[bool, opt.typer_option(spec.VERBOSE)] = False,
     url: Annotated[Optional[str], opt.typer_option(spec.URL)] = None,
 ) -> None:
@@ -33,8 +36,9 @@ def embed(
         piped = gather_prompt(None, term, allow_empty=True)
         texts = [line for line in (piped or "").splitlines() if line.strip()]
     env = context.obj
-    opts = spec.turn_options({"model": model, "threads": threads, "verbose": verbose, "url": url}, env)
-    for row in embed_texts(texts, opts, env, pooling=pooling, normalize=normalize):
+    opts = spec.turn_options({"model": model, "threads": threads, "verbose": verbose, "url": url,
+                              "gpu_layers": gpu_layers, "gpu_memory": gpu_memory, "device": device}, env)
+    for row in embed_texts(texts, opts, env, pooling=pooling, normalize=normalize, on_notice=term.warn):
         vector = ",".join(f"{x:.8g}" for x in row["embedding"])
         head = json.dumps({"index": row["index"], "text": row["text"]}, ensure_ascii=False)[:-1]
         term.stdout.write(f'{head}, "embedding": [{vector}]}}\n')

@@ -172,6 +172,7 @@ def _stats(repl: "Repl", _arg: str) -> None:
     repl.say(
         f"{s.completion_tokens} tokens at {s.decode_tok_s:.1f} tok/s; first token after {s.ttft_s:.2f}s; "
         f"{s.prompt_tokens} prompt tokens, {s.cached_tokens} reused, prefill {s.prefill_tok_s:.0f} tok/s"
+        + (f"; on {s.placement['summary']}" if s.placement else "")
     )
 
 

@@ -260,4 +260,5 @@ def stats_line(result) -> str:
         f"finish {result.finish_reason}; load {s.load_s:.2f}s, restore {s.restore_s:.2f}s, "
         f"prefill {s.prefill_s:.2f}s ({s.prefill_tok_s:.0f} tok/s), decode {s.decode_s:.2f}s "
         f"({s.decode_tok_s:.1f} tok/s), first token {s.ttft_s:.2f}s; seed {result.seed}"
+        + (f"; on {s.placement['summary']}" if s.placement else "")
     )

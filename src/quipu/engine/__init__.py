@@ -3,7 +3,9 @@
 one (`llama.py`; its parts: sampling, `sampler.py`, whose `SamplerChain` is the native sampler
 chain of one stream of tokens; state bytes, `llama_state.py`; the rows of a batch,
 `llama_rows.py`; embeddings, `embeddings.py`; images and audio through a projector and
-llama.cpp's mtmd, `media.py`). Beside them: llama-cpp-python's ctypes layer, loaded without its high-level API
+llama.cpp's mtmd, `media.py`). Where a model runs: the devices and backends this llama.cpp
+sees, through ggml's own functions (`devices.py`), and the layers placed on them, fitted to their
+free memory (`placement.py`). Beside them: llama-cpp-python's ctypes layer, loaded without its high-level API
 (`native.py`), llama.cpp's log (`logs.py`), incremental UTF-8 decoding of token pieces
 (`text.py`), grammars as the user gives them (JSON Schema, GBNF, Lark, regular expressions),
 checked before any engine sees them (`grammar.py`), and the constraint engine that keeps a

@@ -9,12 +9,11 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from quipu.engine.grammar import Grammar
 from quipu.engine.text import Spellings
-from quipu.errors import CapabilityError
-
+from quipu.errors import CapabilityError, UsageError
 KV_TYPES = ("f16", "q8_0")
 FLASH_ATTN = ("auto", "on", "off")
 # A medium (an image, a recording) in a token history: placeholder ids no vocabulary has, a run of
@@ -101,6 +100,117 @@ def layout_differs(saved: dict, context: ContextSettings) -> str | None:
     return f"the saved context state was laid out {said(was)}, this context {said(context.v_trans)}"
 
 
+AUTO, ALL = "auto", "all"
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Where the user asked a model to run: how many layers on the GPU (a count, `auto`: as many
+    as fit, `all`), at most how many bytes of a device's memory, and on which devices (None:
+    every GPU; none: the CPU alone)."""
+
+    layers: int | str = AUTO
+    memory: int | None = None
+    devices: tuple[str, ...] | None = None
+    fit_ctx: int = 0  # the context, in cells, the fit leaves room for (0: the first one opened on the model)
+
+
+def parse_layers(text: str, where: str = "--gpu-layers") -> int | str:
+    """N, auto or all, checked."""
+    value = text.strip().lower()
+    if value in (AUTO, ALL):
+        return value
+    if value.isascii() and value.isdigit() and len(value) < 7:
+        return int(value)
+    raise UsageError(f"{where} takes a number of layers, auto or all, not '{text}'")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+
+
+def parse_size(text: str, where: str = "--gpu-memory") -> int:
+    """A size in bytes: 512M, 6G, 6.5GiB, 1500000000 (K, M, G, T in powers of 1024)."""
+    found = re.fullmatch(r"\s*([0-9]{1,15}(?:\.[0-9]{1,6})?)\s*([A-Za-z]{0,3})\s*", text)
+    unit = found.group(2).lower() if found else ""
+    if not found or unit not in _UNITS or float(found.group(1)) <= 0:
+        raise UsageError(f"{where} takes a size, as 512M, 6G or 6.5GiB, not '{text}'")
+    return int(float(found.group(1)) * _UNITS[unit])
+
+
+def human_bytes(n: int) -> str:
+    """1.5 GiB, 340.2 MiB, 12 B."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def off_device(asked: Sequence[str]) -> bool:
+    """Whether --device asks for the CPU alone (none, or cpu)."""
+    return [a.strip().lower() for a in asked] in (["none"], ["cpu"])
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one device holds: layers, and bytes of weights (model), cache (context) and compute."""
+
+    device: str
+    layers: int = 0
+    model: int = 0
+    context: int = 0
+    compute: int = 0
+    free: int = 0
+    total: int = 0
+
+    @property
+    def needs(self) -> int:
+        return self.model + self.context + self.compute
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "layers": self.layers, "model_bytes": self.model, "context_bytes": self.context,
+                "compute_bytes": self.compute, "free_bytes": self.free, "total_bytes": self.total}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a model runs: `gpu_layers` of its `n_layers` on `devices` (none: the CPU alone), by
+    `backend`; what each device takes (`shares`, the host's last), and the line to say when fewer
+    layers than asked went to the device."""
+
+    backend: str = "CPU"
+    devices: tuple[str, ...] = ()
+    gpu_layers: int = 0
+    n_layers: int = 0
+    shares: tuple[Share, ...] = ()
+    note: str | None = None
+    n_ctx: int = 0  # the context it was fitted for (0: not measured)
+    handles: tuple[int, ...] = field(default=(), compare=False)  # the ggml devices, in order
+    split: tuple[float, ...] | None = field(default=None, compare=False)  # each device's share of the layers
+
+    @property
+    def on_device(self) -> bool:
+        return self.gpu_layers > 0 and bool(self.devices)
+
+    def summary(self) -> str:
+        """'31/31 layers on Vulkan0', '12/31 layers on CUDA0, the rest on the CPU', 'the CPU'."""
+        if not self.on_device:
+            return "the CPU"
+        where = ", ".join(self.devices)
+        rest = "" if self.gpu_layers >= self.n_layers else ", the rest on the CPU"
+        return f"{self.gpu_layers}/{self.n_layers} layers on {where}{rest}"
+
+    def key(self) -> dict[str, Any]:
+        """What a snapshot records of where it was made: the backend, devices and layers."""
+        return {"backend": self.backend, "devices": list(self.devices), "gpu_layers": self.gpu_layers}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.key(), "layers": self.n_layers, "memory": [s.to_dict() for s in self.shares]}
+
+
+CPU = Placement()
+
+
 @dataclass(frozen=True)
 class SamplerSettings:
     """A native sampler chain: logit biases, penalties, then top-k, top-p, min-p, temperature, a
@@ -133,6 +243,7 @@ class Backend(Protocol):
     n_ctx_train: int
     n_vocab: int
     context: ContextSettings
+    placement: Placement  # where its layers run
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
     def token_bytes(self, token: int) -> bytes: ...

@@ -13,11 +13,16 @@ from quipu.engine.sampler import Sampling
 from quipu.engine.text import Spellings
 
 from quipu.engine.base import (
+    AUTO,
+    CPU,
     DEFAULT_CTX_CAP,
     FLASH_ATTN,
     KV_TYPES,
     ContextSettings,
+    Offload,
+    Placement,
     ProgressFn,
+    off_device,
     available_cpus,
 )
 from quipu.engine.embeddings import Embeddings
@@ -25,8 +30,10 @@ from quipu.engine.media import Media, is_media, runs
 from quipu.engine.llama_rows import BatchRows
 from quipu.engine.llama_state import StateBytes
 from quipu.engine.logs import LOG
-from quipu.engine.model import LlamaModel
-from quipu.errors import EngineError, InvalidParameter, ModelLoadError
+from quipu.engine.model import LlamaModel, check_gguf
+from quipu.engine.devices import no_gpu_reason, supports_offload
+from quipu.engine.placement import plan
+from quipu.errors import EngineError, InvalidParameter, ModelLoadError, UsageError
 
 if TYPE_CHECKING:
     from quipu.engine.constraint import MaskBatch
@@ -34,6 +41,49 @@ if TYPE_CHECKING:
 _KV_GGML_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
 _FLASH_ATTN_TYPES = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                      "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+
+def context_params(context: ContextSettings, n_ctx: int):
+    """llama.cpp's parameters for a context of `n_ctx` cells with `context`'s settings."""
+    n_threads = context.n_threads or available_cpus()
+    n_batch = max(1, min(context.n_batch, n_ctx))
+    n_seq = max(1, context.n_seq)
+    cparams = lc.llama_context_default_params()
+    cparams.n_ctx = n_ctx
+    cparams.n_batch = n_batch
+    cparams.n_ubatch = n_batch
+    if n_seq > 1:
+        cparams.n_seq_max = n_seq  # each sequence has its own n_ctx / n_seq cells (not unified)
+    else:  # one sequence, and a second sharing its cells, to save a turn's cells alone (kvstate.py)
+        cparams.n_seq_max, cparams.kv_unified = 2, True
+    cparams.n_threads = n_threads
+    cparams.n_threads_batch = n_threads
+    cparams.no_perf = True
+    kv = _KV_GGML_TYPES[context.kv_type]
+    cparams.type_k = kv
+    cparams.type_v = kv
+    # Flash attention as llama.cpp chooses it (on where the device runs it; always for a
+    # quantized V cache), unless asked. The cache's layout follows from the choice it was made
+    # with, which the new context states in its log: V is stored transposed only without it.
+    cparams.flash_attn_type = _FLASH_ATTN_TYPES[context.flash_attn]
+    return cparams
+
+
+def place(path: Path, offload: Offload, context: ContextSettings, *, detail: bool = False) -> Placement:
+    """Where a model is to run (`placement.plan`), for a context with `context`'s settings; on a
+    build for the CPU alone, the CPU at once (and layers or devices asked for, refused). With
+    `detail`, what it takes is measured wherever it runs (`quipu doctor`)."""
+    check_gguf(path)
+    if not supports_offload():
+        asked = (f"--gpu-layers {offload.layers}" if offload.layers not in (AUTO, 0)
+                 else f"--device {','.join(offload.devices)}" if offload.devices and not off_device(offload.devices)
+                 else None)
+        if asked:
+            raise UsageError(f"{asked}: {no_gpu_reason()}")
+        if not detail:
+            return CPU
+    return plan(path, offload, offload.fit_ctx or context.n_ctx, context.kv_type,
+                lambda n_ctx: context_params(context, n_ctx), detail=detail)
+
 
 class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
     """One context on a model (loaded from `model_path`, or a shared `LlamaModel`). Close it (or
@@ -46,7 +96,7 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
     build = f"llama-cpp-python {binding_version()}"
 
     def __init__(self, model_path: Path | LlamaModel, context: ContextSettings = ContextSettings(), *,
-                 verbose: bool = False):
+                 verbose: bool = False, offload: Offload = Offload()):
         if context.kv_type not in KV_TYPES:
             raise InvalidParameter(f"--kv-type must be one of {', '.join(KV_TYPES)}, not '{context.kv_type}'")
         if context.flash_attn not in FLASH_ATTN:
@@ -57,7 +107,8 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         LOG.verbose = verbose
         self._stack = ExitStack()
         try:
-            model = model_path if isinstance(model_path, LlamaModel) else LlamaModel(model_path)
+            model = (model_path if isinstance(model_path, LlamaModel)
+                     else LlamaModel(model_path, place(Path(model_path), offload, context)))
             self.model = model.acquire()
             self._stack.callback(model.release)
             self._open_context(context)
@@ -65,34 +116,15 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
             self._stack.close()
             raise
         self.model_path = self.model.path
+        self.placement = self.model.placement
         self.n_vocab = self.model.n_vocab
         self.n_ctx_train = self.model.n_ctx_train
         self.embed_calls = 0
 
     def _open_context(self, context: ContextSettings) -> None:
         n_ctx = context.n_ctx or min(self.model.n_ctx_train or DEFAULT_CTX_CAP, DEFAULT_CTX_CAP)
-        n_threads = context.n_threads or available_cpus()
-        n_batch = max(1, min(context.n_batch, n_ctx))
-        n_seq = max(1, context.n_seq)
-
-        cparams = lc.llama_context_default_params()
-        cparams.n_ctx = n_ctx
-        cparams.n_batch = n_batch
-        cparams.n_ubatch = n_batch
-        if n_seq > 1:
-            cparams.n_seq_max = n_seq  # each sequence has its own n_ctx / n_seq cells (not unified)
-        else:  # one sequence, and a second sharing its cells, to save a turn's cells alone (kvstate.py)
-            cparams.n_seq_max, cparams.kv_unified = 2, True
-        cparams.n_threads = n_threads
-        cparams.n_threads_batch = n_threads
-        cparams.no_perf = True
-        kv = _KV_GGML_TYPES[context.kv_type]
-        cparams.type_k = kv
-        cparams.type_v = kv
-        # Flash attention as llama.cpp chooses it (on where the device runs it; always for a
-        # quantized V cache), unless asked. The cache's layout follows from the choice it was made
-        # with, which the new context states in its log: V is stored transposed only without it.
-        cparams.flash_attn_type = _FLASH_ATTN_TYPES[context.flash_attn]
+        cparams = context_params(context, n_ctx)
+        n_threads, n_batch, n_seq = cparams.n_threads, cparams.n_batch, max(1, context.n_seq)
         LOG.clear_errors()
         ctx = lc.llama_init_from_model(self.model.ptr, cparams)
         if not ctx:

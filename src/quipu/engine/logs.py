@@ -14,6 +14,9 @@ GGML_LOG_LEVEL_CONT = 5
 # How a new context says which attention its cache was made for (`llama_context`'s constructor,
 # src/llama-context.cpp): "auto" and "enabled" make V untransposed, "disabled" transposed.
 _FLASH_ATTN = re.compile(r"llama_context: flash_attn\s*=\s*(\w+)")
+# What a new context's compute buffers take, by buffer type (a device's name, or CPU and host ones):
+# said even where nothing is allocated (a model loaded with `no_alloc`, to measure).
+_COMPUTE = re.compile(r"\w+:\s*(\S+) compute buffer size =\s*([0-9.]+) MiB")
 
 
 class LlamaLog:
@@ -25,6 +28,7 @@ class LlamaLog:
         self._last_level = 0
         self._callback = None
         self.flash_attn: str | None = None  # what the last context made was made with, as it said
+        self.compute: dict[str, int] = {}  # the last context's compute buffers, bytes by buffer type
 
     def install(self) -> None:
         if self._callback is None:
@@ -51,6 +55,10 @@ class LlamaLog:
         elif message.startswith("llama_context: flash_attn"):
             found = _FLASH_ATTN.match(message)
             self.flash_attn = found.group(1) if found else None
+        elif "compute buffer size" in message:
+            found = _COMPUTE.match(message)
+            if found:
+                self.compute[found.group(1)] = int(float(found.group(2)) * (1 << 20))
         if self.verbose:
             sys.stderr.write(message)
             sys.stderr.flush()
@@ -58,6 +66,7 @@ class LlamaLog:
     def clear_errors(self) -> None:
         self.errors.clear()
         self.flash_attn = None
+        self.compute = {}
 
     def reason(self) -> str:
         """': <what llama.cpp said went wrong first>', or '' when it said nothing."""

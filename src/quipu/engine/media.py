@@ -45,11 +45,13 @@ class _Medium:
 class Projector:
     """A projector loaded for a text model: what it takes (images, audio), and its mtmd context."""
 
-    def __init__(self, path: Path, model_ptr, n_threads: int):
+    def __init__(self, path: Path, model_ptr, n_threads: int, device: int | None = None):
         m = _mtmd()
         LOG.install_media()
         params = m.mtmd_context_params_default()
-        params.use_gpu = False
+        # On the model's first device where its layers are offloaded, else on the CPU.
+        params.use_gpu = device is not None
+        params.device = device
         params.n_threads = n_threads
         params.print_timings = False
         params.warmup = False
@@ -80,7 +82,9 @@ class Media:
     _media: list[_Medium]
 
     def open_projector(self, path: Path) -> None:
-        self._projector = Projector(path, self.model.ptr, self.context.n_threads)
+        placement = self.model.placement
+        self._projector = Projector(path, self.model.ptr, self.context.n_threads,
+                                    placement.handles[0] if placement.on_device else None)
         self._media = []
         self._stack.callback(self._free_media)  # type: ignore[attr-defined]  # (LlamaBackend's)
 

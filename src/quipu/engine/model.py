@@ -10,6 +10,8 @@ from typing import Any, Iterable
 from quipu.engine.native import lc
 
 from quipu.engine.logs import LOG
+from quipu.engine.devices import amx_built
+from quipu.engine.base import CPU, Placement
 from quipu.engine.text import Spellings
 from quipu.errors import EngineError, Interrupted, ModelLoadError
 
@@ -46,7 +48,7 @@ def check_gguf(path: Path) -> None:
         raise ModelLoadError(f"{path} is not a GGUF model file")
 
 
-def load_interruptibly(path: Path):
+def load_interruptibly(path: Path, placement: Placement = CPU):
     """llama.cpp's model load, given up on Ctrl-C: loading a large model takes seconds inside
     llama.cpp, where Python runs no signal handler, but its progress callback asks between
     tensors whether to go on. While it loads, Ctrl-C only says so; then `Interrupted`."""
@@ -58,13 +60,24 @@ def load_interruptibly(path: Path):
     except ValueError:  # not the main thread: loads as it comes
         previous = None
     mparams = lc.llama_model_default_params()
+    # The layers on the devices the placement names, the rest on the CPU (no device: the CPU
+    # alone, even where the build has a GPU); spread over several as its split says.
+    mparams.n_gpu_layers = placement.gpu_layers
+    mparams.use_extra_bufts = not amx_built()
+    devices = (ctypes.c_void_p * (len(placement.handles) + 1))(*placement.handles, None)
+    if placement.handles:
+        mparams.devices = ctypes.cast(devices, ctypes.c_void_p)
+    split = None
+    if placement.split:
+        split = (ctypes.c_float * max(len(placement.split), lc.llama_max_devices()))(*placement.split)
+        mparams.tensor_split = split
     keep = mparams.progress_callback = lc.llama_progress_callback(lambda progress, data: not asked)
     try:
         model = lc.llama_model_load_from_file(str(path).encode(), mparams)
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
-        del keep
+        del keep, devices, split
     if asked:
         if model:
             lc.llama_model_free(model)
@@ -76,15 +89,16 @@ class LlamaModel:
     """One loaded model file and its vocabulary. Contexts share it: each `LlamaBackend` on it
     holds a reference, and the model is freed when the last one is released."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, placement: Placement = CPU):
         init_backend()
         self.path = Path(path)
         check_gguf(self.path)
         LOG.clear_errors()
-        model = load_interruptibly(self.path)
+        model = load_interruptibly(self.path, placement)
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}{LOG.reason()}")
         self.ptr = model
+        self.placement = placement
         self._refs = 0
         self.vocab = lc.llama_model_get_vocab(model)
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)

@@ -48,6 +48,13 @@ def load_mtmd() -> ModuleType:
     return importlib.import_module("llama_cpp.mtmd_cpp")
 
 
+def load_ggml() -> ModuleType:
+    """llama-cpp-python's handle on ggml's library (`llama_cpp._ggml`: `libggml`), loaded as the
+    ctypes layer is."""
+    load()
+    return importlib.import_module("llama_cpp._ggml")
+
+
 def binding_version() -> str:
     """llama-cpp-python's version, read without running its package (which `__version__` would)."""
     package = sys.modules.get("llama_cpp")

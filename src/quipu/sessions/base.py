@@ -124,6 +124,8 @@ class Stats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     ttft_s: float = 0.0
+    # Where the model runs (a local one's backend, devices and layers, and its summary in words).
+    placement: dict[str, Any] | None = None
 
     @property
     def prefill_tok_s(self) -> float:

@@ -1,0 +1,78 @@
+"""`quipu doctor`: what this machine gives quipu (versions, the backends llama.cpp was built with,
+its devices and their memory, where quipu keeps its files), how to get a GPU build where there
+is none, and, for a model, where it would run and what it would take there."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from typing import Any
+
+from quipu import __version__
+from quipu.app.environment import Environment
+from quipu.app.turn_options import TurnOptions, context_settings, offload
+from quipu.errors import UsageError
+
+# The CMake switch of each GPU backend llama-cpp-python can be built with.
+GPU_BUILDS = (("CUDA", "NVIDIA GPUs", "-DGGML_CUDA=on"), ("Metal", "Apple Silicon", "-DGGML_METAL=on"),
+              ("Vulkan", "most GPUs: AMD, Intel, NVIDIA", "-DGGML_VULKAN=on"), ("ROCm", "AMD GPUs", "-DGGML_HIP=on"))
+
+
+def install_commands(version: str) -> list[dict[str, str]]:
+    """The one command per GPU backend that rebuilds llama-cpp-python for it, in this Python."""
+    python = shlex.quote(sys.executable)
+    return [{"backend": name, "for": what,
+             "command": f'CMAKE_ARGS="{flag}" {python} -m pip install --force-reinstall --no-deps --no-cache-dir '
+                        f'llama-cpp-python=={version}'}
+            for name, what, flag in GPU_BUILDS]
+
+
+def report(env: Environment, opts: TurnOptions | None = None) -> dict[str, Any]:
+    """What `quipu doctor` says, as data; with `opts` naming a model (or the default one), where
+    it would run with those options, and what it would take."""
+    from quipu.engine import devices as dev
+    from quipu.engine.native import binding_version
+
+    binding = binding_version()
+    gpu_backends = dev.gpu_backends()
+    found = dev.devices()
+    out: dict[str, Any] = {
+        "versions": {"quipu": __version__, "llama_cpp_python": binding, "llama_cpp": dev.llama_cpp_version(),
+                     "python": sys.version.split()[0]},
+        "backends": dev.backends(),
+        "gpu_backends": gpu_backends,
+        "cpu_features": dev.cpu_features(),
+        "devices": [d.to_dict() for d in found],
+        "offload": dev.supports_offload(),
+        "dirs": {"data": str(env.dirs.data), "config": str(env.dirs.config), "state": str(env.dirs.state),
+                 "cache": str(env.dirs.cache), "sessions": str(env.dirs.sessions), "models": str(env.dirs.models)},
+    }
+    if not gpu_backends:
+        out["install_gpu_build"] = install_commands(binding)
+    elif not dev.supports_offload():
+        out["problem"] = dev.no_gpu_reason()
+    if opts is not None:
+        out["model"] = model_report(env, opts)
+    return out
+
+
+def model_report(env: Environment, opts: TurnOptions) -> dict[str, Any]:
+    """Where the model `opts` names would run, and what it would take on each device: measured
+    as a load would plan it, nothing loaded."""
+    from quipu.engine.llama import place
+
+    name, path = env.resolve_model(opts.model)
+    settings = context_settings(opts, env)
+    out: dict[str, Any] = {"name": name, "path": str(path)}
+    try:
+        placement = place(path, offload(opts, env), settings, detail=True)
+    except UsageError as exc:  # (what a run would refuse: said, and the doctor's answer goes on)
+        out["refused"] = str(exc)
+        return out
+    host = placement.shares[-1]
+    out.update({"ctx": placement.n_ctx, "placement": {**placement.to_dict(), "summary": placement.summary()},
+                "all_on_gpu": placement.on_device and placement.gpu_layers >= placement.n_layers,
+                "host_fits": host.needs <= host.free})
+    if placement.note:
+        out["note"] = placement.note
+    return out

@@ -1,0 +1,92 @@
+"""`quipu doctor`: what quipu finds on this machine, and where a model would run."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Optional
+
+import typer
+
+from quipu.cli import options as opt, spec
+from quipu.cli.terminal import Terminal, human_size as size
+
+
+def register(app: typer.Typer) -> None:
+    app.command("doctor", help="What quipu finds here: versions, llama.cpp's backends, the devices and their "
+                               "memory, where files are kept, how to get a GPU build; with -m, where a model would "
+                               "run and what it would take.")(doctor)
+
+
+def doctor(
+    context: typer.Context,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Say where this model would run and what it "
+                                                 "would take (a .gguf file or a known model name).",
+                                                 autocompletion=spec.complete_model, metavar="MODEL")] = None,
+    ctx: Annotated[Optional[int], opt.typer_option(spec.CTX)] = None,
+    kv_type: Annotated[Optional[str], opt.typer_option(spec.KV_TYPE)] = None,
+    gpu_layers: Annotated[Optional[str], opt.typer_option(spec.GPU_LAYERS)] = None,
+    gpu_memory: Annotated[Optional[str], opt.typer_option(spec.GPU_MEMORY)] = None,
+    device: Annotated[Optional[str], opt.typer_option(spec.DEVICE)] = None,
+    as_json: bool = typer.Option(False, "--json", help="One JSON object."),
+) -> None:
+    from quipu.app.doctor import report
+
+    env = context.obj
+    asked = {"model": model, "ctx": ctx, "kv_type": kv_type, "gpu_layers": gpu_layers, "gpu_memory": gpu_memory,
+             "device": device}
+    about_model = any(v is not None for v in asked.values())
+    found = report(env, spec.turn_options(asked, env) if about_model else None)
+    term = Terminal.detect()
+    if as_json:
+        term.stdout.write(json.dumps(found, indent=1, ensure_ascii=False) + "\n")
+    else:
+        term.stdout.write("".join(f"{line}\n" for line in lines(found)))
+    term.stdout.flush()
+
+
+def lines(found: dict[str, Any]) -> list[str]:
+    """The report as a person reads it."""
+    v = found["versions"]
+    out = [f"quipu {v['quipu']}, llama-cpp-python {v['llama_cpp_python']}, llama.cpp {v['llama_cpp']}, "
+           f"Python {v['python']}",
+           f"backends: {', '.join(found['backends'])}",
+           f"CPU features: {' '.join(found['cpu_features']) or 'none listed'}",
+           "devices:"]
+    for d in found["devices"]:
+        memory = f"{size(d['free_bytes'])} free of {size(d['total_bytes'])}" if d["total_bytes"] else "memory not said"
+        out.append(f"  {d['name']:<10} {d['kind']:<5} {d['description']} ({memory})")
+    if "install_gpu_build" in found:
+        out.append("GPU: none; this llama.cpp is built for the CPU alone. To build it for your GPU:")
+        for row in found["install_gpu_build"]:
+            out.append(f"  {row['backend']} ({row['for']}):")
+            out.append(f"    {row['command']}")
+    elif "problem" in found:
+        out.append(f"GPU: {found['problem']}")
+    else:
+        gpus = [d["name"] for d in found["devices"] if d["kind"] in ("gpu", "igpu")]
+        out.append(f"GPU: {', '.join(found['gpu_backends'])} ({', '.join(gpus)})")
+    out.append("files:")
+    for key in ("sessions", "models", "config", "cache"):
+        out.append(f"  {key:<9} {found['dirs'][key]}")
+    model = found.get("model")
+    if model is not None:
+        out.append(f"model: {model['name']} ({model['path']})")
+        if "refused" in model:
+            out.append(f"  would be refused: {model['refused']}")
+            return out
+        placement = model["placement"]
+        out.append(f"  a context of {model['ctx']} tokens, on {placement['summary']}")
+        out.append(f"  {'device':<10} {'layers':>7} {'weights':>10} {'KV cache':>10} {'compute':>10} {'free':>10}")
+        for share in placement["memory"]:
+            free = size(share["free_bytes"]) if share["total_bytes"] else "-"
+            out.append(f"  {share['device']:<10} {share['layers']:>7} {size(share['model_bytes']):>10} "
+                       f"{size(share['context_bytes']):>10} {size(share['compute_bytes']):>10} {free:>10}")
+        if model.get("note"):
+            out.append(f"  {model['note']}")
+        if not model["host_fits"]:
+            out.append("  the part on the CPU needs more memory than is free")
+        elif placement["devices"]:
+            out.append("  fits: every layer on the GPU" if model["all_on_gpu"] else "  fits, partly on the GPU")
+        else:
+            out.append("  fits in memory")
+    return out

@@ -1,0 +1,235 @@
+"""Where a model's layers go: on the GPU as many as fit in its free memory, the rest on the CPU.
+
+llama.cpp counts a model's layers as its repeating blocks and one more, the output layer, which is
+the first to go to the device (`-ngl 1` puts the output layer there, `-ngl k` it and the last
+k - 1 blocks; the token embeddings stay on the host). What a layer takes is read from the file's
+tensor table (each tensor's bytes, as ggml sizes its type) and from the cache it keeps (its K and
+V rows for every cell of the context); what the device's compute buffers take is measured, as
+llama.cpp's own `--fit` measures it (`common/fit.cpp`): a load of the model and a context on it
+with `no_alloc`, which plans every buffer and allocates none. The fit keeps a margin of the
+device's free memory (1 GiB, as llama.cpp's) and, where asked, to a cap (--gpu-memory)."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from quipu.engine.base import ALL, AUTO, CPU, DEFAULT_CTX_CAP, Offload, Placement, Share, human_bytes, off_device
+from quipu.engine.devices import Device, amx_built, devices, offload_devices, row_bytes
+from quipu.engine.logs import LOG
+from quipu.engine.native import lc
+from quipu.errors import ModelLoadError, UsageError
+
+if TYPE_CHECKING:
+    from quipu.gguf import GGUFInfo
+
+MARGIN = 1 << 30  # of a device's free memory left alone, as llama.cpp's fit leaves
+_KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32}
+
+
+def chosen_devices(asked: tuple[str, ...] | None, found: list[Device]) -> list[Device]:
+    """The devices layers may go to: --device's (by name, any case), or every GPU llama.cpp uses."""
+    gpus = offload_devices(found)
+    if asked is None:
+        return gpus
+    if off_device(asked):
+        return []
+    by_name = {d.name.lower(): d for d in found if d.kind in ("gpu", "igpu")}
+    chosen = []
+    for name in asked:
+        device = by_name.get(name.lower())
+        if device is None:
+            known = ", ".join(d.name for d in found if d.kind in ("gpu", "igpu")) or "none but the CPU"
+            raise UsageError(f"--device: no device '{name}' here (the devices: {known}; none: the CPU alone)")
+        if device not in chosen:
+            chosen.append(device)
+    return chosen
+
+
+@dataclass(frozen=True)
+class Layers:
+    """What each of a model's layers takes on a device: its repeating blocks' weights and the
+    cache each keeps, then the output layer's weights."""
+
+    weights: tuple[int, ...]
+    cache: int  # a block's K and V for every cell
+    output: int
+    embed: int = 0  # the token embeddings, which stay on the host
+    tied: bool = False  # the output layer reads them (llama.cpp copies them to its device)
+
+    @property
+    def count(self) -> int:
+        return len(self.weights) + 1
+
+    def blocks_on(self, k: int) -> int:
+        """How many blocks `-ngl k` puts on the device: the last k - 1 (the output layer goes first)."""
+        return max(0, min(k, self.count) - 1)
+
+    def model_on(self, k: int) -> int:
+        """The weights `-ngl k` puts on the device: the output layer's, then the last k - 1 blocks'."""
+        n = self.blocks_on(k)
+        output = self.output + (self.embed if self.tied else 0)
+        return (output if k > 0 else 0) + (sum(self.weights[len(self.weights) - n:]) if n else 0)
+
+    def on_device(self, k: int) -> int:
+        return self.model_on(k) + self.blocks_on(k) * self.cache
+
+    def most_that_fit(self, budget: int) -> int:
+        k = 0
+        while k < self.count and self.on_device(k + 1) <= budget:
+            k += 1
+        return k
+
+
+def _int_of(value: Any) -> int | None:
+    """A metadata number, or the largest of an array's first items (a per-layer head count)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    head = getattr(value, "head", None)
+    return max((v for v in head if isinstance(v, int)), default=None) if head else None
+
+
+def read_table(path: Path) -> "GGUFInfo":
+    from quipu.gguf import GGUFError, read_gguf
+
+    try:
+        return read_gguf(path)
+    except GGUFError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from None
+
+
+def layer_sizes(info: "GGUFInfo", n_ctx: int, kv_type: str) -> Layers:
+    """Each layer's bytes on a device for a context of `n_ctx` cells, from the file's tensor table
+    and its attention's shape."""
+    meta, arch = info.metadata, info.architecture
+    n_block = _int_of(meta.get(f"{arch}.block_count")) or 0
+    weights = [0] * n_block
+    output = embed = 0
+    for t in info.tensors:
+        n = 1
+        for d in t.dims[1:]:
+            n *= d
+        size = row_bytes(t.ggml_type, t.dims[0] if t.dims else 1) * n
+        parts = t.name.split(".")
+        if parts[0] == "blk" and len(parts) > 1 and parts[1].isdigit() and int(parts[1]) < n_block:
+            weights[int(parts[1])] += size
+        elif parts[0] in ("output", "output_norm"):
+            output += size
+        elif parts[0] == "token_embd":
+            embed = size
+    tied = not any(t.name == "output.weight" for t in info.tensors)
+    n_embd = _int_of(meta.get(f"{arch}.embedding_length")) or 0
+    n_head = _int_of(meta.get(f"{arch}.attention.head_count")) or 1
+    n_head_kv = _int_of(meta.get(f"{arch}.attention.head_count_kv")) or n_head
+    k_len = _int_of(meta.get(f"{arch}.attention.key_length")) or n_embd // max(1, n_head)
+    v_len = _int_of(meta.get(f"{arch}.attention.value_length")) or k_len
+    cells = -(-max(1, n_ctx) // 256) * 256
+    cache = int(cells * n_head_kv * (k_len + v_len) * _KV_BYTES.get(kv_type, 2.0))
+    return Layers(tuple(weights), cache, output, embed, tied)
+
+
+def measure_compute(path: Path, handles: Sequence[int], cparams: Any) -> dict[str, int]:
+    """What the compute buffers of a context with `cparams` take on every layer offloaded to
+    `handles`, by buffer type: a model and context loaded with `no_alloc` (no weights read, no
+    memory taken), as llama.cpp's fit measures."""
+    mparams = lc.llama_model_default_params()
+    mparams.no_alloc = True
+    mparams.load_mode = lc.LLAMA_LOAD_MODE_NONE
+    mparams.n_gpu_layers = -1
+    mparams.use_extra_bufts = not amx_built()
+    keep = _device_list(handles)
+    mparams.devices = ctypes.cast(keep, ctypes.c_void_p)
+    LOG.clear_errors()
+    model = lc.llama_model_load_from_file(str(path).encode(), mparams)
+    if not model:
+        raise ModelLoadError(f"llama.cpp could not read {path}{LOG.reason()}")
+    try:
+        ctx = lc.llama_init_from_model(model, cparams)
+        if not ctx:
+            raise ModelLoadError(f"llama.cpp could not plan a context for {path}{LOG.reason()}")
+        lc.llama_free(ctx)
+        return dict(LOG.compute)
+    finally:
+        lc.llama_model_free(model)
+
+
+def _device_list(handles: Sequence[int]) -> ctypes.Array:
+    """A NULL-ended array of ggml devices, as `llama_model_params.devices` takes."""
+    return (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
+
+
+def plan(path: Path, asked: Offload, n_ctx: int, kv_type: str, cparams_for: Callable[[int], Any], *,
+         detail: bool = False) -> Placement:
+    """Where the model at `path` runs with a context of `n_ctx` cells (0: the model's, at most
+    DEFAULT_CTX_CAP) made with `cparams_for(n_ctx)`: the layers asked for, or as many as fit;
+    refused, before anything loads, where more layers are asked for than the devices' free
+    memory can take. With `detail`, a model on the CPU alone is measured too (its share)."""
+    found = devices()
+    chosen = chosen_devices(asked.devices, found)
+    if not chosen:
+        if asked.layers not in (AUTO, 0):
+            raise UsageError(f"--gpu-layers {asked.layers} and --device {','.join(asked.devices or ())} ask for "
+                             "the GPU and the CPU alone at once: drop one")
+        if not detail:
+            return CPU
+    info = read_table(path)
+    n_ctx = n_ctx or min(info.context_length or DEFAULT_CTX_CAP, DEFAULT_CTX_CAP)
+    layers = layer_sizes(info, n_ctx, kv_type)
+    names = {d.name for d in chosen}
+    compute = measure_compute(path, [d.handle for d in chosen], cparams_for(n_ctx))
+    if not chosen:
+        return replace(CPU, n_layers=layers.count, shares=_shares([], layers, 0, None, compute, _host(found)), n_ctx=n_ctx)
+    budgets = []
+    for d in chosen:
+        room = max(0, d.free - MARGIN)
+        if asked.memory is not None:
+            room = min(room, asked.memory)
+        budgets.append(max(0, room - compute.get(d.name, 0)))
+    budget = sum(budgets)
+    fit = layers.most_that_fit(budget)
+    want = layers.count if asked.layers == ALL else fit if asked.layers == AUTO else min(int(asked.layers),
+                                                                                         layers.count)
+    where = " and ".join(sorted(names))
+    free_said = " + ".join(human_bytes(d.free) for d in chosen)
+    cap = f", at most {human_bytes(asked.memory)} by --gpu-memory" if asked.memory is not None else ""
+    if want > fit:
+        raise UsageError(f"--gpu-layers {asked.layers}: {want} layers need {human_bytes(layers.on_device(want))} "
+                         f"on {where}, which has {free_said} free (less a {human_bytes(MARGIN)} margin{cap} and "
+                         f"{human_bytes(sum(compute.get(n, 0) for n in names))} of compute buffers); "
+                         f"{fit} fit (--gpu-layers auto)")
+    note = None
+    if asked.layers == AUTO and fit < layers.count:
+        note = (f"{fit} of the model's {layers.count} layers fit on {where} ({free_said} free{cap}); "
+                "the rest run on the CPU, slower")
+    split = None
+    if len(chosen) > 1 and budget > 0:
+        split = tuple(b / budget for b in budgets)
+    shares = _shares(chosen, layers, want, split, compute, _host(found))
+    backend = chosen[0].backend or chosen[0].name.rstrip("0123456789")
+    return Placement(backend, tuple(d.name for d in chosen), want, layers.count, shares, note, n_ctx,
+                     tuple(d.handle for d in chosen), split)
+
+
+def _host(found: list[Device]) -> Device | None:
+    return next((d for d in found if d.kind == "cpu"), None)
+
+
+def _shares(chosen: list[Device], layers: Layers, k: int, split: tuple[float, ...] | None,
+            compute: dict[str, int], host: Device | None) -> tuple[Share, ...]:
+    """Each device's part of `k` layers offloaded (by `split` where there are several), then the
+    host's: the token embeddings, the blocks left on the CPU, their cache and its compute buffers."""
+    n_on = layers.blocks_on(k)
+    shares = []
+    for i, d in enumerate(chosen):
+        part = split[i] if split else 1.0
+        shares.append(Share(d.name, round(k * part), int(layers.model_on(k) * part), int(n_on * layers.cache * part),
+                            compute.get(d.name, 0), d.free, d.total))
+    n_off = len(layers.weights) - n_on
+    host_compute = sum(v for name, v in compute.items() if name not in {d.name for d in chosen})
+    shares.append(Share("CPU", layers.count - k, layers.embed + sum(layers.weights[:n_off]) + (layers.output if k == 0 else 0),
+                        n_off * layers.cache, host_compute, host.free if host else 0, host.total if host else 0))
+    return tuple(shares)

@@ -1,0 +1,183 @@
+"""Every feature with the model's layers on a GPU, for real: on a build of llama.cpp for a GPU (CI:
+Vulkan on Mesa's software driver, lavapipe, `.ci/run`). On a build for the CPU alone these are
+skipped, saying so; with QUIPU_REQUIRE_DEVICE=1 they fail instead.
+
+A device's first use in a process compiles its pipelines (about a minute on lavapipe, on a loaded
+machine): the tests keep to the tiny models, few tokens and few processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+from tinymodel import write_tiny_gguf, write_tiny_projector
+
+from quipu.engine.devices import offload_devices, supports_offload
+
+pytestmark = pytest.mark.device
+
+if not supports_offload():
+    if os.environ.get("QUIPU_REQUIRE_DEVICE") == "1":
+        raise RuntimeError("QUIPU_REQUIRE_DEVICE=1, and this llama.cpp offloads to no device (`quipu doctor` says why)")
+    pytest.skip("this llama.cpp offloads to no device (CI runs these on a Vulkan build: .ci/run)",
+                allow_module_level=True)
+
+DEVICE = offload_devices()[0].name
+SLOW = 900  # (seconds a process may take: a software device compiles its pipelines first)
+
+
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vision")
+    write_tiny_gguf(folder / "tiny.gguf")
+    write_tiny_projector(folder / "mmproj-tiny.gguf")
+    for name, color in (("red", (200, 30, 90)), ("blue", (10, 40, 220))):
+        Image.new("RGB", (50, 40), color).save(folder / f"{name}.png")
+    return folder
+
+
+def ok(r) -> dict:
+    assert r.returncode == 0 and "Traceback" not in r.stderr.decode(), r.stderr.decode()
+    return json.loads(r.stdout)
+
+
+def run(quipu, model, *args, input=None, env=None):
+    return quipu("run", "-m", model, "-t", "0", "-n", "6", "--json", *args, input=input, env=env, timeout=SLOW)
+
+
+def chat(home, model, lines: str, *args) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    env["QUIPU_HOME"] = str(home)
+    r = subprocess.run([sys.executable, "-m", "quipu", "chat", "-m", str(model), "-n", "6", *args],
+                       input=lines.encode(), capture_output=True, env=env, timeout=SLOW)
+    assert r.returncode == 0 and "Traceback" not in r.stderr.decode(), r.stderr.decode()
+    return r.stdout.decode().splitlines()
+
+
+def need(model_report: dict) -> int:
+    """The bytes a placement takes on the device, as `quipu doctor` measures them."""
+    share = model_report["placement"]["memory"][0]
+    assert share["device"] == DEVICE
+    return share["model_bytes"] + share["context_bytes"] + share["compute_bytes"]
+
+
+def doctor_model(quipu, model, *args) -> dict:
+    found = ok(quipu("doctor", "-m", model, "--ctx", "512", "--json", *args, timeout=SLOW))
+    return found["model"]
+
+
+def test_doctor_sees_the_device_and_what_each_layer_count_takes_there(quipu, vision):
+    found = ok(quipu("doctor", "--json", timeout=SLOW))
+    assert found["offload"] is True and found["gpu_backends"] and "install_gpu_build" not in found
+    device = next(d for d in found["devices"] if d["name"] == DEVICE)
+    assert device["kind"] in ("gpu", "igpu") and 0 < device["free_bytes"] <= device["total_bytes"]
+    model = vision / "tiny.gguf"
+    every = doctor_model(quipu, model, "-ngl", "all")
+    assert every["all_on_gpu"] and every["placement"]["gpu_layers"] == every["placement"]["layers"] == 3
+    host = every["placement"]["memory"][-1]
+    assert host["device"] == "CPU" and host["layers"] == 0
+    # Fewer layers, less on the device; the KV cache goes with its layers.
+    one, two = doctor_model(quipu, model, "-ngl", "1"), doctor_model(quipu, model, "-ngl", "2")
+    assert need(one) < need(two) < need(every)
+    assert one["placement"]["memory"][0]["context_bytes"] == 0 < two["placement"]["memory"][0]["context_bytes"]
+    assert "fits: every layer on the GPU" in quipu("doctor", "-m", model, "-ngl", "all", timeout=SLOW).stdout.decode()
+
+
+def test_all_some_and_auto_layers_answer_and_say_where(quipu, vision, bundled_model):
+    model = vision / "tiny.gguf"
+    every = ok(run(quipu, model, "-ngl", "all", "hello"))
+    assert every["placement"]["gpu_layers"] == 3 and every["placement"]["devices"] == [DEVICE]
+    assert every["placement"]["summary"] == f"3/3 layers on {DEVICE}" and every["usage"]["completion_tokens"] > 0
+    some = run(quipu, model, "-ngl", "2", "--stats", "hello")
+    assert ok(some)["placement"]["gpu_layers"] == 2
+    assert f"; on 2/3 layers on {DEVICE}, the rest on the CPU" in some.stderr.decode()
+    auto = run(quipu, model, "--verbose", "hello")
+    assert ok(auto)["placement"]["gpu_layers"] == 3  # (the default: as many as fit, here all)
+    assert f"the model runs on 3/3 layers on {DEVICE}" in auto.stderr.decode()
+    # The real model, every layer on the device: what it says greedily is what the CPU says.
+    on_device = ok(run(quipu, bundled_model, "-ngl", "all", "-n", "8", "What is the capital of France?"))
+    on_cpu = ok(run(quipu, bundled_model, "--device", "none", "-n", "8", "What is the capital of France?"))
+    assert on_device["placement"]["gpu_layers"] == 31 and on_cpu["placement"]["gpu_layers"] == 0
+    assert on_device["text"].split()[:4] == on_cpu["text"].split()[:4], (on_device["text"], on_cpu["text"])
+
+
+def test_a_small_gpu_memory_takes_the_layers_that_fit_and_all_is_refused(quipu, vision):
+    model = vision / "tiny.gguf"
+    cap = need(doctor_model(quipu, model, "-ngl", "2")) + 1
+    fitted = run(quipu, model, "--gpu-memory", str(cap), "hello")
+    assert ok(fitted)["placement"]["gpu_layers"] == 2
+    said = fitted.stderr.decode().strip()
+    assert said.startswith("quipu: warning: 2 of the model's 3 layers fit on") and "the rest run on the CPU" in said
+    assert len(said.splitlines()) == 1, said
+    refused = run(quipu, model, "--gpu-memory", str(cap), "-ngl", "all", "hello")
+    err = refused.stderr.decode()
+    assert refused.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("quipu: error: --gpu-layers all: 3 layers need") and "2 fit (--gpu-layers auto)" in err
+
+
+def test_a_session_on_the_device_resumes_exactly_and_undo_goes_back_exactly(quipu, vision, home):
+    model = vision / "tiny.gguf"
+    first = ok(run(quipu, model, "-ngl", "all", "-S", "gpu", "--seed", "3", "-t", "0.9", "hello there"))
+    second = ok(run(quipu, model, "-ngl", "all", "-S", "gpu", "--seed", "3", "-t", "0.9", "and then"))
+    assert second["usage"]["cached_tokens"] >= first["usage"]["prompt_tokens"]  # (restored, not read again)
+    whole = chat(home, model, "hello there\nand then\n", "-ngl", "all", "-S", "whole", "--seed", "3", "-t", "0.9")
+    assert whole[:2] == [first["text"], second["text"]]
+    # /undo takes the context back exactly: the reply after it is the one that had no detour.
+    straight = chat(home, model, "hello there\nand then\n", "-ngl", "all", "-S", "straight", "-t", "0")
+    undone = chat(home, model, "hello there\nsomething else\n/undo\nand then\n", "-ngl", "all", "-S", "undo",
+                  "-t", "0")
+    assert undone[0] == straight[0] and undone[-1] == straight[-1]
+    # A fork goes on as its source does.
+    assert quipu("sessions", "fork", "gpu", "gpu-b").returncode == 0
+    a = ok(run(quipu, model, "-ngl", "all", "-S", "gpu", "more"))
+    b = ok(run(quipu, model, "-ngl", "all", "-S", "gpu-b", "more"))
+    assert a["text"] == b["text"] and b["usage"]["cached_tokens"] > 0
+
+
+def test_a_session_moved_from_the_device_to_the_cpu_says_so_and_goes_on(quipu, vision, home):
+    model = vision / "tiny.gguf"
+    ok(run(quipu, model, "-ngl", "all", "-S", "laptop", "hello"))
+    moved = run(quipu, model, "--device", "none", "-S", "laptop", "and then")
+    answer = ok(moved)
+    assert answer["usage"]["cached_tokens"] > 0 and answer["placement"]["gpu_layers"] == 0
+    err = moved.stderr.decode().strip()
+    assert err == (f"quipu: warning: session 'laptop' was saved running on 3 layers on {DEVICE} and now runs on the "
+                   "CPU: its context is restored, but from here the reply is no longer bit for bit what it would have "
+                   "been there"), err
+    assert run(quipu, model, "--device", "none", "-S", "laptop", "more").stderr == b""
+
+
+def test_the_prompt_cache_a_batch_a_schema_and_embeddings_on_the_device(quipu, vision):
+    model = vision / "tiny.gguf"
+    document = "the sea and the sky " * 40
+    cold = ok(run(quipu, model, "-ngl", "all", "Summarize:", input=document))
+    warm = ok(run(quipu, model, "-ngl", "all", "Summarize:", input=document))
+    assert warm["usage"]["cached_tokens"] > 0 and warm["text"] == cold["text"]
+    r = quipu("run", "-m", model, "-ngl", "all", "-n", "6", "--seed", "5", "--batch", "-", "--parallel", "2",
+              input="hello world\nthe sky\n", timeout=SLOW)
+    rows = [json.loads(line) for line in r.stdout.decode().splitlines()]
+    assert r.returncode == 0 and [row["index"] for row in rows] == [0, 1], r.stderr.decode()
+    assert all(row["placement"]["gpu_layers"] == 3 for row in rows)
+    schema = '{"type":"object","properties":{"n":{"type":"integer"}},"required":["n"],"additionalProperties":false}'
+    shaped = ok(run(quipu, model, "-ngl", "all", "-n", "24", "--schema", schema, "a number"))
+    if shaped["finish_reason"] == "stop":
+        assert isinstance(json.loads(shaped["text"])["n"], int)
+    else:
+        assert shaped["text"].startswith('{"n":')
+    vectors = quipu("embed", "-m", model, "-ngl", "all", "one", "two", timeout=SLOW)
+    assert vectors.returncode == 0, vectors.stderr.decode()
+    found = [json.loads(line)["embedding"] for line in vectors.stdout.decode().splitlines()]
+    assert len(found) == 2 and found[0] != found[1] and len(found[0]) == 128
+
+
+def test_an_image_is_seen_through_a_projector_on_the_device(quipu, vision):
+    model = vision / "tiny.gguf"
+    red = run(quipu, model, "-ngl", "all", "--verbose", "-a", vision / "red.png", "What is it?")
+    blue = ok(run(quipu, model, "-ngl", "all", "-a", vision / "blue.png", "What is it?"))
+    assert ok(red)["text"] != blue["text"]
+    log = red.stderr.decode()
+    assert "CLIP using" in log and "CLIP using CPU" not in log, log[-2000:]
