@@ -98,22 +98,44 @@ def test_all_some_and_auto_layers_answer_and_say_where(quipu, vision, bundled_mo
     auto = run(quipu, model, "--verbose", "hello")
     assert ok(auto)["placement"]["gpu_layers"] == 3  # (the default: as many as fit, here all)
     assert f"the model runs on 3/3 layers on {DEVICE}" in auto.stderr.decode()
-    # The real model, every layer on the device: what it says greedily is what the CPU says.
-    on_device = ok(run(quipu, bundled_model, "-ngl", "all", "-n", "8", "What is the capital of France?"))
-    on_cpu = ok(run(quipu, bundled_model, "--device", "none", "-n", "8", "What is the capital of France?"))
-    assert on_device["placement"]["gpu_layers"] == 31 and on_cpu["placement"]["gpu_layers"] == 0
-    assert on_device["text"].split()[:4] == on_cpu["text"].split()[:4], (on_device["text"], on_cpu["text"])
+    on_device = ok(run(quipu, bundled_model, "-ngl", "all", "-n", "12", "What is the capital of France?"))
+    assert on_device["placement"]["gpu_layers"] == 31 and "Paris" in on_device["text"], on_device["text"]
+
+
+def test_the_device_computes_what_the_cpu_computes(bundled_model):
+    """The same prompt's next-token scores with every layer on the device and with none: the same
+    ranking at the top, within the rounding of other kernels (a tiny model's greedy reply may still
+    part ways where two tokens score within that rounding)."""
+    import numpy as np
+
+    from quipu.engine.base import ContextSettings, Offload
+    from quipu.engine.llama import LlamaBackend
+    from quipu.engine.native import lc
+
+    scores = []
+    for where in (Offload(layers="all"), Offload(devices=("none",))):
+        with LlamaBackend(bundled_model, ContextSettings(n_ctx=512), offload=where) as backend:
+            assert backend.placement.on_device == (where.layers == "all")
+            tokens = backend.tokenize("The capital of France is Paris. The capital of Italy is", add_special=True,
+                                      parse_special=False)
+            backend.prefill(tokens, 0)
+            scores.append(np.ctypeslib.as_array(lc.llama_get_logits_ith(backend._ctx, -1),
+                                                shape=(backend.n_vocab,)).copy())
+    device, cpu = scores
+    assert np.corrcoef(device, cpu)[0, 1] > 0.999
+    assert int(np.argmax(device)) in np.argsort(cpu)[-3:]
+    assert np.abs(device - cpu).max() < 0.05 * (cpu.max() - cpu.min())
 
 
 def test_a_small_gpu_memory_takes_the_layers_that_fit_and_all_is_refused(quipu, vision):
     model = vision / "tiny.gguf"
     cap = need(doctor_model(quipu, model, "-ngl", "2")) + 1
-    fitted = run(quipu, model, "--gpu-memory", str(cap), "hello")
+    fitted = run(quipu, model, "--ctx", "512", "--gpu-memory", str(cap), "hello")
     assert ok(fitted)["placement"]["gpu_layers"] == 2
     said = fitted.stderr.decode().strip()
     assert said.startswith("quipu: warning: 2 of the model's 3 layers fit on") and "the rest run on the CPU" in said
     assert len(said.splitlines()) == 1, said
-    refused = run(quipu, model, "--gpu-memory", str(cap), "-ngl", "all", "hello")
+    refused = run(quipu, model, "--ctx", "512", "--gpu-memory", str(cap), "-ngl", "all", "hello")
     err = refused.stderr.decode()
     assert refused.returncode == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith("quipu: error: --gpu-layers all: 3 layers need") and "2 fit (--gpu-layers auto)" in err

@@ -35,7 +35,6 @@ class Device:
 
 @lru_cache(maxsize=1)
 def _lib() -> Any:
-    LOG.install()  # (a backend says what it finds as it starts: to our log, not the terminal)
     g = load_ggml().libggml
     text, ptr, size = ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t
     for fn, args, res in (
@@ -49,7 +48,36 @@ def _lib() -> Any:
     ):
         f = getattr(g, fn)
         f.argtypes, f.restype = args, res
+    _start_backends(g)
     return g
+
+
+def _start_backends(g: Any) -> None:
+    """Starts ggml's backends (the first call into its registry does), with what a backend writes
+    to the terminal as it starts (ggml-vulkan lists the devices it finds, on stderr, not through
+    llama.cpp's log) kept off quipu's stderr unless --verbose asks for llama.cpp's log."""
+    import os
+    import sys
+    import tempfile
+
+    LOG.install()
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # (no stderr to keep clean)
+        g.ggml_backend_dev_count()
+        return
+    with tempfile.TemporaryFile() as said:
+        os.dup2(said.fileno(), 2)
+        try:
+            g.ggml_backend_dev_count()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        if LOG.verbose:
+            said.seek(0)
+            sys.stderr.write(said.read().decode("utf-8", "replace"))
+            sys.stderr.flush()
 
 
 def _text(raw: bytes | None) -> str:
@@ -104,6 +132,7 @@ def no_gpu_reason() -> str:
 
 def supports_offload() -> bool:
     """Whether this build can put layers anywhere but the CPU."""
+    _lib()
     return bool(lc.llama_supports_gpu_offload())
 
 

@@ -182,7 +182,8 @@ def plan(path: Path, asked: Offload, n_ctx: int, kv_type: str, cparams_for: Call
     names = {d.name for d in chosen}
     compute = measure_compute(path, [d.handle for d in chosen], cparams_for(n_ctx))
     if not chosen:
-        return replace(CPU, n_layers=layers.count, shares=_shares([], layers, 0, None, compute, _host(found)), n_ctx=n_ctx)
+        shares = _shares([], layers, 0, None, compute, _host(found))
+        return replace(CPU, n_layers=layers.count, shares=shares, n_ctx=n_ctx)
     budgets = []
     for d in chosen:
         room = max(0, d.free - MARGIN)
@@ -191,8 +192,10 @@ def plan(path: Path, asked: Offload, n_ctx: int, kv_type: str, cparams_for: Call
         budgets.append(max(0, room - compute.get(d.name, 0)))
     budget = sum(budgets)
     fit = layers.most_that_fit(budget)
-    want = layers.count if asked.layers == ALL else fit if asked.layers == AUTO else min(int(asked.layers),
-                                                                                         layers.count)
+    if asked.layers == ALL:
+        want = layers.count
+    else:
+        want = fit if asked.layers == AUTO else min(int(asked.layers), layers.count)
     where = " and ".join(sorted(names))
     free_said = " + ".join(human_bytes(d.free) for d in chosen)
     cap = f", at most {human_bytes(asked.memory)} by --gpu-memory" if asked.memory is not None else ""
@@ -226,10 +229,11 @@ def _shares(chosen: list[Device], layers: Layers, k: int, split: tuple[float, ..
     shares = []
     for i, d in enumerate(chosen):
         part = split[i] if split else 1.0
-        shares.append(Share(d.name, round(k * part), int(layers.model_on(k) * part), int(n_on * layers.cache * part),
-                            compute.get(d.name, 0), d.free, d.total))
+        shares.append(Share(d.name, round(k * part), int(layers.model_on(k) * part),
+                            int(n_on * layers.cache * part), compute.get(d.name, 0), d.free, d.total))
     n_off = len(layers.weights) - n_on
     host_compute = sum(v for name, v in compute.items() if name not in {d.name for d in chosen})
-    shares.append(Share("CPU", layers.count - k, layers.embed + sum(layers.weights[:n_off]) + (layers.output if k == 0 else 0),
-                        n_off * layers.cache, host_compute, host.free if host else 0, host.total if host else 0))
+    on_cpu = layers.embed + sum(layers.weights[:n_off]) + (layers.output if k == 0 else 0)
+    shares.append(Share("CPU", layers.count - k, on_cpu, n_off * layers.cache, host_compute,
+                        host.free if host else 0, host.total if host else 0))
     return tuple(shares)
