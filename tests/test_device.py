@@ -141,6 +141,20 @@ def test_a_small_gpu_memory_takes_the_layers_that_fit_and_all_is_refused(quipu, 
     assert err.startswith("quipu: error: --gpu-layers all: 3 layers need") and "2 fit (--gpu-layers auto)" in err
 
 
+def test_ctx_auto_keeps_every_layer_on_the_device_and_shrinks_the_context_to_fit(quipu, tmp_path):
+    long = write_tiny_gguf(tmp_path / "long.gguf", n_ctx_train=65536)
+
+    def auto(*args) -> dict:
+        return ok(quipu("doctor", "-m", long, "--ctx", "auto", "--json", *args, timeout=SLOW))["model"]
+
+    assert auto()["ctx"] == 65536 and auto()["all_on_gpu"]  # (room for it all)
+    at_16k = ok(quipu("doctor", "-m", long, "--ctx", "16384", "-ngl", "all", "--json", timeout=SLOW))["model"]
+    squeezed = auto("--gpu-memory", str(need(at_16k) + 1))
+    assert 4096 <= squeezed["ctx"] <= 16384 and squeezed["all_on_gpu"], squeezed
+    r = run(quipu, long, "--ctx", "auto", "--gpu-memory", str(need(at_16k) + 1), "hello")
+    assert ok(r)["placement"]["gpu_layers"] == 3 and r.stderr == b"", r.stderr.decode()
+
+
 def test_a_session_on_the_device_resumes_exactly_and_undo_goes_back_exactly(quipu, vision, home):
     model = vision / "tiny.gguf"
     first = ok(run(quipu, model, "-ngl", "all", "-S", "gpu", "--seed", "3", "-t", "0.9", "hello there"))

@@ -137,7 +137,7 @@ def test_on_a_cpu_build_layers_asked_for_are_refused_and_auto_is_silent(quipu, t
     config.write_text("[generation]\ngpu_layers = 12\n")
     assert "--gpu-layers 12" in one_line_error(quipu(*base, "hi"))
     shown = json.loads(quipu("config", "show", "--json").stdout)
-    assert shown["generation.gpu_layers"]["value"] == "12" and "config" in shown["generation.gpu_layers"]["source"]
+    assert shown["generation.gpu_layers"]["value"] == 12 and "config" in shown["generation.gpu_layers"]["source"]
     assert quipu(*base, "-ngl", "0", "hi").returncode == 0
 
 
@@ -194,3 +194,25 @@ def test_a_session_from_a_gpu_box_resumes_here_and_says_it_is_no_longer_bit_for_
     assert json.loads(path.read_text())["model"]["placement"] == here
     again, _ = turn("more")
     assert again.stderr == b""
+
+
+def test_ctx_auto_takes_the_whole_training_length_where_memory_allows(quipu, tmp_path, home):
+    from tinymodel import write_tiny_gguf
+
+    long = write_tiny_gguf(tmp_path / "long.gguf", n_ctx_train=32768)
+    found = json.loads(quipu("doctor", "-m", long, "--ctx", "auto", "--json").stdout)["model"]
+    assert found["ctx"] == 32768 and found["host_fits"]
+    assert json.loads(quipu("doctor", "-m", long, "--json").stdout)["model"]["ctx"] == 4096  # (the default)
+    r = quipu("run", "-m", long, "--ctx", "auto", "-n", "2", "-S", "long", "hi")
+    assert r.returncode == 0, r.stderr.decode()
+    record = json.loads((home / "data" / "sessions" / "long.json").read_text())
+    assert record["context"]["n_ctx"] == 32768
+    # The config says it as the command line does; a batch, which shares its context out, refuses it.
+    config = home / "config" / "config.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text('[generation]\nctx = "auto"\n')
+    assert json.loads(quipu("doctor", "-m", long, "--json").stdout)["model"]["ctx"] == 32768
+    err = one_line_error(quipu("run", "-m", long, "--batch", "-", input="hi\n"))
+    assert "--ctx auto" in err and "--ctx N" in err
+    config.write_text('[generation]\nctx = "most"\n')
+    assert "ctx takes a number of tokens or auto, not 'most'" in one_line_error(quipu("run", "-m", long, "hi"))

@@ -97,10 +97,10 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
                 elif kind is str:
                     if not isinstance(subvalue, str):
                         raise fail(sub, f"[{key}] {sub} must be a string", key)
-                elif kind is object:  # a word or a whole number (gpu_layers = 20, or "auto"), kept as text
+                elif kind is object:  # a word or a whole number (gpu_layers = 20, or "auto")
                     if isinstance(subvalue, bool) or not isinstance(subvalue, (str, int)):
                         raise fail(sub, f"[{key}] {sub} must be a string or a whole number", key)
-                    subvalue, kind = str(subvalue), str
+                    kind = type(subvalue)
                 elif isinstance(subvalue, bool) or not isinstance(subvalue, (int, float)) or (
                     kind is int and not isinstance(subvalue, int)
                 ):

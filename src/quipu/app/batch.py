@@ -35,7 +35,7 @@ from quipu.app.turn_options import (
 from quipu.app.modes import BATCH, check_options
 from quipu.app.local import placement_notices, placement_of
 from quipu.app.turns import TurnResult, constrained_by, cut_short
-from quipu.engine.base import DEFAULT_CTX_CAP, ContextSettings, available_cpus
+from quipu.engine.base import CTX_AUTO, DEFAULT_CTX_CAP, ContextSettings, available_cpus
 from quipu.errors import BadInput, QuipuError, UsageError
 from quipu.sessions.batch import BatchRow, BatchSession
 from quipu.sessions.base import LOCAL, SILENT
@@ -206,6 +206,9 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
     parse_logit_bias(opts.logit_bias)
     limit = max_tokens(opts, env)
     settings = context_settings(opts, env)
+    if settings.n_ctx == CTX_AUTO:
+        raise UsageError("--ctx auto sizes one conversation's context; a batch shares its context among its rows: "
+                         "give --ctx N, each row's share")
     # (the model is placed for the most the batch's context may take: each row's share, side by side)
     where = replace(offload(opts, env), fit_ctx=(settings.n_ctx or DEFAULT_CTX_CAP)
                     * min(parallel or default_parallel(), max(1, len(rows))))

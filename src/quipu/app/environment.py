@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from quipu import paths
 from quipu.config import Config, load_config
-from quipu.engine.base import DEFAULT_CTX_CAP, parse_layers, parse_size
+from quipu.engine.base import DEFAULT_CTX_CAP, parse_ctx, parse_layers, parse_size
 from quipu.errors import InvalidParameter, ModelNotFound, UsageError
 from quipu.models import resolve_model
 from quipu.sessions.params import SamplingParams
@@ -25,7 +25,7 @@ DEFAULT_CACHE_BYTES = 2 << 30
 SAMPLING_TYPES = SamplingParams.field_types()
 # Everything [generation] in the config file may set: the sampling parameters and these.
 # (gpu_layers and gpu_memory: a word or a number, `object` to the config's reader.)
-GENERATION_TYPES = {**SAMPLING_TYPES, "max_tokens": int, "ctx": int, "threads": int, "stop": tuple,
+GENERATION_TYPES = {**SAMPLING_TYPES, "max_tokens": int, "ctx": object, "threads": int, "stop": tuple,
                     "gpu_layers": object, "gpu_memory": object, "device": str}
 # Where the model runs: the variables that set it, between the command line's options and the config's.
 GPU_ENVIRON = {"gpu_layers": "QUIPU_GPU_LAYERS", "gpu_memory": "QUIPU_GPU_MEMORY", "device": "QUIPU_DEVICE"}
@@ -179,10 +179,10 @@ def check_config(config: Config) -> Config:
     except InvalidParameter as exc:
         key = str(exc).split(" ", 1)[0].replace("-", "_")
         raise config.error(key, str(exc), "generation") from None
-    for key in ("max_tokens", "ctx", "threads"):
+    for key in ("max_tokens", "threads"):
         if key in gen and gen[key] <= 0:
             raise config.error(key, f"{key} must be more than 0, got {gen[key]}", "generation")
-    for key, parse in (("gpu_layers", parse_layers), ("gpu_memory", parse_size)):
+    for key, parse in (("ctx", parse_ctx), ("gpu_layers", parse_layers), ("gpu_memory", parse_size)):
         if key in gen:
             try:
                 parse(gen[key], key)

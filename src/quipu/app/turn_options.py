@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from quipu.engine.base import AUTO, Backend, ContextSettings, Offload, parse_layers, parse_size
+from quipu.engine.base import CTX_AUTO, AUTO, Backend, ContextSettings, Offload, parse_ctx, parse_layers, parse_size
 from quipu.errors import TemplateError, UsageError
 from quipu.sessions.base import LOCAL, Capabilities
 from quipu.sessions.params import SamplingParams
@@ -62,7 +62,7 @@ class TurnOptions(ToolOptions):
     seed: int | None = None
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
-    ctx: int | None = None
+    ctx: int | None = None  # tokens, or CTX_AUTO (`--ctx auto`); given as text, read as one of them
     threads: int | None = None
     kv_type: str | None = None
     flash_attn: str | None = None  # auto, on or off
@@ -86,6 +86,10 @@ class TurnOptions(ToolOptions):
     # The server the command talks to (from --url, QUIPU_URL or the config: `choose.server_of`);
     # None: a model on this machine.
     server: "ServerSettings | None" = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ctx, str):  # (as the command line gives it: N or auto)
+            self.ctx = parse_ctx(self.ctx)
 
     @property
     def constrained(self) -> bool:
@@ -238,9 +242,10 @@ def with_logit_biases(params: SamplingParams, backend: Backend, opts: TurnOption
 
 def context_settings(opts: TurnOptions, env: Environment) -> ContextSettings:
     gen = env.config.generation
-    ctx = opts.ctx if opts.ctx is not None else gen.get("ctx")
+    ctx = opts.ctx if opts.ctx is not None else (parse_ctx(gen["ctx"], "ctx") if "ctx" in gen else None)
     threads = opts.threads if opts.threads is not None else gen.get("threads")
-    check_positive("--ctx", ctx)
+    if ctx != CTX_AUTO:
+        check_positive("--ctx", ctx)
     check_positive("--threads", threads)
     return ContextSettings(n_ctx=ctx or 0, n_threads=threads or 0, kv_type=opts.kv_type or "f16",
                            flash_attn=opts.flash_attn or "auto")
@@ -261,7 +266,7 @@ def stop_strings(opts: TurnOptions, env: Environment) -> tuple[str, ...]:
 def offload(opts: TurnOptions, env: Environment) -> Offload:
     """Where the model is to run: --gpu-layers, --gpu-memory and --device, else QUIPU_GPU_LAYERS,
     QUIPU_GPU_MEMORY and QUIPU_DEVICE, else the config's; checked before anything loads."""
-    def given(key: str) -> str | None:
+    def given(key: str) -> str | int | None:
         value = getattr(opts, key)
         if value is None:
             value = env.environ.get(GPU_ENVIRON[key]) or None
@@ -270,7 +275,7 @@ def offload(opts: TurnOptions, env: Environment) -> Offload:
     layers, memory, device = given("gpu_layers"), given("gpu_memory"), given("device")
     names = None
     if device is not None:
-        names = tuple(n.strip() for n in device.split(",") if n.strip())
+        names = tuple(n.strip() for n in str(device).split(",") if n.strip())
         if not names:
             raise UsageError("--device takes device names (as `quipu doctor` lists them), comma-separated, or none")
     return Offload(layers=parse_layers(layers) if layers is not None else AUTO,

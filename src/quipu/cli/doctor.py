@@ -22,7 +22,7 @@ def doctor(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Say where this model would run and what it "
                                                  "would take (a .gguf file or a known model name).",
                                                  autocompletion=spec.complete_model, metavar="MODEL")] = None,
-    ctx: Annotated[Optional[int], opt.typer_option(spec.CTX)] = None,
+    ctx: Annotated[Optional[str], opt.typer_option(spec.CTX)] = None,
     kv_type: Annotated[Optional[str], opt.typer_option(spec.KV_TYPE)] = None,
     gpu_layers: Annotated[Optional[str], opt.typer_option(spec.GPU_LAYERS)] = None,
     gpu_memory: Annotated[Optional[str], opt.typer_option(spec.GPU_MEMORY)] = None,

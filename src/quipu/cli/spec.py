@@ -86,7 +86,8 @@ MIN_P = opt("--min-p", type=float, help="Drop tokens below this share of the top
 REPEAT_PENALTY = opt("--repeat-penalty", type=float, help="1 is off (default: 1.1).")
 SEED = opt("--seed", type=int, help="Random seed (default: random; --json reports it).")
 STOP = opt("--stop", multiple=True, help="Stop at this text (repeatable); it is not printed.")
-CTX = opt("--ctx", type=int, help="Context size in tokens (default: the model's, at most 4096).")
+CTX = opt("--ctx", help="Context size in tokens, or auto: the model's whole training length as far as memory "
+                        "allows (default: the model's, at most 4096).", metavar="N|auto")
 THREADS = opt("--threads", type=int, help="CPU threads (default: the CPUs this process may use).")
 KV_TYPE = opt("--kv-type", help="KV cache type: f16, or q8_0 for half-size snapshots.", metavar="f16|q8_0")
 FLASH_ATTN = opt("--flash-attn", help="Flash attention: auto (llama.cpp's choice, the default), on or off (a "

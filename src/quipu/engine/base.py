@@ -33,6 +33,24 @@ ProgressFn = Callable[[int, int], "bool | None"]
 # llama.cpp's own programs. Each token of context is cache memory (23 KB on SmolLM2-135M, 128 KB
 # on Llama 3 8B at f16), allocated and cleared before the first token.
 DEFAULT_CTX_CAP = 4096
+# `--ctx auto`: the longest context, up to the model's training length, that memory takes with the
+# layers asked for (on the GPU, all of them where that is asked or fits); never below DEFAULT_CTX_CAP.
+CTX_AUTO = -1
+
+
+def parse_ctx(text: str | int, where: str = "--ctx") -> int:
+    """A context size: a number of tokens more than 0, or auto (CTX_AUTO)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    elif isinstance(text, str) and text.strip().lower() == "auto":
+        return CTX_AUTO
+    elif isinstance(text, str) and text.strip().isascii() and text.strip().isdigit() and len(text.strip()) < 10:
+        value = int(text)
+    else:
+        raise UsageError(f"{where} takes a number of tokens or auto, not '{text}'")
+    if value <= 0:
+        raise UsageError(f"{where} must be more than 0, got {value}")
+    return value
 
 
 def available_cpus() -> int:
@@ -47,7 +65,7 @@ def available_cpus() -> int:
 class ContextSettings:
     """What the context (and so the state bytes) depends on, plus the thread count."""
 
-    n_ctx: int = 0  # 0: the model's training context, capped at DEFAULT_CTX_CAP
+    n_ctx: int = 0  # 0: the model's training context, capped at DEFAULT_CTX_CAP; CTX_AUTO: as memory allows
     # Tokens a prefill step takes (llama.cpp's n_batch and n_ubatch): on two cores as fast as 512
     # (faster on Gemma 3), and a prompt cache entry is restored to a multiple of it (`step_start`).
     n_batch: int = 256
@@ -115,9 +133,9 @@ class Offload:
     fit_ctx: int = 0  # the context, in cells, the fit leaves room for (0: the first one opened on the model)
 
 
-def parse_layers(text: str, where: str = "--gpu-layers") -> int | str:
+def parse_layers(text: str | int, where: str = "--gpu-layers") -> int | str:
     """N, auto or all, checked."""
-    value = text.strip().lower()
+    value = str(text).strip().lower()
     if value in (AUTO, ALL):
         return value
     if value.isascii() and value.isdigit() and len(value) < 7:
@@ -129,9 +147,9 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
 
 
-def parse_size(text: str, where: str = "--gpu-memory") -> int:
+def parse_size(text: str | int, where: str = "--gpu-memory") -> int:
     """A size in bytes: 512M, 6G, 6.5GiB, 1500000000 (K, M, G, T in powers of 1024)."""
-    found = re.fullmatch(r"\s*([0-9]{1,15}(?:\.[0-9]{1,6})?)\s*([A-Za-z]{0,3})\s*", text)
+    found = re.fullmatch(r"\s*([0-9]{1,15}(?:\.[0-9]{1,6})?)\s*([A-Za-z]{0,3})\s*", str(text))
     unit = found.group(2).lower() if found else ""
     if not found or unit not in _UNITS or float(found.group(1)) <= 0:
         raise UsageError(f"{where} takes a size, as 512M, 6G or 6.5GiB, not '{text}'")

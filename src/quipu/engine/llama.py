@@ -5,6 +5,7 @@ parts of their own (`sampler.py`, `llama_state.py`, `llama_rows.py`, `embeddings
 from __future__ import annotations
 
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -15,6 +16,7 @@ from quipu.engine.text import Spellings
 from quipu.engine.base import (
     AUTO,
     CPU,
+    CTX_AUTO,
     DEFAULT_CTX_CAP,
     FLASH_ATTN,
     KV_TYPES,
@@ -73,6 +75,7 @@ def place(path: Path, offload: Offload, context: ContextSettings, *, detail: boo
     build for the CPU alone, the CPU at once (and layers or devices asked for, refused). With
     `detail`, what it takes is measured wherever it runs (`quipu doctor`)."""
     check_gguf(path)
+    detail = detail or context.n_ctx == CTX_AUTO  # (the context's size is worked out from what fits)
     if not supports_offload():
         asked = (f"--gpu-layers {offload.layers}" if offload.layers not in (AUTO, 0)
                  else f"--device {','.join(offload.devices)}" if offload.devices and not off_device(offload.devices)
@@ -107,8 +110,12 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         LOG.verbose = verbose
         self._stack = ExitStack()
         try:
-            model = (model_path if isinstance(model_path, LlamaModel)
-                     else LlamaModel(model_path, place(Path(model_path), offload, context)))
+            if isinstance(model_path, LlamaModel):
+                model = model_path
+            else:
+                model = LlamaModel(model_path, place(Path(model_path), offload, context))
+            if context.n_ctx == CTX_AUTO:  # (as long as the placement found room for)
+                context = replace(context, n_ctx=model.placement.n_ctx or DEFAULT_CTX_CAP)
             self.model = model.acquire()
             self._stack.callback(model.release)
             self._open_context(context)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from quipu.engine.base import ALL, AUTO, CPU, DEFAULT_CTX_CAP, Offload, Placement, Share, human_bytes, off_device
+from quipu.engine.base import ALL, AUTO, CPU, CTX_AUTO, DEFAULT_CTX_CAP, Offload, Placement, Share, human_bytes, off_device
 from quipu.engine.devices import Device, amx_built, devices, offload_devices, row_bytes
 from quipu.engine.logs import LOG
 from quipu.engine.native import lc
@@ -165,9 +165,10 @@ def _device_list(handles: Sequence[int]) -> ctypes.Array:
 def plan(path: Path, asked: Offload, n_ctx: int, kv_type: str, cparams_for: Callable[[int], Any], *,
          detail: bool = False) -> Placement:
     """Where the model at `path` runs with a context of `n_ctx` cells (0: the model's, at most
-    DEFAULT_CTX_CAP) made with `cparams_for(n_ctx)`: the layers asked for, or as many as fit;
-    refused, before anything loads, where more layers are asked for than the devices' free
-    memory can take. With `detail`, a model on the CPU alone is measured too (its share)."""
+    DEFAULT_CTX_CAP; CTX_AUTO: the longest that fits) made with `cparams_for(n_ctx)`: the layers
+    asked for, or as many as fit; refused, before anything loads, where more layers are asked for
+    than the devices' free memory can take. With `detail`, a model on the CPU alone is measured
+    too (its share)."""
     found = devices()
     chosen = chosen_devices(asked.devices, found)
     if not chosen:
@@ -177,25 +178,23 @@ def plan(path: Path, asked: Offload, n_ctx: int, kv_type: str, cparams_for: Call
         if not detail:
             return CPU
     info = read_table(path)
-    n_ctx = n_ctx or min(info.context_length or DEFAULT_CTX_CAP, DEFAULT_CTX_CAP)
+    trained = info.context_length or DEFAULT_CTX_CAP
+    handles = [d.handle for d in chosen]
+    host = _host(found)
+    if n_ctx == CTX_AUTO:
+        n_ctx = _longest_context(info, kv_type, trained, chosen, asked, host,
+                                 measure_compute(path, handles, cparams_for(trained)))
+    n_ctx = n_ctx or min(trained, DEFAULT_CTX_CAP)
     layers = layer_sizes(info, n_ctx, kv_type)
-    names = {d.name for d in chosen}
-    compute = measure_compute(path, [d.handle for d in chosen], cparams_for(n_ctx))
+    compute = measure_compute(path, handles, cparams_for(n_ctx))
     if not chosen:
-        shares = _shares([], layers, 0, None, compute, _host(found))
+        shares = _shares([], layers, 0, None, compute, host)
         return replace(CPU, n_layers=layers.count, shares=shares, n_ctx=n_ctx)
-    budgets = []
-    for d in chosen:
-        room = max(0, d.free - MARGIN)
-        if asked.memory is not None:
-            room = min(room, asked.memory)
-        budgets.append(max(0, room - compute.get(d.name, 0)))
+    budgets = _budgets(chosen, asked, compute)
     budget = sum(budgets)
     fit = layers.most_that_fit(budget)
-    if asked.layers == ALL:
-        want = layers.count
-    else:
-        want = fit if asked.layers == AUTO else min(int(asked.layers), layers.count)
+    want = _wanted(asked, layers, fit)
+    names = {d.name for d in chosen}
     where = " and ".join(sorted(names))
     free_said = " + ".join(human_bytes(d.free) for d in chosen)
     cap = f", at most {human_bytes(asked.memory)} by --gpu-memory" if asked.memory is not None else ""
@@ -208,13 +207,60 @@ def plan(path: Path, asked: Offload, n_ctx: int, kv_type: str, cparams_for: Call
     if asked.layers == AUTO and fit < layers.count:
         note = (f"{fit} of the model's {layers.count} layers fit on {where} ({free_said} free{cap}); "
                 "the rest run on the CPU, slower")
-    split = None
-    if len(chosen) > 1 and budget > 0:
-        split = tuple(b / budget for b in budgets)
-    shares = _shares(chosen, layers, want, split, compute, _host(found))
+    split = tuple(b / budget for b in budgets) if len(chosen) > 1 and budget > 0 else None
+    shares = _shares(chosen, layers, want, split, compute, host)
     backend = chosen[0].backend or chosen[0].name.rstrip("0123456789")
     return Placement(backend, tuple(d.name for d in chosen), want, layers.count, shares, note, n_ctx,
-                     tuple(d.handle for d in chosen), split)
+                     tuple(handles), split)
+
+
+def _budgets(chosen: list[Device], asked: Offload, compute: dict[str, int]) -> list[int]:
+    """What each device has for layers: its free memory less the margin (at most --gpu-memory),
+    less its compute buffers."""
+    budgets = []
+    for d in chosen:
+        room = max(0, d.free - MARGIN)
+        if asked.memory is not None:
+            room = min(room, asked.memory)
+        budgets.append(max(0, room - compute.get(d.name, 0)))
+    return budgets
+
+
+def _wanted(asked: Offload, layers: Layers, fit: int) -> int:
+    if asked.layers == ALL:
+        return layers.count
+    return fit if asked.layers == AUTO else min(int(asked.layers), layers.count)
+
+
+def _longest_context(info: "GGUFInfo", kv_type: str, trained: int, chosen: list[Device], asked: Offload,
+                     host: Device | None, compute: dict[str, int]) -> int:
+    """--ctx auto: the longest context, in steps of 256 up to the model's training length, with
+    which the layers asked for (auto: all of them) fit on the devices, or, on the CPU alone, the
+    model and its cache fit in the host's free memory; never below DEFAULT_CTX_CAP (the training
+    length, if shorter). `compute` is measured at the training length, the most it can be."""
+    floor = min(trained, DEFAULT_CTX_CAP)
+    if chosen:
+        budget = sum(_budgets(chosen, asked, compute))
+
+        def fits(n: int) -> bool:
+            layers = layer_sizes(info, n, kv_type)
+            return layers.most_that_fit(budget) >= _wanted(asked, layers, layers.count)
+    else:
+        room = (host.free if host else 0) - MARGIN - sum(compute.values())
+
+        def fits(n: int) -> bool:
+            layers = layer_sizes(info, n, kv_type)
+            return layers.embed + sum(layers.weights) + layers.output + len(layers.weights) * layers.cache <= room
+
+    low, high = floor, trained  # (low fits, or is the floor)
+    if fits(high):
+        return high
+    while high - low > 256:
+        middle = (low + high) // 2 // 256 * 256
+        if middle <= low:
+            break
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def _host(found: list[Device]) -> Device | None:
