@@ -135,6 +135,12 @@ def test_a_small_gpu_memory_takes_the_layers_that_fit_and_all_is_refused(quipu, 
     said = fitted.stderr.decode().strip()
     assert said.startswith("quipu: warning: 2 of the model's 3 layers fit on") and "the rest run on the CPU" in said
     assert len(said.splitlines()) == 1, said
+    # A session goes on where it ran while that still fits, though the device has more room now:
+    # the same sums, bit for bit, and nothing to say.
+    made = ok(run(quipu, model, "--ctx", "512", "--gpu-memory", str(cap), "-S", "tight", "hello"))
+    resumed = run(quipu, model, "-S", "tight", "and then")
+    assert made["placement"]["gpu_layers"] == 2 == ok(resumed)["placement"]["gpu_layers"]
+    assert resumed.stderr == b"" and ok(resumed)["usage"]["cached_tokens"] > 0, resumed.stderr.decode()
     refused = run(quipu, model, "--ctx", "512", "--gpu-memory", str(cap), "-ngl", "all", "hello")
     err = refused.stderr.decode()
     assert refused.returncode == 2 and len(err.strip().splitlines()) == 1, err

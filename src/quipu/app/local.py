@@ -8,7 +8,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -38,7 +38,7 @@ from quipu.engine.base import (
     saved_state_key,
 )
 from quipu.engine.kvstate import LAYOUT, check_piece
-from quipu.engine.base import CPU
+from quipu.engine.base import AUTO, CPU, Offload
 from quipu.errors import EngineError, ModelMismatch, SnapshotError, UsageError
 from quipu.models import file_identity, fingerprint, projector_beside
 from quipu.sessions.base import LOCAL, Message
@@ -84,6 +84,23 @@ def open_session(opts: TurnOptions, env: Environment) -> tuple[str, Path, Infere
     session.stats.load_s = time.perf_counter() - started
     session.stats.placement = placement_of(backend)
     return model_name, model_path, session
+
+
+def load_where_it_ran(model_path: Path, settings: ContextSettings, opts: TurnOptions, where: Offload,
+                      saved: Any) -> Backend:
+    """A resumed session's model, placed as the session last ran where that was fitted for it
+    (`--gpu-layers auto`) and still fits: the same devices and layers compute the same sums, so
+    the session goes on bit for bit, though the device's free memory has changed since. Where it
+    no longer fits, or the devices are gone, the fit chooses again (and the resume says so)."""
+    if where.layers == AUTO and isinstance(saved, dict) and isinstance(saved.get("gpu_layers"), int) \
+            and saved["gpu_layers"] > 0 and isinstance(saved.get("devices"), list) and saved["devices"]:
+        devices = where.devices or tuple(str(d) for d in saved["devices"])
+        try:
+            return load_backend(model_path, settings, opts.verbose,
+                                replace(where, layers=saved["gpu_layers"], devices=devices))
+        except UsageError:
+            pass  # (no room for it now, or not those devices: as the fit says)
+    return load_backend(model_path, settings, opts.verbose, where)
 
 
 def placement_of(backend: Backend) -> dict[str, Any]:
@@ -228,7 +245,7 @@ class LocalHost:
             kv_type=opts.kv_type or saved_ctx["kv_type"], flash_attn=opts.flash_attn or remembered_flash_attn(saved_ctx),
         )
         started = time.perf_counter()
-        backend = load_backend(model_path, settings, opts.verbose, where)
+        backend = load_where_it_ran(model_path, settings, opts, where, record.model.get("placement"))
         notices: list[str] = placement_notices(backend, opts)
         saved = record.model.get("projector")
         keeper = LocalKeeper(model_name, model_path, model_fp, env.max_state_bytes, verbose=opts.verbose,
