@@ -205,8 +205,10 @@ def plan(path: Path, asked: Offload, n_ctx: int, kv_type: str, cparams_for: Call
                          f"{fit} fit (--gpu-layers auto)")
     note = None
     if asked.layers == AUTO and fit < layers.count:
-        note = (f"{fit} of the model's {layers.count} layers fit on {where} ({free_said} free{cap}); "
-                "the rest run on the CPU, slower")
+        some = f"{fit} of the model's {layers.count} layers fit" if fit else \
+            f"none of the model's {layers.count} layers fits"
+        note = (f"{some} on {where} ({free_said} free{cap}); "
+                f"{'the rest run' if fit else 'it runs'} on the CPU, slower")
     split = tuple(b / budget for b in budgets) if len(chosen) > 1 and budget > 0 else None
     shares = _shares(chosen, layers, want, split, compute, host)
     backend = chosen[0].backend or chosen[0].name.rstrip("0123456789")
