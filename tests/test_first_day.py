@@ -248,3 +248,13 @@ def wait_here(place: Literal["here"]) -> str:
     assert "typed ahead" not in above  # not in the reply, nor anywhere above the prompt
     child.expect("typed ahead")  # but in the prompt's line, to be sent or edited
     child.terminate(force=True)  # (leaving a chat is tested elsewhere; here a key could race its redraw)
+
+
+@pytest.mark.parametrize("command", [[], ["sessions"], ["models"], ["cache"], ["config"]])
+def test_a_bare_command_prints_its_help_as_help_does(quipu, command):
+    """The first thing a newcomer types: the help, laid out as --help lays it out, and no error."""
+    bare, helped = quipu(*command), quipu(*command, "--help")
+    assert bare.returncode == 0 and bare.stderr == b"", bare.stderr.decode()
+    assert bare.stdout == helped.stdout
+    text = bare.stdout.decode()
+    assert text.startswith(f"Usage: quipu {' '.join(command)}".rstrip() + " ") and "\nCommands:\n" in text

@@ -152,6 +152,11 @@ def typer_exit(exc: Exception, debug: bool) -> int | None:
             raise exc
         sys.stderr.write("\nquipu: interrupted\n")
         return ExitCode.INTERRUPTED
+    if isinstance(exc, typer.TyperException) and type(exc).__name__ == "NoArgsIsHelpError":
+        # A bare command (`quipu`, `quipu sessions`): its help, as --help prints it, and no error.
+        sys.stdout.write(exc.format_message().rstrip("\n") + "\n")
+        sys.stdout.flush()
+        return ExitCode.OK
     if isinstance(exc, typer.TyperException):
         # Typer's usage errors in quipu's voice: one line, and where to look.
         message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
