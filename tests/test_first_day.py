@@ -258,3 +258,28 @@ def test_a_bare_command_prints_its_help_as_help_does(quipu, command):
     assert bare.stdout == helped.stdout
     text = bare.stdout.decode()
     assert text.startswith(f"Usage: quipu {' '.join(command)}".rstrip() + " ") and "\nCommands:\n" in text
+
+
+@pytest.mark.parametrize("args, said", [
+    (["run", "-c", "2048", "hi"], "no option -c here: the context size is --ctx"),
+    (["run", "-p", "hi"], 'no option -p here: the prompt is the argument itself: quipu run "..."'),
+    (["run", "--temp", "0", "hi"], "no option --temp here: the temperature is --temperature (-t)"),
+    (["chat", "--n-gpu-layers", "9"], "no option --n-gpu-layers here: the layers on the GPU are --gpu-layers (-ngl)"),
+    (["run", "gemma3:1b", "hi"], "'gemma3:1b' is a model, and a prompt follows: the model goes with -m "
+                                 '(quipu run -m gemma3:1b "...")'),
+    (["run", "my.gguf", "hi"], "'my.gguf' is a model, and a prompt follows"),
+])
+def test_other_tools_habits_are_answered_with_quipus_word(quipu, args, said):
+    r = quipu(*args)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and err.startswith(f"quipu: error: {said}") and len(err.splitlines()) == 1, err
+
+
+def test_a_schema_given_as_a_file_name_says_to_put_an_at_before_it(quipu, home, tmp_path):
+    (tmp_path / "person.json").write_text('{"type": "object"}')
+    r = quipu("run", "--schema", tmp_path / "person.json", "hi")
+    err = r.stderr.decode().strip()
+    assert r.returncode == 2 and err == (f"quipu: error: --schema takes the schema's JSON, or @FILE for a file's: "
+                                         f"'{tmp_path / 'person.json'}' is a file, so give --schema "
+                                         f"@{tmp_path / 'person.json'}"), err
+    assert quipu("run", "--schema", f"@{tmp_path / 'person.json'}", "-n", "4", "hi").returncode == 0

@@ -183,7 +183,13 @@ def grammar_of(opts: TurnOptions, own_grammar: bool = False):
 
     if opts.schema not in (None, OFF):
         text = read_text_file(opts.schema[1:], "schema") if opts.schema.startswith("@") else opts.schema
-        grammar = schema_grammar(text)
+        try:
+            grammar = schema_grammar(text)
+        except UsageError:
+            if not opts.schema.startswith("@") and Path(opts.schema).expanduser().is_file():
+                raise UsageError(f"--schema takes the schema's JSON, or @FILE for a file's: '{opts.schema}' is a "
+                                 f"file, so give --schema @{opts.schema}") from None
+            raise
     elif opts.grammar not in (None, OFF):
         grammar = Grammar(grammar_kind(opts.grammar), read_text_file(opts.grammar, "grammar"))
     else:

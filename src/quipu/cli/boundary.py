@@ -162,10 +162,50 @@ def typer_exit(exc: Exception, debug: bool) -> int | None:
         message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
         ctx = getattr(exc, "ctx", None)
         hint = f" (`{ctx.command_path} --help` lists what it takes)" if ctx is not None else ""
+        said = other_tools_spelling(exc, ctx)
+        if said:
+            message, hint = said, ""
         if message.strip():  # (a command given no arguments has shown its help, and says no more)
             error_line(plain(message).rstrip(".") + hint)
         return exc.exit_code
     return None
+
+
+# Other tools' spellings (llama.cpp's programs, Ollama's) of what quipu calls otherwise.
+OTHER_SPELLINGS = {
+    "-c": "the context size is --ctx", "--ctx-size": "the context size is --ctx",
+    "-p": 'the prompt is the argument itself: quipu run "..."', "--prompt": 'the prompt is the argument itself: '
+    'quipu run "..."', "-f": "a file's text is piped in (quipu run \"...\" < FILE) or attached (-a FILE)",
+    "--file": "a file's text is piped in (quipu run \"...\" < FILE) or attached (-a FILE)",
+    "--n-gpu-layers": "the layers on the GPU are --gpu-layers (-ngl)", "--temp": "the temperature is --temperature (-t)",
+    "--n-predict": "the most tokens to generate is --max-tokens (-n)",
+    "--predict": "the most tokens to generate is --max-tokens (-n)",
+    "-ctk": "the KV cache type is --kv-type", "--cache-type-k": "the KV cache type is --kv-type",
+    "-fa": "flash attention is --flash-attn", "-sys": "the system prompt is --system (-s)",
+    "--system-prompt": "the system prompt is --system (-s)", "--format": "JSON for scripts is --json; a reply kept "
+    "to a JSON Schema is --schema",
+}
+
+
+def other_tools_spelling(exc: Exception, ctx) -> str | None:
+    """What quipu calls a thing another tool spells otherwise, where the error shows such a habit:
+    an option of llama.cpp's or Ollama's, or Ollama's `run MODEL PROMPT`."""
+    option = getattr(exc, "option_name", None)
+    if isinstance(option, str) and option in OTHER_SPELLINGS:
+        return f"no option {option} here: {OTHER_SPELLINGS[option]}"
+    params = getattr(ctx, "params", None) or {}
+    first = params.get("prompt")
+    if isinstance(first, str) and "unexpected extra argument" in str(exc) and looks_like_a_model(first):
+        return (f"'{first}' is a model, and a prompt follows: the model goes with -m "
+                f"(quipu {ctx.info_name} -m {first} \"...\")")
+    return None
+
+
+def looks_like_a_model(text: str) -> bool:
+    """A model file, or a name as models are given by name (gemma3:1b, hf:OWNER/REPO)."""
+    from quipu.app.known_models import is_short_name
+
+    return text.endswith(".gguf") or text.startswith("hf:") or is_short_name(text)
 
 
 # Typer's value errors come in the words of the library that checks them; these say it plainly.
