@@ -283,3 +283,10 @@ def test_a_schema_given_as_a_file_name_says_to_put_an_at_before_it(quipu, home, 
                                          f"'{tmp_path / 'person.json'}' is a file, so give --schema "
                                          f"@{tmp_path / 'person.json'}"), err
     assert quipu("run", "--schema", f"@{tmp_path / 'person.json'}", "-n", "4", "hi").returncode == 0
+
+
+def test_t_8_as_llama_cpp_s_threads_is_said_to_be_a_temperature_here(quipu, tiny_model):
+    r = quipu("run", "-m", tiny_model, "-t", "8", "-n", "2", "hi")
+    assert r.returncode == 0 and r.stderr.decode().strip() == (
+        "quipu: warning: -t 8 is the temperature here, which makes near-random text; the threads are --threads")
+    assert quipu("run", "-m", tiny_model, "-t", "0.7", "-n", "2", "hi").stderr == b""

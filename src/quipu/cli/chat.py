@@ -44,7 +44,7 @@ def chat(env, **given) -> int:
 
     resume, markdown, hide_thinking = (given[k] for k in OWN)
     opts = spec.turn_options(given, env)
-    for warning in env.config.warnings:  # (a config that others can read holds a token)
+    for warning in env.config.warnings + spec.habits(given):  # (a config others can read holds a token; -t 8)
         Terminal.detect().warn(warning)
     if opts.verbose:
         from quipu.cli.boundary import library_logs

@@ -79,7 +79,7 @@ def run(env, **given) -> int:
     if batch is None and parallel is not None:
         raise UsageError("--parallel goes with --batch")
     opts = spec.turn_options(given, env)
-    for warning in env.config.warnings:  # (a config that others can read holds a token)
+    for warning in env.config.warnings + spec.habits(given):  # (a config others can read holds a token; -t 8)
         Terminal.detect().warn(warning)
     if opts.verbose:
         from quipu.cli.boundary import library_logs

@@ -222,6 +222,15 @@ def parse(params: dict[str, Opt | Arg], args: list[str]) -> dict | None:
     return given
 
 
+def habits(given: dict[str, Any]) -> list[str]:
+    """Warnings for values that look like another tool's habit: `-t 8`, llama.cpp's threads, is a
+    temperature here."""
+    t = given.get("temperature")
+    if isinstance(t, (int, float)) and t >= 3 and float(t).is_integer():
+        return [f"-t {t:g} is the temperature here, which makes near-random text; the threads are --threads"]
+    return []
+
+
 # Options of a turn settled into a field of another name: --url (or QUIPU_URL, or the config's
 # [remote] url) is the server the command talks to.
 SETTLED = {"url": "server"}
