@@ -92,8 +92,11 @@ def test_cache_info_and_clear(quipu, tiny_model, home):
     run(quipu, tiny_model, "-s", SYSTEM, "hello")
     info = json.loads(quipu("cache", "info", "--json").stdout)
     assert info["entries"] == 1 and info["bytes"] > 0 and info["max_bytes"] == 2 << 30
-    assert quipu("cache", "clear").returncode == 0
+    assert "\n1 entry, " in quipu("cache", "info").stdout.decode()
+    cleared = quipu("cache", "clear")
+    assert cleared.returncode == 0 and cleared.stderr.decode() == "removed 1 entry\n"
     assert json.loads(quipu("cache", "info", "--json").stdout)["entries"] == 0
+    assert quipu("cache", "clear").stderr.decode() == "removed 0 entries\n"
 
 
 def test_kill_9_while_saving_never_leaves_a_broken_entry(tiny_model, home):

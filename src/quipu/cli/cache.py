@@ -27,7 +27,7 @@ def info(context: typer.Context, as_json: bool = typer.Option(False, "--json", h
     if as_json:
         term.stdout.write(json.dumps(data) + "\n")
     else:
-        term.stdout.write(f"{data['path']}\n{data['entries']} entries, {human_size(data['bytes'])} "
+        term.stdout.write(f"{data['path']}\n{entries(data['entries'])}, {human_size(data['bytes'])} "
                           f"of {human_size(data['max_bytes'])} (cache.max_bytes)\n")
 
 
@@ -37,4 +37,8 @@ def clear(context: typer.Context) -> None:
     from quipu.app.cache import clear_cache
 
     removed = clear_cache(context.obj)
-    Terminal.detect().stderr.write(f"removed {removed} entries\n")
+    Terminal.detect().stderr.write(f"removed {entries(removed)}\n")
+
+
+def entries(n: int) -> str:
+    return f"{n} {'entry' if n == 1 else 'entries'}"
