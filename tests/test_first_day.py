@@ -290,3 +290,8 @@ def test_t_8_as_llama_cpp_s_threads_is_said_to_be_a_temperature_here(quipu, tiny
     assert r.returncode == 0 and r.stderr.decode().strip() == (
         "quipu: warning: -t 8 is the temperature here, which makes near-random text; the threads are --threads")
     assert quipu("run", "-m", tiny_model, "-t", "0.7", "-n", "2", "hi").stderr == b""
+
+
+def test_chat_s_help_names_no_option_chat_does_not_have(quipu):
+    text = quipu("chat", "--help").stdout.decode()
+    assert "--json" not in text and "--seed" in text

@@ -84,7 +84,7 @@ TOP_K = opt("--top-k", type=int, help="Keep the k likeliest tokens; 0 is off (de
 TOP_P = opt("--top-p", type=float, help="Nucleus sampling, in (0, 1] (default: 0.95).")
 MIN_P = opt("--min-p", type=float, help="Drop tokens below this share of the top one (default: 0.05).")
 REPEAT_PENALTY = opt("--repeat-penalty", type=float, help="1 is off (default: 1.1).")
-SEED = opt("--seed", type=int, help="Random seed (default: random; --json reports it).")
+SEED = opt("--seed", type=int, help="Random seed: the same seed, the same reply (default: a random one).")
 STOP = opt("--stop", multiple=True, help="Stop at this text (repeatable); it is not printed.")
 CTX = opt("--ctx", help="Context size in tokens, or auto: the model's whole training length as far as memory "
                         "allows (default: the model's, at most 4096).", metavar="N|auto")
