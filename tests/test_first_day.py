@@ -295,3 +295,15 @@ def test_t_8_as_llama_cpp_s_threads_is_said_to_be_a_temperature_here(quipu, tiny
 def test_chat_s_help_names_no_option_chat_does_not_have(quipu):
     text = quipu("chat", "--help").stdout.decode()
     assert "--json" not in text and "--seed" in text
+
+
+def test_the_first_model_s_size_in_the_readme_is_the_one_pull_lists(quipu):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    said = re.search(r"by a short name \(about ([0-9.]+ [KMG]B)", readme)
+    listed = next(line for line in quipu("models", "pull", "--list").stdout.decode().splitlines()
+                  if line.startswith("gemma3:1b "))
+    shown = re.search(r"about ([0-9.]+) ([KMG]B)", listed)
+    assert said and shown and said.group(1) == f"{round(float(shown.group(1)))} {shown.group(2)}", (said, listed)
