@@ -307,3 +307,14 @@ def test_the_first_model_s_size_in_the_readme_is_the_one_pull_lists(quipu):
                   if line.startswith("gemma3:1b "))
     shown = re.search(r"about ([0-9.]+) ([KMG]B)", listed)
     assert said and shown and said.group(1) == f"{round(float(shown.group(1)))} {shown.group(2)}", (said, listed)
+
+
+@pytest.mark.parametrize("command, usage", [
+    (["sessions", "show"], "Usage: quipu sessions show [OPTIONS] NAME"),
+    (["sessions", "rm"], "Usage: quipu sessions rm [OPTIONS] NAMES..."),
+    (["sessions", "rename"], "Usage: quipu sessions rename [OPTIONS] OLD NEW"),
+    (["models", "info"], "Usage: quipu models info [OPTIONS] [MODEL]"),
+    (["embed"], "Usage: quipu embed [OPTIONS] [TEXTS]..."),
+])
+def test_usage_lines_name_arguments_as_unix_usage_does(quipu, command, usage):
+    assert quipu(*command, "--help").stdout.decode().splitlines()[0] == usage

@@ -31,8 +31,9 @@ WORDS = {"str": "TEXT", "int": "N", "float": "NUMBER", "path": "PATH", "bool": "
 
 
 def plain_help() -> None:
-    """Help that reads like a person wrote it: a flag shows no `<bool>` tag, and a value its kind
-    in words (N, NUMBER, TEXT, PATH) where it was not named where it is declared."""
+    """Help that reads like a person wrote it: a flag shows no `<bool>` tag, a value its kind in
+    words (N, NUMBER, TEXT, PATH) where it was not named where it is declared, and an argument on
+    the usage line as Unix usage writes it (`usage_name`)."""
     from typer.core import TyperArgument, TyperOption
 
     for kind in (TyperOption, TyperArgument):
@@ -52,6 +53,17 @@ def plain_help() -> None:
 
         kind.display_type_rich = display_type_rich  # type: ignore[method-assign]  # (Typer's own method, replaced once)
         kind._quipu_plain = True  # type: ignore[union-attr]  # (a mark: replaced already)
+    if getattr(TyperArgument, "_usage_display_name", None) is not None:
+        TyperArgument._usage_display_name = usage_name  # type: ignore[method-assign]  # (Typer's, as above)
+
+
+def usage_name(argument) -> str:
+    """An argument on a usage line as Unix usage writes it: NAME when it must be given, [NAME]
+    when it may be, NAME... for several (Typer writes `{name}`)."""
+    name = argument.metavar or argument.name.upper()
+    if not argument.required:
+        name = f"[{name}]"
+    return name + ("..." if argument.nargs != 1 else "")
 
 
 def signature(params: Mapping[str, spec.Opt | spec.Arg]) -> inspect.Signature:
