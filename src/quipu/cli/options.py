@@ -54,7 +54,7 @@ def plain_help() -> None:
         kind.display_type_rich = display_type_rich  # type: ignore[method-assign]  # (Typer's own method, replaced once)
         kind._quipu_plain = True  # type: ignore[union-attr]  # (a mark: replaced already)
     if getattr(TyperArgument, "_usage_display_name", None) is not None:
-        TyperArgument._usage_display_name = usage_name  # type: ignore[method-assign]  # (Typer's, as above)
+        TyperArgument._usage_display_name = usage_name  # type: ignore[method-assign, assignment]  # (as above)
 
 
 def usage_name(argument) -> str:
