@@ -318,3 +318,11 @@ def test_the_first_model_s_size_in_the_readme_is_the_one_pull_lists(quipu):
 ])
 def test_usage_lines_name_arguments_as_unix_usage_does(quipu, command, usage):
     assert quipu(*command, "--help").stdout.decode().splitlines()[0] == usage
+
+
+def test_a_ctx_past_the_training_length_is_said_once(quipu, tiny_model):
+    r = quipu("run", "-m", tiny_model, "--ctx", "4096", "-n", "2", "hi")
+    assert r.returncode == 0 and r.stderr.decode().strip() == (
+        "quipu: warning: --ctx 4096 is past the 2048 tokens this model was trained on; "
+        "past them its replies may come apart")
+    assert quipu("run", "-m", tiny_model, "--ctx", "2048", "-n", "2", "hi").stderr == b""

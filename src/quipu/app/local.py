@@ -111,9 +111,12 @@ def placement_of(backend: Backend) -> dict[str, Any]:
 
 def placement_notices(backend: Backend, opts: TurnOptions) -> list[str]:
     """What to say of where the model runs: always that fewer layers than asked fit on the GPU;
-    under --verbose, where it runs."""
+    under --verbose, where it runs; and a --ctx past what the model was trained on."""
     placement = backend.placement
     said = [placement.note] if placement.note else []
+    if opts.ctx is not None and backend.n_ctx_train and backend.n_ctx > backend.n_ctx_train:
+        said.append(f"--ctx {backend.n_ctx} is past the {backend.n_ctx_train} tokens this model was trained on; "
+                    "past them its replies may come apart")
     return said + ([f"the model runs on {placement.summary()}"] if opts.verbose else [])
 
 
