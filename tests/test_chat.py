@@ -456,3 +456,16 @@ def test_replies_break_between_words_and_nothing_shows_after_ctrl_c(home):
     child.expect("›")
     child.sendeof()
     child.expect(pexpect.EOF)
+
+
+def test_new_leaves_no_empty_session_behind(home, tiny_model):
+    """A session comes to be on disk with its first turn: /new from a chat where nothing was said,
+    and a /new never talked in, leave nothing; the one talked in is kept."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    env["QUIPU_HOME"] = str(home)
+    r = subprocess.run([sys.executable, "-m", "quipu", "chat", "-m", str(tiny_model), "-n", "3", "-t", "0"],
+                       input=b"/new\n/new\nhi\n/new\n", capture_output=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()
+    listed = json.loads(subprocess.run([sys.executable, "-m", "quipu", "sessions", "list", "--json"],
+                                       capture_output=True, env=env, timeout=60).stdout)
+    assert [s["turns"] for s in listed] == [1], listed

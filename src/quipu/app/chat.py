@@ -313,10 +313,15 @@ class ChatSession:
         model = self._named.keeper.model_for_new(self.opts)
         opts = TurnOptions(**{**self.opts.__dict__, "system": system or "", "model": model})
         name = generate_name(set(self.store.names()))
-        self.save()  # as when loading another: the session left behind is on disk, even if new
+        self._leave()
         self._switch(name, on_progress, opts)
-        self.save()
         return name
+
+    def _leave(self) -> None:
+        """Before another session is opened: this one saved, unless it is new and nothing was said
+        in it (a session comes to be on disk with its first turn, as a chat begun and left does not)."""
+        if self.messages or self.store.exists(self.name):
+            self.save()
 
     def set_option(self, key: str, value: str) -> Any:
         key, parsed = self.parse_setting(key, value)
@@ -376,7 +381,7 @@ class ChatSession:
             raise UsageError(f"session '{name}' is already open")
         if not self.store.exists(name):
             raise UsageError(f"no session named '{name}'")
-        self.save()
+        self._leave()
         self._switch(name, on_progress, TurnOptions(verbose=self.opts.verbose, threads=self.opts.threads,
                                                     server=self.opts.server))
 
