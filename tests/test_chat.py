@@ -469,3 +469,17 @@ def test_new_leaves_no_empty_session_behind(home, tiny_model):
     listed = json.loads(subprocess.run([sys.executable, "-m", "quipu", "sessions", "list", "--json"],
                                        capture_output=True, env=env, timeout=60).stdout)
     assert [s["turns"] for s in listed] == [1], listed
+
+
+@pytest.mark.parametrize("columns", [120, 80])
+def test_help_fits_the_terminal_and_keeps_one_column(home, tiny_model, columns):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    env.update(QUIPU_HOME=str(home), COLUMNS=str(columns))
+    r = subprocess.run([sys.executable, "-m", "quipu", "chat", "-m", str(tiny_model)], input=b"/help\n",
+                       capture_output=True, env=env, timeout=300)
+    lines = [line for line in r.stderr.decode().splitlines() if line.startswith("  ")]
+    assert r.returncode == 0 and len(lines) > len(COMMANDS)
+    assert all(len(line) <= columns for line in lines), max(lines, key=len)
+    starts = {line.index(c.help.split()[0], len(f"  /{c.name}")) for c in COMMANDS for line in lines
+              if line.startswith(f"  /{c.name} ") and len(line.strip()) > len(f"/{c.name} {c.args}".strip())}
+    assert len(starts) == 1, starts  # (what each does begins in one column)

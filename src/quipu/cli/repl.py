@@ -24,10 +24,35 @@ class SlashCommand:
 
 
 def _help(repl: "Repl", _arg: str) -> None:
-    width = max(len(f"/{c.name} {c.args}") for c in COMMANDS)
-    lines = [f"  {f'/{c.name} {c.args}'.ljust(width)}  {c.help}" for c in COMMANDS]
-    lines += ["", "  Enter sends; Alt-Enter or Esc Enter adds a line; Ctrl-C stops a reply; Ctrl-D leaves."]
-    repl.say("\n".join(lines))
+    import shutil
+
+    repl.say("\n".join(help_lines(shutil.get_terminal_size((100, 24)).columns)))
+
+
+HELP_NAMES = 22  # the column of the commands' names: a longer one (/think's choices) has a line of its own
+
+
+def help_lines(columns: int) -> list[str]:
+    """/help laid out for a terminal `columns` wide: each command's name, then what it does,
+    wrapped under itself."""
+    import textwrap
+
+    width = min(HELP_NAMES, max(len(f"/{c.name} {c.args}".rstrip()) for c in COMMANDS))
+    indent = " " * (width + 4)
+    room = max(30, columns - len(indent) - 1)
+    lines = []
+    for c in COMMANDS:
+        name = f"/{c.name} {c.args}".rstrip()
+        said = textwrap.wrap(c.help, room) or [""]
+        if len(name) > width:
+            lines.append(f"  {name}")
+        else:
+            lines.append(f"  {name.ljust(width)}  {said.pop(0)}")
+        lines += [indent + more for more in said]
+    lines.append("")
+    lines += textwrap.wrap("Enter sends; Alt-Enter or Esc Enter adds a line; Ctrl-C stops a reply; Ctrl-D leaves.",
+                           max(30, columns - 3), initial_indent="  ", subsequent_indent="  ")
+    return lines
 
 
 def _exit(repl: "Repl", _arg: str) -> None:
