@@ -483,3 +483,37 @@ def test_help_fits_the_terminal_and_keeps_one_column(home, tiny_model, columns):
     starts = {line.index(c.help.split()[0], len(f"  /{c.name}")) for c in COMMANDS for line in lines
               if line.startswith(f"  /{c.name} ") and len(line.strip()) > len(f"/{c.name} {c.args}".strip())}
     assert len(starts) == 1, starts  # (what each does begins in one column)
+
+
+def test_a_reply_the_context_cut_goes_on_once_room_is_made(tmp_path, bundled_model):
+    """The context fills during a reply; "drop" frees the oldest exchange and the same reply goes
+    on from where it was cut, in the context read again."""
+    from quipu.app.chat import ChatSession
+    from quipu.app.environment import Environment
+    from quipu.app.turn_options import TurnOptions
+
+    env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
+    out, err = io.StringIO(), io.StringIO()
+    term = Terminal(io.StringIO(), out, err, False, False, False, False)
+    chat = ChatSession.open(env, TurnOptions(model=str(bundled_model), ctx=128, temperature=0, max_tokens=3),
+                            name="cut")
+    try:
+        r = Repl(chat, term, env)
+        r.safely("hi")
+        r.safely("/set max_tokens 300")
+        seen: list[str] = []
+        original = chat.drop_oldest
+
+        def drop(unsent=None):
+            seen.append(chat.messages[-1].content)  # (the reply as the context cut it)
+            return original(unsent)
+
+        chat.drop_oldest = drop  # type: ignore[method-assign]
+        r.safely("Write a long story about a cat and a dog, with many details.")
+        said = err.getvalue()
+        assert "the context is full (128 of 128 tokens)" in said and "dropped 2 old messages" in said, said
+        assert len(seen) == 1 and [m.role for m in chat.messages if m.role != "system"] == ["user", "assistant"]
+        reply = chat.messages[-1].content
+        assert reply.startswith(seen[0]) and len(reply) > len(seen[0]), said  # the same reply, gone on
+    finally:
+        chat.close()

@@ -368,7 +368,9 @@ class Repl:
         self.show_notices()
         if outcome.context_full:
             unsent = args[0] if args and not gen.tokens else None
-            if room_made:  # room was made for this message already; do not go round again
+            if room_made and unsent is None and not args:  # (a cut reply that went on, and filled it again)
+                self.say("the context is full again; /trim or /new makes room")
+            elif room_made:  # room was made for this message already; do not go round again
                 self.say("the context is still full; the message was not sent")
             else:
                 self.context_full(unsent)
@@ -388,6 +390,9 @@ class Repl:
         if choice.startswith("d"):
             dropped = self.chat.drop_oldest(unsent)
             self.say(f"dropped {dropped} old messages; the system prompt stays")
+            if unsent is None and dropped and self.chat.capabilities.can("continue"):
+                self.turn(self.chat.continue_reply, room_made=True)  # the reply the context cut goes on
+                return
         elif choice.startswith("n"):
             _new(self, "")
         else:
