@@ -320,7 +320,7 @@ class ChatSession:
     def _leave(self) -> None:
         """Before another session is opened: this one saved, unless it is new and nothing was said
         in it (a session comes to be on disk with its first turn, as a chat begun and left does not)."""
-        if self.messages or self.store.exists(self.name):
+        if any(m.role != "system" for m in self.messages) or self.store.exists(self.name):
             self.save()
 
     def set_option(self, key: str, value: str) -> Any:
