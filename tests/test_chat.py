@@ -517,3 +517,21 @@ def test_a_reply_the_context_cut_goes_on_once_room_is_made(tmp_path, bundled_mod
         assert reply.startswith(seen[0]) and len(reply) > len(seen[0]), said  # the same reply, gone on
     finally:
         chat.close()
+
+
+def test_undo_reads_nothing_again_but_after_system_the_conversation_is_read_again(repl):
+    """As docs/chat.md says: /undo goes back without reading; /system changes the context's
+    beginning, so the reply after it (after an /undo too) reads the conversation again."""
+    r, _, _ = repl
+    r.safely("hello")
+    r.safely("and then")
+    first = r.chat.last_stats.prefill_tokens
+    r.safely("/undo")
+    r.safely("and then")
+    assert r.chat.last_stats.cached_tokens > 0 and r.chat.last_stats.prefill_tokens == first
+    r.safely("/system be brief")
+    r.safely("/undo")
+    r.safely("and then")
+    stats = r.chat.last_stats
+    # (all of it but what comes before the system prompt's text: the template's opening)
+    assert stats.cached_tokens < 8 and stats.prefill_tokens == stats.prompt_tokens - stats.cached_tokens > 60
