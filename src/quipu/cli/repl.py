@@ -386,7 +386,7 @@ class Repl:
         used, size = self.chat.context_used, self.chat.context_size
         self.say(f"the context is full ({used} of {size} tokens).")
         choice = self.ask("[d]rop the oldest exchanges and go on, [n]ew session with the same system prompt, "
-                          "or [c]ancel? ", default="d")
+                          "or [c]ancel? (a letter, then Enter; Enter alone drops) ", default="d")
         if choice.startswith("d"):
             dropped = self.chat.drop_oldest(unsent)
             self.say(f"dropped {dropped} old messages; the system prompt stays")
@@ -401,6 +401,9 @@ class Repl:
             self.turn(self.chat.send, unsent, room_made=True)
 
     def ask(self, question: str, default: str, choices: str = "dnc") -> str:
+        """One of `choices` (the last: cancel), typed and then Enter (the question says so): keys
+        typed ahead during a reply wait in the terminal for the next prompt, this one too, so a
+        single key would take a message's first letter for an answer."""
         if not self.term.stdin_tty:
             self.say(question + default)
             return default
