@@ -13,7 +13,8 @@ Every turn, named session and chat is written once, for every host a model can r
   options against it and against what the host can do.
 - `choose.py`: where the model runs, chosen once per command (`server_of`, `open_host`).
 - `local.py`: a local model: the state file beside a transcript; `prompt_cache.py`, the prompt
-  cache as a local session uses it.
+  cache as a local session uses it; `placing.py`, where it runs as the commands say it and a
+  session keeps it.
 - `llama_server.py`: llama.cpp's llama-server driven by tokens, the context kept in a slot
   file between turns (`SlotFile`).
 - `chat_api.py`: any OpenAI-compatible chat API: sessions kept as transcripts alone.

@@ -33,7 +33,7 @@ from quipu.app.turn_options import (
     template_variables,
 )
 from quipu.app.modes import BATCH, check_options
-from quipu.app.local import placement_notices, placement_of
+from quipu.app.placing import placement_notices, placement_of
 from quipu.app.turns import TurnResult, constrained_by, cut_short
 from quipu.engine.base import CTX_AUTO, DEFAULT_CTX_CAP, ContextSettings, available_cpus
 from quipu.errors import BadInput, QuipuError, UsageError

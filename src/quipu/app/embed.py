@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 from quipu.engine.base import ContextSettings
 from quipu.errors import BadInput, CapabilityError
 from quipu.app.environment import Environment
-from quipu.app.local import placement_notices
+from quipu.app.placing import placement_notices
 from quipu.app.turn_options import TurnOptions, load_backend, offload
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -38,7 +38,7 @@ from quipu.engine.base import (
     saved_state_key,
 )
 from quipu.engine.kvstate import LAYOUT, check_piece
-from quipu.engine.base import AUTO, CPU, Offload
+from quipu.app.placing import load_where_it_ran, moved_notice, placement_notices, placement_of
 from quipu.errors import EngineError, ModelMismatch, SnapshotError, UsageError
 from quipu.models import file_identity, fingerprint, projector_beside
 from quipu.sessions.base import LOCAL, Message
@@ -84,61 +84,6 @@ def open_session(opts: TurnOptions, env: Environment) -> tuple[str, Path, Infere
     session.stats.load_s = time.perf_counter() - started
     session.stats.placement = placement_of(backend)
     return model_name, model_path, session
-
-
-def load_where_it_ran(model_path: Path, settings: ContextSettings, opts: TurnOptions, where: Offload,
-                      saved: Any) -> Backend:
-    """A resumed session's model, placed as the session last ran where that was fitted for it
-    (`--gpu-layers auto`) and still fits: the same devices and layers compute the same sums, so
-    the session goes on bit for bit, though the device's free memory has changed since. Where it
-    no longer fits, or the devices are gone, the fit chooses again (and the resume says so)."""
-    if where.layers == AUTO and isinstance(saved, dict) and isinstance(saved.get("gpu_layers"), int) \
-            and saved["gpu_layers"] > 0 and isinstance(saved.get("devices"), list) and saved["devices"]:
-        devices = where.devices or tuple(str(d) for d in saved["devices"])
-        try:
-            return load_backend(model_path, settings, opts.verbose,
-                                replace(where, layers=saved["gpu_layers"], devices=devices))
-        except UsageError:
-            pass  # (no room for it now, or not those devices: as the fit says)
-    return load_backend(model_path, settings, opts.verbose, where)
-
-
-def placement_of(backend: Backend) -> dict[str, Any]:
-    """Where a local model runs, as --json and --stats show it."""
-    placement = backend.placement
-    return {**placement.to_dict(), "summary": placement.summary()}
-
-
-def placement_notices(backend: Backend, opts: TurnOptions) -> list[str]:
-    """What to say of where the model runs: always that fewer layers than asked fit on the GPU;
-    under --verbose, where it runs; and a --ctx past what the model was trained on."""
-    placement = backend.placement
-    said = [placement.note] if placement.note else []
-    if opts.ctx is not None and backend.n_ctx_train and backend.n_ctx > backend.n_ctx_train:
-        said.append(f"--ctx {backend.n_ctx} is past the {backend.n_ctx_train} tokens this model was trained on; "
-                    "past them its replies may come apart")
-    return said + ([f"the model runs on {placement.summary()}"] if opts.verbose else [])
-
-
-def placement_words(key: dict[str, Any]) -> str:
-    """A snapshot's recorded placement in words."""
-    layers, names = key.get("gpu_layers", 0), key.get("devices") or []
-    if not layers or not names:
-        return "the CPU"
-    return f"{layers} layers on {', '.join(str(n) for n in names)}"
-
-
-def moved_notice(name: str, saved: dict[str, Any] | None, backend: Backend) -> str | None:
-    """The line that says a session saved on one placement goes on on another: its context
-    state is restored (the bytes are the same on every device), but the sums are made elsewhere,
-    so what follows is no longer bit for bit what it would have been where it was saved."""
-    was = saved if isinstance(saved, dict) else CPU.key()
-    now = backend.placement.key()
-    if {k: was.get(k) for k in now} == now:
-        return None
-    return (f"session '{name}' was saved running on {placement_words(was)} and now runs on "
-            f"{placement_words(now)}: its context is restored, but from here the reply is no longer bit for bit "
-            "what it would have been there")
 
 
 def with_projector(backend: Backend, model_path: Path, mmproj: str | None,

@@ -74,7 +74,6 @@ def place(path: Path, offload: Offload, context: ContextSettings, *, detail: boo
     """Where a model is to run (`placement.plan`), for a context with `context`'s settings; on a
     build for the CPU alone, the CPU at once (and layers or devices asked for, refused). With
     `detail`, what it takes is measured wherever it runs (`quipu doctor`)."""
-    check_gguf(path)
     detail = detail or context.n_ctx == CTX_AUTO  # (the context's size is worked out from what fits)
     if not supports_offload():
         asked = (f"--gpu-layers {offload.layers}" if offload.layers not in (AUTO, 0)
@@ -83,7 +82,8 @@ def place(path: Path, offload: Offload, context: ContextSettings, *, detail: boo
         if asked:
             raise UsageError(f"{asked}: {no_gpu_reason()}")
         if not detail:
-            return CPU
+            return CPU  # (the model's load checks the file)
+    check_gguf(path)  # (a file that is none is said as a load says it, before the plan reads it)
     return plan(path, offload, offload.fit_ctx or context.n_ctx, context.kv_type,
                 lambda n_ctx: context_params(context, n_ctx), detail=detail)
 
