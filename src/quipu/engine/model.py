@@ -10,7 +10,7 @@ from typing import Any, Iterable
 from quipu.engine.native import lc
 
 from quipu.engine.logs import LOG
-from quipu.engine.devices import amx_built
+from quipu.engine.placement import model_params
 from quipu.engine.base import CPU, Placement
 from quipu.engine.text import Spellings
 from quipu.errors import EngineError, Interrupted, ModelLoadError
@@ -59,24 +59,15 @@ def load_interruptibly(path: Path, placement: Placement = CPU):
         previous = signal.signal(signal.SIGINT, lambda signum, frame: asked.append(True))
     except ValueError:  # not the main thread: loads as it comes
         previous = None
-    mparams = lc.llama_model_default_params()
-    # The layers on the devices the placement names, the rest on the CPU (no device: the CPU
-    # alone, even where the build has a GPU); spread over several as its split says.
-    mparams.n_gpu_layers = placement.gpu_layers
-    mparams.use_extra_bufts = not amx_built()
-    devices = (ctypes.c_void_p * (len(placement.handles) + 1))(*placement.handles, None)
-    mparams.devices = ctypes.cast(devices, ctypes.c_void_p)
-    split = None
-    if placement.split:
-        split = (ctypes.c_float * max(len(placement.split), lc.llama_max_devices()))(*placement.split)
-        mparams.tensor_split = split
+    # The layers on the devices the placement names, the rest on the CPU.
+    mparams, arrays = model_params(placement.gpu_layers, placement.handles, placement.split)
     keep = mparams.progress_callback = lc.llama_progress_callback(lambda progress, data: not asked)
     try:
         model = lc.llama_model_load_from_file(str(path).encode(), mparams)
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
-        del keep, devices, split
+        del keep, arrays
     if asked:
         if model:
             lc.llama_model_free(model)

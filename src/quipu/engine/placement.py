@@ -136,13 +136,9 @@ def measure_compute(path: Path, handles: Sequence[int], cparams: Any) -> dict[st
     """What the compute buffers of a context with `cparams` take on every layer offloaded to
     `handles`, by buffer type: a model and context loaded with `no_alloc` (no weights read, no
     memory taken), as llama.cpp's fit measures."""
-    mparams = lc.llama_model_default_params()
+    mparams, keep = model_params(-1, handles)
     mparams.no_alloc = True
     mparams.load_mode = lc.LLAMA_LOAD_MODE_NONE
-    mparams.n_gpu_layers = -1
-    mparams.use_extra_bufts = not amx_built()
-    keep = _device_list(handles)
-    mparams.devices = ctypes.cast(keep, ctypes.c_void_p)
     LOG.clear_errors()
     model = lc.llama_model_load_from_file(str(path).encode(), mparams)
     if not model:
@@ -155,11 +151,26 @@ def measure_compute(path: Path, handles: Sequence[int], cparams: Any) -> dict[st
         return dict(LOG.compute)
     finally:
         lc.llama_model_free(model)
+        del keep
 
 
-def _device_list(handles: Sequence[int]) -> ctypes.Array:
-    """A NULL-ended array of ggml devices, as `llama_model_params.devices` takes."""
-    return (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
+def model_params(n_gpu_layers: int, handles: Sequence[int], split: Sequence[float] | None = None
+                 ) -> tuple[Any, list[ctypes.Array]]:
+    """llama.cpp's parameters for a model with `n_gpu_layers` on the devices `handles` (none: the
+    CPU alone, even where the build has a GPU), spread over several as `split` says; the weights
+    kept out of the CPU's extra buffer types where the build has AMX (`devices.amx_built`). With
+    the arrays the parameters point into, to keep alive while the model loads."""
+    mparams = lc.llama_model_default_params()
+    mparams.n_gpu_layers = n_gpu_layers
+    mparams.use_extra_bufts = not amx_built()
+    devices = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)  # (NULL-ended)
+    mparams.devices = ctypes.cast(devices, ctypes.c_void_p)
+    keep: list[ctypes.Array] = [devices]
+    if split:
+        shares = (ctypes.c_float * max(len(split), lc.llama_max_devices()))(*split)
+        mparams.tensor_split = shares
+        keep.append(shares)
+    return mparams, keep
 
 
 def plan(path: Path, asked: Offload, n_ctx: int, kv_type: str, cparams_for: Callable[[int], Any], *,
@@ -181,12 +192,18 @@ def plan(path: Path, asked: Offload, n_ctx: int, kv_type: str, cparams_for: Call
     trained = info.context_length or DEFAULT_CTX_CAP
     handles = [d.handle for d in chosen]
     host = _host(found)
+    measured: dict[int, dict[str, int]] = {}  # (compute buffers by context size: a measure loads the model)
+
+    def compute_at(cells: int) -> dict[str, int]:
+        if cells not in measured:
+            measured[cells] = measure_compute(path, handles, cparams_for(cells))
+        return measured[cells]
+
     if n_ctx == CTX_AUTO:
-        n_ctx = _longest_context(info, kv_type, trained, chosen, asked, host,
-                                 measure_compute(path, handles, cparams_for(trained)))
+        n_ctx = _longest_context(info, kv_type, trained, chosen, asked, host, compute_at(trained))
     n_ctx = n_ctx or min(trained, DEFAULT_CTX_CAP)
     layers = layer_sizes(info, n_ctx, kv_type)
-    compute = measure_compute(path, handles, cparams_for(n_ctx))
+    compute = compute_at(n_ctx)
     if not chosen:
         shares = _shares([], layers, 0, None, compute, host)
         return replace(CPU, n_layers=layers.count, shares=shares, n_ctx=n_ctx)
