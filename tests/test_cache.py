@@ -186,3 +186,16 @@ def test_a_cached_beginning_changes_no_word_on_the_bundled_model(quipu, bundled_
         fresh = json.loads(quipu("run", "-m", bundled_model, "--json", "--no-cache", *hot, question).stdout)
         assert first["usage"]["cached_tokens"] == 0 and cached["usage"]["cached_tokens"] > 0
         assert cached["text"] == fresh["text"]
+
+
+def test_show_prompt_s_count_follows_the_prompt_on_one_stream(home, tiny_model):
+    # `quipu run --show-prompt ... 2>&1 | less`: the prompt, then its count on a line of its own.
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ["QUIPU_HOME"] = str(home)
+    for args in (["--raw", "x"], ["-s", SYSTEM, "the sky"]):
+        r = subprocess.run([sys.executable, "-m", "quipu", "run", "-m", str(tiny_model), "--show-prompt", *args],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environ,
+                           timeout=300)
+        lines = r.stdout.decode().splitlines()
+        assert r.returncode == 0 and re.fullmatch(r"\d+ tokens?, 0 of them in the prompt cache", lines[-1]), lines
+        assert not any("of them" in line for line in lines[:-1]), lines

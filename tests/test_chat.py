@@ -127,6 +127,21 @@ def test_piped_chat_prints_one_reply_per_line_and_exits_0(home):
     assert r.stdout.decode() == "".join(reply if reply.endswith("\n") else reply + "\n" for reply in replies)
 
 
+def test_a_piped_chat_without_a_name_keeps_no_session_but_what_it_saves(home, tiny_model):
+    sessions = home / "data" / "sessions"
+    r = run_chat(home, "-m", tiny_model, "-n", "4", input=b"hello\nthe sky\n")
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.strip() and "not kept" in r.stderr.decode() and "-S NAME" in r.stderr.decode()
+    assert list(sessions.glob("*")) == []
+    r = run_chat(home, "-m", tiny_model, "-n", "4", input=b"hello\n/save keepme\nthe sky\n/new\nagain\n")
+    assert r.returncode == 0, r.stderr.decode()
+    assert {p.stem for p in sessions.glob("*")} == {"keepme"}, list(sessions.glob("*"))
+    resumed = run_chat(home, "-m", tiny_model, "-n", "4", "--resume", input=b"more\n")
+    assert resumed.returncode == 0 and "session: keepme" in resumed.stderr.decode(), resumed.stderr.decode()
+    record = json.loads((sessions / "keepme.json").read_text())
+    assert [m["content"] for m in record["messages"] if m["role"] == "user"] == ["hello", "more"]
+
+
 def test_a_full_context_drops_the_oldest_exchanges_and_goes_on(home, tiny_model):
     lines = "".join(f"the sky is blue and the world is hello number {i}\n" for i in range(12)).encode()
     r = run_chat(home, "-m", tiny_model, "--ctx", "256", "-n", "24", "-s", "be kind", "-S", "full", input=lines)
@@ -458,17 +473,24 @@ def test_replies_break_between_words_and_nothing_shows_after_ctrl_c(home):
     child.expect(pexpect.EOF)
 
 
-def test_new_leaves_no_empty_session_behind(home, tiny_model):
+def test_new_leaves_no_empty_session_behind(tmp_path, tiny_model):
     """A session comes to be on disk with its first turn: /new from a chat where nothing was said,
     and a /new never talked in, leave nothing; the one talked in is kept."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
-    env["QUIPU_HOME"] = str(home)
-    r = subprocess.run([sys.executable, "-m", "quipu", "chat", "-m", str(tiny_model), "-n", "3", "-t", "0"],
-                       input=b"/new\n/new\nhi\n/new\n", capture_output=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr.decode()
-    listed = json.loads(subprocess.run([sys.executable, "-m", "quipu", "sessions", "list", "--json"],
-                                       capture_output=True, env=env, timeout=60).stdout)
-    assert [s["turns"] for s in listed] == [1], listed
+    from quipu.app.chat import ChatSession
+    from quipu.app.environment import Environment
+    from quipu.app.turn_options import TurnOptions
+
+    env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
+    term = Terminal(io.StringIO(), io.StringIO(), io.StringIO(), False, False, False, False)
+    chat = ChatSession.open(env, TurnOptions(model=str(tiny_model), max_tokens=3, temperature=0.0))
+    try:
+        repl = Repl(chat, term, env)
+        for line in ("/new", "/new", "hi", "/new"):
+            repl.safely(line)
+        talked_in = [info for info in chat.sessions()]
+    finally:
+        chat.close()
+    assert [info.turns for info in talked_in] == [1], talked_in
 
 
 @pytest.mark.parametrize("columns", [120, 80])

@@ -58,6 +58,8 @@ class ChatSession:
         self.store = store_for(env)
         max_tokens(opts, env)  # a bad value is said before anything is loaded
         self.named: NamedSession | None = None
+        self.kept = True  # whether this session's turns are saved (a piped chat without a name keeps none)
+        self.keep_unnamed = True  # whether a session given a generated name (here or by /new) is kept
         self._stack = ExitStack()
         self.last_stats: Stats | None = None
         self.resumed = False
@@ -74,14 +76,17 @@ class ChatSession:
 
     @classmethod
     def open(cls, env: Environment, opts: TurnOptions, *, name: str | None = None, resume_latest: bool = False,
-             on_progress: ProgressFn | None = None) -> "ChatSession":
-        """The chat on the host the options name (a local model, or `opts.server`)."""
+             keep_unnamed: bool = True, on_progress: ProgressFn | None = None) -> "ChatSession":
+        """The chat on the host the options name (a local model, or `opts.server`); without
+        `keep_unnamed`, a session that was not named (nor resumed) is never written to disk."""
         host = open_host(opts.server)
         chat = None
         try:
             check_options(opts.asked, CHAT, host.capabilities)
             chat = cls(env, opts, host)
-            chat._switch(chat._name_to_open(name, resume_latest), on_progress)
+            chat.keep_unnamed = keep_unnamed
+            chat._switch(chat._name_to_open(name, resume_latest), on_progress,
+                         kept=keep_unnamed or name is not None or resume_latest)
         except BaseException:
             if chat is not None and chat.tools is not None:
                 chat.tools.close()
@@ -98,7 +103,8 @@ class ChatSession:
             return infos[0].name
         return name or generate_name(set(self.store.names()))
 
-    def _switch(self, name: str, on_progress: ProgressFn | None = None, opts: TurnOptions | None = None) -> None:
+    def _switch(self, name: str, on_progress: ProgressFn | None = None, opts: TurnOptions | None = None, *,
+                kept: bool = True) -> None:
         validate_name(name)
         stack = ExitStack()
         try:
@@ -119,9 +125,13 @@ class ChatSession:
         self._stack, self.named = stack, named
         self.attached, self._marks = [], ""  # (what waited was made ready in the context left)
         self.resumed = resumed
+        self.kept = kept
         self.last_stats = None
 
     def _release(self) -> None:
+        if self.named is not None and not self.kept and self.store.exists(self.name):  # (written for a /save)
+            self.named.flush()
+            self.store.drop_locked(self.name)
         self._stack.close()
         self.named = None
 
@@ -314,7 +324,7 @@ class ChatSession:
         opts = TurnOptions(**{**self.opts.__dict__, "system": system or "", "model": model})
         name = generate_name(set(self.store.names()))
         self._leave()
-        self._switch(name, on_progress, opts)
+        self._switch(name, on_progress, opts, kept=self.keep_unnamed)
         return name
 
     def _leave(self) -> None:
@@ -362,7 +372,8 @@ class ChatSession:
     # ---- saving and switching -------------------------------------------------------------------
 
     def save(self) -> None:
-        self._named.save()
+        if self.kept:
+            self._named.save()
 
     def save_as(self, name: str) -> None:
         """Saves a copy of this session under `name`; this one stays open."""
@@ -372,9 +383,9 @@ class ChatSession:
             return
         if self.store.exists(name):
             raise UsageError(f"a session named '{name}' exists already")
-        self.save()
+        self._named.save()
         self._named.flush()  # (the copy is of the state on disk)
-        self.store.fork(self.name, name, src_locked=True)
+        self.store.fork(self.name, name, src_locked=True)  # (the copy is kept; an unkept one goes when left)
 
     def load(self, name: str, on_progress: ProgressFn | None = None) -> None:
         if name == self.name:

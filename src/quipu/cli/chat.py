@@ -59,7 +59,9 @@ def chat(env, **given) -> int:
         pull_if_needed(env, opts.model, term)
     progress = PrefillProgress(term, "restoring the conversation")
     try:
-        chat_ = ChatSession.open(env, opts, name=opts.session, resume_latest=resume, on_progress=progress)
+        # A chat read from a pipe is a script's: it keeps a session only when one is named.
+        chat_ = ChatSession.open(env, opts, name=opts.session, resume_latest=resume, keep_unnamed=term.stdin_tty,
+                                 on_progress=progress)
     finally:
         progress.close()
     try:

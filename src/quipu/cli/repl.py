@@ -468,7 +468,8 @@ class Repl:
 
     def piped(self) -> int:
         """One message per line of stdin, each reply printed; no prompt, no escape codes."""
-        self.say(f"session: {self.chat.name}")
+        self.say(f"session: {self.chat.name}" if self.chat.kept else
+                 "this chat is not kept (a piped chat keeps a session when named: -S NAME)")
         self.show_notices()
         warned = False
         for raw in self._stdin_lines():

@@ -189,10 +189,10 @@ def show_prompt(text, opts, env, term: Terminal, as_json: bool) -> int:
         term.stdout.write(json.dumps(view.to_json(), ensure_ascii=False) + "\n")
     else:
         term.stdout.write(view.text if view.text.endswith("\n") else view.text + "\n")
-        if view.session is not None:
-            term.stderr.write(f"{len(view.tokens)} tokens, {view.reused} of them already in session '{view.session}'\n")
-        else:
-            term.stderr.write(f"{len(view.tokens)} tokens, {view.reused} of them in the prompt cache\n")
+        term.stdout.flush()  # (the count comes after the prompt where both reach one screen or file)
+        count = f"{len(view.tokens)} token{'' if len(view.tokens) == 1 else 's'}"
+        where = f"already in session '{view.session}'" if view.session is not None else "in the prompt cache"
+        term.stderr.write(f"{count}, {view.reused} of them {where}\n")
     term.stdout.flush()
     return ExitCode.OK
 

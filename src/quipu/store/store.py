@@ -219,10 +219,14 @@ class SessionStore:
         if not self.exists(name):
             raise SessionNotFound(f"no session named '{name}'")
         with self.lock(name):
-            self.state_path(name).unlink(missing_ok=True)
-            self.log_path(name).unlink(missing_ok=True)
-            self.transcript_path(name).unlink(missing_ok=True)
-            self.lock_path(name).unlink(missing_ok=True)  # while held: see `lock`
+            self.drop_locked(name)
+
+    def drop_locked(self, name: str) -> None:
+        """Removes a session whose lock the caller holds."""
+        self.state_path(name).unlink(missing_ok=True)
+        self.log_path(name).unlink(missing_ok=True)
+        self.transcript_path(name).unlink(missing_ok=True)
+        self.lock_path(name).unlink(missing_ok=True)  # while held: see `lock`
 
     def rename(self, old: str, new: str) -> None:
         self._copy_or_move(old, new, move=True)
