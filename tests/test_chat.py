@@ -423,8 +423,11 @@ def test_think_sets_a_reasoning_effort_and_budget_that_the_session_keeps(tmp_pat
         repl.safely("/think high")
         repl.safely("/think budget 64")
         assert chat.reasoning == ("high", 64)
-        repl.safely("/think budget lots")
-        assert "usage: /think" in err.getvalue()
+        for bad in ("lots", "²", "9" * 5000):
+            repl.safely(f"/think budget {bad}")
+        said = err.getvalue().splitlines()[2:]
+        assert len(said) == 3 and all("budget takes a number of tokens" in line and len(line) < 200 for line in said)
+        assert "unexpected" not in err.getvalue() and chat.reasoning == ("high", 64)
     finally:
         chat.close()
     chat = ChatSession.open(env, TurnOptions(model=str(tiny_model)), name="oss")  # resumed

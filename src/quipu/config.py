@@ -67,6 +67,8 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
         raise ConfigError(f"{path}: the config file is not UTF-8 text") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
+    except ValueError as exc:  # (a number of thousands of digits: Python's limit on reading one)
+        raise ConfigError(f"{path}: a number in it is too long to read ({str(exc).split(';')[0]})") from exc
 
     config = Config(path=path, text=text)
     fail = config.error

@@ -71,7 +71,8 @@ class GGUFInfo:
     @property
     def context_length(self) -> int | None:
         value = self.metadata.get(f"{self.architecture}.context_length")
-        return int(value) if isinstance(value, int) else None
+        # (llama.cpp reads it as a 32-bit signed number: past that it is no length it can use)
+        return int(value) if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**31 else None
 
     @property
     def quantization(self) -> str:

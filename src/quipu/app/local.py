@@ -30,6 +30,8 @@ from quipu.store.cache import PromptCache
 from quipu.store.media import MediaStore
 from quipu.engine.base import (
     KV_TYPES,
+    MAX_CTX,
+    MIN_CTX,
     Backend,
     ContextSettings,
     ProgressFn,
@@ -183,6 +185,11 @@ class LocalHost:
             raise SnapshotError(f"session '{name}' is damaged: its KV cache type '{saved_ctx['kv_type']}' is not one "
                                 f"quipu knows ({', '.join(KV_TYPES)}); {store.transcript_path(name)} was left as it "
                                 "is (--kv-type continues it with another)")
+        if not ((saved_ctx["n_ctx"] == 0 or MIN_CTX <= saved_ctx["n_ctx"] <= MAX_CTX)
+                and 1 <= saved_ctx["n_batch"] <= MAX_CTX):
+            raise SnapshotError(f"session '{name}' is damaged: its context of {saved_ctx['n_ctx']} tokens (in steps of "
+                                f"{saved_ctx['n_batch']}) is none llama.cpp can make; {store.transcript_path(name)} "
+                                "was left as it is")
         given = given_projector(opts.mmproj)
         where = offload(opts, env)
         model_name, model_path, model_fp = self._resume_model(name, record.model, opts, env)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from quipu.engine.base import CTX_AUTO, AUTO, Backend, ContextSettings, Offload, parse_ctx, parse_layers, parse_size
+from quipu.engine.base import (CTX_AUTO, AUTO, Backend, ContextSettings, Offload, check_context_bounds, parse_ctx,
+                               parse_layers, parse_size)
 from quipu.errors import TemplateError, UsageError
 from quipu.sessions.base import LOCAL, Capabilities
 from quipu.sessions.params import SamplingParams
@@ -253,6 +254,7 @@ def context_settings(opts: TurnOptions, env: Environment) -> ContextSettings:
     if ctx != CTX_AUTO:
         check_positive("--ctx", ctx)
     check_positive("--threads", threads)
+    check_context_bounds(ctx, threads)
     return ContextSettings(n_ctx=ctx or 0, n_threads=threads or 0, kv_type=opts.kv_type or "f16",
                            flash_attn=opts.flash_attn or "auto")
 

@@ -145,11 +145,12 @@ def _think(repl: "Repl", arg: str) -> None:
     elif word in ("low", "medium", "high"):
         repl.chat.set_reasoning(effort=word)
         repl.say(f"reasoning effort {word} for the next replies")
-    elif word.split()[:1] == ["budget"] and len(word.split()) == 2 and \
-            (word.split()[1] == "off" or word.split()[1].isdigit()):
+    elif word.split()[:1] == ["budget"] and len(word.split()) == 2:
         count = word.split()[1]
+        if count != "off" and not (count.isascii() and count.isdigit() and len(count) <= 9):
+            raise UsageError(f"/think budget takes a number of tokens (below a billion) or off, not '{count[:20]}'")
         repl.chat.set_reasoning(budget=-1 if count == "off" else int(count))
-        repl.say("no reasoning budget" if count == "off" else f"at most {count} tokens of reasoning a reply")
+        repl.say("no reasoning budget" if count == "off" else f"at most {int(count)} tokens of reasoning a reply")
     else:
         raise UsageError(f"usage: /think [{THINK_WORDS}]")
 

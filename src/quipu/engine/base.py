@@ -36,6 +36,23 @@ DEFAULT_CTX_CAP = 4096
 # `--ctx auto`: the longest context, up to the model's training length, that memory takes with the
 # layers asked for (on the GPU, all of them where that is asked or fits); never below DEFAULT_CTX_CAP.
 CTX_AUTO = -1
+# The bounds llama.cpp holds without asserting: a context of a few cells cannot hold the two
+# sequences quipu keeps in it (and a chat template's turn is longer), positions are 32-bit signed,
+# and ggml starts at most GGML_MAX_N_THREADS threads (more crash it).
+MIN_CTX = 16
+MAX_CTX = 2**31 - 256
+MAX_THREADS = 512
+
+
+def check_context_bounds(n_ctx: int | None, n_threads: int | None, where: str = "--ctx") -> None:
+    """Refuses, in one line, a context size or thread count llama.cpp would abort or crash on
+    (whatever gave it: a flag, the config, the environment, a session)."""
+    if n_ctx is not None and n_ctx != CTX_AUTO and not MIN_CTX <= n_ctx <= MAX_CTX:
+        raise UsageError(f"{where} must be {'at least ' + str(MIN_CTX) if n_ctx < MIN_CTX else 'at most ' + str(MAX_CTX)} "
+                         f"tokens, got {n_ctx}")
+    if n_threads is not None and not 1 <= n_threads <= MAX_THREADS:
+        raise UsageError(f"--threads must be {'more than 0' if n_threads < 1 else f'at most {MAX_THREADS}'} "
+                         f"(llama.cpp's limit), got {n_threads}")
 
 
 def parse_ctx(text: str | int, where: str = "--ctx") -> int:
@@ -44,12 +61,13 @@ def parse_ctx(text: str | int, where: str = "--ctx") -> int:
         value = text
     elif isinstance(text, str) and text.strip().lower() == "auto":
         return CTX_AUTO
-    elif isinstance(text, str) and text.strip().isascii() and text.strip().isdigit() and len(text.strip()) < 10:
+    elif isinstance(text, str) and text.strip().isascii() and text.strip().isdigit() and len(text.strip()) < 20:
         value = int(text)
     else:
         raise UsageError(f"{where} takes a number of tokens or auto, not '{text}'")
     if value <= 0:
         raise UsageError(f"{where} must be more than 0, got {value}")
+    check_context_bounds(value, None, where)
     return value
 
 

@@ -93,10 +93,38 @@ def devices() -> list[Device]:
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
         g.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         reg = g.ggml_backend_dev_backend_reg(dev)
-        found.append(Device(_text(g.ggml_backend_dev_name(dev)), _text(g.ggml_backend_dev_description(dev)),
-                            _KINDS.get(g.ggml_backend_dev_type(dev), "other"),
-                            _text(g.ggml_backend_reg_name(reg)) if reg else "", free.value, total.value, dev))
+        kind = _KINDS.get(g.ggml_backend_dev_type(dev), "other")
+        # (ggml says the host's whole memory is free: what the system and this process's cgroup
+        # still let it take is what a context can be made of)
+        room = host_available() if kind == "cpu" else None
+        found.append(Device(_text(g.ggml_backend_dev_name(dev)), _text(g.ggml_backend_dev_description(dev)), kind,
+                            _text(g.ggml_backend_reg_name(reg)) if reg else "",
+                            min(free.value, room) if room is not None else free.value, total.value, dev))
     return found
+
+
+def host_available() -> int | None:
+    """The memory the host can still give this process without swapping, where the system says
+    it (Linux: MemAvailable, and a cgroup's limit less its use); None elsewhere."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        room = int(fields[b"MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+    try:
+        with open("/proc/self/cgroup", "rb") as f:
+            group = next((line.split(b"::", 1)[1].strip() for line in f if line.startswith(b"0::")), None)
+        if group is not None:
+            base = "/sys/fs/cgroup" + group.decode("utf-8", "replace")
+            with open(base + "/memory.max", "rb") as f:
+                limit = f.read().strip()
+            if limit != b"max":
+                with open(base + "/memory.current", "rb") as f:
+                    room = min(room, max(0, int(limit) - int(f.read().strip())))
+    except (OSError, ValueError):
+        pass
+    return room
 
 
 def offload_devices(found: list[Device] | None = None) -> list[Device]:

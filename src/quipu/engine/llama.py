@@ -25,6 +25,7 @@ from quipu.engine.base import (
     Placement,
     ProgressFn,
     off_device,
+    check_context_bounds,
     available_cpus,
 )
 from quipu.engine.embeddings import Embeddings
@@ -34,7 +35,7 @@ from quipu.engine.llama_state import StateBytes
 from quipu.engine.logs import LOG
 from quipu.engine.model import LlamaModel, check_gguf
 from quipu.engine.devices import no_gpu_reason, supports_offload
-from quipu.engine.placement import plan
+from quipu.engine.placement import check_host_room, plan
 from quipu.errors import EngineError, InvalidParameter, ModelLoadError, UsageError
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ _FLASH_ATTN_TYPES = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH
 def context_params(context: ContextSettings, n_ctx: int):
     """llama.cpp's parameters for a context of `n_ctx` cells with `context`'s settings."""
     n_threads = context.n_threads or available_cpus()
+    check_context_bounds(n_ctx, n_threads, "the context")  # (a session's or a config's, checked where they are read too)
     n_batch = max(1, min(context.n_batch, n_ctx))
     n_seq = max(1, context.n_seq)
     cparams = lc.llama_context_default_params()
@@ -132,6 +134,8 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         n_ctx = context.n_ctx or min(self.model.n_ctx_train or DEFAULT_CTX_CAP, DEFAULT_CTX_CAP)
         cparams = context_params(context, n_ctx)
         n_threads, n_batch, n_seq = cparams.n_threads, cparams.n_batch, max(1, context.n_seq)
+        if n_ctx > DEFAULT_CTX_CAP:  # (a usual context is far smaller than any machine's memory)
+            check_host_room(self.model.path, n_ctx, context.kv_type, self.model.placement.gpu_layers)
         LOG.clear_errors()
         ctx = lc.llama_init_from_model(self.model.ptr, cparams)
         if not ctx:

@@ -92,7 +92,8 @@ class LlamaModel:
         self._refs = 0
         self.vocab = lc.llama_model_get_vocab(model)
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
-        self.n_ctx_train = lc.llama_model_n_ctx_train(model)
+        # (a file's length that does not fit llama.cpp's 32-bit signed field reads negative: unknown)
+        self.n_ctx_train = max(0, lc.llama_model_n_ctx_train(model))
         self.n_swa = lc.llama_model_n_swa(model)  # (0: no layer attends through a sliding window)
         self._pieces: dict[int, bytes] = {}
         self._max_token_bytes: int | None = None

@@ -233,6 +233,20 @@ def plan(path: Path, asked: Offload, n_ctx: int, kv_type: str, cparams_for: Call
                      tuple(handles), split)
 
 
+def check_host_room(path: Path, n_ctx: int, kv_type: str, gpu_layers: int) -> None:
+    """Refuses, before it is made, a context whose cache on the host is more than the host's
+    free memory can hold (llama.cpp would fill it, clearing the cache, until the system kills
+    the process)."""
+    host = _host(devices())
+    if host is None or not host.free:
+        return
+    layers = layer_sizes(read_table(path), n_ctx, kv_type)
+    need = (len(layers.weights) - layers.blocks_on(gpu_layers)) * layers.cache
+    if need > host.free:
+        raise UsageError(f"a context of {n_ctx} tokens needs {human_bytes(need)} of cache in memory, and this machine "
+                         f"has {human_bytes(host.free)} free; give a smaller --ctx (--ctx auto: the longest that fits)")
+
+
 def _budgets(chosen: list[Device], asked: Offload, compute: dict[str, int]) -> list[int]:
     """What each device has for layers: its free memory less the margin (at most --gpu-memory),
     less its compute buffers."""

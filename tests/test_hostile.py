@@ -1,0 +1,92 @@
+"""Values that llama.cpp trusts, given to quipu from every side (flags, the config, a session, a
+model's own metadata): each bounded where llama.cpp would assert, crash or fill the memory, and
+refused in one line. Each case runs in a subprocess under a memory limit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from limits import memory_limited
+from tinymodel import write_tiny_gguf
+
+
+def run_limited(home, *args, stdin: bytes | None = None, timeout=120):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ["QUIPU_HOME"] = str(home)
+    return subprocess.run([sys.executable, "-m", "quipu", *map(str, args)], capture_output=True, env=environ,
+                          input=stdin, stdin=None if stdin is not None else subprocess.DEVNULL, timeout=timeout,
+                          preexec_fn=memory_limited)
+
+
+def one_line(r, code: int) -> str:
+    """The error, asserted to be one `quipu: error:` line with exit `code`, no crash, no traceback."""
+    err = r.stderr.decode()
+    assert r.returncode == code and r.returncode not in (-signal.SIGSEGV, -signal.SIGABRT, -signal.SIGKILL), err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("quipu: error:")]
+    assert "Traceback" not in err and len(lines) == 1, err[-2000:]
+    return lines[0]
+
+
+def write_config(home, text: str) -> None:
+    path = home / "config" / "config.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--ctx", "1"], "--ctx must be at least 16 tokens"),
+    (["--ctx", "4294967297"], "--ctx must be at most"),        # past 2^32: once wrapped to a tiny context
+    (["--ctx", "300000000"], "of cache in memory"),            # more than any test machine holds
+    (["--threads", "100000"], "--threads must be at most 512"),  # (crashed in ggml's thread pool)
+    (["--threads", "513"], "--threads must be at most 512"),
+])
+def test_context_and_threads_that_llama_cpp_cannot_take_are_one_line(home, tiny_model, args, said):
+    assert said in one_line(run_limited(home, "run", "-m", tiny_model, "-n", "2", *args, "hi"), 2)
+
+
+@pytest.mark.parametrize("config, said", [
+    ("[generation]\nctx = 1\n", "ctx must be at least 16"),
+    ("[generation]\nctx = 4294967297\n", "ctx must be at most"),
+    ("[generation]\nctx = 300000000\n", "of cache in memory"),
+    ("[generation]\nthreads = 100000\n", "must be at most 512"),
+    ("[generation]\nctx = " + "9" * 5000 + "\n", "a number in it is too long to read"),
+    ("[generation]\ntemperature = 0." + "1" * 5000 + "\n", None),  # (a long fraction reads fine)
+])
+def test_the_same_values_from_the_config_are_one_line_too(home, tiny_model, config, said):
+    write_config(home, config)
+    r = run_limited(home, "run", "-m", tiny_model, "-n", "2", "hi")
+    if said is None:
+        assert r.returncode == 0, r.stderr.decode()[-2000:]
+    else:
+        assert said in one_line(r, 2)
+    chat = run_limited(home, "chat", "-m", tiny_model, "-n", "2", stdin=b"hi\n")
+    if said is not None:
+        assert said in one_line(chat, 2)
+
+
+def test_a_model_whose_context_length_does_not_fit_32_bits_runs_on_the_default(home, tmp_path):
+    model = write_tiny_gguf(tmp_path / "long.gguf", n_ctx_train=2**31 + 5)
+    r = run_limited(home, "run", "-m", model, "-n", "2", "--json", "hi")
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert json.loads(r.stdout)["finish_reason"] == "length"
+    shown = run_limited(home, "models", "info", model, "--json")
+    assert shown.returncode == 0 and json.loads(shown.stdout)["context_length"] is None, shown.stderr.decode()
+
+
+@pytest.mark.parametrize("n_ctx, n_batch", [(1, 1), (2**40, 256), (4096, 0)])
+def test_a_session_with_an_impossible_context_is_said_to_be_damaged(home, tiny_model, n_ctx, n_batch):
+    r = run_limited(home, "run", "-m", tiny_model, "-S", "s", "-n", "2", "hi")
+    assert r.returncode == 0, r.stderr.decode()
+    path = home / "data" / "sessions" / "s.json"
+    record = json.loads(path.read_text())
+    record["context"].update(n_ctx=n_ctx, n_batch=n_batch)
+    path.write_text(json.dumps(record))
+    line = one_line(run_limited(home, "run", "-m", tiny_model, "-S", "s", "-n", "2", "again"), 1)
+    assert "session 's' is damaged" in line and "left as it is" in line
+    assert json.loads(path.read_text()) == record  # nothing was lost
