@@ -90,3 +90,33 @@ def test_a_session_with_an_impossible_context_is_said_to_be_damaged(home, tiny_m
     line = one_line(run_limited(home, "run", "-m", tiny_model, "-S", "s", "-n", "2", "again"), 1)
     assert "session 's' is damaged" in line and "left as it is" in line
     assert json.loads(path.read_text()) == record  # nothing was lost
+
+
+# ---- names from outside quipu reach the terminal escaped ------------------------------------
+
+UNSAFE = ("\x1b", "\x9b", "\x7f", "\u202e", "\u2066", "\u200f")
+
+
+def test_a_model_s_metadata_and_file_name_are_shown_escaped(home, tmp_path):
+    folder = tmp_path / "odd"
+    folder.mkdir()
+    model = write_tiny_gguf(folder / "m\x1b[2J\u202eevil.gguf", architecture="ar\x9bch\u2066")
+    for args in (["models", "info", model], ["models", "info", "--template", model]):
+        r = run_limited(home, *args)
+        out = r.stdout.decode()
+        assert r.returncode == 0 and not any(c in out for c in UNSAFE), out
+        assert "\\x1b[2J\\u202eevil" in out and "ar\\x9bch\\u2066" in out
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ.update(QUIPU_HOME=str(home))
+    r = subprocess.run([sys.executable, "-m", "quipu", "run", "-m", str(folder / "none\x1b]0;x\x07.gguf"), "hi"],
+                       capture_output=True, env=environ, stdin=subprocess.DEVNULL, timeout=120)
+    err = r.stderr.decode()
+    assert r.returncode != 0 and not any(c in err for c in (*UNSAFE, "\x07")) and "\\x1b]0;x\\x07" in err, err
+
+
+@pytest.mark.parametrize("name", ["two\nlines", "esc\x1b[31m", "c1\x9b", "bidi\u202eflip", " padded", "tab\tbed",
+                                  "x" * 129])
+def test_models_add_refuses_a_name_a_terminal_would_act_on(home, tiny_model, name):
+    line = one_line(run_limited(home, "models", "add", tiny_model, "--name", name), 2)
+    assert "bad model name" in line and not any(c in line for c in (*UNSAFE, "\n"))
+    assert not (home / "data" / "models").exists() or not list((home / "data" / "models").iterdir())

@@ -304,7 +304,10 @@ def test_the_default_pick_and_the_nearest():
 # ---- what a listing and its headers may not do ----------------------------------------------------
 
 @pytest.mark.parametrize("name", ["ABSOLUTE", "sub/../../x-Q4_K_M.gguf", "a\\b-Q4_K_M.gguf", "C:x-Q4_K_M.gguf",
-                                  "a//x-Q4_K_M.gguf", "./x-Q4_K_M.gguf"])
+                                  "a//x-Q4_K_M.gguf", "./x-Q4_K_M.gguf",
+                                  # what a terminal acts on, or reads backwards: C1, DEL, bidirectional overrides
+                                  "x\x9b2J-Q4_K_M.gguf", "x\x7f-Q4_K_M.gguf", "fuf\u202egg.Q4_K_M.gguf",
+                                  "x\u2066-Q4_K_M.gguf", "x\u200f-Q4_K_M.gguf"])
 def test_a_listing_that_names_a_path_outside_the_repository_is_refused(quipu, hub, hub_env, files, tmp_path, name):
     outside = tmp_path / "outside" / "x-Q4_K_M.gguf"
     if name == "ABSOLUTE":
@@ -314,7 +317,7 @@ def test_a_listing_that_names_a_path_outside_the_repository_is_refused(quipu, hu
     assert r.returncode == 1, r.stderr.decode()
     err = r.stderr.decode().strip()
     assert "evil/Evil-GGUF" in err and "not a path inside the repository" in err
-    assert len(err.splitlines()) == 1
+    assert len(err.splitlines()) == 1 and err.isascii(), err  # (the name is shown escaped)
     assert not outside.exists() and not outside.parent.exists()
     assert hub.ranges == []  # nothing was fetched
 

@@ -214,8 +214,12 @@ def add_model(path: Path, models_dir: Path, name: str | None = None) -> ModelEnt
     except GGUFError as exc:
         raise UsageError(f"{path} is not a usable GGUF model: {exc}") from None
     name = name or path.stem
-    if not name or "/" in name or name.startswith("."):
-        raise UsageError(f"bad model name '{name}'")
+    from quipu.shown import has_unsafe, shown
+
+    if (not name or len(name) > 128 or name.strip() != name or "/" in name or "\\" in name or name.startswith(".")
+            or has_unsafe(name) or "\t" in name):
+        raise UsageError(f"bad model name '{shown(name[:128])}': a name is up to 128 characters on one line, "
+                         "without control characters, '/', '\\', a leading '.' or spaces at its ends")
     from quipu.paths import private_dir
 
     private_dir(models_dir, levels=2)

@@ -31,6 +31,7 @@ from typing import Callable, Iterator
 from quipu.errors import QuipuError, UsageError
 from quipu.models import is_projector
 from quipu.paths import private_dir
+from quipu.shown import has_unsafe
 from quipu.store.pulled import PulledModel, PulledRecord
 from quipu.store.store import atomic_write, flock_until
 
@@ -202,9 +203,10 @@ DISK_MARGIN = 16 << 20  # bytes a pull leaves free beyond what it fetches
 
 def repository_path(path: object, repo: str) -> str:
     """`path` from the Hub's listing of `repo`, when it is a relative POSIX path inside the
-    repository (no absolute path, `..`, backslash, NUL or drive letter); else a HubError."""
+    repository (no absolute path, `..`, backslash, NUL or drive letter) with nothing a terminal
+    would act on (`quipu.shown`); else a HubError."""
     if (not isinstance(path, str) or not path or len(path) > 1024 or path.startswith("/") or "\\" in path
-            or "\0" in path or re.match(r"[A-Za-z]:", path) or any(ord(c) < 32 for c in path)
+            or "\0" in path or re.match(r"[A-Za-z]:", path) or has_unsafe(path)
             or any(part in ("", ".", "..") for part in path.split("/"))):
         shown = repr(path)[:120]
         raise HubError(f"'{repo}' lists a file named {shown}, which is not a path inside the repository; "

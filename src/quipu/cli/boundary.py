@@ -10,7 +10,9 @@ from quipu.errors import ExitCode, Interrupted, QuipuError, came_of_interrupt
 
 
 def error_line(message: str) -> None:
-    sys.stderr.write(f"quipu: error: {message}\n")
+    from quipu.shown import shown
+
+    sys.stderr.write(f"quipu: error: {shown(message, lines=True)}\n")  # (it may name what came from outside)
     sys.stderr.flush()
 
 

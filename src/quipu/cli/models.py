@@ -13,6 +13,7 @@ from quipu.cli.spec import complete_model
 from quipu.cli.terminal import human_size
 from quipu.cli.terminal import Terminal
 from quipu.errors import UsageError
+from quipu.shown import shown
 
 app = typer.Typer(rich_markup_mode=None, help="Find and inspect models.", no_args_is_help=True)
 
@@ -45,7 +46,7 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
             term.stdout.write(json.dumps(served, indent=1) + "\n")
         else:
             for m in served:
-                term.stdout.write(f"{m['name']}\n")
+                term.stdout.write(f"{shown(str(m['name']))}\n")  # (a server's names, escaped)
         return
     rows = [describe(e) for e in discover(env.dirs.models, env.environ, env.config.models)]
     from quipu.app.hub import pulled_paths
@@ -59,13 +60,14 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
         return
     table = Table("name", "size", "quant", "arch", "params", "context", "kind", "takes", "from", box=None,
                   pad_edge=False)
-    for r in rows:
+    for r in rows:  # (names and metadata from files: shown escaped)
         if "error" in r:
-            table.add_row(r["name"], "", "", "", "", "", "", "", f"{r['source']} (unreadable: {r['error']})")
+            table.add_row(shown(r["name"]), "", "", "", "", "", "", "", shown(f"{r['source']} (unreadable: {r['error']})"))
             continue
-        table.add_row(r["name"], human_size(r["size_bytes"]), r["quantization"], r["architecture"], r["parameters"],
-                      str(r["context_length"] or "?"), "base" if r["base"] else "chat",
-                      ", ".join(["text", *(SENSE_WORDS[m] for m in r["media"])]), r["source"])
+        table.add_row(shown(r["name"]), human_size(r["size_bytes"]), shown(r["quantization"]),
+                      shown(r["architecture"]), shown(r["parameters"]), str(r["context_length"] or "?"),
+                      "base" if r["base"] else "chat", ", ".join(["text", *(SENSE_WORDS[m] for m in r["media"])]),
+                      shown(r["source"]))
     Console(file=term.stdout, no_color=not term.color, highlight=False, width=None if term.stdout_tty else 400).print(table)
 
 
@@ -114,7 +116,7 @@ def info(
     if template and data["chat_template"]:
         head = data["chat_template"].splitlines()[:12]
         lines += ["", *head]
-    term.stdout.write("\n".join(lines) + "\n")
+    term.stdout.write("\n".join(shown(line) for line in lines) + "\n")  # (a file's metadata, escaped)
 
 
 @app.command()

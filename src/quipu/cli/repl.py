@@ -11,6 +11,7 @@ from typing import Callable
 from quipu.cli.render import MarkdownRenderer, PlainRenderer
 from quipu.cli.terminal import HeldKeys, PrefillProgress, StopOnCtrlC, Terminal
 from quipu.errors import Ended, ExitCode, Interrupted, QuipuError, UsageError
+from quipu.shown import shown
 
 PROMPT = "› "
 
@@ -447,7 +448,7 @@ class Repl:
             self.error(f"unexpected {type(exc).__name__}: {exc} (QUIPU_DEBUG=1 shows where)")
 
     def error(self, message: str) -> None:
-        self.term.stderr.write(f"quipu: error: {message}\n")
+        self.term.stderr.write(f"quipu: error: {shown(message, lines=True)}\n")
         self.term.stderr.flush()
 
     # ---- loops -----------------------------------------------------------------------------

@@ -63,7 +63,9 @@ class Terminal:
             pass  # not a real file (tests, embedding): nothing is waiting on it
 
     def warn(self, message: str) -> None:
-        self.stderr.write(f"quipu: warning: {message}\n")
+        from quipu.shown import shown
+
+        self.stderr.write(f"quipu: warning: {shown(message, lines=True)}\n")
         self.stderr.flush()
 
 
