@@ -216,6 +216,27 @@ def test_chat_attach_gives_the_next_message_its_files_and_lists_what_waits(home,
     assert users == ['<file name="n.txt">\nthe code is 4417\n</file>\n\nWhat is the code?', "And now?"]
 
 
+def test_a_file_waiting_in_a_chat_never_sticks(home, tiny_model, tmp_path):
+    """What waits for the next message is dropped by /attach off and by /reset, and with a
+    message it makes too long to ever fit: the next short message goes alone."""
+    (tmp_path / "big.txt").write_text(" ".join(f"word{i}" for i in range(400)))
+    (tmp_path / "n.txt").write_text("the code is 4417\n")
+    big, small = tmp_path / "big.txt", tmp_path / "n.txt"
+    lines = (f"/attach {big}\nhello\nthe sky\n/attach {small}\n/attach off\n/attach\nblue\n"
+             f"/attach {small}\n/reset\ngreen\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    env["QUIPU_HOME"] = str(home)
+    r = subprocess.run([sys.executable, "-m", "quipu", "chat", "-m", tiny_model, "-n", "2", "--ctx", "256", "-S", "s"],
+                       input=lines.encode(), capture_output=True, env=env, timeout=300)
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "Traceback" not in err, err
+    refusals = [line for line in err.splitlines() if "cannot fit" in line]
+    assert len(refusals) == 1 and "big.txt was dropped with it" in refusals[0], err
+    assert "dropped n.txt; your next message carries no file" in err and "nothing is attached" in err
+    record = json.loads((home / "data" / "sessions" / "s.json").read_text())
+    assert [m["content"] for m in record["messages"] if m["role"] == "user"] == ["green"]  # (after /reset)
+
+
 # ---- by URL --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -120,3 +120,26 @@ def test_models_add_refuses_a_name_a_terminal_would_act_on(home, tiny_model, nam
     line = one_line(run_limited(home, "models", "add", tiny_model, "--name", name), 2)
     assert "bad model name" in line and not any(c in line for c in (*UNSAFE, "\n"))
     assert not (home / "data" / "models").exists() or not list((home / "data" / "models").iterdir())
+
+
+# ---- --raw honours or refuses, in one line ----------------------------------------------------
+
+@pytest.mark.parametrize("args, named", [
+    (["-s", "be brief"], "--system"),
+    (["--no-think"], "--think/--no-think"),
+    (["--reasoning-effort", "high"], "--reasoning-effort"),
+    (["--reasoning-budget", "8"], "--reasoning-budget"),
+    (["--tool-choice", "required"], "--tool-choice"),
+    (["--batch", "-", "-s", "x"], "--system"),
+])
+def test_raw_refuses_what_only_a_chat_template_gives(home, tiny_model, args, named):
+    r = run_limited(home, "run", "-m", tiny_model, "--raw", "-n", "2", *args, *([] if "--batch" in args else ["hi"]),
+                    stdin=b"row\n" if "--batch" in args else None)
+    line = one_line(r, 2)
+    assert f"{named} cannot be used with --raw" in line and r.stdout == b""
+
+
+def test_raw_still_takes_what_it_can_honour(home, tiny_model):
+    r = run_limited(home, "run", "-m", tiny_model, "--raw", "-n", "3", "-s", "", "--regex", "[ab]+", "--json", "hi")
+    assert r.returncode == 0, r.stderr.decode()
+    assert set(json.loads(r.stdout)["text"]) <= {"a", "b"}

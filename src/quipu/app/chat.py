@@ -218,8 +218,18 @@ class ChatSession:
             from quipu.app.turns import compose
 
             text = compose(conv, text, split_media(self.attached)[0], self._marks) or ""
-        self._named.warm(text)
-        outcome = self._turn(lambda **kw: conv.send(text, **kw), sink, message=text)
+        try:
+            try:
+                self._named.warm(text)
+            except ContextOverflow as exc:  # (the first message, with nothing before it to drop)
+                self._refuse_if_it_never_fits(text, exc)
+            outcome = self._turn(lambda **kw: conv.send(text, **kw), sink, message=text)
+        except UsageError as exc:  # it can never fit: what it carried is not left waiting for the next one
+            if not self.attached:
+                raise
+            dropped = self.drop_attached()
+            raise UsageError(f"{exc}; {', '.join(dropped)} {'was' if len(dropped) == 1 else 'were'} dropped with it "
+                             "(/attach gives a file again)") from None
         if not (outcome.context_full and not outcome.generation.tokens):
             self.attached, self._marks = [], ""
         elif self.attached:  # (not sent: they wait for it again, its documents not yet given)
@@ -240,6 +250,13 @@ class ChatSession:
             self._marks += named.keeper.take_media(named.session, self.store, [found])
         self.attached.append(found)
         return found
+
+    def drop_attached(self) -> list[str]:
+        """Forgets the files waiting for the next message (an image made ready in the context is
+        left unused there); returns their names."""
+        names = [a.name for a in self.attached]
+        self.attached, self._marks = [], ""
+        return names
 
     def retry(self, sink: ReplySink = SILENT) -> TurnOutcome:
         return self._turn(self._named.conversation.retry, sink)
@@ -296,6 +313,7 @@ class ChatSession:
 
     def reset(self) -> None:
         self._named.conversation.reset()
+        self.drop_attached()
         self.save()
 
     def set_system(self, text: str | None) -> None:

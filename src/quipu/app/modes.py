@@ -25,6 +25,9 @@ FROM_MESSAGES = Mode("--messages (a conversation of its own)", frozenset({"sessi
                                                                          "tool_results"}))
 SESSION = Mode("--session (a session is a conversation)", frozenset({"raw"}))
 CHAT = Mode("a chat (it is a session)", frozenset({"raw", "messages", "continue", "tool_results"}))
+# --raw is no mode of its own but refuses as one: what only a chat template gives a prompt.
+RAW = Mode("--raw (the prompt goes to the model as it is, without a chat template)",
+           frozenset({"system", "chat_template", "think", "reasoning_budget", "tools", "tool_choice", "tool_results"}))
 BATCH = Mode("--batch (each row is answered in one reply, on a local model)",
              frozenset({"session", "continue", "messages", "attach", "tools", "tool_choice", "tool_results",
                         "reasoning_budget", "show_prompt", "server"}))
@@ -38,10 +41,11 @@ def check_options(asked: Mapping[str, Sequence[str]], mode: Mode, host: Capabili
     given = dict(asked)
     if show:
         given["show_prompt"] = ["--show-prompt"]
-    refused = [name for feature, names in given.items() if feature in mode.refuses for name in names]
-    if refused:
-        named = ", ".join(refused[:-1]) + " and " + refused[-1] if len(refused) > 1 else refused[0]
-        raise UsageError(refusal_words(named, mode.where))
+    for refusing in (mode, RAW) if given.get("raw") else (mode,):
+        refused = [name for feature, names in given.items() if feature in refusing.refuses for name in names]
+        if refused:
+            named = ", ".join(refused[:-1]) + " and " + refused[-1] if len(refused) > 1 else refused[0]
+            raise UsageError(refusal_words(named, refusing.where))
     if host is not None:
         for feature, names in given.items():
             if names and feature in FEATURES:

@@ -123,6 +123,7 @@ class TurnOptions(ToolOptions):
 ASKED: dict[str, tuple[tuple[str, Callable[[TurnOptions], bool]], ...]] = {
     "continue": (("--continue", lambda o: o.continue_reply),),
     "raw": (("--raw", lambda o: o.raw),),
+    "system": (("--system", lambda o: bool(o.system)),),
     "grammar": (("--schema", lambda o: o.schema is not None), ("--grammar", lambda o: o.grammar is not None),
                 ("--regex", lambda o: o.regex is not None)),
     "logit_bias": (("--logit-bias", lambda o: bool(o.logit_bias)),),

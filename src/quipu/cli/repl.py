@@ -182,7 +182,11 @@ def _regex(repl: "Repl", arg: str) -> None:
 
 
 def _attach(repl: "Repl", arg: str) -> None:
-    if arg.strip():
+    if arg.strip().lower() == "off":
+        dropped = repl.chat.drop_attached()
+        repl.say(f"dropped {', '.join(dropped)}; your next message carries no file" if dropped
+                 else "nothing was attached")
+    elif arg.strip():
         found = repl.chat.attach(repl.need(arg, "/attach FILE"))
         repl.say(f"attached {found.name} {found.describe()}; it goes with your next message")
     elif repl.chat.attached:
@@ -238,8 +242,8 @@ COMMANDS: list[SlashCommand] = [
     SlashCommand("schema", "FILE|off", "the next replies are JSON valid against this JSON Schema file", _schema),
     SlashCommand("grammar", "FILE|off", "the next replies keep to this grammar file (GBNF, or Lark: .lark)", _grammar),
     SlashCommand("regex", "PATTERN|off", "the next replies match this regular expression", _regex),
-    SlashCommand("attach", "[FILE]", "give your next message a file (text: the model reads it with its name); "
-                                     "alone, list what waits", _attach),
+    SlashCommand("attach", "[FILE|off]", "give your next message a file (text: the model reads it with its name); "
+                                         "alone, list what waits; off drops it", _attach),
     SlashCommand("tools", "", "the tools the model may call, and where each comes from", _tools),
     SlashCommand("stats", "", "figures of the last reply", _stats),
     SlashCommand("context", "", "tokens used of the context", _context),
