@@ -143,3 +143,70 @@ def test_raw_still_takes_what_it_can_honour(home, tiny_model):
     r = run_limited(home, "run", "-m", tiny_model, "--raw", "-n", "3", "-s", "", "--regex", "[ab]+", "--json", "hi")
     assert r.returncode == 0, r.stderr.decode()
     assert set(json.loads(r.stdout)["text"]) <= {"a", "b"}
+
+
+# ---- media headers read and bounded before llama.cpp decodes them ---------------------------
+
+@pytest.fixture(scope="module")
+def ears(tmp_path_factory):
+    """The tiny model with an audio projector beside it."""
+    from tinymodel import write_tiny_audio_projector
+
+    folder = tmp_path_factory.mktemp("ears")
+    write_tiny_gguf(folder / "tiny.gguf")
+    write_tiny_audio_projector(folder / "mmproj-audio.gguf")
+    return folder
+
+
+def wav(rate=16000, channels=1, frame_bytes=2, data_size=None, samples=b"\x00\x01" * 800, fact=None) -> bytes:
+    import struct
+
+    fmt = struct.pack("<HHIIHH", 1, channels, rate, rate * frame_bytes, frame_bytes, 16)
+    chunks = b"fmt " + struct.pack("<I", len(fmt)) + fmt
+    if fact is not None:
+        chunks += b"fact" + struct.pack("<II", 4, fact)
+    chunks += b"data" + struct.pack("<I", len(samples) if data_size is None else data_size) + samples
+    return b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WAVE" + chunks
+
+
+def flac(total_samples: int, rate: int = 16000) -> bytes:
+    import struct
+
+    bits = rate << 44 | 0 << 41 | 15 << 36 | total_samples
+    info = struct.pack(">HH", 4096, 4096) + b"\x00" * 6 + struct.pack(">Q", bits) + b"\x00" * 16
+    return b"fLaC" + bytes([0x80]) + len(info).to_bytes(3, "big") + info + b"\xff\xf8" + b"\x00" * 64
+
+
+def mp3_with_xing(frames: int) -> bytes:
+    import struct
+
+    header = bytes([0xFF, 0xFB, 0x90, 0x00])  # MPEG-1 layer III, 128 kb/s, 44.1 kHz
+    body = bytearray(417 - 4)
+    body[32:44] = b"Xing" + struct.pack(">II", 1, frames)
+    return (header + bytes(body)) * 3
+
+
+@pytest.mark.parametrize("name, data, said", [
+    ("slow.wav", wav(rate=1), "a sample rate of 1 Hz"),
+    ("long.wav", wav(fact=0xFFFFFFFF), "minutes of sound"),
+    ("zero.wav", wav(channels=0), "header is damaged"),
+    ("noframe.wav", wav(frame_bytes=0), "header is damaged"),
+    ("long.flac", flac((1 << 36) - 1), "minutes of sound"),
+    ("slow.flac", flac(1000, rate=1), "a sample rate of 1 Hz"),
+    ("long.mp3", mp3_with_xing(0xFFFFFFFF), "minutes of sound"),
+])
+def test_a_recording_whose_header_claims_too_much_is_refused_before_decoding(home, ears, tmp_path, name, data, said):
+    (tmp_path / name).write_bytes(data)
+    line = one_line(run_limited(home, "run", "-m", ears / "tiny.gguf", "-n", "2", "-a", tmp_path / name, "hi"), 2)
+    assert f"cannot attach {name}" in line and said in line, line
+
+
+@pytest.mark.parametrize("name, data", [
+    ("cut.wav", wav(data_size=0xFFFFFFF0)),   # a data size past the file: read as far as the file goes
+    ("stream.wav", wav(data_size=0xFFFFFFFF)),  # a recording written as a stream, its size never filled in
+    ("short.mp3", mp3_with_xing(3)),
+])
+def test_a_recording_whose_header_is_honest_enough_is_heard(home, ears, tmp_path, name, data):
+    (tmp_path / name).write_bytes(data)
+    r = run_limited(home, "run", "-m", ears / "tiny.gguf", "-n", "2", "-a", tmp_path / name, "hi")
+    assert r.returncode == 0, r.stderr.decode()[-2000:]

@@ -21,6 +21,10 @@ from quipu.errors import UsageError
 
 MAX_ATTACHMENT_BYTES = 32 << 20  # the largest file attached
 MAX_IMAGE_PIXELS = 40_000_000  # the most pixels an image's header may claim (a 40-megapixel photo)
+# The longest recording a header may claim: llama.cpp's decoder makes room for every sample a
+# header claims, at the projector's rate, before it reads one.
+MAX_AUDIO_SECONDS = 10 * 60
+AUDIO_RATES = (1_000, 384_000)  # the sample rates taken (a rate of 1 Hz claims 16,000 samples a sample)
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,8 @@ def attachment_of(name: str, data: bytes) -> Attachment:
     if kind is TEXT and not data.strip():
         raise UsageError(f"cannot attach {name}: it is empty")
     pixels = image_pixels(name, data, kind) if kind.kind == "image" else None
+    if kind.kind == "audio":
+        audio_seconds(name, data, kind)
     return Attachment(name, kind, data, pixels)
 
 
@@ -239,6 +245,118 @@ def _bmp(data: bytes) -> tuple[int, int]:
 
 
 _HEADERS = {"PNG": _png, "JPEG": _jpeg, "WebP": _webp, "GIF": _gif, "BMP": _bmp}
+
+
+def audio_seconds(name: str, data: bytes, kind: Kind) -> float:
+    """How long a recording's header says it is, read as llama.cpp's decoder reads it (the
+    samples it claims, at the rate it claims); a usage error when the header is broken, its
+    rate is none a recording has, or it claims more than `MAX_AUDIO_SECONDS`."""
+    try:
+        claimed = _AUDIO_HEADERS[kind.format](data)
+    except (struct.error, IndexError, ValueError):
+        claimed = None
+    if claimed is None:
+        raise UsageError(f"cannot attach {name}: its {kind.format} header is damaged or cut short")
+    samples, rate = claimed
+    if not AUDIO_RATES[0] <= rate <= AUDIO_RATES[1]:
+        raise UsageError(f"cannot attach {name}: its header claims a sample rate of {rate} Hz; quipu takes "
+                         f"{AUDIO_RATES[0]:,} to {AUDIO_RATES[1]:,} Hz")
+    seconds = samples / rate
+    if seconds > MAX_AUDIO_SECONDS:
+        raise UsageError(f"cannot attach {name}: its header claims {seconds / 60:,.0f} minutes of sound, more than "
+                         f"the {MAX_AUDIO_SECONDS // 60} quipu takes")
+    return seconds
+
+
+def _wav(data: bytes) -> tuple[int, int] | None:
+    """(samples, rate): the data chunk's frames (as much of it as the file holds), or the fact
+    chunk's count where it says more."""
+    at, rate, frame_bytes, samples, fact = 12, 0, 0, None, 0
+    while at + 8 <= len(data):
+        chunk, size = data[at:at + 4], struct.unpack("<I", data[at + 4:at + 8])[0]
+        body = at + 8
+        if chunk == b"fmt ":
+            channels, rate = struct.unpack("<HI", data[body + 2:body + 8])
+            (frame_bytes,) = struct.unpack("<H", data[body + 12:body + 14])
+            if channels == 0:
+                return None
+        elif chunk == b"fact" and size >= 4:
+            (fact,) = struct.unpack("<I", data[body:body + 4])
+        elif chunk == b"data":
+            held = len(data) - body if size == 0xFFFFFFFF else min(size, len(data) - body)
+            samples = held // frame_bytes if frame_bytes else None
+            break
+        at = body + size + (size & 1)
+    if samples is None or not rate:
+        return None
+    return max(samples, fact), rate
+
+
+def _flac(data: bytes) -> tuple[int, int] | None:
+    """(samples, rate) from STREAMINFO, the first metadata block."""
+    if data[4] & 0x7F != 0:
+        return None
+    (bits,) = struct.unpack(">Q", data[18:26])  # rate (20 bits), channels (3), depth (5), samples (36)
+    return bits & ((1 << 36) - 1), bits >> 44
+
+
+_MP3_RATES = {3: (44_100, 48_000, 32_000), 2: (22_050, 24_000, 16_000), 0: (11_025, 12_000, 8_000)}
+_MP3_KBPS = {3: (0, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320),
+             2: (0, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160)}
+
+
+def _mp3_frame(data: bytes, at: int) -> tuple[int, int, int] | None:
+    """(version, rate, length) of the layer III frame whose header is at `at`; None for none."""
+    if at + 4 > len(data) or data[at] != 0xFF or data[at + 1] & 0xE0 != 0xE0 or (data[at + 1] >> 1) & 3 != 1:
+        return None
+    version, kbps_index, index = (data[at + 1] >> 3) & 3, data[at + 2] >> 4, (data[at + 2] >> 2) & 3
+    if version == 1 or index == 3 or kbps_index in (0, 15):
+        return None
+    rate = _MP3_RATES[version][index]
+    kbps = _MP3_KBPS[3 if version == 3 else 2][kbps_index]
+    length = (144 if version == 3 else 72) * kbps * 1000 // rate + ((data[at + 2] >> 1) & 1)
+    return version, rate, length
+
+
+def _mp3(data: bytes) -> tuple[int, int] | None:
+    """(samples, rate): the frames the file holds (walked as the decoder walks them), or the
+    count a Xing, Info or VBRI header claims where it says more."""
+    at = 0
+    if data[:3] == b"ID3":
+        size = 0
+        for b in data[6:10]:
+            size = size << 7 | (b & 0x7F)
+        at = 10 + size + (10 if data[5] & 0x10 else 0)
+    first = None
+    frames = 0
+    while True:
+        at = data.find(b"\xff", at)
+        if at < 0:
+            break
+        frame = _mp3_frame(data, at)
+        if frame is None:
+            at += 1
+            continue
+        if first is None:
+            first = (at, frame)
+        frames += 1
+        at += max(frame[2], 1)
+    if first is None:
+        return None
+    start, (version, rate, _length) = first
+    head = data[start:start + 200]
+    for tag in (b"Xing", b"Info"):
+        found = head.find(tag)
+        if found >= 0:
+            flags, count = struct.unpack(">II", head[found + 4:found + 12])
+            if flags & 1:
+                frames = max(frames, count)
+    if head[36:40] == b"VBRI":
+        frames = max(frames, struct.unpack(">I", head[50:54])[0])
+    return frames * (1152 if version == 3 else 576), rate
+
+
+_AUDIO_HEADERS = {"WAV": _wav, "FLAC": _flac, "MP3": _mp3}
 
 
 def message_with(text: str | None, attachments: Sequence[Attachment]) -> str:
