@@ -59,7 +59,8 @@ def wav_bytes() -> bytes:
     ("a.wav", wav_bytes(), "WAV"),
     ("a.mp3", b"ID3\x04\x00\x00\x00\x00\x00\x00" + b"\xff\xfb\x90\x64" + bytes(400), "MP3"),
     ("a.mp3", b"\xff\xfb\x90\x64" + bytes(400), "MP3"),  # (a bare MPEG frame, no tag)
-    ("a.flac", b"fLaC\x80\x00\x00\x22" + bytes(34), "FLAC"),
+    ("a.flac", b"fLaC\x80\x00\x00\x22" + bytes(10) + (16000 << 44 | 15 << 36 | 16000).to_bytes(8, "big") + bytes(16),
+     "FLAC"),  # (STREAMINFO: a second at 16 kHz)
 ])
 def test_a_recording_is_known_by_its_bytes(name, data, fmt):
     found = attachment_of(name, data)
