@@ -210,3 +210,74 @@ def test_a_recording_whose_header_is_honest_enough_is_heard(home, ears, tmp_path
     (tmp_path / name).write_bytes(data)
     r = run_limited(home, "run", "-m", ears / "tiny.gguf", "-n", "2", "-a", tmp_path / name, "hi")
     assert r.returncode == 0, r.stderr.decode()[-2000:]
+
+
+# ---- projectors checked before clip.cpp trusts them ------------------------------------------
+
+@pytest.fixture
+def picture(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (50, 40), (200, 30, 90)).save(tmp_path / "red.png")
+    return tmp_path / "red.png"
+
+
+@pytest.fixture
+def tone(tmp_path):
+    (tmp_path / "tone.wav").write_bytes(wav(samples=b"\x10\x20" * 8000))
+    return tmp_path / "tone.wav"
+
+
+@pytest.mark.parametrize("missing", ["v.patch_embd.weight", "v.blk.0.attn_k.weight", "v.blk.0.attn_q.weight"])
+def test_a_projector_missing_a_part_its_kind_needs_is_one_line_even_beside_the_model(home, tmp_path, picture, missing):
+    from tinymodel import write_tiny_projector
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    write_tiny_gguf(folder / "tiny.gguf")
+    write_tiny_projector(folder / "mmproj-tiny.gguf", drop=[missing])  # (found with no option at all)
+    line = one_line(run_limited(home, "run", "-m", folder / "tiny.gguf", "-n", "2", "-a", picture, "hi"), 1)
+    assert "mmproj-tiny.gguf cannot be used" in line and "crashed encoding a first, tiny image" in line, line
+    assert not (home / "cache" / "projectors").exists() or not list((home / "cache" / "projectors").iterdir())
+
+
+@pytest.mark.parametrize("missing", ["a.blk.0.ln1.bias", "a.position_embd.weight", "a.blk.0.attn_q.weight"])
+def test_an_audio_projector_missing_a_part_is_one_line(home, tmp_path, tone, missing):
+    from tinymodel import write_tiny_audio_projector
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    write_tiny_audio_projector(tmp_path / "bad.gguf", drop=[missing])
+    r = run_limited(home, "run", "-m", tmp_path / "tiny.gguf", "--mmproj", tmp_path / "bad.gguf", "-n", "2",
+                    "-a", tone, "hi")
+    line = one_line(r, 1)
+    assert "bad.gguf cannot be used" in line and "a first, tiny recording" in line, line
+
+
+def test_a_whole_projector_is_checked_once_and_then_used(home, tmp_path, picture):
+    from tinymodel import write_tiny_projector
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    write_tiny_projector(tmp_path / "mmproj-tiny.gguf")
+    for _ in range(2):
+        r = run_limited(home, "run", "-m", tmp_path / "tiny.gguf", "-n", "2", "-a", picture, "hi")
+        assert r.returncode == 0, r.stderr.decode()[-2000:]
+        assert len(list((home / "cache" / "projectors").iterdir())) == 1
+    (tmp_path / "mmproj-tiny.gguf").unlink()
+    write_tiny_projector(tmp_path / "mmproj-tiny.gguf", drop=["v.patch_embd.weight"])  # (another file: checked anew)
+    assert "cannot be used" in one_line(run_limited(home, "run", "-m", tmp_path / "tiny.gguf", "-n", "2", "-a",
+                                                    picture, "hi"), 1)
+
+
+@pytest.mark.parametrize("key, value, said", [
+    ("clip.vision.image_size", ("32", 8), "clip.vision.image_size is a string, where llama.cpp reads a u32"),
+    ("clip.use_gelu", (1, 4), "clip.use_gelu is a u32, where llama.cpp reads a bool"),
+    ("clip.vision.attention.layer_norm_epsilon", (1e-6, 12), "is a f64, where llama.cpp reads a f32"),
+    ("clip.projector_type", (7, 5), "clip.projector_type is a i32, where llama.cpp reads a string"),
+])
+def test_a_projector_key_of_the_wrong_type_is_one_line(home, tmp_path, picture, key, value, said):
+    from tinymodel import write_tiny_projector
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    write_tiny_projector(tmp_path / "mmproj-tiny.gguf", retype={key: value})
+    line = one_line(run_limited(home, "run", "-m", tmp_path / "tiny.gguf", "-n", "2", "-a", picture, "hi"), 1)
+    assert "mmproj-tiny.gguf is damaged" in line and said in line, line

@@ -85,7 +85,7 @@ def test_what_a_model_cannot_take_is_refused_in_one_line(quipu, vision, tmp_path
                                                                      "128 B]: llama.cpp could not decode it"),
         ((vision / "tiny.gguf", "-a", vision / "red.png", "--mmproj", tmp_path / "none.gguf"), 2, "is not a file"),
         ((vision / "tiny.gguf", "-a", vision / "red.png", "--mmproj", vision / "tiny.gguf"), 1,
-         "llama.cpp could not load the projector"),
+         "cannot be used: llama.cpp could not load it"),
     ]
     for (model, *args), code, said in cases:
         r = quipu("run", "-m", model, *args, "-n", "2", "hi")

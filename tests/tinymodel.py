@@ -236,20 +236,40 @@ def _encoder_blocks(writer, prefix: str, w, n_layer: int, n_embd: int, n_ff: int
     writer.add_tensor(f"{prefix}.post_ln.bias", np.zeros(n_embd, dtype=np.float32))
 
 
+def _clip_writer(path: Path, drop: Sequence[str] = (), retype: dict | None = None):
+    """A GGUF writer for a projector that leaves out the tensors named in `drop`, and writes each
+    key of `retype` (key: (value, gguf value type)) in place of the value it is given."""
+    import gguf
+
+    retype = retype or {}
+
+    class Writer(gguf.GGUFWriter):
+        def add_tensor(self, name, tensor, *args, **kwargs):
+            if name not in drop:
+                super().add_tensor(name, tensor, *args, **kwargs)
+
+        def add_key_value(self, key, val, vtype, *args, **kwargs):
+            if key in retype:
+                val, vtype = retype[key]
+            super().add_key_value(key, val, vtype, *args, **kwargs)
+
+    return Writer(str(path), "clip")
+
+
 def write_tiny_projector(path: Path, *, n_embd_text: int = 128, n_embd: int = 32, n_ff: int = 64, n_layer: int = 1,
-                         n_head: int = 2, image_size: int = 32, patch: int = 8, merge: int = 2, seed: int = 1) -> Path:
+                         n_head: int = 2, image_size: int = 32, patch: int = 8, merge: int = 2, seed: int = 1,
+                         drop: Sequence[str] = (), retype: dict | None = None) -> Path:
     """A tiny random vision projector (an mmproj GGUF) of the kind llama.cpp's clip.cpp reads as
     Gemma 3's: a SigLIP encoder, its patches averaged `merge` by `merge`, projected to the text
     model's width (`n_embd_text`, the tiny model's by default). An image is (image_size / patch
     / merge)^2 positions in the context: 4 by default."""
-    import gguf
 
     rng = np.random.default_rng(seed)
 
     def w(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.2).astype(np.float32)
 
-    writer = gguf.GGUFWriter(str(path), "clip")
+    writer = _clip_writer(path, drop, retype)
     writer.add_name("tiny-projector")
     writer.add_file_type(0)
     writer.add_string("clip.projector_type", "gemma3")
@@ -277,18 +297,18 @@ def write_tiny_projector(path: Path, *, n_embd_text: int = 128, n_embd: int = 32
 
 
 def write_tiny_audio_projector(path: Path, *, n_embd_text: int = 128, n_embd: int = 32, n_ff: int = 64,
-                               n_layer: int = 1, n_head: int = 2, n_mel: int = 128, seed: int = 2) -> Path:
+                               n_layer: int = 1, n_head: int = 2, n_mel: int = 128, seed: int = 2,
+                               drop: Sequence[str] = (), retype: dict | None = None) -> Path:
     """A tiny random audio projector of the kind clip.cpp reads as Qwen2-Audio's: a Whisper
     encoder (two convolutions over the log-mel frames, then blocks) and a linear projection to
     the text model's width. A recording is cut in 30-second pieces of 750 positions each."""
-    import gguf
 
     rng = np.random.default_rng(seed)
 
     def w(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.2).astype(np.float32)
 
-    writer = gguf.GGUFWriter(str(path), "clip")
+    writer = _clip_writer(path, drop, retype)
     writer.add_name("tiny-audio-projector")
     writer.add_file_type(0)
     writer.add_string("clip.projector_type", "qwen2a")

@@ -63,6 +63,7 @@ class GGUFInfo:
     n_tensors: int
     n_params: int
     tensors: list[TensorInfo] = field(default_factory=list)
+    types: dict[str, int] = field(default_factory=dict)  # each key's gguf value type
 
     @property
     def architecture(self) -> str:
@@ -198,9 +199,11 @@ def read_gguf(path: Path) -> GGUFInfo:
             n_tensors = reader.length(MAX_TENSORS, "tensor count")
             n_kv = reader.length(MAX_KV, "metadata count")
             metadata: dict[str, Any] = {}
+            types: dict[str, int] = {}
             for _ in range(n_kv):
                 key = reader.string(MAX_KEY)
-                metadata[key] = reader.value(reader.scalar("<I"))
+                types[key] = reader.scalar("<I")
+                metadata[key] = reader.value(types[key])
             n_params = 0
             tensors = []
             for _ in range(n_tensors):
@@ -218,4 +221,4 @@ def read_gguf(path: Path) -> GGUFInfo:
                 tensors.append(TensorInfo(name, ggml_type, dims))
     except OSError as exc:
         raise GGUFError(exc.strerror or str(exc)) from exc
-    return GGUFInfo(path, version, metadata, n_tensors, n_params, tensors)
+    return GGUFInfo(path, version, metadata, n_tensors, n_params, tensors, types)

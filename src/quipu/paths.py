@@ -34,6 +34,11 @@ class Dirs:
         return self.cache / "prompts"
 
     @property
+    def checked_projectors(self) -> Path:
+        """A mark for each projector that encoded a first medium apart (`engine/projector_check.py`)."""
+        return self.cache / "projectors"
+
+    @property
     def config_file(self) -> Path:
         return self.config / "config.toml"
 

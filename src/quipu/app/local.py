@@ -89,15 +89,20 @@ def open_session(opts: TurnOptions, env: Environment) -> tuple[str, Path, Infere
 
 
 def with_projector(backend: Backend, model_path: Path, mmproj: str | None,
-                   media: Sequence[Attachment]) -> list[str]:
+                   media: Sequence[Attachment], checked: Path | None) -> list[str]:
     """Loads the model's projector (`mmproj`: --mmproj, or the one a session was given; else the
-    one beside the model) into the session's context, and makes `media` ready in it: the marker
-    of each, for a message's text."""
+    one beside the model) into the session's context, once it is checked (`projector_check.py`;
+    `checked`: the folder of marks of those checked before), and makes `media` ready in it: the
+    marker of each, for a message's text."""
     if backend.projector_path is None:
         given = given_projector(mmproj)
         path = Path(given) if given is not None else projector_beside(model_path)
         if path is None:
             raise cannot_take(media[0], f"no projector beside {model_path.name}; --mmproj FILE gives one")
+        from quipu.engine.projector_check import check_encodes, check_keys
+
+        check_keys(path)
+        check_encodes(path, model_path, checked)
         backend.open_projector(path)
     path = backend.projector_path
     assert path is not None
@@ -153,7 +158,7 @@ def take_saved_media(backend: Backend, store: SessionStore, name: str, record: T
             raise SnapshotError(f"session '{name}': {exc}; its transcript was left as it is") from None
         media.append(attachment_of(entry["name"], data))
         keeper.media[entry["sha256"]] = entry
-    with_projector(backend, model_path, keeper.projector, media)
+    with_projector(backend, model_path, keeper.projector, media, keeper.checked)
 
 
 class LocalHost:
@@ -166,14 +171,15 @@ class LocalHost:
         projector = given_projector(opts.mmproj)  # (a wrong one is said before the model loads)
         model_name, model_path, session = open_session(opts, env)
         try:
-            marks = with_projector(session.backend, model_path, projector, media) if media else []
+            marks = with_projector(session.backend, model_path, projector, media,
+                                   env.dirs.checked_projectors) if media else []
         except BaseException:
             session.close()
             raise
         return Opened(session, LocalKeeper(model_name, model_path, model_fingerprint(model_path, env),
                                            env.max_state_bytes,
                                            verbose=opts.verbose, cache=open_cache(env, opts.no_cache),
-                                           projector=projector),
+                                           projector=projector, checked=env.dirs.checked_projectors),
                       placement_notices(session.backend, opts), media_marks=marks)
 
     def resume(self, store: SessionStore, name: str, record: Transcript, messages: list[Message],
@@ -205,7 +211,8 @@ class LocalHost:
         saved = record.model.get("projector")
         keeper = LocalKeeper(model_name, model_path, model_fp, env.max_state_bytes, verbose=opts.verbose,
                              cache=open_cache(env, opts.no_cache),
-                             projector=given or (saved if isinstance(saved, str) else None))
+                             projector=given or (saved if isinstance(saved, str) else None),
+                             checked=env.dirs.checked_projectors)
         try:
             load_s = time.perf_counter() - started
             params = with_logit_biases(params, backend, opts)
@@ -323,6 +330,7 @@ class LocalKeeper:
     media: dict[str, dict] = field(default_factory=dict)  # what the transcript says of each medium, by SHA-256
     # The projector the session was given (--mmproj), kept for the media it is given later.
     projector: str | None = None
+    checked: Path | None = None  # the marks of projectors checked before (`with_projector`)
     _writer: threading.Thread | None = None
     _failed: str | None = None
 
@@ -340,7 +348,7 @@ class LocalKeeper:
         }
 
     def take_media(self, session: InferenceSession, store: SessionStore | None, media: Sequence[Attachment]) -> str:
-        marks = "".join(with_projector(session.backend, self.model_path, self.projector, media))
+        marks = "".join(with_projector(session.backend, self.model_path, self.projector, media, self.checked))
         for medium in media:
             if store is not None:  # (a session's: kept before the transcript that names it)
                 media_store(store).put(medium.data)
