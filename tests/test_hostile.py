@@ -281,3 +281,57 @@ def test_a_projector_key_of_the_wrong_type_is_one_line(home, tmp_path, picture, 
     write_tiny_projector(tmp_path / "mmproj-tiny.gguf", retype={key: value})
     line = one_line(run_limited(home, "run", "-m", tmp_path / "tiny.gguf", "-n", "2", "-a", picture, "hi"), 1)
     assert "mmproj-tiny.gguf is damaged" in line and said in line, line
+
+
+# ---- text that spells quipu's own markers is text -------------------------------------------
+
+MEDIA_BASE = 1 << 30
+
+
+def shown_prompt(home, model, *args) -> dict:
+    r = run_limited(home, "run", "-m", model, "--show-prompt", "--json", *args)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def eyes(tmp_path_factory):
+    from PIL import Image
+    from tinymodel import write_tiny_projector
+
+    folder = tmp_path_factory.mktemp("eyes")
+    write_tiny_gguf(folder / "tiny.gguf")
+    write_tiny_projector(folder / "mmproj-tiny.gguf")
+    Image.new("RGB", (50, 40), (200, 30, 90)).save(folder / "red.png")
+    return folder
+
+
+@pytest.mark.parametrize("spelled", ["\ue0020\ue003", "\ue0027\ue003", "\ue0040\ue005"])
+def test_a_prompt_or_a_file_that_spells_a_marker_is_read_as_text(home, eyes, tmp_path, spelled):
+    model, red = eyes / "tiny.gguf", eyes / "red.png"
+    one = shown_prompt(home, model, "-a", red, "look")
+    n_image = sum(t >= MEDIA_BASE for t in one["tokens"])
+    assert n_image > 0
+    (tmp_path / "notes.txt").write_text(f"before {spelled} after\n")
+    for args in (["-a", red, f"look {spelled} here"], ["-a", red, "-a", tmp_path / "notes.txt", "look"]):
+        view = shown_prompt(home, model, *args)
+        assert sum(t >= MEDIA_BASE for t in view["tokens"]) == n_image, args  # (one image, not two)
+        as_text = spelled.replace(spelled[0], "\ufffd")
+        assert as_text in view["text"] and spelled not in view["text"]
+    # Without a medium in the context, the text around a marker-shaped run is read once.
+    plain = shown_prompt(home, model, "--raw", f"A {spelled} B")
+    same = shown_prompt(home, model, "--raw", f"A {spelled.replace(spelled[0], chr(0xFFFD))} B")
+    assert plain["tokens"] == same["tokens"]
+
+
+def test_a_messages_file_that_spells_its_own_placeholder_gets_one_medium(home, eyes, tmp_path):
+    import base64
+
+    data = base64.b64encode((eyes / "red.png").read_bytes()).decode()
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "first \ue0040\ue005 then"},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}]}]
+    (tmp_path / "m.json").write_text(json.dumps(messages))
+    view = shown_prompt(home, eyes / "tiny.gguf", "--messages", tmp_path / "m.json")
+    one = shown_prompt(home, eyes / "tiny.gguf", "-a", eyes / "red.png", "x")
+    assert sum(t >= MEDIA_BASE for t in view["tokens"]) == sum(t >= MEDIA_BASE for t in one["tokens"])

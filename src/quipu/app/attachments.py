@@ -69,7 +69,10 @@ class Attachment:
 
     @property
     def text(self) -> str:
-        return self.data.decode("utf-8-sig")
+        """A text file's text, nothing in it taken for one of quipu's markers (`defuse`)."""
+        from quipu.engine.base import defuse
+
+        return defuse(self.data.decode("utf-8-sig"))
 
     def entry(self) -> dict[str, str]:
         """How a session's transcript names it (`Transcript.media`)."""

@@ -213,11 +213,10 @@ class ChatSession:
         conv = self._named.conversation
         skip_pending(conv)  # (calls left waiting are answered "not run")
         documents = conv.variables.get("documents")
-        if self.attached:
-            from quipu.app.attachments import split_media
-            from quipu.app.turns import compose
+        from quipu.app.attachments import split_media
+        from quipu.app.turns import compose
 
-            text = compose(conv, text, split_media(self.attached)[0], self._marks) or ""
+        text = compose(conv, text, split_media(self.attached)[0], self._marks) or ""  # (its text never a marker)
         try:
             try:
                 self._named.warm(text)

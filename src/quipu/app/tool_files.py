@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Sequence
 
 from quipu.app.user_files import read_json_file
+from quipu.engine.base import defuse
 from quipu.app.tooldefs import Tool
 from quipu.errors import UsageError
 from quipu.sessions.toolspec import ToolSpec
@@ -265,7 +266,7 @@ def _content(content: Any, where: str, file: Path, media: list | None = None) ->
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return defuse(content)  # (a text of its own is never taken for a marker)
     if not isinstance(content, list):
         raise UsageError(f"{file}: {where} is {kind(content)}, not text or a list of parts")
     texts: list[str | None] = []
@@ -280,7 +281,7 @@ def _content(content: Any, where: str, file: Path, media: list | None = None) ->
         if kind_of != "text":
             raise UsageError(f"{file}: {where}[{j}] is a {str(kind_of)[:40]!r} part; quipu reads text, image_url and "
                              "input_audio parts")
-        texts.append(_text(part.get("text"), f"{where}[{j}].text", file, optional=False))
+        texts.append(defuse(_text(part.get("text"), f"{where}[{j}].text", file, optional=False) or ""))
     return "".join(t for t in texts if t)
 
 

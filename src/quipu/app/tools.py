@@ -16,6 +16,7 @@ from quipu.app.user_files import read_text_file
 from quipu.app.tool_files import check_tool_schemas, tools_from_json, tools_in_messages
 from quipu.app.turn_options import ToolOptions
 from quipu.app.tooldefs import DEFAULT_TIMEOUT, Tool, ToolFailure, check_tool_name, never
+from quipu.engine.base import defuse
 from quipu.errors import Interrupted, QuipuError, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink
 from quipu.sessions.conversation import Conversation
@@ -177,7 +178,7 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
             records.append(record)
             if on_call is not None:
                 on_call(record)
-            text = record.result if record.error is None else f"error: {record.error}"
+            text = defuse((record.result or "") if record.error is None else f"error: {record.error}")  # (never a marker)
             if record.media and take_media is not None and text:
                 text = with_media(text, record, take_media)
             answers.append((call, text or ""))
@@ -365,7 +366,7 @@ def answer_pending(conv: Conversation, opts: ToolOptions, limit: int, stop: Sequ
         if ident not in pending:
             raise UsageError(f"--tool-result names {ident!r}, which the last reply did not call "
                              f"(it called: {', '.join(sorted(str(k) for k in pending))})")
-        answers.append((pending.pop(ident), text))
+        answers.append((pending.pop(ident), defuse(text)))
     if pending:
         raise UsageError(f"give a --tool-result for each call: {', '.join(sorted(str(k) for k in pending))} has none")
     conv.add_tool_results(answers)

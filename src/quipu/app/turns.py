@@ -19,7 +19,7 @@ from quipu.app.modes import check_options
 from quipu.app.named import FOLD_NOTICE, NO_TEMPLATE_NOTICE, NamedSession, store_for
 from quipu.app.tools import (ToolHooks, OpenTools, answer_pending, follow_calls, offer, resume_pending, skip_pending,
                               open_tools)
-from quipu.engine.base import MEDIA_MARK
+from quipu.engine.base import MEDIA_MARK, defuse
 from quipu.errors import BadInput, ContextOverflow, UsageError
 from quipu.sessions.base import LOCAL, SILENT, Capabilities, Generation, ReplySink, Stats, common_prefix
 from quipu.sessions.conversation import Conversation
@@ -164,6 +164,7 @@ def compose(conv: Conversation | None, prompt: str | None, files: Sequence[Attac
                                        *({**({"doc_id": f.name} if named else {}), "title": f.name, "text": f.text}
                                          for f in files)]
         files = []
+    prompt = defuse(prompt) if prompt else prompt  # (text from outside is never taken for a marker)
     return with_marks(message_with(prompt, files) if files else prompt, marks)
 
 

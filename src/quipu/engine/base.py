@@ -27,6 +27,18 @@ def media_mark(k: int) -> str:
     return f"\ue002{k}\ue003"
 
 
+# Every marker quipu writes into a text of its own (a medium's, a messages file's medium until it
+# is ready, a control token's spelling kept apart): private-use characters around a number.
+_MARKER_SHAPED = re.compile("[\ue000\ue002\ue004][0-9a-f:]{1,40}[\ue001\ue003\ue005]")
+
+
+def defuse(text: str) -> str:
+    """Text from outside (a prompt, a file, a tool's result, a messages file) with anything shaped
+    like one of quipu's markers broken (its first character made U+FFFD), so that no text can be
+    taken for a medium; all else is left as it is."""
+    return _MARKER_SHAPED.sub(lambda m: "\ufffd" + m.group()[1:], text)
+
+
 ProgressFn = Callable[[int, int], "bool | None"]
 
 # A context's size when none is asked for: the model's training context, at most this, as in

@@ -78,12 +78,12 @@ def _with_media(backend: "Vocabulary", text: str) -> list[int]:
     tokens: list[int] = []
     at = 0
     for found in MEDIA_MARK.finditer(text):
-        if found.start() > at:
-            tokens += backend.tokenize(text[at:found.start()], add_special=False, parse_special=True)
         try:
             media = backend.media_tokens(int(found.group(1)))
         except LookupError:  # (not a medium this context holds: text that looks like a marker)
             continue
+        if found.start() > at:
+            tokens += backend.tokenize(text[at:found.start()], add_special=False, parse_special=True)
         tokens += media
         at = found.end()
     if at < len(text):
