@@ -335,3 +335,49 @@ def test_a_messages_file_that_spells_its_own_placeholder_gets_one_medium(home, e
     view = shown_prompt(home, eyes / "tiny.gguf", "--messages", tmp_path / "m.json")
     one = shown_prompt(home, eyes / "tiny.gguf", "-a", eyes / "red.png", "x")
     assert sum(t >= MEDIA_BASE for t in view["tokens"]) == sum(t >= MEDIA_BASE for t in one["tokens"])
+
+
+# ---- bounds on counts and totals, not only sizes ---------------------------------------------
+
+def test_attachments_are_bounded_in_number_and_in_bytes_together(home, tiny_model, tmp_path):
+    (tmp_path / "n.txt").write_text("a note\n")
+    many = [a for _ in range(65) for a in ("-a", tmp_path / "n.txt")]
+    line = one_line(run_limited(home, "run", "-m", tiny_model, "-n", "2", *many, "hi"), 2)
+    assert "at most 64 attachments; 65 were given" in line
+    urls = [a for i in range(65) for a in ("-a", f"http://127.0.0.1:9/{i}.txt")]  # (none fetched: refused first)
+    assert "at most 64 attachments" in one_line(run_limited(home, "run", "-m", tiny_model, *urls, "hi"), 2)
+    big = []
+    for i in range(5):
+        (tmp_path / f"big{i}.txt").write_bytes(b"word " * (6 << 20))  # 30 MB each
+        big += ["-a", tmp_path / f"big{i}.txt"]
+    assert "at most 128 MB of attachments in all" in one_line(run_limited(home, "run", "-m", tiny_model, *big, "hi"), 2)
+    lines = "".join(f"/attach {tmp_path / 'n.txt'}\n" for _ in range(65)) + "/attach\n"
+    chat = run_limited(home, "chat", "-m", tiny_model, "-n", "2", stdin=lines.encode())
+    err = chat.stderr.decode()
+    assert chat.returncode == 0 and err.count("the next message carries at most 64 attachments") == 1, err[-2000:]
+
+
+def test_a_messages_file_s_media_are_bounded_and_must_be_what_their_part_says(home, eyes, tmp_path):
+    import base64
+
+    png = base64.b64encode((eyes / "red.png").read_bytes()).decode()
+    text = base64.b64encode(b"plain words, no picture\n").decode()
+
+    def messages(*parts) -> str:
+        path = tmp_path / f"m{len(list(tmp_path.glob('m*.json')))}.json"
+        path.write_text(json.dumps([{"role": "user", "content": [{"type": "text", "text": "hi"}, *parts]}]))
+        return str(path)
+
+    def image(data: str) -> dict:
+        return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+
+    cases = [
+        (messages(image(text)), "is an image_url part, but what it gives is UTF-8 text, not an image"),
+        (messages({"type": "input_audio", "input_audio": {"data": png, "format": "wav"}}),
+         "is an input_audio part, but what it gives is PNG, not a recording"),
+        (messages(image("A" * (44 << 20))), "holds more than 32 MB"),
+        (messages(*[image(png)] * 65), "a messages file carries at most 64 attachments"),
+    ]
+    for path, said in cases:
+        r = run_limited(home, "run", "-m", eyes / "tiny.gguf", "-n", "2", "--messages", path)
+        assert said in one_line(r, 2), said

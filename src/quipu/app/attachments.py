@@ -20,6 +20,10 @@ from typing import Sequence
 from quipu.errors import UsageError
 
 MAX_ATTACHMENT_BYTES = 32 << 20  # the largest file attached
+# What one message (or a run, or a messages file) may carry in all: each file is bounded, and so
+# are their number and their bytes together, refused before the next is read.
+MAX_ATTACHMENTS = 64
+MAX_ATTACHED_BYTES = 128 << 20
 MAX_IMAGE_PIXELS = 40_000_000  # the most pixels an image's header may claim (a 40-megapixel photo)
 # The longest recording a header may claim: llama.cpp's decoder makes room for every sample a
 # header claims, at the projector's rate, before it reads one.
@@ -84,6 +88,30 @@ class Attachment:
         if self.pixels:
             parts.append(f"{self.pixels[0]}x{self.pixels[1]}")
         return f"[{self.kind.kind}: {', '.join(parts + [_size(len(self.data))])}]"
+
+
+def check_room(held: Sequence[Attachment], what: str = "a message") -> None:
+    """Refuses one more attachment where `held` is as many, or as many bytes, as `what` carries."""
+    if len(held) >= MAX_ATTACHMENTS:
+        raise UsageError(f"{what} carries at most {MAX_ATTACHMENTS} attachments")
+    check_total(held, what)
+
+
+def read_attachments(names: Sequence[str]) -> list[Attachment]:
+    """Each file or URL of `--attach`, read in turn within the bounds of one message."""
+    if len(names) > MAX_ATTACHMENTS:
+        raise UsageError(f"a message carries at most {MAX_ATTACHMENTS} attachments; {len(names)} were given")
+    found: list[Attachment] = []
+    for name in names:
+        check_room(found)
+        found.append(read_attachment(name))
+    check_total(found)
+    return found
+
+
+def check_total(held: Sequence[Attachment], what: str = "a message") -> None:
+    if sum(len(a.data) for a in held) > MAX_ATTACHED_BYTES:
+        raise UsageError(f"{what} carries at most {MAX_ATTACHED_BYTES >> 20} MB of attachments in all")
 
 
 def read_attachment(name: str) -> Attachment:

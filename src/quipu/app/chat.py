@@ -240,9 +240,11 @@ class ChatSession:
     def attach(self, name: str) -> Attachment:
         """A file for the next message to carry; what cannot be attached, or what this model cannot
         take, is refused now (an image or a recording is made ready in the context at once)."""
-        from quipu.app.attachments import TEXT, read_attachment
+        from quipu.app.attachments import TEXT, check_room, check_total, read_attachment
 
+        check_room(self.attached, "the next message")
         found = read_attachment(name)
+        check_total([*self.attached, found], "the next message")
         if found.kind is not TEXT:
             self.capabilities.require("media", chat=True)
             named = self._named

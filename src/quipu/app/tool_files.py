@@ -275,7 +275,11 @@ def _content(content: Any, where: str, file: Path, media: list | None = None) ->
             raise UsageError(f"{file}: {where}[{j}] is {kind(part)}, not a part ({{\"type\": \"text\", \"text\"}})")
         kind_of = part.get("type", "text")
         if kind_of in ("image_url", "input_audio") and media is not None:
+            from quipu.app.attachments import check_room, check_total
+
+            check_room(media, f"{file}: a messages file")
             media.append(_medium(part, kind_of, f"{where}[{j}]", file))
+            check_total(media, f"{file}: a messages file")
             texts.append(media_placeholder(len(media) - 1))
             continue
         if kind_of != "text":
@@ -291,7 +295,7 @@ def _medium(part: dict, kind_of: str, where: str, file: Path):
     import base64
     import binascii
 
-    from quipu.app.attachments import attachment_of, read_attachment
+    from quipu.app.attachments import MAX_ATTACHMENT_BYTES, attachment_of, read_attachment
 
     given = part.get(kind_of)
     value = (given.get("url") if kind_of == "image_url" else given.get("data") or given.get("url")) \
@@ -299,13 +303,23 @@ def _medium(part: dict, kind_of: str, where: str, file: Path):
     if not isinstance(value, str) or not value:
         raise UsageError(f"{file}: {where}.{kind_of} has no url or data")
     if value.startswith(("http://", "https://")):
-        return read_attachment(value)
-    encoded = value.split(",", 1)[1] if value.startswith("data:") and "," in value else value
-    try:
-        data = base64.b64decode(encoded, validate=True)
-    except (binascii.Error, ValueError):
-        raise UsageError(f"{file}: {where}.{kind_of} is neither an http(s) URL nor base64 data") from None
-    return attachment_of(f"{where} of {file.name}", data)
+        found = read_attachment(value)
+    else:
+        encoded = value.split(",", 1)[1] if value.startswith("data:") and "," in value else value
+        if len(encoded) // 4 * 3 > MAX_ATTACHMENT_BYTES + 3:  # (said before it is decoded)
+            raise UsageError(f"{file}: {where}.{kind_of} holds more than {MAX_ATTACHMENT_BYTES >> 20} MB")
+        try:
+            data = base64.b64decode(encoded, validate=True)
+        except (binascii.Error, ValueError):
+            raise UsageError(f"{file}: {where}.{kind_of} is neither an http(s) URL nor base64 data") from None
+        if len(data) > MAX_ATTACHMENT_BYTES:
+            raise UsageError(f"{file}: {where}.{kind_of} holds more than {MAX_ATTACHMENT_BYTES >> 20} MB")
+        found = attachment_of(f"{where} of {file.name}", data)
+    wanted = "image" if kind_of == "image_url" else "audio"
+    if found.kind.kind != wanted:
+        raise UsageError(f"{file}: {where} is an {kind_of} part, but what it gives is {found.kind.format}, not "
+                         f"{'an image' if wanted == 'image' else 'a recording'}")
+    return found
 
 
 def _calls(given: Any, where: str, file: Path) -> list[dict[str, Any]]:

@@ -134,9 +134,9 @@ def attached(opts: TurnOptions, host: Capabilities) -> tuple[list, list]:
     message."""
     if not opts.attach:
         return [], []
-    from quipu.app.attachments import read_attachment, split_media
+    from quipu.app.attachments import read_attachments, split_media
 
-    files, media = split_media([read_attachment(name) for name in opts.attach])
+    files, media = split_media(read_attachments(opts.attach))
     if media:
         host.require("media")
         for medium in media:
