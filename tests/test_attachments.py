@@ -240,6 +240,15 @@ def test_a_file_waiting_in_a_chat_never_sticks(home, tiny_model, tmp_path):
 
 # ---- by URL --------------------------------------------------------------------------------------
 
+class Web(str):
+    """The server's address; `requested` is set when a client asks for /drip."""
+
+    def __new__(cls, url: str, requested):
+        made = super().__new__(cls, url)
+        made.requested = requested
+        return made
+
+
 @pytest.fixture(scope="module")
 def web():
     """A web server on loopback, serving what a URL attachment may meet."""
@@ -255,6 +264,17 @@ def web():
         "/page": (200, "text/html", b"<html><body>a page</body></html>"),
     }
 
+    import gzip
+    import zlib
+
+    def gzip_stream(chunks) -> bytes:
+        packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+        return b"".join(packer.compress(c) for c in chunks) + packer.flush()
+
+    zipped = {"/gzipped.txt": gzip.compress(b"squeezed notes\n"),
+              "/bomb": gzip.compress(gzip_stream(bytes(1 << 20) for _ in range(256)))}  # 256 MB of zeros
+    requested, done = threading.Event(), threading.Event()
+
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
             pass
@@ -267,6 +287,24 @@ def web():
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+            elif self.path in ("/gzipped.txt", "/bomb"):  # (once; twice, inflating past every bound)
+                body = zipped[self.path]
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Encoding", "gzip" if self.path == "/gzipped.txt" else "gzip, gzip")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            elif self.path == "/drip":  # (a header a byte at a time, never done)
+                requested.set()
+                self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+                try:
+                    while not done.is_set():
+                        self.wfile.write(b"X")
+                        self.wfile.flush()
+                        done.wait(0.2)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
             elif self.path in ("/moved", "/loop"):
                 self.send_response(302)
                 self.send_header("Location", "/notes.txt" if self.path == "/moved" else "/loop")
@@ -292,7 +330,8 @@ def web():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
+    yield Web(f"http://127.0.0.1:{server.server_address[1]}", requested)
+    done.set()
     server.shutdown()
     server.server_close()
 
@@ -352,3 +391,44 @@ def test_a_template_with_a_slot_for_documents_gets_the_files_there(quipu, tiny_m
     shown = r.stdout.decode()
     assert r.returncode == 0 and shown.count("4417") == 1 and shown.count("the door is red") == 1, shown
     assert "<file" not in shown
+
+
+def test_a_compressed_body_is_read_and_one_that_inflates_past_the_bound_is_refused(web):
+    from quipu.app.attachments import read_attachment
+
+    assert read_attachment(f"{web}/gzipped.txt").data == b"squeezed notes\n"
+    with pytest.raises(UsageError, match="larger than 32 MB"):
+        read_attachment(f"{web}/bomb")  # (a few hundred KB sent, inflated a piece at a time)
+
+
+def test_a_server_that_drips_its_headers_meets_the_deadline(web):
+    from quipu.engine.http import ServerError, download
+
+    with pytest.raises(ServerError, match="took more than 1 s"):
+        download(f"{web}/drip", 1 << 20, timeout=1.0)
+
+
+def test_sigterm_and_ctrl_c_are_acted_on_while_an_attachment_is_waited_for(home, tiny_model, web, tmp_path):
+    import signal
+    import threading
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ["QUIPU_HOME"] = str(home)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for source, signum in ((f"{web}/drip", signal.SIGTERM), (str(fifo), signal.SIGTERM), (str(fifo), signal.SIGINT)):
+        web.requested.clear()
+        p = subprocess.Popen([sys.executable, "-m", "quipu", "run", "-m", tiny_model, "-a", source, "hi"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=environ)
+        writer = []
+        if source == str(fifo):  # (open for writing returns once quipu has it open, waiting to read)
+            opened = threading.Thread(target=lambda: writer.append(os.open(fifo, os.O_WRONLY)), daemon=True)
+            opened.start()
+            opened.join(120)
+        else:
+            assert web.requested.wait(120)
+        p.send_signal(signum)
+        out, err = p.communicate(timeout=60)
+        for fd in writer:
+            os.close(fd)
+        assert p.returncode == 130 and b"Traceback" not in err and out == b"", (source, err.decode())

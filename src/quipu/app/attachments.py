@@ -15,7 +15,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from quipu.errors import UsageError
 
@@ -97,14 +97,15 @@ def check_room(held: Sequence[Attachment], what: str = "a message") -> None:
     check_total(held, what)
 
 
-def read_attachments(names: Sequence[str]) -> list[Attachment]:
-    """Each file or URL of `--attach`, read in turn within the bounds of one message."""
+def read_attachments(names: Sequence[str], stopped: Callable[[], bool] = lambda: False) -> list[Attachment]:
+    """Each file or URL of `--attach`, read in turn within the bounds of one message; `stopped`
+    (Ctrl-C, SIGTERM) is acted on while any of them is waited for."""
     if len(names) > MAX_ATTACHMENTS:
         raise UsageError(f"a message carries at most {MAX_ATTACHMENTS} attachments; {len(names)} were given")
     found: list[Attachment] = []
     for name in names:
         check_room(found)
-        found.append(read_attachment(name))
+        found.append(read_attachment(name, stopped))
     check_total(found)
     return found
 
@@ -114,16 +115,16 @@ def check_total(held: Sequence[Attachment], what: str = "a message") -> None:
         raise UsageError(f"{what} carries at most {MAX_ATTACHED_BYTES >> 20} MB of attachments in all")
 
 
-def read_attachment(name: str) -> Attachment:
+def read_attachment(name: str, stopped: Callable[[], bool] = lambda: False) -> Attachment:
     """The file the user attached (a path, or an http(s) URL); a one-line error when it cannot be
     read, is larger than `MAX_ATTACHMENT_BYTES`, is not a kind quipu takes, or is not what its
-    name (or its server) says."""
+    name (or its server) says. It is read in a thread of its own (a FIFO, a slow disk, a server
+    may keep it waiting), so `stopped` is acted on meanwhile: `Interrupted`."""
     if name.startswith(("http://", "https://")):
-        return _fetched(name)
+        return _fetched(name, stopped)
     path = Path(name).expanduser()
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_ATTACHMENT_BYTES + 1)
+        data = _waited(lambda: _read_file(path), stopped, f"stopped while {path} was read")
     except IsADirectoryError:
         raise UsageError(f"cannot attach {path}: it is a folder, not a file") from None
     except OSError as exc:
@@ -133,7 +134,38 @@ def read_attachment(name: str) -> Attachment:
     return attachment_of(path.name, data)
 
 
-def _fetched(url: str) -> Attachment:
+def _read_file(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(MAX_ATTACHMENT_BYTES + 1)
+
+
+def _waited(work: Callable[[], bytes], stopped: Callable[[], bool], said: str) -> bytes:
+    """`work()`'s result, waited for in this thread while a thread of its own does it, `stopped`
+    asked as it is waited for (an Interrupted; the work is left to end with the process)."""
+    import threading
+
+    from quipu.errors import Interrupted
+
+    outcome: list[bytes | BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(work())
+        except BaseException as exc:  # (handed to the waiter)
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.05)
+        if stopped() and worker.is_alive():
+            raise Interrupted(said)
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
+
+
+def _fetched(url: str, stopped: Callable[[], bool] = lambda: False) -> Attachment:
     """An attachment given by URL: fetched within the bounds a file has, what its server says it
     is checked against what its bytes are."""
     from urllib.parse import unquote, urlsplit
@@ -142,7 +174,7 @@ def _fetched(url: str) -> Attachment:
 
     parts = urlsplit(url)
     name = unquote(parts.path.rstrip("/").rsplit("/", 1)[-1]) or parts.hostname or url
-    data, content_type = download(url, MAX_ATTACHMENT_BYTES)
+    data, content_type = download(url, MAX_ATTACHMENT_BYTES, stopped=stopped)
     found = attachment_of(name, data)
     said = content_type.split(";")[0].strip().lower()
     if found.kind is TEXT:

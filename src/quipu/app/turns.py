@@ -108,7 +108,7 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     the result is out."""
     with closing(open_host(opts.server)) as host:
         check_options(opts.asked, opts.mode, host.capabilities)
-        files, media = attached(opts, host.capabilities)
+        files, media = attached(opts, host.capabilities, sink.stopped)
         tools = open_tools(opts.tool_options, env, constrained=opts.constrained, stopped=sink.stopped,
                            on_output=hooks.on_output if hooks is not None else None)
         try:
@@ -128,7 +128,7 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     return result
 
 
-def attached(opts: TurnOptions, host: Capabilities) -> tuple[list, list]:
+def attached(opts: TurnOptions, host: Capabilities, stopped: Callable[[], bool] = lambda: False) -> tuple[list, list]:
     """The text files and the images and recordings `--attach` gives (`attachments.Attachment`),
     all read, and refused in one line, before the model is loaded; `compose` puts them in the
     message."""
@@ -136,7 +136,7 @@ def attached(opts: TurnOptions, host: Capabilities) -> tuple[list, list]:
         return [], []
     from quipu.app.attachments import read_attachments, split_media
 
-    files, media = split_media(read_attachments(opts.attach))
+    files, media = split_media(read_attachments(opts.attach, stopped))
     if media:
         host.require("media")
         for medium in media:

@@ -217,37 +217,102 @@ class ServerClient:
             yield held.rstrip(b"\r").decode("utf-8", "replace")
 
 
-def download(url: str, max_bytes: int, timeout: float = 60.0) -> tuple[bytes, str]:
+def download(url: str, max_bytes: int, timeout: float = 60.0,
+             stopped: Callable[[], bool] = lambda: False) -> tuple[bytes, str]:
     """A file from the web (an attachment given by URL): its bytes and its content type, read
-    within `max_bytes` and `timeout` seconds in all, redirects followed (five at most). Too large
-    is a UsageError; a failure on the way a ServerError; each one line."""
+    within `max_bytes` (decoded: a body sent compressed, once or many times, is inflated a piece
+    at a time and given up past the bound) and `timeout` seconds in all, its headers included,
+    redirects followed (five at most). It is fetched in a thread of its own, so that the caller
+    acts on `stopped` (Ctrl-C, SIGTERM) and the deadline whatever the server does. Too large is
+    a UsageError; a failure on the way a ServerError; each one line; stopped, `Interrupted`."""
+    import threading
+
     import httpx
 
     from quipu import __version__
+    from quipu.errors import Interrupted
+
+    client = httpx.Client(follow_redirects=True, max_redirects=5, timeout=httpx.Timeout(timeout, connect=10.0),
+                          headers={"User-Agent": f"quipu/{__version__}", "Accept-Encoding": "identity"})
+    outcome: list[Any] = []
+
+    def fetch() -> None:
+        try:
+            outcome.append(_fetch(client, url, max_bytes))
+        except BaseException as exc:  # (handed to the caller)
+            outcome.append(exc)
+
+    worker = threading.Thread(target=fetch, daemon=True)
+    worker.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while worker.is_alive():
+            worker.join(0.05)
+            if stopped():
+                raise Interrupted(f"stopped while {url} was fetched")
+            if time.monotonic() > deadline and worker.is_alive():
+                raise ServerError(f"cannot attach {url}: it took more than {timeout:g} s to come")
+    finally:
+        if worker.is_alive():
+            try:
+                client.close()  # (the worker's read ends with an error nobody waits for)
+            except Exception:  # noqa: BLE001 - closed from another thread: whatever it says
+                pass
+    client.close()
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
+
+
+# A body's content encodings quipu inflates itself (zlib's window bits for each).
+_ENCODINGS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
+_PIECE = 64 << 10  # the most one step of inflating makes
+
+
+def _fetch(client, url: str, max_bytes: int) -> tuple[bytes, str]:
+    import zlib
+
+    import httpx
+
     from quipu.errors import UsageError
 
     too_large = UsageError(f"cannot attach {url}: it is larger than {max_bytes >> 20} MB")
-    deadline = time.monotonic() + timeout
     try:
-        with httpx.Client(follow_redirects=True, max_redirects=5, timeout=httpx.Timeout(timeout, connect=10.0),
-                          headers={"User-Agent": f"quipu/{__version__}"}) as client:
-            with client.stream("GET", url) as response:
-                if response.status_code >= 400:
-                    raise ServerError(f"cannot attach {url}: it answered {response.status_code} "
-                                      f"{response.reason_phrase}".rstrip(), status=response.status_code)
-                declared = response.headers.get("content-length", "")
-                if declared.isdigit() and int(declared) > max_bytes:
-                    raise too_large
-                data = bytearray()
-                for chunk in response.iter_bytes():
-                    data += chunk
+        with client.stream("GET", url) as response:
+            if response.status_code >= 400:
+                raise ServerError(f"cannot attach {url}: it answered {response.status_code} "
+                                  f"{response.reason_phrase}".rstrip(), status=response.status_code)
+            encodings = [e.strip().lower() for e in response.headers.get("content-encoding", "").split(",")
+                         if e.strip() and e.strip().lower() != "identity"]
+            unknown = [e for e in encodings if e not in _ENCODINGS]
+            if unknown or len(encodings) > 4:
+                raise ServerError(f"cannot attach {url}: it is sent in an encoding quipu does not read "
+                                  f"({', '.join(encodings)[:80]})")
+            declared = response.headers.get("content-length", "")
+            if not encodings and declared.isdigit() and int(declared) > max_bytes:
+                raise too_large
+            layers = [zlib.decompressobj(_ENCODINGS[e]) for e in reversed(encodings)]
+            data = bytearray()
+
+            def take(i: int, piece: bytes) -> None:
+                """`piece` through layer i and those after it, into `data`, a bounded step at a time."""
+                if i == len(layers):
+                    data.extend(piece)
                     if len(data) > max_bytes:
                         raise too_large
-                    if time.monotonic() > deadline:
-                        raise ServerError(f"cannot attach {url}: it took more than {timeout:g} s to come")
-                return bytes(data), response.headers.get("content-type", "")
+                    return
+                while piece:
+                    out = layers[i].decompress(piece, _PIECE)
+                    take(i + 1, out)
+                    piece = layers[i].unconsumed_tail
+
+            for chunk in response.iter_raw():
+                take(0, chunk)
+            return bytes(data), response.headers.get("content-type", "")
     except httpx.TooManyRedirects:
         raise ServerError(f"cannot attach {url}: it redirects more than five times") from None
+    except zlib.error:
+        raise ServerError(f"cannot attach {url}: its compressed body is damaged") from None
     except httpx.HTTPError as exc:
         raise ServerError(f"cannot attach {url}: {_reason(exc)}") from None
 
