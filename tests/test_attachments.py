@@ -420,9 +420,9 @@ def test_sigterm_and_ctrl_c_are_acted_on_while_an_attachment_is_waited_for(home,
         web.requested.clear()
         p = subprocess.Popen([sys.executable, "-m", "quipu", "run", "-m", tiny_model, "-a", source, "hi"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=environ)
-        writer = []
+        writer: list[int] = []
         if source == str(fifo):  # (open for writing returns once quipu has it open, waiting to read)
-            opened = threading.Thread(target=lambda: writer.append(os.open(fifo, os.O_WRONLY)), daemon=True)
+            opened = threading.Thread(target=lambda held=writer: held.append(os.open(fifo, os.O_WRONLY)), daemon=True)
             opened.start()
             opened.join(120)
         else:
