@@ -5,7 +5,9 @@ ETag and checksum headers, ranged GETs), serving files the tests make. Repositor
 (bytes that do not match the checksum), `stall_at` (stop sending after that many bytes of a file
 until `release` is set; `stalled` is set when it happens), `sizes` (a size to advertise for a file
 instead of its own), `commit` and `etag` (the version and checksum to name), `listing` (the bytes to
-answer any listing with). Every GET's Range is kept in `ranges`, and the
+answer any listing with, or a function of the page's address giving (bytes, the next page's
+address)), `move` ((after how many files served, the repositories then, the new commit): a
+repository that moves to a new version in the middle of a pull). Every GET's Range is kept in `ranges`, and the
 file of every HEAD in `heads`. The search (`/api/models?search=`) finds the repositories with a GGUF
 file whose name holds the text, most `downloads` (a count a repository) first, as the Hub orders them,
 and answers `found` instead when a test sets it."""
@@ -27,6 +29,14 @@ class Hub(BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:
         pass
 
+    def setup(self) -> None:
+        super().setup()
+        import socket
+
+        # (headers and body go in two writes: without this, each answer on a kept connection waits
+        # for the client's delayed acknowledgement, 40 ms)
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     def do_HEAD(self) -> None:
         self.route(head=True)
 
@@ -39,6 +49,16 @@ class Hub(BaseHTTPRequestHandler):
         parts = path.strip("/").split("/")
         if parts == ["api", "models"]:
             return self.search(parse_qs(urlsplit(self.path).query))
+        if parts[:2] == ["api", "models"] and "revision" in parts:
+            repo = "/".join(parts[2:parts.index("revision")])
+            if repo not in server.repos:
+                return self.send(404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"})
+            return self.send(200, json.dumps({"id": repo, "sha": server.commit}).encode(),
+                             {"Content-Type": "application/json"})
+        if parts[:2] == ["api", "models"] and "tree" in parts and callable(server.listing):
+            body, following = server.listing(self.path)
+            return self.send(200, body, {"Content-Type": "application/json",
+                                         **({"Link": f'<{server.url}{following}>; rel="next"'} if following else {})})
         if parts[:2] == ["api", "models"] and "tree" in parts and server.listing is not None:
             return self.send(200, server.listing, {"Content-Type": "application/json"})
         if parts[:2] == ["api", "models"] and "tree" in parts:
@@ -67,6 +87,10 @@ class Hub(BaseHTTPRequestHandler):
             data = files[name]
             if head:
                 server.heads.append(name)
+            if server.move is not None and head and len(server.heads) > server.move[0]:
+                server.repos, server.commit = server.move[1], server.move[2]
+                files = server.repos[repo]
+                data = files.get(name, data)
             digest = hashlib.sha256(data).hexdigest()
             server.blobs[digest] = data
             headers = {"X-Repo-Commit": server.commit, "X-Linked-Etag": server.etag or f'"{digest}"',
@@ -130,7 +154,7 @@ class Hub(BaseHTTPRequestHandler):
             self.send_header(k, v)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        if not head:
+        if not head and self.command != "HEAD":  # (a HEAD's answer has no body, whatever it says)
             self.wfile.write(body)
 
 
@@ -139,7 +163,7 @@ def start_hub(repos: dict[str, dict[str, bytes]]):
     server.daemon_threads = True
     server.repos, server.gated, server.blobs, server.token = repos, set(), {}, "hf_a-good-token"
     server.corrupt, server.stall_at, server.ranges, server.heads = False, None, [], []
-    server.sizes, server.commit, server.etag, server.listing = {}, COMMIT, None, None
+    server.sizes, server.commit, server.etag, server.listing, server.move = {}, COMMIT, None, None, None
     server.stalled, server.release = threading.Event(), threading.Event()
     server.downloads, server.searches, server.found = {}, [], None
     threading.Thread(target=server.serve_forever, daemon=True).start()

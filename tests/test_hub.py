@@ -448,3 +448,85 @@ def test_models_search_lists_gguf_repositories_most_downloaded_first(quipu, gemm
                                        "others": []}]
     bad = quipu("models", "search", "x", "--limit", "0", env=env)
     assert bad.returncode == 2 and "--limit must be from 1 to 100" in bad.stderr.decode()
+
+
+# ---- listings bounded in pages and bytes, pulls of one version --------------------------------
+
+def test_a_listing_that_pages_forever_or_sends_a_huge_page_is_one_line(quipu, hub, hub_env):
+    asked = []
+
+    def empty_forever(path):
+        asked.append(path)
+        return b"[]", f"/api/models/tiny/Tiny-GGUF/tree/x?cursor={len(asked)}"
+
+    hub.listing = empty_forever
+    r = quipu("models", "pull", "tiny/Tiny-GGUF", env=hub_env)
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "an empty page of the listing" in err and len(err.splitlines()) == 1, err
+    assert len(asked) == 1
+
+    def one_entry_forever(path):
+        asked.append(path)
+        return (json.dumps([{"type": "file", "path": f"f{len(asked)}.txt", "size": 1}]).encode(),
+                f"/api/models/tiny/Tiny-GGUF/tree/x?cursor={len(asked)}")
+
+    hub.listing = one_entry_forever
+    r = quipu("models", "pull", "tiny/Tiny-GGUF", env=hub_env)
+    assert r.returncode == 1 and "runs past 200 pages" in r.stderr.decode(), r.stderr.decode()
+
+    hub.listing = b"[" + b'{"type": "file", "path": "x.txt", "size": 1},' * 400_000 + b"{}]"  # ~18 MB
+    r = quipu("models", "pull", "tiny/Tiny-GGUF", env=hub_env)
+    assert r.returncode == 1 and "a listing of 'tiny/Tiny-GGUF' larger than 16 MB" in r.stderr.decode()
+    assert hub.ranges == []  # nothing was fetched
+
+
+def test_a_pull_is_of_one_version_or_refused(quipu, hub, hub_env, files):
+    moved = {**hub.repos, "tiny/Split-GGUF": {
+        f"split-Q8_0-0000{i}-of-00003.gguf": part + b"\0" for i, part in enumerate(files["parts"], 1)}}
+    hub.move = (1, moved, "feedfacefeedfacefeedfacefeedfacefeedface")  # (after the first part)
+    r = quipu("models", "pull", "tiny/Split-GGUF", env=hub_env)
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "moved to another version while it was pulled" in err and "pull again" in err, err
+    listed = json.loads(quipu("models", "list", "--json", env=hub_env).stdout)
+    assert not any("Split" in m["name"] for m in listed)  # not reported as pulled
+    hub.move = None
+    again = quipu("models", "pull", "tiny/Split-GGUF", env=hub_env)  # now at the new version, whole
+    assert again.returncode == 0, again.stderr.decode()
+    r = quipu("run", "-m", "hf:tiny/Split-GGUF", "-n", "2", "hi", env=hub_env)
+    assert r.returncode == 0, r.stderr.decode()
+
+
+def test_a_pull_waiting_for_another_says_so(quipu, hub, hub_env):
+    import fcntl
+    import threading
+
+    first = quipu("models", "pull", "tiny/Tiny-GGUF", env=hub_env)
+    assert first.returncode == 0
+    for blob in cached_blobs(hub_env):  # (gone: the next pull fetches it again, and must take its lock)
+        blob.unlink()
+    locks = sorted(p for p in __import__("pathlib").Path(hub_env["HF_HUB_CACHE"]).rglob(".locks/**/*.lock"))
+    assert locks
+    held = [os.open(p, os.O_RDWR) for p in locks]
+    for fd in held:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ.update(hub_env, QUIPU_HOME=str(hub_env["HF_HUB_CACHE"]) + "-home")
+    p = subprocess.Popen([sys.executable, "-m", "quipu", "models", "pull", "tiny/Tiny-GGUF"], env=environ,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    said: list[bytes] = []
+
+    def read_until_waiting() -> None:
+        while not said or b"under way" not in said[-1]:
+            line = p.stderr.readline()
+            if not line:
+                return
+            said.append(line)
+
+    reader = threading.Thread(target=read_until_waiting, daemon=True)
+    reader.start()
+    reader.join(120)
+    assert said and b"another download of tiny-Q4_K_M.gguf is under way" in said[-1], said
+    for fd in held:
+        os.close(fd)  # (the other pull is done: this one goes on)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err.decode()

@@ -24,9 +24,10 @@ import json
 import math
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from quipu.errors import QuipuError, UsageError
 from quipu.models import is_projector
@@ -89,6 +90,7 @@ class PullPlan:
     others: list[str] = field(default_factory=list)  # the repository's other quantizations
     template: str | None = None  # a chat template file the repository has
     projector: HubFile | None = None  # the projector (mmproj) for images and audio the repository has
+    commit: str = ""  # the version its listing is of, which every file is fetched at
 
     @property
     def size(self) -> int:
@@ -220,32 +222,99 @@ def _size(value: object, repo: str, path: str) -> int:
     return value
 
 
-def plan_pull(ref: HubRef) -> PullPlan:
-    """What pulling `ref` would fetch, asked of the Hub; every path it lists checked first."""
-    from huggingface_hub import HfApi
+MAX_PAGES = 200  # pages a listing may take (the Hub's hold a thousand entries each)
+MAX_PAGE_BYTES = 16 << 20  # the largest page of a listing (the Hub's are a few hundred KB)
 
-    entries = []
+
+def _get_json(repo: str, url: str, params: dict | None, what: str) -> tuple[Any, str | None]:
+    """(the JSON a Hub API answers at `url`, read within MAX_PAGE_BYTES, the next page's address)."""
+    from huggingface_hub.utils import build_hf_headers, get_session
+
+    headers = build_hf_headers(token=os.environ.get("HF_TOKEN") or None)
+    with get_session().stream("GET", url, params=params, headers=headers, timeout=60.0) as r:
+        if r.status_code >= 400:
+            code = r.headers.get("X-Error-Code", "")
+            if code == "GatedRepo" or r.status_code in (401, 403):
+                raise HubError(f"'{repo}' is gated: accept its terms on the Hub, then set HF_TOKEN to a token of that "
+                               "account")
+            if code == "RepoNotFound" or r.status_code == 404:
+                hint = "" if os.environ.get("HF_TOKEN") else " (a private one needs HF_TOKEN)"
+                raise UsageError(f"there is no model repository '{repo}' on {endpoint()}{hint}")
+            raise HubError(f"{endpoint()} answered {r.status_code} for '{repo}'")
+        body = bytearray()
+        for chunk in r.iter_bytes():
+            body += chunk
+            if len(body) > MAX_PAGE_BYTES:
+                raise HubError(f"{endpoint()} answered {what} of '{repo}' larger than {MAX_PAGE_BYTES >> 20} MB; "
+                               "nothing was fetched")
+        following = r.links.get("next", {}).get("url")
+    try:
+        return json.loads(body), following
+    except ValueError:
+        raise HubError(f"{endpoint()} answered {what} of '{repo}' that cannot be read; nothing was fetched") from None
+
+
+def _head_commit(repo: str) -> str:
+    """The version the repository's main branch is at now, which a pull is pinned to."""
+    from urllib.parse import quote
+
+    from huggingface_hub import constants
+
+    found, _ = _get_json(repo, f"{endpoint()}/api/models/{repo}/revision/{quote(constants.DEFAULT_REVISION, safe='')}",
+                         {"expand[]": "sha"}, "what it knows")
+    commit = found.get("sha") if isinstance(found, dict) else None
+    if not isinstance(commit, str) or not commit:
+        raise HubError(f"{endpoint()} did not say which version of '{repo}' it serves; nothing was fetched")
+    if not PLAIN_NAME.fullmatch(commit):
+        raise HubError(f"{endpoint()} gave '{repo}' a version that is not a plain name ({commit[:80]!r}); "
+                       "nothing was fetched")
+    return commit
+
+
+def _tree(repo: str, commit: str) -> list[dict]:
+    """Every entry of the repository's listing at `commit`, its pages followed and bounded: in
+    number, in bytes each, in entries in all, and a page with nothing on it that points to
+    another refused (a listing that pages forever)."""
+    url: str | None = f"{endpoint()}/api/models/{repo}/tree/{commit}"
+    params: dict | None = {"recursive": "true"}
+    entries: list[dict] = []
+    pages = 0
+    while url is not None:
+        pages += 1
+        if pages > MAX_PAGES:
+            raise HubError(f"the listing of '{repo}' runs past {MAX_PAGES:,} pages; nothing was fetched")
+        page, url = _get_json(repo, url, params, "a listing")
+        params = None  # (the next page's address holds them)
+        if not isinstance(page, list) or not all(isinstance(e, dict) for e in page):
+            raise HubError(f"{endpoint()} answered a listing of '{repo}' that cannot be read; nothing was fetched")
+        if not page and url is not None:
+            raise HubError(f"{endpoint()} answered an empty page of the listing of '{repo}' that points to another; "
+                           "nothing was fetched")
+        entries += page
+        if len(entries) > MAX_LISTING:
+            raise HubError(f"'{repo}' lists more than {MAX_LISTING:,} files; nothing was fetched")
+    return entries
+
+
+def plan_pull(ref: HubRef) -> PullPlan:
+    """What pulling `ref` would fetch, asked of the Hub at the version its main branch is at now
+    (every file is fetched at that version); every path it lists checked first."""
     with _HubErrors(ref.repo):
         reach_hub()
-        try:
-            for entry in HfApi().list_repo_tree(ref.repo, recursive=True):
-                entries.append(entry)
-                if len(entries) > MAX_LISTING:
-                    raise HubError(f"'{ref.repo}' lists more than {MAX_LISTING:,} files; nothing was fetched")
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # (what the client makes of a bad listing)
-            raise HubError(f"{endpoint()} answered a listing of '{ref.repo}' that cannot be read "
-                           f"({type(exc).__name__}); nothing was fetched") from None
+        commit = _head_commit(ref.repo)
+        entries = _tree(ref.repo, commit)
     files = []
     for e in entries:
-        path = repository_path(getattr(e, "path", None), ref.repo)
-        if hasattr(e, "size"):
-            lfs = getattr(e, "lfs", None)
-            sha = getattr(lfs, "sha256", None) if lfs else None
-            files.append(HubFile(path, _size(e.size, ref.repo, path), sha if isinstance(sha, str) else None))
+        path = repository_path(e.get("path"), ref.repo)
+        if e.get("type", "file") == "file":
+            lfs = e.get("lfs")
+            sha = lfs.get("oid") if isinstance(lfs, dict) else None
+            files.append(HubFile(path, _size(e.get("size"), ref.repo, path), sha if isinstance(sha, str) else None))
     plan = choose(ref.repo, files, ref.quant)
     paths = {f.path for f in files}
     plan.template = next((t for t in TEMPLATE_FILES if t in paths), None)
     plan.projector = projector_of(files, plan.files[0].path)
+    plan.commit = commit
     return plan
 
 
@@ -328,7 +397,7 @@ ProgressFn = Callable[[str, int, int], None]  # (file, bytes so far, bytes in al
 
 
 def pull(ref: HubRef, env, *, on_plan: Callable[[PullPlan], None] | None = None,
-         on_progress: ProgressFn | None = None) -> PulledModel:
+         on_progress: ProgressFn | None = None, on_wait: Callable[[str], None] | None = None) -> PulledModel:
     """Pulls `ref` into the Hugging Face cache (files already there are not fetched again) and
     records it; the model, with the path to load."""
     plan = plan_pull(ref)
@@ -336,10 +405,15 @@ def pull(ref: HubRef, env, *, on_plan: Callable[[PullPlan], None] | None = None,
         on_plan(plan)
     cache = hub_cache()
     paths, blobs, revision = [], [], ""
-    for f in plan.files:
-        path, blob, revision = fetch(plan.repo, f, cache, on_progress)
-        paths.append(path)
-        blobs.append(str(blob))
+    try:
+        for f in plan.files:
+            path, blob, revision = fetch(plan.repo, f, cache, on_progress, plan.commit, on_wait)
+            paths.append(path)
+            blobs.append(str(blob))
+    except HubError:
+        for link in paths:  # (a model of some of its parts is no model: not left to be found)
+            link.unlink(missing_ok=True)
+        raise
     with open(paths[0], "rb") as head:
         if head.read(4) != GGUF_MAGIC:
             for stored in blobs:
@@ -349,12 +423,12 @@ def pull(ref: HubRef, env, *, on_plan: Callable[[PullPlan], None] | None = None,
             raise HubError(f"{plan.files[0].path} of '{plan.repo}' is not a GGUF file; it was removed")
     template, extras = None, []
     if plan.projector is not None:  # (beside the model in the snapshot: `run -a IMAGE` finds it there)
-        _, projector_blob, _ = fetch(plan.repo, plan.projector, cache, on_progress)
+        _, projector_blob, _ = fetch(plan.repo, plan.projector, cache, on_progress, plan.commit, on_wait)
         extras.append(plan.projector.path)
         blobs.append(str(projector_blob))
     if plan.template is not None:
         try:
-            link, template_blob, _ = fetch(plan.repo, HubFile(plan.template, 0, None), cache, None)
+            link, template_blob, _ = fetch(plan.repo, HubFile(plan.template, 0, None), cache, None, plan.commit)
             template = repository_template(plan.repo, link, env)
             extras.append(plan.template)
             blobs.append(str(template_blob))
@@ -411,27 +485,37 @@ def _gb(n: int) -> str:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on `path` (a pull of the same file in another process waits for it)."""
+def _locked(path: Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    """An exclusive lock on `path` (a pull of the same file in another process waits for it,
+    `on_wait` told first)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        flock_until(fd, math.inf)
+        if not flock_until(fd, time.monotonic()):
+            if on_wait is not None:
+                on_wait()
+            flock_until(fd, math.inf)
         yield
     finally:
         os.close(fd)
 
 
-def fetch(repo: str, f: HubFile, cache: Path, on_progress: ProgressFn | None) -> tuple[Path, Path, str]:
-    """One file of `repo` into the cache: (its snapshot path, its blob, the commit). A partial
-    download is kept as `BLOB.incomplete` and continued with a range request next time; two
-    pulls of one file take turns (the Hub client's `.locks/`)."""
+def fetch(repo: str, f: HubFile, cache: Path, on_progress: ProgressFn | None, commit: str,
+          on_wait: Callable[[str], None] | None = None) -> tuple[Path, Path, str]:
+    """One file of `repo` at version `commit` into the cache: (its snapshot path, its blob, the
+    commit). A partial download is kept as `BLOB.incomplete` and continued with a range request
+    next time; two pulls of one file take turns (the Hub client's `.locks/`: `on_wait` is told
+    when this one waits for another)."""
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
     from huggingface_hub.file_download import repo_folder_name
 
     with _HubErrors(repo):
-        meta = get_hf_file_metadata(hf_hub_url(repo, f.path), token=os.environ.get("HF_TOKEN") or None)
+        meta = get_hf_file_metadata(hf_hub_url(repo, f.path, revision=commit),
+                                    token=os.environ.get("HF_TOKEN") or None)
         if not meta.commit_hash or not meta.etag:
             raise HubError(f"{endpoint()} did not say which version of {f.path} it serves")
+        if meta.commit_hash != commit:
+            raise HubError(f"'{repo}' moved to another version while it was pulled ({f.path} came at "
+                           f"{meta.commit_hash[:12]}, its listing at {commit[:12]}); nothing was recorded: pull again")
         for what, value in (("version", meta.commit_hash), ("checksum", meta.etag)):
             if not PLAIN_NAME.fullmatch(value):
                 raise HubError(f"{endpoint()} gave {f.path} of '{repo}' a {what} that is not a plain name "
@@ -449,7 +533,9 @@ def fetch(repo: str, f: HubFile, cache: Path, on_progress: ProgressFn | None) ->
             # (where the Hub's own client locks a blob, so that its downloads and quipu's take turns too)
             lock = cache / ".locks" / folder.name / f"{meta.etag}.lock"
             lock.parent.mkdir(parents=True, exist_ok=True)
-            with _locked(lock):
+            with _locked(lock, lambda: on_wait(f"another download of {f.path} is under way (another quipu, or the "
+                                                 "Hugging Face client); waiting for it to finish (Ctrl-C stops)")
+                         if on_wait is not None else None):
                 if not blob.exists():  # (another pull may have finished it while this one waited)
                     _download(repo, f, meta, partial, size, on_progress)
                     os.replace(partial, blob)

@@ -30,7 +30,7 @@ def pull(text: str, env, term: Terminal):
         bar.total = size
 
     try:
-        model = pull_model(ref, env, on_plan=on_plan, on_progress=bar)
+        model = pull_model(ref, env, on_plan=on_plan, on_progress=bar, on_wait=term.warn)
     finally:
         bar.close()
     return model
