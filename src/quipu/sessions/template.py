@@ -8,7 +8,8 @@ import functools
 import json
 import os
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Sequence
+import re
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from quipu.engine.base import MEDIA_MARK, Backend
 from quipu.errors import TemplateError
@@ -263,6 +264,42 @@ class _Deadline:
             self._signal = None
 
 
+# A format's width or precision past what a template could need (a field of a million characters).
+_WIDE = re.compile(r"%[-#0 +]*(?:\d{7,}|\d*\.\d{7,})|\{[^{}]*:[^{}]*\d{7,}[^{}]*\}")
+
+
+def _check_step(obj: Any, args: tuple, kwargs: dict) -> None:
+    """Refuses a call that would make a value past MAX_OUTPUT in one step, which no deadline
+    can interrupt (Python's own string code): a count or width that large (`center`, `ljust`,
+    `indent`, a format's `*`), a format string that asks for one, a replacement that multiplies
+    a text past it."""
+    values = (*args, *kwargs.values())
+    if any(isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_OUTPUT for v in values):
+        raise TemplateError(f"the chat template asks for a count or size past {MAX_OUTPUT:,} in one step")
+    bound = getattr(obj, "__wrapped__", obj)  # (the sandbox wraps `str.format`)
+    texts = [v for v in (getattr(bound, "__self__", None), *values) if isinstance(v, str)]
+    if any(_WIDE.search(t) for t in texts if "%" in t or "{" in t):
+        raise TemplateError(f"the chat template formats a field wider than {MAX_OUTPUT:,} characters")
+    name = getattr(obj, "__name__", obj)
+    if name == "replace" and len(texts) >= 3:
+        text, old, new = texts[0], texts[1], texts[2]
+        grows = (text.count(old) if old else len(text) + 1) * max(0, len(new) - len(old))
+        if len(text) + grows > MAX_OUTPUT + len(text):
+            raise TemplateError(f"the chat template makes a value longer than {MAX_OUTPUT:,}")
+
+
+def _checked_filter(name: str, f: Callable) -> Callable:
+    """A filter that checks its arguments as a call does (`_check_step`), marked as `f` is."""
+    def checked(*args, **kwargs):
+        given = [a for a in args if isinstance(a, (str, int))]  # (a context or environment passed first is not)
+        if given and isinstance(given[0], int):
+            given = given[1:]  # (the value filtered: a number of its own, not a count to make)
+        _check_step(name, tuple(given), kwargs)
+        return f(*args, **kwargs)
+
+    return functools.update_wrapper(checked, f)
+
+
 def _budgeted_range(*args):
     """`range`, drawing on the render's budget of numbers (the sandbox bounds each range alone)."""
     from jinja2.sandbox import safe_range
@@ -318,9 +355,10 @@ def _environment():
             return caller()
 
     class Bounded(ImmutableSandboxedEnvironment):
-        """The sandbox, with `*` and `**` kept from making values no template needs."""
+        """The sandbox, with `*`, `**` and `%` kept from making values no template needs, and every
+        call (a function, a method, `format`) checked for what would make one in a single step."""
 
-        intercepted_binops = frozenset(["*", "**"])
+        intercepted_binops = frozenset(["*", "**", "%"])
 
         def call_binop(self, context, operator, left, right):
             if operator == "*":
@@ -329,9 +367,19 @@ def _environment():
                         raise TemplateError(f"the chat template makes a value longer than {MAX_OUTPUT:,}")
             if operator == "**" and isinstance(right, int) and abs(right) > 64 and isinstance(left, int) and abs(left) > 1:
                 raise TemplateError("the chat template raises a number to a power too large")
+            if operator == "%" and isinstance(left, str):
+                _check_step("%", (left, *(right if isinstance(right, tuple) else (right,))), {})
             return super().call_binop(context, operator, left, right)
 
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805  (as Jinja names them)
+            _check_step(__obj, args, kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
+
     env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    # Filters are called without `call`, and those with constant arguments while the template
+    # compiles (Jinja folds them): each checked as a call is.
+    for name, f in list(env.filters.items()):
+        env.filters[name] = _checked_filter(name, f)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["range"] = _budgeted_range
