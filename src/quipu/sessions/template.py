@@ -371,9 +371,9 @@ def _environment():
                 _check_step("%", (left, *(right if isinstance(right, tuple) else (right,))), {})
             return super().call_binop(context, operator, left, right)
 
-        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805  (as Jinja names them)
-            _check_step(__obj, args, kwargs)
-            return super().call(__context, __obj, *args, **kwargs)
+        def call(self, context, obj, /, *args, **kwargs):  # (positional: a template's own keywords pass through)
+            _check_step(obj, args, kwargs)
+            return super().call(context, obj, *args, **kwargs)
 
     env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
     # Filters are called without `call`, and those with constant arguments while the template
