@@ -381,3 +381,23 @@ def test_a_messages_file_s_media_are_bounded_and_must_be_what_their_part_says(ho
     for path, said in cases:
         r = run_limited(home, "run", "-m", eyes / "tiny.gguf", "-n", "2", "--messages", path)
         assert said in one_line(r, 2), said
+
+
+def test_attach_on_a_full_disk_is_one_line_and_the_chat_goes_on(home, eyes):
+    from limits import small_filesystem
+
+    sessions = home / "data" / "sessions"
+    sessions.mkdir(parents=True)
+    with small_filesystem(sessions, "64k"):
+        with open(sessions / "filler", "wb", buffering=0) as f:  # (the disk full to its last block)
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError:
+                pass
+        r = run_limited(home, "chat", "-m", eyes / "tiny.gguf", "-n", "2", "-S", "full",
+                        stdin=f"/attach {eyes / 'red.png'}\n/attach\n".encode())
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "unexpected" not in err and "Traceback" not in err, err
+    assert "cannot keep the medium" in err and "No space left on device" in err, err
+    assert "nothing is attached" in err  # (the refused file does not wait for the next message)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from quipu.errors import SnapshotError
+from quipu.errors import SessionSaveError, SnapshotError
 from quipu.paths import private_dir
 from quipu.store.store import atomic_write
 from quipu.store.transcript import DIGEST
@@ -30,11 +30,14 @@ class MediaStore:
         """Keeps `data` (once: the same bytes are one file); returns its SHA-256."""
         digest = hashlib.sha256(data).hexdigest()
         path = self.path(digest)
-        if not path.is_file() or path.stat().st_size != len(data):
-            private_dir(self.root, levels=3)  # (the media folder, the sessions folder, quipu's data folder)
-            atomic_write(path, data)
-        else:
-            os.utime(path)  # (kept anew: a prune running meanwhile leaves it, see `prune`)
+        try:
+            if not path.is_file() or path.stat().st_size != len(data):
+                private_dir(self.root, levels=3)  # (the media folder, the sessions folder, quipu's data folder)
+                atomic_write(path, data)
+            else:
+                os.utime(path)  # (kept anew: a prune running meanwhile leaves it, see `prune`)
+        except OSError as exc:  # (a full disk, a read-only folder: the session stays as it was)
+            raise SessionSaveError(f"cannot keep the medium in {self.root}: {exc.strerror or exc}") from None
         return digest
 
     def get(self, digest: str) -> bytes:
