@@ -169,7 +169,7 @@ def chat(home, vision, lines: str, *args, model=None) -> list[str]:
                         "12", *args], input=lines.encode(), capture_output=True, env=env, timeout=300)
     assert r.returncode == 0 and "Traceback" not in r.stderr.decode(), r.stderr.decode()
     assert "error" not in r.stderr.decode(), r.stderr.decode()
-    return r.stdout.decode().splitlines()
+    return r.stdout.decode().split("\n")  # (a reply a line: a form feed in one is no line break)
 
 
 def session_files(home):
@@ -563,3 +563,23 @@ def test_an_image_goes_where_the_chat_template_puts_an_image_part(quipu, vision,
     r = quipu("run", "-m", vision / "tiny.gguf", "--chat-template", templates / "Qwen3.5-4B.jinja", "--ctx", "8192",
               "-a", vision / "red.png", "--show-prompt", "What is it?")
     assert r.returncode == 0 and "<__media__>" in r.stdout.decode() and "image_pad" not in r.stdout.decode()
+
+
+@pytest.mark.parametrize("kind", ["image", "audio", "mrope"])
+@pytest.mark.parametrize("sampling", [("-t", "0"), ("-t", "0.9", "--seed", "5")])
+def test_a_reply_cut_in_a_turn_with_a_medium_goes_on_as_the_uninterrupted_one(quipu, vision, hearing, mrope, kind,
+                                                                                sampling):
+    model, medium = {"image": (vision / "tiny.gguf", vision / "red.png"),
+                     "audio": (hearing / "tiny.gguf", hearing / "low.wav"),
+                     "mrope": (mrope / "tiny-vl.gguf", vision / "red.png")}[kind]
+
+    def turn(*args):
+        r = quipu("run", "-m", model, *sampling, "--json", *args)
+        assert r.returncode == 0, r.stderr.decode()
+        return json.loads(r.stdout)
+
+    whole = turn("-S", "whole", "-a", medium, "-n", "16", "What is it?")
+    cut = turn("-S", "cut", "-a", medium, "-n", "5", "What is it?")
+    more = turn("-S", "cut", "--continue", "-n", "11")  # (a new process: the session restored)
+    assert cut["text"] + more["text"] == whole["text"]
+    assert more["usage"]["cached_tokens"] == more["usage"]["prompt_tokens"] - 1  # (nothing read again)

@@ -3,7 +3,8 @@
 one (`llama.py`; its parts: sampling, `sampler.py`, whose `SamplerChain` is the native sampler
 chain of one stream of tokens; state bytes, `llama_state.py`; the rows of a batch,
 `llama_rows.py`; embeddings, `embeddings.py`; images and audio through a projector and
-llama.cpp's mtmd, `media.py`). Where a model runs: the devices and backends this llama.cpp
+llama.cpp's mtmd, `media.py`, a projector file checked before clip.cpp trusts it,
+`projector_check.py`). Where a model runs: the devices and backends this llama.cpp
 sees, through ggml's own functions (`devices.py`), and the layers placed on them, fitted to their
 free memory (`placement.py`). Beside them: llama-cpp-python's ctypes layer, loaded without its high-level API
 (`native.py`), llama.cpp's log (`logs.py`), incremental UTF-8 decoding of token pieces

@@ -158,7 +158,20 @@ def reusable(backend: Backend, held: Sequence[int], rendered: Rendered) -> tuple
     if held and bos is not None and held[0] == bos and not text.startswith(bos_text):
         best, start = (1, 0), 1  # the BOS the model adds and the template does not write
     after_control = True
-    for k in range(start, len(held)):
+    k = start
+    while k < len(held):
+        # A medium's marker in the text stands for its tokens: its projector's wrapping and its
+        # run of placeholders, held as one piece.
+        marker = MEDIA_MARK.match(text, pos) if not decoder.getstate()[0] else None
+        if marker is not None and not rendered.plain_at(pos):
+            try:
+                run = backend.media_tokens(int(marker.group(1)))
+            except LookupError:
+                run = []
+            if run and list(held[k:k + len(run)]) == run:
+                k, pos, after_control = k + len(run), marker.end(), True
+                best = (k, pos)
+                continue
         token = held[k]
         control = backend.is_control(token)
         if control:
@@ -170,12 +183,17 @@ def reusable(backend: Backend, held: Sequence[int], rendered: Rendered) -> tuple
             if not (after_control and piece.startswith(" ") and text.startswith(piece[1:], pos)):
                 break
             piece = piece[1:]
+            if not piece:
+                after_control = control
+                k += 1
+                continue  # (that space alone: the text's own tokens, read again from here, write it anew)
         after_control = control
         pos += len(piece)
+        k += 1
         if decoder.getstate()[0]:
             continue  # inside a character: no boundary here
         if (control and piece and not rendered.plain_at(pos - 1)) or piece_ends_at(pos):
-            best = (k + 1, pos)
+            best = (k, pos)
     else:
         # The held tokens end inside a character: a reply cut there shows none of it (and a
         # continuation finishes it), or shows it as U+FFFD.
