@@ -232,10 +232,14 @@ def test_a_reasoning_budget_closes_the_reasoning_and_the_model_answers(backend):
     conv.set_reasoning(budget=8)
     gen = conv.send("Why?", max_tokens=40)
     reply = session.tokens[session.reply_start:]
-    assert reply.count(close) == 1
     # (eight tokens of reasoning, then the close as the template writes it, then the model's answer)
     spelled = session.spell(reply)
     assert spelled.startswith(session.spell(reply[:8]) + "\n</think>\n\n")
+    # Reasoning the model opens again later draws on the same budget, spent: it is closed at once.
+    opener = backend.special_tokens()["<think>"]
+    again = [i for i, t in enumerate(reply) if t == opener]
+    assert reply.count(close) == 1 + len(again)
+    assert all(session.spell(reply[i + 1:]).startswith("\n</think>") for i in again)
     assert gen.answer and gen.reasoning and len(spelled) > spelled.index("</think>") + 12
 
 
@@ -353,3 +357,51 @@ def test_a_batch_splits_each_row_s_reasoning(quipu, tmp_path, backend):
     assert len(outs) == 2
     for out in outs:
         assert re.fullmatch(r"[n-z ]+", out["text"]) and re.fullmatch(r"[a-m ]+", out["reasoning"]), out
+
+
+def test_reasoning_the_model_opens_after_some_answer_is_split_and_held_to_the_budget(backend):
+    # The reply's first tokens are answer; then the model opens its reasoning (a control token):
+    # what follows is reasoning, closed after the budget, and the model answers again.
+    opener, close = backend.special_tokens()["<think>"], backend.special_tokens()["</think>"]
+    banned = [(close, float("-inf"))] + [(t, float("-inf")) for t in backend.special_tokens().values()
+                                         if backend.is_eog(t)]
+    session = InferenceSession(backend, SamplingParams(seed=4, temperature=1.0, logit_bias=banned))
+
+    def think_third(tokens, logits) -> None:
+        if len(tokens) - session.reply_start == 2:
+            logits[:] = float("-inf")
+            logits[opener] = 0.0
+
+    session.logits_processors.append(think_third)
+    conv = Conversation.start(session, template=(TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text())
+    conv.set_reasoning(budget=5)
+    gen = conv.send("Why?", max_tokens=24)
+    reply = session.tokens[session.reply_start:]
+    assert reply[2] == opener and reply.count(close) == 1
+    assert session.spell(reply[8:]).startswith("\n</think>")  # (five tokens of reasoning, then the close)
+    shown = [t for t in reply[3:8] if not backend.is_control(t)]  # (a control token's spelling is not shown)
+    assert gen.reasoning == session.spell(shown).strip()
+    assert gen.answer.startswith(session.spell(reply[:2]).strip()) and "<think>" not in gen.answer
+
+
+def test_a_reply_cut_in_its_reasoning_and_continued_closes_where_the_whole_one_does(quipu, tmp_path):
+    from tinymodel import REASONING_SPECIALS, write_tiny_gguf
+
+    model = write_tiny_gguf(tmp_path / "q.gguf", tool_specials=True, tokenizer="bpe",
+                            extra_specials=REASONING_SPECIALS + EXTRA,
+                            chat_template=(TEMPLATES / "Qwen3.5-4B.jinja").read_text())
+    common = ("-m", model, "--reasoning-budget", "9", "--seed", "7", "-t", "0.9", "--logit-bias", "</think>=-inf",
+              "--logit-bias", "<|im_end|>=-inf", "--logit-bias", "<|endoftext|>=-inf", "--json")
+
+    def turn(*args):
+        r = quipu("run", *common, *args)
+        assert r.returncode == 0, r.stderr.decode()
+        return json.loads(r.stdout)
+
+    whole = turn("-S", "whole", "-n", "20", "Why?")
+    cut = turn("-S", "cut", "-n", "4", "Why?")  # (inside its reasoning)
+    more = turn("-S", "cut", "--continue", "-n", "16")
+    assert cut["reasoning"] and not cut["text"]
+    assert (cut["reasoning"] + more["reasoning"], more["text"]) == (whole["reasoning"], whole["text"])
+    kept = json.loads(quipu("sessions", "export", "cut", "--format", "json").stdout)["messages"][-1]
+    assert kept["reasoning"] == whole["reasoning"] and kept["content"] == whole["text"]

@@ -335,12 +335,15 @@ class InferenceSession(HeldTokens):
         return token
 
     def infer(self, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT,
-              thinking: Thinking | None = None, offer: ToolOffer | None = None) -> Generation:
+              thinking: Thinking | None = None, offer: ToolOffer | None = None,
+              began: Thinking | None = None) -> Generation:
         """Generates up to `max_tokens` tokens into `sink`; ends at end-of-generation, a stop
         string, a full context, or when the sink says stop ("interrupted"). `thinking`: the
         reply's reasoning (its format, a budget that closes it after so many tokens); `offer`:
         tools, whose call, once its trigger is written (or from the start, where forced), keeps
-        to the call's grammar, its markup never reaching the sink."""
+        to the call's grammar, its markup never reaching the sink. `began`: the reasoning as the
+        reply began, where it holds some already (a reply continued: its budget counts what the
+        reply's reasoning took before)."""
         thinking = thinking or Thinking()
         reply = ReplyText(self.backend.token_bytes, self._carry, stop)
         self._carry = b""
@@ -352,7 +355,8 @@ class InferenceSession(HeldTokens):
         grammar = offer.grammar if offer is not None else None
         calls = CallWatch(self, sink, thinking, grammar, offer.forced) if offer is not None and grammar else None
         shown = calls or sink
-        budget = Budget(self, thinking) if thinking.budget is not None and thinking.fmt is not None else None
+        budget = (Budget(self, began, self.tokens[self.reply_start:]) if began is not None else Budget(self, thinking)) \
+            if thinking.budget is not None and thinking.fmt is not None else None
 
         def took(token: int) -> None:
             if calls is not None:
@@ -433,6 +437,7 @@ class InferenceSession(HeldTokens):
         self.begin_turn()
         self.set_context(tokens, sink)
         self.start_reply(start)
-        gen = self.infer(max_tokens, stop, sink, prompt.thinking(prompt.text), prompt.offer)
+        began = prompt.thinking(prompt.rendered(with_tail=False).text) if prompt.tail else None
+        gen = self.infer(max_tokens, stop, sink, prompt.thinking(prompt.text), prompt.offer, began)
         gen.spelled = self.reply_spelled()
         return gen

@@ -218,6 +218,14 @@ class Splitter:
             self._drop(len(buf) - len(rest))
             self._strip = False
             buf = self._buf
+        if not fmt.headers:  # (reasoning may begin after some answer: where its opener comes as a control token)
+            opened = [(at, o) for o in fmt.opens if (at := buf.find(o)) >= 0 and all(self._ctl[at:at + len(o)])]
+            if opened:
+                at, opener = min(opened)
+                self._emit(out, False, at)
+                self._drop(len(opener))
+                self.state, self.reasoned = REASONING, True
+                return True
         found = [(buf.find(m), m) for m in (*fmt.answer_closes, *starts) if m and buf.find(m) >= 0]
         if found:
             at, mark = min(found)

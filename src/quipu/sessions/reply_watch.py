@@ -4,7 +4,7 @@ from the token that completes its trigger, keeps to the call's grammar (`CallWat
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from quipu.engine.base import Backend, LogitsProcessor
 from quipu.sessions.call_grammars import CallGrammar
@@ -30,13 +30,20 @@ class Budget:
     what the template writes before an answer) is written as if the model had, and the model
     goes on with its answer; a budget of 0 begins the reply without reasoning."""
 
-    def __init__(self, session: Forcing, thinking: Thinking):
+    def __init__(self, session: Forcing, thinking: Thinking, held: Sequence[int] = ()):
+        """`thinking` as the reply began; `held`: what the reply holds already (a reply cut and
+        continued), its reasoning counted against the budget as it was when it was written."""
         assert thinking.fmt is not None and thinking.budget is not None
         self.session, self.fmt, self.left = session, thinking.fmt, thinking.budget
         self.split = thinking.splitter()
         self.inside = thinking.inside
+        self.held = bool(held)
+        for token in held:
+            self._count(token)
 
     def start(self) -> list[int]:
+        if self.held:  # (a reply going on: its beginning was seen to when it was written)
+            return self._force(self.fmt.closes_with) if self.split.in_reasoning and self.left <= 0 else []
         if self.left > 0:
             return []
         if self.inside:
@@ -44,11 +51,15 @@ class Budget:
             return self._force(empty if empty.strip().startswith(self.fmt.close) else self.fmt.closes_with)
         return self._force(self.fmt.no_reasoning)
 
-    def took(self, token: int) -> list[int]:
+    def _count(self, token: int) -> None:
         was = self.split.in_reasoning
-        self.split.feed(self.session.backend.token_text(token).decode("utf-8", "replace"))
+        backend = self.session.backend
+        self.split.feed(backend.token_text(token).decode("utf-8", "replace"), control=backend.is_control(token))
         if was:
             self.left -= 1
+
+    def took(self, token: int) -> list[int]:
+        self._count(token)
         if self.split.in_reasoning and self.left <= 0:
             return self._force(self.fmt.closes_with)
         return []
