@@ -405,3 +405,20 @@ def test_a_reply_cut_in_its_reasoning_and_continued_closes_where_the_whole_one_d
     assert (cut["reasoning"] + more["reasoning"], more["text"]) == (whole["reasoning"], whole["text"])
     kept = json.loads(quipu("sessions", "export", "cut", "--format", "json").stdout)["messages"][-1]
     assert kept["reasoning"] == whole["reasoning"] and kept["content"] == whole["text"]
+
+
+def test_no_stray_harmony_markup_reaches_stdout(quipu, tmp_path):
+    # GPT-OSS's markup reaches a reply as text (llama.cpp does not mark it as control tokens):
+    # wherever the model writes it out of its place, it is not shown, as the <think> families'
+    # control tokens are not.
+    model = write_model(tmp_path)
+    markup = ("<|message|>", "<|constrain|>", "<|call|>", "<|channel|>", "<|start|>", "<|end|>", "<|return|>")
+    favoured = [a for m in ("<|message|>", "<|constrain|>") for a in ("--logit-bias", f"{m}=4")]
+    for seed in range(6):
+        r = quipu("run", "-m", model, "-n", "40", "--seed", str(seed), "-t", "1.0", *favoured, "--json", "hi")
+        assert r.returncode == 0, r.stderr.decode()
+        data = json.loads(r.stdout)
+        shown = data["text"] + (data["reasoning"] or "")
+        assert not any(m in shown for m in markup), (seed, shown)
+        plain = quipu("run", "-m", model, "-n", "40", "--seed", str(seed), "-t", "1.0", *favoured, "hi")
+        assert not any(m in plain.stdout.decode() for m in markup), (seed, plain.stdout)

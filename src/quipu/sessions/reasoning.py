@@ -49,6 +49,9 @@ class ReasoningFormat:
     between: str = ""
     # Where the template reads no field: whether it keeps the reasoning written in the content.
     in_content: bool = False
+    # Markup the model may write out of its place, which is never shown (harmony's tokens reach
+    # a reply as text: llama.cpp does not mark them as control tokens).
+    stray: tuple[str, ...] = ()
 
     def starts_inside(self, prompt_text: str) -> bool:
         """Whether a reply to `prompt_text` begins inside reasoning the prompt opened."""
@@ -189,14 +192,20 @@ class Splitter:
             self.state = ANSWER
             return True
         if self.state == REASONING:
+            stray = [(at, m) for m in fmt.stray if (at := buf.find(m)) >= 0]
             at = buf.find(fmt.close)
+            if stray and (at < 0 or min(stray)[0] < at):
+                where, mark = min(stray)
+                self._emit(out, True, where)
+                self._drop(len(mark))
+                return True
             if at >= 0:
                 self._emit(out, True, at)
                 self._drop(len(fmt.close))
                 self._mark_outside(0)
                 self.state = AFTER
                 return True
-            keep = pending_prefix(buf, (fmt.close,))
+            keep = pending_prefix(buf, (fmt.close, *fmt.stray))
             self._emit(out, True, len(buf) - keep)
             return False
         if self.state == HEADER:
@@ -226,17 +235,19 @@ class Splitter:
                 self._drop(len(opener))
                 self.state, self.reasoned = REASONING, True
                 return True
-        found = [(buf.find(m), m) for m in (*fmt.answer_closes, *starts) if m and buf.find(m) >= 0]
+        found = [(buf.find(m), m) for m in (*fmt.answer_closes, *starts, *fmt.stray) if m and buf.find(m) >= 0]
         if found:
             at, mark = min(found)
             self._emit(out, False, at)
-            if mark in starts:
+            if mark in fmt.stray and mark not in (*fmt.answer_closes, *starts):
+                self._drop(len(mark))  # (out of its place: not shown)
+            elif mark in starts:
                 self.state = HEADER
             else:
                 self._drop(len(mark))
                 self.state = AFTER if starts else ANSWER
             return True
-        keep = pending_prefix(buf, tuple(m for m in (*fmt.answer_closes, *starts) if m))
+        keep = pending_prefix(buf, tuple(m for m in (*fmt.answer_closes, *starts, *fmt.stray) if m))
         self._emit(out, False, len(buf) - keep)
         return False
 
@@ -256,7 +267,9 @@ def _joined(pieces: list[tuple[bool, str]]) -> list[tuple[bool, str]]:
 HARMONY = ReasoningFormat("harmony", ("<|channel|>analysis<|message|>",), "<|end|>",
                           ("<|channel|>final<|message|>",), ("<|end|>", "<|return|>"),
                           headers=(("<|start|>", "<|channel|>"), "<|message|>"), field="thinking",
-                          between="<|end|><|start|>assistant<|channel|>final<|message|>")
+                          between="<|end|><|start|>assistant<|channel|>final<|message|>",
+                          stray=("<|message|>", "<|constrain|>", "<|call|>", "<|start|>", "<|channel|>", "<|end|>",
+                                 "<|return|>"))
 
 TABLE: tuple[ReasoningFormat, ...] = (
     HARMONY,
