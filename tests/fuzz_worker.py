@@ -86,9 +86,12 @@ def configs(draw):
     for _ in range(draw(st.integers(0, 6))):
         table = draw(st.sampled_from(["", "[generation]", "[remote]", "[sessions]", "[cache]", "[models]", "[nope]"]))
         key = draw(st.sampled_from(["temperature", "top_k", "max_tokens", "ctx", "timeout", "url", "max_bytes",
-                                    "max_state_bytes", "model", "system", "seed", "huggingface", "x"]))
+                                    "max_state_bytes", "model", "system", "seed", "huggingface", "x", "threads",
+                                    "gpu_layers", "gpu_memory"]))
         value = draw(st.sampled_from(["1", "0", "-1", "1e400", "nan", "inf", "-inf", "0.5", "\"text\"", "true",
-                                      "[1, 2]", "{a = 1}", "99999999999999999999", "\"http://[::1\"", "", "="]))
+                                      "[1, 2]", "{a = 1}", "99999999999999999999", "\"http://[::1\"", "", "=",
+                                      "15", "16", "513", "4294967297", "300000000", "9" * 5000, "\"auto\"",
+                                      "0." + "1" * 5000]))
         lines += [table, f"{key} = {value}"]
     return "\n".join(lines)
 
@@ -200,6 +203,77 @@ def functions_files(draw):
     return "\n\n".join(head + fns) + "\n"
 
 
+@st.composite
+def media_files(draw):
+    """(a name, bytes): a recording's or an image's header with fields drawn anywhere in their
+    range (rates, counts, sizes), or a small valid file with bytes flipped."""
+    import struct
+
+    kind = draw(st.sampled_from(["wav", "flac", "mp3", "png", "gif", "bmp", "flip"]))
+    u32 = st.integers(0, 2**32 - 1) | st.sampled_from([0, 1, 8000, 16000, 44100, 2**31])
+    tail = draw(st.binary(max_size=2000))
+    if kind == "wav":
+        channels, bits = draw(st.integers(0, 9) | st.just(65535)), draw(st.sampled_from([0, 8, 16, 24, 32, 7]))
+        fmt = struct.pack("<HHIIHH", draw(st.sampled_from([1, 3, 2, 0xFFFE, 0])), channels, draw(u32), draw(u32),
+                          draw(st.integers(0, 65535)), bits)
+        chunks = b"fmt " + struct.pack("<I", draw(st.sampled_from([len(fmt), 0, 2**32 - 1]))) + fmt
+        if draw(st.booleans()):
+            chunks += b"fact" + struct.pack("<II", 4, draw(u32))
+        chunks += b"data" + struct.pack("<I", draw(u32)) + tail
+        return "x.wav", b"RIFF" + struct.pack("<I", draw(u32)) + b"WAVE" + chunks
+    if kind == "flac":
+        bits = draw(st.integers(0, 2**20 - 1)) << 44 | draw(st.integers(0, 7)) << 41 | draw(st.integers(0, 31)) << 36 \
+            | draw(st.integers(0, 2**36 - 1))
+        info = struct.pack(">HH", 4096, 4096) + b"\0" * 6 + struct.pack(">Q", bits) + b"\0" * 16
+        head = draw(st.sampled_from([0x80, 0x00, 0x7F]))
+        return "x.flac", b"fLaC" + bytes([head]) + len(info).to_bytes(3, "big") + info + tail
+    if kind == "mp3":
+        frame = bytes([0xFF, draw(st.sampled_from([0xFB, 0xF3, 0xE3, 0xFA])), draw(st.integers(0, 255)), 0])
+        body = bytearray(draw(st.integers(0, 600)))
+        if draw(st.booleans()) and len(body) > 48:
+            body[32:44] = draw(st.sampled_from([b"Xing", b"Info"])) + struct.pack(">II", draw(u32), draw(u32))
+        return "x.mp3", (frame + bytes(body)) * draw(st.integers(1, 5)) + tail
+    if kind == "png":
+        ihdr = struct.pack(">IIBBBBB", draw(u32), draw(u32), 8, draw(st.sampled_from([0, 2, 6, 3])), 0, 0, 0)
+        return "x.png", b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR" + ihdr + b"\0" * 4 + tail
+    if kind == "gif":
+        return "x.gif", b"GIF89a" + struct.pack("<HH", draw(st.integers(0, 65535)), draw(st.integers(0, 65535))) + tail
+    if kind == "bmp":
+        return "x.bmp", b"BM" + bytes(12) + struct.pack("<Iii", 40, draw(st.integers(-2**31, 2**31 - 1)),
+                                                       draw(st.integers(-2**31, 2**31 - 1))) + tail
+    import io
+    import wave
+
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(bytes(3200))
+    data = bytearray(out.getvalue())
+    for _ in range(draw(st.integers(1, 8))):
+        data[draw(st.integers(0, 60))] = draw(st.integers(0, 255))
+    return "x.wav", bytes(data)
+
+
+PROJECTOR_KEYS = ["clip.vision.image_size", "clip.vision.patch_size", "clip.use_gelu", "clip.projector_type",
+                  "clip.vision.embedding_length", "clip.vision.block_count", "clip.vision.attention.layer_norm_epsilon",
+                  "clip.vision.image_mean", "clip.vision.projector.scale_factor", "clip.has_vision_encoder"]
+PROJECTOR_TENSORS = ["v.patch_embd.weight", "v.patch_embd.bias", "v.position_embd.weight", "v.blk.0.attn_q.weight",
+                     "v.blk.0.attn_k.weight", "v.blk.0.ln1.weight", "v.blk.0.ffn_up.weight", "v.post_ln.weight",
+                     "mm.input_projection.weight", "mm.soft_emb_norm.weight"]
+
+
+@st.composite
+def projector_faults(draw):
+    """(tensors left out, keys retyped): what a hostile or broken projector file may hold."""
+    drop = draw(st.lists(st.sampled_from(PROJECTOR_TENSORS), max_size=2, unique=True))
+    values = st.sampled_from([("32", 8), (1, 4), (-1, 5), (1.5, 6), (True, 7), (2.0, 12), (2**33, 10), (0, 4),
+                              (2**31, 4)])
+    retype = draw(st.dictionaries(st.sampled_from(PROJECTOR_KEYS), values, max_size=2))
+    return drop, retype
+
+
 def keep(text: str) -> None:
     """The input about to be tried, where a test can read it should this process die on it."""
     import os
@@ -285,9 +359,19 @@ def main() -> None:
             path = folder / "config.toml"
             path.write_text(text)
             try:
-                check_config(load_config(path, GENERATION_TYPES))
+                config = check_config(load_config(path, GENERATION_TYPES))
             except QuipuError:
-                pass
+                return
+            import types
+
+            from quipu.app.turn_options import TurnOptions, context_settings, max_tokens, offload
+
+            env = types.SimpleNamespace(config=config, environ={})
+            for read in (context_settings, max_tokens, offload):  # (the values as a run reads them)
+                try:
+                    read(TurnOptions(), env)
+                except QuipuError:
+                    pass
     elif surface == "batch":
         from quipu.app.batch import read_rows, row_params
         from quipu.sessions.params import SamplingParams
@@ -482,6 +566,67 @@ def main() -> None:
                         pass
             finally:
                 started.close()
+    elif surface == "media":
+        from quipu.app.attachments import attachment_of
+        from quipu.engine.base import ContextSettings
+        from quipu.engine.llama import LlamaBackend
+        from tinymodel import write_tiny_audio_projector, write_tiny_projector
+        import tempfile
+        from pathlib import Path
+
+        folder = Path(tempfile.mkdtemp())
+        senses = {}
+        for sense, write in (("image", write_tiny_projector), ("audio", write_tiny_audio_projector)):
+            backend = LlamaBackend(model, ContextSettings(n_ctx=4096, n_threads=1))
+            backend.open_projector(write(folder / f"{sense}.gguf"))
+            senses[sense] = backend
+
+        @seed(seed_value)
+        @checks
+        @given(media_files())
+        def case(file):
+            name, data = file
+            keep(json.dumps([name, data.hex()]))
+            try:
+                found = attachment_of(name, data)
+            except QuipuError:
+                return
+            if found.kind.kind in senses:  # (what quipu let through reaches llama.cpp's decoders)
+                try:
+                    senses[found.kind.kind].media_mark(found.data)
+                except QuipuError:
+                    pass
+    elif surface == "projector":
+        import tempfile
+        from pathlib import Path
+
+        from quipu.engine.projector_check import check_encodes, check_keys
+        from tinymodel import write_tiny_projector
+
+        folder = Path(tempfile.mkdtemp())
+
+        @seed(seed_value)
+        @checks
+        @given(projector_faults())
+        def case(fault):
+            drop, retype = fault
+            keep(json.dumps([drop, {k: [repr(v[0]), v[1]] for k, v in retype.items()}]))
+            path = folder / "mmproj.gguf"
+            path.unlink(missing_ok=True)
+            write_tiny_projector(path, drop=drop, retype=retype)
+            try:
+                check_keys(path)
+                check_encodes(path, Path(model), None)  # (what crashes, crashes in a process of its own)
+            except QuipuError:
+                return
+            from quipu.engine.base import ContextSettings
+            from quipu.engine.llama import LlamaBackend
+
+            with LlamaBackend(model, ContextSettings(n_ctx=1024, n_threads=1)) as backend:  # checked: it loads here
+                try:
+                    backend.open_projector(path)
+                except QuipuError:
+                    pass
     elif surface == "hub":
         import os
         import tempfile
@@ -511,13 +656,27 @@ def main() -> None:
         listing = st.one_of(st.lists(entry, max_size=4).map(lambda x: json.dumps(x).encode()),
                             json_values.map(lambda x: json.dumps(x).encode()), st.binary(max_size=20))
 
+        # A listing in pages: each page's address pointing to the next, the last to none, or
+        # (forever) back to the first.
+        paged = st.tuples(st.lists(listing, min_size=1, max_size=4), st.booleans())
+
+        def pages_of(bodies: list, forever: bool):
+            def serve(path: str):
+                at = int(path.rsplit("page=", 1)[1]) if "page=" in path else 0
+                following = at + 1 if at + 1 < len(bodies) else (0 if forever else None)
+                return bodies[at], (None if following is None else f"/api/models/fz/Fuzz-GGUF/tree/x?page={following}")
+            return serve
+
         @seed(seed_value)
         @checks
-        @given(listing, st.sampled_from(["0123456789abcdef0123456789abcdef01234567", "../../x", "", "a/b", "é"]),
+        @given(listing | paged, st.sampled_from(["0123456789abcdef0123456789abcdef01234567", "../../x", "", "a/b", "é"]),
                st.sampled_from([None, '"../../../x"', '"abc"', '""', "W/\"x\""]))
         def case(body, commit, etag):
-            keep(json.dumps([body.decode("latin-1"), commit, etag]))
-            hub.listing, hub.commit, hub.etag = body, commit, etag
+            shown = body.decode("latin-1") if isinstance(body, bytes) else [[b.decode("latin-1") for b in body[0]],
+                                                                              body[1]]
+            keep(json.dumps([shown, commit, etag]))
+            hub.listing = body if isinstance(body, bytes) else pages_of(*body)
+            hub.commit, hub.etag = commit, etag
             try:
                 hubs.pull(hubs.HubRef.parse("fz/Fuzz-GGUF"), env)
             except QuipuError:
