@@ -299,6 +299,11 @@ def test_the_default_pick_and_the_nearest():
     assert [f.path for f in plan.files] == ["m-Q8_0-00001-of-00002.gguf", "m-Q8_0-00002-of-00002.gguf"]
     with pytest.raises(Exception, match="has 1 of the 2 parts"):
         choose("a/b", files("m-Q8_0-00001-of-00002.gguf"), None)
+    many = files(*(f"m-Q8_0-{i:05d}-of-99999.gguf" for i in range(1, 300)))
+    with pytest.raises(Exception, match="in 99999 parts; quipu pulls a model of 1 to 256 parts"):
+        choose("a/b", many, None)  # (refused before anything is fetched, however many it lists)
+    with pytest.raises(Exception, match="in 0 parts"):
+        choose("a/b", files("m-Q8_0-00000-of-00000.gguf"), None)
 
 
 # ---- what a listing and its headers may not do ----------------------------------------------------

@@ -105,6 +105,9 @@ def quant_of(filename: str) -> str | None:
     return found[-1].upper() if found else None
 
 
+MAX_PARTS = 256  # the parts of one model a pull fetches (the largest models come in a few dozen)
+
+
 def choose(repo: str, files: list[HubFile], wanted: str | None) -> PullPlan:
     """The files to pull for `wanted` (a tag), or the default quantization."""
     groups: dict[str, list[HubFile]] = {}
@@ -126,6 +129,9 @@ def choose(repo: str, files: list[HubFile], wanted: str | None) -> PullPlan:
     first = SPLIT.search(Path(parts[0].path).name)
     if first:  # one model in parts: the parts of the first one's set, in order
         total = first.group(2)
+        if not 1 <= int(total) <= MAX_PARTS:
+            raise UsageError(f"'{repo}' names its {chosen} model in {int(total)} parts; quipu pulls a model of 1 to "
+                             f"{MAX_PARTS} parts")
         prefix = parts[0].path[: -len(first.group(0))]
         parts = [f for f in parts if f.path.startswith(prefix) and (m := SPLIT.search(f.path)) and m.group(2) == total]
         if len(parts) != int(total):
