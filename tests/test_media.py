@@ -583,3 +583,19 @@ def test_a_reply_cut_in_a_turn_with_a_medium_goes_on_as_the_uninterrupted_one(qu
     more = turn("-S", "cut", "--continue", "-n", "11")  # (a new process: the session restored)
     assert cut["text"] + more["text"] == whole["text"]
     assert more["usage"]["cached_tokens"] == more["usage"]["prompt_tokens"] - 1  # (nothing read again)
+
+
+def test_an_image_whose_exchange_was_undone_leaves_the_media_folder(quipu, vision, home):
+    red, blue = vision / "red.png", vision / "blue.png"
+    one = chat(home, vision, f"/attach {red}\nWhat is it?\n/undo\nhello\n", "-S", "undone")
+    assert len([line for line in one if line]) == 2
+    folder = session_files(home)
+    record = json.loads((folder / "undone.json").read_text())
+    assert record["media"] == [] and not list((folder / "media").iterdir())
+    # Kept where another session still names it; the session goes on, and takes images again.
+    chat(home, vision, f"/attach {blue}\nWhat is it?\n", "-S", "other")
+    chat(home, vision, f"/attach {blue}\nWhat is it?\n/undo\n", "-S", "undone")
+    assert len(list((folder / "media").iterdir())) == 1
+    r = quipu("run", "-m", vision / "tiny.gguf", "-t", "0", "-n", "4", "--json", "-S", "undone", "-a", red, "And?")
+    assert r.returncode == 0, r.stderr.decode()
+    assert [m["name"] for m in json.loads((folder / "undone.json").read_text())["media"]] == ["red.png"]

@@ -66,6 +66,10 @@ class Keeper(Protocol[S]):
         `store`, a named session's; the projector the keeper was given, else the one beside the
         model): their markers, for the message's text; refused in one line where they cannot be."""
 
+    def trim_media(self, session: S, texts: "Sequence[str]") -> list[str]:
+        """Forgets the media the session took last that neither its context nor `texts` (its
+        messages) name any more (an image whose exchange was undone); their SHA-256s."""
+
 
 @dataclass
 class Opened:
@@ -119,6 +123,9 @@ class NoCache:
         from quipu.app.attachments import session_refusal
 
         raise session_refusal(media[0])
+
+    def trim_media(self, session, texts) -> list[str]:
+        return []
 
 
 def saved_params(store: "SessionStore", name: str, record: "Transcript") -> SamplingParams:

@@ -31,6 +31,9 @@ from quipu.store.media import MediaStore
 from quipu.engine.base import (
     KV_TYPES,
     MAX_CTX,
+    MEDIA_BASE,
+    MEDIA_MARK,
+    MEDIA_SPAN,
     MIN_CTX,
     Backend,
     ContextSettings,
@@ -41,7 +44,7 @@ from quipu.engine.base import (
 )
 from quipu.engine.kvstate import LAYOUT, check_piece
 from quipu.app.placing import load_where_it_ran, moved_notice, placement_notices, placement_of
-from quipu.errors import EngineError, ModelMismatch, SnapshotError, UsageError
+from quipu.errors import EngineError, ModelMismatch, SessionNotFound, SnapshotError, UsageError
 from quipu.models import file_identity, fingerprint, projector_beside
 from quipu.sessions.base import LOCAL, Message
 from quipu.sessions.inference import InferenceSession, Snapshot
@@ -140,6 +143,22 @@ def given_projector(mmproj: str | None) -> str | None:
 def media_store(store: SessionStore) -> MediaStore:
     """The media of the sessions of `store`, kept beside them."""
     return MediaStore(store.root / MEDIA_FOLDER)
+
+
+def forget_media(store: SessionStore, digests: Sequence[str]) -> None:
+    """Removes from the media folder each of `digests` that no session's transcript names (none
+    while a transcript cannot be read: what it names is not known)."""
+    referenced: set[str] = set()
+    for name in store.names():
+        try:
+            referenced |= {m["sha256"] for m in store.load_transcript(name).media}
+        except SessionNotFound:
+            continue  # (removed meanwhile)
+        except (SnapshotError, OSError):
+            return
+    kept = media_store(store)
+    for digest in set(digests) - referenced:
+        kept.path(digest).unlink(missing_ok=True)
 
 
 def take_saved_media(backend: Backend, store: SessionStore, name: str, record: Transcript, model_path: Path,
@@ -354,6 +373,17 @@ class LocalKeeper:
                 media_store(store).put(medium.data)
             self.media.setdefault(medium.digest, medium.entry())
         return marks
+
+    def trim_media(self, session: InferenceSession, texts: Sequence[str]) -> list[str]:
+        backend = session.backend
+        named = {(t - MEDIA_BASE) // MEDIA_SPAN for t in session.tokens if t >= MEDIA_BASE}
+        named |= {int(found.group(1)) for text in texts for found in MEDIA_MARK.finditer(text)}
+        dropped = backend.drop_media_after(max(named) + 1 if named else 0)
+        kept = set(backend.media_digests())
+        for digest in dropped:
+            if digest not in kept:
+                self.media.pop(digest, None)
+        return [d for d in dropped if d not in kept]
 
     def save(self, store: SessionStore, name: str, record: Transcript, session: InferenceSession) -> list[str]:
         """Transcript and state, each atomically: at worst the turn in progress is lost. The

@@ -137,6 +137,16 @@ class NamedSession:
         self.notices += self.keeper.wait()
 
     def close(self) -> None:
+        """Done with the session: the media it took that nothing names any more (an image whose
+        exchange was undone) leave its transcript and, where no other session names them, the
+        media folder; then its context is freed."""
+        dropped = self.keeper.trim_media(self.session, [m.content for m in self.conversation.messages])
+        if dropped and self.store.exists(self.name):
+            from quipu.app.local import forget_media
+
+            self.save()
+            self.flush()
+            forget_media(self.store, dropped)
         self.flush()
         self.session.close()
 

@@ -333,6 +333,9 @@ class Backend(Protocol):
     def media_digests(self) -> list[str]:
         """The SHA-256 of each medium the context holds, in the order it took them."""
 
+    def drop_media_after(self, n: int) -> list[str]:
+        """Forgets the media the context took after its first `n`; their SHA-256s."""
+
     def place_media(self, tokens: Sequence[int]) -> None:
         """The token history a restored context holds, so that its media's positions are known
         (on an M-RoPE model a medium takes fewer positions than cells)."""

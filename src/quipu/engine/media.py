@@ -155,6 +155,15 @@ class Media:
             m.mtmd_bitmap_free(bitmap)
         return _Medium(digest, chunks, chunk, before, after, n_tokens, n_pos)
 
+    def drop_media_after(self, n: int) -> list[str]:
+        """Forgets the media this context took after its first `n` (none of their placeholders
+        may be in its history); their SHA-256s."""
+        media = getattr(self, "_media", [])
+        dropped, self._media = media[n:], media[:n]
+        for medium in dropped:
+            _mtmd().mtmd_input_chunks_free(medium.chunks)
+        return [medium.digest for medium in dropped]
+
     def media_digests(self) -> list[str]:
         """The SHA-256 of each medium this context holds, in the order it took them (k)."""
         return [medium.digest for medium in getattr(self, "_media", [])]
