@@ -74,6 +74,7 @@ def test_grammars_and_schemas_that_crashed_the_parser(home, tiny_model, tmp_path
     ('{{ "%1000000000d" % 1 }}', "formats a field wider than"),
     ('{{ "%*d" % (10**9, 1) }}', "a count or size past"),
     ('{{ "{:>1000000000}".format(1) }}', "formats a field wider than"),
+    ('{{ "%1000000000d" | format(1) }}', "formats a field wider than"),
     ('{{ "{:{w}}".format(1, w=10**9) }}', "a count or size past"),
     ('{% set s = "x" * 1000000 %}{{ s | replace("x", s) }}', "makes a value longer than"),
     ('{% set s = "x" * 1000000 %}{{ s.replace("x", s) }}', "makes a value longer than"),

@@ -295,3 +295,12 @@ def test_a_conversation_with_tools_renders_as_the_reference(backend, path):
     assert rendered.text == expected
     assert "get_weather" in rendered.text and "21" in rendered.text
     assert conv.render_tokens(conv.messages, True) == reference_tokens(backend, expected)
+
+
+def test_text_that_looks_like_a_wide_format_field_is_only_text():
+    # (what a message holds is never read as a format string: only the string a template formats)
+    from quipu.sessions.template import ChatTemplate
+
+    template = ChatTemplate("{% for m in messages %}{{ '[%s]' % m.content }}{{ '<{}>'.format(m.content) }}{% endfor %}")
+    content = "{x:>10000000} %10000000d {:{}}"
+    assert template.render([{"role": "user", "content": content}], False) == f"[{content}]<{content}>"

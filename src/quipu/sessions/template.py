@@ -272,15 +272,15 @@ def _check_step(obj: Any, args: tuple, kwargs: dict) -> None:
     """Refuses a call that would make a value past MAX_OUTPUT in one step, which no deadline
     can interrupt (Python's own string code): a count or width that large (`center`, `ljust`,
     `indent`, a format's `*`), a format string that asks for one, a replacement that multiplies
-    a text past it."""
+    a text past it. `obj`: what is called (a filter by its name, `%` for the operator)."""
     values = (*args, *kwargs.values())
     if any(isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_OUTPUT for v in values):
         raise TemplateError(f"the chat template asks for a count or size past {MAX_OUTPUT:,} in one step")
     bound = getattr(obj, "__wrapped__", obj)  # (the sandbox wraps `str.format`)
+    name = getattr(bound, "__name__", obj)
     texts = [v for v in (getattr(bound, "__self__", None), *values) if isinstance(v, str)]
-    if any(_WIDE.search(t) for t in texts if "%" in t or "{" in t):
+    if name in ("format", "format_map", "%") and texts and _WIDE.search(texts[0]):  # (the format string alone)
         raise TemplateError(f"the chat template formats a field wider than {MAX_OUTPUT:,} characters")
-    name = getattr(obj, "__name__", obj)
     if name == "replace" and len(texts) >= 3:
         text, old, new = texts[0], texts[1], texts[2]
         grows = (text.count(old) if old else len(text) + 1) * max(0, len(new) - len(old))
