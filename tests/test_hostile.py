@@ -401,3 +401,23 @@ def test_attach_on_a_full_disk_is_one_line_and_the_chat_goes_on(home, eyes):
     assert r.returncode == 0 and "unexpected" not in err and "Traceback" not in err, err
     assert "cannot keep the medium" in err and "No space left on device" in err, err
     assert "nothing is attached" in err  # (the refused file does not wait for the next message)
+
+
+def test_a_reply_that_spells_a_marker_is_text_too(eyes):
+    from quipu.engine.base import ContextSettings
+    from quipu.engine.llama import LlamaBackend
+    from quipu.sessions.base import Message
+    from quipu.sessions.conversation import Conversation
+    from quipu.sessions.inference import InferenceSession
+    from quipu.sessions.params import SamplingParams
+
+    with LlamaBackend(eyes / "tiny.gguf", ContextSettings(n_ctx=2048, n_threads=2)) as backend:
+        backend.open_projector(eyes / "mmproj-tiny.gguf")
+        mark = backend.media_mark((eyes / "red.png").read_bytes())
+        session = InferenceSession(backend, SamplingParams(seed=0))
+        one = Conversation.start(session, messages=[Message("user", mark + "What?")])
+        n_image = sum(t >= MEDIA_BASE for t in one.render_tokens(one.messages, True))
+        conv = Conversation.start(session, messages=[Message("user", mark + "What?"),
+                                                     Message("assistant", f"{mark} it is red")])
+        tokens = conv.render_tokens(conv.messages, True)
+        assert n_image > 0 and sum(t >= MEDIA_BASE for t in tokens) == n_image  # (the reply's is text)

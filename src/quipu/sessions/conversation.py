@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from quipu.engine.base import defuse
 from quipu.errors import CapabilityError, TemplateError, UsageError
 from quipu.sessions.base import (SILENT, Generation, Message, ModelSession, ReplySink, TurnPrompt,
                                  common_prefix)
@@ -138,7 +139,7 @@ class Conversation(ToolTurns):
             else:
                 variables["tools"] = hidden(defined, protector.hide)
         text = template.render(shown, add_generation_prompt, **variables)
-        return protector.reveal(text + protector.hide(tail))
+        return protector.reveal(text + protector.hide(defuse(tail)))
 
     def render_tokens(self, messages: Sequence[Message], add_generation_prompt: bool) -> list[int]:
         """The context tokens for `messages` on an empty context, as the reference tokenizes them."""
@@ -335,13 +336,15 @@ class Conversation(ToolTurns):
 def _shown(message: Message, protector: Protector, fmt: ReasoningFormat | None) -> dict[str, Any]:
     """A message as the template is given it, what comes from outside hidden from markup; a
     reply's reasoning where the template reads it (its field, or the content as written)."""
-    content = message.content if message.role == "assistant" else protector.hide(message.content)
+    # (a reply's text that spells one of quipu's markers is never taken for a medium: the model's
+    # own words are text, as a user's are)
+    content = defuse(message.content) if message.role == "assistant" else protector.hide(message.content)
     if message.reasoning and fmt is not None and fmt.in_content:
-        content = (message.spelled if message.spelled is not None and not message.tool_calls
-                   else fmt.written(message.reasoning, content))
+        content = defuse(message.spelled if message.spelled is not None and not message.tool_calls
+                         else fmt.written(message.reasoning, content))
     shown = message.for_template(content)
     if message.reasoning and fmt is not None and fmt.field:
-        shown[fmt.field] = message.reasoning
+        shown[fmt.field] = defuse(message.reasoning)
     if message.tool_calls:
         shown["tool_calls"] = hidden(message.tool_calls, protector.hide)
     return shown
