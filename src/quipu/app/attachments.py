@@ -122,9 +122,11 @@ def read_attachment(name: str, stopped: Callable[[], bool] = lambda: False) -> A
     may keep it waiting), so `stopped` is acted on meanwhile: `Interrupted`."""
     if name.startswith(("http://", "https://")):
         return _fetched(name, stopped)
+    from quipu.engine.base import waited
+
     path = Path(name).expanduser()
     try:
-        data = _waited(lambda: _read_file(path), stopped, f"stopped while {path} was read")
+        data = waited(lambda: _read_file(path), stopped, f"stopped while {path} was read")
     except IsADirectoryError:
         raise UsageError(f"cannot attach {path}: it is a folder, not a file") from None
     except OSError as exc:
@@ -137,32 +139,6 @@ def read_attachment(name: str, stopped: Callable[[], bool] = lambda: False) -> A
 def _read_file(path: Path) -> bytes:
     with open(path, "rb") as f:
         return f.read(MAX_ATTACHMENT_BYTES + 1)
-
-
-def _waited(work: Callable[[], bytes], stopped: Callable[[], bool], said: str) -> bytes:
-    """`work()`'s result, waited for in this thread while a thread of its own does it, `stopped`
-    asked as it is waited for (an Interrupted; the work is left to end with the process)."""
-    import threading
-
-    from quipu.errors import Interrupted
-
-    outcome: list[bytes | BaseException] = []
-
-    def run() -> None:
-        try:
-            outcome.append(work())
-        except BaseException as exc:  # (handed to the waiter)
-            outcome.append(exc)
-
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    while worker.is_alive():
-        worker.join(0.05)
-        if stopped() and worker.is_alive():
-            raise Interrupted(said)
-    if isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    return outcome[0]
 
 
 def _fetched(url: str, stopped: Callable[[], bool] = lambda: False) -> Attachment:

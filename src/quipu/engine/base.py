@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence, TypeVar
 
 from quipu.engine.grammar import Grammar
 from quipu.engine.text import Spellings
@@ -40,6 +40,40 @@ def defuse(text: str) -> str:
 
 
 ProgressFn = Callable[[int, int], "bool | None"]
+
+T = TypeVar("T")
+
+
+def waited(work: Callable[[], T], stopped: Callable[[], bool], said: str, timeout: float | None = None) -> T:
+    """`work()`'s result, done in a thread of its own while this one waits: `stopped` (Ctrl-C,
+    SIGTERM) is asked as it waits (an `Interrupted` saying `said`), and past `timeout` seconds a
+    TimeoutError; either way the work is left to end with the process (or with what its caller
+    closes under it). What the work raises is raised here."""
+    import threading
+    import time
+
+    from quipu.errors import Interrupted
+
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(work())
+        except BaseException as exc:  # (handed to the waiter)
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    deadline = time.monotonic() + timeout if timeout is not None else None
+    while worker.is_alive():
+        worker.join(0.05)
+        if worker.is_alive() and stopped():
+            raise Interrupted(said)
+        if worker.is_alive() and deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(said)
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
 
 # A context's size when none is asked for: the model's training context, at most this, as in
 # llama.cpp's own programs. Each token of context is cache memory (23 KB on SmolLM2-135M, 128 KB

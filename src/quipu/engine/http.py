@@ -225,43 +225,22 @@ def download(url: str, max_bytes: int, timeout: float = 60.0,
     redirects followed (five at most). It is fetched in a thread of its own, so that the caller
     acts on `stopped` (Ctrl-C, SIGTERM) and the deadline whatever the server does. Too large is
     a UsageError; a failure on the way a ServerError; each one line; stopped, `Interrupted`."""
-    import threading
-
     import httpx
 
     from quipu import __version__
-    from quipu.errors import Interrupted
+    from quipu.engine.base import waited
 
     client = httpx.Client(follow_redirects=True, max_redirects=5, timeout=httpx.Timeout(timeout, connect=10.0),
                           headers={"User-Agent": f"quipu/{__version__}", "Accept-Encoding": "identity"})
-    outcome: list[Any] = []
-
-    def fetch() -> None:
-        try:
-            outcome.append(_fetch(client, url, max_bytes))
-        except BaseException as exc:  # (handed to the caller)
-            outcome.append(exc)
-
-    worker = threading.Thread(target=fetch, daemon=True)
-    worker.start()
-    deadline = time.monotonic() + timeout
     try:
-        while worker.is_alive():
-            worker.join(0.05)
-            if stopped():
-                raise Interrupted(f"stopped while {url} was fetched")
-            if time.monotonic() > deadline and worker.is_alive():
-                raise ServerError(f"cannot attach {url}: it took more than {timeout:g} s to come")
+        return waited(lambda: _fetch(client, url, max_bytes), stopped, f"stopped while {url} was fetched", timeout)
+    except TimeoutError:
+        raise ServerError(f"cannot attach {url}: it took more than {timeout:g} s to come") from None
     finally:
-        if worker.is_alive():
-            try:
-                client.close()  # (the worker's read ends with an error nobody waits for)
-            except Exception:  # noqa: BLE001 - closed from another thread: whatever it says
-                pass
-    client.close()
-    if isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    return outcome[0]
+        try:
+            client.close()  # (a fetch still under way ends with an error nobody waits for)
+        except Exception:  # noqa: BLE001 - closed from another thread: whatever it says
+            pass
 
 
 # A body's content encodings quipu inflates itself (zlib's window bits for each).
