@@ -145,9 +145,9 @@ def media_store(store: SessionStore) -> MediaStore:
     return MediaStore(store.root / MEDIA_FOLDER)
 
 
-def forget_media(store: SessionStore, digests: Sequence[str]) -> None:
-    """Removes from the media folder each of `digests` that no session's transcript names (none
-    while a transcript cannot be read: what it names is not known)."""
+def referenced_media(store: SessionStore) -> set[str] | None:
+    """The SHA-256 of every medium a session's transcript names; None while a transcript cannot
+    be read (what it names is not known, so nothing may be removed)."""
     referenced: set[str] = set()
     for name in store.names():
         try:
@@ -155,7 +155,15 @@ def forget_media(store: SessionStore, digests: Sequence[str]) -> None:
         except SessionNotFound:
             continue  # (removed meanwhile)
         except (SnapshotError, OSError):
-            return
+            return None
+    return referenced
+
+
+def forget_media(store: SessionStore, digests: Sequence[str]) -> None:
+    """Removes from the media folder each of `digests` that no session's transcript names."""
+    referenced = referenced_media(store)
+    if referenced is None:
+        return
     kept = media_store(store)
     for digest in set(digests) - referenced:
         kept.path(digest).unlink(missing_ok=True)

@@ -7,7 +7,7 @@ from typing import Any
 
 from quipu.app.environment import Environment
 from quipu.engine.base import MEDIA_MARK
-from quipu.errors import SessionNotFound, SnapshotError, UsageError
+from quipu.errors import UsageError
 from quipu.store.store import SessionInfo, SessionStore
 
 
@@ -106,17 +106,11 @@ def remove(env: Environment, names: list[str]) -> None:
 def prune_media(store: SessionStore) -> None:
     """Removes the media no session names any more (none while a transcript cannot be read:
     what it names is not known)."""
-    from quipu.app.local import media_store
+    from quipu.app.local import media_store, referenced_media
 
-    referenced = set()
-    for name in store.names():
-        try:
-            referenced |= {m["sha256"] for m in store.load_transcript(name).media}
-        except SessionNotFound:
-            continue  # (removed meanwhile)
-        except (SnapshotError, OSError):
-            return
-    media_store(store).prune(referenced)
+    referenced = referenced_media(store)
+    if referenced is not None:
+        media_store(store).prune(referenced)
 
 
 def rename(env: Environment, old: str, new: str) -> None:
