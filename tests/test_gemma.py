@@ -31,8 +31,9 @@ def test_a_session_past_the_window_resumes_exactly_and_saves_what_each_turn_adde
         said.append(r.stderr.decode())
     log = home / "data" / "sessions" / "split.kvlog"
     assert log.exists()  # (the second and the last turns wrote their cells alone)
-    assert "a turn longer than the sliding window is saved whole" in said[2]
-    assert not any("saved whole" in s for s in (said[1], said[3]))
+    # (on the ring, a turn longer than the window writes its cells alone too: the window's cells
+    # of it are those the ring needs)
+    assert not any("saved whole" in s for s in said[1:]), [l for s in said for l in s.splitlines() if "whole" in l]
     one = quipu("chat", "-m", gemma_model, "-S", "whole", "-n", "24", *HOT, input="\n".join(turns) + "\n")
     assert one.returncode == 0, one.stderr.decode()[-800:]
     assert tokens(home, "split") == tokens(home, "whole")
@@ -76,7 +77,7 @@ def test_a_state_that_held_only_the_window_is_read_again_with_a_warning(quipu, g
     assert r.returncode == 0, r.stderr.decode()[-800:]
     state = home / "data" / "sessions" / "w.kv"
     blob = decode_state(state.read_bytes())
-    assert blob.meta["context"]["window_cells"] == "every cell"
+    assert blob.meta["context"]["window_cells"] == "ring"
     context = {k: v for k, v in blob.meta["context"].items() if k != "window_cells"}
     state.write_bytes(encode_state({**blob.meta, "context": context}, bytes(blob.state)))
     r = quipu("run", "-S", "w", "-n", "8", "--json", "And a lake?")
@@ -174,3 +175,149 @@ def test_a_users_spellings_of_its_control_tokens_stay_text(make_backend, gemma_m
     sneaky = conv.render_tokens([Message("user", said)], add_generation_prompt=True)
     assert unused[0] not in sneaky and turn[0] not in sneaky
     assert said in session.spell(sneaky)
+
+
+# ---- the window cache as a ring (llama.cpp's default, and quipu's) ---------------------------
+
+LONG = " ".join(f"Mile {i}: the river runs past mill number {i} and under its bridge." for i in range(160))
+
+
+def _hot(backend, seed=4):
+    from quipu.sessions.inference import InferenceSession
+    from quipu.sessions.params import SamplingParams
+
+    return InferenceSession(backend, SamplingParams(seed=seed, temperature=1.0))
+
+
+def test_the_window_cache_is_a_ring_of_the_size_llama_cpp_gives_it(make_backend, gemma_model):
+    from quipu.engine.ring import parse
+
+    backend = make_backend(gemma_model, n_ctx=4096)
+    assert backend.context.window_cells == "ring" and backend.ring < 4096
+    tokens = backend.tokenize(LONG, add_special=True, parse_special=False)
+    assert len(tokens) > 2 * backend.ring
+    backend.prefill(tokens, 0)
+    held = parse(backend.ring_state()).positions
+    # Every one of its cells in use, each holding one of the last positions read, position p in
+    # cell p mod size: as an uninterrupted read lays it out.
+    assert len(held) == backend.ring
+    assert held == [len(tokens) - backend.ring + (i - len(tokens)) % backend.ring for i in range(backend.ring)]
+    full = make_backend(gemma_model, n_ctx=4096, swa_full=True)
+    assert full.ring == 0 and full.context.window_cells == "every cell"
+    full.prefill(tokens, 0)
+    assert len(full.snapshot_bytes()) > 1.8 * len(backend.snapshot_bytes())
+
+
+def test_a_ring_past_its_size_resumes_exactly_from_its_state_and_its_pieces(make_backend, gemma_model):
+    import dataclasses
+
+    from quipu.sessions.inference import InferenceSession
+
+    backend = make_backend(gemma_model, n_ctx=4096)
+    prompt = backend.tokenize(LONG + " Tell me about mile 12.", add_special=True, parse_special=False)
+    assert len(prompt) > 2 * backend.ring
+    going = _hot(backend)
+    going.set_context(prompt)
+    for _ in range(7):
+        going.infer_next_token()
+    whole = going.snapshot()
+    added = backend.tokenize(" And mile 13? " * 40, add_special=False, parse_special=False)
+    going.set_context(going.tokens + added)
+    for _ in range(9):
+        going.infer_next_token()
+    later = dataclasses.replace(going.snapshot(with_state=False), state=whole.state,
+                                pieces=[(whole.n_decoded, backend.state_since(whole.n_decoded))])
+    for _ in range(30):
+        going.infer_next_token()
+    for snap in (whole, later):
+        resumed = InferenceSession.from_snapshot(make_backend(gemma_model, n_ctx=4096), snap)
+        assert resumed.rebuilt_tokens == 0
+        if snap is whole:  # (the same turn, from the state before it)
+            resumed.set_context(resumed.tokens + added)
+        for _ in range(len(going.tokens) - len(resumed.tokens)):
+            resumed.infer_next_token()
+        assert resumed.tokens == going.tokens
+
+
+def _logits(backend) -> bytes:
+    import ctypes
+
+    from quipu.engine.native import lc
+
+    return ctypes.string_at(lc.llama_get_logits_ith(backend._ctx, -1), 4 * backend.n_vocab)
+
+
+def _same_onwards(one, other, text: str) -> bool:
+    """Whether two sessions' contexts give the same logits, bit for bit, now and at each token of
+    `text` read one at a time (as a reply's are)."""
+    same = _logits(one.backend) == _logits(other.backend)
+    for token in one.backend.tokenize(text, add_special=False, parse_special=False):
+        for session in (one, other):
+            session.feed_prompt([token])
+        same = same and _logits(one.backend) == _logits(other.backend)
+    return same
+
+
+ONWARDS = " The oldest mill is the first one, by the old stone bridge over the river, built of grey stone."
+
+
+def test_a_rewind_the_ring_no_longer_holds_goes_back_to_a_checkpoint_and_on_as_a_fresh_run(make_backend, gemma_model):
+    # /undo over a turn longer than the ring: its window before that turn was written over, and
+    # comes back from the checkpoint taken where that turn's prompt began; what follows is what a
+    # context that never had that turn computes, bit for bit. /retry of a reply longer than the
+    # ring likewise.
+    backend = make_backend(gemma_model, n_ctx=4096)
+    first = backend.tokenize("Tell me about the river, briefly.", add_special=True, parse_special=False)
+    long_turn = backend.tokenize(" Now read this: " + LONG, add_special=False, parse_special=False)
+    third = backend.tokenize(" Which mill is the oldest?", add_special=False, parse_special=False)
+    assert len(long_turn) > backend.ring
+
+    undone = _hot(backend)
+    undone.set_context(first)
+    for _ in range(12):
+        undone.infer_next_token()
+    before = list(undone.tokens)
+    undone.set_context(before + long_turn)
+    for _ in range(5):
+        undone.infer_next_token()
+    undone.set_context(before + third)  # (the long turn undone)
+    assert undone.stats.cached_tokens >= len(before) - 1  # (from the checkpoint, not read again)
+
+    fresh = _hot(make_backend(gemma_model, n_ctx=4096))
+    fresh.set_context(first)
+    for _ in range(12):
+        fresh.infer_next_token()
+    assert fresh.tokens == before
+    fresh.set_context(before + third)
+    assert _same_onwards(undone, fresh, ONWARDS)
+
+    # A reply longer than the ring, taken back to its prompt's end and drawn again.
+    retried = _hot(make_backend(gemma_model, n_ctx=4096))
+    prompt = first + third
+    retried.set_context(prompt)
+    retried.set_context(prompt + long_turn)  # (stands for a long reply: the ring goes round)
+    retried.set_context(prompt + [long_turn[0]])
+    assert retried.stats.cached_tokens == len(prompt)
+    again = _hot(make_backend(gemma_model, n_ctx=4096))
+    again.set_context(prompt)
+    again.set_context(prompt + [long_turn[0]])  # (a reply's first token, read alone)
+    assert _same_onwards(retried, again, ONWARDS)
+    # Further back than the ring and its checkpoints hold: read again, to what a fresh context computes.
+    retried.set_context(prompt + long_turn)
+    retried.set_context(first[:4])
+    assert retried.stats.cached_tokens == 0
+    again = _hot(make_backend(gemma_model, n_ctx=4096))
+    again.set_context(first[:4])
+    assert _same_onwards(retried, again, ONWARDS)
+
+
+def test_swa_full_keeps_every_position_and_a_session_remembers_it(quipu, gemma_model, home):
+    r = quipu("run", "-m", gemma_model, "-S", "f", "-n", "4", *HOT, "--swa-full", "Name a river.")
+    assert r.returncode == 0, r.stderr.decode()[-800:]
+    from quipu.store.statefile import decode_state
+
+    state = home / "data" / "sessions" / "f.kv"
+    assert decode_state(state.read_bytes()).meta["context"]["window_cells"] == "every cell"
+    again = quipu("run", "-S", "f", "-n", "4", "--json", "And a lake?")
+    assert again.returncode == 0 and "re-reading" not in again.stderr.decode(), again.stderr.decode()[-800:]
+    assert decode_state(state.read_bytes()).meta["context"]["window_cells"] == "every cell"

@@ -479,7 +479,8 @@ class LocalKeeper:
             return None, "the pieces are many: put together again"
         piece = backend.state_since(start)
         try:
-            made = check_piece(piece, seq_id=1, cells=session.n_decoded - start, first=start, n_layer=backend.n_layer)
+            made = check_piece(piece, seq_id=1, cells=session.n_decoded - start, first=start, n_layer=backend.n_layer,
+                               window=backend.model.n_swa if backend.ring else None)
         except SnapshotError as exc:
             return None, f"the state's layout is not the one quipu reads: {exc}"
         if made.v_trans != backend.context.v_trans:

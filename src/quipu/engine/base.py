@@ -140,15 +140,23 @@ class ContextSettings:
     # Set by the backend, not asked for: whether its cache stores V transposed (as llama.cpp
     # does for attention without flash attention); None where it is not known.
     v_trans: bool | None = None
-    # Set by the backend of a sliding-window model: "every cell" when its state holds each cell
-    # the window's cache still has, where it lies, which restores it as it was (a state that held
-    # only the window's cells, as before, restored them elsewhere: not bit for bit). None: a plain cache.
+    # A sliding-window model's window cache as big as the context (llama.cpp's swa_full), not a
+    # ring of the window and a step (its programs' default, and quipu's).
+    swa_full: bool = False
+    # Set by the backend of a sliding-window model: "ring" for the window and a step, laid out as
+    # an uninterrupted read leaves it (ring.py); "every cell" for a cache of every position, whose
+    # state holds each cell where it lies (a state that held only the window's cells, as before,
+    # restored them elsewhere: not bit for bit). None: a plain cache.
     window_cells: str | None = None
 
     def state_key(self) -> dict:
         """The settings a snapshot's state bytes are only valid under, and their layout."""
         key = {"n_ctx": self.n_ctx, "n_batch": self.n_batch, "kv_type": self.kv_type, "v_trans": self.v_trans}
-        return key if self.window_cells is None else {**key, "window_cells": self.window_cells}
+        if self.window_cells is not None:
+            key["window_cells"] = self.window_cells
+        if self.swa_full and self.window_cells is not None:
+            key["swa_full"] = True  # (asked for, and so kept by a session; an older quipu's "every cell" was not)
+        return key
 
 
 def saved_state_key(saved: dict) -> dict:
@@ -170,6 +178,11 @@ def layout_differs(saved: dict, context: ContextSettings) -> str | None:
     `context`'s layout, or None when they can be."""
     if context.window_cells is not None and saved.get("window_cells") is None:
         return "the saved context state holds only its sliding window's cells, which do not restore bit for bit"
+    if saved.get("window_cells") != context.window_cells:
+        return ("the saved context state was made with a sliding-window cache of every position (--swa-full), "
+                "this context keeps a ring of the window" if saved.get("window_cells") == "every cell" else
+                "the saved context state was made with a ring of the sliding window, this context keeps every "
+                "position (--swa-full)")
     was = saved_state_key(saved).get("v_trans")
     if was == context.v_trans:
         return None

@@ -28,7 +28,8 @@ reads them back the same way, so quipu never takes the bytes apart. What it chec
 that such a piece is what it must be: one stream, the expected number of cells, each of the
 one sequence, at the expected positions, in each cache, of the model's layer count in all, and
 nothing after the last layer (a window cache leaves out a long turn's cells gone out of its
-window: the turn is saved whole). Anything else (another llama.cpp's layout, a cache with cell
+window: of a cache of every position, the turn is saved whole; a ring's piece holds the
+window's, which are all it needs, in its cells' order: ring.py). Anything else (another llama.cpp's layout, a cache with cell
 extensions, a layer without V) is not understood, and the session is saved whole.
 """
 
@@ -58,10 +59,12 @@ class Piece:
     v_trans: bool
 
 
-def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int, n_layer: int) -> Piece:
+def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int, n_layer: int,
+                window: int | None = None) -> Piece:
     """Checks that `data` is the state of `cells` cells of sequence `seq_id` at positions
     `first`, `first` + 1, ... in order, in each cache of the layout above, for a model of
-    `n_layer` layers; raises SnapshotError naming what differs."""
+    `n_layer` layers; raises SnapshotError naming what differs. With `window`, a window cache
+    (the second) holds only the last `window` of them (a ring's piece: ring.py)."""
     view = memoryview(data).cast("B")
     at = 0
 
@@ -76,21 +79,26 @@ def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int
     magic, written = take(_HEAD)
     if magic != MAGIC or written != seq_id:
         raise SnapshotError("the piece of context state does not begin as llama.cpp's sequence state does")
-    layers_seen, v_trans = 0, None
+    layers_seen, v_trans, caches = 0, None, 0
     while True:  # a cache, then perhaps a sliding window's
         (n_stream,) = take(_U32)
         if n_stream != 1:
             raise SnapshotError(f"the context state has {n_stream} streams, not 1")
         (count,) = take(_U32)
-        if count != cells:
-            raise SnapshotError(f"the piece of context state holds {count} cells, not {cells}")
+        expected = min(cells, window) if window is not None and caches else cells
+        caches += 1
+        if count != expected:
+            raise SnapshotError(f"the piece of context state holds {count} cells, not {expected}")
         if count:
             end = at + count * _CELL.size
             if end > len(view):
                 raise SnapshotError("the piece of context state ends early")
+            # (a ring's cells come in cell order: the positions from where it wraps first)
+            low = first + cells - count
+            turn = _CELL.unpack_from(view, at)[0] - low if window is not None and caches > 1 else 0
             for i in range(count):
                 pos, n_seq, seq = _CELL.unpack_from(view, at + i * _CELL.size)
-                if n_seq != 1 or seq != seq_id or pos != first + i:
+                if n_seq != 1 or seq != seq_id or not 0 <= turn < count or pos != low + (turn + i) % count:
                     raise SnapshotError(f"cell {i} of the piece of context state is not the one expected "
                                         f"(position {pos}, {n_seq} sequences)")
             at = end

@@ -36,12 +36,14 @@ from quipu.engine.logs import LOG
 from quipu.engine.model import LlamaModel, check_gguf
 from quipu.engine.devices import no_gpu_reason, supports_offload
 from quipu.engine.placement import check_host_room, plan
+from quipu.engine.ring import ring_size
 from quipu.errors import EngineError, InvalidParameter, ModelLoadError, UsageError
 
 if TYPE_CHECKING:
     from quipu.engine.constraint import MaskBatch
 
 _KV_GGML_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
+CHECKPOINTS = 4  # the ring's checkpoints a context keeps (a few prompts back; llama-server keeps 8 by default)
 _FLASH_ATTN_TYPES = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                      "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 
@@ -61,6 +63,7 @@ def context_params(context: ContextSettings, n_ctx: int):
         cparams.n_seq_max, cparams.kv_unified = 2, True
     cparams.n_threads = n_threads
     cparams.n_threads_batch = n_threads
+    cparams.swa_full = context.swa_full  # (else a sliding-window model's window cache is a ring: ring.py)
     cparams.no_perf = True
     kv = _KV_GGML_TYPES[context.kv_type]
     cparams.type_k = kv
@@ -141,14 +144,22 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         if not ctx:
             raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens{LOG.reason()}")
         made = LOG.flash_attn
+        windowed = n_seq == 1 and self.model.n_swa > 0
         self.context = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=context.kv_type,
                                        n_seq=n_seq, flash_attn=context.flash_attn,
                                        v_trans=None if made is None else made == "disabled",
-                                       window_cells="every cell" if n_seq == 1 and self.model.n_swa > 0 else None)
+                                       swa_full=context.swa_full,
+                                       window_cells=None if not windowed else
+                                       "every cell" if context.swa_full else "ring")
         self._ctx = ctx
         self._stack.callback(lc.llama_free, ctx)
         # llama.cpp rounds small contexts up; the user's number is the one we keep to.
         self.n_ctx = min(n_ctx, lc.llama_n_ctx(ctx))
+        # The window cache's cells, where it is a ring this context lays out (0: none; ring.py).
+        self.ring = ring_size(self.model.n_swa, cparams.n_seq_max, cparams.n_ubatch, lc.llama_n_ctx(ctx)) \
+            if windowed and not context.swa_full else 0
+        # The ring's cells where a prompt began to be read: (the tokens before, their positions, its state).
+        self._checkpoints: list[tuple[int, int, memoryview]] = []
         self._mem = lc.llama_get_memory(ctx)
 
         self.n_ctx_seq = lc.llama_n_ctx_seq(ctx) if n_seq > 1 else self.n_ctx
@@ -218,6 +229,8 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         n_batch = self.context.n_batch
         batch = self._batch
         offset = 0
+        if self.ring and start > 0:
+            self._checkpoint(start)
         while offset < total:
             n = min(total - offset, n_batch - (start + offset) % n_batch)
             chunk = tokens[offset : offset + n]
@@ -262,18 +275,41 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
                 raise EngineError("llama.cpp found no room in the context for the batch")
             raise EngineError(f"llama.cpp failed to decode (code {rc}){LOG.reason()}")
 
+    def _checkpoint(self, n: int) -> None:
+        """Keeps the ring's cells as they are before the `n`th token is read (a prompt's start),
+        for a rewind to there or later that the ring no longer holds the window of; the last
+        CHECKPOINTS of them."""
+        at = self.position(n)
+        kept = [c for c in self._checkpoints if c[1] < at]
+        self._checkpoints = (kept + [(n, at, self.ring_state())])[-CHECKPOINTS:]
+
     def truncate(self, n_keep: int) -> None:
         """Keeps the first `n_keep` positions. A sliding-window cache that no longer holds the
-        window those positions end with (llama_memory_seq_pos_min past it) is emptied instead:
-        `positions()` then says 0, and the tokens are read again."""
+        window those positions end with (llama_memory_seq_pos_min past it) goes back to the last
+        checkpoint before them (a ring's: `positions()` then says fewer, and the rest is read
+        again), or is emptied: `positions()` then says 0, and the tokens are read again."""
         if n_keep <= 0:
             lc.llama_memory_clear(self._mem, True)
             self.forget_positions(0)
+            self._checkpoints.clear()
             return
         keep = self.position(n_keep)
         self.forget_positions(n_keep)
         if not lc.llama_memory_seq_rm(self._mem, 0, keep, -1):
             raise EngineError("llama.cpp could not trim the context")
+        if self.ring:
+            self._checkpoints = [c for c in self._checkpoints if c[1] <= keep]
+            if self.settle_ring(keep):
+                return
+            for n, at, cells in reversed(self._checkpoints):
+                lc.llama_memory_seq_rm(self._mem, 0, at, -1)
+                if self.settle_ring(at, cells):
+                    self.forget_positions(n)
+                    return
+            lc.llama_memory_clear(self._mem, True)
+            self.forget_positions(0)
+            self._checkpoints.clear()
+            return
         n_swa = self.model.n_swa
         if n_swa > 0 and lc.llama_memory_seq_pos_min(self._mem, 0) > max(0, keep - n_swa):
             lc.llama_memory_clear(self._mem, True)

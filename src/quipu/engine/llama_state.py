@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 from quipu.engine.base import ContextSettings
 from quipu.engine.logs import LOG
 from quipu.engine.native import lc
-from quipu.errors import EngineError
+from quipu.engine.ring import canonical, parse
+from quipu.errors import EngineError, SnapshotError
 
 if TYPE_CHECKING:
     from quipu.engine.model import LlamaModel
@@ -24,6 +25,7 @@ class StateBytes:
         _mem: Any
         model: LlamaModel
         context: ContextSettings
+        ring: int
 
         def positions(self) -> int: ...
 
@@ -38,24 +40,56 @@ class StateBytes:
         read back in order lies where it was, and the next token's goes after the last, as then."""
         return self._seq_state(-1 if self.context.window_cells else 0)
 
-    def _seq_state(self, seq: int) -> memoryview:
-        size = lc.llama_state_seq_get_size(self._ctx, seq)
+    def _seq_state(self, seq: int, flags: int = 0) -> memoryview:
+        size = lc.llama_state_seq_get_size_ext(self._ctx, seq, flags)
         buf = (ctypes.c_uint8 * size)()
-        written = lc.llama_state_seq_get_data(self._ctx, buf, size, seq)
+        written = lc.llama_state_seq_get_data_ext(self._ctx, buf, size, seq, flags)
         if written != size:
             raise EngineError("llama.cpp could not write the context state")
         return memoryview(buf).cast("B")
 
-    def _set_seq_state(self, data: bytes | memoryview, seq: int, what: str) -> None:
+    def _set_seq_state(self, data: bytes | memoryview, seq: int, what: str, flags: int = 0) -> None:
         """Gives llama.cpp a sequence's state; refused, the context is emptied."""
         view = memoryview(data).cast("B")
         if view.readonly:
             buf = (ctypes.c_uint8 * len(view)).from_buffer_copy(view)
         else:  # read where it lies: a state is tens of megabytes
             buf = (ctypes.c_uint8 * len(view)).from_buffer(view)
-        if lc.llama_state_seq_set_data(self._ctx, buf, len(view), seq) != len(view):
+        if lc.llama_state_seq_set_data_ext(self._ctx, buf, len(view), seq, flags) != len(view):
             lc.llama_memory_clear(self._mem, True)
             raise EngineError(f"llama.cpp refused {what}{LOG.reason()}")
+
+    # ---- the window cache as a ring (ring.py) ----------------------------------------------
+
+    def ring_state(self) -> memoryview:
+        """The window cache's state alone, every cell it holds in cell order."""
+        return self._seq_state(-1, lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+
+    def settle_ring(self, end: int, source: bytes | memoryview | None = None) -> bool:
+        """Lays the window cache out as an uninterrupted read of positions [0, `end`) leaves it
+        (ring.py), from its own cells or from `source` (a `ring_state` taken before); False,
+        changing nothing, where they lack a position of the window before `end`."""
+        try:
+            state = parse(self.ring_state() if source is None else source)
+        except SnapshotError as e:
+            raise EngineError(f"llama.cpp's window cache is not of the layout quipu reads: {e}") from None
+        ring = canonical(state, end, self.ring, self.model.n_swa)
+        if ring is None:
+            return False
+        partial = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        self._set_seq_state(ring.whole, -1, "the window cache's cells", partial)
+        lc.llama_memory_seq_rm(self._mem, 1, -1, -1)  # (the placeholders before the head)
+        if ring.ahead:
+            self._set_seq_state(ring.ahead, 1, "the window cache's cells", partial)
+            lc.llama_memory_seq_cp(self._mem, 1, 0, -1, -1)
+            lc.llama_memory_seq_rm(self._mem, 1, -1, -1)
+        return True
+
+    def _settle_restored(self) -> None:
+        """A restored window cache in its ring's layout; where its cells cannot give it (a
+        state that lacks part of its window), the context is emptied and read again."""
+        if self.ring and not self.settle_ring(lc.llama_memory_seq_pos_max(self._mem, 0) + 1):
+            lc.llama_memory_clear(self._mem, True)
 
     def partial_state(self, since: int | None = None) -> str | None:
         """Why the state of some cells cannot be saved and restored apart from the rest (None:
@@ -70,7 +104,7 @@ class StateBytes:
             return "a recurrent or hybrid model's memory"
         if lc.llama_model_rope_type(model) in (lc.LLAMA_ROPE_TYPE_MROPE, lc.LLAMA_ROPE_TYPE_IMROPE):
             return "an M-RoPE model (its images' positions are not their cells')"
-        if since is not None and self.model.n_swa and self.positions() - since > self.model.n_swa:
+        if since is not None and self.model.n_swa and not self.ring and self.positions() - since > self.model.n_swa:
             return "a turn longer than the sliding window"
         return None
 
@@ -97,7 +131,9 @@ class StateBytes:
             self._set_seq_state(piece, 1, "a piece of the saved context state")
             lc.llama_memory_seq_cp(self._mem, 1, 0, -1, -1)
             lc.llama_memory_seq_rm(self._mem, 1, -1, -1)
+        self._settle_restored()
 
     def restore_bytes(self, data: bytes | memoryview) -> None:
         lc.llama_memory_clear(self._mem, True)
         self._set_seq_state(data, 0, "the saved context state")
+        self._settle_restored()
