@@ -99,6 +99,9 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
                 elif kind is str:
                     if not isinstance(subvalue, str):
                         raise fail(sub, f"[{key}] {sub} must be a string", key)
+                elif kind is bool:
+                    if not isinstance(subvalue, bool):
+                        raise fail(sub, f"[{key}] {sub} must be true or false", key)
                 elif kind is object:  # a word or a whole number (gpu_layers = 20, or "auto")
                     if isinstance(subvalue, bool) or not isinstance(subvalue, (str, int)):
                         raise fail(sub, f"[{key}] {sub} must be a string or a whole number", key)

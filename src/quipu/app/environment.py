@@ -26,7 +26,7 @@ SAMPLING_TYPES = SamplingParams.field_types()
 # Everything [generation] in the config file may set: the sampling parameters and these.
 # (gpu_layers and gpu_memory: a word or a number, `object` to the config's reader.)
 GENERATION_TYPES = {**SAMPLING_TYPES, "max_tokens": int, "ctx": object, "threads": int, "stop": tuple,
-                    "gpu_layers": object, "gpu_memory": object, "device": str}
+                    "gpu_layers": object, "gpu_memory": object, "device": str, "swa_full": bool}
 # Where the model runs: the variables that set it, between the command line's options and the config's.
 GPU_ENVIRON = {"gpu_layers": "QUIPU_GPU_LAYERS", "gpu_memory": "QUIPU_GPU_MEMORY", "device": "QUIPU_DEVICE"}
 
@@ -126,7 +126,7 @@ class Environment:
         defaults = {**SamplingParams().to_dict(), "max_tokens": DEFAULT_MAX_TOKENS, "ctx": f"the model's, at most {DEFAULT_CTX_CAP}",
                     "threads": "the CPUs this process may use", "seed": "random", "stop": "none",
                     "gpu_layers": "auto (as many as fit in free GPU memory)", "gpu_memory": "the GPU's free memory",
-                    "device": "every GPU"}
+                    "device": "every GPU", "swa_full": "off (a sliding-window model's window cache is a ring)"}
         for key in GENERATION_TYPES:
             if key in GPU_ENVIRON and self.environ.get(GPU_ENVIRON[key]):
                 rows.append((f"generation.{key}", self.environ[GPU_ENVIRON[key]],

@@ -231,6 +231,7 @@ class LocalHost:
         settings = ContextSettings(
             n_ctx=opts.ctx or saved_ctx["n_ctx"], n_batch=saved_ctx["n_batch"], n_threads=settings.n_threads,
             kv_type=opts.kv_type or saved_ctx["kv_type"], flash_attn=opts.flash_attn or remembered_flash_attn(saved_ctx),
+            swa_full=settings.swa_full or saved_ctx.get("swa_full") is True,
         )
         started = time.perf_counter()
         backend = load_where_it_ran(model_path, settings, opts, where, record.model.get("placement"))
@@ -480,7 +481,7 @@ class LocalKeeper:
         piece = backend.state_since(start)
         try:
             made = check_piece(piece, seq_id=1, cells=session.n_decoded - start, first=start, n_layer=backend.n_layer,
-                               window=backend.model.n_swa if backend.ring else None)
+                               window=backend.piece_window())
         except SnapshotError as exc:
             return None, f"the state's layout is not the one quipu reads: {exc}"
         if made.v_trans != backend.context.v_trans:

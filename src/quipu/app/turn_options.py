@@ -67,6 +67,7 @@ class TurnOptions(ToolOptions):
     threads: int | None = None
     kv_type: str | None = None
     flash_attn: str | None = None  # auto, on or off
+    swa_full: bool = False  # a sliding-window model's window cache of every position, not a ring
     gpu_layers: str | None = None  # N, auto or all: layers on the GPU
     gpu_memory: str | None = None  # at most this much of a device's memory (512M, 6G)
     device: str | None = None  # the devices to use, by name (comma-separated); none: the CPU alone
@@ -138,6 +139,7 @@ ASKED: dict[str, tuple[tuple[str, Callable[[TurnOptions], bool]], ...]] = {
     "context_settings": (("--ctx", lambda o: o.ctx is not None), ("--threads", lambda o: o.threads is not None),
                          ("--kv-type", lambda o: o.kv_type is not None),
                          ("--flash-attn", lambda o: o.flash_attn is not None),
+                         ("--swa-full", lambda o: o.swa_full),
                          ("--gpu-layers", lambda o: o.gpu_layers is not None),
                          ("--gpu-memory", lambda o: o.gpu_memory is not None),
                          ("--device", lambda o: o.device is not None)),
@@ -257,7 +259,7 @@ def context_settings(opts: TurnOptions, env: Environment) -> ContextSettings:
     check_positive("--threads", threads)
     check_context_bounds(ctx, threads)
     return ContextSettings(n_ctx=ctx or 0, n_threads=threads or 0, kv_type=opts.kv_type or "f16",
-                           flash_attn=opts.flash_attn or "auto")
+                           flash_attn=opts.flash_attn or "auto", swa_full=opts.swa_full or gen.get("swa_full", False))
 
 
 def max_tokens(opts: TurnOptions, env: Environment) -> int:

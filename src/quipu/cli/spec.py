@@ -92,6 +92,8 @@ THREADS = opt("--threads", type=int, help="CPU threads (default: the CPUs this p
 KV_TYPE = opt("--kv-type", help="KV cache type: f16, or q8_0 for half-size snapshots.", metavar="f16|q8_0")
 FLASH_ATTN = opt("--flash-attn", help="Flash attention: auto (llama.cpp's choice, the default), on or off (a "
                                       "session remembers it).", metavar="auto|on|off")
+SWA_FULL = flag("--swa-full", help="Keep every position in a sliding-window model's window layers (Gemma 3, GPT-OSS), "
+                                   "not a ring of the window: far more memory (a session remembers it).")
 GPU_LAYERS = opt("--gpu-layers", "-ngl", help="Layers on the GPU: a number, auto (as many as fit in its free memory, "
                                               "the default) or all (refused if they do not fit).", metavar="N|auto|all")
 GPU_MEMORY = opt("--gpu-memory", help="Take at most this much of a GPU's memory (a shared GPU).", metavar="SIZE")
@@ -124,7 +126,7 @@ THINK = Opt(("--think/--no-think",), bool, "Turn a thinking model's reasoning on
 GENERATION = {"model": MODEL, "system": SYSTEM, "max_tokens": MAX_TOKENS, "temperature": TEMPERATURE,
               "top_k": TOP_K, "top_p": TOP_P, "min_p": MIN_P, "repeat_penalty": REPEAT_PENALTY, "seed": SEED,
               "stop": STOP, "ctx": CTX, "threads": THREADS, "kv_type": KV_TYPE,
-              "flash_attn": FLASH_ATTN, "gpu_layers": GPU_LAYERS, "gpu_memory": GPU_MEMORY, "device": DEVICE}
+              "flash_attn": FLASH_ATTN, "swa_full": SWA_FULL, "gpu_layers": GPU_LAYERS, "gpu_memory": GPU_MEMORY, "device": DEVICE}
 REASONING_BUDGET = opt("--reasoning-budget", type=int, help="At most N tokens of reasoning: then the model is made "
                                                          "to close it and answer; 0 answers without reasoning, -1 "
                                                          "drops a session's limit.", metavar="N")

@@ -429,6 +429,9 @@ class Backend(Protocol):
         `since`, why not the piece of the cells from there on."""
     def state_since(self, start: int) -> memoryview:
         """The state of the cells at positions `start` on."""
+    def piece_window(self) -> int | None:
+        """How many of a piece's cells its window cache holds (a ring keeps only its window's:
+        kvstate.check_piece); None: all of them."""
     def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
         """Restores a state saved whole, then pieces of it saved by `state_since`, in order."""
     @property

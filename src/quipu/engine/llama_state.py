@@ -108,6 +108,9 @@ class StateBytes:
             return "a turn longer than the sliding window"
         return None
 
+    def piece_window(self) -> int | None:
+        return self.model.n_swa if self.ring else None
+
     @property
     def n_layer(self) -> int:
         return lc.llama_model_n_layer(self.model.ptr)
