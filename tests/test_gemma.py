@@ -208,6 +208,26 @@ def test_the_window_cache_is_a_ring_of_the_size_llama_cpp_gives_it(make_backend,
     assert len(full.snapshot_bytes()) > 1.8 * len(backend.snapshot_bytes())
 
 
+def test_the_fit_counts_the_ring_a_window_layer_keeps(make_backend, gemma_model):
+    # What the fit reckons each block keeps, against the bytes of a real context's state past
+    # the ring's size: its full-attention blocks every cell, its window blocks the ring's.
+    from quipu.engine.llama import context_params
+    from quipu.engine.placement import layer_sizes, read_table, ring_of, window_blocks
+
+    backend = make_backend(gemma_model, n_ctx=4096)
+    info = read_table(gemma_model)
+    window, windowed = window_blocks(info)
+    assert window == backend.model.n_swa and sum(windowed) == 15 and len(windowed) == 18
+    layers = layer_sizes(info, 4096, "f16", ring_of(context_params(backend.context, 4096)))
+    full = layer_sizes(info, 4096, "f16")
+    assert {c for c, w in zip(layers.caches, windowed) if w} == {full.caches[0] * backend.ring // 4096}
+    tokens = backend.tokenize(LONG, add_special=True, parse_special=False)
+    backend.prefill(tokens, 0)
+    kept = sum(c // 4096 * len(tokens) if not w else c // backend.ring * backend.ring
+               for c, w in zip(layers.caches, windowed))
+    assert kept <= len(backend.snapshot_bytes()) < kept + 64 * (len(tokens) + backend.ring)
+
+
 def test_a_ring_past_its_size_resumes_exactly_from_its_state_and_its_pieces(make_backend, gemma_model):
     import dataclasses
 

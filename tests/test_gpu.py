@@ -85,14 +85,14 @@ def test_the_cache_a_layer_keeps_is_what_llama_cpp_allocates(tiny_model, make_ba
     n = len(tokens)
     state = len(backend.snapshot_bytes())
     # A state holds each cell's K and V rows of every block (and a small header per cell and layer).
-    per_cell = layers.cache / 512 * len(layers.weights)
+    per_cell = sum(layers.caches) / 512
     assert per_cell * n <= state < per_cell * n + 4096
 
 
 def test_the_fit_puts_the_output_layer_first_then_the_last_blocks():
     from quipu.engine.placement import Layers
 
-    layers = Layers(weights=(100, 100, 100, 100), cache=10, output=50, embed=40, tied=True)
+    layers = Layers(weights=(100, 100, 100, 100), caches=(10, 10, 10, 10), output=50, embed=40, tied=True)
     assert layers.count == 5
     assert [layers.on_device(k) for k in range(6)] == [0, 90, 200, 310, 420, 530, ][:6]
     assert layers.most_that_fit(89) == 0 and layers.most_that_fit(90) == 1 and layers.most_that_fit(309) == 2

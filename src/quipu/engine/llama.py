@@ -138,7 +138,7 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         cparams = context_params(context, n_ctx)
         n_threads, n_batch, n_seq = cparams.n_threads, cparams.n_batch, max(1, context.n_seq)
         if n_ctx > DEFAULT_CTX_CAP:  # (a usual context is far smaller than any machine's memory)
-            check_host_room(self.model.path, n_ctx, context.kv_type, self.model.placement.gpu_layers)
+            check_host_room(self.model.path, n_ctx, context.kv_type, self.model.placement.gpu_layers, cparams)
         LOG.clear_errors()
         ctx = lc.llama_init_from_model(self.model.ptr, cparams)
         if not ctx:

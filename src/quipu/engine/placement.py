@@ -20,6 +20,7 @@ from quipu.engine.base import ALL, AUTO, CPU, CTX_AUTO, DEFAULT_CTX_CAP, Offload
 from quipu.engine.devices import Device, amx_built, devices, offload_devices, row_bytes
 from quipu.engine.logs import LOG
 from quipu.engine.native import lc
+from quipu.engine.ring import ring_size
 from quipu.errors import ModelLoadError, UsageError
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class Layers:
     cache each keeps, then the output layer's weights."""
 
     weights: tuple[int, ...]
-    cache: int  # a block's K and V for every cell
+    caches: tuple[int, ...]  # each block's K and V for every cell it keeps (a window layer's: its ring's)
     output: int
     embed: int = 0  # the token embeddings, which stay on the host
     tied: bool = False  # the output layer reads them (llama.cpp copies them to its device)
@@ -73,8 +74,17 @@ class Layers:
         output = self.output + (self.embed if self.tied else 0)
         return (output if k > 0 else 0) + (sum(self.weights[len(self.weights) - n:]) if n else 0)
 
+    def cache_on(self, k: int) -> int:
+        """The cache of the blocks `-ngl k` puts on the device."""
+        n = self.blocks_on(k)
+        return sum(self.caches[len(self.caches) - n:]) if n else 0
+
+    def cache_off(self, k: int) -> int:
+        """The cache of the blocks `-ngl k` leaves on the host."""
+        return sum(self.caches[:len(self.caches) - self.blocks_on(k)])
+
     def on_device(self, k: int) -> int:
-        return self.model_on(k) + self.blocks_on(k) * self.cache
+        return self.model_on(k) + self.cache_on(k)
 
     def most_that_fit(self, budget: int) -> int:
         k = 0
@@ -102,9 +112,34 @@ def read_table(path: Path) -> "GGUFInfo":
         raise ModelLoadError(f"cannot read {path}: {exc}") from None
 
 
-def layer_sizes(info: "GGUFInfo", n_ctx: int, kv_type: str) -> Layers:
+# The window layers of a sliding-window architecture whose file does not list them: all but each
+# n-th block, the last of every n (llama.cpp's `set_swa_pattern` for each, in src/models/).
+_WINDOW_EVERY = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "gemma-embedding": 6, "cohere2": 4, "gpt-oss": 2,
+                 "exaone4": 4, "olmo2": 4, "llama4": 4, "afmoe": 4, "plamo3": 8}
+
+
+def window_blocks(info: "GGUFInfo") -> tuple[int, list[bool]]:
+    """A sliding-window model's window (0: none) and which of its blocks attend through it, as
+    its file says or its architecture has them; all of them full where neither says."""
+    meta, arch = info.metadata, info.architecture
+    n_block = _int_of(meta.get(f"{arch}.block_count")) or 0
+    window = _int_of(meta.get(f"{arch}.attention.sliding_window")) or 0
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    listed = getattr(pattern, "head", None)
+    if window <= 0:
+        return 0, [False] * n_block
+    if isinstance(listed, (list, tuple)) and len(listed) >= n_block:
+        return window, [bool(v) for v in listed[:n_block]]
+    every = pattern if isinstance(pattern, int) and not isinstance(pattern, bool) else _WINDOW_EVERY.get(arch, 0)
+    if every <= 0:
+        return window, [False] * n_block
+    return window, [i % every < every - 1 for i in range(n_block)]
+
+
+def layer_sizes(info: "GGUFInfo", n_ctx: int, kv_type: str, ring: Callable[[int], int] | None = None) -> Layers:
     """Each layer's bytes on a device for a context of `n_ctx` cells, from the file's tensor table
-    and its attention's shape."""
+    and its attention's shape; a window layer's cache is `ring(window)` cells (None: every cell,
+    as --swa-full keeps)."""
     meta, arch = info.metadata, info.architecture
     n_block = _int_of(meta.get(f"{arch}.block_count")) or 0
     weights = [0] * n_block
@@ -128,8 +163,11 @@ def layer_sizes(info: "GGUFInfo", n_ctx: int, kv_type: str) -> Layers:
     k_len = _int_of(meta.get(f"{arch}.attention.key_length")) or n_embd // max(1, n_head)
     v_len = _int_of(meta.get(f"{arch}.attention.value_length")) or k_len
     cells = -(-max(1, n_ctx) // 256) * 256
-    cache = int(cells * n_head_kv * (k_len + v_len) * _KV_BYTES.get(kv_type, 2.0))
-    return Layers(tuple(weights), cache, output, embed, tied)
+    window, windowed = window_blocks(info)
+    per_cell = n_head_kv * (k_len + v_len) * _KV_BYTES.get(kv_type, 2.0)
+    ring_cells = min(cells, ring(window)) if ring is not None and window else cells
+    caches = tuple(int((ring_cells if w else cells) * per_cell) for w in windowed[:n_block])
+    return Layers(tuple(weights), caches + (int(cells * per_cell),) * (n_block - len(caches)), output, embed, tied)
 
 
 def measure_compute(path: Path, handles: Sequence[int], cparams: Any) -> dict[str, int]:
@@ -200,9 +238,9 @@ def plan(path: Path, asked: Offload, n_ctx: int, kv_type: str, cparams_for: Call
         return measured[cells]
 
     if n_ctx == CTX_AUTO:
-        n_ctx = _longest_context(info, kv_type, trained, chosen, asked, host, compute_at(trained))
+        n_ctx = _longest_context(info, kv_type, trained, chosen, asked, host, compute_at(trained), cparams_for)
     n_ctx = n_ctx or min(trained, DEFAULT_CTX_CAP)
-    layers = layer_sizes(info, n_ctx, kv_type)
+    layers = layer_sizes(info, n_ctx, kv_type, ring_of(cparams_for(n_ctx)))
     compute = compute_at(n_ctx)
     if not chosen:
         shares = _shares([], layers, 0, None, compute, host)
@@ -233,15 +271,24 @@ def plan(path: Path, asked: Offload, n_ctx: int, kv_type: str, cparams_for: Call
                      tuple(handles), split)
 
 
-def check_host_room(path: Path, n_ctx: int, kv_type: str, gpu_layers: int) -> None:
+def ring_of(cparams: Any) -> Callable[[int], int] | None:
+    """The cells of the window cache of a context made with `cparams`, for a window (None: as
+    many as the context's, `swa_full`)."""
+    if cparams.swa_full:
+        return None
+    n_seq = cparams.n_seq_max if cparams.kv_unified else 1
+    return lambda window: ring_size(window, n_seq, cparams.n_ubatch, cparams.n_ctx)
+
+
+def check_host_room(path: Path, n_ctx: int, kv_type: str, gpu_layers: int, cparams: Any) -> None:
     """Refuses, before it is made, a context whose cache on the host is more than the host's
     free memory can hold (llama.cpp would fill it, clearing the cache, until the system kills
     the process)."""
     host = _host(devices())
     if host is None or not host.free:
         return
-    layers = layer_sizes(read_table(path), n_ctx, kv_type)
-    need = (len(layers.weights) - layers.blocks_on(gpu_layers)) * layers.cache
+    layers = layer_sizes(read_table(path), n_ctx, kv_type, ring_of(cparams))
+    need = layers.cache_off(gpu_layers)
     if need > host.free:
         raise UsageError(f"a context of {n_ctx} tokens needs {human_bytes(need)} of cache in memory, and this machine "
                          f"has {human_bytes(host.free)} free; give a smaller --ctx (--ctx auto: the longest that fits)")
@@ -266,7 +313,7 @@ def _wanted(asked: Offload, layers: Layers, fit: int) -> int:
 
 
 def _longest_context(info: "GGUFInfo", kv_type: str, trained: int, chosen: list[Device], asked: Offload,
-                     host: Device | None, compute: dict[str, int]) -> int:
+                     host: Device | None, compute: dict[str, int], cparams_for: Callable[[int], Any]) -> int:
     """--ctx auto: the longest context, in steps of 256 up to the model's training length, with
     which the layers asked for (auto: all of them) fit on the devices, or, on the CPU alone, the
     model and its cache fit in the host's free memory; never below DEFAULT_CTX_CAP (the training
@@ -276,14 +323,14 @@ def _longest_context(info: "GGUFInfo", kv_type: str, trained: int, chosen: list[
         budget = sum(_budgets(chosen, asked, compute))
 
         def fits(n: int) -> bool:
-            layers = layer_sizes(info, n, kv_type)
+            layers = layer_sizes(info, n, kv_type, ring_of(cparams_for(n)))
             return layers.most_that_fit(budget) >= _wanted(asked, layers, layers.count)
     else:
         room = (host.free if host else 0) - MARGIN - sum(compute.values())
 
         def fits(n: int) -> bool:
-            layers = layer_sizes(info, n, kv_type)
-            return layers.embed + sum(layers.weights) + layers.output + len(layers.weights) * layers.cache <= room
+            layers = layer_sizes(info, n, kv_type, ring_of(cparams_for(n)))
+            return layers.embed + sum(layers.weights) + layers.output + sum(layers.caches) <= room
 
     low, high = floor, trained  # (low fits, or is the floor)
     if fits(high):
@@ -304,15 +351,14 @@ def _shares(chosen: list[Device], layers: Layers, k: int, split: tuple[float, ..
             compute: dict[str, int], host: Device | None) -> tuple[Share, ...]:
     """Each device's part of `k` layers offloaded (by `split` where there are several), then the
     host's: the token embeddings, the blocks left on the CPU, their cache and its compute buffers."""
-    n_on = layers.blocks_on(k)
     shares = []
     for i, d in enumerate(chosen):
         part = split[i] if split else 1.0
         shares.append(Share(d.name, round(k * part), int(layers.model_on(k) * part),
-                            int(n_on * layers.cache * part), compute.get(d.name, 0), d.free, d.total))
-    n_off = len(layers.weights) - n_on
+                            int(layers.cache_on(k) * part), compute.get(d.name, 0), d.free, d.total))
+    n_off = len(layers.weights) - layers.blocks_on(k)
     host_compute = sum(v for name, v in compute.items() if name not in {d.name for d in chosen})
     on_cpu = layers.embed + sum(layers.weights[:n_off]) + (layers.output if k == 0 else 0)
-    shares.append(Share("CPU", layers.count - k, on_cpu, n_off * layers.cache, host_compute,
+    shares.append(Share("CPU", layers.count - k, on_cpu, layers.cache_off(k), host_compute,
                         host.free if host else 0, host.total if host else 0))
     return tuple(shares)

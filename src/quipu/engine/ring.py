@@ -132,14 +132,14 @@ def compose(state: WindowState, cells: list[tuple[int, int, int]]) -> bytes:
         return b"".join(out)
     out += [_U32.pack(state.v_trans), _U32.pack(len(state.k))]
     count = len(state.positions)
-    take = np.array([i if i >= 0 else count for _, _, i in cells], dtype=np.int64)
+    take = np.array([max(i, 0) for _, _, i in cells], dtype=np.int64)
+    blank = np.array([i < 0 for _, _, i in cells])
 
     def gather(layer: Layer) -> bytes:
         shape = (layer.runs, count, layer.row) if layer.runs else (count, layer.row)
-        rows = np.frombuffer(layer.data, dtype=np.uint8).reshape(shape)
-        pad = [(0, 0)] * rows.ndim
-        pad[-2] = (0, 1)  # a row of zeros, for the cells the state no longer has
-        return layer.head + np.pad(rows, pad).take(take, axis=rows.ndim - 2).tobytes()
+        rows = np.frombuffer(layer.data, dtype=np.uint8).reshape(shape).take(take, axis=len(shape) - 2)
+        rows[..., blank, :] = 0  # (the cells the state no longer has)
+        return layer.head + rows.tobytes()
 
     out += [gather(layer) for layer in state.k]
     out += [gather(layer) for layer in state.v]
