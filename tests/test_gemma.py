@@ -220,11 +220,11 @@ def test_the_fit_counts_the_ring_a_window_layer_keeps(make_backend, gemma_model)
     assert window == backend.model.n_swa and sum(windowed) == 15 and len(windowed) == 18
     layers = layer_sizes(info, 4096, "f16", ring_of(context_params(backend.context, 4096)))
     full = layer_sizes(info, 4096, "f16")
-    assert {c for c, w in zip(layers.caches, windowed) if w} == {full.caches[0] * backend.ring // 4096}
+    assert {c for c, w in zip(layers.caches, windowed, strict=True) if w} == {full.caches[0] * backend.ring // 4096}
     tokens = backend.tokenize(LONG, add_special=True, parse_special=False)
     backend.prefill(tokens, 0)
     kept = sum(c // 4096 * len(tokens) if not w else c // backend.ring * backend.ring
-               for c, w in zip(layers.caches, windowed))
+               for c, w in zip(layers.caches, windowed, strict=True))
     assert kept <= len(backend.snapshot_bytes()) < kept + 64 * (len(tokens) + backend.ring)
 
 
@@ -341,3 +341,19 @@ def test_swa_full_keeps_every_position_and_a_session_remembers_it(quipu, gemma_m
     again = quipu("run", "-S", "f", "-n", "4", "--json", "And a lake?")
     assert again.returncode == 0 and "re-reading" not in again.stderr.decode(), again.stderr.decode()[-800:]
     assert decode_state(state.read_bytes()).meta["context"]["window_cells"] == "every cell"
+
+
+def test_the_doctor_reports_the_ring(quipu, gemma_model):
+    import re
+
+    ring = quipu("doctor", "-m", gemma_model, "--ctx", "32768").stdout.decode()
+    full = quipu("doctor", "-m", gemma_model, "--ctx", "32768", "--swa-full").stdout.decode()
+    assert "a sliding window of 512 tokens in 15 of its 18 blocks: a ring of 1,280 cells each" in ring, ring
+    assert "15 of its 18 blocks: every position" in full, full
+
+    def kv(text: str) -> float:
+        return float(re.search(r"CPU\s+\d+\s+\S+ \w+\s+([\d.]+) MB", text).group(1))
+
+    assert kv(full) > 4 * kv(ring)
+    data = json.loads(quipu("doctor", "-m", gemma_model, "--ctx", "8192", "--json").stdout)
+    assert data["model"]["window_cache"]["cells"] == 1280 and data["model"]["window_cache"]["window_layers"] == 15

@@ -59,7 +59,8 @@ def report(env: Environment, opts: TurnOptions | None = None) -> dict[str, Any]:
 def model_report(env: Environment, opts: TurnOptions) -> dict[str, Any]:
     """Where the model `opts` names would run, and what it would take on each device: measured
     as a load would plan it, nothing loaded."""
-    from quipu.engine.llama import place
+    from quipu.engine.llama import context_params, place
+    from quipu.engine.placement import window_cache
 
     name, path = env.resolve_model(opts.model)
     settings = context_settings(opts, env)
@@ -75,4 +76,7 @@ def model_report(env: Environment, opts: TurnOptions) -> dict[str, Any]:
                 "host_fits": host.needs <= host.free})
     if placement.note:
         out["note"] = placement.note
+    window = window_cache(path, placement.n_ctx, settings.kv_type, context_params(settings, placement.n_ctx))
+    if window is not None:
+        out["window_cache"] = window
     return out

@@ -27,13 +27,14 @@ def doctor(
     gpu_layers: Annotated[Optional[str], opt.typer_option(spec.GPU_LAYERS)] = None,
     gpu_memory: Annotated[Optional[str], opt.typer_option(spec.GPU_MEMORY)] = None,
     device: Annotated[Optional[str], opt.typer_option(spec.DEVICE)] = None,
+    swa_full: Annotated[bool, opt.typer_option(spec.SWA_FULL)] = False,
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
 ) -> None:
     from quipu.app.doctor import report
 
     env = context.obj
     asked = {"model": model, "ctx": ctx, "kv_type": kv_type, "gpu_layers": gpu_layers, "gpu_memory": gpu_memory,
-             "device": device}
+             "device": device, "swa_full": swa_full or None}
     about_model = any(v is not None for v in asked.values())
     found = report(env, spec.turn_options(asked, env) if about_model else None)
     term = Terminal.detect()
@@ -81,6 +82,13 @@ def lines(found: dict[str, Any]) -> list[str]:
             free = size(share["free_bytes"]) if share["total_bytes"] else "-"
             out.append(f"  {share['device']:<10} {share['layers']:>7} {size(share['model_bytes']):>10} "
                        f"{size(share['context_bytes']):>10} {size(share['compute_bytes']):>10} {free:>10}")
+        window = model.get("window_cache")
+        if window:
+            kept = (f"a ring of {window['cells']:,} cells each, {size(window['bytes'])} in all (every position, "
+                    f"--swa-full: {size(window['every_position_bytes'])})" if window["bytes"] < window["every_position_bytes"]
+                    else f"every position, {size(window['bytes'])} in all")
+            out.append(f"  a sliding window of {window['window']:,} tokens in {window['window_layers']} of its "
+                       f"{window['layers']} blocks: {kept}")
         if model.get("note"):
             out.append(f"  {model['note']}")
         if not model["host_fits"]:

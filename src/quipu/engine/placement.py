@@ -280,6 +280,23 @@ def ring_of(cparams: Any) -> Callable[[int], int] | None:
     return lambda window: ring_size(window, n_seq, cparams.n_ubatch, cparams.n_ctx)
 
 
+def window_cache(path: Path, n_ctx: int, kv_type: str, cparams: Any) -> dict[str, int] | None:
+    """A sliding-window model's window layers in a context of `n_ctx` cells made with `cparams`:
+    the window, how many of its blocks keep one, the cells each keeps (its ring's, or every one
+    with `swa_full`), and their cache's bytes, beside what every position would take; None for a
+    model without one."""
+    info = read_table(path)
+    window, windowed = window_blocks(info)
+    if not window or not any(windowed):
+        return None
+    ring = ring_of(cparams)
+    kept, every = layer_sizes(info, n_ctx, kv_type, ring), layer_sizes(info, n_ctx, kv_type)
+    cache = sum(c for c, w in zip(kept.caches, windowed, strict=True) if w)
+    return {"window": window, "window_layers": sum(windowed), "layers": len(windowed),
+            "cells": min(-(-n_ctx // 256) * 256, ring(window)) if ring else -(-n_ctx // 256) * 256,
+            "bytes": cache, "every_position_bytes": sum(c for c, w in zip(every.caches, windowed, strict=True) if w)}
+
+
 def check_host_room(path: Path, n_ctx: int, kv_type: str, gpu_layers: int, cparams: Any) -> None:
     """Refuses, before it is made, a context whose cache on the host is more than the host's
     free memory can hold (llama.cpp would fill it, clearing the cache, until the system kills
