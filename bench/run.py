@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
             "saves": lambda: bench_saves(model, args.threads, args.repeats, home),
             "shift": lambda: bench_shift(model, args.threads, args.repeats),
             "media": lambda: bench_media(args.threads, args.repeats, home),
-            "window": lambda: bench_window_cache(args.threads, args.repeats),
+            "window": lambda: bench_window_cache(args.threads, args.repeats, home),
         }
         rows = []
         for name, part in parts.items():
