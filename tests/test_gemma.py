@@ -107,7 +107,7 @@ def test_undo_and_the_prompt_cache_on_a_sliding_window_cache(quipu, gemma_model,
     # gone out of the window, and cutting it back brings them in again), to the reply a run
     # without the cache gives.
     short = " ".join(["The river runs past the old mill."] * 45)
-    for doc in (short, DOC):
+    for doc in (short, DOC, LONG[:len(LONG) // 2]):  # (the last longer than the ring)
         first = quipu("run", "-m", gemma_model, "-n", "4", "--json", *HOT, doc + " Summarize.")
         second = quipu("run", "-m", gemma_model, "-n", "4", "--json", *HOT, doc + " Shorten.")
         alone = quipu("run", "-m", gemma_model, "-n", "4", "--json", "--no-cache", *HOT, doc + " Shorten.")
@@ -357,3 +357,16 @@ def test_the_doctor_reports_the_ring(quipu, gemma_model):
     assert kv(full) > 4 * kv(ring)
     data = json.loads(quipu("doctor", "-m", gemma_model, "--ctx", "8192", "--json").stdout)
     assert data["model"]["window_cache"]["cells"] == 1280 and data["model"]["window_cache"]["window_layers"] == 15
+
+
+def test_swa_full_in_the_config_and_a_bad_value_of_it(quipu, gemma_model, home):
+    config = home / "config" / "config.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text("[generation]\nswa_full = true\n")
+    text = quipu("doctor", "-m", gemma_model, "--ctx", "8192").stdout.decode()
+    assert "15 of its 18 blocks: every position" in text, text
+    config.write_text('[generation]\nswa_full = "yes"\n')
+    r = quipu("doctor", "-m", gemma_model, "--ctx", "8192")
+    err = r.stderr.decode()
+    assert r.returncode != 0 and "swa_full must be true or false" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1

@@ -212,6 +212,8 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
     def prefill(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None) -> None:
         """Decodes `tokens` at positions `start`, ... in steps that end where a multiple of
         n_batch does (see `step_start`); a medium's placeholders as its projector's embeddings."""
+        if self.ring and start > 0 and tokens:
+            self._checkpoint(start)  # (a prompt begins: where a rewind past the ring comes back to)
         if any(is_media(t) for t in tokens):
             total = len(tokens)
             for begin, end, media in runs(tokens):
@@ -229,8 +231,6 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         n_batch = self.context.n_batch
         batch = self._batch
         offset = 0
-        if self.ring and start > 0:
-            self._checkpoint(start)
         while offset < total:
             n = min(total - offset, n_batch - (start + offset) % n_batch)
             chunk = tokens[offset : offset + n]
@@ -281,7 +281,9 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         CHECKPOINTS of them."""
         at = self.position(n)
         kept = [c for c in self._checkpoints if c[1] < at]
-        self._checkpoints = (kept + [(n, at, self.ring_state())])[-CHECKPOINTS:]
+        # (the window's cells alone, which are all a ring laid out for `at` needs of them)
+        window = self._seq_state(0, lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        self._checkpoints = (kept + [(n, at, window)])[-CHECKPOINTS:]
 
     def truncate(self, n_keep: int) -> None:
         """Keeps the first `n_keep` positions. A sliding-window cache that no longer holds the
