@@ -122,6 +122,8 @@ def cache_save(session: InferenceSession, use: CacheUse) -> None:
         return
     try:
         session.rewind(len(tokens))
+        if session.n_decoded < len(tokens):  # (a ring that a long reply went round: nothing to keep)
+            return
         use.cache.save(use.key, tokens, session.backend.snapshot_bytes())
     except (EngineError, OSError):
         pass  # a cache never fails a run
