@@ -17,6 +17,7 @@ from quipu.errors import UsageError
 MAX_CONFIG_BYTES = 4 << 20  # (a config file is a few lines)
 SESSION_KEYS = {"max_state_bytes": int}
 CACHE_KEYS = {"max_bytes": int}
+LOGS_KEYS = {"enabled": bool, "max_records": int, "max_days": float}
 MODEL_KEYS = {"huggingface": str, "lmstudio": str, "ollama": str}
 REMOTE_KEYS = {"url": str, "api_key_env": str, "model": str, "timeout": float}
 
@@ -33,9 +34,11 @@ class Config:
     generation: dict[str, Any] = field(default_factory=dict)
     sessions: dict[str, Any] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict)
+    logs: dict[str, Any] = field(default_factory=dict)  # [logs]: enabled, max_records, max_days
     models: dict[str, str] = field(default_factory=dict)
     remote: dict[str, str] = field(default_factory=dict)
     mcp: dict[str, dict[str, Any]] = field(default_factory=dict)  # [mcp.NAME]: command, args, env, timeout
+    roles: dict[str, dict[str, Any]] = field(default_factory=dict)  # [roles.NAME]: system, model, prompt, options
     text: str = ""
     warnings: list[str] = field(default_factory=list)  # for the front end to say
 
@@ -48,7 +51,7 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
     """Read `path` and check its shape, with `generation_keys` the names and types [generation]
     may hold; a missing file is an empty config. Errors name the file and line."""
     tables: dict[str, dict[str, Any]] = {"generation": generation_keys, "sessions": SESSION_KEYS, "models": MODEL_KEYS, "cache": CACHE_KEYS,
-              "remote": REMOTE_KEYS}
+              "logs": LOGS_KEYS, "remote": REMOTE_KEYS}
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
@@ -77,6 +80,10 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
             if not isinstance(value, str):
                 raise fail(key, f"'{key}' must be a string")
             setattr(config, key, value)
+        elif key == "roles":
+            if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+                raise fail(key, "[roles] holds one table a role: [roles.NAME] with system, model, prompt and options")
+            config.roles.update(value)  # (each checked where roles are read: app/roles.py)
         elif key == "mcp":
             if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
                 raise fail(key, "[mcp] holds one table a server: [mcp.NAME] with command, args and env")
@@ -112,7 +119,7 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
                     raise fail(sub, f"[{key}] {sub} must be {'an integer' if kind is int else 'a number'}", key)
                 getattr(config, key)[sub] = kind(subvalue)
         else:
-            raise fail(key, f"unknown key '{key}' (known: model, system, [{'], ['.join(tables)}], [mcp.NAME])")
+            raise fail(key, f"unknown key '{key}' (known: model, system, [{'], ['.join(tables)}], [mcp.NAME], [roles.NAME])")
     if _readable_by_others(path) and _holds_secret(doc):
         config.warnings.append(f"the config file {path} holds a token or key and other accounts can read it; "
                                f"`chmod 600 {path}` keeps it to you")

@@ -39,4 +39,7 @@ Every turn, named session and chat is written once, for every host a model can r
   (`quipu models search`); `known_models.py`, the short names (`gemma3:1b`) and what each pulls.
 - `templates.py`: what a model's chat template does (`quipu models info --template`).
 - `cache.py`: `quipu cache info|clear` (the prompt cache itself is used by `prompt_cache.py`).
+- `answer_log.py`: the log of answers, written after each answer, searched by `quipu logs`, and
+  what a follow-up (`-F`, `--cid`) goes on with; `roles.py`: roles (`--role`, `quipu roles`), a
+  system prompt, a model, a prompt and options kept under a name.
 """

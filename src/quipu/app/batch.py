@@ -272,11 +272,23 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
                                 reasoning.strip(), constrained_by=constrained_by(grammar),
                                 incomplete=cut_short(grammar, gen.finish_reason, answer))
             generated[0] += stats.completion_tokens
+            row = plan.input
+            asked = row.prompt if row.prompt is not None else next(
+                (m.content for m in reversed(row.messages or []) if m.role == "user"), "")
+            unlogged = log_answer(env, opts, "batch", asked, result, system=row.system or opts.system, log=book)
+            if unlogged:
+                result.notices.append(unlogged)
             writer.done(RowOutcome(plan.input.index, plan.input.id, result=result))
             if on_progress is not None:
                 on_progress(writer.finished, len(plans), generated[0])
 
-        batch.run([p.ready for p in runnable], on_token, on_done, should_stop)
+        from quipu.app.answer_log import log_answer, open_log
+
+        book = open_log(env)  # (one for the batch's rows)
+        try:
+            batch.run([p.ready for p in runnable], on_token, on_done, should_stop)
+        finally:
+            book.close()
     finally:
         batch_backend.close()
     return writer.written

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import secrets
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from quipu.app.attachments import Attachment
@@ -51,10 +51,12 @@ class TurnOutcome:
 class ChatSession:
     """An open, locked, named conversation. Every finished turn is saved before it returns."""
 
-    def __init__(self, env: Environment, opts: TurnOptions, host: ModelHost):
+    def __init__(self, env: Environment, opts: TurnOptions, host: ModelHost,
+                 shape: Callable[[str], str | None] | None = None):
         self.env = env
         self.opts = opts
         self.host = host
+        self._shape = shape
         self.store = store_for(env)
         max_tokens(opts, env)  # a bad value is said before anything is loaded
         self.named: NamedSession | None = None
@@ -76,17 +78,31 @@ class ChatSession:
 
     @classmethod
     def open(cls, env: Environment, opts: TurnOptions, *, name: str | None = None, resume_latest: bool = False,
-             keep_unnamed: bool = True, on_progress: ProgressFn | None = None) -> "ChatSession":
+             keep_unnamed: bool = True, on_progress: ProgressFn | None = None,
+             shape: Callable[[str], str | None] | None = None) -> "ChatSession":
         """The chat on the host the options name (a local model, or `opts.server`); without
-        `keep_unnamed`, a session that was not named (nor resumed) is never written to disk."""
+        `keep_unnamed`, a session that was not named (nor resumed) is never written to disk;
+        `shape`, what a message becomes before it is sent (a role's prompt holding it)."""
         host = open_host(opts.server)
         chat = None
         try:
             check_options(opts.asked, CHAT, host.capabilities)
-            chat = cls(env, opts, host)
+            history = None
+            if opts.follow_up or opts.cid is not None:  # (a new session, going on with a logged conversation)
+                from quipu.app.answer_log import followed
+
+                if name is not None or resume_latest:
+                    raise UsageError("--follow-up and --cid start a new session from the log; --session and "
+                                     "--resume open one that is saved")
+                history = followed(env, opts.cid)
+                if opts.system is None and history.system is not None:
+                    opts = replace(opts, system=history.system)
+            chat = cls(env, opts, host, shape)
             chat.keep_unnamed = keep_unnamed
             chat._switch(chat._name_to_open(name, resume_latest), on_progress,
                          kept=keep_unnamed or name is not None or resume_latest)
+            if history is not None:
+                chat._named.conversation.extend(history.messages)
         except BaseException:
             if chat is not None and chat.tools is not None:
                 chat.tools.close()
@@ -190,9 +206,26 @@ class ChatSession:
         named.note_template()
         self.save()
         self.last_stats = named.session.stats
+        self._log(gen, calls, message)
         if gen.error is not None:
             raise gen.error  # a server failed mid-reply: what came is kept and saved
         return TurnOutcome(gen, named.session.stats, gen.finish_reason == "context_full", calls)
+
+    def _log(self, gen: Generation, calls: list, message: str | None) -> None:
+        """The turn's answer in the log of answers (a warning where it could not be written)."""
+        from quipu.app.answer_log import log_answer
+        from quipu.app.turns import TurnResult
+
+        named = self._named
+        asked = message if message is not None else next(
+            (m.content for m in reversed(named.conversation.messages) if m.role == "user"), "")
+        result = TurnResult.of(gen, named.model_name, named.session, self.name if self.kept else None, [],
+                               named.keeper.model_fingerprint)
+        result.tool_calls = calls
+        unlogged = log_answer(self.env, self.opts, "chat", asked, result, system=named.conversation.system,
+                              conversation=f"session:{self.name}" if self.kept else f"chat:{self.name}")
+        if unlogged:
+            named.notices.append(unlogged)
 
     def _refuse_if_it_never_fits(self, text: str, exc: ContextOverflow) -> None:
         """A message too long even for a conversation of nothing but the system prompt gets one
@@ -210,6 +243,8 @@ class ChatSession:
                              "with a larger --ctx")
 
     def send(self, text: str, sink: ReplySink = SILENT) -> TurnOutcome:
+        if self._shape is not None:
+            text = self._shape(text) or ""
         conv = self._named.conversation
         skip_pending(conv)  # (calls left waiting are answered "not run")
         documents = conv.variables.get("documents")

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_MAX_STATE_BYTES = 4 << 30
 DEFAULT_CACHE_BYTES = 2 << 30
+DEFAULT_MAX_RECORDS = 100_000  # answers the log keeps, the oldest dropped first
 SAMPLING_TYPES = SamplingParams.field_types()
 # Everything [generation] in the config file may set: the sampling parameters and these.
 # (gpu_layers and gpu_memory: a word or a number, `object` to the config's reader.)
@@ -50,6 +51,10 @@ class Environment:
     @property
     def max_state_bytes(self) -> int:
         return self.config.sessions.get("max_state_bytes", DEFAULT_MAX_STATE_BYTES)
+
+    @property
+    def log_path(self) -> Path:
+        return self.dirs.data / "logs.db"
 
     @property
     def cache_max_bytes(self) -> int:
@@ -138,6 +143,8 @@ class Environment:
         given = "max_state_bytes" in self.config.sessions
         rows.append(("sessions.max_state_bytes", self.max_state_bytes, where if given else "default"))
         rows.append(("cache.max_bytes", self.cache_max_bytes, where if "max_bytes" in self.config.cache else "default"))
+        for key, default in (("enabled", True), ("max_records", DEFAULT_MAX_RECORDS), ("max_days", "none")):
+            rows.append((f"logs.{key}", self.config.logs.get(key, default), where if key in self.config.logs else "default"))
         for key in ("huggingface", "lmstudio", "ollama"):
             if key in self.config.models:
                 rows.append((f"models.{key}", self.config.models[key], where))
@@ -195,4 +202,7 @@ def check_config(config: Config) -> Config:
         raise config.error("max_state_bytes", "max_state_bytes must be 0 or more", "sessions")
     if config.cache.get("max_bytes", 0) < 0:
         raise config.error("max_bytes", "max_bytes must be 0 or more", "cache")
+    for key in ("max_records", "max_days"):
+        if config.logs.get(key, 1) <= 0:
+            raise config.error(key, f"{key} must be more than 0", "logs")
     return config

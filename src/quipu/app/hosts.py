@@ -34,6 +34,10 @@ class Keeper(Protocol[S]):
     @property
     def model_name(self) -> str: ...
 
+    @property
+    def model_fingerprint(self) -> str | None:
+        """The model file's fingerprint (None: a model on a server)."""
+
     # With `background` (a chat's), a save takes the state's bytes and writes them while the user
     # types; `wait` waits for that write and says what went wrong with it. (Hosts that keep no
     # state file here write nothing behind.)
@@ -103,6 +107,7 @@ class NoCache:
     prompt cache, nothing written behind."""
 
     background = False
+    model_fingerprint: str | None = None
 
     def wait(self) -> list[str]:
         return []

@@ -22,15 +22,16 @@ class Mode:
 
 ONE_SHOT = Mode("a one-shot run (give -S NAME for a session)", frozenset({"continue", "tool_results"}))
 FROM_MESSAGES = Mode("--messages (a conversation of its own)", frozenset({"session", "continue", "raw",
-                                                                         "tool_results"}))
-SESSION = Mode("--session (a session is a conversation)", frozenset({"raw"}))
+                                                                         "tool_results", "follow_up"}))
+SESSION = Mode("--session (a session is a conversation)", frozenset({"raw", "follow_up"}))
 CHAT = Mode("a chat (it is a session)", frozenset({"raw", "messages", "continue", "tool_results"}))
 # --raw is no mode of its own but refuses as one: what only a chat template gives a prompt.
 RAW = Mode("--raw (the prompt goes to the model as it is, without a chat template)",
-           frozenset({"system", "chat_template", "think", "reasoning_budget", "tools", "tool_choice", "tool_results"}))
+           frozenset({"system", "chat_template", "think", "reasoning_budget", "tools", "tool_choice", "tool_results",
+                      "follow_up"}))
 BATCH = Mode("--batch (each row is answered in one reply, on a local model)",
              frozenset({"session", "continue", "messages", "attach", "tools", "tool_choice", "tool_results",
-                        "reasoning_budget", "show_prompt", "server"}))
+                        "reasoning_budget", "show_prompt", "server", "follow_up"}))
 
 
 def check_options(asked: Mapping[str, Sequence[str]], mode: Mode, host: Capabilities | None = None, *,

@@ -68,6 +68,10 @@ class TurnOptions(ToolOptions):
     kv_type: str | None = None
     flash_attn: str | None = None  # auto, on or off
     swa_full: bool = False  # a sliding-window model's window cache of every position, not a ring
+    no_log: bool = False  # this answer not written to the log of answers
+    follow_up: bool = False  # go on with the last logged conversation
+    cid: str | None = None  # go on with the logged conversation of this answer's id
+    role: str | None = None  # a role's values where the command line gives none (`roles.py`)
     gpu_layers: str | None = None  # N, auto or all: layers on the GPU
     gpu_memory: str | None = None  # at most this much of a device's memory (512M, 6G)
     device: str | None = None  # the devices to use, by name (comma-separated); none: the CPU alone
@@ -144,6 +148,7 @@ ASKED: dict[str, tuple[tuple[str, Callable[[TurnOptions], bool]], ...]] = {
                          ("--gpu-memory", lambda o: o.gpu_memory is not None),
                          ("--device", lambda o: o.device is not None)),
     "session": (("--session", lambda o: o.session is not None),),
+    "follow_up": (("--follow-up", lambda o: o.follow_up), ("--cid", lambda o: o.cid is not None)),
     "attach": (("--attach", lambda o: bool(o.attach)), ("--mmproj", lambda o: o.mmproj is not None)),
     "messages": (("--messages", lambda o: o.messages is not None),),
     "server": (("a server (--url, QUIPU_URL or the config's [remote] url)", lambda o: o.server is not None),),

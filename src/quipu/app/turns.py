@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from contextlib import closing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from quipu.app.environment import Environment
@@ -22,11 +22,12 @@ from quipu.app.tools import (ToolHooks, OpenTools, answer_pending, follow_calls,
 from quipu.engine.base import MEDIA_MARK, defuse
 from quipu.errors import BadInput, ContextOverflow, UsageError
 from quipu.sessions.base import LOCAL, SILENT, Capabilities, Generation, ReplySink, Stats, common_prefix
-from quipu.sessions.conversation import Conversation
+from quipu.sessions.conversation import Conversation, Message
 from quipu.store.store import validate_name
 
 if TYPE_CHECKING:
     from quipu.app.attachments import Attachment
+    from quipu.app.answer_log import Followed
 
 
 @dataclass
@@ -45,13 +46,15 @@ class TurnResult:
     # A reply under a grammar cut (by the token limit or a full context) before the grammar was
     # done: its text will not parse.
     incomplete: bool = False
+    fingerprint: str | None = None  # the model file's (a local model's), as the log keeps it
 
     @classmethod
-    def of(cls, gen: Generation, model: str, session, name: str | None, notices: list[str] | None = None):
+    def of(cls, gen: Generation, model: str, session, name: str | None, notices: list[str] | None = None,
+           fingerprint: str | None = None):
         answer = gen.text if gen.answer is None else gen.answer
         return cls(answer, gen.finish_reason, model, session.params.seed, name, session.stats, list(notices or []),
                    gen.reasoning, gen.error, constrained_by(session.params.grammar, session.capabilities),
-                   incomplete=cut_short(session.params.grammar, gen.finish_reason, answer))
+                   incomplete=cut_short(session.params.grammar, gen.finish_reason, answer), fingerprint=fingerprint)
 
     def to_json(self) -> dict:
         return {
@@ -106,6 +109,7 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     result before anything else is written (a session's save comes first; the prompt cache's
     after, so a reader of the answer does not wait for it). A failure mid-reply is raised once
     the result is out."""
+    opts, history = _followed(opts, env)
     with closing(open_host(opts.server)) as host:
         check_options(opts.asked, opts.mode, host.capabilities)
         files, media = attached(opts, host.capabilities, sink.stopped)
@@ -117,15 +121,38 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
                 if on_result is not None:
                     on_result(result)
             else:
-                result = _one_shot(prompt, opts, env, host, sink, on_result, tools, hooks, files, media)
+                result = _one_shot(prompt, opts, env, host, sink, on_result, tools, hooks, files, media,
+                                   history.messages if history is not None else ())
         finally:
             if tools is not None:
                 tools.close()
+    from quipu.app.answer_log import log_answer
+
+    unlogged = log_answer(env, opts, "run", prompt, result, system=system_prompt(opts, env) if not opts.raw else None,
+                          conversation=history.conversation if history is not None else
+                          f"session:{opts.session}" if opts.session is not None else "",
+                          attachments=[*files, *media])
+    if unlogged:
+        result.notices.append(unlogged)
     if opts.verbose and result.constrained_by:
         result.notices.append(result.constrained_by)
     if result.failure is not None:
         raise result.failure
     return result
+
+
+def _followed(opts: TurnOptions, env: Environment) -> tuple[TurnOptions, "Followed | None"]:
+    """A follow-up's logged conversation (None for a turn that is none), and the options with its
+    system prompt where none is given."""
+    if not opts.follow_up and opts.cid is None:
+        return opts, None
+    from quipu.app.answer_log import followed
+
+    check_options(opts.asked, opts.mode)
+    history = followed(env, opts.cid)
+    if opts.system is None and history.system is not None:
+        opts = replace(opts, system=history.system)
+    return opts, history
 
 
 def attached(opts: TurnOptions, host: Capabilities, stopped: Callable[[], bool] = lambda: False) -> tuple[list, list]:
@@ -182,18 +209,19 @@ def constrained_by(grammar, host: Capabilities = LOCAL) -> str | None:
 def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost, sink: ReplySink,
               on_result: Callable[[TurnResult], None] | None, tools: OpenTools | None = None,
               hooks: ToolHooks | None = None, files: Sequence[Attachment] = (),
-              media: Sequence[Attachment] = ()) -> TurnResult:
+              media: Sequence[Attachment] = (), history: Sequence[Message] = ()) -> TurnResult:
     if not prompt and not opts.messages and not media and not files:
         raise BadInput("no prompt: give one as an argument or on standard input")
     limit, stop = max_tokens(opts, env), stop_strings(opts, env)
     source = chat_template_source(opts)
     messages, theirs = file_messages(opts, host.capabilities)
+    messages = messages or list(history)
     opened = host.create(opts, env, media=[*media, *theirs])
     session, keeper = opened.session, opened.keeper
     ours = opened.media_marks[:len(media)]
     try:
         conv = None if opts.raw else _conversation(session, opts, env, source, messages,
-                                                   opened.media_marks[len(media):])
+                                                   opened.media_marks[len(media):], bool(history))
         prompt = compose(conv, prompt, files, "".join(ours))
         if prompt:
             session.check_text_fits(prompt)
@@ -220,7 +248,7 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
                                                   lambda found: keeper.take_media(session, None, found))
             notices = opened.notices + ([NO_TEMPLATE_NOTICE] if conv.without_template else []) + \
                 ([FOLD_NOTICE] if conv.folds_system else []) + tool_notes
-        result = TurnResult.of(gen, keeper.model_name, session, None, notices)
+        result = TurnResult.of(gen, keeper.model_name, session, None, notices, keeper.model_fingerprint)
         if conv is not None:
             result.tool_calls = calls
         if on_result is not None:
@@ -245,10 +273,14 @@ def file_messages(opts: TurnOptions, host: Capabilities) -> tuple[list, list]:
 
 
 def _conversation(session, opts: TurnOptions, env: Environment, source, messages: Sequence = (),
-                  marks: Sequence[str] = ()) -> Conversation:
-    """A one-shot run's conversation: the system prompt alone, or --messages' conversation
-    (`messages`, their media's markers in `marks`)."""
-    if not opts.messages:
+                  marks: Sequence[str] = (), follows: bool = False) -> Conversation:
+    """A one-shot run's conversation: the system prompt alone, --messages' conversation
+    (`messages`, their media's markers in `marks`), or the logged exchanges a follow-up goes on
+    with (`follows`: `messages`, with the system prompt)."""
+    if follows:
+        conv = Conversation.start(session, system_prompt(opts, env), template=source,
+                                  variables=template_variables(opts), messages=list(messages))
+    elif not opts.messages:
         conv = Conversation.start(session, system_prompt(opts, env), template=source,
                                   variables=template_variables(opts))
     else:
@@ -315,7 +347,7 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
             named.save()
         finally:
             named.close()
-    result = TurnResult.of(gen, named.model_name, named.session, name, named.notices)
+    result = TurnResult.of(gen, named.model_name, named.session, name, named.notices, named.keeper.model_fingerprint)
     result.tool_calls = calls
     return result
 
@@ -337,6 +369,7 @@ def check_session_turn(prompt: str | None, opts: TurnOptions, media: bool = Fals
 def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> PromptView:
     """The context `run_turn` would feed for this prompt (a session's included), without
     generating or saving anything."""
+    opts, history = _followed(opts, env)
     with closing(open_host(opts.server)) as host:
         check_options(opts.asked, opts.mode, host.capabilities, show=True)
         files, media = attached(opts, host.capabilities)
@@ -345,6 +378,7 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
         if not prompt and not opts.messages and not media and not files:
             raise BadInput("no prompt: give one as an argument or on standard input")
         messages, theirs = file_messages(opts, host.capabilities)
+        messages = messages or (history.messages if history is not None else [])
         opened = host.create(opts, env, media=[*media, *theirs])
         session = opened.session
         ours = "".join(opened.media_marks[:len(media)])
@@ -355,7 +389,7 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
                 tokens = session.raw_tokens(compose(None, prompt, files, ours) or "")
             else:
                 conv = _conversation(session, opts, env, chat_template_source(opts), messages,
-                                     opened.media_marks[len(media):])
+                                     opened.media_marks[len(media):], history is not None)
                 prompt = compose(conv, prompt, files, ours)
                 offer(conv, tools, opts.tool_options)
                 if prompt:

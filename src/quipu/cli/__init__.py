@@ -1,7 +1,7 @@
 """The `quipu` command: assembles the sub-apps; `main` is the one error boundary.
 
 One module per command or sub-app (`run.py` and its `--batch` in `batch.py`, `chat.py`, `sessions.py`, `models.py`,
-`config.py`, `embed.py`, `cache.py`, `doctor.py`), with `root.py` (`--version`, the Environment built once),
+`config.py`, `embed.py`, `cache.py`, `doctor.py`, `logs.py`, `roles.py`), with `root.py` (`--version`, the Environment built once),
 `pull.py` (a pull from the Hugging Face Hub as a person sees it), `spec.py` (the options of `run` and `chat` as data, and a parser for a plain `run` that needs
 no Typer), `options.py` (those options as Typer parameters), `repl.py` (the chat REPL and its table of
 slash commands), `render.py` (a reply on the chat's screen as it streams), `terminal.py` (terminal facts, progress, Ctrl-C), `boundary.py` (errors to
@@ -18,7 +18,7 @@ import sys
 def build_app():
     import typer
 
-    from quipu.cli import cache, chat, config, doctor, embed, models, root, run, sessions
+    from quipu.cli import cache, chat, config, doctor, embed, logs, models, roles, root, run, sessions
     from quipu.cli.options import plain_help
 
     plain_help()
@@ -36,6 +36,8 @@ def build_app():
     run.register(app)
     chat.register(app)
     sessions.register(app)
+    logs.register(app)
+    roles.register(app)
     models.register(app)
     config.register(app)
     embed.register(app)

@@ -15,6 +15,8 @@ PARAMS: dict[str, spec.Opt] = {
     "session": spec.SESSION,
     "resume": spec.flag("--resume", "-r", help="Resume the most recently used session."),
     "markdown": spec.flag("--markdown", help="Render replies as Markdown as they stream."),
+    "role": spec.ROLE,
+    **spec.LOGGING,
     **spec.GENERATION,
     "mmproj": spec.MMPROJ,
     **spec.SHAPING,
@@ -42,8 +44,11 @@ def chat(env, **given) -> int:
     from quipu.app.chat import ChatSession
     from quipu.cli.repl import Repl
 
+    from quipu.app.modes import CHAT
+    from quipu.app.roles import with_role
+
     resume, markdown, hide_thinking = (given[k] for k in OWN)
-    opts = spec.turn_options(given, env)
+    opts, role = with_role(spec.turn_options(given, env), env, CHAT)
     for warning in env.config.warnings + spec.habits(given):  # (a config others can read holds a token; -t 8)
         Terminal.detect().warn(warning)
     if opts.verbose:
@@ -61,7 +66,7 @@ def chat(env, **given) -> int:
     try:
         # A chat read from a pipe is a script's: it keeps a session only when one is named.
         chat_ = ChatSession.open(env, opts, name=opts.session, resume_latest=resume, keep_unnamed=term.stdin_tty,
-                                 on_progress=progress)
+                                 on_progress=progress, shape=role.fill if role is not None and role.prompt else None)
     finally:
         progress.close()
     try:

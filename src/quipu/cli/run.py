@@ -16,11 +16,13 @@ HELP = "Answer one prompt, given as an argument and/or on standard input."
 # `spec.parse` reads a plain command line from it without Typer.
 PARAMS: dict[str, spec.Opt | spec.Arg] = {
     "prompt": spec.Arg("The prompt. Piped stdin comes before it, then a blank line."),
+    "role": spec.ROLE,
     "attach": spec.ATTACH,
     "mmproj": spec.MMPROJ,
     **spec.GENERATION,
     "raw": spec.flag("--raw", help="Plain completion, without the chat template."),
     "session": spec.SESSION,
+    **spec.LOGGING,
     "continue_reply": spec.flag("--continue", help="With --session and no prompt: keep generating the last reply."),
     **spec.SHAPING,
     **spec.TOOLS,
@@ -78,18 +80,24 @@ def run(env, **given) -> int:
     term = Terminal.detect()
     if batch is None and parallel is not None:
         raise UsageError("--parallel goes with --batch")
-    opts = spec.turn_options(given, env)
+    from quipu.app.modes import BATCH
+    from quipu.app.roles import with_role
+
+    opts, role = with_role(spec.turn_options(given, env), env, BATCH if batch is not None else None)
     for warning in env.config.warnings + spec.habits(given):  # (a config others can read holds a token; -t 8)
         Terminal.detect().warn(warning)
     if opts.verbose:
         from quipu.cli.boundary import library_logs
 
         library_logs(sys.stderr)
-    text = gather_prompt(prompt, term, allow_empty=empty_allowed(opts)) if batch is None else None
+    prompted = role is not None and role.prompt is not None
+    text = gather_prompt(prompt, term, allow_empty=empty_allowed(opts) or prompted) if batch is None else None
+    if role is not None and batch is None:
+        text = role.fill(text)
     if batch is not None:
         from quipu.cli.batch import run_batch_file
 
-        from quipu.app.modes import BATCH, check_options
+        from quipu.app.modes import check_options
 
         if prompt is not None:
             raise UsageError("--batch reads its prompts from the file; give no prompt")

@@ -122,6 +122,16 @@ MMPROJ = opt("--mmproj", help="The model's projector (an mmproj GGUF), for image
 THINK = Opt(("--think/--no-think",), bool, "Turn a thinking model's reasoning on or off, where its template has "
                                            "the switch.")
 
+# The log of answers: whether this one is written, and a follow-up to a logged conversation.
+LOGGING = {"no_log": flag("--no-log", help="Write nothing of this answer to the log of answers (quipu logs)."),
+           "follow_up": flag("--follow-up", "-F", help="Go on with the last logged conversation (the last answer "
+                                                     "and those it followed up), as if it had been a session."),
+           "cid": opt("--cid", help="Go on with the logged conversation of this answer (an id `quipu logs` "
+                                    "lists).", metavar="ID")}
+
+ROLE = opt("--role", "-R", help="Take this role's system prompt, model, prompt and options where the command line "
+                               "gives none (`quipu roles list`).", metavar="NAME")
+
 # The options of a turn that `run` and `chat` share, in the order their help lists them.
 GENERATION = {"model": MODEL, "system": SYSTEM, "max_tokens": MAX_TOKENS, "temperature": TEMPERATURE,
               "top_k": TOP_K, "top_p": TOP_P, "min_p": MIN_P, "repeat_penalty": REPEAT_PENALTY, "seed": SEED,

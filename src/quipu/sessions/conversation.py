@@ -107,6 +107,12 @@ class Conversation(ToolTurns):
         if text:
             self.messages.insert(0, Message("system", text))
 
+    def extend(self, earlier: Sequence[Message]) -> None:
+        """Gives a conversation that holds no exchange yet earlier ones (a follow-up's)."""
+        if any(m.role != "system" for m in self.messages):
+            raise ValueError("a conversation's earlier exchanges go in before its own")
+        self.messages.extend(earlier)
+
     def render(self, messages: Sequence[Message], add_generation_prompt: bool, tail: str = "") -> Rendered:
         """The template's text for `messages` (and `tail`, a reply in progress), in parts that
         keep a user's spelling of a control token as text."""

@@ -11,6 +11,7 @@ locked, and never pickled.
 - `pulled.py`: `PulledRecord`, the models quipu pulled from the Hugging Face Hub.
 - `media.py`: `MediaStore`, the images and recordings sessions hold, each kept once by its hash.
 - `fingerprints.py`: `Fingerprints`, model files' fingerprints remembered across runs.
+- `logbook.py`: `Logbook`, the log of answers: a SQLite database (WAL, full-text search).
 
 This package imports neither `quipu.sessions` nor `quipu.app`.
 """

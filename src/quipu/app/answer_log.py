@@ -1,0 +1,183 @@
+"""The log of answers as quipu keeps it (`store/logbook.py`): each answer of `run` (a batch's
+rows too) and each chat turn written once it is out; on unless `logs off`, `[logs] enabled =
+false` or `--no-log`; bounded by `[logs] max_records` (100,000 by default) and `max_days`. A log
+that cannot be written costs one warning, never the answer. A follow-up (`run -F`, `chat -F`,
+`--cid ID`) reads its conversation back from it."""
+
+from __future__ import annotations
+
+from contextlib import closing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+from quipu.app.environment import DEFAULT_MAX_RECORDS, Environment
+from quipu.errors import UsageError
+from quipu.paths import create_private
+from quipu.store.logbook import Logbook, LogError, Record
+
+if TYPE_CHECKING:
+    from quipu.app.attachments import Attachment
+    from quipu.app.turn_options import TurnOptions
+    from quipu.sessions.base import Stats
+    from quipu.sessions.conversation import Message
+
+
+class Answered(Protocol):
+    """What the log keeps of a turn's result (`turns.TurnResult`)."""
+
+    text: str
+    reasoning: str
+    model: str
+    fingerprint: str | None
+    tool_calls: list
+    seed: int | None
+    finish_reason: str
+    stats: "Stats"
+    session: str | None
+
+# The options of a turn that shape its answer, as a record keeps them (those given).
+SHAPING = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "max_tokens", "stop", "ctx", "kv_type",
+           "raw", "schema", "grammar", "regex", "logit_bias", "think", "reasoning_effort", "reasoning_budget",
+           "functions", "tools_file", "mcp", "tool_choice", "chat_template", "role")
+
+
+def _off_mark(env: Environment):
+    return env.dirs.data / "logs-off"
+
+
+def logging_on(env: Environment) -> bool:
+    """Whether answers are logged: not turned off by `quipu logs off` or the config."""
+    return env.config.logs.get("enabled", True) and not _off_mark(env).exists()
+
+
+def set_logging(env: Environment, on: bool) -> None:
+    mark = _off_mark(env)
+    if on:
+        mark.unlink(missing_ok=True)
+    elif not mark.exists():
+        from quipu.paths import private_dir
+
+        private_dir(mark.parent)
+        import os
+
+        os.close(create_private(mark))
+
+
+def open_log(env: Environment) -> Logbook:
+    return Logbook(env.log_path)
+
+
+def log_answer(env: Environment, opts: "TurnOptions", command: str, prompt: str | None, result: Answered, *,
+               system: str | None = None, conversation: str = "", attachments: Sequence["Attachment"] = (),
+               log: Logbook | None = None) -> str | None:
+    """Writes one answer to the log (unless logging is off or `--no-log`); a warning where it
+    could not be written, else None."""
+    if opts.no_log or not logging_on(env):
+        return None
+    given = {k: v for k in SHAPING if (v := getattr(opts, k, None)) is not None and v is not False and v not in ((), "")}
+    s = result.stats
+    record = Record(
+        prompt=prompt or "", answer=result.text, model=result.model, command=command, conversation=conversation,
+        system=system if system is not None else (opts.system or env.config.system),
+        reasoning=result.reasoning or None, fingerprint=result.fingerprint,
+        tool_calls=[c.to_json() for c in result.tool_calls],
+        attachments=[{"name": a.name, "sha256": a.digest} for a in attachments],
+        options={**given, "seed": result.seed}, finish_reason=result.finish_reason,
+        prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens, cached_tokens=s.cached_tokens,
+        timings={"prefill_s": round(s.prefill_s, 4), "decode_s": round(s.decode_s, 4), "ttft_s": round(s.ttft_s, 4)},
+        session=result.session)
+    book = log if log is not None else open_log(env)
+    try:
+        book.add(record, max_records=env.config.logs.get("max_records", DEFAULT_MAX_RECORDS),
+                 max_days=env.config.logs.get("max_days"))
+    except LogError as exc:
+        return f"the answer was not logged: {exc}"
+    finally:
+        if log is None:
+            book.close()
+    return None
+
+
+@dataclass(frozen=True)
+class Followed:
+    """The logged conversation a follow-up goes on with: its exchanges as messages, its id, and
+    its system prompt."""
+
+    messages: list["Message"]
+    conversation: str
+    system: str | None
+
+
+def followed(env: Environment, cid: str | None) -> Followed:
+    """The last logged conversation (to its last answer), or the one the record `cid` (an id)
+    belongs to, up to that record."""
+    from quipu.sessions.conversation import Message
+
+    book = open_log(env)
+    try:
+        if cid is None:
+            last = book.last()
+            if last is None:
+                raise UsageError("no answer is logged yet to follow up (`quipu logs` lists them)")
+        else:
+            if not cid.isdigit():
+                raise UsageError(f"--cid takes a logged answer's id (`quipu logs` lists them), not '{cid}'")
+            last = book.get(int(cid))
+            if last is None:
+                raise UsageError(f"no logged answer has the id {cid} (`quipu logs` lists them)")
+        records = book.conversation(last.conversation, upto=last.id)
+    except LogError as exc:
+        raise UsageError(f"cannot follow up: {exc}") from None
+    finally:
+        book.close()
+    messages: list[Message] = []
+    for r in records:
+        messages += [Message("user", r.prompt), Message("assistant", r.answer)]
+    return Followed(messages, last.conversation, records[0].system if records else None)
+
+
+def since_time(text: str) -> float:
+    """A moment `--since` names: a date (2026-12-01), a date and time (2026-12-01T14:00), or a
+    span back from now (90m, 12h, 3d, 2w)."""
+    import re
+    import time
+    from datetime import datetime
+
+    text = text.strip()
+    span = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smhdw])", text)
+    if span:
+        seconds = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[span.group(2)]
+        return time.time() - float(span.group(1)) * seconds
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise UsageError(f"--since takes a date (2026-12-01), a date and time (2026-12-01T14:00) or a span "
+                         f"back from now (90m, 12h, 3d, 2w), not '{text}'") from None
+
+
+def find_answers(env: Environment, *, query: str | None = None, model: str | None = None,
+                 session: str | None = None, since: str | None = None, limit: int = 10) -> list[Record]:
+    if limit < 1:
+        raise UsageError(f"-n takes a count of answers, 1 or more, not {limit}")
+    if query is not None and not query.strip():
+        raise UsageError("-q takes words to search for")
+    moment = since_time(since) if since is not None else None
+    with closing(open_log(env)) as book:
+        return book.find(query=query, model=model, session=session, since=moment, limit=limit)
+
+
+def answer(env: Environment, record_id: int) -> Record:
+    with closing(open_log(env)) as book:
+        found = book.get(record_id)
+    if found is None:
+        raise UsageError(f"no logged answer has the id {record_id} (`quipu logs` lists them)")
+    return found
+
+
+def remove_answers(env: Environment, ids: Sequence[int] = (), before: str | None = None,
+                   everything: bool = False) -> int:
+    if sum((bool(ids), before is not None, everything)) != 1:
+        raise UsageError("logs rm takes ids, or --before DATE, or --all (one of them)")
+    with closing(open_log(env)) as book:
+        return book.remove(ids=ids, before=since_time(before) if before is not None else None, everything=everything)
+

@@ -1,0 +1,130 @@
+"""`quipu logs ...`: the log of answers: the last ones, a search, one in full, off and on, rm, path."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import List, Optional
+
+import typer
+
+from quipu.cli.terminal import Terminal
+from quipu.shown import shown
+
+app = typer.Typer(rich_markup_mode=None, invoke_without_command=True,
+                  help="The log of answers: every run's and chat turn's answer, searchable. With no command: "
+                       "the last answers.")
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="logs")
+
+
+@app.callback()
+def logs(context: typer.Context,
+         count: int = typer.Option(10, "-n", "--count", help="How many answers (default: 10)."),
+         query: Optional[str] = typer.Option(None, "-q", "--query", help="Only answers with these words (SQLite's "
+                                             "full-text search: \"a phrase\", OR, NOT, prefix*), best match first."),
+         model: Optional[str] = typer.Option(None, "-m", "--model", help="Only answers of models whose name holds "
+                                             "this."),
+         session: Optional[str] = typer.Option(None, "--session", "-S", help="Only answers of this session."),
+         since: Optional[str] = typer.Option(None, "--since", help="Only answers since then: 2026-12-01, "
+                                             "2026-12-01T14:00, or 90m, 12h, 3d, 2w back.", metavar="WHEN"),
+         as_json: bool = typer.Option(False, "--json", help="One JSON object a line, each answer in full.")) -> None:
+    if context.invoked_subcommand is not None:
+        return
+    from quipu.app.answer_log import find_answers, logging_on
+
+    term = Terminal.detect()
+    found = find_answers(context.obj, query=query, model=model, session=session, since=since, limit=count)
+    if as_json:
+        term.stdout.write("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in found))
+    elif not found:
+        term.stderr.write("no answers logged" + (" match" if query or model or session or since else " yet") + "\n")
+    else:
+        for r in found if query else reversed(found):  # (newest last, as a terminal reads; a search: best first)
+            term.stdout.write(_brief(r, term) + "\n")
+    if not logging_on(context.obj):
+        term.warn("logging is off (`quipu logs on` turns it on)")
+    term.stdout.flush()
+
+
+def _when(at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(at))
+
+
+def _one_line(text: str | None, width: int) -> str:
+    flat = " ".join((text or "").split())
+    return shown(flat if len(flat) <= width else flat[:width - 1] + "…")
+
+
+def _brief(r, term: Terminal) -> str:
+    head = f"#{r.id}  {_when(r.at)}  {shown(r.model)}" + (f"  [{shown(r.session)}]" if r.session else "")
+    return (term.dim(head) + "\n" + f"  > {_one_line(r.prompt, 100)}\n" + f"  {_one_line(r.answer, 200)}")
+
+
+@app.command()
+def show(context: typer.Context, record: int = typer.Argument(..., help="The answer's id (`quipu logs` lists them)."),
+         as_json: bool = typer.Option(False, "--json", help="One JSON object.")) -> None:
+    """Show one answer in full: its prompt, reasoning, answer, calls and settings."""
+    from quipu.app.answer_log import answer
+
+    term = Terminal.detect()
+    r = answer(context.obj, record)
+    if as_json:
+        term.stdout.write(json.dumps(r.to_json(), ensure_ascii=False) + "\n")
+        return
+    out = [term.dim(f"#{r.id}  {_when(r.at)}  {shown(r.model)}  ({r.command}"
+                    + (f", session {shown(r.session)}" if r.session else "") + f", conversation {shown(r.conversation)})")]
+    if r.system:
+        out += [term.dim("system:"), shown(r.system)]
+    out += [term.dim("prompt:"), shown(r.prompt)]
+    if r.attachments:
+        out.append(term.dim("attached: " + ", ".join(shown(a.get("name", "?")) for a in r.attachments)))
+    if r.reasoning:
+        out += [term.dim("reasoning:"), term.dim(shown(r.reasoning))]
+    for call in r.tool_calls:
+        out.append(term.dim(f"call: {shown(json.dumps(call, ensure_ascii=False))}"))
+    out += [term.dim("answer:"), shown(r.answer)]
+    usage = f"{r.prompt_tokens} prompt tokens ({r.cached_tokens} cached), {r.completion_tokens} generated" \
+        if r.prompt_tokens is not None else ""
+    settings = ", ".join(f"{k}={v}" for k, v in r.options.items())
+    out.append(term.dim(f"finish {r.finish_reason}" + (f"; {usage}" if usage else "") + (f"; {settings}" if settings else "")))
+    term.stdout.write("\n".join(out) + "\n")
+
+
+@app.command()
+def off(context: typer.Context) -> None:
+    """Stop logging answers (until `quipu logs on`); what is logged stays."""
+    from quipu.app.answer_log import set_logging
+
+    set_logging(context.obj, False)
+    Terminal.detect().stderr.write("answers are no longer logged\n")
+
+
+@app.command()
+def on(context: typer.Context) -> None:
+    """Log answers again."""
+    from quipu.app.answer_log import set_logging
+
+    set_logging(context.obj, True)
+    Terminal.detect().stderr.write("answers are logged\n")
+
+
+@app.command()
+def rm(context: typer.Context,
+       records: Optional[List[int]] = typer.Argument(None, help="The answers' ids."),
+       before: Optional[str] = typer.Option(None, "--before", help="Every answer older than this (a date, or a span "
+                                            "back from now: 30d).", metavar="WHEN"),
+       everything: bool = typer.Option(False, "--all", help="Every answer.")) -> None:
+    """Remove answers from the log: by id, older than a date, or all of them."""
+    from quipu.app.answer_log import remove_answers
+
+    gone = remove_answers(context.obj, records or (), before, everything)
+    Terminal.detect().stderr.write(f"{gone} answer{'' if gone == 1 else 's'} removed\n")
+
+
+@app.command()
+def path(context: typer.Context) -> None:
+    """Print where the log is (a SQLite database)."""
+    Terminal.detect().stdout.write(f"{context.obj.log_path}\n")
