@@ -18,6 +18,7 @@ from pathlib import Path
 from bench.batch import bench_batch
 from bench.common import RESULTS, model_path
 from bench.llama_bench import bench_llama_bench
+from bench.logs import bench_logs
 from bench.media import bench_media
 from bench.remote import bench_remote
 from bench.sessions import bench_cache, bench_resume, bench_saves, bench_shift, bench_snapshots
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128, help="tokens to decode per run")
-    ap.add_argument("--only", help="run one part: speed, llama-bench, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools, functions, saves, shift, media, window")
+    ap.add_argument("--only", help="run one part: speed, llama-bench, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools, functions, saves, shift, media, window, logs")
     args = ap.parse_args(argv)
     model = model_path()
     # An installed quipu has its bytecode compiled by pip; a checkout may not (PYTHONDONTWRITEBYTECODE).
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
             "shift": lambda: bench_shift(model, args.threads, args.repeats),
             "media": lambda: bench_media(args.threads, args.repeats, home),
             "window": lambda: bench_window_cache(args.threads, args.repeats, home),
+            "logs": lambda: bench_logs(model, args.threads, args.repeats, home),
         }
         rows = []
         for name, part in parts.items():

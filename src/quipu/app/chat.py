@@ -52,11 +52,12 @@ class ChatSession:
     """An open, locked, named conversation. Every finished turn is saved before it returns."""
 
     def __init__(self, env: Environment, opts: TurnOptions, host: ModelHost,
-                 shape: Callable[[str], str | None] | None = None):
+                 shape: Callable[[str], str | None] | None = None, conversation: str | None = None):
         self.env = env
         self.opts = opts
         self.host = host
         self._shape = shape
+        self._conversation = conversation  # the logged conversation a follow-up's turns go on with
         self.store = store_for(env)
         max_tokens(opts, env)  # a bad value is said before anything is loaded
         self.named: NamedSession | None = None
@@ -97,7 +98,7 @@ class ChatSession:
                 history = followed(env, opts.cid)
                 if opts.system is None and history.system is not None:
                     opts = replace(opts, system=history.system)
-            chat = cls(env, opts, host, shape)
+            chat = cls(env, opts, host, shape, history.conversation if history is not None else None)
             chat.keep_unnamed = keep_unnamed
             chat._switch(chat._name_to_open(name, resume_latest), on_progress,
                          kept=keep_unnamed or name is not None or resume_latest)
@@ -223,7 +224,8 @@ class ChatSession:
                                named.keeper.model_fingerprint)
         result.tool_calls = calls
         unlogged = log_answer(self.env, self.opts, "chat", asked, result, system=named.conversation.system,
-                              conversation=f"session:{self.name}" if self.kept else f"chat:{self.name}")
+                              conversation=self._conversation or (f"session:{self.name}" if self.kept
+                                                                  else f"chat:{self.name}"))
         if unlogged:
             named.notices.append(unlogged)
 

@@ -229,19 +229,30 @@ class Logbook:
         return int(self._rows_raw("SELECT count(*) FROM answers", [])[0][0])
 
     def _rows(self, sql: str, args: list[Any], query: str | None = None) -> list[Record]:
-        return [Record.of(row) for row in self._rows_raw(sql, args, query)]
+        if query is not None:
+            check_search(query)
+        return [Record.of(row) for row in self._rows_raw(sql, args)]
 
-    def _rows_raw(self, sql: str, args: list[Any], query: str | None = None) -> list[sqlite3.Row]:
+    def _rows_raw(self, sql: str, args: list[Any]) -> list[sqlite3.Row]:
         db = self._open()
         try:
             return db.execute(sql, args).fetchall()
-        except sqlite3.OperationalError as exc:
-            if query is not None and ("fts5" in str(exc) or "syntax" in str(exc) or "no such column" in str(exc)):
-                raise BadSearch(f"cannot search for {query!r}: {_said(exc)} (words match words; \"quoted text\" a "
-                               "phrase; AND, OR, NOT and a trailing * as SQLite's full-text search reads them)") from None
-            raise LogError(f"the log of answers ({self.path}) cannot be read: {_said(exc)}") from None
         except sqlite3.Error as exc:
             raise LogError(f"the log of answers ({self.path}) cannot be read: {_said(exc)}") from None
+
+
+def check_search(query: str) -> None:
+    """Refuses a search FTS5 cannot read, tried on an empty table in memory (so that what is
+    wrong with the words is never taken for what is wrong with the log)."""
+    db = sqlite3.connect(":memory:")
+    try:
+        db.execute("CREATE VIRTUAL TABLE t USING fts5(system, prompt, answer, reasoning)")
+        db.execute("SELECT * FROM t WHERE t MATCH ?", (query,)).fetchall()
+    except sqlite3.Error as exc:
+        raise BadSearch(f"cannot search for {query!r}: {_said(exc)} (words match words; \"quoted text\" a phrase; "
+                        "AND, OR, NOT and a trailing * as SQLite's full-text search reads them)") from None
+    finally:
+        db.close()
 
 
 class _transaction:

@@ -1,0 +1,220 @@
+"""What a user keeps: every answer in a searchable log, a follow-up without a name, and roles.
+The real command on the bundled model; the log is read back through `quipu logs`, as a user
+reads it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import stat
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.model
+
+SHORT = ["-n", "6", "--seed", "3", "-t", "0"]
+
+
+def logged(quipu, *args):
+    r = quipu("logs", "--json", "-n", "100", *args)
+    assert r.returncode == 0, r.stderr.decode()
+    return [json.loads(line) for line in r.stdout.decode().splitlines()]
+
+
+def test_every_answer_is_logged_and_found_again_by_a_word_in_it(quipu, home):
+    for text in ("Name one zebra fact.", "Name a river in Spain."):
+        r = quipu("run", *SHORT, text)
+        assert r.returncode == 0, r.stderr.decode()
+    records = logged(quipu)
+    assert [r["prompt"] for r in records] == ["Name a river in Spain.", "Name one zebra fact."]  # (newest first)
+    first = records[1]
+    assert first["answer"] and first["model"] == "SmolLM2-135M-Instruct" and first["fingerprint"]
+    assert first["options"]["max_tokens"] == 6 and first["options"]["temperature"] == 0.0
+    assert first["options"]["seed"] == 3 and first["finish_reason"] in ("stop", "length")
+    assert first["prompt_tokens"] > 5 and first["completion_tokens"] >= 1 and first["command"] == "run"
+    found = logged(quipu, "-q", "zebra")
+    assert [r["prompt"] for r in found] == ["Name one zebra fact."]
+    assert logged(quipu, "-q", "nothingsaidthis") == []
+    shown = quipu("logs", "show", str(first["id"])).stdout.decode()
+    assert "Name one zebra fact." in shown and first["answer"] in shown
+    plain = quipu("logs").stdout.decode()
+    assert plain.index("zebra") < plain.index("Spain")  # (oldest first on a screen, newest last)
+    # Private, as everything quipu writes.
+    path = quipu("logs", "path").stdout.decode().strip()
+    assert path == str(home / "data" / "logs.db")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(home / "data").st_mode) == 0o700
+
+
+def test_filters_removal_and_the_limit_the_config_sets(quipu, home):
+    (home / "config").mkdir(parents=True, exist_ok=True)
+    (home / "config" / "config.toml").write_text("[logs]\nmax_records = 3\n")
+    for i in range(5):
+        assert quipu("run", *SHORT, f"Count to {i}.").returncode == 0
+    records = logged(quipu)
+    assert [r["prompt"] for r in records] == ["Count to 4.", "Count to 3.", "Count to 2."]  # (the oldest dropped)
+    assert logged(quipu, "-m", "smollm2") and not logged(quipu, "-m", "llama-3")
+    assert len(logged(quipu, "--since", "1h")) == 3 and logged(quipu, "--since", "2999-01-01") == []
+    assert quipu("run", *SHORT, "-S", "trip", "Plan a day.").returncode == 0
+    assert [r["prompt"] for r in logged(quipu, "--session", "trip")] == ["Plan a day."]
+    r = quipu("logs", "rm", str(records[0]["id"]))
+    assert r.returncode == 0 and "1 answer removed" in r.stderr.decode()
+    assert records[0]["id"] not in [x["id"] for x in logged(quipu)]
+    assert quipu("logs", "rm", "--all").returncode == 0 and logged(quipu) == []
+    # Bad input: one line, the usage exit code.
+    for args in (["-q", "AND OR"], ["-q", '"unclosed'], ["--since", "last tuesday"], ["-n", "0"], ["rm"],
+                 ["show", "999"]):
+        r = quipu("logs", *args)
+        err = r.stderr.decode()
+        assert r.returncode == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, (args, err)
+
+
+def test_no_log_and_logs_off_write_nothing(quipu, home):
+    r = quipu("run", *SHORT, "--no-log", "Say a secret word.")
+    assert r.returncode == 0, r.stderr.decode()
+    assert not (home / "data" / "logs.db").exists()
+    assert quipu("logs", "off").returncode == 0
+    assert quipu("run", *SHORT, "Say another secret.").returncode == 0
+    assert quipu("chat", *SHORT, input="And one more.\n").returncode == 0
+    listed = quipu("logs")
+    assert "logging is off" in listed.stderr.decode()
+    assert not (home / "data" / "logs.db").exists() or logged(quipu) == []
+    assert quipu("logs", "on").returncode == 0
+    assert quipu("run", *SHORT, "Say it now.").returncode == 0
+    assert [r["prompt"] for r in logged(quipu)] == ["Say it now."]
+
+
+def test_a_damaged_or_locked_log_never_costs_the_answer(quipu, home):
+    assert quipu("run", *SHORT, "First.").returncode == 0
+    log = home / "data" / "logs.db"
+    # Held by another writer for longer than a run waits: the answer is out, and one warning says why.
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import sqlite3, sys, time\n"
+                               f"db = sqlite3.connect({str(log)!r}, isolation_level=None)\n"
+                               "db.execute('BEGIN EXCLUSIVE'); print('held', flush=True); time.sleep(30)\n"],
+                              stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        r = quipu("run", *SHORT, "Second.")
+    finally:
+        holder.kill()
+        holder.wait()
+    err = r.stderr.decode()
+    assert r.returncode == 0 and r.stdout.strip(), err
+    assert "the answer was not logged" in err and "locked" in err and "Traceback" not in err
+    # Damaged: garbage where the database was.
+    log.write_bytes(b"this is not a database" * 100)
+    for name in ("logs.db-wal", "logs.db-shm"):
+        (home / "data" / name).unlink(missing_ok=True)
+    r = quipu("run", *SHORT, "Third.")
+    err = r.stderr.decode()
+    assert r.returncode == 0 and r.stdout.strip() and "the answer was not logged" in err, err
+    assert len([line for line in err.splitlines() if "not logged" in line]) == 1
+    r = quipu("logs")
+    assert r.returncode == 1 and "cannot" in r.stderr.decode() and "Traceback" not in r.stderr.decode()
+
+
+def test_two_runs_at_once_both_land(quipu, home):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ["QUIPU_HOME"] = str(home)
+    runs = [subprocess.Popen([sys.executable, "-m", "quipu", "run", *SHORT, f"Question {i}."], env=environ,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+            for i in range(3)]
+    for p in runs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0 and b"not logged" not in err, err.decode()
+    assert sorted(r["prompt"] for r in logged(quipu)) == ["Question 0.", "Question 1.", "Question 2."]
+    with sqlite3.connect(home / "data" / "logs.db") as db:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_a_follow_up_goes_on_with_the_last_answer_without_a_name(quipu, home):
+    r = quipu("run", *SHORT, "My name is Ada. Reply with: ok.")
+    assert r.returncode == 0, r.stderr.decode()
+    first = logged(quipu)[0]
+    shown = quipu("run", "-F", "--show-prompt", "What is my name?").stdout.decode()
+    assert "My name is Ada." in shown and first["answer"].strip() in shown and "What is my name?" in shown
+    r = quipu("run", *SHORT, "-F", "What is my name?")
+    assert r.returncode == 0, r.stderr.decode()
+    second = logged(quipu)[0]
+    assert second["conversation"] == first["conversation"] == str(first["id"])
+    assert second["prompt_tokens"] > first["prompt_tokens"] + first["completion_tokens"]
+    # Another conversation meanwhile: --cid goes back to the first one.
+    assert quipu("run", *SHORT, "Something else.").returncode == 0
+    shown = quipu("run", "--cid", str(second["id"]), "--show-prompt", "And again?").stdout.decode()
+    assert "My name is Ada." in shown and "What is my name?" in shown and "Something else" not in shown
+    # The chat goes on with it too, as a new session, and its turns join that conversation.
+    r = quipu("chat", *SHORT, "--cid", str(second["id"]), input="Say my name.\n")
+    assert r.returncode == 0, r.stderr.decode()
+    turn = logged(quipu)[0]
+    assert turn["command"] == "chat" and turn["prompt"] == "Say my name."
+    assert turn["prompt_tokens"] > second["prompt_tokens"] and turn["conversation"] == first["conversation"]
+    shown = quipu("run", "-F", "--show-prompt", "Last one?").stdout.decode()
+    assert "My name is Ada." in shown and "Say my name." in shown
+    for args, said in ((["-F", "-S", "x", "hi"], "cannot be used with"), (["--cid", "999", "hi"], "no logged answer"),
+                       (["--cid", "abc", "hi"], "id"), (["-F", "--raw", "hi"], "cannot be used with")):
+        r = quipu("run", *args)
+        err = r.stderr.decode()
+        assert r.returncode == 2 and said in err and len(err.strip().splitlines()) == 1, (args, err)
+
+
+def test_a_first_follow_up_with_nothing_logged_says_so(quipu):
+    r = quipu("run", "-F", "hi")
+    assert r.returncode == 2 and "no answer is logged yet" in r.stderr.decode()
+
+
+def test_a_batchs_rows_are_logged(quipu, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "Name a bird."}\n{"prompt": "Name a fish."}\n')
+    r = quipu("run", "--batch", rows, *SHORT)
+    assert r.returncode == 0, r.stderr.decode()
+    records = logged(quipu)
+    assert sorted(r["prompt"] for r in records) == ["Name a bird.", "Name a fish."]
+    assert {r["command"] for r in records} == {"batch"}
+
+
+def test_roles_keep_a_system_prompt_a_prompt_and_options(quipu, home):
+    r = quipu("roles", "add", "fr", "--system", "You translate into French.", "--prompt", "Translate: $input",
+              "--set", "max_tokens=5", "--set", "temperature=0")
+    assert r.returncode == 0, r.stderr.decode()
+    assert stat.S_IMODE(os.stat(home / "config" / "roles" / "fr.toml").st_mode) == 0o600
+    assert "fr" in quipu("roles", "list").stdout.decode()
+    assert 'prompt = "Translate: $input"' in quipu("roles", "show", "fr").stdout.decode()
+    shown = quipu("run", "-R", "fr", "--show-prompt", "Good morning").stdout.decode()
+    assert "You translate into French." in shown and "Translate: Good morning" in shown
+    r = quipu("run", "-R", "fr", "--seed", "1", "Good night")
+    assert r.returncode == 0, r.stderr.decode()
+    record = logged(quipu)[0]
+    assert record["prompt"] == "Translate: Good night" and record["system"] == "You translate into French."
+    assert record["options"]["max_tokens"] == 5 and record["options"]["role"] == "fr"
+    # The command line over the role, the role over the config.
+    (home / "config" / "config.toml").write_text('system = "From the config."\n[generation]\nmax_tokens = 9\n')
+    assert quipu("run", "-R", "fr", "-n", "3", "--seed", "1", "Hello").returncode == 0
+    assert logged(quipu)[0]["options"]["max_tokens"] == 3
+    assert "You translate into French." in quipu("run", "-R", "fr", "--show-prompt", "x").stdout.decode()
+    # A role in the config; a prompt without $input goes before the input.
+    (home / "config" / "config.toml").write_text('[roles.terse]\nsystem = "Answer in one word."\n'
+                                                 'prompt = "Question:"\nmax_tokens = 4\n')
+    shown = quipu("run", "-R", "terse", "--show-prompt", "Why?").stdout.decode()
+    assert "Answer in one word." in shown and "Question:\n\nWhy?" in shown
+    r = quipu("chat", "-R", "terse", "--seed", "1", input="Why is the sky blue?\n")
+    assert r.returncode == 0, r.stderr.decode()
+    assert logged(quipu)[0]["prompt"] == "Question:\n\nWhy is the sky blue?"
+    # A role that names what a mode refuses, unknown roles and keys: one line each.
+    assert quipu("roles", "add", "loose", "--set", "tool_choice=required").returncode == 0
+    rows = home / "rows.txt"
+    rows.write_text("hi\n")
+    for args, said in ((["run", "-R", "loose", "--batch", rows], "role 'loose'"),
+                       (["run", "-R", "nope", "hi"], "no role 'nope'"),
+                       (["roles", "add", "x", "--set", "colour=red"], "unknown key 'colour'"),
+                       (["roles", "add", "../x", "--system", "s"], "a role's name"),
+                       (["roles", "add", "fr", "--system", "again"], "is there already"),
+                       (["roles", "rm", "terse"], "in the config file")):
+        r = quipu(*args)
+        err = r.stderr.decode()
+        assert r.returncode == 2 and said in err and len(err.strip().splitlines()) == 1, (args, err)
+    assert quipu("roles", "rm", "fr").returncode == 0
+    assert "fr" not in quipu("roles", "list").stdout.decode().split()
