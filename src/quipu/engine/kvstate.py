@@ -49,6 +49,31 @@ _LAYER_V_TRANS = struct.Struct("<iII")
 LAYOUT = "llama_kv_cache-1"  # the layout above, as quipu names it in a session's state pieces
 
 
+class Reader:
+    """Reads a state's fields in order from `data`; past its end, SnapshotError saying `what`
+    ends early."""
+
+    def __init__(self, data: bytes | memoryview, what: str):
+        self.view = memoryview(data).cast("B")
+        self.at = 0
+        self.what = what
+
+    def take(self, fmt: struct.Struct) -> tuple:
+        got = fmt.unpack_from(self.skip(fmt.size), 0)
+        return got
+
+    def skip(self, size: int) -> memoryview:
+        """The next `size` bytes."""
+        if self.at + size > len(self.view):
+            raise SnapshotError(f"{self.what} ends early")
+        self.at += size
+        return self.view[self.at - size:self.at]
+
+    @property
+    def done(self) -> bool:
+        return self.at >= len(self.view)
+
+
 @dataclass(frozen=True)
 class Piece:
     """What a piece of sequence state holds: its cells' positions (first, last) and count."""
@@ -65,17 +90,8 @@ def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int
     `first`, `first` + 1, ... in order, in each cache of the layout above, for a model of
     `n_layer` layers; raises SnapshotError naming what differs. With `window`, a window cache
     (the second) holds only the last `window` of them (a ring's piece: ring.py)."""
-    view = memoryview(data).cast("B")
-    at = 0
-
-    def take(fmt: struct.Struct) -> tuple:
-        nonlocal at
-        if at + fmt.size > len(view):
-            raise SnapshotError("the piece of context state ends early")
-        got = fmt.unpack_from(view, at)
-        at += fmt.size
-        return got
-
+    read = Reader(data, "the piece of context state")
+    view, take = read.view, read.take
     magic, written = take(_HEAD)
     if magic != MAGIC or written != seq_id:
         raise SnapshotError("the piece of context state does not begin as llama.cpp's sequence state does")
@@ -90,34 +106,34 @@ def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int
         if count != expected:
             raise SnapshotError(f"the piece of context state holds {count} cells, not {expected}")
         if count:
-            end = at + count * _CELL.size
+            end = read.at + count * _CELL.size
             if end > len(view):
                 raise SnapshotError("the piece of context state ends early")
             # (a ring's cells come in cell order: the positions from where it wraps first)
             low = first + cells - count
-            turn = _CELL.unpack_from(view, at)[0] - low if window is not None and caches > 1 else 0
+            turn = _CELL.unpack_from(view, read.at)[0] - low if window is not None and caches > 1 else 0
             for i in range(count):
-                pos, n_seq, seq = _CELL.unpack_from(view, at + i * _CELL.size)
+                pos, n_seq, seq = _CELL.unpack_from(view, read.at + i * _CELL.size)
                 if n_seq != 1 or seq != seq_id or not 0 <= turn < count or pos != low + (turn + i) % count:
                     raise SnapshotError(f"cell {i} of the piece of context state is not the one expected "
                                         f"(position {pos}, {n_seq} sequences)")
-            at = end
+            read.at = end
             trans, layers = take(_U32)[0], take(_U32)[0]
             if trans not in (0, 1) or not 0 < layers <= n_layer - layers_seen or v_trans not in (None, trans):
                 raise SnapshotError("the piece of context state is not of this model's layout")
             v_trans, layers_seen = trans, layers_seen + layers
             for _ in range(layers):  # K: a row per cell
                 _, row = take(_LAYER_K)
-                at += count * row
+                read.at += count * row
             for _ in range(layers):  # V: a row per cell, or transposed: a run per embedding row
                 if trans:
                     _, size, rows = take(_LAYER_V_TRANS)
-                    at += rows * count * size
+                    read.at += rows * count * size
                 else:
                     _, row = take(_LAYER_K)
-                    at += count * row
-        if at >= len(view) or layers_seen >= n_layer:
+                    read.at += count * row
+        if read.done or layers_seen >= n_layer:
             break
-    if at != len(view) or (cells and layers_seen != n_layer):
+    if read.at != len(view) or (cells and layers_seen != n_layer):
         raise SnapshotError("the piece of context state is not of the layout quipu reads")
     return Piece(cells, first, first + cells - 1, bool(v_trans))

@@ -27,9 +27,9 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from quipu.engine.kvstate import MAGIC, Reader
 from quipu.errors import SnapshotError
 
-MAGIC = 0xAF143CD8
 _U32 = struct.Struct("<I")
 _HEAD = struct.Struct("<Ii")
 _CELL_HEAD = struct.Struct("<iI")
@@ -69,24 +69,8 @@ class WindowState:
 def parse(data: bytes | memoryview) -> WindowState:
     """Reads a window cache's state (one stream; each cell of one sequence); raises
     SnapshotError where it is not that layout."""
-    view = memoryview(data).cast("B")
-    at = 0
-
-    def take(fmt: struct.Struct) -> tuple:
-        nonlocal at
-        if at + fmt.size > len(view):
-            raise SnapshotError("the window cache's state ends early")
-        got = fmt.unpack_from(view, at)
-        at += fmt.size
-        return got
-
-    def rows(size: int) -> memoryview:
-        nonlocal at
-        if at + size > len(view):
-            raise SnapshotError("the window cache's state ends early")
-        at += size
-        return view[at - size:at]
-
+    read = Reader(data, "the window cache's state")
+    take, rows = read.take, read.skip
     magic, _ = take(_HEAD)
     (n_stream,) = take(_U32)
     if magic != MAGIC or n_stream != 1:
@@ -104,19 +88,17 @@ def parse(data: bytes | memoryview) -> WindowState:
     (v_trans,), (n_layer,) = take(_U32), take(_U32)
     k = []
     for _ in range(n_layer):
-        at0 = at
-        _, row = take(_LAYER_K)
-        k.append(Layer(bytes(view[at0:at]), row, rows(row * count)))
+        head = take(_LAYER_K)
+        k.append(Layer(_LAYER_K.pack(*head), head[1], rows(head[1] * count)))
     v = []
     for _ in range(n_layer):
-        at0 = at
         if v_trans:
-            _, size, runs = take(_LAYER_V_TRANS)
-            v.append(Layer(bytes(view[at0:at]), size, rows(size * runs * count), runs))
+            head = take(_LAYER_V_TRANS)
+            v.append(Layer(_LAYER_V_TRANS.pack(*head), head[1], rows(head[1] * head[2] * count), head[2]))
         else:
-            _, row = take(_LAYER_K)
-            v.append(Layer(bytes(view[at0:at]), row, rows(row * count)))
-    if at != len(view):
+            head = take(_LAYER_K)
+            v.append(Layer(_LAYER_K.pack(*head), head[1], rows(head[1] * count)))
+    if not read.done:
         raise SnapshotError("the window cache's state is not of the layout quipu reads")
     return WindowState(positions, v_trans, k, v)
 
