@@ -39,35 +39,6 @@ def test_a_session_past_the_window_resumes_exactly_and_saves_what_each_turn_adde
     assert tokens(home, "split") == tokens(home, "whole")
 
 
-def test_a_state_past_the_window_restores_to_the_tokens_of_the_run_that_never_stopped(make_backend, gemma_model):
-    import dataclasses
-
-    from quipu.sessions.inference import InferenceSession
-    from quipu.sessions.params import SamplingParams
-
-    backend = make_backend(gemma_model, n_ctx=2048)
-    prompt = backend.tokenize(DOC + " Tell me a story about it.", add_special=True, parse_special=False)
-    assert len(prompt) > backend.model.n_swa + 200
-    going = InferenceSession(backend, SamplingParams(seed=2, temperature=1.0))
-    going.set_context(prompt)
-    for _ in range(8):
-        going.infer_next_token()
-    whole = going.snapshot()
-    for _ in range(40):
-        going.infer_next_token()
-    # The cells the 40 tokens added (inside the window), as a turn's save writes them.
-    later = dataclasses.replace(going.snapshot(with_state=False), state=whole.state,
-                                pieces=[(whole.n_decoded, backend.state_since(whole.n_decoded))])
-    for _ in range(40):
-        going.infer_next_token()
-    # The whole state, then the whole state and the piece, each into a new context.
-    for snap in (whole, later):
-        resumed = InferenceSession.from_snapshot(make_backend(gemma_model, n_ctx=2048), snap)
-        for _ in range(len(going.tokens) - len(snap.tokens)):
-            resumed.infer_next_token()
-        assert resumed.tokens == going.tokens
-
-
 def test_a_state_that_held_only_the_window_is_read_again_with_a_warning(quipu, gemma_model, home):
     # A state file written by a quipu that saved only the window's cells (its context settings
     # say nothing of them) would not restore bit for bit: its session is read again.
@@ -228,14 +199,18 @@ def test_the_fit_counts_the_ring_a_window_layer_keeps(make_backend, gemma_model)
     assert kept <= len(backend.snapshot_bytes()) < kept + 64 * (len(tokens) + backend.ring)
 
 
-def test_a_ring_past_its_size_resumes_exactly_from_its_state_and_its_pieces(make_backend, gemma_model):
+@pytest.mark.parametrize("wraps", [False, True], ids=["past the window", "past the ring's size"])
+def test_a_ring_resumes_exactly_from_its_state_and_its_pieces(make_backend, gemma_model, wraps):
+    # Past the window (512), and past the ring's size, where its cells have gone round: the state
+    # and a turn's piece restore what the run that never stopped goes on from.
     import dataclasses
 
     from quipu.sessions.inference import InferenceSession
 
     backend = make_backend(gemma_model, n_ctx=4096)
-    prompt = backend.tokenize(LONG + " Tell me about mile 12.", add_special=True, parse_special=False)
-    assert len(prompt) > 2 * backend.ring
+    prompt = backend.tokenize((LONG if wraps else DOC) + " Tell me about mile 12.", add_special=True,
+                              parse_special=False)
+    assert len(prompt) > (2 * backend.ring if wraps else backend.model.n_swa + 200)
     going = _hot(backend)
     going.set_context(prompt)
     for _ in range(7):
