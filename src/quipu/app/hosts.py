@@ -57,7 +57,7 @@ class Keeper(Protocol[S]):
         prompt, `tokens()` (local models, unless --no-cache); the cache's use, or None."""
 
     def remember(self, session: S, use) -> list[str]:
-        """After a one-shot answer is out: keeps its prompt in the prompt cache; notices."""
+        """After a one-shot answer is out: keeps its prompt and answer in the prompt cache; notices."""
 
     def cached(self, session: S, tokens: list[int]) -> int:
         """How many of `tokens` the prompt cache would restore (`--show-prompt`)."""

@@ -1,6 +1,6 @@
 """The prompt cache, as a local session uses it: a new prompt restores the longest beginning it
-shares with earlier ones (`cache_lookup`), and its own state is kept after the answer is out
-(`cache_save`). The entries themselves are `store/cache.py`'s; an image in a prompt is keyed by
+shares with earlier ones (`cache_lookup`), and its state with its answer's is kept after the
+answer is out (`cache_save`). The entries themselves are `store/cache.py`'s; an image in a prompt is keyed by
 its SHA-256 (`canonical`)."""
 
 from __future__ import annotations
@@ -114,16 +114,18 @@ def cached_count(session: InferenceSession, tokens: list[int], model_fp: str, ca
 
 
 def cache_save(session: InferenceSession, use: CacheUse) -> None:
-    """Keeps the state of the prompt (not the reply), unless the cache had nearly all of it
-    already: questions after one long beginning share one entry."""
-    tokens = use.tokens
-    if (len(tokens) - max(use.reused, use.held) < MIN_TOKENS or session.n_decoded < len(tokens)
-            or session.backend.step_start(len(tokens) - 1) == 0):  # (a prompt no restore could use)
+    """Keeps the state of the prompt and its answer (a follow-up to it, `run -F`, then reads only
+    its new message), unless the cache had nearly all of it already: questions after one long
+    beginning, with short answers, share one entry."""
+    prompt = use.tokens
+    held = session.n_decoded  # (all but the answer's last token)
+    if held < len(prompt) or held - max(use.reused, use.held) < MIN_TOKENS \
+            or session.backend.step_start(held - 1) == 0:  # (a context no restore could use)
+        return
+    tokens = canonical(session.tokens[:held], cache_digests(session))
+    if tokens[:len(prompt)] != prompt:  # (the context went back inside the prompt: a tool loop's turns)
         return
     try:
-        session.rewind(len(tokens))
-        if session.n_decoded < len(tokens):  # (a ring that a long reply went round: nothing to keep)
-            return
         use.cache.save(use.key, tokens, session.backend.snapshot_bytes())
     except (EngineError, OSError):
         pass  # a cache never fails a run
