@@ -218,3 +218,34 @@ def test_roles_keep_a_system_prompt_a_prompt_and_options(quipu, home):
         assert r.returncode == 2 and said in err and len(err.strip().splitlines()) == 1, (args, err)
     assert quipu("roles", "rm", "fr").returncode == 0
     assert "fr" not in quipu("roles", "list").stdout.decode().split()
+
+
+def test_a_follow_up_restores_the_answer_it_follows_from_the_prompt_cache(quipu):
+    # As a session's next turn: the earlier prompt and its answer come back from the cache, and
+    # only the new message is read.
+    paper = " ".join(["The river runs past the old mill and under the stone bridge."] * 20)
+    r = quipu("run", "--json", "-n", "300", "--logit-bias", "<|im_end|>=-inf", "--seed", "1",
+              paper + " What runs past the mill?")
+    assert r.returncode == 0, r.stderr.decode()
+    first = json.loads(r.stdout)["usage"]
+    assert first["completion_tokens"] == 300  # (so the answer reaches past the next step's start)
+    r = quipu("run", "--json", "-n", "8", "--seed", "1", "-F", "And the bridge?")
+    assert r.returncode == 0, r.stderr.decode()
+    usage = json.loads(r.stdout)["usage"]
+    kept = first["prompt_tokens"] + first["completion_tokens"]
+    # (the answer too, not only its prompt; to where a prefill step starts: docs/run.md)
+    assert first["prompt_tokens"] < usage["cached_tokens"] <= kept
+
+
+def test_a_logged_conversation_becomes_a_named_session(quipu):
+    assert quipu("run", *SHORT, "My name is Ada.").returncode == 0
+    assert quipu("run", *SHORT, "-F", "Remember it.").returncode == 0
+    last = logged(quipu)[0]
+    r = quipu("logs", "show", str(last["id"]), "--to-session", "ada")
+    assert r.returncode == 0 and "2 exchanges" in r.stderr.decode(), r.stderr.decode()
+    shown = quipu("sessions", "show", "ada").stdout.decode()
+    assert "My name is Ada." in shown and "Remember it." in shown and last["answer"].strip()[:20] in shown
+    r = quipu("run", *SHORT, "-S", "ada", "--show-prompt", "What is my name?")
+    assert "My name is Ada." in r.stdout.decode() and "Remember it." in r.stdout.decode()
+    r = quipu("logs", "show", str(last["id"]), "--to-session", "ada")
+    assert r.returncode == 2 and "exists already" in r.stderr.decode()

@@ -181,3 +181,31 @@ def remove_answers(env: Environment, ids: Sequence[int] = (), before: str | None
     with closing(open_log(env)) as book:
         return book.remove(ids=ids, before=since_time(before) if before is not None else None, everything=everything)
 
+
+
+def session_from_log(env: Environment, record_id: int, name: str, opts: "TurnOptions") -> int:
+    """Makes the new session `name` of the logged conversation up to the answer `record_id`, on
+    that answer's model (or `opts.model`); its context is read on its first turn. How many
+    exchanges it holds."""
+    from dataclasses import replace
+
+    from quipu.app.choose import open_host
+    from quipu.app.named import NamedSession, store_for
+    from quipu.errors import SessionExists
+    from quipu.store.store import validate_name
+
+    found = answer(env, record_id)
+    history = followed(env, str(record_id))
+    validate_name(name)
+    store = store_for(env)
+    opts = replace(opts, model=opts.model or found.model, system=opts.system or history.system)
+    with closing(open_host(opts.server)) as host, store.lock(name):
+        if store.exists(name):
+            raise SessionExists(f"session '{name}' exists already; give another name")
+        named = NamedSession.open(store, name, opts, env, host)
+        try:
+            named.conversation.extend(history.messages)
+            named.save()
+        finally:
+            named.close()
+    return len(history.messages) // 2

@@ -65,11 +65,24 @@ def _brief(r, term: Terminal) -> str:
 
 @app.command()
 def show(context: typer.Context, record: int = typer.Argument(..., help="The answer's id (`quipu logs` lists them)."),
-         as_json: bool = typer.Option(False, "--json", help="One JSON object.")) -> None:
+         as_json: bool = typer.Option(False, "--json", help="One JSON object."),
+         to_session: Optional[str] = typer.Option(None, "--to-session", help="Make its conversation, up to it, the "
+                                                  "new session NAME (read on its first turn).", metavar="NAME"),
+         model: Optional[str] = typer.Option(None, "--model", "-m", help="With --to-session: the session's model "
+                                             "(default: the answer's).")) -> None:
     """Show one answer in full: its prompt, reasoning, answer, calls and settings."""
     from quipu.app.answer_log import answer
 
     term = Terminal.detect()
+    if to_session is not None:
+        from quipu.app.answer_log import session_from_log
+        from quipu.cli import spec
+
+        held = session_from_log(context.obj, record, to_session,
+                                spec.turn_options({"model": model}, context.obj))
+        term.stderr.write(f"session '{to_session}' holds the conversation to answer {record} ({held} "
+                          f"exchange{'' if held == 1 else 's'}): quipu chat -S {to_session}\n")
+        return
     r = answer(context.obj, record)
     if as_json:
         term.stdout.write(json.dumps(r.to_json(), ensure_ascii=False) + "\n")
