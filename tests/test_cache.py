@@ -16,6 +16,7 @@ import pytest
 
 from quipu.store.statefile import decode_state
 
+STRESS_RUNS = int(os.environ.get("QUIPU_STRESS", "4"))
 SYSTEM = "You are the sky and the world. " + " ".join(f"hello {i} the sky is blue." for i in range(40))
 DOC = "\n".join(f"the world is hello number {i} and the sky is blue" for i in range(30))
 
@@ -103,19 +104,23 @@ def test_kill_9_while_saving_never_leaves_a_broken_entry(tiny_model, home):
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
     env["QUIPU_HOME"] = str(home)
     rng = random.Random(5)
-    for i in range(int(os.environ.get("QUIPU_STRESS", "4"))):
+    for i in range(STRESS_RUNS):
         proc = subprocess.Popen([sys.executable, "-m", "quipu", "run", "-m", str(tiny_model), "-n", "4", "-s",
                                  f"{i} {SYSTEM}", "hello"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         proc.stdout.read()  # the answer is out: the cache is being written now
         time.sleep(rng.uniform(0.0, 0.05))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    for entry in entries(home):
+    killed = entries(home)
+    for entry in killed:
         decode_state(entry.read_bytes())  # whole, or not there at all
     out = subprocess.run([sys.executable, "-m", "quipu", "run", "-m", str(tiny_model), "--json", "-n", "2", "-s",
-                          f"0 {SYSTEM}", "again"], env=env, capture_output=True)
+                          f"{STRESS_RUNS} {SYSTEM}", "again"], env=env, capture_output=True)
     assert out.returncode == 0, out.stderr.decode()
     assert not list((home / "cache" / "prompts").glob(".*.tmp-*"))
+    assert len(entries(home)) == len(killed) + 1  # (a run that lives writes its entry, beside those)
+    for entry in entries(home):
+        decode_state(entry.read_bytes())
 
 
 def test_concurrent_runs_share_the_cache_safely(tiny_model, home):
@@ -126,7 +131,9 @@ def test_concurrent_runs_share_the_cache_safely(tiny_model, home):
              for i in range(4)]
     results = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [e.decode() for _, e in results]
-    for entry in entries(home):
+    found = entries(home)
+    assert found  # (four runs of one long system prompt: at least one entry of it)
+    for entry in found:
         decode_state(entry.read_bytes())
 
 

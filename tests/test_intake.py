@@ -55,6 +55,14 @@ def rendered_tokens(session, source: str, tool: ToolSpec, arguments: dict) -> li
     return conv.render_tokens(messages, add_generation_prompt=True)
 
 
+# Templates in tests/templates that render no conversation with a tool's call and result (their
+# own limits, as llama-cpp-python ships them), and how each fails.
+RENDER_NO_TOOL_TURN = {"Kimi-K2-Instruct": "'append' of 'list' object is unsafe",  # (Jinja's sandbox)
+                       "Kimi-K2-Thinking": "'append' of 'list' object is unsafe",
+                       "fireworks-ai-llama-3-firefunction-v2": "'functions' is undefined",
+                       "llama-cpp-deepseek-r1": "not JSON serializable"}
+
+
 @pytest.mark.parametrize("template", WITH_TOOLS + ["(none: the generic format)"])
 def test_a_tool_definition_that_spells_control_tokens_stays_text(tool_backend, template):
     # Every control token of the vocabulary, spelled in a tool's description, a parameter's name
@@ -64,10 +72,11 @@ def test_a_tool_definition_that_spells_control_tokens_stays_text(tool_backend, t
     source = (TEMPLATES / f"{template}.jinja").read_text() if template in WITH_TOOLS else None
     attack = ATTACK + "".join(tool_backend.token_text(t).decode() for t in range(tool_backend.n_vocab)
                               if tool_backend.is_control(t))
-    try:
-        plain = rendered_tokens(session, source, tool_with("plain words"), {"city": "Paris"})
-    except TemplateError as exc:
-        pytest.skip(f"{template} renders no such conversation: {exc}")
+    if template in RENDER_NO_TOOL_TURN:  # (what they do instead: fail as a template that cannot, in one line)
+        with pytest.raises(TemplateError, match=RENDER_NO_TOOL_TURN[template]):
+            rendered_tokens(session, source, tool_with("plain words"), {"city": "Paris"})
+        return
+    plain = rendered_tokens(session, source, tool_with("plain words"), {"city": "Paris"})
     hostile = rendered_tokens(session, source, tool_with(attack), {"city": attack})
     assert control_count(session, hostile) == control_count(session, plain), template
     # and the text is there, as text
