@@ -82,7 +82,15 @@ def test_every_parameter_of_run_and_chat_is_declared_once():
     for name, module in (("run", run_command), ("chat", chat_command)):
         assert list(inspect.signature(commands[name]).parameters) == ["context", *module.PARAMS]
         for param in module.PARAMS:
-            assert (param in fields or spec.SETTLED.get(param) in fields) != (param in module.OWN), (name, param)
+            assert (param in fields or param == "url") != (param in module.OWN), (name, param)
+    # --url is settled into the server the turn goes to.
+    from quipu.app.environment import Environment
+    from quipu.paths import dirs
+
+    env = Environment(dirs({"QUIPU_HOME": "/nonexistent/quipu-home"}), {})
+    settled = spec.turn_options({"url": "http://127.0.0.1:9/v1", "model": "m"}, env).server
+    assert settled is not None and settled.url.startswith("http://127.0.0.1:9") and settled.model == "m"
+    assert spec.turn_options({"model": "m"}, env).server is None
 
 
 def option_words(name: str, option: spec.Opt, draw) -> list[str]:

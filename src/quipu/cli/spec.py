@@ -243,15 +243,11 @@ def habits(given: dict[str, Any]) -> list[str]:
     return []
 
 
-# Options of a turn settled into a field of another name: --url (or QUIPU_URL, or the config's
-# [remote] url) is the server the command talks to.
-SETTLED = {"url": "server"}
-
-
 def turn_options(given: dict[str, Any], env):
     """A TurnOptions from a command's parameters, by name: each option of a turn is a field of
-    TurnOptions under its parameter's name (a repeatable one as a tuple), or settled into one
-    (`SETTLED`); the rest are the command's own."""
+    TurnOptions under its parameter's name (a repeatable one as a tuple), but --url, which is
+    settled into the server the command talks to (with QUIPU_URL, or the config's [remote] url);
+    the rest are the command's own."""
     import dataclasses
 
     from quipu.app.choose import server_of
