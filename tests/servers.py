@@ -131,10 +131,11 @@ def chunk(text: str | None = None, finish: str | None = None, usage: dict | None
 
 
 def usage_of(body: dict, completion_tokens: int) -> dict:
-    """What the fake server counts of a request: a token a character of the messages' text, the
-    first message's held in its cache."""
+    """What the fake server counts of a request: a token a character of the messages' text and
+    1,000 more (so that a count a client made up itself could not pass for the server's), the
+    first message's characters held in its cache, and 500 more pieces than it sent."""
     texts = [m.get("content") or "" for m in body.get("messages", [])]
-    return {"prompt_tokens": sum(map(len, texts)), "completion_tokens": completion_tokens,
+    return {"prompt_tokens": 1000 + sum(map(len, texts)), "completion_tokens": 500 + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": len(texts[0]) if texts else 0}}
 
 
