@@ -78,7 +78,7 @@ def log_answer(env: Environment, opts: "TurnOptions", command: str, prompt: str 
     s = result.stats
     record = Record(
         prompt=prompt or "", answer=result.text, model=result.model, command=command, conversation=conversation,
-        system=system if system is not None else (opts.system or env.config.system),
+        system=system,
         reasoning=result.reasoning or None, fingerprint=result.fingerprint,
         tool_calls=[c.to_json() for c in result.tool_calls],
         attachments=[{"name": a.name, "sha256": a.digest} for a in attachments],

@@ -275,7 +275,8 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
             row = plan.input
             asked = row.prompt if row.prompt is not None else next(
                 (m.content for m in reversed(row.messages or []) if m.role == "user"), "")
-            unlogged = log_answer(env, opts, "batch", asked, result, system=row.system or opts.system, log=book)
+            system = row.system if row.system is not None else system_prompt(opts, env)
+            unlogged = log_answer(env, opts, "batch", asked, result, system=system, log=book)
             if unlogged:
                 result.notices.append(unlogged)
             writer.done(RowOutcome(plan.input.index, plan.input.id, result=result))

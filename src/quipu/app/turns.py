@@ -47,14 +47,16 @@ class TurnResult:
     # done: its text will not parse.
     incomplete: bool = False
     fingerprint: str | None = None  # the model file's (a local model's), as the log keeps it
+    system: str | None = None  # the system prompt the answer was given, as the log keeps it
 
     @classmethod
     def of(cls, gen: Generation, model: str, session, name: str | None, notices: list[str] | None = None,
-           fingerprint: str | None = None):
+           fingerprint: str | None = None, system: str | None = None):
         answer = gen.text if gen.answer is None else gen.answer
         return cls(answer, gen.finish_reason, model, session.params.seed, name, session.stats, list(notices or []),
                    gen.reasoning, gen.error, constrained_by(session.params.grammar, session.capabilities),
-                   incomplete=cut_short(session.params.grammar, gen.finish_reason, answer), fingerprint=fingerprint)
+                   incomplete=cut_short(session.params.grammar, gen.finish_reason, answer), fingerprint=fingerprint,
+                   system=system)
 
     def to_json(self) -> dict:
         return {
@@ -128,7 +130,7 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
                 tools.close()
     from quipu.app.answer_log import log_answer
 
-    unlogged = log_answer(env, opts, "run", prompt, result, system=system_prompt(opts, env) if not opts.raw else None,
+    unlogged = log_answer(env, opts, "run", prompt, result, system=result.system,
                           conversation=history.conversation if history is not None else
                           f"session:{opts.session}" if opts.session is not None else "",
                           attachments=[*files, *media])
@@ -248,7 +250,8 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
                                                   lambda found: keeper.take_media(session, None, found))
             notices = opened.notices + ([NO_TEMPLATE_NOTICE] if conv.without_template else []) + \
                 ([FOLD_NOTICE] if conv.folds_system else []) + tool_notes
-        result = TurnResult.of(gen, keeper.model_name, session, None, notices, keeper.model_fingerprint)
+        result = TurnResult.of(gen, keeper.model_name, session, None, notices, keeper.model_fingerprint,
+                               conv.system if conv is not None else None)
         if conv is not None:
             result.tool_calls = calls
         if on_result is not None:
@@ -347,7 +350,8 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
             named.save()
         finally:
             named.close()
-    result = TurnResult.of(gen, named.model_name, named.session, name, named.notices, named.keeper.model_fingerprint)
+    result = TurnResult.of(gen, named.model_name, named.session, name, named.notices, named.keeper.model_fingerprint,
+                           named.conversation.system)
     result.tool_calls = calls
     return result
 
