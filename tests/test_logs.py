@@ -58,8 +58,13 @@ def test_filters_removal_and_the_limit_the_config_sets(quipu, home):
     assert [r["prompt"] for r in records] == ["Count to 4.", "Count to 3.", "Count to 2."]  # (the oldest dropped)
     assert logged(quipu, "-m", "smollm2") and not logged(quipu, "-m", "llama-3")
     assert len(logged(quipu, "--since", "1h")) == 3 and logged(quipu, "--since", "2999-01-01") == []
-    assert quipu("run", *SHORT, "-S", "trip", "Plan a day.").returncode == 0
-    assert [r["prompt"] for r in logged(quipu, "--session", "trip")] == ["Plan a day."]
+    assert quipu("run", *SHORT, "-S", "trip", "-s", "Be a guide.", "Plan a day.").returncode == 0
+    assert quipu("run", *SHORT, "-S", "trip", "And a night?").returncode == 0
+    trip = logged(quipu, "--session", "trip")
+    assert [r["prompt"] for r in trip] == ["And a night?", "Plan a day."]
+    assert {r["system"] for r in trip} == {"Be a guide."}  # (the session's own, not given again)
+    assert trip[0]["conversation"] == trip[1]["conversation"] == "session:trip"
+    records = logged(quipu)
     r = quipu("logs", "rm", str(records[0]["id"]))
     assert r.returncode == 0 and "1 answer removed" in r.stderr.decode()
     assert records[0]["id"] not in [x["id"] for x in logged(quipu)]
