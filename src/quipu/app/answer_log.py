@@ -6,13 +6,15 @@ that cannot be written costs one warning, never the answer. A follow-up (`run -F
 
 from __future__ import annotations
 
+import os
 from contextlib import closing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 from quipu.app.environment import DEFAULT_MAX_RECORDS, Environment
 from quipu.errors import UsageError
-from quipu.paths import create_private
+from quipu.paths import create_private, private_dir
 from quipu.store.logbook import Logbook, LogError, Record
 
 if TYPE_CHECKING:
@@ -35,14 +37,15 @@ class Answered(Protocol):
     stats: "Stats"
     session: str | None
 
+
 # The options of a turn that shape its answer, as a record keeps them (those given).
 SHAPING = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "max_tokens", "stop", "ctx", "kv_type",
            "raw", "schema", "grammar", "regex", "logit_bias", "think", "reasoning_effort", "reasoning_budget",
            "functions", "tools_file", "mcp", "tool_choice", "chat_template", "role")
 
 
-def _off_mark(env: Environment):
-    return env.dirs.data / "logs-off"
+def _off_mark(env: Environment) -> Path:
+    return env.dirs.data / "logs-off"  # (`quipu logs off`: a mark, as the log itself may be damaged)
 
 
 def logging_on(env: Environment) -> bool:
@@ -55,11 +58,7 @@ def set_logging(env: Environment, on: bool) -> None:
     if on:
         mark.unlink(missing_ok=True)
     elif not mark.exists():
-        from quipu.paths import private_dir
-
         private_dir(mark.parent)
-        import os
-
         os.close(create_private(mark))
 
 
