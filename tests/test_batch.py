@@ -170,6 +170,12 @@ def test_cli_json_rows_fail_one_by_one(quipu, tiny_model):
     (["--batch", "-", "--tool-choice", "required", "--tools", "/nonexistent.json"], b"row\n",
      "--tools and --tool-choice cannot be used with --batch (each row is answered in one reply"),
     (["--batch", "-", "--functions", "f.py", "--mcp", "m"], b"row\n", "--functions and --mcp cannot be used with"),
+    # (what a batch, one JSON line a row, never shows; tools' settings, of tools it has none of)
+    (["--batch", "-", "--stats", "--quiet", "--tools-debug"], b"row\n",
+     "--stats, --quiet and --tools-debug cannot be used with --batch"),
+    (["--batch", "-", "--yes", "--chain-limit", "3", "--tool-timeout", "5", "--tool-output-max", "9",
+      "--mcp-config", "m.json"], b"row\n",
+     "--mcp-config, --yes, --chain-limit, --tool-timeout and --tool-output-max cannot be used with --batch"),
 ])
 def test_cli_bad_batches_are_one_line_errors(quipu, tiny_model, args, input, message):
     r = quipu("run", "-m", tiny_model, *args, input=input)

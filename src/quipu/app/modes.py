@@ -31,17 +31,21 @@ RAW = Mode("--raw (the prompt goes to the model as it is, without a chat templat
                       "follow_up"}))
 BATCH = Mode("--batch (each row is answered in one reply, on a local model)",
              frozenset({"session", "continue", "messages", "attach", "tools", "tool_choice", "tool_results",
-                        "reasoning_budget", "show_prompt", "server", "follow_up"}))
+                        "reasoning_budget", "show_prompt", "server", "follow_up", "shown"}))
 
 
 def check_options(asked: Mapping[str, Sequence[str]], mode: Mode, host: Capabilities | None = None, *,
-                  show: bool = False) -> None:
+                  show: bool = False, shown: Sequence[str] = ()) -> None:
     """Refuses, before anything is sent or loaded, what was asked (`TurnOptions.asked`: the
     options given, by feature) that the mode or the host (when it is known) cannot do: the
-    mode's refusal names every option it refuses that was given."""
+    mode's refusal names every option it refuses that was given. `shown`: the command's own
+    options of what a reply shows on stderr (--stats, --quiet, --tools-debug), which a batch,
+    one JSON line a row, has none of."""
     given = dict(asked)
     if show:
         given["show_prompt"] = ["--show-prompt"]
+    if shown:
+        given["shown"] = list(shown)
     for refusing in (mode, RAW) if given.get("raw") else (mode,):
         refused = [name for feature, names in given.items() if feature in refusing.refuses for name in names]
         if refused:

@@ -101,7 +101,9 @@ def run(env, **given) -> int:
 
         if prompt is not None:
             raise UsageError("--batch reads its prompts from the file; give no prompt")
-        check_options(opts.asked, BATCH, show=show)
+        shown = [name for name, given in (("--stats", stats), ("--quiet", quiet), ("--tools-debug", tools_debug))
+                 if given]
+        check_options(opts.asked, BATCH, show=show, shown=shown)
         return run_batch_file(batch, opts, env, term, parallel)
     if opts.server is None:
         from quipu.cli.pull import pull_if_needed
