@@ -459,7 +459,7 @@ def test_a_required_call_keeps_to_the_tool_s_schema_in_every_constrained_format(
             assert call.name == "get_weather"
             jsonschema.validate(call.arguments, schema)
         fmt = conv.reasoning
-        thinking = fmt is not None and fmt.starts_inside(conv.prompt_text)
+        thinking = fmt is not None and fmt.starts_inside(session.spell(session.tokens[:session.reply_start]))
         held, start = len(session.tokens), session.reply_start
         if thinking:  # the model reasoned first; the call came once its reasoning ended
             assert "</think>" in spelled and spelled.index("</think>") < spelled.index(gen.tool_calls[0].name)

@@ -26,7 +26,6 @@ class Embeddings:
         name: str
         model: LlamaModel
         context: ContextSettings
-        embed_calls: int
 
         def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
 
@@ -70,7 +69,6 @@ class Embeddings:
                     if not ptr:
                         raise refuse_embeddings(self.name)
                     out.append(ptr[:n_embd])
-                self.embed_calls += 1
                 start += len(group)
         return out
 

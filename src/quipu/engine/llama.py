@@ -131,7 +131,6 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         self.placement = self.model.placement
         self.n_vocab = self.model.n_vocab
         self.n_ctx_train = self.model.n_ctx_train
-        self.embed_calls = 0
 
     def _open_context(self, context: ContextSettings) -> None:
         n_ctx = context.n_ctx or min(self.model.n_ctx_train or DEFAULT_CTX_CAP, DEFAULT_CTX_CAP)

@@ -33,8 +33,6 @@ class Conversation(ToolTurns):
     messages: list[Message] = field(default_factory=list)
     # What the template is given besides the messages (`enable_thinking`, ...).
     variables: dict[str, Any] = field(default_factory=dict)
-    # The text the current (or last) reply was generated after.
-    prompt_text: str = ""
     # The tools the model is told of (`sessions.tools.ToolSpec`), rendered by its template, and
     # whether it may call them: "auto", "required", "none", or a tool's name (that one, required).
     tools: list[Any] = field(default_factory=list)
@@ -214,7 +212,6 @@ class Conversation(ToolTurns):
         split = ReasoningSink(sink, lambda: prompt.thinking(prompt.text))
         prompt.offer = self._offer_tools(lambda: prompt.thinking(prompt.text).inside)
         gen = self.session.reply(prompt, max_tokens, stop, split)
-        self.prompt_text = prompt.text
         self.messages.append(reply)
         reasoning, answer = split.finish()
         reply.content += answer
