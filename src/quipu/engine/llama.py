@@ -35,8 +35,7 @@ from quipu.engine.llama_state import StateBytes
 from quipu.engine.logs import LOG
 from quipu.engine.model import LlamaModel, check_gguf
 from quipu.engine.devices import no_gpu_reason, supports_offload
-from quipu.engine.placement import check_host_room, plan
-from quipu.engine.ring import ring_size
+from quipu.engine.placement import check_host_room, plan, ring_of
 from quipu.errors import EngineError, InvalidParameter, ModelLoadError, UsageError
 
 if TYPE_CHECKING:
@@ -155,8 +154,8 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         # llama.cpp rounds small contexts up; the user's number is the one we keep to.
         self.n_ctx = min(n_ctx, lc.llama_n_ctx(ctx))
         # The window cache's cells, where it is a ring this context lays out (0: none; ring.py).
-        self.ring = ring_size(self.model.n_swa, cparams.n_seq_max, cparams.n_ubatch, lc.llama_n_ctx(ctx)) \
-            if windowed and not context.swa_full else 0
+        ring = ring_of(cparams)
+        self.ring = ring(self.model.n_swa) if windowed and ring is not None else 0
         # The ring's cells where a prompt began to be read: (the tokens before, their positions, its state).
         self._checkpoints: list[tuple[int, int, memoryview]] = []
         self._mem = lc.llama_get_memory(ctx)
@@ -290,9 +289,7 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         checkpoint before them (a ring's: `positions()` then says fewer, and the rest is read
         again), or is emptied: `positions()` then says 0, and the tokens are read again."""
         if n_keep <= 0:
-            lc.llama_memory_clear(self._mem, True)
-            self.forget_positions(0)
-            self._checkpoints.clear()
+            self._empty()
             return
         keep = self.position(n_keep)
         self.forget_positions(n_keep)
@@ -307,14 +304,17 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
                 if self.settle_ring(at, cells):
                     self.forget_positions(n)
                     return
-            lc.llama_memory_clear(self._mem, True)
-            self.forget_positions(0)
-            self._checkpoints.clear()
+            self._empty()
             return
         n_swa = self.model.n_swa
         if n_swa > 0 and lc.llama_memory_seq_pos_min(self._mem, 0) > max(0, keep - n_swa):
-            lc.llama_memory_clear(self._mem, True)
-            self.forget_positions(0)
+            self._empty()
+
+    def _empty(self) -> None:
+        """Nothing held: the cells, the media's places, the ring's checkpoints."""
+        lc.llama_memory_clear(self._mem, True)
+        self.forget_positions(0)
+        self._checkpoints.clear()
 
     def shift_refused(self) -> str | None:
         """Why cells cannot be dropped from the middle of the context with those after them
