@@ -59,8 +59,7 @@ class Reader:
         self.what = what
 
     def take(self, fmt: struct.Struct) -> tuple:
-        got = fmt.unpack_from(self.skip(fmt.size), 0)
-        return got
+        return fmt.unpack_from(self.skip(fmt.size), 0)
 
     def skip(self, size: int) -> memoryview:
         """The next `size` bytes."""
@@ -95,14 +94,13 @@ def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int
     magic, written = take(_HEAD)
     if magic != MAGIC or written != seq_id:
         raise SnapshotError("the piece of context state does not begin as llama.cpp's sequence state does")
-    layers_seen, v_trans, caches = 0, None, 0
-    while True:  # a cache, then perhaps a sliding window's
+    layers_seen, v_trans, ring = 0, None, False
+    while True:  # a cache, then perhaps a sliding window's (a ring's, with `window`)
         (n_stream,) = take(_U32)
         if n_stream != 1:
             raise SnapshotError(f"the context state has {n_stream} streams, not 1")
         (count,) = take(_U32)
-        expected = min(cells, window) if window is not None and caches else cells
-        caches += 1
+        expected = min(cells, window) if ring and window is not None else cells
         if count != expected:
             raise SnapshotError(f"the piece of context state holds {count} cells, not {expected}")
         if count:
@@ -111,7 +109,7 @@ def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int
                 raise SnapshotError("the piece of context state ends early")
             # (a ring's cells come in cell order: the positions from where it wraps first)
             low = first + cells - count
-            turn = _CELL.unpack_from(view, read.at)[0] - low if window is not None and caches > 1 else 0
+            turn = _CELL.unpack_from(view, read.at)[0] - low if ring and window is not None else 0
             for i in range(count):
                 pos, n_seq, seq = _CELL.unpack_from(view, read.at + i * _CELL.size)
                 if n_seq != 1 or seq != seq_id or not 0 <= turn < count or pos != low + (turn + i) % count:
@@ -134,6 +132,7 @@ def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int
                     read.at += count * row
         if read.done or layers_seen >= n_layer:
             break
+        ring = True  # (what follows the first cache is the window's)
     if read.at != len(view) or (cells and layers_seen != n_layer):
         raise SnapshotError("the piece of context state is not of the layout quipu reads")
     return Piece(cells, first, first + cells - 1, bool(v_trans))

@@ -136,6 +136,11 @@ def window_blocks(info: "GGUFInfo") -> tuple[int, list[bool]]:
     return window, [i % every < every - 1 for i in range(n_block)]
 
 
+def _cells(n_ctx: int) -> int:
+    """The cells llama.cpp's cache has for a context of `n_ctx` (padded to 256)."""
+    return -(-max(1, n_ctx) // 256) * 256
+
+
 def layer_sizes(info: "GGUFInfo", n_ctx: int, kv_type: str, ring: Callable[[int], int] | None = None) -> Layers:
     """Each layer's bytes on a device for a context of `n_ctx` cells, from the file's tensor table
     and its attention's shape; a window layer's cache is `ring(window)` cells (None: every cell,
@@ -162,7 +167,7 @@ def layer_sizes(info: "GGUFInfo", n_ctx: int, kv_type: str, ring: Callable[[int]
     n_head_kv = _int_of(meta.get(f"{arch}.attention.head_count_kv")) or n_head
     k_len = _int_of(meta.get(f"{arch}.attention.key_length")) or n_embd // max(1, n_head)
     v_len = _int_of(meta.get(f"{arch}.attention.value_length")) or k_len
-    cells = -(-max(1, n_ctx) // 256) * 256
+    cells = _cells(n_ctx)
     window, windowed = window_blocks(info)
     per_cell = n_head_kv * (k_len + v_len) * _KV_BYTES.get(kv_type, 2.0)
     ring_cells = min(cells, ring(window)) if ring is not None and window else cells
@@ -293,7 +298,7 @@ def window_cache(path: Path, n_ctx: int, kv_type: str, cparams: Any) -> dict[str
     kept, every = layer_sizes(info, n_ctx, kv_type, ring), layer_sizes(info, n_ctx, kv_type)
     cache = sum(c for c, w in zip(kept.caches, windowed, strict=True) if w)
     return {"window": window, "window_layers": sum(windowed), "layers": len(windowed),
-            "cells": min(-(-n_ctx // 256) * 256, ring(window)) if ring else -(-n_ctx // 256) * 256,
+            "cells": min(_cells(n_ctx), ring(window)) if ring else _cells(n_ctx),
             "bytes": cache, "every_position_bytes": sum(c for c, w in zip(every.caches, windowed, strict=True) if w)}
 
 
