@@ -82,7 +82,7 @@ def check_values(values: dict[str, Any], where: str) -> dict[str, Any]:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise UsageError(f"{where}: {key} must be a number")
             value = float(value)
-        elif kind is int and key != "ctx":
+        elif kind is int:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise UsageError(f"{where}: {key} must be a whole number")
         elif kind is str and key == "ctx":

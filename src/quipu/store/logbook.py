@@ -225,9 +225,6 @@ class Logbook:
             raise LogError(f"the log of answers ({self.path}) could not be changed: {_said(exc)}") from None
         return gone
 
-    def count(self) -> int:
-        return int(self._rows_raw("SELECT count(*) FROM answers", [])[0][0])
-
     def _rows(self, sql: str, args: list[Any], query: str | None = None) -> list[Record]:
         if query is not None:
             check_search(query)
