@@ -108,7 +108,7 @@ def test_the_device_computes_what_the_cpu_computes(bundled_model):
             tokens = backend.tokenize("The capital of France is Paris. The capital of Italy is", add_special=True,
                                       parse_special=False)
             backend.prefill(tokens, 0)
-            scores.append(np.ctypeslib.as_array(lc.llama_get_logits_ith(backend._ctx, -1),
+            scores.append(np.ctypeslib.as_array(lc.llama_get_logits_ith(backend.native.ptr, -1),
                                                 shape=(backend.n_vocab,)).copy())
     device, cpu = scores
     assert np.corrcoef(device, cpu)[0, 1] > 0.999

@@ -246,7 +246,7 @@ def test_embedding_leaves_no_context_behind(tiny_model, monkeypatch):
         for pooling in ("mean", "last", "cls", "mean", "last"):
             assert len(backend.embed(["hello world"], pooling)[0]) == 128
         with pytest.raises(InvalidParameter):
-            backend.embed(["word " * (backend.EMBED_BATCH + 1)])
+            backend.embed(["word " * (backend.embeddings.EMBED_BATCH + 1)])
         assert len(made) == len(own) + 5 and made[len(own):] == freed  # each freed, in turn
     assert freed[-len(own):] == own  # the backend's own, at its close
 
@@ -296,7 +296,7 @@ def test_the_chain_draws_what_llama_cpps_own_order_draws(bundled_model, make_bac
         for step in range(96):
             draw = lc.llama_sampler_init_dist(step) if temperature > 0 else lc.llama_sampler_init_greedy()
             lc.llama_sampler_chain_add(reference, draw)
-            expected = lc.llama_sampler_sample(reference, backend._ctx, -1)
+            expected = lc.llama_sampler_sample(reference, backend.native.ptr, -1)
             lc.llama_sampler_free(lc.llama_sampler_chain_remove(reference, lc.llama_sampler_chain_n(reference) - 1))
             token = backend.sample(step)  # (a draw accepts its token into the window, as llama.cpp's does)
             ours.append(token)

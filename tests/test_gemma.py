@@ -168,7 +168,7 @@ def test_the_window_cache_is_a_ring_of_the_size_llama_cpp_gives_it(make_backend,
     tokens = backend.tokenize(LONG, add_special=True, parse_special=False)
     assert len(tokens) > 2 * backend.ring
     backend.prefill(tokens, 0)
-    held = parse(backend.ring_state()).positions
+    held = parse(backend.state.ring_state()).positions
     # Every one of its cells in use, each holding one of the last positions read, position p in
     # cell p mod size: as an uninterrupted read lays it out.
     assert len(held) == backend.ring
@@ -182,7 +182,7 @@ def test_the_window_cache_is_a_ring_of_the_size_llama_cpp_gives_it(make_backend,
 def test_the_fit_counts_the_ring_a_window_layer_keeps(make_backend, gemma_model):
     # What the fit reckons each block keeps, against the bytes of a real context's state past
     # the ring's size: its full-attention blocks every cell, its window blocks the ring's.
-    from quipu.engine.llama import context_params
+    from quipu.engine.llama_context import context_params
     from quipu.engine.placement import layer_sizes, read_table, ring_of, window_blocks
 
     backend = make_backend(gemma_model, n_ctx=4096)
@@ -239,7 +239,7 @@ def _logits(backend) -> bytes:
 
     from quipu.engine.native import lc
 
-    return ctypes.string_at(lc.llama_get_logits_ith(backend._ctx, -1), 4 * backend.n_vocab)
+    return ctypes.string_at(lc.llama_get_logits_ith(backend.native.ptr, -1), 4 * backend.n_vocab)
 
 
 def _same_onwards(one, other, text: str) -> bool:

@@ -494,7 +494,7 @@ def test_a_prompt_with_an_image_is_read_as_llama_cpp_reads_it(pair, vision, mrop
         backend.prefill(tokens, 0)
         from quipu.engine.native import lc
 
-        row = lc.llama_get_logits_ith(backend._ctx, -1)  # (the context's own logits, as llama.cpp's above)
+        row = lc.llama_get_logits_ith(backend.native.ptr, -1)  # (the context's own logits, as llama.cpp's above)
         ours = [row[i] for i in range(backend.n_vocab)]
         assert backend.positions() == len(tokens)
         assert ours == theirs  # (the same positions, the same numbers: bit for bit)

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from quipu.engine.base import ContextSettings, refuse_embeddings
+from quipu.engine.base import refuse_embeddings
 from quipu.engine.logs import LOG
 from quipu.engine.native import lc
 from quipu.errors import EngineError, InvalidParameter
@@ -16,18 +16,15 @@ if TYPE_CHECKING:
 
 
 class Embeddings:
-    """`LlamaBackend`'s embeddings."""
+    """Embeddings of texts by `model`, on `n_threads` threads."""
 
-    supports_embeddings = True
     EMBED_BATCH = 2048
     EMBED_SEQS = 64
 
-    if TYPE_CHECKING:  # (what they use of the backend)
-        name: str
-        model: LlamaModel
-        context: ContextSettings
-
-        def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
+    def __init__(self, model: LlamaModel, n_threads: int, name: str):
+        self.model = model
+        self.n_threads = n_threads
+        self.name = name
 
     def embed(self, texts: Sequence[str], pooling: str = "mean") -> list[list[float]]:
         """One pooled embedding per text, several texts to each llama_decode call. The embedding
@@ -35,7 +32,7 @@ class Embeddings:
         model = self.model.ptr
         n_embd = lc.llama_model_n_embd(model)
         encoder_only = lc.llama_model_has_encoder(model) and not lc.llama_model_has_decoder(model)
-        tokenized = [self.tokenize(t, add_special=True, parse_special=False) for t in texts]
+        tokenized = [self.model.tokenize(t, add_special=True, parse_special=False) for t in texts]
         for i, toks in enumerate(tokenized):
             if len(toks) > self.EMBED_BATCH:
                 raise InvalidParameter(f"text {i} is {len(toks)} tokens; at most {self.EMBED_BATCH} can be embedded")
@@ -72,7 +69,7 @@ class Embeddings:
                 start += len(group)
         return out
 
-    def _embedding_context(self, pooling: str):
+    def _embedding_context(self, pooling: str) -> Any:
         types = {"mean": lc.LLAMA_POOLING_TYPE_MEAN, "last": lc.LLAMA_POOLING_TYPE_LAST, "cls": lc.LLAMA_POOLING_TYPE_CLS}
         if pooling not in types:
             raise InvalidParameter(f"--pooling must be one of {', '.join(types)}, not '{pooling}'")
@@ -80,7 +77,7 @@ class Embeddings:
         cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = self.EMBED_BATCH
         cparams.n_seq_max = self.EMBED_SEQS
         cparams.kv_unified = True
-        cparams.n_threads = cparams.n_threads_batch = self.context.n_threads
+        cparams.n_threads = cparams.n_threads_batch = self.n_threads
         cparams.embeddings = True
         cparams.pooling_type = types[pooling]
         cparams.no_perf = True

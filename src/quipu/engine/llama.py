@@ -1,6 +1,8 @@
-"""The llama.cpp backend, on llama-cpp-python's low-level (ctypes) API: a context on a loaded
-model (model.py) and its decoding; its sampling, state bytes, batch rows and embeddings are
-parts of their own (`sampler.py`, `llama_state.py`, `llama_rows.py`, `embeddings.py`)."""
+"""The llama.cpp backend, on llama-cpp-python's low-level (ctypes) API: a facade over a context
+on a loaded model (`llama_context.py`, `model.py`) and the parts built on it, each owning its
+state: sampling (`sampler.py`), state bytes (`llama_state.py`), the rows of a batch
+(`llama_rows.py`), embeddings (`embeddings.py`) and media (`media.py`); the decoding of a
+history, its rewinds and the ring's checkpoints are its own."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from quipu.engine.native import binding_version, lc
-from quipu.engine.sampler import Sampling
+from quipu.engine.sampler import SamplerChain, Sampling
 from quipu.engine.text import Spellings
 
 from quipu.engine.base import (
@@ -21,57 +23,31 @@ from quipu.engine.base import (
     FLASH_ATTN,
     KV_TYPES,
     ContextSettings,
+    LogitsProcessor,
     Offload,
     Placement,
     ProgressFn,
+    RowChain,
+    RowMatcher,
+    SamplerSettings,
+    TokenFilter,
     off_device,
-    check_context_bounds,
-    available_cpus,
 )
 from quipu.engine.embeddings import Embeddings
-from quipu.engine.media import Media, is_media, runs
+from quipu.engine.llama_context import NativeContext, context_params
+from quipu.engine.media import Media, Positions, is_media, runs
 from quipu.engine.llama_rows import BatchRows
 from quipu.engine.llama_state import StateBytes
 from quipu.engine.logs import LOG
 from quipu.engine.model import LlamaModel, check_gguf
 from quipu.engine.devices import no_gpu_reason, supports_offload
-from quipu.engine.placement import check_host_room, plan, ring_of
-from quipu.errors import EngineError, InvalidParameter, ModelLoadError, UsageError
+from quipu.engine.placement import plan
+from quipu.errors import EngineError, InvalidParameter, UsageError
 
 if TYPE_CHECKING:
-    from quipu.engine.constraint import MaskBatch
+    from quipu.engine.grammar import Grammar
 
-_KV_GGML_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
 CHECKPOINTS = 4  # the ring's checkpoints a context keeps (a few prompts back; llama-server keeps 8 by default)
-_FLASH_ATTN_TYPES = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-                     "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
-
-def context_params(context: ContextSettings, n_ctx: int):
-    """llama.cpp's parameters for a context of `n_ctx` cells with `context`'s settings."""
-    n_threads = context.n_threads or available_cpus()
-    check_context_bounds(n_ctx, n_threads, "the context")  # (a session's or a config's, checked where they are read too)
-    n_batch = max(1, min(context.n_batch, n_ctx))
-    n_seq = max(1, context.n_seq)
-    cparams = lc.llama_context_default_params()
-    cparams.n_ctx = n_ctx
-    cparams.n_batch = n_batch
-    cparams.n_ubatch = n_batch
-    if n_seq > 1:
-        cparams.n_seq_max = n_seq  # each sequence has its own n_ctx / n_seq cells (not unified)
-    else:  # one sequence, and a second sharing its cells, to save a turn's cells alone (kvstate.py)
-        cparams.n_seq_max, cparams.kv_unified = 2, True
-    cparams.n_threads = n_threads
-    cparams.n_threads_batch = n_threads
-    cparams.swa_full = context.swa_full  # (else a sliding-window model's window cache is a ring: ring.py)
-    cparams.no_perf = True
-    kv = _KV_GGML_TYPES[context.kv_type]
-    cparams.type_k = kv
-    cparams.type_v = kv
-    # Flash attention as llama.cpp chooses it (on where the device runs it; always for a
-    # quantized V cache), unless asked. The cache's layout follows from the choice it was made
-    # with, which the new context states in its log: V is stored transposed only without it.
-    cparams.flash_attn_type = _FLASH_ATTN_TYPES[context.flash_attn]
-    return cparams
 
 
 def place(path: Path, offload: Offload, context: ContextSettings, *, detail: bool = False) -> Placement:
@@ -92,15 +68,16 @@ def place(path: Path, offload: Offload, context: ContextSettings, *, detail: boo
                 lambda n_ctx: context_params(context, n_ctx), detail=detail)
 
 
-class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
+
+class LlamaBackend:
     """One context on a model (loaded from `model_path`, or a shared `LlamaModel`). Close it (or
     use it as a context manager) to free its native memory; the model goes with its last context.
-    Its parts: its sampling (`sampler.py`), the rows of a batch (`llama_rows.py`), its state
-    bytes (`llama_state.py`), embeddings (`embeddings.py`), and media (`media.py`: a projector's
-    images and audio)."""
+    A facade: the native context (`native`) and its parts, each built here from the handles it
+    uses and owning what it keeps."""
 
     name = "llama.cpp"
     build = f"llama-cpp-python {binding_version()}"
+    supports_embeddings = True
 
     def __init__(self, model_path: Path | LlamaModel, context: ContextSettings = ContextSettings(), *,
                  verbose: bool = False, offload: Offload = Offload()):
@@ -122,50 +99,30 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
                 context = replace(context, n_ctx=model.placement.n_ctx or DEFAULT_CTX_CAP)
             self.model = model.acquire()
             self._stack.callback(model.release)
-            self._open_context(context)
+            self.native = NativeContext(self.model, context)
+            self._stack.callback(self.native.close)
         except BaseException:
             self._stack.close()
             raise
-        self.model_path = self.model.path
-        self.placement = self.model.placement
-        self.n_vocab = self.model.n_vocab
-        self.n_ctx_train = self.model.n_ctx_train
-
-    def _open_context(self, context: ContextSettings) -> None:
-        n_ctx = context.n_ctx or min(self.model.n_ctx_train or DEFAULT_CTX_CAP, DEFAULT_CTX_CAP)
-        cparams = context_params(context, n_ctx)
-        n_threads, n_batch, n_seq = cparams.n_threads, cparams.n_batch, max(1, context.n_seq)
-        if n_ctx > DEFAULT_CTX_CAP:  # (a usual context is far smaller than any machine's memory)
-            check_host_room(self.model.path, n_ctx, context.kv_type, self.model.placement.gpu_layers, cparams)
-        LOG.clear_errors()
-        ctx = lc.llama_init_from_model(self.model.ptr, cparams)
-        if not ctx:
-            raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens{LOG.reason()}")
-        made = LOG.flash_attn
-        windowed = n_seq == 1 and self.model.n_swa > 0
-        self.context = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=context.kv_type,
-                                       n_seq=n_seq, flash_attn=context.flash_attn,
-                                       v_trans=None if made is None else made == "disabled",
-                                       swa_full=context.swa_full,
-                                       window_cells=None if not windowed else
-                                       "every cell" if context.swa_full else "ring")
-        self._ctx = ctx
-        self._stack.callback(lc.llama_free, ctx)
-        # llama.cpp rounds small contexts up; the user's number is the one we keep to.
-        self.n_ctx = min(n_ctx, lc.llama_n_ctx(ctx))
-        # The window cache's cells, where it is a ring this context lays out (0: none; ring.py).
-        ring = ring_of(cparams)
-        self.ring = ring(self.model.n_swa) if windowed and ring is not None else 0
+        native = self.native
+        self.model_path = model.path
+        self.placement = model.placement
+        self.n_vocab = model.n_vocab
+        self.n_ctx_train = model.n_ctx_train
+        self.context = native.settings
+        self.n_ctx = native.n_ctx
+        self.n_ctx_seq = native.n_ctx_seq
+        self.ring = native.ring
+        self._positions = Positions()
+        self.sampling = Sampling(native)
+        self._stack.callback(self.sampling.close)
+        self.state = StateBytes(native, self._positions)
+        self.rows = BatchRows(native)
+        self.embeddings = Embeddings(model, native.settings.n_threads, self.name)
+        self.media = Media(native, self._positions)
+        self._stack.callback(self.media.close)
         # The ring's cells where a prompt began to be read: (the tokens before, their positions, its state).
         self._checkpoints: list[tuple[int, int, memoryview]] = []
-        self._mem = lc.llama_get_memory(ctx)
-
-        self.n_ctx_seq = lc.llama_n_ctx_seq(ctx) if n_seq > 1 else self.n_ctx
-        self._batch = lc.llama_batch_init(n_batch, 0, 1)
-        self._stack.callback(lc.llama_batch_free, self._batch)
-        self._chain = self._sampler = self._grammar = None
-        self._masks: "MaskBatch | None" = None  # for the rows of a batch under grammars
-        self._stack.callback(self._free_sampler)
 
     # ---- vocabulary: the model's ----------------------------------------------------------
 
@@ -173,13 +130,13 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def token_bytes(self, token: int) -> bytes:
-        return self.media_text(token) if is_media(token) else self.model.token_bytes(token)
+        return self.media.media_text(token) if is_media(token) else self.model.token_bytes(token)
 
     def max_token_bytes(self) -> int:
         return self.model.max_token_bytes()
 
     def token_text(self, token: int) -> bytes:
-        return self.media_text(token) if is_media(token) else self.model.token_text(token)
+        return self.media.media_text(token) if is_media(token) else self.model.token_text(token)
 
     def is_control(self, token: int) -> bool:
         return not is_media(token) and self.model.is_control(token)
@@ -205,6 +162,107 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
     def chat_template(self) -> str | None:
         return self.model.chat_template()
 
+    # ---- media: the media part's --------------------------------------------------------
+
+    def open_projector(self, path: Path) -> None:
+        self.media.open_projector(path)
+
+    @property
+    def senses(self) -> frozenset[str]:
+        return self.media.senses
+
+    @property
+    def projector_path(self) -> Path | None:
+        return self.media.projector_path
+
+    def media_mark(self, data: bytes) -> str:
+        return self.media.media_mark(data)
+
+    def media_tokens(self, k: int) -> list[int]:
+        return self.media.media_tokens(k)
+
+    def media_digests(self) -> list[str]:
+        return self.media.media_digests()
+
+    def drop_media_after(self, n: int) -> list[str]:
+        return self.media.drop_media_after(n)
+
+    def place_media(self, tokens: Sequence[int]) -> None:
+        self.media.place_media(tokens)
+
+    # ---- sampling: the sampling part's ----------------------------------------------------
+
+    def set_sampler(self, settings: SamplerSettings) -> None:
+        self.sampling.set_sampler(settings)
+
+    def sampler_reset(self, window: Sequence[int]) -> None:
+        self.sampling.reset(window)
+
+    def sampler_accept(self, tokens: Sequence[int]) -> None:
+        self.sampling.accept(tokens)
+
+    def set_constraint(self, grammar: Grammar | None) -> None:
+        self.sampling.set_constraint(grammar)
+
+    def constraint_reset(self, reply: Sequence[int]) -> None:
+        self.sampling.constraint_reset(reply)
+
+    def sample(self, draw_seed: int, history: Sequence[int] = (), processors: Sequence[LogitsProcessor] = (),
+               token_filter: TokenFilter | None = None) -> int:
+        return self.sampling.sample(draw_seed, history, processors, token_filter)
+
+    # ---- the rows of a batch: the rows part's ---------------------------------------------
+
+    def decode_batch(self, items: Sequence[tuple[int, int, int, bool]]) -> None:
+        self.rows.decode_batch(items)
+
+    def seq_keep(self, seq: int, n_keep: int) -> None:
+        self.rows.seq_keep(seq, n_keep)
+
+    def seq_copy(self, src: int, dst: int) -> None:
+        self.rows.seq_copy(src, dst)
+
+    def row_sampler(self, settings: SamplerSettings) -> SamplerChain:
+        return self.rows.row_sampler(settings)
+
+    def row_matcher(self, settings: SamplerSettings) -> RowMatcher | None:
+        return self.rows.row_matcher(settings)
+
+    def sample_rows(self, rows: Sequence[tuple[RowChain, RowMatcher | None, int, int]]) -> list[int]:
+        return self.rows.sample_rows(rows)
+
+    # ---- state bytes: the state part's ----------------------------------------------------
+
+    def snapshot_bytes(self) -> memoryview:
+        return self.state.snapshot_bytes()
+
+    def restore_bytes(self, data: bytes | memoryview) -> None:
+        self.state.restore_bytes(data)
+
+    def partial_state(self, since: int | None = None) -> str | None:
+        return self.state.partial_state(since)
+
+    def state_since(self, start: int) -> memoryview:
+        return self.state.state_since(start)
+
+    def piece_window(self) -> int | None:
+        return self.model.n_swa if self.ring else None
+
+    def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
+        self.state.restore_pieces(base, pieces)
+
+    @property
+    def n_layer(self) -> int:
+        return int(lc.llama_model_n_layer(self.model.ptr))
+
+    def positions(self) -> int:
+        """How many tokens of the history the context holds (its positions, where media take as
+        many as their cells)."""
+        return self.state.positions()
+
+    def embed(self, texts: Sequence[str], pooling: str = "mean") -> list[list[float]]:
+        return self.embeddings.embed(texts, pooling)
+
     # ---- decoding -----------------------------------------------------------------------
 
     def prefill(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None) -> None:
@@ -216,7 +274,7 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
             total = len(tokens)
             for begin, end, media in runs(tokens):
                 if media:
-                    self.decode_media(tokens[begin:end], start + begin, end == total)
+                    self.media.decode_media(tokens[begin:end], start + begin, end == total)
                 else:
                     self._prefill_text(tokens[begin:end], start + begin)
                 if on_progress is not None:
@@ -227,21 +285,17 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
     def _prefill_text(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None) -> None:
         total = len(tokens)
         n_batch = self.context.n_batch
-        batch = self._batch
+        native = self.native
         offset = 0
         while offset < total:
             n = min(total - offset, n_batch - (start + offset) % n_batch)
             chunk = tokens[offset : offset + n]
             last_chunk = offset + n == total
-            first = self.position(start + offset)  # (a text's positions run on from its first)
+            first = self._positions.position(start + offset)  # (a text's positions run on from its first)
             for i, tok in enumerate(chunk):
-                batch.token[i] = tok
-                batch.pos[i] = first + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = last_chunk and i == n - 1
-            batch.n_tokens = n
-            self._decode(batch)
+                native.fill(i, tok, first + i, 0, last_chunk and i == n - 1)
+            native.batch.n_tokens = n
+            native.decode()
             offset += n
             if on_progress is not None:
                 on_progress(offset, total)
@@ -255,32 +309,20 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
 
     def decode_one(self, token: int, pos: int) -> None:
         if is_media(token):
-            self.decode_media([token], pos, True)
+            self.media.decode_media([token], pos, True)
             return
-        batch = self._batch
-        batch.token[0] = token
-        batch.pos[0] = self.position(pos)
-        batch.n_seq_id[0] = 1
-        batch.seq_id[0][0] = 0
-        batch.logits[0] = True
-        batch.n_tokens = 1
-        self._decode(batch)
-
-    def _decode(self, batch) -> None:
-        rc = lc.llama_decode(self._ctx, batch)
-        if rc != 0:
-            if rc == 1:
-                raise EngineError("llama.cpp found no room in the context for the batch")
-            raise EngineError(f"llama.cpp failed to decode (code {rc}){LOG.reason()}")
+        self.native.fill(0, token, self._positions.position(pos), 0, True)
+        self.native.batch.n_tokens = 1
+        self.native.decode()
 
     def _checkpoint(self, n: int) -> None:
         """Keeps the ring's cells as they are before the `n`th token is read (a prompt's start),
         for a rewind to there or later that the ring no longer holds the window of; the last
         CHECKPOINTS of them."""
-        at = self.position(n)
+        at = self._positions.position(n)
         kept = [c for c in self._checkpoints if c[1] < at]
         # (the window's cells alone, which are all a ring laid out for `at` needs of them)
-        window = self._seq_state(0, lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        window = self.native.seq_state(0, lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
         self._checkpoints = (kept + [(n, at, window)])[-CHECKPOINTS:]
 
     def truncate(self, n_keep: int) -> None:
@@ -291,29 +333,30 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         if n_keep <= 0:
             self._empty()
             return
-        keep = self.position(n_keep)
-        self.forget_positions(n_keep)
-        if not lc.llama_memory_seq_rm(self._mem, 0, keep, -1):
+        mem = self.native.mem
+        keep = self._positions.position(n_keep)
+        self._positions.forget(n_keep)
+        if not lc.llama_memory_seq_rm(mem, 0, keep, -1):
             raise EngineError("llama.cpp could not trim the context")
         if self.ring:
             self._checkpoints = [c for c in self._checkpoints if c[1] <= keep]
-            if self.settle_ring(keep):
+            if self.state.settle_ring(keep):
                 return
             for n, at, cells in reversed(self._checkpoints):
-                lc.llama_memory_seq_rm(self._mem, 0, at, -1)
-                if self.settle_ring(at, cells):
-                    self.forget_positions(n)
+                lc.llama_memory_seq_rm(mem, 0, at, -1)
+                if self.state.settle_ring(at, cells):
+                    self._positions.forget(n)
                     return
             self._empty()
             return
         n_swa = self.model.n_swa
-        if n_swa > 0 and lc.llama_memory_seq_pos_min(self._mem, 0) > max(0, keep - n_swa):
+        if n_swa > 0 and lc.llama_memory_seq_pos_min(mem, 0) > max(0, keep - n_swa):
             self._empty()
 
     def _empty(self) -> None:
         """Nothing held: the cells, the media's places, the ring's checkpoints."""
-        lc.llama_memory_clear(self._mem, True)
-        self.forget_positions(0)
+        lc.llama_memory_clear(self.native.mem, True)
+        self._positions.clear()
         self._checkpoints.clear()
 
     def shift_refused(self) -> str | None:
@@ -325,21 +368,16 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
         why = self.partial_state() or ("a sliding-window cache" if self.model.n_swa > 0 else None)
         if why:
             return why
-        if not lc.llama_memory_can_shift(self._mem):
+        if not lc.llama_memory_can_shift(self.native.mem):
             return "this model's cache cannot move its positions"
         return None
 
     def shift_out(self, start: int, end: int) -> None:
         """Drops positions [start, end) and moves those after them down by end - start."""
-        if not lc.llama_memory_seq_rm(self._mem, 0, start, end):
+        mem = self.native.mem
+        if not lc.llama_memory_seq_rm(mem, 0, start, end):
             raise EngineError("llama.cpp could not drop part of the context")
-        lc.llama_memory_seq_add(self._mem, 0, end, -1, start - end)
-
-    def positions(self) -> int:
-        """How many tokens of the history the context holds (its positions, where media take as
-        many as their cells)."""
-        last = lc.llama_memory_seq_pos_max(self._mem, 0)
-        return self.index_after(last) if last >= 0 else 0
+        lc.llama_memory_seq_add(mem, 0, end, -1, start - end)
 
     def reopen(self) -> "LlamaBackend":
         """A new context with the same settings on the same loaded model: no second load."""
@@ -351,5 +389,5 @@ class LlamaBackend(Sampling, BatchRows, StateBytes, Embeddings, Media):
     def __enter__(self) -> "LlamaBackend":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

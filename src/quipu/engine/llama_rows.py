@@ -4,65 +4,55 @@ each with a sampler chain and a grammar's matcher of its own: the rows of a batc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence, cast
+from typing import TYPE_CHECKING, Sequence, cast
 
-from quipu.engine.base import ContextSettings, RowChain, RowMatcher, SamplerSettings
+from quipu.engine.base import RowChain, RowMatcher, SamplerSettings
 from quipu.engine.native import lc
-from quipu.engine.sampler import SamplerChain
+from quipu.engine.sampler import SamplerChain, matcher_for
 from quipu.errors import EngineError
 
 if TYPE_CHECKING:
     from quipu.engine.constraint import MaskBatch, Matcher
+    from quipu.engine.llama_context import NativeContext
 
 
 class BatchRows:
-    """`LlamaBackend`'s rows of a batch."""
+    """A context's rows of a batch (a context of several sequences)."""
 
-    if TYPE_CHECKING:  # (what they use of the backend)
-        _ctx: Any
-        _mem: Any
-        _batch: Any
-        _masks: MaskBatch | None
-        n_vocab: int
-        context: ContextSettings
-
-        def _decode(self, batch: Any) -> None: ...
-        def _matcher_for(self, settings: SamplerSettings) -> Matcher | None: ...
+    def __init__(self, native: NativeContext):
+        self._native = native
+        self._masks: MaskBatch | None = None  # for the rows of a batch under grammars
 
     def decode_batch(self, items: Sequence[tuple[int, int, int, bool]]) -> None:
         """Decodes (token, position, sequence, wants logits) items, at most n_batch, in one step;
         the logits of the i-th item that wanted them are then at batch index i."""
-        batch = self._batch
+        native = self._native
         for i, (tok, pos, seq, logits) in enumerate(items):
-            batch.token[i] = tok
-            batch.pos[i] = pos
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = logits
-        batch.n_tokens = len(items)
-        self._decode(batch)
+            native.fill(i, tok, pos, seq, logits)
+        native.batch.n_tokens = len(items)
+        native.decode()
 
     def seq_keep(self, seq: int, n_keep: int) -> None:
         """Forgets sequence `seq`'s positions from `n_keep` on."""
-        if not lc.llama_memory_seq_rm(self._mem, seq, n_keep, -1):
+        if not lc.llama_memory_seq_rm(self._native.mem, seq, n_keep, -1):
             raise EngineError("llama.cpp could not trim a sequence")
 
     def seq_copy(self, src: int, dst: int) -> None:
         """Sequence `dst` becomes a copy of `src` (which must be all it holds: a shared beginning)."""
-        lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        lc.llama_memory_seq_cp(self._native.mem, src, dst, -1, -1)
 
     def row_sampler(self, settings: SamplerSettings) -> SamplerChain:
         """A sampler chain of its own, for one sequence of a batch (free it when done)."""
-        return SamplerChain(self.n_vocab, settings)
+        return SamplerChain(self._native.model.n_vocab, settings)
 
     def sample_at(self, chain: SamplerChain, draw_seed: int, index: int) -> int:
         """Samples (and accepts) with `chain` from the logits at batch index `index`."""
         chain.reseed(draw_seed)
-        return lc.llama_sampler_sample(chain.ptr, self._ctx, index)
+        return lc.llama_sampler_sample(chain.ptr, self._native.ptr, index)
 
     def row_matcher(self, settings: SamplerSettings):
         """A grammar's matcher of its own, for one sequence of a batch (None without a grammar)."""
-        return self._matcher_for(settings)
+        return matcher_for(self._native.model, settings)
 
     def sample_rows(self, rows: Sequence[tuple[RowChain, RowMatcher | None, int, int]]) -> list[int]:
         """One token (sampled and accepted) for each (chain, matcher or None, draw seed, batch
@@ -76,12 +66,13 @@ class BatchRows:
 
             from quipu.engine.constraint import MaskBatch
 
+            n_vocab = self._native.model.n_vocab
             masks = self._masks
             if masks is None or masks.masks.shape[0] < len(rows):
-                masks = self._masks = MaskBatch(self.n_vocab, max(len(rows), self.context.n_seq))
+                masks = self._masks = MaskBatch(n_vocab, max(len(rows), self._native.settings.n_seq))
             masks.fill(constrained)
             for _, k in constrained:
-                logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, rows[k][3]), shape=(self.n_vocab,))
+                logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._native.ptr, rows[k][3]), shape=(n_vocab,))
                 masks.apply(logits, k)
         tokens = []
         for chain, matcher, draw_seed, index in rows:

@@ -1,33 +1,32 @@
 """A context's state as bytes: saved whole, or the cells from a position on (a piece, written
-as a second sequence's state that shares them for the moment; see kvstate.py), and restored.
-A part of `LlamaBackend` (`llama.py`)."""
+as a second sequence's state that shares them for the moment; see kvstate.py), and restored; a
+sliding-window cache laid out as its ring (ring.py). A part of `LlamaBackend` (`llama.py`)."""
 
 from __future__ import annotations
 
-import ctypes
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from quipu.engine.base import ContextSettings
-from quipu.engine.logs import LOG
 from quipu.engine.native import lc
 from quipu.engine.ring import canonical, parse
 from quipu.errors import EngineError, SnapshotError
 
 if TYPE_CHECKING:
-    from quipu.engine.model import LlamaModel
+    from quipu.engine.llama_context import NativeContext
+    from quipu.engine.media import Positions
 
 
 class StateBytes:
-    """`LlamaBackend`'s state bytes."""
+    """A context's state bytes; `positions` says how many tokens of the history it holds."""
 
-    if TYPE_CHECKING:  # (what they use of the backend)
-        _ctx: Any
-        _mem: Any
-        model: LlamaModel
-        context: ContextSettings
-        ring: int
+    def __init__(self, native: NativeContext, positions: Positions):
+        self._native = native
+        self._positions = positions
 
-        def positions(self) -> int: ...
+    def positions(self) -> int:
+        """How many tokens of the history the context holds (its positions, where media take as
+        many as their cells)."""
+        last = lc.llama_memory_seq_pos_max(self._native.mem, 0)
+        return self._positions.index_after(last) if last >= 0 else 0
 
     def snapshot_bytes(self) -> memoryview:
         """The context's state, as a view of the one buffer llama.cpp wrote it into (no copy).
@@ -38,32 +37,13 @@ class StateBytes:
         attention that follows would add its terms in another order (llama.cpp splits a decode's
         cells among the threads by index) and drift from the run that never stopped. Every cell
         read back in order lies where it was, and the next token's goes after the last, as then."""
-        return self._seq_state(-1 if self.context.window_cells else 0)
-
-    def _seq_state(self, seq: int, flags: int = 0) -> memoryview:
-        size = lc.llama_state_seq_get_size_ext(self._ctx, seq, flags)
-        buf = (ctypes.c_uint8 * size)()
-        written = lc.llama_state_seq_get_data_ext(self._ctx, buf, size, seq, flags)
-        if written != size:
-            raise EngineError("llama.cpp could not write the context state")
-        return memoryview(buf).cast("B")
-
-    def _set_seq_state(self, data: bytes | memoryview, seq: int, what: str, flags: int = 0) -> None:
-        """Gives llama.cpp a sequence's state; refused, the context is emptied."""
-        view = memoryview(data).cast("B")
-        if view.readonly:
-            buf = (ctypes.c_uint8 * len(view)).from_buffer_copy(view)
-        else:  # read where it lies: a state is tens of megabytes
-            buf = (ctypes.c_uint8 * len(view)).from_buffer(view)
-        if lc.llama_state_seq_set_data_ext(self._ctx, buf, len(view), seq, flags) != len(view):
-            lc.llama_memory_clear(self._mem, True)
-            raise EngineError(f"llama.cpp refused {what}{LOG.reason()}")
+        return self._native.seq_state(-1 if self._native.settings.window_cells else 0)
 
     # ---- the window cache as a ring (ring.py) ----------------------------------------------
 
     def ring_state(self) -> memoryview:
         """The window cache's state alone, every cell it holds in cell order."""
-        return self._seq_state(-1, lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        return self._native.seq_state(-1, lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
 
     def settle_ring(self, end: int, source: bytes | memoryview | None = None) -> bool:
         """Lays the window cache out as an uninterrupted read of positions [0, `end`) leaves it
@@ -73,23 +53,23 @@ class StateBytes:
             state = parse(self.ring_state() if source is None else source)
         except SnapshotError as e:
             raise EngineError(f"llama.cpp's window cache is not of the layout quipu reads: {e}") from None
-        ring = canonical(state, end, self.ring, self.model.n_swa)
+        ring = canonical(state, end, self._native.ring, self._native.model.n_swa)
         if ring is None:
             return False
         partial = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-        self._set_seq_state(ring.whole, -1, "the window cache's cells", partial)
-        lc.llama_memory_seq_rm(self._mem, 1, -1, -1)  # (the placeholders before the head)
+        self._native.set_seq_state(ring.whole, -1, "the window cache's cells", partial)
+        lc.llama_memory_seq_rm(self._native.mem, 1, -1, -1)  # (the placeholders before the head)
         if ring.ahead:
-            self._set_seq_state(ring.ahead, 1, "the window cache's cells", partial)
-            lc.llama_memory_seq_cp(self._mem, 1, 0, -1, -1)
-            lc.llama_memory_seq_rm(self._mem, 1, -1, -1)
+            self._native.set_seq_state(ring.ahead, 1, "the window cache's cells", partial)
+            lc.llama_memory_seq_cp(self._native.mem, 1, 0, -1, -1)
+            lc.llama_memory_seq_rm(self._native.mem, 1, -1, -1)
         return True
 
     def _settle_restored(self) -> None:
         """A restored window cache in its ring's layout; where its cells cannot give it (a
         state that lacks part of its window), the context is emptied and read again."""
-        if self.ring and not self.settle_ring(lc.llama_memory_seq_pos_max(self._mem, 0) + 1):
-            lc.llama_memory_clear(self._mem, True)
+        if self._native.ring and not self.settle_ring(lc.llama_memory_seq_pos_max(self._native.mem, 0) + 1):
+            lc.llama_memory_clear(self._native.mem, True)
 
     def partial_state(self, since: int | None = None) -> str | None:
         """Why the state of some cells cannot be saved and restored apart from the rest (None:
@@ -97,32 +77,25 @@ class StateBytes:
         with a sliding window (whose state keeps every cell: `snapshot_bytes`). With `since`, why
         not the cells from there on: a window cache leaves out of a sequence's state the cells
         gone out of its window, so a piece longer than the window would not hold them all."""
-        model = self.model.ptr
-        if self.context.n_seq != 1:
+        model = self._native.model.ptr
+        if self._native.settings.n_seq != 1:
             return "a context of several sequences"
         if lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model):
             return "a recurrent or hybrid model's memory"
         if lc.llama_model_rope_type(model) in (lc.LLAMA_ROPE_TYPE_MROPE, lc.LLAMA_ROPE_TYPE_IMROPE):
             return "an M-RoPE model (its images' positions are not their cells')"
-        if since is not None and self.model.n_swa and not self.ring and self.positions() - since > self.model.n_swa:
+        if since is not None and self._native.model.n_swa and not self._native.ring and self.positions() - since > self._native.model.n_swa:
             return "a turn longer than the sliding window"
         return None
-
-    def piece_window(self) -> int | None:
-        return self.model.n_swa if self.ring else None
-
-    @property
-    def n_layer(self) -> int:
-        return lc.llama_model_n_layer(self.model.ptr)
 
     def state_since(self, start: int) -> memoryview:
         """The state of the cells at positions `start` on: llama.cpp writes them as the state of
         a second sequence that shares them for the moment (see kvstate.py)."""
-        lc.llama_memory_seq_cp(self._mem, 0, 1, start, -1)
+        lc.llama_memory_seq_cp(self._native.mem, 0, 1, start, -1)
         try:
-            return self._seq_state(1)
+            return self._native.seq_state(1)
         finally:
-            lc.llama_memory_seq_rm(self._mem, 1, -1, -1)
+            lc.llama_memory_seq_rm(self._native.mem, 1, -1, -1)
 
     def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
         """Restores a state saved whole, then pieces of it saved by `state_since`, in order, each
@@ -130,13 +103,13 @@ class StateBytes:
         piece read as the second sequence's, whose cells then join the first."""
         self.restore_bytes(base)
         for start, piece in pieces:
-            lc.llama_memory_seq_rm(self._mem, 0, start, -1)
-            self._set_seq_state(piece, 1, "a piece of the saved context state")
-            lc.llama_memory_seq_cp(self._mem, 1, 0, -1, -1)
-            lc.llama_memory_seq_rm(self._mem, 1, -1, -1)
+            lc.llama_memory_seq_rm(self._native.mem, 0, start, -1)
+            self._native.set_seq_state(piece, 1, "a piece of the saved context state")
+            lc.llama_memory_seq_cp(self._native.mem, 1, 0, -1, -1)
+            lc.llama_memory_seq_rm(self._native.mem, 1, -1, -1)
         self._settle_restored()
 
     def restore_bytes(self, data: bytes | memoryview) -> None:
-        lc.llama_memory_clear(self._mem, True)
-        self._set_seq_state(data, 0, "the saved context state")
+        lc.llama_memory_clear(self._native.mem, True)
+        self._native.set_seq_state(data, 0, "the saved context state")
         self._settle_restored()

@@ -17,15 +17,18 @@ import ctypes
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from quipu.engine.base import MEDIA_BASE, MEDIA_SPAN, media_mark
 from quipu.engine.logs import LOG
 from quipu.engine.native import lc
 from quipu.errors import EngineError, ModelLoadError, UsageError
 
+if TYPE_CHECKING:
+    from quipu.engine.llama_context import NativeContext
 
-def _mtmd():
+
+def _mtmd() -> Any:
     from quipu.engine.native import load_mtmd
 
     return load_mtmd()
@@ -45,7 +48,7 @@ class _Medium:
 class Projector:
     """A projector loaded for a text model: what it takes (images, audio), and its mtmd context."""
 
-    def __init__(self, path: Path, model_ptr, n_threads: int, device: int | None = None):
+    def __init__(self, path: Path, model_ptr: Any, n_threads: int, device: int | None = None):
         m = _mtmd()
         LOG.install_media()
         params = m.mtmd_context_params_default()
@@ -71,30 +74,76 @@ class Projector:
             self.ptr = None
 
 
-class Media:
-    """A context's media (a part of `LlamaBackend`): its projector, the media it holds, their
-    placeholders in the token history and their decoding."""
+class Positions:
+    """Where the tokens of a context's history sit in it. On an M-RoPE model (Qwen2-VL's kind) an
+    image's cells all sit at the position it starts at, and the text after it goes on `n_pos`
+    positions later, fewer than its cells: a token's position is its index in the history less
+    what the media before it saved. `_runs` holds, for each such medium in the context, (its
+    first index, its end, its position, what the media up to its end have saved); elsewhere it
+    stays empty and a position is an index."""
 
-    model: Any
-    context: Any
-    _ctx: Any
-    _projector: Projector | None = None
-    _media: list[_Medium]
+    def __init__(self) -> None:
+        self._runs: list[tuple[int, int, int, int]] = []
+
+    def moved(self, at: int, medium: _Medium) -> None:
+        """Medium `medium` was read from the history's index `at` on."""
+        if medium.n_pos == medium.n:
+            return
+        saved = (self._runs[-1][3] if self._runs else 0) + medium.n - medium.n_pos
+        self._runs.append((at, at + medium.n, self.position(at), saved))
+
+    def position(self, index: int) -> int:
+        """The position in the context of the token at `index` of the history."""
+        saved = 0
+        for start, end, pos, total in self._runs:
+            if index < start:
+                break
+            if index < end:
+                return pos
+            saved = total
+        return index - saved
+
+    def index_after(self, last_position: int) -> int:
+        """How many tokens of the history the context holds, from its last position."""
+        saved = 0
+        for _start, end, pos, total in self._runs:
+            if last_position == pos:
+                return end  # (it ends with this medium: its cells are all at its position)
+            if last_position < pos:
+                break
+            saved = total
+        return last_position + 1 + saved
+
+    def forget(self, n_keep: int) -> None:
+        """The media past the first `n_keep` tokens of the history are gone from the context."""
+        self._runs[:] = [r for r in self._runs if r[1] <= n_keep]
+
+    def clear(self) -> None:
+        self._runs.clear()
+
+
+class Media:
+    """A context's media: its projector, the media it holds, their placeholders in the token
+    history, and their decoding (where they sit: `positions`)."""
+
+    def __init__(self, native: NativeContext, positions: Positions):
+        self._native = native
+        self._positions = positions
+        self._projector: Projector | None = None
+        self._media: list[_Medium] = []
 
     def open_projector(self, path: Path) -> None:
-        placement = self.model.placement
-        self._projector = Projector(path, self.model.ptr, self.context.n_threads,
+        self.close()
+        placement = self._native.model.placement
+        self._projector = Projector(path, self._native.model.ptr, self._native.settings.n_threads,
                                     placement.handles[0] if placement.on_device else None)
-        self._media = []
-        self._stack.callback(self._free_media)  # type: ignore[attr-defined]  # (LlamaBackend's)
 
-    def _free_media(self) -> None:
-        m = _mtmd()
-        for medium in self._media:
-            m.mtmd_input_chunks_free(medium.chunks)
-        self._media = []
+    def close(self) -> None:
+        """Frees the media's chunks and the projector."""
+        self.drop_media_after(0)
         if self._projector is not None:
             self._projector.close()
+            self._projector = None
 
     @property
     def senses(self) -> frozenset[str]:
@@ -158,7 +207,7 @@ class Media:
     def drop_media_after(self, n: int) -> list[str]:
         """Forgets the media this context took after its first `n` (none of their placeholders
         may be in its history); their SHA-256s."""
-        media = getattr(self, "_media", [])
+        media = self._media
         dropped, self._media = media[n:], media[:n]
         for medium in dropped:
             _mtmd().mtmd_input_chunks_free(medium.chunks)
@@ -166,7 +215,7 @@ class Media:
 
     def media_digests(self) -> list[str]:
         """The SHA-256 of each medium this context holds, in the order it took them (k)."""
-        return [medium.digest for medium in getattr(self, "_media", [])]
+        return [medium.digest for medium in self._media]
 
     @property
     def projector_path(self) -> Path | None:
@@ -175,13 +224,13 @@ class Media:
     def media_tokens(self, k: int) -> list[int]:
         """The tokens of medium k in the context: its wrapping text, and its run of placeholders
         (IndexError, a LookupError, for a medium it does not hold)."""
-        medium = getattr(self, "_media", [])[k]
+        medium = self._media[k]
         return medium.before + [MEDIA_BASE + k * MEDIA_SPAN + i for i in range(medium.n)] + medium.after
 
     def media_text(self, token: int) -> bytes:
         """What a placeholder spells: the marker at the end of its run, else nothing."""
         k, i = divmod(token - MEDIA_BASE, MEDIA_SPAN)
-        media = getattr(self, "_media", [])
+        media = self._media
         if k < len(media) and i == media[k].n - 1:
             return media_mark(k).encode()
         return b""
@@ -190,77 +239,29 @@ class Media:
         """Decodes the run of a medium that `tokens` (its placeholders, the whole run) stand for,
         from the token history's index `at` on."""
         k, i = divmod(tokens[0] - MEDIA_BASE, MEDIA_SPAN)
-        media = getattr(self, "_media", [])
+        media = self._media
         if k >= len(media) or i != 0 or len(tokens) != media[k].n:
             raise EngineError("a medium's positions in the context are not whole")
         assert self._projector is not None
         m = _mtmd()
         done = lc.llama_pos(0)
-        start = self.position(at)
+        start = self._positions.position(at)
         LOG.clear_errors()
-        rc = m.mtmd_helper_eval_chunk_single(self._projector.ptr, self._ctx, media[k].chunk, start, 0,
-                                             self.context.n_batch, logits_last, ctypes.byref(done))
+        rc = m.mtmd_helper_eval_chunk_single(self._projector.ptr, self._native.ptr, media[k].chunk, start, 0,
+                                             self._native.settings.n_batch, logits_last, ctypes.byref(done))
         if rc != 0:
             raise EngineError(f"llama.cpp could not read a medium into the context (code {rc}){LOG.reason()}")
-        self._moved(at, media[k])
-
-    # ---- positions, where a medium takes fewer than its cells (M-RoPE) ----------------------
-    #
-    # On an M-RoPE model (Qwen2-VL's kind) an image's cells all sit at the position it starts at,
-    # and the text after it goes on `n_pos` positions later, fewer than its cells: a token's
-    # position is its index in the history less what the media before it saved. `_runs` holds,
-    # for each such medium in the context, (its first index, its end, its position, what the
-    # media up to its end have saved); elsewhere it stays empty and a position is an index.
-
-    def _moved(self, at: int, medium: _Medium) -> None:
-        if medium.n_pos == medium.n:
-            return
-        placed = self._position_runs()
-        saved = (placed[-1][3] if placed else 0) + medium.n - medium.n_pos
-        placed.append((at, at + medium.n, self.position(at), saved))
-
-    def _position_runs(self) -> list[tuple[int, int, int, int]]:
-        if "_runs" not in self.__dict__:
-            self._runs: list[tuple[int, int, int, int]] = []
-        return self._runs
-
-    def position(self, index: int) -> int:
-        """The position in the context of the token at `index` of the history."""
-        saved = 0
-        for start, end, pos, total in self.__dict__.get("_runs", ()):
-            if index < start:
-                break
-            if index < end:
-                return pos
-            saved = total
-        return index - saved
-
-    def index_after(self, last_position: int) -> int:
-        """How many tokens of the history the context holds, from its last position."""
-        saved = 0
-        for _start, end, pos, total in self.__dict__.get("_runs", ()):
-            if last_position == pos:
-                return end  # (it ends with this medium: its cells are all at its position)
-            if last_position < pos:
-                break
-            saved = total
-        return last_position + 1 + saved
-
-    def forget_positions(self, n_keep: int) -> None:
-        """The media past the first `n_keep` tokens of the history are gone from the context."""
-        placed = self.__dict__.get("_runs")
-        if placed:
-            placed[:] = [r for r in placed if r[1] <= n_keep]
+        self._positions.moved(at, media[k])
 
     def place_media(self, tokens: Sequence[int]) -> None:
         """The history a restored context holds: where its media sit (see `position`)."""
-        self._position_runs().clear()
-        media = getattr(self, "_media", [])
+        self._positions.clear()
+        media = self._media
         for begin, end, is_run in runs(tokens):
             if is_run:
                 k = (tokens[begin] - MEDIA_BASE) // MEDIA_SPAN
                 if k < len(media) and end - begin == media[k].n:
-                    self._moved(begin, media[k])
+                    self._positions.moved(begin, media[k])
 
 
 def is_media(token: int) -> bool:

@@ -5,7 +5,7 @@ draw from the last logits, with a grammar's mask, filters and processors applied
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from quipu.engine.base import MEDIA_BASE, LogitsProcessor, SamplerSettings, TokenFilter
 from quipu.engine.native import lc
@@ -13,6 +13,8 @@ from quipu.errors import EngineError
 
 if TYPE_CHECKING:
     from quipu.engine.constraint import Matcher
+    from quipu.engine.grammar import Grammar
+    from quipu.engine.llama_context import NativeContext
     from quipu.engine.model import LlamaModel
 
 
@@ -74,38 +76,35 @@ class SamplerChain:
             self.ptr = None
 
 
+def matcher_for(model: LlamaModel, settings: SamplerSettings) -> Matcher | None:
+    """A matcher of `settings`' grammar on `model`'s vocabulary (None without one)."""
+    if settings.grammar is None:
+        return None
+    from quipu.engine.constraint import Matcher  # llguidance: only for a constrained reply
+
+    return Matcher(model, settings.grammar)
+
+
 class Sampling:
-    """`LlamaBackend`'s sampling: its chain, and the grammar a reply keeps to."""
+    """A context's sampling: its chain, and the grammar a reply keeps to."""
 
-    if TYPE_CHECKING:  # (what it uses of the backend)
-        _ctx: Any
-        model: LlamaModel
-        n_vocab: int
-
-    _chain: SamplerChain | None = None
-    _sampler: Any = None
-    _grammar: "Matcher | None" = None  # while replies keep to a grammar
-    _settings: SamplerSettings = SamplerSettings()
+    def __init__(self, native: NativeContext):
+        self._native = native
+        self._chain: SamplerChain | None = None
+        self._grammar: Matcher | None = None  # while replies keep to a grammar
+        self._settings = SamplerSettings()
 
     def set_sampler(self, settings: SamplerSettings) -> None:
-        matcher = self._matcher_for(settings)  # a bad grammar is refused before anything changes
-        self._free_sampler()
+        matcher = matcher_for(self._native.model, settings)  # a bad grammar is refused before anything changes
+        self.close()
         self._settings = settings
         self._grammar = matcher
-        self._chain = SamplerChain(self.n_vocab, settings)
-        self._sampler = self._chain.ptr
+        self._chain = SamplerChain(self._native.model.n_vocab, settings)
 
-    def _matcher_for(self, settings: SamplerSettings):
-        if settings.grammar is None:
-            return None
-        from quipu.engine.constraint import Matcher  # llguidance: only for a constrained reply
-
-        return Matcher(self.model, settings.grammar)
-
-    def _free_sampler(self) -> None:
+    def close(self) -> None:
         if self._chain is not None:
             self._chain.free()
-            self._chain = self._sampler = None
+            self._chain = None
         self._grammar = None
 
     @property
@@ -115,34 +114,32 @@ class Sampling:
             raise EngineError("no sampler is set on this context")
         return self._chain
 
-    def sampler_reset(self, window: Sequence[int]) -> None:
+    def reset(self, window: Sequence[int]) -> None:
         self.chain.reset([t for t in window if t < MEDIA_BASE])  # (a medium is no token to penalize)
 
-    def sampler_accept(self, tokens: Sequence[int]) -> None:
+    def accept(self, tokens: Sequence[int]) -> None:
         self.chain.accept([t for t in tokens if t < MEDIA_BASE])
 
-    def set_constraint(self, grammar) -> None:
-        """From the next token on, the reply keeps to `grammar` (an `engine.grammar.Grammar`, from
-        its start), or, with None, to the sampler settings' own grammar again."""
-        self._grammar = self._matcher_for(self._settings if grammar is None else
-                                          dataclasses.replace(self._settings, grammar=grammar))
+    def set_constraint(self, grammar: Grammar | None) -> None:
+        """From the next token on, the reply keeps to `grammar` (from its start), or, with None,
+        to the sampler settings' own grammar again."""
+        self._grammar = matcher_for(self._native.model, self._settings if grammar is None else
+                                    dataclasses.replace(self._settings, grammar=grammar))
 
     def constraint_reset(self, reply: Sequence[int]) -> None:
         if self._grammar is not None:
             self._grammar.replay(reply)
-
-    def _reseed(self, draw_seed: int) -> None:
-        self.chain.reseed(draw_seed)
 
     def sample(self, draw_seed: int, history: Sequence[int] = (), processors: Sequence[LogitsProcessor] = (),
                token_filter: TokenFilter | None = None) -> int:
         """The chain's draw from the last logits. A grammar's mask, the processors and the filter
         change those logits in place first (ruled-out tokens become -inf), so that the native
         chain draws as it always does, seeded, among the tokens left."""
-        self._reseed(draw_seed)
+        chain = self.chain
+        chain.reseed(draw_seed)
         if self._grammar is not None or processors or token_filter is not None:
             self._shape(history, processors, token_filter)
-        token = lc.llama_sampler_sample(self._sampler, self._ctx, -1)
+        token: int = lc.llama_sampler_sample(chain.ptr, self._native.ptr, -1)
         if self._grammar is not None:
             try:
                 self._grammar.accept(token)
@@ -155,7 +152,8 @@ class Sampling:
                token_filter: TokenFilter | None) -> None:
         import numpy as np
 
-        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,))
+        n_vocab = self._native.model.n_vocab
+        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._native.ptr, -1), shape=(n_vocab,))
         for processor in processors:
             processor(history, logits)
         if token_filter is not None:
@@ -167,4 +165,3 @@ class Sampling:
                 logits[keep] = kept
         if self._grammar is not None:
             self._grammar.apply(logits)
-

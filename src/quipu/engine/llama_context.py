@@ -1,0 +1,127 @@
+"""A llama.cpp context on a loaded model, the native handle the backend's parts share: the
+context, its memory, its batch, their decoding, and a sequence's state as bytes. It owns them
+and frees them on `close`; the parts of `LlamaBackend` (`llama.py`) are given it."""
+
+from __future__ import annotations
+
+import ctypes
+from contextlib import ExitStack
+from typing import Any
+
+from quipu.engine.base import DEFAULT_CTX_CAP, ContextSettings, available_cpus, check_context_bounds
+from quipu.engine.logs import LOG
+from quipu.engine.model import LlamaModel
+from quipu.engine.native import lc
+from quipu.engine.placement import check_host_room, ring_of
+from quipu.errors import EngineError, ModelLoadError
+
+_KV_GGML_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
+_FLASH_ATTN_TYPES = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                     "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+
+
+def context_params(context: ContextSettings, n_ctx: int) -> Any:
+    """llama.cpp's parameters for a context of `n_ctx` cells with `context`'s settings."""
+    n_threads = context.n_threads or available_cpus()
+    check_context_bounds(n_ctx, n_threads, "the context")  # (a session's or a config's, checked where they are read too)
+    n_batch = max(1, min(context.n_batch, n_ctx))
+    n_seq = max(1, context.n_seq)
+    cparams = lc.llama_context_default_params()
+    cparams.n_ctx = n_ctx
+    cparams.n_batch = n_batch
+    cparams.n_ubatch = n_batch
+    if n_seq > 1:
+        cparams.n_seq_max = n_seq  # each sequence has its own n_ctx / n_seq cells (not unified)
+    else:  # one sequence, and a second sharing its cells, to save a turn's cells alone (kvstate.py)
+        cparams.n_seq_max, cparams.kv_unified = 2, True
+    cparams.n_threads = n_threads
+    cparams.n_threads_batch = n_threads
+    cparams.swa_full = context.swa_full  # (else a sliding-window model's window cache is a ring: ring.py)
+    cparams.no_perf = True
+    kv = _KV_GGML_TYPES[context.kv_type]
+    cparams.type_k = kv
+    cparams.type_v = kv
+    # Flash attention as llama.cpp chooses it (on where the device runs it; always for a
+    # quantized V cache), unless asked. The cache's layout follows from the choice it was made
+    # with, which the new context states in its log: V is stored transposed only without it.
+    cparams.flash_attn_type = _FLASH_ATTN_TYPES[context.flash_attn]
+    return cparams
+
+
+class NativeContext:
+    """One llama.cpp context on `model` with `context`'s settings (its size 0: the model's
+    training context, at most DEFAULT_CTX_CAP), and the batch its steps are decoded in.
+    `settings` is what was made: the sizes llama.cpp took, the cache's layout."""
+
+    def __init__(self, model: LlamaModel, context: ContextSettings):
+        n_ctx = context.n_ctx or min(model.n_ctx_train or DEFAULT_CTX_CAP, DEFAULT_CTX_CAP)
+        cparams = context_params(context, n_ctx)
+        n_threads, n_batch, n_seq = cparams.n_threads, cparams.n_batch, max(1, context.n_seq)
+        if n_ctx > DEFAULT_CTX_CAP:  # (a usual context is far smaller than any machine's memory)
+            check_host_room(model.path, n_ctx, context.kv_type, model.placement.gpu_layers, cparams)
+        LOG.clear_errors()
+        ptr = lc.llama_init_from_model(model.ptr, cparams)
+        if not ptr:
+            raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens{LOG.reason()}")
+        self._stack = ExitStack()
+        self._stack.callback(lc.llama_free, ptr)
+        made = LOG.flash_attn
+        windowed = n_seq == 1 and model.n_swa > 0
+        self.model = model
+        self.ptr = ptr
+        self.settings = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=context.kv_type,
+                                        n_seq=n_seq, flash_attn=context.flash_attn,
+                                        v_trans=None if made is None else made == "disabled",
+                                        swa_full=context.swa_full,
+                                        window_cells=None if not windowed else
+                                        "every cell" if context.swa_full else "ring")
+        # llama.cpp rounds small contexts up; the user's number is the one we keep to.
+        self.n_ctx = min(n_ctx, lc.llama_n_ctx(ptr))
+        self.n_ctx_seq = lc.llama_n_ctx_seq(ptr) if n_seq > 1 else self.n_ctx
+        # The window cache's cells, where it is a ring this context lays out (0: none; ring.py).
+        ring = ring_of(cparams)
+        self.ring = ring(model.n_swa) if windowed and ring is not None else 0
+        self.mem = lc.llama_get_memory(ptr)
+        self.batch = lc.llama_batch_init(n_batch, 0, 1)
+        self._stack.callback(lc.llama_batch_free, self.batch)
+
+    def decode(self, batch: Any = None) -> None:
+        """Decodes `batch` (the context's own when None), as filled."""
+        rc = lc.llama_decode(self.ptr, self.batch if batch is None else batch)
+        if rc != 0:
+            if rc == 1:
+                raise EngineError("llama.cpp found no room in the context for the batch")
+            raise EngineError(f"llama.cpp failed to decode (code {rc}){LOG.reason()}")
+
+    def fill(self, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
+        """Item `i` of the context's batch."""
+        batch = self.batch
+        batch.token[i] = token
+        batch.pos[i] = pos
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = seq
+        batch.logits[i] = logits
+
+    def seq_state(self, seq: int, flags: int = 0) -> memoryview:
+        """Sequence `seq`'s state (-1: the whole memory's), as a view of the one buffer llama.cpp
+        wrote it into (no copy)."""
+        size = lc.llama_state_seq_get_size_ext(self.ptr, seq, flags)
+        buf = (ctypes.c_uint8 * size)()
+        written = lc.llama_state_seq_get_data_ext(self.ptr, buf, size, seq, flags)
+        if written != size:
+            raise EngineError("llama.cpp could not write the context state")
+        return memoryview(buf).cast("B")
+
+    def set_seq_state(self, data: bytes | memoryview, seq: int, what: str, flags: int = 0) -> None:
+        """Gives llama.cpp a sequence's state; refused, the context is emptied."""
+        view = memoryview(data).cast("B")
+        if view.readonly:
+            buf = (ctypes.c_uint8 * len(view)).from_buffer_copy(view)
+        else:  # read where it lies: a state is tens of megabytes
+            buf = (ctypes.c_uint8 * len(view)).from_buffer(view)
+        if lc.llama_state_seq_set_data_ext(self.ptr, buf, len(view), seq, flags) != len(view):
+            lc.llama_memory_clear(self.mem, True)
+            raise EngineError(f"llama.cpp refused {what}{LOG.reason()}")
+
+    def close(self) -> None:
+        self._stack.close()
