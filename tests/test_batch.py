@@ -164,7 +164,7 @@ def test_cli_json_rows_fail_one_by_one(quipu, tiny_model):
     (["--batch", "-", "--url", "http://127.0.0.1:9"], b"row\n", "a server (--url, QUIPU_URL or the config's [remote] "
                                                                 "url) cannot be used with --batch"),
     (["--batch", "-", "--reasoning-budget", "4", "--messages", "m.json"], b"row\n",
-     "--reasoning-budget and --messages cannot be used with --batch"),
+     "--messages and --reasoning-budget cannot be used with --batch"),
     (["--batch", "/nonexistent/rows.jsonl"], None, "cannot read the batch file"),
     (["--batch", "-"], b"\n\n", "no rows"),
     (["--batch", "-", "--tool-choice", "required", "--tools", "/nonexistent.json"], b"row\n",

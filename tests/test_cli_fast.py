@@ -93,6 +93,38 @@ def test_every_parameter_of_run_and_chat_is_declared_once():
     assert spec.turn_options({"model": "m"}, env).server is None
 
 
+def test_the_options_table_holds_every_option_of_run_and_chat_and_each_says_when_it_is_given():
+    # One table says, for every option of the two commands, the feature a mode or a host may
+    # refuse: a new option that is not in it fails here, and each entry that says when it is
+    # given answers for its own field alone (a value set there, nothing else).
+    import dataclasses
+
+    from quipu.app.modes import BATCH, CHAT, FROM_MESSAGES, ONE_SHOT, OPTIONS, RAW, SESSION, asked_of
+    from quipu.app.turn_options import TurnOptions
+    from quipu.cli import chat as chat_command
+    from quipu.sessions.base import FEATURES
+
+    assert set(OPTIONS) == set(run_command.PARAMS) | set(chat_command.PARAMS)
+    features = {o.feature for o in OPTIONS.values()} - {None}
+    refused = set().union(*(m.refuses for m in (ONE_SHOT, FROM_MESSAGES, SESSION, CHAT, RAW, BATCH)))
+    # each mode refuses options of the table, and each feature is refused by a mode or a host
+    assert refused <= features and features <= refused | set(FEATURES)
+    fields = {f.name: f for f in dataclasses.fields(TurnOptions)}
+    # a value of each field's type (0 is a value, never "not given"; --no-think is given too)
+    values = {"tuple": ("x",), "bool | None": False, "bool": True, "int": 0, "float": 0.5, "str": "x"}
+    for name, option in OPTIONS.items():
+        own = name in run_command.OWN or name in chat_command.OWN
+        assert (option.given is None) == (own or option.feature is None), name
+        if option.given is None:
+            continue
+        field = "server" if name == "url" else name
+        kind = next((t for t in values if str(fields[field].type).startswith(t)), None)
+        opts = dataclasses.replace(TurnOptions(), **{field: values[kind] if kind is not None else object()})
+        assert asked_of(TurnOptions()) == {} and asked_of(opts) == {option.feature: [option.spelled]}, name
+    # a command's own options are refused by the table's words too: --stats in a batch
+    assert asked_of(TurnOptions(), own=("stats", "show")) == {"shown": ["--stats"], "show_prompt": ["--show-prompt"]}
+
+
 def option_words(name: str, option: spec.Opt, draw) -> list[str]:
     """One option as a person may write it, with a plain value of its type."""
     from hypothesis import strategies as st

@@ -6,10 +6,11 @@ settings, and reported here with the file and line (`Config.error`)."""
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from quipu.errors import UsageError
 
@@ -88,8 +89,7 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
             if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
                 raise fail(key, "[mcp] holds one table a server: [mcp.NAME] with command, args and env")
             for name, server in value.items():
-                config.mcp[name] = check_mcp_server(server, lambda message, name=name: fail(name, message, "mcp"),
-                                                    f"[mcp.{name}]")
+                config.mcp[name] = check_mcp_server(server, functools.partial(fail, name, table="mcp"), f"[mcp.{name}]")
         elif key in tables:
             allowed = tables[key]
             if not isinstance(value, dict):
@@ -150,7 +150,7 @@ def _readable_by_others(path: Path) -> bool:
 MCP_KEYS = ("command", "args", "env", "env_pass", "timeout", "prefix")
 
 
-def check_mcp_server(server: dict[str, Any], fail, where: str) -> dict[str, Any]:
+def check_mcp_server(server: dict[str, Any], fail: Callable[[str], Exception], where: str) -> dict[str, Any]:
     """An MCP server's definition (`command`, `args`, `env`, `env_pass`: the names of variables of
     quipu's own environment the server is given, `timeout`, and `prefix`: what its tools' names
     begin with, `NAME_` by default), checked; `fail(message)` makes the error."""

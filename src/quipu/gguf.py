@@ -12,7 +12,7 @@ import struct
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 MAX_KEY = 1 << 16
 MAX_STRING = 1 << 24
@@ -111,7 +111,7 @@ def human_params(n: int) -> str:
 class _Reader:
     """Reads from a memory map; every length is checked against the file before use."""
 
-    def __init__(self, buf, size: int):
+    def __init__(self, buf: mmap.mmap, size: int):
         self.buf = buf
         self.size = size
         self.pos = 0
@@ -124,7 +124,7 @@ class _Reader:
         self.pos = end
         return data
 
-    def scalar(self, fmt: str):
+    def scalar(self, fmt: str) -> Any:
         width = struct.calcsize(fmt)
         if self.pos + width > self.size:
             raise GGUFError("the file ends inside its header")
@@ -133,7 +133,7 @@ class _Reader:
         return value
 
     def length(self, limit: int, what: str) -> int:
-        n = self.scalar("<Q")
+        n: int = self.scalar("<Q")
         if n > limit or n > self.size:
             raise GGUFError(f"the header declares an impossible {what} ({n})")
         return n
@@ -151,7 +151,7 @@ class _Reader:
             raise GGUFError("the file ends inside its header")
         self.pos = pos
 
-    def value(self, vtype: int):
+    def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype])
         if vtype == STRING:
@@ -175,7 +175,7 @@ class _Reader:
 
 
 @contextmanager
-def _mapped(path: Path):
+def _mapped(path: Path) -> Iterator[_Reader]:
     with path.open("rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size == 0:

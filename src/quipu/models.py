@@ -314,7 +314,7 @@ def model_info(name: str, path: Path) -> dict[str, Any]:
 FINGERPRINT_HEAD_BYTES = 8 << 20
 
 
-_FINGERPRINTS: dict[tuple, str] = {}  # this process's, by file identity
+_FINGERPRINTS: dict[tuple[Any, ...], str] = {}  # this process's, by file identity
 
 
 def file_identity(path: Path) -> tuple[int, ...]:

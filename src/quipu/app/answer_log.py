@@ -10,12 +10,13 @@ import os
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import Any, TYPE_CHECKING, Protocol, Sequence
 
 from quipu.app.environment import DEFAULT_MAX_RECORDS, Environment
 from quipu.errors import UsageError
 from quipu.paths import create_private, private_dir
-from quipu.store.logbook import Logbook, LogError, Record
+from quipu.store.logbook import Logbook, LogError
+from quipu.store.logbook import Record as Record  # (what `quipu logs` shows)
 
 if TYPE_CHECKING:
     from quipu.app.attachments import Attachment
@@ -31,7 +32,7 @@ class Answered(Protocol):
     reasoning: str
     model: str
     fingerprint: str | None
-    tool_calls: list
+    tool_calls: list[Any]
     seed: int | None
     finish_reason: str
     stats: "Stats"

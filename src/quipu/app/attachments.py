@@ -15,9 +15,12 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from quipu.errors import UsageError
+
+if TYPE_CHECKING:
+    from quipu.sessions.template import ChatTemplate
 
 MAX_ATTACHMENT_BYTES = 32 << 20  # the largest file attached
 # What one message (or a run, or a messages file) may carry in all: each file is bounded, and so
@@ -405,7 +408,7 @@ def message_with(text: str | None, attachments: Sequence[Attachment]) -> str:
     return "\n\n".join(blocks + ([text] if text else []))
 
 
-def takes_documents(template) -> bool:
+def takes_documents(template: ChatTemplate | None) -> bool:
     """Whether a chat template (`sessions.template.ChatTemplate`, or None) has a slot for
     documents: it reads the `documents` transformers passes (Command R's, Granite's)."""
     return template is not None and re.search(r"\bdocuments\b", template.source) is not None

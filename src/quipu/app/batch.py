@@ -14,7 +14,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from quipu.app.environment import SAMPLING_TYPES, Environment
 from quipu.app.turn_options import (
@@ -32,7 +32,7 @@ from quipu.app.turn_options import (
     system_prompt,
     template_variables,
 )
-from quipu.app.modes import BATCH, check_options
+from quipu.app.modes import BATCH, asked_of, check_options
 from quipu.app.placing import placement_notices, placement_of
 from quipu.app.turns import TurnResult, constrained_by, cut_short
 from quipu.engine.base import CTX_AUTO, DEFAULT_CTX_CAP, ContextSettings, available_cpus
@@ -44,6 +44,11 @@ from quipu.sessions.reasoning import Thinking
 from quipu.sessions.reasoning_sink import ReasoningSink
 from quipu.sessions.inference import InferenceSession, Stats
 from quipu.sessions.params import SamplingParams
+
+if TYPE_CHECKING:
+    from quipu.engine.base import Backend
+    from quipu.engine.grammar import Grammar
+    from quipu.sessions.base import Generation
 
 # What a JSON row may hold besides its prompt (or messages).
 ROW_FIELDS = {"id", "system", "seed", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "stop",
@@ -79,7 +84,7 @@ class RowOutcome:
     result: TurnResult | None = None
     error: str | None = None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         head = {"index": self.index} if self.id is None else {"id": self.id, "index": self.index}
         if self.error is not None:
             return {**head, "error": self.error}
@@ -144,7 +149,7 @@ def _messages(value: Any) -> tuple[list[Message] | None, str | None]:
     return out, None
 
 
-def row_schema(value: Any):
+def row_schema(value: Any) -> Grammar:
     """A row's `schema` field (a JSON Schema object, or its text), checked as --schema is."""
     from quipu.engine.constraint import compile_grammar
     from quipu.engine.grammar import schema_grammar
@@ -159,7 +164,7 @@ def row_schema(value: Any):
     return grammar
 
 
-def row_params(base: SamplingParams, fields: dict[str, Any], seed: int | None) -> tuple[SamplingParams, int | None, tuple]:
+def row_params(base: SamplingParams, fields: dict[str, Any], seed: int | None) -> tuple[SamplingParams, int | None, tuple[Any, ...]]:
     """A row's sampling parameters, reply length and stop strings, from its fields over the
     command line's (InvalidParameter or UsageError when a field is wrong)."""
     changes = {}
@@ -197,7 +202,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
     """Answers every row of `text`; `on_row` gets the outcomes in input order, each as soon as
     it and every row before it are done; `on_notice` what to say of where the model runs (fewer
     layers fit on the GPU). Returns how many rows were written."""
-    check_options(opts.asked, BATCH, LOCAL)  # (never dropped silently: a batch with tools would answer in plain text)
+    check_options(asked_of(opts), BATCH, LOCAL)  # (never dropped silently: a batch with tools would answer in plain text)
     check_positive("--parallel", parallel)
     if parallel is not None and parallel > MAX_PARALLEL:
         raise UsageError(f"--parallel must be at most {MAX_PARALLEL} (llama.cpp's limit of sequences), got {parallel}")
@@ -261,7 +266,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
             if token >= 0 and batch_backend.is_control(token):  # (markup the text does not show)
                 stream.control(batch_backend.token_text(token).decode("utf-8", "replace"))
 
-        def on_done(i: int, gen, stats: Stats) -> None:
+        def on_done(i: int, gen: Generation, stats: Stats) -> None:
             plan = runnable[i]
             assert plan.stream is not None and plan.row is not None
             stats.load_s = load_s
@@ -309,7 +314,8 @@ class _Plan:
         return self.row
 
 
-def _plan(row: RowInput, base: SamplingParams, opts: TurnOptions, env: Environment, tokenizer, source,
+def _plan(row: RowInput, base: SamplingParams, opts: TurnOptions, env: Environment, tokenizer: Backend,
+          source: str | None,
           limit: int) -> _Plan:
     plan = _Plan(row, error=row.error)
     if plan.error is not None:
@@ -319,7 +325,7 @@ def _plan(row: RowInput, base: SamplingParams, opts: TurnOptions, env: Environme
         if opts.raw:
             if row.messages is not None:
                 raise UsageError("messages need the chat template; --raw takes prompts")
-            tokens = tokenizer.tokenize(row.prompt, add_special=True, parse_special=False)
+            tokens = tokenizer.tokenize(row.prompt or "", add_special=True, parse_special=False)
             thinking = Thinking()
         else:
             session = InferenceSession(tokenizer, SamplingParams())

@@ -13,12 +13,13 @@ from quipu.app.environment import SAMPLING_TYPES, Environment
 from quipu.app.turn_options import TurnOptions, max_tokens
 from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost
-from quipu.app.modes import CHAT, check_options
+from quipu.app.modes import CHAT, asked_of, check_options
 from quipu.app.tools import ToolHooks, follow_calls, offer, resume_pending, skip_pending, open_tools, waiting_notice
 from quipu.app.named import NamedSession, store_for
 from quipu.engine.base import ProgressFn
 from quipu.errors import ContextOverflow, InvalidParameter, UsageError
-from quipu.sessions.base import SILENT, Generation, ReplySink, Stats
+from quipu.sessions.base import SILENT, Capabilities, Generation, Message, ReplySink, Stats
+from quipu.sessions.params import SamplingParams
 from quipu.sessions.stops import read_escapes
 from quipu.store.store import SessionInfo, validate_name
 
@@ -45,14 +46,15 @@ class TurnOutcome:
     generation: Generation
     stats: Stats
     context_full: bool = False
-    calls: list = field(default_factory=list)  # app.tools.CallRecord: the tools the turn ran
+    calls: list[Any] = field(default_factory=list)  # app.tools.CallRecord: the tools the turn ran
 
 
 class ChatSession:
     """An open, locked, named conversation. Every finished turn is saved before it returns."""
 
     def __init__(self, env: Environment, opts: TurnOptions, host: ModelHost,
-                 shape: Callable[[str], str | None] | None = None, conversation: str | None = None):
+                 shape: Callable[[str], str | None] | None = None, conversation: str | None = None,
+                 on_output: Callable[[str], None] | None = None, *, keep_unnamed: bool = True):
         self.env = env
         self.opts = opts
         self.host = host
@@ -62,32 +64,30 @@ class ChatSession:
         max_tokens(opts, env)  # a bad value is said before anything is loaded
         self.named: NamedSession | None = None
         self.kept = True  # whether this session's turns are saved (a piped chat without a name keeps none)
-        self.keep_unnamed = True  # whether a session given a generated name (here or by /new) is kept
+        self.keep_unnamed = keep_unnamed  # whether a session given a generated name (here or by /new) is kept
         self._stack = ExitStack()
         self.last_stats: Stats | None = None
         self.resumed = False
-        self.hooks: ToolHooks | None = None  # how the front end approves and shows calls
         self.attached: list[Attachment] = []  # files the next message carries (`/attach`)
         self._marks = ""  # where its media go in its text
-        self.tools = open_tools(opts.tool_options, env, constrained=opts.constrained, on_output=self._output)  # a bad file is said before anything is loaded
-
-    def _output(self, line: str) -> None:
-        if self.hooks is not None and self.hooks.on_output is not None:
-            self.hooks.on_output(line)
+        # (a bad file is said before anything is loaded; `on_output`: what the user's functions write on stderr)
+        self.tools = open_tools(opts.tool_options, env, constrained=opts.constrained, on_output=on_output)
 
     # ---- opening and closing ---------------------------------------------------------------
 
     @classmethod
     def open(cls, env: Environment, opts: TurnOptions, *, name: str | None = None, resume_latest: bool = False,
              keep_unnamed: bool = True, on_progress: ProgressFn | None = None,
-             shape: Callable[[str], str | None] | None = None) -> "ChatSession":
+             shape: Callable[[str], str | None] | None = None,
+             on_output: Callable[[str], None] | None = None) -> "ChatSession":
         """The chat on the host the options name (a local model, or `opts.server`); without
         `keep_unnamed`, a session that was not named (nor resumed) is never written to disk;
-        `shape`, what a message becomes before it is sent (a role's prompt holding it)."""
+        `shape`, what a message becomes before it is sent (a role's prompt holding it);
+        `on_output`, where the lines the user's functions write on stderr go."""
         host = open_host(opts.server)
         chat = None
         try:
-            check_options(opts.asked, CHAT, host.capabilities)
+            check_options(asked_of(opts), CHAT, host.capabilities)
             history = None
             if opts.follow_up or opts.cid is not None:  # (a new session, going on with a logged conversation)
                 from quipu.app.answer_log import followed
@@ -98,8 +98,8 @@ class ChatSession:
                 history = followed(env, opts.cid)
                 if opts.system is None and history.system is not None:
                     opts = replace(opts, system=history.system)
-            chat = cls(env, opts, host, shape, history.conversation if history is not None else None)
-            chat.keep_unnamed = keep_unnamed
+            chat = cls(env, opts, host, shape, history.conversation if history is not None else None, on_output,
+                       keep_unnamed=keep_unnamed)
             chat._switch(chat._name_to_open(name, resume_latest), on_progress,
                          kept=keep_unnamed or name is not None or resume_latest)
             if history is not None:
@@ -169,7 +169,7 @@ class ChatSession:
         return self.named
 
     @property
-    def capabilities(self):
+    def capabilities(self) -> Capabilities:
         return self.host.capabilities
 
     @property
@@ -182,22 +182,25 @@ class ChatSession:
         return self._named.model_name
 
     @property
-    def messages(self):
+    def messages(self) -> list[Message]:
         return self._named.conversation.messages
 
     @property
-    def params(self):
+    def params(self) -> SamplingParams:
         return self._named.session.params
 
     # ---- turns -------------------------------------------------------------------------------
 
-    def _turn(self, action: Callable[..., Generation], sink: ReplySink, message: str | None = None) -> TurnOutcome:
+    def _turn(self, action: Callable[..., Generation], sink: ReplySink, hooks: ToolHooks | None,
+              message: str | None = None) -> TurnOutcome:
+        """One turn: `action` makes the reply into `sink`, and the calls it makes run as `hooks`
+        (the front end's) approve and show them."""
         named = self._named
         try:
             limit, stop = named.reply_limits(self.opts, self.env)
             gen = action(max_tokens=limit, stop=stop, sink=sink)
             gen, calls, notes = follow_calls(named.conversation, self.tools, gen, self.opts.tool_options, limit, stop, sink,
-                                             self.hooks, lambda found: named.keeper.take_media(
+                                             hooks, lambda found: named.keeper.take_media(
                                                  named.session, self.store, found))
             named.notices += notes
         except ContextOverflow as exc:
@@ -212,7 +215,7 @@ class ChatSession:
             raise gen.error  # a server failed mid-reply: what came is kept and saved
         return TurnOutcome(gen, named.session.stats, gen.finish_reason == "context_full", calls)
 
-    def _log(self, gen: Generation, calls: list, message: str | None) -> None:
+    def _log(self, gen: Generation, calls: list[Any], message: str | None) -> None:
         """The turn's answer in the log of answers (a warning where it could not be written)."""
         from quipu.app.answer_log import log_answer
         from quipu.app.turns import TurnResult
@@ -244,7 +247,7 @@ class ChatSession:
                              f"room for {max(room, 0)} beside the system prompt; shorten it, or start the chat "
                              "with a larger --ctx")
 
-    def send(self, text: str, sink: ReplySink = SILENT) -> TurnOutcome:
+    def send(self, text: str, sink: ReplySink = SILENT, hooks: ToolHooks | None = None) -> TurnOutcome:
         if self._shape is not None:
             text = self._shape(text) or ""
         conv = self._named.conversation
@@ -259,7 +262,7 @@ class ChatSession:
                 self._named.warm(text)
             except ContextOverflow as exc:  # (the first message, with nothing before it to drop)
                 self._refuse_if_it_never_fits(text, exc)
-            outcome = self._turn(lambda **kw: conv.send(text, **kw), sink, message=text)
+            outcome = self._turn(lambda **kw: conv.send(text, **kw), sink, hooks, message=text)
         except UsageError as exc:  # it can never fit: what it carried is not left waiting for the next one
             if not self.attached:
                 raise
@@ -296,17 +299,17 @@ class ChatSession:
         self.attached, self._marks = [], ""
         return names
 
-    def retry(self, sink: ReplySink = SILENT) -> TurnOutcome:
-        return self._turn(self._named.conversation.retry, sink)
+    def retry(self, sink: ReplySink = SILENT, hooks: ToolHooks | None = None) -> TurnOutcome:
+        return self._turn(self._named.conversation.retry, sink, hooks)
 
-    def continue_reply(self, sink: ReplySink = SILENT) -> TurnOutcome:
+    def continue_reply(self, sink: ReplySink = SILENT, hooks: ToolHooks | None = None) -> TurnOutcome:
         """Goes on with the last reply: runs its calls where they wait (a loop stopped at its
         approval), else continues its text."""
         waiting = resume_pending(self._named.conversation)
         if waiting is not None:
-            return self._turn(lambda **kw: waiting, sink)
+            return self._turn(lambda **kw: waiting, sink, hooks)
         self.capabilities.require("continue", chat=True)
-        return self._turn(self._named.conversation.continue_reply, sink)
+        return self._turn(self._named.conversation.continue_reply, sink, hooks)
 
     def constrain(self, schema: str | None = None, grammar: str | None = None, regex: str | None = None) -> bool:
         """The next replies keep to a JSON Schema, a grammar file (GBNF, or Lark for .lark) or a

@@ -9,7 +9,7 @@ the session layer's `CHAT_API` capabilities and refused before anything is sent.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 from quipu.app.environment import Environment
 from quipu.app.turn_options import TurnOptions
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from quipu.engine.http import ServerSettings
 
 
-def request_params(opts: TurnOptions, env: Environment, saved: dict | None = None) -> dict:
+def request_params(opts: TurnOptions, env: Environment, saved: dict[str, Any] | None = None) -> dict[str, Any]:
     """The sampling parameters given (command line, then config, then a session's), under the
     names servers know; what is not given is left to the server."""
     given = {k: v for k, v in (saved or {}).items() if k in REQUEST_KEYS and v is not None}
@@ -68,7 +68,7 @@ class ChatApiHost:
     def close(self) -> None:
         self.client.close()
 
-    def models(self) -> list[dict]:
+    def models(self) -> list[dict[str, Any]]:
         return [{"name": m["id"], "owned_by": m.get("owned_by"), "url": self.settings.url}
                 for m in self.client.models()]
 
@@ -77,7 +77,7 @@ class ChatApiKeeper(NoCache):
     """A session's transcript on a chat API: the messages and the parameters given; no tokens
     or state (the server's context is not ours to keep)."""
 
-    def __init__(self, settings, session: ChatApiSession, saved_name: str | None = None):
+    def __init__(self, settings: ServerSettings, session: ChatApiSession, saved_name: str | None = None):
         self.url = settings.url
         self.session = session
         self._named = settings.model or (saved_name if isinstance(saved_name, str) else None)
@@ -87,17 +87,17 @@ class ChatApiKeeper(NoCache):
         """The name the server answered to, else the one asked for (or saved), else "?"."""
         return self.session.model or self._named or "?"
 
-    def fields(self, session: ChatApiSession) -> dict:
+    def fields(self, session: ChatApiSession) -> dict[str, Any]:
         return {"model": {"name": self.model_name, "url": self.url}, "params": dict(session.request),
                 "context": ContextSettings().state_key(), "tokens": [], "n_decoded": 0, "draws": 0,
                 "build": "server"}
 
-    def save(self, store: SessionStore, name: str, record: Transcript, session) -> list[str]:
+    def save(self, store: SessionStore, name: str, record: Transcript, session: ChatApiSession) -> list[str]:
         store.save(name, record, None)
         return []
 
 
-def list_remote_models(settings: ServerSettings) -> list[dict]:
+def list_remote_models(settings: ServerSettings) -> list[dict[str, Any]]:
     """The models a server lists (`quipu models list --url`)."""
     host = ChatApiHost(settings)
     try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from quipu.engine.base import ContextSettings
 from quipu.errors import BadInput, CapabilityError
@@ -11,10 +11,13 @@ from quipu.app.environment import Environment
 from quipu.app.placing import placement_notices
 from quipu.app.turn_options import TurnOptions, load_backend, offload
 
+if TYPE_CHECKING:
+    from quipu.engine.http import ServerSettings
+
 
 
 def embed_texts(texts: Sequence[str], opts: TurnOptions, env: Environment, *, pooling: str = "mean",
-                normalize: bool = False, on_notice: Callable[[str], None] | None = None) -> list[dict]:
+                normalize: bool = False, on_notice: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """[{"index", "text", "embedding"}] for each text, in order; on the server the options name, if any.
     `on_notice` hears what to say of where a local model runs (fewer layers fit on the GPU)."""
     if not texts:
@@ -52,7 +55,7 @@ def _embed_local(texts: list[str], opts: TurnOptions, env: Environment, pooling:
         backend.close()
 
 
-def _embed_remote(texts: list[str], opts: TurnOptions, settings, pooling: str) -> list[list[float]]:
+def _embed_remote(texts: list[str], opts: TurnOptions, settings: ServerSettings, pooling: str) -> list[list[float]]:
     from quipu.engine.chat_api import ChatApiModel
 
     if pooling != "mean" or opts.threads is not None:

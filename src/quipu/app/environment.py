@@ -50,7 +50,7 @@ class Environment:
 
     @property
     def max_state_bytes(self) -> int:
-        return self.config.sessions.get("max_state_bytes", DEFAULT_MAX_STATE_BYTES)
+        return int(self.config.sessions.get("max_state_bytes", DEFAULT_MAX_STATE_BYTES))
 
     @property
     def log_path(self) -> Path:
@@ -58,7 +58,7 @@ class Environment:
 
     @property
     def cache_max_bytes(self) -> int:
-        return self.config.cache.get("max_bytes", DEFAULT_CACHE_BYTES)
+        return int(self.config.cache.get("max_bytes", DEFAULT_CACHE_BYTES))
 
     def requested_model(self, requested: str | None) -> str | None:
         """The model name a command would use: `--model`, else QUIPU_MODEL, else the config's

@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
 RESULT_MAX = 1 << 20  # characters of a call's result sent back (the model is given far fewer)
@@ -56,7 +57,7 @@ def load(files: list[str]) -> tuple[list[dict[str, Any]], dict[tuple[int, str], 
     return told, functions
 
 
-def _import(given: Path, index: int):
+def _import(given: Path, index: int) -> ModuleType:
     """The file imported as a module registered under its own name (so that dataclasses and
     `from __future__ import annotations` find it), its folder first on the path."""
     file = given.expanduser().resolve()

@@ -43,7 +43,7 @@ class FunctionWorker:
         self.stopped = stopped  # asked while the import is waited for (a call has its own)
         self.on_output = on_output
         self.notices: list[str] = []  # what went wrong with the process, for the front end to say
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
         self._buffer = b""
         self._errors = b""
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from typing import Sequence
 
     from quipu.app.attachments import Attachment
+    from quipu.app.prompt_cache import CacheUse
     from quipu.store.store import SessionStore
     from quipu.store.transcript import Transcript
 
@@ -45,18 +46,18 @@ class Keeper(Protocol[S]):
 
     def wait(self) -> list[str]: ...
 
-    def fields(self, session: S) -> dict:
+    def fields(self, session: S) -> dict[str, Any]:
         """The transcript's fields that depend on the host: model, params, context, tokens,
         n_decoded, draws, build, served."""
 
     def save(self, store: "SessionStore", name: str, record: "Transcript", session: S) -> list[str]:
         """Writes the session (the transcript, and a state file where the host keeps one); notices."""
 
-    def warm(self, session: S, tokens: Callable[[], list[int]]):
+    def warm(self, session: S, tokens: Callable[[], list[int]]) -> CacheUse | None:
         """Before a new context's first turn: restores what the prompt cache holds of its
         prompt, `tokens()` (local models, unless --no-cache); the cache's use, or None."""
 
-    def remember(self, session: S, use) -> list[str]:
+    def remember(self, session: S, use: CacheUse | None) -> list[str]:
         """After a one-shot answer is out: keeps its prompt and answer in the prompt cache; notices."""
 
     def cached(self, session: S, tokens: list[int]) -> int:
@@ -112,24 +113,24 @@ class NoCache:
     def wait(self) -> list[str]:
         return []
 
-    def warm(self, session, tokens):
+    def warm(self, session: ModelSession, tokens: Callable[[], list[int]]) -> CacheUse | None:
         return None
 
-    def remember(self, session, use) -> list[str]:
+    def remember(self, session: ModelSession, use: CacheUse | None) -> list[str]:
         return []
 
-    def cached(self, session, tokens) -> int:
+    def cached(self, session: ModelSession, tokens: list[int]) -> int:
         return 0
 
     def model_for_new(self, opts: TurnOptions) -> str | None:
         return opts.model
 
-    def take_media(self, session, store, media) -> str:
+    def take_media(self, session: ModelSession, store: SessionStore | None, media: Sequence[Attachment]) -> str:
         from quipu.app.attachments import session_refusal
 
         raise session_refusal(media[0])
 
-    def trim_media(self, session, texts) -> list[str]:
+    def trim_media(self, session: ModelSession, texts: Sequence[str]) -> list[str]:
         return []
 
 

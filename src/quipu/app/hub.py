@@ -27,14 +27,25 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Protocol
 
 from quipu.errors import QuipuError, UsageError
 from quipu.models import is_projector
-from quipu.paths import private_dir
+from quipu.paths import Dirs, private_dir
 from quipu.shown import has_unsafe
-from quipu.store.pulled import PulledModel, PulledRecord
+from quipu.store.pulled import PulledModel as PulledModel  # (what a pull gives the CLI)
+from quipu.store.pulled import PulledRecord
 from quipu.store.store import atomic_write, flock_until
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfFileMetadata
+
+
+class Placed(Protocol):
+    """What the Hub's part reads of a command's `Environment`: where quipu keeps its files."""
+
+    @property
+    def dirs(self) -> Dirs: ...
 
 # A quantization tag as GGUF file names spell it: Q4_K_M, IQ4_XS, Q8_0, TQ1_0, BF16, F16, ...
 QUANT = re.compile(r"(?i)(?<![a-z0-9])(t?i?q\d(?:_[a-z0-9]+)*|mxfp4|bf16|fp16|f16|f32)(?![a-z0-9])")
@@ -158,7 +169,7 @@ def reach_hub() -> None:
     taken off, so that what it logs reaches the user through quipu (`--verbose`) alone."""
     import logging
 
-    from huggingface_hub.utils import get_session
+    from huggingface_hub import get_session
 
     log = logging.getLogger("huggingface_hub")
     log.handlers = [h for h in log.handlers if not (type(h) is logging.StreamHandler and h.formatter is None)]
@@ -171,10 +182,10 @@ class _HubErrors:
     def __init__(self, repo: str):
         self.repo = repo
 
-    def __enter__(self):
+    def __enter__(self) -> _HubErrors:
         return self
 
-    def __exit__(self, kind, exc, tb):
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> Literal[False]:
         if exc is None or isinstance(exc, (QuipuError, KeyboardInterrupt)):
             return False
         from huggingface_hub import errors
@@ -232,9 +243,10 @@ MAX_PAGES = 200  # pages a listing may take (the Hub's hold a thousand entries e
 MAX_PAGE_BYTES = 16 << 20  # the largest page of a listing (the Hub's are a few hundred KB)
 
 
-def _get_json(repo: str, url: str, params: dict | None, what: str) -> tuple[Any, str | None]:
+def _get_json(repo: str, url: str, params: dict[str, Any] | None, what: str) -> tuple[Any, str | None]:
     """(the JSON a Hub API answers at `url`, read within MAX_PAGE_BYTES, the next page's address)."""
-    from huggingface_hub.utils import build_hf_headers, get_session
+    from huggingface_hub import get_session
+    from huggingface_hub.utils._headers import build_hf_headers
 
     headers = build_hf_headers(token=os.environ.get("HF_TOKEN") or None)
     with get_session().stream("GET", url, params=params, headers=headers, timeout=60.0) as r:
@@ -277,13 +289,13 @@ def _head_commit(repo: str) -> str:
     return commit
 
 
-def _tree(repo: str, commit: str) -> list[dict]:
+def _tree(repo: str, commit: str) -> list[dict[str, Any]]:
     """Every entry of the repository's listing at `commit`, its pages followed and bounded: in
     number, in bytes each, in entries in all, and a page with nothing on it that points to
     another refused (a listing that pages forever)."""
     url: str | None = f"{endpoint()}/api/models/{repo}/tree/{commit}"
-    params: dict | None = {"recursive": "true"}
-    entries: list[dict] = []
+    params: dict[str, Any] | None = {"recursive": "true"}
+    entries: list[dict[str, Any]] = []
     pages = 0
     while url is not None:
         pages += 1
@@ -353,7 +365,7 @@ class Found:
     files: list[str] = field(default_factory=list)
     others: list[str] = field(default_factory=list)  # its other quantizations
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"repo": self.repo, "downloads": self.downloads, "quant": self.quant, "files": self.files,
                 "others": self.others}
 
@@ -402,7 +414,7 @@ def search(text: str, limit: int = 20) -> list[Found]:
 ProgressFn = Callable[[str, int, int], None]  # (file, bytes so far, bytes in all)
 
 
-def pull(ref: HubRef, env, *, on_plan: Callable[[PullPlan], None] | None = None,
+def pull(ref: HubRef, env: Placed, *, on_plan: Callable[[PullPlan], None] | None = None,
          on_progress: ProgressFn | None = None, on_wait: Callable[[str], None] | None = None) -> PulledModel:
     """Pulls `ref` into the Hugging Face cache (files already there are not fetched again) and
     records it; the model, with the path to load."""
@@ -446,7 +458,7 @@ def pull(ref: HubRef, env, *, on_plan: Callable[[PullPlan], None] | None = None,
     return model
 
 
-def repository_template(repo: str, path: Path, env) -> str | None:
+def repository_template(repo: str, path: Path, env: Placed) -> str | None:
     """The chat template a repository ships, as a file `--chat-template` takes: its
     `chat_template.jinja`, or the `chat_template` of its `tokenizer_config.json` written out."""
     if path.name.endswith(".jinja"):
@@ -552,10 +564,10 @@ def fetch(repo: str, f: HubFile, cache: Path, on_progress: ProgressFn | None, co
         refs = folder / "refs" / constants.DEFAULT_REVISION
         refs.parent.mkdir(parents=True, exist_ok=True)
         refs.write_text(meta.commit_hash)
-    return snapshot, blob, meta.commit_hash
+    return snapshot, blob, commit
 
 
-def _download(repo: str, f: HubFile, meta, partial: Path, size: int, on_progress: ProgressFn | None) -> None:
+def _download(repo: str, f: HubFile, meta: HfFileMetadata, partial: Path, size: int, on_progress: ProgressFn | None) -> None:
     """The file into `partial`, from where an earlier pull left it, checked against the Hub's checksum."""
     from huggingface_hub.file_download import http_get
 
@@ -567,7 +579,7 @@ def _download(repo: str, f: HubFile, meta, partial: Path, size: int, on_progress
         if have < size or size == 0:
             http_get(meta.location, out, resume_size=have, headers=_auth_for(meta.location),
                      expected_size=size, tqdm_class=_progress_class(f.path, on_progress, size, repo))
-    expected = f.sha256 or (meta.etag if re.fullmatch(r"[0-9a-f]{64}", meta.etag) else None)
+    expected = f.sha256 or (meta.etag if re.fullmatch(r"[0-9a-f]{64}", meta.etag or "") else None)
     if expected is not None and sha256_of(partial) != expected:
         partial.unlink()
         raise HubError(f"{f.path} of '{repo}' does not match the Hub's checksum; the download was removed, "
@@ -592,18 +604,18 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _progress_class(name: str, on_progress: ProgressFn | None, size: int = 0, repo: str = ""):
+def _progress_class(name: str, on_progress: ProgressFn | None, size: int = 0, repo: str = "") -> type:
     """A tqdm class for the client's download loop that hands its counts to `on_progress`, draws
     nothing, and stops a download that runs past the `size` the Hub said (before it is written:
     the client counts a chunk, then writes it)."""
-    from tqdm import tqdm  # type: ignore[import-untyped]  # (tqdm ships no types)
+    from tqdm import tqdm  # (tqdm ships no types: Any here, as pyproject.toml says)
 
     class Progress(tqdm):
-        def __init__(self, *args, **kwargs):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs.update(disable=False, file=open(os.devnull, "w"))
             super().__init__(*args, **kwargs)
 
-        def update(self, n=1):
+        def update(self, n: int = 1) -> None:
             super().update(n)
             if size and self.n > size:
                 raise HubError(f"{name} of '{repo}' is longer than the {size:,} bytes the Hub said; the download "
@@ -611,7 +623,7 @@ def _progress_class(name: str, on_progress: ProgressFn | None, size: int = 0, re
             if on_progress is not None:
                 on_progress(name, int(self.n), int(self.total or 0))
 
-        def close(self):
+        def close(self) -> None:
             file = self.fp
             super().close()
             file.close()
@@ -621,7 +633,7 @@ def _progress_class(name: str, on_progress: ProgressFn | None, size: int = 0, re
 
 # ---- what was pulled -----------------------------------------------------------------------------
 
-def pulled(ref: HubRef, env) -> PulledModel | None:
+def pulled(ref: HubRef, env: Placed) -> PulledModel | None:
     """The pulled model `ref` names, when its files are still in the cache."""
     model = PulledRecord(env.dirs.models).find(ref.repo, ref.quant)
     if model is None or not Path(model.path).is_file():
@@ -629,11 +641,11 @@ def pulled(ref: HubRef, env) -> PulledModel | None:
     return model
 
 
-def pulled_paths(env) -> set[str]:
+def pulled_paths(env: Placed) -> set[str]:
     return {m.path for m in PulledRecord(env.dirs.models).all().values()}
 
 
-def remove(name: str, env) -> PulledModel:
+def remove(name: str, env: Placed) -> PulledModel:
     """Removes a pulled model's files from the cache (a blob only when nothing else links to it)
     and from the record; a model quipu did not pull is refused."""
     record = PulledRecord(env.dirs.models)

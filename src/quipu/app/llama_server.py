@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import uuid
 import zlib
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 from quipu.app.environment import Environment
 from quipu.app.turn_options import TurnOptions, sampling_params, with_logit_biases
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from quipu.engine.llama_server import LlamaServerModel
 
 
-def open_llama_server(settings) -> "LlamaServerHost | None":
+def open_llama_server(settings: ServerSettings) -> "LlamaServerHost | None":
     """The server as a host driven by tokens when it is llama.cpp's llama-server, else None."""
     from quipu.engine.http import ServerClient
     from quipu.engine.llama_server import LlamaServerModel, llama_server_props
@@ -56,12 +56,12 @@ class LlamaServerHost:
 
     capabilities = LLAMA_SERVER
 
-    def __init__(self, served, url: str, settings: "ServerSettings | None" = None):
+    def __init__(self, served: LlamaServerModel, url: str, settings: "ServerSettings | None" = None):
         self.served, self.url = served, url
         self.settings = settings
         self._chat: "ChatApiHost | None" = None  # (its chat API, for a turn with media)
 
-    def _params(self, opts: TurnOptions, env: Environment, base=None):
+    def _params(self, opts: TurnOptions, env: Environment, base: SamplingParams | None = None) -> SamplingParams:
         return with_logit_biases(sampling_params(opts, env, base, self.capabilities), self.served, opts)
 
     def _open(self, params: SamplingParams, slot: "SlotFile | None") -> tuple[LlamaServerSession, "LlamaServerKeeper"]:
@@ -113,12 +113,12 @@ class LlamaServerHost:
 class LlamaServerKeeper(NoCache):
     """A session's exact tokens on llama-server, and its slot file."""
 
-    def __init__(self, served, url: str, slot: "SlotFile | None", notices: list[str]):
+    def __init__(self, served: LlamaServerModel, url: str, slot: "SlotFile | None", notices: list[str]):
         self.served, self.url, self.slot = served, url, slot
         self.model_name = served.name
         self.notices = notices  # (what the session's held slot says, shared with it)
 
-    def fields(self, session: LlamaServerSession) -> dict:
+    def fields(self, session: LlamaServerSession) -> dict[str, Any]:
         where = {"name": self.model_name, "url": self.url}
         if self.slot is not None and self.slot.filename:
             where["slot_file"] = self.slot.filename
@@ -130,7 +130,7 @@ class LlamaServerKeeper(NoCache):
                        "marks": [list(m) for m in session.marks]},
         }
 
-    def save(self, store: SessionStore, name: str, record: Transcript, session) -> list[str]:
+    def save(self, store: SessionStore, name: str, record: Transcript, session: LlamaServerSession) -> list[str]:
         store.save(name, record, None)
         out, self.notices[:] = list(self.notices), []
         return out
@@ -153,7 +153,7 @@ class SlotFile:
         self.slot = -1
         self.why_not = ""
         self.saved = 0
-        self.left: tuple | None = None  # how the slot looked after the last save
+        self.left: tuple[Any, ...] | None = None  # how the slot looked after the last save
 
     def before(self, served: "LlamaServerModel") -> int:
         """Restores the session's file into its slot; the slot to use (-1: the server has none)."""
@@ -207,7 +207,7 @@ class SlotFile:
         return notices
 
 
-def slot_file_of(record) -> str | None:
+def slot_file_of(record: Transcript | None) -> str | None:
     """The llama-server slot file a session's transcript names, if it is one quipu made."""
     name = record.model.get("slot_file") if record is not None else None
     return name if isinstance(name, str) and re.fullmatch(r"quipu-[0-9a-f]{32}\.bin", name) else None
@@ -218,7 +218,7 @@ class HeldSlot:
     """A session's slot on llama-server, kept in a slot file between turns (see SlotFile): the
     session layer's `SlotHolder`."""
 
-    def __init__(self, served, slot_file: SlotFile, notices: list[str]):
+    def __init__(self, served: LlamaServerModel, slot_file: SlotFile, notices: list[str]):
         self.served, self.slot_file, self.notices = served, slot_file, notices
 
     def before(self) -> int:

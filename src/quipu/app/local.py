@@ -54,7 +54,7 @@ from quipu.store.store import KEEP_STATE, MEDIA_FOLDER, SessionStore
 from quipu.store.transcript import Transcript
 
 
-def state_key(session: InferenceSession) -> tuple:
+def state_key(session: InferenceSession) -> tuple[Any, ...]:
     """What a state file's bytes depend on: the decoded tokens and the context settings."""
     key = session.backend.context.state_key()
     return (session.n_decoded, tokens_digest(session.tokens[: session.n_decoded]), tuple(sorted(key.items())))
@@ -300,7 +300,7 @@ class LocalHost:
         )
 
     @staticmethod
-    def _attach_state(store: SessionStore, name: str, snap: Snapshot, backend, model_fp: str,
+    def _attach_state(store: SessionStore, name: str, snap: Snapshot, backend: Backend, model_fp: str,
                       keeper: "LocalKeeper") -> str | None:
         """Puts the verified KV bytes into `snap`; returns why not, if they cannot be used."""
         blob, why = store.load_state(name)
@@ -350,19 +350,19 @@ class LocalKeeper:
     max_state_bytes: int = DEFAULT_MAX_STATE_BYTES
     # What the state file on disk holds (decoded tokens and context settings), when it is
     # known to be current: a save with nothing new in the context leaves the file alone.
-    saved_state: tuple | None = None
+    saved_state: tuple[Any, ...] | None = None
     chain: Chain | None = None  # what the state file and its log hold, when known
     verbose: bool = False
     cache: PromptCache | None = None  # the prompt cache this run uses (None: --no-cache)
     background: bool = False  # (a chat's: the state written while the user types)
-    media: dict[str, dict] = field(default_factory=dict)  # what the transcript says of each medium, by SHA-256
+    media: dict[str, dict[str, Any]] = field(default_factory=dict)  # what the transcript says of each medium, by SHA-256
     # The projector the session was given (--mmproj), kept for the media it is given later.
     projector: str | None = None
     checked: Path | None = None  # the marks of projectors checked before (`with_projector`)
     _writer: threading.Thread | None = None
     _failed: str | None = None
 
-    def fields(self, session: InferenceSession) -> dict:
+    def fields(self, session: InferenceSession) -> dict[str, Any]:
         loaded = session.backend.projector_path
         projector = str(loaded.resolve()) if loaded is not None else self.projector
         return {
@@ -437,7 +437,7 @@ class LocalKeeper:
         return [failed] if failed else []
 
     def _whole(self, store: SessionStore, name: str, record: Transcript, session: InferenceSession,
-               key: tuple) -> Callable[[], None]:
+               key: tuple[Any, ...]) -> Callable[[], None]:
         """The state saved whole (a new state file; the log after the old one goes), to write."""
         nonce = secrets.token_hex(8)
         meta = {
@@ -460,7 +460,7 @@ class LocalKeeper:
 
         return write
 
-    def _piece(self, store: SessionStore, name: str, session: InferenceSession, key: tuple,
+    def _piece(self, store: SessionStore, name: str, session: InferenceSession, key: tuple[Any, ...],
                low_water: int) -> tuple[Callable[[], None] | None, str | None]:
         """Only the cells the context gained since the last save (the context has held no fewer
         than `low_water` tokens since), as a piece of the state log, to write; or None and why it

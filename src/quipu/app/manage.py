@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from quipu.app.environment import Environment
@@ -50,18 +51,19 @@ def transcript(env: Environment, name: str) -> dict[str, Any]:
     }
 
 
-def _readable(message: dict, media: list[dict]) -> dict:
+def _readable(message: dict[str, Any], media: list[dict[str, Any]]) -> dict[str, Any]:
     """A message as people read it: a reply's reasoning beside its answer, markup and tokens
     aside, each medium in it as `[image: NAME]` (and named in `media`)."""
-    out = {k: message[k] for k in ("role", "content", "tool_calls", "tool_call_id", "name") if k in message}
+    out: dict[str, Any] = {k: message[k] for k in ("role", "content", "tool_calls", "tool_call_id", "name")
+                           if k in message}
     if isinstance(message.get("reasoning"), str) and message["reasoning"].strip():
         out["reasoning"] = message["reasoning"].strip()
     held = []
 
-    def shown(found) -> str:
+    def shown(found: re.Match[str]) -> str:
         k = int(found.group(1))
         if k >= len(media):
-            return found.group(0)
+            return str(found.group(0))
         held.append(media[k])
         after = out["content"][found.end():found.end() + 1]
         return f"[{media[k]['kind']}: {media[k]['name']}]" + ("\n" if after and after != "\n" else "")
@@ -72,7 +74,7 @@ def _readable(message: dict, media: list[dict]) -> dict:
     return out
 
 
-def spelled_calls(message: dict) -> list[str]:
+def spelled_calls(message: dict[str, Any]) -> list[str]:
     """An assistant message's calls as `name({"arguments"})`, one a line."""
     from quipu.sessions.toolspec import spell_call
 

@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from quipu.app.user_files import read_json_file
 from quipu.app.tooldefs import Runner, Tool, ToolFailure, ToolOutput, never
@@ -77,7 +77,7 @@ class McpServer:
         self.definition = definition
         self.timeout = definition.get("timeout", 60.0)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[Any] | None = None
         self._session: "ClientSession | None" = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
@@ -217,7 +217,7 @@ class McpServer:
         self._errlog.close()
 
 
-def start_servers(names, config_servers: dict[str, dict[str, Any]], config_file: str | None,
+def start_servers(names: Sequence[str], config_servers: dict[str, dict[str, Any]], config_file: str | None,
                   stopped: Callable[[], bool] = never) -> list[McpServer]:
     """The servers named, started (those already started are closed if one fails)."""
     known = dict(config_servers)
@@ -239,7 +239,7 @@ def start_servers(names, config_servers: dict[str, dict[str, Any]], config_file:
     return started
 
 
-def part_text(part) -> tuple[str, bytes | None]:
+def part_text(part: Any) -> tuple[str, bytes | None]:  # (a part of an MCP tool result)
     """A part of a tool's result as the model is given it, and its bytes where it is an image or
     a recording: text as it is; an image, a recording or a binary resource as a short note of
     what it is (`[image: PNG, 1.2 KB]`), never its base64 bytes; anything else as its JSON."""

@@ -1,16 +1,131 @@
-"""Which options work where, in one table: what each mode of a command (a one-shot run, a run
-that goes on from a messages file, a session's turn, a chat, a batch) refuses, and, for what a
-host cannot do, its `Capabilities` (`sessions/base.py`). Both are refused before anything is
-loaded or sent, in one wording: "X cannot be used with Y". What the options ask for, by the
-same features, is `TurnOptions.asked` (`turn_options.py`): the table here sees names only."""
+"""Which options work where, in one table: every option of `run` and `chat` (`OPTIONS`), by the
+feature it asks for; what each mode of a command (a one-shot run, a run that goes on from a
+messages file, a session's turn, a chat, a batch) refuses, by feature; and, for what a host
+cannot do, its `Capabilities` (`sessions/base.py`, by the same features). Both are refused
+before anything is loaded or sent, in one wording: "X cannot be used with Y". What a command's
+options ask for is `asked_of`, read from this table."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from quipu.errors import UsageError
 from quipu.sessions.base import FEATURES, Capabilities, refusal_words
+
+if TYPE_CHECKING:
+    from quipu.app.turn_options import TurnOptions
+
+
+@dataclass(frozen=True)
+class Option:
+    """An option of `run` or `chat`: how a refusal spells it, the feature it asks for (a mode's
+    or a host's to refuse; None: every mode and host takes it), and whether the options give it
+    (None: a command's own, which the command says it was given: `check_options(own=...)`)."""
+
+    spelled: str
+    feature: str | None = None
+    given: Callable[[TurnOptions], bool] | None = None
+
+
+def _set(name: str) -> Callable[[TurnOptions], bool]:
+    """Given: the option's field holds a value (a flag set, a list not empty; 0 is a value)."""
+    def given(o: TurnOptions) -> bool:
+        value = getattr(o, name)
+        return value is not None and value is not False and value != ()
+
+    return given
+
+
+# Every option of `run` and `chat`, by its parameter's name (tests/test_cli_fast.py holds the
+# table to the commands' parameters). Options of the same feature are refused together.
+OPTIONS: dict[str, Option] = {
+    # What the reply is to: each command's own.
+    "prompt": Option("a prompt"),
+    "model": Option("--model"),
+    "role": Option("--role"),
+    "url": Option("a server (--url, QUIPU_URL or the config's [remote] url)", "server", _set("server")),
+    "session": Option("--session", "session", _set("session")),
+    "resume": Option("--resume"),
+    "continue_reply": Option("--continue", "continue", _set("continue_reply")),
+    "messages": Option("--messages", "messages", _set("messages")),
+    "follow_up": Option("--follow-up", "follow_up", _set("follow_up")),
+    "cid": Option("--cid", "follow_up", _set("cid")),
+    "raw": Option("--raw", "raw", _set("raw")),
+    "system": Option("--system", "system", lambda o: bool(o.system)),
+    "chat_template": Option("--chat-template", "chat_template", _set("chat_template")),
+    "attach": Option("--attach", "attach", _set("attach")),
+    "mmproj": Option("--mmproj", "attach", _set("mmproj")),
+    "batch": Option("--batch"),
+    "parallel": Option("--parallel"),
+    # Sampling: every mode and host takes them.
+    "temperature": Option("--temperature"),
+    "top_k": Option("--top-k"),
+    "top_p": Option("--top-p"),
+    "min_p": Option("--min-p"),
+    "repeat_penalty": Option("--repeat-penalty"),
+    "seed": Option("--seed"),
+    "max_tokens": Option("--max-tokens"),
+    "stop": Option("--stop"),
+    "logit_bias": Option("--logit-bias", "logit_bias", _set("logit_bias")),
+    "schema": Option("--schema", "grammar", _set("schema")),
+    "grammar": Option("--grammar", "grammar", _set("grammar")),
+    "regex": Option("--regex", "grammar", _set("regex")),
+    # Reasoning.
+    "think": Option("--think/--no-think", "think", lambda o: o.think is not None),
+    "reasoning_effort": Option("--reasoning-effort", "think", _set("reasoning_effort")),
+    "reasoning_budget": Option("--reasoning-budget", "reasoning_budget", _set("reasoning_budget")),
+    # Tools.
+    "functions": Option("--functions", "tools", _set("functions")),
+    "tools_file": Option("--tools", "tools", _set("tools_file")),
+    "mcp": Option("--mcp", "tools", _set("mcp")),
+    "mcp_config": Option("--mcp-config", "tools", _set("mcp_config")),
+    "yes": Option("--yes", "tools", _set("yes")),
+    "chain_limit": Option("--chain-limit", "tools", _set("chain_limit")),
+    "tool_timeout": Option("--tool-timeout", "tools", _set("tool_timeout")),
+    "tool_output_max": Option("--tool-output-max", "tools", _set("tool_output_max")),
+    "tool_choice": Option("--tool-choice", "tool_choice", _set("tool_choice")),
+    "tool_results": Option("--tool-result", "tool_results", _set("tool_results")),
+    # The context and where the model runs: a local model's.
+    "ctx": Option("--ctx", "context_settings", _set("ctx")),
+    "threads": Option("--threads", "context_settings", _set("threads")),
+    "kv_type": Option("--kv-type", "context_settings", _set("kv_type")),
+    "flash_attn": Option("--flash-attn", "context_settings", _set("flash_attn")),
+    "swa_full": Option("--swa-full", "context_settings", _set("swa_full")),
+    "gpu_layers": Option("--gpu-layers", "context_settings", _set("gpu_layers")),
+    "gpu_memory": Option("--gpu-memory", "context_settings", _set("gpu_memory")),
+    "device": Option("--device", "context_settings", _set("device")),
+    # What is kept: a run without the prompt cache (nothing to leave out where there is none),
+    # an answer left out of the log.
+    "no_cache": Option("--no-cache"),
+    "no_log": Option("--no-log"),
+    # What is shown: each command's own.
+    "show": Option("--show-prompt", "show_prompt"),
+    "as_json": Option("--json"),
+    "stats": Option("--stats", "shown"),
+    "quiet": Option("--quiet", "shown"),
+    "tools_debug": Option("--tools-debug", "shown"),
+    "verbose": Option("--verbose"),
+    "markdown": Option("--markdown"),
+    "hide_thinking": Option("--hide-thinking"),
+}
+
+
+def mode_of(opts: TurnOptions) -> Mode:
+    """The mode of a `quipu run` turn."""
+    if opts.messages is not None:
+        return FROM_MESSAGES
+    return SESSION if opts.session is not None else ONE_SHOT
+
+
+def asked_of(opts: TurnOptions, own: Iterable[str] = ()) -> dict[str, list[str]]:
+    """The options `opts` gives, and the command's `own` given (by name), by the feature a mode
+    or a host may refuse, spelled."""
+    out: dict[str, list[str]] = {}
+    for name, option in OPTIONS.items():
+        if option.feature is not None and (name in own or (option.given is not None and option.given(opts))):
+            out.setdefault(option.feature, []).append(option.spelled)
+    return out
 
 @dataclass(frozen=True)
 class Mode:
@@ -34,18 +149,11 @@ BATCH = Mode("--batch (each row is answered in one reply, on a local model)",
                         "reasoning_budget", "show_prompt", "server", "follow_up", "shown"}))
 
 
-def check_options(asked: Mapping[str, Sequence[str]], mode: Mode, host: Capabilities | None = None, *,
-                  show: bool = False, shown: Sequence[str] = ()) -> None:
-    """Refuses, before anything is sent or loaded, what was asked (`TurnOptions.asked`: the
-    options given, by feature) that the mode or the host (when it is known) cannot do: the
-    mode's refusal names every option it refuses that was given. `shown`: the command's own
-    options of what a reply shows on stderr (--stats, --quiet, --tools-debug), which a batch,
-    one JSON line a row, has none of."""
+def check_options(asked: Mapping[str, Sequence[str]], mode: Mode, host: Capabilities | None = None) -> None:
+    """Refuses, before anything is sent or loaded, what was asked (`asked_of`: the options
+    given, by feature) that the mode or the host (when it is known) cannot do: the mode's
+    refusal names every option it refuses that was given."""
     given = dict(asked)
-    if show:
-        given["show_prompt"] = ["--show-prompt"]
-    if shown:
-        given["shown"] = list(shown)
     for refusing in (mode, RAW) if given.get("raw") else (mode,):
         refused = [name for feature, names in given.items() if feature in refusing.refuses for name in names]
         if refused:

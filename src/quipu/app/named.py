@@ -4,6 +4,7 @@ messages alone) is the host's `Keeper`."""
 
 from __future__ import annotations
 
+from typing import Any
 from dataclasses import dataclass, field
 
 from quipu import __version__
@@ -34,7 +35,7 @@ class NamedSession:
     store: SessionStore
     name: str
     conversation: Conversation
-    keeper: Keeper
+    keeper: Keeper[Any]
     created: str
     notices: list[str] = field(default_factory=list)
     chat_template: str | None = None  # the user's template, remembered by the session

@@ -6,7 +6,7 @@ its SHA-256 (`canonical`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from quipu.app.environment import Environment
 from quipu.engine.base import MEDIA_BASE, MEDIA_SPAN
@@ -19,13 +19,13 @@ from quipu.store.cache import MIN_TOKENS, PromptCache
 @dataclass
 class CacheUse:
     cache: PromptCache
-    key: dict
+    key: dict[str, Any]
     tokens: list[int]  # as the cache keeps them (`canonical`)
     reused: int
     held: int = 0  # how much of the prompt the cache held (reused: to where a prefill step starts)
 
 
-def cache_key(session: InferenceSession, model_fp: str) -> dict:
+def cache_key(session: InferenceSession, model_fp: str) -> dict[str, Any]:
     """What a cache entry's state bytes are valid under: the model (`model_fp`, its fingerprint),
     the native build, the context."""
     backend = session.backend

@@ -125,7 +125,7 @@ def role(env: Environment, name: str) -> Role:
 def with_role(opts: TurnOptions, env: Environment, mode: "Mode | None" = None) -> tuple[TurnOptions, Role | None]:
     """The options with `--role`'s values where the command line gave none; an option of the
     role that the command's mode (the options' own by default) refuses is said in one line."""
-    from quipu.app.modes import check_options
+    from quipu.app.modes import asked_of, check_options, mode_of
 
     if opts.role is None:
         return opts, None
@@ -134,8 +134,8 @@ def with_role(opts: TurnOptions, env: Environment, mode: "Mode | None" = None) -
     given = {k: v for k, v in found.values.items() if k != "prompt" and getattr(opts, k) == unset[k]}
     merged = dataclasses.replace(opts, **given)
     try:
-        check_options(TurnOptions(**{k: v for k, v in found.values.items() if k not in ("prompt", "model")}).asked,
-                      mode or merged.mode)
+        check_options(asked_of(TurnOptions(**{k: v for k, v in found.values.items() if k not in ("prompt", "model")})),
+                      mode or mode_of(merged))
     except UsageError as exc:
         raise UsageError(f"role '{found.name}' ({found.source}): {exc}") from None
     return merged, found

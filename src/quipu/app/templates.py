@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from quipu.errors import TemplateError
 from quipu.sessions.template import ChatTemplate
+
+if TYPE_CHECKING:
+    from quipu.app.environment import Environment
 
 
 def template_features(source: str | None) -> dict[str, bool | str]:
@@ -16,11 +22,9 @@ def template_features(source: str | None) -> dict[str, bool | str]:
     return {"fallback": template.is_fallback, **template.features()}
 
 
-def repository_template(env, path, own: str | None) -> str | None:
+def repository_template(env: Environment, path: Path, own: str | None) -> str | None:
     """The chat template file the repository of a pulled model ships, when it says something
     else than the GGUF's own (a fix made after the file was converted); None otherwise."""
-    from pathlib import Path
-
     from quipu.store.pulled import PulledRecord
 
     for model in PulledRecord(env.dirs.models).all().values():

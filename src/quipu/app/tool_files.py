@@ -19,9 +19,13 @@ from quipu.app.tooldefs import Tool
 from quipu.errors import UsageError
 from quipu.sessions.toolspec import ToolSpec
 
+if typing.TYPE_CHECKING:
+    from quipu.app.attachments import Attachment
+    from quipu.sessions.base import Message
+
 # ---- the schemas of a Python file's functions (read in the process that runs them) ---------------
 
-def hints_of(fn: Callable) -> dict[str, Any]:
+def hints_of(fn: Callable[..., Any]) -> dict[str, Any]:
     """A function's type hints, resolved; {} where one does not resolve (its parameters are then
     taken as untyped)."""
     try:
@@ -30,7 +34,7 @@ def hints_of(fn: Callable) -> dict[str, Any]:
         return {}
 
 
-def parameters_schema(fn: Callable) -> tuple[dict[str, Any], list[str]]:
+def parameters_schema(fn: Callable[..., Any]) -> tuple[dict[str, Any], list[str]]:
     """The JSON Schema of a function's parameters, from its type hints and defaults; and the
     parameters that have no hint (taken as strings). A dataclass or TypedDict that holds
     itself, at any depth, is written once in `$defs` and referred to."""
@@ -220,7 +224,7 @@ def check_tool_schemas(tools: Iterable[Tool]) -> None:
 
 # ---- a conversation from a file -----------------------------------------------------------------
 
-def messages_from_file(path: str, media: list | None = None):
+def messages_from_file(path: str, media: list[Attachment] | None = None) -> list[Message]:
     """An OpenAI-style message list (`[{"role", "content", "tool_calls"?, "tool_call_id"?}]`, or
     `{"messages": [...]}`) as the conversation's messages, each field checked: a one-line error
     names the place (`messages[3].content[0].text is a number, not text`). With `media`, a
@@ -260,7 +264,7 @@ def media_placeholder(n: int) -> str:
     return f"\ue004{n}\ue005"
 
 
-def _content(content: Any, where: str, file: Path, media: list | None = None) -> str:
+def _content(content: Any, where: str, file: Path, media: list[Any] | None = None) -> str:
     """A message's content: text, or a list of parts (text joined; media, with `media`, read
     there: see `messages_from_file`)."""
     if content is None:
@@ -289,7 +293,7 @@ def _content(content: Any, where: str, file: Path, media: list | None = None) ->
     return "".join(t for t in texts if t)
 
 
-def _medium(part: dict, kind_of: str, where: str, file: Path):
+def _medium(part: dict[str, Any], kind_of: str, where: str, file: Path) -> Attachment:
     """An image or a recording of a messages file: a data URL's bytes, base64 ones, or what an
     http(s) URL serves."""
     import base64

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from quipu.app.attachments import Attachment
 from quipu.app.user_files import read_text_file
@@ -20,7 +20,11 @@ from quipu.engine.base import defuse
 from quipu.errors import Interrupted, QuipuError, UsageError
 from quipu.sessions.base import SILENT, Generation, ReplySink
 from quipu.sessions.conversation import Conversation
-from quipu.sessions.toolspec import ToolCall, ToolSpec
+from quipu.sessions.toolspec import ToolCall as ToolCall  # (what the CLI's hooks are given)
+from quipu.sessions.toolspec import ToolSpec
+
+if TYPE_CHECKING:
+    from quipu.app.environment import Environment
 
 DEFAULT_CHAIN_LIMIT = 5
 DEFAULT_OUTPUT_MAX = 8000  # characters of a tool's result the model is given
@@ -287,7 +291,7 @@ class OpenTools:
         return out
 
 
-def open_tools(opts: ToolOptions, env=None, *, constrained: bool = False, stopped: Callable[[], bool] = never,
+def open_tools(opts: ToolOptions, env: Environment | None = None, *, constrained: bool = False, stopped: Callable[[], bool] = never,
                on_output: Callable[[str], None] | None = None) -> OpenTools | None:
     """The tools the options give (None when they give none), each checked; the functions files'
     process and MCP servers are started (close the result to stop them). `constrained`: the

@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
-from quipu.engine.base import (CTX_AUTO, AUTO, Backend, ContextSettings, Offload, check_context_bounds, parse_ctx,
+from quipu.engine.base import (CTX_AUTO, AUTO, ContextSettings, Offload, check_context_bounds, parse_ctx,
                                parse_layers, parse_size)
 from quipu.errors import TemplateError, UsageError
 from quipu.sessions.base import LOCAL, Capabilities
@@ -19,10 +19,10 @@ from quipu.sessions.stops import read_escapes
 from quipu.sessions.template import ChatTemplate
 
 from quipu.app.environment import DEFAULT_MAX_TOKENS, GPU_ENVIRON, SAMPLING_TYPES, Environment
-from quipu.app.modes import FROM_MESSAGES, ONE_SHOT, SESSION, Mode
 from quipu.app.user_files import read_text_file
 
 if TYPE_CHECKING:
+    from quipu.engine.grammar import Grammar
     from quipu.engine.http import ServerSettings
     from quipu.engine.llama import LlamaBackend
     from quipu.engine.model import LlamaModel
@@ -106,56 +106,9 @@ class TurnOptions(ToolOptions):
     def tool_options(self) -> ToolOptions:
         return ToolOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ToolOptions)})
 
-    @property
-    def asked(self) -> dict[str, list[str]]:
-        """The options given, by the feature a mode or a host may refuse (`modes.py`), spelled."""
-        return {feature: [name for name, given in options if given(self)] for feature, options in ASKED.items()}
-
-    @property
-    def mode(self) -> Mode:
-        """The mode of a `quipu run` turn."""
-        if self.messages is not None:
-            return FROM_MESSAGES
-        return SESSION if self.session is not None else ONE_SHOT
-
-    def sampling(self) -> dict:
+    def sampling(self) -> dict[str, Any]:
         """The sampling parameters given on the command line."""
         return {k: getattr(self, k) for k in SAMPLING_TYPES if getattr(self, k, None) is not None}
-
-
-# Each option a mode or a host may refuse, by feature (a feature of `sessions.base.FEATURES` is
-# what a host may lack): its spelling, and whether the options give it.
-ASKED: dict[str, tuple[tuple[str, Callable[[TurnOptions], bool]], ...]] = {
-    "continue": (("--continue", lambda o: o.continue_reply),),
-    "raw": (("--raw", lambda o: o.raw),),
-    "system": (("--system", lambda o: bool(o.system)),),
-    "grammar": (("--schema", lambda o: o.schema is not None), ("--grammar", lambda o: o.grammar is not None),
-                ("--regex", lambda o: o.regex is not None)),
-    "logit_bias": (("--logit-bias", lambda o: bool(o.logit_bias)),),
-    "chat_template": (("--chat-template", lambda o: o.chat_template is not None),),
-    "think": (("--think/--no-think", lambda o: o.think is not None),
-              ("--reasoning-effort", lambda o: o.reasoning_effort is not None)),
-    "reasoning_budget": (("--reasoning-budget", lambda o: o.reasoning_budget is not None),),
-    "tools": (("--functions", lambda o: bool(o.functions)), ("--tools", lambda o: o.tools_file is not None),
-              ("--mcp", lambda o: bool(o.mcp)), ("--mcp-config", lambda o: o.mcp_config is not None),
-              ("--yes", lambda o: o.yes), ("--chain-limit", lambda o: o.chain_limit is not None),
-              ("--tool-timeout", lambda o: o.tool_timeout is not None),
-              ("--tool-output-max", lambda o: o.tool_output_max is not None)),
-    "tool_choice": (("--tool-choice", lambda o: o.tool_choice is not None),),
-    "tool_results": (("--tool-result", lambda o: bool(o.tool_results)),),
-    "context_settings": (("--ctx", lambda o: o.ctx is not None), ("--threads", lambda o: o.threads is not None),
-                         ("--kv-type", lambda o: o.kv_type is not None),
-                         ("--flash-attn", lambda o: o.flash_attn is not None),
-                         ("--swa-full", lambda o: o.swa_full),
-                         ("--gpu-layers", lambda o: o.gpu_layers is not None),
-                         ("--gpu-memory", lambda o: o.gpu_memory is not None),
-                         ("--device", lambda o: o.device is not None)),
-    "session": (("--session", lambda o: o.session is not None),),
-    "follow_up": (("--follow-up", lambda o: o.follow_up), ("--cid", lambda o: o.cid is not None)),
-    "attach": (("--attach", lambda o: bool(o.attach)), ("--mmproj", lambda o: o.mmproj is not None)),
-    "messages": (("--messages", lambda o: o.messages is not None),),
-    "server": (("a server (--url, QUIPU_URL or the config's [remote] url)", lambda o: o.server is not None),),
-}
 
 
 def check_positive(name: str, value: int | None) -> None:
@@ -181,7 +134,7 @@ def sampling_params(opts: TurnOptions, env: Environment, base: SamplingParams | 
 OFF = "off"
 
 
-def grammar_of(opts: TurnOptions, own_grammar: bool = False):
+def grammar_of(opts: TurnOptions, own_grammar: bool = False) -> Grammar | None:
     """The grammar (`engine.grammar.Grammar`) that --schema, --grammar or --regex asks for,
     checked (None when none does); a GBNF grammar by its depth alone for a host that keeps
     replies to it with its `own_grammar` engine."""
@@ -233,7 +186,16 @@ def parse_logit_bias(specs: Sequence[str]) -> list[tuple[str, float]]:
     return pairs
 
 
-def logit_biases(backend: Backend, specs: Sequence[str]) -> tuple[tuple[int, float], ...]:
+class Vocabulary(Protocol):
+    """What --logit-bias reads of a model: its vocabulary's size and its tokenizer."""
+
+    @property
+    def n_vocab(self) -> int: ...
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
+
+
+def logit_biases(backend: Vocabulary, specs: Sequence[str]) -> tuple[tuple[int, float], ...]:
     """--logit-bias with each TOKEN made a token id: an id, or a text the model spells as one token."""
     out = []
     for token, bias in parse_logit_bias(specs):
@@ -251,7 +213,7 @@ def logit_biases(backend: Backend, specs: Sequence[str]) -> tuple[tuple[int, flo
     return tuple(out)
 
 
-def with_logit_biases(params: SamplingParams, backend: Backend, opts: TurnOptions) -> SamplingParams:
+def with_logit_biases(params: SamplingParams, backend: Vocabulary, opts: TurnOptions) -> SamplingParams:
     """`params` with --logit-bias made token ids for `backend`'s model (checked before it loaded)."""
     if not opts.logit_bias:
         return params

@@ -8,26 +8,28 @@ import json
 
 from contextlib import closing
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Any, TYPE_CHECKING, Callable, Sequence
 
 from quipu.app.environment import Environment
 from quipu.app.turn_options import (TurnOptions, chat_template_source, max_tokens, stop_strings, system_prompt,
                                      template_variables)
 from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost
-from quipu.app.modes import check_options
+from quipu.app.modes import asked_of, check_options, mode_of
 from quipu.app.named import FOLD_NOTICE, NO_TEMPLATE_NOTICE, NamedSession, store_for
 from quipu.app.tools import (ToolHooks, OpenTools, answer_pending, follow_calls, offer, resume_pending, skip_pending,
                               open_tools)
 from quipu.engine.base import MEDIA_MARK, defuse
 from quipu.errors import BadInput, ContextOverflow, UsageError
-from quipu.sessions.base import LOCAL, SILENT, Capabilities, Generation, ReplySink, Stats, common_prefix
+from quipu.sessions.base import LOCAL, SILENT, Capabilities, Generation, ModelSession, Stats, common_prefix
+from quipu.sessions.base import ReplySink as ReplySink  # (the CLI's sinks are made of it)
 from quipu.sessions.conversation import Conversation, Message
 from quipu.store.store import validate_name
 
 if TYPE_CHECKING:
     from quipu.app.attachments import Attachment
     from quipu.app.answer_log import Followed
+    from quipu.engine.grammar import Grammar
 
 
 @dataclass
@@ -42,7 +44,7 @@ class TurnResult:
     reasoning: str = ""
     failure: Exception | None = None  # a server failing mid-reply: raised once the result is out
     constrained_by: str | None = None  # which engine kept the reply to a grammar (said under --verbose)
-    tool_calls: list = field(default_factory=list)  # app.tools.CallRecord: the calls run, then those left to run
+    tool_calls: list[Any] = field(default_factory=list)  # app.tools.CallRecord: the calls run, then those left to run
     # A reply under a grammar cut (by the token limit or a full context) before the grammar was
     # done: its text will not parse.
     incomplete: bool = False
@@ -50,15 +52,15 @@ class TurnResult:
     system: str | None = None  # the system prompt the answer was given, as the log keeps it
 
     @classmethod
-    def of(cls, gen: Generation, model: str, session, name: str | None, notices: list[str] | None = None,
-           fingerprint: str | None = None, system: str | None = None):
+    def of(cls, gen: Generation, model: str, session: ModelSession, name: str | None, notices: list[str] | None = None,
+           fingerprint: str | None = None, system: str | None = None) -> TurnResult:
         answer = gen.text if gen.answer is None else gen.answer
         return cls(answer, gen.finish_reason, model, session.params.seed, name, session.stats, list(notices or []),
                    gen.reasoning, gen.error, constrained_by(session.params.grammar, session.capabilities),
                    incomplete=cut_short(session.params.grammar, gen.finish_reason, answer), fingerprint=fingerprint,
                    system=system)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "text": self.text,
             "reasoning": self.reasoning or None,
@@ -74,7 +76,7 @@ class TurnResult:
         }
 
 
-def cut_short(grammar, finish_reason: str, text: str) -> bool:
+def cut_short(grammar: Grammar | None, finish_reason: str, text: str) -> bool:
     """Whether a reply under `grammar` (None: none) was cut, by the token limit or a full
     context, before the grammar was done: for a schema, JSON that does not parse (a reply under
     any other grammar that was cut is taken for unfinished)."""
@@ -99,7 +101,7 @@ class PromptView:
     model: str
     session: str | None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"text": self.text, "tokens": self.tokens, "reused_tokens": self.reused, "model": self.model,
                 "session": self.session}
 
@@ -113,7 +115,7 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     the result is out."""
     opts, history = _followed(opts, env)
     with closing(open_host(opts.server)) as host:
-        check_options(opts.asked, opts.mode, host.capabilities)
+        check_options(asked_of(opts), mode_of(opts), host.capabilities)
         files, media = attached(opts, host.capabilities, sink.stopped)
         tools = open_tools(opts.tool_options, env, constrained=opts.constrained, stopped=sink.stopped,
                            on_output=hooks.on_output if hooks is not None else None)
@@ -150,14 +152,14 @@ def _followed(opts: TurnOptions, env: Environment) -> tuple[TurnOptions, "Follow
         return opts, None
     from quipu.app.answer_log import followed
 
-    check_options(opts.asked, opts.mode)
+    check_options(asked_of(opts), mode_of(opts))
     history = followed(env, opts.cid)
     if opts.system is None and history.system is not None:
         opts = replace(opts, system=history.system)
     return opts, history
 
 
-def attached(opts: TurnOptions, host: Capabilities, stopped: Callable[[], bool] = lambda: False) -> tuple[list, list]:
+def attached(opts: TurnOptions, host: Capabilities, stopped: Callable[[], bool] = lambda: False) -> tuple[list[Any], list[Any]]:
     """The text files and the images and recordings `--attach` gives (`attachments.Attachment`),
     all read, and refused in one line, before the model is loaded; `compose` puts them in the
     message."""
@@ -197,7 +199,7 @@ def compose(conv: Conversation | None, prompt: str | None, files: Sequence[Attac
     return with_marks(message_with(prompt, files) if files else prompt, marks)
 
 
-def constrained_by(grammar, host: Capabilities = LOCAL) -> str | None:
+def constrained_by(grammar: Grammar | None, host: Capabilities = LOCAL) -> str | None:
     """Which engine keeps replies to `grammar` on `host`, in words (None: no grammar)."""
     if grammar is None:
         return None
@@ -262,20 +264,21 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
         session.close()
 
 
-def file_messages(opts: TurnOptions, host: Capabilities) -> tuple[list, list]:
+def file_messages(opts: TurnOptions, host: Capabilities) -> tuple[list[Any], list[Any]]:
     """--messages' conversation, and the media its messages hold (read before the model is)."""
     if not opts.messages:
         return [], []
     from quipu.app.tool_files import messages_from_file
 
-    media: list = []
+    media: list[Any] = []
     messages = messages_from_file(opts.messages, media)
     if media:
         host.require("media")
     return messages, media
 
 
-def _conversation(session, opts: TurnOptions, env: Environment, source, messages: Sequence = (),
+def _conversation(session: ModelSession, opts: TurnOptions, env: Environment, source: str | None,
+                  messages: Sequence[Message] = (),
                   marks: Sequence[str] = (), follows: bool = False) -> Conversation:
     """A one-shot run's conversation: the system prompt alone, --messages' conversation
     (`messages`, their media's markers in `marks`), or the logged exchanges a follow-up goes on
@@ -375,7 +378,7 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
     generating or saving anything."""
     opts, history = _followed(opts, env)
     with closing(open_host(opts.server)) as host:
-        check_options(opts.asked, opts.mode, host.capabilities, show=True)
+        check_options(asked_of(opts, own=("show",)), mode_of(opts), host.capabilities)
         files, media = attached(opts, host.capabilities)
         if opts.session is not None:
             return _show_session_prompt(prompt, opts, env, host, files, media)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 from quipu.errors import UsageError
 
@@ -31,7 +32,7 @@ def json_depth(text: str, stop_past: int) -> int:
     return deepest
 
 
-def read_json_file(name: str, what: str):
+def read_json_file(name: str, what: str) -> Any:
     """A JSON file the user named, parsed; a clear usage error when it cannot be read or parsed,
     or is larger or deeper than quipu takes (checked before it becomes Python objects)."""
     import json

@@ -13,8 +13,12 @@ from quipu.errors import BadInput, ExitCode
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
+    from quipu.app.batch import RowOutcome
+    from quipu.app.environment import Environment
+    from quipu.app.turn_options import TurnOptions
 
-def run_batch_file(source: str, opts, env, term: Terminal, parallel: int | None) -> int:
+
+def run_batch_file(source: str, opts: TurnOptions, env: Environment, term: Terminal, parallel: int | None) -> int:
     from quipu.app.batch import run_batch
     from quipu.app.user_files import read_text_file
 
@@ -28,7 +32,7 @@ def run_batch_file(source: str, opts, env, term: Terminal, parallel: int | None)
             raise BadInput(f"the batch file {source} is binary data, not text")
     progress = BatchProgress(term)
 
-    def on_row(outcome) -> None:
+    def on_row(outcome: RowOutcome) -> None:
         term.stdout.write(json.dumps(outcome.to_json(), ensure_ascii=False) + "\n")
         term.stdout.flush()
 

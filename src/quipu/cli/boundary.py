@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from typing import Any, Callable, TextIO
 
 from quipu.errors import ExitCode, Interrupted, QuipuError, came_of_interrupt
 
@@ -16,10 +16,10 @@ def error_line(message: str) -> None:
     sys.stderr.flush()
 
 
-def run_app(build_app: Callable, argv: list[str]) -> int:
+def run_app(build_app: Callable[..., Any], argv: list[str]) -> int:
     """The whole command line through Typer."""
 
-    def call():
+    def call() -> Any:
         return build_app()(args=argv, prog_name="quipu", standalone_mode=False)
 
     return guarded(call)
@@ -41,7 +41,7 @@ def quiet_libraries() -> None:
         log.propagate = False
 
 
-def library_logs(stream) -> None:
+def library_logs(stream: TextIO) -> None:
     """`--verbose`: what the libraries log, one line a record, on `stream`."""
     import logging
 
@@ -82,7 +82,7 @@ def leave(code: object) -> None:
     os._exit(code or 0)
 
 
-def _ended(signum, frame) -> None:
+def _ended(signum: int, frame: object) -> None:
     from quipu.errors import Ended
 
     raise Ended  # (SIGTERM, SIGHUP: quipu stops as at Ctrl-C; a reply in progress has its own handler)
@@ -148,7 +148,7 @@ def typer_exit(exc: Exception, debug: bool) -> int | None:
     if typer is None:
         return None
     if isinstance(exc, typer.Exit):
-        return exc.exit_code
+        return int(exc.exit_code)
     if isinstance(exc, typer.Abort):
         if debug:
             raise exc
@@ -169,7 +169,7 @@ def typer_exit(exc: Exception, debug: bool) -> int | None:
             message, hint = said, ""
         if message.strip():  # (a command given no arguments has shown its help, and says no more)
             error_line(plain(message).rstrip(".") + hint)
-        return exc.exit_code
+        return int(exc.exit_code)
     return None
 
 
@@ -189,7 +189,7 @@ OTHER_SPELLINGS = {
 }
 
 
-def other_tools_spelling(exc: Exception, ctx) -> str | None:
+def other_tools_spelling(exc: Exception, ctx: Any) -> str | None:  # (click's context, where Typer gave one)
     """What quipu calls a thing another tool spells otherwise, where the error shows such a habit:
     an option of llama.cpp's or Ollama's, or Ollama's `run MODEL PROMPT`."""
     option = getattr(exc, "option_name", None)

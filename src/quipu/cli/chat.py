@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING, Any, Callable
 
 from quipu.cli import spec
 from quipu.cli.terminal import PrefillProgress, Terminal
 from quipu.errors import UsageError
+
+if TYPE_CHECKING:
+    import typer
+
+    from quipu.app.environment import Environment
 
 HELP = "Chat in the terminal. Every turn is saved; --resume picks up where you left off."
 
@@ -30,17 +36,22 @@ PARAMS: dict[str, spec.Opt] = {
 OWN = ("resume", "markdown", "hide_thinking")
 
 
-def register(app) -> None:
-    from quipu.cli.options import signature
+def register(app: typer.Typer) -> None:
+    from quipu.cli.options import command
 
-    def command(context, **given) -> int:
-        return chat(context.obj, **given)
-
-    command.__signature__ = signature(PARAMS)  # type: ignore[attr-defined]  # (what Typer reads the parameters from)
-    app.command("chat", help=HELP)(command)
+    app.command("chat", help=HELP)(command(PARAMS, chat))
 
 
-def chat(env, **given) -> int:
+def function_output(term: Terminal) -> Callable[[str], None]:
+    """Where a chat shows what the user's functions write on stderr: a line at a time, dimmed."""
+    def say(line: str) -> None:
+        term.stderr.write(term.dim(line) + "\n")
+        term.stderr.flush()
+
+    return say
+
+
+def chat(env: Environment, **given: Any) -> int:
     from quipu.app.chat import ChatSession
     from quipu.cli.repl import Repl
 
@@ -66,7 +77,8 @@ def chat(env, **given) -> int:
     try:
         # A chat read from a pipe is a script's: it keeps a session only when one is named.
         chat_ = ChatSession.open(env, opts, name=opts.session, resume_latest=resume, keep_unnamed=term.stdin_tty,
-                                 on_progress=progress, shape=role.fill if role is not None and role.prompt else None)
+                                 on_progress=progress, shape=role.fill if role is not None and role.prompt else None,
+                                 on_output=function_output(term))
     finally:
         progress.close()
     try:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import time
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 
 from quipu.cli.terminal import Terminal
 from quipu.shown import shown
+
+if TYPE_CHECKING:
+    from quipu.app.answer_log import Record
 
 app = typer.Typer(rich_markup_mode=None, invoke_without_command=True,
                   help="The log of answers: every run's and chat turn's answer, searchable. With no command: "
@@ -58,7 +61,7 @@ def _one_line(text: str | None, width: int) -> str:
     return shown(flat if len(flat) <= width else flat[:width - 1] + "…")
 
 
-def _brief(r, term: Terminal) -> str:
+def _brief(r: Record, term: Terminal) -> str:
     head = f"#{r.id}  {_when(r.at)}  {shown(r.model)}" + (f"  [{shown(r.session)}]" if r.session else "")
     return (term.dim(head) + "\n" + f"  > {_one_line(r.prompt, 100)}\n" + f"  {_one_line(r.answer, 200)}")
 

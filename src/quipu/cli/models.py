@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
@@ -14,6 +14,9 @@ from quipu.cli.terminal import human_size
 from quipu.cli.terminal import Terminal
 from quipu.errors import UsageError
 from quipu.shown import shown
+
+if TYPE_CHECKING:
+    from quipu.app.environment import Environment
 
 app = typer.Typer(rich_markup_mode=None, help="Find and inspect models.", no_args_is_help=True)
 
@@ -192,18 +195,21 @@ def rm(context: typer.Context,
     Terminal.detect().stderr.write(f"removed {removed.repo} {removed.quant} from the Hugging Face cache\n")
 
 
-def repository_template(env, path: Path, own: str | None) -> str | None:
+def repository_template(env: Environment, path: Path, own: str | None) -> str | None:
     """The chat template file the model's repository ships, when it differs from the GGUF's own."""
     from quipu.app.templates import repository_template as find
 
     return find(env, path, own)
 
 
-def describe_template(features: dict) -> list[str]:
+def describe_template(features: dict[str, Any]) -> list[str]:
     """Lines saying what to expect of a chat template."""
     if "error" in features:
         return [f"template        cannot be used: {features['error']}"]
-    yes = lambda on: "yes" if on else "no"  # noqa: E731
+
+    def yes(on: object) -> str:
+        return "yes" if on else "no"
+
     return [
         "template        " + ("ChatML (the model has none)" if features["fallback"] else "the model's own"),
         "system role     " + ("yes" if features["system_role"] else "no: a system prompt joins the first user message"),

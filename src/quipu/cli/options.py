@@ -4,14 +4,14 @@ and whole signatures for commands declared as a table (`run`)."""
 from __future__ import annotations
 
 import inspect
-from typing import Annotated, Any, List, Mapping, Optional
+from typing import Annotated, Any, Callable, List, Mapping, Optional
 
 import typer
 
 from quipu.cli import spec
 
 
-def annotated(option: spec.Opt | spec.Arg):
+def annotated(option: spec.Opt | spec.Arg) -> Any:
     """`Annotated[type, typer.Option(...)]` for an option (or the argument) declared in spec.py."""
     if isinstance(option, spec.Arg):
         return Annotated[Optional[str], typer.Argument(help=option.help, metavar="PROMPT")]
@@ -21,7 +21,7 @@ def annotated(option: spec.Opt | spec.Arg):
     return Annotated[kind, typer_option(option)]
 
 
-def typer_option(option: spec.Opt):
+def typer_option(option: spec.Opt) -> Any:
     """The `typer.Option(...)` of an option declared in spec.py."""
     metavar = None if option.type is bool else option.shown
     return typer.Option(*option.decls, help=option.help, autocompletion=option.complete, metavar=metavar)
@@ -41,12 +41,12 @@ def plain_help() -> None:
             continue
         shown = kind.display_type_rich
 
-        def display_type_rich(self, ctx, shown=shown):
+        def display_type_rich(self: Any, ctx: Any, shown: Any = shown) -> str | None:
             if getattr(self, "is_flag", False):
                 return None
             said = shown(self, ctx)
             if not isinstance(said, str) or not (said.startswith("<") and ">" in said):
-                return said
+                return None if said is None else str(said)
             inner, _, rest = said[1:].partition(">")
             inner = inner[5:-1] if inner.startswith("list[") else inner
             return (WORDS.get(inner, inner.upper()) + rest) or None
@@ -57,13 +57,23 @@ def plain_help() -> None:
         TyperArgument._usage_display_name = usage_name  # type: ignore[method-assign, assignment]  # (as above)
 
 
-def usage_name(argument) -> str:
+def usage_name(argument: Any) -> str:  # (a TyperArgument)
     """An argument on a usage line as Unix usage writes it: NAME when it must be given, [NAME]
     when it may be, NAME... for several (Typer writes `{name}`)."""
-    name = argument.metavar or argument.name.upper()
+    name: str = argument.metavar or argument.name.upper()
     if not argument.required:
         name = f"[{name}]"
     return name + ("..." if argument.nargs != 1 else "")
+
+
+def command(params: Mapping[str, spec.Opt | spec.Arg], run: Callable[..., int]) -> Callable[..., int]:
+    """A command for Typer declared as a table: its parameters are `params`, and it runs
+    `run(env, **given)` (the Environment Typer's context holds)."""
+    def typer_command(context: typer.Context, **given: Any) -> int:
+        return run(context.obj, **given)
+
+    typer_command.__dict__["__signature__"] = signature(params)  # (what Typer reads the parameters from)
+    return typer_command
 
 
 def signature(params: Mapping[str, spec.Opt | spec.Arg]) -> inspect.Signature:

@@ -10,15 +10,18 @@ from quipu.cli.terminal import Terminal, human_size
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
+    from quipu.app.environment import Environment
+    from quipu.app.hub import PulledModel, PullPlan
 
-def pull(text: str, env, term: Terminal):
+
+def pull(text: str, env: Environment, term: Terminal) -> PulledModel:
     """Pulls OWNER/REPO[:QUANT] (or hf:...) into the Hugging Face cache; the pulled model."""
     from quipu.app.hub import HubRef, pull as pull_model
 
     ref = HubRef.parse(text)
     bar = DownloadBar(term)
 
-    def on_plan(plan) -> None:
+    def on_plan(plan: PullPlan) -> None:
         names = ", ".join(f.path for f in plan.files)
         size = plan.size
         if plan.projector is not None:
@@ -36,7 +39,7 @@ def pull(text: str, env, term: Terminal):
     return model
 
 
-def pull_if_needed(env, requested: str | None, term: Terminal) -> None:
+def pull_if_needed(env: Environment, requested: str | None, term: Terminal) -> None:
     """`--model hf:OWNER/REPO[:QUANT]` or a short name (`gemma3:1b`; or QUIPU_MODEL, or the
     config's) pulls it on first use."""
     ref = env.hub_ref(env.requested_model(requested))

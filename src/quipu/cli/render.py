@@ -4,7 +4,17 @@ terminal's width (`PlainRenderer`, `WordWrap`), or Markdown re-rendered as it gr
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from quipu.cli.terminal import Terminal
+
+class Renderer(Protocol):
+    """A reply on the chat's screen as it streams: its answer, its reasoning, and its end."""
+
+    def feed(self, text: str) -> None: ...
+    def feed_reasoning(self, text: str) -> None: ...
+    def close(self, stopped: bool = False) -> None: ...
+
 
 class WordWrap:
     """Breaks a streamed reply between words at the terminal's width, as it comes: a word is

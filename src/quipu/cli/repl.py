@@ -6,12 +6,22 @@ import io
 import os
 import shlex
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
-from quipu.cli.render import MarkdownRenderer, PlainRenderer
+from quipu.cli.render import MarkdownRenderer, PlainRenderer, Renderer
+from quipu.cli.stream import ChatStream
 from quipu.cli.terminal import HeldKeys, PrefillProgress, StopOnCtrlC, Terminal
 from quipu.errors import Ended, ExitCode, Interrupted, QuipuError, UsageError
 from quipu.shown import shown
+
+if TYPE_CHECKING:
+    from prompt_toolkit.completion import CompleteEvent, Completer, Completion
+    from prompt_toolkit.document import Document
+    from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
+
+    from quipu.app.chat import ChatSession, TurnOutcome
+    from quipu.app.environment import Environment
+    from quipu.app.tools import CallRecord, ToolCall
 
 PROMPT = "› "
 
@@ -264,30 +274,6 @@ def parse_command(line: str) -> tuple[SlashCommand | None, str]:
     return command, (arg if command else name)
 
 
-def reply_sink(renderer, stopper, progress):
-    """A reply's sink in the chat: the renderer shows it, Ctrl-C stops it."""
-    from quipu.app.turns import ReplySink
-
-    class Sink(ReplySink):
-        # Once Ctrl-C is pressed nothing more is shown: the token in flight when it came is kept
-        # in the reply (and shown with it later), not printed after the ^C.
-        def text(self, piece: str) -> None:
-            if not stopper():
-                renderer.feed(piece)
-
-        def reasoning(self, piece: str) -> None:
-            if not stopper():
-                renderer.feed_reasoning(piece)
-
-        def progress(self, done: int, total: int) -> None:
-            progress(done, total)
-
-        def stopped(self) -> bool:
-            return stopper()
-
-    return Sink()
-
-
 # The longest line a piped chat takes as one message (far more than any context holds).
 MAX_LINE_BYTES = 4 << 20
 
@@ -295,7 +281,7 @@ MAX_LINE_BYTES = 4 << 20
 class Repl:
     """Reads messages and commands, streams replies. Errors are shown in one line; it goes on."""
 
-    def __init__(self, chat, term: Terminal, env, *, markdown: bool = False, show_thinking: bool = True):
+    def __init__(self, chat: ChatSession, term: Terminal, env: Environment, *, markdown: bool = False, show_thinking: bool = True):
         self.chat = chat
         self.term = term
         self.env = env
@@ -306,13 +292,13 @@ class Repl:
         self._always: set[str] = set()  # tools approved for the rest of this chat (never saved)
         from quipu.app.tools import ToolHooks
 
-        if chat is not None:
-            chat.hooks = ToolHooks(self._approve, self._call_starts, self._call_ended,
-                                   lambda line: self.say(self.term.dim(line)))
+        # How this chat approves and shows the calls of a turn (what the functions write on stderr
+        # is shown as ChatSession.open was told: `function_output`).
+        self.hooks = ToolHooks(self._approve, self._call_starts, self._call_ended)
 
     # ---- tools -------------------------------------------------------------------------------
 
-    def _approve(self, call) -> bool:
+    def _approve(self, call: ToolCall) -> bool:
         if call.name in self._always:
             return True
         answer = self.ask(f"run {call.spelled}? [y]es, [n]o, [a]lways for {call.name}, [s]top here: ",
@@ -325,10 +311,10 @@ class Repl:
             self._always.add(call.name)
         return answer[:1] in ("y", "a")
 
-    def _call_starts(self, call) -> None:
+    def _call_starts(self, call: ToolCall) -> None:
         self.say(self.term.dim(call.spelled))
 
-    def _call_ended(self, record) -> None:
+    def _call_ended(self, record: CallRecord) -> None:
         said = record.error if record.error is not None else (record.result or "")
         said = " ".join(said.split())
         self.say(self.term.dim("  " + (said if len(said) <= 160 else said[:160] + "…")))
@@ -356,12 +342,12 @@ class Repl:
 
     # ---- turns -----------------------------------------------------------------------------
 
-    def turn(self, action, *args, room_made: bool = False) -> None:
+    def turn(self, action: Callable[..., TurnOutcome], *args: str, room_made: bool = False) -> None:
         progress = PrefillProgress(self.term)
         renderer = self._renderer()
         with StopOnCtrlC(hard_second=False, quit_too=True) as stopper, HeldKeys(self.term):
             try:
-                outcome = action(*args, sink=reply_sink(renderer, stopper, progress))
+                outcome = action(*args, sink=ChatStream(renderer, stopper, progress), hooks=self.hooks)
             finally:
                 progress.close()
                 renderer.close(stopped=stopper.requested)
@@ -381,7 +367,7 @@ class Repl:
             else:
                 self.context_full(unsent)
 
-    def _renderer(self):
+    def _renderer(self) -> Renderer:
         # Reasoning is shown dimmed in a terminal; a pipe gets one answer per line.
         show = self.show_thinking and self.term.stdout_tty
         if self.markdown and self.term.stdout_tty:
@@ -497,7 +483,7 @@ class Repl:
             self.safely(line.rstrip("\r\n"))
         return 0
 
-    def _stdin_lines(self):
+    def _stdin_lines(self) -> Iterator[bytes | None]:
         """Lines of standard input as bytes, so that no encoding error can end the loop; None for
         a line longer than MAX_LINE_BYTES, which is read past, never held."""
         stream = getattr(self.term.stdin, "buffer", None)
@@ -556,7 +542,7 @@ class Repl:
             body = "\n    ".join(between_words(t, 200) for t in text[:lines]) + (" …" if len(text) > lines else "")
             self.say(f"  {'you' if m.role == 'user' else 'model'}: {body}")
 
-    def toolbar(self):
+    def toolbar(self) -> str:
         used, size = self.chat.context_used, self.chat.context_size
         shown = f"{used}/{size} ({100 * used / size:.0f}%)" if size else f"{used} (the server's)"
         text = f" {self.chat.model_name} · {self.chat.name} · context {shown}"
@@ -574,7 +560,7 @@ def between_words(text: str, width: int) -> str:
     return (text[:cut] if cut > width // 2 else text[:width - 1]).rstrip() + " …"
 
 
-def key_bindings():
+def key_bindings() -> KeyBindings:
     from prompt_toolkit.enums import DEFAULT_BUFFER
     from prompt_toolkit.filters import has_focus
     from prompt_toolkit.key_binding import KeyBindings
@@ -583,7 +569,7 @@ def key_bindings():
     editing = has_focus(DEFAULT_BUFFER)  # not while Ctrl-R search has the focus
 
     @kb.add("enter", filter=editing)
-    def _send(event) -> None:
+    def _send(event: KeyPressEvent) -> None:
         buf = event.current_buffer
         state = buf.complete_state
         if state is not None and state.current_completion is not None:
@@ -595,7 +581,7 @@ def key_bindings():
         buf.validate_and_handle()
 
     @kb.add("escape", "enter", filter=editing)
-    def _newline(event) -> None:
+    def _newline(event: KeyPressEvent) -> None:
         event.current_buffer.insert_text("\n")
 
     return kb
@@ -605,14 +591,14 @@ def key_bindings():
 FILE_ARGUMENTS = ("attach", "schema", "grammar")
 
 
-def SlashCompleter():
+def SlashCompleter() -> Completer:
     from prompt_toolkit.completion import Completer, Completion, PathCompleter
     from prompt_toolkit.document import Document
 
     paths = PathCompleter(expanduser=True)
 
     class _Completer(Completer):
-        def get_completions(self, document, complete_event):
+        def get_completions(self, document: Document, complete_event: CompleteEvent) -> Iterator[Completion]:
             text = document.text_before_cursor
             if not text.startswith("/"):
                 return

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -62,7 +62,7 @@ def add(context: typer.Context, name: str = typer.Argument(..., help="The role's
     """Keep a role in a file of its own (roles/NAME.toml in the config folder)."""
     from quipu.app.roles import add_role
 
-    values: dict = {k: v for k, v in (("system", system), ("prompt", prompt), ("model", model)) if v is not None}
+    values: dict[str, Any] = {k: v for k, v in (("system", system), ("prompt", prompt), ("model", model)) if v is not None}
     for item in options or ():
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
@@ -72,7 +72,7 @@ def add(context: typer.Context, name: str = typer.Argument(..., help="The role's
     Terminal.detect().stderr.write(f"role '{name}' kept in {path}\n")
 
 
-def _value(text: str):
+def _value(text: str) -> Any:
     """A value as TOML reads it (0.2, 300, true, ["a", "b"], "text"); anything else, as text."""
     import tomllib
 

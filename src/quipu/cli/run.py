@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from quipu.cli import spec
-from quipu.cli.terminal import PrefillProgress, StopOnCtrlC, Terminal, gather_prompt
+from quipu.cli.terminal import StopOnCtrlC, Terminal, gather_prompt
 from quipu.errors import ExitCode, Interrupted, UsageError
+
+if TYPE_CHECKING:
+    import typer
+
+    from quipu.app.environment import Environment
+    from quipu.app.tools import CallRecord, ToolCall, ToolHooks
+    from quipu.app.turn_options import TurnOptions
+    from quipu.app.turns import TurnResult
 
 HELP = "Answer one prompt, given as an argument and/or on standard input."
 
@@ -44,14 +52,10 @@ PARAMS: dict[str, spec.Opt | spec.Arg] = {
 }
 
 
-def register(app) -> None:
-    from quipu.cli.options import signature
+def register(app: typer.Typer) -> None:
+    from quipu.cli.options import command
 
-    def command(context, **given) -> int:
-        return run(context.obj, **given)
-
-    command.__signature__ = signature(PARAMS)  # type: ignore[attr-defined]  # (what Typer reads the parameters from)
-    app.command("run", help=HELP, no_args_is_help=False)(command)
+    app.command("run", help=HELP, no_args_is_help=False)(command(PARAMS, run))
 
 
 def plain(args: list[str]) -> Callable[[], int] | None:
@@ -73,7 +77,7 @@ def plain(args: list[str]) -> Callable[[], int] | None:
 OWN = ("prompt", "show", "as_json", "stats", "batch", "parallel", "tools_debug", "quiet")
 
 
-def run(env, **given) -> int:
+def run(env: Environment, **given: Any) -> int:
     from quipu.app.turns import run_turn
 
     prompt, show, as_json, stats, batch, parallel, tools_debug, quiet = (given[k] for k in OWN)
@@ -97,13 +101,13 @@ def run(env, **given) -> int:
     if batch is not None:
         from quipu.cli.batch import run_batch_file
 
-        from quipu.app.modes import check_options
+        from quipu.app.modes import asked_of, check_options
 
         if prompt is not None:
             raise UsageError("--batch reads its prompts from the file; give no prompt")
-        shown = [name for name, given in (("--stats", stats), ("--quiet", quiet), ("--tools-debug", tools_debug))
-                 if given]
-        check_options(opts.asked, BATCH, show=show, shown=shown)
+        own = [name for name, given in (("show", show), ("stats", stats), ("quiet", quiet), ("tools_debug", tools_debug))
+               if given]
+        check_options(asked_of(opts, own), BATCH)
         return run_batch_file(batch, opts, env, term, parallel)
     if opts.server is None:
         from quipu.cli.pull import pull_if_needed
@@ -111,17 +115,18 @@ def run(env, **given) -> int:
         pull_if_needed(env, opts.model, term)
     if show:
         return show_prompt(text, opts, env, term, as_json)
-    sink = stream_to_terminal(term, as_json, quiet)
-    try:
-        with StopOnCtrlC() as stopper:
-            sink.stopper = stopper
+    from quipu.cli.stream import TerminalStream
+
+    with StopOnCtrlC() as stopper:
+        sink = TerminalStream(term, as_json, quiet, stopper)
+        try:
             result = run_turn(text, opts, env, sink, on_result=sink.finish,
                               hooks=tool_hooks(term, as_json or quiet, tools_debug, stopper))
-    except BaseException:
-        sink.end_line()  # what was streamed ends its line before the error is said
-        raise
-    finally:
-        sink.progress_bar.close()
+        except BaseException:
+            sink.end_line()  # what was streamed ends its line before the error is said
+            raise
+        finally:
+            sink.progress_bar.close()
     for notice in result.notices:
         term.warn(notice)
     if result.incomplete:
@@ -134,14 +139,14 @@ def run(env, **given) -> int:
     return ExitCode.INTERRUPTED if interrupted else ExitCode.OK
 
 
-def empty_allowed(opts) -> bool:
+def empty_allowed(opts: TurnOptions) -> bool:
     """Whether a run may have no prompt: it goes on from a reply, a tool's result, a messages file,
     or a session's calls that wait to run."""
     return bool(opts.continue_reply or opts.tool_results or opts.messages or opts.attach
                 or (opts.session and (opts.functions or opts.mcp or opts.tools_file)))
 
 
-def tool_hooks(term: Terminal, unshown: bool, debug: bool, stopper):
+def tool_hooks(term: Terminal, unshown: bool, debug: bool, stopper: StopOnCtrlC) -> ToolHooks:
     """How `run` shows calls (stderr: `name(arguments)` and the result shortened, dimmed on a
     terminal; raw with --tools-debug; none when `unshown`: --json or --quiet) and asks to
     approve them (on a terminal: yes, no, or always for that tool)."""
@@ -149,7 +154,7 @@ def tool_hooks(term: Terminal, unshown: bool, debug: bool, stopper):
 
     always: set[str] = set()
 
-    def approve(call) -> bool:
+    def approve(call: ToolCall) -> bool:
         if call.name in always:
             return True
         term.stderr.write(f"run {call.spelled}? [y]es, [n]o, [a]lways for {call.name}, [s]top here: ")
@@ -166,7 +171,7 @@ def tool_hooks(term: Terminal, unshown: bool, debug: bool, stopper):
             always.add(call.name)
         return answer in ("y", "yes", "a", "always")
 
-    def on_start(call) -> None:
+    def on_start(call: ToolCall) -> None:
         if debug:
             term.stderr.write(json.dumps({"call": call.name, "id": call.id, "arguments": call.arguments},
                                          ensure_ascii=False) + "\n")
@@ -174,7 +179,7 @@ def tool_hooks(term: Terminal, unshown: bool, debug: bool, stopper):
             term.stderr.write(term.dim(f"→ {call.spelled}") + "\n")
         term.stderr.flush()
 
-    def on_call(record) -> None:
+    def on_call(record: CallRecord) -> None:
         if debug:
             term.stderr.write(json.dumps(record.to_json(), ensure_ascii=False) + "\n")
         elif not unshown:
@@ -190,7 +195,7 @@ def tool_hooks(term: Terminal, unshown: bool, debug: bool, stopper):
     return ToolHooks(approve if term.stdin_tty else None, on_start, on_call, on_output)
 
 
-def show_prompt(text, opts, env, term: Terminal, as_json: bool) -> int:
+def show_prompt(text: str | None, opts: TurnOptions, env: Environment, term: Terminal, as_json: bool) -> int:
     """`--show-prompt`: the context as text (or JSON with its tokens), nothing generated."""
     from quipu.app.turns import show_prompt as view_prompt
 
@@ -207,63 +212,7 @@ def show_prompt(text, opts, env, term: Terminal, as_json: bool) -> int:
     return ExitCode.OK
 
 
-def stream_to_terminal(term: Terminal, as_json: bool, quiet: bool = False):
-    """Where `quipu run` sends a reply: the answer to stdout as it comes (or one JSON object at
-    the end), a thinking model's reasoning dimmed on a terminal's stderr (unless `quiet`), the
-    prompt's progress."""
-    from quipu.app.turns import ReplySink
-
-    class Stream(ReplySink):
-        def __init__(self) -> None:
-            self.progress_bar = PrefillProgress(term)
-            self.stopper = None
-            self.wrote: list[str] = []
-            self.thought = False
-            self.finished = False
-
-        def text(self, piece: str) -> None:
-            if as_json:
-                return
-            if self.thought and not self.wrote:
-                term.stderr.write("\n")  # the reasoning ends its line before the answer starts
-                term.stderr.flush()
-            term.stdout.write(piece)
-            term.stdout.flush()
-            self.wrote.append(piece[-1:])
-
-        def reasoning(self, piece: str) -> None:
-            # Reasoning is for a person watching: stderr, dimmed, and only on a terminal; pipes get the answer.
-            if not as_json and not quiet and term.stderr_tty:
-                term.stderr.write(term.dim(piece))
-                term.stderr.flush()
-                self.thought = True
-
-        def progress(self, done: int, total: int) -> None:
-            self.progress_bar(done, total)
-
-        def stopped(self) -> bool:
-            return self.stopper is not None and self.stopper()
-
-        def end_line(self) -> None:
-            if self.wrote and self.wrote[-1] != "\n" and not self.finished:
-                term.stdout.write("\n")
-                term.stdout.flush()
-
-        def finish(self, result) -> None:
-            """The answer's end: out, and the pipe let go, before anything else is written to disk."""
-            self.finished = True
-            self.progress_bar.close()
-            if as_json:
-                term.stdout.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
-            elif self.wrote and self.wrote[-1] != "\n" or not self.wrote:
-                term.stdout.write("\n")
-            term.stdout.flush()
-            term.release_stdout()
-
-    return Stream()
-
-
-def stats_line(result) -> str:
+def stats_line(result: TurnResult) -> str:
     s = result.stats
     return (
         f"{s.prompt_tokens} prompt tokens ({s.cached_tokens} cached), {s.completion_tokens} generated, "

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    from quipu.app.environment import Environment
+    from quipu.app.turn_options import TurnOptions
 
 
 def complete_model(incomplete: str) -> list[str]:
@@ -46,7 +50,7 @@ class Opt:
         return self.metavar or {int: "N", float: "NUMBER"}.get(self.type, "TEXT")
 
     @property
-    def default(self):
+    def default(self) -> list[str] | bool | None:
         if self.multiple:
             return []
         return False if self.type is bool and not self.switch else None
@@ -63,7 +67,7 @@ class Arg:
     help: str
 
 
-def opt(*decls: str, type: type = str, help: str, multiple: bool = False, complete=None,
+def opt(*decls: str, type: type = str, help: str, multiple: bool = False, complete: Callable[[str], list[str]] | None = None,
         metavar: str | None = None) -> Opt:
     return Opt(decls, type, help, multiple, complete, metavar)
 
@@ -175,7 +179,7 @@ _INT = re.compile(r"[+-]?\d{1,18}")
 _FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
-def _convert(spec: Opt, text: str):
+def _convert(spec: Opt, text: str) -> Any:
     if spec.type is int:
         return int(text) if _INT.fullmatch(text) else None
     if spec.type is float:
@@ -183,7 +187,7 @@ def _convert(spec: Opt, text: str):
     return text
 
 
-def parse(params: dict[str, Opt | Arg], args: list[str]) -> dict | None:
+def parse(params: dict[str, Opt | Arg], args: list[str]) -> dict[str, Any] | None:
     """The parameters a plain command line gives, by name (defaults for the rest); None when
     Typer should read it instead."""
     given: dict[str, Any] = {name: (None if isinstance(spec, Arg) else spec.default) for name, spec in params.items()}
@@ -243,7 +247,7 @@ def habits(given: dict[str, Any]) -> list[str]:
     return []
 
 
-def turn_options(given: dict[str, Any], env):
+def turn_options(given: dict[str, Any], env: Environment) -> TurnOptions:
     """A TurnOptions from a command's parameters, by name: each option of a turn is a field of
     TurnOptions under its parameter's name (a repeatable one as a tuple), but --url, which is
     settled into the server the command talks to (with QUIPU_URL, or the config's [remote] url);

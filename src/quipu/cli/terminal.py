@@ -6,11 +6,12 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, IO, Mapping
+from typing import Any, TYPE_CHECKING, IO, Mapping
 
 from quipu.errors import BadInput
 
 if TYPE_CHECKING:
+    from rich.console import Console
     from rich.progress import Progress, TaskID
 
 
@@ -18,9 +19,9 @@ if TYPE_CHECKING:
 class Terminal:
     """What the CLI needs to know about where it runs; made once, passed down."""
 
-    stdin: IO
-    stdout: IO
-    stderr: IO
+    stdin: IO[str]
+    stdout: IO[str]
+    stderr: IO[str]
     stdin_tty: bool
     stdout_tty: bool
     stderr_tty: bool
@@ -42,7 +43,7 @@ class Terminal:
             color="NO_COLOR" not in environ and _isatty(sys.stderr),
         )
 
-    def err_console(self):
+    def err_console(self) -> Console:
         from rich.console import Console
 
         return Console(file=self.stderr, no_color=not self.color, highlight=False, soft_wrap=True)
@@ -69,7 +70,7 @@ class Terminal:
         self.stderr.flush()
 
 
-def _isatty(stream) -> bool:
+def _isatty(stream: IO[str] | None) -> bool:
     try:
         return stream is not None and stream.isatty()
     except (ValueError, OSError):
@@ -87,20 +88,20 @@ class StopOnCtrlC:
         self.ended = False  # SIGTERM or SIGHUP came: the reply stops, is saved, and quipu leaves
         self._previous: "signal._HANDLER" = None
         self._previous_quit: "signal._HANDLER" = None
-        self._previous_ends: list = []
+        self._previous_ends: list[Any] = []
 
     def __call__(self) -> bool:
         return self.requested
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: object) -> None:
         if self.requested and self.hard_second:
             raise KeyboardInterrupt
         self.requested = True
 
-    def _quit(self, signum, frame) -> None:
+    def _quit(self, signum: int, frame: object) -> None:
         self.requested = True
 
-    def _end(self, signum, frame) -> None:
+    def _end(self, signum: int, frame: object) -> None:
         self.requested = self.ended = True
 
     def __enter__(self) -> "StopOnCtrlC":
@@ -116,7 +117,7 @@ class StopOnCtrlC:
             self._previous = None
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
         if self._previous_quit is not None:
@@ -132,7 +133,7 @@ class HeldKeys:
 
     def __init__(self, term: Terminal) -> None:
         self.on = term.stdin_tty
-        self._saved: list | None = None
+        self._saved: list[Any] | None = None
 
     def __enter__(self) -> "HeldKeys":
         if not self.on:
@@ -151,7 +152,7 @@ class HeldKeys:
             self._saved = None
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._saved is not None:
             import termios
 
@@ -229,10 +230,10 @@ def read_stdin(term: Terminal) -> str | None:
     if b"\x00" in data:
         raise BadInput("standard input is binary data, not text")
     try:
-        return data.decode("utf-8")
+        return str(data.decode("utf-8"))
     except UnicodeDecodeError:
         term.warn("standard input is not valid UTF-8; undecodable bytes were replaced")
-        return data.decode("utf-8", errors="replace")
+        return str(data.decode("utf-8", errors="replace"))
 
 
 def human_size(n: float) -> str:

@@ -1,9 +1,11 @@
 """The compute core: the `Backend` protocol (`base.py`) and its llama.cpp implementation:
 `LlamaModel` owns a loaded model and its vocabulary (`model.py`), `LlamaBackend` a context on
-one (`llama.py`; its parts: sampling, `sampler.py`, whose `SamplerChain` is the native sampler
-chain of one stream of tokens; state bytes, `llama_state.py`; the rows of a batch,
-`llama_rows.py`; embeddings, `embeddings.py`; images and audio through a projector and
-llama.cpp's mtmd, `media.py`, a projector file checked before clip.cpp trusts it,
+one (`llama.py`), a facade over the native context it owns (`llama_context.py`: the context, its
+memory, its batch, a sequence's state bytes) and the parts built on it, each owning its own state:
+sampling, `sampler.py`, whose `SamplerChain` is the native sampler chain of one stream of tokens;
+state bytes, `llama_state.py`; the rows of a batch, `llama_rows.py`; embeddings, `embeddings.py`;
+images and audio through a projector and llama.cpp's mtmd, and where each token sits in the
+context, `media.py`; a projector file checked before clip.cpp trusts it,
 `projector_check.py`). Where a model runs: the devices and backends this llama.cpp
 sees, through ggml's own functions (`devices.py`), and the layers placed on them, fitted to their
 free memory (`placement.py`). Beside them: llama-cpp-python's ctypes layer, loaded without its high-level API

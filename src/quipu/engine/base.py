@@ -73,7 +73,8 @@ def waited(work: Callable[[], T], stopped: Callable[[], bool], said: str, timeou
             raise TimeoutError(said)
     if isinstance(outcome[0], BaseException):
         raise outcome[0]
-    return outcome[0]
+    done: T = outcome[0]
+    return done
 
 # A context's size when none is asked for: the model's training context, at most this, as in
 # llama.cpp's own programs. Each token of context is cache memory (23 KB on SmolLM2-135M, 128 KB
@@ -149,7 +150,7 @@ class ContextSettings:
     # restored them elsewhere: not bit for bit). None: a plain cache.
     window_cells: str | None = None
 
-    def state_key(self) -> dict:
+    def state_key(self) -> dict[str, Any]:
         """The settings a snapshot's state bytes are only valid under, and their layout."""
         key = {"n_ctx": self.n_ctx, "n_batch": self.n_batch, "kv_type": self.kv_type, "v_trans": self.v_trans}
         if self.window_cells is not None:
@@ -159,21 +160,21 @@ class ContextSettings:
         return key
 
 
-def saved_state_key(saved: dict) -> dict:
+def saved_state_key(saved: dict[str, Any]) -> dict[str, Any]:
     """A state key as a snapshot's metadata holds it, with the layout of one written before the
     layout was recorded: quipu then turned flash attention off for an f16 cache (V transposed)
     and on for a quantized one."""
     return saved if "v_trans" in saved else {**saved, "v_trans": saved.get("kv_type") == "f16"}
 
 
-def remembered_flash_attn(saved: dict) -> str:
+def remembered_flash_attn(saved: dict[str, Any]) -> str:
     """The flash attention a session goes on with, from its saved state key: off where its cache
     was laid out without it (V transposed, so that the state is restored as it is), else
     llama.cpp's choice."""
     return "off" if saved_state_key(saved).get("v_trans") is True else "auto"
 
 
-def layout_differs(saved: dict, context: ContextSettings) -> str | None:
+def layout_differs(saved: dict[str, Any], context: ContextSettings) -> str | None:
     """Why state bytes saved under `saved` (a state key) cannot be restored into a context with
     `context`'s layout, or None when they can be."""
     if context.window_cells is not None and saved.get("window_cells") is None:
@@ -326,6 +327,14 @@ class SamplerSettings:
 LogitsProcessor = Callable[[Sequence[int], "object"], None]
 # token_filter(tokens) -> the token ids allowed next (None: all of them).
 TokenFilter = Callable[[Sequence[int]], "Iterable[int] | None"]
+
+
+class Sink(Protocol):
+    """Where a reply's text goes as it comes, and whether to stop (the session layer's ReplySink)."""
+
+    def text(self, piece: str) -> None: ...
+    def control(self, spelling: str) -> None: ...
+    def stopped(self) -> bool: ...
 
 
 class Backend(Protocol):
@@ -532,7 +541,8 @@ class TokenServer(Protocol):
         """The id of the one special token `text` spells (None: it spells none)."""
 
     def complete(self, prompt: Sequence[int | str], sampler: SamplerSettings, seed: int, max_tokens: int,
-                 stop: Sequence[str] = (), slot: int = -1, sink=None, constraint: CallConstraint | None = None):
+                 stop: Sequence[str] = (), slot: int = -1, sink: Sink | None = None,
+                 constraint: CallConstraint | None = None) -> Completion:
         """Streams what follows `prompt` (token ids, then maybe text the server tokenizes with
         special tokens parsed) into `sink` (its `text(piece)` and `stopped()`), under `constraint`
         where there is one (a tool call's grammar, from its trigger on): a `Completion`

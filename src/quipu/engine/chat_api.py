@@ -7,20 +7,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator
+
+from quipu.engine.base import Sink
 
 from quipu.engine.http import MAX_EVENT_BYTES, ServerClient, ServerError, count_of
 from quipu.errors import CapabilityError
 
 # llama-server's timings (milliseconds), under the names quipu gives them in seconds
 TIMINGS = {"prompt_ms": "prefill_s", "predicted_ms": "decode_s"}
-
-
-class Sink(Protocol):
-    """Where a reply's text goes as it comes, and whether to stop (the session layer's ReplySink)."""
-
-    def text(self, piece: str) -> None: ...
-    def stopped(self) -> bool: ...
 
 
 @dataclass
@@ -58,7 +53,7 @@ class ChatApiModel(ServerClient):
         return usable
 
     def chat(self, messages: list[dict[str, Any]], *, params: dict[str, Any], max_tokens: int,
-             stop: tuple[str, ...] = (), sink: Sink | None = None, tools: list[dict] | None = None,
+             stop: tuple[str, ...] = (), sink: Sink | None = None, tools: list[dict[str, Any]] | None = None,
              tool_choice: Any = None) -> ChatReply:
         """Streams a reply to `messages` into `sink`, which may stop it; with `tools` (OpenAI's
         shape) the reply may call them (`ChatReply.tool_calls`)."""
@@ -100,7 +95,7 @@ class ChatApiModel(ServerClient):
                 reply.model = "?"
         return reply
 
-    def _events(self, response, reply: ChatReply, pieces: list[str]) -> Iterator[dict]:
+    def _events(self, response: Any, reply: ChatReply, pieces: list[str]) -> Iterator[dict[str, Any]]:
         def partial() -> ChatReply:
             reply.text = "".join(pieces)
             return reply
@@ -108,7 +103,7 @@ class ChatApiModel(ServerClient):
         yield from self.events(response, partial, lambda event: False)
         reply.finish_reason = reply.finish_reason or "stop"
 
-    def _take(self, event: dict, reply: ChatReply, pieces: list[str], started: float, sink: Sink | None) -> None:
+    def _take(self, event: dict[str, Any], reply: ChatReply, pieces: list[str], started: float, sink: Sink | None) -> None:
         if isinstance(event.get("model"), str) and event["model"]:
             reply.model = event["model"]  # the name the server answers to
         usage = event.get("usage")

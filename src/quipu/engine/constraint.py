@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import llguidance
 import numpy as np
+import numpy.typing as npt
 
 from quipu.engine.grammar import Grammar, MAX_GRAMMAR_DEPTH, check_grammar_depth, grammar_depth, subschemas
 from quipu.errors import EngineError, InvalidParameter
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
     from quipu.engine.model import LlamaModel
+
+Mask = npt.NDArray[np.int32]  # one bit a token, llguidance's layout
+Logits = npt.NDArray[np.float32]
 
 # Between JSON's tokens: nothing, a space, or a new line and some indentation, as the model
 # prefers; never a long run of blanks, which a small model can fall into and not leave.
@@ -84,7 +88,7 @@ def bounded_formats(schema_text: str) -> str:
 
 
 # What one grammar may cost: llguidance's own limits, which end a step in an error, not a hang.
-LIMITS = dict(max_grammar_size=500_000, step_max_items=50_000, verbose_errors=False)
+LIMITS = {"max_grammar_size": 500_000, "step_max_items": 50_000}
 
 
 @functools.lru_cache(maxsize=64)
@@ -159,8 +163,9 @@ def one_line(message: str) -> str:
     return first[:300]
 
 
-def _limits():
-    return llguidance.LLParserLimits(**LIMITS)
+def _limits() -> llguidance.LLParserLimits:
+    return llguidance.LLParserLimits(max_grammar_size=LIMITS["max_grammar_size"],
+                                     step_max_items=LIMITS["step_max_items"], verbose_errors=False)
 
 
 def tokenizer(model: "LlamaModel") -> "llguidance.LLTokenizer":
@@ -168,7 +173,8 @@ def tokenizer(model: "LlamaModel") -> "llguidance.LLTokenizer":
     every token once). Control tokens are marked as special, so that no grammar spells them;
     every end-of-generation token ends a reply the grammar has completed."""
     if model.guidance_tokenizer is not None:
-        return model.guidance_tokenizer
+        kept: llguidance.LLTokenizer = model.guidance_tokenizer
+        return kept
     from quipu.engine.native import lc
 
     vocab = model.vocab
@@ -193,7 +199,7 @@ def tokenizer(model: "LlamaModel") -> "llguidance.LLTokenizer":
     if not ends:
         ends = [max(0, lc.llama_vocab_eos(vocab))]
     # (llguidance's stub lacks `from_llamacpp`; its own llamacpp module ignores that too)
-    made = llguidance.LLTokenizer.from_llamacpp(  # type: ignore[attr-defined]
+    made: llguidance.LLTokenizer = llguidance.LLTokenizer.from_llamacpp(  # type: ignore[attr-defined]
         tokens=pieces, vocab_ptr=vocab, tokenize_fptr=ctypes.cast(lc._lib.llama_tokenize, ctypes.c_void_p).value,
         eos_token=ends, slices=None)
     model.guidance_tokenizer = made
@@ -203,7 +209,7 @@ def tokenizer(model: "LlamaModel") -> "llguidance.LLTokenizer":
 class Matcher:
     """One reply's place in a grammar: the tokens it allows next, and the tokens it accepted."""
 
-    def __init__(self, model, grammar: Grammar, compiled: str | None = None):
+    def __init__(self, model: LlamaModel, grammar: Grammar, compiled: str | None = None):
         self.n_vocab = model.n_vocab
         self._matcher = llguidance.LLMatcher(tokenizer(model), compiled or compile_grammar(grammar), log_level=0,
                                              limits=_limits())
@@ -214,17 +220,17 @@ class Matcher:
         self._start = self._matcher.deep_copy()
         self.mask = np.empty(((self.n_vocab + 31) // 32,), dtype=np.int32)
 
-    def fill(self, mask=None) -> None:
+    def fill(self, mask: Mask | None = None) -> None:
         """Computes the allowed tokens into `mask` (this matcher's own by default)."""
         target = self.mask if mask is None else mask
         self._matcher.unsafe_compute_mask_ptr(target.ctypes.data, target.size * 4)
         self._check()
 
-    def allowed(self):
+    def allowed(self) -> npt.NDArray[np.bool_]:
         """The mask as one boolean a token."""
         return mask_bits(self.mask, self.n_vocab)
 
-    def apply(self, logits) -> None:
+    def apply(self, logits: Logits) -> None:
         """Computes the mask and rules out, in `logits` (in place), every token it does not allow."""
         self.fill()
         apply_mask(logits, self.mask, self.n_vocab)
@@ -248,16 +254,16 @@ class Matcher:
             raise EngineError(f"the grammar engine stopped: {one_line(self._matcher.get_error())}")
 
     @property
-    def inner(self):
+    def inner(self) -> llguidance.LLMatcher:
         return self._matcher
 
 
-def mask_bits(mask, n_vocab: int):
+def mask_bits(mask: Mask, n_vocab: int) -> npt.NDArray[np.bool_]:
     """A bit mask (one bit a token, llguidance's layout) as one boolean a token."""
     return np.unpackbits(mask.view(np.uint8), bitorder="little", count=n_vocab).view(bool)
 
 
-def apply_mask(logits, mask, n_vocab: int) -> None:
+def apply_mask(logits: Logits, mask: Mask, n_vocab: int) -> None:
     """-inf in `logits` wherever the bit mask is 0."""
     np.copyto(logits, -np.inf, where=~mask_bits(mask, n_vocab))
 
@@ -279,7 +285,7 @@ class MaskBatch:
         for matcher, _ in matchers:
             matcher._check()
 
-    def apply(self, logits, row: int) -> None:
+    def apply(self, logits: Logits, row: int) -> None:
         apply_mask(logits, self.masks[row], self.n_vocab)
 
 

@@ -11,6 +11,8 @@ template's `tojson` writes (`{"a": 1, "b": [2, 3]}`), so that a call renders bac
 
 from __future__ import annotations
 
+from typing import Any
+
 import json
 import re
 
@@ -56,32 +58,33 @@ def spelled(text: str, specials: dict[str, int]) -> str:
 class _Schemas:
     """The rules of the `%json` schemas of one grammar, spelled as `tojson` spells JSON."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         from llama_cpp.llama_grammar import SchemaConverter
 
-        self.converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+        converter: Any = SchemaConverter  # (llama-cpp-python's converter is unannotated: its values are Any here)
+        self.converter = converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
         self.count = 0
 
-    def rule(self, schema: dict) -> str:
+    def rule(self, schema: dict[str, Any]) -> str:
         schema = _small_ranges({k: v for k, v in schema.items() if k != "x-guidance"})
         name = f"json-{self.count}"
         self.count += 1
         try:
             resolved = self.converter.resolve_refs(schema, name)
-            return self.converter.visit(resolved, name)
+            return str(self.converter.visit(resolved, name))
         except Exception as exc:  # (the converter's errors are of many kinds)
             raise InvalidParameter(f"a tool's schema cannot be written as GBNF for the server: {exc}") from exc
 
     def rules(self) -> str:
         if not self.count:
             return ""
-        text = self.converter.format_grammar()
+        text: str = self.converter.format_grammar()
         # tojson's blanks: none after `{` or `[` or at the end, one after `,` and `:`.
         text = text.replace('"," space', '", "').replace('":" space', '": "')
         return re.sub(r"^space ::= .*$", 'space ::= ""', text, flags=re.M)
 
 
-def _small_ranges(schema):
+def _small_ranges(schema: Any) -> Any:
     """The schema with each integer range of at most 256 values as the list of them (the
     converter keeps no bounds)."""
     if isinstance(schema, list):

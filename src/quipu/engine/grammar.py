@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from quipu.errors import InvalidParameter
 
@@ -108,7 +108,7 @@ def depth(value: Any) -> int:
     return deepest
 
 
-def subschemas(schema: Any, path: str = ""):
+def subschemas(schema: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
     """Every schema object within `schema`, with the place it stands (a JSON pointer)."""
     if not isinstance(schema, dict):
         return

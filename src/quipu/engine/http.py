@@ -63,7 +63,7 @@ class ServerClient:
         self._client = self._connect()
         self._model = settings.model
 
-    def _connect(self):
+    def _connect(self) -> Any:
         httpx, settings = self._httpx, self.settings
         return httpx.Client(timeout=httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout),
                             follow_redirects=True)
@@ -75,7 +75,7 @@ class ServerClient:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _headers(self) -> dict[str, str]:
@@ -85,7 +85,7 @@ class ServerClient:
     def where(self) -> str:
         return f"the server at {self.base}"
 
-    def request(self, method: str, path: str, body: dict | None = None, *, stream: bool = False):
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None, *, stream: bool = False) -> Any:
         """The response (opened for streaming when asked), after the retries a failure may earn."""
         httpx = self._httpx
         pause = self.settings.backoff
@@ -119,7 +119,7 @@ class ServerClient:
     def _timeout_said(self) -> str:
         return f"{self.settings.read_timeout:g} s"
 
-    def _http_error(self, response) -> ServerError:
+    def _http_error(self, response: Any) -> ServerError:
         try:
             response.read()
             body = response.json()
@@ -140,14 +140,14 @@ class ServerClient:
                                f"{': ' + said if said else ''}", status=code)
         return ServerError(f"{self.where()} answered {status}{': ' + said if said else ''}", status=code)
 
-    def request_json(self, method: str, path: str, body: dict | None = None) -> Any:
+    def request_json(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         response = self.request(method, path, body)
         try:
             return response.json()
         except ValueError:
             raise ServerError(f"{self.where()} did not answer {path} with JSON") from None
 
-    def models(self) -> list[dict]:
+    def models(self) -> list[dict[str, Any]]:
         """The server's models (`/v1/models`): each with at least an `id`."""
         data = self.request_json("GET", "/v1/models")
         items = data.get("data") if isinstance(data, dict) else None
@@ -164,7 +164,7 @@ class ServerClient:
             self._model = models[0]["id"]
         return self._model
 
-    def events(self, response, partial: Callable[[], Any], last: Callable[[dict], bool]) -> Iterator[dict]:
+    def events(self, response: Any, partial: Callable[[], Any], last: Callable[[dict[str, Any]], bool]) -> Iterator[dict[str, Any]]:
         """The JSON objects of a stream of server-sent events, to `[DONE]` or an event `last` says
         is the last. Every fault is a ServerError carrying `partial()`, what came before it."""
         httpx = self._httpx
@@ -199,7 +199,7 @@ class ServerClient:
         if not finished and not getattr(partial(), "finish_reason", ""):
             raise ServerError(f"{self.where()} closed the stream before the reply was over", partial=partial())
 
-    def _lines(self, response, partial: Callable[[], Any]) -> Iterator[str]:
+    def _lines(self, response: Any, partial: Callable[[], Any]) -> Iterator[str]:
         """The stream's lines, each held only up to MAX_EVENT_BYTES: a server that never ends a
         line is an error, not a process that grows until it is killed."""
         held = b""
@@ -248,7 +248,7 @@ _ENCODINGS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
 _PIECE = 64 << 10  # the most one step of inflating makes
 
 
-def _fetch(client, url: str, max_bytes: int) -> tuple[bytes, str]:
+def _fetch(client: Any, url: str, max_bytes: int) -> tuple[bytes, str]:
     import zlib
 
     import httpx

@@ -35,6 +35,8 @@ extensions, a layer without V) is not understood, and the session is saved whole
 
 from __future__ import annotations
 
+from typing import Any
+
 import struct
 from dataclasses import dataclass
 
@@ -58,7 +60,7 @@ class Reader:
         self.at = 0
         self.what = what
 
-    def take(self, fmt: struct.Struct) -> tuple:
+    def take(self, fmt: struct.Struct) -> tuple[Any, ...]:
         return fmt.unpack_from(self.skip(fmt.size), 0)
 
     def skip(self, size: int) -> memoryview:

@@ -48,9 +48,10 @@ class BatchRows:
     def sample_at(self, chain: SamplerChain, draw_seed: int, index: int) -> int:
         """Samples (and accepts) with `chain` from the logits at batch index `index`."""
         chain.reseed(draw_seed)
-        return lc.llama_sampler_sample(chain.ptr, self._native.ptr, index)
+        token: int = lc.llama_sampler_sample(chain.ptr, self._native.ptr, index)
+        return token
 
-    def row_matcher(self, settings: SamplerSettings):
+    def row_matcher(self, settings: SamplerSettings) -> Matcher | None:
         """A grammar's matcher of its own, for one sequence of a batch (None without a grammar)."""
         return matcher_for(self._native.model, settings)
 

@@ -28,21 +28,14 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Protocol, Sequence
+from typing import Any, Sequence
 
-from quipu.engine.base import CallConstraint, Completion, SamplerSettings
+from quipu.engine.base import CallConstraint, Completion, SamplerSettings, Sink
 from quipu.engine.http import ServerClient, ServerError, count_of
 from quipu.engine.grammar import Grammar, check_grammar_depth, check_schema
 from quipu.errors import CapabilityError
 
 
-
-class Sink(Protocol):
-    """Where a reply's text goes as it comes, and whether to stop (the session layer's ReplySink)."""
-
-    def text(self, piece: str) -> None: ...
-    def control(self, spelling: str) -> None: ...
-    def stopped(self) -> bool: ...
 
 # The server's samplers, in the order quipu's own chain applies them (logit biases and a grammar
 # apply as llama.cpp's common sampler applies them).
@@ -54,7 +47,7 @@ MAX_HIDDEN = 3
 CONTROL_MARKS = re.compile("[<>\\[\\]|\uff5c]")
 
 
-def llama_server_props(remote: ServerClient) -> dict | None:
+def llama_server_props(remote: ServerClient) -> dict[str, Any] | None:
     """llama.cpp's llama-server's `/props` (its slots, context, chat template, special tokens);
     None for any other server."""
     try:
@@ -67,7 +60,7 @@ def llama_server_props(remote: ServerClient) -> dict | None:
 class LlamaServerModel:
     """A model on llama.cpp's llama-server, as the session layer drives it by tokens."""
 
-    def __init__(self, remote: ServerClient, props: dict):
+    def __init__(self, remote: ServerClient, props: dict[str, Any]):
         self.remote = remote
         self.props = props
         settings = props.get("default_generation_settings") or {}
@@ -80,9 +73,9 @@ class LlamaServerModel:
         self._spelled: dict[int, str] = {}
         self._specials: dict[str, int | None] = {}
         self._controls_in: dict[str, list[str]] = {}
-        self._model_meta: dict | None = None
+        self._model_meta: dict[str, Any] | None = None
 
-    def _meta(self) -> dict:
+    def _meta(self) -> dict[str, Any]:
         if self._model_meta is None:
             self._model_meta = {}
             for m in self.remote.models():
@@ -115,7 +108,7 @@ class LlamaServerModel:
         total = self.props.get("total_slots")
         return total if isinstance(total, int) and total > 0 else 0
 
-    def slot_look(self, slot: int) -> tuple | None:
+    def slot_look(self, slot: int) -> tuple[Any, ...] | None:
         """What tells a slot's context changed (its last task, its prompt's size); None when the
         server does not say (`/slots` turned off)."""
         try:
@@ -246,7 +239,7 @@ class LlamaServerModel:
             response.close()
         return done
 
-    def _take(self, event: dict, done: Completion, started: float, sink: Sink | None) -> bool | None:
+    def _take(self, event: dict[str, Any], done: Completion, started: float, sink: Sink | None) -> bool | None:
         if isinstance(event.get("tokens_evaluated"), int):
             done.prompt_tokens = event["tokens_evaluated"]
         if event.get("stop") is True:
@@ -297,12 +290,12 @@ class LlamaServerModel:
         return [-1] * missing
 
 
-def _ms(value) -> float:
+def _ms(value: object) -> float:
     """A duration the server reported, in ms; what is not one counts as none."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else 0.0
 
 
-def server_grammar(grammar: Grammar) -> dict:
+def server_grammar(grammar: Grammar) -> dict[str, Any]:
     """The request fields that constrain a reply on llama-server, by its own engine: GBNF as
     `grammar`, a JSON Schema as `json_schema` (which the server turns into GBNF), each checked
     for what that engine would crash on or ignore. Lark and regular expressions are quipu's

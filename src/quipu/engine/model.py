@@ -48,7 +48,7 @@ def check_gguf(path: Path) -> None:
         raise ModelLoadError(f"{path} is not a GGUF model file")
 
 
-def load_interruptibly(path: Path, placement: Placement = CPU):
+def load_interruptibly(path: Path, placement: Placement = CPU) -> Any:
     """llama.cpp's model load, given up on Ctrl-C: loading a large model takes seconds inside
     llama.cpp, where Python runs no signal handler, but its progress callback asks between
     tensors whether to go on. While it loads, Ctrl-C only says so; then `Interrupted`."""
@@ -99,7 +99,7 @@ class LlamaModel:
         self._max_token_bytes: int | None = None
         self._spellings_in: dict[str, set[str]] = {}  # (the short texts asked of already)
         self._controls: Spellings | None = None
-        self._attrs: array | None = None
+        self._attrs: array[int] | None = None
         self._special_tokens: dict[str, int] | None = None
         self.guidance_tokenizer: Any = None  # llguidance's view of the vocabulary, once built (constraint.py)
         self._piece_buf = ctypes.create_string_buffer(256)
@@ -183,7 +183,7 @@ class LlamaModel:
                                        for t, attr in enumerate(self.token_attrs()) if attr & _CONTROL_ATTRS)
         return self._controls
 
-    def token_attrs(self) -> array:
+    def token_attrs(self) -> array[int]:
         """Every token's attributes (`LLAMA_TOKEN_ATTR_*`), in order: read once, on first use, for
         all that look at the whole vocabulary (a call a token: a seventh of a second for 262k)."""
         if self._attrs is None:

@@ -15,6 +15,7 @@ import importlib.util
 import re
 import sys
 from types import ModuleType
+from typing import Any
 
 
 def _bare_package() -> ModuleType:
@@ -24,7 +25,7 @@ def _bare_package() -> ModuleType:
     package = importlib.util.module_from_spec(spec)
     loader = spec.loader
 
-    def complete(name: str):
+    def complete(name: str) -> Any:
         # Runs the real __init__ in this module object, once, then answers from it.
         del package.__dict__["__getattr__"]
         loader.exec_module(package)
@@ -59,7 +60,7 @@ def binding_version() -> str:
     """llama-cpp-python's version, read without running its package (which `__version__` would)."""
     package = sys.modules.get("llama_cpp")
     if package is not None and "__version__" in package.__dict__:
-        return package.__dict__["__version__"]
+        return str(package.__dict__["__version__"])
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or spec.origin is None:
         return "unknown"

@@ -198,7 +198,7 @@ def measure_compute(path: Path, handles: Sequence[int], cparams: Any) -> dict[st
 
 
 def model_params(n_gpu_layers: int, handles: Sequence[int], split: Sequence[float] | None = None
-                 ) -> tuple[Any, list[ctypes.Array]]:
+                 ) -> tuple[Any, list[ctypes.Array[Any]]]:
     """llama.cpp's parameters for a model with `n_gpu_layers` on the devices `handles` (none: the
     CPU alone, even where the build has a GPU), spread over several as `split` says; the weights
     kept out of the CPU's extra buffer types where the build has AMX (`devices.amx_built`). With
@@ -208,7 +208,7 @@ def model_params(n_gpu_layers: int, handles: Sequence[int], split: Sequence[floa
     mparams.use_extra_bufts = not amx_built()
     devices = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)  # (NULL-ended)
     mparams.devices = ctypes.cast(devices, ctypes.c_void_p)
-    keep: list[ctypes.Array] = [devices]
+    keep: list[ctypes.Array[Any]] = [devices]
     if split:
         shares = (ctypes.c_float * max(len(split), lc.llama_max_devices()))(*split)
         mparams.tensor_split = shares

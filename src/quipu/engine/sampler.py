@@ -5,7 +5,7 @@ draw from the last logits, with a grammar's mask, filters and processors applied
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from quipu.engine.base import MEDIA_BASE, LogitsProcessor, SamplerSettings, TokenFilter
 from quipu.engine.native import lc
@@ -27,7 +27,10 @@ class SamplerChain:
 
     def __init__(self, n_vocab: int, settings: SamplerSettings):
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
-        add = lambda s: lc.llama_sampler_chain_add(chain, s)  # noqa: E731
+
+        def add(sampler: Any) -> None:
+            lc.llama_sampler_chain_add(chain, sampler)
+
         if settings.logit_bias:
             biases = (lc.llama_logit_bias * len(settings.logit_bias))(*settings.logit_bias)
             add(lc.llama_sampler_init_logit_bias(n_vocab, len(settings.logit_bias), biases))

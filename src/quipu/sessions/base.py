@@ -171,7 +171,7 @@ class Generation:
     # The whole reply (a continued one's start included) as its model wrote it, control tokens
     # spelled, where the session knows its tokens.
     spelled: str | None = None
-    tool_calls: list = field(default_factory=list)  # the calls the reply made (`sessions.tools.ToolCall`)
+    tool_calls: list[Any] = field(default_factory=list)  # the calls the reply made (`sessions.tools.ToolCall`)
     # Where a reply began a call (held back from the sink): how much of its text was shown.
     call_shown: int | None = None
 

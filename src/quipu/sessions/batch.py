@@ -137,7 +137,7 @@ class BatchSession:
                 break
         return max(shared, 0)
 
-    def _read_shared(self, tokens: list[int], should_stop) -> None:
+    def _read_shared(self, tokens: list[int], should_stop: Callable[[], bool] | None) -> None:
         n_batch = self.backend.context.n_batch
         for at in range(0, len(tokens), n_batch):
             chunk = tokens[at : at + n_batch]
@@ -188,7 +188,8 @@ class BatchSession:
         self.backend.decode_batch(items)
         return wanting
 
-    def _took(self, slot: _Slot, token: int, now: float, on_token, on_done) -> None:
+    def _took(self, slot: _Slot, token: int, now: float, on_token: RowTokenFn | None,
+              on_done: RowDoneFn | None) -> None:
         slot.draws += 1
         slot.sampled += 1
         slot.last_at = now

@@ -53,7 +53,7 @@ def _lark_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _one_of_calls(tools: Sequence[ToolSpec], name_key: str, args_key: str, extra: dict | None = None) -> str:
+def _one_of_calls(tools: Sequence[ToolSpec], name_key: str, args_key: str, extra: dict[str, Any] | None = None) -> str:
     """A JSON call object: `{name_key: one of the tools, args_key: its arguments}`, in that order."""
     shapes = []
     for tool in tools:

@@ -72,7 +72,7 @@ def _tagged(text: str, open_: str, close: str, body: Callable[[str], list[ToolCa
     return (f"{content}\n{rest}".strip() if rest else content), calls
 
 
-def _json_call(inner: str, **keys) -> list[ToolCall] | None:
+def _json_call(inner: str, **keys: Any) -> list[ToolCall] | None:
     got = _json_prefix(inner)
     if got is None or got[1].strip():
         return None
@@ -80,7 +80,7 @@ def _json_call(inner: str, **keys) -> list[ToolCall] | None:
     return [call] if call else None
 
 
-def _json_calls(inner: str, **keys) -> list[ToolCall] | None:
+def _json_calls(inner: str, **keys: Any) -> list[ToolCall] | None:
     """A JSON list of calls (or one call)."""
     got = _json_prefix(inner)
     if got is None or got[1].strip():
@@ -235,7 +235,7 @@ def parse_deepseek_v3(text: str) -> tuple[str, list[ToolCall]]:
     return _deepseek(text, body)
 
 
-def _deepseek(text: str, body) -> tuple[str, list[ToolCall]]:
+def _deepseek(text: str, body: Callable[[str], list[ToolCall] | None]) -> tuple[str, list[ToolCall]]:
     at = text.find("<｜tool▁calls▁begin｜>")
     if at < 0:
         return text, []
@@ -366,7 +366,8 @@ class _JsonNames(ast.NodeTransformer):
 
 
 def _json_names(node: ast.AST) -> ast.AST:
-    return _JsonNames().visit(node)
+    named: ast.AST = _JsonNames().visit(node)
+    return named
 
 
 def parse_kimi_k2(text: str) -> tuple[str, list[ToolCall]]:

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from quipu.engine.base import MEDIA_MARK, media_mark
 from quipu.sessions.base import CHAT_API, SILENT, Generation, Message, ReplySink, Stats, TurnPrompt
 from quipu.sessions.params import SamplingParams
 from quipu.sessions.toolspec import ToolCall
+
+if TYPE_CHECKING:
+    from quipu.engine.chat_api import ChatApiModel
+    from quipu.sessions.prompt import Rendered
 
 # The sampling parameters a chat API takes, under the names servers know.
 REQUEST_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")
@@ -28,8 +32,8 @@ class ChatApiSession:
 
     capabilities = CHAT_API
 
-    def __init__(self, client, request: dict[str, Any] | None = None):
-        self.client = client  # an engine.chat_api.ChatApiModel
+    def __init__(self, client: ChatApiModel, request: dict[str, Any] | None = None):
+        self.client = client
         self.request = {k: v for k, v in (request or {}).items() if k in REQUEST_KEYS and v is not None}
         self.params = SamplingParams().replace(**self.request)
         self.stats = Stats()
@@ -91,11 +95,14 @@ class ChatApiSession:
     def control_spellings(self, texts: Sequence[str]) -> list[str]:
         return []
 
-    def context_for(self, rendered) -> list[int]:
-        self.capabilities.require("show_prompt")
-        return []
+    def context_for(self, rendered: Rendered) -> list[int]:
+        raise self.capabilities.refusal("show_prompt")
 
-    reference_tokens = raw_tokens = context_for
+    def reference_tokens(self, rendered: Rendered) -> list[int]:
+        raise self.capabilities.refusal("show_prompt")
+
+    def raw_tokens(self, text: str) -> list[int]:
+        raise self.capabilities.refusal("show_prompt")
 
     def spell(self, tokens: Sequence[int]) -> str:
         self.capabilities.require("show_prompt")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from quipu.engine.base import defuse
 from quipu.errors import CapabilityError, TemplateError, UsageError
@@ -353,7 +353,7 @@ def _shown(message: Message, protector: Protector, fmt: ReasoningFormat | None) 
     return shown
 
 
-def strings_of(value: Any):
+def strings_of(value: Any) -> Iterator[str]:
     """Every string JSON holds, keys included (walked without recursion)."""
     todo = [value]
     while todo:
@@ -367,7 +367,7 @@ def strings_of(value: Any):
             todo += item
 
 
-def hidden(value: Any, hide) -> Any:
+def hidden(value: Any, hide: Callable[[str], str]) -> Any:
     """JSON with `hide` applied to each string in it, keys included."""
     if isinstance(value, str):
         return hide(value)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from quipu.engine.base import Backend, LogitsProcessor, ProgressFn, TokenFilter
 from quipu.engine.text import unfinished_character
@@ -46,12 +46,12 @@ class Snapshot:
     n_decoded: int
     draws: int
     params: SamplingParams
-    context: dict
+    context: dict[str, Any]
     state: bytes | memoryview | None = None
     # Pieces of state saved after `state`, (the position each replaces the cells from, its
     # bytes: see `LlamaBackend.state_since`), and how many tokens the state and pieces hold
     # when that is fewer than `n_decoded` (a turn whose state was not written: read again).
-    pieces: Sequence = ()
+    pieces: Sequence[Any] = ()
     state_decoded: int | None = None
 
 

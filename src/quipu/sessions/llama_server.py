@@ -20,9 +20,9 @@ is tokenized first, to be sure of its size.
 from __future__ import annotations
 
 import time
-from typing import Mapping, Protocol, Sequence
+from typing import Iterator, Mapping, Protocol, Sequence
 
-from quipu.engine.base import TokenServer
+from quipu.engine.base import Completion, TokenServer
 from quipu.engine.llama_server import server_grammar
 from quipu.errors import CapabilityError, ContextOverflow
 from quipu.sessions.base import (LLAMA_SERVER, SILENT, Generation, ReplySink, Stats, ToolOffer, TurnPrompt,
@@ -47,7 +47,7 @@ class SlotHolder(Protocol):
         """The reply is done: the server reused `cached_tokens`, of which the context held `held`."""
 
 
-class ServerSpecials(Mapping):
+class ServerSpecials(Mapping[str, int]):
     """The server's model's special tokens ({spelling: id}), asked for as they are needed."""
 
     def __init__(self, backend: TokenServer):
@@ -59,7 +59,7 @@ class ServerSpecials(Mapping):
             raise KeyError(text)
         return token
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(())  # (not listed: there is no asking for them all)
 
     def __len__(self) -> int:
@@ -187,8 +187,9 @@ class LlamaServerSession(HeldTokens):
     def _ids(self, prompt: Sequence[int | str], counted: int) -> list[int] | None:
         """The prompt's token ids, its text tokenized as the server did (a leading text gets the
         BOS); None when they cannot be known or do not add up to the server's `counted`."""
-        if all(isinstance(item, int) for item in prompt):
-            return list(prompt)  # type: ignore[arg-type]
+        ints = [item for item in prompt if isinstance(item, int)]
+        if len(ints) == len(prompt):
+            return ints
         ids: list[int] = []
         try:
             for i, item in enumerate(prompt):
@@ -245,9 +246,10 @@ class LlamaServerSession(HeldTokens):
             done = self.backend.complete(prompt, self.params.sampler(), draw_seed(self.params.draw_base, self.draws),
                                          min(max_tokens, room), stop, self.slot, sink, constraint)
         except Exception as exc:  # a server failing mid-reply: what came is kept, as after Ctrl-C
-            done = getattr(exc, "partial", None)
-            if done is None or not getattr(done, "tokens", None):
+            partial = getattr(exc, "partial", None)
+            if not isinstance(partial, Completion) or not partial.tokens:
                 raise
+            done = partial
             done.finish_reason, error = "interrupted", exc
         finally:
             if calls is not None:
@@ -277,12 +279,16 @@ class LlamaServerSession(HeldTokens):
         """The reply just generated, control tokens spelled out (its end-of-generation token not)."""
         return self._spelled
 
-    def _keep(self, prompt: list[int | str], ids: list[int] | None, prompt_text: str, done, finish: str) -> None:
+    def _keep(self, prompt: list[int | str], ids: list[int] | None, prompt_text: str, done: Completion, finish: str) -> None:
         """The context after a reply: the prompt, then the reply's tokens when all their ids are
         known. Without the prompt's ids, only its held tokens are kept (the rest is read again)."""
         if ids is None:
-            held = next((i for i, item in enumerate(prompt) if not isinstance(item, int)), len(prompt))
-            self.rewind(common_prefix(prompt[:held], self.tokens))  # type: ignore[arg-type]
+            held: list[int] = []
+            for item in prompt:
+                if not isinstance(item, int):
+                    break
+                held.append(item)
+            self.rewind(common_prefix(held, self.tokens))
             return
         kept = common_prefix(ids, self.tokens)
         marks = [(k, n) for k, n in self.marks if k <= kept and prompt_text.startswith(self.text[:n])]

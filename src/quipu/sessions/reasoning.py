@@ -19,6 +19,8 @@ markup whatever its tokens, and shows none of the control tokens it does not rea
 
 from __future__ import annotations
 
+from typing import Any
+
 from dataclasses import dataclass
 
 from quipu.sessions.stops import pending_prefix
@@ -142,7 +144,7 @@ class Splitter:
     def _mark_outside(self, at: int) -> None:
         self.outside_from = self._consumed_at() + at
 
-    def _emit(self, out: list, reasoning: bool, n: int) -> None:
+    def _emit(self, out: list[Any], reasoning: bool, n: int) -> None:
         text = self._buf[:n]
         if any(self._ctl[:n]):  # (a control token's spelling is not shown)
             text = "".join(c for c, ctl in zip(text, self._ctl[:n], strict=True) if not ctl)
@@ -153,7 +155,7 @@ class Splitter:
     def _drop(self, n: int) -> None:
         self._buf, self._ctl = self._buf[n:], self._ctl[n:]
 
-    def _step(self, out: list) -> bool:
+    def _step(self, out: list[Any]) -> bool:
         """One move on the held text; False when it must wait for more."""
         fmt = self.fmt
         assert fmt is not None

@@ -4,7 +4,7 @@ from the token that completes its trigger, keeps to the call's grammar (`CallWat
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from quipu.engine.base import Backend, LogitsProcessor
 from quipu.sessions.call_grammars import CallGrammar
@@ -87,7 +87,7 @@ class CallWatch(CallSink):
         elif forced:
             self._force(grammar.forced)
 
-    def _no_end(self, tokens, logits) -> None:
+    def _no_end(self, tokens: Sequence[int], logits: Any) -> None:  # (a numpy array of the logits)
         logits[self._ends] = float("-inf")
 
     def _stop_pending(self) -> None:

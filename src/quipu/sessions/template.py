@@ -15,6 +15,10 @@ from quipu.engine.base import MEDIA_MARK, Backend
 from quipu.errors import TemplateError
 
 if TYPE_CHECKING:
+    import jinja2
+    import jinja2.parser
+    import jinja2.runtime
+
     from quipu.sessions.reasoning import ReasoningFormat
 
 # Used when a GGUF has no chat template (as llama.cpp does).
@@ -42,7 +46,7 @@ MAX_RANGE_ITEMS = 1_000_000
 # The longest a render may take (a real template takes milliseconds; a loop over the characters
 # of a long text, say, could take hours).
 MAX_RENDER_S = 5.0
-_RANGE_BUDGET: contextvars.ContextVar = contextvars.ContextVar("range_budget", default=None)
+_RANGE_BUDGET: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("range_budget", default=None)
 
 
 class ChatTemplate:
@@ -76,7 +80,7 @@ class ChatTemplate:
                 return placed
         return self._render_text(messages, add_generation_prompt, variables)
 
-    def _render_media(self, messages: list, add_generation_prompt: bool, variables: dict) -> str | None:
+    def _render_media(self, messages: list[Any], add_generation_prompt: bool, variables: dict[str, Any]) -> str | None:
         """The messages with media as content parts (`{"type": "image"}` between text parts, as
         transformers passes them), each template's placeholder for one then the medium's marker;
         None where the template does not place each of them once (the markers stay in the text)."""
@@ -129,7 +133,7 @@ class ChatTemplate:
         placeholder = with_image[head:len(with_image) - tail]
         return placeholder if placeholder.strip() and said not in placeholder else None
 
-    def _render_text(self, messages: list, add_generation_prompt: bool, variables: dict) -> str:
+    def _render_text(self, messages: list[Any], add_generation_prompt: bool, variables: dict[str, Any]) -> str:
         if any(m.get("tool_calls") for m in messages) and self.string_arguments:
             messages = [_arguments_as_json(m) for m in messages]
         if self.folds_system:
@@ -162,7 +166,7 @@ class ChatTemplate:
         except TemplateError:
             return False
 
-    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, variables: dict) -> str:
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, variables: dict[str, Any]) -> str:
         from jinja2 import TemplateError as JinjaError
 
         # The output is bounded as it is made: a template (from a downloaded file, a session) must
@@ -254,7 +258,7 @@ class _Deadline:
         signal.setitimer(signal.ITIMER_REAL, seconds)
 
     @staticmethod
-    def _expired(signum, frame):
+    def _expired(signum: int, frame: object) -> None:
         raise TemplateError(f"the chat template took longer than {MAX_RENDER_S:g} s to render")
 
     def cancel(self) -> None:
@@ -268,7 +272,7 @@ class _Deadline:
 _WIDE = re.compile(r"%[-#0 +]*(?:\d{7,}|\d*\.\d{7,})|\{[^{}]*:[^{}]*\d{7,}[^{}]*\}")
 
 
-def _check_step(obj: Any, args: tuple, kwargs: dict) -> None:
+def _check_step(obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Refuses a call that would make a value past MAX_OUTPUT in one step, which no deadline
     can interrupt (Python's own string code): a count or width that large (`center`, `ljust`,
     `indent`, a format's `*`), a format string that asks for one, a replacement that multiplies
@@ -288,9 +292,9 @@ def _check_step(obj: Any, args: tuple, kwargs: dict) -> None:
             raise TemplateError(f"the chat template makes a value longer than {MAX_OUTPUT:,}")
 
 
-def _checked_filter(name: str, f: Callable) -> Callable:
+def _checked_filter(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
     """A filter that checks its arguments as a call does (`_check_step`), marked as `f` is."""
-    def checked(*args, **kwargs):
+    def checked(*args: Any, **kwargs: Any) -> Any:
         given = [a for a in args if isinstance(a, (str, int))]  # (a context or environment passed first is not)
         if given and isinstance(given[0], int):
             given = given[1:]  # (the value filtered: a number of its own, not a count to make)
@@ -300,11 +304,11 @@ def _checked_filter(name: str, f: Callable) -> Callable:
     return functools.update_wrapper(checked, f)
 
 
-def _budgeted_range(*args):
+def _budgeted_range(*args: int) -> range:
     """`range`, drawing on the render's budget of numbers (the sandbox bounds each range alone)."""
     from jinja2.sandbox import safe_range
 
-    numbers = safe_range(*args)
+    numbers: range = safe_range(*args)
     left = _RANGE_BUDGET.get()  # (None outside a render of ours)
     if left is None:
         return numbers
@@ -324,7 +328,7 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separato
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled(source: str):
+def _compiled(source: str) -> jinja2.Template:
     """A template's source compiled, once a process (a chat opens one a session)."""
     from jinja2 import TemplateError as JinjaError
 
@@ -335,7 +339,7 @@ def _compiled(source: str):
 
 
 @functools.lru_cache(maxsize=1)
-def _environment():
+def _environment() -> jinja2.Environment:
     """One sandboxed Jinja environment for every template (Jinja is imported only when needed)."""
     import jinja2.ext
     from jinja2 import nodes
@@ -346,12 +350,12 @@ def _environment():
 
         tags = {"generation"}
 
-        def parse(self, parser):
+        def parse(self, parser: jinja2.parser.Parser) -> nodes.Node:
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return nodes.CallBlock(self.call_method("_as_is"), [], [], body).set_lineno(lineno)
 
-        def _as_is(self, caller):
+        def _as_is(self, caller: Callable[[], str]) -> str:
             return caller()
 
     class Bounded(ImmutableSandboxedEnvironment):
@@ -360,7 +364,7 @@ def _environment():
 
         intercepted_binops = frozenset(["*", "**", "%"])
 
-        def call_binop(self, context, operator, left, right):
+        def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
             if operator == "*":
                 for seq, times in ((left, right), (right, left)):
                     if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and len(seq) * times > MAX_OUTPUT:
@@ -371,7 +375,7 @@ def _environment():
                 _check_step("%", (left, *(right if isinstance(right, tuple) else (right,))), {})
             return super().call_binop(context, operator, left, right)
 
-        def call(self, context, obj, /, *args, **kwargs):  # (positional: a template's own keywords pass through)
+        def call(self, context: jinja2.runtime.Context, obj: Any, /, *args: Any, **kwargs: Any) -> Any:  # (positional: a template's own keywords pass through)
             _check_step(obj, args, kwargs)
             return super().call(context, obj, *args, **kwargs)
 

@@ -13,7 +13,7 @@ from quipu.errors import TemplateError, UsageError
 from quipu.sessions.base import SILENT, Generation, Message, ModelSession, ReplySink, ToolOffer
 from quipu.sessions.call_grammars import CHOICES, CallGrammar
 from quipu.sessions.tools import Format, format_of, parse_reply
-from quipu.sessions.toolspec import ToolSpec
+from quipu.sessions.toolspec import ToolCall, ToolSpec
 
 if TYPE_CHECKING:
     from quipu.sessions.prompt import Rendered
@@ -129,7 +129,7 @@ class ToolTurns:
     def _calls_made(self) -> int:
         return sum(len(m.tool_calls or ()) for m in self.messages)
 
-    def _number(self, calls) -> None:
+    def _number(self, calls: Sequence[ToolCall]) -> None:
         """An id for each call that came without one: the count of calls in the conversation, in
         nine digits (what the strictest templates, Mistral's, accept)."""
         made = self._calls_made()
@@ -148,7 +148,7 @@ class ToolTurns:
         return self.answer(max_tokens=max_tokens, stop=stop, sink=sink)
 
 
-def _as_schema(arguments: dict[str, Any], tool) -> dict[str, Any]:
+def _as_schema(arguments: dict[str, Any], tool: ToolSpec | None) -> dict[str, Any]:
     """A call's arguments with what the tool's schema types as a string kept a string: formats
     that write strings bare (`<parameter=code>\n123\n`) read `123` as a number."""
     props = (tool.parameters or {}).get("properties") if tool is not None else None

@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from quipu.store.statefile import StateBlob
 
@@ -44,12 +44,12 @@ class Held:
     log_end: int = 0
     why: str | None = None
 
-    def chain(self, meta: dict, base_bytes: int) -> Chain:
+    def chain(self, meta: dict[str, Any], base_bytes: int) -> Chain:
         return Chain(meta.get("nonce"), self.cells, len(self.pieces), sum(len(p.state) for p in self.pieces),
                      base_bytes, self.log_end)
 
 
-def held_cells(meta: dict, log: tuple[list[tuple[StateBlob, int]], int, str | None], tokens: Sequence[int],
+def held_cells(meta: dict[str, Any], log: tuple[list[tuple[StateBlob, int]], int, str | None], tokens: Sequence[int],
                layout: str) -> Held:
     """How much of `tokens` (the transcript's decoded tokens) the state file whose metadata is
     `meta` and its log (`SessionStore.load_pieces`'s answer) hold; `layout`, the layout of a

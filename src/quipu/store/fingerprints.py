@@ -8,6 +8,8 @@ or unreadable record is as good as none: it is never an error.
 
 from __future__ import annotations
 
+from typing import Any
+
 import json
 from pathlib import Path
 
@@ -24,7 +26,7 @@ class Fingerprints:
     def __init__(self, path: Path):
         self.path = path
 
-    def _entries(self) -> dict[str, list]:
+    def _entries(self) -> dict[str, list[Any]]:
         try:
             with open(self.path, "rb") as fh:
                 raw = fh.read(MAX_BYTES + 1)

@@ -81,8 +81,8 @@ class Record:
     system: str | None = None
     reasoning: str | None = None
     fingerprint: str | None = None
-    tool_calls: list[dict] = field(default_factory=list)
-    attachments: list[dict] = field(default_factory=list)  # {"name", "sha256"}
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    attachments: list[dict[str, Any]] = field(default_factory=list)  # {"name", "sha256"}
     options: dict[str, Any] = field(default_factory=dict)
     finish_reason: str | None = None
     prompt_tokens: int | None = None
@@ -105,7 +105,7 @@ class Record:
     def of(cls, row: sqlite3.Row) -> "Record":
         values = dict(row)
         for k in cls._JSON:
-            empty: list | dict = [] if k in ("tool_calls", "attachments") else {}
+            empty: list[Any] | dict[str, Any] = [] if k in ("tool_calls", "attachments") else {}
             try:
                 values[k] = json.loads(values[k]) if values[k] else empty
             except ValueError:

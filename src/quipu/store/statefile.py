@@ -22,6 +22,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from quipu.errors import SnapshotError
@@ -59,12 +60,12 @@ def encode_state(meta: dict[str, Any], state: bytes | memoryview) -> bytes:
     return b"".join(state_chunks(meta, state))
 
 
-def read_state(path) -> "StateBlob":
+def read_state(path: Path) -> "StateBlob":
     """A state file read and verified, its state bytes a view of one buffer (no copy)."""
     return decode_state(_read_into(path))
 
 
-def _read_into(path) -> memoryview:
+def _read_into(path: Path) -> memoryview:
     """A file's bytes in one writable buffer, read without a copy."""
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
@@ -108,7 +109,7 @@ def decode_state(data: bytes | memoryview, expect: bytes = MAGIC) -> StateBlob:
     return StateBlob(meta, view[state_at : state_at + state_len])
 
 
-def read_meta(path) -> dict[str, Any]:
+def read_meta(path: Path) -> dict[str, Any]:
     """The metadata of a state file, read without its state bytes (to choose among files); the
     checksum is checked only when the whole file is decoded. Raises SnapshotError or OSError."""
     with open(path, "rb") as fh:
@@ -128,7 +129,7 @@ def read_meta(path) -> dict[str, Any]:
     return meta
 
 
-def read_log(path) -> tuple[list[tuple[StateBlob, int]], int, str | None]:
+def read_log(path: Path) -> tuple[list[tuple[StateBlob, int]], int, str | None]:
     """The records of a state log, read in order and each verified: (the good ones, each with
     the byte it ends at; the length of the file they fill; what is wrong after them, if
     anything: a record cut short by a crash while it was written, or damage). A missing log
@@ -158,7 +159,7 @@ def read_log(path) -> tuple[list[tuple[StateBlob, int]], int, str | None]:
     return records, at, None
 
 
-def append_record(path, meta: dict[str, Any], state: bytes | memoryview, at: int) -> int:
+def append_record(path: Path, meta: dict[str, Any], state: bytes | memoryview, at: int) -> int:
     """Writes a record at byte `at` of the log (what is after it, a record cut short, goes),
     fsynced; returns the log's new length."""
     chunks = state_chunks(meta, state, PIECE_MAGIC)

@@ -169,7 +169,7 @@ def check(record: Any) -> str | None:
     return None
 
 
-def _check_served(served: Any, tokens: list) -> str | None:
+def _check_served(served: Any, tokens: list[Any]) -> str | None:
     if served is None:
         return None
     marks = served.get("marks") if isinstance(served, dict) else None

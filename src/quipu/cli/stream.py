@@ -1,0 +1,89 @@
+"""A reply of `quipu run` on the terminal, as it streams."""
+
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+from quipu.app.turns import ReplySink, TurnResult
+from quipu.cli.render import Renderer
+from quipu.cli.terminal import PrefillProgress, Terminal
+
+
+class TerminalStream(ReplySink):
+    """Where `quipu run` sends a reply: the answer to stdout as it comes (or one JSON object at
+    the end), a thinking model's reasoning dimmed on a terminal's stderr (unless `quiet`), the
+    prompt's progress; `stopper` says when Ctrl-C asked the reply to stop."""
+
+    def __init__(self, term: Terminal, as_json: bool, quiet: bool, stopper: Callable[[], bool]) -> None:
+        self.term, self.as_json, self.quiet, self._stopper = term, as_json, quiet, stopper
+        self.progress_bar = PrefillProgress(term)
+        self.wrote: list[str] = []
+        self.thought = False
+        self.finished = False
+
+    def text(self, piece: str) -> None:
+        if self.as_json:
+            return
+        term = self.term
+        if self.thought and not self.wrote:
+            term.stderr.write("\n")  # the reasoning ends its line before the answer starts
+            term.stderr.flush()
+        term.stdout.write(piece)
+        term.stdout.flush()
+        self.wrote.append(piece[-1:])
+
+    def reasoning(self, piece: str) -> None:
+        # Reasoning is for a person watching: stderr, dimmed, and only on a terminal; pipes get the answer.
+        term = self.term
+        if not self.as_json and not self.quiet and term.stderr_tty:
+            term.stderr.write(term.dim(piece))
+            term.stderr.flush()
+            self.thought = True
+
+    def progress(self, done: int, total: int) -> None:
+        self.progress_bar(done, total)
+
+    def stopped(self) -> bool:
+        return self._stopper()
+
+    def end_line(self) -> None:
+        if self.wrote and self.wrote[-1] != "\n" and not self.finished:
+            self.term.stdout.write("\n")
+            self.term.stdout.flush()
+
+    def finish(self, result: TurnResult) -> None:
+        """The answer's end: out, and the pipe let go, before anything else is written to disk."""
+        term = self.term
+        self.finished = True
+        self.progress_bar.close()
+        if self.as_json:
+            term.stdout.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
+        elif self.wrote and self.wrote[-1] != "\n" or not self.wrote:
+            term.stdout.write("\n")
+        term.stdout.flush()
+        term.release_stdout()
+
+
+class ChatStream(ReplySink):
+    """A reply's sink in the chat: `renderer` shows it, `stopper` says Ctrl-C stops it; the
+    prompt's reading shows on `progress`. Once Ctrl-C is pressed nothing more is shown: the
+    token in flight when it came is kept in the reply (and shown with it later), not printed
+    after the ^C."""
+
+    def __init__(self, renderer: Renderer, stopper: Callable[[], bool], progress: Callable[[int, int], None]):
+        self.renderer, self._stopper, self._progress = renderer, stopper, progress
+
+    def text(self, piece: str) -> None:
+        if not self._stopper():
+            self.renderer.feed(piece)
+
+    def reasoning(self, piece: str) -> None:
+        if not self._stopper():
+            self.renderer.feed_reasoning(piece)
+
+    def progress(self, done: int, total: int) -> None:
+        self._progress(done, total)
+
+    def stopped(self) -> bool:
+        return self._stopper()
