@@ -108,7 +108,7 @@ def test_row_fields_over_the_command_line():
 
 def test_outcomes_leave_in_input_order():
     out = []
-    writer = InOrder(4, lambda o: out.append(o.index))
+    writer = InOrder(lambda o: out.append(o.index))
     for i in (2, 0, 3, 1):
         writer.done(RowOutcome(i, None, error="x"))
         if i == 0:

@@ -240,8 +240,11 @@ def test_models_info_says_what_a_template_does(quipu, tmp_path):
     g = json.loads(quipu("models", "info", "--template", "--json", gemma).stdout)["template_features"]
     assert q["thinking"] and q["thinking_switch"] and q["tools"] and q["system_role"]
     assert not g["system_role"] and not g["thinking"]
+    assert q["tool_format"] == "Hermes 2 Pro, Hermes 3, Qwen 2.5, Qwen 3, Granite 4" and g["tool_format"] == "generic"
     text = quipu("models", "info", "--template", gemma).stdout.decode()
     assert "a system prompt joins the first user message" in text
+    assert "tools           yes (calls as Hermes 2 Pro, Hermes 3, Qwen 2.5, Qwen 3, Granite 4 write them)" in quipu(
+        "models", "info", "--template", qwen3).stdout.decode()
 
 
 WEATHER = {"type": "function", "function": {

@@ -241,7 +241,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
                            f"{share}; shorten it, or give a larger --ctx")
         runnable = [p for p in plans if p.error is None]
         n_seq = max(1, min(parallel or default_parallel(), len(runnable)))
-        writer = InOrder(len(plans), on_row)
+        writer = InOrder(on_row)
         for p in plans:
             if p.error is not None:
                 writer.done(RowOutcome(p.input.index, p.input.id, error=p.error))
@@ -353,10 +353,9 @@ def _plan(row: RowInput, base: SamplingParams, opts: TurnOptions, env: Environme
 class InOrder:
     """Hands outcomes on in input order: each as soon as it and every one before it are done."""
 
-    def __init__(self, n: int, on_row: Callable[[RowOutcome], None]):
+    def __init__(self, on_row: Callable[[RowOutcome], None]):
         self._held: dict[int, RowOutcome] = {}
         self._next = 0
-        self._n = n
         self._on_row = on_row
         self.finished = 0
         self.written = 0

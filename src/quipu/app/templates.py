@@ -13,13 +13,17 @@ if TYPE_CHECKING:
 
 
 def template_features(source: str | None) -> dict[str, bool | str]:
-    """The features a template uses (system role, thinking and its switch, tools), or why it
-    cannot be read; a model without one gets ChatML's."""
+    """The features a template uses (system role, thinking and its switch, tools, and whose
+    format its tool calls take), or why it cannot be read; a model without one gets ChatML's."""
+    from quipu.sessions.tools import format_of
+
     try:
         template = ChatTemplate(source)
     except TemplateError as exc:
         return {"error": str(exc)}
-    return {"fallback": template.is_fallback, **template.features()}
+    fmt = format_of(template.source)
+    return {"fallback": template.is_fallback, **template.features(),
+            "tool_format": "generic" if fmt.generic else fmt.families}
 
 
 def repository_template(env: Environment, path: Path, own: str | None) -> str | None:

@@ -215,5 +215,7 @@ def describe_template(features: dict[str, Any]) -> list[str]:
         "system role     " + ("yes" if features["system_role"] else "no: a system prompt joins the first user message"),
         "thinking        " + yes(features["thinking"])
         + (" (--think/--no-think switch it)" if features["thinking_switch"] else ""),
-        "tools           " + yes(features["tools"]),
+        "tools           " + yes(features["tools"]) + (
+            "" if not features["tools"] else " (calls as JSON the model is asked to write)"
+            if features["tool_format"] == "generic" else f" (calls as {features['tool_format']} write them)"),
     ]

@@ -288,7 +288,6 @@ class Repl:
         self.markdown = markdown
         self.show_thinking = show_thinking
         self.running = True
-        self._pending_retry: str | None = None
         self._always: set[str] = set()  # tools approved for the rest of this chat (never saved)
         from quipu.app.tools import ToolHooks
 

@@ -30,7 +30,6 @@ class ChatReply:
     completion_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)  # the server's, in seconds
     first_token_s: float = 0.0  # from the request's start, as measured here
-    total_s: float = 0.0
     # The calls the reply made, as streamed: [{"id", "name", "arguments": the JSON text}].
     tool_calls: list[dict[str, str]] = field(default_factory=list)
 
@@ -85,7 +84,6 @@ class ChatApiModel(ServerClient):
         finally:
             response.close()
             reply.text = "".join(pieces)
-            reply.total_s = time.perf_counter() - started
         if not reply.completion_tokens:  # no usage in the stream (llama-cpp-python's server): a piece a token
             reply.completion_tokens = len(pieces)
         if not reply.model:  # the server echoed the empty name: ask it for its own, now that the reply is out

@@ -66,7 +66,6 @@ class Projector:
         self.path = path
         self.sees = bool(m.mtmd_support_vision(ptr))
         self.hears = bool(m.mtmd_support_audio(ptr))
-        self.mrope = bool(m.mtmd_decode_use_mrope(ptr))
 
     def close(self) -> None:
         if self.ptr:
