@@ -469,7 +469,7 @@ def main() -> None:
         def render(tools=(), messages=()):
             session = InferenceSession(backend, SamplingParams(seed=0))
             conv = Conversation.start(session, template=template, messages=list(messages))
-            conv.tools = list(tools)
+            conv.update(tools=list(tools))
             try:
                 conv.render_tokens(conv.messages, add_generation_prompt=True)
             except TemplateError:

@@ -399,7 +399,7 @@ def test_reasoning_is_shown_dimmed_and_can_be_hidden(tmp_path, tiny_model):
     chat = ChatSession.open(env, TurnOptions(model=str(tiny_model), chat_template=str(qwen3)), name="switch")
     try:
         Repl(chat, term, env).safely("/think off")
-        assert chat.named.conversation.variables == {"enable_thinking": False}
+        assert chat.named.conversation.settings.variables == {"enable_thinking": False}
     finally:
         chat.close()
     record = json.loads((tmp_path / "home" / "data" / "sessions" / "switch.json").read_text())

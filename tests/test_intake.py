@@ -47,7 +47,7 @@ def control_count(session, tokens) -> int:
 
 def rendered_tokens(session, source: str, tool: ToolSpec, arguments: dict) -> list[int]:
     conv = Conversation.start(session, "Be brief.", template=source)
-    conv.tools = [tool]
+    conv.update(tools=[tool])
     call = {"id": "000000001", "type": "function", "function": {"name": tool.name, "arguments": arguments}}
     messages = [*conv.messages, Message("user", "weather?"), Message("assistant", "", tool_calls=[call]),
                 Message("tool", "sunny", tool_call_id="000000001", name=tool.name), Message("assistant", "Sunny."),

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from quipu.sessions.base import Message, ReplySink, common_prefix
-from quipu.sessions.conversation import Conversation
+from quipu.sessions.conversation import Conversation, TurnSettings
 from quipu.sessions.inference import InferenceSession
 from quipu.sessions.params import SamplingParams
 from quipu.sessions.reasoning import TABLE
@@ -96,7 +96,8 @@ def session_for(backend, family, seed):
     name, variables, shape = FAMILIES[family]
     session = InferenceSession(backend, SamplingParams(seed=seed, temperature=1.0,
                                                        grammar=Grammar("lark", held_to(backend, shape))))
-    conv = Conversation.start(session, template=(TEMPLATES / f"{name}.jinja").read_text(), variables=variables)
+    conv = Conversation.start(session, template=(TEMPLATES / f"{name}.jinja").read_text(),
+                              settings=TurnSettings().but(variables=variables))
     return session, conv
 
 
@@ -331,8 +332,8 @@ def test_a_gpt_oss_call_after_its_analysis_is_read_and_its_markup_never_shown(ba
         held_to(backend, "R").split("\n")[1:])
     session = InferenceSession(backend, SamplingParams(seed=3, temperature=1.0, grammar=Grammar("lark", lark)))
     conv = Conversation.start(session, template=(TEMPLATES / "openai-gpt-oss-120b.jinja").read_text())
-    conv.tools = [ToolSpec("get_weather", "The weather.", {"type": "object", "properties": {
-        "city": {"enum": ["Paris"]}}, "required": ["city"], "additionalProperties": False})]
+    conv.update(tools=[ToolSpec("get_weather", "The weather.", {"type": "object", "properties": {
+        "city": {"enum": ["Paris"]}}, "required": ["city"], "additionalProperties": False})])
     sink = Collect()
     gen = conv.send("Weather in Paris?", max_tokens=200, sink=sink)
     assert [(c.name, c.arguments) for c in gen.tool_calls] == [("get_weather", {"city": "Paris"})]

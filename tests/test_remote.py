@@ -580,10 +580,10 @@ def test_tools_on_a_chat_api_go_in_the_request_and_the_calls_come_back_streamed(
     box.add([Tool(spec, answers(lambda args: json.dumps({"city": args["city"], "temperature": 21})), "test")])
     with ChatApiModel(ServerSettings(url=function_calling_server)) as client:
         conv = Conversation.start(ChatApiSession(client, {"temperature": 0.0, "seed": 1}))
-        conv.tools, conv.tool_choice = [spec], "get_weather"
+        conv.update(tools=[spec], tool_choice="get_weather")
         gen = conv.send("What is the weather in Paris?", max_tokens=80)
         assert [c.name for c in gen.tool_calls] == ["get_weather"], gen
-        conv.tool_choice = "none"  # (this server streams no reply that may or may not call)
+        conv.update(tool_choice="none")  # (this server streams no reply that may or may not call)
         loop = tool_loop(conv, box, gen, approve=lambda call: True, max_tokens=30)
     assert loop.calls and loop.calls[0].result and '"temperature": 21' in loop.calls[0].result
     roles = [m.role for m in conv.messages]
@@ -616,7 +616,7 @@ def test_on_llama_server_by_tokens_quipu_reads_the_calls_and_runs_the_loop(llama
 
         template = (Path(__file__).parent / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
         conv = Conversation.start(session, template=template)
-        conv.tools = [spec]
+        conv.update(tools=[spec])
         gen = conv.send("Weather in Paris?", max_tokens=60)
         assert [(c.name, c.arguments) for c in gen.tool_calls] == [("get_weather", {"city": "Paris"})], (gen, session.reply_spelled())
         session.set_params(SamplingParams(seed=1, temperature=0.0))
@@ -661,7 +661,7 @@ def _server_conversation(host, template: str, seed: int, choice: str, history=()
     session = LlamaServerSession(host.served, SamplingParams(seed=seed, temperature=0.8))
     conv = Conversation.start(session, template=(TEMPLATES / f"{template}.jinja").read_text())
     conv.messages += list(history)
-    conv.tools, conv.tool_choice = [ToolSpec("get_weather", "The weather", SERVER_SCHEMA)], choice
+    conv.update(tools=[ToolSpec("get_weather", "The weather", SERVER_SCHEMA)], tool_choice=choice)
     return session, conv
 
 

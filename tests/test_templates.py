@@ -273,7 +273,7 @@ def test_a_conversation_with_tools_renders_as_the_reference(backend, path):
     fn = WEATHER["function"]
     conv = conversation(backend, source, [])
     conv.messages = [Message.from_dict(m) for m in TOOL_CONVERSATION]
-    conv.tools = [ToolSpec(fn["name"], fn["description"], fn["parameters"])]
+    conv.update(tools=[ToolSpec(fn["name"], fn["description"], fn["parameters"])])
     try:
         expected = render_reference(source, TOOL_CONVERSATION, add_generation_prompt=True, bos_token=bos,
                                     eos_token=eos, tools=[WEATHER])

@@ -86,15 +86,15 @@ def test_the_result_is_read_as_new_tokens_only(make_backend):
     backend = make_backend(n_ctx=2048)
     session = InferenceSession(backend, SamplingParams(seed=3, temperature=1.0))
     conv = Conversation.start(session, template=(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text())
-    conv.tools = [ToolSpec("get_weather", "w", {"type": "object", "properties": {"city": {"enum": ["Paris"]}},
-                                                "required": ["city"], "additionalProperties": False})]
-    conv.tool_choice = "required"
+    conv.update(tools=[ToolSpec("get_weather", "w", {"type": "object", "properties": {"city": {"enum": ["Paris"]}},
+                                                     "required": ["city"], "additionalProperties": False})])
+    conv.update(tool_choice="required")
     gen = conv.send("weather?", max_tokens=800)
     assert gen.finish_reason == "stop" and {c.name for c in gen.tool_calls} == {"get_weather"}
     assert all(c.arguments == {"city": "Paris"} for c in gen.tool_calls)
     held = len(session.tokens)
     conv.add_tool_results([(call, "sunny") for call in gen.tool_calls])
-    conv.tool_choice = "auto"
+    conv.update(tool_choice="auto")
     conv.reply_to_tools(max_tokens=4)
     # (The tiny model ends a reply with </s>, where the template writes <|im_end|>: that one token.)
     assert session.stats.cached_tokens >= held - 1
@@ -114,9 +114,9 @@ def test_a_call_begins_where_the_model_writes_its_trigger(make_backend):
     backend = make_backend(n_ctx=2048)
     session = InferenceSession(backend, SamplingParams(seed=5, temperature=1.0))
     conv = Conversation.start(session, template=(TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text())
-    conv.tools = [ToolSpec("lookup", "l", {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1,
-                                                                                 "maximum": 9}},
-                                           "required": ["n"], "additionalProperties": False})]
+    conv.update(tools=[ToolSpec("lookup", "l", {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1,
+                                                                                      "maximum": 9}},
+                                                "required": ["n"], "additionalProperties": False})])
     wanted = backend.tokenize("Sure.<tool_call>", add_special=False, parse_special=True)
     if backend.token_text(wanted[0]) == b" ":
         wanted = wanted[1:]
@@ -200,8 +200,8 @@ def test_undo_after_a_loop_leaves_the_context_as_before_it(make_backend):
 
     session = InferenceSession(make_backend(n_ctx=2048), SamplingParams(seed=2, temperature=1.0))
     conv = Conversation.start(session, template=(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text())
-    conv.tools = [ToolSpec("f", "", {"type": "object", "properties": {}, "additionalProperties": False})]
-    conv.tool_choice = "none"
+    conv.update(tools=[ToolSpec("f", "", {"type": "object", "properties": {}, "additionalProperties": False})])
+    conv.update(tool_choice="none")
     end = session.backend.tokenize("<|im_end|>", add_special=False, parse_special=True)[-1]
 
     def answer_at_once(tokens, logits):  # a first exchange that ends as the template ends it
@@ -212,10 +212,10 @@ def test_undo_after_a_loop_leaves_the_context_as_before_it(make_backend):
     conv.send("hello", max_tokens=8)
     session.logits_processors.clear()
     before, messages = list(session.tokens), len(conv.messages)
-    conv.tool_choice = "required"
+    conv.update(tool_choice="required")
     gen = conv.send("call it", max_tokens=400)
     conv.add_tool_results([(gen.tool_calls[0], "done")])
-    conv.tool_choice = "auto"
+    conv.update(tool_choice="auto")
     conv.reply_to_tools(max_tokens=8)
     assert conv.undo()
     assert session.tokens == before and len(conv.messages) == messages
@@ -448,7 +448,7 @@ def test_a_required_call_keeps_to_the_tool_s_schema_in_every_constrained_format(
     for seed in range(3):
         session = InferenceSession(backend, SamplingParams(seed=seed, temperature=1.0, logit_bias=[(close, 6.0)]))
         conv = Conversation.start(session, template=source)
-        conv.tools, conv.tool_choice = [ToolSpec("get_weather", "The weather.", schema)], "required"
+        conv.update(tools=[ToolSpec("get_weather", "The weather.", schema)], tool_choice="required")
         gen = conv.send("What is the weather?", max_tokens=600)
         reply = session.tokens[session.reply_start:]
         assert gen.tool_calls, (family, seed, session.spell(reply))
@@ -464,7 +464,7 @@ def test_a_required_call_keeps_to_the_tool_s_schema_in_every_constrained_format(
         if thinking:  # the model reasoned first; the call came once its reasoning ended
             assert "</think>" in spelled and spelled.index("</think>") < spelled.index(gen.tool_calls[0].name)
         conv.add_tool_results([(call, "sunny") for call in gen.tool_calls])
-        conv.tool_choice = "auto"
+        conv.update(tool_choice="auto")
         conv.reply_to_tools(max_tokens=2)
         # (The model's end-of-reply token may not be the template's: that one token. A template
         # that writes reasoning its own way, Qwen 3.5's new lines around it, reads the reply again
@@ -488,9 +488,9 @@ def test_a_required_call_after_reasoning_comes_even_from_a_model_that_would_end_
     bias = [(t, 12.0) for t in ends] + [(specials["</think>"], 4.0)]
     session = InferenceSession(backend, SamplingParams(seed=5, temperature=1.0, logit_bias=bias))
     conv = Conversation.start(session, template=(TEMPLATES / "Qwen3.5-4B.jinja").read_text())
-    conv.tools = [ToolSpec("get_weather", "w", {"type": "object", "properties": {"city": {"enum": ["Paris"]}},
-                                                "required": ["city"]})]
-    conv.tool_choice = "required"
+    conv.update(tools=[ToolSpec("get_weather", "w", {"type": "object", "properties": {"city": {"enum": ["Paris"]}},
+                                                     "required": ["city"]})])
+    conv.update(tool_choice="required")
     gen = conv.send("Weather?", max_tokens=400)
     spelled = session.spell(session.tokens[session.reply_start:])
     assert [c.arguments for c in gen.tool_calls] == [{"city": "Paris"}] * len(gen.tool_calls) and gen.tool_calls, spelled

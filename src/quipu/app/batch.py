@@ -39,7 +39,7 @@ from quipu.engine.base import CTX_AUTO, DEFAULT_CTX_CAP, ContextSettings, availa
 from quipu.errors import BadInput, QuipuError, UsageError
 from quipu.sessions.batch import BatchRow, BatchSession
 from quipu.sessions.base import LOCAL, SILENT
-from quipu.sessions.conversation import Conversation, Message
+from quipu.sessions.conversation import Conversation, Message, TurnSettings
 from quipu.sessions.reasoning import Thinking
 from quipu.sessions.reasoning_sink import ReasoningSink
 from quipu.sessions.inference import InferenceSession, Stats
@@ -330,7 +330,8 @@ def _plan(row: RowInput, base: SamplingParams, opts: TurnOptions, env: Environme
         else:
             session = InferenceSession(tokenizer, SamplingParams())
             system = row.system if row.system is not None else system_prompt(opts, env)
-            conv = Conversation.start(session, system, template=source, variables=template_variables(opts))
+            conv = Conversation.start(session, system, template=source,
+                                      settings=TurnSettings().but(variables=template_variables(opts)))
             conv.set_reasoning(effort=opts.reasoning_effort)
             if row.messages is not None:
                 if row.messages[0].role == "system":

@@ -252,7 +252,7 @@ class ChatSession:
             text = self._shape(text) or ""
         conv = self._named.conversation
         skip_pending(conv)  # (calls left waiting are answered "not run")
-        documents = conv.variables.get("documents")
+        before = conv.settings  # (the documents a message that is not sent gave are taken back)
         from quipu.app.attachments import split_media
         from quipu.app.turns import compose
 
@@ -272,9 +272,7 @@ class ChatSession:
         if not (outcome.context_full and not outcome.generation.tokens):
             self.attached, self._marks = [], ""
         elif self.attached:  # (not sent: they wait for it again, its documents not yet given)
-            conv.variables["documents"] = documents
-            if documents is None:
-                del conv.variables["documents"]
+            conv.update(variables=before.variables)
         return outcome
 
     def attach(self, name: str) -> Attachment:
@@ -331,7 +329,7 @@ class ChatSession:
         conv = self._named.conversation
         if conv.template is None or not conv.template.features()["thinking_switch"]:
             return False
-        conv.variables["enable_thinking"] = on
+        conv.update(variables={**conv.settings.variables, "enable_thinking": on})
         self.save()
         return True
 
@@ -344,7 +342,7 @@ class ChatSession:
     def reasoning(self) -> tuple[str | None, int | None]:
         """(the reasoning effort, the reasoning budget) the next replies are given."""
         conv = self._named.conversation
-        return conv.variables.get("reasoning_effort"), conv.reasoning_budget
+        return conv.settings.variables.get("reasoning_effort"), conv.settings.reasoning_budget
 
     def undo(self) -> bool:
         done = self._named.conversation.undo()
@@ -476,7 +474,7 @@ class ChatSession:
         """(name, where it comes from, description) of each tool the model is told of."""
         conv = self._named.conversation
         sources = {name: t.source for name, t in self.tools.box.tools.items()} if self.tools else {}
-        return [(t.name, sources.get(t.name, "the session (the caller runs it)"), t.description) for t in conv.tools]
+        return [(t.name, sources.get(t.name, "the session (the caller runs it)"), t.description) for t in conv.settings.tools]
 
 
 def history_file(env: Environment) -> str:

@@ -14,7 +14,8 @@ from quipu.app.turn_options import (TurnOptions, chat_template_source, max_token
 from quipu.app.hosts import Keeper, ModelHost
 from quipu.engine.base import ProgressFn
 from quipu.sessions.base import Message, ModelSession
-from quipu.sessions.conversation import Conversation
+from quipu.sessions.conversation import Conversation, TurnSettings
+from quipu.sessions.toolspec import ToolSpec
 from quipu.store.store import SessionStore, validate_name
 from quipu.store.transcript import Transcript, now_iso
 
@@ -73,29 +74,23 @@ class NamedSession:
             variables = template_variables(opts, record.template_variables)
             system = opts.system
             created = record.created or now_iso()
-        try:
-            conv = Conversation.start(opened.session, system, template=source, variables=variables,
-                                      messages=messages)
-        except BaseException:
-            opened.session.close()
-            raise
-        if record is not None and record.tools:
-            from quipu.sessions.toolspec import ToolSpec
-
-            conv.tools = [ToolSpec(t["function"]["name"], str(t["function"].get("description") or ""),
-                                   t["function"].get("parameters") or {"type": "object"}) for t in record.tools]
         limits = record.limits if record is not None else {}
+        # (a session's own tools, which a command's replace: `tools.offer`)
+        tools = [ToolSpec(t["function"]["name"], str(t["function"].get("description") or ""),
+                          t["function"].get("parameters") or {"type": "object"})
+                 for t in (record.tools if record is not None else ())]
         try:
-            conv.reasoning_budget = limits.get("reasoning_budget")
+            conv = Conversation.start(opened.session, system, template=source, messages=messages,
+                                      settings=TurnSettings().but(variables=variables, tools=tools,
+                                                                  reasoning_budget=limits.get("reasoning_budget")))
             conv.set_reasoning(effort=opts.reasoning_effort, budget=opts.reasoning_budget)
         except BaseException:
             opened.session.close()
             raise
-        named = cls(store, name, conv, opened.keeper, created, list(opened.notices), chat_template=source,
-                    max_tokens=opts.max_tokens if opts.max_tokens is not None else limits.get("max_tokens"),
-                    stop=stop_strings(opts, env) if opts.stop else (tuple(limits["stop"]) if "stop" in limits else None))
-        named.origins = origins(opts, env, record)
-        return named
+        return cls(store, name, conv, opened.keeper, created, list(opened.notices), chat_template=source,
+                   max_tokens=opts.max_tokens if opts.max_tokens is not None else limits.get("max_tokens"),
+                   stop=stop_strings(opts, env) if opts.stop else (tuple(limits["stop"]) if "stop" in limits else None),
+                   origins=origins(opts, env, record))
 
     def reply_limits(self, opts: TurnOptions, env: Environment) -> tuple[int, tuple[str, ...]]:
         """The longest reply and the stop strings: the command line's, else the session's, else
@@ -125,11 +120,11 @@ class NamedSession:
         conv = self.conversation
         limits = {k: v for k, v in (("max_tokens", self.max_tokens),
                                     ("stop", list(self.stop) if self.stop is not None else None),
-                                    ("reasoning_budget", conv.reasoning_budget)) if v is not None}
+                                    ("reasoning_budget", conv.settings.reasoning_budget)) if v is not None}
         record = Transcript(
             messages=[m.to_dict() for m in conv.messages], created=self.created, updated=now_iso(),
-            quipu=__version__, chat_template=self.chat_template, template_variables=conv.variables,
-            limits=limits, tools=[t.to_openai() for t in conv.tools], **self.keeper.fields(self.session),
+            quipu=__version__, chat_template=self.chat_template, template_variables=dict(conv.settings.variables),
+            limits=limits, tools=[t.to_openai() for t in conv.settings.tools], **self.keeper.fields(self.session),
         )
         self.notices += self.keeper.save(self.store, self.name, record, self.session)
 

@@ -188,13 +188,10 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
             answers.append((call, text or ""))
         result.calls += records
         conv.add_tool_results(answers)
-        choice = conv.tool_choice
-        if choice != "none":  # a call asked for (required, or a tool's name) is the first reply's only
-            conv.tool_choice = "auto"
-        try:
-            result.generation = conv.reply_to_tools(max_tokens=max_tokens, stop=stop, sink=sink)
-        finally:
-            conv.tool_choice = choice
+        # (a call asked for, required or a tool's by name, is the first reply's only: the replies
+        # that follow the results may call as they choose)
+        follow = conv.settings if conv.settings.tool_choice == "none" else conv.settings.but(tool_choice="auto")
+        result.generation = conv.reply_to_tools(max_tokens=max_tokens, stop=stop, sink=sink, turn=follow)
         rounds += 1
     return result
 
@@ -343,16 +340,16 @@ def open_tools(opts: ToolOptions, env: Environment | None = None, *, constrained
 def offer(conv: Conversation, tools: OpenTools | None, opts: ToolOptions) -> None:
     """Tells the conversation of the tools (those given now replace a session's own)."""
     if tools is not None:
-        conv.tools = tools.box.specs
+        conv.update(tools=tools.box.specs)
         if conv.template is not None and conv.tool_format.generic:
             tools.notices.append("this model's chat template has no tool-call format quipu knows; the model is "
                                  'asked to call tools as {"tool_call": {"name", "arguments"}} JSON (the generic '
                                  "format), which it may not follow")
     if opts.tool_choice is not None:
         choice = opts.tool_choice
-        if choice not in ("auto", "required", "none") and choice not in {t.name for t in conv.tools}:
+        if choice not in ("auto", "required", "none") and choice not in {t.name for t in conv.settings.tools}:
             raise UsageError(f"--tool-choice is auto, required, none or a tool's name, not {choice!r}")
-        conv.tool_choice = choice
+        conv.update(tool_choice=choice)
 
 
 def answer_pending(conv: Conversation, opts: ToolOptions, limit: int, stop: Sequence[str], sink: ReplySink) -> Generation:
@@ -386,7 +383,7 @@ def follow_calls(conv: Conversation, tools: OpenTools | None, gen: Generation, o
         return gen, [], notices
     box = Toolbox()  # (the turn's own: the tools given stay as they were for the next turn)
     box.tools = dict(tools.box.tools) if tools is not None else {}
-    for spec in conv.tools:  # a session's tools that nothing runs now: the caller's to run
+    for spec in conv.settings.tools:  # a session's tools that nothing runs now: the caller's to run
         if spec.name not in box.tools:
             box.tools[spec.name] = Tool(spec, None, "the session")
     hooks = hooks or ToolHooks()

@@ -23,7 +23,7 @@ from quipu.engine.base import MEDIA_MARK, defuse
 from quipu.errors import BadInput, ContextOverflow, UsageError
 from quipu.sessions.base import LOCAL, SILENT, Capabilities, Generation, ModelSession, Stats, common_prefix
 from quipu.sessions.base import ReplySink as ReplySink  # (the CLI's sinks are made of it)
-from quipu.sessions.conversation import Conversation, Message
+from quipu.sessions.conversation import Conversation, Message, TurnSettings
 from quipu.store.store import validate_name
 
 if TYPE_CHECKING:
@@ -191,9 +191,10 @@ def compose(conv: Conversation | None, prompt: str | None, files: Sequence[Attac
 
     if files and conv is not None and conv.template is not None and takes_documents(conv.template):
         named = "doc_id" in conv.template.source  # (Granite's names a document so; others print every key)
-        conv.variables["documents"] = [*(conv.variables.get("documents") or []),
-                                       *({**({"doc_id": f.name} if named else {}), "title": f.name, "text": f.text}
-                                         for f in files)]
+        variables = conv.settings.variables
+        conv.update(variables={**variables, "documents": [
+            *(variables.get("documents") or []),
+            *({**({"doc_id": f.name} if named else {}), "title": f.name, "text": f.text} for f in files)]})
         files = []
     prompt = defuse(prompt) if prompt else prompt  # (text from outside is never taken for a marker)
     return with_marks(message_with(prompt, files) if files else prompt, marks)
@@ -283,20 +284,19 @@ def _conversation(session: ModelSession, opts: TurnOptions, env: Environment, so
     """A one-shot run's conversation: the system prompt alone, --messages' conversation
     (`messages`, their media's markers in `marks`), or the logged exchanges a follow-up goes on
     with (`follows`: `messages`, with the system prompt)."""
+    settings = TurnSettings().but(variables=template_variables(opts))
     if follows:
-        conv = Conversation.start(session, system_prompt(opts, env), template=source,
-                                  variables=template_variables(opts), messages=list(messages))
+        conv = Conversation.start(session, system_prompt(opts, env), template=source, messages=list(messages),
+                                  settings=settings)
     elif not opts.messages:
-        conv = Conversation.start(session, system_prompt(opts, env), template=source,
-                                  variables=template_variables(opts))
+        conv = Conversation.start(session, system_prompt(opts, env), template=source, settings=settings)
     else:
         from quipu.app.tool_files import media_placeholder
 
         for m in messages:
             for n, mark in enumerate(marks):
                 m.content = m.content.replace(media_placeholder(n), mark)
-        conv = Conversation.start(session, None, template=source, variables=template_variables(opts),
-                                  messages=list(messages))
+        conv = Conversation.start(session, None, template=source, messages=list(messages), settings=settings)
         if opts.system is not None:
             conv.set_system(opts.system)
     conv.set_reasoning(effort=opts.reasoning_effort, budget=opts.reasoning_budget)

@@ -11,8 +11,9 @@
   llama-server (an `engine.TokenServer`), one request a reply, seeded per draw.
 - `chat_api.py`: `ChatApiSession`, a server's OpenAI chat API, whose context is the message list.
 - `conversation.py`: `Conversation`, one for every session: turns as the model's chat template
-  renders them, fed incrementally; undo, retry, continue, drop the oldest exchanges; its turns
-  with tools, `tool_turns.py`.
+  renders them, fed incrementally; undo, retry, continue, drop the oldest exchanges; what a
+  turn is given besides the messages (`TurnSettings`: tools, reasoning budget, the template's
+  variables) and its calls offered and read, `tool_turns.py`.
 - `batch.py`: `BatchSession`, many prompts decoded side by side on one context, each row with
   its own seed (continuous batching; a shared beginning read once).
 - `template.py`: `ChatTemplate`, the model's Jinja template in a sandbox, rendered as

@@ -255,7 +255,7 @@ class ToolOffer:
 RenderFn = Callable[[Sequence[Message], bool, str], "Rendered"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class TurnPrompt:
     """What a reply is generated after: the conversation's messages, what the reply holds
     already (`tail`: a reply being continued), and the conversation's template, for the

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence
 
 from quipu.engine.base import defuse
@@ -13,42 +13,46 @@ from quipu.sessions.prompt import Protector, Rendered
 from quipu.sessions.template import ChatTemplate
 from quipu.sessions.reasoning import BY_DEFAULT, ReasoningFormat
 from quipu.sessions.reasoning_sink import ReasoningSink
-from quipu.sessions.tool_turns import ToolTurns
-from quipu.sessions.tools import generic_system_prompt
+from quipu.sessions.tool_turns import TurnSettings, offer_tools, read_calls, tool_format
+from quipu.sessions.tools import Format, generic_system_prompt
+from quipu.sessions.toolspec import ToolCall
 
-__all__ = ["Conversation", "Message", "EFFORTS"]
+__all__ = ["Conversation", "Message", "TurnSettings", "EFFORTS"]
 
 EFFORTS = ("low", "medium", "high")
 
 
 @dataclass
-class Conversation(ToolTurns):
+class Conversation:
     """Messages on a `ModelSession`, one class for every kind of session: send, retry,
     continue, undo, reset, drop the oldest exchanges, the system prompt. Each turn reads only
     what is new in the context. The template renders the messages where the session takes
-    tokens; a chat API's server renders them itself (`template` is None)."""
+    tokens; a chat API's server renders them itself (`template` is None). `settings`: what its
+    replies are given besides the messages (the tools, the reasoning budget, the template's
+    variables), changed by `update`; a turn may be given its own (`turn`)."""
 
     session: ModelSession
     template: ChatTemplate | None
     messages: list[Message] = field(default_factory=list)
-    # What the template is given besides the messages (`enable_thinking`, ...).
-    variables: dict[str, Any] = field(default_factory=dict)
-    # The tools the model is told of (`sessions.tools.ToolSpec`), rendered by its template, and
-    # whether it may call them: "auto", "required", "none", or a tool's name (that one, required).
-    tools: list[Any] = field(default_factory=list)
-    tool_choice: str = "auto"
-    # At most how many tokens a reply's reasoning may take (None: no limit; 0: no reasoning).
-    reasoning_budget: int | None = None
+    settings: TurnSettings = field(default_factory=TurnSettings)
 
     @classmethod
     def start(cls, session: ModelSession, system: str | None = None, *, template: str | None = None,
-              variables: dict[str, Any] | None = None, messages: Sequence[Message] = ()) -> "Conversation":
+              messages: Sequence[Message] = (), settings: TurnSettings | None = None) -> "Conversation":
         """A conversation on `session` (new, or of `messages`); `template` replaces the model's own
         chat template."""
-        conv = cls(session, cls.template_for(session, template), list(messages), variables=dict(variables or {}))
+        conv = cls(session, cls.template_for(session, template), list(messages), settings or TurnSettings())
         if system is not None:
             conv.set_system(system)
         return conv
+
+    def update(self, **changes: Any) -> None:
+        """The replies that follow are given these settings (`TurnSettings`' fields)."""
+        self.settings = self.settings.but(**changes)
+
+    @property
+    def tool_format(self) -> Format:
+        return tool_format(self.template)
 
     @staticmethod
     def template_for(session: ModelSession, source: str | None) -> ChatTemplate | None:
@@ -69,14 +73,14 @@ class Conversation(ToolTurns):
                 raise UsageError(f"the reasoning effort must be {', '.join(EFFORTS)}; got {effort!r}")
             if self.template is None or "reasoning_effort" not in self.template.source:
                 raise UsageError("this model's chat template takes no reasoning effort")
-            self.variables["reasoning_effort"] = effort
+            self.update(variables={**self.settings.variables, "reasoning_effort": effort})
         if budget is not None:
             self.session.capabilities.require("reasoning_budget", chat=chat)
             if budget < -1:
                 raise UsageError(f"the reasoning budget must be 0 or more (-1: no limit); got {budget}")
             if budget >= 0 and (self.template is None or self.template.reasoning is None):
                 raise UsageError("this model's chat template writes no reasoning that quipu knows how to limit")
-            self.reasoning_budget = None if budget == -1 else budget
+            self.update(reasoning_budget=None if budget == -1 else budget)
 
     @property
     def reasoning(self) -> ReasoningFormat | None:
@@ -111,14 +115,17 @@ class Conversation(ToolTurns):
             raise ValueError("a conversation's earlier exchanges go in before its own")
         self.messages.extend(earlier)
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool, tail: str = "") -> Rendered:
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool, tail: str = "",
+               turn: TurnSettings | None = None) -> Rendered:
         """The template's text for `messages` (and `tail`, a reply in progress), in parts that
-        keep a user's spelling of a control token as text."""
+        keep a user's spelling of a control token as text; with `turn`'s settings (default: the
+        conversation's)."""
         template = self.template
         if template is None:
             raise self.session.capabilities.refusal("show_prompt")
+        turn = turn or self.settings
         # Every text from outside (a tool's definition, a call's arguments) is data, never markup.
-        defined = [tool.to_openai() for tool in self.tools]
+        defined = [tool.to_openai() for tool in turn.tools]
         calls = [m.tool_calls for m in messages if m.tool_calls]
         texts = [m.content for m in messages] + [tail] + list(strings_of(defined)) + list(strings_of(calls))
         self.session.check_text_fits("".join(texts))  # (refused before a tokenizer sees megabytes)
@@ -128,14 +135,14 @@ class Conversation(ToolTurns):
         # whose calls' arguments are data the grammar kept to text.
         fmt = self.reasoning
         shown = [_shown(m, protector, fmt) for m in messages]
-        variables = dict(self.variables)
-        if self.reasoning_budget == 0 and "enable_thinking" not in variables and \
+        variables = dict(turn.variables)
+        if turn.reasoning_budget == 0 and "enable_thinking" not in variables and \
                 "enable_thinking" in template.source:
             variables["enable_thinking"] = False  # (no reasoning: the template's own switch first)
-        if self.tools:
+        if turn.tools:
             if self.tool_format.generic and "tools" not in template.source:
                 # the template cannot tell the model of them: the system prompt does
-                told = protector.hide(generic_system_prompt(self.tools))
+                told = protector.hide(generic_system_prompt(list(turn.tools)))
                 if shown and shown[0]["role"] == "system":
                     shown[0] = {**shown[0], "content": f"{shown[0]['content']}\n\n{told}"}
                 else:
@@ -162,15 +169,17 @@ class Conversation(ToolTurns):
         finally:
             self.messages.pop()
 
-    def send(self, text: str, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT) -> Generation:
-        """Adds a user message and generates the reply, which joins the conversation."""
+    def send(self, text: str, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT,
+             turn: TurnSettings | None = None) -> Generation:
+        """Adds a user message and generates the reply, which joins the conversation. Every turn
+        is given `turn`'s settings (default: the conversation's)."""
         self.session.check_text_fits(text)
         before = self.session.used if self.session.capabilities.exact_tokens else None
         held = list(self.session.tokens) if before is not None else []
         user = Message("user", text, context_before=before)
         self.messages.append(user)
         try:
-            gen = self._generate(Message("assistant", ""), max_tokens, stop, sink)
+            gen = self._generate(Message("assistant", ""), max_tokens, stop, sink, turn)
         except BaseException:
             del self.messages[-1]
             self.session.rewind(before or 0)  # no half-read prompt stays behind
@@ -182,35 +191,45 @@ class Conversation(ToolTurns):
             user.context_before = min(before, common_prefix(held, self.session.tokens))
         return gen
 
-    def continue_reply(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT) -> Generation:
+    def continue_reply(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT,
+                       turn: TurnSettings | None = None) -> Generation:
         """Keeps generating the last reply, as if it had never ended."""
         self.session.capabilities.require("continue")
-        return self._redo_last_reply(True, max_tokens, stop, sink)
+        return self._redo_last_reply(True, max_tokens, stop, sink, turn)
 
-    def retry(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT) -> Generation:
+    def retry(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT,
+              turn: TurnSettings | None = None) -> Generation:
         """Generates the last reply again, with new random draws."""
-        return self._redo_last_reply(False, max_tokens, stop, sink)
+        return self._redo_last_reply(False, max_tokens, stop, sink, turn)
 
-    def _redo_last_reply(self, keep: bool, max_tokens: int, stop: Sequence[str], sink: ReplySink) -> Generation:
+    def _redo_last_reply(self, keep: bool, max_tokens: int, stop: Sequence[str], sink: ReplySink,
+                         turn: TurnSettings | None) -> Generation:
         if not self.messages or self.messages[-1].role != "assistant":
             raise UsageError(f"there is no reply to {'continue' if keep else 'retry'}")
         last = self.messages.pop()
         try:
-            return self._generate(last if keep else Message("assistant", ""), max_tokens, stop, sink)
+            return self._generate(last if keep else Message("assistant", ""), max_tokens, stop, sink, turn)
         except BaseException:
             self.messages.append(last)  # the exchange stays as it was
             raise
 
-    def _generate(self, reply: Message, max_tokens: int, stop: Sequence[str], sink: ReplySink) -> Generation:
+    def _generate(self, reply: Message, max_tokens: int, stop: Sequence[str], sink: ReplySink,
+                  turn: TurnSettings | None) -> Generation:
         """Generates into `reply` after the conversation (and what `reply` holds so far), which
         joins the conversation when done; the answer and a thinking model's reasoning apart, and
         the tool calls it made."""
-        render = self.render if self.template is not None else None
+        turn = turn or self.settings
+        settled = turn
+
+        def render(messages: Sequence[Message], add_generation_prompt: bool, tail: str) -> Rendered:
+            return self.render(messages, add_generation_prompt, tail, settled)
+
         fmt = self.reasoning
         tail = reply.written if reply.content or reply.reasoning else ""
-        prompt = TurnPrompt(self.messages, tail, render, reasoning=fmt, budget=self.reasoning_budget)
+        bare = TurnPrompt(self.messages, tail, render if self.template is not None else None, reasoning=fmt,
+                          budget=turn.reasoning_budget)
+        prompt = replace(bare, offer=offer_tools(self, turn, lambda: bare.thinking(bare.text).inside))
         split = ReasoningSink(sink, lambda: prompt.thinking(prompt.text))
-        prompt.offer = self._offer_tools(lambda: prompt.thinking(prompt.text).inside)
         gen = self.session.reply(prompt, max_tokens, stop, split)
         self.messages.append(reply)
         reasoning, answer = split.finish()
@@ -221,7 +240,7 @@ class Conversation(ToolTurns):
         gen.answer, gen.reasoning = answer, reasoning.strip()
         if prompt.offer is not None:
             opened = fmt is not None and fmt.starts_inside(prompt.text[:len(prompt.text) - len(tail)])
-            self._read_calls(reply, gen, opened)
+            read_calls(self, turn, reply, gen, opened)
             shown = gen.call_shown
             if self.template is not None and not gen.tool_calls and shown is not None and len(gen.text) > shown:
                 sink.text(gen.text[shown:])  # a call that did not parse is shown, and kept, as text
@@ -229,17 +248,30 @@ class Conversation(ToolTurns):
                 gen.answer += gen.text[shown:]
         return gen
 
-    def answer(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT) -> Generation:
+    def answer(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT,
+               turn: TurnSettings | None = None) -> Generation:
         """Generates the reply to the conversation as it stands: its last message a user's or a
         tool's result."""
         if not self.messages or self.messages[-1].role not in ("user", "tool"):
             raise UsageError("the conversation does not end with a message to reply to (a user's or a tool's)")
         mark = len(self.messages)
         try:
-            return self._generate(Message("assistant", ""), max_tokens, stop, sink)
+            return self._generate(Message("assistant", ""), max_tokens, stop, sink, turn)
         except BaseException:
             del self.messages[mark:]
             raise
+
+    def add_tool_results(self, results: Sequence[tuple[ToolCall, str]]) -> None:
+        """Each (call, its result's text) as a tool message, after the reply that made the calls."""
+        for call, text in results:
+            self.messages.append(Message("tool", text, tool_call_id=call.id, name=call.name))
+
+    def reply_to_tools(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT,
+                       turn: TurnSettings | None = None) -> Generation:
+        """Generates the model's next reply after the tools' results (no new user message)."""
+        if not self.messages or self.messages[-1].role != "tool":
+            raise UsageError("there is no tool result to reply to")
+        return self.answer(max_tokens=max_tokens, stop=stop, sink=sink, turn=turn)
 
     def undo(self) -> bool:
         """Drops the last exchange (the last user message and what followed it) and returns the
