@@ -168,13 +168,12 @@ def bench_tools(model: str, threads: int, repeats: int) -> list[dict]:
         for i in range(repeats):
             session = InferenceSession(backend, SamplingParams(seed=i, temperature=0.7))
             conv = Conversation.start(session, system)
-            conv.tools, conv.tool_choice = [weather], "required"
+            conv.update(tools=[weather], tool_choice="required")
             gen = conv.send("What is the weather in Paris?", max_tokens=60)
             if not gen.tool_calls:
                 continue
             conv.add_tool_results([(gen.tool_calls[0], '{"temperature": 21, "sky": "clear"}')])
-            conv.tool_choice = "auto"
-            conv.reply_to_tools(max_tokens=1)
+            conv.reply_to_tools(max_tokens=1, turn=conv.settings.but(tool_choice="auto"))
             stats = session.stats
             rounds.append(stats.ttft_s)
             reread.append(stats.prompt_tokens - stats.cached_tokens)
