@@ -64,11 +64,13 @@ class LlamaServerHost:
     def _params(self, opts: TurnOptions, env: Environment, base: SamplingParams | None = None) -> SamplingParams:
         return with_logit_biases(sampling_params(opts, env, base, self.capabilities), self.served, opts)
 
-    def _open(self, params: SamplingParams, slot: "SlotFile | None") -> tuple[LlamaServerSession, "LlamaServerKeeper"]:
-        """A session, and its keeper; with `slot`, the session's slot is kept between turns."""
+    def _open(self, params: SamplingParams, slot: "SlotFile | None",
+              draws: int = 0) -> tuple[LlamaServerSession, "LlamaServerKeeper"]:
+        """A session, and its keeper; with `slot`, the session's slot is kept between turns;
+        `draws`, the draws its seed has made."""
         notices: list[str] = []
         holder = HeldSlot(self.served, slot, notices) if slot is not None else None
-        session = LlamaServerSession(self.served, params, slot_holder=holder)
+        session = LlamaServerSession(self.served, params, slot_holder=holder, draws=draws)
         return session, LlamaServerKeeper(self.served, self.url, slot, notices)
 
     def create(self, opts: TurnOptions, env: Environment, name: str | None = None,
@@ -92,16 +94,15 @@ class LlamaServerHost:
     def resume(self, store: SessionStore, name: str, record: Transcript, messages: list[Message],
                opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened:
         session, keeper = self._open(self._params(opts, env, saved_params(store, name, record)),
-                                     SlotFile(slot_file_of(record), name))
+                                     SlotFile(slot_file_of(record), name), record.draws)
         notices = []
         saved = record.served
         if saved is not None and saved["identity"] == self.served.identity:
-            session.restore(record.tokens, saved["text"], [tuple(m) for m in saved["marks"]], record.draws)
+            session.restore(record.tokens, saved["text"], [tuple(m) for m in saved["marks"]])
         else:
             notice = made_elsewhere(name, record, self.served.name, messages)
             if record.tokens:
                 notices.append(notice)
-            session.draws = record.draws
         return Opened(session, keeper, notices)
 
     def close(self) -> None:

@@ -46,7 +46,7 @@ from quipu.engine.kvstate import LAYOUT, check_piece
 from quipu.app.placing import load_where_it_ran, moved_notice, placement_notices, placement_of
 from quipu.errors import EngineError, ModelMismatch, SessionNotFound, SnapshotError, UsageError
 from quipu.models import file_identity, fingerprint, projector_beside
-from quipu.sessions.base import LOCAL, Message
+from quipu.sessions.base import LOCAL, Message, Stats
 from quipu.sessions.inference import InferenceSession, Snapshot
 from quipu.store.chain import Chain, held_cells, tokens_digest
 from quipu.store.fingerprints import Fingerprints
@@ -82,12 +82,11 @@ def open_session(opts: TurnOptions, env: Environment) -> tuple[str, Path, Infere
     started = time.perf_counter()
     backend = load_backend(model_path, settings, opts.verbose, where)
     try:
-        session = InferenceSession(backend, with_logit_biases(params, backend, opts))
+        stats = Stats(load_s=time.perf_counter() - started, placement=placement_of(backend))
+        session = InferenceSession(backend, with_logit_biases(params, backend, opts), stats=stats)
     except BaseException:
         backend.close()
         raise
-    session.stats.load_s = time.perf_counter() - started
-    session.stats.placement = placement_of(backend)
     return model_name, model_path, session
 
 
@@ -243,6 +242,10 @@ class LocalHost:
                              checked=env.dirs.checked_projectors)
         try:
             load_s = time.perf_counter() - started
+
+            def stats() -> Stats:  # (the session's figures so far: the model's load)
+                return Stats(load_s=load_s, placement=placement_of(backend))
+
             params = with_logit_biases(params, backend, opts)
             if record.media:
                 take_saved_media(backend, store, name, record, model_path, keeper)
@@ -256,22 +259,20 @@ class LocalHost:
                 if reason:
                     notices.append(f"session '{name}': {reason}; re-reading its context from the transcript")
                 try:
-                    session = InferenceSession.from_snapshot(backend, snap, on_progress)
+                    session = InferenceSession.from_snapshot(backend, snap, on_progress, stats=stats(),
+                                                             started=restoring)
                 except (EngineError, SnapshotError) as exc:
                     notices.append(f"session '{name}': {exc}; re-reading its context from the transcript")
                     snap.state, snap.pieces, snap.state_decoded, keeper.chain = None, (), None, None
-                    session = InferenceSession.from_snapshot(backend, snap, on_progress)
-                session.stats.restore_s = time.perf_counter() - restoring
+                    session = InferenceSession.from_snapshot(backend, snap, on_progress, stats=stats(),
+                                                             started=restoring)
                 if session.rebuilt_tokens == 0 and snap.state is not None:
                     keeper.saved_state = state_key(session)
                 elif snap.state is None:
                     keeper.chain = None
             else:
                 notices.append(made_elsewhere(name, record, model_name, messages))
-                session = InferenceSession(backend, params)
-                session.draws = record.draws
-            session.stats.load_s = load_s
-            session.stats.placement = placement_of(backend)
+                session = InferenceSession(backend, params, draws=record.draws, stats=stats())
         except BaseException:
             backend.close()
             raise

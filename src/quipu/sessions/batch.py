@@ -216,7 +216,7 @@ class BatchSession:
                 slot.pending = [token]
         if finish is None:
             return
-        tail, finish, _ = reply.end(finish)
+        tail, finish = reply.end(finish)
         if tail and on_token is not None:
             on_token(slot.row, -1, tail)
         stats = slot.stats

@@ -66,24 +66,27 @@ class InferenceSession(HeldTokens):
     capabilities = LOCAL
     backend: Backend
 
-    def __init__(self, backend: Backend, params: SamplingParams | None = None):
+    def __init__(self, backend: Backend, params: SamplingParams | None = None, *, draws: int = 0,
+                 stats: Stats | None = None):
+        """A session on an empty context; `draws`: how many draws its seed has made (a session
+        read again from its transcript goes on with them); `stats`: its figures so far (the
+        model's load)."""
         self.backend = backend
         self.params = (params or SamplingParams()).resolved()
         self.tokens: list[int] = []
         self.n_decoded = 0
-        self.draws = 0
+        self.draws = draws
         self._logits_at = -1  # n_decoded when the backend's logits were computed
         # The fewest tokens the context has held since it was last taken (`take_low_water`):
         # the cells before it are as they were then.
         self._low_water = 0
-        self.stats = Stats()
+        self.stats = stats or Stats()
         self._turn_started = 0.0
         # Tokens re-read from the token history (not restored from state bytes) when this
         # session was made; the first turn counts them as computed, not cached.
         self.rebuilt_tokens = 0
         self._rebuilt_pending = 0
-        self.reply_start = 0  # where the reply being generated begins in `tokens`
-        self._carry = b""  # the unfinished character a continued reply's text starts with
+        self.reply_start = 0  # where the reply generated last began in `tokens` (set by `infer`)
         self.logits_processors: list[LogitsProcessor] = []
         self.token_filter: TokenFilter | None = None
         backend.set_sampler(self.params.sampler())
@@ -114,15 +117,6 @@ class InferenceSession(HeldTokens):
         self.backend.set_sampler(params.sampler())  # a bad grammar is refused before anything changes
         self.params = params
         self._reset_sampler()  # a new grammar applies from the next reply on
-
-    def start_reply(self, at: int | None = None) -> None:
-        """Marks where the reply to generate begins (default: after everything in the context);
-        the grammar starts there, replaying what the reply already holds."""
-        self.reply_start = len(self.tokens) if at is None else at
-        reply = self.tokens[self.reply_start:]
-        self.backend.constraint_reset(reply)
-        # A reply cut inside a character goes on with the rest of it.
-        self._carry = unfinished_character([self.backend.token_bytes(t) for t in reply[-4:]])
 
     def _reset_sampler(self) -> None:
         n = self.params.repeat_last_n
@@ -246,13 +240,15 @@ class InferenceSession(HeldTokens):
 
     @classmethod
     def from_snapshot(
-        cls, backend: Backend, snap: Snapshot, on_progress: ProgressFn | None = None
+        cls, backend: Backend, snap: Snapshot, on_progress: ProgressFn | None = None, *,
+        stats: Stats | None = None, started: float | None = None,
     ) -> "InferenceSession":
         """A session continuing `snap` exactly. Its KV bytes are used when they were made under
-        this backend's context settings; otherwise the context is re-read from its tokens."""
-        started = time.perf_counter()
-        session = cls(backend, snap.params)
-        session.draws = snap.draws
+        this backend's context settings; otherwise the context is re-read from its tokens.
+        `stats`: its figures so far (the model's load); `started`: when its restoring began
+        (`time.perf_counter`; default: now), which its restore time counts from."""
+        started = time.perf_counter() if started is None else started
+        session = cls(backend, snap.params, draws=snap.draws, stats=stats)
         if snap.state is not None and snap.context == backend.context.state_key():
             held = snap.n_decoded if snap.state_decoded is None else snap.state_decoded
             if snap.pieces:
@@ -336,17 +332,22 @@ class InferenceSession(HeldTokens):
 
     def infer(self, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT,
               thinking: Thinking | None = None, offer: ToolOffer | None = None,
-              began: Thinking | None = None) -> Generation:
+              began: Thinking | None = None, at: int | None = None) -> Generation:
         """Generates up to `max_tokens` tokens into `sink`; ends at end-of-generation, a stop
-        string, a full context, or when the sink says stop ("interrupted"). `thinking`: the
-        reply's reasoning (its format, a budget that closes it after so many tokens); `offer`:
-        tools, whose call, once its trigger is written (or from the start, where forced), keeps
-        to the call's grammar, its markup never reaching the sink. `began`: the reasoning as the
-        reply began, where it holds some already (a reply continued: its budget counts what the
-        reply's reasoning took before)."""
+        string, a full context, or when the sink says stop ("interrupted"). `at`: where in the
+        context the reply begins (default: after everything in it), what is after it being the
+        reply so far: the grammar starts there, replaying it, and a reply cut inside a character
+        goes on with the rest of it. `thinking`: the reply's reasoning (its format, a budget
+        that closes it after so many tokens); `offer`: tools, whose call, once its trigger is
+        written (or from the start, where forced), keeps to the call's grammar, its markup never
+        reaching the sink. `began`: the reasoning as the reply began, where it holds some
+        already (a reply continued: its budget counts what the reply's reasoning took before)."""
         thinking = thinking or Thinking()
-        reply = ReplyText(self.backend.token_bytes, self._carry, stop)
-        self._carry = b""
+        self.reply_start = len(self.tokens) if at is None else at
+        held = self.tokens[self.reply_start:]
+        self.backend.constraint_reset(held)
+        carry = unfinished_character([self.backend.token_bytes(t) for t in held[-4:]])
+        reply = ReplyText(self.backend.token_bytes, carry, stop)
         sampled = 0
         first_at = last_at = 0.0
         finish = "length"
@@ -391,7 +392,7 @@ class InferenceSession(HeldTokens):
             if sink.stopped():
                 finish = "interrupted"
                 break
-        tail, finish, self._carry = reply.end(finish)
+        tail, finish = reply.end(finish)
         if tail:
             shown.text(tail)
         shown_before_call = calls.end() if calls is not None else None
@@ -424,7 +425,6 @@ class InferenceSession(HeldTokens):
         """One turn on raw tokens: the context becomes `tokens` (reusing what it can), then infer."""
         self.begin_turn()
         self.set_context(tokens, sink)
-        self.start_reply()
         return self.infer(max_tokens, stop, sink)
 
     def reply(self, prompt: TurnPrompt, max_tokens: int, stop: Sequence[str] = (),
@@ -436,8 +436,7 @@ class InferenceSession(HeldTokens):
         start = len(self.context_for(prompt.rendered(with_tail=False))) if prompt.tail else len(tokens)
         self.begin_turn()
         self.set_context(tokens, sink)
-        self.start_reply(start)
         began = prompt.thinking(prompt.rendered(with_tail=False).text) if prompt.tail else None
-        gen = self.infer(max_tokens, stop, sink, prompt.thinking(prompt.text), prompt.offer, began)
+        gen = self.infer(max_tokens, stop, sink, prompt.thinking(prompt.text), prompt.offer, began, at=start)
         gen.spelled = self.reply_spelled()
         return gen

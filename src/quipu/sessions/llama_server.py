@@ -82,14 +82,14 @@ class LlamaServerSession(HeldTokens):
     backend: TokenServer
 
     def __init__(self, backend: TokenServer, params: SamplingParams | None = None,
-                 slot_holder: SlotHolder | None = None):
+                 slot_holder: SlotHolder | None = None, draws: int = 0):
         self.backend = backend
         self.params = SamplingParams().resolved()
         self.set_params(params or self.params)
         self.tokens: list[int] = []
         self.text = ""  # what `tokens` spell, control tokens written out
         self.marks: list[tuple[int, int]] = []  # (k, n): tokens[:k] spell text[:n]; a turn may go on from there
-        self.draws = 0
+        self.draws = draws
         self.slot = -1  # the server's slot to use (-1: any)
         self.slot_holder = slot_holder  # keeps the session's slot between turns (a named session's)
         self._spelled = ""  # the last reply, control tokens spelled out
@@ -120,9 +120,9 @@ class LlamaServerSession(HeldTokens):
             server_grammar(params.grammar)  # refused now, not at the next reply
         self.params = params.resolved()
 
-    def restore(self, tokens: Sequence[int], text: str, marks: Sequence[tuple[int, int]], draws: int) -> None:
+    def restore(self, tokens: Sequence[int], text: str, marks: Sequence[tuple[int, int]]) -> None:
         """Takes a saved context (marks past the tokens or the text are dropped)."""
-        self.tokens, self.text, self.draws = list(tokens), text, draws
+        self.tokens, self.text = list(tokens), text
         self.marks = [(k, n) for k, n in marks if 0 < k <= len(tokens) and 0 < n <= len(text)]
 
     def rewind(self, n_keep: int) -> None:

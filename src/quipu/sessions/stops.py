@@ -91,16 +91,16 @@ class ReplyText:
         self._shown.append(text)
         return text
 
-    def end(self, finish: str) -> tuple[str, str, bytes]:
-        """The reply is over: (the text still to show, the finish reason, the bytes of a
-        character it was cut inside, which a continuation finishes)."""
+    def end(self, finish: str) -> tuple[str, str]:
+        """The reply is over: (the text still to show, the finish reason). A character it was
+        cut inside (by its length, or Ctrl-C) is left for a continuation to finish, not shown."""
         carry = self._detok.pending if finish in ("length", "interrupted") else b""
         if self.stopped:
-            return "", finish, carry
+            return "", finish
         tail = self._matcher.feed("" if carry else self._detok.flush())
         if self.stopped:
             finish = "stop_sequence"
         else:
             tail += self._matcher.flush()
         self._shown.append(tail)
-        return tail, finish, carry
+        return tail, finish
