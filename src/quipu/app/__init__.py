@@ -12,9 +12,10 @@ Every turn, named session and chat is written once, for every host a model can r
 - `modes.py`: the one table of what each mode of a command refuses, and the one check of the
   options against it and against what the host can do.
 - `choose.py`: where the model runs, chosen once per command (`server_of`, `open_host`).
-- `local.py`: a local model: the state file beside a transcript; `prompt_cache.py`, the prompt
-  cache as a local session uses it; `placing.py`, where it runs as the commands say it and a
-  session keeps it.
+- `local.py`: a local model, and what its sessions keep besides their transcripts (`LocalKeeper`),
+  each part by its job: `state_file.py`, the state file beside a transcript; `prompt_cache.py`,
+  the prompt cache as a local session uses it; `local_media.py`, its images and recordings and
+  their projector; `placing.py`, where it runs as the commands say it and a session keeps it.
 - `llama_server.py`: llama.cpp's llama-server driven by tokens, the context kept in a slot
   file between turns (`SlotFile`).
 - `chat_api.py`: any OpenAI-compatible chat API: sessions kept as transcripts alone.

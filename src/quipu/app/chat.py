@@ -133,7 +133,7 @@ class ChatSession:
             stack.close()
             raise
         offer(named.conversation, self.tools, (opts or self.opts).tool_options)
-        named.keeper.background = True  # the prompt comes back before the state is on disk
+        named.keeper.write_behind()  # the prompt comes back before the state is on disk
         waiting = waiting_notice(named.conversation, "/continue runs them (asking first); a new message goes on "
                                                       "without them")
         if waiting:

@@ -49,7 +49,7 @@ class ChatApiHost:
         self.client = ChatApiModel(settings)
 
     def create(self, opts: TurnOptions, env: Environment, name: str | None = None,
-               media: Sequence[Attachment] = ()) -> Opened:
+               media: Sequence[Attachment] = ()) -> Opened[ChatApiSession]:
         for medium in media:
             if not medium.kind.mime:
                 raise UsageError(f"cannot attach {medium.name} {medium.describe()}: the chat API takes recordings as "
@@ -59,7 +59,7 @@ class ChatApiHost:
         return Opened(session, ChatApiKeeper(self.settings, session), media_marks=marks)
 
     def resume(self, store: SessionStore, name: str, record: Transcript, messages: list[Message],
-               opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened:
+               opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened[ChatApiSession]:
         for m in messages:
             m.context_before = None  # token counts of another host mean nothing here
         session = ChatApiSession(self.client, request_params(opts, env, record.params))

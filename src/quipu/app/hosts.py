@@ -8,7 +8,7 @@ messages). Everything else, turns, named sessions, the chat, is written once abo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Protocol, TypeVar
 
 from quipu.app.environment import Environment
 from quipu.app.turn_options import TurnOptions
@@ -39,10 +39,10 @@ class Keeper(Protocol[S]):
     def model_fingerprint(self) -> str | None:
         """The model file's fingerprint (None: a model on a server)."""
 
-    # With `background` (a chat's), a save takes the state's bytes and writes them while the user
-    # types; `wait` waits for that write and says what went wrong with it. (Hosts that keep no
-    # state file here write nothing behind.)
-    background: bool
+    def write_behind(self) -> None:
+        """From now on (a chat's), a save takes the state's bytes and writes them while the user
+        types; `wait` waits for that write and says what went wrong with it. (Hosts that keep no
+        state file here write nothing behind.)"""
 
     def wait(self) -> list[str]: ...
 
@@ -76,28 +76,34 @@ class Keeper(Protocol[S]):
         messages) name any more (an image whose exchange was undone); their SHA-256s."""
 
 
-@dataclass
-class Opened:
-    """A session opened on a host, with its keeper and what to tell the user."""
+T = TypeVar("T", bound=ModelSession)
 
-    session: ModelSession
-    keeper: "Keeper[Any]"
+
+@dataclass
+class Opened(Generic[T]):
+    """A session opened on a host, with its keeper (of its kind of session) and what to tell the user."""
+
+    session: T
+    keeper: Keeper[T]
     notices: list[str] = field(default_factory=list)
     # The marker of each of `create`'s media, made ready, in their order: where each goes in a text.
     media_marks: list[str] = field(default_factory=list)
 
 
 class ModelHost(Protocol):
+    """Where sessions run. Each host's own sessions and keepers pair up in its `Opened` (a
+    local host's `Opened[InferenceSession]`); callers above see any host's (`Opened[Any]`)."""
+
     capabilities: Capabilities
 
     def create(self, opts: TurnOptions, env: Environment, name: str | None = None,
-               media: "Sequence[Attachment]" = ()) -> Opened:
+               media: "Sequence[Attachment]" = ()) -> Opened[Any]:
         """A new, empty session (the model loaded, with its load time in the stats); `name`,
         the named session it starts (None: a one-shot); `media`, the images and recordings its
         first message carries (a host without the "media" capability is given none)."""
 
     def resume(self, store: "SessionStore", name: str, record: "Transcript", messages: list[Message],
-               opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened:
+               opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened[Any]:
         """A saved session, its context restored where it can be, else read again."""
 
     def close(self) -> None: ...
@@ -107,8 +113,10 @@ class NoCache:
     """The part of a keeper that is about context state, for hosts that keep none here: no
     prompt cache, nothing written behind."""
 
-    background = False
     model_fingerprint: str | None = None
+
+    def write_behind(self) -> None:
+        pass  # (nothing is written behind: there is no state file here)
 
     def wait(self) -> list[str]:
         return []

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from quipu.app.attachments import Attachment
     from quipu.app.chat_api import ChatApiHost
     from quipu.engine.http import ServerSettings
+    from quipu.sessions.chat_api import ChatApiSession
     from quipu.engine.llama_server import LlamaServerModel
 
 
@@ -74,7 +75,7 @@ class LlamaServerHost:
         return session, LlamaServerKeeper(self.served, self.url, slot, notices)
 
     def create(self, opts: TurnOptions, env: Environment, name: str | None = None,
-               media: Sequence[Attachment] = ()) -> Opened:
+               media: Sequence[Attachment] = ()) -> Opened[LlamaServerSession] | Opened[ChatApiSession]:
         if media and name is None and self.settings is not None:
             # A one-shot with images goes through the server's chat API, which reads media: its
             # prompt by tokens takes none.
@@ -92,7 +93,7 @@ class LlamaServerHost:
         return Opened(session, keeper)
 
     def resume(self, store: SessionStore, name: str, record: Transcript, messages: list[Message],
-               opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened:
+               opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened[LlamaServerSession]:
         session, keeper = self._open(self._params(opts, env, saved_params(store, name, record)),
                                      SlotFile(slot_file_of(record), name), record.draws)
         notices = []

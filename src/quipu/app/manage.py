@@ -108,7 +108,7 @@ def remove(env: Environment, names: list[str]) -> None:
 def prune_media(store: SessionStore) -> None:
     """Removes the media no session names any more (none while a transcript cannot be read:
     what it names is not known)."""
-    from quipu.app.local import media_store, referenced_media
+    from quipu.app.local_media import media_store, referenced_media
 
     referenced = referenced_media(store)
     if referenced is not None:

@@ -138,7 +138,7 @@ class NamedSession:
         media folder; then its context is freed."""
         dropped = self.keeper.trim_media(self.session, [m.content for m in self.conversation.messages])
         if dropped and self.store.exists(self.name):
-            from quipu.app.local import forget_media
+            from quipu.app.local_media import forget_media
 
             self.save()
             self.flush()

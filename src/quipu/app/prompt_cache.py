@@ -6,7 +6,7 @@ its SHA-256 (`canonical`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from quipu.app.environment import Environment
 from quipu.engine.base import MEDIA_BASE, MEDIA_SPAN
@@ -129,3 +129,31 @@ def cache_save(session: InferenceSession, use: CacheUse) -> None:
         use.cache.save(use.key, tokens, session.backend.snapshot_bytes())
     except (EngineError, OSError):
         pass  # a cache never fails a run
+
+
+class SessionCache:
+    """The prompt cache as one session uses it (`cache` None: --no-cache; `fingerprint`: the
+    model's, which keys its entries; `verbose`: what went wrong with an entry is said)."""
+
+    def __init__(self, cache: PromptCache | None, fingerprint: str, *, verbose: bool = False):
+        self.cache = cache
+        self.model_fingerprint = fingerprint
+        self.verbose = verbose
+
+    def warm(self, session: InferenceSession, tokens: Callable[[], list[int]]) -> CacheUse | None:
+        """A new context's first prompt begins, perhaps, as earlier runs' did (a long system
+        prompt): the cached beginning is restored, and the turn reads only the rest."""
+        if session.n_decoded or self.cache is None:
+            return None
+        return cache_lookup(session, tokens(), self.model_fingerprint, self.cache)
+
+    def remember(self, session: InferenceSession, use: CacheUse | None) -> list[str]:
+        """After a one-shot answer is out: the prompt's state joins the cache."""
+        if use is None:
+            return []
+        cache_save(session, use)
+        return use.cache.notes if self.verbose else []  # a damaged entry is dropped quietly, said when asked
+
+    def cached(self, session: InferenceSession, tokens: list[int]) -> int:
+        """How many of `tokens` the prompt cache would restore (`--show-prompt`)."""
+        return cached_count(session, tokens, self.model_fingerprint, self.cache) if self.cache is not None else 0

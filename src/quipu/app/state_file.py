@@ -1,0 +1,158 @@
+"""A local session's context state in a state file beside its transcript: written whole, or
+only what a turn added as a piece of the state's log (`store/statefile.py`, `store/chain.py`);
+in a chat, written while the user types. What the file holds is kept here (`Chain`), known from
+the last save or from the resume that read it."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from typing import Any, Callable
+
+from quipu import __version__
+from quipu.app.environment import DEFAULT_MAX_STATE_BYTES
+from quipu.engine.kvstate import LAYOUT, check_piece
+from quipu.errors import SnapshotError
+from quipu.sessions.inference import InferenceSession
+from quipu.store.chain import Chain, tokens_digest
+from quipu.store.store import KEEP_STATE, SessionStore
+from quipu.store.transcript import Transcript
+
+MAX_PIECES = 64  # a longer chain is saved whole again (as is one whose pieces outgrow the state file)
+
+
+
+def state_key(session: InferenceSession) -> tuple[Any, ...]:
+    """What a state file's bytes depend on: the decoded tokens and the context settings."""
+    key = session.backend.context.state_key()
+    return (session.n_decoded, tokens_digest(session.tokens[: session.n_decoded]), tuple(sorted(key.items())))
+
+
+class StateFile:
+    """Writes a local session's state file. `fingerprint`: the model's, which the file names."""
+
+    def __init__(self, fingerprint: str, max_state_bytes: int = DEFAULT_MAX_STATE_BYTES, *, verbose: bool = False):
+        self.fingerprint = fingerprint
+        self.max_state_bytes = max_state_bytes
+        self.verbose = verbose
+        # What the file on disk holds (decoded tokens and context settings), when it is known to
+        # be current: a save with nothing new in the context leaves the file alone.
+        self._saved: tuple[Any, ...] | None = None
+        self._chain: Chain | None = None  # what the state file and its log hold, when known
+        self._background = False  # (a chat's: the state written while the user types)
+        self._writer: threading.Thread | None = None
+        self._failed: str | None = None
+
+    def holds(self, chain: Chain | None, session: InferenceSession | None = None) -> None:
+        """What a resume found in the file: its chain (None: nothing it can add to), and, where
+        `session` was restored from it whole, that the file is current for it."""
+        self._chain = chain
+        self._saved = state_key(session) if session is not None else None
+
+    def write_behind(self) -> None:
+        """From now on a save takes the state's bytes and writes them while the user types
+        (`wait` waits for that write and says what went wrong with it)."""
+        self._background = True
+
+    def save(self, store: SessionStore, name: str, record: Transcript, session: InferenceSession) -> list[str]:
+        """Transcript and state, each atomically: at worst the turn in progress is lost. The
+        state is written only when the context's decoded tokens or settings changed, and then
+        only what the turn added where it can be (a piece of the state log). Written behind (a
+        chat), the state's bytes are taken now, the transcript written, and the state written
+        while the user types: a crash before it is on disk costs re-reading that turn."""
+        notices = self.wait()
+        key = state_key(session)
+        if key == self._saved and store.has_state(name):
+            store.save(name, record, KEEP_STATE)
+        else:
+            write, why = self._piece(store, name, session, key, session.take_low_water())
+            if write is None:
+                if self.verbose and self._chain is not None:
+                    notices.append(f"session '{name}': the context state is saved whole ({why})")
+                write = self._whole(store, name, record, session, key)
+            self._saved = key
+            if self._background:
+                store.save(name, record, KEEP_STATE)
+                self._writer = threading.Thread(target=self._write, args=(write, name), daemon=True)
+                self._writer.start()
+            else:
+                write()
+                store.save(name, record, KEEP_STATE)
+        return notices + [f"session '{dropped}' lost its saved context to the disk budget; it will be re-read"
+                          for dropped in store.enforce_budget(self.max_state_bytes, keep=name)]
+
+    def _write(self, write: Callable[[], None], name: str) -> None:
+        try:
+            write()
+        except Exception as exc:  # (the transcript is safe: the turn is read again on resume)
+            self._saved, self._chain = None, None
+            self._failed = f"session '{name}': its context state could not be written ({exc}); it will be re-read"
+
+    def wait(self) -> list[str]:
+        """Waits for a state being written in the background; what went wrong with it."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        failed, self._failed = self._failed, None
+        return [failed] if failed else []
+
+    def _whole(self, store: SessionStore, name: str, record: Transcript, session: InferenceSession,
+               key: tuple[Any, ...]) -> Callable[[], None]:
+        """The state saved whole (a new state file; the log after the old one goes), to write."""
+        nonce = secrets.token_hex(8)
+        meta = {
+            "fingerprint": self.fingerprint,
+            "build": session.backend.build,
+            "context": record.context,
+            "n_decoded": session.n_decoded,
+            "tokens_sha256": key[1],
+            "quipu": __version__,
+            "created": record.updated,
+            "nonce": nonce,  # (the pieces of the log after it name it)
+            "tokens": session.tokens[:session.n_decoded],
+        }
+        state = session.backend.snapshot_bytes()
+        held = session.n_decoded
+
+        def write() -> None:
+            store.write_state(name, state, meta)
+            self._chain = Chain(nonce, held, base_bytes=len(state))
+
+        return write
+
+    def _piece(self, store: SessionStore, name: str, session: InferenceSession, key: tuple[Any, ...],
+               low_water: int) -> tuple[Callable[[], None] | None, str | None]:
+        """Only the cells the context gained since the last save (the context has held no fewer
+        than `low_water` tokens since), as a piece of the state log, to write; or None and why it
+        cannot be (the state is then saved whole)."""
+        chain, backend = self._chain, session.backend
+        if chain is None or chain.nonce is None or not store.has_state(name):
+            return None, "no state file to add to"
+        # The piece replaces the cells from where the context went back to, if it did (the
+        # last reply's end token, which the template writes its own way; an /undo), and adds the new.
+        start = min(low_water, chain.held)
+        unsupported = backend.partial_state(start)
+        if unsupported:
+            return None, f"{unsupported} is saved whole"
+        if (session.n_decoded - start) * 2 > session.n_decoded:  # (none new: a piece that only cuts)
+            return None, "most of the context is new"
+        if chain.pieces >= MAX_PIECES or chain.piece_bytes > chain.base_bytes:
+            return None, "the pieces are many: put together again"
+        piece = backend.state_since(start)
+        try:
+            made = check_piece(piece, seq_id=1, cells=session.n_decoded - start, first=start, n_layer=backend.n_layer,
+                               window=backend.piece_window())
+        except SnapshotError as exc:
+            return None, f"the state's layout is not the one quipu reads: {exc}"
+        if made.v_trans != backend.context.v_trans:
+            return None, "the state's V layout is not the one its context settings record"
+        meta = {"base": chain.nonce, "start": start, "n_decoded": session.n_decoded, "tokens_sha256": key[1],
+                "layout": LAYOUT, "build": backend.build}
+        held = session.n_decoded
+
+        def write() -> None:
+            end = store.append_piece(name, meta, piece, chain.log_end)
+            self._chain = Chain(chain.nonce, held, chain.pieces + 1, chain.piece_bytes + len(piece),
+                               chain.base_bytes, end)
+
+        return write, None
