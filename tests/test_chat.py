@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from quipu.cli.repl import COMMANDS, Repl, SlashCompleter, parse_command
+from quipu.cli.repl import Repl, SlashCompleter
+from quipu.cli.slash import COMMANDS, parse_command
 from quipu.cli.terminal import Terminal
 
 REQUIRED = {"help", "exit", "save", "load", "sessions", "reset", "undo", "retry", "continue", "system", "set",

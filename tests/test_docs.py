@@ -75,7 +75,7 @@ def test_every_page_is_reached_from_the_readme_and_the_readme_is_short():
 
 
 def test_the_chat_s_commands_are_all_in_its_page_and_the_readme():
-    from quipu.cli.repl import COMMANDS
+    from quipu.cli.slash import COMMANDS
 
     for page in (ROOT / "docs" / "chat.md", ROOT / "README.md"):
         text = page.read_text()

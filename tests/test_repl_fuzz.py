@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from quipu.cli.repl import COMMANDS, Repl, parse_command
+from quipu.cli.repl import Repl
+from quipu.cli.slash import COMMANDS, parse_command
 from quipu.engine.http import ServerSettings
 from quipu.cli.terminal import Terminal
 

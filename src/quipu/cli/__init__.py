@@ -3,7 +3,7 @@
 One module per command or sub-app (`run.py` and its `--batch` in `batch.py`, `chat.py`, `sessions.py`, `models.py`,
 `config.py`, `embed.py`, `cache.py`, `doctor.py`, `logs.py`, `roles.py`), with `root.py` (`--version`, the Environment built once),
 `pull.py` (a pull from the Hugging Face Hub as a person sees it), `spec.py` (the options of `run` and `chat` as data, and a parser for a plain `run` that needs
-no Typer), `options.py` (those options as Typer parameters), `repl.py` (the chat REPL and its table of
+no Typer), `options.py` (those options as Typer parameters), `repl.py` (the chat REPL), `slash.py` (its table of
 slash commands), `render.py` (a reply on the chat's screen as it streams), `stream.py` (where a reply of `run` or of the chat goes as it streams), `terminal.py` (terminal facts, progress, Ctrl-C), `boundary.py` (errors to
 messages and exit codes) and `completion.py` (shell completion). Each parses, calls
 `quipu.app`, and renders; none touches llama.cpp or a file format.

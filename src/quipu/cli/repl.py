@@ -1,14 +1,15 @@
-"""The chat REPL: prompt_toolkit input, streamed replies, and one table of slash commands."""
+"""The chat REPL: prompt_toolkit input (keys, completion), streamed replies, approvals of calls;
+its slash commands are `slash.py`'s table."""
 
 from __future__ import annotations
 
 import io
 import os
 import shlex
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from quipu.cli.render import MarkdownRenderer, PlainRenderer, Renderer
+from quipu.cli.slash import BY_NAME, COMMANDS, parse_command
 from quipu.cli.stream import ChatStream
 from quipu.cli.terminal import HeldKeys, PrefillProgress, StopOnCtrlC, Terminal
 from quipu.errors import Ended, ExitCode, Interrupted, QuipuError, UsageError
@@ -24,254 +25,6 @@ if TYPE_CHECKING:
     from quipu.app.tools import CallRecord, ToolCall
 
 PROMPT = "› "
-
-
-@dataclass(frozen=True)
-class SlashCommand:
-    name: str
-    args: str
-    help: str
-    handler: Callable[["Repl", str], None]
-
-
-def _help(repl: "Repl", _arg: str) -> None:
-    import shutil
-
-    repl.say("\n".join(help_lines(shutil.get_terminal_size((100, 24)).columns)))
-
-
-HELP_NAMES = 22  # the column of the commands' names: a longer one (/think's choices) has a line of its own
-
-
-def help_lines(columns: int) -> list[str]:
-    """/help laid out for a terminal `columns` wide: each command's name, then what it does,
-    wrapped under itself."""
-    import textwrap
-
-    width = min(HELP_NAMES, max(len(f"/{c.name} {c.args}".rstrip()) for c in COMMANDS))
-    indent = " " * (width + 4)
-    room = max(30, columns - len(indent) - 1)
-    lines = []
-    for c in COMMANDS:
-        name = f"/{c.name} {c.args}".rstrip()
-        said = textwrap.wrap(c.help, room) or [""]
-        if len(name) > width:
-            lines.append(f"  {name}")
-        else:
-            lines.append(f"  {name.ljust(width)}  {said.pop(0)}")
-        lines += [indent + more for more in said]
-    lines.append("")
-    lines += textwrap.wrap("Enter sends; Alt-Enter or Esc Enter adds a line; Ctrl-C stops a reply; Ctrl-D leaves.",
-                           max(30, columns - 3), initial_indent="  ", subsequent_indent="  ")
-    return lines
-
-
-def _exit(repl: "Repl", _arg: str) -> None:
-    repl.running = False
-
-
-def _save(repl: "Repl", arg: str) -> None:
-    name = repl.need(arg, "/save NAME")
-    repl.chat.save_as(name)
-    repl.say(f"saved a copy as '{name}'; you are still in '{repl.chat.name}'")
-
-
-def _load(repl: "Repl", arg: str) -> None:
-    name = repl.need(arg, "/load NAME")
-    progress = PrefillProgress(repl.term, "restoring the conversation")
-    try:
-        repl.chat.load(name, on_progress=progress)
-    finally:
-        progress.close()
-    repl.show_notices()
-    repl.say(f"now in session '{name}' ({len(repl.chat.messages)} messages)")
-
-
-def _sessions(repl: "Repl", _arg: str) -> None:
-    infos = repl.chat.sessions()
-    if not infos:
-        repl.say("no saved sessions")
-        return
-    for i in infos:
-        mark = "*" if i.name == repl.chat.name else " "
-        turns = f"{i.turns:>3} turn{'' if i.turns == 1 else 's'}"
-        repl.say(f" {mark} {i.name:<28} {i.model:<24} {turns:<9} {i.tokens:>6} tokens  {i.updated}")
-
-
-def _reset(repl: "Repl", _arg: str) -> None:
-    repl.chat.reset()
-    repl.say("the conversation was forgotten; the system prompt stays")
-
-
-def _undo(repl: "Repl", _arg: str) -> None:
-    if repl.chat.undo():
-        repl.say(f"dropped the last exchange; context {repl.chat.context_used} tokens")
-    else:
-        repl.say("nothing to undo")
-
-
-def _retry(repl: "Repl", _arg: str) -> None:
-    repl.turn(repl.chat.retry)
-
-
-def _continue(repl: "Repl", _arg: str) -> None:
-    repl.turn(repl.chat.continue_reply)
-
-
-def _system(repl: "Repl", arg: str) -> None:
-    repl.chat.set_system(arg.strip() or None)
-    repl.say("system prompt set" if arg.strip() else "system prompt removed")
-
-
-def _set(repl: "Repl", arg: str) -> None:
-    parts = arg.split(None, 1)
-    if not parts:
-        for key, value, origin in repl.chat.settings():
-            shown = "random" if value is None else value
-            repl.say(f"  {key:<15} {shown!s:<22} {origin}")
-        repl.say("the session keeps them all; /set KEY VALUE changes one")
-        return
-    if len(parts) != 2 or (parts[0] != "stop" and len(parts[1].split()) != 1):
-        from quipu.app.chat import SETTABLE
-
-        repl.say(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}")
-        return
-    value = repl.chat.set_option(parts[0], parts[1])
-    repl.say(f"{parts[0]} = {value}")
-
-
-THINK_WORDS = "show|hide|on|off|low|medium|high|budget N|budget off"
-
-
-def _think(repl: "Repl", arg: str) -> None:
-    word = arg.strip().lower()
-    if word in ("on", "off"):
-        if repl.chat.set_thinking(word == "on"):
-            repl.say(f"thinking {word} for the next replies")
-        else:
-            repl.say("this model's chat template has no switch for thinking")
-    elif word in ("", "show", "hide"):
-        repl.show_thinking = (not repl.show_thinking) if not word else word == "show"
-        repl.say("reasoning is shown" if repl.show_thinking else "reasoning is hidden")
-    elif word in ("low", "medium", "high"):
-        repl.chat.set_reasoning(effort=word)
-        repl.say(f"reasoning effort {word} for the next replies")
-    elif word.split()[:1] == ["budget"] and len(word.split()) == 2:
-        count = word.split()[1]
-        if count != "off" and not (count.isascii() and count.isdigit() and len(count) <= 9):
-            raise UsageError(f"/think budget takes a number of tokens (below a billion) or off, not '{count[:20]}'")
-        repl.chat.set_reasoning(budget=-1 if count == "off" else int(count))
-        repl.say("no reasoning budget" if count == "off" else f"at most {int(count)} tokens of reasoning a reply")
-    else:
-        raise UsageError(f"usage: /think [{THINK_WORDS}]")
-
-
-def _schema(repl: "Repl", arg: str) -> None:
-    value = repl.need(arg, "/schema FILE|off")
-    on = repl.chat.constrain(schema=value if value == "off" else "@" + value)
-    repl.say("replies keep to the schema" if on else "replies are free again")
-
-
-def _tools(repl: "Repl", arg: str) -> None:
-    listed = repl.chat.tool_list()
-    if not listed:
-        repl.say("no tools: start the chat with --functions FILE.py or --tools FILE.json")
-    for name, source, description in listed:
-        first = description.strip().splitlines()[0] if description.strip() else ""
-        repl.say(f"{name}  ({source}){'  ' + first if first else ''}")
-
-
-def _grammar(repl: "Repl", arg: str) -> None:
-    on = repl.chat.constrain(grammar=repl.need(arg, "/grammar FILE|off"))
-    repl.say("replies keep to the grammar" if on else "replies are free again")
-
-
-def _regex(repl: "Repl", arg: str) -> None:
-    on = repl.chat.constrain(regex=repl.need(arg, "/regex PATTERN|off"))
-    repl.say("replies match the regular expression" if on else "replies are free again")
-
-
-def _attach(repl: "Repl", arg: str) -> None:
-    if arg.strip().lower() == "off":
-        dropped = repl.chat.drop_attached()
-        repl.say(f"dropped {', '.join(dropped)}; your next message carries no file" if dropped
-                 else "nothing was attached")
-    elif arg.strip():
-        found = repl.chat.attach(repl.need(arg, "/attach FILE"))
-        repl.say(f"attached {found.name} {found.describe()}; it goes with your next message")
-    elif repl.chat.attached:
-        repl.say("your next message carries: " + ", ".join(f"{a.name} {a.describe()}" for a in repl.chat.attached))
-    else:
-        repl.say("nothing is attached; /attach FILE gives your next message a file")
-
-
-def _stats(repl: "Repl", _arg: str) -> None:
-    s = repl.chat.last_stats
-    if s is None:
-        repl.say("no reply yet in this run")
-        return
-    repl.say(
-        f"{s.completion_tokens} tokens at {s.decode_tok_s:.1f} tok/s; first token after {s.ttft_s:.2f}s; "
-        f"{s.prompt_tokens} prompt tokens, {s.cached_tokens} reused, prefill {s.prefill_tok_s:.0f} tok/s"
-        + (f"; on {s.placement['summary']}" if s.placement else "")
-    )
-
-
-def _context(repl: "Repl", _arg: str) -> None:
-    used, size = repl.chat.context_used, repl.chat.context_size
-    if not size:
-        repl.say(f"context: {used} tokens at the last reply; its size is the server's")
-        return
-    repl.say(f"context: {used} of {size} tokens ({100 * used / size:.0f}%)")
-
-
-def _trim(repl: "Repl", _arg: str) -> None:
-    dropped = repl.chat.drop_oldest()
-    repl.say(f"dropped {dropped} old messages; the system prompt stays")
-
-
-def _new(repl: "Repl", _arg: str) -> None:
-    name = repl.chat.new_session_with_system()
-    repl.say(f"new session '{name}', with the same system prompt")
-
-
-COMMANDS: list[SlashCommand] = [
-    SlashCommand("help", "", "show this help", _help),
-    SlashCommand("exit", "", "leave (the session is saved)", _exit),
-    SlashCommand("save", "NAME", "save a copy of this session under another name", _save),
-    SlashCommand("load", "NAME", "switch to another saved session", _load),
-    SlashCommand("sessions", "", "list saved sessions", _sessions),
-    SlashCommand("reset", "", "forget the conversation, keep the system prompt", _reset),
-    SlashCommand("undo", "", "drop the last exchange, restoring the context before it", _undo),
-    SlashCommand("retry", "", "generate the last reply again, with new draws", _retry),
-    SlashCommand("continue", "", "keep generating the last reply (or run its calls left waiting)", _continue),
-    SlashCommand("system", "TEXT", "set the system prompt (empty removes it)", _system),
-    SlashCommand("set", "KEY VALUE", "change a sampling setting or max_tokens (/set alone lists them)", _set),
-    SlashCommand("think", f"[{THINK_WORDS}]", "show or hide a thinking model's reasoning; turn it on or off; "
-                 "how hard it reasons; at most N tokens of it", _think),
-    SlashCommand("schema", "FILE|off", "the next replies are JSON valid against this JSON Schema file", _schema),
-    SlashCommand("grammar", "FILE|off", "the next replies keep to this grammar file (GBNF, or Lark: .lark)", _grammar),
-    SlashCommand("regex", "PATTERN|off", "the next replies match this regular expression", _regex),
-    SlashCommand("attach", "[FILE|off]", "give your next message a file (text: the model reads it with its name); "
-                                         "alone, list what waits; off drops it", _attach),
-    SlashCommand("tools", "", "the tools the model may call, and where each comes from", _tools),
-    SlashCommand("stats", "", "figures of the last reply", _stats),
-    SlashCommand("context", "", "tokens used of the context", _context),
-    SlashCommand("trim", "", "drop the oldest exchanges to free half the context", _trim),
-    SlashCommand("new", "", "start a new session with the same system prompt", _new),
-]
-BY_NAME = {c.name: c for c in COMMANDS}
-
-
-def parse_command(line: str) -> tuple[SlashCommand | None, str]:
-    """('/set top_k 5') -> (the set command, 'top_k 5'); unknown commands give (None, name)."""
-    body = line.strip()[1:]
-    name, _, arg = body.partition(" ")
-    command = BY_NAME.get(name.lower())
-    if command is None:
-        matches = [c for c in COMMANDS if c.name.startswith(name.lower())] if name else []
-        command = matches[0] if len(matches) == 1 else None
-    return command, (arg if command else name)
 
 
 # The longest line a piped chat takes as one message (far more than any context holds).
@@ -294,6 +47,15 @@ class Repl:
         # How this chat approves and shows the calls of a turn (what the functions write on stderr
         # is shown as ChatSession.open was told: `function_output`).
         self.hooks = ToolHooks(self._approve, self._call_starts, self._call_ended)
+
+    def leave(self) -> None:
+        """The chat ends after this line (/exit)."""
+        self.running = False
+
+    def show_reasoning(self, on: bool | None) -> bool:
+        """Shows a thinking model's reasoning or hides it (None: the other way round); whether it is shown."""
+        self.show_thinking = (not self.show_thinking) if on is None else on
+        return self.show_thinking
 
     # ---- tools -------------------------------------------------------------------------------
 
@@ -385,7 +147,7 @@ class Repl:
                 self.turn(self.chat.continue_reply, room_made=True)  # the reply the context cut goes on
                 return
         elif choice.startswith("n"):
-            _new(self, "")
+            BY_NAME["new"].handler(self, "")
         else:
             return
         if unsent:
