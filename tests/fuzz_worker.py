@@ -642,6 +642,7 @@ def main() -> None:
         hub = start_hub({"fz/Fuzz-GGUF": {"a-Q4_K_M.gguf": b"GGUF" + bytes(64)}})
         os.environ["HF_ENDPOINT"] = hub.url
         from quipu.app import hub as hubs
+        from quipu.app.hub_pull import pull as hub_pull
 
         env = types.SimpleNamespace(dirs=types.SimpleNamespace(models=root / "models"))
         paths = st.sampled_from(["a-Q4_K_M.gguf", str(outside / "x-Q4_K_M.gguf"), "../x-Q4_K_M.gguf",
@@ -678,7 +679,7 @@ def main() -> None:
             hub.listing = body if isinstance(body, bytes) else pages_of(*body)
             hub.commit, hub.etag = commit, etag
             try:
-                hubs.pull(hubs.HubRef.parse("fz/Fuzz-GGUF"), env)
+                hub_pull(hubs.HubRef.parse("fz/Fuzz-GGUF"), env)
             except QuipuError:
                 pass
             assert not outside.exists(), "a listing wrote outside the cache"

@@ -35,9 +35,11 @@ Every turn, named session and chat is written once, for every host a model can r
   definitions, `--messages`); `tooldefs.py`, what a tool is wherever it comes from; `functions.py`,
   the process the user's functions run in, and `function_worker.py`, what runs in it; `mcp.py`,
   MCP servers over stdio as tools (`--mcp NAME`).
-- `hub.py`: models pulled from the Hugging Face Hub into its cache (`quipu models pull|rm`,
-  `-m hf:OWNER/REPO[:QUANT]`), resumed, checked against the Hub's checksums, and the Hub's search
-  (`quipu models search`); `known_models.py`, the short names (`gemma3:1b`) and what each pulls.
+- `hub.py`: models from the Hugging Face Hub (`quipu models pull|rm`, `-m hf:OWNER/REPO[:QUANT]`):
+  their names, the files a pull chooses, the pulled models' records and their removal;
+  `hub_pull.py`, a pull into the Hub's cache, resumed, checked against the Hub's checksums;
+  `hub_search.py`, the Hub's search (`quipu models search`); `known_models.py`, the short
+  names (`gemma3:1b`) and what each pulls.
 - `templates.py`: what a model's chat template does (`quipu models info --template`).
 - `cache.py`: `quipu cache info|clear` (the prompt cache itself is used by `prompt_cache.py`).
 - `answer_log.py`: the log of answers, written after each answer, searched by `quipu logs`, and

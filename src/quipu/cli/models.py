@@ -168,7 +168,7 @@ def search(context: typer.Context, text: str = typer.Argument(..., help="What to
            limit: int = typer.Option(20, "--limit", help="The most repositories to show (1 to 100)."),
            as_json: bool = typer.Option(False, "--json", help="One JSON array.")) -> None:
     """The Hub's GGUF repositories matching TEXT, most downloaded first, with what a pull of each fetches."""
-    from quipu.app.hub import search as search_hub
+    from quipu.app.hub_search import search as search_hub
 
     term = Terminal.detect()
     found = search_hub(text, limit)

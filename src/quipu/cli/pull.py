@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 def pull(text: str, env: Environment, term: Terminal) -> PulledModel:
     """Pulls OWNER/REPO[:QUANT] (or hf:...) into the Hugging Face cache; the pulled model."""
-    from quipu.app.hub import HubRef, pull as pull_model
+    from quipu.app.hub import HubRef
+    from quipu.app.hub_pull import pull as pull_model
 
     ref = HubRef.parse(text)
     bar = DownloadBar(term)
