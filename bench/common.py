@@ -44,7 +44,7 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 def context_text(model: str, n_tokens: int) -> str:
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
 
     with LlamaBackend(model, ContextSettings(n_ctx=8192, n_threads=1)) as b:

@@ -40,7 +40,7 @@ def models() -> list[tuple[str, str]]:
 def _prompt_and_bans(model: str, n_prompt: int) -> tuple[str, list[str]]:
     """A text of `n_prompt` - 1 tokens (quipu adds the BOS) and a --logit-bias banning each
     end-of-generation token."""
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
 
     with LlamaBackend(model, ContextSettings(n_ctx=256, n_threads=1)) as b:

@@ -42,7 +42,7 @@ def bench_snapshots(model: str, threads: int) -> list[dict]:
     """Save and load of a 1,400-token context, and state bytes per token, for f16 and q8_0 KV."""
     import tempfile as tf
 
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
     from quipu.sessions.inference import InferenceSession
     from quipu.store.statefile import decode_state, encode_state
@@ -249,7 +249,7 @@ def bench_shift(model: str, threads: int, repeats: int) -> list[dict]:
     token, moving the kept cells down (quipu) against reading the kept part again."""
     import copy
 
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
     from quipu.sessions.conversation import Conversation
     from quipu.sessions.inference import InferenceSession

@@ -28,7 +28,7 @@ def plain(model: str, n_prompt: int, n_decode: int, threads: int, n_ctx: int) ->
     return json.loads(r.stdout)
 
 def through_quipu(model: str, n_prompt: int, n_decode: int, threads: int, n_ctx: int, home: str) -> dict:
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
 
     with LlamaBackend(model, ContextSettings(n_ctx=n_ctx, n_threads=threads)) as b:
@@ -96,7 +96,7 @@ def bench_peers(model: str, repeats: int, home: str) -> list[dict]:
 def bench_memory(model: str, threads: int, home: str) -> list[dict]:
     """Peak RSS of `quipu run` on a 1,500-token prompt at the default context, against the model
     file plus the KV cache it allocates."""
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
 
     doc = context_text(model, 1500)

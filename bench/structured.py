@@ -12,7 +12,7 @@ from bench.common import HERE, prompt_of, median
 def bench_templates(model: str, threads: int) -> list[dict]:
     """Tokens a turn re-reads: only the new message under a template that renders earlier turns
     as they were generated; from the earlier reasoning on under one that drops it (Qwen3)."""
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
     from quipu.sessions.conversation import Conversation, Message
     from quipu.sessions.inference import InferenceSession, common_prefix
@@ -49,7 +49,7 @@ def bench_constrained(model: str, threads: int, repeats: int) -> list[dict]:
     token under a large schema; and what a Python logits processor costs per token."""
     import json as json_
 
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.constraint import Matcher
     from quipu.engine.grammar import schema_grammar
     from quipu.engine.llama import LlamaBackend
@@ -152,7 +152,7 @@ def bench_tools(model: str, threads: int, repeats: int) -> list[dict]:
     """A tool round trip on a ~1,000-token conversation: the tokens read again once the result
     is added, and the time from the tool's return to the next token, against reading the whole
     conversation again."""
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
     from quipu.sessions.conversation import Conversation
     from quipu.sessions.inference import InferenceSession

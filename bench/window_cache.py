@@ -108,7 +108,7 @@ def _decode(name: str, path: str, bench_exe, threads: int, repeats: int, home: s
 
 def _sessions(name: str, path: str, threads: int, repeats: int) -> list[dict]:
     """Resume and a rewind past the ring, in one process, each against reading again."""
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
     from quipu.sessions.inference import InferenceSession
     from quipu.sessions.params import SamplingParams

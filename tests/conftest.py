@@ -65,7 +65,7 @@ def vision(tmp_path_factory):
 
 @pytest.fixture
 def make_backend(tiny_model):
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
 
     opened = []

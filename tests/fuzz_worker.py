@@ -455,7 +455,7 @@ def main() -> None:
 
         from quipu.app.tool_files import check_tool_schemas, messages_from_file, tools_from_json
         from quipu.app.tools import Toolbox
-        from quipu.engine.base import ContextSettings
+        from quipu.engine.settings import ContextSettings
         from quipu.engine.llama import LlamaBackend
         from quipu.errors import TemplateError
         from quipu.sessions.conversation import Conversation
@@ -568,7 +568,7 @@ def main() -> None:
                 started.close()
     elif surface == "media":
         from quipu.app.attachments import attachment_of
-        from quipu.engine.base import ContextSettings
+        from quipu.engine.settings import ContextSettings
         from quipu.engine.llama import LlamaBackend
         from tinymodel import write_tiny_audio_projector, write_tiny_projector
         import tempfile
@@ -619,7 +619,7 @@ def main() -> None:
                 check_encodes(path, Path(model), None)  # (what crashes, crashes in a process of its own)
             except QuipuError:
                 return
-            from quipu.engine.base import ContextSettings
+            from quipu.engine.settings import ContextSettings
             from quipu.engine.llama import LlamaBackend
 
             with LlamaBackend(model, ContextSettings(n_ctx=1024, n_threads=1)) as backend:  # checked: it loads here

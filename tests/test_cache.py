@@ -43,7 +43,7 @@ def test_a_shared_beginning_is_read_once(quipu, tiny_model, home):
 
 
 def test_questions_about_one_piped_document_share_it(quipu, tiny_model):
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
 
     questions = ("hello?", "the sky?", "the world?")
     answers = [run(quipu, tiny_model, question, input=DOC)[0] for question in questions]

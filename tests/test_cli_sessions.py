@@ -28,7 +28,7 @@ def test_bundled_64_tokens_equal_32_resumed_in_a_new_process_then_32_more(quipu)
 
 @pytest.mark.model
 def test_bundled_chat_turns_resume_exactly(quipu, bundled_model):
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
     from quipu.sessions.conversation import Conversation
     from quipu.sessions.inference import InferenceSession

@@ -143,7 +143,7 @@ def test_every_format_ends_within_its_bound_and_means_what_json_schema_says(make
 
 @pytest.mark.model
 def test_smollm2_writes_every_format_to_its_end(bundled_model):
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
 
     with LlamaBackend(bundled_model, ContextSettings(n_ctx=1024)) as backend:
@@ -176,7 +176,7 @@ def test_every_output_of_the_tiny_model_validates(make_backend, name):
 @pytest.mark.model
 def test_every_output_of_smollm2_validates(bundled_model):
     # 100 replies at temperature 1.0 across the schemas, every one valid.
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
 
     seen = 0

@@ -97,7 +97,7 @@ def test_the_device_computes_what_the_cpu_computes(bundled_model):
     part ways where two tokens score within that rounding)."""
     import numpy as np
 
-    from quipu.engine.base import ContextSettings, Offload
+    from quipu.engine.settings import ContextSettings, Offload
     from quipu.engine.llama import LlamaBackend
     from quipu.engine.native import lc
 

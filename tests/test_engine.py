@@ -213,7 +213,7 @@ def test_stop_matcher(chunks, stops, shown, matched):
 def test_a_fork_shares_the_loaded_model_and_outlives_the_original(tmp_path, tiny_model):
     import shutil
 
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
 
     path = shutil.copy(tiny_model, tmp_path / "moving.gguf")
@@ -234,7 +234,7 @@ def test_embedding_leaves_no_context_behind(tiny_model, monkeypatch):
     # Each embedding call makes a llama.cpp context of its own and frees it (and its batch)
     # before it returns, failing or not; the backend's own context stays.
     from quipu.engine import llama
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
 
     made, freed = [], []

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from quipu.engine.base import parse_layers, parse_size
+from quipu.engine.settings import parse_layers, parse_size
 from quipu.engine.devices import supports_offload
 from quipu.errors import UsageError
 

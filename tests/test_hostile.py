@@ -404,7 +404,7 @@ def test_attach_on_a_full_disk_is_one_line_and_the_chat_goes_on(home, eyes):
 
 
 def test_a_reply_that_spells_a_marker_is_text_too(eyes):
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
     from quipu.sessions.base import Message
     from quipu.sessions.conversation import Conversation

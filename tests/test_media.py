@@ -479,7 +479,7 @@ def llama_cpp_reads(model, projector, image, text: str) -> list[float]:
 
 @pytest.mark.parametrize("pair", ["gemma3", "mrope"])
 def test_a_prompt_with_an_image_is_read_as_llama_cpp_reads_it(pair, vision, mrope):
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
     from quipu.sessions.prompt import Rendered
 

@@ -127,7 +127,7 @@ def test_precedence_command_line_environment_config_default(quipu, home, tiny_mo
 def test_a_context_not_asked_for_is_the_models_training_length_at_most_the_cap(quipu, tmp_path):
     # Each token of context is cache memory allocated and cleared at the start; the cap is what
     # --help and `quipu config show` say it is.
-    from quipu.engine.base import DEFAULT_CTX_CAP, ContextSettings
+    from quipu.engine.settings import DEFAULT_CTX_CAP, ContextSettings
     from quipu.engine.llama import LlamaBackend
 
     for trained, expected in ((DEFAULT_CTX_CAP * 8, DEFAULT_CTX_CAP), (512, 512)):
@@ -193,7 +193,7 @@ def test_completion_of_commands_options_sessions_and_models(quipu, home, tiny_mo
 # ---- embeddings ------------------------------------------------------------------------------------
 
 def test_embed_gives_one_vector_per_input(tiny_model):
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
 
     with LlamaBackend(tiny_model, ContextSettings(n_ctx=256, n_threads=2)) as backend:

@@ -51,7 +51,7 @@ KEEPS_REASONING = {"minimax-m3"}
 def backend(tmp_path_factory):
     from tinymodel import REASONING_SPECIALS, write_tiny_gguf
 
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
 
     path = write_tiny_gguf(tmp_path_factory.mktemp("reasoning") / "r.gguf", tool_specials=True, tokenizer="bpe",

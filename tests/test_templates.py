@@ -36,7 +36,7 @@ CONVERSATIONS = {
 def backend(request, tmp_path_factory):
     from tinymodel import write_tiny_gguf
 
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
 
     path = write_tiny_gguf(tmp_path_factory.mktemp(request.param) / "tiny.gguf", tokenizer=request.param)
@@ -119,7 +119,7 @@ def test_a_new_turn_keeps_the_whole_earlier_context(backend, name):
 def test_a_reply_keeps_the_tokens_it_was_generated_as(tmp_path):
     from tinymodel import write_tiny_gguf
 
-    from quipu.engine.base import ContextSettings
+    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
 
     with LlamaBackend(write_tiny_gguf(tmp_path / "bpe.gguf", tokenizer="bpe"), ContextSettings(n_ctx=1024)) as b:

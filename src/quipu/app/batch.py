@@ -35,7 +35,7 @@ from quipu.app.turn_options import (
 from quipu.app.modes import BATCH, asked_of, check_options
 from quipu.app.placing import placement_notices, placement_of
 from quipu.app.turns import TurnResult, constrained_by, cut_short
-from quipu.engine.base import CTX_AUTO, DEFAULT_CTX_CAP, ContextSettings, available_cpus
+from quipu.engine.settings import CTX_AUTO, DEFAULT_CTX_CAP, ContextSettings, available_cpus
 from quipu.errors import BadInput, QuipuError, UsageError
 from quipu.sessions.batch import BatchRow, BatchSession
 from quipu.sessions.base import LOCAL, SILENT

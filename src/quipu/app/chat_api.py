@@ -14,7 +14,8 @@ from typing import Any, TYPE_CHECKING
 from quipu.app.environment import Environment
 from quipu.app.turn_options import TurnOptions
 from quipu.app.hosts import NoCache, Opened
-from quipu.engine.base import ContextSettings, ProgressFn
+from quipu.engine.base import ProgressFn
+from quipu.engine.settings import ContextSettings
 from quipu.errors import UsageError
 from quipu.sessions.base import CHAT_API, Message
 from quipu.sessions.chat_api import REQUEST_KEYS, ChatApiSession

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from quipu.engine.base import ContextSettings
+from quipu.engine.settings import ContextSettings
 from quipu.errors import BadInput, CapabilityError
 from quipu.app.environment import Environment
 from quipu.app.placing import placement_notices

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from quipu import paths
 from quipu.config import Config, load_config
-from quipu.engine.base import DEFAULT_CTX_CAP, parse_ctx, parse_layers, parse_size
+from quipu.engine.settings import DEFAULT_CTX_CAP, parse_ctx, parse_layers, parse_size
 from quipu.errors import InvalidParameter, ModelNotFound, UsageError
 from quipu.models import resolve_model
 from quipu.sessions.params import SamplingParams

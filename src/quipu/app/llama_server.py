@@ -18,7 +18,8 @@ from typing import Any, TYPE_CHECKING
 from quipu.app.environment import Environment
 from quipu.app.turn_options import TurnOptions, sampling_params, with_logit_biases
 from quipu.app.hosts import NoCache, Opened, made_elsewhere, saved_params
-from quipu.engine.base import ContextSettings, ProgressFn
+from quipu.engine.base import ProgressFn
+from quipu.engine.settings import ContextSettings
 from quipu.sessions.base import LLAMA_SERVER, Message
 from quipu.sessions.llama_server import LlamaServerSession
 from quipu.sessions.params import SamplingParams

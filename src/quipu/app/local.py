@@ -27,13 +27,12 @@ from quipu.app.turn_options import (
     sampling_params,
     with_logit_biases,
 )
-from quipu.engine.base import (
+from quipu.engine.base import Backend, ProgressFn
+from quipu.engine.settings import (
     KV_TYPES,
     MAX_CTX,
     MIN_CTX,
-    Backend,
     ContextSettings,
-    ProgressFn,
     layout_differs,
     remembered_flash_attn,
     saved_state_key,

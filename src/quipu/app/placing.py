@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from quipu.app.turn_options import TurnOptions, load_backend
-from quipu.engine.base import AUTO, CPU, Backend, ContextSettings, Offload
+from quipu.engine.base import Backend
+from quipu.engine.settings import AUTO, CPU, ContextSettings, Offload
 from quipu.errors import UsageError
 
 

@@ -10,8 +10,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
-from quipu.engine.base import (CTX_AUTO, AUTO, ContextSettings, Offload, check_context_bounds, parse_ctx,
-                               parse_layers, parse_size)
+from quipu.engine.settings import (
+    AUTO,
+    CTX_AUTO,
+    ContextSettings,
+    Offload,
+    check_context_bounds,
+    parse_ctx,
+    parse_layers,
+    parse_size,
+)
 from quipu.errors import TemplateError, UsageError
 from quipu.sessions.base import LOCAL, Capabilities
 from quipu.sessions.params import SamplingParams

@@ -1,4 +1,5 @@
-"""The compute core: the `Backend` protocol (`base.py`) and its llama.cpp implementation:
+"""The compute core: the `Backend` protocol (`base.py`), the settings of a context and of where it
+runs (`settings.py`), and the llama.cpp implementation:
 `LlamaModel` owns a loaded model and its vocabulary (`model.py`), `LlamaBackend` a context on
 one (`llama.py`), a facade over the native context it owns (`llama_context.py`: the context, its
 memory, its batch, a sequence's state bytes) and the parts built on it, each owning its own state:

@@ -15,7 +15,8 @@ from quipu.engine.native import binding_version, lc
 from quipu.engine.sampler import SamplerChain, Sampling
 from quipu.engine.text import Spellings
 
-from quipu.engine.base import (
+from quipu.engine.base import LogitsProcessor, ProgressFn, RowChain, RowMatcher, SamplerSettings, TokenFilter
+from quipu.engine.settings import (
     AUTO,
     CPU,
     CTX_AUTO,
@@ -23,14 +24,8 @@ from quipu.engine.base import (
     FLASH_ATTN,
     KV_TYPES,
     ContextSettings,
-    LogitsProcessor,
     Offload,
     Placement,
-    ProgressFn,
-    RowChain,
-    RowMatcher,
-    SamplerSettings,
-    TokenFilter,
     off_device,
 )
 from quipu.engine.embeddings import Embeddings

@@ -8,7 +8,7 @@ import ctypes
 from contextlib import ExitStack
 from typing import Any
 
-from quipu.engine.base import DEFAULT_CTX_CAP, ContextSettings, available_cpus, check_context_bounds
+from quipu.engine.settings import DEFAULT_CTX_CAP, ContextSettings, available_cpus, check_context_bounds
 from quipu.engine.logs import LOG
 from quipu.engine.model import LlamaModel
 from quipu.engine.native import lc

@@ -11,7 +11,7 @@ from quipu.engine.native import lc
 
 from quipu.engine.logs import LOG
 from quipu.engine.placement import model_params
-from quipu.engine.base import CPU, Placement
+from quipu.engine.settings import CPU, Placement
 from quipu.engine.text import Spellings
 from quipu.errors import EngineError, Interrupted, ModelLoadError
 

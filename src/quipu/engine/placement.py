@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from quipu.engine.base import ALL, AUTO, CPU, CTX_AUTO, DEFAULT_CTX_CAP, Offload, Placement, Share, human_bytes, off_device
+from quipu.engine.settings import ALL, AUTO, CPU, CTX_AUTO, DEFAULT_CTX_CAP, Offload, Placement, Share, human_bytes, off_device
 from quipu.engine.devices import Device, amx_built, devices, offload_devices, row_bytes
 from quipu.engine.logs import LOG
 from quipu.engine.native import lc
