@@ -46,7 +46,7 @@ def bench_snapshots(model: str, threads: int) -> list[dict]:
     from quipu.engine.llama import LlamaBackend
     from quipu.sessions.inference import InferenceSession
     from quipu.store.statefile import decode_state, encode_state
-    from quipu.store.store import atomic_write
+    from quipu.store.files import atomic_write
 
     rows = []
     for kv in ("f16", "q8_0"):

@@ -3,42 +3,27 @@ whichever host the model runs (a local model, llama-server, a chat API): one cla
 
 from __future__ import annotations
 
-import secrets
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from quipu.app.attachments import Attachment
-from quipu.app.environment import SAMPLING_TYPES, Environment
+from quipu.app.environment import Environment
 from quipu.app.turn_options import TurnOptions, max_tokens
 from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost
 from quipu.app.modes import CHAT, asked_of, check_options
 from quipu.app.tools import ToolHooks, follow_calls, offer, resume_pending, skip_pending, open_tools, waiting_notice
-from quipu.app.named import NamedSession, store_for
+from quipu.app.named import NamedSession, generate_name, store_for
 from quipu.engine.base import ProgressFn
-from quipu.errors import ContextOverflow, InvalidParameter, UsageError
+from quipu.errors import ContextOverflow, UsageError
 from quipu.sessions.base import SILENT, Capabilities, Generation, Message, ReplySink, Stats
 from quipu.sessions.params import SamplingParams
-from quipu.sessions.stops import read_escapes
 from quipu.store.store import SessionInfo, validate_name
-
-ADJECTIVES = "amber brave calm clever eager fuzzy gentle happy jolly keen lucky merry noble quiet rapid shy sunny swift tidy witty".split()
-NOUNS = "otter falcon maple river comet badger heron lynx meadow pebble quokka raven tulip walrus yak zebra cedar fjord ember harbor".split()
-
-# What /set can change: the sampling parameters, the reply's length and its stop string.
-SETTABLE = {**SAMPLING_TYPES, "max_tokens": int, "stop": str}
 
 # Warn when the context is this full; drop old exchanges to leave this much free.
 WARN_FRACTION = 0.85
 KEEP_FREE_FRACTION = 0.5
-
-
-def generate_name(taken: set[str]) -> str:
-    while True:
-        name = f"{secrets.choice(ADJECTIVES)}-{secrets.choice(NOUNS)}-{secrets.randbelow(90) + 10}"
-        if name not in taken:
-            return name
 
 
 @dataclass
@@ -391,40 +376,15 @@ class ChatSession:
             self.save()
 
     def set_option(self, key: str, value: str) -> Any:
-        key, parsed = self.parse_setting(key, value)
-        named = self._named
-        if key == "max_tokens":
-            if parsed <= 0:
-                raise InvalidParameter("max_tokens must be more than 0")
-            named.max_tokens = parsed
-        elif key == "stop":  # a text, its escapes read (`/set stop \n\n`); off: none
-            named.stop = () if parsed == "off" else (read_escapes(parsed),)
-            parsed = list(named.stop)
-        else:
-            named.session.set_params(named.session.params.replace(**{key: parsed}))
-        named.origins[key] = "set here"
+        """`/set KEY VALUE`: a setting for the next replies, kept by the session; its value as read."""
+        parsed = self._named.set(key, value)
         self.save()
         return parsed
 
     def settings(self) -> list[tuple[str, Any, str]]:
         """(setting, value, where it came from) for everything `/set` can change; all are kept by
         the session."""
-        named = self._named
-        limit, stop = named.reply_limits(self.opts, self.env)
-        values = {**{k: getattr(named.session.params, k) for k in SAMPLING_TYPES}, "max_tokens": limit,
-                  "stop": list(stop) or "none"}
-        return [(k, values[k], named.origins.get(k, "default")) for k in SETTABLE]
-
-    @staticmethod
-    def parse_setting(key: str, value: str) -> tuple[str, Any]:
-        key = key.replace("-", "_")
-        kind = SETTABLE.get(key)
-        if kind is None:
-            raise InvalidParameter(f"unknown setting '{key}' (settable: {', '.join(SETTABLE)})")
-        try:
-            return key, kind(value)
-        except ValueError:
-            raise InvalidParameter(f"{key} takes {'an integer' if kind is int else 'a number'}, not '{value}'") from None
+        return self._named.settings(self.opts, self.env)
 
     # ---- saving and switching -------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from quipu.app.hub import (CHUNK, DISK_MARGIN, GGUF_MAGIC, PLAIN_NAME, HubError,
 from quipu.errors import QuipuError
 from quipu.paths import private_dir
 from quipu.store.pulled import PulledModel, PulledRecord
-from quipu.store.store import atomic_write, flock_until
+from quipu.store.files import atomic_write, flock_until
 
 if TYPE_CHECKING:
     from huggingface_hub import HfFileMetadata

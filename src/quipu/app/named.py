@@ -4,6 +4,7 @@ messages alone) is the host's `Keeper`."""
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 from dataclasses import dataclass, field
 
@@ -13,11 +14,28 @@ from quipu.app.turn_options import (TurnOptions, chat_template_source, max_token
                                      template_variables)
 from quipu.app.hosts import Keeper, ModelHost
 from quipu.engine.base import ProgressFn
+from quipu.errors import InvalidParameter
 from quipu.sessions.base import Message, ModelSession
+from quipu.sessions.stops import read_escapes
 from quipu.sessions.conversation import Conversation, TurnSettings
 from quipu.sessions.toolspec import ToolSpec
 from quipu.store.store import SessionStore, validate_name
 from quipu.store.transcript import Transcript, now_iso
+
+ADJECTIVES = "amber brave calm clever eager fuzzy gentle happy jolly keen lucky merry noble quiet rapid shy sunny swift tidy witty".split()
+NOUNS = "otter falcon maple river comet badger heron lynx meadow pebble quokka raven tulip walrus yak zebra cedar fjord ember harbor".split()
+
+
+def generate_name(taken: set[str]) -> str:
+    """A new session's name when none is given (`brave-otter-42`), none of `taken`."""
+    while True:
+        name = f"{secrets.choice(ADJECTIVES)}-{secrets.choice(NOUNS)}-{secrets.randbelow(90) + 10}"
+        if name not in taken:
+            return name
+
+
+# What `/set` changes for the next replies, by its type; the session keeps each.
+SETTABLE = {**SAMPLING_TYPES, "max_tokens": int, "stop": str}
 
 NO_TEMPLATE_NOTICE = ("this model has no chat template (a base model?): the conversation is written as ChatML, "
                       "which it may not know; --raw completes the text as it is, --chat-template FILE gives it one")
@@ -97,6 +115,35 @@ class NamedSession:
         the config's or the defaults."""
         limit = self.max_tokens if self.max_tokens is not None else max_tokens(opts, env)
         return limit, self.stop if self.stop is not None else stop_strings(opts, env)
+
+    def set(self, key: str, value: str) -> Any:
+        """A setting for the next replies (`SETTABLE`; `/set KEY VALUE`), kept by the session; its value as read."""
+        key = key.replace("-", "_")
+        kind = SETTABLE.get(key)
+        if kind is None:
+            raise InvalidParameter(f"unknown setting '{key}' (settable: {', '.join(SETTABLE)})")
+        try:
+            parsed = kind(value)
+        except ValueError:
+            raise InvalidParameter(f"{key} takes {'an integer' if kind is int else 'a number'}, not '{value}'") from None
+        if key == "max_tokens":
+            if parsed <= 0:
+                raise InvalidParameter("max_tokens must be more than 0")
+            self.max_tokens = parsed
+        elif key == "stop":  # a text, its escapes read (`/set stop \n\n`); off: none
+            self.stop = () if parsed == "off" else (read_escapes(parsed),)
+            parsed = list(self.stop)
+        else:
+            self.session.set_params(self.session.params.replace(**{key: parsed}))
+        self.origins[key] = "set here"
+        return parsed
+
+    def settings(self, opts: TurnOptions, env: Environment) -> list[tuple[str, Any, str]]:
+        """(setting, value, where it came from) for everything `set` can change."""
+        limit, stop = self.reply_limits(opts, env)
+        values = {**{k: getattr(self.session.params, k) for k in SAMPLING_TYPES}, "max_tokens": limit,
+                  "stop": list(stop) or "none"}
+        return [(k, values[k], self.origins.get(k, "default")) for k in SETTABLE]
 
     def note_template(self) -> None:
         """Says once that the model has no chat template, and once that the template had no

@@ -2,7 +2,8 @@
 locked, and never pickled.
 
 - `store.py`: `SessionStore`, the sessions folder: names, locks, saving, listing, the disk
-  budget, atomic writes.
+  budget; `files.py`, how every file here is written: atomically, locked, copied, and what a
+  killed writer left cleaned away.
 - `transcript.py`: the transcript format (`NAME.json`), the truth of a session.
 - `statefile.py`: the state file format (`NAME.kv`), the verified KV bytes of a context.
 - `chain.py`: what a state file and the pieces of its log (`NAME.kvlog`) hold of a transcript's

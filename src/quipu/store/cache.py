@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from quipu.errors import SnapshotError
 from quipu.paths import private_dir
 from quipu.store.statefile import read_meta, read_state, state_chunks
-from quipu.store.store import atomic_write, clean_temporaries, oldest_first
+from quipu.store.files import atomic_write, clean_temporaries, oldest_first
 
 DEFAULT_MAX_BYTES = 2 << 30
 MIN_TOKENS = 128  # a shorter beginning is read faster than a file is

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from quipu.paths import private_dir
-from quipu.store.store import atomic_write
+from quipu.store.files import atomic_write
 
 MAX_ENTRIES = 64  # files remembered; the least recently hashed go first
 MAX_BYTES = 1 << 20  # (a record is a few KB; anything larger is not one of ours)

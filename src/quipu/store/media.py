@@ -13,7 +13,7 @@ from typing import Iterable
 
 from quipu.errors import SessionSaveError, SnapshotError
 from quipu.paths import private_dir
-from quipu.store.store import atomic_write
+from quipu.store.files import atomic_write
 from quipu.store.transcript import DIGEST
 
 

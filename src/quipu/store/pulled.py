@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from quipu.paths import private_dir
-from quipu.store.store import atomic_write
+from quipu.store.files import atomic_write
 
 FILENAME = "pulled.json"
 
