@@ -21,7 +21,8 @@ from quipu.app.tools import (ToolHooks, OpenTools, answer_pending, follow_calls,
                               open_tools)
 from quipu.engine.base import MEDIA_MARK, defuse
 from quipu.errors import BadInput, ContextOverflow, UsageError
-from quipu.sessions.base import LOCAL, SILENT, Capabilities, Generation, ModelSession, Stats, common_prefix
+from quipu.sessions.base import (LOCAL, SILENT, Capabilities, Generation, ModelSession, Stats, common_prefix,
+                                 token_session)
 from quipu.sessions.base import ReplySink as ReplySink  # (the CLI's sinks are made of it)
 from quipu.sessions.conversation import Conversation, Message, TurnSettings
 from quipu.store.store import validate_name
@@ -232,9 +233,10 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
             session.check_text_fits(prompt)
         notices = []
         if conv is None:
-            tokens = session.raw_tokens(prompt or "")
+            raw = token_session(session, "raw")
+            tokens = raw.raw_tokens(prompt or "")
             cached = keeper.warm(session, lambda: tokens)
-            gen = session.complete(tokens, limit, stop, sink)
+            gen = raw.complete(tokens, limit, stop, sink)
         else:
             offer(conv, tools, opts.tool_options)
             if prompt:
@@ -392,8 +394,9 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
         # (the tools are part of the context their definitions are written into)
         tools = open_tools(opts.tool_options, env, constrained=opts.constrained)
         try:
+            held = token_session(session, "show_prompt")
             if opts.raw:
-                tokens = session.raw_tokens(compose(None, prompt, files, ours) or "")
+                tokens = held.raw_tokens(compose(None, prompt, files, ours) or "")
             else:
                 conv = _conversation(session, opts, env, chat_template_source(opts), messages,
                                      opened.media_marks[len(media):], history is not None)
@@ -408,7 +411,7 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
                     tokens = conv.context_tokens()
             reused = opened.keeper.cached(session, tokens)
             # (a medium shows as llama.cpp's marker for one)
-            text = MEDIA_MARK.sub("<__media__>", session.spell(tokens))
+            text = MEDIA_MARK.sub("<__media__>", held.spell(tokens))
             return PromptView(text, tokens, reused, opened.keeper.model_name, None)
         finally:
             if tools is not None:
@@ -433,8 +436,9 @@ def _show_session_prompt(prompt: str | None, opts: TurnOptions, env: Environment
                 tokens = conv.context_tokens(True, conv.messages.pop().content)
             else:
                 tokens = conv.tokens_with(prompt or "")
-            reused = common_prefix(tokens, named.session.tokens)
-            text = MEDIA_MARK.sub("<__media__>", named.session.spell(tokens))
+            held = conv.tokens_side
+            reused = common_prefix(tokens, held.tokens)
+            text = MEDIA_MARK.sub("<__media__>", held.spell(tokens))
             return PromptView(text, tokens, reused, named.model_name, name)
         finally:
             named.close()

@@ -1,6 +1,9 @@
 """The session layer proper: what a user thinks of as a conversation, in memory.
 
-- `base.py`: the `ModelSession` protocol every session implements, wherever its model runs;
+- `base.py`: the `ModelSession` protocol every session implements, wherever its model runs
+  (reply, rewind, close, its capabilities), and `TokenSession`, what a session that holds its
+  context's exact tokens does besides (its template, tokenizer, tokens; a plain completion),
+  reached by that declared capability (`holding_tokens`);
   `Capabilities` (what a kind of session can do, and every refusal's words); `ReplySink`
   (where a reply goes as it is generated, and the one way to stop it); `Message`,
   `TurnPrompt`, `Generation`, `Stats`.

@@ -16,7 +16,7 @@ sessions and the chat in `quipu.app`) is written once against it:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, cast
 
 from quipu.errors import CapabilityError
 
@@ -293,7 +293,9 @@ class TurnPrompt:
 
 
 class ModelSession(Protocol):
-    """A model's context and what it can do next, wherever the model runs."""
+    """A model's context and what it can do next, wherever the model runs: what every session
+    does. What only a session that holds its context's exact tokens does (a local model's,
+    llama-server's) is `TokenSession`'s, reached by its declared capability (`holding_tokens`)."""
 
     capabilities: Capabilities
     params: "SamplingParams"
@@ -305,30 +307,43 @@ class ModelSession(Protocol):
         """The context's size in tokens (0: unknown, the server's own)."""
 
     @property
-    def tokens(self) -> list[int]:
-        """The context's exact tokens (empty where the server keeps them)."""
-
-    @property
     def used(self) -> int:
         """How many tokens the context holds (a chat API: as the last reply counted them)."""
-
-    @property
-    def n_decoded(self) -> int:
-        """How many of the context's tokens its cache holds (0 where the server keeps them)."""
 
     def set_params(self, params: "SamplingParams") -> None: ...
 
     def check_text_fits(self, text: str) -> None:
         """Refuses at once a text too long for the context whatever its tokenization."""
 
+    def reply(self, prompt: TurnPrompt, max_tokens: int, stop: Sequence[str], sink: ReplySink) -> Generation:
+        """Brings the context to `prompt` (reading only what is new) and generates the reply."""
+
+    def rewind(self, n_keep: int) -> None:
+        """Forgets the context from token `n_keep` on (where it holds no tokens: nothing)."""
+
+    def close(self) -> None: ...
+
+
+class TokenSession(ModelSession, Protocol):
+    """A session that holds its context's exact tokens (`Capabilities.exact_tokens`): a local
+    model's, llama-server's. Its template, tokenizer and tokens are quipu's to read."""
+
+    @property
+    def tokens(self) -> list[int]:
+        """The context's exact tokens."""
+
+    @property
+    def n_decoded(self) -> int:
+        """How many of the context's tokens its cache holds."""
+
     def chat_template(self) -> str | None:
-        """The model's own chat template (None: none, or the server renders it)."""
+        """The model's own chat template (None: none)."""
 
     def special_token_text(self, which: str) -> str: ...
 
     def special_tokens(self) -> Mapping[str, int]:
         """{spelling: id} of the tokens a grammar writes as themselves (control tokens, added
-        tokens spelled `<...>`); empty where the server writes markup itself."""
+        tokens spelled `<...>`)."""
 
     def control_spellings(self, texts: Sequence[str]) -> list[str]:
         """The control tokens' spellings `texts` hold, which a user's text must keep as text."""
@@ -345,17 +360,24 @@ class ModelSession(Protocol):
     def spell(self, tokens: Sequence[int]) -> str:
         """Tokens as text, control tokens written out: what the model sees."""
 
-    def reply(self, prompt: TurnPrompt, max_tokens: int, stop: Sequence[str], sink: ReplySink) -> Generation:
-        """Brings the context to `prompt` (reading only what is new) and generates the reply."""
-
     def complete(self, tokens: Sequence[int], max_tokens: int, stop: Sequence[str], sink: ReplySink) -> Generation:
         """A plain completion of `tokens` (`--raw`)."""
-
-    def rewind(self, n_keep: int) -> None:
-        """Forgets the context from token `n_keep` on."""
 
     def shift_out(self, start: int, end: int) -> bool:
         """Drops tokens [start, end) from the context, moving the cells after them down (as
         llama.cpp's context shift); False where it cannot (the caller reads the rest again)."""
 
-    def close(self) -> None: ...
+
+def holding_tokens(session: ModelSession) -> TokenSession | None:
+    """The session as one that holds its context's tokens, where its capabilities say it does;
+    None where the server keeps them (a chat API)."""
+    return cast("TokenSession", session) if session.capabilities.exact_tokens else None
+
+
+def token_session(session: ModelSession, feature: str) -> TokenSession:
+    """The session as one that holds its context's tokens; where it does not, `feature` is
+    refused in its one line (what needs them: --show-prompt, --raw)."""
+    held = holding_tokens(session)
+    if held is None:
+        raise session.capabilities.refusal(feature)
+    return held

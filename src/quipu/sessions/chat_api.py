@@ -21,7 +21,6 @@ from quipu.sessions.toolspec import ToolCall
 
 if TYPE_CHECKING:
     from quipu.engine.chat_api import ChatApiModel
-    from quipu.sessions.prompt import Rendered
 
 # The sampling parameters a chat API takes, under the names servers know.
 REQUEST_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")
@@ -59,22 +58,8 @@ class ChatApiSession:
         return 0  # the server's own
 
     @property
-    def tokens(self) -> list[int]:
-        return []
-
-    @property
     def used(self) -> int:
         return self._used
-
-    @property
-    def n_decoded(self) -> int:
-        return 0  # (the server's context is its own)
-
-    def shift_out(self, start: int, end: int) -> bool:
-        return False
-
-    def special_tokens(self) -> dict[str, int]:
-        return {}  # (the server writes and reads markup itself)
 
     def set_params(self, params: SamplingParams) -> None:
         """New parameters: those that differ from the current ones are sent from now on."""
@@ -85,28 +70,6 @@ class ChatApiSession:
 
     def check_text_fits(self, text: str) -> None:
         pass  # the server counts its own tokens, and says when a prompt does not fit
-
-    def chat_template(self) -> str | None:
-        return None
-
-    def special_token_text(self, which: str) -> str:
-        return ""
-
-    def control_spellings(self, texts: Sequence[str]) -> list[str]:
-        return []
-
-    def context_for(self, rendered: Rendered) -> list[int]:
-        raise self.capabilities.refusal("show_prompt")
-
-    def reference_tokens(self, rendered: Rendered) -> list[int]:
-        raise self.capabilities.refusal("show_prompt")
-
-    def raw_tokens(self, text: str) -> list[int]:
-        raise self.capabilities.refusal("show_prompt")
-
-    def spell(self, tokens: Sequence[int]) -> str:
-        self.capabilities.require("show_prompt")
-        return ""
 
     def reply(self, prompt: TurnPrompt, max_tokens: int, stop: Sequence[str] = (),
               sink: ReplySink = SILENT) -> Generation:
@@ -148,11 +111,6 @@ class ChatApiSession:
             calls.append(ToolCall(call["name"], arguments, call["id"] or None))
         gen.tool_calls = calls
         return gen
-
-    def complete(self, tokens: Sequence[int], max_tokens: int, stop: Sequence[str] = (),
-                 sink: ReplySink = SILENT) -> Generation:
-        self.capabilities.require("raw")
-        raise AssertionError("unreachable")
 
     def rewind(self, n_keep: int) -> None:
         pass  # nothing held: the next request sends the messages as they are

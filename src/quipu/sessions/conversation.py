@@ -7,8 +7,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from quipu.engine.base import defuse
 from quipu.errors import CapabilityError, TemplateError, UsageError
-from quipu.sessions.base import (SILENT, Generation, Message, ModelSession, ReplySink, TurnPrompt,
-                                 common_prefix)
+from quipu.sessions.base import (SILENT, Generation, Message, ModelSession, ReplySink, TokenSession, TurnPrompt,
+                                 common_prefix, holding_tokens, token_session)
 from quipu.sessions.prompt import Protector, Rendered
 from quipu.sessions.template import ChatTemplate
 from quipu.sessions.reasoning import BY_DEFAULT, ReasoningFormat
@@ -35,6 +35,11 @@ class Conversation:
     template: ChatTemplate | None
     messages: list[Message] = field(default_factory=list)
     settings: TurnSettings = field(default_factory=TurnSettings)
+    # The session as one that holds its context's tokens, where it does (not a chat API's).
+    held: TokenSession | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.held = holding_tokens(self.session)
 
     @classmethod
     def start(cls, session: ModelSession, system: str | None = None, *, template: str | None = None,
@@ -58,10 +63,16 @@ class Conversation:
     def template_for(session: ModelSession, source: str | None) -> ChatTemplate | None:
         """`source`, else the model's own template (ChatML when it has none); None where the
         server renders the conversation."""
-        if not session.capabilities.can("chat_template"):
+        held = holding_tokens(session)
+        if held is None or not session.capabilities.can("chat_template"):
             return None
-        return ChatTemplate(source or session.chat_template(), session.special_token_text("bos"),
-                            session.special_token_text("eos"))
+        return ChatTemplate(source or held.chat_template(), held.special_token_text("bos"),
+                            held.special_token_text("eos"))
+
+    @property
+    def tokens_side(self) -> TokenSession:
+        """The session's tokens, tokenizer and template; refused where the server keeps them."""
+        return token_session(self.session, "show_prompt")
 
     def set_reasoning(self, *, effort: str | None = None, budget: int | None = None, chat: bool = False) -> None:
         """How the model reasons in the next replies: `effort` (the template's `reasoning_effort`:
@@ -129,7 +140,7 @@ class Conversation:
         calls = [m.tool_calls for m in messages if m.tool_calls]
         texts = [m.content for m in messages] + [tail] + list(strings_of(defined)) + list(strings_of(calls))
         self.session.check_text_fits("".join(texts))  # (refused before a tokenizer sees megabytes)
-        protector = Protector(self.session.control_spellings(texts))
+        protector = Protector(self.tokens_side.control_spellings(texts))
         # A user's, a tool's or a system prompt's spelling of a control token stays text; a reply
         # is the model's own, whose markup (a call's, reasoning's) is the tokens it wrote, and
         # whose calls' arguments are data the grammar kept to text.
@@ -154,12 +165,12 @@ class Conversation:
 
     def render_tokens(self, messages: Sequence[Message], add_generation_prompt: bool) -> list[int]:
         """The context tokens for `messages` on an empty context, as the reference tokenizes them."""
-        return self.session.reference_tokens(self.render(messages, add_generation_prompt))
+        return self.tokens_side.reference_tokens(self.render(messages, add_generation_prompt))
 
     def context_tokens(self, add_generation_prompt: bool = True, tail: str = "") -> list[int]:
         """The context tokens for the conversation (and `tail`), keeping those the context holds
         already as far as they still spell it: replies keep the tokens the model generated."""
-        return self.session.context_for(self.render(self.messages, add_generation_prompt, tail))
+        return self.tokens_side.context_for(self.render(self.messages, add_generation_prompt, tail))
 
     def tokens_with(self, text: str) -> list[int]:
         """The context tokens the conversation would have with `text` as the next user message."""
@@ -174,8 +185,9 @@ class Conversation:
         """Adds a user message and generates the reply, which joins the conversation. Every turn
         is given `turn`'s settings (default: the conversation's)."""
         self.session.check_text_fits(text)
-        before = self.session.used if self.session.capabilities.exact_tokens else None
-        held = list(self.session.tokens) if before is not None else []
+        tokens = self.held
+        before = tokens.used if tokens is not None else None
+        held = list(tokens.tokens) if tokens is not None else []
         user = Message("user", text, context_before=before)
         self.messages.append(user)
         try:
@@ -184,11 +196,11 @@ class Conversation:
             del self.messages[-1]
             self.session.rewind(before or 0)  # no half-read prompt stays behind
             raise
-        if before is not None:
+        if tokens is not None and before is not None:
             # The turn may have read the end of the last reply again (where the template's text
             # after it tokenizes with it, as with no markup of the model's own): the context is
             # as it was only up to there, and an /undo goes back to that point.
-            user.context_before = min(before, common_prefix(held, self.session.tokens))
+            user.context_before = min(before, common_prefix(held, tokens.tokens))
         return gen
 
     def continue_reply(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT,
@@ -302,7 +314,8 @@ class Conversation:
         """The tokens of the exchanges just dropped, in the context: from where the first of
         them began (after the system prompt, for the conversation's first) to where the first
         kept one began; None where the context does not say so for sure."""
-        if len(self.messages) <= first:  # (all went: nothing to keep)
+        session = self.held
+        if len(self.messages) <= first or session is None:  # (all went: nothing to keep)
             return None
         start, end = before[first].context_before, self.messages[first].context_before
         if start is None or end is None:
@@ -314,7 +327,7 @@ class Conversation:
                 system = self.render_tokens(before[:first], add_generation_prompt=False)
             except (TemplateError, CapabilityError):
                 return None
-            if list(self.session.tokens[:len(system)]) != system:
+            if list(session.tokens[:len(system)]) != system:
                 return None
             start = len(system)
         # The mark is where that exchange's tokens began, which may be the end of the reply
@@ -324,11 +337,11 @@ class Conversation:
             kept = self.render_tokens(self.messages, add_generation_prompt=False)[start:start + 8]
         except (TemplateError, CapabilityError):
             return None
-        held = self.session.tokens
+        held = session.tokens
         for k in range(16):
             if list(held[end + k:end + k + len(kept)]) == kept:
                 end += k
-                return (start, end) if start < end <= self.session.n_decoded else None
+                return (start, end) if start < end <= session.n_decoded else None
         return None
 
     def drop_oldest(self, keep_free: int, keep_latest: bool = False) -> int:
@@ -358,7 +371,7 @@ class Conversation:
         # the kept cells were computed with the dropped tokens before them). The next turn keeps
         # what of them its rendering still spells, as always.
         span = self._dropped_span(before, first) if dropped else None
-        if span is not None and self.session.shift_out(*span):
+        if span is not None and self.held is not None and self.held.shift_out(*span):
             for m in self.messages:
                 if m.context_before is not None:
                     m.context_before = max(span[0], m.context_before - (span[1] - span[0]))

@@ -11,7 +11,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 from quipu.errors import TemplateError, UsageError
-from quipu.sessions.base import Generation, Message, ModelSession, ToolOffer
+from quipu.sessions.base import Generation, Message, ModelSession, ToolOffer, token_session
 from quipu.sessions.call_grammars import CHOICES, CallGrammar
 from quipu.sessions.tools import Format, format_of, parse_reply
 from quipu.sessions.toolspec import ToolCall, ToolSpec
@@ -76,7 +76,7 @@ def offer_tools(conv: Turns, turn: TurnSettings, thinking: Callable[[], bool]) -
         raise UsageError(f"--tool-choice names {choice!r}, which is not one of the tools offered")
     if conv.template is None:  # a chat API: the server renders the tools and reads the calls
         return ToolOffer(tools=tools, choice=choice)
-    grammar = tool_format(conv.template).call_grammar(offered, conv.session.special_tokens(),
+    grammar = tool_format(conv.template).call_grammar(offered, token_session(conv.session, "tools").special_tokens(),
                                                        conv.template.source or "", calls_made(conv.messages))
     forced = grammar is not None and choice != "auto"
     if grammar is not None and forced:
