@@ -119,7 +119,8 @@ def test_the_options_table_holds_every_option_of_run_and_chat_and_each_says_when
             continue
         field = "server" if name == "url" else name
         kind = next((t for t in values if str(fields[field].type).startswith(t)), None)
-        opts = dataclasses.replace(TurnOptions(), **{field: values[kind] if kind is not None else object()})
+        value = ("x=1",) if field == "logit_bias" else values[kind] if kind is not None else object()
+        opts = dataclasses.replace(TurnOptions(), **{field: value})
         assert asked_of(TurnOptions()) == {} and asked_of(opts) == {option.feature: [option.spelled]}, name
     # a command's own options are refused by the table's words too: --stats in a batch
     assert asked_of(TurnOptions(), own=("stats", "show")) == {"shown": ["--stats"], "show_prompt": ["--show-prompt"]}

@@ -26,7 +26,6 @@ from quipu.app.turn_options import (
     offload,
     logit_biases,
     max_tokens,
-    parse_logit_bias,
     sampling_params,
     stop_strings,
     system_prompt,
@@ -208,7 +207,6 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
         raise UsageError(f"--parallel must be at most {MAX_PARALLEL} (llama.cpp's limit of sequences), got {parallel}")
     rows = read_rows(text)
     base = sampling_params(opts, env)
-    parse_logit_bias(opts.logit_bias)
     limit = max_tokens(opts, env)
     settings = context_settings(opts, env)
     if settings.n_ctx == CTX_AUTO:

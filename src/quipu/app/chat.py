@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from quipu.app.attachments import Attachment
 from quipu.app.environment import Environment
-from quipu.app.turn_options import TurnOptions, max_tokens
+from quipu.app.turn_options import TurnOptions
 from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost
 from quipu.app.modes import CHAT, asked_of, check_options
@@ -46,7 +46,6 @@ class ChatSession:
         self._shape = shape
         self._conversation = conversation  # the logged conversation a follow-up's turns go on with
         self.store = store_for(env)
-        max_tokens(opts, env)  # a bad value is said before anything is loaded
         self.named: NamedSession | None = None
         self.kept = True  # whether this session's turns are saved (a piped chat without a name keeps none)
         self.keep_unnamed = keep_unnamed  # whether a session given a generated name (here or by /new) is kept

@@ -23,7 +23,6 @@ from quipu.app.turn_options import (
     context_settings,
     load_backend,
     offload,
-    parse_logit_bias,
     sampling_params,
     with_logit_biases,
 )
@@ -65,7 +64,6 @@ def open_session(opts: TurnOptions, env: Environment) -> tuple[str, Path, Infere
     params = sampling_params(opts, env)
     settings = context_settings(opts, env)
     where = offload(opts, env)
-    parse_logit_bias(opts.logit_bias)
     model_name, model_path = env.resolve_model(opts.model)
     started = time.perf_counter()
     backend = load_backend(model_path, settings, opts.verbose, where)
@@ -107,7 +105,6 @@ class LocalHost:
     def resume(self, store: SessionStore, name: str, record: Transcript, messages: list[Message],
                opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened[InferenceSession]:
         params = sampling_params(opts, env, saved_params(store, name, record))
-        parse_logit_bias(opts.logit_bias)
         saved_ctx = record.context
         if opts.kv_type is None and saved_ctx["kv_type"] not in KV_TYPES:
             raise SnapshotError(f"session '{name}' is damaged: its KV cache type '{saved_ctx['kv_type']}' is not one "

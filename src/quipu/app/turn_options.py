@@ -102,8 +102,12 @@ class TurnOptions(ToolOptions):
     server: "ServerSettings | None" = None
 
     def __post_init__(self) -> None:
+        """What can be checked of the options alone is checked here, once, before anything is
+        loaded or sent (what needs the config or the model, where those are read)."""
         if isinstance(self.ctx, str):  # (as the command line gives it: N or auto)
             self.ctx = parse_ctx(self.ctx)
+        check_positive("--max-tokens", self.max_tokens)
+        parse_logit_bias(self.logit_bias)
 
     @property
     def constrained(self) -> bool:
@@ -126,9 +130,10 @@ def check_positive(name: str, value: int | None) -> None:
 
 def sampling_params(opts: TurnOptions, env: Environment, base: SamplingParams | None = None,
                     host: Capabilities = LOCAL) -> SamplingParams:
-    """Command line > config > `base` (a session's own settings) > built-in defaults. The
-    grammar of --schema, --grammar or --regex is included, checked as `host` reads it;
-    --logit-bias needs the model (`logit_biases`)."""
+    """The command line's settings over `base`, a session's own (which it saved whole, the config
+    then left out), or, without one, over the config's over the built-in defaults. The grammar
+    of --schema, --grammar or --regex is included, checked as `host` reads it; --logit-bias
+    needs the model (`logit_biases`)."""
     params = base or SamplingParams().replace(
         **{k: v for k, v in env.config.generation.items() if k in SAMPLING_TYPES}
     )

@@ -312,7 +312,6 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
     save it (a reply cut short by a failing server is saved with what came); `files` and
     `media`, what its message carries."""
     name = check_session_turn(prompt, opts, bool(media or files))
-    max_tokens(opts, env)  # a bad value is said before anything is loaded
     store = store_for(env)
     store.clean_temporaries()
     with store.lock(name):

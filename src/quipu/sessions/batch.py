@@ -152,8 +152,8 @@ class BatchSession:
         params = row.params.resolved()
         slot.row = row_index
         self.backend.seq_keep(slot.seq, self.shared)  # what the last row left, past the shared part
-        chain = slot.chain = self.backend.row_sampler(params.sampler())
-        slot.matcher = self.backend.row_matcher(params.sampler())
+        chain = slot.chain = self.backend.row_sampler(params)
+        slot.matcher = self.backend.row_matcher(params)
         chain.accept(row.tokens)  # the penalty window sees the prompt, as a lone run's does
         slot.params = params
         slot.pending = list(row.tokens[self.shared :])

@@ -89,7 +89,7 @@ class InferenceSession(HeldTokens):
         self.reply_start = 0  # where the reply generated last began in `tokens` (set by `infer`)
         self.logits_processors: list[LogitsProcessor] = []
         self.token_filter: TokenFilter | None = None
-        backend.set_sampler(self.params.sampler())
+        backend.set_sampler(self.params)
         backend.truncate(0)  # a session starts from an empty context, whatever the backend held
 
     # ---- context ------------------------------------------------------------------------
@@ -114,7 +114,7 @@ class InferenceSession(HeldTokens):
     def set_params(self, params: SamplingParams) -> None:
         """New sampling parameters; the penalty window is kept."""
         params = params.resolved()
-        self.backend.set_sampler(params.sampler())  # a bad grammar is refused before anything changes
+        self.backend.set_sampler(params)  # a bad grammar is refused before anything changes
         self.params = params
         self._reset_sampler()  # a new grammar applies from the next reply on
 

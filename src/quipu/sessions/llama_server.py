@@ -243,7 +243,7 @@ class LlamaServerSession(HeldTokens):
             constraint = server_constraint(offer.grammar, offer.forced, thinking, specials.within)
             sink = calls = TextCallSink(sink, offer.grammar, thinking, offer.forced)
         try:
-            done = self.backend.complete(prompt, self.params.sampler(), draw_seed(self.params.draw_base, self.draws),
+            done = self.backend.complete(prompt, self.params, draw_seed(self.params.draw_base, self.draws),
                                          min(max_tokens, room), stop, self.slot, sink, constraint)
         except Exception as exc:  # a server failing mid-reply: what came is kept, as after Ctrl-C
             partial = getattr(exc, "partial", None)

@@ -18,8 +18,9 @@ MAX_SEED = 2**63 - 1
 
 @dataclass(frozen=True)
 class SamplingParams(SamplerSettings):
-    """How the next token is chosen: the sampler chain's settings (and defaults), validated,
-    plus the seed. `seed=None` means a fresh random seed (see `resolved`)."""
+    """How the next token is chosen: the sampler chain's settings (and defaults), validated, as
+    the backend's chain is built from them, plus the seed, which goes per draw (`draw_seed`).
+    `seed=None` means a fresh random seed (see `resolved`)."""
 
     seed: int | None = None
 
@@ -83,10 +84,6 @@ class SamplingParams(SamplerSettings):
 
     def unconstrained(self) -> "SamplingParams":
         return dataclasses.replace(self, grammar=None, logit_bias=())
-
-    def sampler(self) -> SamplerSettings:
-        """The settings the backend's sampler chain is built from (the seed goes per draw)."""
-        return SamplerSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SamplerSettings)})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
