@@ -193,6 +193,11 @@ class FunctionWorker:
             except OSError:
                 pass
 
+    def said(self) -> list[str]:
+        """What went wrong with it since last asked."""
+        out, self.notices = self.notices, []
+        return out
+
     def close(self) -> None:
         """Ends the process: its stdin closed, then killed if it does not end at once."""
         proc = self._proc

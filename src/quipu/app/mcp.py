@@ -197,6 +197,11 @@ class McpServer:
 
         return call
 
+    def said(self) -> list[str]:
+        """What went wrong with it since last asked."""
+        out, self.notices = self.notices, []
+        return out
+
     def close(self, at_once: bool = False) -> None:
         """Ends the session and the server: its stdin closed, and the `mcp` package's grace before
         it is killed; `at_once` (the user stopped quipu, or it never answered) with almost none."""

@@ -49,7 +49,7 @@ def never() -> bool:
 Runner = Callable[[dict[str, Any], float, Callable[[], bool]], ToolOutput]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Tool:
     spec: ToolSpec
     run: Runner | None  # None: the caller runs it (--tools FILE.json)

@@ -6,10 +6,11 @@ reached. Approvals are never saved."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 from quipu.app.attachments import Attachment
 from quipu.app.user_files import read_text_file
@@ -58,10 +59,11 @@ class CallRecord:
 
 
 class Toolbox:
-    """The tools of a turn, by name; two with one name is a usage error."""
+    """The tools of a turn, by name (`tools`: those it starts with); two added with one name is
+    a usage error."""
 
-    def __init__(self) -> None:
-        self.tools: dict[str, Tool] = {}
+    def __init__(self, tools: Mapping[str, Tool] | None = None) -> None:
+        self.tools: dict[str, Tool] = dict(tools or {})
 
     def add(self, tools: Sequence[Tool]) -> None:
         for tool in tools:
@@ -260,7 +262,8 @@ class ToolHooks:
 class ToolProcess(Protocol):
     """A process that runs tools: what went wrong with it, to be said; and its end."""
 
-    notices: list[str]
+    def said(self) -> list[str]:
+        """What went wrong with it since last asked."""
 
     def close(self) -> None: ...
 
@@ -281,11 +284,7 @@ class OpenTools:
 
     def said(self) -> list[str]:
         """What went wrong with the processes since last asked (a functions process that died)."""
-        out = []
-        for process in self.processes:
-            out += process.notices
-            process.notices = []
-        return out
+        return [notice for process in self.processes for notice in process.said()]
 
 
 def open_tools(opts: ToolOptions, env: Environment | None = None, *, constrained: bool = False, stopped: Callable[[], bool] = never,
@@ -307,34 +306,34 @@ def open_tools(opts: ToolOptions, env: Environment | None = None, *, constrained
         if value is not None and not value > 0:
             raise UsageError(f"{name} must be more than 0, got {value}")
     timeout = opts.tool_timeout or DEFAULT_TIMEOUT
-    tools = OpenTools(Toolbox())
+    box, notices = Toolbox(), []
+    processes: list[ToolProcess] = []
     try:
         if opts.tools_file:
-            tools.box.add(tools_from_json(opts.tools_file))
-        tools.box.add(offered)
+            box.add(tools_from_json(opts.tools_file))
+        box.add(offered)
         if opts.functions:
             from quipu.app.functions import functions_from_files
 
-            made, notices, worker = functions_from_files(list(opts.functions), timeout, stopped, on_output)
-            tools.processes.append(worker)
-            tools.box.add(made)
-            tools.notices += notices
-        check_tool_schemas(tools.box.tools.values())  # (before any server is started)
+            made, said, worker = functions_from_files(list(opts.functions), timeout, stopped, on_output)
+            processes.append(worker)
+            box.add(made)
+            notices += said
+        check_tool_schemas(box.tools.values())  # (before any server is started)
         if opts.mcp:
             from quipu.app.mcp import start_servers
 
             servers = start_servers(opts.mcp, env.config.mcp if env is not None else {}, opts.mcp_config, stopped)
-            tools.processes += servers
+            processes += servers
             for server in servers:
-                tools.box.add(server.tools)
+                box.add(server.tools)
                 check_tool_schemas(server.tools)
     except BaseException:
-        tools.close()
+        OpenTools(box, notices, processes).close()
         raise
-    if opts.tool_timeout is not None:
-        for tool in tools.box.tools.values():
-            tool.timeout = opts.tool_timeout
-    return tools
+    if opts.tool_timeout is not None:  # (every tool's, a server's own included)
+        box = Toolbox({name: dataclasses.replace(tool, timeout=opts.tool_timeout) for name, tool in box.tools.items()})
+    return OpenTools(box, notices, processes)
 
 
 def offer(conv: Conversation, tools: OpenTools | None, opts: ToolOptions) -> None:
@@ -381,11 +380,10 @@ def follow_calls(conv: Conversation, tools: OpenTools | None, gen: Generation, o
     notices = list(tools.notices) if tools is not None else []
     if not gen.tool_calls:
         return gen, [], notices
-    box = Toolbox()  # (the turn's own: the tools given stay as they were for the next turn)
-    box.tools = dict(tools.box.tools) if tools is not None else {}
+    given = dict(tools.box.tools) if tools is not None else {}
     for spec in conv.settings.tools:  # a session's tools that nothing runs now: the caller's to run
-        if spec.name not in box.tools:
-            box.tools[spec.name] = Tool(spec, None, "the session")
+        given.setdefault(spec.name, Tool(spec, None, "the session"))
+    box = Toolbox(given)  # (the turn's own: the tools given stay as they were for the next turn)
     hooks = hooks or ToolHooks()
     refused: list[str] = []
 
