@@ -186,7 +186,7 @@ class ChatSession:
             gen, calls, notes = follow_calls(named.conversation, self.tools, gen, self.opts.tool_options, limit, stop, sink,
                                              hooks, lambda found: named.keeper.take_media(
                                                  named.session, self.store, found))
-            named.notices += notes
+            named.tell(notes)
         except ContextOverflow as exc:
             if message is not None:
                 self._refuse_if_it_never_fits(message, exc)

@@ -20,13 +20,16 @@ def server_of(url: str | None, model: str | None, env: Environment) -> "ServerSe
     if not url:
         return None
     check_url(url)
+    from dataclasses import replace
+
     from quipu.engine.http import ServerSettings
 
     conf = env.config.remote
     settings = ServerSettings(url=url, model=model or conf.get("model"),
                               api_key_env=conf.get("api_key_env", "QUIPU_API_KEY"))
     if "timeout" in conf:
-        settings.read_timeout = settings.connect_timeout = float(conf["timeout"])
+        timeout = float(conf["timeout"])
+        settings = replace(settings, read_timeout=timeout, connect_timeout=timeout)
     return settings
 
 

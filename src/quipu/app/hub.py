@@ -21,7 +21,7 @@ import errno
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -325,10 +325,8 @@ def plan_pull(ref: HubRef) -> PullPlan:
             files.append(HubFile(path, _size(e.get("size"), ref.repo, path), sha if isinstance(sha, str) else None))
     plan = choose(ref.repo, files, ref.quant)
     paths = {f.path for f in files}
-    plan.template = next((t for t in TEMPLATE_FILES if t in paths), None)
-    plan.projector = projector_of(files, plan.files[0].path)
-    plan.commit = commit
-    return plan
+    return replace(plan, template=next((t for t in TEMPLATE_FILES if t in paths), None),
+                   projector=projector_of(files, plan.files[0].path), commit=commit)
 
 
 # Which projector of several a pull takes, as llama.cpp's -hf does: full precision first.

@@ -50,7 +50,7 @@ def search(text: str, limit: int = 20) -> list[Found]:
         if not isinstance(repo, str) or REF.fullmatch(repo) is None:
             continue  # (not a name a pull could take)
         downloads = getattr(info, "downloads", 0)
-        entry = Found(repo, downloads if isinstance(downloads, int) and not isinstance(downloads, bool) else 0)
+        count = downloads if isinstance(downloads, int) and not isinstance(downloads, bool) else 0
         names = []
         for sibling in getattr(info, "siblings", None) or []:
             try:
@@ -59,8 +59,8 @@ def search(text: str, limit: int = 20) -> list[Found]:
                 continue  # (a name no pull would take: not shown)
         try:
             plan = choose(repo, [HubFile(name, 0, None) for name in names], None)
-            entry.quant, entry.files, entry.others = plan.quant, [f.path for f in plan.files], plan.others
-        except UsageError:
-            pass  # no GGUF file, or a split model with parts missing: nothing to pull
-        found.append(entry)
+        except UsageError:  # no GGUF file, or a split model with parts missing: nothing to pull
+            found.append(Found(repo, count))
+            continue
+        found.append(Found(repo, count, plan.quant, [f.path for f in plan.files], plan.others))
     return found

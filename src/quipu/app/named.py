@@ -145,6 +145,10 @@ class NamedSession:
                   "stop": list(stop) or "none"}
         return [(k, values[k], self.origins.get(k, "default")) for k in SETTABLE]
 
+    def tell(self, notices: list[str]) -> None:
+        """Notices for the user, said with the turn's."""
+        self.notices.extend(notices)
+
     def note_template(self) -> None:
         """Says once that the model has no chat template, and once that the template had no
         system role, when the system prompt was folded."""

@@ -342,7 +342,7 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
                 gen, calls, tool_notes = follow_calls(
                     conv, tools, gen, opts.tool_options, limit, stop, sink, hooks,
                     lambda found: named.keeper.take_media(named.session, store, found))
-                named.notices += tool_notes
+                named.tell(tool_notes)
             except ContextOverflow as exc:
                 if named.session.used < exc.n_ctx // 2:
                     raise  # the prompt alone is too long

@@ -31,7 +31,7 @@ def pull(text: str, env: Environment, term: Terminal) -> PulledModel:
         others = f" (also there: {', '.join(plan.others)})" if plan.others else ""
         term.stderr.write(f"pulling {plan.repo} {plan.quant}: {names}, {human_size(size)}{others}\n")
         term.stderr.flush()
-        bar.total = size
+        bar.expect(size)
 
     try:
         model = pull_model(ref, env, on_plan=on_plan, on_progress=bar, on_wait=term.warn)
@@ -61,6 +61,10 @@ class DownloadBar:
         self._done: dict[str, int] = {}
         self._progress: Progress | None = None
         self._task: TaskID | None = None
+
+    def expect(self, total: int) -> None:
+        """The bytes the pull fetches in all (its plan's), before the first file's come."""
+        self.total = total
 
     def __call__(self, name: str, done: int, total: int) -> None:
         self._done[name] = done

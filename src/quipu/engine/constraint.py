@@ -169,12 +169,15 @@ def _limits() -> llguidance.LLParserLimits:
 
 
 def tokenizer(model: "LlamaModel") -> "llguidance.LLTokenizer":
-    """llguidance's view of a loaded model's vocabulary (kept on the model: building it reads
-    every token once). Control tokens are marked as special, so that no grammar spells them;
-    every end-of-generation token ends a reply the grammar has completed."""
-    if model.guidance_tokenizer is not None:
-        kept: llguidance.LLTokenizer = model.guidance_tokenizer
-        return kept
+    """llguidance's view of a loaded model's vocabulary (kept by the model: building it reads
+    every token once)."""
+    made: llguidance.LLTokenizer = model.guidance(_tokenizer)
+    return made
+
+
+def _tokenizer(model: "LlamaModel") -> "llguidance.LLTokenizer":
+    """Control tokens are marked as special, so that no grammar spells them; every
+    end-of-generation token ends a reply the grammar has completed."""
     from quipu.engine.native import lc
 
     vocab = model.vocab
@@ -202,7 +205,6 @@ def tokenizer(model: "LlamaModel") -> "llguidance.LLTokenizer":
     made: llguidance.LLTokenizer = llguidance.LLTokenizer.from_llamacpp(  # type: ignore[attr-defined]
         tokens=pieces, vocab_ptr=vocab, tokenize_fptr=ctypes.cast(lc._lib.llama_tokenize, ctypes.c_void_p).value,
         eos_token=ends, slices=None)
-    model.guidance_tokenizer = made
     return made
 
 

@@ -36,7 +36,7 @@ class ServerError(QuipuError):
         self.status = status  # the HTTP status that said no, if one did
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerSettings:
     url: str
     model: str | None = None  # None: the server's only (or first) model

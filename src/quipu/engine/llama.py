@@ -83,7 +83,7 @@ class LlamaBackend:
         if context.flash_attn == "off" and context.kv_type != "f16":
             raise InvalidParameter(f"--kv-type {context.kv_type} needs flash attention (llama.cpp quantizes V only "
                                    "there): drop --flash-attn off, or keep f16")
-        LOG.verbose = verbose
+        LOG.echo(verbose)
         self._stack = ExitStack()
         try:
             if isinstance(model_path, LlamaModel):

@@ -23,12 +23,16 @@ class LlamaLog:
     """Receives every llama.cpp log line; keeps the recent errors, echoes all of it when verbose."""
 
     def __init__(self) -> None:
-        self.verbose = False
+        self.verbose = False  # (set by `echo`)
         self.errors: collections.deque[str] = collections.deque(maxlen=8)
         self._last_level = 0
         self._callback = None
         self.flash_attn: str | None = None  # what the last context made was made with, as it said
         self.compute: dict[str, int] = {}  # the last context's compute buffers, bytes by buffer type
+
+    def echo(self, verbose: bool) -> None:
+        """Echoes every line llama.cpp logs on stderr (`--verbose`), or none."""
+        self.verbose = verbose
 
     def install(self) -> None:
         if self._callback is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 from array import array
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from quipu.engine.native import lc
 
@@ -101,7 +101,7 @@ class LlamaModel:
         self._controls: Spellings | None = None
         self._attrs: array[int] | None = None
         self._special_tokens: dict[str, int] | None = None
-        self.guidance_tokenizer: Any = None  # llguidance's view of the vocabulary, once built (constraint.py)
+        self._guidance: Any = None  # llguidance's view of the vocabulary, once built (constraint.py)
         self._piece_buf = ctypes.create_string_buffer(256)
 
     def acquire(self) -> "LlamaModel":
@@ -182,6 +182,13 @@ class LlamaModel:
             self._controls = Spellings(self.token_text(t).decode("utf-8", "replace")
                                        for t, attr in enumerate(self.token_attrs()) if attr & _CONTROL_ATTRS)
         return self._controls
+
+    def guidance(self, make: Callable[[LlamaModel], Any]) -> Any:
+        """llguidance's view of the vocabulary, made by `make` the first time it is asked for
+        (it reads every token once), then kept with the model."""
+        if self._guidance is None:
+            self._guidance = make(self)
+        return self._guidance
 
     def token_attrs(self) -> array[int]:
         """Every token's attributes (`LLAMA_TOKEN_ATTR_*`), in order: read once, on first use, for
