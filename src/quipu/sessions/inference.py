@@ -71,9 +71,8 @@ class InferenceSession(HeldTokens):
         """A session on an empty context; `draws`: how many draws its seed has made (a session
         read again from its transcript goes on with them); `stats`: its figures so far (the
         model's load)."""
-        self.backend = backend
+        super().__init__(backend)
         self.params = (params or SamplingParams()).resolved()
-        self.tokens: list[int] = []
         self.n_decoded = 0
         self.draws = draws
         self._logits_at = -1  # n_decoded when the backend's logits were computed

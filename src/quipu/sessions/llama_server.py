@@ -83,10 +83,9 @@ class LlamaServerSession(HeldTokens):
 
     def __init__(self, backend: TokenServer, params: SamplingParams | None = None,
                  slot_holder: SlotHolder | None = None, draws: int = 0):
-        self.backend = backend
+        super().__init__(backend)
         self.params = SamplingParams().resolved()
         self.set_params(params or self.params)
-        self.tokens: list[int] = []
         self.text = ""  # what `tokens` spell, control tokens written out
         self.marks: list[tuple[int, int]] = []  # (k, n): tokens[:k] spell text[:n]; a turn may go on from there
         self.draws = draws

@@ -214,12 +214,14 @@ def context_tokens(backend: Backend, held: Sequence[int], rendered: Rendered) ->
 
 
 class HeldTokens:
-    """What a session whose context is exact tokens on a backend with a vocabulary (a local
-    context, llama-server's) answers alike: its size, the model's template and special tokens,
-    a rendering or a plain prompt as tokens. Needs `backend` and `tokens`."""
+    """The base of a session whose context is exact tokens on a backend with a vocabulary (a
+    local context, llama-server's): its backend and its tokens, its own from its constructor, and
+    what such a session answers alike of them: its size, the model's template and special
+    tokens, a rendering or a plain prompt as tokens."""
 
-    backend: "Vocabulary"
-    tokens: list[int]
+    def __init__(self, backend: Vocabulary) -> None:
+        self.backend = backend
+        self.tokens: list[int] = []
 
     @property
     def n_ctx(self) -> int:
