@@ -208,8 +208,7 @@ class ChatSession:
         asked = message if message is not None else next(
             (m.content for m in reversed(named.conversation.messages) if m.role == "user"), "")
         result = TurnResult.of(gen, named.model_name, named.session, self.name if self.kept else None, [],
-                               named.keeper.model_fingerprint)
-        result.tool_calls = calls
+                               named.keeper.model_fingerprint, tool_calls=calls)
         unlogged = log_answer(self.env, self.opts, "chat", asked, result, system=named.conversation.system,
                               conversation=self._conversation or (f"session:{self.name}" if self.kept
                                                                   else f"chat:{self.name}"))

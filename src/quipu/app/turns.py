@@ -54,12 +54,12 @@ class TurnResult:
 
     @classmethod
     def of(cls, gen: Generation, model: str, session: ModelSession, name: str | None, notices: list[str] | None = None,
-           fingerprint: str | None = None, system: str | None = None) -> TurnResult:
+           fingerprint: str | None = None, system: str | None = None, tool_calls: Sequence[Any] = ()) -> TurnResult:
         answer = gen.text if gen.answer is None else gen.answer
         return cls(answer, gen.finish_reason, model, session.params.seed, name, session.stats, list(notices or []),
                    gen.reasoning, gen.error, constrained_by(session.params.grammar, session.capabilities),
                    incomplete=cut_short(session.params.grammar, gen.finish_reason, answer), fingerprint=fingerprint,
-                   system=system)
+                   system=system, tool_calls=list(tool_calls))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -256,12 +256,10 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
             notices = opened.notices + ([NO_TEMPLATE_NOTICE] if conv.without_template else []) + \
                 ([FOLD_NOTICE] if conv.folds_system else []) + tool_notes
         result = TurnResult.of(gen, keeper.model_name, session, None, notices, keeper.model_fingerprint,
-                               conv.system if conv is not None else None)
-        if conv is not None:
-            result.tool_calls = calls
+                               conv.system if conv is not None else None, calls if conv is not None else ())
         if on_result is not None:
             on_result(result)  # the answer is out before the cache is written
-        result.notices += keeper.remember(session, cached)
+        result = replace(result, notices=result.notices + keeper.remember(session, cached))
         return result
     finally:
         session.close()
@@ -295,10 +293,13 @@ def _conversation(session: ModelSession, opts: TurnOptions, env: Environment, so
     else:
         from quipu.app.tool_files import media_placeholder
 
-        for m in messages:
+        def marked(text: str) -> str:
             for n, mark in enumerate(marks):
-                m.content = m.content.replace(media_placeholder(n), mark)
-        conv = Conversation.start(session, None, template=source, messages=list(messages), settings=settings)
+                text = text.replace(media_placeholder(n), mark)
+            return text
+
+        conv = Conversation.start(session, None, template=source, settings=settings,
+                                  messages=[replace(m, content=marked(m.content)) for m in messages])
         if opts.system is not None:
             conv.set_system(opts.system)
     conv.set_reasoning(effort=opts.reasoning_effort, budget=opts.reasoning_budget)
@@ -354,10 +355,8 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
             named.save()
         finally:
             named.close()
-    result = TurnResult.of(gen, named.model_name, named.session, name, named.notices, named.keeper.model_fingerprint,
-                           named.conversation.system)
-    result.tool_calls = calls
-    return result
+    return TurnResult.of(gen, named.model_name, named.session, name, named.notices, named.keeper.model_fingerprint,
+                         named.conversation.system, calls)
 
 
 def check_session_turn(prompt: str | None, opts: TurnOptions, media: bool = False) -> str:
