@@ -223,7 +223,8 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
     messages, theirs = file_messages(opts, host.capabilities)
     messages = messages or list(history)
     opened = host.create(opts, env, media=[*media, *theirs])
-    session, keeper = opened.session, opened.keeper
+    session: ModelSession = opened.session  # (what any host's is: `ModelHost`)
+    keeper = opened.keeper
     ours = opened.media_marks[:len(media)]
     try:
         conv = None if opts.raw else _conversation(session, opts, env, source, messages,
@@ -387,7 +388,7 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
         messages, theirs = file_messages(opts, host.capabilities)
         messages = messages or (history.messages if history is not None else [])
         opened = host.create(opts, env, media=[*media, *theirs])
-        session = opened.session
+        session: ModelSession = opened.session
         ours = "".join(opened.media_marks[:len(media)])
         # (the tools are part of the context their definitions are written into)
         tools = open_tools(opts.tool_options, env, constrained=opts.constrained)

@@ -63,7 +63,6 @@ def place(path: Path, offload: Offload, context: ContextSettings, *, detail: boo
                 lambda n_ctx: context_params(context, n_ctx), detail=detail)
 
 
-
 class LlamaBackend:
     """One context on a model (loaded from `model_path`, or a shared `LlamaModel`). Close it (or
     use it as a context manager) to free its native memory; the model goes with its last context.
