@@ -288,8 +288,7 @@ class LlamaBackend:
             first = self._positions.position(start + offset)  # (a text's positions run on from its first)
             for i, tok in enumerate(chunk):
                 native.fill(i, tok, first + i, 0, last_chunk and i == n - 1)
-            native.batch.n_tokens = n
-            native.decode()
+            native.decode(n)
             offset += n
             if on_progress is not None:
                 on_progress(offset, total)
@@ -306,8 +305,7 @@ class LlamaBackend:
             self.media.decode_media([token], pos, True)
             return
         self.native.fill(0, token, self._positions.position(pos), 0, True)
-        self.native.batch.n_tokens = 1
-        self.native.decode()
+        self.native.decode(1)
 
     def _checkpoint(self, n: int) -> None:
         """Keeps the ring's cells as they are before the `n`th token is read (a prompt's start),

@@ -56,38 +56,43 @@ class NativeContext:
     def __init__(self, model: LlamaModel, context: ContextSettings):
         n_ctx = context.n_ctx or min(model.n_ctx_train or DEFAULT_CTX_CAP, DEFAULT_CTX_CAP)
         cparams = context_params(context, n_ctx)
-        n_threads, n_batch, n_seq = cparams.n_threads, cparams.n_batch, max(1, context.n_seq)
         if n_ctx > DEFAULT_CTX_CAP:  # (a usual context is far smaller than any machine's memory)
             check_host_room(model.path, n_ctx, context.kv_type, model.placement.gpu_layers, cparams)
         LOG.clear_errors()
+        n_threads, n_batch, n_seq = cparams.n_threads, cparams.n_batch, max(1, context.n_seq)
         ptr = lc.llama_init_from_model(model.ptr, cparams)
         if not ptr:
             raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens{LOG.reason()}")
         self._stack = ExitStack()
         self._stack.callback(lc.llama_free, ptr)
-        made = LOG.flash_attn
-        windowed = n_seq == 1 and model.n_swa > 0
-        self.model = model
-        self.ptr = ptr
-        self.settings = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=context.kv_type,
-                                        n_seq=n_seq, flash_attn=context.flash_attn,
-                                        v_trans=None if made is None else made == "disabled",
-                                        swa_full=context.swa_full,
-                                        window_cells=None if not windowed else
-                                        "every cell" if context.swa_full else "ring")
-        # llama.cpp rounds small contexts up; the user's number is the one we keep to.
-        self.n_ctx = min(n_ctx, lc.llama_n_ctx(ptr))
-        self.n_ctx_seq = lc.llama_n_ctx_seq(ptr) if n_seq > 1 else self.n_ctx
-        # The window cache's cells, where it is a ring this context lays out (0: none; ring.py).
-        ring = ring_of(cparams)
-        self.ring = ring(model.n_swa) if windowed and ring is not None else 0
-        self.mem = lc.llama_get_memory(ptr)
-        self.batch = lc.llama_batch_init(n_batch, 0, 1)
-        self._stack.callback(lc.llama_batch_free, self.batch)
+        try:
+            made = LOG.flash_attn
+            windowed = n_seq == 1 and model.n_swa > 0
+            self.model = model
+            self.ptr = ptr
+            self.settings = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=context.kv_type,
+                                            n_seq=n_seq, flash_attn=context.flash_attn,
+                                            v_trans=None if made is None else made == "disabled",
+                                            swa_full=context.swa_full,
+                                            window_cells=None if not windowed else
+                                            "every cell" if context.swa_full else "ring")
+            # llama.cpp rounds small contexts up; the user's number is the one we keep to.
+            self.n_ctx = min(n_ctx, lc.llama_n_ctx(ptr))
+            self.n_ctx_seq = lc.llama_n_ctx_seq(ptr) if n_seq > 1 else self.n_ctx
+            # The window cache's cells, where it is a ring this context lays out (0: none; ring.py).
+            ring = ring_of(cparams)
+            self.ring = ring(model.n_swa) if windowed and ring is not None else 0
+            self.mem = lc.llama_get_memory(ptr)
+            self.batch = lc.llama_batch_init(n_batch, 0, 1)
+            self._stack.callback(lc.llama_batch_free, self.batch)
+        except BaseException:
+            self._stack.close()  # (the context made is freed: the caller never holds it)
+            raise
 
-    def decode(self, batch: Any = None) -> None:
-        """Decodes `batch` (the context's own when None), as filled."""
-        rc = lc.llama_decode(self.ptr, self.batch if batch is None else batch)
+    def decode(self, n: int) -> None:
+        """Decodes the first `n` items of the context's batch, as filled (`fill`)."""
+        self.batch.n_tokens = n
+        rc = lc.llama_decode(self.ptr, self.batch)
         if rc != 0:
             if rc == 1:
                 raise EngineError("llama.cpp found no room in the context for the batch")

@@ -29,8 +29,7 @@ class BatchRows:
         native = self._native
         for i, (tok, pos, seq, logits) in enumerate(items):
             native.fill(i, tok, pos, seq, logits)
-        native.batch.n_tokens = len(items)
-        native.decode()
+        native.decode(len(items))
 
     def seq_keep(self, seq: int, n_keep: int) -> None:
         """Forgets sequence `seq`'s positions from `n_keep` on."""
