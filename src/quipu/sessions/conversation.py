@@ -230,17 +230,16 @@ class Conversation:
         """Generates into `reply` after the conversation (and what `reply` holds so far), which
         joins the conversation when done; the answer and a thinking model's reasoning apart, and
         the tool calls it made."""
-        turn = turn or self.settings
-        settled = turn
+        settings = turn or self.settings
 
         def render(messages: Sequence[Message], add_generation_prompt: bool, tail: str) -> Rendered:
-            return self.render(messages, add_generation_prompt, tail, settled)
+            return self.render(messages, add_generation_prompt, tail, settings)
 
         fmt = self.reasoning
         tail = reply.written if reply.content or reply.reasoning else ""
         bare = TurnPrompt(self.messages, tail, render if self.template is not None else None, reasoning=fmt,
-                          budget=turn.reasoning_budget)
-        prompt = replace(bare, offer=offer_tools(self, turn, lambda: bare.thinking(bare.text).inside))
+                          budget=settings.reasoning_budget)
+        prompt = replace(bare, offer=offer_tools(self, settings, lambda: bare.thinking(bare.text).inside))
         split = ReasoningSink(sink, lambda: prompt.thinking(prompt.text))
         gen = self.session.reply(prompt, max_tokens, stop, split)
         self.messages.append(reply)
@@ -252,7 +251,7 @@ class Conversation:
         gen.answer, gen.reasoning = answer, reasoning.strip()
         if prompt.offer is not None:
             opened = fmt is not None and fmt.starts_inside(prompt.text[:len(prompt.text) - len(tail)])
-            read_calls(self, turn, reply, gen, opened)
+            read_calls(self, settings, reply, gen, opened)
             shown = gen.call_shown
             if self.template is not None and not gen.tool_calls and shown is not None and len(gen.text) > shown:
                 sink.text(gen.text[shown:])  # a call that did not parse is shown, and kept, as text
