@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class Option:
     """An option of `run` or `chat`: how a refusal spells it, the feature it asks for (a mode's
     or a host's to refuse; None: every mode and host takes it), and whether the options give it
-    (None: a command's own, which the command says it was given: `check_options(own=...)`)."""
+    (None: a command's own, which the command says it was given: `asked_of(own=...)`)."""
 
     spelled: str
     feature: str | None = None

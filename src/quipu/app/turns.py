@@ -22,7 +22,7 @@ from quipu.app.tools import (ToolHooks, OpenTools, answer_pending, follow_calls,
 from quipu.engine.base import MEDIA_MARK, defuse
 from quipu.errors import BadInput, ContextOverflow, UsageError
 from quipu.sessions.base import (LOCAL, SILENT, Capabilities, Generation, ModelSession, Stats, common_prefix,
-                                 token_session)
+                                 TokenSession, token_session)
 from quipu.sessions.base import ReplySink as ReplySink  # (the CLI's sinks are made of it)
 from quipu.sessions.conversation import Conversation, Message, TurnSettings
 from quipu.store.store import validate_name
@@ -101,6 +101,11 @@ class PromptView:
     reused: int  # how many of them need not be read: a session's context, or the prompt cache
     model: str
     session: str | None
+
+    @classmethod
+    def of(cls, held: TokenSession, tokens: list[int], reused: int, model: str, session: str | None) -> PromptView:
+        """The view of `tokens` as `held`'s model spells them (a medium as llama.cpp's marker for one)."""
+        return cls(MEDIA_MARK.sub("<__media__>", held.spell(tokens)), tokens, reused, model, session)
 
     def to_json(self) -> dict[str, Any]:
         return {"text": self.text, "tokens": self.tokens, "reused_tokens": self.reused, "model": self.model,
@@ -408,10 +413,7 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
                     tokens = conv.context_tokens(True, tail)
                 else:
                     tokens = conv.context_tokens()
-            reused = opened.keeper.cached(session, tokens)
-            # (a medium shows as llama.cpp's marker for one)
-            text = MEDIA_MARK.sub("<__media__>", held.spell(tokens))
-            return PromptView(text, tokens, reused, opened.keeper.model_name, None)
+            return PromptView.of(held, tokens, opened.keeper.cached(session, tokens), opened.keeper.model_name, None)
         finally:
             if tools is not None:
                 tools.close()
@@ -436,8 +438,6 @@ def _show_session_prompt(prompt: str | None, opts: TurnOptions, env: Environment
             else:
                 tokens = conv.tokens_with(prompt or "")
             held = conv.tokens_side
-            reused = common_prefix(tokens, held.tokens)
-            text = MEDIA_MARK.sub("<__media__>", held.spell(tokens))
-            return PromptView(text, tokens, reused, named.model_name, name)
+            return PromptView.of(held, tokens, common_prefix(tokens, held.tokens), named.model_name, name)
         finally:
             named.close()
