@@ -278,7 +278,7 @@ def test_the_chain_draws_what_llama_cpps_own_order_draws(bundled_model, make_bac
 
     settings = SamplerSettings(temperature=temperature, top_k=5, repeat_penalty=1.5, repeat_last_n=8)
     backend = make_backend(bundled_model)
-    backend.set_sampler(settings)
+    backend.sampling.set_settings(settings)
     reference = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
     parts = [lc.llama_sampler_init_penalties(backend.n_vocab, 8, 1.5, 0.0, 0.0)]
     if temperature > 0:
@@ -289,7 +289,7 @@ def test_the_chain_draws_what_llama_cpps_own_order_draws(bundled_model, make_bac
     tokens = backend.tokenize("The river runs past the old mill and the river", add_special=True, parse_special=False)
     backend.prefill(tokens, 0)
     for tok in tokens:
-        backend.sampler_accept([tok])
+        backend.sampling.accept([tok])
         lc.llama_sampler_accept(reference, tok)
     ours, theirs = [], []
     try:
@@ -298,7 +298,7 @@ def test_the_chain_draws_what_llama_cpps_own_order_draws(bundled_model, make_bac
             lc.llama_sampler_chain_add(reference, draw)
             expected = lc.llama_sampler_sample(reference, backend.native.ptr, -1)
             lc.llama_sampler_free(lc.llama_sampler_chain_remove(reference, lc.llama_sampler_chain_n(reference) - 1))
-            token = backend.sample(step)  # (a draw accepts its token into the window, as llama.cpp's does)
+            token = backend.sampling.sample(step)  # (a draw accepts its token into the window, as llama.cpp's does)
             ours.append(token)
             theirs.append(expected)
             backend.decode_one(token, len(tokens) + step)

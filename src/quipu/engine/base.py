@@ -105,6 +105,28 @@ class Sink(Protocol):
     def stopped(self) -> bool: ...
 
 
+class Sampler(Protocol):
+    """A context's sampling: the chain its settings make, and the grammar a reply keeps to."""
+
+    def set_settings(self, settings: SamplerSettings) -> None:
+        """A new chain of `settings` (a bad grammar refused before anything changes)."""
+
+    def reset(self, window: Sequence[int]) -> None:
+        """Resets sampler state and replays `window` into the penalty history."""
+
+    def accept(self, tokens: Sequence[int]) -> None: ...
+    def sample(self, draw_seed: int, history: Sequence[int] = (), processors: Sequence[LogitsProcessor] = (),
+               token_filter: TokenFilter | None = None) -> int:
+        """Samples from the last logits with a draw seeded by `draw_seed`; accepts the token. The
+        processors and the filter (given the token history) shape the logits first."""
+
+    def set_constraint(self, grammar: "Grammar | None") -> None:
+        """From the next token on, the reply keeps to `grammar` (None: the settings' own again)."""
+
+    def constraint_reset(self, reply: Sequence[int]) -> None:
+        """Starts the grammar over and replays `reply`, the tokens generated so far in this reply."""
+
+
 class Backend(Protocol):
     """One loaded model with one local context."""
 
@@ -181,21 +203,9 @@ class Backend(Protocol):
     def reopen(self) -> "Backend":
         """A new, independent context with the same settings on the same loaded model."""
 
-    def set_sampler(self, settings: SamplerSettings) -> None: ...
-    def sampler_reset(self, window: Sequence[int]) -> None:
-        """Resets sampler state and replays `window` into the penalty history."""
-
-    def sampler_accept(self, tokens: Sequence[int]) -> None: ...
-    def sample(self, draw_seed: int, history: Sequence[int] = (), processors: Sequence[LogitsProcessor] = (),
-               token_filter: TokenFilter | None = None) -> int:
-        """Samples from the last logits with a draw seeded by `draw_seed`; accepts the token. The
-        processors and the filter (given the token history) shape the logits first."""
-
-    def set_constraint(self, grammar: "Grammar | None") -> None:
-        """From the next token on, the reply keeps to `grammar` (None: the settings' own again)."""
-
-    def constraint_reset(self, reply: Sequence[int]) -> None:
-        """Starts the grammar over and replays `reply`, the tokens generated so far in this reply."""
+    @property
+    def sampling(self) -> "Sampler":
+        """The context's sampling, a part of its own."""
 
     def snapshot_bytes(self) -> bytes | memoryview: ...
     def restore_bytes(self, data: bytes | memoryview) -> None: ...

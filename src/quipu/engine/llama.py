@@ -9,13 +9,13 @@ from __future__ import annotations
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from quipu.engine.native import binding_version, lc
 from quipu.engine.sampler import SamplerChain, Sampling
 from quipu.engine.text import Spellings
 
-from quipu.engine.base import LogitsProcessor, ProgressFn, RowChain, RowMatcher, SamplerSettings, TokenFilter
+from quipu.engine.base import ProgressFn, RowChain, RowMatcher, SamplerSettings
 from quipu.engine.settings import (
     AUTO,
     CPU,
@@ -38,9 +38,6 @@ from quipu.engine.model import LlamaModel, check_gguf
 from quipu.engine.devices import no_gpu_reason, supports_offload
 from quipu.engine.placement import plan
 from quipu.errors import EngineError, InvalidParameter, UsageError
-
-if TYPE_CHECKING:
-    from quipu.engine.grammar import Grammar
 
 CHECKPOINTS = 4  # the ring's checkpoints a context keeps (a few prompts back; llama-server keeps 8 by default)
 
@@ -183,27 +180,6 @@ class LlamaBackend:
 
     def place_media(self, tokens: Sequence[int]) -> None:
         self.media.place_media(tokens)
-
-    # ---- sampling: the sampling part's ----------------------------------------------------
-
-    def set_sampler(self, settings: SamplerSettings) -> None:
-        self.sampling.set_sampler(settings)
-
-    def sampler_reset(self, window: Sequence[int]) -> None:
-        self.sampling.reset(window)
-
-    def sampler_accept(self, tokens: Sequence[int]) -> None:
-        self.sampling.accept(tokens)
-
-    def set_constraint(self, grammar: Grammar | None) -> None:
-        self.sampling.set_constraint(grammar)
-
-    def constraint_reset(self, reply: Sequence[int]) -> None:
-        self.sampling.constraint_reset(reply)
-
-    def sample(self, draw_seed: int, history: Sequence[int] = (), processors: Sequence[LogitsProcessor] = (),
-               token_filter: TokenFilter | None = None) -> int:
-        return self.sampling.sample(draw_seed, history, processors, token_filter)
 
     # ---- the rows of a batch: the rows part's ---------------------------------------------
 

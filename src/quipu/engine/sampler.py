@@ -97,7 +97,7 @@ class Sampling:
         self._grammar: Matcher | None = None  # while replies keep to a grammar
         self._settings = SamplerSettings()
 
-    def set_sampler(self, settings: SamplerSettings) -> None:
+    def set_settings(self, settings: SamplerSettings) -> None:
         matcher = matcher_for(self._native.model, settings)  # a bad grammar is refused before anything changes
         self.close()
         self._settings = settings
@@ -112,7 +112,7 @@ class Sampling:
 
     @property
     def chain(self) -> SamplerChain:
-        """The sampler chain (made by `set_sampler`, which a session calls first)."""
+        """The sampler chain (made by `set_settings`, which a session calls first)."""
         if self._chain is None:
             raise EngineError("no sampler is set on this context")
         return self._chain

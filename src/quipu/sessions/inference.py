@@ -88,7 +88,7 @@ class InferenceSession(HeldTokens):
         self.reply_start = 0  # where the reply generated last began in `tokens` (set by `infer`)
         self.logits_processors: list[LogitsProcessor] = []
         self.token_filter: TokenFilter | None = None
-        backend.set_sampler(self.params)
+        backend.sampling.set_settings(self.params)
         backend.truncate(0)  # a session starts from an empty context, whatever the backend held
 
     # ---- context ------------------------------------------------------------------------
@@ -113,13 +113,13 @@ class InferenceSession(HeldTokens):
     def set_params(self, params: SamplingParams) -> None:
         """New sampling parameters; the penalty window is kept."""
         params = params.resolved()
-        self.backend.set_sampler(params)  # a bad grammar is refused before anything changes
+        self.backend.sampling.set_settings(params)  # a bad grammar is refused before anything changes
         self.params = params
         self._reset_sampler()  # a new grammar applies from the next reply on
 
     def _reset_sampler(self) -> None:
         n = self.params.repeat_last_n
-        self.backend.sampler_reset(self.tokens[-n:] if n else [])
+        self.backend.sampling.reset(self.tokens[-n:] if n else [])
 
     def take_low_water(self) -> int:
         """The fewest tokens the context has held since this was last taken (the cells before
@@ -181,7 +181,7 @@ class InferenceSession(HeldTokens):
         """Appends `tokens` to the context and decodes them (with whatever was pending)."""
         self._check_room(len(self.tokens) + len(tokens))
         self.tokens.extend(tokens)
-        self.backend.sampler_accept(tokens)
+        self.backend.sampling.accept(tokens)
         self.stats.prompt_tokens = len(self.tokens)
         started, before = time.perf_counter(), self.n_decoded
         self._decode_pending(sink.reading)
@@ -321,10 +321,10 @@ class InferenceSession(HeldTokens):
             last = self.tokens[-1]
             self.rewind(len(self.tokens) - 1)
             self.tokens.append(last)
-            self.backend.sampler_accept([last])
+            self.backend.sampling.accept([last])
             self._decode_pending()
-        token = self.backend.sample(draw_seed(self.params.draw_base, self.draws), self.tokens, self.logits_processors,
-                                    self.token_filter)
+        token = self.backend.sampling.sample(draw_seed(self.params.draw_base, self.draws), self.tokens,
+                                             self.logits_processors, self.token_filter)
         self.draws += 1
         self.tokens.append(token)
         return token
@@ -344,7 +344,7 @@ class InferenceSession(HeldTokens):
         thinking = thinking or Thinking()
         self.reply_start = len(self.tokens) if at is None else at
         held = self.tokens[self.reply_start:]
-        self.backend.constraint_reset(held)
+        self.backend.sampling.constraint_reset(held)
         carry = unfinished_character([self.backend.token_bytes(t) for t in held[-4:]])
         reply = ReplyText(self.backend.token_bytes, carry, stop)
         sampled = 0
@@ -416,7 +416,7 @@ class InferenceSession(HeldTokens):
                 b"".join(self.backend.token_text(t) for t in tokens[1:]) == text.encode():
             tokens = tokens[1:]
         self.tokens.extend(tokens)
-        self.backend.sampler_accept(tokens)
+        self.backend.sampling.accept(tokens)
         return tokens
 
     def complete(self, tokens: Sequence[int], max_tokens: int, stop: Sequence[str] = (),

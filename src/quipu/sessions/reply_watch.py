@@ -105,7 +105,7 @@ class CallWatch(CallSink):
         from quipu.engine.grammar import Grammar
 
         self.begin()
-        self.session.backend.set_constraint(Grammar("lark", lark or self.grammar.lark))
+        self.session.backend.sampling.set_constraint(Grammar("lark", lark or self.grammar.lark))
 
     def took(self, token: int) -> None:
         if self.calling:
@@ -123,5 +123,5 @@ class CallWatch(CallSink):
         """The reply is over: where the held-back call begins in the text (None: no call began)."""
         self._stop_pending()
         if self.calling:
-            self.session.backend.set_constraint(None)
+            self.session.backend.sampling.set_constraint(None)
         return super().end()
