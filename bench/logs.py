@@ -48,7 +48,7 @@ def _cost(model: str, threads: int, repeats: int, home: str) -> list[dict]:
     writes = []
     for _ in range(max(20, repeats)):
         started = time.perf_counter()
-        log_answer(env, TurnOptions(max_tokens=16), "run", "Why is the sky blue?", result)
+        log_answer(env, TurnOptions(max_tokens=16).logged, "run", "Why is the sky blue?", result)
         writes.append(time.perf_counter() - started)
     write = median(writes)
     return [{"what": "a 16-token quipu run, logged vs --no-log, whole process (s)", "quipu": round(median(logged), 3),

@@ -93,10 +93,10 @@ def test_every_parameter_of_run_and_chat_is_declared_once():
     assert spec.turn_options({"model": "m"}, env).server is None
 
 
-def test_the_options_table_holds_every_option_of_run_and_chat_and_each_says_when_it_is_given():
+def test_the_options_table_holds_every_option_of_run_and_chat_and_each_is_asked_by_its_own_field():
     # One table says, for every option of the two commands, the feature a mode or a host may
-    # refuse: a new option that is not in it fails here, and each entry that says when it is
-    # given answers for its own field alone (a value set there, nothing else).
+    # refuse: a new option that is not in it fails here, and each entry read from the options
+    # is asked by a value of its own field alone (a value set there, nothing else).
     import dataclasses
 
     from quipu.app.modes import BATCH, CHAT, FROM_MESSAGES, ONE_SHOT, OPTIONS, RAW, SESSION, asked_of
@@ -112,18 +112,20 @@ def test_the_options_table_holds_every_option_of_run_and_chat_and_each_says_when
     fields = {f.name: f for f in dataclasses.fields(TurnOptions)}
     # a value of each field's type (0 is a value, never "not given"; --no-think is given too)
     values = {"tuple": ("x",), "bool | None": False, "bool": True, "int": 0, "float": 0.5, "str": "x"}
+    assert TurnOptions().given == frozenset() and asked_of(TurnOptions().given) == {}
     for name, option in OPTIONS.items():
         own = name in run_command.OWN or name in chat_command.OWN
-        assert (option.given is None) == (own or option.feature is None), name
-        if option.given is None:
+        field = option.field or name
+        # a command's own option is no field of the options (the command names it when given)
+        assert (field not in fields) == own, name
+        if own or option.feature is None:
             continue
-        field = "server" if name == "url" else name
         kind = next((t for t in values if str(fields[field].type).startswith(t)), None)
         value = ("x=1",) if field == "logit_bias" else values[kind] if kind is not None else object()
         opts = dataclasses.replace(TurnOptions(), **{field: value})
-        assert asked_of(TurnOptions()) == {} and asked_of(opts) == {option.feature: [option.spelled]}, name
+        assert opts.given == {field} and asked_of(opts.given) == {option.feature: [option.spelled]}, name
     # a command's own options are refused by the table's words too: --stats in a batch
-    assert asked_of(TurnOptions(), own=("stats", "show")) == {"shown": ["--stats"], "show_prompt": ["--show-prompt"]}
+    assert asked_of(TurnOptions().given, own=("stats", "show")) == {"shown": ["--stats"], "show_prompt": ["--show-prompt"]}
 
 
 def option_words(name: str, option: spec.Opt, draw) -> list[str]:
@@ -187,7 +189,7 @@ def test_typer_still_answers_what_the_fast_path_leaves(quipu, tiny_model, argv, 
 
 
 HEAVY = ["typer", "pydantic", "rich", "numpy", "llama_cpp.llama", "llama_cpp.llama_chat_format", "prompt_toolkit",
-         "httpx", "huggingface_hub", "tqdm"]
+         "httpx", "huggingface_hub", "tqdm", "quipu.app.roles"]  # (roles: read only for --role)
 
 
 def test_a_plain_run_imports_nothing_it_does_not_use(tiny_model, home):

@@ -10,7 +10,7 @@ import os
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TYPE_CHECKING, Protocol, Sequence
+from typing import Any, TYPE_CHECKING, Mapping, Protocol, Sequence
 
 from quipu.app.environment import DEFAULT_MAX_RECORDS, Environment
 from quipu.errors import UsageError
@@ -39,12 +39,6 @@ class Answered(Protocol):
     session: str | None
 
 
-# The options of a turn that shape its answer, as a record keeps them (those given).
-SHAPING = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "max_tokens", "stop", "ctx", "kv_type",
-           "raw", "schema", "grammar", "regex", "logit_bias", "think", "reasoning_effort", "reasoning_budget",
-           "functions", "tools_file", "mcp", "tool_choice", "chat_template", "role")
-
-
 def _off_mark(env: Environment) -> Path:
     return env.dirs.data / "logs-off"  # (`quipu logs off`: a mark, as the log itself may be damaged)
 
@@ -67,14 +61,13 @@ def open_log(env: Environment) -> Logbook:
     return Logbook(env.log_path)
 
 
-def log_answer(env: Environment, opts: "TurnOptions", command: str, prompt: str | None, result: Answered, *,
-               system: str | None = None, conversation: str = "", attachments: Sequence["Attachment"] = (),
-               log: Logbook | None = None) -> str | None:
-    """Writes one answer to the log (unless logging is off or `--no-log`); a warning where it
-    could not be written, else None."""
-    if opts.no_log or not logging_on(env):
+def log_answer(env: Environment, options: Mapping[str, Any] | None, command: str, prompt: str | None,
+               result: Answered, *, system: str | None = None, conversation: str = "",
+               attachments: Sequence["Attachment"] = (), log: Logbook | None = None) -> str | None:
+    """Writes one answer to the log with the options that shaped it (`TurnOptions.logged`; None:
+    `--no-log`), unless logging is off; a warning where it could not be written, else None."""
+    if options is None or not logging_on(env):
         return None
-    given = {k: v for k in SHAPING if (v := getattr(opts, k, None)) is not None and v is not False and v not in ((), "")}
     s = result.stats
     record = Record(
         prompt=prompt or "", answer=result.text, model=result.model, command=command, conversation=conversation,
@@ -82,7 +75,7 @@ def log_answer(env: Environment, opts: "TurnOptions", command: str, prompt: str 
         reasoning=result.reasoning or None, fingerprint=result.fingerprint,
         tool_calls=[c.to_json() for c in result.tool_calls],
         attachments=[{"name": a.name, "sha256": a.digest} for a in attachments],
-        options={**given, "seed": result.seed}, finish_reason=result.finish_reason,
+        options={**options, "seed": result.seed}, finish_reason=result.finish_reason,
         prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens, cached_tokens=s.cached_tokens,
         timings={"prefill_s": round(s.prefill_s, 4), "decode_s": round(s.decode_s, 4), "ttft_s": round(s.ttft_s, 4)},
         session=result.session)

@@ -201,7 +201,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
     """Answers every row of `text`; `on_row` gets the outcomes in input order, each as soon as
     it and every row before it are done; `on_notice` what to say of where the model runs (fewer
     layers fit on the GPU). Returns how many rows were written."""
-    check_options(asked_of(opts), BATCH, LOCAL)  # (never dropped silently: a batch with tools would answer in plain text)
+    check_options(asked_of(opts.given), BATCH, LOCAL)  # (never dropped silently: a batch with tools would answer in plain text)
     check_positive("--parallel", parallel)
     if parallel is not None and parallel > MAX_PARALLEL:
         raise UsageError(f"--parallel must be at most {MAX_PARALLEL} (llama.cpp's limit of sequences), got {parallel}")
@@ -222,7 +222,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
                                                            kv_type=settings.kv_type,
                                                            flash_attn=settings.flash_attn), opts.verbose, where)
     load_s = time.perf_counter() - started
-    for notice in placement_notices(tokenizer, opts):
+    for notice in placement_notices(tokenizer, ctx_given=opts.ctx is not None, verbose=opts.verbose):
         if on_notice is not None:
             on_notice(notice)
     try:
@@ -279,7 +279,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
             asked = row.prompt if row.prompt is not None else next(
                 (m.content for m in reversed(row.messages or []) if m.role == "user"), "")
             system = row.system if row.system is not None else system_prompt(opts, env)
-            unlogged = log_answer(env, opts, "batch", asked, result, system=system, log=book)
+            unlogged = log_answer(env, opts.logged, "batch", asked, result, system=system, log=book)
             if unlogged:
                 result.notices.append(unlogged)
             writer.done(RowOutcome(plan.input.index, plan.input.id, result=result))

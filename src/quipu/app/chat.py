@@ -71,7 +71,7 @@ class ChatSession:
         host = open_host(opts.server)
         chat = None
         try:
-            check_options(asked_of(opts), CHAT, host.capabilities)
+            check_options(asked_of(opts.given), CHAT, host.capabilities)
             history = None
             if opts.follow_up or opts.cid is not None:  # (a new session, going on with a logged conversation)
                 from quipu.app.answer_log import followed
@@ -209,7 +209,7 @@ class ChatSession:
             (m.content for m in reversed(named.conversation.messages) if m.role == "user"), "")
         result = TurnResult.of(gen, named.model_name, named.session, self.name if self.kept else None, [],
                                named.keeper.model_fingerprint, tool_calls=calls)
-        unlogged = log_answer(self.env, self.opts, "chat", asked, result, system=named.conversation.system,
+        unlogged = log_answer(self.env, self.opts.logged, "chat", asked, result, system=named.conversation.system,
                               conversation=self._conversation or (f"session:{self.name}" if self.kept
                                                                   else f"chat:{self.name}"))
         if unlogged:

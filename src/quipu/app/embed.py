@@ -45,7 +45,7 @@ def _embed_local(texts: list[str], opts: TurnOptions, env: Environment, pooling:
     backend = load_backend(path, ContextSettings(n_ctx=256, n_threads=opts.threads or 0), opts.verbose,
                            offload(opts, env))
     try:
-        for notice in placement_notices(backend, opts):
+        for notice in placement_notices(backend, ctx_given=opts.ctx is not None, verbose=opts.verbose):
             if on_notice is not None:
                 on_notice(notice)
         if not backend.supports_embeddings:

@@ -92,7 +92,7 @@ class LocalHost:
             session.close()
             raise
         keeper = self._keeper(model_name, model_path, model_fingerprint(model_path, env), opts, env, projector)
-        return Opened(session, keeper, placement_notices(session.backend, opts), media_marks=marks)
+        return Opened(session, keeper, placement_notices(session.backend, ctx_given=opts.ctx is not None, verbose=opts.verbose), media_marks=marks)
 
     @staticmethod
     def _keeper(model_name: str, model_path: Path, model_fp: str, opts: TurnOptions, env: Environment,
@@ -126,8 +126,8 @@ class LocalHost:
             swa_full=settings.swa_full or saved_ctx.get("swa_full") is True,
         )
         started = time.perf_counter()
-        backend = load_where_it_ran(model_path, settings, opts, where, record.model.get("placement"))
-        notices: list[str] = placement_notices(backend, opts)
+        backend = load_where_it_ran(model_path, settings, opts.verbose, where, record.model.get("placement"))
+        notices: list[str] = placement_notices(backend, ctx_given=opts.ctx is not None, verbose=opts.verbose)
         saved = record.model.get("projector")
         keeper = self._keeper(model_name, model_path, model_fp, opts, env,
                               given or (saved if isinstance(saved, str) else None))

@@ -8,33 +8,22 @@ options ask for is `asked_of`, read from this table."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
+from typing import Collection, Iterable, Mapping, Sequence
 
 from quipu.errors import UsageError
 from quipu.sessions.base import FEATURES, Capabilities, refusal_words
-
-if TYPE_CHECKING:
-    from quipu.app.turn_options import TurnOptions
 
 
 @dataclass(frozen=True)
 class Option:
     """An option of `run` or `chat`: how a refusal spells it, the feature it asks for (a mode's
-    or a host's to refuse; None: every mode and host takes it), and whether the options give it
-    (None: a command's own, which the command says it was given: `asked_of(own=...)`)."""
+    or a host's to refuse; None: every mode and host takes it), and the field of `TurnOptions`
+    that holds it where that is not its name. One that is no field of theirs is a command's own,
+    which the command says it was given (`asked_of(own=...)`)."""
 
     spelled: str
     feature: str | None = None
-    given: Callable[[TurnOptions], bool] | None = None
-
-
-def _set(name: str) -> Callable[[TurnOptions], bool]:
-    """Given: the option's field holds a value (a flag set, a list not empty; 0 is a value)."""
-    def given(o: TurnOptions) -> bool:
-        value = getattr(o, name)
-        return value is not None and value is not False and value != ()
-
-    return given
+    field: str | None = None
 
 
 # Every option of `run` and `chat`, by its parameter's name (tests/test_cli_fast.py holds the
@@ -44,18 +33,18 @@ OPTIONS: dict[str, Option] = {
     "prompt": Option("a prompt"),
     "model": Option("--model"),
     "role": Option("--role"),
-    "url": Option("a server (--url, QUIPU_URL or the config's [remote] url)", "server", _set("server")),
-    "session": Option("--session", "session", _set("session")),
+    "url": Option("a server (--url, QUIPU_URL or the config's [remote] url)", "server", "server"),
+    "session": Option("--session", "session"),
     "resume": Option("--resume"),
-    "continue_reply": Option("--continue", "continue", _set("continue_reply")),
-    "messages": Option("--messages", "messages", _set("messages")),
-    "follow_up": Option("--follow-up", "follow_up", _set("follow_up")),
-    "cid": Option("--cid", "follow_up", _set("cid")),
-    "raw": Option("--raw", "raw", _set("raw")),
-    "system": Option("--system", "system", lambda o: bool(o.system)),
-    "chat_template": Option("--chat-template", "chat_template", _set("chat_template")),
-    "attach": Option("--attach", "attach", _set("attach")),
-    "mmproj": Option("--mmproj", "attach", _set("mmproj")),
+    "continue_reply": Option("--continue", "continue"),
+    "messages": Option("--messages", "messages"),
+    "follow_up": Option("--follow-up", "follow_up"),
+    "cid": Option("--cid", "follow_up"),
+    "raw": Option("--raw", "raw"),
+    "system": Option("--system", "system"),
+    "chat_template": Option("--chat-template", "chat_template"),
+    "attach": Option("--attach", "attach"),
+    "mmproj": Option("--mmproj", "attach"),
     "batch": Option("--batch"),
     "parallel": Option("--parallel"),
     # Sampling: every mode and host takes them.
@@ -67,34 +56,34 @@ OPTIONS: dict[str, Option] = {
     "seed": Option("--seed"),
     "max_tokens": Option("--max-tokens"),
     "stop": Option("--stop"),
-    "logit_bias": Option("--logit-bias", "logit_bias", _set("logit_bias")),
-    "schema": Option("--schema", "grammar", _set("schema")),
-    "grammar": Option("--grammar", "grammar", _set("grammar")),
-    "regex": Option("--regex", "grammar", _set("regex")),
+    "logit_bias": Option("--logit-bias", "logit_bias"),
+    "schema": Option("--schema", "grammar"),
+    "grammar": Option("--grammar", "grammar"),
+    "regex": Option("--regex", "grammar"),
     # Reasoning.
-    "think": Option("--think/--no-think", "think", lambda o: o.think is not None),
-    "reasoning_effort": Option("--reasoning-effort", "think", _set("reasoning_effort")),
-    "reasoning_budget": Option("--reasoning-budget", "reasoning_budget", _set("reasoning_budget")),
+    "think": Option("--think/--no-think", "think"),
+    "reasoning_effort": Option("--reasoning-effort", "think"),
+    "reasoning_budget": Option("--reasoning-budget", "reasoning_budget"),
     # Tools.
-    "functions": Option("--functions", "tools", _set("functions")),
-    "tools_file": Option("--tools", "tools", _set("tools_file")),
-    "mcp": Option("--mcp", "tools", _set("mcp")),
-    "mcp_config": Option("--mcp-config", "tools", _set("mcp_config")),
-    "yes": Option("--yes", "tools", _set("yes")),
-    "chain_limit": Option("--chain-limit", "tools", _set("chain_limit")),
-    "tool_timeout": Option("--tool-timeout", "tools", _set("tool_timeout")),
-    "tool_output_max": Option("--tool-output-max", "tools", _set("tool_output_max")),
-    "tool_choice": Option("--tool-choice", "tool_choice", _set("tool_choice")),
-    "tool_results": Option("--tool-result", "tool_results", _set("tool_results")),
+    "functions": Option("--functions", "tools"),
+    "tools_file": Option("--tools", "tools"),
+    "mcp": Option("--mcp", "tools"),
+    "mcp_config": Option("--mcp-config", "tools"),
+    "yes": Option("--yes", "tools"),
+    "chain_limit": Option("--chain-limit", "tools"),
+    "tool_timeout": Option("--tool-timeout", "tools"),
+    "tool_output_max": Option("--tool-output-max", "tools"),
+    "tool_choice": Option("--tool-choice", "tool_choice"),
+    "tool_results": Option("--tool-result", "tool_results"),
     # The context and where the model runs: a local model's.
-    "ctx": Option("--ctx", "context_settings", _set("ctx")),
-    "threads": Option("--threads", "context_settings", _set("threads")),
-    "kv_type": Option("--kv-type", "context_settings", _set("kv_type")),
-    "flash_attn": Option("--flash-attn", "context_settings", _set("flash_attn")),
-    "swa_full": Option("--swa-full", "context_settings", _set("swa_full")),
-    "gpu_layers": Option("--gpu-layers", "context_settings", _set("gpu_layers")),
-    "gpu_memory": Option("--gpu-memory", "context_settings", _set("gpu_memory")),
-    "device": Option("--device", "context_settings", _set("device")),
+    "ctx": Option("--ctx", "context_settings"),
+    "threads": Option("--threads", "context_settings"),
+    "kv_type": Option("--kv-type", "context_settings"),
+    "flash_attn": Option("--flash-attn", "context_settings"),
+    "swa_full": Option("--swa-full", "context_settings"),
+    "gpu_layers": Option("--gpu-layers", "context_settings"),
+    "gpu_memory": Option("--gpu-memory", "context_settings"),
+    "device": Option("--device", "context_settings"),
     # What is kept: a run without the prompt cache (nothing to leave out where there is none),
     # an answer left out of the log.
     "no_cache": Option("--no-cache"),
@@ -111,19 +100,20 @@ OPTIONS: dict[str, Option] = {
 }
 
 
-def mode_of(opts: TurnOptions) -> Mode:
-    """The mode of a `quipu run` turn."""
-    if opts.messages is not None:
+def mode_of(given: Collection[str]) -> Mode:
+    """The mode of a `quipu run` turn, by the fields its options give (`TurnOptions.given`)."""
+    if "messages" in given:
         return FROM_MESSAGES
-    return SESSION if opts.session is not None else ONE_SHOT
+    return SESSION if "session" in given else ONE_SHOT
 
 
-def asked_of(opts: TurnOptions, own: Iterable[str] = ()) -> dict[str, list[str]]:
-    """The options `opts` gives, and the command's `own` given (by name), by the feature a mode
-    or a host may refuse, spelled."""
+def asked_of(given: Collection[str], own: Iterable[str] = ()) -> dict[str, list[str]]:
+    """The options of the fields given (`TurnOptions.given`) and the command's `own` given (by
+    name), by the feature a mode or a host may refuse, spelled."""
+    own = set(own)
     out: dict[str, list[str]] = {}
     for name, option in OPTIONS.items():
-        if option.feature is not None and (name in own or (option.given is not None and option.given(opts))):
+        if option.feature is not None and (name in own or (option.field or name) in given):
             out.setdefault(option.feature, []).append(option.spelled)
     return out
 

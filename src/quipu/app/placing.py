@@ -8,13 +8,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from quipu.app.turn_options import TurnOptions, load_backend
+from quipu.app.turn_options import load_backend
 from quipu.engine.base import Backend
 from quipu.engine.settings import AUTO, CPU, ContextSettings, Offload
 from quipu.errors import UsageError
 
 
-def load_where_it_ran(model_path: Path, settings: ContextSettings, opts: TurnOptions, where: Offload,
+def load_where_it_ran(model_path: Path, settings: ContextSettings, verbose: bool, where: Offload,
                       saved: Any) -> Backend:
     """A resumed session's model, placed as the session last ran where that was fitted for it
     (`--gpu-layers auto`) and still fits: the same devices and layers compute the same sums, so
@@ -24,11 +24,11 @@ def load_where_it_ran(model_path: Path, settings: ContextSettings, opts: TurnOpt
             and saved["gpu_layers"] > 0 and isinstance(saved.get("devices"), list) and saved["devices"]:
         devices = where.devices or tuple(str(d) for d in saved["devices"])
         try:
-            return load_backend(model_path, settings, opts.verbose,
+            return load_backend(model_path, settings, verbose,
                                 replace(where, layers=saved["gpu_layers"], devices=devices))
         except UsageError:
             pass  # (no room for it now, or not those devices: as the fit says)
-    return load_backend(model_path, settings, opts.verbose, where)
+    return load_backend(model_path, settings, verbose, where)
 
 
 def placement_of(backend: Backend) -> dict[str, Any]:
@@ -37,15 +37,15 @@ def placement_of(backend: Backend) -> dict[str, Any]:
     return {**placement.to_dict(), "summary": placement.summary()}
 
 
-def placement_notices(backend: Backend, opts: TurnOptions) -> list[str]:
+def placement_notices(backend: Backend, *, ctx_given: bool, verbose: bool) -> list[str]:
     """What to say of where the model runs: always that fewer layers than asked fit on the GPU;
-    under --verbose, where it runs; and a --ctx past what the model was trained on."""
+    under --verbose, where it runs; and a --ctx given past what the model was trained on."""
     placement = backend.placement
     said = [placement.note] if placement.note else []
-    if opts.ctx is not None and backend.n_ctx_train and backend.n_ctx > backend.n_ctx_train:
+    if ctx_given and backend.n_ctx_train and backend.n_ctx > backend.n_ctx_train:
         said.append(f"--ctx {backend.n_ctx} is past the {backend.n_ctx_train} tokens this model was trained on; "
                     "past them its replies may come apart")
-    return said + ([f"the model runs on {placement.summary()}"] if opts.verbose else [])
+    return said + ([f"the model runs on {placement.summary()}"] if verbose else [])
 
 
 def placement_words(key: dict[str, Any]) -> str:

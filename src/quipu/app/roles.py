@@ -122,20 +122,19 @@ def role(env: Environment, name: str) -> Role:
     return found
 
 
-def with_role(opts: TurnOptions, env: Environment, mode: "Mode | None" = None) -> tuple[TurnOptions, Role | None]:
-    """The options with `--role`'s values where the command line gave none; an option of the
-    role that the command's mode (the options' own by default) refuses is said in one line."""
+def with_role(opts: TurnOptions, name: str, env: Environment, mode: "Mode | None" = None) -> tuple[TurnOptions, Role]:
+    """The options with the values of the role `name` (`--role`) where the command line gave
+    none; an option of the role that the command's mode (the options' own by default) refuses is
+    said in one line."""
     from quipu.app.modes import asked_of, check_options, mode_of
 
-    if opts.role is None:
-        return opts, None
-    found = role(env, opts.role)
+    found = role(env, name)
     unset = {f.name: f.default for f in dataclasses.fields(TurnOptions)}
     given = {k: v for k, v in found.values.items() if k != "prompt" and getattr(opts, k) == unset[k]}
     merged = dataclasses.replace(opts, **given)
     try:
-        check_options(asked_of(TurnOptions(**{k: v for k, v in found.values.items() if k not in ("prompt", "model")})),
-                      mode or mode_of(merged))
+        check_options(asked_of(TurnOptions(**{k: v for k, v in found.values.items() if k not in ("prompt", "model")}).given),
+                      mode or mode_of(merged.given))
     except UsageError as exc:
         raise UsageError(f"role '{found.name}' ({found.source}): {exc}") from None
     return merged, found

@@ -37,6 +37,12 @@ if TYPE_CHECKING:
 
 
 
+# The options of a turn that shape its answer, as the log of answers keeps them (those given).
+SHAPING = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "max_tokens", "stop", "ctx", "kv_type",
+           "raw", "schema", "grammar", "regex", "logit_bias", "think", "reasoning_effort", "reasoning_budget",
+           "functions", "tools_file", "mcp", "tool_choice", "chat_template", "role")
+
+
 @dataclass
 class ToolOptions:
     """The options of a turn's tools: Python files whose functions the model may call,
@@ -113,6 +119,20 @@ class TurnOptions(ToolOptions):
     def constrained(self) -> bool:
         """Whether --schema, --grammar or --regex asks for a constraint (not "off")."""
         return any(v not in (None, OFF) for v in (self.schema, self.grammar, self.regex))
+
+    @property
+    def given(self) -> frozenset[str]:
+        """The fields the user gave a value: not their default (a flag set, a list not empty;
+        0 is a value, and --no-think is given), and not empty text."""
+        return frozenset(f.name for f in dataclasses.fields(self)
+                         if (value := getattr(self, f.name)) != f.default and value != "")
+
+    @property
+    def logged(self) -> dict[str, Any] | None:
+        """What the log of answers keeps of these options: those given that shape an answer
+        (None: --no-log, the answer is not logged)."""
+        given = self.given
+        return None if self.no_log else {name: getattr(self, name) for name in SHAPING if name in given}
 
     @property
     def tool_options(self) -> ToolOptions:

@@ -121,7 +121,7 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     the result is out."""
     opts, history = _followed(opts, env)
     with closing(open_host(opts.server)) as host:
-        check_options(asked_of(opts), mode_of(opts), host.capabilities)
+        check_options(asked_of(opts.given), mode_of(opts.given), host.capabilities)
         files, media = attached(opts, host.capabilities, sink.stopped)
         tools = open_tools(opts.tool_options, env, constrained=opts.constrained, stopped=sink.stopped,
                            on_output=hooks.on_output if hooks is not None else None)
@@ -138,7 +138,7 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
                 tools.close()
     from quipu.app.answer_log import log_answer
 
-    unlogged = log_answer(env, opts, "run", prompt, result, system=result.system,
+    unlogged = log_answer(env, opts.logged, "run", prompt, result, system=result.system,
                           conversation=history.conversation if history is not None else
                           f"session:{opts.session}" if opts.session is not None else "",
                           attachments=[*files, *media])
@@ -158,7 +158,7 @@ def _followed(opts: TurnOptions, env: Environment) -> tuple[TurnOptions, "Follow
         return opts, None
     from quipu.app.answer_log import followed
 
-    check_options(asked_of(opts), mode_of(opts))
+    check_options(asked_of(opts.given), mode_of(opts.given))
     history = followed(env, opts.cid)
     if opts.system is None and history.system is not None:
         opts = replace(opts, system=history.system)
@@ -384,7 +384,7 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
     generating or saving anything."""
     opts, history = _followed(opts, env)
     with closing(open_host(opts.server)) as host:
-        check_options(asked_of(opts, own=("show",)), mode_of(opts), host.capabilities)
+        check_options(asked_of(opts.given, own=("show",)), mode_of(opts.given), host.capabilities)
         files, media = attached(opts, host.capabilities)
         if opts.session is not None:
             return _show_session_prompt(prompt, opts, env, host, files, media)

@@ -56,10 +56,9 @@ def chat(env: Environment, **given: Any) -> int:
     from quipu.cli.repl import Repl
 
     from quipu.app.modes import CHAT
-    from quipu.app.roles import with_role
 
     resume, markdown, hide_thinking = (given[k] for k in OWN)
-    opts, role = with_role(spec.turn_options(given, env), env, CHAT)
+    opts, role = spec.turn_options_of_role(given, env, CHAT)
     for warning in env.config.warnings + spec.habits(given):  # (a config others can read holds a token; -t 8)
         Terminal.detect().warn(warning)
     if opts.verbose:

@@ -85,9 +85,8 @@ def run(env: Environment, **given: Any) -> int:
     if batch is None and parallel is not None:
         raise UsageError("--parallel goes with --batch")
     from quipu.app.modes import BATCH
-    from quipu.app.roles import with_role
 
-    opts, role = with_role(spec.turn_options(given, env), env, BATCH if batch is not None else None)
+    opts, role = spec.turn_options_of_role(given, env, BATCH if batch is not None else None)
     for warning in env.config.warnings + spec.habits(given):  # (a config others can read holds a token; -t 8)
         Terminal.detect().warn(warning)
     if opts.verbose:
@@ -107,7 +106,7 @@ def run(env: Environment, **given: Any) -> int:
             raise UsageError("--batch reads its prompts from the file; give no prompt")
         own = [name for name, given in (("show", show), ("stats", stats), ("quiet", quiet), ("tools_debug", tools_debug))
                if given]
-        check_options(asked_of(opts, own), BATCH)
+        check_options(asked_of(opts.given, own), BATCH)
         return run_batch_file(batch, opts, env, term, parallel)
     if opts.server is None:
         from quipu.cli.pull import pull_if_needed

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
     from quipu.app.environment import Environment
+    from quipu.app.modes import Mode
+    from quipu.app.roles import Role
     from quipu.app.turn_options import TurnOptions
 
 
@@ -260,3 +262,14 @@ def turn_options(given: dict[str, Any], env: Environment) -> TurnOptions:
     names = {f.name for f in dataclasses.fields(TurnOptions)}
     fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if k in names}
     return TurnOptions(**fields, server=server_of(given.get("url"), given.get("model"), env))
+
+
+def turn_options_of_role(given: dict[str, Any], env: Environment, mode: Mode | None) -> tuple[TurnOptions, Role | None]:
+    """`turn_options`, with the values of the role that --role names where the parameters give
+    none (roles are read only then); `mode` is the command's, else the options' own."""
+    opts = turn_options(given, env)
+    if opts.role is None:
+        return opts, None
+    from quipu.app.roles import with_role
+
+    return with_role(opts, opts.role, env, mode)
