@@ -153,6 +153,24 @@ def test_cli_json_rows_fail_one_by_one(quipu, tiny_model):
     assert lines[4] == {"index": 4, "error": lines[4]["error"]}
 
 
+def test_cli_rows_keep_their_own_system_prompt(quipu, tiny_model):
+    # A row's messages that open with a system prompt, or a row's "system", go before --system;
+    # a row with neither takes --system's: each as a lone run with that system prompt answers.
+    rows = [
+        {"id": "own", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the sea"}]},
+        {"id": "field", "prompt": "the sea", "system": "be brief"},
+        {"id": "options", "prompt": "the sea"},
+    ]
+    r, lines = batch(quipu, tiny_model, "-t", "0", "-n", "6", "--system", "talk at length about the sky",
+                     input="\n".join(json.dumps(r) for r in rows))
+    assert r.returncode == 0, r.stderr.decode()
+    for line, system in zip(lines, ["be brief", "be brief", "talk at length about the sky"], strict=True):
+        lone = json.loads(quipu("run", "-m", tiny_model, "-t", "0", "-n", "6", "--system", system, "--json",
+                                "the sea").stdout)
+        assert (line["text"], line["usage"]["prompt_tokens"]) == (lone["text"], lone["usage"]["prompt_tokens"]), line
+    assert lines[0]["usage"]["prompt_tokens"] < lines[2]["usage"]["prompt_tokens"]
+
+
 @pytest.mark.parametrize("args, input, message", [
     (["--batch", "-"], b"\x00\x01binary", "binary"),
     (["--batch", "-", "a prompt"], b"row\n", "give no prompt"),

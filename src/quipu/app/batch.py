@@ -63,7 +63,7 @@ def default_parallel() -> int:
     return min(16, max(4, 4 * available_cpus()))
 
 
-@dataclass
+@dataclass(frozen=True)
 class RowInput:
     """One row as read: what it asks, or why it cannot be run."""
 
@@ -116,23 +116,22 @@ def _json_row(index: int, line: str) -> RowInput:
         return RowInput(index, error=f"not a JSON object: {exc}")
     if not isinstance(data, dict):
         return RowInput(index, error="not a JSON object")
-    row = RowInput(index, id=data.get("id"))
     unknown = sorted(set(data) - ROW_FIELDS - {"prompt", "messages"})
+    prompt, messages, error = None, None, None
     if unknown:
-        row.error = f"unknown field '{unknown[0]}' (known: prompt, messages, {', '.join(sorted(ROW_FIELDS))})"
+        error = f"unknown field '{unknown[0]}' (known: prompt, messages, {', '.join(sorted(ROW_FIELDS))})"
     elif ("prompt" in data) == ("messages" in data):
-        row.error = "give either prompt or messages"
+        error = "give either prompt or messages"
     elif "prompt" in data and not (isinstance(data["prompt"], str) and data["prompt"].strip()):
-        row.error = "prompt must be a text that is not empty"
+        error = "prompt must be a text that is not empty"
     elif "messages" in data:
-        row.messages, row.error = _messages(data["messages"])
+        messages, error = _messages(data["messages"])
     else:
-        row.prompt = data["prompt"]
-    if row.error is None and "system" in data and not isinstance(data["system"], str):
-        row.error = "system must be a text"
-    row.system = data.get("system")
-    row.fields = {k: data[k] for k in ROW_FIELDS - {"id", "system"} if k in data}
-    return row
+        prompt = data["prompt"]
+    if error is None and "system" in data and not isinstance(data["system"], str):
+        error = "system must be a text"
+    return RowInput(index, data.get("id"), prompt, messages, data.get("system"),
+                    {k: data[k] for k in ROW_FIELDS - {"id", "system"} if k in data}, error)
 
 
 def _messages(value: Any) -> tuple[list[Message] | None, str | None]:
@@ -233,10 +232,9 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
         n_ctx_train = tokenizer.n_ctx_train or settings.n_ctx or 4096
         need = max((len(p.ready.tokens) + p.ready.max_tokens for p in runnable), default=CTX_STEP)
         share = settings.n_ctx or min(n_ctx_train, -(-need // CTX_STEP) * CTX_STEP)
-        for p in runnable:
-            if len(p.ready.tokens) >= share:
-                p.error = (f"the prompt is {len(p.ready.tokens)} tokens, and each row's share of the context is "
-                           f"{share}; shorten it, or give a larger --ctx")
+        plans = [replace(p, error=f"the prompt is {len(p.ready.tokens)} tokens, and each row's share of the "
+                                  f"context is {share}; shorten it, or give a larger --ctx")
+                 if p.error is None and len(p.ready.tokens) >= share else p for p in plans]
         runnable = [p for p in plans if p.error is None]
         n_seq = max(1, min(parallel or default_parallel(), len(runnable)))
         writer = InOrder(on_row)
@@ -298,7 +296,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
     return writer.written
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Plan:
     input: RowInput
     row: BatchRow | None = None
@@ -315,9 +313,8 @@ class _Plan:
 def _plan(row: RowInput, base: SamplingParams, opts: TurnOptions, env: Environment, tokenizer: Backend,
           source: str | None,
           limit: int) -> _Plan:
-    plan = _Plan(row, error=row.error)
-    if plan.error is not None:
-        return plan
+    if row.error is not None:
+        return _Plan(row, error=row.error)
     try:
         params, row_limit, stop = row_params(base, row.fields, opts.seed)
         if opts.raw:
@@ -327,26 +324,21 @@ def _plan(row: RowInput, base: SamplingParams, opts: TurnOptions, env: Environme
             thinking = Thinking()
         else:
             session = InferenceSession(tokenizer, SamplingParams())
-            system = row.system if row.system is not None else system_prompt(opts, env)
-            conv = Conversation.start(session, system, template=source,
+            asked = row.messages if row.messages is not None else [Message("user", row.prompt or "")]
+            # (the row's messages' own system prompt goes before the row's and the options')
+            system = None if asked[0].role == "system" else row.system if row.system is not None else \
+                system_prompt(opts, env)
+            conv = Conversation.start(session, system, template=source, messages=asked,
                                       settings=TurnSettings().but(variables=template_variables(opts)))
             conv.set_reasoning(effort=opts.reasoning_effort)
-            if row.messages is not None:
-                if row.messages[0].role == "system":
-                    conv.messages = []
-                conv.messages.extend(row.messages)
-            else:
-                conv.messages.append(Message("user", row.prompt or ""))
             rendered = conv.render(conv.messages, True)
             tokens = session.context_for(rendered)
             fmt = conv.reasoning
             thinking = Thinking(fmt, fmt is not None and fmt.starts_inside(rendered.text))
     except QuipuError as exc:
-        plan.error = str(exc)
-        return plan
-    plan.row = BatchRow(tokens, params, row_limit or limit, stop_strings(opts, env) + stop)
-    plan.stream = ReasoningSink(SILENT, lambda: thinking)
-    return plan
+        return _Plan(row, error=str(exc))
+    return _Plan(row, BatchRow(tokens, params, row_limit or limit, stop_strings(opts, env) + stop),
+                 ReasoningSink(SILENT, lambda: thinking))
 
 
 class InOrder:
