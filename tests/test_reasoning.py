@@ -401,6 +401,9 @@ def test_a_reply_cut_in_its_reasoning_and_continued_closes_where_the_whole_one_d
 
     whole = turn("-S", "whole", "-n", "20", "Why?")
     cut = turn("-S", "cut", "-n", "4", "Why?")  # (inside its reasoning)
+    # what --show-prompt says the continue reads is what the session holds: the reply's reasoning too
+    shown = turn("-S", "cut", "--continue", "--show-prompt")
+    assert shown["reused_tokens"] == len(shown["tokens"]) and cut["reasoning"] in shown["text"]
     more = turn("-S", "cut", "--continue", "-n", "16")
     assert cut["reasoning"] and not cut["text"]
     assert (cut["reasoning"] + more["reasoning"], more["text"]) == (whole["reasoning"], whole["text"])

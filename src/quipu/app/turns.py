@@ -250,9 +250,8 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
                 gen = conv.send(prompt, max_tokens=limit, stop=stop, sink=sink)
             else:  # --messages alone: the reply to its last message, or its last reply continued
                 last = conv.messages[-1]
-                cached = keeper.warm(session, lambda: conv.context_tokens(last.role != "assistant",
-                                                                          last.content if last.role == "assistant"
-                                                                          else ""))
+                cached = keeper.warm(session, conv.continued_tokens if last.role == "assistant" else
+                                     conv.context_tokens)
                 if last.role == "assistant":
                     gen = conv.continue_reply(max_tokens=limit, stop=stop, sink=sink)
                 else:
@@ -409,8 +408,7 @@ def show_prompt(prompt: str | None, opts: TurnOptions, env: Environment) -> Prom
                 if prompt:
                     tokens = conv.tokens_with(prompt)
                 elif conv.messages[-1].role == "assistant":
-                    tail = conv.messages.pop().content
-                    tokens = conv.context_tokens(True, tail)
+                    tokens = conv.continued_tokens()
                 else:
                     tokens = conv.context_tokens()
             return PromptView.of(held, tokens, opened.keeper.cached(session, tokens), opened.keeper.model_name, None)
@@ -432,9 +430,7 @@ def _show_session_prompt(prompt: str | None, opts: TurnOptions, env: Environment
                 prompt = compose(named.conversation, prompt, files, marks)
             conv = named.conversation
             if opts.continue_reply:
-                if not conv.messages or conv.messages[-1].role != "assistant":
-                    raise UsageError("there is no reply to continue")
-                tokens = conv.context_tokens(True, conv.messages.pop().content)
+                tokens = conv.continued_tokens()
             else:
                 tokens = conv.tokens_with(prompt or "")
             held = conv.tokens_side

@@ -172,6 +172,19 @@ class Conversation:
         already as far as they still spell it: replies keep the tokens the model generated."""
         return self.tokens_side.context_for(self.render(self.messages, add_generation_prompt, tail))
 
+    def continued_tokens(self) -> list[int]:
+        """The context tokens `continue_reply` reads: the conversation before its last reply, then
+        that reply as its model wrote it (its reasoning too)."""
+        if not self.messages or self.messages[-1].role != "assistant":
+            raise UsageError("there is no reply to continue")
+        last = self.messages[-1]
+        return self.tokens_side.context_for(self.render(self.messages[:-1], True, self._written(last)))
+
+    @staticmethod
+    def _written(reply: Message) -> str:
+        """What a reply that goes on is read after: what it holds so far, as its model wrote it."""
+        return reply.written if reply.content or reply.reasoning else ""
+
     def tokens_with(self, text: str) -> list[int]:
         """The context tokens the conversation would have with `text` as the next user message."""
         self.messages.append(Message("user", text))
@@ -236,7 +249,7 @@ class Conversation:
             return self.render(messages, add_generation_prompt, tail, settings)
 
         fmt = self.reasoning
-        tail = reply.written if reply.content or reply.reasoning else ""
+        tail = self._written(reply)
         bare = TurnPrompt(self.messages, tail, render if self.template is not None else None, reasoning=fmt,
                           budget=settings.reasoning_budget)
         prompt = replace(bare, offer=offer_tools(self, settings, lambda: bare.thinking(bare.text).inside))
