@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 from quipu.app.attachments import Attachment
@@ -32,7 +32,7 @@ DEFAULT_OUTPUT_MAX = 8000  # characters of a tool's result the model is given
 REPEATS = 3  # the same call with the same arguments this many times stops the loop
 
 
-@dataclass
+@dataclass(frozen=True)
 class CallRecord:
     """One call of a loop, as `--json` reports it: the result as the model was given it, the
     whole result's size, what the call printed."""
@@ -86,20 +86,19 @@ class Toolbox:
 Approve = Callable[[ToolCall], bool]
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoopResult:
-    generation: Generation
-    calls: list[CallRecord] = field(default_factory=list)
+    generation: Generation  # the last reply
+    calls: list[CallRecord] = field(default_factory=list)  # every call made
     notices: list[str] = field(default_factory=list)
     pending: list[ToolCall] = field(default_factory=list)  # calls left for the caller to run
 
-    def stopped_at(self, calls: Sequence[ToolCall], notice: str | None = None) -> "LoopResult":
-        """The loop ends before `calls` run: they wait (for the caller, or the next run)."""
-        if notice is not None:
-            self.notices.append(notice)
-        self.generation.finish_reason = "tool_calls"
-        self.pending = list(calls)
-        return self
+    @classmethod
+    def stopped_at(cls, gen: Generation, made: list[CallRecord], calls: Sequence[ToolCall],
+                   notice: str | None = None) -> "LoopResult":
+        """The loop ends before `calls`, which `gen` asked for, run: they wait (for the caller, or
+        the next run)."""
+        return cls(replace(gen, finish_reason="tool_calls"), made, [notice] if notice is not None else [], list(calls))
 
 
 def run_call(tool: Tool, call: ToolCall, output_max: int = DEFAULT_OUTPUT_MAX,
@@ -107,17 +106,14 @@ def run_call(tool: Tool, call: ToolCall, output_max: int = DEFAULT_OUTPUT_MAX,
     """Runs one call (within its tool's timeout, which the runner keeps); an error is the result
     the model is given. The result is kept as the model is given it (cut at `output_max`)."""
     assert tool.run is not None
-    record = CallRecord(call.id, call.name, call.arguments)
     started = time.perf_counter()
     try:
         out = tool.run(call.arguments, tool.timeout, stopped)
-        record.result, record.size, record.stdout = cut(out.text, output_max, out.size), out.size, out.stdout
-        record.media = out.media
     except ToolFailure as exc:
-        record.error, record.stdout = cut(str(exc), output_max), exc.stdout
-    finally:
-        record.time_s = time.perf_counter() - started
-    return record
+        return CallRecord(call.id, call.name, call.arguments, error=cut(str(exc), output_max),
+                          time_s=time.perf_counter() - started, stdout=exc.stdout)
+    return CallRecord(call.id, call.name, call.arguments, cut(out.text, output_max, out.size),
+                      time_s=time.perf_counter() - started, size=out.size, stdout=out.stdout, media=out.media)
 
 
 def cut(text: str, limit: int, size: int | None = None) -> str:
@@ -137,17 +133,17 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
     limit. Returns the last reply and every call made. `take_media` makes a result's images
     ready for a model that can see them (their markers); without it, or where it refuses, the
     model reads the result's note of each."""
-    result = LoopResult(gen)
+    made: list[CallRecord] = []
     seen: dict[str, int] = {}
     rounds = 0
-    while result.generation.tool_calls and result.generation.finish_reason == "stop":
-        calls = result.generation.tool_calls
+    while gen.tool_calls and gen.finish_reason == "stop":
+        calls = gen.tool_calls
         unknown = [c for c in calls if c.name not in box.tools]
         theirs = [c for c in calls if c.name in box.tools and box.tools[c.name].run is None]
         if theirs:
-            return result.stopped_at(calls)
+            return LoopResult.stopped_at(gen, made, calls)
         if rounds >= chain_limit:
-            return result.stopped_at(calls, f"the model asked for more tools after {chain_limit} rounds "
+            return LoopResult.stopped_at(gen, made, calls, f"the model asked for more tools after {chain_limit} rounds "
                                             "(--chain-limit); stopped there")
         # A call asked for again, round after round, with the same arguments: the loop stops
         # before the round runs (calls repeated within one reply count once).
@@ -156,14 +152,14 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
             seen[key] = seen.get(key, 0) + 1
         looping = [name for key, name in keys.items() if seen[key] >= REPEATS]
         if looping:
-            return result.stopped_at(calls, f"the model called {looping[0]} with the same arguments {REPEATS} "
+            return LoopResult.stopped_at(gen, made, calls, f"the model called {looping[0]} with the same arguments {REPEATS} "
                                             "times; the loop stopped")
         # Every call of the round is approved (or not) before any runs: a loop stopped at an
         # approval (Interrupted) has run nothing of its round, and resumes from its calls.
         try:
             approved = [call not in unknown and approve(call) for call in calls]
         except Interrupted:
-            return result.stopped_at(calls, "stopped before the calls ran; the session goes on from them when it "
+            return LoopResult.stopped_at(gen, made, calls, "stopped before the calls ran; the session goes on from them when it "
                                             "is next run with its tools (-S NAME and --functions, --mcp)")
         answers: list[tuple[ToolCall, str]] = []
         records: list[CallRecord] = []
@@ -179,7 +175,7 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
                     record = run_call(box.tools[call.name], call, output_max, sink.stopped)
                 except Interrupted:
                     # (as at an approval: the round's results are not kept, its calls wait to run)
-                    return result.stopped_at(calls, f"stopped during the call of {call.name}; the session goes on "
+                    return LoopResult.stopped_at(gen, made, calls, f"stopped during the call of {call.name}; the session goes on "
                                                     "from the calls when it is next run with its tools")
             records.append(record)
             if on_call is not None:
@@ -188,14 +184,14 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
             if record.media and take_media is not None and text:
                 text = with_media(text, record, take_media)
             answers.append((call, text or ""))
-        result.calls += records
+        made += records
         conv.add_tool_results(answers)
         # (a call asked for, required or a tool's by name, is the first reply's only: the replies
         # that follow the results may call as they choose)
         follow = conv.settings if conv.settings.tool_choice == "none" else conv.settings.but(tool_choice="auto")
-        result.generation = conv.reply_to_tools(max_tokens=max_tokens, stop=stop, sink=sink, turn=follow)
+        gen = conv.reply_to_tools(max_tokens=max_tokens, stop=stop, sink=sink, turn=follow)
         rounds += 1
-    return result
+    return LoopResult(gen, made)
 
 
 # What makes a tool result's media ready in the context: their markers (a UsageError where the
