@@ -261,15 +261,15 @@ class Conversation:
         reply.reasoning = (reply.reasoning or "") + reasoning or None
         spelled = gen.spelled if gen.spelled is not None else tail + gen.text
         reply.spelled = spelled if spelled != reply.content else None
-        gen.answer, gen.reasoning = answer, reasoning.strip()
+        gen = replace(gen, answer=answer, reasoning=reasoning.strip())
         if prompt.offer is not None:
             opened = fmt is not None and fmt.starts_inside(prompt.text[:len(prompt.text) - len(tail)])
-            read_calls(self, settings, reply, gen, opened)
+            gen = read_calls(self, settings, reply, gen, opened)
             shown = gen.call_shown
             if self.template is not None and not gen.tool_calls and shown is not None and len(gen.text) > shown:
                 sink.text(gen.text[shown:])  # a call that did not parse is shown, and kept, as text
                 reply.content += gen.text[shown:]
-                gen.answer += gen.text[shown:]
+                gen = replace(gen, answer=answer + gen.text[shown:])
         return gen
 
     def answer(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT,

@@ -125,24 +125,24 @@ def _lead_to_call(conv: Turns, turn: TurnSettings, grammar: CallGrammar, tool: T
     return grammar if plain is None else replace(grammar, force=plain)
 
 
-def read_calls(conv: Turns, turn: TurnSettings, reply: Message, gen: Generation, opened: bool) -> None:
-    """Reads the calls of the reply just generated into its message (and `gen.tool_calls`):
-    the message then holds the text before them and the calls, as the template renders them.
-    `opened`: the reply began inside reasoning its prompt opened."""
+def read_calls(conv: Turns, turn: TurnSettings, reply: Message, gen: Generation, opened: bool) -> Generation:
+    """The reply just generated with its calls read (each with an id, its arguments as its tool's
+    schema types them), which its message, the conversation's, then holds: the text before them
+    and the calls, as the template renders them. `opened`: the reply began inside reasoning its
+    prompt opened."""
     if conv.template is None:  # the server read them
-        if gen.tool_calls:
-            _number(conv.messages, gen.tool_calls)
-            reply.tool_calls = [c.to_message() for c in gen.tool_calls]
-        return
+        if not gen.tool_calls:
+            return gen
+        calls = _numbered(conv.messages, gen.tool_calls)
+        reply.tool_calls = [c.to_message() for c in calls]
+        return replace(gen, tool_calls=calls)
     parsed = parse_reply(conv.template.source, reply.written, conv.reasoning, inside=opened)
     if not parsed.tool_calls:
-        return
-    _number(conv.messages, parsed.tool_calls)
-    for call in parsed.tool_calls:
-        call.arguments = _as_schema(call.arguments, next((t for t in turn.tools if t.name == call.name), None))
-    gen.tool_calls = parsed.tool_calls
-    gen.answer = parsed.content
-    reply.tool_calls = [c.to_message() for c in parsed.tool_calls]
+        return gen
+    calls = [replace(call, arguments=_as_schema(call.arguments, next((t for t in turn.tools if t.name == call.name),
+                                                                      None)))
+             for call in _numbered(conv.messages, parsed.tool_calls)]
+    reply.tool_calls = [c.to_message() for c in calls]
     # The text before the calls, where the template writes the calls itself; a template that
     # writes no calls (the generic format, LFM2's first, Granite 3.3) is given the answer as
     # written, a forced beginning included.
@@ -150,18 +150,18 @@ def read_calls(conv: Turns, turn: TurnSettings, reply: Message, gen: Generation,
         reply.content = parsed.content
     else:
         reply.content = parsed.answer
+    return replace(gen, tool_calls=calls, answer=parsed.content)
 
 
 def calls_made(messages: Sequence[Message]) -> int:
     return sum(len(m.tool_calls or ()) for m in messages)
 
 
-def _number(messages: Sequence[Message], calls: Sequence[ToolCall]) -> None:
-    """An id for each call that came without one: the count of calls in the conversation, in
-    nine digits (what the strictest templates, Mistral's, accept)."""
+def _numbered(messages: Sequence[Message], calls: Sequence[ToolCall]) -> list[ToolCall]:
+    """The calls, each that came without an id given one: the count of calls in the
+    conversation, in nine digits (what the strictest templates, Mistral's, accept)."""
     made = calls_made(messages)
-    for i, call in enumerate(calls):
-        call.id = call.id or f"{made + i + 1:09d}"
+    return [replace(call, id=call.id or f"{made + i + 1:09d}") for i, call in enumerate(calls)]
 
 
 def _as_schema(arguments: dict[str, Any], tool: ToolSpec | None) -> dict[str, Any]:
