@@ -179,11 +179,19 @@ def test_a_session_in_use_is_refused_with_a_clear_message(quipu, tiny_model, hom
 def test_another_model_rebuilds_with_a_warning_and_a_vanished_one_is_refused(quipu, tiny_model, home, tmp_path):
     from tinymodel import write_tiny_gguf
 
+    from quipu.store.store import SessionStore
+
+    def users():
+        return [m for m in SessionStore(home / "data" / "sessions").load_transcript("m").messages if m["role"] == "user"]
+
     other = write_tiny_gguf(tmp_path / "other.gguf", seed=5)
     tiny(quipu, tiny_model, "-S", "m", "-n", "4", "hello")
+    assert "context_before" in users()[0]  # (where /undo goes back to, in the context that model read)
     r = quipu("run", "-m", other, "--json", "-S", "m", "-n", "4", "again")
     assert r.returncode == 0 and "was made with" in r.stderr.decode()
     assert json.loads(r.stdout)["usage"]["cached_tokens"] == 0
+    # the first model's marks are dropped: the context was read again, on the other model
+    assert ["context_before" in m for m in users()] == [False, True]
     other.unlink()
     r = quipu("run", "-S", "m", "-n", "4", "third")
     assert r.returncode == 2 and "--model" in r.stderr.decode()

@@ -265,8 +265,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
         def on_done(i: int, gen: Generation, stats: Stats) -> None:
             plan = runnable[i]
             assert plan.stream is not None and plan.row is not None
-            stats.load_s = load_s
-            stats.placement = placed
+            stats = replace(stats, load_s=load_s, placement=placed)
             reasoning, answer = plan.stream.finish()
             grammar = plan.row.params.grammar
             result = TurnResult(answer, gen.finish_reason, model_name, plan.row.params.seed, None, stats, [],

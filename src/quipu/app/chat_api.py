@@ -17,7 +17,7 @@ from quipu.app.hosts import NoCache, Opened
 from quipu.engine.base import ProgressFn
 from quipu.engine.settings import ContextSettings
 from quipu.errors import UsageError
-from quipu.sessions.base import CHAT_API, Message
+from quipu.sessions.base import CHAT_API
 from quipu.sessions.chat_api import REQUEST_KEYS, ChatApiSession
 from quipu.store.store import SessionStore
 from quipu.store.transcript import Transcript
@@ -59,12 +59,11 @@ class ChatApiHost:
         marks = [session.media_mark(m.data, m.kind.mime) for m in media]
         return Opened(session, ChatApiKeeper(self.settings, session), media_marks=marks)
 
-    def resume(self, store: SessionStore, name: str, record: Transcript, messages: list[Message],
-               opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened[ChatApiSession]:
-        for m in messages:
-            m.context_before = None  # token counts of another host mean nothing here
+    def resume(self, store: SessionStore, name: str, record: Transcript, opts: TurnOptions, env: Environment,
+               on_progress: ProgressFn | None = None) -> Opened[ChatApiSession]:
         session = ChatApiSession(self.client, request_params(opts, env, record.params))
-        return Opened(session, ChatApiKeeper(self.settings, session, record.model.get("name")))
+        # (the server reads the messages again each turn: token counts of another host mean nothing here)
+        return Opened(session, ChatApiKeeper(self.settings, session, record.model.get("name")), reread=True)
 
     def close(self) -> None:
         self.client.close()

@@ -14,7 +14,7 @@ from quipu.app.environment import Environment
 from quipu.app.turn_options import TurnOptions
 from quipu.engine.base import ProgressFn
 from quipu.errors import InvalidParameter, SnapshotError
-from quipu.sessions.base import Capabilities, Message, ModelSession
+from quipu.sessions.base import Capabilities, ModelSession
 from quipu.sessions.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -88,6 +88,9 @@ class Opened(Generic[T]):
     notices: list[str] = field(default_factory=list)
     # The marker of each of `create`'s media, made ready, in their order: where each goes in a text.
     media_marks: list[str] = field(default_factory=list)
+    # A resumed session's context is read again from its messages (another model's, or a host
+    # that holds no tokens): their marks of the context (`context_before`) mean nothing here.
+    reread: bool = False
 
 
 class ModelHost(Protocol):
@@ -102,9 +105,9 @@ class ModelHost(Protocol):
         the named session it starts (None: a one-shot); `media`, the images and recordings its
         first message carries (a host without the "media" capability is given none)."""
 
-    def resume(self, store: "SessionStore", name: str, record: "Transcript", messages: list[Message],
-               opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened[Any]:
-        """A saved session, its context restored where it can be, else read again."""
+    def resume(self, store: "SessionStore", name: str, record: "Transcript", opts: TurnOptions, env: Environment,
+               on_progress: ProgressFn | None = None) -> Opened[Any]:
+        """A saved session, its context restored where it can be, else read again (`Opened.reread`)."""
 
     def close(self) -> None: ...
 
@@ -151,10 +154,8 @@ def saved_params(store: "SessionStore", name: str, record: "Transcript") -> Samp
                             "as it is") from None
 
 
-def made_elsewhere(name: str, record: "Transcript", model_name: str, messages: list[Message]) -> str:
+def made_elsewhere(name: str, record: "Transcript", model_name: str) -> str:
     """The notice for a session continued on another model (its context is read again from the
-    messages, whose token counts then mean nothing)."""
-    for m in messages:
-        m.context_before = None
+    messages: `Opened.reread`)."""
     return (f"session '{name}' was made with {record.model.get('name', 'another model')}; continuing with "
             f"{model_name}, re-read from the transcript")

@@ -20,7 +20,7 @@ from quipu.app.turn_options import TurnOptions, sampling_params, with_logit_bias
 from quipu.app.hosts import NoCache, Opened, made_elsewhere, saved_params
 from quipu.engine.base import ProgressFn
 from quipu.engine.settings import ContextSettings
-from quipu.sessions.base import LLAMA_SERVER, Message
+from quipu.sessions.base import LLAMA_SERVER
 from quipu.sessions.llama_server import LlamaServerSession
 from quipu.sessions.params import SamplingParams
 from quipu.store.store import SessionStore
@@ -93,19 +93,16 @@ class LlamaServerHost:
         session, keeper = self._open(self._params(opts, env), SlotFile(None, name) if name is not None else None)
         return Opened(session, keeper)
 
-    def resume(self, store: SessionStore, name: str, record: Transcript, messages: list[Message],
-               opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened[LlamaServerSession]:
+    def resume(self, store: SessionStore, name: str, record: Transcript, opts: TurnOptions, env: Environment,
+               on_progress: ProgressFn | None = None) -> Opened[LlamaServerSession]:
         session, keeper = self._open(self._params(opts, env, saved_params(store, name, record)),
                                      SlotFile(slot_file_of(record), name), record.draws)
-        notices = []
         saved = record.served
         if saved is not None and saved["identity"] == self.served.identity:
             session.restore(record.tokens, saved["text"], [tuple(m) for m in saved["marks"]])
-        else:
-            notice = made_elsewhere(name, record, self.served.name, messages)
-            if record.tokens:
-                notices.append(notice)
-        return Opened(session, keeper, notices)
+            return Opened(session, keeper)
+        return Opened(session, keeper, [made_elsewhere(name, record, self.served.name)] if record.tokens else [],
+                      reread=True)
 
     def close(self) -> None:
         if self._chat is not None:

@@ -39,7 +39,7 @@ from quipu.engine.settings import (
 from quipu.engine.kvstate import LAYOUT
 from quipu.errors import EngineError, ModelMismatch, SnapshotError, UsageError
 from quipu.models import file_identity, fingerprint
-from quipu.sessions.base import LOCAL, Message, Stats
+from quipu.sessions.base import LOCAL, Stats
 from quipu.sessions.inference import InferenceSession, Snapshot
 from quipu.store.chain import Chain, held_cells
 from quipu.store.fingerprints import Fingerprints
@@ -102,8 +102,8 @@ class LocalHost:
                            SessionCache(open_cache(env, opts.no_cache), model_fp, verbose=opts.verbose),
                            KeptMedia(model_path, projector, env.dirs.checked_projectors))
 
-    def resume(self, store: SessionStore, name: str, record: Transcript, messages: list[Message],
-               opts: TurnOptions, env: Environment, on_progress: ProgressFn | None = None) -> Opened[InferenceSession]:
+    def resume(self, store: SessionStore, name: str, record: Transcript, opts: TurnOptions, env: Environment,
+               on_progress: ProgressFn | None = None) -> Opened[InferenceSession]:
         params = sampling_params(opts, env, saved_params(store, name, record))
         saved_ctx = record.context
         if opts.kv_type is None and saved_ctx["kv_type"] not in KV_TYPES:
@@ -160,12 +160,12 @@ class LocalHost:
                 whole = session.rebuilt_tokens == 0 and snap.state is not None  # (the file is current for it)
                 keeper.state.holds(chain, session if whole else None)
             else:
-                notices.append(made_elsewhere(name, record, model_name, messages))
+                notices.append(made_elsewhere(name, record, model_name))
                 session = InferenceSession(backend, params, draws=record.draws, stats=stats())
         except BaseException:
             backend.close()
             raise
-        return Opened(session, keeper, notices)
+        return Opened(session, keeper, notices, reread=not same_model)
 
     @staticmethod
     def _resume_model(name: str, saved: dict[str, Any], opts: TurnOptions,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import secrets
 from typing import Any
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from quipu import __version__
 from quipu.app.environment import SAMPLING_TYPES, Environment
@@ -86,8 +86,10 @@ class NamedSession:
             system = system_prompt(opts, env)
             created = now_iso()
         else:
+            opened = host.resume(store, name, record, opts, env, on_progress)
             messages = [Message.from_dict(m) for m in record.messages]
-            opened = host.resume(store, name, record, messages, opts, env, on_progress)
+            if opened.reread:  # (the marks of a context that is not the saved one mean nothing)
+                messages = [replace(m, context_before=None) for m in messages]
             source = source or record.chat_template
             variables = template_variables(opts, record.template_variables)
             system = opts.system

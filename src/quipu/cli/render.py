@@ -46,6 +46,14 @@ class WordWrap:
         out, self.word = self._place(self.word), ""
         return out
 
+    def new_line(self) -> None:
+        """The line was ended apart from the text pushed: what follows starts a line."""
+        self.column = 0
+
+    def drop_word(self) -> None:
+        """Forgets the word held (nothing more of it is shown)."""
+        self.word = ""
+
     def _place(self, word: str) -> str:
         if not word:
             return ""
@@ -98,7 +106,7 @@ class PlainRenderer:
                 self.term.stdout.write("\n")
                 self.last = "\n"
                 if self.wrap is not None:
-                    self.wrap.column = 0
+                    self.wrap.new_line()
         self._out(text)
 
     def feed_reasoning(self, text: str) -> None:
@@ -108,7 +116,7 @@ class PlainRenderer:
 
     def close(self, stopped: bool = False) -> None:
         if stopped and self.wrap is not None:
-            self.wrap.word = ""  # nothing shows after a Ctrl-C (the reply keeps the word)
+            self.wrap.drop_word()  # nothing shows after a Ctrl-C (the reply keeps the word)
         self._end_word(dim=self.thinking)
         if self.last != "\n":
             self.term.stdout.write("\n")

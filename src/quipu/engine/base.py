@@ -204,7 +204,7 @@ class Backend(Protocol):
         """A new, independent context with the same settings on the same loaded model."""
 
     @property
-    def sampling(self) -> "Sampler":
+    def sampling(self) -> Sampler:
         """The context's sampling, a part of its own."""
 
     def snapshot_bytes(self) -> bytes | memoryview: ...
