@@ -194,7 +194,7 @@ def test_the_layout_check_refuses_what_is_not_a_piece_of_this_model():
             check_piece(bad, seq_id=1, cells=3, first=10, n_layer=3)
     for bad, why in ((piece(3, 11), "position"), (piece(3, 10, n_layer=3), "layout"), (piece(2, 10), "cells"),
                      (piece(3, 10, extra=b"x"), "layout quipu reads"), (piece(3, 10, seq=0), "begin"),
-                     (piece(3, 10)[:-1], "layout quipu reads"), (piece(3, 10, v_trans=2), "layout")):
+                     (piece(3, 10)[:-1], "ends early"), (piece(3, 10, v_trans=2), "layout")):
         with pytest.raises(SnapshotError, match=why):
             check_piece(bad, seq_id=1, cells=3, first=10, n_layer=2)
 

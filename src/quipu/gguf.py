@@ -36,7 +36,7 @@ class GGUFError(ValueError):
     """The file is not a GGUF file this reader can make sense of."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ArrayInfo:
     """An array value, not read in full: its element type, length and where it starts."""
 
@@ -96,8 +96,7 @@ class GGUFInfo:
         if not isinstance(tokens, ArrayInfo) or tokens.item_type != STRING or not 0 <= token_id < tokens.count:
             return None
         with _mapped(self.path) as reader:
-            reader.pos = tokens.offset
-            reader.skip_strings(token_id)
+            reader.skip_strings(token_id, at=tokens.offset)
             return reader.string()
 
 
@@ -141,8 +140,9 @@ class _Reader:
     def string(self, limit: int = MAX_STRING) -> str:
         return self.read(self.length(limit, "string length")).decode("utf-8", "replace")
 
-    def skip_strings(self, count: int) -> None:
-        buf, pos, size, unpack = self.buf, self.pos, self.size, struct.unpack_from
+    def skip_strings(self, count: int, at: int | None = None) -> None:
+        """Reads past `count` strings, from `at` (else from where the reader is)."""
+        buf, pos, size, unpack = self.buf, self.pos if at is None else at, self.size, struct.unpack_from
         for _ in range(count):
             if pos + 8 > size:
                 raise GGUFError("the file ends inside its header")
@@ -159,14 +159,15 @@ class _Reader:
         if vtype == ARRAY:
             item_type = self.scalar("<I")
             count = self.length(self.size, "array length")
-            info = ArrayInfo(item_type, count, self.pos)
+            offset = self.pos
             if item_type in _SCALARS:
                 width = struct.calcsize(_SCALARS[item_type])
-                info.head = [self.scalar(_SCALARS[item_type]) for _ in range(min(count, 16))]
-                self.pos = info.offset + count * width
+                info = ArrayInfo(item_type, count, offset, [self.scalar(_SCALARS[item_type]) for _ in range(min(count, 16))])
+                self.pos = offset + count * width
                 if self.pos > self.size:
                     raise GGUFError("an array runs past the end of the file")
             elif item_type == STRING:
+                info = ArrayInfo(item_type, count, offset)
                 self.skip_strings(count)
             else:
                 raise GGUFError(f"nested or unknown array type {item_type}")

@@ -106,32 +106,29 @@ def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int
         if count != expected:
             raise SnapshotError(f"the piece of context state holds {count} cells, not {expected}")
         if count:
-            end = read.at + count * _CELL.size
-            if end > len(view):
-                raise SnapshotError("the piece of context state ends early")
+            held = read.skip(count * _CELL.size)
             # (a ring's cells come in cell order: the positions from where it wraps first)
             low = first + cells - count
-            turn = _CELL.unpack_from(view, read.at)[0] - low if ring and window is not None else 0
+            turn = _CELL.unpack_from(held, 0)[0] - low if ring and window is not None else 0
             for i in range(count):
-                pos, n_seq, seq = _CELL.unpack_from(view, read.at + i * _CELL.size)
+                pos, n_seq, seq = _CELL.unpack_from(held, i * _CELL.size)
                 if n_seq != 1 or seq != seq_id or not 0 <= turn < count or pos != low + (turn + i) % count:
                     raise SnapshotError(f"cell {i} of the piece of context state is not the one expected "
                                         f"(position {pos}, {n_seq} sequences)")
-            read.at = end
             trans, layers = take(_U32)[0], take(_U32)[0]
             if trans not in (0, 1) or not 0 < layers <= n_layer - layers_seen or v_trans not in (None, trans):
                 raise SnapshotError("the piece of context state is not of this model's layout")
             v_trans, layers_seen = trans, layers_seen + layers
             for _ in range(layers):  # K: a row per cell
                 _, row = take(_LAYER_K)
-                read.at += count * row
+                read.skip(count * row)
             for _ in range(layers):  # V: a row per cell, or transposed: a run per embedding row
                 if trans:
                     _, size, rows = take(_LAYER_V_TRANS)
-                    read.at += rows * count * size
+                    read.skip(rows * count * size)
                 else:
                     _, row = take(_LAYER_K)
-                    read.at += count * row
+                    read.skip(count * row)
         if read.done or layers_seen >= n_layer:
             break
         ring = True  # (what follows the first cache is the window's)
