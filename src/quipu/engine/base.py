@@ -278,7 +278,7 @@ class CallConstraint:
     trigger: str = ""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Completion:
     """What one request generated: token ids in order (an end-of-generation token included),
     the text shown, why it ended, and the server's figures (llama-server's, driven by tokens)."""

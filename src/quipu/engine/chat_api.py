@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from quipu.engine.base import Sink
 
@@ -18,7 +18,7 @@ from quipu.errors import CapabilityError
 TIMINGS = {"prompt_ms": "prefill_s", "predicted_ms": "decode_s"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChatReply:
     """One reply: its text, why it ended, and what the server counted and timed."""
 
@@ -74,48 +74,61 @@ class ChatApiModel(ServerClient):
                 raise
             body["model"] = self.model_name()
             response = self.request("POST", "/v1/chat/completions", body, stream=True)
-        reply = ChatReply(model=body["model"])
-        pieces: list[str] = []
+        stream = ChatStream(self.where(), body["model"], started, sink)
         try:
-            for event in self._events(response, reply, pieces):
-                self._take(event, reply, pieces, started, sink)
-                if reply.finish_reason == "interrupted":
+            for event in self.events(response, stream.reply, lambda event: False):
+                stream.take(event)
+                if stream.finish_reason == "interrupted":
                     break
+            else:
+                stream.finish_reason = stream.finish_reason or "stop"
         finally:
             response.close()
-            reply.text = "".join(pieces)
-        if not reply.completion_tokens:  # no usage in the stream (llama-cpp-python's server): a piece a token
-            reply.completion_tokens = len(pieces)
-        if not reply.model:  # the server echoed the empty name: ask it for its own, now that the reply is out
+        if not stream.model:  # the server echoed the empty name: ask it for its own, now that the reply is out
             try:
-                reply.model = self.model_name()
+                stream.model = self.model_name()
             except ServerError:
-                reply.model = "?"
-        return reply
+                stream.model = "?"
+        return stream.reply()
 
-    def _events(self, response: Any, reply: ChatReply, pieces: list[str]) -> Iterator[dict[str, Any]]:
-        def partial() -> ChatReply:
-            reply.text = "".join(pieces)
-            return reply
 
-        yield from self.events(response, partial, lambda event: False)
-        reply.finish_reason = reply.finish_reason or "stop"
+class ChatStream:
+    """A reply as its events come: what it holds so far, taken from each event (`take`), and
+    the reply it makes (`reply`; where the stream faults, what came before the fault)."""
 
-    def _take(self, event: dict[str, Any], reply: ChatReply, pieces: list[str], started: float, sink: Sink | None) -> None:
+    def __init__(self, where: str, model: str, started: float, sink: Sink | None):
+        self.where = where  # the server, as an error names it
+        self.started = started
+        self.sink = sink
+        self.pieces: list[str] = []
+        self.finish_reason = ""
+        self.model = model
+        self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
+        self.timings: dict[str, float] = {}
+        self.first_token_s = 0.0
+        self.tool_calls: list[dict[str, str]] = []
+
+    def reply(self) -> ChatReply:
+        return ChatReply("".join(self.pieces), self.finish_reason, self.model, self.prompt_tokens, self.cached_tokens,
+                         # (no usage in the stream, llama-cpp-python's server's: a piece a token)
+                         self.completion_tokens or len(self.pieces), dict(self.timings), self.first_token_s,
+                         [dict(call) for call in self.tool_calls])
+
+    def take(self, event: dict[str, Any]) -> None:
         if isinstance(event.get("model"), str) and event["model"]:
-            reply.model = event["model"]  # the name the server answers to
+            self.model = event["model"]  # the name the server answers to
         usage = event.get("usage")
         if isinstance(usage, dict):
-            reply.prompt_tokens = count_of(usage.get("prompt_tokens"))
-            reply.completion_tokens = count_of(usage.get("completion_tokens"))
+            self.prompt_tokens = count_of(usage.get("prompt_tokens"))
+            self.completion_tokens = count_of(usage.get("completion_tokens"))
             details = usage.get("prompt_tokens_details") or {}
-            reply.cached_tokens = count_of(details.get("cached_tokens")) if isinstance(details, dict) else 0
+            self.cached_tokens = count_of(details.get("cached_tokens")) if isinstance(details, dict) else 0
         timings = event.get("timings")  # llama-server's own figures, in milliseconds
         if isinstance(timings, dict):
-            reply.timings = {ours: float(timings[theirs]) / 1000 for theirs, ours in TIMINGS.items()
-                             if isinstance(timings.get(theirs), (int, float))}
-            if "cache_n" in timings and not reply.cached_tokens:
-                reply.cached_tokens = count_of(timings["cache_n"])
+            self.timings = {ours: float(timings[theirs]) / 1000 for theirs, ours in TIMINGS.items()
+                            if isinstance(timings.get(theirs), (int, float))}
+            if "cache_n" in timings and not self.cached_tokens:
+                self.cached_tokens = count_of(timings["cache_n"])
         choices = event.get("choices")
         for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict):
@@ -123,35 +136,34 @@ class ChatApiModel(ServerClient):
             delta = choice.get("delta") or {}
             text = delta.get("content") if isinstance(delta, dict) else None
             if text is not None and not isinstance(text, str):
-                reply.text = "".join(pieces)
-                raise ServerError(f"{self.where()} sent a reply piece that is not text ({type(text).__name__})",
-                                  partial=reply)
+                raise ServerError(f"{self.where} sent a reply piece that is not text ({type(text).__name__})",
+                                  partial=self.reply())
             if text:
-                if not pieces:
-                    reply.first_token_s = time.perf_counter() - started
-                pieces.append(text)
-                if sink is not None:
-                    sink.text(text)
-                if sink is not None and sink.stopped():
-                    reply.finish_reason = "interrupted"
+                if not self.pieces:
+                    self.first_token_s = time.perf_counter() - self.started
+                self.pieces.append(text)
+                if self.sink is not None:
+                    self.sink.text(text)
+                if self.sink is not None and self.sink.stopped():
+                    self.finish_reason = "interrupted"
                     return
             calls = delta.get("tool_calls") if isinstance(delta, dict) else None
             for call in calls if isinstance(calls, list) else ():
-                self._take_call(call, reply)
+                self._take_call(call)
             finish = choice.get("finish_reason")
             if finish and isinstance(finish, str):
-                reply.finish_reason = {"stop": "stop", "length": "length"}.get(finish, finish)
+                self.finish_reason = {"stop": "stop", "length": "length"}.get(finish, finish)
 
-    def _take_call(self, call: Any, reply: ChatReply) -> None:
+    def _take_call(self, call: Any) -> None:
         """A piece of a streamed call: its index says which call; name and arguments come in parts."""
         if not isinstance(call, dict):
-            raise ServerError(f"{self.where()} sent a tool call that is not an object", partial=reply)
-        index = call.get("index", len(reply.tool_calls))
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= len(reply.tool_calls):
-            raise ServerError(f"{self.where()} sent a tool call out of order", partial=reply)
-        if index == len(reply.tool_calls):
-            reply.tool_calls.append({"id": "", "name": "", "arguments": ""})
-        held = reply.tool_calls[index]
+            raise ServerError(f"{self.where} sent a tool call that is not an object", partial=self.reply())
+        index = call.get("index", len(self.tool_calls))
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= len(self.tool_calls):
+            raise ServerError(f"{self.where} sent a tool call out of order", partial=self.reply())
+        if index == len(self.tool_calls):
+            self.tool_calls.append({"id": "", "name": "", "arguments": ""})
+        held = self.tool_calls[index]
         fn = call.get("function") or {}
         if isinstance(call.get("id"), str):
             held["id"] = call["id"]
@@ -162,5 +174,5 @@ class ChatApiModel(ServerClient):
             if isinstance(fn.get("arguments"), str):
                 held["arguments"] += fn["arguments"]
             if len(held["arguments"]) > MAX_EVENT_BYTES:
-                raise ServerError(f"{self.where()} sent a tool call longer than {MAX_EVENT_BYTES >> 20} MB",
-                                  partial=reply)
+                raise ServerError(f"{self.where} sent a tool call longer than {MAX_EVENT_BYTES >> 20} MB",
+                                  partial=self.reply())

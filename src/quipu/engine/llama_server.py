@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from quipu.engine.base import CallConstraint, Completion, SamplerSettings, Sink
 from quipu.engine.http import ServerClient, ServerError, count_of
@@ -226,28 +226,51 @@ class LlamaServerModel:
             body["logit_bias"] = [[t, False if b == float("-inf") else b] for t, b in sampler.logit_bias]
         if slot >= 0:
             body["id_slot"] = slot
-        done = Completion()
-        started = time.perf_counter()
+        stream = CompletionStream(self.remote.where(), time.perf_counter(), sink, self._pieces, self.spell)
         response = self.remote.request("POST", "/completion", body, stream=True)
         try:
-            events = self.remote.events(response, lambda: done, lambda event: event.get("stop") is True)
+            events = self.remote.events(response, stream.completion, lambda event: event.get("stop") is True)
             for event in events:
-                if self._take(event, done, started, sink) is False:
-                    done.finish_reason = "interrupted"
+                if stream.take(event) is False:
+                    stream.finish_reason = "interrupted"
                     break
         finally:
             response.close()
-        return done
+        return stream.completion()
 
-    def _take(self, event: dict[str, Any], done: Completion, started: float, sink: Sink | None) -> bool | None:
+
+class CompletionStream:
+    """A completion as its events come: what it holds so far, taken from each event (`take`),
+    and the completion it makes (`completion`; where the stream faults, what came before)."""
+
+    def __init__(self, where: str, started: float, sink: Sink | None,
+                 pieces: Callable[[str, bool, bool], list[tuple[int, bytes]]], spell: Callable[[int], str]):
+        self.where = where  # the server, as an error names it
+        self.started = started
+        self.sink = sink
+        self.pieces = pieces  # the server's tokenizer: (id, bytes) of a text's tokens
+        self.spell = spell  # a token's text, control tokens written out
+        self.tokens: list[int] = []
+        self.texts: list[str] = []
+        self.finish_reason = ""
+        self.exact = True
+        self.prompt_tokens = self.cached_tokens = 0
+        self.prefill_s = self.decode_s = self.first_token_s = 0.0
+
+    def completion(self) -> Completion:
+        return Completion(list(self.tokens), "".join(self.texts), self.finish_reason, self.exact, self.prompt_tokens,
+                          self.cached_tokens, self.prefill_s, self.decode_s, self.first_token_s)
+
+    def take(self, event: dict[str, Any]) -> bool | None:
+        """Takes one event; False where the sink says to stop."""
         if isinstance(event.get("tokens_evaluated"), int):
-            done.prompt_tokens = event["tokens_evaluated"]
+            self.prompt_tokens = event["tokens_evaluated"]
         if event.get("stop") is True:
-            done.finish_reason = FINISH.get(str(event.get("stop_type")), "stop")
+            self.finish_reason = FINISH.get(str(event.get("stop_type")), "stop")
             timings = event["timings"] if isinstance(event.get("timings"), dict) else {}
-            done.cached_tokens = count_of(timings.get("cache_n"))
-            done.prefill_s = _ms(timings.get("prompt_ms")) / 1000
-            done.decode_s = _ms(timings.get("predicted_ms")) / 1000
+            self.cached_tokens = count_of(timings.get("cache_n"))
+            self.prefill_s = _ms(timings.get("prompt_ms")) / 1000
+            self.decode_s = _ms(timings.get("predicted_ms")) / 1000
             return None
         tokens = event.get("tokens")
         if not isinstance(tokens, list) or len(tokens) != 1 or not isinstance(tokens[0], int):
@@ -255,38 +278,38 @@ class LlamaServerModel:
         text = event["content"] if isinstance(event.get("content"), str) else ""
         token = tokens[0]
         count = event.get("tokens_predicted")
-        if not done.tokens:
-            done.first_token_s = time.perf_counter() - started
-        missing = count - len(done.tokens) - 1 if isinstance(count, int) else 0
+        if not self.tokens:
+            self.first_token_s = time.perf_counter() - self.started
+        missing = count - len(self.tokens) - 1 if isinstance(count, int) else 0
         if missing > MAX_HIDDEN:  # a character is at most 4 bytes: the count is not the reply's
-            raise ServerError(f"{self.remote.where()} counted {count} tokens for a reply of {len(done.tokens)}",
-                              partial=done)
+            raise ServerError(f"{self.where} counted {count} tokens for a reply of {len(self.tokens)}",
+                              partial=self.completion())
         if missing > 0:  # tokens inside a character: the server showed neither them nor their ids
-            done.tokens += self._recover(missing, token, text, done)
-        done.tokens.append(token)
-        done.text += text
-        if sink is None:
+            self.tokens += self._recover(missing, token, text)
+        self.tokens.append(token)
+        self.texts.append(text)
+        if self.sink is None:
             return None
         if text:
-            sink.text(text)
+            self.sink.text(text)
         elif not missing and event.get("stop") is not True:
             # A token that shows nothing: a control token, whose spelling is markup a reader of
             # the reply's format may need (asked once a token; a character's part spells U+FFFD).
             spelled = self.spell(token)
             if spelled and "\ufffd" not in spelled:
-                sink.control(spelled)
-        return not sink.stopped()
+                self.sink.control(spelled)
+        return not self.sink.stopped()
 
-    def _recover(self, missing: int, token: int, text: str, done: Completion) -> list[int]:
+    def _recover(self, missing: int, token: int, text: str) -> list[int]:
         """The ids of the `missing` tokens before `token`, which end in `text`: its last character
         tokenized, when that gives `token` last and pieces that spell the character."""
         for size in range(1, min(len(text), 4) + 1):
             tail = text[-size:]
-            pieces = self._pieces(tail, False, False)
+            pieces = self.pieces(tail, False, False)
             if len(pieces) == missing + 1 and pieces[-1][0] == token:
                 if b"".join(p for _, p in pieces) == tail.encode("utf-8"):
                     return [t for t, _ in pieces[:-1]]
-        done.exact = False
+        self.exact = False
         return [-1] * missing
 
 

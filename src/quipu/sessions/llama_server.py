@@ -20,6 +20,7 @@ is tokenized first, to be sure of its size.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Iterator, Mapping, Protocol, Sequence
 
 from quipu.engine.base import Completion, TokenServer
@@ -248,8 +249,7 @@ class LlamaServerSession(HeldTokens):
             partial = getattr(exc, "partial", None)
             if not isinstance(partial, Completion) or not partial.tokens:
                 raise
-            done = partial
-            done.finish_reason, error = "interrupted", exc
+            done, error = replace(partial, finish_reason="interrupted"), exc
         finally:
             if calls is not None:
                 shown_before_call = calls.end()
