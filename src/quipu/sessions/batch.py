@@ -19,7 +19,7 @@ to the floating-point differences of batched arithmetic.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from quipu.engine.base import BatchBackend, RowChain, RowMatcher
@@ -45,28 +45,80 @@ class BatchRow:
     stop: Sequence[str] = ()
 
 
-@dataclass
 class _Slot:
-    seq: int
-    row: int = -1
-    pending: list[int] = field(default_factory=list)  # tokens to decode next
-    pos: int = 0  # where pending[0] goes
-    chain: RowChain | None = None
-    matcher: RowMatcher | None = None  # the grammar's place in this row's reply (None: no grammar)
-    params: SamplingParams = field(default_factory=SamplingParams)
-    draws: int = 0
-    max_tokens: int = 0
-    reply: ReplyText | None = None
-    sampled: int = 0
-    stats: Stats = field(default_factory=Stats)
-    started: float = 0.0
-    first_at: float = 0.0
-    last_at: float = 0.0
+    """A sequence of the context, and the row it answers (`row` -1: none): the tokens it
+    decodes next and where, its sampler chain and grammar, its reply and its figures."""
 
+    def __init__(self, seq: int):
+        self.seq = seq
+        self.row = -1
+        self.pending: list[int] = []  # tokens to decode next
+        self.pos = 0  # where pending[0] goes
+        self._chain: RowChain | None = None
+        self.matcher: RowMatcher | None = None  # the grammar's place in this row's reply (None: no grammar)
+        self.params = SamplingParams()
+        self.draws = 0
+        self.max_tokens = 0
+        self._reply: ReplyText | None = None
+        self.sampled = 0
+        self._stats = Stats()
+        self._started = self._first_at = self._last_at = 0.0
 
-def _chain(slot: _Slot) -> RowChain:
-    assert slot.chain is not None  # (a row's chain is made as it starts)
-    return slot.chain
+    def start(self, index: int, row: BatchRow, params: SamplingParams, chain: RowChain, matcher: RowMatcher | None,
+              shared: int, reply: ReplyText) -> None:
+        """Answers the row `index` from here, the `shared` tokens of its prompt already read."""
+        self.row, self.params, self._chain, self.matcher, self._reply = index, params, chain, matcher, reply
+        chain.accept(row.tokens)  # the penalty window sees the prompt, as a lone run's does
+        self.pending, self.pos = list(row.tokens[shared:]), shared
+        self.draws = self.sampled = 0
+        self.max_tokens = row.max_tokens
+        self._stats = Stats(prompt_tokens=len(row.tokens), cached_tokens=shared)
+        self._started = time.perf_counter()
+
+    @property
+    def chain(self) -> RowChain:
+        assert self._chain is not None  # (a row's chain is made as it starts)
+        return self._chain
+
+    @property
+    def reply(self) -> ReplyText:
+        assert self._reply is not None  # (made as the row starts)
+        return self._reply
+
+    def take(self, budget: int) -> list[int]:
+        """The next of its tokens to decode (at most `budget`), from `pos`, which moves past them."""
+        taken = self.pending[:budget]
+        del self.pending[:len(taken)]
+        self.pos += len(taken)
+        return taken
+
+    def sampled_one(self, now: float) -> None:
+        """A token was drawn for the row at `now`."""
+        self.draws += 1
+        self.sampled += 1
+        self._last_at = now
+        if self.sampled == 1:
+            self._first_at = now
+            self._stats.prefill_s = self._stats.ttft_s = now - self._started
+
+    def go_on(self, token: int) -> None:
+        """The drawn token is the next to decode."""
+        self.pending = [token]
+
+    def stats(self) -> Stats:
+        """The row's figures, its reply done."""
+        s = self._stats
+        return replace(s, completion_tokens=self.sampled, decode_s=self._last_at - self._first_at,
+                       prefill_tokens=s.prompt_tokens - s.cached_tokens)
+
+    def free(self) -> None:
+        """The row is done (or given up): its chain freed, the sequence free for the next."""
+        if self._chain is not None:
+            self._chain.free()
+            self._chain = None
+        self.matcher = None
+        self.row = -1
+        self.pending = []
 
 
 class BatchSession:
@@ -111,14 +163,14 @@ class BatchSession:
                 if should_stop is not None and should_stop():
                     raise Interrupted("stopped")
                 wanting = self._step(active)
-                tokens = self.backend.sample_rows([(_chain(slot), slot.matcher, draw_seed(slot.params.draw_base, slot.draws),
+                tokens = self.backend.sample_rows([(slot.chain, slot.matcher, draw_seed(slot.params.draw_base, slot.draws),
                                                     index) for slot, index in wanting])
                 now = time.perf_counter()
                 for (slot, _), token in zip(wanting, tokens, strict=False):
                     self._took(slot, token, now, on_token, on_done)
         finally:
             for slot in slots:
-                self._free(slot)
+                slot.free()
 
     # ---- steps ----------------------------------------------------------------------------
 
@@ -150,20 +202,9 @@ class BatchSession:
     def _start(self, slot: _Slot, row_index: int, rows: Sequence[BatchRow]) -> None:
         row = rows[row_index]
         params = row.params.resolved()
-        slot.row = row_index
         self.backend.seq_keep(slot.seq, self.shared)  # what the last row left, past the shared part
-        chain = slot.chain = self.backend.row_sampler(params)
-        slot.matcher = self.backend.row_matcher(params)
-        chain.accept(row.tokens)  # the penalty window sees the prompt, as a lone run's does
-        slot.params = params
-        slot.pending = list(row.tokens[self.shared :])
-        slot.pos = self.shared
-        slot.draws = 0
-        slot.max_tokens = row.max_tokens
-        slot.reply = ReplyText(self.backend.token_bytes, b"", row.stop)
-        slot.sampled = 0
-        slot.stats = Stats(prompt_tokens=len(row.tokens), cached_tokens=self.shared)
-        slot.started = time.perf_counter()
+        slot.start(row_index, row, params, self.backend.row_sampler(params), self.backend.row_matcher(params),
+                   self.shared, ReplyText(self.backend.token_bytes, b"", row.stop))
 
     def _step(self, active: list[_Slot]) -> list[tuple[_Slot, int]]:
         """One decode: a token for every row generating, then prompt tokens while there is room.
@@ -176,30 +217,22 @@ class BatchSession:
         for slot in generating + reading:
             if budget == 0:
                 break
-            take = slot.pending[:budget]
-            last = len(take) == len(slot.pending)
+            at = slot.pos
+            take = slot.take(budget)
+            last = not slot.pending
             for i, tok in enumerate(take):
-                items.append((tok, slot.pos + i, slot.seq, last and i == len(take) - 1))
+                items.append((tok, at + i, slot.seq, last and i == len(take) - 1))
             if last:
                 wanting.append((slot, len(items) - 1))
-            del slot.pending[: len(take)]
-            slot.pos += len(take)
             budget -= len(take)
         self.backend.decode_batch(items)
         return wanting
 
     def _took(self, slot: _Slot, token: int, now: float, on_token: RowTokenFn | None,
               on_done: RowDoneFn | None) -> None:
-        slot.draws += 1
-        slot.sampled += 1
-        slot.last_at = now
-        if slot.sampled == 1:
-            slot.first_at = now
-            slot.stats.prefill_s = now - slot.started
-            slot.stats.ttft_s = now - slot.started
+        slot.sampled_one(now)
         finish = None
         reply = slot.reply
-        assert reply is not None
         if self.backend.is_eog(token):
             finish = "stop"
         else:
@@ -213,26 +246,15 @@ class BatchSession:
             elif slot.pos + 1 >= self.n_ctx_seq:
                 finish = "context_full"
             else:
-                slot.pending = [token]
+                slot.go_on(token)
         if finish is None:
             return
         tail, finish = reply.end(finish)
         if tail and on_token is not None:
             on_token(slot.row, -1, tail)
-        stats = slot.stats
-        stats.completion_tokens = slot.sampled
-        stats.decode_s = slot.last_at - slot.first_at
-        stats.prefill_tokens = stats.prompt_tokens - stats.cached_tokens
+        stats = slot.stats()
         gen = Generation(reply.text, reply.tokens, finish)
         row = slot.row
-        self._free(slot)
+        slot.free()
         if on_done is not None:
             on_done(row, gen, stats)
-
-    def _free(self, slot: _Slot) -> None:
-        if slot.chain is not None:
-            slot.chain.free()
-            slot.chain = None
-        slot.matcher = None
-        slot.row = -1
-        slot.pending = []
