@@ -111,7 +111,7 @@ class ReplySink:
 SILENT = ReplySink()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Stats:
     """Figures of the last turn (load and restore are the session's, reported with each turn)."""
 
@@ -155,7 +155,7 @@ class Stats:
         }
 
 
-@dataclass
+@dataclass(frozen=True)
 class Generation:
     """What one reply produced: the text shown, the tokens sampled, and why it ended; the
     answer and a thinking model's reasoning apart (a `Conversation` splits them)."""

@@ -99,7 +99,7 @@ class _Slot:
         self._last_at = now
         if self.sampled == 1:
             self._first_at = now
-            self._stats.prefill_s = self._stats.ttft_s = now - self._started
+            self._stats = replace(self._stats, prefill_s=now - self._started, ttft_s=now - self._started)
 
     def go_on(self, token: int) -> None:
         """The drawn token is the next to decode."""

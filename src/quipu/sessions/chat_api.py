@@ -97,7 +97,7 @@ class ChatApiSession:
                            prefill_s=reply.timings.get("prefill_s", 0.0),
                            decode_s=reply.timings.get("decode_s", 0.0))
         self._used = reply.prompt_tokens + reply.completion_tokens
-        gen = Generation(reply.text, [], "stop" if finish == "tool_calls" else finish, error)
+        text = reply.text
         calls: list[ToolCall] = []
         for call in reply.tool_calls:
             try:
@@ -106,11 +106,10 @@ class ChatApiSession:
                 arguments = None
             if not call["name"] or not isinstance(arguments, dict):
                 calls = []  # a call that does not parse: the reply stays text
-                gen.text += "".join(f"\n{c['name']}({c['arguments']})" for c in reply.tool_calls)
+                text += "".join(f"\n{c['name']}({c['arguments']})" for c in reply.tool_calls)
                 break
             calls.append(ToolCall(call["name"], arguments, call["id"] or None))
-        gen.tool_calls = calls
-        return gen
+        return Generation(text, [], "stop" if finish == "tool_calls" else finish, error, tool_calls=calls)
 
     def rewind(self, n_keep: int) -> None:
         pass  # nothing held: the next request sends the messages as they are

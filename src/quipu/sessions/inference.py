@@ -22,7 +22,7 @@ grammars and biases are.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from quipu.engine.base import Backend, LogitsProcessor, ProgressFn, TokenFilter
@@ -160,9 +160,8 @@ class InferenceSession(HeldTokens):
 
     def begin_turn(self) -> None:
         """Starts the clock and the counters of a new turn."""
-        self.stats.prompt_tokens = self.stats.cached_tokens = self.stats.completion_tokens = 0
-        self.stats.prefill_tokens = 0
-        self.stats.prefill_s = self.stats.decode_s = self.stats.ttft_s = 0.0
+        self.stats = replace(self.stats, prompt_tokens=0, cached_tokens=0, completion_tokens=0, prefill_tokens=0,
+                             prefill_s=0.0, decode_s=0.0, ttft_s=0.0)
         self._turn_started = time.perf_counter()
 
     def set_context(self, tokens: Sequence[int], sink: ReplySink = SILENT) -> int:
@@ -172,7 +171,7 @@ class InferenceSession(HeldTokens):
         keep = common_prefix(tokens, self.tokens)
         self.rewind(keep)
         # Re-read tokens were computed (their time is the restore's), not reused from a cache.
-        self.stats.cached_tokens = max(0, min(keep, self.n_decoded) - self._rebuilt_pending)
+        self.stats = replace(self.stats, cached_tokens=max(0, min(keep, self.n_decoded) - self._rebuilt_pending))
         self._rebuilt_pending = 0
         self.feed_prompt(tokens[keep:], sink)
         return keep
@@ -182,11 +181,11 @@ class InferenceSession(HeldTokens):
         self._check_room(len(self.tokens) + len(tokens))
         self.tokens.extend(tokens)
         self.backend.sampling.accept(tokens)
-        self.stats.prompt_tokens = len(self.tokens)
+        self.stats = replace(self.stats, prompt_tokens=len(self.tokens))
         started, before = time.perf_counter(), self.n_decoded
         self._decode_pending(sink.reading)
-        self.stats.prefill_s += time.perf_counter() - started
-        self.stats.prefill_tokens += self.n_decoded - before
+        self.stats = replace(self.stats, prefill_s=self.stats.prefill_s + time.perf_counter() - started,
+                             prefill_tokens=self.stats.prefill_tokens + self.n_decoded - before)
 
     def check_text_fits(self, text: str) -> None:
         """Refuses at once a text too long for the context to hold whatever its tokenization,
@@ -270,7 +269,7 @@ class InferenceSession(HeldTokens):
             session._reset_sampler()
         else:
             session.rebuild(snap.tokens, snap.n_decoded, on_progress)
-        session.stats.restore_s = time.perf_counter() - started
+        session.stats = replace(session.stats, restore_s=time.perf_counter() - started)
         return session
 
     def restore_prefix(self, state: bytes | memoryview, held: Sequence[int], keep: int) -> None:
@@ -291,7 +290,7 @@ class InferenceSession(HeldTokens):
         self.n_decoded = keep
         self._logits_at = -1
         self._reset_sampler()
-        self.stats.restore_s += time.perf_counter() - started
+        self.stats = replace(self.stats, restore_s=self.stats.restore_s + time.perf_counter() - started)
 
     def rebuild(self, tokens: Sequence[int], n_decoded: int, on_progress: ProgressFn | None = None) -> None:
         """Re-reads `tokens[:n_decoded]` into an empty context; the rest stay pending."""
@@ -378,7 +377,7 @@ class InferenceSession(HeldTokens):
             sampled += 1
             if sampled == 1:
                 first_at = last_at
-                self.stats.ttft_s = first_at - self._turn_started
+                self.stats = replace(self.stats, ttft_s=first_at - self._turn_started)
             if self.backend.is_eog(token):
                 finish = "stop"
                 break
@@ -395,8 +394,7 @@ class InferenceSession(HeldTokens):
         if tail:
             shown.text(tail)
         shown_before_call = calls.end() if calls is not None else None
-        self.stats.completion_tokens = sampled
-        self.stats.decode_s = last_at - first_at
+        self.stats = replace(self.stats, completion_tokens=sampled, decode_s=last_at - first_at)
         self._turn_started = 0.0
         return Generation(reply.text, reply.tokens, finish, call_shown=shown_before_call)
 
@@ -437,5 +435,4 @@ class InferenceSession(HeldTokens):
         self.set_context(tokens, sink)
         began = prompt.thinking(prompt.rendered(with_tail=False).text) if prompt.tail else None
         gen = self.infer(max_tokens, stop, sink, prompt.thinking(prompt.text), prompt.offer, began, at=start)
-        gen.spelled = self.reply_spelled()
-        return gen
+        return replace(gen, spelled=self.reply_spelled())

@@ -210,8 +210,7 @@ class LlamaServerSession(HeldTokens):
         rendered = prompt.rendered()
         gen = self.generate(self.prompt_for(rendered, max_tokens), rendered.text, max_tokens, stop, sink,
                             prompt.thinking(rendered.text), prompt.offer)
-        gen.spelled = prompt.tail + self._spelled
-        return gen
+        return replace(gen, spelled=prompt.tail + self._spelled)
 
     def complete(self, tokens: Sequence[int], max_tokens: int, stop: Sequence[str] = (),
                  sink: ReplySink = SILENT) -> Generation:
@@ -262,13 +261,12 @@ class LlamaServerSession(HeldTokens):
         if self.slot_holder is not None and error is None:
             self.slot_holder.after(done.cached_tokens, held)
         self.draws += len(done.tokens)
-        stats = self.stats
-        stats.prompt_tokens, stats.completion_tokens = len(ids) if ids else done.prompt_tokens, len(done.tokens)
-        stats.cached_tokens = min(done.cached_tokens, stats.prompt_tokens)
-        stats.prefill_tokens = stats.prompt_tokens - stats.cached_tokens
-        stats.prefill_s, stats.decode_s = done.prefill_s, done.decode_s
-        if done.tokens:
-            stats.ttft_s = sent - self._turn_started + done.first_token_s
+        read = len(ids) if ids else done.prompt_tokens
+        cached = min(done.cached_tokens, read)
+        self.stats = replace(self.stats, prompt_tokens=read, completion_tokens=len(done.tokens), cached_tokens=cached,
+                             prefill_tokens=read - cached, prefill_s=done.prefill_s, decode_s=done.decode_s,
+                             ttft_s=sent - self._turn_started + done.first_token_s if done.tokens else
+                             self.stats.ttft_s)
         self._turn_started = 0.0
         body = done.tokens[:-1] if finish == "stop" and done.tokens else list(done.tokens)
         self._spelled = self.backend.detokenize(body) if done.exact and body else done.text
