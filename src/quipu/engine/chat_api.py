@@ -6,7 +6,7 @@ embeddings. The connection, its retries and its faults are `http.py`'s.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from quipu.engine.base import Sink
@@ -81,15 +81,16 @@ class ChatApiModel(ServerClient):
                 if stream.finish_reason == "interrupted":
                     break
             else:
-                stream.finish_reason = stream.finish_reason or "stop"
+                stream.ended()
         finally:
             response.close()
-        if not stream.model:  # the server echoed the empty name: ask it for its own, now that the reply is out
-            try:
-                stream.model = self.model_name()
-            except ServerError:
-                stream.model = "?"
-        return stream.reply()
+        reply = stream.reply()
+        if reply.model:
+            return reply
+        try:  # the server echoed the empty name: ask it for its own, now that the reply is out
+            return replace(reply, model=self.model_name())
+        except ServerError:
+            return replace(reply, model="?")
 
 
 class ChatStream:
@@ -107,6 +108,10 @@ class ChatStream:
         self.timings: dict[str, float] = {}
         self.first_token_s = 0.0
         self.tool_calls: list[dict[str, str]] = []
+
+    def ended(self) -> None:
+        """The events ended: a reply that gave no reason stopped."""
+        self.finish_reason = self.finish_reason or "stop"
 
     def reply(self) -> ChatReply:
         return ChatReply("".join(self.pieces), self.finish_reason, self.model, self.prompt_tokens, self.cached_tokens,

@@ -232,7 +232,6 @@ class LlamaServerModel:
             events = self.remote.events(response, stream.completion, lambda event: event.get("stop") is True)
             for event in events:
                 if stream.take(event) is False:
-                    stream.finish_reason = "interrupted"
                     break
         finally:
             response.close()
@@ -262,7 +261,7 @@ class CompletionStream:
                           self.cached_tokens, self.prefill_s, self.decode_s, self.first_token_s)
 
     def take(self, event: dict[str, Any]) -> bool | None:
-        """Takes one event; False where the sink says to stop."""
+        """Takes one event; False where the sink says to stop (the completion is then interrupted)."""
         if isinstance(event.get("tokens_evaluated"), int):
             self.prompt_tokens = event["tokens_evaluated"]
         if event.get("stop") is True:
@@ -298,7 +297,10 @@ class CompletionStream:
             spelled = self.spell(token)
             if spelled and "\ufffd" not in spelled:
                 self.sink.control(spelled)
-        return not self.sink.stopped()
+        if self.sink.stopped():
+            self.finish_reason = "interrupted"
+            return False
+        return None
 
     def _recover(self, missing: int, token: int, text: str) -> list[int]:
         """The ids of the `missing` tokens before `token`, which end in `text`: its last character

@@ -36,7 +36,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-@dataclass
+@dataclass(frozen=True)
 class Message:
     role: str  # system, user, assistant, or tool (a tool's result)
     content: str

@@ -202,6 +202,7 @@ class Conversation:
         before = tokens.used if tokens is not None else None
         held = list(tokens.tokens) if tokens is not None else []
         user = Message("user", text, context_before=before)
+        at = len(self.messages)
         self.messages.append(user)
         try:
             gen = self._generate(Message("assistant", ""), max_tokens, stop, sink, turn)
@@ -213,7 +214,7 @@ class Conversation:
             # The turn may have read the end of the last reply again (where the template's text
             # after it tokenizes with it, as with no markup of the model's own): the context is
             # as it was only up to there, and an /undo goes back to that point.
-            user.context_before = min(before, common_prefix(held, tokens.tokens))
+            self.messages[at] = replace(user, context_before=min(before, common_prefix(held, tokens.tokens)))
         return gen
 
     def continue_reply(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT,
@@ -255,21 +256,21 @@ class Conversation:
         prompt = replace(bare, offer=offer_tools(self, settings, lambda: bare.thinking(bare.text).inside))
         split = ReasoningSink(sink, lambda: prompt.thinking(prompt.text))
         gen = self.session.reply(prompt, max_tokens, stop, split)
-        self.messages.append(reply)
         reasoning, answer = split.finish()
-        reply.content += answer
-        reply.reasoning = (reply.reasoning or "") + reasoning or None
+        content = reply.content + answer
         spelled = gen.spelled if gen.spelled is not None else tail + gen.text
-        reply.spelled = spelled if spelled != reply.content else None
+        made = replace(reply, content=content, reasoning=(reply.reasoning or "") + reasoning or None,
+                       spelled=spelled if spelled != content else None)
         gen = replace(gen, answer=answer, reasoning=reasoning.strip())
         if prompt.offer is not None:
             opened = fmt is not None and fmt.starts_inside(prompt.text[:len(prompt.text) - len(tail)])
-            gen = read_calls(self, settings, reply, gen, opened)
+            gen, made = read_calls(self, settings, made, gen, opened)
             shown = gen.call_shown
             if self.template is not None and not gen.tool_calls and shown is not None and len(gen.text) > shown:
                 sink.text(gen.text[shown:])  # a call that did not parse is shown, and kept, as text
-                reply.content += gen.text[shown:]
+                made = replace(made, content=made.content + gen.text[shown:])
                 gen = replace(gen, answer=answer + gen.text[shown:])
+        self.messages.append(made)
         return gen
 
     def answer(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT,
@@ -384,12 +385,12 @@ class Conversation:
         # what of them its rendering still spells, as always.
         span = self._dropped_span(before, first) if dropped else None
         if span is not None and self.held is not None and self.held.shift_out(*span):
-            for m in self.messages:
-                if m.context_before is not None:
-                    m.context_before = max(span[0], m.context_before - (span[1] - span[0]))
+            self.messages[:] = [m if m.context_before is None else
+                                replace(m, context_before=max(span[0], m.context_before - (span[1] - span[0])))
+                                for m in self.messages]
             return dropped
-        for m in self.messages:
-            m.context_before = None  # the context is re-read from here; old marks mean nothing
+        # (the context is re-read from here; old marks mean nothing)
+        self.messages[:] = [replace(m, context_before=None) for m in self.messages]
         return dropped
 
 

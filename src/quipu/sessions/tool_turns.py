@@ -125,32 +125,30 @@ def _lead_to_call(conv: Turns, turn: TurnSettings, grammar: CallGrammar, tool: T
     return grammar if plain is None else replace(grammar, force=plain)
 
 
-def read_calls(conv: Turns, turn: TurnSettings, reply: Message, gen: Generation, opened: bool) -> Generation:
+def read_calls(conv: Turns, turn: TurnSettings, reply: Message, gen: Generation,
+               opened: bool) -> tuple[Generation, Message]:
     """The reply just generated with its calls read (each with an id, its arguments as its tool's
-    schema types them), which its message, the conversation's, then holds: the text before them
-    and the calls, as the template renders them. `opened`: the reply began inside reasoning its
-    prompt opened."""
+    schema types them), and its message (`reply`, not yet in the conversation) holding them: the
+    text before them and the calls, as the template renders them. `opened`: the reply began
+    inside reasoning its prompt opened."""
     if conv.template is None:  # the server read them
         if not gen.tool_calls:
-            return gen
+            return gen, reply
         calls = _numbered(conv.messages, gen.tool_calls)
-        reply.tool_calls = [c.to_message() for c in calls]
-        return replace(gen, tool_calls=calls)
+        return replace(gen, tool_calls=calls), replace(reply, tool_calls=[c.to_message() for c in calls])
     parsed = parse_reply(conv.template.source, reply.written, conv.reasoning, inside=opened)
     if not parsed.tool_calls:
-        return gen
+        return gen, reply
     calls = [replace(call, arguments=_as_schema(call.arguments, next((t for t in turn.tools if t.name == call.name),
                                                                       None)))
              for call in _numbered(conv.messages, parsed.tool_calls)]
-    reply.tool_calls = [c.to_message() for c in calls]
     # The text before the calls, where the template writes the calls itself; a template that
     # writes no calls (the generic format, LFM2's first, Granite 3.3) is given the answer as
     # written, a forced beginning included.
-    if not tool_format(conv.template).generic and "tool_calls" in conv.template.source:
-        reply.content = parsed.content
-    else:
-        reply.content = parsed.answer
-    return replace(gen, tool_calls=calls, answer=parsed.content)
+    writes_calls = not tool_format(conv.template).generic and "tool_calls" in conv.template.source
+    return (replace(gen, tool_calls=calls, answer=parsed.content),
+            replace(reply, content=parsed.content if writes_calls else parsed.answer,
+                    tool_calls=[c.to_message() for c in calls]))
 
 
 def calls_made(messages: Sequence[Message]) -> int:
