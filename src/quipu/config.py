@@ -27,7 +27,7 @@ class ConfigError(UsageError):
     """The config file cannot be read or holds a bad value."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     path: Path | None = None
     model: str | None = None
@@ -74,26 +74,27 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
     except ValueError as exc:  # (a number of thousands of digits: Python's limit on reading one)
         raise ConfigError(f"{path}: a number in it is too long to read ({str(exc).split(';')[0]})") from exc
 
-    config = Config(path=path, text=text)
-    fail = config.error
+    fail = Config(path=path, text=text).error  # (an error names the file and the line)
+    found: dict[str, Any] = {}
     for key, value in doc.items():
         if key in ("model", "system"):
             if not isinstance(value, str):
                 raise fail(key, f"'{key}' must be a string")
-            setattr(config, key, value)
+            found[key] = value
         elif key == "roles":
             if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
                 raise fail(key, "[roles] holds one table a role: [roles.NAME] with system, model, prompt and options")
-            config.roles.update(value)  # (each checked where roles are read: app/roles.py)
+            found["roles"] = dict(value)  # (each checked where roles are read: app/roles.py)
         elif key == "mcp":
             if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
                 raise fail(key, "[mcp] holds one table a server: [mcp.NAME] with command, args and env")
-            for name, server in value.items():
-                config.mcp[name] = check_mcp_server(server, functools.partial(fail, name, table="mcp"), f"[mcp.{name}]")
+            found["mcp"] = {name: check_mcp_server(server, functools.partial(fail, name, table="mcp"), f"[mcp.{name}]")
+                            for name, server in value.items()}
         elif key in tables:
             allowed = tables[key]
             if not isinstance(value, dict):
                 raise fail(key, f"[{key}] must be a table")
+            read: dict[str, Any] = found.setdefault(key, {})
             for sub, subvalue in value.items():
                 if sub not in allowed:
                     raise fail(sub, f"unknown key '{sub}' in [{key}] (known: {', '.join(sorted(allowed))})", key)
@@ -117,13 +118,12 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
                     kind is int and not isinstance(subvalue, int)
                 ):
                     raise fail(sub, f"[{key}] {sub} must be {'an integer' if kind is int else 'a number'}", key)
-                getattr(config, key)[sub] = kind(subvalue)
+                read[sub] = kind(subvalue)
         else:
             raise fail(key, f"unknown key '{key}' (known: model, system, [{'], ['.join(tables)}], [mcp.NAME], [roles.NAME])")
-    if _readable_by_others(path) and _holds_secret(doc):
-        config.warnings.append(f"the config file {path} holds a token or key and other accounts can read it; "
-                               f"`chmod 600 {path}` keeps it to you")
-    return config
+    warnings = [f"the config file {path} holds a token or key and other accounts can read it; `chmod 600 {path}` "
+                "keeps it to you"] if _readable_by_others(path) and _holds_secret(doc) else []
+    return Config(path=path, text=text, warnings=warnings, **found)
 
 
 SECRET_NAME = re.compile(r"(?i)token|secret|password|passwd|api_?key|credential|auth")
