@@ -57,6 +57,18 @@ def test_questions_about_one_piped_document_share_it(quipu, tiny_model):
     assert [a["text"] for a in answers[1:]] == [f["text"] for f in fresh]
 
 
+def test_a_messages_file_that_ends_in_a_reply_is_continued_from_the_cache(quipu, tiny_model, tmp_path):
+    # The lookup reads what the continued reply reads: the conversation, then the reply so far.
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps([{"role": "user", "content": DOC}, {"role": "assistant", "content": "the sky is"}]))
+    first, _ = run(quipu, tiny_model, "--messages", path)
+    second, _ = run(quipu, tiny_model, "--messages", path)
+    fresh, _ = run(quipu, tiny_model, "--messages", path, "--no-cache")
+    assert first["usage"]["cached_tokens"] == 0
+    assert second["usage"]["cached_tokens"] > second["usage"]["prompt_tokens"] // 2
+    assert second["text"] == fresh["text"]
+
+
 def test_no_cache_neither_reads_nor_writes(quipu, tiny_model, home):
     run(quipu, tiny_model, "-s", SYSTEM, "--no-cache", "hello")
     assert entries(home) == []
