@@ -162,7 +162,8 @@ class _Reader:
             offset = self.pos
             if item_type in _SCALARS:
                 width = struct.calcsize(_SCALARS[item_type])
-                info = ArrayInfo(item_type, count, offset, [self.scalar(_SCALARS[item_type]) for _ in range(min(count, 16))])
+                head = [self.scalar(_SCALARS[item_type]) for _ in range(min(count, 16))]
+                info = ArrayInfo(item_type, count, offset, head)
                 self.pos = offset + count * width
                 if self.pos > self.size:
                     raise GGUFError("an array runs past the end of the file")

@@ -92,7 +92,8 @@ class LocalHost:
             session.close()
             raise
         keeper = self._keeper(model_name, model_path, model_fingerprint(model_path, env), opts, env, projector)
-        return Opened(session, keeper, placement_notices(session.backend, ctx_given=opts.ctx is not None, verbose=opts.verbose), media_marks=marks)
+        said = placement_notices(session.backend, ctx_given=opts.ctx is not None, verbose=opts.verbose)
+        return Opened(session, keeper, said, media_marks=marks)
 
     @staticmethod
     def _keeper(model_name: str, model_path: Path, model_fp: str, opts: TurnOptions, env: Environment,

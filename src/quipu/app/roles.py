@@ -122,7 +122,8 @@ def role(env: Environment, name: str) -> Role:
     return found
 
 
-def with_role(opts: TurnOptions, name: str, env: Environment, mode: "Mode | None" = None) -> tuple[TurnOptions, Role]:
+def with_role(opts: TurnOptions, name: str, env: Environment,
+              mode: "Mode | None" = None) -> tuple[TurnOptions, Role]:
     """The options with the values of the role `name` (`--role`) where the command line gave
     none; an option of the role that the command's mode (the options' own by default) refuses is
     said in one line."""
@@ -133,8 +134,8 @@ def with_role(opts: TurnOptions, name: str, env: Environment, mode: "Mode | None
     given = {k: v for k, v in found.values.items() if k != "prompt" and getattr(opts, k) == unset[k]}
     merged = dataclasses.replace(opts, **given)
     try:
-        check_options(asked_of(TurnOptions(**{k: v for k, v in found.values.items() if k not in ("prompt", "model")}).given),
-                      mode or mode_of(merged.given))
+        own = TurnOptions(**{k: v for k, v in found.values.items() if k not in ("prompt", "model")})
+        check_options(asked_of(own.given), mode or mode_of(merged.given))
     except UsageError as exc:
         raise UsageError(f"role '{found.name}' ({found.source}): {exc}") from None
     return merged, found

@@ -143,8 +143,8 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
         if theirs:
             return LoopResult.stopped_at(gen, made, calls)
         if rounds >= chain_limit:
-            return LoopResult.stopped_at(gen, made, calls, f"the model asked for more tools after {chain_limit} rounds "
-                                            "(--chain-limit); stopped there")
+            return LoopResult.stopped_at(gen, made, calls, f"the model asked for more tools after {chain_limit} "
+                                                           "rounds (--chain-limit); stopped there")
         # A call asked for again, round after round, with the same arguments: the loop stops
         # before the round runs (calls repeated within one reply count once).
         keys = {json.dumps([c.name, c.arguments], sort_keys=True, default=str): c.name for c in calls}
@@ -152,15 +152,16 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
             seen[key] = seen.get(key, 0) + 1
         looping = [name for key, name in keys.items() if seen[key] >= REPEATS]
         if looping:
-            return LoopResult.stopped_at(gen, made, calls, f"the model called {looping[0]} with the same arguments {REPEATS} "
-                                            "times; the loop stopped")
+            return LoopResult.stopped_at(gen, made, calls, f"the model called {looping[0]} with the same arguments "
+                                                           f"{REPEATS} times; the loop stopped")
         # Every call of the round is approved (or not) before any runs: a loop stopped at an
         # approval (Interrupted) has run nothing of its round, and resumes from its calls.
         try:
             approved = [call not in unknown and approve(call) for call in calls]
         except Interrupted:
-            return LoopResult.stopped_at(gen, made, calls, "stopped before the calls ran; the session goes on from them when it "
-                                            "is next run with its tools (-S NAME and --functions, --mcp)")
+            return LoopResult.stopped_at(gen, made, calls, "stopped before the calls ran; the session goes on from "
+                                                           "them when it is next run with its tools (-S NAME and "
+                                                           "--functions, --mcp)")
         answers: list[tuple[ToolCall, str]] = []
         records: list[CallRecord] = []
         for call, ok in zip(calls, approved, strict=True):
@@ -175,8 +176,9 @@ def tool_loop(conv: Conversation, box: Toolbox, gen: Generation, *, approve: App
                     record = run_call(box.tools[call.name], call, output_max, sink.stopped)
                 except Interrupted:
                     # (as at an approval: the round's results are not kept, its calls wait to run)
-                    return LoopResult.stopped_at(gen, made, calls, f"stopped during the call of {call.name}; the session goes on "
-                                                    "from the calls when it is next run with its tools")
+                    return LoopResult.stopped_at(gen, made, calls, f"stopped during the call of {call.name}; the "
+                                                                   "session goes on from the calls when it is next "
+                                                                   "run with its tools")
             records.append(record)
             if on_call is not None:
                 on_call(record)

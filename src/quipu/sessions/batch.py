@@ -163,8 +163,9 @@ class BatchSession:
                 if should_stop is not None and should_stop():
                     raise Interrupted("stopped")
                 wanting = self._step(active)
-                tokens = self.backend.sample_rows([(slot.chain, slot.matcher, draw_seed(slot.params.draw_base, slot.draws),
-                                                    index) for slot, index in wanting])
+                tokens = self.backend.sample_rows([(slot.chain, slot.matcher,
+                                                    draw_seed(slot.params.draw_base, slot.draws), index)
+                                                   for slot, index in wanting])
                 now = time.perf_counter()
                 for (slot, _), token in zip(wanting, tokens, strict=False):
                     self._took(slot, token, now, on_token, on_done)
