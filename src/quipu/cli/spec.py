@@ -264,7 +264,8 @@ def turn_options(given: dict[str, Any], env: Environment) -> TurnOptions:
     return TurnOptions(**fields, server=server_of(given.get("url"), given.get("model"), env))
 
 
-def turn_options_of_role(given: dict[str, Any], env: Environment, mode: Mode | None) -> tuple[TurnOptions, Role | None]:
+def turn_options_of_role(given: dict[str, Any], env: Environment,
+                         mode: Mode | None) -> tuple[TurnOptions, Role | None]:
     """`turn_options`, with the values of the role that --role names where the parameters give
     none (roles are read only then); `mode` is the command's, else the options' own."""
     opts = turn_options(given, env)

@@ -204,8 +204,13 @@ class BatchSession:
         row = rows[row_index]
         params = row.params.resolved()
         self.backend.seq_keep(slot.seq, self.shared)  # what the last row left, past the shared part
-        slot.start(row_index, row, params, self.backend.row_sampler(params), self.backend.row_matcher(params),
-                   self.shared, ReplyText(self.backend.token_bytes, b"", row.stop))
+        chain = self.backend.row_sampler(params)
+        try:
+            matcher = self.backend.row_matcher(params)
+        except BaseException:
+            chain.free()  # (the slot never held it)
+            raise
+        slot.start(row_index, row, params, chain, matcher, self.shared, ReplyText(self.backend.token_bytes, b"", row.stop))
 
     def _step(self, active: list[_Slot]) -> list[tuple[_Slot, int]]:
         """One decode: a token for every row generating, then prompt tokens while there is room.
