@@ -371,3 +371,154 @@ def write_tiny_mrope_projector(path: Path, *, n_embd_text: int = 128, n_embd: in
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _hybrid_writer(path: Path, architecture: str, *, n_embd: int, n_layer: int, n_head: int, n_ff: int,
+                   n_ctx_train: int, chat_template: str | None, extra_specials: Sequence[str]):
+    """A GGUF writer with a hybrid model's common keys and a byte-level BPE vocabulary (as Qwen's
+    and LFM2's), and the vocabulary's size."""
+    import gguf
+
+    tokens, types, merges = bpe_vocab(tool_specials=True, extra_specials=extra_specials)
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name(f"tiny-{architecture}")
+    writer.add_file_type(0)
+    writer.add_context_length(n_ctx_train)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(4)  # <|im_end|>
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    return writer, len(tokens)
+
+
+def _finish(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_tiny_qwen35(path: Path, *, n_embd: int = 128, n_layer: int = 4, n_head: int = 4, n_head_kv: int = 2,
+                      n_ff: int = 256, n_ctx_train: int = 4096, seed: int = 0, chat_template: str | None = None,
+                      d_state: int = 16, n_group: int = 2, n_v_heads: int = 4, d_conv: int = 4) -> Path:
+    """A tiny random model of Qwen 3.5's architecture (`qwen35`, as the vendored
+    `src/models/qwen35.cpp` reads it): three of every four layers Gated DeltaNet (a recurrent
+    state), every fourth gated attention with M-RoPE (IMROPE) and Q/K norms. The DeltaNet's decay
+    is slowed and the attention sharpened, so that the next token depends on the whole history
+    (two histories that differ early give different next tokens)."""
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+    key_dim, value_dim = d_state * n_group, d_state * n_v_heads
+
+    def w(*shape: int, scale: float = 0.5) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, dtype=np.float32)
+
+    writer, n_vocab = _hybrid_writer(path, "qwen35", n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_ff=n_ff,
+                                     n_ctx_train=n_ctx_train, chat_template=chat_template,
+                                     extra_specials=["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    quarter = head_dim // 2 // 4  # (M-RoPE's sections: time, height, width, the rest; their sum times two the rope dims)
+    writer.add_rope_dimension_sections([head_dim // 2 - 2 * quarter, quarter, quarter, 0])
+    writer.add_ssm_conv_kernel(d_conv)
+    writer.add_ssm_inner_size(value_dim)
+    writer.add_ssm_state_size(d_state)
+    writer.add_ssm_time_step_rank(n_v_heads)
+    writer.add_ssm_group_count(n_group)
+    writer.add_uint32("qwen35.full_attention_interval", 4)
+
+    writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
+    writer.add_tensor("output_norm.weight", ones(n_embd))
+    writer.add_tensor("output.weight", w(n_vocab, n_embd))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", ones(n_embd))
+        writer.add_tensor(p + "post_attention_norm.weight", ones(n_embd))
+        if (i + 1) % 4 == 0:  # gated attention: the query and its gate
+            writer.add_tensor(p + "attn_q.weight", w(2 * n_head * head_dim, n_embd, scale=1.5))
+            writer.add_tensor(p + "attn_k.weight", w(n_head_kv * head_dim, n_embd, scale=1.5))
+            writer.add_tensor(p + "attn_v.weight", w(n_head_kv * head_dim, n_embd))
+            writer.add_tensor(p + "attn_output.weight", w(n_embd, n_head * head_dim))
+            writer.add_tensor(p + "attn_q_norm.weight", ones(head_dim) * 3)
+            writer.add_tensor(p + "attn_k_norm.weight", ones(head_dim) * 3)
+        else:  # Gated DeltaNet
+            writer.add_tensor(p + "attn_qkv.weight", w(2 * key_dim + value_dim, n_embd))
+            writer.add_tensor(p + "attn_gate.weight", w(value_dim, n_embd))
+            writer.add_tensor(p + "ssm_conv1d.weight", w(2 * key_dim + value_dim, d_conv))
+            writer.add_tensor(p + "ssm_dt.bias", np.zeros(n_v_heads, dtype=np.float32))
+            writer.add_tensor(p + "ssm_a", -np.exp(rng.uniform(-5, -3, n_v_heads)).astype(np.float32))
+            writer.add_tensor(p + "ssm_beta.weight", w(n_v_heads, n_embd))
+            writer.add_tensor(p + "ssm_alpha.weight", w(n_v_heads, n_embd, scale=0.05))
+            writer.add_tensor(p + "ssm_norm.weight", ones(d_state))
+            writer.add_tensor(p + "ssm_out.weight", w(n_embd, value_dim))
+        writer.add_tensor(p + "ffn_gate.weight", w(n_ff, n_embd))
+        writer.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
+        writer.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
+    _finish(writer)
+    return Path(path)
+
+
+def write_tiny_lfm2(path: Path, *, n_embd: int = 128, n_layer: int = 4, n_head: int = 4, n_head_kv: int = 2,
+                    n_ff: int = 256, n_ctx_train: int = 4096, seed: int = 0, chat_template: str | None = None,
+                    l_cache: int = 3) -> Path:
+    """A tiny random model of LFM2's architecture (`lfm2`, as the vendored `src/models/lfm2.cpp`
+    reads it): short gated convolutions (a recurrent state of their last inputs), every other
+    layer attention with Q/K norms; a layer whose `head_count_kv` is 0 is a convolution."""
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+
+    def w(*shape: int, scale: float = 0.5) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, dtype=np.float32)
+
+    writer, n_vocab = _hybrid_writer(path, "lfm2", n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_ff=n_ff,
+                                     n_ctx_train=n_ctx_train, chat_template=chat_template, extra_specials=())
+    attention = [i % 2 == 1 for i in range(n_layer)]
+    writer.add_head_count_kv([n_head_kv if a else 0 for a in attention])
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_uint32("lfm2.shortconv.l_cache", l_cache)
+
+    writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
+    writer.add_tensor("token_embd_norm.weight", ones(n_embd))
+    writer.add_tensor("output.weight", w(n_vocab, n_embd))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", ones(n_embd))
+        writer.add_tensor(p + "ffn_norm.weight", ones(n_embd))
+        if attention[i]:
+            writer.add_tensor(p + "attn_q.weight", w(n_embd, n_embd, scale=1.5))
+            writer.add_tensor(p + "attn_k.weight", w(n_head_kv * head_dim, n_embd, scale=1.5))
+            writer.add_tensor(p + "attn_v.weight", w(n_head_kv * head_dim, n_embd, scale=3.0))
+            writer.add_tensor(p + "attn_output.weight", w(n_embd, n_embd))
+            writer.add_tensor(p + "attn_q_norm.weight", ones(head_dim) * 3)
+            writer.add_tensor(p + "attn_k_norm.weight", ones(head_dim) * 3)
+        else:
+            writer.add_tensor(p + "shortconv.conv.weight", w(n_embd, l_cache))
+            writer.add_tensor(p + "shortconv.in_proj.weight", w(3 * n_embd, n_embd, scale=0.2))
+            writer.add_tensor(p + "shortconv.out_proj.weight", w(n_embd, n_embd))
+        writer.add_tensor(p + "ffn_gate.weight", w(n_ff, n_embd))
+        writer.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
+        writer.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
+    _finish(writer)
+    return Path(path)

@@ -186,8 +186,11 @@ class Backend(Protocol):
         """The token history a restored context holds, so that its media's positions are known
         (on an M-RoPE model a medium takes fewer positions than cells)."""
 
-    def prefill(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None) -> None:
-        """Decodes `tokens` at positions start.., in batches; logits are kept for the last one."""
+    def prefill(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None,
+                marks: Sequence[int] = ()) -> None:
+        """Decodes `tokens` at positions start.., in batches; logits are kept for the last one.
+        `marks`: counts of the history's tokens where a later prompt may part from this one, at
+        which a memory that cannot go back a token (`recurrent`) keeps a checkpoint."""
 
     def step_start(self, n: int) -> int:
         """The last position at or before `n` at which `prefill` starts a batch whatever
@@ -195,7 +198,18 @@ class Backend(Protocol):
 
     def decode_one(self, token: int, pos: int) -> None: ...
     def truncate(self, n_keep: int) -> None:
-        """Forgets every position from `n_keep` on."""
+        """Forgets every position from `n_keep` on. A memory that cannot go back so far goes back
+        to its nearest checkpoint before, or to nothing: `positions()` then says where it is, and
+        `last_rewind` says so in words."""
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the memory holds a state that cannot go back a token (a hybrid or recurrent
+        model's): its rewinds return to checkpoints, taken where a prefill's marks say."""
+
+    @property
+    def last_rewind(self) -> str | None:
+        """How the last `truncate` went back, where it could not go back exactly (None: it did)."""
 
     def positions(self) -> int:
         """How many positions the context holds."""

@@ -2,7 +2,7 @@
 on a loaded model (`llama_context.py`, `model.py`) and the parts built on it, each owning its
 state: sampling (`sampler.py`), state bytes (`llama_state.py`), the rows of a batch
 (`llama_rows.py`), embeddings (`embeddings.py`) and media (`media.py`); the decoding of a
-history, its rewinds and the ring's checkpoints are its own."""
+history, its rewinds and the checkpoints of a ring or a recurrent state (`checkpoints.py`) are its own."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from quipu.engine.settings import (
     Placement,
     off_device,
 )
+from quipu.engine.checkpoints import Checkpoint, Checkpoints, pack, unpack
 from quipu.engine.embeddings import Embeddings
 from quipu.engine.llama_context import NativeContext, context_params
 from quipu.engine.media import Media, Positions, is_media, runs
@@ -37,9 +38,14 @@ from quipu.engine.logs import LOG
 from quipu.engine.model import LlamaModel, check_gguf
 from quipu.engine.devices import no_gpu_reason, supports_offload
 from quipu.engine.placement import plan
-from quipu.errors import EngineError, InvalidParameter, UsageError
+from quipu.errors import EngineError, InvalidParameter, SnapshotError, UsageError
 
 CHECKPOINTS = 4  # the ring's checkpoints a context keeps (a few prompts back; llama-server keeps 8 by default)
+# A recurrent state's: three or four a turn (where its prompt began, where a piped text ends, where
+# its reply's generation prompt begins, where the reply begins), so the last two or three turns
+# (llama-server keeps up to 32 a slot).
+RECURRENT_CHECKPOINTS = 8
+_PARTIAL = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
 
 def place(path: Path, offload: Offload, context: ContextSettings, *, detail: bool = False) -> Placement:
@@ -112,8 +118,13 @@ class LlamaBackend:
         self.embeddings = Embeddings(model, native.settings.n_threads, self.name)
         self.media = Media(native, self._positions)
         self._stack.callback(self.media.close)
-        # The ring's cells where a prompt began to be read: (the tokens before, their positions, its state).
-        self._checkpoints: list[tuple[int, int, memoryview]] = []
+        # A memory that cannot go back a token (a hybrid or recurrent model's state): its
+        # checkpoints are taken where a caller marks a prompt (`prefill`), and go with its snapshots.
+        self.recurrent = bool(lc.llama_model_is_recurrent(model.ptr) or lc.llama_model_is_hybrid(model.ptr))
+        # The ring's cells, or the recurrent state, where a prompt began to be read (and, for a
+        # recurrent state, where the caller marked it).
+        self._checkpoints = Checkpoints(RECURRENT_CHECKPOINTS if self.recurrent else CHECKPOINTS)
+        self.last_rewind: str | None = None  # how the last rewind went back, where it could not go back exactly
 
     # ---- vocabulary: the model's ----------------------------------------------------------
 
@@ -203,11 +214,27 @@ class LlamaBackend:
 
     # ---- state bytes: the state part's ----------------------------------------------------
 
-    def snapshot_bytes(self) -> memoryview:
-        return self.state.snapshot_bytes()
+    def snapshot_bytes(self) -> bytes | memoryview:
+        """The context's state; a recurrent state's with its checkpoints (`checkpoints.pack`)."""
+        state = self.state.snapshot_bytes()
+        return pack(list(self._checkpoints), state) if self.recurrent else state
 
     def restore_bytes(self, data: bytes | memoryview) -> None:
-        self.state.restore_bytes(data)
+        try:
+            held, state = unpack(data)
+        except SnapshotError as exc:
+            raise EngineError(f"the saved context state is damaged: {exc}") from None
+        self._checkpoints.clear()
+        self._positions.clear()
+        self.state.restore_bytes(state)
+        if self.recurrent:
+            last = lc.llama_memory_seq_pos_max(self.native.mem, 0)
+            self._checkpoints.replace([c for c in held if c.at <= last + 1])
+
+    @property
+    def checkpoints(self) -> list[Checkpoint]:
+        """The checkpoints the context keeps (a ring's or a recurrent state's), oldest first."""
+        return list(self._checkpoints)
 
     def partial_state(self, since: int | None = None) -> str | None:
         return self.state.partial_state(since)
@@ -235,30 +262,38 @@ class LlamaBackend:
 
     # ---- decoding -----------------------------------------------------------------------
 
-    def prefill(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None) -> None:
+    def prefill(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None,
+                marks: Sequence[int] = ()) -> None:
         """Decodes `tokens` at positions `start`, ... in steps that end where a multiple of
-        n_batch does (see `step_start`); a medium's placeholders as its projector's embeddings."""
-        if self.ring and start > 0 and tokens:
-            self._checkpoint(start)  # (a prompt begins: where a rewind past the ring comes back to)
+        n_batch does (see `step_start`); a medium's placeholders as its projector's embeddings.
+        A recurrent state is kept where the prompt begins and at each of `marks` (counts of the
+        history's tokens: where a later prompt may part from this one), a step ending there."""
+        if (self.ring or self.recurrent) and start > 0 and tokens:
+            self._checkpoint(start)  # (a prompt begins: where a rewind comes back to)
+        cuts = sorted({m for m in marks if start < m <= start + len(tokens)}) if self.recurrent else []
         if any(is_media(t) for t in tokens):
             total = len(tokens)
             for begin, end, media in runs(tokens):
                 if media:
                     self.media.decode_media(tokens[begin:end], start + begin, end == total)
+                    if start + end in cuts:
+                        self._checkpoint(start + end)
                 else:
-                    self._prefill_text(tokens[begin:end], start + begin)
+                    self._prefill_text(tokens[begin:end], start + begin, cuts=cuts)
                 if on_progress is not None:
                     on_progress(end, total)
             return
-        self._prefill_text(tokens, start, on_progress)
+        self._prefill_text(tokens, start, on_progress, cuts)
 
-    def _prefill_text(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None) -> None:
+    def _prefill_text(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None,
+                      cuts: Sequence[int] = ()) -> None:
         total = len(tokens)
         n_batch = self.context.n_batch
         native = self.native
         offset = 0
         while offset < total:
             n = min(total - offset, n_batch - (start + offset) % n_batch)
+            n = min([n] + [c - start - offset for c in cuts if start + offset < c < start + offset + n])
             chunk = tokens[offset : offset + n]
             last_chunk = offset + n == total
             first = self._positions.position(start + offset)  # (a text's positions run on from its first)
@@ -266,6 +301,8 @@ class LlamaBackend:
                 native.fill(i, tok, first + i, 0, last_chunk and i == n - 1)
             native.decode(n)
             offset += n
+            if start + offset in cuts:
+                self._checkpoint(start + offset)
             if on_progress is not None:
                 on_progress(offset, total)
 
@@ -273,8 +310,9 @@ class LlamaBackend:
         """The last position at or before `n` where a prefill step starts. llama.cpp's attention
         computes a token by another road in a step of a few tokens than in a step of many (flash
         attention's tiled kernel), so the last bits of what it keeps differ; a context restored
-        to such a position and read on computes what one read from the start computes."""
-        return n - n % self.context.n_batch
+        to such a position and read on computes what one read from the start computes. A
+        recurrent state goes back to its checkpoints, where a step ends (`prefill`'s marks): `n`."""
+        return n if self.recurrent else n - n % self.context.n_batch
 
     def decode_one(self, token: int, pos: int) -> None:
         if is_media(token):
@@ -284,42 +322,73 @@ class LlamaBackend:
         self.native.decode(1)
 
     def _checkpoint(self, n: int) -> None:
-        """Keeps the ring's cells as they are before the `n`th token is read (a prompt's start),
-        for a rewind to there or later that the ring no longer holds the window of; the last
-        CHECKPOINTS of them."""
-        at = self._positions.position(n)
-        kept = [c for c in self._checkpoints if c[1] < at]
-        # (the window's cells alone, which are all a ring laid out for `at` needs of them)
-        window = self.native.seq_state(0, lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-        self._checkpoints = (kept + [(n, at, window)])[-CHECKPOINTS:]
+        """Keeps the ring's cells, or the recurrent state, as they are before the `n`th token is
+        read, for a rewind to there or later that the ring no longer holds the window of, or that
+        a recurrent state cannot make; the last few of them (`Checkpoints`)."""
+        if self._checkpoints.has(n):
+            return
+        # (the window's cells alone, which are all a ring laid out for `at` needs of them; the
+        # recurrent state alone)
+        self._checkpoints.add(Checkpoint(n, self._positions.position(n), self.native.seq_state(0, _PARTIAL)))
 
     def truncate(self, n_keep: int) -> None:
         """Keeps the first `n_keep` positions. A sliding-window cache that no longer holds the
         window those positions end with (llama_memory_seq_pos_min past it) goes back to the last
         checkpoint before them (a ring's: `positions()` then says fewer, and the rest is read
         again), or is emptied: `positions()` then says 0, and the tokens are read again."""
+        self.last_rewind = None
         if n_keep <= 0:
             self._empty()
             return
         mem = self.native.mem
         keep = self._positions.position(n_keep)
         self._positions.forget(n_keep)
+        if self.recurrent:
+            self._rewind_recurrent(n_keep, keep)
+            return
         if not lc.llama_memory_seq_rm(mem, 0, keep, -1):
             raise EngineError("llama.cpp could not trim the context")
         if self.ring:
-            self._checkpoints = [c for c in self._checkpoints if c[1] <= keep]
+            self._checkpoints.keep_to(keep)
             if self.state.settle_ring(keep):
                 return
-            for n, at, cells in reversed(self._checkpoints):
-                lc.llama_memory_seq_rm(mem, 0, at, -1)
-                if self.state.settle_ring(at, cells):
-                    self._positions.forget(n)
+            for c in self._checkpoints.latest(n_keep):
+                lc.llama_memory_seq_rm(mem, 0, c.at, -1)
+                if self.state.settle_ring(c.at, c.state):
+                    self._positions.forget(c.n)
+                    self._checkpoints.keep_to(c.at)
+                    self.last_rewind = f"went back to the checkpoint at token {c.n} (not {n_keep}) and reads on from there"
                     return
             self._empty()
+            self.last_rewind = f"no checkpoint at or before token {n_keep}: the context is read again"
             return
         n_swa = self.model.n_swa
         if n_swa > 0 and lc.llama_memory_seq_pos_min(mem, 0) > max(0, keep - n_swa):
             self._empty()
+
+    def _rewind_recurrent(self, n_keep: int, keep: int) -> None:
+        """Goes back to the first `n_keep` tokens (`keep` positions) on a memory whose recurrent
+        state cannot drop a token: where the state ends before them, only attention cells go;
+        else the nearest checkpoint at or before them is set back first, and the context holds
+        what it held there (`positions()` says how much: the rest is read again); with none,
+        nothing."""
+        mem = self.native.mem
+        if lc.llama_memory_seq_rm(mem, 0, keep, -1):  # (the state ends before `keep`: nothing of it to undo)
+            self._checkpoints.keep_to(keep)
+            return
+        for c in self._checkpoints.latest(n_keep):
+            try:
+                self.native.set_seq_state(c.state, 0, "a checkpoint of the recurrent state", _PARTIAL)
+            except EngineError:
+                break  # (the context was emptied)
+            if lc.llama_memory_seq_rm(mem, 0, c.at, -1):
+                self._positions.forget(c.n)
+                self._checkpoints.keep_to(c.at)
+                if c.n < n_keep:
+                    self.last_rewind = f"went back to the checkpoint at token {c.n} (not {n_keep}) and reads on from there"
+                return
+        self._empty()
+        self.last_rewind = f"no checkpoint at or before token {n_keep}: the context is read again"
 
     def _empty(self) -> None:
         """Nothing held: the cells, the media's places, the ring's checkpoints."""

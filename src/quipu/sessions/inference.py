@@ -164,8 +164,9 @@ class InferenceSession(HeldTokens):
                              prefill_s=0.0, decode_s=0.0, ttft_s=0.0)
         self._turn_started = time.perf_counter()
 
-    def set_context(self, tokens: Sequence[int], sink: ReplySink = SILENT) -> int:
-        """Makes the context hold exactly `tokens`, reusing the longest common prefix. Returns it."""
+    def set_context(self, tokens: Sequence[int], sink: ReplySink = SILENT, marks: Sequence[int] = ()) -> int:
+        """Makes the context hold exactly `tokens`, reusing the longest common prefix. Returns it.
+        `marks`: where a later prompt may part from this one (see `Backend.prefill`)."""
         tokens = list(tokens)
         self._check_room(len(tokens))
         keep = common_prefix(tokens, self.tokens)
@@ -173,17 +174,17 @@ class InferenceSession(HeldTokens):
         # Re-read tokens were computed (their time is the restore's), not reused from a cache.
         self.stats = replace(self.stats, cached_tokens=max(0, min(keep, self.n_decoded) - self._rebuilt_pending))
         self._rebuilt_pending = 0
-        self.feed_prompt(tokens[keep:], sink)
+        self.feed_prompt(tokens[keep:], sink, marks)
         return keep
 
-    def feed_prompt(self, tokens: Sequence[int], sink: ReplySink = SILENT) -> None:
+    def feed_prompt(self, tokens: Sequence[int], sink: ReplySink = SILENT, marks: Sequence[int] = ()) -> None:
         """Appends `tokens` to the context and decodes them (with whatever was pending)."""
         self._check_room(len(self.tokens) + len(tokens))
         self.tokens.extend(tokens)
         self.backend.sampling.accept(tokens)
         self.stats = replace(self.stats, prompt_tokens=len(self.tokens))
         started, before = time.perf_counter(), self.n_decoded
-        self._decode_pending(sink.reading)
+        self._decode_pending(sink.reading, marks)
         self.stats = replace(self.stats, prefill_s=self.stats.prefill_s + time.perf_counter() - started,
                              prefill_tokens=self.stats.prefill_tokens + self.n_decoded - before)
 
@@ -199,7 +200,7 @@ class InferenceSession(HeldTokens):
         if n >= self.n_ctx:
             raise ContextOverflow(n, self.n_ctx)
 
-    def _decode_pending(self, on_progress: ProgressFn | None = None) -> None:
+    def _decode_pending(self, on_progress: ProgressFn | None = None, marks: Sequence[int] = ()) -> None:
         pending = self.tokens[self.n_decoded :]
         if not pending:
             return
@@ -215,7 +216,7 @@ class InferenceSession(HeldTokens):
                     raise Interrupted("stopped while reading the prompt")
 
             try:
-                self.backend.prefill(pending, start, progress)
+                self.backend.prefill(pending, start, progress, marks)
             except Interrupted:
                 del self.tokens[self.n_decoded :]
                 self._logits_at = -1
@@ -398,6 +399,26 @@ class InferenceSession(HeldTokens):
         self._turn_started = 0.0
         return Generation(reply.text, reply.tokens, finish, call_shown=shown_before_call)
 
+    def _marks(self, prompt: TurnPrompt, tokens: Sequence[int]) -> list[int]:
+        """Where a later prompt may part from this one, for a memory that keeps checkpoints there:
+        where the reply begins (a retry, a template that leaves a reply's reasoning out of the next
+        prompt), before its generation prompt (a template that writes a past reply's header
+        otherwise), and where a last message's last paragraph begins (piped text ends: `quipu
+        run` puts a blank line between it and the question)."""
+        if prompt.render is None:
+            return [len(tokens)]
+        messages = list(prompt.messages)
+        variants = [messages]
+        last = messages[-1] if messages else None
+        if last is not None and last.role == "user" and "\n\n" in last.content.strip():
+            head = last.content.strip()
+            variants.append(messages[:-1] + [replace(last, content=head[:head.rindex("\n\n")])])
+        marks = []
+        for variant in variants:
+            made = self.context_for(prompt.render(variant, False, ""))
+            marks.append(common_prefix(made, tokens))
+        return [m for m in marks if 0 < m < len(tokens)] + [len(tokens)]
+
     def reply_spelled(self) -> str:
         """The reply just generated, control tokens spelled out (its end-of-generation token not)."""
         tokens = self.tokens[self.reply_start:]
@@ -432,7 +453,7 @@ class InferenceSession(HeldTokens):
         # Where the reply begins: a grammar constrains the reply alone, from its first token.
         start = len(self.context_for(prompt.rendered(with_tail=False))) if prompt.tail else len(tokens)
         self.begin_turn()
-        self.set_context(tokens, sink)
+        self.set_context(tokens, sink, self._marks(prompt, tokens) if self.backend.recurrent else ())
         began = prompt.thinking(prompt.rendered(with_tail=False).text) if prompt.tail else None
         gen = self.infer(max_tokens, stop, sink, prompt.thinking(prompt.text), prompt.offer, began, at=start)
         return replace(gen, spelled=self.reply_spelled())
