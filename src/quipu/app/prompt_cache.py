@@ -99,8 +99,7 @@ def cache_lookup(session: InferenceSession, tokens: list[int], model_fp: str, ca
     keep = whole_media(tokens, session.backend.step_start(min(hit.reuse, len(tokens) - 1))) if hit is not None else 0
     if hit is not None and keep > 0:
         try:
-            session.restore_prefix(hit.state, local(hit.tokens, digests), keep)
-            reused = keep
+            reused = session.restore_prefix(hit.state, local(hit.tokens, digests), keep)
         except EngineError as exc:
             cache.drop(hit.path, str(exc))
     return CacheUse(cache, key, tokens, reused, hit.reuse if hit is not None else 0)
@@ -126,7 +125,7 @@ def cache_save(session: InferenceSession, use: CacheUse) -> None:
     if tokens[:len(prompt)] != prompt:  # (the context went back inside the prompt: a tool loop's turns)
         return
     try:
-        use.cache.save(use.key, tokens, session.backend.snapshot_bytes())
+        use.cache.save(use.key, tokens, session.backend.snapshot_bytes(), session.backend.restore_points())
     except (EngineError, OSError):
         pass  # a cache never fails a run
 
@@ -152,7 +151,9 @@ class SessionCache:
         if use is None:
             return []
         cache_save(session, use)
-        return use.cache.notes if self.verbose else []  # a damaged entry is dropped quietly, said when asked
+        if not self.verbose:
+            return []  # a damaged entry is dropped quietly, said when asked
+        return use.cache.notes + ([f"prompt cache: the context {session.went_back}"] if session.went_back else [])
 
     def cached(self, session: InferenceSession, tokens: list[int]) -> int:
         """How many of `tokens` the prompt cache would restore (`--show-prompt`)."""

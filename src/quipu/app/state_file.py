@@ -61,6 +61,8 @@ class StateFile:
         chat), the state's bytes are taken now, the transcript written, and the state written
         while the user types: a crash before it is on disk costs re-reading that turn."""
         notices = self.wait()
+        if self.verbose and session.went_back:
+            notices.append(f"session '{name}': the context {session.went_back}")
         key = state_key(session)
         if key == self._saved and store.has_state(name):
             store.save(name, record, KEEP_STATE)

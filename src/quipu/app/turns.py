@@ -21,7 +21,7 @@ from quipu.app.tools import (ToolHooks, OpenTools, answer_pending, follow_calls,
                               open_tools)
 from quipu.engine.base import MEDIA_MARK, defuse
 from quipu.errors import BadInput, ContextOverflow, UsageError
-from quipu.sessions.base import (LOCAL, SILENT, Capabilities, Generation, ModelSession, Stats, common_prefix,
+from quipu.sessions.base import (LOCAL, SILENT, Capabilities, Generation, ModelSession, Stats,
                                  TokenSession, token_session)
 from quipu.sessions.base import ReplySink as ReplySink  # (the CLI's sinks are made of it)
 from quipu.sessions.conversation import Conversation, Message, TurnSettings
@@ -434,6 +434,6 @@ def _show_session_prompt(prompt: str | None, opts: TurnOptions, env: Environment
             else:
                 tokens = conv.tokens_with(prompt or "")
             held = conv.tokens_side
-            return PromptView.of(held, tokens, common_prefix(tokens, held.tokens), named.model_name, name)
+            return PromptView.of(held, tokens, held.reused(tokens), named.model_name, name)
         finally:
             named.close()

@@ -202,6 +202,12 @@ class Backend(Protocol):
         to its nearest checkpoint before, or to nothing: `positions()` then says where it is, and
         `last_rewind` says so in words."""
 
+    def rewinds_to(self, n_keep: int) -> int:
+        """How many positions `truncate(n_keep)` would keep."""
+
+    def restore_points(self) -> list[int] | None:
+        """Where a restore of this context's snapshot can be cut back to (None: anywhere)."""
+
     @property
     def recurrent(self) -> bool:
         """Whether the memory holds a state that cannot go back a token (a hybrid or recurrent

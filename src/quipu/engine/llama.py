@@ -231,6 +231,18 @@ class LlamaBackend:
             last = lc.llama_memory_seq_pos_max(self.native.mem, 0)
             self._checkpoints.replace([c for c in held if c.at <= last + 1])
 
+    def rewinds_to(self, n_keep: int) -> int:
+        """How many of the history's tokens `truncate(n_keep)` would keep: a recurrent state goes
+        back to its nearest checkpoint (or to nothing)."""
+        if not self.recurrent or n_keep >= self.positions():
+            return min(n_keep, self.positions())
+        return max([c.n for c in self._checkpoints.latest(n_keep)] + [0])
+
+    def restore_points(self) -> list[int] | None:
+        """The counts of the history's tokens a restore of `snapshot_bytes` can be cut back to:
+        a recurrent state's checkpoints and its end; None: any."""
+        return [c.n for c in self._checkpoints] + [self.positions()] if self.recurrent else None
+
     @property
     def checkpoints(self) -> list[Checkpoint]:
         """The checkpoints the context keeps (a ring's or a recurrent state's), oldest first."""
@@ -357,10 +369,10 @@ class LlamaBackend:
                 if self.state.settle_ring(c.at, c.state):
                     self._positions.forget(c.n)
                     self._checkpoints.keep_to(c.at)
-                    self.last_rewind = f"went back to the checkpoint at token {c.n} (not {n_keep}) and reads on from there"
+                    self.last_rewind = f"went back to its checkpoint at token {c.n} (the prompt shares {n_keep}) and reads on from there"
                     return
             self._empty()
-            self.last_rewind = f"no checkpoint at or before token {n_keep}: the context is read again"
+            self.last_rewind = f"had no checkpoint at or before token {n_keep}: it is read again from the start"
             return
         n_swa = self.model.n_swa
         if n_swa > 0 and lc.llama_memory_seq_pos_min(mem, 0) > max(0, keep - n_swa):
@@ -385,10 +397,10 @@ class LlamaBackend:
                 self._positions.forget(c.n)
                 self._checkpoints.keep_to(c.at)
                 if c.n < n_keep:
-                    self.last_rewind = f"went back to the checkpoint at token {c.n} (not {n_keep}) and reads on from there"
+                    self.last_rewind = f"went back to its checkpoint at token {c.n} (the prompt shares {n_keep}) and reads on from there"
                 return
         self._empty()
-        self.last_rewind = f"no checkpoint at or before token {n_keep}: the context is read again"
+        self.last_rewind = f"had no checkpoint at or before token {n_keep}: it is read again from the start"
 
     def _empty(self) -> None:
         """Nothing held: the cells, the media's places, the ring's checkpoints."""

@@ -22,6 +22,9 @@ class BatchRows:
     def __init__(self, native: NativeContext):
         self._native = native
         self._masks: MaskBatch | None = None  # for the rows of a batch under grammars
+        # A recurrent state where the rows' shared beginning ends (its length, the state), which a
+        # sequence that answered a row goes back to for the next (it cannot drop a token).
+        self._shared: tuple[int, memoryview] | None = None
 
     def decode_batch(self, items: Sequence[tuple[int, int, int, bool]]) -> None:
         """Decodes (token, position, sequence, wants logits) items, at most n_batch, in one step;
@@ -32,13 +35,25 @@ class BatchRows:
         native.decode(len(items))
 
     def seq_keep(self, seq: int, n_keep: int) -> None:
-        """Forgets sequence `seq`'s positions from `n_keep` on."""
-        if not lc.llama_memory_seq_rm(self._native.mem, seq, n_keep, -1):
-            raise EngineError("llama.cpp could not trim a sequence")
+        """Forgets sequence `seq`'s positions from `n_keep` on (0, or the shared beginning's end:
+        a recurrent state goes back to that beginning's, kept when it was copied)."""
+        mem = self._native.mem
+        if lc.llama_memory_seq_rm(mem, seq, n_keep, -1):
+            return
+        if self._shared is not None and self._shared[0] == n_keep:
+            self._native.set_seq_state(self._shared[1], seq, "the shared beginning's recurrent state",
+                                       lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+            if lc.llama_memory_seq_rm(mem, seq, n_keep, -1):
+                return
+        raise EngineError("llama.cpp could not trim a sequence")
 
     def seq_copy(self, src: int, dst: int) -> None:
         """Sequence `dst` becomes a copy of `src` (which must be all it holds: a shared beginning)."""
-        lc.llama_memory_seq_cp(self._native.mem, src, dst, -1, -1)
+        mem, model = self._native.mem, self._native.model.ptr
+        if self._shared is None and (lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model)):
+            end = lc.llama_memory_seq_pos_max(mem, src) + 1
+            self._shared = (end, self._native.seq_state(src, lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
+        lc.llama_memory_seq_cp(mem, src, dst, -1, -1)
 
     def row_sampler(self, settings: SamplerSettings) -> SamplerChain:
         """A sampler chain of its own, for one sequence of a batch (free it when done)."""

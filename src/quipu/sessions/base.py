@@ -357,6 +357,10 @@ class TokenSession(ModelSession, Protocol):
     def raw_tokens(self, text: str) -> list[int]:
         """A plain completion's prompt, with the model's BOS."""
 
+    def reused(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` the context would keep rather than read (their common beginning,
+        as far back as the context can go)."""
+
     def spell(self, tokens: Sequence[int]) -> str:
         """Tokens as text, control tokens written out: what the model sees."""
 

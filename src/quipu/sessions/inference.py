@@ -86,6 +86,9 @@ class InferenceSession(HeldTokens):
         self.rebuilt_tokens = 0
         self._rebuilt_pending = 0
         self.reply_start = 0  # where the reply generated last began in `tokens` (set by `infer`)
+        # How this turn's context went back where it could not go back exactly (a recurrent state
+        # to a checkpoint, or read again); None: it did.
+        self.went_back: str | None = None
         self.logits_processors: list[LogitsProcessor] = []
         self.token_filter: TokenFilter | None = None
         backend.sampling.set_settings(self.params)
@@ -136,6 +139,7 @@ class InferenceSession(HeldTokens):
         self._low_water = min(self._low_water, n_keep)
         if self.n_decoded > n_keep:
             self.backend.truncate(n_keep)
+            self.went_back = self.backend.last_rewind or self.went_back
             # (a sliding-window cache that cannot go back so far keeps nothing: read again)
             self.n_decoded = min(n_keep, self.backend.positions())
             self._low_water = min(self._low_water, self.n_decoded)
@@ -162,6 +166,7 @@ class InferenceSession(HeldTokens):
         """Starts the clock and the counters of a new turn."""
         self.stats = replace(self.stats, prompt_tokens=0, cached_tokens=0, completion_tokens=0, prefill_tokens=0,
                              prefill_s=0.0, decode_s=0.0, ttft_s=0.0)
+        self.went_back = None
         self._turn_started = time.perf_counter()
 
     def set_context(self, tokens: Sequence[int], sink: ReplySink = SILENT, marks: Sequence[int] = ()) -> int:
@@ -273,10 +278,11 @@ class InferenceSession(HeldTokens):
         session.stats = replace(session.stats, restore_s=time.perf_counter() - started)
         return session
 
-    def restore_prefix(self, state: bytes | memoryview, held: Sequence[int], keep: int) -> None:
-        """Takes the state of a context that held `held` and keeps its first `keep` tokens (a
-        prompt cache hit); the next `set_context` reuses them. Raises EngineError when the bytes
-        do not fit, leaving the context empty."""
+    def restore_prefix(self, state: bytes | memoryview, held: Sequence[int], keep: int) -> int:
+        """Takes the state of a context that held `held` and keeps its first `keep` tokens, or as
+        many as it can go back to (a prompt cache hit); the next `set_context` reuses them.
+        Returns how many it kept. Raises EngineError when the bytes do not fit, leaving the
+        context empty."""
         started = time.perf_counter()
         self.rewind(0)
         self.backend.restore_bytes(state)
@@ -292,6 +298,13 @@ class InferenceSession(HeldTokens):
         self._logits_at = -1
         self._reset_sampler()
         self.stats = replace(self.stats, restore_s=self.stats.restore_s + time.perf_counter() - started)
+        return keep
+
+    def reused(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` the context would keep for them: their common beginning, as far
+        back as it can go (a recurrent state: to a checkpoint)."""
+        keep = common_prefix(tokens, self.tokens)
+        return keep if keep >= self.n_decoded else self.backend.rewinds_to(keep)
 
     def rebuild(self, tokens: Sequence[int], n_decoded: int, on_progress: ProgressFn | None = None) -> None:
         """Re-reads `tokens[:n_decoded]` into an empty context; the rest stay pending."""

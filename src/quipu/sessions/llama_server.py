@@ -106,6 +106,9 @@ class LlamaServerSession(HeldTokens):
     def control_spellings(self, texts: Sequence[str]) -> list[str]:
         return self.backend.control_spellings(texts)
 
+    def reused(self, tokens: Sequence[int]) -> int:
+        return common_prefix(tokens, self.tokens)
+
     def spell(self, tokens: Sequence[int]) -> str:
         return self.backend.detokenize(tokens)
 

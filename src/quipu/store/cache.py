@@ -73,6 +73,9 @@ class PromptCache:
                 self.drop(path, "its tokens are not token ids")
                 continue
             reuse = len(os.path.commonprefix([held, wanted]))  # (it takes any sequences, not only paths)
+            stops = meta.get("stops")
+            if isinstance(stops, list) and all(type(s) is int for s in stops):  # (where its state can go back to)
+                reuse = max([s for s in stops if s <= reuse] + [0])
             if reuse >= MIN_TOKENS and (best is None or reuse > best[0]):
                 best = (reuse, path, held)
         return best
@@ -103,13 +106,17 @@ class PromptCache:
             pass
         return CacheHit(held, reuse, blob.state, path)
 
-    def save(self, key: dict[str, Any], tokens: Sequence[int], state: bytes | memoryview) -> Path | None:
+    def save(self, key: dict[str, Any], tokens: Sequence[int], state: bytes | memoryview,
+             stops: Sequence[int] | None = None) -> Path | None:
         """Keeps the state of a context holding `tokens`; None when too short to be worth a file
-        or when the disk refuses (a cache must never fail a run)."""
+        or when the disk refuses (a cache must never fail a run). `stops`: the only counts of its
+        tokens the state can be cut back to (a recurrent state's checkpoints), None: any."""
         if len(tokens) < MIN_TOKENS:
             return None
         path = self.root / f"{self._digest(key, tokens)[:40]}{SUFFIX}"
-        meta = {"key": self._digest(key), "tokens": list(tokens), "n_tokens": len(tokens)}
+        meta: dict[str, Any] = {"key": self._digest(key), "tokens": list(tokens), "n_tokens": len(tokens)}
+        if stops is not None:
+            meta["stops"] = sorted(set(stops))
         try:
             private_dir(self.root, levels=2)  # (the prompts folder, and quipu's cache folder)
             atomic_write(path, state_chunks(meta, state))

@@ -1,0 +1,212 @@
+"""Hybrid models, whose memory holds a recurrent state that cannot go back a token: tiny random
+models of Qwen 3.5's architecture (`qwen35`: Gated DeltaNet layers and M-RoPE attention) and of
+LFM2's (short convolutions and attention), each with its family's own chat template. Every turn,
+cache hit and rewind works, goes back to a checkpoint of the recurrent state rather than read
+again, and goes on as the run that never stopped does."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tinymodel import write_tiny_lfm2, write_tiny_qwen35
+
+TEMPLATES = Path(__file__).parent / "templates"
+GREEDY = ["-t", "0", "--seed", "3"]
+# Long enough that a turn's own markup (a generation prompt of a dozen tokens on the tiny vocabulary)
+# is a small part of the prompt.
+TURNS = [
+    "Tell me of the sky and the world, and of Paris, and of the blue of the sky over the world. " * 4,
+    "And is the world blue, as the sky is blue over Paris? Say it again of the world and the sky. " * 3,
+    "Then hello to the world and to the sky, and to Paris under the blue sky of the world. " * 3,
+]
+DOC = " ".join(["The sky is blue and the world is hello; Paris is the sky of the world."] * 30)
+
+
+@pytest.fixture(scope="module", params=["qwen35", "lfm2"])
+def hybrid(request, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("hybrid")
+    if request.param == "qwen35":  # (its template leaves a past reply's reasoning out of the next prompt)
+        return write_tiny_qwen35(folder / "qwen35.gguf", chat_template=(TEMPLATES / "Qwen3.5-4B.jinja").read_text())
+    return write_tiny_lfm2(folder / "lfm2.gguf", chat_template=(TEMPLATES / "LFM2.5-Instruct.jinja").read_text())
+
+
+def _logits(backend) -> bytes:
+    from quipu.engine.native import lc
+
+    return ctypes.string_at(lc.llama_get_logits_ith(backend.native.ptr, -1), 4 * backend.n_vocab)
+
+
+def _session(backend):
+    from quipu.sessions.inference import InferenceSession
+    from quipu.sessions.params import SamplingParams
+
+    return InferenceSession(backend, SamplingParams(seed=4, temperature=1.0))
+
+
+def _json(result) -> dict:
+    assert result.returncode == 0, result.stderr.decode()[-1500:]
+    return json.loads(result.stdout)
+
+
+def _tokens(home: Path, name: str) -> list[int]:
+    return json.loads((home / "data" / "sessions" / f"{name}.json").read_text())["tokens"]
+
+
+def test_the_tiny_models_are_hybrid_and_their_next_token_depends_on_the_whole_history(make_backend, hybrid):
+    backend = make_backend(hybrid, n_ctx=1024)
+    assert backend.recurrent and backend.partial_state() == "a recurrent or hybrid model's memory"
+    tail = backend.tokenize(" and so the sky is blue over the world", add_special=False, parse_special=False)
+    nexts = set()
+    for head in ("hello Paris", "the world is blue", "a sky of the world", "Paris, hello"):
+        backend.truncate(0)
+        backend.prefill(backend.tokenize(head, add_special=False, parse_special=False) + tail, 0)
+        nexts.add(_logits(backend))
+    assert len(nexts) == 4  # (an equality below proves something: the whole history counts)
+
+
+def test_a_rewind_goes_back_to_a_checkpoint_and_on_as_a_fresh_read_bit_for_bit(make_backend, hybrid):
+    backend = make_backend(hybrid, n_ctx=1024)
+    first = backend.tokenize("hello, the sky is blue over the world and Paris", add_special=False, parse_special=False)
+    second = backend.tokenize(" and the world is hello", add_special=False, parse_special=False)
+    other = backend.tokenize(" so Paris is the sky", add_special=False, parse_special=False)
+    mark = len(first)
+
+    rewound = _session(backend)
+    rewound.set_context(first + second, marks=[mark])
+    for _ in range(6):
+        rewound.infer_next_token()
+    assert backend.rewinds_to(mark + 3) == mark  # (the recurrent state cannot stop anywhere else)
+    rewound.set_context(first + second[:3] + other)  # (parts from the history 3 tokens past the mark)
+    assert rewound.stats.cached_tokens == mark and "checkpoint at token" in rewound.went_back
+
+    fresh = _session(make_backend(hybrid, n_ctx=1024))
+    fresh.set_context(first)
+    fresh.set_context(first + second[:3] + other)
+    assert _logits(rewound.backend) == _logits(fresh.backend)
+    whole = _session(make_backend(hybrid, n_ctx=1024))
+    whole.set_context(first + second[:3] + other)  # (read in one step: the same bits here too)
+    assert _logits(whole.backend) == _logits(fresh.backend)
+    fresh.draws = rewound.draws  # (the same draws of the seed from here)
+    onwards = [rewound.infer_next_token() for _ in range(12)]
+    assert onwards == [fresh.infer_next_token() for _ in range(12)]
+
+    # No checkpoint at or before the point: the context is read again from the start, no error.
+    rewound.set_context(first[:4])
+    assert rewound.stats.cached_tokens == 0 and "read again" in rewound.went_back
+    assert rewound.backend.positions() == rewound.n_decoded == 4
+
+
+def test_a_snapshot_carries_its_checkpoints_and_a_restored_context_rewinds_as_the_one_that_made_it(
+        make_backend, hybrid):
+    from quipu.sessions.inference import InferenceSession
+
+    backend = make_backend(hybrid, n_ctx=1024)
+    prompt = backend.tokenize("hello, the sky is blue over the world and Paris", add_special=False,
+                              parse_special=False)
+    made = _session(backend)
+    made.set_context(prompt + prompt[:5], marks=[len(prompt), len(prompt) + 5])
+    for _ in range(4):
+        made.infer_next_token()
+    snap = made.snapshot()
+    restored = InferenceSession.from_snapshot(make_backend(hybrid, n_ctx=1024), snap)
+    assert [c.n for c in restored.backend.checkpoints] == [c.n for c in backend.checkpoints] == [len(prompt), len(prompt) + 5]
+    for session in (made, restored):
+        session.set_context(prompt + prompt[:2])
+        assert session.stats.cached_tokens == len(prompt)
+    assert _logits(made.backend) == _logits(restored.backend)
+
+
+def test_three_turns_of_a_session_each_restore_what_they_share_and_go_on_as_one_process(quipu, hybrid, home):
+    prompts = []
+    for i, text in enumerate(TURNS):
+        data = _json(quipu("run", "-m", hybrid, "-S", "split", "-n", "10", *GREEDY, "--json", "--verbose", text))
+        if i:  # (what the last prompt shares with this one is restored, not read again)
+            assert data["usage"]["cached_tokens"] >= 0.9 * prompts[-1], (data["usage"], prompts)
+        prompts.append(data["usage"]["prompt_tokens"])
+    one = quipu("chat", "-m", hybrid, "-S", "whole", "-n", "10", *GREEDY, input="\n".join(TURNS) + "\n")
+    assert one.returncode == 0, one.stderr.decode()[-800:]
+    assert _tokens(home, "split") == _tokens(home, "whole")
+
+
+def test_a_turn_restored_equals_the_same_turn_read_again_from_the_transcript(quipu, hybrid, home):
+    for text in TURNS[:2]:
+        _json(quipu("run", "-m", hybrid, "-S", "kept", "-n", "10", *GREEDY, "--json", text))
+    assert quipu("sessions", "fork", "kept", "reread").returncode == 0
+    sessions = home / "data" / "sessions"
+    for state in sessions.glob("reread.kv*"):
+        state.unlink()  # (no snapshot: the context is read again from the transcript)
+    kept = _json(quipu("run", "-m", hybrid, "-S", "kept", "-n", "10", *GREEDY, "--json", TURNS[2]))
+    reread = quipu("run", "-m", hybrid, "-S", "reread", "-n", "10", *GREEDY, "--json", TURNS[2])
+    assert kept["usage"]["cached_tokens"] > 0 and _json(reread)["usage"]["cached_tokens"] == 0
+    assert _tokens(home, "kept") == _tokens(home, "reread")
+
+
+def test_questions_about_a_piped_document_restore_it_and_answer_as_an_uncached_run(quipu, hybrid, tmp_path):
+    questions = ["Which is blue?", "And the world?", "Where is Paris?"]
+    for i, question in enumerate(questions):
+        cached = _json(quipu("run", "-m", hybrid, "-n", "8", *GREEDY, "--json", question, input=DOC))
+        fresh = _json(quipu("run", "-m", hybrid, "-n", "8", *GREEDY, "--json", "--no-cache", question, input=DOC))
+        if i == 0:
+            assert cached["usage"]["cached_tokens"] == 0
+        else:  # (the document, up to where the question begins: all but the question and the markup after it)
+            assert cached["usage"]["cached_tokens"] >= cached["usage"]["prompt_tokens"] - 30 > 600, cached["usage"]
+        assert fresh["usage"]["cached_tokens"] == 0
+        assert (cached["text"], cached.get("reasoning")) == (fresh["text"], fresh.get("reasoning"))
+
+
+def test_undo_retry_and_a_cut_reply_continued_stay_exact(quipu, hybrid, home):
+    # /undo: as if the undone exchange never was. /retry (greedy): the same reply again.
+    said = quipu("chat", "-m", hybrid, "-S", "undone", "-n", "10", *GREEDY,
+                 input="\n".join([TURNS[0], TURNS[1], "/undo", TURNS[2], "/retry"]) + "\n")
+    assert said.returncode == 0 and "error" not in said.stderr.decode(), said.stderr.decode()[-800:]
+    never = quipu("chat", "-m", hybrid, "-S", "never", "-n", "10", *GREEDY, input="\n".join([TURNS[0], TURNS[2]]) + "\n")
+    assert never.returncode == 0
+    assert _tokens(home, "undone") == _tokens(home, "never")
+
+    # A reply cut short (perhaps inside a character) and continued: the reply one run gives.
+    _json(quipu("run", "-m", hybrid, "-S", "cut", "-n", "5", *GREEDY, "--json", TURNS[0]))
+    more = _json(quipu("run", "-m", hybrid, "-S", "cut", "--continue", "-n", "9", *GREEDY, "--json"))
+    whole = _json(quipu("run", "-m", hybrid, "-S", "uncut", "-n", "14", *GREEDY, "--json", TURNS[0]))
+    assert more["usage"]["cached_tokens"] > 0
+    assert _tokens(home, "cut") == _tokens(home, "uncut"), (more, whole)
+
+
+def test_show_prompt_counts_only_what_a_checkpoint_gives_back(quipu, hybrid, home):
+    _json(quipu("run", "-m", hybrid, "-S", "shown", "-n", "10", *GREEDY, "--json", TURNS[0]))
+    view = _json(quipu("run", "-m", hybrid, "-S", "shown", "--show-prompt", "--json", TURNS[1]))
+    turn = _json(quipu("run", "-m", hybrid, "-S", "shown", "-n", "10", *GREEDY, "--json", TURNS[1]))
+    # (a reply's last token is held but not yet read, and counts as held: the view may say one more)
+    assert view["reused_tokens"] - turn["usage"]["cached_tokens"] in (0, 1) and turn["usage"]["cached_tokens"] > 0
+
+
+def test_a_batch_s_rows_answer_as_lone_runs_when_a_sequence_answers_several(quipu, hybrid, tmp_path):
+    rows = tmp_path / "rows.txt"
+    lines = [f"the sky is blue and the world is hello, tell me of Paris {i}" for i in range(5)]
+    rows.write_text("\n".join(lines) + "\n")
+    r = quipu("run", "-m", hybrid, "--batch", rows, "--parallel", "2", "-n", "6", "-t", "0.8", "--seed", "2")
+    assert r.returncode == 0, r.stderr.decode()[-800:]
+    answers = [json.loads(line) for line in r.stdout.decode().splitlines()]
+    assert answers[0]["usage"]["cached_tokens"] > 0  # (the rows' shared beginning, read once)
+    for line, answer in zip(lines, sorted(answers, key=lambda a: a["index"]), strict=True):
+        lone = _json(quipu("run", "-m", hybrid, "-n", "6", "-t", "0.8", "--seed", "2", "--no-cache", "--json", line))
+        assert (answer["text"], answer.get("reasoning")) == (lone["text"], lone.get("reasoning"))
+
+
+def test_a_damaged_checkpoint_is_never_handed_to_llama_cpp_and_costs_a_read(quipu, hybrid, home):
+    for text in TURNS[:2]:
+        _json(quipu("run", "-m", hybrid, "-S", "hurt", "-n", "10", *GREEDY, "--json", text))
+    shutil.copy(home / "data" / "sessions" / "hurt.kv", home / "hurt.kv.bak")
+    state = home / "data" / "sessions" / "hurt.kv"
+    data = bytearray(state.read_bytes())
+    at = data.find(b"QCKP")
+    assert at > 0
+    data[at + 20] ^= 0xFF  # (a checkpoint's record: the checksum refuses the file before llama.cpp sees it)
+    state.write_bytes(bytes(data))
+    r = quipu("run", "-m", hybrid, "-S", "hurt", "-n", "10", *GREEDY, "--json", TURNS[2])
+    assert r.returncode == 0, r.stderr.decode()[-800:]
+    assert "re-read" in r.stderr.decode() or "read again" in r.stderr.decode()
