@@ -59,7 +59,7 @@ def _tokens(home: Path, name: str) -> list[int]:
 
 def test_the_tiny_models_are_hybrid_and_their_next_token_depends_on_the_whole_history(make_backend, hybrid):
     backend = make_backend(hybrid, n_ctx=1024)
-    assert backend.recurrent and backend.partial_state() == "a recurrent or hybrid model's memory"
+    assert backend.recurrent and backend.shift_refused() == "a recurrent or hybrid model's memory"
     tail = backend.tokenize(" and so the sky is blue over the world", add_special=False, parse_special=False)
     nexts = set()
     for head in ("hello Paris", "the world is blue", "a sky of the world", "Paris, hello"):
@@ -114,7 +114,9 @@ def test_a_snapshot_carries_its_checkpoints_and_a_restored_context_rewinds_as_th
         made.infer_next_token()
     snap = made.snapshot()
     restored = InferenceSession.from_snapshot(make_backend(hybrid, n_ctx=1024), snap)
-    assert [c.n for c in restored.backend.checkpoints] == [c.n for c in backend.checkpoints] == [len(prompt), len(prompt) + 5]
+    # (the one where the prompt ends serves this process's rewinds alone: a snapshot carries the other)
+    assert [c.n for c in backend.checkpoints] == [len(prompt), len(prompt) + 5]
+    assert [c.n for c in restored.backend.checkpoints] == [len(prompt)]
     for session in (made, restored):
         session.set_context(prompt + prompt[:2])
         assert session.stats.cached_tokens == len(prompt)

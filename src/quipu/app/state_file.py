@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from quipu import __version__
 from quipu.app.environment import DEFAULT_MAX_STATE_BYTES
-from quipu.engine.kvstate import LAYOUT, check_piece
+from quipu.engine.kvstate import LAYOUT
 from quipu.errors import SnapshotError
 from quipu.sessions.inference import InferenceSession
 from quipu.store.chain import Chain, tokens_digest
@@ -142,8 +142,7 @@ class StateFile:
             return None, "the pieces are many: put together again"
         piece = backend.state_since(start)
         try:
-            made = check_piece(piece, seq_id=1, cells=session.n_decoded - start, first=start, n_layer=backend.n_layer,
-                               window=backend.piece_window())
+            made = backend.check_piece(piece, start, session.n_decoded - start)
         except SnapshotError as exc:
             return None, f"the state's layout is not the one quipu reads: {exc}"
         if made.v_trans != backend.context.v_trans:

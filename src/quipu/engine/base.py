@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol, Sequence, TypeVar
 
 from quipu.engine.grammar import Grammar
+from quipu.engine.kvstate import Piece
 from quipu.engine.settings import ContextSettings, Placement
 from quipu.engine.text import Spellings
 from quipu.errors import CapabilityError
@@ -234,16 +235,13 @@ class Backend(Protocol):
     def partial_state(self, since: int | None = None) -> str | None:
         """Why the cells' state cannot be saved and restored in pieces (None: it can); with
         `since`, why not the piece of the cells from there on."""
-    def state_since(self, start: int) -> memoryview:
+    def state_since(self, start: int) -> bytes | memoryview:
         """The state of the cells at positions `start` on."""
-    def piece_window(self) -> int | None:
-        """How many of a piece's cells its window cache holds (a ring keeps only its window's:
-        kvstate.check_piece); None: all of them."""
+    def check_piece(self, piece: bytes | memoryview, start: int, cells: int) -> Piece:
+        """What a piece of `state_since(start)` holds, checked to be `cells` cells from `start` on
+        in the layout quipu reads (kvstate.py); SnapshotError where it is not."""
     def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
         """Restores a state saved whole, then pieces of it saved by `state_since`, in order."""
-    @property
-    def n_layer(self) -> int:
-        """The model's layers (a state piece's layout has one record a layer)."""
     def shift_refused(self) -> str | None:
         """Why positions cannot be dropped from the middle with those after them moved down (None: they can)."""
     def shift_out(self, start: int, end: int) -> None:

@@ -10,9 +10,10 @@ positions where a later prompt is known to part from this one, as llama-server's
 checkpoints are; a rewind sets the nearest one at or before its point back, and then the
 attention cells past it can go. `Checkpoints` holds them, bounded in count, newest last.
 
-A snapshot of a hybrid context carries its checkpoints, so that a session or a prompt cache
-entry restored from it rewinds as the context that made it would. `pack` puts them before the
-state llama.cpp wrote, little-endian:
+A snapshot of a hybrid context carries the checkpoints taken where a caller marked a prompt (a
+piece of one, those from its start on), so that a session or a prompt cache entry restored from
+it rewinds as the context that made it would. `pack` puts them before the state llama.cpp
+wrote, little-endian:
 
     magic                b"QCKP"
     version              u32   (1)
@@ -42,11 +43,14 @@ VERSION = 1
 @dataclass(frozen=True)
 class Checkpoint:
     """The memory's partial state after the first `n` tokens of the history (at position `at`:
-    media take as many positions as their cells)."""
+    media take as many positions as their cells). `kept`: one a snapshot carries (where a caller
+    marked a prompt, or read back from a snapshot); the others (where a prompt began, where a
+    reply began) serve this process's rewinds alone, and cost no bytes on disk."""
 
     n: int
     at: int
     state: bytes | memoryview
+    kept: bool = False
 
 
 class Checkpoints:
@@ -72,8 +76,9 @@ class Checkpoints:
         kept = [c for c in self._held if c.at < checkpoint.at]
         self._held = (kept + [checkpoint])[-self.limit:]
 
-    def has(self, n: int) -> bool:
-        return any(c.n == n for c in self._held)
+    def at(self, n: int) -> Checkpoint | None:
+        """The one after the first `n` tokens, if any."""
+        return next((c for c in self._held if c.n == n), None)
 
     def keep_to(self, at: int) -> None:
         """Forgets those past position `at` (the context went back there)."""
@@ -114,5 +119,5 @@ def unpack(data: bytes | memoryview) -> tuple[list[Checkpoint], memoryview]:
         n, at, size = read.take(_ENTRY)
         if size > len(view):
             raise SnapshotError("the context's checkpoints end early")
-        held.append(Checkpoint(n, at, read.skip(size)))
+        held.append(Checkpoint(n, at, read.skip(size), kept=True))
     return held, view[read.at:]

@@ -46,6 +46,9 @@ _U32 = struct.Struct("<I")
 _HEAD = struct.Struct("<Ii")
 MAGIC = 0xAF143CD8
 _CELL = struct.Struct("<iIi")  # pos, n_seq_id (1), seq_id
+_CELL_HEAD = struct.Struct("<iI")  # pos, n_seq_id (then a cell's extension, where the cache has one)
+_I32 = struct.Struct("<i")
+CELL_EXT = 12  # an M-RoPE cache's cell extension (`llama_kv_cell_ext`: x, y, the token)
 _LAYER_K = struct.Struct("<iQ")
 _LAYER_V_TRANS = struct.Struct("<iII")
 LAYOUT = "llama_kv_cache-1"  # the layout above, as quipu names it in a session's state pieces
@@ -86,11 +89,14 @@ class Piece:
 
 
 def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int, n_layer: int,
-                window: int | None = None) -> Piece:
+                window: int | None = None, cell_ext: int = 0, recurrent: bool = False) -> Piece:
     """Checks that `data` is the state of `cells` cells of sequence `seq_id` at positions
     `first`, `first` + 1, ... in order, in each cache of the layout above, for a model of
     `n_layer` layers; raises SnapshotError naming what differs. With `window`, a window cache
-    (the second) holds only the last `window` of them (a ring's piece: ring.py)."""
+    (the second) holds only the last `window` of them (a ring's piece: ring.py). `cell_ext`: the
+    bytes of a cell's extension (an M-RoPE model's). `recurrent`: a hybrid model's, whose
+    attention cache holds some of the layers, and whose recurrent state follows it (one cell,
+    at the last position: `_check_recurrent`)."""
     read = Reader(data, "the piece of context state")
     view, take = read.view, read.take
     magic, written = take(_HEAD)
@@ -106,12 +112,14 @@ def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int
         if count != expected:
             raise SnapshotError(f"the piece of context state holds {count} cells, not {expected}")
         if count:
-            held = read.skip(count * _CELL.size)
+            size = _CELL.size + cell_ext
+            held = read.skip(count * size)
             # (a ring's cells come in cell order: the positions from where it wraps first)
             low = first + cells - count
             turn = _CELL.unpack_from(held, 0)[0] - low if ring and window is not None else 0
             for i in range(count):
-                pos, n_seq, seq = _CELL.unpack_from(held, i * _CELL.size)
+                pos, n_seq = _CELL_HEAD.unpack_from(held, i * size)
+                (seq,) = _I32.unpack_from(held, i * size + _CELL_HEAD.size + cell_ext)
                 if n_seq != 1 or seq != seq_id or not 0 <= turn < count or pos != low + (turn + i) % count:
                     raise SnapshotError(f"cell {i} of the piece of context state is not the one expected "
                                         f"(position {pos}, {n_seq} sequences)")
@@ -129,9 +137,36 @@ def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int
                 else:
                     _, row = take(_LAYER_K)
                     read.skip(count * row)
+        if recurrent:
+            _check_recurrent(read, first + cells - 1, n_layer)
+            break
         if read.done or layers_seen >= n_layer:
             break
         ring = True  # (what follows the first cache is the window's)
-    if read.at != len(view) or (cells and layers_seen != n_layer):
+    if read.at != len(view) or (cells and not recurrent and layers_seen != n_layer):
         raise SnapshotError("the piece of context state is not of the layout quipu reads")
     return Piece(cells, first, first + cells - 1, bool(v_trans))
+
+
+def _check_recurrent(read: Reader, last: int, n_layer: int) -> None:
+    """A sequence's recurrent state (`llama_memory_recurrent::state_write`): one cell, at the
+    last position, then its layers' rows (a record each: type i32, row size u64, the row; the
+    layers without a state have none), to the end."""
+    (count,) = read.take(_U32)
+    if count != 1:
+        raise SnapshotError(f"the piece's recurrent state holds {count} cells, not 1")
+    pos, n_seq = read.take(_CELL_HEAD)
+    if pos != last or n_seq != 0:
+        raise SnapshotError(f"the piece's recurrent state is at position {pos}, not {last}")
+    trans, layers = read.take(_U32)[0], read.take(_U32)[0]
+    if trans != 0 or layers != n_layer:
+        raise SnapshotError("the piece's recurrent state is not of this model's layout")
+    records = 0
+    while not read.done:
+        kind, row = read.take(_LAYER_K)
+        if not 0 <= kind < 64:
+            raise SnapshotError("the piece's recurrent state is not of the layout quipu reads")
+        read.skip(row)
+        records += 1
+    if records == 0 or records % 2 or records > 2 * n_layer:  # (each layer with a state: its R rows and its S)
+        raise SnapshotError("the piece's recurrent state is not of the layout quipu reads")

@@ -33,6 +33,7 @@ from quipu.engine.embeddings import Embeddings
 from quipu.engine.llama_context import NativeContext, context_params
 from quipu.engine.media import Media, Positions, is_media, runs
 from quipu.engine.llama_rows import BatchRows
+from quipu.engine.kvstate import CELL_EXT, Piece, check_piece
 from quipu.engine.llama_state import StateBytes
 from quipu.engine.logs import LOG
 from quipu.engine.model import LlamaModel, check_gguf
@@ -217,7 +218,7 @@ class LlamaBackend:
     def snapshot_bytes(self) -> bytes | memoryview:
         """The context's state; a recurrent state's with its checkpoints (`checkpoints.pack`)."""
         state = self.state.snapshot_bytes()
-        return pack(list(self._checkpoints), state) if self.recurrent else state
+        return pack([c for c in self._checkpoints if c.kept], state) if self.recurrent else state
 
     def restore_bytes(self, data: bytes | memoryview) -> None:
         try:
@@ -241,7 +242,7 @@ class LlamaBackend:
     def restore_points(self) -> list[int] | None:
         """The counts of the history's tokens a restore of `snapshot_bytes` can be cut back to:
         a recurrent state's checkpoints and its end; None: any."""
-        return [c.n for c in self._checkpoints] + [self.positions()] if self.recurrent else None
+        return [c.n for c in self._checkpoints if c.kept] + [self.positions()] if self.recurrent else None
 
     @property
     def checkpoints(self) -> list[Checkpoint]:
@@ -249,20 +250,56 @@ class LlamaBackend:
         return list(self._checkpoints)
 
     def partial_state(self, since: int | None = None) -> str | None:
+        if since is not None and self.recurrent and self.rewinds_to(since) != since:
+            return "a piece from where the recurrent state has no checkpoint"
         return self.state.partial_state(since)
 
-    def state_since(self, start: int) -> memoryview:
-        return self.state.state_since(start)
+    def state_since(self, start: int) -> bytes | memoryview:
+        """The cells from position `start` on; a hybrid's with its recurrent state at the end and
+        the checkpoints from `start` on (`checkpoints.pack`), which a restore of the piece needs."""
+        piece = self.state.state_since(start)
+        if not self.recurrent:
+            return piece
+        # (and the one it starts from, where no snapshot carried it: a restore goes back there first)
+        return pack([c for c in self._checkpoints if (c.kept and c.n > start) or (c.n == start and not c.kept)], piece)
 
-    def piece_window(self) -> int | None:
-        return self.model.n_swa if self.ring else None
+    def check_piece(self, piece: bytes | memoryview, start: int, cells: int) -> Piece:
+        """What a piece of `state_since(start)` holds, checked to be `cells` cells from `start` on
+        in the layout quipu reads (kvstate.py); SnapshotError where it is not."""
+        _, state = unpack(piece)
+        rope = lc.llama_model_rope_type(self.model.ptr)
+        return check_piece(state, seq_id=1, cells=cells, first=start, n_layer=int(lc.llama_model_n_layer(self.model.ptr)),
+                           window=self.model.n_swa if self.ring else None,
+                           cell_ext=CELL_EXT if rope in (lc.LLAMA_ROPE_TYPE_MROPE, lc.LLAMA_ROPE_TYPE_IMROPE) else 0,
+                           recurrent=self.recurrent)
 
     def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
-        self.state.restore_pieces(base, pieces)
-
-    @property
-    def n_layer(self) -> int:
-        return int(lc.llama_model_n_layer(self.model.ptr))
+        """A state saved whole, then pieces of it, in order. A hybrid's piece goes back to its
+        start first (the checkpoint there: a piece is only made from one), and brings its
+        recurrent state and checkpoints."""
+        if not self.recurrent:
+            self.state.restore_pieces(base, pieces)
+            return
+        self.restore_bytes(base)
+        mem = self.native.mem
+        for start, piece in pieces:
+            try:
+                held, state = unpack(piece)
+            except SnapshotError as exc:
+                raise EngineError(f"a piece of the saved context state is damaged: {exc}") from None
+            if self.positions() != start:
+                for c in held:
+                    if c.n == start:
+                        self._checkpoints.add(c)
+                self.truncate(start)
+            if self.positions() != start:
+                lc.llama_memory_clear(mem, True)
+                raise EngineError("a piece of the saved context state begins where its state cannot go back to")
+            self.native.set_seq_state(state, 1, "a piece of the saved context state")
+            lc.llama_memory_seq_cp(mem, 1, 0, -1, -1)
+            lc.llama_memory_seq_rm(mem, 1, -1, -1)
+            for c in held:
+                self._checkpoints.add(c)
 
     def positions(self) -> int:
         """How many tokens of the history the context holds (its positions, where media take as
@@ -289,16 +326,18 @@ class LlamaBackend:
                 if media:
                     self.media.decode_media(tokens[begin:end], start + begin, end == total)
                     if start + end in cuts:
-                        self._checkpoint(start + end)
+                        self._checkpoint(start + end, kept=end < total)
                 else:
-                    self._prefill_text(tokens[begin:end], start + begin, cuts=cuts)
+                    self._prefill_text(tokens[begin:end], start + begin, cuts=cuts, end=start + total)
                 if on_progress is not None:
                     on_progress(end, total)
             return
-        self._prefill_text(tokens, start, on_progress, cuts)
+        self._prefill_text(tokens, start, on_progress, cuts, start + len(tokens))
 
     def _prefill_text(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None,
-                      cuts: Sequence[int] = ()) -> None:
+                      cuts: Sequence[int] = (), end: int = 0) -> None:
+        """Decodes a text's `tokens` from `start`, a step ending at each of `cuts`, where the
+        recurrent state is kept (and carried by snapshots, where the prompt goes on to `end`)."""
         total = len(tokens)
         n_batch = self.context.n_batch
         native = self.native
@@ -314,7 +353,7 @@ class LlamaBackend:
             native.decode(n)
             offset += n
             if start + offset in cuts:
-                self._checkpoint(start + offset)
+                self._checkpoint(start + offset, kept=start + offset < end)
             if on_progress is not None:
                 on_progress(offset, total)
 
@@ -333,15 +372,16 @@ class LlamaBackend:
         self.native.fill(0, token, self._positions.position(pos), 0, True)
         self.native.decode(1)
 
-    def _checkpoint(self, n: int) -> None:
+    def _checkpoint(self, n: int, *, kept: bool = False) -> None:
         """Keeps the ring's cells, or the recurrent state, as they are before the `n`th token is
         read, for a rewind to there or later that the ring no longer holds the window of, or that
         a recurrent state cannot make; the last few of them (`Checkpoints`)."""
-        if self._checkpoints.has(n):
+        held = self._checkpoints.at(n)
+        if held is not None and (held.kept or not kept):
             return
         # (the window's cells alone, which are all a ring laid out for `at` needs of them; the
         # recurrent state alone)
-        self._checkpoints.add(Checkpoint(n, self._positions.position(n), self.native.seq_state(0, _PARTIAL)))
+        self._checkpoints.add(Checkpoint(n, self._positions.position(n), self.native.seq_state(0, _PARTIAL), kept))
 
     def truncate(self, n_keep: int) -> None:
         """Keeps the first `n_keep` positions. A sliding-window cache that no longer holds the
@@ -414,7 +454,8 @@ class LlamaBackend:
         where `llama_memory_can_shift` says so: a plain attention cache of a model with one
         position per token (not M-RoPE); not a sliding-window cache, whose evicted cells a shift
         cannot bring back, nor a recurrent model's state, which is not kept a token a cell."""
-        why = self.partial_state() or ("a sliding-window cache" if self.model.n_swa > 0 else None)
+        why = ("a recurrent or hybrid model's memory" if self.recurrent else self.partial_state()) or \
+            ("a sliding-window cache" if self.model.n_swa > 0 else None)
         if why:
             return why
         if not lc.llama_memory_can_shift(self.native.mem):

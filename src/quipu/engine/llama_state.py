@@ -80,10 +80,11 @@ class StateBytes:
         model = self._native.model.ptr
         if self._native.settings.n_seq != 1:
             return "a context of several sequences"
-        if lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model):
-            return "a recurrent or hybrid model's memory"
-        if lc.llama_model_rope_type(model) in (lc.LLAMA_ROPE_TYPE_MROPE, lc.LLAMA_ROPE_TYPE_IMROPE):
-            return "an M-RoPE model (its images' positions are not their cells')"
+        if lc.llama_model_is_recurrent(model) and not lc.llama_model_is_hybrid(model):
+            return "a recurrent model's memory (small: its state alone)"
+        if self._positions.moved_any and \
+                lc.llama_model_rope_type(model) in (lc.LLAMA_ROPE_TYPE_MROPE, lc.LLAMA_ROPE_TYPE_IMROPE):
+            return "an M-RoPE context with images (their positions are not their cells')"
         if since is not None and self._native.model.n_swa and not self._native.ring and self.positions() - since > self._native.model.n_swa:
             return "a turn longer than the sliding window"
         return None

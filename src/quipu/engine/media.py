@@ -113,6 +113,11 @@ class Positions:
             saved = total
         return last_position + 1 + saved
 
+    @property
+    def moved_any(self) -> bool:
+        """Whether a medium the context holds takes fewer positions than cells."""
+        return bool(self._runs)
+
     def forget(self, n_keep: int) -> None:
         """The media past the first `n_keep` tokens of the history are gone from the context."""
         self._runs[:] = [r for r in self._runs if r[1] <= n_keep]
