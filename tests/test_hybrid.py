@@ -124,12 +124,18 @@ def test_a_snapshot_carries_its_checkpoints_and_a_restored_context_rewinds_as_th
 
 
 def test_three_turns_of_a_session_each_restore_what_they_share_and_go_on_as_one_process(quipu, hybrid, home):
-    prompts = []
+    prompts, said = [], []
     for i, text in enumerate(TURNS):
-        data = _json(quipu("run", "-m", hybrid, "-S", "split", "-n", "10", *GREEDY, "--json", "--verbose", text))
+        r = quipu("run", "-m", hybrid, "-S", "split", "-n", "10", *GREEDY, "--json", "--verbose", text)
+        data = _json(r)
+        said.append(r.stderr.decode())
         if i:  # (what the last prompt shares with this one is restored, not read again)
             assert data["usage"]["cached_tokens"] >= 0.9 * prompts[-1], (data["usage"], prompts)
         prompts.append(data["usage"]["prompt_tokens"])
+    # The later turns wrote what they added (their cells, the recurrent state where the next turn
+    # goes back to) as pieces of the state log, not the whole state again.
+    assert (home / "data" / "sessions" / "split.kvlog").exists()
+    assert not any("saved whole" in s for s in said[1:]), [line for s in said for line in s.splitlines() if "whole" in line]
     one = quipu("chat", "-m", hybrid, "-S", "whole", "-n", "10", *GREEDY, input="\n".join(TURNS) + "\n")
     assert one.returncode == 0, one.stderr.decode()[-800:]
     assert _tokens(home, "split") == _tokens(home, "whole")

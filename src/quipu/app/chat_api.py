@@ -9,7 +9,7 @@ the session layer's `CHAT_API` capabilities and refused before anything is sent.
 
 from __future__ import annotations
 
-from typing import Any, TYPE_CHECKING
+from typing import Any, Callable, TYPE_CHECKING
 
 from quipu.app.environment import Environment
 from quipu.app.turn_options import TurnOptions
@@ -92,7 +92,8 @@ class ChatApiKeeper(NoCache):
                 "context": ContextSettings().state_key(), "tokens": [], "n_decoded": 0, "draws": 0,
                 "build": "server"}
 
-    def save(self, store: SessionStore, name: str, record: Transcript, session: ChatApiSession) -> list[str]:
+    def save(self, store: SessionStore, name: str, record: Transcript, session: ChatApiSession,
+             next_keeps: Callable[[], int] | None = None) -> list[str]:
         store.save(name, record, None)
         return []
 

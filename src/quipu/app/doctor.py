@@ -59,9 +59,9 @@ def report(env: Environment, opts: TurnOptions | None = None) -> dict[str, Any]:
 def model_report(env: Environment, opts: TurnOptions) -> dict[str, Any]:
     """Where the model `opts` names would run, and what it would take on each device: measured
     as a load would plan it, nothing loaded."""
-    from quipu.engine.llama import place
+    from quipu.engine.llama import RECURRENT_CHECKPOINTS, place
     from quipu.engine.llama_context import context_params
-    from quipu.engine.placement import window_cache
+    from quipu.engine.placement import recurrent_state, window_cache
 
     name, path = env.resolve_model(opts.model)
     settings = context_settings(opts, env)
@@ -80,4 +80,7 @@ def model_report(env: Environment, opts: TurnOptions) -> dict[str, Any]:
     window = window_cache(path, placement.n_ctx, settings.kv_type, context_params(settings, placement.n_ctx))
     if window is not None:
         out["window_cache"] = window
+    state = recurrent_state(path, RECURRENT_CHECKPOINTS)
+    if state is not None:
+        out["recurrent_state"] = state
     return out

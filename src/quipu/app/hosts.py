@@ -50,8 +50,10 @@ class Keeper(Protocol[S]):
         """The transcript's fields that depend on the host: model, params, context, tokens,
         n_decoded, draws, build, served."""
 
-    def save(self, store: "SessionStore", name: str, record: "Transcript", session: S) -> list[str]:
-        """Writes the session (the transcript, and a state file where the host keeps one); notices."""
+    def save(self, store: "SessionStore", name: str, record: "Transcript", session: S,
+             next_keeps: Callable[[], int] | None = None) -> list[str]:
+        """Writes the session (the transcript, and a state file where the host keeps one); notices.
+        `next_keeps`: how many of the context's tokens the next turn is expected to keep."""
 
     def warm(self, session: S, tokens: Callable[[], list[int]]) -> CacheUse | None:
         """Before a new context's first turn: restores what the prompt cache holds of its

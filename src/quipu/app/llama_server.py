@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import uuid
 import zlib
-from typing import Any, TYPE_CHECKING
+from typing import Any, Callable, TYPE_CHECKING
 
 from quipu.app.environment import Environment
 from quipu.app.turn_options import TurnOptions, sampling_params, with_logit_biases
@@ -130,7 +130,8 @@ class LlamaServerKeeper(NoCache):
                        "marks": [list(m) for m in session.marks]},
         }
 
-    def save(self, store: SessionStore, name: str, record: Transcript, session: LlamaServerSession) -> list[str]:
+    def save(self, store: SessionStore, name: str, record: Transcript, session: LlamaServerSession,
+             next_keeps: Callable[[], int] | None = None) -> list[str]:
         store.save(name, record, None)
         out, self.notices[:] = list(self.notices), []
         return out

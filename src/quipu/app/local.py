@@ -251,8 +251,11 @@ class LocalKeeper:
             "build": session.backend.build,
         }
 
-    def save(self, store: SessionStore, name: str, record: Transcript, session: InferenceSession) -> list[str]:
-        return self.state.save(store, name, record, session)
+    def save(self, store: SessionStore, name: str, record: Transcript, session: InferenceSession,
+             next_keeps: Callable[[], int] | None = None) -> list[str]:
+        # (a recurrent state is saved as of where the next turn goes back to, if before its end)
+        until = next_keeps() if next_keeps is not None and session.backend.recurrent else None
+        return self.state.save(store, name, record, session, until)
 
     def wait(self) -> list[str]:
         return self.state.wait()

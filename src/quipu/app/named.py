@@ -179,7 +179,7 @@ class NamedSession:
             quipu=__version__, chat_template=self.chat_template, template_variables=dict(conv.settings.variables),
             limits=limits, tools=[t.to_openai() for t in conv.settings.tools], **self.keeper.fields(self.session),
         )
-        self.notices += self.keeper.save(self.store, self.name, record, self.session)
+        self.notices += self.keeper.save(self.store, self.name, record, self.session, conv.kept_by_next_turn)
 
     def flush(self) -> None:
         """Waits for a state still being written in the background (a chat's)."""

@@ -22,10 +22,12 @@ MAX_PIECES = 64  # a longer chain is saved whole again (as is one whose pieces o
 
 
 
-def state_key(session: InferenceSession) -> tuple[Any, ...]:
-    """What a state file's bytes depend on: the decoded tokens and the context settings."""
+def state_key(session: InferenceSession, held: int | None = None) -> tuple[Any, ...]:
+    """What a state file's bytes depend on: the decoded tokens (the first `held` of them, where
+    it holds fewer) and the context settings."""
     key = session.backend.context.state_key()
-    return (session.n_decoded, tokens_digest(session.tokens[: session.n_decoded]), tuple(sorted(key.items())))
+    held = session.n_decoded if held is None else held
+    return (held, tokens_digest(session.tokens[:held]), tuple(sorted(key.items())))
 
 
 class StateFile:
@@ -54,24 +56,29 @@ class StateFile:
         (`wait` waits for that write and says what went wrong with it)."""
         self._background = True
 
-    def save(self, store: SessionStore, name: str, record: Transcript, session: InferenceSession) -> list[str]:
+    def save(self, store: SessionStore, name: str, record: Transcript, session: InferenceSession,
+             until: int | None = None) -> list[str]:
         """Transcript and state, each atomically: at worst the turn in progress is lost. The
         state is written only when the context's decoded tokens or settings changed, and then
         only what the turn added where it can be (a piece of the state log). Written behind (a
         chat), the state's bytes are taken now, the transcript written, and the state written
-        while the user types: a crash before it is on disk costs re-reading that turn."""
+        while the user types: a crash before it is on disk costs re-reading that turn. `until`:
+        where the next turn goes back to, when it is known to go back (a recurrent state's piece
+        then ends at its checkpoint there: what follows it would be read again anyway)."""
         notices = self.wait()
         if self.verbose and session.went_back:
             notices.append(f"session '{name}': the context {session.went_back}")
-        key = state_key(session)
+        held = session.save_point(until)
+        key = state_key(session, held)
         if key == self._saved and store.has_state(name):
             store.save(name, record, KEEP_STATE)
         else:
-            write, why = self._piece(store, name, session, key, session.take_low_water())
+            write, why = self._piece(store, name, session, key, session.take_low_water(), held)
             if write is None:
                 if self.verbose and self._chain is not None:
                     notices.append(f"session '{name}': the context state is saved whole ({why})")
-                write = self._whole(store, name, record, session, key)
+                write = self._whole(store, name, record, session, state_key(session))
+                key = state_key(session)
             self._saved = key
             if self._background:
                 store.save(name, record, KEEP_STATE)
@@ -123,10 +130,10 @@ class StateFile:
         return write
 
     def _piece(self, store: SessionStore, name: str, session: InferenceSession, key: tuple[Any, ...],
-               low_water: int) -> tuple[Callable[[], None] | None, str | None]:
+               low_water: int, held: int) -> tuple[Callable[[], None] | None, str | None]:
         """Only the cells the context gained since the last save (the context has held no fewer
-        than `low_water` tokens since), as a piece of the state log, to write; or None and why it
-        cannot be (the state is then saved whole)."""
+        than `low_water` tokens since), up to its first `held` tokens, as a piece of the state
+        log, to write; or None and why it cannot be (the state is then saved whole)."""
         chain, backend = self._chain, session.backend
         if chain is None or chain.nonce is None or not store.has_state(name):
             return None, "no state file to add to"
@@ -136,20 +143,19 @@ class StateFile:
         unsupported = backend.partial_state(start)
         if unsupported:
             return None, f"{unsupported} is saved whole"
-        if (session.n_decoded - start) * 2 > session.n_decoded:  # (none new: a piece that only cuts)
+        if (held - start) * 2 > held or held < start:  # (none new: a piece that only cuts)
             return None, "most of the context is new"
         if chain.pieces >= MAX_PIECES or chain.piece_bytes > chain.base_bytes:
             return None, "the pieces are many: put together again"
-        piece = backend.state_since(start)
+        piece = backend.state_since(start, held)
         try:
-            made = backend.check_piece(piece, start, session.n_decoded - start)
+            made = backend.check_piece(piece, start, held - start)
         except SnapshotError as exc:
             return None, f"the state's layout is not the one quipu reads: {exc}"
         if made.v_trans != backend.context.v_trans:
             return None, "the state's V layout is not the one its context settings record"
-        meta = {"base": chain.nonce, "start": start, "n_decoded": session.n_decoded, "tokens_sha256": key[1],
+        meta = {"base": chain.nonce, "start": start, "n_decoded": held, "tokens_sha256": key[1],
                 "layout": LAYOUT, "build": backend.build}
-        held = session.n_decoded
 
         def write() -> None:
             end = store.append_piece(name, meta, piece, chain.log_end)

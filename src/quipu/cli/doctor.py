@@ -89,6 +89,11 @@ def lines(found: dict[str, Any]) -> list[str]:
                     else f"every position, {size(window['bytes'])} in all")
             out.append(f"  a sliding window of {window['window']:,} tokens in {window['window_layers']} of its "
                        f"{window['layers']} blocks: {kept}")
+        state = model.get("recurrent_state")
+        if state:
+            out.append(f"  a recurrent state in {state['layers']} of its {state['blocks']} blocks: {size(state['bytes'])}, "
+                       f"kept at up to {state['checkpoints']} checkpoints ({size(state['checkpoint_bytes'])} at most), "
+                       "which rewinds go back to")
         if model.get("note"):
             out.append(f"  {model['note']}")
         if not model["host_fits"]:

@@ -235,8 +235,9 @@ class Backend(Protocol):
     def partial_state(self, since: int | None = None) -> str | None:
         """Why the cells' state cannot be saved and restored in pieces (None: it can); with
         `since`, why not the piece of the cells from there on."""
-    def state_since(self, start: int) -> bytes | memoryview:
-        """The state of the cells at positions `start` on."""
+    def state_since(self, start: int, end: int | None = None) -> bytes | memoryview:
+        """The state of the cells at positions `start` on (to `end`, where the state can be
+        taken as of there: a recurrent state's checkpoint)."""
     def check_piece(self, piece: bytes | memoryview, start: int, cells: int) -> Piece:
         """What a piece of `state_since(start)` holds, checked to be `cells` cells from `start` on
         in the layout quipu reads (kvstate.py); SnapshotError where it is not."""

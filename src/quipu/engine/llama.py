@@ -254,14 +254,21 @@ class LlamaBackend:
             return "a piece from where the recurrent state has no checkpoint"
         return self.state.partial_state(since)
 
-    def state_since(self, start: int) -> bytes | memoryview:
-        """The cells from position `start` on; a hybrid's with its recurrent state at the end and
-        the checkpoints from `start` on (`checkpoints.pack`), which a restore of the piece needs."""
-        piece = self.state.state_since(start)
+    def state_since(self, start: int, end: int | None = None) -> bytes | memoryview:
+        """The cells from position `start` on; a hybrid's with its recurrent state at the end (or
+        at `end`, a checkpoint's, the cells before it alone) and the checkpoints from `start` on
+        (`checkpoints.pack`), which a restore of the piece needs."""
         if not self.recurrent:
-            return piece
+            return self.state.state_since(start)
+        cut = self._checkpoints.at(end) if end is not None and end < self.positions() else None
+        if end is not None and end < self.positions() and cut is None:
+            raise EngineError(f"the recurrent state has no checkpoint at token {end}")
+        piece = self.state.state_since(start, cut.state if cut is not None else None, end)
         # (and the one it starts from, where no snapshot carried it: a restore goes back there first)
-        return pack([c for c in self._checkpoints if (c.kept and c.n > start) or (c.n == start and not c.kept)], piece)
+        # (not the one it ends at: the piece's own recurrent state is that one)
+        last = self.positions() if cut is None else cut.n
+        return pack([c for c in self._checkpoints
+                     if (c.kept and start < c.n < last) or (c.n == start and not c.kept)], piece)
 
     def check_piece(self, piece: bytes | memoryview, start: int, cells: int) -> Piece:
         """What a piece of `state_since(start)` holds, checked to be `cells` cells from `start` on

@@ -89,11 +89,16 @@ class StateBytes:
             return "a turn longer than the sliding window"
         return None
 
-    def state_since(self, start: int) -> memoryview:
+    def state_since(self, start: int, recurrent: bytes | memoryview | None = None, end: int | None = None) -> memoryview:
         """The state of the cells at positions `start` on: llama.cpp writes them as the state of
-        a second sequence that shares them for the moment (see kvstate.py)."""
-        lc.llama_memory_seq_cp(self._native.mem, 0, 1, start, -1)
+        a second sequence that shares them for the moment (see kvstate.py). With `recurrent` (a
+        checkpoint's), the cells before `end` alone, and that recurrent state in place of the
+        context's."""
+        lc.llama_memory_seq_cp(self._native.mem, 0, 1, start, -1 if recurrent is None or end is None else end)
         try:
+            if recurrent is not None:
+                self._native.set_seq_state(recurrent, 1, "a checkpoint of the recurrent state",
+                                           lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
             return self._native.seq_state(1)
         finally:
             lc.llama_memory_seq_rm(self._native.mem, 1, -1, -1)

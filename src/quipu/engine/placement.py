@@ -302,6 +302,42 @@ def window_cache(path: Path, n_ctx: int, kv_type: str, cparams: Any) -> dict[str
             "bytes": cache, "every_position_bytes": sum(c for c, w in zip(every.caches, windowed, strict=True) if w)}
 
 
+# Hybrid architectures whose recurrent blocks are all but every n-th (llama.cpp's default for a file
+# that lists none: `full_attention_interval`).
+_ATTENTION_EVERY = {"qwen35": 4, "qwen35moe": 4, "qwen3next": 4}
+
+
+def recurrent_state(path: Path, checkpoints: int) -> dict[str, int] | None:
+    """A hybrid or recurrent model's state (a short convolution's or a state space's, F32, one a
+    sequence, whatever the context's length): its blocks, its bytes, and what `checkpoints` of it
+    take (`engine/checkpoints.py`); None for a model without one."""
+    info = read_table(path)
+    meta, arch = info.metadata, info.architecture
+    n_block = _int_of(meta.get(f"{arch}.block_count")) or 0
+    n_embd = _int_of(meta.get(f"{arch}.embedding_length")) or 0
+    l_cache = _int_of(meta.get(f"{arch}.shortconv.l_cache")) or 0
+    d_conv, d_inner = (_int_of(meta.get(f"{arch}.ssm.{k}")) or 0 for k in ("conv_kernel", "inner_size"))
+    d_state, n_group = (_int_of(meta.get(f"{arch}.ssm.{k}")) or 0 for k in ("state_size", "group_count"))
+    if l_cache:  # (LFM2: the last inputs of a short convolution)
+        floats = n_embd * (l_cache - 1)
+    elif d_inner:  # (Mamba, Gated DeltaNet: a convolution's inputs and the state)
+        floats = max(0, d_conv - 1) * (d_inner + 2 * n_group * d_state) + d_state * d_inner
+    else:
+        return None
+    kv = meta.get(f"{arch}.attention.head_count_kv")
+    listed = getattr(kv, "head", None)
+    every = _int_of(meta.get(f"{arch}.full_attention_interval")) or _ATTENTION_EVERY.get(arch, 0)
+    if isinstance(listed, (list, tuple)) and len(listed) >= n_block:
+        layers = sum(1 for v in listed[:n_block] if v == 0)
+    elif every:
+        layers = sum(1 for i in range(n_block) if (i + 1) % every)
+    else:
+        layers = n_block
+    size = 4 * floats * layers
+    return {"layers": layers, "blocks": n_block, "bytes": size, "checkpoints": checkpoints,
+            "checkpoint_bytes": size * checkpoints}
+
+
 def check_host_room(path: Path, n_ctx: int, kv_type: str, gpu_layers: int, cparams: Any) -> None:
     """Refuses, before it is made, a context whose cache on the host is more than the host's
     free memory can hold (llama.cpp would fill it, clearing the cache, until the system kills

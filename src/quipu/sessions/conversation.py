@@ -193,6 +193,15 @@ class Conversation:
         finally:
             self.messages.pop()
 
+    def kept_by_next_turn(self) -> int:
+        """How many of the context's tokens the next user message's prompt begins with: a
+        template that leaves a reply's reasoning out once another message follows parts before
+        it (where a context whose state cannot go back a token is saved, `StateFile.save`)."""
+        try:
+            return common_prefix(self.tokens_with("?"), self.tokens_side.tokens)
+        except (TemplateError, CapabilityError):
+            return len(self.tokens_side.tokens)
+
     def send(self, text: str, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT,
              turn: TurnSettings | None = None) -> Generation:
         """Adds a user message and generates the reply, which joins the conversation. Every turn

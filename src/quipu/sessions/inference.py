@@ -131,6 +131,14 @@ class InferenceSession(HeldTokens):
         low, self._low_water = self._low_water, self.n_decoded
         return low
 
+    def save_point(self, until: int | None) -> int:
+        """How many of the decoded tokens a save of the state holds: all of them, or, where the
+        next turn is known to keep only `until` of them and the state cannot go back a token,
+        as many as its checkpoint there holds (the rest would be read again anyway)."""
+        if until is None or until >= self.n_decoded or not self.backend.recurrent:
+            return self.n_decoded
+        return self.backend.rewinds_to(until) or self.n_decoded
+
     def rewind(self, n_keep: int) -> None:
         """Forgets the tokens from `n_keep` on, in the history, the KV cache and the penalty window."""
         if n_keep >= len(self.tokens):
@@ -267,7 +275,9 @@ class InferenceSession(HeldTokens):
                 raise EngineError("the saved context state does not match its token history")
             session.tokens = list(snap.tokens[:held])
             session.n_decoded = session._low_water = held
-            if held < snap.n_decoded:  # a turn whose state was not saved is read again
+            # A turn whose state was not saved is read again; a recurrent state saved as of where
+            # the next turn goes back to (`save_point`) reads on from there with that turn.
+            if held < snap.n_decoded and not backend.recurrent:
                 session.tokens = list(snap.tokens[:snap.n_decoded])
                 session._decode_pending(on_progress)
                 session.rebuilt_tokens = session._rebuilt_pending = snap.n_decoded - held
