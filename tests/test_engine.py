@@ -256,12 +256,10 @@ def test_the_recorded_layout_is_the_one_llama_cpp_writes(make_backend, kv_type):
     """Flash attention is llama.cpp's choice, and the context says which V layout its state
     bytes have: the one a piece of them is found to have (a state key without it would let a
     state of the other layout be handed to llama.cpp, which refuses it)."""
-    from quipu.engine.kvstate import check_piece
-
     backend = make_backend(kv_type=kv_type)
     tokens = backend.tokenize("hello world the sky", add_special=True, parse_special=False)
     backend.prefill(tokens, 0)
-    piece = check_piece(backend.state_since(0), seq_id=1, cells=len(tokens), first=0, n_layer=backend.n_layer)
+    piece = backend.check_piece(backend.state_since(0), 0, len(tokens))
     assert backend.context.v_trans is not None
     assert piece.v_trans == backend.context.v_trans
     assert backend.context.state_key()["v_trans"] == piece.v_trans

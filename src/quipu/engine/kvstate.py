@@ -89,12 +89,13 @@ class Piece:
 
 
 def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int, n_layer: int,
-                window: int | None = None, cell_ext: int = 0, recurrent: bool = False) -> Piece:
+                window: int | None = None, cell_ext: int | None = None, recurrent: bool = False) -> Piece:
     """Checks that `data` is the state of `cells` cells of sequence `seq_id` at positions
     `first`, `first` + 1, ... in order, in each cache of the layout above, for a model of
-    `n_layer` layers; raises SnapshotError naming what differs. With `window`, a window cache
+    `n_layer` layers with a cache (not those reusing another's); raises SnapshotError naming what differs. With `window`, a window cache
     (the second) holds only the last `window` of them (a ring's piece: ring.py). `cell_ext`: the
-    bytes of a cell's extension (an M-RoPE model's). `recurrent`: a hybrid model's, whose
+    bytes of a cell's extension (an M-RoPE model's, or a model's with per-layer embeddings; None:
+    as the cells are found to have, none or `CELL_EXT`). `recurrent`: a hybrid model's, whose
     attention cache holds some of the layers, and whose recurrent state follows it (one cell,
     at the last position: `_check_recurrent`)."""
     read = Reader(data, "the piece of context state")
@@ -112,17 +113,17 @@ def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int
         if count != expected:
             raise SnapshotError(f"the piece of context state holds {count} cells, not {expected}")
         if count:
-            size = _CELL.size + cell_ext
-            held = read.skip(count * size)
             # (a ring's cells come in cell order: the positions from where it wraps first)
             low = first + cells - count
-            turn = _CELL.unpack_from(held, 0)[0] - low if ring and window is not None else 0
-            for i in range(count):
-                pos, n_seq = _CELL_HEAD.unpack_from(held, i * size)
-                (seq,) = _I32.unpack_from(held, i * size + _CELL_HEAD.size + cell_ext)
-                if n_seq != 1 or seq != seq_id or not 0 <= turn < count or pos != low + (turn + i) % count:
-                    raise SnapshotError(f"cell {i} of the piece of context state is not the one expected "
-                                        f"(position {pos}, {n_seq} sequences)")
+            turn = _CELL.unpack_from(read.view, read.at)[0] - low if ring and window is not None and \
+                read.at + _CELL.size <= len(view) else 0
+            found = [_cells_wrong(read, count, ext, seq_id, low, turn) for ext in
+                     ((cell_ext,) if cell_ext is not None else (0, CELL_EXT))]
+            ext = next(((0, CELL_EXT)[i] if cell_ext is None else cell_ext for i, wrong in enumerate(found)
+                        if wrong is None), None)
+            if ext is None:
+                raise SnapshotError(found[0] or "the piece's cells are not the ones expected")
+            read.skip(count * (_CELL.size + ext))
             trans, layers = take(_U32)[0], take(_U32)[0]
             if trans not in (0, 1) or not 0 < layers <= n_layer - layers_seen or v_trans not in (None, trans):
                 raise SnapshotError("the piece of context state is not of this model's layout")
@@ -146,6 +147,21 @@ def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int
     if read.at != len(view) or (cells and not recurrent and layers_seen != n_layer):
         raise SnapshotError("the piece of context state is not of the layout quipu reads")
     return Piece(cells, first, first + cells - 1, bool(v_trans))
+
+
+def _cells_wrong(read: Reader, count: int, ext: int, seq_id: int, low: int, turn: int) -> str | None:
+    """What is wrong with the `count` cells at the reader's place, each of `ext` bytes of
+    extension, as cells of sequence `seq_id` at positions from `low` (from `turn` on, wrapping:
+    a ring's), without moving it; None: nothing."""
+    size = _CELL.size + ext
+    if read.at + count * size > len(read.view):
+        return "the piece of context state ends early"
+    for i in range(count):
+        pos, n_seq = _CELL_HEAD.unpack_from(read.view, read.at + i * size)
+        (seq,) = _I32.unpack_from(read.view, read.at + i * size + _CELL_HEAD.size + ext)
+        if n_seq != 1 or seq != seq_id or not 0 <= turn < count or pos != low + (turn + i) % count:
+            return f"cell {i} of the piece of context state is not the one expected (position {pos}, {n_seq} sequences)"
+    return None
 
 
 def _check_recurrent(read: Reader, last: int, n_layer: int) -> None:

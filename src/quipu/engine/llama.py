@@ -33,7 +33,7 @@ from quipu.engine.embeddings import Embeddings
 from quipu.engine.llama_context import NativeContext, context_params
 from quipu.engine.media import Media, Positions, is_media, runs
 from quipu.engine.llama_rows import BatchRows
-from quipu.engine.kvstate import CELL_EXT, Piece, check_piece
+from quipu.engine.kvstate import Piece, check_piece
 from quipu.engine.llama_state import StateBytes
 from quipu.engine.logs import LOG
 from quipu.engine.model import LlamaModel, check_gguf
@@ -274,11 +274,8 @@ class LlamaBackend:
         """What a piece of `state_since(start)` holds, checked to be `cells` cells from `start` on
         in the layout quipu reads (kvstate.py); SnapshotError where it is not."""
         _, state = unpack(piece)
-        rope = lc.llama_model_rope_type(self.model.ptr)
-        return check_piece(state, seq_id=1, cells=cells, first=start, n_layer=int(lc.llama_model_n_layer(self.model.ptr)),
-                           window=self.model.n_swa if self.ring else None,
-                           cell_ext=CELL_EXT if rope in (lc.LLAMA_ROPE_TYPE_MROPE, lc.LLAMA_ROPE_TYPE_IMROPE) else 0,
-                           recurrent=self.recurrent)
+        return check_piece(state, seq_id=1, cells=cells, first=start, n_layer=self.model.n_layer_kv,
+                           window=self.model.n_swa if self.ring else None, recurrent=self.recurrent)
 
     def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
         """A state saved whole, then pieces of it, in order. A hybrid's piece goes back to its

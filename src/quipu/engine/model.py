@@ -95,6 +95,13 @@ class LlamaModel:
         # (a file's length that does not fit llama.cpp's 32-bit signed field reads negative: unknown)
         self.n_ctx_train = max(0, lc.llama_model_n_ctx_train(model))
         self.n_swa = lc.llama_model_n_swa(model)  # (0: no layer attends through a sliding window)
+        # The layers that keep a cache of their own: not those that reuse an earlier layer's (Gemma
+        # 3n's last 15 of 35, `gemma3n.cpp`; Gemma 4's small models, `attention.shared_kv_layers`).
+        n_layer = int(lc.llama_model_n_layer(model))
+        arch = self._meta("general.architecture")
+        shared = self._meta(f"{arch}.attention.shared_kv_layers")
+        self.n_layer_kv = 20 if arch == "gemma3n" and n_layer > 20 else n_layer - int(shared) \
+            if shared.isdigit() and 0 < int(shared) < n_layer else n_layer
         self._pieces: dict[int, bytes] = {}
         self._max_token_bytes: int | None = None
         self._spellings_in: dict[str, set[str]] = {}  # (the short texts asked of already)
@@ -103,6 +110,12 @@ class LlamaModel:
         self._special_tokens: dict[str, int] | None = None
         self._guidance: Any = None  # llguidance's view of the vocabulary, once built (constraint.py)
         self._piece_buf = ctypes.create_string_buffer(256)
+
+    def _meta(self, key: str) -> str:
+        """A metadata value of the model as text ("" where it has none)."""
+        buf = ctypes.create_string_buffer(256)
+        n = lc.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else ""
 
     def acquire(self) -> "LlamaModel":
         if self.ptr is None:
