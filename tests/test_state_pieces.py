@@ -301,3 +301,23 @@ def test_a_chat_s_prompt_comes_back_with_the_transcript_written_and_a_kill_then_
     out, err = turn(quipu, tiny_model, "c", "and then?")
     assert "Traceback" not in err and out["usage"]["cached_tokens"] > 1000
     assert tokens(home, "c")[:len(record["tokens"]) - 13] == record["tokens"][:-13]
+
+
+def test_a_model_whose_last_layers_share_a_cache_saves_its_later_turns_as_pieces(quipu, home, tmp_path):
+    # Gemma 4's small models (and Gemma 3n) have layers that read an earlier layer's cache: the
+    # context's state holds fewer layers than the model, and a piece holds those it holds.
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tinymodel import write_tiny_gemma4
+
+    model = write_tiny_gemma4(tmp_path / "gemma4.gguf")
+    said = []
+    for prompt in [LONG, *TURNS]:
+        r = quipu("run", "-m", model, "-S", "g", "-n", "12", *HOT, "--verbose", prompt)
+        assert r.returncode == 0, r.stderr.decode()[-800:]
+        said.append(r.stderr.decode())
+    assert not any("saved whole" in s for s in said[1:]), [line for s in said for line in s.splitlines() if "whole" in line]
+    pieces, _, damage = read_log(home / "data" / "sessions" / "g.kvlog")
+    assert len(pieces) == len(TURNS) and damage is None
+    chat = quipu("chat", "-m", model, "-S", "one", "-n", "12", *HOT, input="\n".join([LONG, *TURNS]) + "\n")
+    assert chat.returncode == 0, chat.stderr.decode()[-800:]
+    assert tokens(home, "g") == tokens(home, "one")

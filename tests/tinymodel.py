@@ -522,3 +522,82 @@ def write_tiny_lfm2(path: Path, *, n_embd: int = 128, n_layer: int = 4, n_head: 
         writer.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
     _finish(writer)
     return Path(path)
+
+
+def write_tiny_gemma4(path: Path, *, n_embd: int = 128, n_layer: int = 6, n_head: int = 4, n_head_kv: int = 2,
+                      n_ff: int = 256, window: int = 64, shared_kv_layers: int = 2, seed: int = 0,
+                      chat_template: str | None = CHATML) -> Path:
+    """A tiny random model of Gemma 4's small models' architecture (`gemma4`, as the vendored
+    `src/models/gemma4.cpp` reads it): sliding-window and full attention layers, and the last
+    `shared_kv_layers` reusing an earlier layer's cache (so the context's state holds fewer layers
+    than the model has); SentencePiece's vocabulary."""
+    import gguf
+
+    tokens, scores, types = vocab()
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+
+    def w(*shape: int, scale: float = 0.5) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, dtype=np.float32)
+
+    writer = gguf.GGUFWriter(str(path), "gemma4")
+    writer.add_name("tiny-gemma4")
+    writer.add_file_type(0)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_uint32("gemma4.attention.key_length_swa", head_dim)
+    writer.add_uint32("gemma4.attention.value_length_swa", head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_sliding_window(window)
+    # Window layers but the last before the shared ones and the last of all: a shared layer reads
+    # the last own layer of its kind (`llama-model.cpp`'s reuse for gemma4).
+    kv_from = n_layer - shared_kv_layers
+    swa = [i not in (kv_from - 1, n_layer - 1) for i in range(n_layer)]
+    writer.add_array("gemma4.attention.sliding_window_pattern", swa)
+    writer.add_uint32("gemma4.attention.shared_kv_layers", shared_kv_layers)
+    writer.add_uint32("gemma4.embedding_length_per_layer_input", 0)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(4)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+
+    writer.add_tensor("token_embd.weight", w(len(tokens), n_embd))
+    writer.add_tensor("output_norm.weight", ones(n_embd))
+    writer.add_tensor("rope_freqs.weight", ones(head_dim // 2))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        own = i < n_layer - shared_kv_layers  # (the last ones read an earlier layer's cache)
+        writer.add_tensor(p + "attn_norm.weight", ones(n_embd))
+        writer.add_tensor(p + "attn_q.weight", w(n_head * head_dim, n_embd, scale=1.5))
+        if own:
+            writer.add_tensor(p + "attn_k.weight", w(n_head_kv * head_dim, n_embd, scale=1.5))
+            writer.add_tensor(p + "attn_v.weight", w(n_head_kv * head_dim, n_embd))
+            writer.add_tensor(p + "attn_k_norm.weight", ones(head_dim) * 3)
+        writer.add_tensor(p + "attn_output.weight", w(n_embd, n_head * head_dim))
+        writer.add_tensor(p + "attn_q_norm.weight", ones(head_dim) * 3)
+        writer.add_tensor(p + "post_attention_norm.weight", ones(n_embd))
+        writer.add_tensor(p + "ffn_norm.weight", ones(n_embd))
+        writer.add_tensor(p + "ffn_gate.weight", w(n_ff, n_embd))
+        writer.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
+        writer.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
+        writer.add_tensor(p + "post_ffw_norm.weight", ones(n_embd))
+    _finish(writer)
+    return Path(path)
