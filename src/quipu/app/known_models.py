@@ -34,6 +34,8 @@ KNOWN: dict[str, KnownModel] = {
     "mistral:7b": KnownModel("bartowski/Mistral-7B-Instruct-v0.3-GGUF", "Q4_K_M", 4_370 * MB, "Mistral 7B v0.3"),
     "gpt-oss:20b": KnownModel("ggml-org/gpt-oss-20b-GGUF", "MXFP4", 12_100 * MB,
                               "OpenAI's gpt-oss, 20B (16 GB of memory); reasons, tools"),
+    "lfm2:350m": KnownModel("LiquidAI/LFM2-350M-GGUF", "Q4_K_M", 229 * MB,
+                            "Liquid AI's LFM2, 350M: a hybrid (short convolutions and attention), fast on a CPU"),
 }
 
 # NAME:TAG, and a quantization after a second colon: no slash, so never a Hub repository.

@@ -314,12 +314,20 @@ class InferenceSession(HeldTokens):
         """How many of `tokens` the context would keep for them: their common beginning, as far
         back as it can go (a recurrent state: to a checkpoint)."""
         keep = common_prefix(tokens, self.tokens)
+        if keep > self.n_decoded + 1:  # (tokens held but not read yet, past a reply's last: read with the turn)
+            return self.n_decoded
         return keep if keep >= self.n_decoded else self.backend.rewinds_to(keep)
 
     def rebuild(self, tokens: Sequence[int], n_decoded: int, on_progress: ProgressFn | None = None) -> None:
-        """Re-reads `tokens[:n_decoded]` into an empty context; the rest stay pending."""
+        """Re-reads `tokens[:n_decoded]` into an empty context; the rest stay pending. A recurrent
+        state reads them with the next prompt instead, whose marks keep the checkpoints that a
+        later rewind comes back to (and which the next turn's rewind would otherwise lack)."""
         self.rewind(0)
         self._check_room(len(tokens))
+        if self.backend.recurrent:
+            self.tokens = list(tokens)
+            self._reset_sampler()
+            return
         self.tokens = list(tokens[:n_decoded])
         self._decode_pending(on_progress)
         self.tokens.extend(tokens[n_decoded:])
