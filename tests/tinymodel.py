@@ -176,23 +176,9 @@ def write_tiny_gguf(
     if rope_sections:  # (M-RoPE: the rotary dimensions of time, height, width and the rest)
         writer.add_rope_dimension_sections(list(rope_sections))
     if tokenizer == "bpe":
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(tokens)
-        writer.add_token_types(types)
-        writer.add_token_merges(merges)
+        _add_bpe(writer, tokens, types, merges, chat_template)
     else:
-        writer.add_tokenizer_model("llama")
-        writer.add_token_list(tokens)
-        writer.add_token_scores(scores)
-        writer.add_token_types(types)
-        writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(4)
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
-    if chat_template is not None:
-        writer.add_chat_template(chat_template)
+        _add_spm(writer, tokens, scores, types, chat_template)
 
     writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
     writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
@@ -213,6 +199,38 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
+
+
+def _add_specials(writer, chat_template: str | None, add_bos: bool = True) -> None:
+    """The special tokens' keys every tiny model has (BOS 1, EOS 4: `<|im_end|>` in a BPE
+    vocabulary), and its chat template."""
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(4)
+    writer.add_add_bos_token(add_bos)
+    writer.add_add_eos_token(False)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+
+
+def _add_bpe(writer, tokens: list[str], types: list[int], merges: list[str], chat_template: str | None,
+             add_bos: bool = True) -> None:
+    """A byte-level BPE vocabulary (`bpe_vocab`) and its special tokens."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    _add_specials(writer, chat_template, add_bos)
+
+
+def _add_spm(writer, tokens: list[str], scores: list[float], types: list[int], chat_template: str | None) -> None:
+    """A SentencePiece vocabulary (`vocab`) and its special tokens."""
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    _add_specials(writer, chat_template)
 
 
 def _encoder_blocks(writer, prefix: str, w, n_layer: int, n_embd: int, n_ff: int, key_bias: bool = True) -> None:
@@ -389,18 +407,29 @@ def _hybrid_writer(path: Path, architecture: str, *, n_embd: int, n_layer: int, 
     writer.add_feed_forward_length(n_ff)
     writer.add_head_count(n_head)
     writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(4)  # <|im_end|>
-    writer.add_add_bos_token(False)
-    writer.add_add_eos_token(False)
-    if chat_template is not None:
-        writer.add_chat_template(chat_template)
+    _add_bpe(writer, tokens, types, merges, chat_template, add_bos=False)
     return writer, len(tokens)
+
+
+def _draws(seed: int):
+    """A generator of random weights, and `w(*shape, scale=0.5)`, which draws a normal tensor of them."""
+    rng = np.random.default_rng(seed)
+
+    def w(*shape: int, scale: float = 0.5) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    return rng, w
+
+
+def _ones(n: int) -> np.ndarray:
+    return np.ones(n, dtype=np.float32)
+
+
+def _add_ffn(writer, prefix: str, w, n_embd: int, n_ff: int) -> None:
+    """A block's gated feed-forward (`w` draws the random weights)."""
+    writer.add_tensor(prefix + "ffn_gate.weight", w(n_ff, n_embd))
+    writer.add_tensor(prefix + "ffn_up.weight", w(n_ff, n_embd))
+    writer.add_tensor(prefix + "ffn_down.weight", w(n_embd, n_ff))
 
 
 def _finish(writer) -> None:
@@ -418,15 +447,9 @@ def write_tiny_qwen35(path: Path, *, n_embd: int = 128, n_layer: int = 4, n_head
     state), every fourth gated attention with M-RoPE (IMROPE) and Q/K norms. The DeltaNet's decay
     is slowed and the attention sharpened, so that the next token depends on the whole history
     (two histories that differ early give different next tokens)."""
-    rng = np.random.default_rng(seed)
+    rng, w = _draws(seed)
     head_dim = n_embd // n_head
     key_dim, value_dim = d_state * n_group, d_state * n_v_heads
-
-    def w(*shape: int, scale: float = 0.5) -> np.ndarray:
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    def ones(n: int) -> np.ndarray:
-        return np.ones(n, dtype=np.float32)
 
     writer, n_vocab = _hybrid_writer(path, "qwen35", n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_ff=n_ff,
                                      n_ctx_train=n_ctx_train, chat_template=chat_template,
@@ -446,19 +469,19 @@ def write_tiny_qwen35(path: Path, *, n_embd: int = 128, n_layer: int = 4, n_head
     writer.add_uint32("qwen35.full_attention_interval", 4)
 
     writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
-    writer.add_tensor("output_norm.weight", ones(n_embd))
+    writer.add_tensor("output_norm.weight", _ones(n_embd))
     writer.add_tensor("output.weight", w(n_vocab, n_embd))
     for i in range(n_layer):
         p = f"blk.{i}."
-        writer.add_tensor(p + "attn_norm.weight", ones(n_embd))
-        writer.add_tensor(p + "post_attention_norm.weight", ones(n_embd))
+        writer.add_tensor(p + "attn_norm.weight", _ones(n_embd))
+        writer.add_tensor(p + "post_attention_norm.weight", _ones(n_embd))
         if (i + 1) % 4 == 0:  # gated attention: the query and its gate
             writer.add_tensor(p + "attn_q.weight", w(2 * n_head * head_dim, n_embd, scale=1.5))
             writer.add_tensor(p + "attn_k.weight", w(n_head_kv * head_dim, n_embd, scale=1.5))
             writer.add_tensor(p + "attn_v.weight", w(n_head_kv * head_dim, n_embd))
             writer.add_tensor(p + "attn_output.weight", w(n_embd, n_head * head_dim))
-            writer.add_tensor(p + "attn_q_norm.weight", ones(head_dim) * 3)
-            writer.add_tensor(p + "attn_k_norm.weight", ones(head_dim) * 3)
+            writer.add_tensor(p + "attn_q_norm.weight", _ones(head_dim) * 3)
+            writer.add_tensor(p + "attn_k_norm.weight", _ones(head_dim) * 3)
         else:  # Gated DeltaNet
             writer.add_tensor(p + "attn_qkv.weight", w(2 * key_dim + value_dim, n_embd))
             writer.add_tensor(p + "attn_gate.weight", w(value_dim, n_embd))
@@ -467,11 +490,9 @@ def write_tiny_qwen35(path: Path, *, n_embd: int = 128, n_layer: int = 4, n_head
             writer.add_tensor(p + "ssm_a", -np.exp(rng.uniform(-5, -3, n_v_heads)).astype(np.float32))
             writer.add_tensor(p + "ssm_beta.weight", w(n_v_heads, n_embd))
             writer.add_tensor(p + "ssm_alpha.weight", w(n_v_heads, n_embd, scale=0.05))
-            writer.add_tensor(p + "ssm_norm.weight", ones(d_state))
+            writer.add_tensor(p + "ssm_norm.weight", _ones(d_state))
             writer.add_tensor(p + "ssm_out.weight", w(n_embd, value_dim))
-        writer.add_tensor(p + "ffn_gate.weight", w(n_ff, n_embd))
-        writer.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
-        writer.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
+        _add_ffn(writer, p, w, n_embd, n_ff)
     _finish(writer)
     return Path(path)
 
@@ -482,14 +503,8 @@ def write_tiny_lfm2(path: Path, *, n_embd: int = 128, n_layer: int = 4, n_head: 
     """A tiny random model of LFM2's architecture (`lfm2`, as the vendored `src/models/lfm2.cpp`
     reads it): short gated convolutions (a recurrent state of their last inputs), every other
     layer attention with Q/K norms; a layer whose `head_count_kv` is 0 is a convolution."""
-    rng = np.random.default_rng(seed)
+    rng, w = _draws(seed)
     head_dim = n_embd // n_head
-
-    def w(*shape: int, scale: float = 0.5) -> np.ndarray:
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    def ones(n: int) -> np.ndarray:
-        return np.ones(n, dtype=np.float32)
 
     writer, n_vocab = _hybrid_writer(path, "lfm2", n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_ff=n_ff,
                                      n_ctx_train=n_ctx_train, chat_template=chat_template, extra_specials=())
@@ -500,26 +515,24 @@ def write_tiny_lfm2(path: Path, *, n_embd: int = 128, n_layer: int = 4, n_head: 
     writer.add_uint32("lfm2.shortconv.l_cache", l_cache)
 
     writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
-    writer.add_tensor("token_embd_norm.weight", ones(n_embd))
+    writer.add_tensor("token_embd_norm.weight", _ones(n_embd))
     writer.add_tensor("output.weight", w(n_vocab, n_embd))
     for i in range(n_layer):
         p = f"blk.{i}."
-        writer.add_tensor(p + "attn_norm.weight", ones(n_embd))
-        writer.add_tensor(p + "ffn_norm.weight", ones(n_embd))
+        writer.add_tensor(p + "attn_norm.weight", _ones(n_embd))
+        writer.add_tensor(p + "ffn_norm.weight", _ones(n_embd))
         if attention[i]:
             writer.add_tensor(p + "attn_q.weight", w(n_embd, n_embd, scale=1.5))
             writer.add_tensor(p + "attn_k.weight", w(n_head_kv * head_dim, n_embd, scale=1.5))
             writer.add_tensor(p + "attn_v.weight", w(n_head_kv * head_dim, n_embd, scale=3.0))
             writer.add_tensor(p + "attn_output.weight", w(n_embd, n_embd))
-            writer.add_tensor(p + "attn_q_norm.weight", ones(head_dim) * 3)
-            writer.add_tensor(p + "attn_k_norm.weight", ones(head_dim) * 3)
+            writer.add_tensor(p + "attn_q_norm.weight", _ones(head_dim) * 3)
+            writer.add_tensor(p + "attn_k_norm.weight", _ones(head_dim) * 3)
         else:
             writer.add_tensor(p + "shortconv.conv.weight", w(n_embd, l_cache))
             writer.add_tensor(p + "shortconv.in_proj.weight", w(3 * n_embd, n_embd, scale=0.2))
             writer.add_tensor(p + "shortconv.out_proj.weight", w(n_embd, n_embd))
-        writer.add_tensor(p + "ffn_gate.weight", w(n_ff, n_embd))
-        writer.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
-        writer.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
+        _add_ffn(writer, p, w, n_embd, n_ff)
     _finish(writer)
     return Path(path)
 
@@ -534,14 +547,8 @@ def write_tiny_gemma4(path: Path, *, n_embd: int = 128, n_layer: int = 6, n_head
     import gguf
 
     tokens, scores, types = vocab()
-    rng = np.random.default_rng(seed)
+    rng, w = _draws(seed)
     head_dim = n_embd // n_head
-
-    def w(*shape: int, scale: float = 0.5) -> np.ndarray:
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    def ones(n: int) -> np.ndarray:
-        return np.ones(n, dtype=np.float32)
 
     writer = gguf.GGUFWriter(str(path), "gemma4")
     writer.add_name("tiny-gemma4")
@@ -567,37 +574,25 @@ def write_tiny_gemma4(path: Path, *, n_embd: int = 128, n_layer: int = 6, n_head
     writer.add_array("gemma4.attention.sliding_window_pattern", swa)
     writer.add_uint32("gemma4.attention.shared_kv_layers", shared_kv_layers)
     writer.add_uint32("gemma4.embedding_length_per_layer_input", 0)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(4)
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
-    if chat_template is not None:
-        writer.add_chat_template(chat_template)
+    _add_spm(writer, tokens, scores, types, chat_template)
 
     writer.add_tensor("token_embd.weight", w(len(tokens), n_embd))
-    writer.add_tensor("output_norm.weight", ones(n_embd))
-    writer.add_tensor("rope_freqs.weight", ones(head_dim // 2))
+    writer.add_tensor("output_norm.weight", _ones(n_embd))
+    writer.add_tensor("rope_freqs.weight", _ones(head_dim // 2))
     for i in range(n_layer):
         p = f"blk.{i}."
         own = i < n_layer - shared_kv_layers  # (the last ones read an earlier layer's cache)
-        writer.add_tensor(p + "attn_norm.weight", ones(n_embd))
+        writer.add_tensor(p + "attn_norm.weight", _ones(n_embd))
         writer.add_tensor(p + "attn_q.weight", w(n_head * head_dim, n_embd, scale=1.5))
         if own:
             writer.add_tensor(p + "attn_k.weight", w(n_head_kv * head_dim, n_embd, scale=1.5))
             writer.add_tensor(p + "attn_v.weight", w(n_head_kv * head_dim, n_embd))
-            writer.add_tensor(p + "attn_k_norm.weight", ones(head_dim) * 3)
+            writer.add_tensor(p + "attn_k_norm.weight", _ones(head_dim) * 3)
         writer.add_tensor(p + "attn_output.weight", w(n_embd, n_head * head_dim))
-        writer.add_tensor(p + "attn_q_norm.weight", ones(head_dim) * 3)
-        writer.add_tensor(p + "post_attention_norm.weight", ones(n_embd))
-        writer.add_tensor(p + "ffn_norm.weight", ones(n_embd))
-        writer.add_tensor(p + "ffn_gate.weight", w(n_ff, n_embd))
-        writer.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
-        writer.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
-        writer.add_tensor(p + "post_ffw_norm.weight", ones(n_embd))
+        writer.add_tensor(p + "attn_q_norm.weight", _ones(head_dim) * 3)
+        writer.add_tensor(p + "post_attention_norm.weight", _ones(n_embd))
+        writer.add_tensor(p + "ffn_norm.weight", _ones(n_embd))
+        _add_ffn(writer, p, w, n_embd, n_ff)
+        writer.add_tensor(p + "post_ffw_norm.weight", _ones(n_embd))
     _finish(writer)
     return Path(path)

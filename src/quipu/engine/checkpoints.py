@@ -64,14 +64,6 @@ class Checkpoints:
     def __iter__(self) -> Iterator[Checkpoint]:
         return iter(self._held)
 
-    def __len__(self) -> int:
-        return len(self._held)
-
-    @property
-    def size(self) -> int:
-        """The bytes their states take."""
-        return sum(len(c.state) for c in self._held)
-
     def add(self, checkpoint: Checkpoint) -> None:
         kept = [c for c in self._held if c.at < checkpoint.at]
         self._held = (kept + [checkpoint])[-self.limit:]
