@@ -218,3 +218,26 @@ def test_a_damaged_checkpoint_is_never_handed_to_llama_cpp_and_costs_a_read(quip
     r = quipu("run", "-m", hybrid, "-S", "hurt", "-n", "10", *GREEDY, "--json", TURNS[2])
     assert r.returncode == 0, r.stderr.decode()[-800:]
     assert "re-read" in r.stderr.decode() or "read again" in r.stderr.decode()
+
+
+def test_a_checkpoint_that_lies_about_where_it_is_is_not_trusted(quipu, hybrid, home):
+    # A state file with a valid checksum whose checkpoint says it is further on than its state:
+    # set back, the state ends elsewhere, and the context is read again rather than trusted
+    # (llama.cpp itself would take it, the attention cells past the state left in place).
+    from quipu.engine.checkpoints import Checkpoint, pack, unpack
+    from quipu.store.statefile import decode_state, encode_state
+
+    _json(quipu("run", "-m", hybrid, "-S", "lied", "-n", "10", *GREEDY, "--json", TURNS[0]))
+    assert quipu("sessions", "fork", "lied", "honest").returncode == 0
+    path = home / "data" / "sessions" / "lied.kv"
+    blob = decode_state(path.read_bytes())
+    held, state = unpack(blob.state)
+    assert held
+    path.write_bytes(encode_state(blob.meta, pack([Checkpoint(c.n + 5, c.at + 5, c.state) for c in held], state)))
+    honest = quipu("run", "-m", hybrid, "-S", "honest", "-n", "10", *GREEDY, "--json", "--verbose", TURNS[1])
+    lied = quipu("run", "-m", hybrid, "-S", "lied", "-n", "10", *GREEDY, "--json", "--verbose", TURNS[1])
+    if "went back to its checkpoint" in honest.stderr.decode():  # (Qwen 3.5's template goes back there)
+        assert _json(lied)["usage"]["cached_tokens"] == 0 and "read again" in lied.stderr.decode()
+    else:  # (LFM2's keeps the reply: the turn needs no checkpoint)
+        assert _json(lied)["usage"] == _json(honest)["usage"]
+    assert _tokens(home, "lied") == _tokens(home, "honest")

@@ -54,11 +54,13 @@ class Checkpoint:
 
 
 class Checkpoints:
-    """A context's checkpoints, oldest first, at most `limit`: a new one replaces those at or
-    after its position (the history went another way there), and the oldest go first."""
+    """A context's checkpoints, oldest first, at most `limit` and `max_bytes` of them (but two): a
+    new one replaces those at or after its position (the history went another way there), and
+    the oldest go first."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, max_bytes: int):
         self.limit = limit
+        self.max_bytes = max_bytes
         self._held: list[Checkpoint] = []
 
     def __iter__(self) -> Iterator[Checkpoint]:
@@ -66,7 +68,7 @@ class Checkpoints:
 
     def add(self, checkpoint: Checkpoint) -> None:
         kept = [c for c in self._held if c.at < checkpoint.at]
-        self._held = (kept + [checkpoint])[-self.limit:]
+        self.replace(kept + [checkpoint])
 
     def at(self, n: int) -> Checkpoint | None:
         """The one after the first `n` tokens, if any."""
@@ -81,7 +83,10 @@ class Checkpoints:
         return [c for c in reversed(self._held) if c.n <= n]
 
     def replace(self, held: Sequence[Checkpoint]) -> None:
-        self._held = list(held)[-self.limit:]
+        held = list(held)[-self.limit:]
+        while len(held) > 2 and sum(len(c.state) for c in held) > self.max_bytes:
+            held.pop(0)
+        self._held = held
 
     def clear(self) -> None:
         self._held = []

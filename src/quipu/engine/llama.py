@@ -47,6 +47,8 @@ CHECKPOINTS = 4  # the ring's checkpoints a context keeps (a few prompts back; l
 # (llama-server keeps up to 32 a slot).
 RECURRENT_CHECKPOINTS = 8
 _PARTIAL = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+# And at most so many bytes of them (but two): Qwen 3.5 27B's recurrent state is 157 MB.
+CHECKPOINT_BYTES = 1 << 30
 
 
 def place(path: Path, offload: Offload, context: ContextSettings, *, detail: bool = False) -> Placement:
@@ -124,7 +126,7 @@ class LlamaBackend:
         self.recurrent = bool(lc.llama_model_is_recurrent(model.ptr) or lc.llama_model_is_hybrid(model.ptr))
         # The ring's cells, or the recurrent state, where a prompt began to be read (and, for a
         # recurrent state, where the caller marked it).
-        self._checkpoints = Checkpoints(RECURRENT_CHECKPOINTS if self.recurrent else CHECKPOINTS)
+        self._checkpoints = Checkpoints(RECURRENT_CHECKPOINTS if self.recurrent else CHECKPOINTS, CHECKPOINT_BYTES)
         self.last_rewind: str | None = None  # how the last rewind went back, where it could not go back exactly
 
     # ---- vocabulary: the model's ----------------------------------------------------------
@@ -437,7 +439,9 @@ class LlamaBackend:
                 self.native.set_seq_state(c.state, 0, "a checkpoint of the recurrent state", _PARTIAL)
             except EngineError:
                 break  # (the context was emptied)
-            if lc.llama_memory_seq_rm(mem, 0, c.at, -1):
+            # (the state set back must end where the checkpoint says, the attention cells going on
+            # past it: one read from a file that says otherwise is not trusted, and is read again)
+            if lc.llama_memory_seq_pos_max(mem, 0) == c.at - 1 and lc.llama_memory_seq_rm(mem, 0, c.at, -1):
                 self._positions.forget(c.n)
                 self._checkpoints.keep_to(c.at)
                 if c.n < n_keep:
