@@ -245,3 +245,24 @@ def test_a_checkpoint_that_lies_about_where_it_is_is_not_trusted(quipu, hybrid, 
     else:  # (LFM2's keeps the reply: the turn needs no checkpoint)
         assert _json(lied)["usage"] == _json(honest)["usage"]
     assert _tokens(home, "lied") == _tokens(home, "honest")
+
+
+def test_a_batch_session_s_next_batch_goes_back_to_its_own_shared_beginning(make_backend, hybrid):
+    # A sequence that answered a row goes back to the rows' shared beginning's recurrent state:
+    # that of this batch, not of one before it on the same context.
+    from quipu.sessions.batch import BatchRow, BatchSession
+    from quipu.sessions.inference import InferenceSession
+    from quipu.sessions.params import SamplingParams
+
+    lone = make_backend(hybrid, n_ctx=1024)
+    batch = BatchSession(make_backend(hybrid, n_ctx=1024, n_seq=2))
+    for opening in ("the sky is blue over the world. ", "Paris, hello: the world and the sky. "):
+        rows = [BatchRow(lone.tokenize(opening * 3 + f"tell me of {word}", add_special=False, parse_special=False),
+                         SamplingParams(temperature=0.9, seed=7 + i), 8)
+                for i, word in enumerate(["Paris", "the sky", "the world", "hello", "blue"])]
+        done: dict = {}
+        batch.run(rows, on_done=lambda r, gen, _stats, done=done: done.__setitem__(r, gen))
+        assert batch.shared > 0
+        for i, row in enumerate(rows):
+            alone = InferenceSession(lone, row.params).complete(row.tokens, row.max_tokens)
+            assert done[i].tokens == alone.tokens, i

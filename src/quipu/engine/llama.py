@@ -451,10 +451,11 @@ class LlamaBackend:
         self.last_rewind = f"had no checkpoint at or before token {n_keep}: it is read again from the start"
 
     def _empty(self) -> None:
-        """Nothing held: the cells, the media's places, the ring's checkpoints."""
+        """Nothing held: the cells, the media's places, the checkpoints, a batch's shared beginning."""
         lc.llama_memory_clear(self.native.mem, True)
         self._positions.clear()
         self._checkpoints.clear()
+        self.rows.forget()
 
     def shift_refused(self) -> str | None:
         """Why cells cannot be dropped from the middle of the context with those after them

@@ -47,6 +47,10 @@ class BatchRows:
                 return
         raise EngineError("llama.cpp could not trim a sequence")
 
+    def forget(self) -> None:
+        """The context was emptied: no shared beginning is held."""
+        self._shared = None
+
     def seq_copy(self, src: int, dst: int) -> None:
         """Sequence `dst` becomes a copy of `src` (which must be all it holds: a shared beginning)."""
         mem, model = self._native.mem, self._native.model.ptr
