@@ -17,7 +17,9 @@ local reply to one, llguidance's token masks on llama.cpp's logits (`constraint.
 call's grammar as GBNF, for a server that samples its own tokens (`gbnf.py`); the layout of
 llama.cpp's sequence state as far as a session's saves rely on it (`kvstate.py`), and a
 sliding-window model's window cache as a ring laid out as an uninterrupted read leaves it
-(`ring.py`). Apart from
+(`ring.py`), and the checkpoints a rewind goes back to where the memory cannot go back a token,
+a ring's or a hybrid model's recurrent state, and how a snapshot carries them (`checkpoints.py`).
+Apart from
 them, models on servers: the HTTP plumbing every server request goes through (`http.py`,
 `ServerClient`), any server's OpenAI chat API (`chat_api.py`, `ChatApiModel`), and llama.cpp's
 llama-server driven by token arrays, with its slots (`llama_server.py`, `LlamaServerModel`, a
