@@ -266,3 +266,14 @@ def test_a_batch_session_s_next_batch_goes_back_to_its_own_shared_beginning(make
         for i, row in enumerate(rows):
             alone = InferenceSession(lone, row.params).complete(row.tokens, row.max_tokens)
             assert done[i].tokens == alone.tokens, i
+
+
+def test_plain_questions_about_a_piped_document_restore_it_too(quipu, hybrid):
+    # `--raw`: no template, the blank line before the question is where the document ends.
+    for i, question in enumerate(["Which is blue?", "And the world?", "Where is Paris?"]):
+        cached = _json(quipu("run", "-m", hybrid, "--raw", "-n", "8", *GREEDY, "--json", question, input=DOC))
+        fresh = _json(quipu("run", "-m", hybrid, "--raw", "-n", "8", *GREEDY, "--json", "--no-cache", question,
+                            input=DOC))
+        if i:
+            assert cached["usage"]["cached_tokens"] >= cached["usage"]["prompt_tokens"] - 10 > 600, cached["usage"]
+        assert cached["text"] == fresh["text"]

@@ -473,8 +473,19 @@ class InferenceSession(HeldTokens):
                  sink: ReplySink = SILENT) -> Generation:
         """One turn on raw tokens: the context becomes `tokens` (reusing what it can), then infer."""
         self.begin_turn()
-        self.set_context(tokens, sink)
+        self.set_context(tokens, sink, self._raw_marks(tokens) if self.backend.recurrent else ())
         return self.infer(max_tokens, stop, sink)
+
+    def _raw_marks(self, tokens: Sequence[int]) -> list[int]:
+        """Where a later plain prompt may part from this one: where its last paragraph begins
+        (after the last token that ends a blank line: piped text, then the question), and its end."""
+        text = b""
+        last = 0
+        for i, token in enumerate(tokens):
+            text = (text + self.backend.token_bytes(token))[-2:]
+            if text == b"\n\n" and i + 1 < len(tokens):
+                last = i + 1
+        return [last, len(tokens)] if last else [len(tokens)]
 
     def reply(self, prompt: TurnPrompt, max_tokens: int, stop: Sequence[str] = (),
               sink: ReplySink = SILENT) -> Generation:
