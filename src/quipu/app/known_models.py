@@ -34,6 +34,11 @@ KNOWN: dict[str, KnownModel] = {
     "mistral:7b": KnownModel("bartowski/Mistral-7B-Instruct-v0.3-GGUF", "Q4_K_M", 4_370 * MB, "Mistral 7B v0.3"),
     "gpt-oss:20b": KnownModel("ggml-org/gpt-oss-20b-GGUF", "MXFP4", 12_100 * MB,
                               "OpenAI's gpt-oss, 20B (16 GB of memory); reasons, tools"),
+    "qwen3.5:4b": KnownModel("unsloth/Qwen3.5-4B-GGUF", "Q4_K_M", 2_835 * MB,
+                             "Alibaba's Qwen 3.5, 4B: a hybrid (Gated DeltaNet and attention); thinks before it answers"),
+    "qwen3.5:9b": KnownModel("unsloth/Qwen3.5-9B-GGUF", "Q4_K_M", 6_100 * MB, "Qwen 3.5, 9B; tools"),
+    "gemma4:e2b": KnownModel("unsloth/gemma-4-E2B-it-GGUF", "Q4_K_M", 3_340 * MB, "Google's Gemma 4, E2B"),
+    "gemma4:e4b": KnownModel("unsloth/gemma-4-E4B-it-GGUF", "Q4_K_M", 5_350 * MB, "Gemma 4, E4B"),
     "lfm2:350m": KnownModel("LiquidAI/LFM2-350M-GGUF", "Q4_K_M", 229 * MB,
                             "Liquid AI's LFM2, 350M: a hybrid (short convolutions and attention), fast on a CPU"),
 }
