@@ -59,7 +59,8 @@ def report(env: Environment, opts: TurnOptions | None = None) -> dict[str, Any]:
 def model_report(env: Environment, opts: TurnOptions) -> dict[str, Any]:
     """Where the model `opts` names would run, and what it would take on each device: measured
     as a load would plan it, nothing loaded."""
-    from quipu.engine.llama import RECURRENT_CHECKPOINTS, place
+    from quipu.engine.llama import place
+    from quipu.engine.llama_memory import RECURRENT_CHECKPOINTS
     from quipu.engine.llama_context import context_params
     from quipu.engine.placement import recurrent_state, window_cache
 

@@ -4,7 +4,8 @@ runs (`settings.py`), and the llama.cpp implementation:
 one (`llama.py`), a facade over the native context it owns (`llama_context.py`: the context, its
 memory, its batch, a sequence's state bytes) and the parts built on it, each owning its own state:
 sampling, `sampler.py`, whose `SamplerChain` is the native sampler chain of one stream of tokens;
-state bytes, `llama_state.py`; the rows of a batch, `llama_rows.py`; embeddings, `embeddings.py`;
+state bytes, `llama_state.py`; what the context holds of its history and how it goes back, its
+checkpoints and pieces, `llama_memory.py`; the rows of a batch, `llama_rows.py`; embeddings, `embeddings.py`;
 images and audio through a projector and llama.cpp's mtmd, and where each token sits in the
 context, `media.py`; a projector file checked before clip.cpp trusts it,
 `projector_check.py`). Where a model runs: the devices and backends this llama.cpp

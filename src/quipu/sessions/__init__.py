@@ -9,7 +9,8 @@
   `TurnPrompt`, `Generation`, `Stats`.
 - `inference.py`: `InferenceSession`, a local llama.cpp context: feeds prompts, infers the next
   token, keeps stats, and snapshots or restores itself (`Snapshot`); `reply_watch.py`, what
-  watches its reply as it comes (a reasoning budget, a call's trigger).
+  watches its reply as it comes (a reasoning budget, a call's trigger); `marks.py`, where a
+  prompt is marked for a later one to part from it (a hybrid model's checkpoints).
 - `llama_server.py`: `LlamaServerSession`, a conversation's exact tokens on llama.cpp's
   llama-server (an `engine.TokenServer`), one request a reply, seeded per draw.
 - `chat_api.py`: `ChatApiSession`, a server's OpenAI chat API, whose context is the message list.

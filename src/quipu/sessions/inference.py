@@ -29,6 +29,7 @@ from quipu.engine.base import Backend, LogitsProcessor, ProgressFn, TokenFilter
 from quipu.engine.text import unfinished_character
 from quipu.errors import ContextOverflow, EngineError, Interrupted, QuipuError
 from quipu.sessions.base import LOCAL, SILENT, Generation, ReplySink, Stats, ToolOffer, TurnPrompt, common_prefix
+from quipu.sessions.marks import plain_marks, reply_marks
 from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.prompt import HeldTokens, Rendered, context_tokens
 from quipu.sessions.reasoning import Thinking
@@ -86,8 +87,7 @@ class InferenceSession(HeldTokens):
         self.rebuilt_tokens = 0
         self._rebuilt_pending = 0
         self.reply_start = 0  # where the reply generated last began in `tokens` (set by `infer`)
-        # How this turn's context went back where it could not go back exactly (a recurrent state
-        # to a checkpoint, or read again); None: it did.
+        # Where this turn's context went back to, where it could not go back exactly (None: it did).
         self.went_back: str | None = None
         self.logits_processors: list[LogitsProcessor] = []
         self.token_filter: TokenFilter | None = None
@@ -320,8 +320,7 @@ class InferenceSession(HeldTokens):
 
     def rebuild(self, tokens: Sequence[int], n_decoded: int, on_progress: ProgressFn | None = None) -> None:
         """Re-reads `tokens[:n_decoded]` into an empty context; the rest stay pending. A recurrent
-        state reads them with the next prompt instead, whose marks keep the checkpoints that a
-        later rewind comes back to (and which the next turn's rewind would otherwise lack)."""
+        state reads them with the next prompt instead, whose marks keep the checkpoints it needs."""
         self.rewind(0)
         self._check_room(len(tokens))
         if self.backend.recurrent:
@@ -430,26 +429,6 @@ class InferenceSession(HeldTokens):
         self._turn_started = 0.0
         return Generation(reply.text, reply.tokens, finish, call_shown=shown_before_call)
 
-    def _marks(self, prompt: TurnPrompt, tokens: Sequence[int]) -> list[int]:
-        """Where a later prompt may part from this one, for a memory that keeps checkpoints there:
-        where the reply begins (a retry, a template that leaves a reply's reasoning out of the next
-        prompt), before its generation prompt (a template that writes a past reply's header
-        otherwise), and where a last message's last paragraph begins (piped text ends: `quipu
-        run` puts a blank line between it and the question)."""
-        if prompt.render is None:
-            return [len(tokens)]
-        messages = list(prompt.messages)
-        variants = [messages]
-        last = messages[-1] if messages else None
-        if last is not None and last.role == "user" and "\n\n" in last.content.strip():
-            head = last.content.strip()
-            variants.append(messages[:-1] + [replace(last, content=head[:head.rindex("\n\n")])])
-        marks = []
-        for variant in variants:
-            made = self.context_for(prompt.render(variant, False, ""))
-            marks.append(common_prefix(made, tokens))
-        return [m for m in marks if 0 < m < len(tokens)] + [len(tokens)]
-
     def reply_spelled(self) -> str:
         """The reply just generated, control tokens spelled out (its end-of-generation token not)."""
         tokens = self.tokens[self.reply_start:]
@@ -473,19 +452,8 @@ class InferenceSession(HeldTokens):
                  sink: ReplySink = SILENT) -> Generation:
         """One turn on raw tokens: the context becomes `tokens` (reusing what it can), then infer."""
         self.begin_turn()
-        self.set_context(tokens, sink, self._raw_marks(tokens) if self.backend.recurrent else ())
+        self.set_context(tokens, sink, plain_marks(self.backend.token_bytes, tokens) if self.backend.recurrent else ())
         return self.infer(max_tokens, stop, sink)
-
-    def _raw_marks(self, tokens: Sequence[int]) -> list[int]:
-        """Where a later plain prompt may part from this one: where its last paragraph begins
-        (after the last token that ends a blank line: piped text, then the question), and its end."""
-        text = b""
-        last = 0
-        for i, token in enumerate(tokens):
-            text = (text + self.backend.token_bytes(token))[-2:]
-            if text == b"\n\n" and i + 1 < len(tokens):
-                last = i + 1
-        return [last, len(tokens)] if last else [len(tokens)]
 
     def reply(self, prompt: TurnPrompt, max_tokens: int, stop: Sequence[str] = (),
               sink: ReplySink = SILENT) -> Generation:
@@ -495,7 +463,7 @@ class InferenceSession(HeldTokens):
         # Where the reply begins: a grammar constrains the reply alone, from its first token.
         start = len(self.context_for(prompt.rendered(with_tail=False))) if prompt.tail else len(tokens)
         self.begin_turn()
-        self.set_context(tokens, sink, self._marks(prompt, tokens) if self.backend.recurrent else ())
+        self.set_context(tokens, sink, reply_marks(self.context_for, prompt, tokens) if self.backend.recurrent else ())
         began = prompt.thinking(prompt.rendered(with_tail=False).text) if prompt.tail else None
         gen = self.infer(max_tokens, stop, sink, prompt.thinking(prompt.text), prompt.offer, began, at=start)
         return replace(gen, spelled=self.reply_spelled())

@@ -1,0 +1,222 @@
+"""What a context holds of its history, and how it goes back: its state bytes with the
+checkpoints a memory that cannot go back a token keeps (a sliding window's ring, a hybrid model's
+recurrent state: `checkpoints.py`), its pieces, and its rewinds. A part of `LlamaBackend`
+(`llama.py`), which marks where a prompt is read."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from quipu.engine.checkpoints import Checkpoint, Checkpoints, pack, unpack
+from quipu.engine.kvstate import Piece, check_piece
+from quipu.engine.native import lc
+from quipu.errors import EngineError, SnapshotError
+
+if TYPE_CHECKING:
+    from quipu.engine.llama_context import NativeContext
+    from quipu.engine.llama_rows import BatchRows
+    from quipu.engine.llama_state import StateBytes
+    from quipu.engine.media import Positions
+
+CHECKPOINTS = 4  # the ring's checkpoints a context keeps (a few prompts back; llama-server keeps 8 by default)
+# A recurrent state's: three or four a turn (where its prompt began, where a piped text ends, where
+# its reply's generation prompt begins, where the reply begins), so the last two or three turns
+# (llama-server keeps up to 32 a slot).
+RECURRENT_CHECKPOINTS = 8
+# And at most so many bytes of them (but two): Qwen 3.5 27B's recurrent state is 157 MB.
+CHECKPOINT_BYTES = 1 << 30
+_PARTIAL = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+
+
+class Memory:
+    """A context's memory as its history: how much of it it holds, its checkpoints, going back."""
+
+    def __init__(self, native: NativeContext, positions: Positions, state: StateBytes, rows: BatchRows):
+        self.native = native
+        self._positions = positions
+        self.state = state
+        self._rows = rows
+        self.model = native.model
+        self.ring = native.ring
+        # A memory that cannot go back a token (a hybrid or recurrent model's state): its
+        # checkpoints are taken where a caller marks a prompt (`LlamaBackend.prefill`), and go
+        # with its snapshots.
+        self.recurrent = bool(lc.llama_model_is_recurrent(self.model.ptr) or lc.llama_model_is_hybrid(self.model.ptr))
+        # The ring's cells, or the recurrent state, where a prompt began to be read (and, for a
+        # recurrent state, where the caller marked it).
+        self._checkpoints = Checkpoints(RECURRENT_CHECKPOINTS if self.recurrent else CHECKPOINTS, CHECKPOINT_BYTES)
+        self.last_rewind: str | None = None  # how the last rewind went back, where it could not go back exactly
+
+    def snapshot_bytes(self) -> bytes | memoryview:
+        """The context's state; a recurrent state's with its checkpoints (`checkpoints.pack`)."""
+        state = self.state.snapshot_bytes()
+        return pack([c for c in self._checkpoints if c.kept], state) if self.recurrent else state
+
+    def restore_bytes(self, data: bytes | memoryview) -> None:
+        try:
+            held, state = unpack(data)
+        except SnapshotError as exc:
+            raise EngineError(f"the saved context state is damaged: {exc}") from None
+        self._checkpoints.clear()
+        self._positions.clear()
+        self.state.restore_bytes(state)
+        if self.recurrent:
+            last = lc.llama_memory_seq_pos_max(self.native.mem, 0)
+            self._checkpoints.replace([c for c in held if c.at <= last + 1])
+
+    def rewinds_to(self, n_keep: int) -> int:
+        """How many of the history's tokens `truncate(n_keep)` would keep: a recurrent state goes
+        back to its nearest checkpoint (or to nothing)."""
+        if not self.recurrent or n_keep >= self.positions():
+            return min(n_keep, self.positions())
+        return max([c.n for c in self._checkpoints.latest(n_keep)] + [0])
+
+    def restore_points(self) -> list[int] | None:
+        """The counts of the history's tokens a restore of `snapshot_bytes` can be cut back to:
+        a recurrent state's checkpoints and its end; None: any."""
+        return [c.n for c in self._checkpoints if c.kept] + [self.positions()] if self.recurrent else None
+
+    @property
+    def checkpoints(self) -> list[Checkpoint]:
+        """The checkpoints the context keeps (a ring's or a recurrent state's), oldest first."""
+        return list(self._checkpoints)
+
+    def partial_state(self, since: int | None = None) -> str | None:
+        if since is not None and self.recurrent and self.rewinds_to(since) != since:
+            return "a piece from where the recurrent state has no checkpoint"
+        return self.state.partial_state(since)
+
+    def state_since(self, start: int, end: int | None = None) -> bytes | memoryview:
+        """The cells from position `start` on; a hybrid's with its recurrent state at the end (or
+        at `end`, a checkpoint's, the cells before it alone) and the checkpoints from `start` on
+        (`checkpoints.pack`), which a restore of the piece needs."""
+        if not self.recurrent:
+            return self.state.state_since(start)
+        cut = self._checkpoints.at(end) if end is not None and end < self.positions() else None
+        if end is not None and end < self.positions() and cut is None:
+            raise EngineError(f"the recurrent state has no checkpoint at token {end}")
+        piece = self.state.state_since(start, cut.state if cut is not None else None, end)
+        # (and the one it starts from, where no snapshot carried it: a restore goes back there first)
+        # (not the one it ends at: the piece's own recurrent state is that one)
+        last = self.positions() if cut is None else cut.n
+        return pack([c for c in self._checkpoints
+                     if (c.kept and start < c.n < last) or (c.n == start and not c.kept)], piece)
+
+    def check_piece(self, piece: bytes | memoryview, start: int, cells: int) -> Piece:
+        """What a piece of `state_since(start)` holds, checked to be `cells` cells from `start` on
+        in the layout quipu reads (kvstate.py); SnapshotError where it is not."""
+        _, state = unpack(piece)
+        return check_piece(state, seq_id=1, cells=cells, first=start, n_layer=self.model.n_layer_kv,
+                           window=self.model.n_swa if self.ring else None, recurrent=self.recurrent)
+
+    def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
+        """A state saved whole, then pieces of it, in order. A hybrid's piece goes back to its
+        start first (the checkpoint there: a piece is only made from one), and brings its
+        recurrent state and checkpoints."""
+        if not self.recurrent:
+            self.state.restore_pieces(base, pieces)
+            return
+        self.restore_bytes(base)
+        mem = self.native.mem
+        for start, piece in pieces:
+            try:
+                held, state = unpack(piece)
+            except SnapshotError as exc:
+                raise EngineError(f"a piece of the saved context state is damaged: {exc}") from None
+            if self.positions() != start:
+                for c in held:
+                    if c.n == start:
+                        self._checkpoints.add(c)
+                self.truncate(start)
+            if self.positions() != start:
+                lc.llama_memory_clear(mem, True)
+                raise EngineError("a piece of the saved context state begins where its state cannot go back to")
+            self.native.set_seq_state(state, 1, "a piece of the saved context state")
+            lc.llama_memory_seq_cp(mem, 1, 0, -1, -1)
+            lc.llama_memory_seq_rm(mem, 1, -1, -1)
+            for c in held:
+                self._checkpoints.add(c)
+
+    def positions(self) -> int:
+        """How many tokens of the history the context holds (its positions, where media take as
+        many as their cells)."""
+        return self.state.positions()
+
+    def checkpoint(self, n: int, *, kept: bool = False) -> None:
+        """Keeps the ring's cells, or the recurrent state, as they are before the `n`th token is
+        read, for a rewind to there or later that the ring no longer holds the window of, or that
+        a recurrent state cannot make; the last few of them (`Checkpoints`)."""
+        held = self._checkpoints.at(n)
+        if held is not None and (held.kept or not kept):
+            return
+        # (the window's cells alone, which are all a ring laid out for `at` needs of them; the
+        # recurrent state alone)
+        self._checkpoints.add(Checkpoint(n, self._positions.position(n), self.native.seq_state(0, _PARTIAL), kept))
+
+    def truncate(self, n_keep: int) -> None:
+        """Keeps the first `n_keep` positions. A sliding-window cache that no longer holds the
+        window those positions end with (llama_memory_seq_pos_min past it) goes back to the last
+        checkpoint before them (a ring's: `positions()` then says fewer, and the rest is read
+        again), or is emptied: `positions()` then says 0, and the tokens are read again."""
+        self.last_rewind = None
+        if n_keep <= 0:
+            self.empty()
+            return
+        mem = self.native.mem
+        keep = self._positions.position(n_keep)
+        self._positions.forget(n_keep)
+        if self.recurrent:
+            self._rewind_recurrent(n_keep, keep)
+            return
+        if not lc.llama_memory_seq_rm(mem, 0, keep, -1):
+            raise EngineError("llama.cpp could not trim the context")
+        if self.ring:
+            self._checkpoints.keep_to(keep)
+            if self.state.settle_ring(keep):
+                return
+            for c in self._checkpoints.latest(n_keep):
+                lc.llama_memory_seq_rm(mem, 0, c.at, -1)
+                if self.state.settle_ring(c.at, c.state):
+                    self._positions.forget(c.n)
+                    self._checkpoints.keep_to(c.at)
+                    self.last_rewind = f"went back to its checkpoint at token {c.n} (the prompt shares {n_keep}) and reads on from there"
+                    return
+            self.empty()
+            self.last_rewind = f"had no checkpoint at or before token {n_keep}: it is read again from the start"
+            return
+        n_swa = self.model.n_swa
+        if n_swa > 0 and lc.llama_memory_seq_pos_min(mem, 0) > max(0, keep - n_swa):
+            self.empty()
+
+    def _rewind_recurrent(self, n_keep: int, keep: int) -> None:
+        """Goes back to the first `n_keep` tokens (`keep` positions) on a memory whose recurrent
+        state cannot drop a token: where the state ends before them, only attention cells go;
+        else the nearest checkpoint at or before them is set back first, and the context holds
+        what it held there (`positions()` says how much: the rest is read again); with none,
+        nothing."""
+        mem = self.native.mem
+        if lc.llama_memory_seq_rm(mem, 0, keep, -1):  # (the state ends before `keep`: nothing of it to undo)
+            self._checkpoints.keep_to(keep)
+            return
+        for c in self._checkpoints.latest(n_keep):
+            try:
+                self.native.set_seq_state(c.state, 0, "a checkpoint of the recurrent state", _PARTIAL)
+            except EngineError:
+                break  # (the context was emptied)
+            # (the state set back must end where the checkpoint says, the attention cells going on
+            # past it: one read from a file that says otherwise is not trusted, and is read again)
+            if lc.llama_memory_seq_pos_max(mem, 0) == c.at - 1 and lc.llama_memory_seq_rm(mem, 0, c.at, -1):
+                self._positions.forget(c.n)
+                self._checkpoints.keep_to(c.at)
+                if c.n < n_keep:
+                    self.last_rewind = f"went back to its checkpoint at token {c.n} (the prompt shares {n_keep}) and reads on from there"
+                return
+        self.empty()
+        self.last_rewind = f"had no checkpoint at or before token {n_keep}: it is read again from the start"
+
+    def empty(self) -> None:
+        """Nothing held: the cells, the media's places, the checkpoints, a batch's shared beginning."""
+        lc.llama_memory_clear(self.native.mem, True)
+        self._positions.clear()
+        self._checkpoints.clear()
+        self._rows.forget()

@@ -1,0 +1,42 @@
+"""Where a later prompt may part from this one: the counts of a prompt's tokens at which a
+memory that cannot go back a token (a hybrid model's recurrent state) keeps a checkpoint, so that
+the next turn, a retry or a second question goes back there instead of reading everything again
+(`Backend.prefill`'s marks)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Sequence
+
+from quipu.sessions.base import TurnPrompt, common_prefix
+from quipu.sessions.prompt import Rendered
+
+
+def reply_marks(context_for: Callable[[Rendered], list[int]], prompt: TurnPrompt, tokens: Sequence[int]) -> list[int]:
+    """A reply's prompt `tokens` (`context_for` makes a rendering's): where the reply begins (a
+    retry, a template that leaves a reply's reasoning out of the next prompt), before its
+    generation prompt (a template that writes a past reply's header otherwise), and where a last
+    message's last paragraph begins (piped text ends: `quipu run` puts a blank line between it
+    and the question)."""
+    if prompt.render is None:
+        return [len(tokens)]
+    messages = list(prompt.messages)
+    variants = [messages]
+    last = messages[-1] if messages else None
+    if last is not None and last.role == "user" and "\n\n" in last.content.strip():
+        head = last.content.strip()
+        variants.append(messages[:-1] + [replace(last, content=head[:head.rindex("\n\n")])])
+    marks = [common_prefix(context_for(prompt.render(variant, False, "")), tokens) for variant in variants]
+    return [m for m in marks if 0 < m < len(tokens)] + [len(tokens)]
+
+
+def plain_marks(token_bytes: Callable[[int], bytes], tokens: Sequence[int]) -> list[int]:
+    """A plain prompt's (`--raw`): where its last paragraph begins (after the last token that
+    ends a blank line: piped text, then the question), and its end."""
+    text = b""
+    last = 0
+    for i, token in enumerate(tokens):
+        text = (text + token_bytes(token))[-2:]
+        if text == b"\n\n" and i + 1 < len(tokens):
+            last = i + 1
+    return [last, len(tokens)] if last else [len(tokens)]
