@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tinymodel import write_tiny_lfm2, write_tiny_qwen35
+from tinymodel import write_tiny_gemma4, write_tiny_lfm2, write_tiny_qwen35
 
 TEMPLATES = Path(__file__).parent / "templates"
 GREEDY = ["-t", "0", "--seed", "3"]
@@ -277,3 +277,30 @@ def test_plain_questions_about_a_piped_document_restore_it_too(quipu, hybrid):
         if i:
             assert cached["usage"]["cached_tokens"] >= cached["usage"]["prompt_tokens"] - 10 > 600, cached["usage"]
         assert cached["text"] == fresh["text"]
+
+
+def test_the_fit_counts_a_recurrent_state_in_a_hybrid_s_recurrent_blocks_not_a_cache_a_token(make_backend, hybrid):
+    from quipu.engine.native import lc
+    from quipu.engine.placement import layer_sizes, read_table, recurrent_blocks
+
+    info = read_table(hybrid)
+    small, large = layer_sizes(info, 1024, "f16"), layer_sizes(info, 4096, "f16")
+    per_block, blocks = recurrent_blocks(info)
+    assert any(blocks) and not all(blocks)
+    for a, b, recurrent in zip(small.caches, large.caches, blocks, strict=True):
+        if recurrent:  # (the state of the context's two sequences, whatever its length)
+            assert a == b == 2 * per_block
+        else:
+            assert b == 4 * a > 0
+    # What llama.cpp keeps of a sequence's recurrent state: those blocks' bytes (and a header).
+    backend = make_backend(hybrid, n_ctx=1024)
+    backend.prefill(backend.tokenize("hello the sky is blue", add_special=False, parse_special=False), 0)
+    kept = len(backend.native.seq_state(0, lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
+    assert per_block * sum(blocks) < kept < per_block * sum(blocks) + 512
+
+
+def test_the_fit_counts_no_cache_for_layers_that_read_another_s(tmp_path):
+    from quipu.engine.placement import layer_sizes, read_table
+
+    caches = layer_sizes(read_table(write_tiny_gemma4(tmp_path / "gemma4.gguf", shared_kv_layers=2)), 1024, "f16").caches
+    assert all(caches[:-2]) and caches[-2:] == (0, 0)

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable
 from quipu.engine.native import lc
 
 from quipu.engine.logs import LOG
-from quipu.engine.placement import model_params
+from quipu.engine.placement import cached_blocks, model_params
 from quipu.engine.settings import CPU, Placement
 from quipu.engine.text import Spellings
 from quipu.errors import EngineError, Interrupted, ModelLoadError
@@ -95,13 +95,10 @@ class LlamaModel:
         # (a file's length that does not fit llama.cpp's 32-bit signed field reads negative: unknown)
         self.n_ctx_train = max(0, lc.llama_model_n_ctx_train(model))
         self.n_swa = lc.llama_model_n_swa(model)  # (0: no layer attends through a sliding window)
-        # The layers that keep a cache of their own: not those that reuse an earlier layer's (Gemma
-        # 3n's last 15 of 35, `gemma3n.cpp`; Gemma 4's small models, `attention.shared_kv_layers`).
-        n_layer = int(lc.llama_model_n_layer(model))
+        # The layers that keep a cache of their own (not those that reuse an earlier layer's).
         arch = self._meta("general.architecture")
         shared = self._meta(f"{arch}.attention.shared_kv_layers")
-        self.n_layer_kv = 20 if arch == "gemma3n" and n_layer > 20 else n_layer - int(shared) \
-            if shared.isdigit() and 0 < int(shared) < n_layer else n_layer
+        self.n_layer_kv = cached_blocks(arch, int(lc.llama_model_n_layer(model)), int(shared) if shared.isdigit() else 0)
         self._pieces: dict[int, bytes] = {}
         self._max_token_bytes: int | None = None
         self._spellings_in: dict[str, set[str]] = {}  # (the short texts asked of already)

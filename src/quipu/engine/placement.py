@@ -171,8 +171,13 @@ def layer_sizes(info: "GGUFInfo", n_ctx: int, kv_type: str, ring: Callable[[int]
     window, windowed = window_blocks(info)
     per_cell = n_head_kv * (k_len + v_len) * _KV_BYTES.get(kv_type, 2.0)
     ring_cells = min(cells, ring(window)) if ring is not None and window else cells
-    caches = tuple(int((ring_cells if w else cells) * per_cell) for w in windowed[:n_block])
-    return Layers(tuple(weights), caches + (int(cells * per_cell),) * (n_block - len(caches)), output, embed, tied)
+    caches = [int((ring_cells if w else cells) * per_cell) for w in windowed[:n_block]]
+    caches += [int(cells * per_cell)] * (n_block - len(caches))
+    recurrent = recurrent_blocks(info)
+    if recurrent is not None:  # (a recurrent block keeps its state, of the context's sequences, and no cell)
+        caches = [RECURRENT_SEQS * recurrent[0] if r else c for c, r in zip(caches, recurrent[1], strict=False)]
+    own = cached_blocks(arch, n_block, _int_of(meta.get(f"{arch}.attention.shared_kv_layers")) or 0)
+    return Layers(tuple(weights), tuple(c if i < own else 0 for i, c in enumerate(caches)), output, embed, tied)
 
 
 def measure_compute(path: Path, handles: Sequence[int], cparams: Any) -> dict[str, int]:
@@ -302,16 +307,27 @@ def window_cache(path: Path, n_ctx: int, kv_type: str, cparams: Any) -> dict[str
             "bytes": cache, "every_position_bytes": sum(c for c, w in zip(every.caches, windowed, strict=True) if w)}
 
 
+def cached_blocks(arch: str, n_block: int, shared: int) -> int:
+    """How many of a model's first blocks keep a cache of their own: not those that read an
+    earlier block's (Gemma 3n's after its 20th, `gemma3n.cpp`; Gemma 4's small models' last
+    `shared`, its `attention.shared_kv_layers`)."""
+    if arch == "gemma3n" and n_block > 20:
+        return 20
+    return n_block - shared if 0 < shared < n_block else n_block
+
+
+# The recurrent states a single-sequence context keeps (`llama_context.py`: a second sequence
+# shares its cells while a turn's piece is written).
+RECURRENT_SEQS = 2
 # Hybrid architectures whose recurrent blocks are all but every n-th (llama.cpp's default for a file
 # that lists none: `full_attention_interval`).
 _ATTENTION_EVERY = {"qwen35": 4, "qwen35moe": 4, "qwen3next": 4}
 
 
-def recurrent_state(path: Path, checkpoints: int) -> dict[str, int] | None:
-    """A hybrid or recurrent model's state (a short convolution's or a state space's, F32, one a
-    sequence, whatever the context's length): its blocks, its bytes, and what `checkpoints` of it
-    take (`engine/checkpoints.py`); None for a model without one."""
-    info = read_table(path)
+def recurrent_blocks(info: "GGUFInfo") -> tuple[int, list[bool]] | None:
+    """A hybrid or recurrent model's state in each block that keeps one (a short convolution's
+    last inputs, or a state space's with its convolution's, F32, one a sequence, whatever the
+    context's length): its bytes, and which blocks keep one; None for a model without one."""
     meta, arch = info.metadata, info.architecture
     n_block = _int_of(meta.get(f"{arch}.block_count")) or 0
     n_embd = _int_of(meta.get(f"{arch}.embedding_length")) or 0
@@ -328,13 +344,22 @@ def recurrent_state(path: Path, checkpoints: int) -> dict[str, int] | None:
     listed = getattr(kv, "head", None)
     every = _int_of(meta.get(f"{arch}.full_attention_interval")) or _ATTENTION_EVERY.get(arch, 0)
     if isinstance(listed, (list, tuple)) and len(listed) >= n_block:
-        layers = sum(1 for v in listed[:n_block] if v == 0)
+        blocks = [v == 0 for v in listed[:n_block]]
     elif every:
-        layers = sum(1 for i in range(n_block) if (i + 1) % every)
+        blocks = [(i + 1) % every != 0 for i in range(n_block)]
     else:
-        layers = n_block
-    size = 4 * floats * layers
-    return {"layers": layers, "blocks": n_block, "bytes": size, "checkpoints": checkpoints,
+        blocks = [True] * n_block
+    return 4 * floats, blocks
+
+
+def recurrent_state(path: Path, checkpoints: int) -> dict[str, int] | None:
+    """A hybrid or recurrent model's state (`recurrent_blocks`) in all, and what `checkpoints` of
+    it take (`engine/checkpoints.py`); None for a model without one."""
+    found = recurrent_blocks(read_table(path))
+    if found is None:
+        return None
+    size = found[0] * sum(found[1])
+    return {"layers": sum(found[1]), "blocks": len(found[1]), "bytes": size, "checkpoints": checkpoints,
             "checkpoint_bytes": size * checkpoints}
 
 
