@@ -92,9 +92,11 @@ class Memory:
         (`checkpoints.pack`), which a restore of the piece needs."""
         if not self.recurrent:
             return self.state.state_since(start)
-        cut = self._checkpoints.at(end) if end is not None and end < self.positions() else None
-        if end is not None and end < self.positions() and cut is None:
-            raise EngineError(f"the recurrent state has no checkpoint at token {end}")
+        cut = None
+        if end is not None and end < self.positions():
+            cut = self._checkpoints.at(end)
+            if cut is None:
+                raise EngineError(f"the recurrent state has no checkpoint at token {end}")
         piece = self.state.state_since(start, cut.state if cut is not None else None, end)
         # (and the one it starts from, where no snapshot carried it: a restore goes back there first)
         # (not the one it ends at: the piece's own recurrent state is that one)
@@ -129,7 +131,7 @@ class Memory:
                         self._checkpoints.add(c)
                 self.truncate(start)
             if self.positions() != start:
-                lc.llama_memory_clear(mem, True)
+                self.empty()
                 raise EngineError("a piece of the saved context state begins where its state cannot go back to")
             self.native.set_seq_state(state, 1, "a piece of the saved context state")
             lc.llama_memory_seq_cp(mem, 1, 0, -1, -1)
