@@ -89,13 +89,13 @@ class Piece:
 
 
 def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int, n_layer: int,
-                window: int | None = None, cell_ext: int | None = None, recurrent: bool = False) -> Piece:
+                window: int | None = None, recurrent: bool = False) -> Piece:
     """Checks that `data` is the state of `cells` cells of sequence `seq_id` at positions
     `first`, `first` + 1, ... in order, in each cache of the layout above, for a model of
     `n_layer` layers with a cache (not those reusing another's); raises SnapshotError naming what differs. With `window`, a window cache
-    (the second) holds only the last `window` of them (a ring's piece: ring.py). `cell_ext`: the
-    bytes of a cell's extension (an M-RoPE model's, or a model's with per-layer embeddings; None:
-    as the cells are found to have, none or `CELL_EXT`). `recurrent`: a hybrid model's, whose
+    (the second) holds only the last `window` of them (a ring's piece: ring.py). A cell has an
+    extension (`CELL_EXT`) or none, as the cells are found to have (an M-RoPE model's cache, or a
+    model's with per-layer embeddings, has one). `recurrent`: a hybrid model's, whose
     attention cache holds some of the layers, and whose recurrent state follows it (one cell,
     at the last position: `_check_recurrent`)."""
     read = Reader(data, "the piece of context state")
@@ -117,12 +117,10 @@ def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int
             low = first + cells - count
             turn = _CELL.unpack_from(read.view, read.at)[0] - low if ring and window is not None and \
                 read.at + _CELL.size <= len(view) else 0
-            found = [_cells_wrong(read, count, ext, seq_id, low, turn) for ext in
-                     ((cell_ext,) if cell_ext is not None else (0, CELL_EXT))]
-            ext = next(((0, CELL_EXT)[i] if cell_ext is None else cell_ext for i, wrong in enumerate(found)
-                        if wrong is None), None)
+            wrong = {ext: _cells_wrong(read, count, ext, seq_id, low, turn) for ext in (0, CELL_EXT)}
+            ext = next((e for e, why in wrong.items() if why is None), None)
             if ext is None:
-                raise SnapshotError(found[0] or "the piece's cells are not the ones expected")
+                raise SnapshotError(wrong[0] or "the piece's cells are not the ones expected")
             read.skip(count * (_CELL.size + ext))
             trans, layers = take(_U32)[0], take(_U32)[0]
             if trans not in (0, 1) or not 0 < layers <= n_layer - layers_seen or v_trans not in (None, trans):
