@@ -83,6 +83,8 @@ class NativeContext:
             ring = ring_of(cparams)
             self.ring = ring(model.n_swa) if windowed and ring is not None else 0
             self.mem = lc.llama_get_memory(ptr)
+            # Whether the memory holds a state that cannot go back a token (a hybrid or recurrent model's).
+            self.recurrent = bool(lc.llama_model_is_recurrent(model.ptr) or lc.llama_model_is_hybrid(model.ptr))
             self.batch = lc.llama_batch_init(n_batch, 0, 1)
             self._stack.callback(lc.llama_batch_free, self.batch)
         except BaseException:

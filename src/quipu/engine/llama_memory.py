@@ -41,7 +41,7 @@ class Memory:
         # A memory that cannot go back a token (a hybrid or recurrent model's state): its
         # checkpoints are taken where a caller marks a prompt (`LlamaBackend.prefill`), and go
         # with its snapshots.
-        self.recurrent = bool(lc.llama_model_is_recurrent(self.model.ptr) or lc.llama_model_is_hybrid(self.model.ptr))
+        self.recurrent = native.recurrent
         # The ring's cells, or the recurrent state, where a prompt began to be read (and, for a
         # recurrent state, where the caller marked it).
         self._checkpoints = Checkpoints(RECURRENT_CHECKPOINTS if self.recurrent else CHECKPOINTS, CHECKPOINT_BYTES)

@@ -53,8 +53,8 @@ class BatchRows:
 
     def seq_copy(self, src: int, dst: int) -> None:
         """Sequence `dst` becomes a copy of `src` (which must be all it holds: a shared beginning)."""
-        mem, model = self._native.mem, self._native.model.ptr
-        if self._shared is None and (lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model)):
+        mem = self._native.mem
+        if self._shared is None and self._native.recurrent:
             end = lc.llama_memory_seq_pos_max(mem, src) + 1
             self._shared = (end, self._native.seq_state(src, lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
         lc.llama_memory_seq_cp(mem, src, dst, -1, -1)
