@@ -346,8 +346,9 @@ def main() -> None:
         import tempfile
         from pathlib import Path
 
-        from quipu.app.environment import GENERATION_TYPES, check_config
+        from quipu.app.environment import check_config
         from quipu.config import load_config
+        from quipu.options import CONFIG
 
         folder = Path(tempfile.mkdtemp())
 
@@ -359,7 +360,7 @@ def main() -> None:
             path = folder / "config.toml"
             path.write_text(text)
             try:
-                config = check_config(load_config(path, GENERATION_TYPES))
+                config = check_config(load_config(path, dict(CONFIG)))
             except QuipuError:
                 return
             import types
@@ -679,7 +680,7 @@ def main() -> None:
             hub.listing = body if isinstance(body, bytes) else pages_of(*body)
             hub.commit, hub.etag = commit, etag
             try:
-                hub_pull(hubs.HubRef.parse("fz/Fuzz-GGUF"), env)
+                hub_pull(hubs.HubRef.parse("fz/Fuzz-GGUF"), env.dirs)
             except QuipuError:
                 pass
             assert not outside.exists(), "a listing wrote outside the cache"

@@ -182,18 +182,19 @@ def test_cli_rows_keep_their_own_system_prompt(quipu, tiny_model):
     (["--batch", "-", "--url", "http://127.0.0.1:9"], b"row\n", "a server (--url, QUIPU_URL or the config's [remote] "
                                                                 "url) cannot be used with --batch"),
     (["--batch", "-", "--reasoning-budget", "4", "--messages", "m.json"], b"row\n",
-     "--messages and --reasoning-budget cannot be used with --batch"),
+     "--reasoning-budget and --messages cannot be used with --batch"),
     (["--batch", "/nonexistent/rows.jsonl"], None, "cannot read the batch file"),
     (["--batch", "-"], b"\n\n", "no rows"),
     (["--batch", "-", "--tool-choice", "required", "--tools", "/nonexistent.json"], b"row\n",
      "--tools and --tool-choice cannot be used with --batch (each row is answered in one reply"),
     (["--batch", "-", "--functions", "f.py", "--mcp", "m"], b"row\n", "--functions and --mcp cannot be used with"),
-    # (what a batch, one JSON line a row, never shows; tools' settings, of tools it has none of)
+    # (what a batch, one JSON line a row, never shows; tools' settings, of tools it has none of:
+    # named in the order of the command's help)
     (["--batch", "-", "--stats", "--quiet", "--tools-debug"], b"row\n",
-     "--stats, --quiet and --tools-debug cannot be used with --batch"),
+     "--tools-debug, --quiet and --stats cannot be used with --batch"),
     (["--batch", "-", "--yes", "--chain-limit", "3", "--tool-timeout", "5", "--tool-output-max", "9",
       "--mcp-config", "m.json"], b"row\n",
-     "--mcp-config, --yes, --chain-limit, --tool-timeout and --tool-output-max cannot be used with --batch"),
+     "--chain-limit, --tool-output-max, --tool-timeout, --mcp-config and --yes cannot be used with --batch"),
 ])
 def test_cli_bad_batches_are_one_line_errors(quipu, tiny_model, args, input, message):
     r = quipu("run", "-m", tiny_model, *args, input=input)

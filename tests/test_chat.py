@@ -65,7 +65,7 @@ def repl(tmp_path, tiny_model):
     env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
     out, err = io.StringIO(), io.StringIO()
     term = Terminal(io.StringIO(), out, err, False, False, False, False)
-    chat = ChatSession.open(env, TurnOptions(model=str(tiny_model), max_tokens=8, seed=3), name="unit")
+    chat = ChatSession.open(env, TurnOptions.of(model=str(tiny_model), max_tokens=8, seed=3), name="unit")
     yield Repl(chat, term, env), out, err
     chat.close()
 
@@ -382,7 +382,7 @@ def test_reasoning_is_shown_dimmed_and_can_be_hidden(tmp_path, tiny_model):
     env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
     out, err = io.StringIO(), io.StringIO()
     term = Terminal(io.StringIO(), out, err, False, True, True, True)  # a colour terminal
-    chat = ChatSession.open(env, TurnOptions(model=str(tiny_model), max_tokens=6, seed=3, chat_template=str(r1)),
+    chat = ChatSession.open(env, TurnOptions.of(model=str(tiny_model), max_tokens=6, seed=3, chat_template=str(r1)),
                             name="think")
     try:
         repl = Repl(chat, term, env)
@@ -486,7 +486,7 @@ def test_new_leaves_no_empty_session_behind(tmp_path, tiny_model):
 
     env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
     term = Terminal(io.StringIO(), io.StringIO(), io.StringIO(), False, False, False, False)
-    chat = ChatSession.open(env, TurnOptions(model=str(tiny_model), max_tokens=3, temperature=0.0))
+    chat = ChatSession.open(env, TurnOptions.of(model=str(tiny_model), max_tokens=3, temperature=0.0))
     try:
         repl = Repl(chat, term, env)
         for line in ("/new", "/new", "hi", "/new"):
@@ -521,7 +521,7 @@ def test_a_reply_the_context_cut_goes_on_once_room_is_made(tmp_path, bundled_mod
     env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
     out, err = io.StringIO(), io.StringIO()
     term = Terminal(io.StringIO(), out, err, False, False, False, False)
-    chat = ChatSession.open(env, TurnOptions(model=str(bundled_model), ctx=128, temperature=0, max_tokens=3),
+    chat = ChatSession.open(env, TurnOptions.of(model=str(bundled_model), ctx=128, temperature=0, max_tokens=3),
                             name="cut")
     try:
         r = Repl(chat, term, env)

@@ -69,15 +69,16 @@ def test_anything_unusual_is_left_to_typer(argv):
 
 def test_every_parameter_of_run_and_chat_is_declared_once():
     # Each command is built from its table; each parameter is an option of the turn (a field of
-    # TurnOptions of the same name, or settled into one: --url into the server) or one of the
-    # command's own, so an option added to the table and to TurnOptions needs nothing else.
+    # TurnOptions of the same name, a sampling parameter, or settled into one: --url into the
+    # server) or one of the command's own, so an option added to the registry needs nothing else.
     import dataclasses
     import inspect
 
     from quipu.app.turn_options import TurnOptions
     from quipu.cli import chat as chat_command
+    from quipu.options import SAMPLING
 
-    fields = {f.name for f in dataclasses.fields(TurnOptions)}
+    fields = {f.name for f in dataclasses.fields(TurnOptions)} | set(SAMPLING)
     commands = {c.name: c.callback for c in build_app().registered_commands}
     for name, module in (("run", run_command), ("chat", chat_command)):
         assert list(inspect.signature(commands[name]).parameters) == ["context", *module.PARAMS]
@@ -99,12 +100,14 @@ def test_the_options_table_holds_every_option_of_run_and_chat_and_each_is_asked_
     # is asked by a value of its own field alone (a value set there, nothing else).
     import dataclasses
 
-    from quipu.app.modes import BATCH, CHAT, FROM_MESSAGES, ONE_SHOT, OPTIONS, RAW, SESSION, asked_of
+    from quipu.app.modes import BATCH, CHAT, FROM_MESSAGES, ONE_SHOT, RAW, SESSION, asked_of
     from quipu.app.turn_options import TurnOptions
     from quipu.cli import chat as chat_command
-    from quipu.sessions.base import FEATURES
+    from quipu.options import OPTIONS, SAMPLING
+    from quipu.options import FEATURES
 
-    assert set(OPTIONS) == set(run_command.PARAMS) | set(chat_command.PARAMS)
+    spelled = {name for name, option in OPTIONS.items() if option.flags} | {"prompt"}
+    assert spelled == set(run_command.PARAMS) | set(chat_command.PARAMS)
     features = {o.feature for o in OPTIONS.values()} - {None}
     refused = set().union(*(m.refuses for m in (ONE_SHOT, FROM_MESSAGES, SESSION, CHAT, RAW, BATCH)))
     # each mode refuses options of the table, and each feature is refused by a mode or a host
@@ -115,9 +118,12 @@ def test_the_options_table_holds_every_option_of_run_and_chat_and_each_is_asked_
     assert TurnOptions().given == frozenset() and asked_of(TurnOptions().given) == {}
     for name, option in OPTIONS.items():
         own = name in run_command.OWN or name in chat_command.OWN
-        field = option.field or name
-        # a command's own option is no field of the options (the command names it when given)
-        assert (field not in fields) == own, name
+        field = option.held_as
+        # a command's own option is no field of the options (the command names it when given);
+        # a sampling parameter is held by name among the sampling parameters given
+        assert (field not in fields and name not in SAMPLING) == own, name
+        if name in SAMPLING:
+            assert TurnOptions.of({name: 1}).given == {name} and asked_of({name}) == {}, name
         if own or option.feature is None:
             continue
         kind = next((t for t in values if str(fields[field].type).startswith(t)), None)

@@ -63,7 +63,7 @@ def test_set_stop_in_a_chat_is_read_and_kept_by_the_session(tmp_path, tiny_model
     env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
     out, err = io.StringIO(), io.StringIO()
     term = Terminal(io.StringIO(), out, err, False, False, False, False)
-    opts = TurnOptions(model=str(tiny_model), max_tokens=8, seed=3)
+    opts = TurnOptions.of(model=str(tiny_model), max_tokens=8, seed=3)
     chat = ChatSession.open(env, opts, name="stops")
     try:
         repl = Repl(chat, term, env)

@@ -176,7 +176,7 @@ from quipu.app.local import LocalHost
 from quipu.store.store import SessionStore
 env = Environment.load()
 store = SessionStore(env.dirs.sessions)
-opts = TurnOptions(model=sys.argv[1], max_tokens=64, seed=1)
+opts = TurnOptions.of(model=sys.argv[1], max_tokens=64, seed=1)
 with store.lock("k"):
     named = NamedSession.open(store, "k", opts, env, LocalHost())
     turn = 0

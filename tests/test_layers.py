@@ -9,7 +9,8 @@ import quipu
 
 ROOT = Path(quipu.__file__).parent
 # What each package may import from quipu, beyond itself and the shared modules.
-SHARED = {"quipu", "quipu.errors", "quipu.paths", "quipu.config", "quipu.models", "quipu.gguf", "quipu.shown"}
+SHARED = {"quipu", "quipu.errors", "quipu.paths", "quipu.config", "quipu.models", "quipu.gguf", "quipu.shown",
+          "quipu.options"}
 ALLOWED = {
     "engine": set(),
     "sessions": {"engine"},
@@ -42,7 +43,7 @@ def test_each_package_imports_only_the_layers_below_it():
 
 
 def test_the_shared_modules_import_no_layer():
-    for name in ("errors", "paths", "config", "models", "gguf", "shown"):
+    for name in ("errors", "paths", "config", "models", "gguf", "shown", "options"):
         for imported in quipu_imports(ROOT / f"{name}.py"):
             assert imported in SHARED, f"{name}.py imports {imported}"
 

@@ -253,7 +253,7 @@ def test_a_chat_on_llama_server_keeps_its_context_in_its_slot(llama_server, tmp_
     from quipu.engine.http import ServerSettings
 
     env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
-    opts = TurnOptions(max_tokens=6, temperature=0.0, system="You are a careful geographer. " * 20,
+    opts = TurnOptions.of(max_tokens=6, temperature=0.0, system="You are a careful geographer. " * 20,
                        server=ServerSettings(url=llama_server.url))
     chat = ChatSession.open(env, opts, name="held")
     try:

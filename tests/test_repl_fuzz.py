@@ -85,12 +85,12 @@ def chat(request, tmp_path, tiny_model):
     env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
     server = None
     if request.param == "local":
-        opts = TurnOptions(model=str(tiny_model), max_tokens=3, seed=5, ctx=384)
+        opts = TurnOptions.of(model=str(tiny_model), max_tokens=3, seed=5, ctx=384)
     elif request.param == "llama-server":
-        opts = TurnOptions(server=ServerSettings(url=request.getfixturevalue("llama_server").url), max_tokens=3, seed=5)
+        opts = TurnOptions.of(server=ServerSettings(url=request.getfixturevalue("llama_server").url), max_tokens=3, seed=5)
     else:
         server = request.getfixturevalue("fake")
-        opts = TurnOptions(server=ServerSettings(url=server.url), max_tokens=6, seed=5)  # (a stream is cut at its 5th piece)
+        opts = TurnOptions.of(server=ServerSettings(url=server.url), max_tokens=6, seed=5)  # (a stream is cut at its 5th piece)
     session = ChatSession.open(env, opts, name="fz")
     yield env, session, server
     session.close()

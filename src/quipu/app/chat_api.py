@@ -17,8 +17,9 @@ from quipu.app.hosts import NoCache, Opened
 from quipu.engine.base import ProgressFn
 from quipu.engine.settings import ContextSettings
 from quipu.errors import UsageError
+from quipu.options import REQUEST
 from quipu.sessions.base import CHAT_API
-from quipu.sessions.chat_api import REQUEST_KEYS, ChatApiSession
+from quipu.sessions.chat_api import ChatApiSession
 from quipu.store.store import SessionStore
 from quipu.store.transcript import Transcript
 
@@ -30,11 +31,11 @@ if TYPE_CHECKING:
 
 
 def request_params(opts: TurnOptions, env: Environment, saved: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The sampling parameters given (command line, then config, then a session's), under the
-    names servers know; what is not given is left to the server."""
-    given = {k: v for k, v in (saved or {}).items() if k in REQUEST_KEYS and v is not None}
-    given.update({k: v for k, v in env.config.generation.items() if k in REQUEST_KEYS})
-    given.update({k: v for k, v in opts.sampling().items() if k in REQUEST_KEYS})
+    """The sampling parameters given (command line, then config, then a session's) that a chat
+    API takes (`quipu.options.REQUEST`); what is not given is left to the server."""
+    given = {k: v for k, v in (saved or {}).items() if k in REQUEST and v is not None}
+    given.update({k: v for k, v in env.config.generation.items() if k in REQUEST})
+    given.update({k: v for k, v in opts.sampling.items() if k in REQUEST})
     return given
 
 

@@ -14,6 +14,7 @@ from quipu.config import Config, load_config
 from quipu.engine.settings import DEFAULT_CTX_CAP, parse_ctx, parse_layers, parse_size
 from quipu.errors import InvalidParameter, ModelNotFound, UsageError
 from quipu.models import resolve_model
+from quipu.options import CONFIG, OPTIONS, SAMPLING
 from quipu.sessions.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -23,11 +24,6 @@ DEFAULT_MAX_TOKENS = 512
 DEFAULT_MAX_STATE_BYTES = 4 << 30
 DEFAULT_CACHE_BYTES = 2 << 30
 DEFAULT_MAX_RECORDS = 100_000  # answers the log keeps, the oldest dropped first
-SAMPLING_TYPES = SamplingParams.field_types()
-# Everything [generation] in the config file may set: the sampling parameters and these.
-# (gpu_layers and gpu_memory: a word or a number, `object` to the config's reader.)
-GENERATION_TYPES = {**SAMPLING_TYPES, "max_tokens": int, "ctx": object, "threads": int, "stop": tuple,
-                    "gpu_layers": object, "gpu_memory": object, "device": str, "swa_full": bool}
 # Where the model runs: the variables that set it, between the command line's options and the config's.
 GPU_ENVIRON = {"gpu_layers": "QUIPU_GPU_LAYERS", "gpu_memory": "QUIPU_GPU_MEMORY", "device": "QUIPU_DEVICE"}
 
@@ -45,7 +41,7 @@ class Environment:
     @property
     def config(self) -> Config:
         if self._config is None:
-            self._config = check_config(load_config(self.dirs.config_file, GENERATION_TYPES))
+            self._config = check_config(load_config(self.dirs.config_file, dict(CONFIG)))
         return self._config
 
     @property
@@ -75,7 +71,7 @@ class Environment:
         if name and ref is not None:
             from quipu.app.hub import pulled
 
-            model = pulled(ref, self)
+            model = pulled(ref, self.dirs)
             if model is None:
                 raise ModelNotFound(f"{name} is not pulled yet: `quipu models pull {name.removeprefix('hf:')}` "
                                     "fetches it")
@@ -132,7 +128,7 @@ class Environment:
                     "threads": "the CPUs this process may use", "seed": "random", "stop": "none",
                     "gpu_layers": "auto (as many as fit in free GPU memory)", "gpu_memory": "the GPU's free memory",
                     "device": "every GPU", "swa_full": "off (a sliding-window model's window cache is a ring)"}
-        for key in GENERATION_TYPES:
+        for key in CONFIG:
             if key in GPU_ENVIRON and self.environ.get(GPU_ENVIRON[key]):
                 rows.append((f"generation.{key}", self.environ[GPU_ENVIRON[key]],
                              f"environment ({GPU_ENVIRON[key]})"))
@@ -182,13 +178,13 @@ def check_config(config: Config) -> Config:
     """The values of the config file's settings, checked as the command line's are."""
     gen = config.generation
     try:
-        SamplingParams().replace(**{k: v for k, v in gen.items() if k in SAMPLING_TYPES})
+        SamplingParams().replace(**{k: v for k, v in gen.items() if k in SAMPLING})
     except InvalidParameter as exc:
         key = str(exc).split(" ", 1)[0].replace("-", "_")
         raise config.error(key, str(exc), "generation") from None
-    for key in ("max_tokens", "threads"):
-        if key in gen and gen[key] <= 0:
-            raise config.error(key, f"{key} must be more than 0, got {gen[key]}", "generation")
+    for key, option in OPTIONS.items():
+        if key in gen and key not in SAMPLING and option.bounds is not None and not option.bounds.holds(gen[key]):
+            raise config.error(key, f"{key} {option.bounds.rule}, got {gen[key]}", "generation")
     for key, parse in (("ctx", parse_ctx), ("gpu_layers", parse_layers), ("gpu_memory", parse_size)):
         if key in gen:
             try:

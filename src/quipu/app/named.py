@@ -9,12 +9,13 @@ from typing import Any
 from dataclasses import dataclass, field, replace
 
 from quipu import __version__
-from quipu.app.environment import SAMPLING_TYPES, Environment
+from quipu.app.environment import Environment
 from quipu.app.turn_options import (TurnOptions, chat_template_source, max_tokens, stop_strings, system_prompt,
                                      template_variables)
 from quipu.app.hosts import Keeper, ModelHost
 from quipu.engine.base import ProgressFn
 from quipu.errors import InvalidParameter
+from quipu.options import SAMPLING, SETTABLE
 from quipu.sessions.base import Message, ModelSession
 from quipu.sessions.stops import read_escapes
 from quipu.sessions.conversation import Conversation, TurnSettings
@@ -33,9 +34,6 @@ def generate_name(taken: set[str]) -> str:
         if name not in taken:
             return name
 
-
-# What `/set` changes for the next replies, by its type; the session keeps each.
-SETTABLE = {**SAMPLING_TYPES, "max_tokens": int, "stop": str}
 
 NO_TEMPLATE_NOTICE = ("this model has no chat template (a base model?): the conversation is written as ChatML, "
                       "which it may not know; --raw completes the text as it is, --chat-template FILE gives it one")
@@ -143,7 +141,7 @@ class NamedSession:
     def settings(self, opts: TurnOptions, env: Environment) -> list[tuple[str, Any, str]]:
         """(setting, value, where it came from) for everything `set` can change."""
         limit, stop = self.reply_limits(opts, env)
-        values = {**{k: getattr(self.session.params, k) for k in SAMPLING_TYPES}, "max_tokens": limit,
+        values = {**{k: getattr(self.session.params, k) for k in SAMPLING}, "max_tokens": limit,
                   "stop": list(stop) or "none"}
         return [(k, values[k], self.origins.get(k, "default")) for k in SETTABLE]
 
@@ -203,8 +201,8 @@ class NamedSession:
 def origins(opts: TurnOptions, env: Environment, record: Transcript | None) -> dict[str, str]:
     """Where each setting of a session came from: "command line", "session", "config" or "default"."""
     out = {}
-    given = opts.sampling()
-    for key in SAMPLING_TYPES:
+    given = opts.sampling
+    for key in SAMPLING:
         if key in given:
             out[key] = "command line"
         elif record is not None and key in record.params:

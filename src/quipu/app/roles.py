@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from quipu.app.environment import Environment
 from quipu.app.turn_options import TurnOptions
 from quipu.errors import UsageError
+from quipu.options import ROLE
 from quipu.paths import create_private, private_dir
 
 if TYPE_CHECKING:
@@ -25,21 +26,10 @@ if TYPE_CHECKING:
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 INPUT = "$input"
-# What a role may set: its prompt, and these options of a turn (TurnOptions' fields), by type.
-OPTIONS: dict[str, type] = {
-    "model": str, "system": str, "temperature": float, "top_k": int, "top_p": float, "min_p": float,
-    "repeat_penalty": float, "seed": int, "max_tokens": int, "stop": tuple, "ctx": str, "threads": int,
-    "kv_type": str, "flash_attn": str, "schema": str, "grammar": str, "regex": str, "logit_bias": tuple,
-    "think": bool, "reasoning_effort": str, "reasoning_budget": int, "chat_template": str, "functions": tuple,
-    "tools_file": str, "tool_choice": str, "mcp": tuple, "chain_limit": int, "tool_timeout": float,
-    "tool_output_max": int, "raw": bool,
-}
-
-
 @dataclass(frozen=True)
 class Role:
     name: str
-    values: dict[str, Any]  # OPTIONS' keys, and "prompt"
+    values: dict[str, Any]  # what a role may set (`quipu.options.ROLE`), and "prompt"
     source: str  # where it is kept: a file, or the config
 
     @property
@@ -70,9 +60,9 @@ def check_values(values: dict[str, Any], where: str) -> dict[str, Any]:
     """A role's values, each of its type; an unknown key or a wrong type is one line naming it."""
     out: dict[str, Any] = {}
     for key, value in values.items():
-        kind = str if key == "prompt" else OPTIONS.get(key)
+        kind = str if key == "prompt" else ROLE.get(key)
         if kind is None:
-            raise UsageError(f"{where}: unknown key '{key}' (known: prompt, {', '.join(OPTIONS)})")
+            raise UsageError(f"{where}: unknown key '{key}' (known: prompt, {', '.join(ROLE)})")
         if kind is tuple:
             value = [value] if isinstance(value, str) else value
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -130,11 +120,12 @@ def with_role(opts: TurnOptions, name: str, env: Environment,
     from quipu.app.modes import asked_of, check_options, mode_of
 
     found = role(env, name)
+    values = {k: v for k, v in found.values.items() if k != "prompt"}
     unset = {f.name: f.default for f in dataclasses.fields(TurnOptions)}
-    given = {k: v for k, v in found.values.items() if k != "prompt" and getattr(opts, k) == unset[k]}
-    merged = dataclasses.replace(opts, **given)
     try:
-        own = TurnOptions(**{k: v for k, v in found.values.items() if k not in ("prompt", "model")})
+        own = TurnOptions.of(values)
+        merged = dataclasses.replace(opts, sampling={**own.sampling, **opts.sampling},
+                                     **{k: getattr(own, k) for k in values if k in unset and getattr(opts, k) == unset[k]})
         check_options(asked_of(own.given), mode or mode_of(merged.given))
     except UsageError as exc:
         raise UsageError(f"role '{found.name}' ({found.source}): {exc}") from None

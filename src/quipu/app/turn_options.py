@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from quipu.engine.settings import (
     AUTO,
@@ -21,12 +21,14 @@ from quipu.engine.settings import (
     parse_size,
 )
 from quipu.errors import TemplateError, UsageError
+from quipu.options import LOGGED, SAMPLING
 from quipu.sessions.base import LOCAL, Capabilities
 from quipu.sessions.params import SamplingParams
+from quipu.sessions.prompt import Vocabulary
 from quipu.sessions.stops import read_escapes
 from quipu.sessions.template import ChatTemplate
 
-from quipu.app.environment import DEFAULT_MAX_TOKENS, GPU_ENVIRON, SAMPLING_TYPES, Environment
+from quipu.app.environment import DEFAULT_MAX_TOKENS, GPU_ENVIRON, Environment
 from quipu.app.user_files import read_text_file
 
 if TYPE_CHECKING:
@@ -37,13 +39,7 @@ if TYPE_CHECKING:
 
 
 
-# The options of a turn that shape its answer, as the log of answers keeps them (those given).
-SHAPING = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "max_tokens", "stop", "ctx", "kv_type",
-           "raw", "schema", "grammar", "regex", "logit_bias", "think", "reasoning_effort", "reasoning_budget",
-           "functions", "tools_file", "mcp", "tool_choice", "chat_template", "role")
-
-
-@dataclass
+@dataclass(frozen=True)
 class ToolOptions:
     """The options of a turn's tools: Python files whose functions the model may call,
     definitions the caller runs, the results of such calls (ID=TEXT), and how the loop goes."""
@@ -61,20 +57,17 @@ class ToolOptions:
     messages: str | None = None  # a JSON file: the conversation a one-shot run goes on from (its tools too)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TurnOptions(ToolOptions):
     """What the user asked for; None means not given (session, then config, then defaults apply).
-    Its tools' options are `ToolOptions`' (`tool_options` has them alone)."""
+    Its tools' options are `ToolOptions`' (`tool_options` has them alone); the sampling
+    parameters given are `sampling`, by name (`quipu.options.SAMPLING`). `of` makes one from
+    options by name, as the command line, a role or a request gives them."""
 
     model: str | None = None
     system: str | None = None
     raw: bool = False
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repeat_penalty: float | None = None
-    seed: int | None = None
+    sampling: Mapping[str, float] = dataclasses.field(default_factory=dict)
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     ctx: int | None = None  # tokens, or CTX_AUTO (`--ctx auto`); given as text, read as one of them
@@ -110,10 +103,32 @@ class TurnOptions(ToolOptions):
     def __post_init__(self) -> None:
         """What can be checked of the options alone is checked here, once, before anything is
         loaded or sent (what needs the config or the model, where those are read)."""
-        if isinstance(self.ctx, str):  # (as the command line gives it: N or auto)
-            self.ctx = parse_ctx(self.ctx)
         check_positive("--max-tokens", self.max_tokens)
         parse_logit_bias(self.logit_bias)
+        unknown = sorted(set(self.sampling) - set(SAMPLING))
+        if unknown:
+            raise UsageError(f"unknown sampling parameter '{unknown[0]}' (known: {', '.join(SAMPLING)})")
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any] | None = None, /, **more: Any) -> "TurnOptions":
+        """Options by name (each option's field, `quipu.options`): a sampling parameter goes to
+        `sampling`, a list to a tuple, and --ctx's text (N or auto) is read."""
+        given = {**(values or {}), **more}
+        sampling = {k: v for k, v in given.items() if k in SAMPLING and v is not None}
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()
+                                  if k not in SAMPLING}
+        if isinstance(fields.get("ctx"), str):
+            fields["ctx"] = parse_ctx(fields["ctx"])
+        return cls(**fields, sampling=sampling)
+
+    @property
+    def seed(self) -> int | None:
+        seed = self.sampling.get("seed")
+        return None if seed is None else int(seed)
+
+    def value(self, name: str) -> Any:
+        """The value given of the option `name` (None, or its field's default, where none was)."""
+        return self.sampling.get(name) if name in SAMPLING else getattr(self, name)
 
     @property
     def constrained(self) -> bool:
@@ -124,23 +139,20 @@ class TurnOptions(ToolOptions):
     def given(self) -> frozenset[str]:
         """The fields the user gave a value: not their default (a flag set, a list not empty;
         0 is a value, and --no-think is given), and not empty text."""
-        return frozenset(f.name for f in dataclasses.fields(self)
-                         if (value := getattr(self, f.name)) != f.default and value != "")
+        fields = frozenset(f.name for f in dataclasses.fields(self)
+                           if f.name != "sampling" and (value := getattr(self, f.name)) != f.default and value != "")
+        return fields | frozenset(self.sampling)
 
     @property
     def logged(self) -> dict[str, Any] | None:
         """What the log of answers keeps of these options: those given that shape an answer
         (None: --no-log, the answer is not logged)."""
         given = self.given
-        return None if self.no_log else {name: getattr(self, name) for name in SHAPING if name in given}
+        return None if self.no_log else {name: self.value(name) for name in LOGGED if name in given}
 
     @property
     def tool_options(self) -> ToolOptions:
         return ToolOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ToolOptions)})
-
-    def sampling(self) -> dict[str, Any]:
-        """The sampling parameters given on the command line."""
-        return {k: getattr(self, k) for k in SAMPLING_TYPES if getattr(self, k, None) is not None}
 
 
 def check_positive(name: str, value: int | None) -> None:
@@ -155,9 +167,9 @@ def sampling_params(opts: TurnOptions, env: Environment, base: SamplingParams | 
     of --schema, --grammar or --regex is included, checked as `host` reads it; --logit-bias
     needs the model (`logit_biases`)."""
     params = base or SamplingParams().replace(
-        **{k: v for k, v in env.config.generation.items() if k in SAMPLING_TYPES}
+        **{k: v for k, v in env.config.generation.items() if k in SAMPLING}
     )
-    params = params.replace(**opts.sampling())
+    params = params.replace(**opts.sampling)
     if OFF in (opts.schema, opts.grammar, opts.regex):
         params = params.unconstrained()
     grammar = grammar_of(opts, host.own_grammar)
@@ -217,15 +229,6 @@ def parse_logit_bias(specs: Sequence[str]) -> list[tuple[str, float]]:
             raise UsageError(f"--logit-bias takes TOKEN=BIAS (a token id or text, a number or -inf), not '{spec}'")
         pairs.append((token, value))
     return pairs
-
-
-class Vocabulary(Protocol):
-    """What --logit-bias reads of a model: its vocabulary's size and its tokenizer."""
-
-    @property
-    def n_vocab(self) -> int: ...
-
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
 
 
 def logit_biases(backend: Vocabulary, specs: Sequence[str]) -> tuple[tuple[int, float], ...]:

@@ -17,21 +17,9 @@ if TYPE_CHECKING:
 HELP = "Chat in the terminal. Every turn is saved; --resume picks up where you left off."
 
 # The parameters of `quipu chat`, in order, as `run`'s are declared (`spec.py`).
-PARAMS: dict[str, spec.Opt] = {
-    "session": spec.SESSION,
-    "resume": spec.flag("--resume", "-r", help="Resume the most recently used session."),
-    "markdown": spec.flag("--markdown", help="Render replies as Markdown as they stream."),
-    "role": spec.ROLE,
-    **spec.LOGGING,
-    **spec.GENERATION,
-    "mmproj": spec.MMPROJ,
-    **spec.SHAPING,
-    **{k: v for k, v in spec.TOOLS.items() if k != "tool_results"},
-    "hide_thinking": spec.flag("--hide-thinking", help="Do not show a thinking model's reasoning (/think shows "
-                                                       "it again)."),
-    "verbose": spec.VERBOSE,
-    "url": spec.URL,
-}
+PARAMS = spec.params("session", "resume", "markdown", "role", *spec.LOGGING, *spec.GENERATION, "mmproj",
+                     *spec.SHAPING, *(name for name in spec.TOOLS if name != "tool_results"), "hide_thinking",
+                     "verbose", "url")
 # The parameters that are the command's own, not options of the conversation.
 OWN = ("resume", "markdown", "hide_thinking")
 

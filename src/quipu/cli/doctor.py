@@ -22,12 +22,12 @@ def doctor(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Say where this model would run and what it "
                                                  "would take (a .gguf file or a known model name).",
                                                  autocompletion=spec.complete_model, metavar="MODEL")] = None,
-    ctx: Annotated[Optional[str], opt.typer_option(spec.CTX)] = None,
-    kv_type: Annotated[Optional[str], opt.typer_option(spec.KV_TYPE)] = None,
-    gpu_layers: Annotated[Optional[str], opt.typer_option(spec.GPU_LAYERS)] = None,
-    gpu_memory: Annotated[Optional[str], opt.typer_option(spec.GPU_MEMORY)] = None,
-    device: Annotated[Optional[str], opt.typer_option(spec.DEVICE)] = None,
-    swa_full: Annotated[bool, opt.typer_option(spec.SWA_FULL)] = False,
+    ctx: Annotated[Optional[str], opt.typer_option(spec.OPTS["ctx"])] = None,
+    kv_type: Annotated[Optional[str], opt.typer_option(spec.OPTS["kv_type"])] = None,
+    gpu_layers: Annotated[Optional[str], opt.typer_option(spec.OPTS["gpu_layers"])] = None,
+    gpu_memory: Annotated[Optional[str], opt.typer_option(spec.OPTS["gpu_memory"])] = None,
+    device: Annotated[Optional[str], opt.typer_option(spec.OPTS["device"])] = None,
+    swa_full: Annotated[bool, opt.typer_option(spec.OPTS["swa_full"])] = False,
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
 ) -> None:
     from quipu.app.doctor import report

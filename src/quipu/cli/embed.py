@@ -18,15 +18,15 @@ def register(app: typer.Typer) -> None:
 def embed(
     context: typer.Context,
     texts: List[str] = typer.Argument(None, help="Texts to embed (default: each line of standard input)."),
-    model: Annotated[Optional[str], opt.typer_option(spec.MODEL)] = None,
+    model: Annotated[Optional[str], opt.typer_option(spec.OPTS["model"])] = None,
     pooling: str = typer.Option("mean", "--pooling", help="mean, last or cls."),
     normalize: bool = typer.Option(False, "--normalize", help="Scale each vector to length 1."),
-    threads: Annotated[Optional[int], opt.typer_option(spec.THREADS)] = None,
-    gpu_layers: Annotated[Optional[str], opt.typer_option(spec.GPU_LAYERS)] = None,
-    gpu_memory: Annotated[Optional[str], opt.typer_option(spec.GPU_MEMORY)] = None,
-    device: Annotated[Optional[str], opt.typer_option(spec.DEVICE)] = None,
-    verbose: Annotated[bool, opt.typer_option(spec.VERBOSE)] = False,
-    url: Annotated[Optional[str], opt.typer_option(spec.URL)] = None,
+    threads: Annotated[Optional[int], opt.typer_option(spec.OPTS["threads"])] = None,
+    gpu_layers: Annotated[Optional[str], opt.typer_option(spec.OPTS["gpu_layers"])] = None,
+    gpu_memory: Annotated[Optional[str], opt.typer_option(spec.OPTS["gpu_memory"])] = None,
+    device: Annotated[Optional[str], opt.typer_option(spec.OPTS["device"])] = None,
+    verbose: Annotated[bool, opt.typer_option(spec.OPTS["verbose"])] = False,
+    url: Annotated[Optional[str], opt.typer_option(spec.OPTS["url"])] = None,
 ) -> None:
     from quipu.cli.terminal import gather_prompt
     from quipu.app.embed import embed_texts

@@ -16,40 +16,15 @@ if TYPE_CHECKING:
     from quipu.app.environment import Environment
     from quipu.app.tools import CallRecord, ToolCall, ToolHooks
     from quipu.app.turn_options import TurnOptions
-    from quipu.app.turns import TurnResult
+    from quipu.app.answer import Answer
 
 HELP = "Answer one prompt, given as an argument and/or on standard input."
 
 # The parameters of `quipu run`, in order: Typer builds the command from this table, and
 # `spec.parse` reads a plain command line from it without Typer.
-PARAMS: dict[str, spec.Opt | spec.Arg] = {
-    "prompt": spec.Arg("The prompt. Piped stdin comes before it, then a blank line."),
-    "role": spec.ROLE,
-    "attach": spec.ATTACH,
-    "mmproj": spec.MMPROJ,
-    **spec.GENERATION,
-    "raw": spec.flag("--raw", help="Plain completion, without the chat template."),
-    "session": spec.SESSION,
-    **spec.LOGGING,
-    "continue_reply": spec.flag("--continue", help="With --session and no prompt: keep generating the last reply."),
-    **spec.SHAPING,
-    **spec.TOOLS,
-    "messages": spec.MESSAGES,
-    "tools_debug": spec.flag("--tools-debug", help="Show each call and its result, raw, on stderr."),
-    "quiet": spec.flag("--quiet", "-q", help="Show no tool calls and no reasoning on stderr (errors still show)."),
-    "no_cache": spec.flag("--no-cache", help="Neither use nor fill the prompt cache for this run."),
-    "show": spec.flag("--show-prompt", help="Print the exact context that would be fed (with --json: its token "
-                                            "ids, and how many a session reuses), and generate nothing."),
-    "as_json": spec.flag("--json", help="Print one JSON object instead of streaming."),
-    "stats": spec.flag("--stats", help="Print timings and token counts on stderr."),
-    "verbose": spec.VERBOSE,
-    "url": spec.URL,
-    "batch": spec.opt("--batch", help="Answer every row of this file side by side (JSON lines, or one prompt per "
-                                      "line; - for stdin); prints one JSON line per row, in input order.",
-                      metavar="FILE"),
-    "parallel": spec.opt("--parallel", type=int, help="With --batch: rows decoded side by side (default: 4 per "
-                                                      "CPU, from 4 to 16)."),
-}
+PARAMS = spec.params("prompt", "role", "attach", "mmproj", *spec.GENERATION, "raw", "session", *spec.LOGGING,
+                     "continue_reply", *spec.SHAPING, *spec.TOOLS, "messages", "tools_debug", "quiet", "no_cache",
+                     "show", "as_json", "stats", "verbose", "url", "batch", "parallel")
 
 
 def register(app: typer.Typer) -> None:
@@ -211,7 +186,7 @@ def show_prompt(text: str | None, opts: TurnOptions, env: Environment, term: Ter
     return ExitCode.OK
 
 
-def stats_line(result: TurnResult) -> str:
+def stats_line(result: Answer) -> str:
     s = result.stats
     return (
         f"{s.prompt_tokens} prompt tokens ({s.cached_tokens} cached), {s.completion_tokens} generated, "

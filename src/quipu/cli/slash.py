@@ -133,7 +133,7 @@ def _set(repl: "Repl", arg: str) -> None:
         repl.say("the session keeps them all; /set KEY VALUE changes one")
         return
     if len(parts) != 2 or (parts[0] != "stop" and len(parts[1].split()) != 1):
-        from quipu.app.named import SETTABLE
+        from quipu.options import SETTABLE
 
         repl.say(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}")
         return

@@ -30,16 +30,14 @@ import re
 import time
 from typing import Any, Callable, Sequence
 
-from quipu.engine.base import CallConstraint, Completion, SamplerSettings, Sink
+from quipu.engine.base import CHAIN, CallConstraint, Completion, SamplerSettings, Sink
 from quipu.engine.http import ServerClient, ServerError, count_of
 from quipu.engine.grammar import Grammar, check_grammar_depth, check_schema
 from quipu.errors import CapabilityError
+from quipu.options import SERVER
 
 
 
-# The server's samplers, in the order quipu's own chain applies them (logit biases and a grammar
-# apply as llama.cpp's common sampler applies them).
-SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]
 FINISH = {"eos": "stop", "word": "stop_sequence", "limit": "length"}
 # The most tokens the server may hold back before a character is whole (one a byte, before the last).
 MAX_HIDDEN = 3
@@ -58,7 +56,8 @@ def llama_server_props(remote: ServerClient) -> dict[str, Any] | None:
 
 
 class LlamaServerModel:
-    """A model on llama.cpp's llama-server, as the session layer drives it by tokens."""
+    """A model on llama.cpp's llama-server, as the session layer drives it by tokens: the context
+    is the token array each request sends, and the server keeps what it can of it in a slot."""
 
     def __init__(self, remote: ServerClient, props: dict[str, Any]):
         self.remote = remote
@@ -212,10 +211,8 @@ class LlamaServerModel:
         parsed (a leading text gets the model's BOS); `Completion.prompt_tokens` says how many
         tokens it made in all."""
         body = {"prompt": list(prompt), "stream": True, "n_predict": max_tokens, "cache_prompt": True,
-                "return_tokens": True, "seed": seed, "samplers": SAMPLERS,
-                "temperature": sampler.temperature, "top_k": sampler.top_k, "top_p": sampler.top_p,
-                "min_p": sampler.min_p, "repeat_penalty": sampler.repeat_penalty,
-                "repeat_last_n": sampler.repeat_last_n, "stop": list(stop)}
+                "return_tokens": True, "seed": seed, "samplers": list(CHAIN), "stop": list(stop),
+                **{named: getattr(sampler, name) for name, named in SERVER.items()}}
         if sampler.grammar is not None:
             body.update(server_grammar(sampler.grammar))
         elif constraint is not None:

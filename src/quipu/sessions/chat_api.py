@@ -15,15 +15,13 @@ import json
 from typing import TYPE_CHECKING, Any, Sequence
 
 from quipu.engine.base import MEDIA_MARK, media_mark
+from quipu.options import REQUEST
 from quipu.sessions.base import CHAT_API, SILENT, Generation, Message, ReplySink, Stats, TurnPrompt
 from quipu.sessions.params import SamplingParams
 from quipu.sessions.toolspec import ToolCall
 
 if TYPE_CHECKING:
     from quipu.engine.chat_api import ChatApiModel
-
-# The sampling parameters a chat API takes, under the names servers know.
-REQUEST_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")
 
 
 class ChatApiSession:
@@ -33,7 +31,7 @@ class ChatApiSession:
 
     def __init__(self, client: ChatApiModel, request: dict[str, Any] | None = None):
         self.client = client
-        self.request = {k: v for k, v in (request or {}).items() if k in REQUEST_KEYS and v is not None}
+        self.request = {k: v for k, v in (request or {}).items() if k in REQUEST and v is not None}
         self.params = SamplingParams().replace(**self.request)
         self.stats = Stats()
         self.draws = 0
@@ -63,7 +61,7 @@ class ChatApiSession:
 
     def set_params(self, params: SamplingParams) -> None:
         """New parameters: those that differ from the current ones are sent from now on."""
-        for key in REQUEST_KEYS:
+        for key in REQUEST:
             if getattr(params, key) != getattr(self.params, key):
                 self.request[key] = getattr(params, key)
         self.params = params
@@ -82,7 +80,8 @@ class ChatApiSession:
         offer = prompt.offer
         tools = [t.to_openai() for t in offer.tools] if offer is not None and offer.tools else None
         try:
-            reply = self.client.chat(wire, params=dict(self.request), max_tokens=max_tokens, stop=tuple(stop),
+            sent = {REQUEST[k]: v for k, v in self.request.items()}  # (under the request's names)
+            reply = self.client.chat(wire, params=sent, max_tokens=max_tokens, stop=tuple(stop),
                                      sink=sink, tools=tools,
                                      tool_choice=_choice(offer.choice) if tools and offer is not None else None)
             finish = reply.finish_reason

@@ -5,15 +5,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import secrets
-import typing
 from dataclasses import dataclass
 from typing import Any
 
 from quipu.engine.base import SamplerSettings
 from quipu.engine.grammar import Grammar
 from quipu.errors import InvalidParameter
+from quipu.options import OPTIONS, SAMPLING
 
-MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -25,42 +24,23 @@ class SamplingParams(SamplerSettings):
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
+        # Each parameter's type and bounds, as the registry of options gives them.
+        for name, kind in SAMPLING.items():
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            if value is None and name == "seed":
+                continue  # (drawn when the parameters are resolved)
+            if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or not math.isfinite(value)):
                 raise InvalidParameter(f"{name.replace('_', '-')} must be a finite number, got {value}")
-        for name in ("top_k", "repeat_last_n"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
+            if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
                 raise InvalidParameter(f"{name.replace('_', '-')} must be a whole number, got {value}")
-        checks = (
-            ("temperature", self.temperature >= 0, "must be 0 or more (0 is greedy)"),
-            ("top_k", self.top_k >= 0, "must be 0 or more (0 turns it off)"),
-            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("min_p", 0 <= self.min_p < 1, "must be in [0, 1)"),
-            ("repeat_penalty", self.repeat_penalty > 0, "must be more than 0 (1 turns it off)"),
-            ("repeat_last_n", self.repeat_last_n >= 0, "must be 0 or more"),
-            ("seed", self.seed is None or 0 <= self.seed <= MAX_SEED, f"must be in [0, {MAX_SEED}]"),
-            ("logit_bias", all(isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and b == b
-                               for t, b in self.logit_bias), "must be pairs of a token id and a number"),
-            ("grammar", self.grammar is None or isinstance(self.grammar, Grammar), "must be a grammar"),
-        )
-        for name, ok, rule in checks:
-            if not ok:
-                value = getattr(self, name)
-                raise InvalidParameter(f"{name.replace('_', '-')} {rule}, got {value}")
-
-    @classmethod
-    def field_types(cls) -> dict[str, type]:
-        """Each parameter's name and value type (int or float), in order: the one list of them
-        that the config file, the command line's overrides and chat's /set all read."""
-        hints = typing.get_type_hints(cls)
-        types = {}
-        for f in dataclasses.fields(cls):
-            kinds = [k for k in typing.get_args(hints[f.name]) or (hints[f.name],) if k is not type(None)]
-            if kinds[0] in (int, float):  # the constraint (grammar, biases) is set apart, not as a number
-                types[f.name] = kinds[0]
-        return types
+            bounds = OPTIONS[name].bounds
+            if bounds is not None and not bounds.holds(value):
+                raise InvalidParameter(f"{name.replace('_', '-')} {bounds.rule}, got {value}")
+        if not all(isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and b == b for t, b in self.logit_bias):
+            raise InvalidParameter(f"logit-bias must be pairs of a token id and a number, got {self.logit_bias}")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise InvalidParameter(f"grammar must be a grammar, got {self.grammar}")
 
     @property
     def draw_base(self) -> int:
