@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from quipu.app.environment import Environment
-from quipu.store.cache import PromptCache
+from quipu.store.cache import CacheEntries
 
 
-def cache_of(env: Environment) -> PromptCache:
-    return PromptCache(env.dirs.prompt_cache, env.cache_max_bytes)
+def cache_of(env: Environment) -> CacheEntries:
+    return CacheEntries(env.dirs.prompt_cache, env.cache_max_bytes)
 
 
 def cache_info(env: Environment) -> dict[str, Any]:

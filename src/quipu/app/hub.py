@@ -12,7 +12,7 @@ asked for with a range). A finished file is checked against the Hub's SHA-256 an
 magic before it is linked in; a file that fails is removed and said so.
 
 `pulled.json` (`store/pulled.py`) records what quipu fetched, so that `models rm` removes only that.
-(`env` below is the command's `Environment`, which resolves `hf:` names through this module.)
+(`dirs` below are the command's folders, `Environment.dirs`, where pulled models are recorded.)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal
 
 from quipu.errors import QuipuError, UsageError
 from quipu.models import is_projector
@@ -31,16 +31,6 @@ from quipu.paths import Dirs
 from quipu.shown import has_unsafe
 from quipu.store.pulled import PulledModel as PulledModel  # (what a pull gives the CLI)
 from quipu.store.pulled import PulledRecord
-
-if TYPE_CHECKING:
-    pass
-
-
-class Placed(Protocol):
-    """What the Hub's part reads of a command's `Environment`: where quipu keeps its files."""
-
-    @property
-    def dirs(self) -> Dirs: ...
 
 # A quantization tag as GGUF file names spell it: Q4_K_M, IQ4_XS, Q8_0, TQ1_0, BF16, F16, ...
 QUANT = re.compile(r"(?i)(?<![a-z0-9])(t?i?q\d(?:_[a-z0-9]+)*|mxfp4|bf16|fp16|f16|f32)(?![a-z0-9])")
@@ -350,22 +340,22 @@ def projector_of(files: list[HubFile], model: str) -> HubFile | None:
 
 # ---- what was pulled -----------------------------------------------------------------------------
 
-def pulled(ref: HubRef, env: Placed) -> PulledModel | None:
+def pulled(ref: HubRef, dirs: Dirs) -> PulledModel | None:
     """The pulled model `ref` names, when its files are still in the cache."""
-    model = PulledRecord(env.dirs.models).find(ref.repo, ref.quant)
+    model = PulledRecord(dirs.models).find(ref.repo, ref.quant)
     if model is None or not Path(model.path).is_file():
         return None
     return model
 
 
-def pulled_paths(env: Placed) -> set[str]:
-    return {m.path for m in PulledRecord(env.dirs.models).all().values()}
+def pulled_paths(dirs: Dirs) -> set[str]:
+    return {m.path for m in PulledRecord(dirs.models).all().values()}
 
 
-def remove(name: str, env: Placed) -> PulledModel:
+def remove(name: str, dirs: Dirs) -> PulledModel:
     """Removes a pulled model's files from the cache (a blob only when nothing else links to it)
     and from the record; a model quipu did not pull is refused."""
-    record = PulledRecord(env.dirs.models)
+    record = PulledRecord(dirs.models)
     models = record.all().values()
     from quipu.app.known_models import is_short_name
 
@@ -386,7 +376,7 @@ def remove(name: str, env: Placed) -> PulledModel:
     links = [snapshot_dir / f for f in model.files + [e for e in model.extras if e not in shared]]
     for link in links:
         link.unlink(missing_ok=True)
-    if model.template and Path(model.template).parent == env.dirs.models / "templates" and not shared:
+    if model.template and Path(model.template).parent == dirs.models / "templates" and not shared:
         Path(model.template).unlink(missing_ok=True)
     folder = snapshot_dir.parent.parent
     still = {os.path.realpath(p) for p in (folder / "snapshots").rglob("*") if p.is_symlink()}

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from quipu.app.hub import (CHUNK, DISK_MARGIN, GGUF_MAGIC, PLAIN_NAME, HubError, HubErrors, HubFile, HubRef, Placed,
+from quipu.app.hub import (CHUNK, DISK_MARGIN, GGUF_MAGIC, PLAIN_NAME, HubError, HubErrors, HubFile, HubRef,
                            PullPlan, endpoint, plan_pull, repository_path)
 from quipu.errors import QuipuError
-from quipu.paths import private_dir
+from quipu.paths import Dirs, private_dir
 from quipu.store.pulled import PulledModel, PulledRecord
 from quipu.store.files import atomic_write, flock_until
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 ProgressFn = Callable[[str, int, int], None]  # (file, bytes so far, bytes in all)
 
 
-def pull(ref: HubRef, env: Placed, *, on_plan: Callable[[PullPlan], None] | None = None,
+def pull(ref: HubRef, dirs: Dirs, *, on_plan: Callable[[PullPlan], None] | None = None,
          on_progress: ProgressFn | None = None, on_wait: Callable[[str], None] | None = None) -> PulledModel:
     """Pulls `ref` into the Hugging Face cache (files already there are not fetched again) and
     records it; the model, with the path to load."""
@@ -62,18 +62,18 @@ def pull(ref: HubRef, env: Placed, *, on_plan: Callable[[PullPlan], None] | None
     if plan.template is not None:
         try:
             link, template_blob, _ = fetch(plan.repo, HubFile(plan.template, 0, None), cache, None, plan.commit)
-            template = repository_template(plan.repo, link, env)
+            template = repository_template(plan.repo, link, dirs)
             extras.append(plan.template)
             blobs.append(str(template_blob))
         except QuipuError:
             template = None  # a model without its repository's template is still a model
     model = PulledModel(plan.repo, plan.quant, [f.path for f in plan.files], str(paths[0]), plan.size, revision,
                         template, blobs, extras)
-    PulledRecord(env.dirs.models).put(model)
+    PulledRecord(dirs.models).put(model)
     return model
 
 
-def repository_template(repo: str, path: Path, env: Placed) -> str | None:
+def repository_template(repo: str, path: Path, dirs: Dirs) -> str | None:
     """The chat template a repository ships, as a file `--chat-template` takes: its
     `chat_template.jinja`, or the `chat_template` of its `tokenizer_config.json` written out."""
     if path.name.endswith(".jinja"):
@@ -87,7 +87,7 @@ def repository_template(repo: str, path: Path, env: Placed) -> str | None:
         text = next((t.get("template") for t in text if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(text, str) or not text.strip():
         return None
-    out = env.dirs.models / "templates" / (repo.replace("/", "--") + ".jinja")
+    out = dirs.models / "templates" / (repo.replace("/", "--") + ".jinja")
     private_dir(out.parent)
     atomic_write(out, text.encode("utf-8"))
     return str(out)

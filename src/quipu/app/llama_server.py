@@ -11,8 +11,6 @@ its messages.
 from __future__ import annotations
 
 import re
-import uuid
-import zlib
 from typing import Any, Callable, TYPE_CHECKING
 
 from quipu.app.environment import Environment
@@ -22,6 +20,7 @@ from quipu.engine.base import ProgressFn
 from quipu.engine.settings import ContextSettings
 from quipu.sessions.base import LLAMA_SERVER
 from quipu.sessions.llama_server import LlamaServerSession
+from quipu.sessions.slot_file import SlotFile
 from quipu.sessions.params import SamplingParams
 from quipu.store.store import SessionStore
 from quipu.store.transcript import Transcript
@@ -66,14 +65,12 @@ class LlamaServerHost:
     def _params(self, opts: TurnOptions, env: Environment, base: SamplingParams | None = None) -> SamplingParams:
         return with_logit_biases(sampling_params(opts, env, base, self.capabilities), self.served, opts)
 
-    def _open(self, params: SamplingParams, slot: "SlotFile | None",
+    def _open(self, params: SamplingParams, slot: SlotFile | None,
               draws: int = 0) -> tuple[LlamaServerSession, "LlamaServerKeeper"]:
         """A session, and its keeper; with `slot`, the session's slot is kept between turns;
         `draws`, the draws its seed has made."""
-        notices: list[str] = []
-        holder = HeldSlot(self.served, slot, notices) if slot is not None else None
-        session = LlamaServerSession(self.served, params, slot_holder=holder, draws=draws)
-        return session, LlamaServerKeeper(self.served, self.url, slot, notices)
+        session = LlamaServerSession(self.served, params, slot_file=slot, draws=draws)
+        return session, LlamaServerKeeper(self.served, self.url, slot)
 
     def create(self, opts: TurnOptions, env: Environment, name: str | None = None,
                media: Sequence[Attachment] = ()) -> Opened[LlamaServerSession] | Opened[ChatApiSession]:
@@ -113,10 +110,10 @@ class LlamaServerHost:
 class LlamaServerKeeper(NoCache):
     """A session's exact tokens on llama-server, and its slot file."""
 
-    def __init__(self, served: LlamaServerModel, url: str, slot: "SlotFile | None", notices: list[str]):
+    def __init__(self, served: LlamaServerModel, url: str, slot: SlotFile | None):
         self.served, self.url, self.slot = served, url, slot
         self.model_name = served.name
-        self.notices = notices  # (what the session's held slot says, shared with it)
+        self.notices = slot.notices if slot is not None else []  # (what the session's slot file says)
 
     def fields(self, session: LlamaServerSession) -> dict[str, Any]:
         where = {"name": self.model_name, "url": self.url}
@@ -137,93 +134,7 @@ class LlamaServerKeeper(NoCache):
         return out
 
 
-class SlotFile:
-    """A named session's context on llama.cpp's llama-server, kept in a slot file between turns
-    (the server must be started with --slot-save-path). Before a turn the file is restored into
-    the session's slot, unless the slot is as the last save left it (the same last task, the same
-    size: a chat's next turn), after it the slot is saved; the conversation is sent whole all the
-    same, so the server reuses what the slot holds and reads only the rest. That it was reused is
-    checked on the reply's cached-token count against what the new prompt shares with the held
-    context: when it was not, the turn was read again (correct, only slower), and a warning says
-    so. Other servers: nothing is done."""
-
-    def __init__(self, filename: str | None, name: str = ""):
-        self.name = name  # the session's, for the notices
-        self.filename = filename
-        self.restored = 0  # the tokens the slot holds for the session when a turn starts
-        self.slot = -1
-        self.why_not = ""
-        self.saved = 0
-        self.left: tuple[Any, ...] | None = None  # how the slot looked after the last save
-
-    def before(self, served: "LlamaServerModel") -> int:
-        """Restores the session's file into its slot; the slot to use (-1: the server has none)."""
-        from quipu.engine.http import ServerError
-
-        slots = served.slots()
-        if not slots:
-            return -1
-        self.why_not, self.restored = "", 0
-        filename = self.filename
-        if filename is None:  # a new session (or a server that kept no file): nothing to restore
-            self.filename = f"quipu-{uuid.uuid4().hex}.bin"
-            self.slot = self.slot_of(slots)
-            return self.slot
-        self.slot = self.slot_of(slots)
-        if self.left is not None and served.slot_look(self.slot) == self.left:
-            self.restored = self.saved  # nobody used the slot since: it holds the session still
-            return self.slot
-        try:
-            self.restored = served.slot_file(self.slot, "restore", filename)
-        except ServerError as exc:
-            self.restored, self.why_not = 0, str(exc)
-        return self.slot
-
-    def slot_of(self, slots: int) -> int:
-        return zlib.crc32((self.filename or "").encode()) % slots
-
-    def after(self, served: "LlamaServerModel", cached_tokens: int, held: int) -> list[str]:
-        """Saves the slot; notices of a context that was not reused (`held`: the tokens the turn's
-        prompt shared with the session's context)."""
-        from quipu.engine.http import ServerError
-
-        if self.slot < 0:
-            return []
-        notices = []
-        expected = min(self.restored, held)
-        if self.why_not:
-            notices.append(f"session '{self.name}': its context could not be restored on llama-server "
-                           f"({self.why_not}); the conversation was read again")
-        elif expected and cached_tokens < expected * 0.9:
-            notices.append(f"session '{self.name}': llama-server did not reuse its context ({cached_tokens} of "
-                           f"{expected} tokens); the conversation was read again")
-        self.left = None
-        assert self.filename is not None  # (named by `before`, which gave the slot)
-        try:
-            self.saved = served.slot_file(self.slot, "save", self.filename)
-        except ServerError:
-            self.filename = None  # the server keeps no slot files (no --slot-save-path): nothing to restore
-            return notices
-        self.left = served.slot_look(self.slot)
-        return notices
-
-
 def slot_file_of(record: Transcript | None) -> str | None:
     """The llama-server slot file a session's transcript names, if it is one quipu made."""
     name = record.model.get("slot_file") if record is not None else None
     return name if isinstance(name, str) and re.fullmatch(r"quipu-[0-9a-f]{32}\.bin", name) else None
-
-
-
-class HeldSlot:
-    """A session's slot on llama-server, kept in a slot file between turns (see SlotFile): the
-    session layer's `SlotHolder`."""
-
-    def __init__(self, served: LlamaServerModel, slot_file: SlotFile, notices: list[str]):
-        self.served, self.slot_file, self.notices = served, slot_file, notices
-
-    def before(self) -> int:
-        return self.slot_file.before(self.served)
-
-    def after(self, cached_tokens: int, held: int) -> None:
-        self.notices += self.slot_file.after(self.served, cached_tokens, held)

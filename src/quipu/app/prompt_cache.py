@@ -13,12 +13,12 @@ from quipu.engine.base import MEDIA_BASE, MEDIA_SPAN
 from quipu.errors import EngineError
 from quipu.models import fingerprint
 from quipu.sessions.inference import InferenceSession
-from quipu.store.cache import MIN_TOKENS, PromptCache
+from quipu.store.cache import MIN_TOKENS, CacheEntries
 
 
 @dataclass
 class CacheUse:
-    cache: PromptCache
+    cache: CacheEntries
     key: dict[str, Any]
     tokens: list[int]  # as the cache keeps them (`canonical`)
     reused: int
@@ -32,9 +32,9 @@ def cache_key(session: InferenceSession, model_fp: str) -> dict[str, Any]:
     return {"fingerprint": model_fp, "build": backend.build, "context": backend.context.state_key()}
 
 
-def open_cache(env: Environment, no_cache: bool) -> PromptCache | None:
+def open_cache(env: Environment, no_cache: bool) -> CacheEntries | None:
     """The prompt cache a run uses (None with --no-cache)."""
-    return None if no_cache else PromptCache(env.dirs.prompt_cache, env.cache_max_bytes)
+    return None if no_cache else CacheEntries(env.dirs.prompt_cache, env.cache_max_bytes)
 
 
 # A medium's positions in a cache entry: its SHA-256 and its place in its run (`canonical`).
@@ -87,7 +87,7 @@ def whole_media(tokens: Sequence[int], keep: int) -> int:
     return keep
 
 
-def cache_lookup(session: InferenceSession, tokens: list[int], model_fp: str, cache: PromptCache) -> CacheUse:
+def cache_lookup(session: InferenceSession, tokens: list[int], model_fp: str, cache: CacheEntries) -> CacheUse:
     """Restores the longest cached beginning of `tokens` into the session, if any."""
     key = cache_key(session, model_fp)
     digests = cache_digests(session)
@@ -105,7 +105,7 @@ def cache_lookup(session: InferenceSession, tokens: list[int], model_fp: str, ca
     return CacheUse(cache, key, tokens, reused, hit.reuse if hit is not None else 0)
 
 
-def cached_count(session: InferenceSession, tokens: list[int], model_fp: str, cache: PromptCache) -> int:
+def cached_count(session: InferenceSession, tokens: list[int], model_fp: str, cache: CacheEntries) -> int:
     """How many of `tokens` a run would restore from the prompt cache (`--show-prompt`)."""
     tokens = canonical(tokens, cache_digests(session))
     found = cache.peek(cache_key(session, model_fp), tokens)
@@ -130,11 +130,11 @@ def cache_save(session: InferenceSession, use: CacheUse) -> None:
         pass  # a cache never fails a run
 
 
-class SessionCache:
+class PromptCache:
     """The prompt cache as one session uses it (`cache` None: --no-cache; `fingerprint`: the
     model's, which keys its entries; `verbose`: what went wrong with an entry is said)."""
 
-    def __init__(self, cache: PromptCache | None, fingerprint: str, *, verbose: bool = False):
+    def __init__(self, cache: CacheEntries | None, fingerprint: str, *, verbose: bool = False):
         self.cache = cache
         self.model_fingerprint = fingerprint
         self.verbose = verbose

@@ -54,7 +54,7 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
     rows = [describe(e) for e in discover(env.dirs.models, env.environ, env.config.models)]
     from quipu.app.hub import pulled_paths
 
-    pulled = pulled_paths(env)
+    pulled = pulled_paths(env.dirs)
     for row in rows:
         if row.get("path") in pulled:
             row["source"] = "huggingface (pulled by quipu)"
@@ -191,7 +191,7 @@ def rm(context: typer.Context,
     """Remove a model quipu pulled from the Hugging Face cache (never a file quipu did not download)."""
     from quipu.app.hub import remove
 
-    removed = remove(model, context.obj)
+    removed = remove(model, context.obj.dirs)
     Terminal.detect().stderr.write(f"removed {removed.repo} {removed.quant} from the Hugging Face cache\n")
 
 

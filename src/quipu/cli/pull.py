@@ -34,7 +34,7 @@ def pull(text: str, env: Environment, term: Terminal) -> PulledModel:
         bar.expect(size)
 
     try:
-        model = pull_model(ref, env, on_plan=on_plan, on_progress=bar, on_wait=term.warn)
+        model = pull_model(ref, env.dirs, on_plan=on_plan, on_progress=bar, on_wait=term.warn)
     finally:
         bar.close()
     return model
@@ -48,7 +48,7 @@ def pull_if_needed(env: Environment, requested: str | None, term: Terminal) -> N
         return
     from quipu.app.hub import pulled
 
-    if pulled(ref, env) is None:
+    if pulled(ref, env.dirs) is None:
         pull(str(ref), env, term)
 
 

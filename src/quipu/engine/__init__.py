@@ -23,8 +23,7 @@ a ring's or a hybrid model's recurrent state, and how a snapshot carries them (`
 Apart from
 them, models on servers: the HTTP plumbing every server request goes through (`http.py`,
 `ServerClient`), any server's OpenAI chat API (`chat_api.py`, `ChatApiModel`), and llama.cpp's
-llama-server driven by token arrays, with its slots (`llama_server.py`, `LlamaServerModel`, a
-`TokenServer`).
+llama-server driven by token arrays, with its slots (`llama_server.py`, `LlamaServerModel`).
 
 Nothing here imports anything above it.
 """

@@ -76,6 +76,12 @@ def waited(work: Callable[[], T], stopped: Callable[[], bool], said: str, timeou
     return done
 
 
+# The samplers of the chain, in the order it applies them (`engine/sampler.py`), as llama.cpp
+# names them (llama-server's `samplers`; logit biases and a grammar go first, as its common
+# sampler applies them).
+CHAIN = ("penalties", "top_k", "top_p", "min_p", "temperature")
+
+
 @dataclass(frozen=True)
 class SamplerSettings:
     """A native sampler chain: logit biases, penalties, then top-k, top-p, min-p, temperature, a
@@ -254,34 +260,6 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-class RowChain(Protocol):
-    """One batch row's sampler chain."""
-
-    def accept(self, tokens: Sequence[int]) -> None: ...
-    def free(self) -> None: ...
-
-
-class RowMatcher(Protocol):
-    """One batch row's place in its grammar."""
-
-    def accept(self, token: int) -> None: ...
-
-
-class BatchBackend(Backend, Protocol):
-    """A context of several sequences, decoded side by side (a batch's rows)."""
-
-    n_ctx_seq: int
-
-    def decode_batch(self, items: Sequence[tuple[int, int, int, bool]]) -> None:
-        """Decodes (token, position, sequence, wants logits) items in one step."""
-    def seq_keep(self, seq: int, n_keep: int) -> None: ...
-    def seq_copy(self, src: int, dst: int) -> None: ...
-    def row_sampler(self, settings: SamplerSettings) -> RowChain: ...
-    def row_matcher(self, settings: SamplerSettings) -> RowMatcher | None: ...
-    def sample_rows(self, rows: Sequence[tuple[RowChain, RowMatcher | None, int, int]]) -> list[int]:
-        """One token for each (chain, matcher, draw seed, batch index) of a step."""
-
-
 def refuse_embeddings(name: str) -> CapabilityError:
     return CapabilityError(f"the {name} backend cannot compute embeddings with this model")
 
@@ -311,38 +289,3 @@ class Completion:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     first_token_s: float = 0.0
-
-
-class TokenServer(Protocol):
-    """A model on a server that is driven by tokens (llama.cpp's llama-server): the context is
-    the token array each request sends, and the server keeps what it can of it in a slot."""
-
-    name: str
-    n_ctx: int
-
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        """The tokens' text, control tokens written out."""
-
-    def spell(self, token: int) -> str: ...
-    def bos_token(self) -> int | None: ...
-    def chat_template(self) -> str | None: ...
-    def special_token_text(self, which: str) -> str: ...
-    def media_tokens(self, k: int) -> list[int]:
-        """LookupError: media reach llama-server otherwise than by tokens."""
-
-    def control_spellings(self, texts: Sequence[str]) -> list[str]:
-        """The control tokens `texts` spell, which a user's text must keep as text."""
-
-    def special_token(self, text: str) -> int | None:
-        """The id of the one special token `text` spells (None: it spells none)."""
-
-    def complete(self, prompt: Sequence[int | str], sampler: SamplerSettings, seed: int, max_tokens: int,
-                 stop: Sequence[str] = (), slot: int = -1, sink: Sink | None = None,
-                 constraint: CallConstraint | None = None) -> Completion:
-        """Streams what follows `prompt` (token ids, then maybe text the server tokenizes with
-        special tokens parsed) into `sink` (its `text(piece)` and `stopped()`), under `constraint`
-        where there is one (a tool call's grammar, from its trigger on): a `Completion`
-        (the generated token ids, the text shown, why it ended, the prompt's token count, the
-        server's figures). A failure mid-reply raises an error whose `partial` is the completion
-        so far."""

@@ -10,13 +10,13 @@ from __future__ import annotations
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from quipu.engine.native import binding_version, lc
 from quipu.engine.sampler import SamplerChain, Sampling
 from quipu.engine.text import Spellings
 
-from quipu.engine.base import ProgressFn, RowChain, RowMatcher, SamplerSettings
+from quipu.engine.base import ProgressFn, SamplerSettings
 from quipu.engine.settings import (
     AUTO,
     CPU,
@@ -42,6 +42,9 @@ from quipu.engine.model import LlamaModel, check_gguf
 from quipu.engine.devices import no_gpu_reason, supports_offload
 from quipu.engine.placement import plan
 from quipu.errors import EngineError, InvalidParameter, UsageError
+
+if TYPE_CHECKING:
+    from quipu.engine.constraint import Matcher
 
 
 def place(path: Path, offload: Offload, context: ContextSettings, *, detail: bool = False) -> Placement:
@@ -197,10 +200,10 @@ class LlamaBackend:
     def row_sampler(self, settings: SamplerSettings) -> SamplerChain:
         return self.rows.row_sampler(settings)
 
-    def row_matcher(self, settings: SamplerSettings) -> RowMatcher | None:
+    def row_matcher(self, settings: SamplerSettings) -> Matcher | None:
         return self.rows.row_matcher(settings)
 
-    def sample_rows(self, rows: Sequence[tuple[RowChain, RowMatcher | None, int, int]]) -> list[int]:
+    def sample_rows(self, rows: Sequence[tuple[SamplerChain, Matcher | None, int, int]]) -> list[int]:
         return self.rows.sample_rows(rows)
 
     # ---- state bytes: the state part's ----------------------------------------------------

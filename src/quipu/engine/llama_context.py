@@ -78,7 +78,7 @@ class NativeContext:
                                             "every cell" if context.swa_full else "ring")
             # llama.cpp rounds small contexts up; the user's number is the one we keep to.
             self.n_ctx = min(n_ctx, lc.llama_n_ctx(ptr))
-            self.n_ctx_seq = lc.llama_n_ctx_seq(ptr) if n_seq > 1 else self.n_ctx
+            self.n_ctx_seq: int = lc.llama_n_ctx_seq(ptr) if n_seq > 1 else self.n_ctx
             # The window cache's cells, where it is a ring this context lays out (0: none; ring.py).
             ring = ring_of(cparams)
             self.ring = ring(model.n_swa) if windowed and ring is not None else 0

@@ -4,9 +4,9 @@ each with a sampler chain and a grammar's matcher of its own: the rows of a batc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence, cast
+from typing import TYPE_CHECKING, Sequence
 
-from quipu.engine.base import RowChain, RowMatcher, SamplerSettings
+from quipu.engine.base import SamplerSettings
 from quipu.engine.native import lc
 from quipu.engine.sampler import SamplerChain, matcher_for
 from quipu.errors import EngineError
@@ -73,12 +73,12 @@ class BatchRows:
         """A grammar's matcher of its own, for one sequence of a batch (None without a grammar)."""
         return matcher_for(self._native.model, settings)
 
-    def sample_rows(self, rows: Sequence[tuple[RowChain, RowMatcher | None, int, int]]) -> list[int]:
+    def sample_rows(self, rows: Sequence[tuple[SamplerChain, Matcher | None, int, int]]) -> list[int]:
         """One token (sampled and accepted) for each (chain, matcher or None, draw seed, batch
         index) of a step, the chains and matchers this context made (`row_sampler`,
         `row_matcher`). The masks of every row under a grammar are computed together, on
         llguidance's threads, and applied to each row's logits before its chain draws."""
-        constrained = [(cast("Matcher", matcher), k) for k, (_, matcher, _, _) in enumerate(rows)
+        constrained = [(matcher, k) for k, (_, matcher, _, _) in enumerate(rows)
                        if matcher is not None]
         if constrained:
             import numpy as np
@@ -95,7 +95,7 @@ class BatchRows:
                 masks.apply(logits, k)
         tokens = []
         for chain, matcher, draw_seed, index in rows:
-            token = self.sample_at(cast(SamplerChain, chain), draw_seed, index)
+            token = self.sample_at(chain, draw_seed, index)
             if matcher is not None:
                 try:
                     matcher.accept(token)

@@ -12,7 +12,8 @@
   watches its reply as it comes (a reasoning budget, a call's trigger); `marks.py`, where a
   prompt is marked for a later one to part from it (a hybrid model's checkpoints).
 - `llama_server.py`: `LlamaServerSession`, a conversation's exact tokens on llama.cpp's
-  llama-server (an `engine.TokenServer`), one request a reply, seeded per draw.
+  llama-server (an `engine.llama_server.LlamaServerModel`), one request a reply, seeded per draw;
+  `slot_file.py`, a named session's context kept in a slot file of the server's between turns.
 - `chat_api.py`: `ChatApiSession`, a server's OpenAI chat API, whose context is the message list.
 - `conversation.py`: `Conversation`, one for every session: turns as the model's chat template
   renders them, fed incrementally; undo, retry, continue, drop the oldest exchanges; what a

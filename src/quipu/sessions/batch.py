@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from quipu.engine.base import BatchBackend, RowChain, RowMatcher
 from quipu.errors import ContextOverflow, Interrupted
 from quipu.sessions.inference import Generation, Stats, common_prefix
 from quipu.sessions.stops import ReplyText
 from quipu.sessions.params import SamplingParams, draw_seed
+
+if TYPE_CHECKING:
+    from quipu.engine.constraint import Matcher
+    from quipu.engine.llama import LlamaBackend
+    from quipu.engine.sampler import SamplerChain
 
 OWN_TOKENS = 2  # each row decodes at least this many of its prompt's tokens itself
 # on_row_token(row, token, text): `text` is what may be shown now (stop strings held back).
@@ -54,8 +58,8 @@ class _Slot:
         self.row = -1
         self.pending: list[int] = []  # tokens to decode next
         self.pos = 0  # where pending[0] goes
-        self._chain: RowChain | None = None
-        self.matcher: RowMatcher | None = None  # the grammar's place in this row's reply (None: no grammar)
+        self._chain: SamplerChain | None = None
+        self.matcher: Matcher | None = None  # the grammar's place in this row's reply (None: no grammar)
         self.params = SamplingParams()
         self.draws = 0
         self.max_tokens = 0
@@ -64,7 +68,7 @@ class _Slot:
         self._stats = Stats()
         self._started = self._first_at = self._last_at = 0.0
 
-    def start(self, index: int, row: BatchRow, params: SamplingParams, chain: RowChain, matcher: RowMatcher | None,
+    def start(self, index: int, row: BatchRow, params: SamplingParams, chain: SamplerChain, matcher: Matcher | None,
               shared: int, reply: ReplyText) -> None:
         """Answers the row `index` from here, the `shared` tokens of its prompt already read."""
         self.row, self.params, self._chain, self.matcher, self._reply = index, params, chain, matcher, reply
@@ -76,7 +80,7 @@ class _Slot:
         self._started = time.perf_counter()
 
     @property
-    def chain(self) -> RowChain:
+    def chain(self) -> SamplerChain:
         assert self._chain is not None  # (a row's chain is made as it starts)
         return self._chain
 
@@ -124,7 +128,7 @@ class _Slot:
 class BatchSession:
     """Runs rows to replies on a backend opened with several sequences."""
 
-    def __init__(self, backend: BatchBackend):
+    def __init__(self, backend: LlamaBackend):
         self.backend = backend
         self.n_seq = backend.context.n_seq
         self.n_ctx_seq = backend.n_ctx_seq

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Iterator, Mapping, Protocol, Sequence
+from typing import Iterator, Mapping, Sequence
 
-from quipu.engine.base import Completion, TokenServer
-from quipu.engine.llama_server import server_grammar
+from quipu.engine.base import Completion
+from quipu.engine.llama_server import LlamaServerModel, server_grammar
 from quipu.errors import CapabilityError, ContextOverflow
 from quipu.sessions.base import (LLAMA_SERVER, SILENT, Generation, ReplySink, Stats, ToolOffer, TurnPrompt,
                                  common_prefix)
@@ -32,26 +32,17 @@ from quipu.sessions.calls import TextCallSink, server_constraint
 from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.prompt import HeldTokens, Rendered, reference_tokens
 from quipu.sessions.reasoning import Thinking
+from quipu.sessions.slot_file import SlotFile
 
 # A token spells at most this many bytes (a generous bound): a longer text cannot fit, and is
 # refused before it is sent to be tokenized.
 MAX_TOKEN_BYTES = 256
 
 
-class SlotHolder(Protocol):
-    """Keeps a session's context in a slot of its own between turns (slot files, in `quipu.app`)."""
-
-    def before(self) -> int:
-        """The slot to use (-1: any), its context made the session's where it can be."""
-
-    def after(self, cached_tokens: int, held: int) -> None:
-        """The reply is done: the server reused `cached_tokens`, of which the context held `held`."""
-
-
 class ServerSpecials(Mapping[str, int]):
     """The server's model's special tokens ({spelling: id}), asked for as they are needed."""
 
-    def __init__(self, backend: TokenServer):
+    def __init__(self, backend: LlamaServerModel):
         self.backend = backend
 
     def __getitem__(self, text: str) -> int:
@@ -80,10 +71,10 @@ class LlamaServerSession(HeldTokens):
     """A context on a llama-server slot: exact tokens, the text they spell, and the draw count."""
 
     capabilities = LLAMA_SERVER
-    backend: TokenServer
+    backend: LlamaServerModel
 
-    def __init__(self, backend: TokenServer, params: SamplingParams | None = None,
-                 slot_holder: SlotHolder | None = None, draws: int = 0):
+    def __init__(self, backend: LlamaServerModel, params: SamplingParams | None = None,
+                 slot_file: SlotFile | None = None, draws: int = 0):
         super().__init__(backend)
         self.params = SamplingParams().resolved()
         self.set_params(params or self.params)
@@ -91,7 +82,7 @@ class LlamaServerSession(HeldTokens):
         self.marks: list[tuple[int, int]] = []  # (k, n): tokens[:k] spell text[:n]; a turn may go on from there
         self.draws = draws
         self.slot = -1  # the server's slot to use (-1: any)
-        self.slot_holder = slot_holder  # keeps the session's slot between turns (a named session's)
+        self.slot_file = slot_file  # keeps the session's slot between turns (a named session's)
         self._spelled = ""  # the last reply, control tokens spelled out
         self.stats = Stats()
         self._turn_started = 0.0
@@ -111,6 +102,8 @@ class LlamaServerSession(HeldTokens):
 
     def spell(self, tokens: Sequence[int]) -> str:
         return self.backend.detokenize(tokens)
+
+    checkpoints = False  # (the server's cells are its own)
 
     def special_tokens(self) -> "ServerSpecials":
         return ServerSpecials(self.backend)
@@ -210,7 +203,7 @@ class LlamaServerSession(HeldTokens):
             raise CapabilityError("a reply under a grammar cannot be continued on a server: its grammar would "
                                   "start over")
         self.begin_turn()
-        rendered = prompt.rendered()
+        rendered = prompt.template_text()
         gen = self.generate(self.prompt_for(rendered, max_tokens), rendered.text, max_tokens, stop, sink,
                             prompt.thinking(rendered.text), prompt.offer)
         return replace(gen, spelled=prompt.tail + self._spelled)
@@ -233,8 +226,8 @@ class LlamaServerSession(HeldTokens):
         if not self._turn_started:
             self.begin_turn()
         room = self.n_ctx - len(prompt) if exact else max_tokens  # (`prompt_for` made sure of it)
-        if self.slot_holder is not None:
-            self.slot = self.slot_holder.before()
+        if self.slot_file is not None:
+            self.slot = self.slot_file.before(self.backend)
         sent = time.perf_counter()
         error = None
         constraint, calls = None, None
@@ -261,8 +254,8 @@ class LlamaServerSession(HeldTokens):
         if finish == "length" and room < max_tokens and len(done.tokens) >= room:
             finish = "context_full"
         self._keep(prompt, ids, prompt_text, done, finish)
-        if self.slot_holder is not None and error is None:
-            self.slot_holder.after(done.cached_tokens, held)
+        if self.slot_file is not None and error is None:
+            self.slot_file.after(self.backend, done.cached_tokens, held)
         self.draws += len(done.tokens)
         read = len(ids) if ids else done.prompt_tokens
         cached = min(done.cached_tokens, read)

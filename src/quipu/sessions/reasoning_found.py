@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any, Callable
 
 from quipu.errors import TemplateError
 from quipu.sessions.reasoning import FIELDS, TABLE, ReasoningFormat
 
 
-class Renders(Protocol):
-    """What finding a format needs of a chat template (`template.ChatTemplate`)."""
-
-    source: str
-
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **variables: Any) -> str: ...
+# render(messages, add_generation_prompt, **variables) -> the template's text
+# (`template.ChatTemplate.render`).
+Render = Callable[..., str]
 
 __all__ = ["find_format"]
 
@@ -74,33 +71,33 @@ def _closing_of(opener: str, source: str) -> str:
     return close if close in source else ""
 
 
-def _render(template: Renders, messages: list[dict[str, Any]], generation: bool,
+def _render(render: Render, messages: list[dict[str, Any]], generation: bool,
             **variables: Any) -> str | None:
     try:
-        return template.render(messages, generation, **variables)
+        return render(messages, generation, **variables)
     except TemplateError:
         return None
 
 
-def _by_rendering(template: Renders) -> ReasoningFormat | None:
+def _by_rendering(render: Render) -> ReasoningFormat | None:
     user = [{"role": "user", "content": _USER}]
-    prompt = _render(template, user, True)
+    prompt = _render(render, user, True)
     if prompt is None:
         return None
     for name in FIELDS:
         message = {"role": "assistant", "content": _ANSWER, name: _REASON}
         for messages, generation in ((user + [message], False),
                                      (user + [message, {"role": "user", "content": _USER}], True)):
-            text = _render(template, messages, generation)
+            text = _render(render, messages, generation)
             if text and _REASON in text and _ANSWER in text and text.index(_REASON) < text.index(_ANSWER):
                 break
         else:
-            found = _in_a_call(template, user, prompt, name)
+            found = _in_a_call(render, user, prompt, name)
             if found is not None:
                 return found
             continue
         r, a = text.index(_REASON), text.index(_ANSWER)
-        plain = _render(template, user + [{"role": "assistant", "content": _ANSWER}], False) or ""
+        plain = _render(render, user + [{"role": "assistant", "content": _ANSWER}], False) or ""
         before = text[len(prompt):r].strip() if text.startswith(prompt) else ""
         opener = before
         if not opener and text.startswith(prompt):
@@ -126,12 +123,12 @@ def _by_rendering(template: Renders) -> ReasoningFormat | None:
     return None
 
 
-def _in_a_call(template: Renders, user: list[dict[str, Any]], prompt: str,
+def _in_a_call(render: Render, user: list[dict[str, Any]], prompt: str,
                name: str) -> ReasoningFormat | None:
     """The markup around the reasoning of a reply that made a call, for templates that render
     reasoning there alone (Command R7B, Gemma 4: the reasoning of a turn's tool loop)."""
     call = {"id": "000000001", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
-    text = _render(template, user + [{"role": "assistant", "content": "", name: _REASON, "tool_calls": [call]},
+    text = _render(render, user + [{"role": "assistant", "content": "", name: _REASON, "tool_calls": [call]},
                                      {"role": "tool", "content": "r", "tool_call_id": "000000001", "name": "f"}],
                    True)
     if not text or _REASON not in text:
@@ -154,12 +151,12 @@ def _opens_block(text: str, opener: str, answer: str) -> bool:
     return at >= 0 and bool(MARKUP.match(text[at + len(opener):].lstrip()))
 
 
-def _by_switch(template: Renders) -> ReasoningFormat | None:
+def _by_switch(render: Render) -> ReasoningFormat | None:
     """The markup a generation prompt writes with thinking on and off: an empty block when off
     (Qwen3's `<think>\\n\\n</think>`, Gemma 4's `<|channel>thought\\n<channel|>`), the opener when on."""
     user = [{"role": "user", "content": _USER}]
-    on = _render(template, user, True, enable_thinking=True)
-    off = _render(template, user, True, enable_thinking=False)
+    on = _render(render, user, True, enable_thinking=True)
+    off = _render(render, user, True, enable_thinking=False)
     if on is None or off is None or on == off:
         return None
     common = 0
@@ -184,12 +181,11 @@ def _by_switch(template: Renders) -> ReasoningFormat | None:
     return None
 
 
-def find_format(template: Renders) -> ReasoningFormat | None:
-    """The reasoning format of a chat template (`ChatTemplate.reasoning` keeps it); None: it
-    writes no reasoning quipu knows."""
-    source = template.source
+def find_format(source: str, render: Render) -> ReasoningFormat | None:
+    """The reasoning format of the chat template `source` that `render` renders
+    (`ChatTemplate.reasoning` keeps it); None: it writes no reasoning quipu knows."""
     known = next((f for f in TABLE if all(m in source for m in (*f.opens, f.close))), None)
-    found = _by_rendering(template) if any(n in source for n in FIELDS) else None
+    found = _by_rendering(render) if any(n in source for n in FIELDS) else None
     found_field, found_empty, found_between = (found.field, found.empty, found.between) if found else (None, "", "")
     if found is not None and known is not None and (found.close == known.close or found.opens[0] in known.opens):
         # (the table's markup, where it knows more: harmony's headers, Apriel's words)
@@ -198,27 +194,27 @@ def find_format(template: Renders) -> ReasoningFormat | None:
             answer_closes=found.answer_closes or known.answer_closes)
         found = replace(found, field=found_field, empty=found_empty, between=found_between)
     if found is None:
-        switched = _by_switch(template) if "enable_thinking" in source else None
+        switched = _by_switch(render) if "enable_thinking" in source else None
         if known is not None and (switched is None or switched.opens[0] in known.opens):
             found = replace(known, empty=switched.empty if switched else "")
         else:
-            found = switched or _by_prompt(template, source)
+            found = switched or _by_prompt(render, source)
     if found is not None and found.field is None:
-        found = replace(found, in_content=_keeps_in_content(template, found))
+        found = replace(found, in_content=_keeps_in_content(render, found))
     return found
 
 
-def _keeps_in_content(template: Renders, fmt: ReasoningFormat) -> bool:
+def _keeps_in_content(render: Render, fmt: ReasoningFormat) -> bool:
     """Whether the template, reading no reasoning field, shows an earlier reply's reasoning as
     written in its content."""
     user = {"role": "user", "content": _USER}
     reply = {"role": "assistant", "content": fmt.written(_REASON, _ANSWER)}
-    return _REASON in (_render(template, [user, reply, user], True) or "")
+    return _REASON in (_render(render, [user, reply, user], True) or "")
 
 
-def _by_prompt(template: Renders, source: str) -> ReasoningFormat | None:
+def _by_prompt(render: Render, source: str) -> ReasoningFormat | None:
     """A generation prompt that ends with an opener whose close the source spells (DeepSeek-R1's `<think>\\n`)."""
-    prompt = _render(template, [{"role": "user", "content": _USER}], True)
+    prompt = _render(render, [{"role": "user", "content": _USER}], True)
     opener = _last_markup(prompt or "")
     close = _closing_of(opener, source) if opener else ""
     return ReasoningFormat("template", (opener,), close) if close else None

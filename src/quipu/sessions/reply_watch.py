@@ -4,7 +4,7 @@ from the token that completes its trigger, keeps to the call's grammar (`CallWat
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 from quipu.engine.base import Backend, LogitsProcessor
 from quipu.sessions.call_grammars import CallGrammar
@@ -13,16 +13,19 @@ from quipu.sessions.base import ReplySink
 from quipu.sessions.reasoning import Thinking
 
 
-class Forcing(Protocol):
-    """What the watches need of a local session: its backend, its logits processors, its
-    special tokens, and writing text into the reply as if the model had."""
+# force(text) -> its tokens: `text` (control tokens parsed) appended to the reply as if the model
+# had written it (`InferenceSession.force`).
+Force = Callable[[str], list[int]]
 
-    backend: Backend
-    logits_processors: list[LogitsProcessor]
 
-    def special_tokens(self) -> dict[str, int]: ...
-
-    def force(self, text: str) -> list[int]: ...
+def reply_tokens(backend: Backend, text: str) -> list[int]:
+    """The tokens of `text` (control tokens parsed) as they follow a reply's text."""
+    tokens = backend.tokenize(text, add_special=False, parse_special=True)
+    # (A SentencePiece tokenizer puts a space before a text's start: not what follows a reply's text.)
+    if len(tokens) > 1 and backend.token_text(tokens[0]) == b" " and \
+            b"".join(backend.token_text(t) for t in tokens[1:]) == text.encode():
+        tokens = tokens[1:]
+    return tokens
 
 
 class Budget:
@@ -30,11 +33,11 @@ class Budget:
     what the template writes before an answer) is written as if the model had, and the model
     goes on with its answer; a budget of 0 begins the reply without reasoning."""
 
-    def __init__(self, session: Forcing, thinking: Thinking, held: Sequence[int] = ()):
+    def __init__(self, backend: Backend, force: Force, thinking: Thinking, held: Sequence[int] = ()):
         """`thinking` as the reply began; `held`: what the reply holds already (a reply cut and
         continued), its reasoning counted against the budget as it was when it was written."""
         assert thinking.fmt is not None and thinking.budget is not None
-        self.session, self.fmt, self.left = session, thinking.fmt, thinking.budget
+        self.backend, self.force, self.fmt, self.left = backend, force, thinking.fmt, thinking.budget
         self.split = thinking.splitter()
         self.inside = thinking.inside
         self.held = bool(held)
@@ -53,7 +56,7 @@ class Budget:
 
     def _count(self, token: int) -> None:
         was = self.split.in_reasoning
-        backend = self.session.backend
+        backend = self.backend
         self.split.feed(backend.token_text(token).decode("utf-8", "replace"), control=backend.is_control(token))
         if was:
             self.left -= 1
@@ -65,7 +68,7 @@ class Budget:
         return []
 
     def _force(self, text: str) -> list[int]:
-        tokens = self.session.force(text)
+        tokens = self.force(text)
         self.split.feed(text)
         return tokens
 
@@ -74,16 +77,18 @@ class CallWatch(CallSink):
     """A reply's sink while tools are offered on the local model: from the token that completes
     a call's trigger, the reply keeps to the call's grammar (llguidance's mask)."""
 
-    def __init__(self, session: Forcing, sink: ReplySink, thinking: Thinking, grammar: CallGrammar,
-                 forced: bool):
+    def __init__(self, backend: Backend, processors: list[LogitsProcessor], force: Force, sink: ReplySink,
+                 thinking: Thinking, grammar: CallGrammar, forced: bool):
+        """`processors`: the reply's logits processors, which the watch joins while the reply may
+        not end."""
         super().__init__(sink, grammar, thinking)
-        self.session, self.grammar = session, grammar
+        self.backend, self.processors, self.force, self.grammar = backend, processors, force, grammar
         # A required call is forced from the start, or once the reasoning the prompt opened ends.
         # Until then the reply may not end: the end-of-generation tokens are banned.
         self.pending = forced and thinking.inside and grammar.after_reasoning is not None
-        self._ends = [t for t in session.special_tokens().values() if session.backend.is_eog(t)] if self.pending else []
+        self._ends = [t for t in backend.special_tokens().values() if backend.is_eog(t)] if self.pending else []
         if self.pending:
-            session.logits_processors.append(self._no_end)
+            processors.append(self._no_end)
         elif forced:
             self._force(grammar.forced)
 
@@ -93,11 +98,11 @@ class CallWatch(CallSink):
     def _stop_pending(self) -> None:
         if self.pending:
             self.pending = False
-            self.session.logits_processors.remove(self._no_end)
+            self.processors.remove(self._no_end)
 
     def _force(self, text: str) -> None:
         if text:
-            self.session.force(text)
+            self.force(text)
             self.watch.push(text)
         self._constrain(self.grammar.forced_lark)
 
@@ -105,13 +110,13 @@ class CallWatch(CallSink):
         from quipu.engine.grammar import Grammar
 
         self.begin()
-        self.session.backend.sampling.set_constraint(Grammar("lark", lark or self.grammar.lark))
+        self.backend.sampling.set_constraint(Grammar("lark", lark or self.grammar.lark))
 
     def took(self, token: int) -> None:
         if self.calling:
             return
-        spelled = self.session.backend.token_text(token).decode("utf-8", "replace")
-        if self.watch.push(spelled, control=self.session.backend.is_control(token)):
+        spelled = self.backend.token_text(token).decode("utf-8", "replace")
+        if self.watch.push(spelled, control=self.backend.is_control(token)):
             self._constrain()
         elif self.pending and (after := self.watch.after_reasoning()) is not None:
             # (what the model wrote after the reasoning's end, where it is the start of what is due)
@@ -123,5 +128,5 @@ class CallWatch(CallSink):
         """The reply is over: where the held-back call begins in the text (None: no call began)."""
         self._stop_pending()
         if self.calling:
-            self.session.backend.sampling.set_constraint(None)
+            self.backend.sampling.set_constraint(None)
         return super().end()

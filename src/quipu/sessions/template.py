@@ -199,7 +199,7 @@ class ChatTemplate:
         """How a reply under this template writes its reasoning (None: in no way quipu knows)."""
         from quipu.sessions.reasoning_found import find_format
 
-        return find_format(self)
+        return find_format(self.source, self.render)
 
     def features(self) -> dict[str, bool]:
         """What the template does, as far as its text tells: a system role, thinking (and a switch

@@ -8,7 +8,7 @@ locked, and never pickled.
 - `statefile.py`: the state file format (`NAME.kv`), the verified KV bytes of a context.
 - `chain.py`: what a state file and the pieces of its log (`NAME.kvlog`) hold of a transcript's
   tokens, read from their metadata.
-- `cache.py`: `PromptCache`, context states of earlier prompts, reused by later ones.
+- `cache.py`: `CacheEntries`, context states of earlier prompts, reused by later ones.
 - `pulled.py`: `PulledRecord`, the models quipu pulled from the Hugging Face Hub.
 - `media.py`: `MediaStore`, the images and recordings sessions hold, each kept once by its hash.
 - `fingerprints.py`: `Fingerprints`, model files' fingerprints remembered across runs.

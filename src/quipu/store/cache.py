@@ -37,7 +37,10 @@ class CacheHit:
     path: Path
 
 
-class PromptCache:
+class CacheEntries:
+    """The prompt cache's entries on disk, in their folder, within a budget of bytes (the prompt
+    cache as a session uses it is `app.prompt_cache.PromptCache`)."""
+
     def __init__(self, root: Path, max_bytes: int = DEFAULT_MAX_BYTES):
         self.root = Path(root)
         self.max_bytes = max_bytes
