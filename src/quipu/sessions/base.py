@@ -16,9 +16,10 @@ sessions and the chat in `quipu.app`) is written once against it:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, cast
 
 from quipu.errors import CapabilityError
+from quipu.options import FEATURES
 
 if TYPE_CHECKING:
     from quipu.sessions.params import SamplingParams
@@ -178,25 +179,6 @@ class Generation:
 
 # ---- what a session can do -------------------------------------------------------------------
 
-# Each feature a session may lack: what the command line calls it, and what the chat calls it.
-FEATURES: dict[str, tuple[str, str]] = {
-    "continue": ("--continue", "/continue"),
-    "raw": ("--raw", "--raw"),
-    "grammar": ("--schema and --grammar", "/schema and /grammar"),
-    "logit_bias": ("--logit-bias", "--logit-bias"),
-    "chat_template": ("--chat-template (the server renders its own)", "--chat-template"),
-    "think": ("--think/--no-think and --reasoning-effort", "/think on|off and /think low|medium|high"),
-    "reasoning_budget": ("--reasoning-budget", "/think budget"),
-    "show_prompt": ("--show-prompt", "--show-prompt"),
-    "tools": ("--functions, --tools and --mcp", "--functions, --tools and --mcp"),
-    "context_settings": ("--ctx, --threads, --kv-type and --flash-attn (the server's own settings)", "--ctx"),
-    "prompt_cache": ("the prompt cache", "the prompt cache"),
-    "state_files": ("context state files", "context state files"),
-    "slot_files": ("slot files", "slot files"),
-    "media": ("an image or a recording (--attach)", "an image or a recording (/attach)"),
-}
-
-
 def refusal_words(named: str, where: str) -> str:
     """The one wording of a refusal, for a host's (`Capabilities`) and a mode's (`app/modes.py`)."""
     return f"{named} cannot be used with {where}"
@@ -251,25 +233,25 @@ class ToolOffer:
     choice: str = "auto"
 
 
-# render(messages, add_generation_prompt, tail) -> the template's text, in parts (prompt.py)
-RenderFn = Callable[[Sequence[Message], bool, str], "Rendered"]
-
-
 @dataclass(frozen=True)
 class TurnPrompt:
     """What a reply is generated after: the conversation's messages, what the reply holds
-    already (`tail`: a reply being continued), and the conversation's template, for the
-    sessions that render it themselves (a chat API's server renders its own)."""
+    already (`tail`: a reply being continued), and, for the sessions that do not render it
+    themselves (a chat API's server renders its own), the template's text of it, rendered."""
 
     messages: Sequence[Message]
     tail: str = ""
-    render: RenderFn | None = None
+    rendered: "Rendered | None" = None  # the template's text the reply follows, the tail included
+    head: "Rendered | None" = None  # the same without the tail (a reply going on; else None)
+    # Where a later prompt may part from this one (a session whose context keeps checkpoints
+    # there asks for them, `TokenSession.checkpoints`): the conversation as a later prompt
+    # begins, rendered (`marks.py`).
+    parts: tuple["Rendered", ...] = ()
     # How the reply's reasoning is written (None: it has none quipu reads), and at most how many
     # tokens it may take (None: no limit; 0: none).
     reasoning: "ReasoningFormat | None" = None
     budget: int | None = None
     offer: "ToolOffer | None" = None  # the tools the reply may call
-    _renders: dict[bool, "Rendered"] = field(default_factory=dict, repr=False, compare=False)
 
     def thinking(self, text: str) -> "Thinking":
         """The reply's reasoning, for a reply that follows `text` (its rendering)."""
@@ -278,18 +260,16 @@ class TurnPrompt:
         fmt = self.reasoning
         return Thinking(fmt, fmt is not None and fmt.starts_inside(text), self.budget)
 
-    def rendered(self, with_tail: bool = True) -> "Rendered":
-        """The template's text the reply follows (with what it holds already, or without); rendered once."""
-        if self.render is None:
+    def template_text(self, with_tail: bool = True) -> "Rendered":
+        """The template's text the reply follows (with what it holds already, or without)."""
+        if self.rendered is None:
             raise CapabilityError("this conversation has no chat template to render")
-        if with_tail not in self._renders:
-            self._renders[with_tail] = self.render(self.messages, True, self.tail if with_tail else "")
-        return self._renders[with_tail]
+        return self.head if not with_tail and self.head is not None else self.rendered
 
     @property
     def text(self) -> str:
         """The text the reply follows ("" where the server renders the conversation)."""
-        return self.rendered().text if self.render is not None else ""
+        return self.rendered.text if self.rendered is not None else ""
 
 
 class ModelSession(Protocol):
@@ -344,6 +324,12 @@ class TokenSession(ModelSession, Protocol):
     def special_tokens(self) -> Mapping[str, int]:
         """{spelling: id} of the tokens a grammar writes as themselves (control tokens, added
         tokens spelled `<...>`)."""
+
+    @property
+    def checkpoints(self) -> bool:
+        """Whether its context keeps checkpoints where a later prompt may part from this one (a
+        hybrid model's recurrent memory, which cannot go back a token): a prompt then carries
+        where (`TurnPrompt.parts`)."""
 
     def control_spellings(self, texts: Sequence[str]) -> list[str]:
         """The control tokens' spellings `texts` hold, which a user's text must keep as text."""

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 from quipu.engine.base import defuse
 from quipu.errors import CapabilityError, TemplateError, UsageError
 from quipu.sessions.base import (SILENT, Generation, Message, ModelSession, ReplySink, TokenSession, TurnPrompt,
                                  common_prefix, holding_tokens, token_session)
-from quipu.sessions.prompt import Protector, Rendered
+from quipu.sessions.prompt import Protector, Rendered, hidden, strings_of
 from quipu.sessions.template import ChatTemplate
 from quipu.sessions.reasoning import BY_DEFAULT, ReasoningFormat
 from quipu.sessions.reasoning_sink import ReasoningSink
+from quipu.sessions.marks import parting
 from quipu.sessions.tool_turns import TurnSettings, offer_tools, read_calls, tool_format
 from quipu.sessions.tools import Format, generic_system_prompt
 from quipu.sessions.toolspec import ToolCall
@@ -254,14 +255,15 @@ class Conversation:
         joins the conversation when done; the answer and a thinking model's reasoning apart, and
         the tool calls it made."""
         settings = turn or self.settings
-
-        def render(messages: Sequence[Message], add_generation_prompt: bool, tail: str) -> Rendered:
-            return self.render(messages, add_generation_prompt, tail, settings)
-
         fmt = self.reasoning
         tail = self._written(reply)
-        bare = TurnPrompt(self.messages, tail, render if self.template is not None else None, reasoning=fmt,
-                          budget=settings.reasoning_budget)
+        bare = TurnPrompt(self.messages, tail, reasoning=fmt, budget=settings.reasoning_budget)
+        if self.template is not None:  # (the session is given the prompt rendered)
+            wanted = self.held is not None and self.held.checkpoints
+            bare = replace(bare, rendered=self.render(self.messages, True, tail, settings),
+                           head=self.render(self.messages, True, "", settings) if tail else None,
+                           parts=tuple(self.render(m, False, "", settings) for m in parting(self.messages))
+                           if wanted else ())
         prompt = replace(bare, offer=offer_tools(self, settings, lambda: bare.thinking(bare.text).inside))
         split = ReasoningSink(sink, lambda: prompt.thinking(prompt.text))
         gen = self.session.reply(prompt, max_tokens, stop, split)
@@ -418,28 +420,3 @@ def _shown(message: Message, protector: Protector, fmt: ReasoningFormat | None) 
     if message.tool_calls:
         shown["tool_calls"] = hidden(message.tool_calls, protector.hide)
     return shown
-
-
-def strings_of(value: Any) -> Iterator[str]:
-    """Every string JSON holds, keys included (walked without recursion)."""
-    todo = [value]
-    while todo:
-        item = todo.pop()
-        if isinstance(item, str):
-            yield item
-        elif isinstance(item, dict):
-            todo += item.keys()
-            todo += item.values()
-        elif isinstance(item, (list, tuple)):
-            todo += item
-
-
-def hidden(value: Any, hide: Callable[[str], str]) -> Any:
-    """JSON with `hide` applied to each string in it, keys included."""
-    if isinstance(value, str):
-        return hide(value)
-    if isinstance(value, dict):
-        return {hide(k) if isinstance(k, str) else k: hidden(v, hide) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [hidden(v, hide) for v in value]
-    return value

@@ -33,7 +33,7 @@ from quipu.sessions.marks import plain_marks, reply_marks
 from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.prompt import HeldTokens, Rendered, context_tokens
 from quipu.sessions.reasoning import Thinking
-from quipu.sessions.reply_watch import Budget, CallWatch
+from quipu.sessions.reply_watch import Budget, CallWatch, reply_tokens
 from quipu.sessions.stops import ReplyText
 
 __all__ = ["InferenceSession", "Snapshot", "Generation", "Stats", "common_prefix"]
@@ -98,6 +98,10 @@ class InferenceSession(HeldTokens):
 
     def control_spellings(self, texts: Sequence[str]) -> list[str]:
         return self.backend.control_spellings(texts)
+
+    @property
+    def checkpoints(self) -> bool:
+        return self.backend.recurrent
 
     def special_tokens(self) -> dict[str, int]:
         """{text: id} of the tokens a grammar writes as themselves (control tokens, and added
@@ -383,10 +387,13 @@ class InferenceSession(HeldTokens):
         if not self._turn_started:
             self.begin_turn()
         grammar = offer.grammar if offer is not None else None
-        calls = CallWatch(self, sink, thinking, grammar, offer.forced) if offer is not None and grammar else None
+        calls = CallWatch(self.backend, self.logits_processors, self.force, sink, thinking, grammar, offer.forced) \
+            if offer is not None and grammar else None
         shown = calls or sink
-        budget = (Budget(self, began, self.tokens[self.reply_start:]) if began is not None else Budget(self, thinking)) \
-            if thinking.budget is not None and thinking.fmt is not None else None
+        budget = None
+        if thinking.budget is not None and thinking.fmt is not None:
+            budget = Budget(self.backend, self.force, *((began, self.tokens[self.reply_start:]) if began is not None
+                                                        else (thinking,)))
 
         def took(token: int) -> None:
             if calls is not None:
@@ -439,11 +446,7 @@ class InferenceSession(HeldTokens):
     def force(self, text: str) -> list[int]:
         """Appends `text` (control tokens parsed) to the reply as if the model had written it;
         returns its tokens."""
-        tokens = self.backend.tokenize(text, add_special=False, parse_special=True)
-        # (A SentencePiece tokenizer puts a space before a text's start: not what follows a reply's text.)
-        if len(tokens) > 1 and self.backend.token_text(tokens[0]) == b" " and \
-                b"".join(self.backend.token_text(t) for t in tokens[1:]) == text.encode():
-            tokens = tokens[1:]
+        tokens = reply_tokens(self.backend, text)
         self.tokens.extend(tokens)
         self.backend.sampling.accept(tokens)
         return tokens
@@ -459,11 +462,11 @@ class InferenceSession(HeldTokens):
               sink: ReplySink = SILENT) -> Generation:
         """Brings the context to the conversation plus what the reply holds so far (reusing what
         it can), then generates the reply."""
-        tokens = self.context_for(prompt.rendered())
+        tokens = self.context_for(prompt.template_text())
         # Where the reply begins: a grammar constrains the reply alone, from its first token.
-        start = len(self.context_for(prompt.rendered(with_tail=False))) if prompt.tail else len(tokens)
+        start = len(self.context_for(prompt.template_text(with_tail=False))) if prompt.tail else len(tokens)
         self.begin_turn()
         self.set_context(tokens, sink, reply_marks(self.context_for, prompt, tokens) if self.backend.recurrent else ())
-        began = prompt.thinking(prompt.rendered(with_tail=False).text) if prompt.tail else None
+        began = prompt.thinking(prompt.template_text(with_tail=False).text) if prompt.tail else None
         gen = self.infer(max_tokens, stop, sink, prompt.thinking(prompt.text), prompt.offer, began, at=start)
         return replace(gen, spelled=self.reply_spelled())

@@ -8,25 +8,29 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from quipu.sessions.base import TurnPrompt, common_prefix
+from quipu.sessions.base import Message, TurnPrompt, common_prefix
 from quipu.sessions.prompt import Rendered
 
 
-def reply_marks(context_for: Callable[[Rendered], list[int]], prompt: TurnPrompt, tokens: Sequence[int]) -> list[int]:
-    """A reply's prompt `tokens` (`context_for` makes a rendering's): where the reply begins (a
-    retry, a template that leaves a reply's reasoning out of the next prompt), before its
-    generation prompt (a template that writes a past reply's header otherwise), and where a last
-    message's last paragraph begins (piped text ends: `quipu run` puts a blank line between it
-    and the question)."""
-    if prompt.render is None:
-        return [len(tokens)]
-    messages = list(prompt.messages)
+def parting(messages: Sequence[Message]) -> list[list[Message]]:
+    """The conversations a later prompt may begin as, before their renderings' generation prompt
+    (`TurnPrompt.parts`): these messages (a retry, a template that leaves a reply's reasoning out
+    of the next prompt, one that writes a past reply's header otherwise), and, where the last
+    message's last paragraph begins, those before it (piped text ends: `quipu run` puts a blank
+    line between it and the question)."""
+    messages = list(messages)
     variants = [messages]
     last = messages[-1] if messages else None
     if last is not None and last.role == "user" and "\n\n" in last.content.strip():
         head = last.content.strip()
         variants.append(messages[:-1] + [replace(last, content=head[:head.rindex("\n\n")])])
-    marks = [common_prefix(context_for(prompt.render(variant, False, "")), tokens) for variant in variants]
+    return variants
+
+
+def reply_marks(context_for: Callable[[Rendered], list[int]], prompt: TurnPrompt, tokens: Sequence[int]) -> list[int]:
+    """A reply's prompt `tokens` (`context_for` makes a rendering's): where each of the prompt's
+    parts (`parting`) ends in them, and their end."""
+    marks = [common_prefix(context_for(part), tokens) for part in prompt.parts]
     return [m for m in marks if 0 < m < len(tokens)] + [len(tokens)]
 
 

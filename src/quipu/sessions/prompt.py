@@ -19,16 +19,20 @@ import codecs
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from quipu.engine.base import MEDIA_MARK, Backend
 from quipu.engine.text import Spellings
 
 
 class Vocabulary(Protocol):
-    """What turns a rendering into tokens: a local model's (`Backend`) or a server's (`TokenServer`)."""
+    """What turns a rendering (or --logit-bias's tokens) into token ids: a local model's
+    (`Backend`) or llama-server's (`LlamaServerModel`)."""
 
     n_ctx: int
+
+    @property
+    def n_vocab(self) -> int: ...
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
     def bos_token(self) -> int | None: ...
@@ -242,3 +246,28 @@ class HeldTokens:
 
     def raw_tokens(self, text: str) -> list[int]:
         return self.backend.tokenize(text, add_special=True, parse_special=False)
+
+
+def strings_of(value: Any) -> Iterator[str]:
+    """Every string JSON holds, keys included (walked without recursion)."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            todo += item.keys()
+            todo += item.values()
+        elif isinstance(item, (list, tuple)):
+            todo += item
+
+
+def hidden(value: Any, hide: Callable[[str], str]) -> Any:
+    """JSON with `hide` applied to each string in it, keys included."""
+    if isinstance(value, str):
+        return hide(value)
+    if isinstance(value, dict):
+        return {hide(k) if isinstance(k, str) else k: hidden(v, hide) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [hidden(v, hide) for v in value]
+    return value

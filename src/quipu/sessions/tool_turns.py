@@ -73,7 +73,7 @@ def offer_tools(conv: Turns, turn: TurnSettings, thinking: Callable[[], bool]) -
         return None
     offered = tools if choice in CHOICES else tuple(t for t in tools if t.name == choice)
     if not offered:
-        raise UsageError(f"--tool-choice names {choice!r}, which is not one of the tools offered")
+        raise UsageError(f"the tool choice {choice!r} is not one of the tools offered")
     if conv.template is None:  # a chat API: the server renders the tools and reads the calls
         return ToolOffer(tools=tools, choice=choice)
     grammar = tool_format(conv.template).call_grammar(offered, token_session(conv.session, "tools").special_tokens(),
