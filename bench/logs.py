@@ -27,7 +27,7 @@ def _cost(model: str, threads: int, repeats: int, home: str) -> list[dict]:
     from quipu.app.answer_log import log_answer
     from quipu.app.environment import Environment
     from quipu.app.turn_options import TurnOptions
-    from quipu.app.turns import TurnResult
+    from quipu.app.answer import Answer
     from quipu.paths import dirs
 
     env_vars = {"QUIPU_HOME": home + "/logcost"}
@@ -44,7 +44,7 @@ def _cost(model: str, threads: int, repeats: int, home: str) -> list[dict]:
         unlogged.append(pair[False])
         ratios.append(pair[True] / pair[False])
     env = Environment(dirs({"QUIPU_HOME": home + "/logcost"}), {})
-    result = TurnResult("The sky is blue because " * 4, "length", "SmolLM2-135M-Instruct", 1, None)
+    result = Answer("The sky is blue because " * 4, "length", "SmolLM2-135M-Instruct", 1, None)
     writes = []
     for _ in range(max(20, repeats)):
         started = time.perf_counter()

@@ -9,20 +9,23 @@ Every turn, named session and chat is written once, for every host a model can r
   a message carries (`-a`, `/attach`), known by their bytes.
 - `hosts.py`: what a host is (`ModelHost`: it makes the `ModelSession` a conversation runs on;
   `Keeper`: what a named session keeps there besides its messages).
-- `modes.py`: the one table of what each mode of a command refuses, and the one check of the
-  options against it and against what the host can do.
+- `modes.py`: what each mode of a command refuses (each option's feature is the registry's,
+  `quipu/options.py`), and the one check of the options against it and against what the host
+  can do.
 - `choose.py`: where the model runs, chosen once per command (`server_of`, `open_host`).
 - `local.py`: a local model, and what its sessions keep besides their transcripts (`LocalKeeper`),
   each part by its job: `state_file.py`, the state file beside a transcript; `prompt_cache.py`,
-  the prompt cache as a local session uses it; `local_media.py`, its images and recordings and
+  the prompt cache as a local session uses it (`PromptCache`); `local_media.py`, its images and recordings and
   their projector; `placing.py`, where it runs as the commands say it and a session keeps it.
-- `llama_server.py`: llama.cpp's llama-server driven by tokens, the context kept in a slot
-  file between turns (`SlotFile`).
+- `llama_server.py`: llama.cpp's llama-server driven by tokens, a named session's context kept
+  in a slot file between turns (`sessions.slot_file.SlotFile`).
 - `chat_api.py`: any OpenAI-compatible chat API: sessions kept as transcripts alone.
 - `named.py`: `NamedSession`, a conversation bound to a name in the store: opened (created,
   restored or re-read) on a host and saved.
-- `turns.py`: one turn of `quipu run`, one-shot or in a session (`TurnResult`), and
-  `--show-prompt` (`PromptView`).
+- `turn.py`: `Turn`, one turn from its plan to its answer, written once: a one-shot's, a
+  session's, a chat's, `--show-prompt`'s (a turn stopped before the model runs) and a batch
+  row's; `answer.py`: `Answer`, the one record of a finished reply. `turns.py`: `quipu run`'s
+  turn, one-shot or in a session, and its `--show-prompt`.
 - `chat.py`: `ChatSession`, the library side of `quipu chat`: saved after every turn.
 - `batch.py`: `quipu run --batch`: rows read, planned and answered side by side, in order.
 - `manage.py`: `quipu sessions ...` over the store.

@@ -10,7 +10,7 @@ import os
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TYPE_CHECKING, Mapping, Protocol, Sequence
+from typing import Any, TYPE_CHECKING, Mapping, Sequence
 
 from quipu.app.environment import DEFAULT_MAX_RECORDS, Environment
 from quipu.errors import UsageError
@@ -19,24 +19,10 @@ from quipu.store.logbook import Logbook, LogError
 from quipu.store.logbook import Record as Record  # (what `quipu logs` shows)
 
 if TYPE_CHECKING:
+    from quipu.app.answer import Answer
     from quipu.app.attachments import Attachment
     from quipu.app.turn_options import TurnOptions
-    from quipu.sessions.base import Stats
     from quipu.sessions.conversation import Message
-
-
-class Answered(Protocol):
-    """What the log keeps of a turn's result (`turns.TurnResult`)."""
-
-    text: str
-    reasoning: str
-    model: str
-    fingerprint: str | None
-    tool_calls: list[Any]
-    seed: int | None
-    finish_reason: str
-    stats: "Stats"
-    session: str | None
 
 
 def _off_mark(env: Environment) -> Path:
@@ -62,7 +48,7 @@ def open_log(env: Environment) -> Logbook:
 
 
 def log_answer(env: Environment, options: Mapping[str, Any] | None, command: str, prompt: str | None,
-               result: Answered, *, system: str | None = None, conversation: str = "",
+               result: Answer, *, system: str | None = None, conversation: str = "",
                attachments: Sequence["Attachment"] = (), log: Logbook | None = None) -> str | None:
     """Writes one answer to the log with the options that shaped it (`TurnOptions.logged`; None:
     `--no-log`), unless logging is off; a warning where it could not be written, else None."""

@@ -16,7 +16,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
-from quipu.app.environment import SAMPLING_TYPES, Environment
+from quipu.app.answer import Answer
+from quipu.app.local import LocalHost, LocalKeeper, model_fingerprint
+from quipu.app.turn import Ask, Turn
+from quipu.app.environment import Environment
 from quipu.app.turn_options import (
     TurnOptions,
     chat_template_source,
@@ -33,9 +36,9 @@ from quipu.app.turn_options import (
 )
 from quipu.app.modes import BATCH, asked_of, check_options
 from quipu.app.placing import placement_notices, placement_of
-from quipu.app.turns import TurnResult, constrained_by, cut_short
 from quipu.engine.settings import CTX_AUTO, DEFAULT_CTX_CAP, ContextSettings, available_cpus
 from quipu.errors import BadInput, QuipuError, UsageError
+from quipu.options import ROW, SAMPLING
 from quipu.sessions.batch import BatchRow, BatchSession
 from quipu.sessions.base import LOCAL, SILENT
 from quipu.sessions.conversation import Conversation, Message, TurnSettings
@@ -49,9 +52,8 @@ if TYPE_CHECKING:
     from quipu.engine.grammar import Grammar
     from quipu.sessions.base import Generation
 
-# What a JSON row may hold besides its prompt (or messages).
-ROW_FIELDS = {"id", "system", "seed", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "stop",
-              "schema"}
+# What a JSON row may hold besides its prompt (or messages): its id, and options (`quipu.options.ROW`).
+ROW_FIELDS = ROW | {"id"}
 ROLES = ("system", "user", "assistant")
 CTX_STEP = 256  # a row's share of the context is rounded up to this
 MAX_PARALLEL = 256  # llama.cpp's most sequences in one context
@@ -80,7 +82,7 @@ class RowInput:
 class RowOutcome:
     index: int
     id: Any
-    result: TurnResult | None = None
+    result: Answer | None = None
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -166,7 +168,7 @@ def row_params(base: SamplingParams, fields: dict[str, Any], seed: int | None) -
     """A row's sampling parameters, reply length and stop strings, from its fields over the
     command line's (InvalidParameter or UsageError when a field is wrong)."""
     changes = {}
-    for key, kind in SAMPLING_TYPES.items():
+    for key, kind in SAMPLING.items():
         if key in fields:
             value = fields[key]
             if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
@@ -227,7 +229,8 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
     try:
         if opts.logit_bias:
             base = base.replace(logit_bias=logit_biases(tokenizer, opts.logit_bias))
-        plans = [_plan(row, base, opts, env, tokenizer, source, limit) for row in rows]
+        keeper = LocalHost.keeper(model_name, model_path, model_fingerprint(model_path, env), opts, env, None)
+        plans = [_plan(row, base, opts, env, tokenizer, keeper, source, limit) for row in rows]
         runnable = [p for p in plans if p.error is None]
         n_ctx_train = tokenizer.n_ctx_train or settings.n_ctx or 4096
         need = max((len(p.ready.tokens) + p.ready.max_tokens for p in runnable), default=CTX_STEP)
@@ -264,13 +267,11 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
 
         def on_done(i: int, gen: Generation, stats: Stats) -> None:
             plan = runnable[i]
-            assert plan.stream is not None and plan.row is not None
+            assert plan.stream is not None and plan.row is not None and plan.turn is not None
             stats = replace(stats, load_s=load_s, placement=placed)
             reasoning, answer = plan.stream.finish()
-            grammar = plan.row.params.grammar
-            result = TurnResult(answer, gen.finish_reason, model_name, plan.row.params.seed, None, stats, [],
-                                reasoning.strip(), constrained_by=constrained_by(grammar),
-                                incomplete=cut_short(grammar, gen.finish_reason, answer))
+            result = plan.turn.finished(replace(gen, answer=answer, reasoning=reasoning.strip()),
+                                        params=plan.row.params, stats=stats)
             generated[0] += stats.completion_tokens
             row = plan.input
             asked = row.prompt if row.prompt is not None else next(
@@ -300,6 +301,7 @@ class _Plan:
     input: RowInput
     row: BatchRow | None = None
     stream: ReasoningSink | None = None
+    turn: Turn | None = None
     error: str | None = None
 
     @property
@@ -310,19 +312,19 @@ class _Plan:
 
 
 def _plan(row: RowInput, base: SamplingParams, opts: TurnOptions, env: Environment, tokenizer: Backend,
-          source: str | None,
-          limit: int) -> _Plan:
+          keeper: LocalKeeper, source: str | None, limit: int) -> _Plan:
+    """A row's turn (`turn.Turn`), stopped before the model runs: its prompt's tokens, as a lone
+    `quipu run` would read them; the rows then decode side by side."""
     if row.error is not None:
         return _Plan(row, error=row.error)
     try:
         params, row_limit, stop = row_params(base, row.fields, opts.seed)
+        session = InferenceSession(tokenizer, SamplingParams())
         if opts.raw:
             if row.messages is not None:
                 raise UsageError("messages need the chat template; --raw takes prompts")
-            tokens = tokenizer.tokenize(row.prompt or "", add_special=True, parse_special=False)
-            thinking = Thinking()
+            turn, ask, thinking = Turn(session, keeper, None, opts.tool_options), Ask("raw", row.prompt or ""), Thinking()
         else:
-            session = InferenceSession(tokenizer, SamplingParams())
             asked = row.messages if row.messages is not None else [Message("user", row.prompt or "")]
             # (the row's messages' own system prompt goes before the row's and the options')
             system = None if asked[0].role == "system" else row.system if row.system is not None else \
@@ -330,14 +332,14 @@ def _plan(row: RowInput, base: SamplingParams, opts: TurnOptions, env: Environme
             conv = Conversation.start(session, system, template=source, messages=asked,
                                       settings=TurnSettings().but(variables=template_variables(opts)))
             conv.set_reasoning(effort=opts.reasoning_effort)
-            rendered = conv.render(conv.messages, True)
-            tokens = session.context_for(rendered)
+            turn, ask = Turn(session, keeper, conv, opts.tool_options), Ask("answer")
             fmt = conv.reasoning
-            thinking = Thinking(fmt, fmt is not None and fmt.starts_inside(rendered.text))
+            thinking = Thinking(fmt, fmt is not None and fmt.starts_inside(conv.render(conv.messages, True).text))
+        tokens = turn.tokens(ask)
     except QuipuError as exc:
         return _Plan(row, error=str(exc))
     return _Plan(row, BatchRow(tokens, params, row_limit or limit, stop_strings(opts, env) + stop),
-                 ReasoningSink(SILENT, lambda: thinking))
+                 ReasoningSink(SILENT, lambda: thinking), turn=turn)
 
 
 class InOrder:

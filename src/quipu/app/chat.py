@@ -4,34 +4,28 @@ whichever host the model runs (a local model, llama-server, a chat API): one cla
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable
 
+from quipu.app.answer import Answer
+from quipu.app.turn import Ask, Turn, compose
 from quipu.app.attachments import Attachment
 from quipu.app.environment import Environment
 from quipu.app.turn_options import TurnOptions
 from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost
 from quipu.app.modes import CHAT, asked_of, check_options
-from quipu.app.tools import ToolHooks, follow_calls, offer, resume_pending, skip_pending, open_tools, waiting_notice
+from quipu.app.tools import ToolHooks, offer, resume_pending, skip_pending, open_tools, waiting_notice
 from quipu.app.named import NamedSession, generate_name, store_for
 from quipu.engine.base import ProgressFn
 from quipu.errors import ContextOverflow, UsageError
-from quipu.sessions.base import SILENT, Capabilities, Generation, Message, ReplySink, Stats
+from quipu.sessions.base import SILENT, Capabilities, Message, ReplySink, Stats
 from quipu.sessions.params import SamplingParams
 from quipu.store.store import SessionInfo, validate_name
 
 # Warn when the context is this full; drop old exchanges to leave this much free.
 WARN_FRACTION = 0.85
 KEEP_FREE_FRACTION = 0.5
-
-
-@dataclass
-class TurnOutcome:
-    generation: Generation
-    stats: Stats
-    context_full: bool = False
-    calls: list[Any] = field(default_factory=list)  # app.tools.CallRecord: the tools the turn ran
 
 
 class ChatSession:
@@ -175,41 +169,37 @@ class ChatSession:
 
     # ---- turns -------------------------------------------------------------------------------
 
-    def _turn(self, action: Callable[..., Generation], sink: ReplySink, hooks: ToolHooks | None,
-              message: str | None = None) -> TurnOutcome:
-        """One turn: `action` makes the reply into `sink`, and the calls it makes run as `hooks`
-        (the front end's) approve and show them."""
+    def _turn(self, ask: Ask, sink: ReplySink, hooks: ToolHooks | None, message: str | None = None) -> Answer:
+        """One turn (`turn.Turn`): the reply into `sink`, and the calls it makes run as `hooks`
+        (the front end's) approve and show them; the answer is saved and logged before it returns."""
         named = self._named
+        session = named.session
+        turn = Turn(session, named.keeper, named.conversation, self.opts.tool_options, named=named, tools=self.tools,
+                    hooks=hooks)
         try:
             limit, stop = named.reply_limits(self.opts, self.env)
-            gen = action(max_tokens=limit, stop=stop, sink=sink)
-            gen, calls, notes = follow_calls(named.conversation, self.tools, gen, self.opts.tool_options, limit, stop, sink,
-                                             hooks, lambda found: named.keeper.take_media(
-                                                 named.session, self.store, found))
-            named.tell(notes)
+            answer = turn.answer(ask, limit, stop, sink)
         except ContextOverflow as exc:
             if message is not None:
                 self._refuse_if_it_never_fits(message, exc)
-            return TurnOutcome(Generation("", [], "context_full"), named.session.stats, context_full=True)
-        named.note_template()
+            return Answer("", "context_full", named.model_name, session.params.seed, self.name, session.stats)
         self.save()
-        self.last_stats = named.session.stats
-        self._log(gen, calls, message)
-        if gen.error is not None:
-            raise gen.error  # a server failed mid-reply: what came is kept and saved
-        return TurnOutcome(gen, named.session.stats, gen.finish_reason == "context_full", calls)
+        self.last_stats = session.stats
+        if not self.kept:
+            answer = replace(answer, session=None)
+        self._log(answer, message)
+        if answer.failure is not None:
+            raise answer.failure  # a server failed mid-reply: what came is kept and saved
+        return answer
 
-    def _log(self, gen: Generation, calls: list[Any], message: str | None) -> None:
+    def _log(self, answer: Answer, message: str | None) -> None:
         """The turn's answer in the log of answers (a warning where it could not be written)."""
         from quipu.app.answer_log import log_answer
-        from quipu.app.turns import TurnResult
 
         named = self._named
         asked = message if message is not None else next(
             (m.content for m in reversed(named.conversation.messages) if m.role == "user"), "")
-        result = TurnResult.of(gen, named.model_name, named.session, self.name if self.kept else None, [],
-                               named.keeper.model_fingerprint, tool_calls=calls)
-        unlogged = log_answer(self.env, self.opts.logged, "chat", asked, result, system=named.conversation.system,
+        unlogged = log_answer(self.env, self.opts.logged, "chat", asked, answer, system=answer.system,
                               conversation=self._conversation or (f"session:{self.name}" if self.kept
                                                                   else f"chat:{self.name}"))
         if unlogged:
@@ -230,29 +220,24 @@ class ChatSession:
                              f"room for {max(room, 0)} beside the system prompt; shorten it, or start the chat "
                              "with a larger --ctx")
 
-    def send(self, text: str, sink: ReplySink = SILENT, hooks: ToolHooks | None = None) -> TurnOutcome:
+    def send(self, text: str, sink: ReplySink = SILENT, hooks: ToolHooks | None = None) -> Answer:
         if self._shape is not None:
             text = self._shape(text) or ""
         conv = self._named.conversation
         skip_pending(conv)  # (calls left waiting are answered "not run")
         before = conv.settings  # (the documents a message that is not sent gave are taken back)
         from quipu.app.attachments import split_media
-        from quipu.app.turns import compose
 
         text = compose(conv, text, split_media(self.attached)[0], self._marks) or ""  # (its text never a marker)
         try:
-            try:
-                self._named.warm(text)
-            except ContextOverflow as exc:  # (the first message, with nothing before it to drop)
-                self._refuse_if_it_never_fits(text, exc)
-            outcome = self._turn(lambda **kw: conv.send(text, **kw), sink, hooks, message=text)
+            outcome = self._turn(Ask("send", text), sink, hooks, message=text)
         except UsageError as exc:  # it can never fit: what it carried is not left waiting for the next one
             if not self.attached:
                 raise
             dropped = self.drop_attached()
             raise UsageError(f"{exc}; {', '.join(dropped)} {'was' if len(dropped) == 1 else 'were'} dropped with it "
                              "(/attach gives a file again)") from None
-        if not (outcome.context_full and not outcome.generation.tokens):
+        if not (outcome.context_full and not outcome.tokens):
             self.attached, self._marks = [], ""
         elif self.attached:  # (not sent: they wait for it again, its documents not yet given)
             conv.update(variables=before.variables)
@@ -280,17 +265,15 @@ class ChatSession:
         self.attached, self._marks = [], ""
         return names
 
-    def retry(self, sink: ReplySink = SILENT, hooks: ToolHooks | None = None) -> TurnOutcome:
-        return self._turn(self._named.conversation.retry, sink, hooks)
+    def retry(self, sink: ReplySink = SILENT, hooks: ToolHooks | None = None) -> Answer:
+        return self._turn(Ask("retry"), sink, hooks)
 
-    def continue_reply(self, sink: ReplySink = SILENT, hooks: ToolHooks | None = None) -> TurnOutcome:
+    def continue_reply(self, sink: ReplySink = SILENT, hooks: ToolHooks | None = None) -> Answer:
         """Goes on with the last reply: runs its calls where they wait (a loop stopped at its
         approval), else continues its text."""
-        waiting = resume_pending(self._named.conversation)
-        if waiting is not None:
-            return self._turn(lambda **kw: waiting, sink, hooks)
-        self.capabilities.require("continue", chat=True)
-        return self._turn(self._named.conversation.continue_reply, sink, hooks)
+        if resume_pending(self._named.conversation) is None:
+            self.capabilities.require("continue", chat=True)
+        return self._turn(Ask("continue"), sink, hooks)
 
     def constrain(self, schema: str | None = None, grammar: str | None = None, regex: str | None = None) -> bool:
         """The next replies keep to a JSON Schema, a grammar file (GBNF, or Lark for .lark) or a

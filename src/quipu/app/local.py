@@ -16,7 +16,7 @@ from quipu.app.environment import Environment
 from quipu.app.hosts import Opened, made_elsewhere, saved_params
 from quipu.app.local_media import KeptMedia, given_projector, with_projector
 from quipu.app.placing import load_where_it_ran, moved_notice, placement_notices, placement_of
-from quipu.app.prompt_cache import CacheUse, SessionCache, open_cache
+from quipu.app.prompt_cache import CacheUse, PromptCache, open_cache
 from quipu.app.state_file import StateFile
 from quipu.app.turn_options import (
     TurnOptions,
@@ -91,16 +91,16 @@ class LocalHost:
         except BaseException:
             session.close()
             raise
-        keeper = self._keeper(model_name, model_path, model_fingerprint(model_path, env), opts, env, projector)
+        keeper = self.keeper(model_name, model_path, model_fingerprint(model_path, env), opts, env, projector)
         said = placement_notices(session.backend, ctx_given=opts.ctx is not None, verbose=opts.verbose)
         return Opened(session, keeper, said, media_marks=marks)
 
     @staticmethod
-    def _keeper(model_name: str, model_path: Path, model_fp: str, opts: TurnOptions, env: Environment,
+    def keeper(model_name: str, model_path: Path, model_fp: str, opts: TurnOptions, env: Environment,
                 projector: str | None) -> LocalKeeper:
         return LocalKeeper(model_name, model_path, model_fp,
                            StateFile(model_fp, env.max_state_bytes, verbose=opts.verbose),
-                           SessionCache(open_cache(env, opts.no_cache), model_fp, verbose=opts.verbose),
+                           PromptCache(open_cache(env, opts.no_cache), model_fp, verbose=opts.verbose),
                            KeptMedia(model_path, projector, env.dirs.checked_projectors))
 
     def resume(self, store: SessionStore, name: str, record: Transcript, opts: TurnOptions, env: Environment,
@@ -130,7 +130,7 @@ class LocalHost:
         backend = load_where_it_ran(model_path, settings, opts.verbose, where, record.model.get("placement"))
         notices: list[str] = placement_notices(backend, ctx_given=opts.ctx is not None, verbose=opts.verbose)
         saved = record.model.get("projector")
-        keeper = self._keeper(model_name, model_path, model_fp, opts, env,
+        keeper = self.keeper(model_name, model_path, model_fp, opts, env,
                               given or (saved if isinstance(saved, str) else None))
         try:
             load_s = time.perf_counter() - started
@@ -235,7 +235,7 @@ class LocalKeeper:
     model_path: Path
     model_fingerprint: str
     state: StateFile
-    cache: SessionCache
+    cache: PromptCache
     media: KeptMedia
 
     def fields(self, session: InferenceSession) -> dict[str, Any]:

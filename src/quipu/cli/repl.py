@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from prompt_toolkit.document import Document
     from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
 
-    from quipu.app.chat import ChatSession, TurnOutcome
+    from quipu.app.answer import Answer
+    from quipu.app.chat import ChatSession
     from quipu.app.environment import Environment
     from quipu.app.tools import CallRecord, ToolCall
 
@@ -103,7 +104,7 @@ class Repl:
 
     # ---- turns -----------------------------------------------------------------------------
 
-    def turn(self, action: Callable[..., TurnOutcome], *args: str, room_made: bool = False) -> None:
+    def turn(self, action: Callable[..., Answer], *args: str, room_made: bool = False) -> None:
         progress = PrefillProgress(self.term)
         renderer = self._renderer()
         with StopOnCtrlC(hard_second=False, quit_too=True) as stopper, HeldKeys(self.term):
@@ -112,15 +113,14 @@ class Repl:
             finally:
                 progress.close()
                 renderer.close(stopped=stopper.requested)
-        gen = outcome.generation
-        if gen.finish_reason == "interrupted":
+        if outcome.finish_reason == "interrupted":
             self.say("[stopped]")
         if stopper.ended:  # told to end (SIGTERM, SIGHUP): the reply so far is saved; leave
             self.running = False
             return
         self.show_notices()
         if outcome.context_full:
-            unsent = args[0] if args and not gen.tokens else None
+            unsent = args[0] if args and not outcome.tokens else None
             if room_made and unsent is None and not args:  # (a cut reply that went on, and filled it again)
                 self.say("the context is full again; /trim or /new makes room")
             elif room_made:  # room was made for this message already; do not go round again

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from typing import Callable
 
-from quipu.app.turns import ReplySink, TurnResult
+from quipu.app.answer import Answer
+from quipu.app.turns import ReplySink
 from quipu.cli.render import Renderer
 from quipu.cli.terminal import PrefillProgress, Terminal
 
@@ -52,7 +53,7 @@ class TerminalStream(ReplySink):
             self.term.stdout.write("\n")
             self.term.stdout.flush()
 
-    def finish(self, result: TurnResult) -> None:
+    def finish(self, result: Answer) -> None:
         """The answer's end: out, and the pipe let go, before anything else is written to disk."""
         term = self.term
         self.finished = True
