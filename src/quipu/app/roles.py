@@ -123,7 +123,7 @@ def with_role(opts: TurnOptions, name: str, env: Environment,
     values = {k: v for k, v in found.values.items() if k != "prompt"}
     unset = {f.name: f.default for f in dataclasses.fields(TurnOptions)}
     try:
-        own = TurnOptions.of(values)
+        own = TurnOptions.of_command_line(values)
         merged = dataclasses.replace(opts, sampling={**own.sampling, **opts.sampling},
                                      **{k: getattr(own, k) for k in values if k in unset and getattr(opts, k) == unset[k]})
         check_options(asked_of(own.given), mode or mode_of(merged.given))

@@ -111,15 +111,24 @@ class TurnOptions(ToolOptions):
 
     @classmethod
     def of(cls, values: Mapping[str, Any] | None = None, /, **more: Any) -> "TurnOptions":
-        """Options by name (each option's field, `quipu.options`): a sampling parameter goes to
-        `sampling`, a list to a tuple, and --ctx's text (N or auto) is read."""
+        """Options by name (each option's field, `quipu.options`), as values (a request's, a
+        test's): a sampling parameter goes to `sampling`, a list to a tuple."""
         given = {**(values or {}), **more}
         sampling = {k: v for k, v in given.items() if k in SAMPLING and v is not None}
         fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()
                                   if k not in SAMPLING}
-        if isinstance(fields.get("ctx"), str):
-            fields["ctx"] = parse_ctx(fields["ctx"])
         return cls(**fields, sampling=sampling)
+
+    @classmethod
+    def of_command_line(cls, values: Mapping[str, Any], /, **more: Any) -> "TurnOptions":
+        """`of` options as a command line (or a role) spells them: --ctx's text (N or auto) is
+        read, and --stop's escapes (`\\n`)."""
+        given = {**values, **more}
+        if isinstance(given.get("ctx"), str):
+            given["ctx"] = parse_ctx(given["ctx"])
+        if given.get("stop"):
+            given["stop"] = tuple(read_escapes(text) for text in given["stop"])
+        return cls.of(given)
 
     @property
     def seed(self) -> int | None:
@@ -275,9 +284,8 @@ def max_tokens(opts: TurnOptions, env: Environment) -> int:
 
 
 def stop_strings(opts: TurnOptions, env: Environment) -> tuple[str, ...]:
-    """The stop strings: --stop's, else the config's, each with its escapes read (`\\n`)."""
-    given = opts.stop or env.config.generation.get("stop", ())
-    return tuple(read_escapes(text) for text in given)
+    """The stop strings: the plan's, else the config's, each with its escapes read (`\\n`)."""
+    return opts.stop or tuple(read_escapes(text) for text in env.config.generation.get("stop", ()))
 
 
 def offload(opts: TurnOptions, env: Environment) -> Offload:

@@ -178,7 +178,7 @@ def turn_options(given: dict[str, Any], env: Environment) -> TurnOptions:
     from quipu.app.turn_options import TurnOptions
 
     held = {name for name, option in OPTIONS.items() if option.held_as == name}
-    return TurnOptions.of({k: v for k, v in given.items() if k in held},
+    return TurnOptions.of_command_line({k: v for k, v in given.items() if k in held},
                           server=server_of(given.get("url"), given.get("model"), env))
 
 
