@@ -231,11 +231,14 @@ def messages_from_file(path: str, media: list[Attachment] | None = None) -> list
     part that is an image (`image_url`: a data URL, or an http(s) one) or a recording
     (`input_audio`) is read into it (`attachments.Attachment`), and the text holds
     `media_placeholder(n)` where the n-th goes."""
+    return messages_of(read_json_file(path, "messages file"), Path(path).expanduser(), media)
+
+
+def messages_of(data: Any, file: Path, media: list[Attachment] | None = None) -> list[Message]:
+    """`messages_from_file` of what a file (or a request, `file` naming it in errors) holds."""
     from quipu.sessions.base import Message
     from quipu.sessions.reasoning import FIELDS
 
-    file = Path(path).expanduser()
-    data = read_json_file(path, "messages file")
     if isinstance(data, dict):
         data = data.get("messages")
     if not isinstance(data, list) or not data:

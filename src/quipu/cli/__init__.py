@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 def build_app() -> typer.Typer:
     import typer
 
-    from quipu.cli import cache, chat, config, doctor, embed, logs, models, roles, root, run, sessions
+    from quipu.cli import cache, chat, config, doctor, embed, logs, models, roles, root, run, serve, sessions
     from quipu.cli.options import plain_help
 
     plain_help()
@@ -47,6 +47,7 @@ def build_app() -> typer.Typer:
     embed.register(app)
     cache.register(app)
     doctor.register(app)
+    serve.register(app)
     return app
 
 

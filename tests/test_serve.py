@@ -1,0 +1,150 @@
+"""`quipu serve`, started for real on a free loopback port and stopped, spoken to by the official
+`openai` client: a conversation streamed and whole, kept across a restart of the server, bad
+requests refused in the API's shape while the server goes on, and its address and key checks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from servers import free_port, wait_until_up
+
+openai = pytest.importorskip("openai")
+
+SYSTEM = "You are a patient tutor who answers every question in one short, plain sentence. " * 12
+
+
+@contextlib.contextmanager
+def quipu_serve(home, model, *args, tmp_path):
+    port = free_port()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ["QUIPU_HOME"] = str(home)
+    log = tmp_path / f"serve-{port}.log"
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "quipu", "serve", "-m", str(model), "--port", str(port),
+                                 *map(str, args)], stdout=sink, stderr=sink, stdin=subprocess.DEVNULL, env=environ)
+    try:
+        wait_until_up(proc, f"http://127.0.0.1:{port}/health", log, timeout=120)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert "Traceback" not in log.read_text(errors="replace")
+
+
+def client(url, key="none"):
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def ask(c, messages, **more):
+    return c.chat.completions.create(model=c.models.list().data[0].id, messages=messages, temperature=0,
+                                     max_tokens=8, **more)
+
+
+def test_the_openai_client_holds_a_conversation_streamed_and_whole(home, tiny_model, tmp_path):
+    with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:
+        c = client(url)
+        [model] = c.models.list().data
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+        whole = ask(c, messages)
+        assert whole.model == model.id and whole.choices[0].message.role == "assistant"
+        assert whole.choices[0].finish_reason in ("stop", "length")
+        assert whole.usage.completion_tokens > 0 and whole.usage.prompt_tokens > 0
+        pieces, usage = [], None
+        for chunk in ask(c, messages, stream=True, stream_options={"include_usage": True}):
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+            if chunk.usage is not None:
+                usage = chunk.usage
+        # greedy: the stream is the whole answer, piece by piece
+        assert "".join(pieces) == whole.choices[0].message.content
+        assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+        # the conversation goes on from the answer
+        messages += [{"role": "assistant", "content": whole.choices[0].message.content},
+                     {"role": "user", "content": "And again."}]
+        assert ask(c, messages).choices[0].message.content is not None
+
+
+def test_a_conversation_goes_on_after_a_restart_from_its_kept_context(home, tiny_model, tmp_path):
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a river?"}]
+    with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:
+        one = ask(client(url), first)
+    following = first + [{"role": "assistant", "content": one.choices[0].message.content},
+                         {"role": "user", "content": "And a lake?"}]
+    with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:  # a new process: only the disk kept it
+        two = ask(client(url), following)
+    # (restored to where a step of the prefill starts, 256 tokens a step, so that what is read
+    # computes as in a run without the cache)
+    read = one.usage.prompt_tokens + one.usage.completion_tokens
+    assert read - 256 < two.usage.prompt_tokens_details.cached_tokens <= read
+    # the answer a fresh read of the whole conversation gives
+    with quipu_serve(tmp_path / "fresh", tiny_model, tmp_path=tmp_path) as url:
+        fresh = ask(client(url), following)
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    assert two.choices[0].message.content == fresh.choices[0].message.content
+
+
+def test_bad_requests_are_refused_in_the_api_s_shape_and_the_server_goes_on(home, tiny_model, tmp_path):
+    good = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+    cases = [
+        ("POST", "/v1/chat/completions", b"{not json", 400, "not JSON"),
+        ("POST", "/v1/chat/completions", b"[1, 2]", 400, "a JSON object"),
+        ("POST", "/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, 400, "not JSON"),
+        ("POST", "/v1/chat/completions", json.dumps({"max_tokens": 2}).encode(), 400, "messages"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "max_tokens": "x"}).encode(), 400, "max_tokens must be"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "temperature": -1}).encode(), 400,
+         "temperature must be 0 or more"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "top_k": True}).encode(), 400, "top_k must be"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "stop": [3]}).encode(), 400, "stop must be"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "n": 2}).encode(), 400, "one choice"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "tools": [{"type": "function"}]}).encode(), 400,
+         "tools"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "model": "other"}).encode(), 404, "not served here"),
+        ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(),
+         400, "messages[0].role"),
+        ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "system", "content": "x"}]}).encode(),
+         400, "nothing to reply to"),
+        ("POST", "/v1/chat/completions", b"x" * (9 << 20), 413, "at most 8 MB"),
+        ("GET", "/v1/chat/completions", None, 405, "method"),
+        ("GET", "/v2/nothing", None, 404, "no such route"),
+    ]
+    with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            for method, path, body, status, words in cases:
+                r = http.request(method, path, content=body, headers={"Content-Type": "application/json"})
+                error = r.json()["error"]
+                assert r.status_code == status and words in error["message"], (path, body and body[:40], r.text)
+                assert set(error) == {"message", "type", "param", "code"}
+            # a page that reached the server by another name (DNS rebinding) is refused
+            r = http.post("/v1/chat/completions", json=good, headers={"Host": "attacker.example:80"})
+            assert r.status_code == 403 and "Host" in r.json()["error"]["message"]
+            # and the server still answers
+            r = http.post("/v1/chat/completions", json=good)
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_an_address_other_machines_reach_needs_a_key_and_a_key_is_asked_for(quipu, home, tiny_model, tmp_path):
+    r = quipu("serve", "-m", tiny_model, "--host", "0.0.0.0", "--port", str(free_port()))
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "give --api-key" in err and err.count("\n") == 1 and "Traceback" not in err
+    with quipu_serve(home, tiny_model, "--api-key", "s3cret", tmp_path=tmp_path) as url:
+        with pytest.raises(openai.AuthenticationError):
+            client(url, "wrong").models.list()
+        assert client(url, "s3cret").models.list().data
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi."}]})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_api_key"
+        assert httpx.get(url + "/health").status_code == 200  # (a probe needs no key)
+
+
+def test_serve_imports_no_web_framework_into_other_commands(home):
+    # (a plain `run` and `--version` stay quick: only `quipu serve` imports Starlette and uvicorn)
+    code = "import sys; from quipu.cli import build_app; build_app(); print(sorted(m for m in sys.modules " \
+           "if m.split('.')[0] in ('starlette', 'uvicorn', 'fastapi')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
