@@ -3,8 +3,9 @@ the registry's request names, `quipu.options`, over the server's own options) an
 conversation, answered by one turn (`turn.Turn`) as `quipu run --messages` answers it. After each
 answer the conversation's context joins the prompt cache, on disk: a request whose messages go on
 from an earlier conversation restores it and reads only what is new, after a restart too, and
-its answer is the one a fresh read gives. Requests are answered one at a time; a few more wait,
-and past them a request is refused as busy."""
+its answer is the one a fresh read gives. The model is loaded at the first request and kept,
+each request a fresh context on it. Requests are answered one at a time; a few more wait, and
+past them a request is refused as busy."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import dataclasses
 from dataclasses import dataclass
 import math
 import threading
+import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from quipu.app.answer import Answer
 from quipu.app.environment import Environment
@@ -22,8 +24,14 @@ from quipu.app.turn_options import (TurnOptions, chat_template_source, max_token
                                     template_variables)
 from quipu.errors import QuipuError, UsageError
 from quipu.options import OPTIONS, SAMPLING, Option
-from quipu.sessions.base import Message, ReplySink
+from quipu.sessions.base import Message, Stats
+from quipu.sessions.base import ReplySink as ReplySink  # (the HTTP side's sinks are made of it)
 from quipu.sessions.conversation import Conversation, TurnSettings
+from quipu.sessions.inference import InferenceSession
+
+if TYPE_CHECKING:
+    from quipu.app.local import LocalKeeper
+    from quipu.engine.base import Backend
 
 MAX_WAITING = 8  # requests waiting for the model beside the one it answers; past them: busy
 # What a chat request may ask that this server does not do yet: refused, never dropped silently.
@@ -113,6 +121,7 @@ class Served:
         self.env, self.base = env, base
         self.model, self.path = env.resolve_model(base.model)
         self._turns = threading.Lock()
+        self._loaded: tuple[Backend, LocalKeeper] | None = None  # the model, once loaded, and its keeper
         self._waiting = threading.BoundedSemaphore(MAX_WAITING + 1)
 
     def models(self) -> list[dict[str, Any]]:
@@ -151,18 +160,39 @@ class Served:
         return answer
 
     def _answer(self, opts: TurnOptions, messages: list[Message], sink: ReplySink) -> Answer:
-        from quipu.app.local import LocalHost
-
         limit, stop = max_tokens(opts, self.env), stop_strings(opts, self.env)
-        opened = LocalHost().create(opts, self.env)
-        try:
-            conv = Conversation.start(opened.session, None, template=chat_template_source(opts), messages=messages,
-                                      settings=TurnSettings().but(variables=template_variables(opts)))
-            turn = Turn(opened.session, opened.keeper, conv, opts.tool_options, notices=opened.notices)
-            answer = turn.answer(Ask("continue" if messages[-1].role == "assistant" else "answer"), limit, stop, sink)
-            return turn.remember(answer)
-        finally:
-            opened.session.close()
+        session, keeper, notices = self._session(opts)
+        conv = Conversation.start(session, None, template=chat_template_source(opts), messages=messages,
+                                  settings=TurnSettings().but(variables=template_variables(opts)))
+        turn = Turn(session, keeper, conv, opts.tool_options, notices=notices)
+        answer = turn.answer(Ask("continue" if messages[-1].role == "assistant" else "answer"), limit, stop, sink)
+        return turn.remember(answer)
+
+    def _session(self, opts: TurnOptions) -> tuple[InferenceSession, LocalKeeper, list[str]]:
+        """A fresh session (an empty context, as a lone run's) on the model, loaded at the first
+        request and kept; its keeper; what loading it said."""
+        from quipu.app.local import LocalHost, model_fingerprint
+        from quipu.app.placing import placement_notices, placement_of
+        from quipu.app.turn_options import context_settings, load_backend, offload, sampling_params, with_logit_biases
+
+        notices, load_s = [], 0.0
+        if self._loaded is None:
+            started = time.perf_counter()
+            loaded = load_backend(self.path, context_settings(opts, self.env), opts.verbose, offload(opts, self.env))
+            load_s = time.perf_counter() - started
+            self._loaded = loaded, LocalHost.keeper(self.model, self.path, model_fingerprint(self.path, self.env),
+                                                    opts, self.env, None)
+            notices = placement_notices(loaded, ctx_given=opts.ctx is not None, verbose=opts.verbose)
+        backend, keeper = self._loaded
+        params = with_logit_biases(sampling_params(opts, self.env), backend, opts)
+        stats = Stats(load_s=load_s, placement=placement_of(backend))
+        return InferenceSession(backend, params, stats=stats), keeper, notices
+
+    def close(self) -> None:
+        """Frees the model (the server is stopping)."""
+        if self._loaded is not None:
+            self._loaded[0].close()
+            self._loaded = None
 
 
 def chat_completion(answer: Answer, ident: str, created: int) -> dict[str, Any]:

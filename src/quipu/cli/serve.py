@@ -145,7 +145,7 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, on_start
             usage = isinstance(options, dict) and options.get("include_usage") is True
             return StreamingResponse(stream(served, plan, ident, created, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        from quipu.sessions.base import ReplySink
+        from quipu.app.serve import ReplySink
 
         try:
             answer = await asyncio.to_thread(served.chat, plan, ReplySink())
@@ -164,7 +164,10 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, on_start
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if on_start is not None:
             on_start()
-        yield
+        try:
+            yield
+        finally:
+            served.close()
 
     return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
                              Route("/v1/chat/completions", chat, methods=["POST"])],
@@ -195,9 +198,8 @@ async def read_json(request: Request) -> dict[str, Any]:
 async def stream(served: Served, plan: ChatRequest, ident: str, created: int, usage: bool) -> AsyncIterator[str]:
     """A chat completion as server-sent events, each piece as it comes; a client that goes away
     stops the reply at its next token."""
-    from quipu.app.serve import FINISH, error_body
+    from quipu.app.serve import FINISH, ReplySink, error_body
     from quipu.app.serve import usage as usage_of
-    from quipu.sessions.base import ReplySink
 
     loop = asyncio.get_running_loop()
     pieces: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
