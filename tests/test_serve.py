@@ -43,8 +43,8 @@ def client(url, key="none"):
 
 
 def ask(c, messages, **more):
-    return c.chat.completions.create(model=c.models.list().data[0].id, messages=messages, temperature=0,
-                                     max_tokens=8, **more)
+    return c.chat.completions.create(model=c.models.list().data[0].id, messages=messages,
+                                     **{"temperature": 0, "max_tokens": 8, **more})
 
 
 def test_the_openai_client_holds_a_conversation_streamed_and_whole(home, tiny_model, tmp_path):
@@ -88,6 +88,31 @@ def test_a_conversation_goes_on_after_a_restart_from_its_kept_context(home, tiny
         fresh = ask(client(url), following)
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     assert two.choices[0].message.content == fresh.choices[0].message.content
+
+
+def test_an_answer_kept_to_a_schema_is_parsed_by_the_client(home, bundled_model, tmp_path):
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Sky(BaseModel):
+        colour: Literal["blue", "grey", "red"]
+        clouds: bool
+
+    with quipu_serve(home, bundled_model, tmp_path=tmp_path) as url:
+        c = client(url)
+        messages = [{"role": "user", "content": "What colour is the sky on a clear day? Answer as JSON."}]
+        parsed = c.chat.completions.parse(model=c.models.list().data[0].id, messages=messages, response_format=Sky,
+                                          temperature=0, max_tokens=60).choices[0].message.parsed
+        assert isinstance(parsed, Sky)
+        whole = ask(c, messages, response_format={"type": "json_object"}, max_tokens=60)
+        text = whole.choices[0].message.content
+        assert text.startswith("{")  # (held to an object from its first token; whole where not cut)
+        assert whole.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict)
+        with pytest.raises(openai.BadRequestError, match="response_format.type"):
+            ask(c, messages, response_format={"type": "yaml"})
+        with pytest.raises(openai.BadRequestError, match="schema"):
+            ask(c, messages, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": 3}})
 
 
 def test_bad_requests_are_refused_in_the_api_s_shape_and_the_server_goes_on(home, tiny_model, tmp_path):

@@ -10,6 +10,7 @@ past them a request is refused as busy."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 import math
 import threading
@@ -35,8 +36,8 @@ if TYPE_CHECKING:
 
 MAX_WAITING = 8  # requests waiting for the model beside the one it answers; past them: busy
 # What a chat request may ask that this server does not do yet: refused, never dropped silently.
-NOT_YET = {"tools": "tools", "functions": "tools", "response_format": "a response format",
-           "logprobs": "log probabilities", "top_logprobs": "log probabilities"}
+NOT_YET = {"tools": "tools", "functions": "tools", "logprobs": "log probabilities",
+           "top_logprobs": "log probabilities"}
 FINISH = {"stop": "stop", "length": "length", "context_full": "length", "interrupted": "stop"}
 
 
@@ -53,8 +54,7 @@ def chat_plan(body: Mapping[str, Any], base: TurnOptions) -> TurnOptions:
     names in a request (`quipu.options`), each checked against its type and bounds, over the
     server's own options (`base`)."""
     for field, what in NOT_YET.items():
-        if body.get(field) not in (None, False, [], {}) and not (field == "response_format"
-                                                                 and body[field] == {"type": "text"}):
+        if body.get(field) not in (None, False, [], {}):
             raise RequestError(f"{field}: quipu serve does not take {what} yet")
     if body.get("n", 1) != 1:
         raise RequestError("n: quipu serve gives one choice a request")
@@ -67,9 +67,31 @@ def chat_plan(body: Mapping[str, Any], base: TurnOptions) -> TurnOptions:
             field, value = "max_completion_tokens", body["max_completion_tokens"]
         if value is not None:
             given[name] = _checked(field, option, value)
+    schema = response_schema(body.get("response_format"))
+    if schema is not None:
+        given["schema"] = schema
     sampling = {k: v for k, v in given.items() if k in SAMPLING}
     rest = {k: v for k, v in given.items() if k not in SAMPLING}
     return dataclasses.replace(base, sampling={**base.sampling, **sampling}, **rest)
+
+
+def response_schema(form: Any) -> str | None:
+    """The JSON Schema (its text) a request's `response_format` holds the answer to: `json_schema`'s
+    schema, any JSON object for `json_object`; None for text."""
+    if form is None:
+        return None
+    kind = form.get("type") if isinstance(form, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind == "json_schema":
+        given = form.get("json_schema")
+        schema = given.get("schema") if isinstance(given, dict) else None
+        if not isinstance(schema, dict):
+            raise RequestError("response_format.json_schema.schema must be a JSON Schema (an object)")
+        return json.dumps(schema)
+    raise RequestError("response_format.type must be text, json_object or json_schema")
 
 
 def _checked(field: str, option: Option, value: Any) -> Any:
@@ -136,6 +158,10 @@ class Served:
         """What a chat request asks, checked before anything is loaded (`RequestError`)."""
         self.check_model(body.get("model"))
         opts = chat_plan(body, self.base)
+        if opts.schema is not None:
+            from quipu.app.turn_options import grammar_of
+
+            grammar_of(opts)  # (a schema the engine cannot keep to is refused before anything is loaded)
         messages = chat_messages(body)
         if messages[-1].role == "system":
             raise RequestError("messages: the last message is the system prompt; nothing to reply to")
