@@ -115,6 +115,29 @@ def test_an_answer_kept_to_a_schema_is_parsed_by_the_client(home, bundled_model,
             ask(c, messages, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": 3}})
 
 
+def test_the_ollama_client_chats_and_generates_streamed_and_whole(home, tiny_model, tmp_path):
+    ollama = pytest.importorskip("ollama")
+    options = {"temperature": 0, "num_predict": 6}
+    messages = [{"role": "user", "content": "Say something."}]
+    with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:
+        c = ollama.Client(host=url)
+        [model] = c.list().models
+        whole = c.chat(model=model.model, messages=messages, options=options, stream=False)
+        assert whole.done and whole.done_reason in ("stop", "length") and whole.eval_count > 0
+        assert whole.prompt_eval_count > 0
+        streamed = list(c.chat(model=model.model, messages=messages, options=options, stream=True))
+        assert streamed[-1].done and "".join(p.message.content for p in streamed) == whole.message.content
+        assert streamed[-1].eval_count == whole.eval_count
+        # the same answer through the OpenAI API: one engine, one plan
+        assert ask(client(url), messages, max_tokens=6).choices[0].message.content == whole.message.content
+        made = c.generate(model=model.model, prompt="Say something.", options=options)
+        assert made.done and made.response == whole.message.content  # (the same conversation)
+        with pytest.raises(ollama.ResponseError) as refused:
+            c.chat(model=model.model, messages=messages, options={"temperature": -1})
+        assert refused.value.status_code == 400 and "options.temperature must be 0 or more" in refused.value.error
+        assert c.list().models  # and it goes on
+
+
 def test_bad_requests_are_refused_in_the_api_s_shape_and_the_server_goes_on(home, tiny_model, tmp_path):
     good = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
     cases = [

@@ -1,7 +1,7 @@
 """Every option of a turn, described once: its field and type, its command-line spellings and
 help, its key in the config, whether a role, a batch row, the log of answers and the chat's
-`/set` take it, the feature a mode or a host may refuse, its name in an OpenAI-style request and
-in llama-server's, and its bounds.
+`/set` take it, the feature a mode or a host may refuse, its name in an OpenAI-style request, in
+an Ollama-style one's options and in llama-server's, and its bounds.
 
 What lists options is derived from this table: the command line's declarations (`cli/spec.py`),
 the config's `[generation]` keys, roles, batch rows, the modes' refusals (`app/modes.py`), the
@@ -55,10 +55,10 @@ def _number(value: float | None) -> str:
 class Option:
     """One option. `flags` are its command-line spellings (none: the config and `/set` alone
     set it, or it is the command's argument; `--x/--no-x` for a switch); `kind` its value's type
-    (`bool` a flag's), `multiple` when it may be given more than once. `field` is where a turn's options hold it ("": the command's
-    own, not the turn's); `refused` how a refusal names it (default: its first spelling);
-    `feature` what a mode or a host may refuse (None: every one takes it). `group` places it in
-    the command's help, with the options of its kind."""
+    (`bool` a flag's), `multiple` when it may be given more than once. `field` is where a turn's
+    options hold it ("": the command's own, not the turn's); `refused` how a refusal names it
+    (default: its first spelling); `feature` what a mode or a host may refuse (None: every one
+    takes it). `group` places it in the command's help, with the options of its kind."""
 
     name: str
     flags: tuple[str, ...]
@@ -78,6 +78,7 @@ class Option:
     logged: bool = False  # kept by the log of answers (when given): it shapes the answer
     settable: type | None = None  # the type `/set` reads it as (None: not settable)
     request: str | None = None  # its name in an OpenAI-style request
+    ollama: str | None = None  # its name in an Ollama-style request's options
     server: str | None = None  # its name in llama-server's /completion request
     bounds: Bounds | None = None
 
@@ -137,29 +138,30 @@ _ALL = (
             row=True),
     _option("max_tokens", "--max-tokens", "-n", kind=int, help="Most tokens to generate per reply (default: 512).",
             group="generation", config=int, role=True, row=True, logged=True, settable=int,
-            request="max_tokens", bounds=Bounds(0, low_open=True)),
+            request="max_tokens", ollama="num_predict", bounds=Bounds(0, low_open=True)),
     _option("temperature", "--temperature", "-t", kind=float, help="0 is greedy (default: 0.8).", group="generation",
             sampling=True, config=float, role=True, row=True, logged=True, settable=float, request="temperature",
-            server="temperature", bounds=Bounds(0, note="0 is greedy")),
+            ollama="temperature", server="temperature", bounds=Bounds(0, note="0 is greedy")),
     _option("top_k", "--top-k", kind=int, help="Keep the k likeliest tokens; 0 is off (default: 40).",
             group="generation", sampling=True, config=int, role=True, row=True, logged=True, settable=int,
-            request="top_k", server="top_k", bounds=Bounds(0, note="0 turns it off")),
+            request="top_k", ollama="top_k", server="top_k", bounds=Bounds(0, note="0 turns it off")),
     _option("top_p", "--top-p", kind=float, help="Nucleus sampling, in (0, 1] (default: 0.95).", group="generation",
             sampling=True, config=float, role=True, row=True, logged=True, settable=float, request="top_p",
-            server="top_p", bounds=Bounds(0, 1, low_open=True)),
+            ollama="top_p", server="top_p", bounds=Bounds(0, 1, low_open=True)),
     _option("min_p", "--min-p", kind=float, help="Drop tokens below this share of the top one (default: 0.05).",
             group="generation", sampling=True, config=float, role=True, row=True, logged=True, settable=float,
-            request="min_p", server="min_p", bounds=Bounds(0, 1, high_open=True)),
+            request="min_p", ollama="min_p", server="min_p", bounds=Bounds(0, 1, high_open=True)),
     _option("repeat_penalty", "--repeat-penalty", kind=float, help="1 is off (default: 1.1).", group="generation",
             sampling=True, config=float, role=True, row=True, logged=True, settable=float, request="repeat_penalty",
-            server="repeat_penalty", bounds=Bounds(0, low_open=True, note="1 turns it off")),
+            ollama="repeat_penalty", server="repeat_penalty", bounds=Bounds(0, low_open=True, note="1 turns it off")),
     _option("repeat_last_n", kind=int, sampling=True, config=int, settable=int, server="repeat_last_n",
-            bounds=Bounds(0)),
+            ollama="repeat_last_n", bounds=Bounds(0)),
     _option("seed", "--seed", kind=int, help="Random seed: the same seed, the same reply (default: a random one).",
             group="generation", sampling=True, config=int, role=True, row=True, settable=int, request="seed",
-            bounds=Bounds(0, MAX_SEED)),
+            ollama="seed", bounds=Bounds(0, MAX_SEED)),
     _option("stop", "--stop", multiple=True, help="Stop at this text (repeatable); it is not printed.",
-            group="generation", config=tuple, role=True, row=True, logged=True, settable=str, request="stop"),
+            group="generation", config=tuple, role=True, row=True, logged=True, settable=str, request="stop",
+            ollama="stop"),
     _option("ctx", "--ctx", help="Context size in tokens, or auto: the model's whole training length as far as "
             "memory allows (default: the model's, at most 4096).", metavar="N|auto", group="generation",
             feature="context_settings", config=object, role=True, logged=True),

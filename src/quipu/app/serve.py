@@ -50,24 +50,48 @@ class RequestError(UsageError):
 
 
 def chat_plan(body: Mapping[str, Any], base: TurnOptions) -> TurnOptions:
-    """The plan of a chat request: its sampling fields, reply length and stop strings, by their
-    names in a request (`quipu.options`), each checked against its type and bounds, over the
-    server's own options (`base`)."""
+    """The plan of an OpenAI-style chat request: its sampling fields, reply length, stop strings
+    and response format, by their names there (`Option.request`), over the server's own options
+    (`base`)."""
     for field, what in NOT_YET.items():
         if body.get(field) not in (None, False, [], {}):
             raise RequestError(f"{field}: quipu serve does not take {what} yet")
     if body.get("n", 1) != 1:
         raise RequestError("n: quipu serve gives one choice a request")
+    names = {name: o.request for name, o in OPTIONS.items() if o.request is not None}
+    if body.get("max_completion_tokens") is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    return plan_of(body, names, base, response_schema(body.get("response_format")))
+
+
+def ollama_plan(body: Mapping[str, Any], base: TurnOptions) -> TurnOptions:
+    """The plan of an Ollama-style request: its `options` by their names there (`Option.ollama`;
+    others, such as the server's own `num_ctx`, are the server's), and its `format` ("json", or
+    a JSON Schema), over the server's own options (`base`)."""
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise RequestError("options must be an object")
+    form = body.get("format")
+    if form in (None, ""):
+        schema = None
+    elif form == "json":
+        schema = '{"type": "object"}'
+    elif isinstance(form, dict):
+        schema = json.dumps(form)
+    else:
+        raise RequestError('format must be "json" or a JSON Schema (an object)')
+    names = {name: o.ollama for name, o in OPTIONS.items() if o.ollama is not None}
+    return plan_of(options, names, base, schema, where="options.")
+
+
+def plan_of(fields: Mapping[str, Any], names: Mapping[str, str], base: TurnOptions, schema: str | None = None,
+            where: str = "") -> TurnOptions:
+    """`base` with the options `fields` gives under `names` (option: its name there), each
+    checked against its type and bounds, and the answer held to `schema` where there is one."""
     given: dict[str, Any] = {}
-    for name, option in OPTIONS.items():
-        if option.request is None:
-            continue
-        field, value = option.request, body.get(option.request)
-        if name == "max_tokens" and body.get("max_completion_tokens") is not None:
-            field, value = "max_completion_tokens", body["max_completion_tokens"]
-        if value is not None:
-            given[name] = _checked(field, option, value)
-    schema = response_schema(body.get("response_format"))
+    for name, field in names.items():
+        if fields.get(field) is not None:
+            given[name] = _checked(where + field, OPTIONS[name], fields[field])
     if schema is not None:
         given["schema"] = schema
     sampling = {k: v for k, v in given.items() if k in SAMPLING}
@@ -155,14 +179,29 @@ class Served:
                                404, "model_not_found")
 
     def plan(self, body: Mapping[str, Any]) -> ChatRequest:
-        """What a chat request asks, checked before anything is loaded (`RequestError`)."""
+        """What an OpenAI-style chat request asks, checked before anything is loaded (`RequestError`)."""
         self.check_model(body.get("model"))
-        opts = chat_plan(body, self.base)
+        return self._asked(chat_plan(body, self.base), chat_messages(body))
+
+    def ollama(self, body: Mapping[str, Any], generate: bool = False) -> ChatRequest:
+        """What an Ollama-style request asks (`/api/chat`, or `/api/generate`: a prompt and a
+        system prompt), checked before anything is loaded."""
+        self.check_model(body.get("model"))
+        if body.get("tools") or body.get("images") or body.get("raw"):
+            raise RequestError("tools, images and raw prompts: quipu serve does not take them yet")
+        if not generate:
+            return self._asked(ollama_plan(body, self.base), chat_messages(body))
+        prompt, system = body.get("prompt"), body.get("system")
+        if not isinstance(prompt, str) or not prompt or not isinstance(system, (str, type(None))):
+            raise RequestError("a generate request needs its prompt (a text), and its system prompt is a text")
+        messages = ([Message("system", system)] if system else []) + [Message("user", prompt)]
+        return self._asked(ollama_plan(body, self.base), messages)
+
+    def _asked(self, opts: TurnOptions, messages: list[Message]) -> ChatRequest:
         if opts.schema is not None:
             from quipu.app.turn_options import grammar_of
 
             grammar_of(opts)  # (a schema the engine cannot keep to is refused before anything is loaded)
-        messages = chat_messages(body)
         if messages[-1].role == "system":
             raise RequestError("messages: the last message is the system prompt; nothing to reply to")
         return ChatRequest(opts, messages)
@@ -251,3 +290,41 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
         status, kind = 500, "server_error"
         exc = QuipuError(f"the server failed: {type(exc).__name__}")
     return status, {"error": {"message": str(exc), "type": kind, "param": None, "code": None}}
+
+
+def ollama_error(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """The status and Ollama-shaped body of a failure."""
+    status, shaped = error_body(exc)
+    return status, {"error": shaped["error"]["message"]}
+
+
+def ollama_reply(answer: Answer, created: str) -> dict[str, Any]:
+    """The last line of an Ollama-style reply (the whole reply, where it is not streamed, with
+    `text`): why it ended, and its figures (`prompt_eval_count`: the prompt's tokens read, not
+    restored)."""
+    s = answer.stats
+    return {"model": answer.model, "created_at": created, "done": True,
+            "done_reason": FINISH.get(answer.finish_reason, "stop"),
+            "total_duration": int((s.load_s + s.restore_s + s.prefill_s + s.decode_s) * 1e9),
+            "load_duration": int(s.load_s * 1e9), "prompt_eval_count": s.prompt_tokens - s.cached_tokens,
+            "prompt_eval_duration": int(s.prefill_s * 1e9), "eval_count": s.completion_tokens,
+            "eval_duration": int(s.decode_s * 1e9)}
+
+
+def ollama_piece(model: str, created: str, text: str, reasoning: str = "", *, generate: bool) -> dict[str, Any]:
+    """A line of an Ollama-style reply: a piece of its text (or of its reasoning)."""
+    if generate:
+        return {"model": model, "created_at": created, "response": text,
+                **({"thinking": reasoning} if reasoning else {}), "done": False}
+    message = {"role": "assistant", "content": text, **({"thinking": reasoning} if reasoning else {})}
+    return {"model": model, "created_at": created, "message": message, "done": False}
+
+
+def ollama_models(served: Served) -> dict[str, Any]:
+    """`/api/tags`: the model served."""
+    from datetime import datetime, timezone
+
+    stat = served.path.stat()
+    return {"models": [{"name": served.model, "model": served.model,
+                        "modified_at": datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat(),
+                        "size": stat.st_size, "digest": "", "details": {"format": "gguf"}}]}

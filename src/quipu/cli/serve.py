@@ -13,6 +13,7 @@ import json
 import secrets
 import threading
 import time
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Optional
 
 import typer
@@ -143,7 +144,7 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, on_start
         if body.get("stream") is True:
             options = body.get("stream_options")
             usage = isinstance(options, dict) and options.get("include_usage") is True
-            return StreamingResponse(stream(served, plan, ident, created, usage), media_type="text/event-stream",
+            return StreamingResponse(openai_stream(served, plan, ident, created, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         from quipu.app.serve import ReplySink
 
@@ -153,6 +154,43 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, on_start
             status, shaped = error_body(exc)
             return JSONResponse(shaped, status)
         return JSONResponse(chat_completion(answer, ident, created))
+
+    async def ollama(request: Request) -> Response:
+        from quipu.app.serve import ollama_error, ollama_piece, ollama_reply
+
+        failed = checked(request)
+        if failed is not None:
+            return failed
+        generate = request.url.path == "/api/generate"
+        try:
+            body = await read_json(request)
+            plan = served.ollama(body, generate)
+        except Exception as exc:
+            status, shaped = ollama_error(exc)
+            return JSONResponse(shaped, status)
+        created = datetime.now(timezone.utc).isoformat()
+        if body.get("stream", True) is not False:  # (Ollama streams unless told not to)
+            return StreamingResponse(ollama_stream(served, plan, created, generate),
+                                     media_type="application/x-ndjson")
+        from quipu.app.serve import ReplySink
+
+        try:
+            answer = await asyncio.to_thread(served.chat, plan, ReplySink())
+        except Exception as exc:
+            status, shaped = ollama_error(exc)
+            return JSONResponse(shaped, status)
+        piece = ollama_piece(served.model, created, answer.text, answer.reasoning, generate=generate)
+        return JSONResponse({**piece, **ollama_reply(answer, created)})
+
+    async def tags(request: Request) -> Response:
+        from quipu.app.serve import ollama_models
+
+        return checked(request) or JSONResponse(ollama_models(served))
+
+    async def version(request: Request) -> Response:
+        from quipu import __version__
+
+        return checked(request, key=False) or JSONResponse({"version": __version__})
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
@@ -170,7 +208,9 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, on_start
             served.close()
 
     return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
-                             Route("/v1/chat/completions", chat, methods=["POST"])],
+                             Route("/v1/chat/completions", chat, methods=["POST"]),
+                             Route("/api/chat", ollama, methods=["POST"]), Route("/api/generate", ollama, methods=["POST"]),
+                             Route("/api/tags", tags), Route("/api/version", version)],
                      exception_handlers={HTTPException: http_error}, lifespan=lifespan)
 
 
@@ -195,11 +235,11 @@ async def read_json(request: Request) -> dict[str, Any]:
     return body
 
 
-async def stream(served: Served, plan: ChatRequest, ident: str, created: int, usage: bool) -> AsyncIterator[str]:
-    """A chat completion as server-sent events, each piece as it comes; a client that goes away
-    stops the reply at its next token."""
-    from quipu.app.serve import FINISH, ReplySink, error_body
-    from quipu.app.serve import usage as usage_of
+async def events(served: Served, plan: ChatRequest) -> AsyncIterator[tuple[str, Any]]:
+    """A reply's events as they come: ("content", piece), ("reasoning_content", piece), then
+    ("done", its answer) or ("error", what failed); a client that goes away stops the reply at its
+    next token."""
+    from quipu.app.serve import ReplySink
 
     loop = asyncio.get_running_loop()
     pieces: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -222,30 +262,50 @@ async def stream(served: Served, plan: ChatRequest, ident: str, created: int, us
             done = ("error", exc)
         loop.call_soon_threadsafe(pieces.put_nowait, done)
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, **more: Any) -> str:
-        return "data: " + json.dumps({"id": ident, "object": "chat.completion.chunk", "created": created,
-                                      "model": served.model, "choices": [{"index": 0, "delta": delta,
-                                                                          "finish_reason": finish}], **more}) + "\n\n"
-
-    worker = threading.Thread(target=work, name="quipu-serve-turn", daemon=True)
-    worker.start()
+    threading.Thread(target=work, name="quipu-serve-turn", daemon=True).start()
     try:
-        yield chunk({"role": "assistant", "content": ""})
         while True:
-            kind, value = await pieces.get()
-            if kind == "done":
-                answer: Answer = value
-                yield chunk({}, FINISH.get(answer.finish_reason, "stop"))
-                if usage:
-                    yield "data: " + json.dumps({"id": ident, "object": "chat.completion.chunk", "created": created,
-                                                 "model": served.model, "choices": [],
-                                                 "usage": usage_of(answer)}) + "\n\n"
+            event = await pieces.get()
+            yield event
+            if event[0] in ("done", "error"):
                 break
-            if kind == "error":
-                yield "data: " + json.dumps(error_body(value)[1]) + "\n\n"
-                break
-            yield chunk({kind: value})
-        yield "data: [DONE]\n\n"
     finally:
-        gone.set()  # (the client went away, or the stream is over)
+        gone.set()  # (the client went away, or the reply is over)
 
+
+async def openai_stream(served: Served, plan: ChatRequest, ident: str, created: int, usage: bool) -> AsyncIterator[str]:
+    """A chat completion as server-sent events, each piece as it comes."""
+    from quipu.app.serve import FINISH, error_body
+    from quipu.app.serve import usage as usage_of
+
+    def chunk(choices: list[dict[str, Any]], **more: Any) -> str:
+        return "data: " + json.dumps({"id": ident, "object": "chat.completion.chunk", "created": created,
+                                      "model": served.model, "choices": choices, **more}) + "\n\n"
+
+    yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+    async for kind, value in events(served, plan):
+        if kind == "done":
+            answer: Answer = value
+            yield chunk([{"index": 0, "delta": {}, "finish_reason": FINISH.get(answer.finish_reason, "stop")}])
+            if usage:
+                yield chunk([], usage=usage_of(answer))
+        elif kind == "error":
+            yield "data: " + json.dumps(error_body(value)[1]) + "\n\n"
+        else:
+            yield chunk([{"index": 0, "delta": {kind: value}, "finish_reason": None}])
+    yield "data: [DONE]\n\n"
+
+
+async def ollama_stream(served: Served, plan: ChatRequest, created: str, generate: bool) -> AsyncIterator[str]:
+    """An Ollama-style reply as JSON lines, each piece as it comes, then its end and figures."""
+    from quipu.app.serve import ollama_error, ollama_piece, ollama_reply
+
+    async for kind, value in events(served, plan):
+        if kind == "done":
+            piece = ollama_piece(served.model, created, "", generate=generate)
+            yield json.dumps({**piece, **ollama_reply(value, created)}) + "\n"
+        elif kind == "error":
+            yield json.dumps(ollama_error(value)[1]) + "\n"
+        else:
+            text, reasoning = (value, "") if kind == "content" else ("", value)
+            yield json.dumps(ollama_piece(served.model, created, text, reasoning, generate=generate)) + "\n"
