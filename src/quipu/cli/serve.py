@@ -1,4 +1,4 @@
-"""`quipu serve`: the OpenAI chat API on quipu's engine, over HTTP (Starlette on uvicorn, imported
+"""`quipu serve`: the OpenAI chat API and Ollama's on quipu's engine, over HTTP (Starlette on uvicorn, imported
 only by this command). Loopback by default; any other address needs `--api-key`. A request
 whose Host is not the address served is refused (a web page cannot reach a loopback server by
 DNS rebinding); every refusal is a 4xx in the API's own error shape. What a request does is
@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from quipu.app.serve import ChatRequest, Served
 
 MAX_BODY = 8 << 20  # bytes of a request's body
-HELP = "Serve a model over the OpenAI chat API (/v1/chat/completions, /v1/models), on this machine by default."
+HELP = ("Serve a model over the OpenAI chat API (/v1/chat/completions) and Ollama's (/api/chat, /api/generate), "
+        "on this machine by default.")
 
 
 def register(app: typer.Typer) -> None:
