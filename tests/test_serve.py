@@ -71,6 +71,23 @@ def test_the_openai_client_holds_a_conversation_streamed_and_whole(home, tiny_mo
         assert ask(c, messages).choices[0].message.content is not None
 
 
+def test_a_plain_completion_is_the_one_run_raw_gives(quipu, home, tiny_model, tmp_path):
+    prompt = "Once upon a time"
+    with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:
+        c = client(url)
+        model = c.models.list().data[0].id
+        whole = c.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=6)
+        assert whole.object == "text_completion" and whole.choices[0].finish_reason in ("stop", "length")
+        streamed = "".join(chunk.choices[0].text for chunk in
+                           c.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=6, stream=True)
+                           if chunk.choices)
+        assert streamed == whole.choices[0].text
+        with pytest.raises(openai.BadRequestError, match="one prompt"):
+            c.completions.create(model=model, prompt=["a", "b"], max_tokens=2)
+    r = quipu("run", "-m", tiny_model, "--raw", "-t", "0", "-n", "6", "--no-cache", "--json", prompt)
+    assert r.returncode == 0 and json.loads(r.stdout)["text"] == whole.choices[0].text
+
+
 def test_a_conversation_goes_on_after_a_restart_from_its_kept_context(home, tiny_model, tmp_path):
     first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a river?"}]
     with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:

@@ -153,10 +153,11 @@ def chat_messages(body: Mapping[str, Any]) -> list[Message]:
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """A chat request, checked: its plan and its messages."""
+    """A request, checked: its plan and its messages, or, a plain completion's, its prompt."""
 
     opts: TurnOptions
     messages: list[Message]
+    prompt: str | None = None
 
 
 class Served:
@@ -182,6 +183,21 @@ class Served:
         """What an OpenAI-style chat request asks, checked before anything is loaded (`RequestError`)."""
         self.check_model(body.get("model"))
         return self._asked(chat_plan(body, self.base), chat_messages(body))
+
+    def completion(self, body: Mapping[str, Any]) -> ChatRequest:
+        """What an OpenAI-style completion request (`/v1/completions`) asks: its prompt continued
+        as it is, without the chat template (`quipu run --raw`)."""
+        self.check_model(body.get("model"))
+        for field in ("echo", "suffix"):
+            if body.get(field):
+                raise RequestError(f"{field}: quipu serve does not take it yet")
+        if body.get("best_of", 1) != 1:
+            raise RequestError("best_of: quipu serve gives one choice a request")
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError("prompt must be a text that is not empty (one prompt a request)")
+        opts = chat_plan({k: v for k, v in body.items() if k != "response_format"}, self.base)
+        return ChatRequest(opts, [], prompt)
 
     def ollama(self, body: Mapping[str, Any], generate: bool = False) -> ChatRequest:
         """What an Ollama-style request asks (`/api/chat`, or `/api/generate`: a prompt and a
@@ -213,20 +229,24 @@ class Served:
             raise RequestError("the server is busy: too many requests wait; try again soon", 503, "server_busy")
         try:
             with self._turns:
-                answer = self._answer(asked.opts, asked.messages, sink)
+                answer = self._answer(asked, sink)
         finally:
             self._waiting.release()
         from quipu.app.answer_log import log_answer
 
-        said = next((m.content for m in reversed(asked.messages) if m.role == "user"), "")
+        said = asked.prompt or next((m.content for m in reversed(asked.messages) if m.role == "user"), "")
         unlogged = log_answer(self.env, asked.opts.logged, "serve", said, answer, system=answer.system)
         if unlogged:
             answer.notices.append(unlogged)
         return answer
 
-    def _answer(self, opts: TurnOptions, messages: list[Message], sink: ReplySink) -> Answer:
+    def _answer(self, asked: ChatRequest, sink: ReplySink) -> Answer:
+        opts, messages = asked.opts, asked.messages
         limit, stop = max_tokens(opts, self.env), stop_strings(opts, self.env)
         session, keeper, notices = self._session(opts)
+        if asked.prompt is not None:  # (a plain completion)
+            turn = Turn(session, keeper, None, opts.tool_options, notices=notices)
+            return turn.remember(turn.answer(Ask("raw", asked.prompt), limit, stop, sink))
         conv = Conversation.start(session, None, template=chat_template_source(opts), messages=messages,
                                   settings=TurnSettings().but(variables=template_variables(opts)))
         turn = Turn(session, keeper, conv, opts.tool_options, notices=notices)
@@ -268,6 +288,13 @@ def chat_completion(answer: Answer, ident: str, created: int) -> dict[str, Any]:
     return {"id": ident, "object": "chat.completion", "created": created, "model": answer.model,
             "choices": [{"index": 0, "message": message, "finish_reason": FINISH.get(answer.finish_reason, "stop")}],
             "usage": usage(answer), "system_fingerprint": answer.fingerprint}
+
+
+def text_completion(answer: Answer, ident: str, created: int) -> dict[str, Any]:
+    """The OpenAI completion of a plain answer, whole."""
+    return {"id": ident, "object": "text_completion", "created": created, "model": answer.model,
+            "choices": [{"index": 0, "text": answer.text, "logprobs": None,
+                         "finish_reason": FINISH.get(answer.finish_reason, "stop")}], "usage": usage(answer)}
 
 
 def usage(answer: Answer) -> dict[str, Any]:

@@ -106,7 +106,7 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, on_start
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
-    from quipu.app.serve import chat_completion, error_body
+    from quipu.app.serve import chat_completion, error_body, text_completion
 
     names = {host_in_url(host)} | ({"localhost", "127.0.0.1", "[::1]"} if loopback(host) else set())
     hosts = names | {f"{name}:{port}" for name in names}
@@ -135,18 +135,19 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, on_start
         failed = checked(request)
         if failed is not None:
             return failed
+        plain = request.url.path == "/v1/completions"
         try:
             body = await read_json(request)
-            plan = served.plan(body)
+            plan = served.completion(body) if plain else served.plan(body)
         except Exception as exc:  # (every refusal a 4xx in the API's shape, never a traceback)
             status, shaped = error_body(exc)
             return JSONResponse(shaped, status)
-        ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+        ident, created = f"{'cmpl' if plain else 'chatcmpl'}-{secrets.token_hex(12)}", int(time.time())
         if body.get("stream") is True:
             options = body.get("stream_options")
             usage = isinstance(options, dict) and options.get("include_usage") is True
-            return StreamingResponse(openai_stream(served, plan, ident, created, usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(openai_stream(served, plan, ident, created, usage, plain),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         from quipu.app.serve import ReplySink
 
         try:
@@ -154,7 +155,7 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, on_start
         except Exception as exc:
             status, shaped = error_body(exc)
             return JSONResponse(shaped, status)
-        return JSONResponse(chat_completion(answer, ident, created))
+        return JSONResponse(text_completion(answer, ident, created) if plain else chat_completion(answer, ident, created))
 
     async def ollama(request: Request) -> Response:
         from quipu.app.serve import ollama_error, ollama_piece, ollama_reply
@@ -210,6 +211,7 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, on_start
 
     return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
                              Route("/v1/chat/completions", chat, methods=["POST"]),
+                             Route("/v1/completions", chat, methods=["POST"]),
                              Route("/api/chat", ollama, methods=["POST"]), Route("/api/generate", ollama, methods=["POST"]),
                              Route("/api/tags", tags), Route("/api/version", version)],
                      exception_handlers={HTTPException: http_error}, lifespan=lifespan)
@@ -274,26 +276,34 @@ async def events(served: Served, plan: ChatRequest) -> AsyncIterator[tuple[str, 
         gone.set()  # (the client went away, or the reply is over)
 
 
-async def openai_stream(served: Served, plan: ChatRequest, ident: str, created: int, usage: bool) -> AsyncIterator[str]:
-    """A chat completion as server-sent events, each piece as it comes."""
+async def openai_stream(served: Served, plan: ChatRequest, ident: str, created: int, usage: bool,
+                        plain: bool = False) -> AsyncIterator[str]:
+    """A chat completion (or, `plain`, a completion) as server-sent events, each piece as it comes."""
     from quipu.app.serve import FINISH, error_body
     from quipu.app.serve import usage as usage_of
 
     def chunk(choices: list[dict[str, Any]], **more: Any) -> str:
-        return "data: " + json.dumps({"id": ident, "object": "chat.completion.chunk", "created": created,
-                                      "model": served.model, "choices": choices, **more}) + "\n\n"
+        return "data: " + json.dumps({"id": ident, "object": "text_completion" if plain else "chat.completion.chunk",
+                                      "created": created, "model": served.model, "choices": choices,
+                                      **more}) + "\n\n"
 
-    yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+    def choice(piece: dict[str, Any], finish: str | None = None) -> list[dict[str, Any]]:
+        if plain:
+            return [{"index": 0, "text": piece.get("content", ""), "logprobs": None, "finish_reason": finish}]
+        return [{"index": 0, "delta": piece, "finish_reason": finish}]
+
+    if not plain:
+        yield chunk(choice({"role": "assistant", "content": ""}))
     async for kind, value in events(served, plan):
         if kind == "done":
             answer: Answer = value
-            yield chunk([{"index": 0, "delta": {}, "finish_reason": FINISH.get(answer.finish_reason, "stop")}])
+            yield chunk(choice({}, FINISH.get(answer.finish_reason, "stop")))
             if usage:
                 yield chunk([], usage=usage_of(answer))
         elif kind == "error":
             yield "data: " + json.dumps(error_body(value)[1]) + "\n\n"
         else:
-            yield chunk([{"index": 0, "delta": {kind: value}, "finish_reason": None}])
+            yield chunk(choice({kind: value}))
     yield "data: [DONE]\n\n"
 
 
