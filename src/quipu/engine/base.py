@@ -1,7 +1,8 @@
-"""The protocols the session layer drives: `Backend`, a loaded model with one local context
-(llama.cpp's, `llama.py`), and `TokenServer`, a model on llama.cpp's llama-server driven by token
-arrays (`llama_server.py`). A server spoken to through the OpenAI chat API is `chat_api.py`'s
-`ChatApiModel`, which takes messages, not tokens."""
+"""What the session layer drives: `Backend`, the protocol of a loaded model with one local
+context (llama.cpp's, `llama.py`), with its sampling part (`Sampler`) and the settings of a
+sampler chain; what a server's reply is made of (`Completion`). A model on llama.cpp's
+llama-server driven by token arrays is `llama_server.py`'s `LlamaServerModel`; one spoken to
+through the OpenAI chat API is `chat_api.py`'s `ChatApiModel`, which takes messages, not tokens."""
 
 from __future__ import annotations
 
