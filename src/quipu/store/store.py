@@ -125,9 +125,11 @@ class SessionStore:
         try:
             yield
         finally:
-            if not self.exists(name):
+            if not self.exists(name) and same_file(fd, path):
                 # A session that was never made (or was removed) leaves no lock file behind; a
-                # waiter on this file sees it is gone and locks the one at the path instead.
+                # waiter on this file sees it is gone and locks the one at the path instead. (Only
+                # while the path is still this file: once a removal unlinked it, the file at the
+                # path is another process's, which it may hold.)
                 path.unlink(missing_ok=True)
             os.close(fd)
 
