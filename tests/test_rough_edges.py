@@ -124,12 +124,13 @@ def test_the_chat_keeps_every_setting_set_and_lists_them(tmp_path, tiny_model):
 
 
 def test_a_run_in_a_session_keeps_its_reply_length(quipu, tiny_model):
-    first = quipu("run", "-m", tiny_model, "-S", "short", "-n", "2", "--json", "hi")
+    first = quipu("run", "-m", tiny_model, "-S", "short", "-n", "2", "--seed", "1", "--json", "hi")
     assert first.returncode == 0, first.stderr.decode()
-    again = json.loads(quipu("run", "-m", tiny_model, "-S", "short", "--json", "and?").stdout)
+    again = json.loads(quipu("run", "-m", tiny_model, "-S", "short", "--seed", "1", "--json", "and?").stdout)
     assert again["usage"]["completion_tokens"] <= 2
-    # (every end of the reply banned, the model's and the template's: it cannot end early, whatever it draws)
-    longer = json.loads(quipu("run", "-m", tiny_model, "-S", "short", "-n", "9", "--temperature", "1",
+    # (every end-of-turn token banned, and seeded: a random reply may still spell the template's
+    # end as text, which ends it, so the draws are fixed)
+    longer = json.loads(quipu("run", "-m", tiny_model, "-S", "short", "-n", "9", "--temperature", "1", "--seed", "1",
                               "--logit-bias", "0=-inf", "--logit-bias", "2=-inf", "--logit-bias", "4=-inf",
                               "--json", "more").stdout)
     assert longer["usage"]["completion_tokens"] > 2  # the command line wins, and is kept from then on
