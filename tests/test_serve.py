@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -169,7 +170,20 @@ def test_bad_requests_are_refused_in_the_api_s_shape_and_the_server_goes_on(home
         ("POST", "/v1/chat/completions", json.dumps({**good, "stop": [3]}).encode(), 400, "stop must be"),
         ("POST", "/v1/chat/completions", json.dumps({**good, "n": 2}).encode(), 400, "one choice"),
         ("POST", "/v1/chat/completions", json.dumps({**good, "tools": [{"type": "function"}]}).encode(), 400,
-         "tools"),
+         "tool 0 of the request has no function name"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "tools": {"a": 1}}).encode(), 400, "tools must be"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "tool_choice": "required"}).encode(), 400,
+         "offers no tools"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "tools": [WEATHER], "tool_choice": {
+            "type": "function", "function": {"name": "nope"}}}).encode(), 400, "tool_choice must name"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "tools": [WEATHER], "response_format": {
+            "type": "json_object"}}).encode(), 400, "tools or a response format"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "functions": [{"name": "f"}]}).encode(), 400,
+         "send tools"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "reasoning_effort": 3}).encode(), 400,
+         "reasoning_effort must be a text"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "reasoning_effort": "high"}).encode(), 400,
+         "takes no reasoning effort"),
         ("POST", "/v1/chat/completions", json.dumps({**good, "model": "other"}).encode(), 404, "not served here"),
         ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(),
          400, "messages[0].role"),
@@ -213,3 +227,61 @@ def test_serve_imports_no_web_framework_into_other_commands(home):
            "if m.split('.')[0] in ('starlette', 'uvicorn', 'fastapi')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# (in the shape Ollama's client sends a tool in: its keys in this order, nothing more)
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city, today.",
+    "parameters": {"type": "object", "required": ["city"],
+                   "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}}}}
+QWEN = Path(__file__).parent / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+
+
+def test_a_tool_call_goes_to_the_client_and_its_result_back_as_run_does_it(quipu, home, tiny_model, tmp_path):
+    # The client runs the tools: a reply that calls one ends there (finish_reason "tool_calls"),
+    # whole and streamed as deltas, the call the one `quipu run --tools` makes with the same
+    # seed; the conversation goes on from the client's result as `run --messages` goes on from it.
+    asked = [{"role": "user", "content": "Weather?"}]
+    sampling = {"temperature": 1.0, "seed": 11, "max_tokens": 400}
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    (tmp_path / "tools.json").write_text(json.dumps([WEATHER]))
+    with quipu_serve(home, tiny_model, "--chat-template", QWEN, tmp_path=tmp_path) as url:
+        c = client(url)
+        whole = ask(c, asked, tools=[WEATHER], tool_choice=choice, **sampling)
+        calls = whole.choices[0].message.tool_calls
+        assert whole.choices[0].finish_reason == "tool_calls" and calls[0].function.name == "get_weather"
+        assert json.loads(calls[0].function.arguments)["city"] in ("Paris", "Rome") and calls[0].id
+        deltas = [chunk.choices[0].delta for chunk in ask(c, asked, tools=[WEATHER], tool_choice=choice, stream=True,
+                                                           **sampling) if chunk.choices]
+        [streamed] = [d.tool_calls for d in deltas if d.tool_calls]
+        assert [(d.index, d.id, d.function.name, d.function.arguments) for d in streamed] == \
+            [(i, c.id, c.function.name, c.function.arguments) for i, c in enumerate(calls)]
+        told = asked + [whole.choices[0].message.model_dump(exclude_none=True)] + [
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'} for call in calls]
+        after = ask(c, told, tools=[WEATHER], max_tokens=8)
+        assert after.choices[0].message.content and after.choices[0].finish_reason in ("stop", "length")
+        # Ollama's client sends the same conversation (its result names its tool) and gets the same reply
+        ollama = pytest.importorskip("ollama")
+        theirs = asked + [{"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)}}
+            for call in calls]}] + [
+            {"role": "tool", "tool_name": call.function.name, "content": '{"temperature": 21}'} for call in calls]
+        reply = ollama.Client(host=url).chat(model=c.models.list().data[0].id, messages=theirs, tools=[WEATHER],
+                                             options={"temperature": 0, "num_predict": 8}, stream=False)
+        assert reply.message.content == after.choices[0].message.content
+        # Ollama's shape of a call (tool_choice is quipu's own there), read by its client's type
+        r = httpx.post(url + "/api/chat", json={"model": reply.model, "messages": asked, "tools": [WEATHER],
+                                                "tool_choice": choice, "stream": False,
+                                                "options": {"temperature": 1.0, "seed": 11, "num_predict": 400}})
+        made = ollama.ChatResponse.model_validate(r.json())
+        assert made.done and [(t.function.name, t.function.arguments) for t in made.message.tool_calls] == \
+            [(call.function.name, json.loads(call.function.arguments)) for call in calls]
+    run = json.loads(quipu("run", "-m", tiny_model, "--chat-template", QWEN, "--tools", tmp_path / "tools.json",
+                           "--tool-choice", "get_weather", "-t", "1.0", "--seed", "11", "-n", "400", "--no-cache",
+                           "--json", "Weather?").stdout)
+    assert run["finish_reason"] == "tool_calls" and [(t["name"], t["arguments"]) for t in run["tool_calls"]] == \
+        [(call.function.name, json.loads(call.function.arguments)) for call in calls]
+    (tmp_path / "told.json").write_text(json.dumps({"messages": told, "tools": [WEATHER]}))
+    again = json.loads(quipu("run", "-m", tiny_model, "--chat-template", QWEN, "--messages", tmp_path / "told.json",
+                             "-t", "0", "-n", "8", "--no-cache", "--json").stdout)
+    assert again["text"] == after.choices[0].message.content

@@ -210,7 +210,8 @@ _ALL = (
             "is made to close it and answer; 0 answers without reasoning, -1 drops a session's limit.", metavar="N",
             group="shaping", feature="reasoning_budget", role=True, logged=True),
     _option("reasoning_effort", "--reasoning-effort", help="How hard a model whose template takes it (GPT-OSS) "
-            "reasons.", metavar="low|medium|high", group="shaping", feature="think", role=True, logged=True),
+            "reasons.", metavar="low|medium|high", group="shaping", feature="think", role=True, logged=True,
+            request="reasoning_effort"),
     _option("schema", "--schema", help="Answer as JSON that validates against this JSON Schema (inline, or "
             "@file.json; off drops a session's).", metavar="SCHEMA", group="shaping", feature="grammar", role=True,
             row=True, logged=True),

@@ -16,10 +16,12 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from quipu.app.answer import Answer
 from quipu.app.environment import Environment
+from quipu.app.tooldefs import Tool
+from quipu.app.tools import OpenTools, Toolbox, offer
 from quipu.app.turn import Ask, Turn
 from quipu.app.turn_options import (TurnOptions, chat_template_source, max_tokens, stop_strings,
                                     template_variables)
@@ -36,9 +38,10 @@ if TYPE_CHECKING:
 
 MAX_WAITING = 8  # requests waiting for the model beside the one it answers; past them: busy
 # What a chat request may ask that this server does not do yet: refused, never dropped silently.
-NOT_YET = {"tools": "tools", "functions": "tools", "logprobs": "log probabilities",
+NOT_YET = {"functions": "functions (the old name of tools: send tools)", "logprobs": "log probabilities",
            "top_logprobs": "log probabilities"}
-FINISH = {"stop": "stop", "length": "length", "context_full": "length", "interrupted": "stop"}
+FINISH = {"stop": "stop", "length": "length", "context_full": "length", "interrupted": "stop",
+          "tool_calls": "tool_calls"}
 
 
 class RequestError(UsageError):
@@ -81,7 +84,14 @@ def ollama_plan(body: Mapping[str, Any], base: TurnOptions) -> TurnOptions:
     else:
         raise RequestError('format must be "json" or a JSON Schema (an object)')
     names = {name: o.ollama for name, o in OPTIONS.items() if o.ollama is not None}
-    return plan_of(options, names, base, schema, where="options.")
+    opts = plan_of(options, names, base, schema, where="options.")
+    think = body.get("think")  # (a switch, or how hard: low, medium, high)
+    if think is None:
+        return opts
+    if not isinstance(think, (bool, str)):
+        raise RequestError("think must be true, false, low, medium or high")
+    return dataclasses.replace(opts, think=think is not False,
+                               reasoning_effort=think if isinstance(think, str) else opts.reasoning_effort)
 
 
 def plan_of(fields: Mapping[str, Any], names: Mapping[str, str], base: TurnOptions, schema: str | None = None,
@@ -126,6 +136,10 @@ def _checked(field: str, option: Option, value: Any) -> Any:
             raise RequestError(f"{field} must be a text or a list of texts that are not empty")
         return tuple(texts)
     kind = option.kind
+    if kind is str:
+        if not isinstance(value, str):
+            raise RequestError(f"{field} must be a text, not {value!r}")
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or (isinstance(value, float) and not math.isfinite(value)) or (kind is int and value != int(value)):
         raise RequestError(f"{field} must be {'an integer' if kind is int else 'a finite number'}, not {value!r}")
@@ -133,6 +147,39 @@ def _checked(field: str, option: Option, value: Any) -> Any:
     if option.bounds is not None and not option.bounds.holds(value):
         raise RequestError(f"{field} {option.bounds.rule}, got {value}")
     return value
+
+
+def request_tools(body: Mapping[str, Any], opts: TurnOptions) -> tuple[tuple[Tool, ...], TurnOptions]:
+    """The tools a request offers (OpenAI's shape, which Ollama's shares), each checked as
+    `--tools` checks a file's, which the client runs; and the plan with its `tool_choice`
+    ("auto", "none", "required", or `{"type": "function", "function": {"name": NAME}}`)."""
+    from quipu.app.tool_files import check_tool_schemas, tools_from_json
+    from quipu.app.tools import Toolbox
+
+    given, choice = body.get("tools"), body.get("tool_choice")
+    if given in (None, []):
+        if choice not in (None, "auto", "none"):
+            raise RequestError("tool_choice: the request offers no tools to choose from")
+        return (), opts
+    if not isinstance(given, list):
+        raise RequestError("tools must be a list of tools ({\"type\": \"function\", \"function\": ...})")
+    if opts.schema is not None:
+        raise RequestError("give tools or a response format, not both: a call is held to its tool's schema")
+    try:
+        box = Toolbox()
+        box.add(tools_from_json("the request", given))
+        check_tool_schemas(box.tools.values())
+    except UsageError as exc:
+        raise RequestError(str(exc).replace("the request: ", "")) from None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        choice = fn.get("name") if isinstance(fn, dict) else None
+        if choice not in box.tools:
+            raise RequestError("tool_choice must name one of the request's tools "
+                               "({\"type\": \"function\", \"function\": {\"name\": NAME}})")
+    elif choice not in (None, "auto", "none", "required"):
+        raise RequestError("tool_choice must be auto, none, required, or a tool by name")
+    return tuple(box.tools.values()), dataclasses.replace(opts, tool_choice=choice)
 
 
 def chat_messages(body: Mapping[str, Any]) -> list[Message]:
@@ -158,6 +205,7 @@ class ChatRequest:
     opts: TurnOptions
     messages: list[Message]
     prompt: str | None = None
+    tools: tuple[Tool, ...] = ()  # the client's: a reply that calls one ends there, the call in it
 
 
 class Served:
@@ -182,7 +230,8 @@ class Served:
     def plan(self, body: Mapping[str, Any]) -> ChatRequest:
         """What an OpenAI-style chat request asks, checked before anything is loaded (`RequestError`)."""
         self.check_model(body.get("model"))
-        return self._asked(chat_plan(body, self.base), chat_messages(body))
+        tools, opts = request_tools(body, chat_plan(body, self.base))
+        return self._asked(opts, chat_messages(body), tools)
 
     def completion(self, body: Mapping[str, Any]) -> ChatRequest:
         """What an OpenAI-style completion request (`/v1/completions`) asks: its prompt continued
@@ -203,24 +252,32 @@ class Served:
         """What an Ollama-style request asks (`/api/chat`, or `/api/generate`: a prompt and a
         system prompt), checked before anything is loaded."""
         self.check_model(body.get("model"))
-        if body.get("tools") or body.get("images") or body.get("raw"):
-            raise RequestError("tools, images and raw prompts: quipu serve does not take them yet")
+        if body.get("images") or body.get("raw"):
+            raise RequestError("images and raw prompts: quipu serve does not take them yet")
         if not generate:
-            return self._asked(ollama_plan(body, self.base), chat_messages(body))
+            messages = body.get("messages")
+            if isinstance(messages, list):  # (a tool's result names its tool as `tool_name` there)
+                if any(isinstance(m, dict) and m.get("images") for m in messages):
+                    raise RequestError("images: quipu serve does not take them yet")
+                body = {**body, "messages": [{**m, "name": m.get("name") or m.get("tool_name")}
+                                             if isinstance(m, dict) and m.get("role") == "tool" else m
+                                             for m in messages]}
+            tools, opts = request_tools(body, ollama_plan(body, self.base))
+            return self._asked(opts, chat_messages(body), tools)
         prompt, system = body.get("prompt"), body.get("system")
         if not isinstance(prompt, str) or not prompt or not isinstance(system, (str, type(None))):
             raise RequestError("a generate request needs its prompt (a text), and its system prompt is a text")
         messages = ([Message("system", system)] if system else []) + [Message("user", prompt)]
         return self._asked(ollama_plan(body, self.base), messages)
 
-    def _asked(self, opts: TurnOptions, messages: list[Message]) -> ChatRequest:
+    def _asked(self, opts: TurnOptions, messages: list[Message], tools: tuple[Tool, ...] = ()) -> ChatRequest:
         if opts.schema is not None:
             from quipu.app.turn_options import grammar_of
 
             grammar_of(opts)  # (a schema the engine cannot keep to is refused before anything is loaded)
         if messages[-1].role == "system":
             raise RequestError("messages: the last message is the system prompt; nothing to reply to")
-        return ChatRequest(opts, messages)
+        return ChatRequest(opts, messages, tools=tools)
 
     def chat(self, asked: ChatRequest, sink: ReplySink) -> Answer:
         """Answers a chat request into `sink` (which says when its client has gone), once the
@@ -249,7 +306,10 @@ class Served:
             return turn.remember(turn.answer(Ask("raw", asked.prompt), limit, stop, sink))
         conv = Conversation.start(session, None, template=chat_template_source(opts), messages=messages,
                                   settings=TurnSettings().but(variables=template_variables(opts)))
-        turn = Turn(session, keeper, conv, opts.tool_options, notices=notices)
+        conv.set_reasoning(effort=opts.reasoning_effort)
+        tools = OpenTools(Toolbox({t.spec.name: t for t in asked.tools})) if asked.tools else None
+        offer(conv, tools, opts.tool_options)
+        turn = Turn(session, keeper, conv, opts.tool_options, tools=tools, notices=notices)
         answer = turn.answer(Ask("continue" if messages[-1].role == "assistant" else "answer"), limit, stop, sink)
         return turn.remember(answer)
 
@@ -282,12 +342,30 @@ class Served:
 
 def chat_completion(answer: Answer, ident: str, created: int) -> dict[str, Any]:
     """The OpenAI chat completion of an answer, whole."""
-    message: dict[str, Any] = {"role": "assistant", "content": answer.text}
+    calls = openai_calls(answer)
+    message: dict[str, Any] = {"role": "assistant", "content": answer.text or (None if calls else "")}
     if answer.reasoning:
         message["reasoning_content"] = answer.reasoning
+    if calls:
+        message["tool_calls"] = calls
     return {"id": ident, "object": "chat.completion", "created": created, "model": answer.model,
             "choices": [{"index": 0, "message": message, "finish_reason": FINISH.get(answer.finish_reason, "stop")}],
             "usage": usage(answer), "system_fingerprint": answer.fingerprint}
+
+
+def waiting_calls(answer: Answer) -> list[Any]:
+    """The calls a reply ended with, which the client runs (`app.tools.CallRecord`s)."""
+    if answer.finish_reason != "tool_calls":
+        return []
+    return [c for c in answer.tool_calls if c.result is None and c.error is None]
+
+
+def openai_calls(answer: Answer, streamed: bool = False) -> list[dict[str, Any]]:
+    """The calls a reply ended with, in OpenAI's shape (the arguments a JSON text; `streamed`:
+    as a stream's delta, each with its index)."""
+    return [{**({"index": i} if streamed else {}), "id": call.id or f"call_{i}", "type": "function",
+             "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+            for i, call in enumerate(waiting_calls(answer))]
 
 
 def text_completion(answer: Answer, ident: str, created: int) -> dict[str, Any]:
@@ -331,19 +409,23 @@ def ollama_reply(answer: Answer, created: str) -> dict[str, Any]:
     restored)."""
     s = answer.stats
     return {"model": answer.model, "created_at": created, "done": True,
-            "done_reason": FINISH.get(answer.finish_reason, "stop"),
+            "done_reason": "length" if FINISH.get(answer.finish_reason) == "length" else "stop",
             "total_duration": int((s.load_s + s.restore_s + s.prefill_s + s.decode_s) * 1e9),
             "load_duration": int(s.load_s * 1e9), "prompt_eval_count": s.prompt_tokens - s.cached_tokens,
             "prompt_eval_duration": int(s.prefill_s * 1e9), "eval_count": s.completion_tokens,
             "eval_duration": int(s.decode_s * 1e9)}
 
 
-def ollama_piece(model: str, created: str, text: str, reasoning: str = "", *, generate: bool) -> dict[str, Any]:
-    """A line of an Ollama-style reply: a piece of its text (or of its reasoning)."""
+def ollama_piece(model: str, created: str, text: str, reasoning: str = "", *, generate: bool,
+                 calls: Sequence[Any] = ()) -> dict[str, Any]:
+    """A line of an Ollama-style reply: a piece of its text (or of its reasoning), or the calls
+    it ended with (`app.tools.CallRecord`s), which the client runs."""
     if generate:
         return {"model": model, "created_at": created, "response": text,
                 **({"thinking": reasoning} if reasoning else {}), "done": False}
-    message = {"role": "assistant", "content": text, **({"thinking": reasoning} if reasoning else {})}
+    message = {"role": "assistant", "content": text, **({"thinking": reasoning} if reasoning else {}),
+               **({"tool_calls": [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+                  if calls else {})}
     return {"model": model, "created_at": created, "message": message, "done": False}
 
 

@@ -47,6 +47,7 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Answer only requests that bring this key "
                                                                   "(Authorization: Bearer KEY).", metavar="KEY"),
     ctx: Annotated[Optional[str], opt.typer_option(spec.OPTS["ctx"])] = None,
+    chat_template: Annotated[Optional[str], opt.typer_option(spec.OPTS["chat_template"])] = None,
     threads: Annotated[Optional[int], opt.typer_option(spec.OPTS["threads"])] = None,
     kv_type: Annotated[Optional[str], opt.typer_option(spec.OPTS["kv_type"])] = None,
     gpu_layers: Annotated[Optional[str], opt.typer_option(spec.OPTS["gpu_layers"])] = None,
@@ -63,7 +64,7 @@ def serve(
     if not loopback(host) and not api_key:
         raise UsageError(f"--host {host} is reachable from other machines: give --api-key KEY too (clients send it "
                          "as Authorization: Bearer KEY)")
-    opts = spec.turn_options({"model": model, "ctx": ctx, "threads": threads, "kv_type": kv_type,
+    opts = spec.turn_options({"model": model, "ctx": ctx, "chat_template": chat_template, "threads": threads, "kv_type": kv_type,
                               "gpu_layers": gpu_layers, "gpu_memory": gpu_memory, "device": device,
                               "no_log": no_log, "verbose": verbose}, env)
     term = Terminal.detect()
@@ -158,7 +159,7 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, on_start
         return JSONResponse(text_completion(answer, ident, created) if plain else chat_completion(answer, ident, created))
 
     async def ollama(request: Request) -> Response:
-        from quipu.app.serve import ollama_error, ollama_piece, ollama_reply
+        from quipu.app.serve import ollama_error, ollama_piece, ollama_reply, waiting_calls
 
         failed = checked(request)
         if failed is not None:
@@ -181,7 +182,8 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, on_start
         except Exception as exc:
             status, shaped = ollama_error(exc)
             return JSONResponse(shaped, status)
-        piece = ollama_piece(served.model, created, answer.text, answer.reasoning, generate=generate)
+        piece = ollama_piece(served.model, created, answer.text, answer.reasoning, generate=generate,
+                             calls=waiting_calls(answer))
         return JSONResponse({**piece, **ollama_reply(answer, created)})
 
     async def tags(request: Request) -> Response:
@@ -279,7 +281,7 @@ async def events(served: Served, plan: ChatRequest) -> AsyncIterator[tuple[str, 
 async def openai_stream(served: Served, plan: ChatRequest, ident: str, created: int, usage: bool,
                         plain: bool = False) -> AsyncIterator[str]:
     """A chat completion (or, `plain`, a completion) as server-sent events, each piece as it comes."""
-    from quipu.app.serve import FINISH, error_body
+    from quipu.app.serve import FINISH, error_body, openai_calls
     from quipu.app.serve import usage as usage_of
 
     def chunk(choices: list[dict[str, Any]], **more: Any) -> str:
@@ -297,6 +299,9 @@ async def openai_stream(served: Served, plan: ChatRequest, ident: str, created: 
     async for kind, value in events(served, plan):
         if kind == "done":
             answer: Answer = value
+            calls = [] if plain else openai_calls(answer, streamed=True)
+            if calls:
+                yield chunk(choice({"tool_calls": calls}))
             yield chunk(choice({}, FINISH.get(answer.finish_reason, "stop")))
             if usage:
                 yield chunk([], usage=usage_of(answer))
@@ -309,10 +314,13 @@ async def openai_stream(served: Served, plan: ChatRequest, ident: str, created: 
 
 async def ollama_stream(served: Served, plan: ChatRequest, created: str, generate: bool) -> AsyncIterator[str]:
     """An Ollama-style reply as JSON lines, each piece as it comes, then its end and figures."""
-    from quipu.app.serve import ollama_error, ollama_piece, ollama_reply
+    from quipu.app.serve import ollama_error, ollama_piece, ollama_reply, waiting_calls
 
     async for kind, value in events(served, plan):
         if kind == "done":
+            calls = waiting_calls(value)
+            if calls:  # (the calls on a line of their own, before the last, as Ollama sends them)
+                yield json.dumps(ollama_piece(served.model, created, "", generate=generate, calls=calls)) + "\n"
             piece = ollama_piece(served.model, created, "", generate=generate)
             yield json.dumps({**piece, **ollama_reply(value, created)}) + "\n"
         elif kind == "error":
