@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -51,7 +53,7 @@ def ask(c, messages, **more):
 def test_the_openai_client_holds_a_conversation_streamed_and_whole(home, tiny_model, tmp_path):
     with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:
         c = client(url)
-        [model] = c.models.list().data
+        model = c.models.list().data[0]  # (the default first, then every other model here)
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
         whole = ask(c, messages)
         assert whole.model == model.id and whole.choices[0].message.role == "assistant"
@@ -139,7 +141,7 @@ def test_the_ollama_client_chats_and_generates_streamed_and_whole(home, tiny_mod
     messages = [{"role": "user", "content": "Say something."}]
     with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:
         c = ollama.Client(host=url)
-        [model] = c.list().models
+        model = c.list().models[0]
         whole = c.chat(model=model.model, messages=messages, options=options, stream=False)
         assert whole.done and whole.done_reason in ("stop", "length") and whole.eval_count > 0
         assert whole.prompt_eval_count > 0
@@ -184,7 +186,9 @@ def test_bad_requests_are_refused_in_the_api_s_shape_and_the_server_goes_on(home
          "reasoning_effort must be a text"),
         ("POST", "/v1/chat/completions", json.dumps({**good, "reasoning_effort": "high"}).encode(), 400,
          "takes no reasoning effort"),
-        ("POST", "/v1/chat/completions", json.dumps({**good, "model": "other"}).encode(), 404, "not served here"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "model": "other"}).encode(), 404, "not a model here"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "model": "/etc/passwd"}).encode(), 404,
+         "not a model here"),
         ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(),
          400, "messages[0].role"),
         ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "system", "content": "x"}]}).encode(),
@@ -285,3 +289,91 @@ def test_a_tool_call_goes_to_the_client_and_its_result_back_as_run_does_it(quipu
     again = json.loads(quipu("run", "-m", tiny_model, "--chat-template", QWEN, "--messages", tmp_path / "told.json",
                              "-t", "0", "-n", "8", "--no-cache", "--json").stdout)
     assert again["text"] == after.choices[0].message.content
+
+
+def test_embeddings_are_the_ones_quipu_embed_gives_through_both_clients(quipu, home, tiny_model, tmp_path):
+    import math
+
+    texts = ["a river runs", "to the sea"]
+    lines = quipu("embed", "-m", tiny_model, "--normalize", *texts).stdout.decode().splitlines()
+    expected = [json.loads(line)["embedding"] for line in lines]
+    with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:
+        c = client(url)
+        got = c.embeddings.create(model=c.models.list().data[0].id, input=texts)  # (the client asks for base64)
+        assert [d.index for d in got.data] == [0, 1] and got.usage.prompt_tokens > 0
+        for vector, want in zip([d.embedding for d in got.data], expected, strict=True):
+            assert len(vector) == len(want) and math.isclose(sum(x * x for x in vector), 1.0, rel_tol=1e-4)
+            assert max(abs(x - y) for x, y in zip(vector, want, strict=True)) < 1e-5
+        floats = c.embeddings.create(model=got.model, input=texts[0], encoding_format="float").data[0].embedding
+        assert max(abs(x - y) for x, y in zip(floats, got.data[0].embedding, strict=True)) < 1e-6
+        ollama = pytest.importorskip("ollama")
+        theirs = ollama.Client(host=url).embed(model=got.model, input=texts)
+        assert max(abs(x - y) for x, y in zip(theirs.embeddings[1], expected[1], strict=True)) < 1e-5
+        for bad, words in (([], "input must be"), ([1, 2], "token ids"), (["ok", " "], "input[1] is empty")):
+            with pytest.raises(openai.BadRequestError, match=re.escape(words)):
+                c.embeddings.create(model=got.model, input=bad)
+
+
+def test_models_are_served_by_name_loaded_one_at_a_time_and_unloaded_when_told(home, tiny_model, bundled_model,
+                                                                               tmp_path):
+    ollama = pytest.importorskip("ollama")
+    (home / "config").mkdir(exist_ok=True)
+    (home / "config" / "config.toml").write_text('[serve]\nkeep_alive = "1h"\n')
+    with quipu_serve(home, tiny_model, "-m", bundled_model, tmp_path=tmp_path) as url:
+        c = ollama.Client(host=url)
+        names = [m.model for m in c.list().models]
+        tiny, bundled = names[:2]  # (-m's, in their order, before any other model here)
+        assert c.ps().models == []  # (nothing is loaded before a request asks for it)
+        said = {"temperature": 0, "num_predict": 4}
+        assert c.generate(model=bundled, prompt="Hi.", options=said).model == bundled
+        [running] = c.ps().models
+        assert running.model == bundled and running.context_length > 0
+        assert running.expires_at.year == datetime.now(timezone.utc).year  # (the config's hour, not for good)
+        first = ask(client(url), [{"role": "user", "content": "Hi."}], max_tokens=4)  # (no model named: the first)
+        assert first.model == tiny and [m.model for m in c.ps().models] == [tiny]
+        shown = c.show(bundled)
+        assert shown.details.family == "llama" and "im_start" in shown.template and "completion" in shown.capabilities
+        # Ollama's request with nothing to answer and keep_alive 0 unloads the model
+        assert c.generate(model=tiny, prompt="", keep_alive=0).done_reason == "unload" and c.ps().models == []
+        # a reply with keep_alive 0: the model is unloaded as soon as it is out
+        c.chat(model=bundled, messages=[{"role": "user", "content": "Hi."}], options=said, keep_alive=0)
+        assert c.ps().models == []
+        with pytest.raises(ollama.ResponseError) as missing:
+            c.show("no-such-model")
+        assert missing.value.status_code == 404
+        with pytest.raises(ollama.ResponseError, match="keep_alive must be"):
+            c.chat(model=tiny, messages=[{"role": "user", "content": "Hi."}], keep_alive="soon")
+
+
+def test_a_page_of_another_site_is_refused_unless_cors_names_it(home, tiny_model, tmp_path):
+    good = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+    with quipu_serve(home, tiny_model, "--cors", "https://app.example", tmp_path=tmp_path) as url:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            # a page elsewhere may send a simple POST (no preflight): it is refused before any work
+            r = http.post("/v1/chat/completions", content=json.dumps(good), headers={
+                "Origin": "https://evil.example", "Content-Type": "text/plain"})
+            assert r.status_code == 403 and "another site" in r.json()["error"]["message"]
+            pre = http.options("/v1/chat/completions", headers={
+                "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "content-type"})
+            assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
+            r = http.post("/v1/chat/completions", json=good, headers={"Origin": "https://app.example"})
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+
+
+@pytest.mark.parametrize("args, config, words", [
+    (["--keep-alive", "soon"], "", "--keep-alive must be a number of seconds or a duration"),
+    (["--cors", "evil"], "", "--cors takes an origin"),
+    (["--port", "0"], "", "--port must be from 1 to 65535"),
+    ([], "[serve]\nport = \"x\"\n", "[serve] port must be an integer"),
+    ([], "[serve]\nhost = \"0.0.0.0\"\n", "give --api-key"),
+    ([], "[serve]\napi_key_env = \"QUIPU_TEST_NO_SUCH_KEY\"\n", "which is not set"),
+    ([], "[serve]\nlisten = 1\n", "unknown key 'listen' in [serve]"),
+])
+def test_a_bad_serve_option_is_one_line_and_exit_2(quipu, home, tiny_model, args, config, words):
+    if config:
+        (home / "config").mkdir(exist_ok=True)
+        (home / "config" / "config.toml").write_text(config)
+    r = quipu("serve", "-m", tiny_model, *args)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and words in err and err.count("\n") == 1 and "Traceback" not in err, err

@@ -21,6 +21,7 @@ CACHE_KEYS = {"max_bytes": int}
 LOGS_KEYS = {"enabled": bool, "max_records": int, "max_days": float}
 MODEL_KEYS = {"huggingface": str, "lmstudio": str, "ollama": str}
 REMOTE_KEYS = {"url": str, "api_key_env": str, "model": str, "timeout": float}
+SERVE_KEYS = {"models": tuple, "host": str, "port": int, "api_key_env": str, "keep_alive": object, "cors": tuple}
 
 
 class ConfigError(UsageError):
@@ -38,6 +39,7 @@ class Config:
     logs: dict[str, Any] = field(default_factory=dict)  # [logs]: enabled, max_records, max_days
     models: dict[str, str] = field(default_factory=dict)
     remote: dict[str, str] = field(default_factory=dict)
+    serve: dict[str, Any] = field(default_factory=dict)  # [serve]: what `quipu serve`'s command line does not give
     mcp: dict[str, dict[str, Any]] = field(default_factory=dict)  # [mcp.NAME]: command, args, env, timeout
     roles: dict[str, dict[str, Any]] = field(default_factory=dict)  # [roles.NAME]: system, model, prompt, options
     text: str = ""
@@ -52,7 +54,7 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
     """Read `path` and check its shape, with `generation_keys` the names and types [generation]
     may hold; a missing file is an empty config. Errors name the file and line."""
     tables: dict[str, dict[str, Any]] = {"generation": generation_keys, "sessions": SESSION_KEYS, "models": MODEL_KEYS, "cache": CACHE_KEYS,
-              "logs": LOGS_KEYS, "remote": REMOTE_KEYS}
+              "logs": LOGS_KEYS, "remote": REMOTE_KEYS, "serve": SERVE_KEYS}
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)

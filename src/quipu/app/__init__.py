@@ -27,8 +27,10 @@ Every turn, named session and chat is written once, for every host a model can r
   row's; `answer.py`: `Answer`, the one record of a finished reply. `turns.py`: `quipu run`'s
   turn, one-shot or in a session, and its `--show-prompt`.
 - `chat.py`: `ChatSession`, the library side of `quipu chat`: saved after every turn.
-- `serve.py`: `quipu serve`'s work without HTTP: an OpenAI chat request made a plan and a
-  conversation, answered by one turn, its context kept in the prompt cache.
+- `serve.py`: `quipu serve`'s work without HTTP: the models served, loaded and unloaded after
+  their keep-alive, each request answered by one turn, its context kept in the prompt cache;
+  `serve_plan.py`: what an OpenAI-style or Ollama-style request asks, read and checked (its
+  plan, messages, tools, texts to embed); `serve_bodies.py`: the replies in each API's shapes.
 - `batch.py`: `quipu run --batch`: rows read, planned and answered side by side, in order.
 - `manage.py`: `quipu sessions ...` over the store.
 - `embed.py`: `quipu embed`.

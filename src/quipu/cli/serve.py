@@ -1,8 +1,9 @@
-"""`quipu serve`: the OpenAI chat API and Ollama's on quipu's engine, over HTTP (Starlette on uvicorn, imported
-only by this command). Loopback by default; any other address needs `--api-key`. A request
-whose Host is not the address served is refused (a web page cannot reach a loopback server by
-DNS rebinding); every refusal is a 4xx in the API's own error shape. What a request does is
-`app/serve.py`'s."""
+"""`quipu serve`: the OpenAI API and Ollama's on quipu's engine, over HTTP (Starlette on uvicorn,
+imported only by this command). Loopback by default; any other address needs `--api-key`. A
+request whose Host is not the address served is refused (a web page cannot reach a loopback
+server by DNS rebinding), and so is one a browser sends from another site (its Origin) unless
+`--cors` names that site; every refusal is a 4xx in the API's own error shape. What a request
+does is `app/serve.py`'s."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import os
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Callable, List, Optional
 
 import typer
 
@@ -27,11 +30,13 @@ if TYPE_CHECKING:
     from starlette.responses import Response
 
     from quipu.app.answer import Answer
-    from quipu.app.serve import ChatRequest, Served
+    from quipu.app.serve import Served
+    from quipu.app.serve_plan import ChatRequest
 
 MAX_BODY = 8 << 20  # bytes of a request's body
-HELP = ("Serve a model over the OpenAI chat API (/v1/chat/completions) and Ollama's (/api/chat, /api/generate), "
-        "on this machine by default.")
+HELP = ("Serve models over the OpenAI API (/v1/chat/completions, /v1/embeddings) and Ollama's (/api/chat, "
+        "/api/generate, /api/embed), on this machine by default.")
+DEFAULTS = {"host": "127.0.0.1", "port": 8080, "keep_alive": "5m"}
 
 
 def register(app: typer.Typer) -> None:
@@ -40,12 +45,20 @@ def register(app: typer.Typer) -> None:
 
 def serve(
     context: typer.Context,
-    model: Annotated[Optional[str], opt.typer_option(spec.OPTS["model"])] = None,
-    host: str = typer.Option("127.0.0.1", "--host", help="The address to listen on (anything but loopback needs "
-                                                        "--api-key)."),
-    port: int = typer.Option(8080, "--port", help="The port to listen on."),
+    model: Optional[List[str]] = typer.Option(None, "--model", "-m", help="A model to serve (a .gguf file or a known "
+                                              "model name; again for more): the first is the default of a request "
+                                              "that names none. Any model `quipu models list` names is served by "
+                                              "its name too.", metavar="MODEL", autocompletion=spec.OPTS["model"].complete),
+    host: Optional[str] = typer.Option(None, "--host", help="The address to listen on (default 127.0.0.1; anything "
+                                                            "but loopback needs --api-key)."),
+    port: Optional[int] = typer.Option(None, "--port", help="The port to listen on (default 8080)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Answer only requests that bring this key "
                                                                   "(Authorization: Bearer KEY).", metavar="KEY"),
+    keep_alive: Optional[str] = typer.Option(None, "--keep-alive", help="How long a model stays loaded after its "
+                                             "last request: 5m (the default), 90s, 1h, 0 (unloaded at once), -1 "
+                                             "(for good).", metavar="DURATION"),
+    cors: Optional[List[str]] = typer.Option(None, "--cors", help="Let web pages of this origin call the server "
+                                             "(https://host:port; again for more).", metavar="ORIGIN"),
     ctx: Annotated[Optional[str], opt.typer_option(spec.OPTS["ctx"])] = None,
     chat_template: Annotated[Optional[str], opt.typer_option(spec.OPTS["chat_template"])] = None,
     threads: Annotated[Optional[int], opt.typer_option(spec.OPTS["threads"])] = None,
@@ -56,31 +69,50 @@ def serve(
     no_log: Annotated[bool, opt.typer_option(spec.OPTS["no_log"])] = False,
     verbose: Annotated[bool, opt.typer_option(spec.OPTS["verbose"])] = False,
 ) -> None:
+    from quipu.app.serve_plan import RequestError, keep_alive as keep_of
     from quipu.cli.terminal import Terminal
 
     env = context.obj
+    config = env.config.serve  # ([serve] in the config: what the command line does not give)
+    host = str(host or config.get("host") or DEFAULTS["host"])
+    port = int(port if port is not None else config.get("port", DEFAULTS["port"]))
     if not 0 < port < 65536:
         raise UsageError(f"--port must be from 1 to 65535, got {port}")
+    if api_key is None and config.get("api_key_env"):
+        api_key = os.environ.get(config["api_key_env"]) or None
+        if api_key is None:
+            raise UsageError(f"[serve] api_key_env names {config['api_key_env']}, which is not set")
     if not loopback(host) and not api_key:
         raise UsageError(f"--host {host} is reachable from other machines: give --api-key KEY too (clients send it "
                          "as Authorization: Bearer KEY)")
-    opts = spec.turn_options({"model": model, "ctx": ctx, "chat_template": chat_template, "threads": threads, "kv_type": kv_type,
-                              "gpu_layers": gpu_layers, "gpu_memory": gpu_memory, "device": device,
-                              "no_log": no_log, "verbose": verbose}, env)
+    try:
+        keep = keep_of(keep_alive if keep_alive is not None else config.get("keep_alive", DEFAULTS["keep_alive"]),
+                       "--keep-alive")
+    except RequestError as exc:
+        raise UsageError(str(exc)) from None
+    origins = list(cors or config.get("cors") or [])
+    for origin in origins:
+        if origin != "*" and (not origin.startswith(("http://", "https://")) or origin.count("/") != 2):
+            raise UsageError(f"--cors takes an origin such as https://example.org:3000 (or *), not {origin!r}")
+    models = list(model or config.get("models") or [])
+    opts = spec.turn_options({"model": models[0] if models else None, "ctx": ctx, "chat_template": chat_template,
+                              "threads": threads, "kv_type": kv_type, "gpu_layers": gpu_layers,
+                              "gpu_memory": gpu_memory, "device": device, "no_log": no_log, "verbose": verbose}, env)
     term = Terminal.detect()
     from quipu.cli.pull import pull_if_needed
 
-    pull_if_needed(env, opts.model, term)
+    for name in models or [None]:
+        pull_if_needed(env, name, term)
     from quipu.app.serve import Served
 
-    served = Served(env, opts)
+    served = Served(env, opts, models, keep)
     import uvicorn
 
     def listening() -> None:
         term.stderr.write(f"quipu serve: {served.model} at http://{host_in_url(host)}:{port}/v1 (Ctrl-C stops)\n")
         term.stderr.flush()
 
-    app = http_app(served, host, port, api_key, listening)
+    app = http_app(served, host, port, api_key, origins, listening)
     uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                   lifespan="on")).run()
 
@@ -98,98 +130,178 @@ def host_in_url(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def http_app(served: Served, host: str, port: int, api_key: str | None, on_start: Any = None) -> Starlette:
-    """The HTTP side: routes, the Host and key checks, bodies read within bounds, errors in the API's shape."""
+@dataclass(frozen=True)
+class Api:
+    """One of the routes that answer: which API's shapes (`openai`), what reads its request,
+    whether it streams unless told (Ollama's do), and its reply whole and streamed."""
+
+    openai: bool
+    make: Callable[..., ChatRequest]
+    whole: Callable[[Answer, dict[str, Any]], dict[str, Any]]
+    stream: Callable[[Served, ChatRequest, dict[str, Any]], AsyncIterator[str]]
+    generate: bool = False  # Ollama's /api/generate: a prompt, where /api/chat has messages
+
+    @property
+    def media_type(self) -> str:
+        return "text/event-stream" if self.openai else "application/x-ndjson"
+
+    def errors(self, exc: BaseException) -> tuple[int, dict[str, Any]]:
+        from quipu.app.serve_bodies import error_body, ollama_error
+
+        return error_body(exc) if self.openai else ollama_error(exc)
+
+
+def apis() -> dict[str, Api]:
+    """The routes that answer, by path."""
+    from functools import partial
+
+    from quipu.app import serve_bodies as bodies
+    from quipu.app.serve_plan import chat_request, completion_request, ollama_request
+
+    def ollama_whole(generate: bool) -> Callable[[Answer, dict[str, Any]], dict[str, Any]]:
+        def whole(answer: Answer, head: dict[str, Any]) -> dict[str, Any]:
+            piece = bodies.ollama_piece(answer.model, head["created_at"], answer.text, answer.reasoning,
+                                        generate=generate, calls=bodies.waiting_calls(answer))
+            return {**piece, **bodies.ollama_reply(answer, head["created_at"])}
+        return whole
+
+    return {
+        "/v1/chat/completions": Api(True, chat_request, lambda a, head: bodies.chat_completion(a, **head),
+                                    partial(openai_stream, plain=False)),
+        "/v1/completions": Api(True, completion_request, lambda a, head: bodies.text_completion(a, **head),
+                               partial(openai_stream, plain=True)),
+        "/api/chat": Api(False, ollama_request, ollama_whole(False), partial(ollama_stream, generate=False)),
+        "/api/generate": Api(False, partial(ollama_request, generate=True), ollama_whole(True),
+                             partial(ollama_stream, generate=True), generate=True),
+    }
+
+
+def http_app(served: Served, host: str, port: int, api_key: str | None, origins: list[str] | None = None,
+             on_start: Any = None) -> Starlette:
+    """The HTTP side: routes, the Host, Origin and key checks, bodies read within bounds, errors
+    in the API's shape."""
     from contextlib import asynccontextmanager
 
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
-    from quipu.app.serve import chat_completion, error_body, text_completion
+    from quipu.app import serve_bodies as bodies
+    from quipu.app.serve_plan import embed_inputs, keep_alive, load_only
+    from quipu.app.serve import ReplySink
 
     names = {host_in_url(host)} | ({"localhost", "127.0.0.1", "[::1]"} if loopback(host) else set())
     hosts = names | {f"{name}:{port}" for name in names}
+    allowed = set(origins or [])
+    own = {f"http://{name}" for name in hosts}
+    answering = apis()
 
     def refused(status: int, message: str, kind: str) -> Response:
         return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
 
     def checked(request: Request, key: bool = True) -> Response | None:
-        """A refusal of a request from another site (its Host not the address served), or
-        without the key (`key`: the route needs it)."""
+        """A refusal of a request from another site (its Host not the address served, or a
+        browser's page of another origin that `--cors` does not name), or without the key
+        (`key`: the route needs it)."""
         if api_key is None and request.headers.get("host", "") not in hosts:
             return refused(403, "the Host of this request is not the address served", "forbidden")
+        origin = request.headers.get("origin")
+        if origin is not None and origin not in own and origin not in allowed and "*" not in allowed:
+            return refused(403, "a web page of another site may not call this server (quipu serve --cors ORIGIN "
+                                "lets one)", "forbidden")
         if api_key is not None and key:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return refused(401, "a key is needed: Authorization: Bearer KEY", "invalid_api_key")
         return None
 
+    def shaped(api: Api, exc: BaseException) -> Response:
+        status, body = api.errors(exc)
+        return JSONResponse(body, status)
+
     async def health(request: Request) -> Response:
         return checked(request, key=False) or JSONResponse({"status": "ok"})  # (a probe needs no key)
 
-    async def models(request: Request) -> Response:
-        return checked(request) or JSONResponse({"object": "list", "data": served.models()})
-
-    async def chat(request: Request) -> Response:
+    async def answer(request: Request) -> Response:
         failed = checked(request)
         if failed is not None:
             return failed
-        plain = request.url.path == "/v1/completions"
+        api = answering[request.url.path]
         try:
             body = await read_json(request)
-            plan = served.completion(body) if plain else served.plan(body)
+            if not api.openai and load_only(body, api.generate):
+                return await loaded(body, api)
+            plan = served.plan(body, api.make)
         except Exception as exc:  # (every refusal a 4xx in the API's shape, never a traceback)
-            status, shaped = error_body(exc)
-            return JSONResponse(shaped, status)
-        ident, created = f"{'cmpl' if plain else 'chatcmpl'}-{secrets.token_hex(12)}", int(time.time())
-        if body.get("stream") is True:
-            options = body.get("stream_options")
-            usage = isinstance(options, dict) and options.get("include_usage") is True
-            return StreamingResponse(openai_stream(served, plan, ident, created, usage, plain),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        from quipu.app.serve import ReplySink
-
+            return shaped(api, exc)
+        if api.openai:
+            plain = request.url.path == "/v1/completions"
+            head: dict[str, Any] = {"ident": f"{'cmpl' if plain else 'chatcmpl'}-{secrets.token_hex(12)}",
+                                    "created": int(time.time())}
+        else:
+            head = {"created_at": datetime.now(timezone.utc).isoformat()}
+        if (body.get("stream") is True) if api.openai else (body.get("stream", True) is not False):
+            return StreamingResponse(api.stream(served, plan, {**head, "body": body}), media_type=api.media_type,
+                                     headers={"Cache-Control": "no-cache"})
         try:
-            answer = await asyncio.to_thread(served.chat, plan, ReplySink())
+            done = await asyncio.to_thread(served.chat, plan, ReplySink())
         except Exception as exc:
-            status, shaped = error_body(exc)
-            return JSONResponse(shaped, status)
-        return JSONResponse(text_completion(answer, ident, created) if plain else chat_completion(answer, ident, created))
+            return shaped(api, exc)
+        return JSONResponse(api.whole(done, head))
 
-    async def ollama(request: Request) -> Response:
-        from quipu.app.serve import ollama_error, ollama_piece, ollama_reply, waiting_calls
+    async def loaded(body: dict[str, Any], api: Api) -> Response:
+        """Ollama's request with nothing to answer: the model loaded (or, `keep_alive` 0, unloaded)."""
+        name, _ = served.pick(body.get("model"))
+        keep = keep_alive(body["keep_alive"]) if body.get("keep_alive") is not None else None
+        now = await asyncio.to_thread(served.load, name, keep)
+        reply = {"model": name, "created_at": datetime.now(timezone.utc).isoformat(), "done": True,
+                 "done_reason": "load" if now else "unload"}
+        return JSONResponse({**reply, **({"response": ""} if api.generate else
+                                         {"message": {"role": "assistant", "content": ""}})})
 
+    async def embeddings(request: Request) -> Response:
         failed = checked(request)
         if failed is not None:
             return failed
-        generate = request.url.path == "/api/generate"
+        openai = request.url.path == "/v1/embeddings"
+        errors = bodies.error_body if openai else bodies.ollama_error
         try:
             body = await read_json(request)
-            plan = served.ollama(body, generate)
+            name, _ = served.pick(body.get("model"))
+            texts = embed_inputs(body)
+            if body.get("dimensions") is not None:
+                raise UsageError("dimensions: quipu serve gives each model's embeddings whole")
+            keep = keep_alive(body["keep_alive"]) if not openai and body.get("keep_alive") is not None else None
+            started = time.perf_counter()
+            vectors, tokens, load_s = await asyncio.to_thread(served.embed, name, texts, keep)
+            reply = bodies.openai_embeddings(name, vectors, tokens, body.get("encoding_format")) if openai else \
+                bodies.ollama_embeddings(name, vectors, tokens, load_s, time.perf_counter() - started)
         except Exception as exc:
-            status, shaped = ollama_error(exc)
-            return JSONResponse(shaped, status)
-        created = datetime.now(timezone.utc).isoformat()
-        if body.get("stream", True) is not False:  # (Ollama streams unless told not to)
-            return StreamingResponse(ollama_stream(served, plan, created, generate),
-                                     media_type="application/x-ndjson")
-        from quipu.app.serve import ReplySink
+            status, shaped_body = errors(exc)
+            return JSONResponse(shaped_body, status)
+        return JSONResponse(reply)
 
-        try:
-            answer = await asyncio.to_thread(served.chat, plan, ReplySink())
-        except Exception as exc:
-            status, shaped = ollama_error(exc)
-            return JSONResponse(shaped, status)
-        piece = ollama_piece(served.model, created, answer.text, answer.reasoning, generate=generate,
-                             calls=waiting_calls(answer))
-        return JSONResponse({**piece, **ollama_reply(answer, created)})
+    async def models(request: Request) -> Response:
+        return checked(request) or JSONResponse(bodies.openai_models(served.known()))
 
     async def tags(request: Request) -> Response:
-        from quipu.app.serve import ollama_models
+        return checked(request) or JSONResponse(bodies.ollama_tags(served.known()))
 
-        return checked(request) or JSONResponse(ollama_models(served))
+    async def show(request: Request) -> Response:
+        failed = checked(request)
+        if failed is not None:
+            return failed
+        try:
+            body = await read_json(request)
+            return JSONResponse(bodies.ollama_show(*served.pick(body.get("model") or body.get("name"))))
+        except Exception as exc:
+            status, shaped_body = bodies.ollama_error(exc)
+            return JSONResponse(shaped_body, status)
+
+    async def ps(request: Request) -> Response:
+        return checked(request) or JSONResponse(bodies.ollama_ps(served.loaded()))
 
     async def version(request: Request) -> Response:
         from quipu import __version__
@@ -211,17 +323,25 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, on_start
         finally:
             served.close()
 
+    middleware = []
+    if allowed:
+        from starlette.middleware.cors import CORSMiddleware
+
+        middleware.append(Middleware(CORSMiddleware, allow_origins=sorted(allowed), allow_methods=["GET", "POST"],
+                                     allow_headers=["Authorization", "Content-Type"]))
+    post = ["POST"]
     return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
-                             Route("/v1/chat/completions", chat, methods=["POST"]),
-                             Route("/v1/completions", chat, methods=["POST"]),
-                             Route("/api/chat", ollama, methods=["POST"]), Route("/api/generate", ollama, methods=["POST"]),
-                             Route("/api/tags", tags), Route("/api/version", version)],
-                     exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+                             *(Route(path, answer, methods=post) for path in answering),
+                             Route("/v1/embeddings", embeddings, methods=post),
+                             Route("/api/embed", embeddings, methods=post),
+                             Route("/api/tags", tags), Route("/api/show", show, methods=post), Route("/api/ps", ps),
+                             Route("/api/version", version)],
+                     middleware=middleware, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
 
 
 async def read_json(request: Request) -> dict[str, Any]:
     """A request's JSON object, its body read within `MAX_BODY` bytes."""
-    from quipu.app.serve import RequestError
+    from quipu.app.serve_plan import RequestError
 
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isascii() or not declared.isdigit() or int(declared) > MAX_BODY):
@@ -278,16 +398,19 @@ async def events(served: Served, plan: ChatRequest) -> AsyncIterator[tuple[str, 
         gone.set()  # (the client went away, or the reply is over)
 
 
-async def openai_stream(served: Served, plan: ChatRequest, ident: str, created: int, usage: bool,
-                        plain: bool = False) -> AsyncIterator[str]:
-    """A chat completion (or, `plain`, a completion) as server-sent events, each piece as it comes."""
-    from quipu.app.serve import FINISH, error_body, openai_calls
-    from quipu.app.serve import usage as usage_of
+async def openai_stream(served: Served, plan: ChatRequest, head: dict[str, Any], plain: bool) -> AsyncIterator[str]:
+    """A chat completion (or, `plain`, a completion) as server-sent events, each piece as it comes;
+    the calls a reply ends with as one delta; the usage last where the request asked for it."""
+    from quipu.app.serve_bodies import FINISH, error_body, openai_calls
+    from quipu.app.serve_bodies import usage as usage_of
+
+    options = head["body"].get("stream_options")
+    usage = isinstance(options, dict) and options.get("include_usage") is True
 
     def chunk(choices: list[dict[str, Any]], **more: Any) -> str:
-        return "data: " + json.dumps({"id": ident, "object": "text_completion" if plain else "chat.completion.chunk",
-                                      "created": created, "model": served.model, "choices": choices,
-                                      **more}) + "\n\n"
+        return "data: " + json.dumps({"id": head["ident"], "object": "text_completion" if plain else
+                                      "chat.completion.chunk", "created": head["created"], "model": plan.model,
+                                      "choices": choices, **more}) + "\n\n"
 
     def choice(piece: dict[str, Any], finish: str | None = None) -> list[dict[str, Any]]:
         if plain:
@@ -312,19 +435,21 @@ async def openai_stream(served: Served, plan: ChatRequest, ident: str, created: 
     yield "data: [DONE]\n\n"
 
 
-async def ollama_stream(served: Served, plan: ChatRequest, created: str, generate: bool) -> AsyncIterator[str]:
-    """An Ollama-style reply as JSON lines, each piece as it comes, then its end and figures."""
-    from quipu.app.serve import ollama_error, ollama_piece, ollama_reply, waiting_calls
+async def ollama_stream(served: Served, plan: ChatRequest, head: dict[str, Any], generate: bool) -> AsyncIterator[str]:
+    """An Ollama-style reply as JSON lines, each piece as it comes, the calls it ends with on a
+    line of their own, then its end and figures."""
+    from quipu.app.serve_bodies import ollama_error, ollama_piece, ollama_reply, waiting_calls
 
+    created = head["created_at"]
     async for kind, value in events(served, plan):
         if kind == "done":
             calls = waiting_calls(value)
-            if calls:  # (the calls on a line of their own, before the last, as Ollama sends them)
-                yield json.dumps(ollama_piece(served.model, created, "", generate=generate, calls=calls)) + "\n"
-            piece = ollama_piece(served.model, created, "", generate=generate)
+            if calls:
+                yield json.dumps(ollama_piece(plan.model, created, "", generate=generate, calls=calls)) + "\n"
+            piece = ollama_piece(plan.model, created, "", generate=generate)
             yield json.dumps({**piece, **ollama_reply(value, created)}) + "\n"
         elif kind == "error":
             yield json.dumps(ollama_error(value)[1]) + "\n"
         else:
             text, reasoning = (value, "") if kind == "content" else ("", value)
-            yield json.dumps(ollama_piece(served.model, created, text, reasoning, generate=generate)) + "\n"
+            yield json.dumps(ollama_piece(plan.model, created, text, reasoning, generate=generate)) + "\n"

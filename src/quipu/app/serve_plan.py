@@ -1,0 +1,292 @@
+"""What a request to `quipu serve` asks, read and checked before anything is loaded: an
+OpenAI-style or Ollama-style chat request made a plan (its fields read by the registry's request
+names, `quipu.options`, over the server's own options), its messages and the tools its client
+runs; texts to embed; how long the model stays loaded after it. A request the server refuses is
+a `RequestError`, with its HTTP status."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+from quipu.app.tooldefs import Tool
+from quipu.app.turn_options import TurnOptions
+from quipu.errors import UsageError
+from quipu.options import OPTIONS, SAMPLING, Option
+from quipu.sessions.base import Message
+
+# What a chat request may ask that this server does not do yet: refused, never dropped silently.
+NOT_YET = {"functions": "functions (the old name of tools: send tools)", "logprobs": "log probabilities",
+           "top_logprobs": "log probabilities"}
+MAX_INPUTS = 2048  # texts an embedding request may hold
+# How long a model stays loaded after a request: seconds, "forever" (-1), or the server's (None).
+Keep = Union[float, str, None]
+FOREVER = "forever"
+DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+class RequestError(UsageError):
+    """A request the server refuses: its HTTP status, and the kind the API's error names."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+def chat_plan(body: Mapping[str, Any], base: TurnOptions) -> TurnOptions:
+    """The plan of an OpenAI-style chat request: its sampling fields, reply length, stop strings
+    and response format, by their names there (`Option.request`), over the server's own options
+    (`base`)."""
+    for field, what in NOT_YET.items():
+        if body.get(field) not in (None, False, [], {}):
+            raise RequestError(f"{field}: quipu serve does not take {what} yet")
+    if body.get("n", 1) != 1:
+        raise RequestError("n: quipu serve gives one choice a request")
+    names = {name: o.request for name, o in OPTIONS.items() if o.request is not None}
+    if body.get("max_completion_tokens") is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    return plan_of(body, names, base, response_schema(body.get("response_format")))
+
+
+def ollama_plan(body: Mapping[str, Any], base: TurnOptions) -> TurnOptions:
+    """The plan of an Ollama-style request: its `options` by their names there (`Option.ollama`;
+    others, such as the server's own `num_ctx`, are the server's), and its `format` ("json", or
+    a JSON Schema), over the server's own options (`base`)."""
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise RequestError("options must be an object")
+    form = body.get("format")
+    if form in (None, ""):
+        schema = None
+    elif form == "json":
+        schema = '{"type": "object"}'
+    elif isinstance(form, dict):
+        schema = json.dumps(form)
+    else:
+        raise RequestError('format must be "json" or a JSON Schema (an object)')
+    names = {name: o.ollama for name, o in OPTIONS.items() if o.ollama is not None}
+    opts = plan_of(options, names, base, schema, where="options.")
+    think = body.get("think")  # (a switch, or how hard: low, medium, high)
+    if think is None:
+        return opts
+    if not isinstance(think, (bool, str)):
+        raise RequestError("think must be true, false, low, medium or high")
+    return dataclasses.replace(opts, think=think is not False,
+                               reasoning_effort=think if isinstance(think, str) else opts.reasoning_effort)
+
+
+def plan_of(fields: Mapping[str, Any], names: Mapping[str, str], base: TurnOptions, schema: str | None = None,
+            where: str = "") -> TurnOptions:
+    """`base` with the options `fields` gives under `names` (option: its name there), each
+    checked against its type and bounds, and the answer held to `schema` where there is one."""
+    given: dict[str, Any] = {}
+    for name, field in names.items():
+        if fields.get(field) is not None:
+            given[name] = _checked(where + field, OPTIONS[name], fields[field])
+    if schema is not None:
+        given["schema"] = schema
+    sampling = {k: v for k, v in given.items() if k in SAMPLING}
+    rest = {k: v for k, v in given.items() if k not in SAMPLING}
+    return dataclasses.replace(base, sampling={**base.sampling, **sampling}, **rest)
+
+
+def response_schema(form: Any) -> str | None:
+    """The JSON Schema (its text) a request's `response_format` holds the answer to: `json_schema`'s
+    schema, any JSON object for `json_object`; None for text."""
+    if form is None:
+        return None
+    kind = form.get("type") if isinstance(form, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind == "json_schema":
+        given = form.get("json_schema")
+        schema = given.get("schema") if isinstance(given, dict) else None
+        if not isinstance(schema, dict):
+            raise RequestError("response_format.json_schema.schema must be a JSON Schema (an object)")
+        return json.dumps(schema)
+    raise RequestError("response_format.type must be text, json_object or json_schema")
+
+
+def _checked(field: str, option: Option, value: Any) -> Any:
+    """A request's value of `option` (named `field` there), of its type and within its bounds."""
+    if option.multiple:  # (stop: a text, or a list of texts)
+        texts = [value] if isinstance(value, str) else value
+        if not isinstance(texts, list) or not all(isinstance(t, str) and t for t in texts):
+            raise RequestError(f"{field} must be a text or a list of texts that are not empty")
+        return tuple(texts)
+    kind = option.kind
+    if kind is str:
+        if not isinstance(value, str):
+            raise RequestError(f"{field} must be a text, not {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or (isinstance(value, float) and not math.isfinite(value)) or (kind is int and value != int(value)):
+        raise RequestError(f"{field} must be {'an integer' if kind is int else 'a finite number'}, not {value!r}")
+    value = kind(value)
+    if option.bounds is not None and not option.bounds.holds(value):
+        raise RequestError(f"{field} {option.bounds.rule}, got {value}")
+    return value
+
+
+def request_tools(body: Mapping[str, Any], opts: TurnOptions) -> tuple[tuple[Tool, ...], TurnOptions]:
+    """The tools a request offers (OpenAI's shape, which Ollama's shares), each checked as
+    `--tools` checks a file's, which the client runs; and the plan with its `tool_choice`
+    ("auto", "none", "required", or `{"type": "function", "function": {"name": NAME}}`)."""
+    from quipu.app.tool_files import check_tool_schemas, tools_from_json
+    from quipu.app.tools import Toolbox
+
+    given, choice = body.get("tools"), body.get("tool_choice")
+    if given in (None, []):
+        if choice not in (None, "auto", "none"):
+            raise RequestError("tool_choice: the request offers no tools to choose from")
+        return (), opts
+    if not isinstance(given, list):
+        raise RequestError("tools must be a list of tools ({\"type\": \"function\", \"function\": ...})")
+    if opts.schema is not None:
+        raise RequestError("give tools or a response format, not both: a call is held to its tool's schema")
+    try:
+        box = Toolbox()
+        box.add(tools_from_json("the request", given))
+        check_tool_schemas(box.tools.values())
+    except UsageError as exc:
+        raise RequestError(str(exc).replace("the request: ", "")) from None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        choice = fn.get("name") if isinstance(fn, dict) else None
+        if choice not in box.tools:
+            raise RequestError("tool_choice must name one of the request's tools "
+                               "({\"type\": \"function\", \"function\": {\"name\": NAME}})")
+    elif choice not in (None, "auto", "none", "required"):
+        raise RequestError("tool_choice must be auto, none, required, or a tool by name")
+    return tuple(box.tools.values()), dataclasses.replace(opts, tool_choice=choice)
+
+
+def chat_messages(body: Mapping[str, Any]) -> list[Message]:
+    """The request's messages (`sessions.base.Message`), each field checked."""
+    from quipu.app.tool_files import messages_of
+
+    if "messages" not in body:
+        raise RequestError("messages: a chat request needs its messages")
+    media: list[Any] = []
+    try:
+        messages = messages_of(body["messages"], Path("the request"), media)
+    except UsageError as exc:
+        raise RequestError(str(exc)) from None
+    if media:
+        raise RequestError("messages: quipu serve does not take images or recordings yet")
+    return messages
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A request, checked: its plan and its messages, or, a plain completion's, its prompt."""
+
+    opts: TurnOptions
+    messages: list[Message]
+    prompt: str | None = None
+    tools: tuple[Tool, ...] = ()  # the client's: a reply that calls one ends there, the call in it
+    keep: Keep = None  # how long the model stays loaded after it (Ollama's keep_alive; None: the server's)
+    model: str = ""  # the model it is for, by its name (`serve.Served.pick`)
+
+
+def keep_alive(value: Any, where: str = "keep_alive") -> Keep:
+    """A keep-alive (Ollama's spelling: seconds as a number, or a duration such as "5m", "1h30m",
+    "90s"; a negative one keeps the model loaded for good): seconds, or `FOREVER`."""
+    if isinstance(value, bool):
+        raise RequestError(f"{where} must be a number of seconds or a duration such as 5m, not {value!r}")
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = float(text)
+        except ValueError:
+            negative = text.startswith("-")
+            spans = DURATION.findall(text.lstrip("-"))
+            if not spans or "".join(n + u for n, u in spans) != text.lstrip("-"):
+                raise RequestError(f"{where} must be a number of seconds or a duration such as 5m, 1h or 90s, not "
+                                   f"{text[:40]!r}") from None
+            value = sum(float(n) * UNITS[u] for n, u in spans) * (-1 if negative else 1)
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"{where} must be a number of seconds or a duration such as 5m, not {value!r}")
+    return FOREVER if value < 0 else float(value)
+
+
+def embed_inputs(body: Mapping[str, Any]) -> list[str]:
+    """The texts an embedding request gives (`input`: a text, or a list of texts), each one that
+    is not empty."""
+    given = body.get("input")
+    texts = [given] if isinstance(given, str) else given
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise RequestError("input must be a text or a list of texts (token ids are not taken)")
+    if len(texts) > MAX_INPUTS:
+        raise RequestError(f"input holds {len(texts)} texts; at most {MAX_INPUTS} a request")
+    empty = next((i for i, t in enumerate(texts) if not t.strip()), None)
+    if empty is not None:
+        raise RequestError(f"input[{empty}] is empty: there is nothing in it to embed")
+    return texts
+
+
+def chat_request(body: Mapping[str, Any], base: TurnOptions) -> ChatRequest:
+    """What an OpenAI-style chat request asks (`/v1/chat/completions`)."""
+    tools, opts = request_tools(body, chat_plan(body, base))
+    return _asked(opts, chat_messages(body), tools)
+
+
+def completion_request(body: Mapping[str, Any], base: TurnOptions) -> ChatRequest:
+    """What an OpenAI-style completion request (`/v1/completions`) asks: its prompt continued as
+    it is, without the chat template (`quipu run --raw`)."""
+    for field in ("echo", "suffix"):
+        if body.get(field):
+            raise RequestError(f"{field}: quipu serve does not take it yet")
+    if body.get("best_of", 1) != 1:
+        raise RequestError("best_of: quipu serve gives one choice a request")
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise RequestError("prompt must be a text that is not empty (one prompt a request)")
+    return ChatRequest(chat_plan({k: v for k, v in body.items() if k != "response_format"}, base), [], prompt)
+
+
+def ollama_request(body: Mapping[str, Any], base: TurnOptions, generate: bool = False) -> ChatRequest:
+    """What an Ollama-style request asks (`/api/chat`, or `/api/generate`: a prompt and a system
+    prompt), with how long the model stays loaded after it (`keep_alive`)."""
+    if body.get("images") or body.get("raw"):
+        raise RequestError("images and raw prompts: quipu serve does not take them yet")
+    keep = keep_alive(body["keep_alive"]) if body.get("keep_alive") is not None else None
+    if not generate:
+        messages = body.get("messages")
+        if isinstance(messages, list):  # (a tool's result names its tool as `tool_name` there)
+            if any(isinstance(m, dict) and m.get("images") for m in messages):
+                raise RequestError("images: quipu serve does not take them yet")
+            body = {**body, "messages": [{**m, "name": m.get("name") or m.get("tool_name")}
+                                         if isinstance(m, dict) and m.get("role") == "tool" else m
+                                         for m in messages]}
+        tools, opts = request_tools(body, ollama_plan(body, base))
+        return dataclasses.replace(_asked(opts, chat_messages(body), tools), keep=keep)
+    prompt, system = body.get("prompt"), body.get("system")
+    if not isinstance(prompt, str) or not prompt or not isinstance(system, (str, type(None))):
+        raise RequestError("a generate request needs its prompt (a text), and its system prompt is a text")
+    messages = ([Message("system", system)] if system else []) + [Message("user", prompt)]
+    return dataclasses.replace(_asked(ollama_plan(body, base), messages), keep=keep)
+
+
+def load_only(body: Mapping[str, Any], generate: bool) -> bool:
+    """Whether an Ollama-style request asks nothing but to load its model (or, with `keep_alive`
+    0, to unload it): no prompt, or no messages."""
+    return not body.get("prompt") if generate else body.get("messages") in (None, [])
+
+
+def _asked(opts: TurnOptions, messages: list[Message], tools: tuple[Tool, ...] = ()) -> ChatRequest:
+    if opts.schema is not None:
+        from quipu.app.turn_options import grammar_of
+
+        grammar_of(opts)  # (a schema the engine cannot keep to is refused before anything is loaded)
+    if messages[-1].role == "system":
+        raise RequestError("messages: the last message is the system prompt; nothing to reply to")
+    return ChatRequest(opts, messages, tools=tools)
