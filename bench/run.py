@@ -22,6 +22,7 @@ from bench.llama_bench import bench_llama_bench
 from bench.logs import bench_logs
 from bench.media import bench_media
 from bench.remote import bench_remote
+from bench.serve import bench_serve
 from bench.sessions import bench_cache, bench_resume, bench_saves, bench_shift, bench_snapshots
 from bench.speed import bench_coldstart, bench_memory, bench_peers, bench_speed, bench_startup
 from bench.structured import bench_constrained, bench_functions, bench_templates, bench_tools
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128, help="tokens to decode per run")
-    ap.add_argument("--only", help="run one part: speed, llama-bench, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools, functions, saves, shift, media, window, logs, hybrid")
+    ap.add_argument("--only", help="run one part: speed, llama-bench, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools, functions, saves, shift, media, window, logs, hybrid, serve")
     args = ap.parse_args(argv)
     model = model_path()
     # An installed quipu has its bytecode compiled by pip; a checkout may not (PYTHONDONTWRITEBYTECODE).
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
             "window": lambda: bench_window_cache(args.threads, args.repeats, home),
             "logs": lambda: bench_logs(model, args.threads, args.repeats, home),
             "hybrid": lambda: bench_hybrid(args.threads, args.repeats),
+            "serve": lambda: bench_serve(model, args.threads, args.repeats),
         }
         rows = []
         for name, part in parts.items():

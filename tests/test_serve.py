@@ -91,23 +91,30 @@ def test_a_plain_completion_is_the_one_run_raw_gives(quipu, home, tiny_model, tm
     assert r.returncode == 0 and json.loads(r.stdout)["text"] == whole.choices[0].text
 
 
-def test_a_conversation_goes_on_after_a_restart_from_its_kept_context(home, tiny_model, tmp_path):
+def test_a_conversation_goes_on_from_its_kept_context_in_memory_and_after_a_restart(home, tiny_model, tmp_path):
     first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a river?"}]
     with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:
         one = ask(client(url), first)
-    following = first + [{"role": "assistant", "content": one.choices[0].message.content},
-                         {"role": "user", "content": "And a lake?"}]
+        following = first + [{"role": "assistant", "content": one.choices[0].message.content},
+                             {"role": "user", "content": "And a lake?"}]
+        held = ask(client(url), following)  # (the context still holds the first turn: kept from memory)
     with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:  # a new process: only the disk kept it
         two = ask(client(url), following)
     # (restored to where a step of the prefill starts, 256 tokens a step, so that what is read
     # computes as in a run without the cache)
     read = one.usage.prompt_tokens + one.usage.completion_tokens
-    assert read - 256 < two.usage.prompt_tokens_details.cached_tokens <= read
+    assert read - 256 < held.usage.prompt_tokens_details.cached_tokens <= read
+    assert read - 256 < two.usage.prompt_tokens_details.cached_tokens < two.usage.prompt_tokens
     # the answer a fresh read of the whole conversation gives
     with quipu_serve(tmp_path / "fresh", tiny_model, tmp_path=tmp_path) as url:
         fresh = ask(client(url), following)
+        other = ask(client(url), [{"role": "user", "content": "Something else."}])
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
-    assert two.choices[0].message.content == fresh.choices[0].message.content
+    assert held.choices[0].message.content == two.choices[0].message.content == fresh.choices[0].message.content
+    # another conversation after it takes nothing of it, and is answered as on a fresh server
+    with quipu_serve(tmp_path / "fresh2", tiny_model, tmp_path=tmp_path) as url:
+        alone = ask(client(url), [{"role": "user", "content": "Something else."}])
+    assert other.choices[0].message.content == alone.choices[0].message.content
 
 
 def test_an_answer_kept_to_a_schema_is_parsed_by_the_client(home, bundled_model, tmp_path):
@@ -323,7 +330,7 @@ def test_models_are_served_by_name_loaded_one_at_a_time_and_unloaded_when_told(h
         c = ollama.Client(host=url)
         names = [m.model for m in c.list().models]
         tiny, bundled = names[:2]  # (-m's, in their order, before any other model here)
-        assert c.ps().models == []  # (nothing is loaded before a request asks for it)
+        assert [m.model for m in c.ps().models] == [tiny]  # (the default is loaded before the server listens)
         said = {"temperature": 0, "num_predict": 4}
         assert c.generate(model=bundled, prompt="Hi.", options=said).model == bundled
         [running] = c.ps().models
@@ -377,3 +384,28 @@ def test_a_bad_serve_option_is_one_line_and_exit_2(quipu, home, tiny_model, args
     r = quipu("serve", "-m", tiny_model, *args)
     err = r.stderr.decode()
     assert r.returncode == 2 and words in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "lfm2"])
+def test_a_hybrid_model_s_conversation_goes_on_from_its_checkpoints(home, tmp_path, arch):
+    # Qwen 3.5's and LFM2's recurrent memory cannot go back a token: the next turn, and another
+    # conversation between, go back to a checkpoint of it and answer as a fresh read does.
+    from tinymodel import write_tiny_lfm2, write_tiny_qwen35
+
+    templates = Path(__file__).parent / "templates"
+    if arch == "qwen35":
+        model = write_tiny_qwen35(tmp_path / "qwen35.gguf", chat_template=(templates / "Qwen3.5-4B.jinja").read_text())
+    else:
+        model = write_tiny_lfm2(tmp_path / "lfm2.gguf", chat_template=(templates / "LFM2.5-Instruct.jinja").read_text())
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a river?"}]
+    with quipu_serve(home, model, tmp_path=tmp_path) as url:
+        one = ask(client(url), first)
+        following = first + [{"role": "assistant", "content": one.choices[0].message.content},
+                             {"role": "user", "content": "And a lake?"}]
+        held = ask(client(url), following)
+        ask(client(url), [{"role": "user", "content": "Something else."}])
+        again = ask(client(url), following)
+    with quipu_serve(tmp_path / "fresh", model, tmp_path=tmp_path) as url:
+        fresh = ask(client(url), following)
+    assert held.usage.prompt_tokens_details.cached_tokens > 0
+    assert held.choices[0].message.content == again.choices[0].message.content == fresh.choices[0].message.content

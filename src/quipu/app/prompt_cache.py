@@ -141,10 +141,22 @@ class PromptCache:
 
     def warm(self, session: InferenceSession, tokens: Callable[[], list[int]]) -> CacheUse | None:
         """A new context's first prompt begins, perhaps, as earlier runs' did (a long system
-        prompt): the cached beginning is restored, and the turn reads only the rest."""
-        if session.n_decoded or self.cache is None:
+        prompt): the cached beginning is restored, and the turn reads only the rest. Where the
+        context still holds an earlier prompt on it (a server's last request), the beginning it
+        shares with that is kept instead, where it is the longer: memory, then disk."""
+        if session.n_decoded:
             return None
-        return cache_lookup(session, tokens(), self.model_fingerprint, self.cache)
+        if not session.holds_earlier:
+            return cache_lookup(session, tokens(), self.model_fingerprint, self.cache) if self.cache else None
+        wanted = tokens()
+        on_disk = cached_count(session, wanted, self.model_fingerprint, self.cache) if self.cache else 0
+        kept = session.take_held(wanted, at_least=on_disk)
+        if self.cache is None:
+            return None
+        if not kept:
+            return cache_lookup(session, wanted, self.model_fingerprint, self.cache)
+        key = cache_key(session, self.model_fingerprint)
+        return CacheUse(self.cache, key, canonical(wanted, cache_digests(session)), kept, kept)
 
     def remember(self, session: InferenceSession, use: CacheUse | None) -> list[str]:
         """After a one-shot answer is out: the prompt's state joins the cache."""

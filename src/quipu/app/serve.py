@@ -13,7 +13,7 @@ import dataclasses
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
@@ -46,6 +46,7 @@ class Loaded:
     keeper: LocalKeeper
     until: float | None = None
     expires: float | None = None  # the same, as wall-clock time (what /api/ps shows)
+    held: list[int] = field(default_factory=list)  # what its context holds, the last request's, for the next
 
 
 class Served:
@@ -167,9 +168,20 @@ class Served:
             self._waiting.release()
 
     def _answer(self, asked: ChatRequest, sink: ReplySink) -> Answer:
+        opts = asked.opts
+        session, keeper, notices = self._session(asked.model or self.model, opts)
+        loaded = self._loaded
+        assert loaded is not None  # (`_session` loaded it)
+        loaded.held = []  # (until this request is answered: what the context holds is this one's)
+        answer = self._turn(asked, session, keeper, notices, sink)
+        if session.backend.positions() == session.n_decoded:
+            loaded.held = session.tokens[:session.n_decoded]
+        return answer
+
+    def _turn(self, asked: ChatRequest, session: InferenceSession, keeper: LocalKeeper, notices: list[str],
+              sink: ReplySink) -> Answer:
         opts, messages = asked.opts, asked.messages
         limit, stop = max_tokens(opts, self.env), stop_strings(opts, self.env)
-        session, keeper, notices = self._session(asked.model or self.model, opts)
         if asked.prompt is not None:  # (a plain completion)
             turn = Turn(session, keeper, None, opts.tool_options, notices=notices)
             return turn.remember(turn.answer(Ask("raw", asked.prompt), limit, stop, sink))
@@ -183,8 +195,9 @@ class Served:
         return turn.remember(answer)
 
     def _session(self, model: str, opts: TurnOptions) -> tuple[InferenceSession, LocalKeeper, list[str]]:
-        """A fresh session (an empty context, as a lone run's) on `model`; its keeper; what
-        loading it said."""
+        """A fresh session on `model`, as a lone run's, but that its context still holds the last
+        request's, which the prompt may take (the prompt cache's memory: `PromptCache.warm`); its
+        keeper; what loading it said."""
         from quipu.app.placing import placement_of
         from quipu.app.turn_options import sampling_params, with_logit_biases
 
@@ -192,7 +205,7 @@ class Served:
         backend = loaded.backend
         params = with_logit_biases(sampling_params(opts, self.env), backend, opts)
         stats = Stats(load_s=load_s, placement=placement_of(backend))
-        return InferenceSession(backend, params, stats=stats), loaded.keeper, notices
+        return InferenceSession(backend, params, stats=stats, held=loaded.held), loaded.keeper, notices
 
     # ---- loading and unloading (the lock held) ----------------------------------------------
 

@@ -106,6 +106,7 @@ def serve(
     from quipu.app.serve import Served
 
     served = Served(env, opts, models, keep)
+    served.load(served.model)  # (before it listens: /health says it takes requests once it can answer them)
     import uvicorn
 
     def listening() -> None:

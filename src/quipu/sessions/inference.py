@@ -1,31 +1,16 @@
 """InferenceSession: feeds prompts, infers tokens, keeps stats. One context, one token history.
 
-Constraining what is generated, from the strictest to the freest:
-
-- `SamplingParams(grammar=Grammar(kind, text))`: every reply keeps to the grammar, a JSON
-  Schema (`quipu.engine.grammar.schema_grammar` checks one), GBNF, Lark or a regular
-  expression, through the constraint engine (`quipu.engine.constraint`: llguidance's masks on
-  llama.cpp's logits, before the native chain draws). The grammar starts over with each reply and is part of a snapshot: restoring a reply in progress
-  replays its tokens into it, so a resumed reply continues exactly.
-- `SamplingParams(logit_bias=((token, bias), ...))`: added to those tokens' logits
-  (`-inf` bans a token), natively.
-- `InferenceSession.token_filter`: a callable given the token history that returns the token
-  ids allowed next (or None for all of them).
-- `InferenceSession.logits_processors`: callables `processor(tokens, logits)` that change
-  `logits` in place, a NumPy float32 view of llama.cpp's own logits (no copy), before
-  sampling. To force a token: `logits[:] = -numpy.inf; logits[token] = 0`.
-
-The filter and the processors are Python objects, so they are not saved with a session;
-grammars and biases are.
+What a reply may be held to is `params.py`'s to say (grammars, biases, and a session's own
+filter and processors); a session's exact state is a `snapshot.Snapshot`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from dataclasses import replace
+from typing import Sequence
 
-from quipu.engine.base import Backend, LogitsProcessor, ProgressFn, TokenFilter
+from quipu.engine.base import MEDIA_BASE, Backend, LogitsProcessor, ProgressFn, TokenFilter
 from quipu.engine.text import unfinished_character
 from quipu.errors import ContextOverflow, EngineError, Interrupted, QuipuError
 from quipu.sessions.base import LOCAL, SILENT, Generation, ReplySink, Stats, ToolOffer, TurnPrompt, common_prefix
@@ -34,26 +19,10 @@ from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.prompt import HeldTokens, Rendered, context_tokens
 from quipu.sessions.reasoning import Thinking
 from quipu.sessions.reply_watch import Budget, CallWatch, reply_tokens
+from quipu.sessions.snapshot import Snapshot
 from quipu.sessions.stops import ReplyText
 
 __all__ = ["InferenceSession", "Snapshot", "Generation", "Stats", "common_prefix"]
-
-@dataclass
-class Snapshot:
-    """Everything needed to continue a session exactly: the token history (the last sampled
-    token undecoded), the draw count, the parameters, and the KV bytes of the decoded part."""
-
-    tokens: list[int]
-    n_decoded: int
-    draws: int
-    params: SamplingParams
-    context: dict[str, Any]
-    state: bytes | memoryview | None = None
-    # Pieces of state saved after `state`, (the position each replaces the cells from, its
-    # bytes: see `LlamaBackend.state_since`), and how many tokens the state and pieces hold
-    # when that is fewer than `n_decoded` (a turn whose state was not written: read again).
-    pieces: Sequence[Any] = ()
-    state_decoded: int | None = None
 
 
 class InferenceSession(HeldTokens):
@@ -68,10 +37,12 @@ class InferenceSession(HeldTokens):
     backend: Backend
 
     def __init__(self, backend: Backend, params: SamplingParams | None = None, *, draws: int = 0,
-                 stats: Stats | None = None):
+                 stats: Stats | None = None, held: Sequence[int] = ()):
         """A session on an empty context; `draws`: how many draws its seed has made (a session
         read again from its transcript goes on with them); `stats`: its figures so far (the
-        model's load)."""
+        model's load). `held`: what an earlier session on the backend left in its context (a
+        server's last request), which the first prompt may take (`take_held`); anything else
+        empties it first."""
         super().__init__(backend)
         self.params = (params or SamplingParams()).resolved()
         self.n_decoded = 0
@@ -92,7 +63,9 @@ class InferenceSession(HeldTokens):
         self.logits_processors: list[LogitsProcessor] = []
         self.token_filter: TokenFilter | None = None
         backend.sampling.set_settings(self.params)
-        backend.truncate(0)  # a session starts from an empty context, whatever the backend held
+        self._held = list(held) if held and backend.positions() == len(held) else []
+        if not self._held:
+            backend.truncate(0)  # a session starts from an empty context, whatever the backend held
 
     # ---- context ------------------------------------------------------------------------
 
@@ -143,8 +116,37 @@ class InferenceSession(HeldTokens):
             return self.n_decoded
         return self.backend.rewinds_to(until) or self.n_decoded
 
+    @property
+    def holds_earlier(self) -> bool:
+        """Whether the context holds what an earlier session left, not taken yet (`take_held`)."""
+        return bool(self._held)
+
+    def take_held(self, tokens: Sequence[int], at_least: int = 0) -> int:
+        """Keeps of what an earlier session left in the context the beginning the prompt `tokens`
+        shares with it, as far back as a step of the prefill starts (as the prompt cache restores
+        one: what is read on computes as in a fresh read), where that is `at_least` tokens (what
+        the prompt cache would restore); else empties the context. Returns how many it kept."""
+        held, self._held = self._held, []
+        if not held:
+            return 0
+        keep = self.backend.step_start(min(common_prefix(tokens, held), len(tokens) - 1))
+        if keep < at_least or any(t >= MEDIA_BASE for t in held[:keep]):  # (a medium is this context's)
+            keep = 0
+        self.backend.truncate(keep)
+        keep = min(keep, self.backend.positions())  # (a recurrent state goes back to a checkpoint)
+        self.tokens, self.n_decoded, self._logits_at = list(held[:keep]), keep, -1
+        self._low_water = keep
+        self._reset_sampler()
+        return keep
+
+    def _drop_held(self) -> None:
+        if self._held:
+            self._held = []
+            self.backend.truncate(0)
+
     def rewind(self, n_keep: int) -> None:
         """Forgets the tokens from `n_keep` on, in the history, the KV cache and the penalty window."""
+        self._drop_held()
         if n_keep >= len(self.tokens):
             return
         del self.tokens[n_keep:]
@@ -196,6 +198,7 @@ class InferenceSession(HeldTokens):
 
     def feed_prompt(self, tokens: Sequence[int], sink: ReplySink = SILENT, marks: Sequence[int] = ()) -> None:
         """Appends `tokens` to the context and decodes them (with whatever was pending)."""
+        self._drop_held()
         self._check_room(len(self.tokens) + len(tokens))
         self.tokens.extend(tokens)
         self.backend.sampling.accept(tokens)

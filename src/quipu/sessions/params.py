@@ -1,4 +1,23 @@
-"""Sampling parameters, validated where they are made."""
+"""Sampling parameters, validated where they are made.
+
+Constraining what is generated, from the strictest to the freest:
+
+- `SamplingParams(grammar=Grammar(kind, text))`: every reply keeps to the grammar, a JSON
+  Schema (`quipu.engine.grammar.schema_grammar` checks one), GBNF, Lark or a regular
+  expression, through the constraint engine (`quipu.engine.constraint`: llguidance's masks on
+  llama.cpp's logits, before the native chain draws). The grammar starts over with each reply and is part of a snapshot: restoring a reply in progress
+  replays its tokens into it, so a resumed reply continues exactly.
+- `SamplingParams(logit_bias=((token, bias), ...))`: added to those tokens' logits
+  (`-inf` bans a token), natively.
+- `InferenceSession.token_filter`: a callable given the token history that returns the token
+  ids allowed next (or None for all of them).
+- `InferenceSession.logits_processors`: callables `processor(tokens, logits)` that change
+  `logits` in place, a NumPy float32 view of llama.cpp's own logits (no copy), before
+  sampling. To force a token: `logits[:] = -numpy.inf; logits[token] = 0`.
+
+The filter and the processors are Python objects, so they are not saved with a session;
+grammars and biases are.
+"""
 
 from __future__ import annotations
 
