@@ -409,3 +409,60 @@ def test_a_hybrid_model_s_conversation_goes_on_from_its_checkpoints(home, tmp_pa
         fresh = ask(client(url), following)
     assert held.usage.prompt_tokens_details.cached_tokens > 0
     assert held.choices[0].message.content == again.choices[0].message.content == fresh.choices[0].message.content
+
+
+def test_eight_clients_at_once_get_the_answers_they_get_alone(home, bundled_model, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    questions = [[{"role": "user", "content": f"Name a colour that starts with the letter {letter}."}]
+                 for letter in "BGRPOYWT"]
+    with quipu_serve(home, bundled_model, tmp_path=tmp_path) as url:
+        c = client(url)
+        alone = [ask(c, q, max_tokens=12).choices[0].message.content for q in questions]
+        with ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda q: ask(client(url), q, max_tokens=12).choices[0].message.content,
+                                     questions))
+            streamed = list(pool.map(lambda q: "".join(
+                chunk.choices[0].delta.content or "" for chunk in ask(client(url), q, max_tokens=12, stream=True)
+                if chunk.choices), questions))
+    assert together == alone and streamed == alone
+
+
+def test_past_the_requests_that_wait_a_request_is_refused_as_busy_at_once(home, tiny_model):
+    # (in process: the first request's reply is held at its first piece until the others are in)
+    import threading
+
+    from quipu.app.environment import Environment
+    from quipu.app.serve import MAX_WAITING, ReplySink, Served
+    from quipu.app.serve_plan import RequestError, chat_request
+    from quipu.app.turn_options import TurnOptions
+
+    served = Served(Environment.load({"QUIPU_HOME": str(home)}), TurnOptions.of({"model": str(tiny_model)}),
+                    [str(tiny_model)])
+    plan = served.plan({"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 4}, chat_request)
+    go, started = threading.Event(), threading.Event()
+
+    class Held(ReplySink):
+        def text(self, piece):
+            started.set()
+            go.wait(60)
+
+    first = threading.Thread(target=served.chat, args=(plan, Held()))
+    first.start()
+    assert started.wait(60)
+    waiting = [threading.Thread(target=served.chat, args=(plan, ReplySink())) for _ in range(MAX_WAITING)]
+    for t in waiting:
+        t.start()
+    try:
+        pause = threading.Event()
+        while served.requests <= MAX_WAITING and not pause.wait(0.01):  # (until every place is taken)
+            pass
+        with pytest.raises(RequestError) as refused:
+            served.room()
+        assert refused.value.status == 503 and "busy" in str(refused.value)
+    finally:
+        go.set()
+        for t in [first, *waiting]:
+            t.join(60)
+        served.close()
+    served.room()  # (and the places are given back)

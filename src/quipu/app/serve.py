@@ -36,6 +36,10 @@ MAX_WAITING = 8  # requests waiting for the model beside the one it answers; pas
 KEEP_ALIVE = 300.0  # seconds a model stays loaded after its last request, unless told (Ollama's too)
 
 
+def busy() -> RequestError:
+    return RequestError("the server is busy: too many requests wait; try again soon", 503, "server_busy")
+
+
 @dataclass
 class Loaded:
     """A model loaded, and until when (`time.monotonic`; None: for good) it stays so."""
@@ -70,7 +74,8 @@ class Served:
         self._turns = threading.Lock()  # one request on a model at a time; loads and unloads too
         self._loaded: Loaded | None = None
         self._timer: threading.Timer | None = None
-        self._waiting = threading.BoundedSemaphore(MAX_WAITING + 1)
+        self._counted = threading.Lock()
+        self._requests = 0  # those held now: the one answered and those waiting
 
     # ---- which model ----------------------------------------------------------------------
 
@@ -152,12 +157,25 @@ class Served:
                 self._load(model, self.base)
         return self._loaded is not None
 
+    @property
+    def requests(self) -> int:
+        """How many requests are held now: the one answered, and those waiting."""
+        return self._requests
+
+    def room(self) -> None:
+        """Refuses a request at once, before its reply begins, where it would be refused as busy
+        (`_held`): `MAX_WAITING` requests wait already."""
+        if self._requests > MAX_WAITING:
+            raise busy()
+
     @contextmanager
     def _held(self, keep: Keep) -> Iterator[None]:
         """The models held for one request, once free (past `MAX_WAITING` waiting: busy); then
         the model loaded stays so for `keep` (None: the server's keep-alive)."""
-        if not self._waiting.acquire(blocking=False):
-            raise RequestError("the server is busy: too many requests wait; try again soon", 503, "server_busy")
+        with self._counted:
+            if self._requests > MAX_WAITING:
+                raise busy()
+            self._requests += 1
         try:
             with self._turns:
                 try:
@@ -165,7 +183,8 @@ class Served:
                 finally:
                     self._kept(self.keep if keep is None else keep)
         finally:
-            self._waiting.release()
+            with self._counted:
+                self._requests -= 1
 
     def _answer(self, asked: ChatRequest, sink: ReplySink) -> Answer:
         opts = asked.opts

@@ -220,10 +220,11 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, origins:
 
     def shaped(api: Api, exc: BaseException) -> Response:
         status, body = api.errors(exc)
-        return JSONResponse(body, status)
+        return JSONResponse(body, status, headers={"Retry-After": "1"} if status == 503 else None)
 
     async def health(request: Request) -> Response:
-        return checked(request, key=False) or JSONResponse({"status": "ok"})  # (a probe needs no key)
+        # (a probe needs no key; it says how many requests the server holds: answered and waiting)
+        return checked(request, key=False) or JSONResponse({"status": "ok", "requests": served.requests})
 
     async def answer(request: Request) -> Response:
         failed = checked(request)
@@ -235,6 +236,7 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, origins:
             if not api.openai and load_only(body, api.generate):
                 return await loaded(body, api)
             plan = served.plan(body, api.make)
+            served.room()  # (a busy server says so before a stream's head is out)
         except Exception as exc:  # (every refusal a 4xx in the API's shape, never a traceback)
             return shaped(api, exc)
         if api.openai:
@@ -281,7 +283,7 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, origins:
                 bodies.ollama_embeddings(name, vectors, tokens, load_s, time.perf_counter() - started)
         except Exception as exc:
             status, shaped_body = errors(exc)
-            return JSONResponse(shaped_body, status)
+            return JSONResponse(shaped_body, status, headers={"Retry-After": "1"} if status == 503 else None)
         return JSONResponse(reply)
 
     async def models(request: Request) -> Response:
