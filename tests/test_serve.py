@@ -466,3 +466,35 @@ def test_past_the_requests_that_wait_a_request_is_refused_as_busy_at_once(home, 
             t.join(60)
         served.close()
     served.room()  # (and the places are given back)
+
+
+def test_a_request_with_x_quipu_session_is_a_turn_of_that_session_and_the_command_line_goes_on(quipu, home,
+                                                                                              tiny_model, tmp_path):
+    # A conversation a client starts under X-Quipu-Session goes on in `quipu run -S` and back; its
+    # answers are those of the same turns made with `quipu run -S` alone.
+    sampling = ("-t", "0", "-n", "8")
+    with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:
+        c = client(url)
+        said = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a river?"}]
+        one = ask(c, said, extra_headers={"X-Quipu-Session": "talk"})
+        said.append({"role": "assistant", "content": one.choices[0].message.content})
+        r = quipu("run", "-S", "talk", *sampling, "And a lake?")
+        assert r.returncode == 0, r.stderr.decode()
+        said += [{"role": "user", "content": "And a lake?"}, {"role": "assistant", "content": r.stdout.decode().removesuffix("\n")},
+                 {"role": "user", "content": "And the sea?"}]
+        three = ask(c, said, extra_headers={"X-Quipu-Session": "talk"})
+        assert three.usage.prompt_tokens_details.cached_tokens > one.usage.prompt_tokens  # (restored, not read)
+        edited = [*said[:1], {"role": "user", "content": "What is a mountain?"}, *said[2:]]
+        with pytest.raises(openai.ConflictError, match=r"messages\[1\] differs from message 1 of session 'talk'"):
+            ask(c, edited, extra_headers={"X-Quipu-Session": "talk"})
+        with pytest.raises(openai.BadRequestError, match="bad session name"):
+            ask(c, said, extra_headers={"X-Quipu-Session": "../x"})
+    alone = []
+    for i, text in enumerate(["What is a river?", "And a lake?", "And the sea?"]):
+        more = ("--system", SYSTEM) if i == 0 else ()
+        r = quipu("run", "-m", tiny_model, "-S", "alone", *more, *sampling, text)
+        assert r.returncode == 0, r.stderr.decode()
+        alone.append(r.stdout.decode().removesuffix("\n"))
+    assert [one.choices[0].message.content, said[4]["content"], three.choices[0].message.content] == alone
+    r = quipu("sessions", "show", "talk")
+    assert r.returncode == 0 and "And the sea?" in r.stdout.decode()

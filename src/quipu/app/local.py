@@ -58,15 +58,17 @@ def model_fingerprint(path: Path, env: Environment) -> str:
     return found
 
 
-def open_session(opts: TurnOptions, env: Environment) -> tuple[str, Path, InferenceSession]:
+def open_session(opts: TurnOptions, env: Environment,
+                 loaded: Backend | None = None) -> tuple[str, Path, InferenceSession]:
     """(model name, model file, a fresh session on it), with the load time in its stats. Options
-    are checked before the model is loaded."""
+    are checked before the model is loaded; a model `loaded` already (a server's) is not loaded
+    again: the session is a context of its own on it."""
     params = sampling_params(opts, env)
     settings = context_settings(opts, env)
     where = offload(opts, env)
     model_name, model_path = env.resolve_model(opts.model)
     started = time.perf_counter()
-    backend = load_backend(model_path, settings, opts.verbose, where)
+    backend = _on(loaded, model_path, settings) or load_backend(model_path, settings, opts.verbose, where)
     try:
         stats = Stats(load_s=time.perf_counter() - started, placement=placement_of(backend))
         session = InferenceSession(backend, with_logit_biases(params, backend, opts), stats=stats)
@@ -76,15 +78,26 @@ def open_session(opts: TurnOptions, env: Environment) -> tuple[str, Path, Infere
     return model_name, model_path, session
 
 
+def _on(loaded: Backend | None, model_path: Path, settings: ContextSettings) -> Backend | None:
+    """A new context with `settings` on the model `loaded` already, where it is `model_path`'s."""
+    if loaded is None or Path(loaded.model_path).resolve() != model_path.resolve():
+        return None
+    return loaded.reopen(settings)
+
+
 class LocalHost:
-    """Models loaded here, one per session."""
+    """Models loaded here, one per session; or, for sessions on the model `loaded` already (a
+    server's), a context of their own on it."""
 
     capabilities = LOCAL
+
+    def __init__(self, loaded: Backend | None = None):
+        self.loaded = loaded
 
     def create(self, opts: TurnOptions, env: Environment, name: str | None = None,
                media: Sequence[Attachment] = ()) -> Opened[InferenceSession]:
         projector = given_projector(opts.mmproj)  # (a wrong one is said before the model loads)
-        model_name, model_path, session = open_session(opts, env)
+        model_name, model_path, session = open_session(opts, env, self.loaded)
         try:
             marks = with_projector(session.backend, model_path, projector, media,
                                    env.dirs.checked_projectors) if media else []
@@ -127,7 +140,8 @@ class LocalHost:
             swa_full=settings.swa_full or saved_ctx.get("swa_full") is True,
         )
         started = time.perf_counter()
-        backend = load_where_it_ran(model_path, settings, opts.verbose, where, record.model.get("placement"))
+        backend = _on(self.loaded, model_path, settings) or \
+            load_where_it_ran(model_path, settings, opts.verbose, where, record.model.get("placement"))
         notices: list[str] = placement_notices(backend, ctx_given=opts.ctx is not None, verbose=opts.verbose)
         saved = record.model.get("projector")
         keeper = self.keeper(model_name, model_path, model_fp, opts, env,

@@ -187,6 +187,8 @@ class Served:
                 self._requests -= 1
 
     def _answer(self, asked: ChatRequest, sink: ReplySink) -> Answer:
+        if asked.session is not None:
+            return self._session_turn(asked, asked.session, sink)
         opts = asked.opts
         session, keeper, notices = self._session(asked.model or self.model, opts)
         loaded = self._loaded
@@ -206,12 +208,48 @@ class Served:
             return turn.remember(turn.answer(Ask("raw", asked.prompt), limit, stop, sink))
         conv = Conversation.start(session, None, template=chat_template_source(opts), messages=messages,
                                   settings=TurnSettings().but(variables=template_variables(opts)))
-        conv.set_reasoning(effort=opts.reasoning_effort)
-        tools = OpenTools(Toolbox({t.spec.name: t for t in asked.tools})) if asked.tools else None
-        offer(conv, tools, opts.tool_options)
+        tools = self._offered(conv, asked)
         turn = Turn(session, keeper, conv, opts.tool_options, tools=tools, notices=notices)
         answer = turn.answer(Ask("continue" if messages[-1].role == "assistant" else "answer"), limit, stop, sink)
         return turn.remember(answer)
+
+    def _session_turn(self, asked: ChatRequest, name: str, sink: ReplySink) -> Answer:
+        """A turn of the quipu session `name`: its context restored exactly, the messages the
+        request sends past the session's added (it must begin with them), the reply, and the
+        session saved; `quipu chat -S NAME` goes on from there, and a request from that."""
+        from quipu.app.local import LocalHost
+        from quipu.app.named import NamedSession, store_for
+        from quipu.app.serve_plan import going_on
+
+        loaded, _, notices = self._load(asked.model or self.model, asked.opts)
+        loaded.held = []  # (the session's context is one of its own on the model)
+        store = store_for(self.env)
+        # (a new session's system prompt is the request's own first message)
+        opts = dataclasses.replace(asked.opts, model=str(loaded.path), session=name,
+                                   system=asked.opts.system if store.exists(name) else "")
+        with store.lock(name):
+            named = NamedSession.open(store, name, opts, self.env, LocalHost(loaded.backend))
+            try:
+                conv = named.conversation
+                new = going_on(conv.messages, asked.messages, name)
+                tools = self._offered(conv, asked)
+                conv.messages.extend(new)
+                turn = Turn(named.session, named.keeper, conv, opts.tool_options, named=named, tools=tools)
+                limit, stop = named.reply_limits(opts, self.env)
+                answer = turn.answer(Ask("continue" if new[-1].role == "assistant" else "answer"), limit, stop, sink)
+                named.save()
+            finally:
+                named.close()
+        answer.notices[:0] = notices
+        return answer
+
+    @staticmethod
+    def _offered(conv: Conversation, asked: ChatRequest) -> OpenTools | None:
+        """The request's tools, offered to the conversation (its reasoning effort set too)."""
+        conv.set_reasoning(effort=asked.opts.reasoning_effort)
+        tools = OpenTools(Toolbox({t.spec.name: t for t in asked.tools})) if asked.tools else None
+        offer(conv, tools, asked.opts.tool_options)
+        return tools
 
     def _session(self, model: str, opts: TurnOptions) -> tuple[InferenceSession, LocalKeeper, list[str]]:
         """A fresh session on `model`, as a lone run's, but that its context still holds the last

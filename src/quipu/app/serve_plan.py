@@ -195,6 +195,7 @@ class ChatRequest:
     tools: tuple[Tool, ...] = ()  # the client's: a reply that calls one ends there, the call in it
     keep: Keep = None  # how long the model stays loaded after it (Ollama's keep_alive; None: the server's)
     model: str = ""  # the model it is for, by its name (`serve.Served.pick`)
+    session: str | None = None  # the quipu session it is a turn of (`X-Quipu-Session`), checked
 
 
 def keep_alive(value: Any, where: str = "keep_alive") -> Keep:
@@ -274,6 +275,38 @@ def ollama_request(body: Mapping[str, Any], base: TurnOptions, generate: bool = 
         raise RequestError("a generate request needs its prompt (a text), and its system prompt is a text")
     messages = ([Message("system", system)] if system else []) + [Message("user", prompt)]
     return dataclasses.replace(_asked(ollama_plan(body, base), messages), keep=keep)
+
+
+def as_session_turn(asked: ChatRequest, name: str | None) -> ChatRequest:
+    """`asked` as a turn of the quipu session `name` (a request's `X-Quipu-Session`; None: not one)."""
+    if name is None:
+        return asked
+    from quipu.store.store import validate_name
+
+    if asked.prompt is not None:
+        raise RequestError("X-Quipu-Session: a plain completion is no turn of a session (send a chat request)")
+    try:
+        return dataclasses.replace(asked, session=validate_name(name))
+    except UsageError as exc:
+        raise RequestError(f"X-Quipu-Session: {exc}") from None
+
+
+def going_on(held: list[Message], sent: list[Message], name: str) -> list[Message]:
+    """The messages a request sends past session `name`'s (`held`), which it must begin with:
+    the same roles, texts and calls (a reply's reasoning, which clients leave out, aside)."""
+    def same(a: Message, b: Message) -> bool:
+        calls = [[(c["function"]["name"], c["function"]["arguments"]) for c in m.tool_calls or ()] for m in (a, b)]
+        return a.role == b.role and a.content.strip() == b.content.strip() and calls[0] == calls[1]
+
+    for i, (mine, theirs) in enumerate(zip(held, sent, strict=False)):
+        if not same(mine, theirs):
+            raise RequestError(f"messages[{i}] differs from message {i} of session '{name}' ({mine.role}: "
+                               f"{mine.content[:60]!r}): send the session's messages as they are, then the new ones",
+                               409, "conflict")
+    if len(sent) <= len(held):
+        raise RequestError(f"the messages hold nothing past the {len(held)} of session '{name}': send the new "
+                           "message after them", 409, "conflict")
+    return sent[len(held):]
 
 
 def load_only(body: Mapping[str, Any], generate: bool) -> bool:

@@ -190,7 +190,7 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, origins:
     from starlette.routing import Route
 
     from quipu.app import serve_bodies as bodies
-    from quipu.app.serve_plan import embed_inputs, keep_alive, load_only
+    from quipu.app.serve_plan import as_session_turn, embed_inputs, keep_alive, load_only
     from quipu.app.serve import ReplySink
 
     names = {host_in_url(host)} | ({"localhost", "127.0.0.1", "[::1]"} if loopback(host) else set())
@@ -235,7 +235,7 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, origins:
             body = await read_json(request)
             if not api.openai and load_only(body, api.generate):
                 return await loaded(body, api)
-            plan = served.plan(body, api.make)
+            plan = as_session_turn(served.plan(body, api.make), request.headers.get("x-quipu-session"))
             served.room()  # (a busy server says so before a stream's head is out)
         except Exception as exc:  # (every refusal a 4xx in the API's shape, never a traceback)
             return shaped(api, exc)

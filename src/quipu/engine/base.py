@@ -146,6 +146,7 @@ class Backend(Protocol):
     n_vocab: int
     context: ContextSettings
     placement: Placement  # where its layers run
+    model_path: Path  # the model's file
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
     def token_bytes(self, token: int) -> bytes: ...
@@ -228,8 +229,9 @@ class Backend(Protocol):
     def positions(self) -> int:
         """How many positions the context holds."""
 
-    def reopen(self) -> "Backend":
-        """A new, independent context with the same settings on the same loaded model."""
+    def reopen(self, context: ContextSettings | None = None) -> "Backend":
+        """A new, independent context on the same loaded model: with the same settings, or
+        `context`'s."""
 
     @property
     def sampling(self) -> Sampler:

@@ -339,9 +339,10 @@ class LlamaBackend:
             raise EngineError("llama.cpp could not drop part of the context")
         lc.llama_memory_seq_add(mem, 0, end, -1, start - end)
 
-    def reopen(self) -> "LlamaBackend":
-        """A new context with the same settings on the same loaded model: no second load."""
-        return LlamaBackend(self.model, self.context, verbose=LOG.verbose)
+    def reopen(self, context: ContextSettings | None = None) -> "LlamaBackend":
+        """A new context on the same loaded model, with the same settings or `context`'s: no
+        second load."""
+        return LlamaBackend(self.model, context or self.context, verbose=LOG.verbose)
 
     def close(self) -> None:
         self._stack.close()
