@@ -498,3 +498,32 @@ def test_a_request_with_x_quipu_session_is_a_turn_of_that_session_and_the_comman
     assert [one.choices[0].message.content, said[4]["content"], three.choices[0].message.content] == alone
     r = quipu("sessions", "show", "talk")
     assert r.returncode == 0 and "And the sea?" in r.stdout.decode()
+
+
+def test_an_image_in_a_message_is_seen_as_run_attaches_it(quipu, home, vision, tmp_path):
+    import base64
+
+    def data_url(name):
+        return "data:image/png;base64," + base64.b64encode((vision / name).read_bytes()).decode()
+
+    def looking_at(name):
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(name)}},
+                                             {"type": "text", "text": "What is it?"}]}]
+
+    with quipu_serve(home, vision / "tiny.gguf", tmp_path=tmp_path) as url:
+        c = client(url)
+        red = ask(c, looking_at("red.png"), max_tokens=12).choices[0].message.content
+        blue = ask(c, looking_at("blue.png"), max_tokens=12).choices[0].message.content
+        assert red != blue  # (the model sees the image)
+        assert ask(c, looking_at("red.png"), max_tokens=12).choices[0].message.content == red
+        ollama = pytest.importorskip("ollama")
+        theirs = ollama.Client(host=url).chat(model=c.models.list().data[0].id, stream=False, options={
+            "temperature": 0, "num_predict": 12}, messages=[{"role": "user", "content": "What is it?",
+                                                             "images": [vision / "red.png"]}])
+        assert theirs.message.content == red
+        linked = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]
+        with pytest.raises(openai.BadRequestError, match="not a link for it to fetch"):
+            ask(c, linked)
+    r = quipu("run", "-m", vision / "tiny.gguf", "-a", vision / "red.png", "-t", "0", "-n", "12", "--json",
+              "--no-cache", "What is it?")
+    assert r.returncode == 0 and json.loads(r.stdout)["text"] == red

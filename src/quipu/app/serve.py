@@ -206,6 +206,13 @@ class Served:
         if asked.prompt is not None:  # (a plain completion)
             turn = Turn(session, keeper, None, opts.tool_options, notices=notices)
             return turn.remember(turn.answer(Ask("raw", asked.prompt), limit, stop, sink))
+        if asked.media:  # (the projector is loaded into the model's context once, and kept)
+            from quipu.app.local_media import with_projector
+            from quipu.app.tool_files import placed
+
+            marks = with_projector(session.backend, session.backend.model_path, opts.mmproj, list(asked.media),
+                                   self.env.dirs.checked_projectors)
+            messages = placed(messages, marks)
         conv = Conversation.start(session, None, template=chat_template_source(opts), messages=messages,
                                   settings=TurnSettings().but(variables=template_variables(opts)))
         tools = self._offered(conv, asked)
@@ -221,6 +228,8 @@ class Served:
         from quipu.app.named import NamedSession, store_for
         from quipu.app.serve_plan import going_on
 
+        if asked.media:
+            raise RequestError("X-Quipu-Session: a session's turn over the API takes no images or recordings yet")
         loaded, _, notices = self._load(asked.model or self.model, asked.opts)
         loaded.held = []  # (the session's context is one of its own on the model)
         store = store_for(self.env)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Union
 
+from quipu.app.attachments import Attachment
 from quipu.app.tooldefs import Tool
 from quipu.app.turn_options import TurnOptions
 from quipu.errors import UsageError
@@ -169,20 +170,48 @@ def request_tools(body: Mapping[str, Any], opts: TurnOptions) -> tuple[tuple[Too
     return tuple(box.tools.values()), dataclasses.replace(opts, tool_choice=choice)
 
 
-def chat_messages(body: Mapping[str, Any]) -> list[Message]:
-    """The request's messages (`sessions.base.Message`), each field checked."""
+def chat_messages(body: Mapping[str, Any]) -> tuple[list[Message], tuple[Attachment, ...]]:
+    """The request's messages (`sessions.base.Message`), each field checked, and the images and
+    recordings they hold (each where `tool_files.media_placeholder` stands in a message). A
+    medium comes in the request (a data URL, or base64): the server fetches no link."""
     from quipu.app.tool_files import messages_of
 
     if "messages" not in body:
         raise RequestError("messages: a chat request needs its messages")
-    media: list[Any] = []
+    given = body["messages"]
+    for i, m in enumerate(given if isinstance(given, list) else ()):
+        parts = m.get("content") if isinstance(m, dict) else None
+        for j, part in enumerate(parts if isinstance(parts, list) else ()):
+            url = part.get("image_url") if isinstance(part, dict) else None
+            url = url.get("url") if isinstance(url, dict) else url
+            if isinstance(url, str) and url.startswith(("http://", "https://")):
+                raise RequestError(f"messages[{i}].content[{j}]: quipu serve takes an image as a data URL "
+                                   "(data:image/png;base64,...), not a link for it to fetch")
+    media: list[Attachment] = []
     try:
-        messages = messages_of(body["messages"], Path("the request"), media)
+        messages = messages_of(given, Path("the request"), media)
     except UsageError as exc:
-        raise RequestError(str(exc)) from None
-    if media:
-        raise RequestError("messages: quipu serve does not take images or recordings yet")
-    return messages
+        raise RequestError(str(exc).replace("the request: ", "")) from None
+    return messages, tuple(media)
+
+
+def ollama_messages(given: Any) -> Any:
+    """Ollama's messages in OpenAI's shape: a message's `images` (base64) as image parts of its
+    content, before its text (as `quipu run -a` puts them), a tool's result naming its tool
+    (`tool_name`) as `name`."""
+    if not isinstance(given, list):
+        return given
+    out = []
+    for m in given:
+        if isinstance(m, dict) and m.get("role") == "tool":
+            m = {**m, "name": m.get("name") or m.get("tool_name")}
+        if isinstance(m, dict) and m.get("images"):
+            images = m["images"] if isinstance(m["images"], list) else [m["images"]]
+            text = m.get("content")
+            m = {**m, "content": [{"type": "image_url", "image_url": {"url": image}} for image in images] +
+                 ([{"type": "text", "text": text}] if isinstance(text, str) and text else [])}
+        out.append(m)
+    return out
 
 
 @dataclass(frozen=True)
@@ -193,6 +222,7 @@ class ChatRequest:
     messages: list[Message]
     prompt: str | None = None
     tools: tuple[Tool, ...] = ()  # the client's: a reply that calls one ends there, the call in it
+    media: tuple[Attachment, ...] = ()  # the images and recordings its messages hold
     keep: Keep = None  # how long the model stays loaded after it (Ollama's keep_alive; None: the server's)
     model: str = ""  # the model it is for, by its name (`serve.Served.pick`)
     session: str | None = None  # the quipu session it is a turn of (`X-Quipu-Session`), checked
@@ -237,7 +267,7 @@ def embed_inputs(body: Mapping[str, Any]) -> list[str]:
 def chat_request(body: Mapping[str, Any], base: TurnOptions) -> ChatRequest:
     """What an OpenAI-style chat request asks (`/v1/chat/completions`)."""
     tools, opts = request_tools(body, chat_plan(body, base))
-    return _asked(opts, chat_messages(body), tools)
+    return _asked(opts, *chat_messages(body), tools)
 
 
 def completion_request(body: Mapping[str, Any], base: TurnOptions) -> ChatRequest:
@@ -257,24 +287,18 @@ def completion_request(body: Mapping[str, Any], base: TurnOptions) -> ChatReques
 def ollama_request(body: Mapping[str, Any], base: TurnOptions, generate: bool = False) -> ChatRequest:
     """What an Ollama-style request asks (`/api/chat`, or `/api/generate`: a prompt and a system
     prompt), with how long the model stays loaded after it (`keep_alive`)."""
-    if body.get("images") or body.get("raw"):
-        raise RequestError("images and raw prompts: quipu serve does not take them yet")
+    if body.get("raw"):
+        raise RequestError("raw: quipu serve does not take raw prompts yet (/v1/completions continues one)")
     keep = keep_alive(body["keep_alive"]) if body.get("keep_alive") is not None else None
-    if not generate:
-        messages = body.get("messages")
-        if isinstance(messages, list):  # (a tool's result names its tool as `tool_name` there)
-            if any(isinstance(m, dict) and m.get("images") for m in messages):
-                raise RequestError("images: quipu serve does not take them yet")
-            body = {**body, "messages": [{**m, "name": m.get("name") or m.get("tool_name")}
-                                         if isinstance(m, dict) and m.get("role") == "tool" else m
-                                         for m in messages]}
-        tools, opts = request_tools(body, ollama_plan(body, base))
-        return dataclasses.replace(_asked(opts, chat_messages(body), tools), keep=keep)
-    prompt, system = body.get("prompt"), body.get("system")
-    if not isinstance(prompt, str) or not prompt or not isinstance(system, (str, type(None))):
-        raise RequestError("a generate request needs its prompt (a text), and its system prompt is a text")
-    messages = ([Message("system", system)] if system else []) + [Message("user", prompt)]
-    return dataclasses.replace(_asked(ollama_plan(body, base), messages), keep=keep)
+    if generate:
+        prompt, system = body.get("prompt"), body.get("system")
+        if not isinstance(prompt, str) or not prompt or not isinstance(system, (str, type(None))):
+            raise RequestError("a generate request needs its prompt (a text), and its system prompt is a text")
+        body = {**body, "messages": ([{"role": "system", "content": system}] if system else []) +
+                [{"role": "user", "content": prompt, "images": body.get("images")}]}
+    body = {**body, "messages": ollama_messages(body.get("messages"))}
+    tools, opts = request_tools(body, ollama_plan(body, base))
+    return dataclasses.replace(_asked(opts, *chat_messages(body), tools), keep=keep)
 
 
 def as_session_turn(asked: ChatRequest, name: str | None) -> ChatRequest:
@@ -315,11 +339,12 @@ def load_only(body: Mapping[str, Any], generate: bool) -> bool:
     return not body.get("prompt") if generate else body.get("messages") in (None, [])
 
 
-def _asked(opts: TurnOptions, messages: list[Message], tools: tuple[Tool, ...] = ()) -> ChatRequest:
+def _asked(opts: TurnOptions, messages: list[Message], media: tuple[Attachment, ...],
+           tools: tuple[Tool, ...] = ()) -> ChatRequest:
     if opts.schema is not None:
         from quipu.app.turn_options import grammar_of
 
         grammar_of(opts)  # (a schema the engine cannot keep to is refused before anything is loaded)
     if messages[-1].role == "system":
         raise RequestError("messages: the last message is the system prompt; nothing to reply to")
-    return ChatRequest(opts, messages, tools=tools)
+    return ChatRequest(opts, messages, tools=tools, media=media)

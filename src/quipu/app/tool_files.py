@@ -267,6 +267,16 @@ def media_placeholder(n: int) -> str:
     return f"\ue004{n}\ue005"
 
 
+def placed(messages: Sequence[Message], marks: Sequence[str]) -> list[Message]:
+    """`messages` with each medium's placeholder (`media_placeholder`) made its marker, ready."""
+    def marked(text: str) -> str:
+        for n, mark in enumerate(marks):
+            text = text.replace(media_placeholder(n), mark)
+        return text
+
+    return [dataclasses.replace(m, content=marked(m.content)) for m in messages]
+
+
 def _content(content: Any, where: str, file: Path, media: list[Any] | None = None) -> str:
     """A message's content: text, or a list of parts (text joined; media, with `media`, read
     there: see `messages_from_file`)."""

@@ -177,15 +177,9 @@ def _conversation(session: ModelSession, opts: TurnOptions, env: Environment, so
     elif not opts.messages:
         conv = Conversation.start(session, system_prompt(opts, env), template=source, settings=settings)
     else:
-        from quipu.app.tool_files import media_placeholder
+        from quipu.app.tool_files import placed
 
-        def marked(text: str) -> str:
-            for n, mark in enumerate(marks):
-                text = text.replace(media_placeholder(n), mark)
-            return text
-
-        conv = Conversation.start(session, None, template=source, settings=settings,
-                                  messages=[replace(m, content=marked(m.content)) for m in messages])
+        conv = Conversation.start(session, None, template=source, settings=settings, messages=placed(messages, marks))
         if opts.system is not None:
             conv.set_system(opts.system)
     conv.set_reasoning(effort=opts.reasoning_effort, budget=opts.reasoning_budget)

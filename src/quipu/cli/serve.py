@@ -61,6 +61,7 @@ def serve(
                                              "(https://host:port; again for more).", metavar="ORIGIN"),
     ctx: Annotated[Optional[str], opt.typer_option(spec.OPTS["ctx"])] = None,
     chat_template: Annotated[Optional[str], opt.typer_option(spec.OPTS["chat_template"])] = None,
+    mmproj: Annotated[Optional[str], opt.typer_option(spec.OPTS["mmproj"])] = None,
     threads: Annotated[Optional[int], opt.typer_option(spec.OPTS["threads"])] = None,
     kv_type: Annotated[Optional[str], opt.typer_option(spec.OPTS["kv_type"])] = None,
     gpu_layers: Annotated[Optional[str], opt.typer_option(spec.OPTS["gpu_layers"])] = None,
@@ -96,7 +97,7 @@ def serve(
             raise UsageError(f"--cors takes an origin such as https://example.org:3000 (or *), not {origin!r}")
     models = list(model or config.get("models") or [])
     opts = spec.turn_options({"model": models[0] if models else None, "ctx": ctx, "chat_template": chat_template,
-                              "threads": threads, "kv_type": kv_type, "gpu_layers": gpu_layers,
+                              "mmproj": mmproj, "threads": threads, "kv_type": kv_type, "gpu_layers": gpu_layers,
                               "gpu_memory": gpu_memory, "device": device, "no_log": no_log, "verbose": verbose}, env)
     term = Terminal.detect()
     from quipu.cli.pull import pull_if_needed
