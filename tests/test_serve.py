@@ -527,3 +527,27 @@ def test_an_image_in_a_message_is_seen_as_run_attaches_it(quipu, home, vision, t
     r = quipu("run", "-m", vision / "tiny.gguf", "-a", vision / "red.png", "-t", "0", "-n", "12", "--json",
               "--no-cache", "What is it?")
     assert r.returncode == 0 and json.loads(r.stdout)["text"] == red
+
+
+def test_a_body_that_never_comes_in_whole_is_let_go(monkeypatch):
+    # (in process: a client that sends a byte of its body and then nothing)
+    import asyncio
+
+    from starlette.requests import Request
+
+    from quipu.app.serve_plan import RequestError
+    from quipu.cli import serve
+
+    monkeypatch.setattr(serve, "BODY_S", 0.2)
+    sent = []
+
+    async def receive():
+        if not sent:
+            sent.append(1)
+            return {"type": "http.request", "body": b"{", "more_body": True}
+        await asyncio.Event().wait()  # (never)
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}, receive)
+    with pytest.raises(RequestError) as late:
+        asyncio.run(serve.read_json(request))
+    assert late.value.status == 408 and "did not come in whole" in str(late.value)

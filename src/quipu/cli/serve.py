@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from quipu.app.serve_plan import ChatRequest
 
 MAX_BODY = 8 << 20  # bytes of a request's body
+BODY_S = 60.0  # seconds a request's body may take to come in whole
+MAX_CONNECTIONS = 256  # at once; past them a connection is answered 503 (slow clients cannot hold them all)
 HELP = ("Serve models over the OpenAI API (/v1/chat/completions, /v1/embeddings) and Ollama's (/api/chat, "
         "/api/generate, /api/embed), on this machine by default.")
 DEFAULTS = {"host": "127.0.0.1", "port": 8080, "keep_alive": "5m"}
@@ -116,7 +118,7 @@ def serve(
 
     app = http_app(served, host, port, api_key, origins, listening)
     uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                  lifespan="on")).run()
+                                  lifespan="on", limit_concurrency=MAX_CONNECTIONS)).run()
 
 
 def loopback(host: str) -> bool:
@@ -351,10 +353,14 @@ async def read_json(request: Request) -> dict[str, Any]:
     if declared is not None and (not declared.isascii() or not declared.isdigit() or int(declared) > MAX_BODY):
         raise RequestError(f"the body must be at most {MAX_BODY >> 20} MB", 413)
     data = bytearray()
-    async for chunk in request.stream():
-        data += chunk
-        if len(data) > MAX_BODY:
-            raise RequestError(f"the body must be at most {MAX_BODY >> 20} MB", 413)
+    try:
+        async with asyncio.timeout(BODY_S):  # (a client that sends its body a byte at a time is let go)
+            async for chunk in request.stream():
+                data += chunk
+                if len(data) > MAX_BODY:
+                    raise RequestError(f"the body must be at most {MAX_BODY >> 20} MB", 413)
+    except TimeoutError:
+        raise RequestError(f"the body did not come in whole within {BODY_S:.0f} s", 408) from None
     try:
         body = json.loads(data)
     except (ValueError, RecursionError):
