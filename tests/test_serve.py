@@ -551,3 +551,30 @@ def test_a_body_that_never_comes_in_whole_is_let_go(monkeypatch):
     with pytest.raises(RequestError) as late:
         asyncio.run(serve.read_json(request))
     assert late.value.status == 408 and "did not come in whole" in str(late.value)
+
+
+def test_log_probabilities_are_the_model_s_for_each_drawn_token(home, bundled_model, tmp_path):
+    import math
+
+    messages = [{"role": "user", "content": "Name three colours."}]
+    greedy = {"temperature": 0, "max_tokens": 10, "extra_body": {"repeat_penalty": 1.0}}
+    with quipu_serve(home, bundled_model, tmp_path=tmp_path) as url:
+        c = client(url)
+        whole = ask(c, messages, logprobs=True, top_logprobs=3, **greedy)
+        entries = whole.choices[0].logprobs.content
+        assert b"".join(bytes(e.bytes) for e in entries).decode() == whole.choices[0].message.content
+        for e in entries:  # (greedy: each drawn token is the likeliest; probabilities, not more than 1 together)
+            assert len(e.top_logprobs) == 3 and e.token == e.top_logprobs[0].token
+            assert e.logprob == e.top_logprobs[0].logprob <= 0
+            assert sum(math.exp(t.logprob) for t in e.top_logprobs) <= 1 + 1e-6
+        ends = [chunk.choices[0].logprobs for chunk in ask(c, messages, logprobs=True, top_logprobs=3, stream=True,
+                                                            **greedy) if chunk.choices and chunk.choices[0].logprobs]
+        assert [e.logprob for e in ends[-1].content] == [e.logprob for e in entries]
+        assert whole.choices[0].logprobs is not None and ask(c, messages, **greedy).choices[0].logprobs is None
+        plain = c.completions.create(model=whole.model, prompt="The sky is", max_tokens=5, temperature=0, logprobs=2)
+        shaped = plain.choices[0].logprobs
+        assert "".join(shaped.tokens) == plain.choices[0].text and len(shaped.top_logprobs[0]) == 2
+        for bad, words in (({"logprobs": True, "top_logprobs": 50}, "top_logprobs must be"),
+                           ({"top_logprobs": 2}, "needs logprobs: true")):
+            with pytest.raises(openai.BadRequestError, match=words):
+                ask(c, messages, **bad)

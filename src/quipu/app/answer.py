@@ -34,6 +34,7 @@ class Answer:
     fingerprint: str | None = None  # the model file's (a local model's), as the log keeps it
     system: str | None = None  # the system prompt the answer was given, as the log keeps it
     tokens: list[int] = field(default_factory=list)  # the reply's tokens, as generated
+    logprobs: list[dict[str, Any]] | None = None  # each drawn token's log probability, where asked (`app/logprobs.py`)
 
     @classmethod
     def of(cls, gen: Generation, model: str, params: SamplingParams, stats: Stats, host: Capabilities = LOCAL, *,

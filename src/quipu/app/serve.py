@@ -201,6 +201,19 @@ class Served:
 
     def _turn(self, asked: ChatRequest, session: InferenceSession, keeper: LocalKeeper, notices: list[str],
               sink: ReplySink) -> Answer:
+        if asked.logprobs is None:
+            return self._reply(asked, session, keeper, notices, sink)
+        from quipu.app.logprobs import Logprobs
+
+        recorder = Logprobs(asked.logprobs)
+        session.logits_processors.insert(0, recorder)  # (first: the model's own logits)
+        answer = self._reply(asked, session, keeper, notices, sink)
+        recorder.done(session.tokens)
+        answer.logprobs = recorder.entries(session.backend)
+        return answer
+
+    def _reply(self, asked: ChatRequest, session: InferenceSession, keeper: LocalKeeper, notices: list[str],
+               sink: ReplySink) -> Answer:
         opts, messages = asked.opts, asked.messages
         limit, stop = max_tokens(opts, self.env), stop_strings(opts, self.env)
         if asked.prompt is not None:  # (a plain completion)

@@ -32,8 +32,28 @@ def chat_completion(answer: Answer, ident: str, created: int) -> dict[str, Any]:
     if calls:
         message["tool_calls"] = calls
     return {"id": ident, "object": "chat.completion", "created": created, "model": answer.model,
-            "choices": [{"index": 0, "message": message, "finish_reason": FINISH.get(answer.finish_reason, "stop")}],
+            "choices": [{"index": 0, "message": message, "finish_reason": FINISH.get(answer.finish_reason, "stop"),
+                         "logprobs": chat_logprobs(answer)}],
             "usage": usage(answer), "system_fingerprint": answer.fingerprint}
+
+
+def chat_logprobs(answer: Answer) -> dict[str, Any] | None:
+    """A chat choice's `logprobs`: each drawn token's, where the request asked for them."""
+    return None if answer.logprobs is None else {"content": answer.logprobs}
+
+
+def text_logprobs(answer: Answer) -> dict[str, Any] | None:
+    """A completion choice's `logprobs`, in the older API's shape: the tokens, their log
+    probabilities, the likeliest beside each, and where each begins in the text."""
+    if answer.logprobs is None:
+        return None
+    offsets, at = [], 0
+    for entry in answer.logprobs:
+        offsets.append(at)
+        at += len(entry["token"])
+    return {"tokens": [e["token"] for e in answer.logprobs], "token_logprobs": [e["logprob"] for e in answer.logprobs],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in answer.logprobs],
+            "text_offset": offsets}
 
 
 def waiting_calls(answer: Answer) -> list[Any]:
@@ -54,7 +74,7 @@ def openai_calls(answer: Answer, streamed: bool = False) -> list[dict[str, Any]]
 def text_completion(answer: Answer, ident: str, created: int) -> dict[str, Any]:
     """The OpenAI completion of a plain answer, whole."""
     return {"id": ident, "object": "text_completion", "created": created, "model": answer.model,
-            "choices": [{"index": 0, "text": answer.text, "logprobs": None,
+            "choices": [{"index": 0, "text": answer.text, "logprobs": text_logprobs(answer),
                          "finish_reason": FINISH.get(answer.finish_reason, "stop")}], "usage": usage(answer)}
 
 

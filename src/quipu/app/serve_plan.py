@@ -22,8 +22,8 @@ from quipu.options import OPTIONS, SAMPLING, Option
 from quipu.sessions.base import Message
 
 # What a chat request may ask that this server does not do yet: refused, never dropped silently.
-NOT_YET = {"functions": "functions (the old name of tools: send tools)", "logprobs": "log probabilities",
-           "top_logprobs": "log probabilities"}
+NOT_YET = {"functions": "functions (the old name of tools: send tools)"}
+MAX_TOP_LOGPROBS = 20  # the likeliest tokens a reply's token may be given beside it (OpenAI's bound)
 MAX_INPUTS = 2048  # texts an embedding request may hold
 # How long a model stays loaded after a request: seconds, "forever" (-1), or the server's (None).
 Keep = Union[float, str, None]
@@ -223,6 +223,7 @@ class ChatRequest:
     prompt: str | None = None
     tools: tuple[Tool, ...] = ()  # the client's: a reply that calls one ends there, the call in it
     media: tuple[Attachment, ...] = ()  # the images and recordings its messages hold
+    logprobs: int | None = None  # each drawn token's log probability, with so many likeliest beside it
     keep: Keep = None  # how long the model stays loaded after it (Ollama's keep_alive; None: the server's)
     model: str = ""  # the model it is for, by its name (`serve.Served.pick`)
     session: str | None = None  # the quipu session it is a turn of (`X-Quipu-Session`), checked
@@ -267,7 +268,22 @@ def embed_inputs(body: Mapping[str, Any]) -> list[str]:
 def chat_request(body: Mapping[str, Any], base: TurnOptions) -> ChatRequest:
     """What an OpenAI-style chat request asks (`/v1/chat/completions`)."""
     tools, opts = request_tools(body, chat_plan(body, base))
-    return _asked(opts, *chat_messages(body), tools)
+    asked = _asked(opts, *chat_messages(body), tools)
+    top = body.get("top_logprobs")
+    if body.get("logprobs") not in (None, False, True):
+        raise RequestError("logprobs must be true or false")
+    if top is not None and not body.get("logprobs"):
+        raise RequestError("top_logprobs needs logprobs: true")
+    return dataclasses.replace(asked, logprobs=_top(top, "top_logprobs") if body.get("logprobs") else None)
+
+
+def _top(value: Any, field: str) -> int:
+    """How many likeliest tokens a request asks for beside each of its reply's (none: 0)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"{field} must be a whole number from 0 to {MAX_TOP_LOGPROBS}")
+    return value
 
 
 def completion_request(body: Mapping[str, Any], base: TurnOptions) -> ChatRequest:
@@ -281,7 +297,9 @@ def completion_request(body: Mapping[str, Any], base: TurnOptions) -> ChatReques
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise RequestError("prompt must be a text that is not empty (one prompt a request)")
-    return ChatRequest(chat_plan({k: v for k, v in body.items() if k != "response_format"}, base), [], prompt)
+    logprobs = body.get("logprobs")  # (here the count of the likeliest beside each token)
+    plan = chat_plan({k: v for k, v in body.items() if k not in ("response_format", "logprobs")}, base)
+    return ChatRequest(plan, [], prompt, logprobs=None if logprobs is None else _top(logprobs, "logprobs"))
 
 
 def ollama_request(body: Mapping[str, Any], base: TurnOptions, generate: bool = False) -> ChatRequest:
@@ -289,6 +307,8 @@ def ollama_request(body: Mapping[str, Any], base: TurnOptions, generate: bool = 
     prompt), with how long the model stays loaded after it (`keep_alive`)."""
     if body.get("raw"):
         raise RequestError("raw: quipu serve does not take raw prompts yet (/v1/completions continues one)")
+    if body.get("logprobs"):
+        raise RequestError("logprobs: quipu serve gives them over the OpenAI API (/v1/chat/completions)")
     keep = keep_alive(body["keep_alive"]) if body.get("keep_alive") is not None else None
     if generate:
         prompt, system = body.get("prompt"), body.get("system")

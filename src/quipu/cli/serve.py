@@ -411,7 +411,7 @@ async def events(served: Served, plan: ChatRequest) -> AsyncIterator[tuple[str, 
 async def openai_stream(served: Served, plan: ChatRequest, head: dict[str, Any], plain: bool) -> AsyncIterator[str]:
     """A chat completion (or, `plain`, a completion) as server-sent events, each piece as it comes;
     the calls a reply ends with as one delta; the usage last where the request asked for it."""
-    from quipu.app.serve_bodies import FINISH, error_body, openai_calls
+    from quipu.app.serve_bodies import FINISH, chat_logprobs, error_body, openai_calls, text_logprobs
     from quipu.app.serve_bodies import usage as usage_of
 
     options = head["body"].get("stream_options")
@@ -422,10 +422,10 @@ async def openai_stream(served: Served, plan: ChatRequest, head: dict[str, Any],
                                       "chat.completion.chunk", "created": head["created"], "model": plan.model,
                                       "choices": choices, **more}) + "\n\n"
 
-    def choice(piece: dict[str, Any], finish: str | None = None) -> list[dict[str, Any]]:
+    def choice(piece: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> list[dict[str, Any]]:
         if plain:
-            return [{"index": 0, "text": piece.get("content", ""), "logprobs": None, "finish_reason": finish}]
-        return [{"index": 0, "delta": piece, "finish_reason": finish}]
+            return [{"index": 0, "text": piece.get("content", ""), "logprobs": logprobs, "finish_reason": finish}]
+        return [{"index": 0, "delta": piece, "finish_reason": finish, "logprobs": logprobs}]
 
     if not plain:
         yield chunk(choice({"role": "assistant", "content": ""}))
@@ -435,7 +435,9 @@ async def openai_stream(served: Served, plan: ChatRequest, head: dict[str, Any],
             calls = [] if plain else openai_calls(answer, streamed=True)
             if calls:
                 yield chunk(choice({"tool_calls": calls}))
-            yield chunk(choice({}, FINISH.get(answer.finish_reason, "stop")))
+            # (each drawn token's log probability, where asked for, comes with the end)
+            logprobs = text_logprobs(answer) if plain else chat_logprobs(answer)
+            yield chunk(choice({}, FINISH.get(answer.finish_reason, "stop"), logprobs))
             if usage:
                 yield chunk([], usage=usage_of(answer))
         elif kind == "error":
