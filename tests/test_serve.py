@@ -177,7 +177,7 @@ def test_bad_requests_are_refused_in_the_api_s_shape_and_the_server_goes_on(home
          "temperature must be 0 or more"),
         ("POST", "/v1/chat/completions", json.dumps({**good, "top_k": True}).encode(), 400, "top_k must be"),
         ("POST", "/v1/chat/completions", json.dumps({**good, "stop": [3]}).encode(), 400, "stop must be"),
-        ("POST", "/v1/chat/completions", json.dumps({**good, "n": 2}).encode(), 400, "one choice"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "n": 9}).encode(), 400, "n must be a whole number"),
         ("POST", "/v1/chat/completions", json.dumps({**good, "tools": [{"type": "function"}]}).encode(), 400,
          "tool 0 of the request has no function name"),
         ("POST", "/v1/chat/completions", json.dumps({**good, "tools": {"a": 1}}).encode(), 400, "tools must be"),
@@ -578,3 +578,21 @@ def test_log_probabilities_are_the_model_s_for_each_drawn_token(home, bundled_mo
                            ({"top_logprobs": 2}, "needs logprobs: true")):
             with pytest.raises(openai.BadRequestError, match=words):
                 ask(c, messages, **bad)
+
+
+def test_n_answers_are_each_the_answer_of_its_own_seed(home, tiny_model, tmp_path):
+    messages = [{"role": "user", "content": "Say something."}]
+    with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:
+        c = client(url)
+        many = ask(c, messages, n=3, seed=5, temperature=1.0, max_tokens=6)
+        assert [ch.index for ch in many.choices] == [0, 1, 2]
+        alone = [ask(c, messages, seed=5 + i, temperature=1.0, max_tokens=6).choices[0].message.content
+                 for i in range(3)]
+        assert [ch.message.content for ch in many.choices] == alone and len(set(alone)) > 1
+        assert many.usage.completion_tokens == sum(
+            ask(c, messages, seed=5 + i, temperature=1.0, max_tokens=6).usage.completion_tokens for i in range(3))
+        pieces = {0: "", 1: ""}
+        for chunk in ask(c, messages, n=2, seed=5, temperature=1.0, max_tokens=6, stream=True):
+            for ch in chunk.choices:
+                pieces[ch.index] += ch.delta.content or ""
+        assert [pieces[0], pieces[1]] == alone[:2]

@@ -23,18 +23,22 @@ FINISH = {"stop": "stop", "length": "length", "context_full": "length", "interru
           "tool_calls": "tool_calls"}
 
 
-def chat_completion(answer: Answer, ident: str, created: int) -> dict[str, Any]:
-    """The OpenAI chat completion of an answer, whole."""
-    calls = openai_calls(answer)
-    message: dict[str, Any] = {"role": "assistant", "content": answer.text or (None if calls else "")}
-    if answer.reasoning:
-        message["reasoning_content"] = answer.reasoning
-    if calls:
-        message["tool_calls"] = calls
-    return {"id": ident, "object": "chat.completion", "created": created, "model": answer.model,
-            "choices": [{"index": 0, "message": message, "finish_reason": FINISH.get(answer.finish_reason, "stop"),
-                         "logprobs": chat_logprobs(answer)}],
-            "usage": usage(answer), "system_fingerprint": answer.fingerprint}
+def chat_completion(answers: Sequence[Answer], ident: str, created: int) -> dict[str, Any]:
+    """The OpenAI chat completion of a request's answers (its `choices`), whole."""
+    def choice(index: int, answer: Answer) -> dict[str, Any]:
+        calls = openai_calls(answer)
+        message: dict[str, Any] = {"role": "assistant", "content": answer.text or (None if calls else "")}
+        if answer.reasoning:
+            message["reasoning_content"] = answer.reasoning
+        if calls:
+            message["tool_calls"] = calls
+        return {"index": index, "message": message, "finish_reason": FINISH.get(answer.finish_reason, "stop"),
+                "logprobs": chat_logprobs(answer)}
+
+    first = answers[0]
+    return {"id": ident, "object": "chat.completion", "created": created, "model": first.model,
+            "choices": [choice(i, a) for i, a in enumerate(answers)], "usage": usage(answers),
+            "system_fingerprint": first.fingerprint}
 
 
 def chat_logprobs(answer: Answer) -> dict[str, Any] | None:
@@ -71,19 +75,21 @@ def openai_calls(answer: Answer, streamed: bool = False) -> list[dict[str, Any]]
             for i, call in enumerate(waiting_calls(answer))]
 
 
-def text_completion(answer: Answer, ident: str, created: int) -> dict[str, Any]:
-    """The OpenAI completion of a plain answer, whole."""
-    return {"id": ident, "object": "text_completion", "created": created, "model": answer.model,
-            "choices": [{"index": 0, "text": answer.text, "logprobs": text_logprobs(answer),
-                         "finish_reason": FINISH.get(answer.finish_reason, "stop")}], "usage": usage(answer)}
+def text_completion(answers: Sequence[Answer], ident: str, created: int) -> dict[str, Any]:
+    """The OpenAI completion of a plain prompt's answers, whole."""
+    return {"id": ident, "object": "text_completion", "created": created, "model": answers[0].model,
+            "choices": [{"index": i, "text": a.text, "logprobs": text_logprobs(a),
+                         "finish_reason": FINISH.get(a.finish_reason, "stop")} for i, a in enumerate(answers)],
+            "usage": usage(answers)}
 
 
-def usage(answer: Answer) -> dict[str, Any]:
-    """The usage an answer reports, the tokens restored rather than read among its prompt's."""
-    s = answer.stats
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
-            "total_tokens": s.prompt_tokens + s.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
+def usage(answers: Sequence[Answer]) -> dict[str, Any]:
+    """The usage a request's answers report: the prompt's tokens (the first answer's; those
+    restored rather than read among them), and every answer's."""
+    s = answers[0].stats
+    completion = sum(a.stats.completion_tokens for a in answers)
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": s.prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
 
 
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:

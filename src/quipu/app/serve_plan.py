@@ -18,11 +18,12 @@ from quipu.app.attachments import Attachment
 from quipu.app.tooldefs import Tool
 from quipu.app.turn_options import TurnOptions
 from quipu.errors import UsageError
-from quipu.options import OPTIONS, SAMPLING, Option
+from quipu.options import MAX_SEED, OPTIONS, SAMPLING, Option
 from quipu.sessions.base import Message
 
 # What a chat request may ask that this server does not do yet: refused, never dropped silently.
 NOT_YET = {"functions": "functions (the old name of tools: send tools)"}
+MAX_CHOICES = 8  # answers a request may ask for (`n`), each drawn in turn
 MAX_TOP_LOGPROBS = 20  # the likeliest tokens a reply's token may be given beside it (OpenAI's bound)
 MAX_INPUTS = 2048  # texts an embedding request may hold
 # How long a model stays loaded after a request: seconds, "forever" (-1), or the server's (None).
@@ -47,8 +48,9 @@ def chat_plan(body: Mapping[str, Any], base: TurnOptions) -> TurnOptions:
     for field, what in NOT_YET.items():
         if body.get(field) not in (None, False, [], {}):
             raise RequestError(f"{field}: quipu serve does not take {what} yet")
-    if body.get("n", 1) != 1:
-        raise RequestError("n: quipu serve gives one choice a request")
+    n = body.get("n", 1)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES):
+        raise RequestError(f"n must be a whole number from 1 to {MAX_CHOICES}")
     names = {name: o.request for name, o in OPTIONS.items() if o.request is not None}
     if body.get("max_completion_tokens") is not None:
         names["max_tokens"] = "max_completion_tokens"
@@ -224,6 +226,7 @@ class ChatRequest:
     tools: tuple[Tool, ...] = ()  # the client's: a reply that calls one ends there, the call in it
     media: tuple[Attachment, ...] = ()  # the images and recordings its messages hold
     logprobs: int | None = None  # each drawn token's log probability, with so many likeliest beside it
+    n: int = 1  # how many answers (`choices`)
     keep: Keep = None  # how long the model stays loaded after it (Ollama's keep_alive; None: the server's)
     model: str = ""  # the model it is for, by its name (`serve.Served.pick`)
     session: str | None = None  # the quipu session it is a turn of (`X-Quipu-Session`), checked
@@ -274,7 +277,18 @@ def chat_request(body: Mapping[str, Any], base: TurnOptions) -> ChatRequest:
         raise RequestError("logprobs must be true or false")
     if top is not None and not body.get("logprobs"):
         raise RequestError("top_logprobs needs logprobs: true")
-    return dataclasses.replace(asked, logprobs=_top(top, "top_logprobs") if body.get("logprobs") else None)
+    return dataclasses.replace(asked, logprobs=_top(top, "top_logprobs") if body.get("logprobs") else None,
+                               n=body.get("n") or 1)
+
+
+def choices(asked: ChatRequest) -> list[ChatRequest]:
+    """The answers a request asks for, one plan each: with a seed, the n-th's is the seed plus n
+    (each answer as a request with that seed gives it); without, each draws its own."""
+    seed = asked.opts.seed
+    if asked.n == 1 or seed is None:
+        return [asked] * asked.n
+    return [dataclasses.replace(asked, opts=dataclasses.replace(asked.opts, sampling={
+        **asked.opts.sampling, "seed": (seed + i) % (MAX_SEED + 1)})) for i in range(asked.n)]
 
 
 def _top(value: Any, field: str) -> int:
@@ -299,7 +313,8 @@ def completion_request(body: Mapping[str, Any], base: TurnOptions) -> ChatReques
         raise RequestError("prompt must be a text that is not empty (one prompt a request)")
     logprobs = body.get("logprobs")  # (here the count of the likeliest beside each token)
     plan = chat_plan({k: v for k, v in body.items() if k not in ("response_format", "logprobs")}, base)
-    return ChatRequest(plan, [], prompt, logprobs=None if logprobs is None else _top(logprobs, "logprobs"))
+    return ChatRequest(plan, [], prompt, logprobs=None if logprobs is None else _top(logprobs, "logprobs"),
+                       n=body.get("n") or 1)
 
 
 def ollama_request(body: Mapping[str, Any], base: TurnOptions, generate: bool = False) -> ChatRequest:

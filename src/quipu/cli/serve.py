@@ -141,7 +141,7 @@ class Api:
 
     openai: bool
     make: Callable[..., ChatRequest]
-    whole: Callable[[Answer, dict[str, Any]], dict[str, Any]]
+    whole: Callable[[list[Answer], dict[str, Any]], dict[str, Any]]
     stream: Callable[[Served, ChatRequest, dict[str, Any]], AsyncIterator[str]]
     generate: bool = False  # Ollama's /api/generate: a prompt, where /api/chat has messages
 
@@ -162,8 +162,9 @@ def apis() -> dict[str, Api]:
     from quipu.app import serve_bodies as bodies
     from quipu.app.serve_plan import chat_request, completion_request, ollama_request
 
-    def ollama_whole(generate: bool) -> Callable[[Answer, dict[str, Any]], dict[str, Any]]:
-        def whole(answer: Answer, head: dict[str, Any]) -> dict[str, Any]:
+    def ollama_whole(generate: bool) -> Callable[[list[Answer], dict[str, Any]], dict[str, Any]]:
+        def whole(answers: list[Answer], head: dict[str, Any]) -> dict[str, Any]:
+            [answer] = answers  # (Ollama's API asks for one)
             piece = bodies.ollama_piece(answer.model, head["created_at"], answer.text, answer.reasoning,
                                         generate=generate, calls=bodies.waiting_calls(answer))
             return {**piece, **bodies.ollama_reply(answer, head["created_at"])}
@@ -193,7 +194,7 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, origins:
     from starlette.routing import Route
 
     from quipu.app import serve_bodies as bodies
-    from quipu.app.serve_plan import as_session_turn, embed_inputs, keep_alive, load_only
+    from quipu.app.serve_plan import as_session_turn, choices, embed_inputs, keep_alive, load_only
     from quipu.app.serve import ReplySink
 
     names = {host_in_url(host)} | ({"localhost", "127.0.0.1", "[::1]"} if loopback(host) else set())
@@ -252,7 +253,7 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, origins:
             return StreamingResponse(api.stream(served, plan, {**head, "body": body}), media_type=api.media_type,
                                      headers={"Cache-Control": "no-cache"})
         try:
-            done = await asyncio.to_thread(served.chat, plan, ReplySink())
+            done = [await asyncio.to_thread(served.chat, each, ReplySink()) for each in choices(plan)]
         except Exception as exc:
             return shaped(api, exc)
         return JSONResponse(api.whole(done, head))
@@ -413,6 +414,7 @@ async def openai_stream(served: Served, plan: ChatRequest, head: dict[str, Any],
     the calls a reply ends with as one delta; the usage last where the request asked for it."""
     from quipu.app.serve_bodies import FINISH, chat_logprobs, error_body, openai_calls, text_logprobs
     from quipu.app.serve_bodies import usage as usage_of
+    from quipu.app.serve_plan import choices
 
     options = head["body"].get("stream_options")
     usage = isinstance(options, dict) and options.get("include_usage") is True
@@ -422,28 +424,34 @@ async def openai_stream(served: Served, plan: ChatRequest, head: dict[str, Any],
                                       "chat.completion.chunk", "created": head["created"], "model": plan.model,
                                       "choices": choices, **more}) + "\n\n"
 
-    def choice(piece: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> list[dict[str, Any]]:
+    def choice(index: int, piece: dict[str, Any], finish: str | None = None, logprobs: Any = None
+               ) -> list[dict[str, Any]]:
         if plain:
-            return [{"index": 0, "text": piece.get("content", ""), "logprobs": logprobs, "finish_reason": finish}]
-        return [{"index": 0, "delta": piece, "finish_reason": finish, "logprobs": logprobs}]
+            return [{"index": index, "text": piece.get("content", ""), "logprobs": logprobs, "finish_reason": finish}]
+        return [{"index": index, "delta": piece, "finish_reason": finish, "logprobs": logprobs}]
 
-    if not plain:
-        yield chunk(choice({"role": "assistant", "content": ""}))
-    async for kind, value in events(served, plan):
-        if kind == "done":
-            answer: Answer = value
-            calls = [] if plain else openai_calls(answer, streamed=True)
-            if calls:
-                yield chunk(choice({"tool_calls": calls}))
-            # (each drawn token's log probability, where asked for, comes with the end)
-            logprobs = text_logprobs(answer) if plain else chat_logprobs(answer)
-            yield chunk(choice({}, FINISH.get(answer.finish_reason, "stop"), logprobs))
-            if usage:
-                yield chunk([], usage=usage_of(answer))
-        elif kind == "error":
-            yield "data: " + json.dumps(error_body(value)[1]) + "\n\n"
-        else:
-            yield chunk(choice({kind: value}))
+    answers: list[Answer] = []
+    for index, each in enumerate(choices(plan)):  # (n answers: one after the other)
+        if not plain:
+            yield chunk(choice(index, {"role": "assistant", "content": ""}))
+        async for kind, value in events(served, each):
+            if kind == "done":
+                answer: Answer = value
+                answers.append(answer)
+                calls = [] if plain else openai_calls(answer, streamed=True)
+                if calls:
+                    yield chunk(choice(index, {"tool_calls": calls}))
+                # (each drawn token's log probability, where asked for, comes with the end)
+                logprobs = text_logprobs(answer) if plain else chat_logprobs(answer)
+                yield chunk(choice(index, {}, FINISH.get(answer.finish_reason, "stop"), logprobs))
+            elif kind == "error":
+                yield "data: " + json.dumps(error_body(value)[1]) + "\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            else:
+                yield chunk(choice(index, {kind: value}))
+    if usage:
+        yield chunk([], usage=usage_of(answers))
     yield "data: [DONE]\n\n"
 
 
