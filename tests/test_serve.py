@@ -596,3 +596,22 @@ def test_n_answers_are_each_the_answer_of_its_own_seed(home, tiny_model, tmp_pat
             for ch in chunk.choices:
                 pieces[ch.index] += ch.delta.content or ""
         assert [pieces[0], pieces[1]] == alone[:2]
+
+
+def test_a_client_that_goes_away_stops_its_reply(quipu, home, bundled_model, tmp_path):
+    import time
+
+    body = {"messages": [{"role": "user", "content": "Write a very long story about a river."}], "stream": True,
+            "max_tokens": 3000, "temperature": 1.0, "seed": 3}
+    with quipu_serve(home, bundled_model, tmp_path=tmp_path) as url:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if '"content": "' in line and '"content": ""' not in line:
+                        break  # (a piece of the reply came: the client goes away)
+            deadline = time.monotonic() + 120
+            while http.get("/health").json()["requests"] and time.monotonic() < deadline:
+                time.sleep(0.05)  # (until the reply is over: the outcome is what the log says of it)
+    [logged] = [json.loads(line) for line in quipu("logs", "-n", "1", "--json").stdout.decode().splitlines()]
+    assert logged["command"] == "serve" and logged["finish_reason"] == "interrupted"
+    assert logged["completion_tokens"] < 3000
