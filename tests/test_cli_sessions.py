@@ -329,3 +329,12 @@ def test_a_full_session_says_how_to_go_on(quipu, tiny_model):
     assert r.returncode == 2 and "session 'f' is full" in err and "--ctx" in err and "/trim" in err
     r = tiny(quipu, tiny_model, "--ctx", "1024", "-S", "f", "-n", "4", "more room")
     assert r.returncode == 0 and "other context settings" in r.stderr.decode()
+
+
+def test_sessions_show_in_a_pipe_is_not_wrapped_and_escapes_control_characters(quipu, tiny_model):
+    long = "word " * 40 + "end."
+    r = tiny(quipu, tiny_model, "-S", "wide", "-n", "2", long + "\nnext line \x1b[2J")
+    assert r.returncode == 0, r.stderr.decode()
+    shown = quipu("sessions", "show", "wide").stdout.decode()
+    assert long + "\nnext line \\x1b[2J" in shown  # (one line as long as it is, its break kept)
+    assert "\x1b[2J" not in shown

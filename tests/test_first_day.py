@@ -261,7 +261,14 @@ def test_a_bare_command_prints_its_help_as_help_does(quipu, command):
 
 
 @pytest.mark.parametrize("args, said", [
-    (["run", "-c", "2048", "hi"], "no option -c here: the context size is --ctx"),
+    (["run", "-c", "2048", "hi"], "no option -c here: the context size is --ctx, and llm's -c (go on with the last "
+                                  "answer) is -F"),
+    (["logs", "-c"], "no option -c here: llm's -c (go on with the last answer) is `quipu run -F`"),
+    (["run", "-o", "temperature", "0", "hi"], "no option -o here: llm's -o NAME VALUE is an option of its own here: "
+                                               "-t 0 for the temperature"),
+    (["logs", "--temp", "0"], "No such option: --temp"),  # (logs takes no temperature: no hint names one)
+    (["run", "--continue", "more"], "--continue cannot be used with a one-shot run (-S NAME goes on with a session; "
+                                    "-F, with the last answer)"),
     (["run", "-p", "hi"], 'no option -p here: the prompt is the argument itself: quipu run "..."'),
     (["run", "--temp", "0", "hi"], "no option --temp here: the temperature is --temperature (-t)"),
     (["chat", "--n-gpu-layers", "9"], "no option --n-gpu-layers here: the layers on the GPU are --gpu-layers (-ngl)"),

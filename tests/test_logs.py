@@ -254,3 +254,13 @@ def test_a_logged_conversation_becomes_a_named_session(quipu):
     assert "My name is Ada." in r.stdout.decode() and "Remember it." in r.stdout.decode()
     r = quipu("logs", "show", str(last["id"]), "--to-session", "ada")
     assert r.returncode == 2 and "exists already" in r.stderr.decode()
+
+
+def test_logs_show_keeps_line_breaks_and_escapes_control_characters(quipu):
+    r = quipu("run", *SHORT, "--system", "Be brief.\nBe kind.", "First line.\nSecond line \x1b[31mred.")
+    assert r.returncode == 0, r.stderr.decode()
+    [record] = logged(quipu)
+    shown = quipu("logs", "show", str(record["id"])).stdout.decode()
+    # (line breaks are text, on a terminal and in a pipe; a terminal's control sequence is not)
+    assert "Be brief.\nBe kind." in shown and "First line.\nSecond line \\x1b[31mred." in shown
+    assert "\\n" not in shown and "\x1b[31m" not in shown

@@ -249,7 +249,7 @@ def test_a_tool_that_fails_gives_its_error_to_the_model(quipu, tiny_model, tmp_p
     ({"a.py": "def f(x: int): return x\n"}, ["--functions", "a.py", "--schema", "{}"], "not both"),
     ({"a.py": "def f(x: int): return x\n"}, ["--functions", "a.py", "--tool-choice", "g"], "not 'g'"),
     ({"a.py": "def f(x: int): return x\n"}, ["--functions", "a.py", "--chain-limit", "0"], "--chain-limit must be"),
-    ({}, ["--tool-result", "x=1"], "--tool-result cannot be used with a one-shot run (give -S NAME"),
+    ({}, ["--tool-result", "x=1"], "--tool-result cannot be used with a one-shot run (-S NAME goes on"),
     ({}, ["--continue"], "--continue cannot be used with a one-shot run"),
 ])
 def test_bad_tools_are_one_line_usage_errors(quipu, tiny_model, tmp_path, files, args, words):

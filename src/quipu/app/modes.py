@@ -40,7 +40,8 @@ class Mode:
     refuses: frozenset[str]
 
 
-ONE_SHOT = Mode("a one-shot run (give -S NAME for a session)", frozenset({"continue", "tool_results"}))
+ONE_SHOT = Mode("a one-shot run (-S NAME goes on with a session; -F, with the last answer)",
+                frozenset({"continue", "tool_results"}))
 FROM_MESSAGES = Mode("--messages (a conversation of its own)", frozenset({"session", "continue", "raw",
                                                                          "tool_results", "follow_up"}))
 SESSION = Mode("--session (a session is a conversation)", frozenset({"raw", "follow_up"}))

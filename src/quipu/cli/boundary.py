@@ -173,28 +173,47 @@ def typer_exit(exc: Exception, debug: bool) -> int | None:
     return None
 
 
-# Other tools' spellings (llama.cpp's programs, Ollama's) of what quipu calls otherwise.
-OTHER_SPELLINGS = {
-    "-c": "the context size is --ctx", "--ctx-size": "the context size is --ctx",
-    "-p": 'the prompt is the argument itself: quipu run "..."', "--prompt": 'the prompt is the argument itself: '
-    'quipu run "..."', "-f": "a file's text is piped in (quipu run \"...\" < FILE) or attached (-a FILE)",
-    "--file": "a file's text is piped in (quipu run \"...\" < FILE) or attached (-a FILE)",
-    "--n-gpu-layers": "the layers on the GPU are --gpu-layers (-ngl)", "--temp": "the temperature is --temperature (-t)",
-    "--n-predict": "the most tokens to generate is --max-tokens (-n)",
-    "--predict": "the most tokens to generate is --max-tokens (-n)",
-    "-ctk": "the KV cache type is --kv-type", "--cache-type-k": "the KV cache type is --kv-type",
-    "-fa": "flash attention is --flash-attn", "-sys": "the system prompt is --system (-s)",
-    "--system-prompt": "the system prompt is --system (-s)", "--format": "JSON for scripts is --json; a reply kept "
-    "to a JSON Schema is --schema",
+# Other tools' spellings (llama.cpp's programs, Ollama's, llm's) of what quipu calls otherwise: for
+# each, the hints in turn, each with the option of quipu's it names (a hint is said only where the
+# command takes that option; None: said wherever the spelling is met).
+CTX, FOLLOW = "the context size is --ctx", "llm's -c (go on with the last answer) is -F"
+OTHER_SPELLINGS: dict[str, list[tuple[str | None, str]]] = {
+    "-c": [("--ctx", f"{CTX}, and {FOLLOW}"), (None, "llm's -c (go on with the last answer) is `quipu run -F` "
+                                                     "(or --cid ID, an answer `quipu logs` lists)")],
+    "--ctx-size": [("--ctx", CTX)],
+    "-p": [("--temperature", 'the prompt is the argument itself: quipu run "..."')],
+    "--prompt": [("--temperature", 'the prompt is the argument itself: quipu run "..."')],
+    "-f": [("--attach", "a file's text is piped in (quipu run \"...\" < FILE) or attached (-a FILE)")],
+    "--file": [("--attach", "a file's text is piped in (quipu run \"...\" < FILE) or attached (-a FILE)")],
+    "--n-gpu-layers": [("--gpu-layers", "the layers on the GPU are --gpu-layers (-ngl)")],
+    "--temp": [("--temperature", "the temperature is --temperature (-t)")],
+    "--n-predict": [("--max-tokens", "the most tokens to generate is --max-tokens (-n)")],
+    "--predict": [("--max-tokens", "the most tokens to generate is --max-tokens (-n)")],
+    "-ctk": [("--kv-type", "the KV cache type is --kv-type")],
+    "--cache-type-k": [("--kv-type", "the KV cache type is --kv-type")],
+    "-fa": [("--flash-attn", "flash attention is --flash-attn")],
+    "-sys": [("--system", "the system prompt is --system (-s)")],
+    "--system-prompt": [("--system", "the system prompt is --system (-s)")],
+    "--format": [("--schema", "JSON for scripts is --json; a reply kept to a JSON Schema is --schema")],
+    "-o": [("--temperature", "llm's -o NAME VALUE is an option of its own here: -t 0 for the temperature, -n for "
+                             "the length, --top-p, --seed ... (--help lists them)")],
+    "--option": [("--temperature", "llm's -o NAME VALUE is an option of its own here: -t 0 for the temperature, -n "
+                                   "for the length, --top-p, --seed ... (--help lists them)")],
 }
 
 
 def other_tools_spelling(exc: Exception, ctx: Any) -> str | None:  # (click's context, where Typer gave one)
     """What quipu calls a thing another tool spells otherwise, where the error shows such a habit:
-    an option of llama.cpp's or Ollama's, or Ollama's `run MODEL PROMPT`."""
+    an option of llama.cpp's, Ollama's or llm's (named only where the command takes what the hint
+    names), or Ollama's `run MODEL PROMPT`."""
     option = getattr(exc, "option_name", None)
     if isinstance(option, str) and option in OTHER_SPELLINGS:
-        return f"no option {option} here: {OTHER_SPELLINGS[option]}"
+        command = getattr(ctx, "command", None)
+        takes = {o for p in getattr(command, "params", ()) for o in getattr(p, "opts", ())}
+        for needs, hint in OTHER_SPELLINGS[option]:
+            if needs is None or needs in takes:
+                return f"no option {option} here: {hint}"
+        return None
     params = getattr(ctx, "params", None) or {}
     first = params.get("prompt")
     if isinstance(first, str) and "unexpected extra argument" in str(exc) and looks_like_a_model(first):

@@ -93,18 +93,18 @@ def show(context: typer.Context, record: int = typer.Argument(..., help="The ans
     out = [term.dim(f"#{r.id}  {_when(r.at)}  {shown(r.model)}  ({r.command}"
                     + (f", session {shown(r.session)}" if r.session else "") + f", conversation {shown(r.conversation)})")]
     if r.system:
-        out += [term.dim("system:"), shown(r.system)]
-    out += [term.dim("prompt:"), shown(r.prompt)]
+        out += [term.dim("system:"), shown(r.system, lines=True)]  # (its line breaks are text: kept)
+    out += [term.dim("prompt:"), shown(r.prompt, lines=True)]
     if r.attachments:
         out.append(term.dim("attached: " + ", ".join(shown(a.get("name", "?")) for a in r.attachments)))
     if r.reasoning:
-        out += [term.dim("reasoning:"), term.dim(shown(r.reasoning))]
+        out += [term.dim("reasoning:"), term.dim(shown(r.reasoning, lines=True))]
     for call in r.tool_calls:
         out.append(term.dim(f"call: {shown(json.dumps(call, ensure_ascii=False))}"))
-    out += [term.dim("answer:"), shown(r.answer)]
+    out += [term.dim("answer:"), shown(r.answer, lines=True)]
     usage = f"{r.prompt_tokens} prompt tokens ({r.cached_tokens} cached), {r.completion_tokens} generated" \
         if r.prompt_tokens is not None else ""
-    settings = ", ".join(f"{k}={v}" for k, v in r.options.items())
+    settings = shown(", ".join(f"{k}={v}" for k, v in r.options.items()))
     out.append(term.dim(f"finish {r.finish_reason}" + (f"; {usage}" if usage else "") + (f"; {settings}" if settings else "")))
     term.stdout.write("\n".join(out) + "\n")
 

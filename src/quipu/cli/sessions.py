@@ -57,20 +57,24 @@ def show(context: typer.Context, name: str = NAME) -> None:
 
     from quipu.app.manage import spelled_calls, transcript
 
+    from quipu.shown import shown
+
     term = Terminal.detect()
     data = transcript(context.obj, name)
-    console = Console(file=term.stdout, no_color=not term.color, highlight=False)
-    console.print(Text(f"{data['name']} · {data['model']} · {data['context_tokens']} tokens · {data['updated']}", style="dim"))
+    # (wrapped at words on a terminal; in a pipe, each line as it is)
+    console = Console(file=term.stdout, no_color=not term.color, highlight=False, soft_wrap=not term.stdout_tty)
+    console.print(Text(f"{data['name']} · {shown(str(data['model']))} · {data['context_tokens']} tokens · "
+                       f"{data['updated']}", style="dim"))
     for m in data["messages"]:
         style = {"system": "magenta", "user": "bold cyan", "assistant": "bold green", "tool": "yellow"}.get(m["role"], "")
-        console.print(Text(f"\n{m['role']}" + (f" ({m['name']})" if m["role"] == "tool" and m.get("name") else ""),
-                           style=style))
+        console.print(Text(f"\n{m['role']}" + (f" ({shown(str(m['name']))})" if m["role"] == "tool" and m.get("name")
+                                                else ""), style=style))
         if m.get("reasoning"):
-            console.print(Text(m["reasoning"], style="dim"))
+            console.print(Text(shown(m["reasoning"], lines=True), style="dim"))
         if m["content"]:
-            console.print(Text(m["content"]))
+            console.print(Text(shown(m["content"], lines=True)))
         for call in spelled_calls(m):
-            console.print(Text(f"→ {call}", style="dim"))
+            console.print(Text(f"→ {shown(call)}", style="dim"))
 
 
 @app.command()
