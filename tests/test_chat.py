@@ -562,3 +562,20 @@ def test_undo_reads_nothing_again_but_after_system_the_conversation_is_read_agai
     stats = r.chat.last_stats
     # (all of it but what comes before the system prompt's text: the template's opening)
     assert stats.cached_tokens < 8 and stats.prefill_tokens == stats.prompt_tokens - stats.cached_tokens > 60
+
+
+@pytest.mark.parametrize("leave", ["/quit", "/bye", "/exit", "/QUIT"])
+def test_quit_and_bye_leave_as_exit_does(repl, leave):
+    r, out, err = repl
+    r.safely(leave)
+    assert r.running is False
+
+
+def test_show_says_the_model_the_session_and_its_settings(repl):
+    r, out, err = repl
+    r.safely("hello")
+    r.safely("/set temperature 0.5")
+    r.safely("/show")
+    said = err.getvalue()
+    assert "session 'unit' on tiny" in said and "context " in said and " tokens" in said
+    assert "temperature" in said and "0.5" in said and r.running

@@ -124,12 +124,18 @@ def _system(repl: "Repl", arg: str) -> None:
     repl.say("system prompt set" if arg.strip() else "system prompt removed")
 
 
+def _settings(repl: "Repl") -> None:
+    from quipu.shown import shown
+
+    for key, value, origin in repl.chat.settings():
+        said = "random" if value is None else value
+        repl.say(f"  {key:<15} {shown(str(said)):<22} {origin}")
+
+
 def _set(repl: "Repl", arg: str) -> None:
     parts = arg.split(None, 1)
     if not parts:
-        for key, value, origin in repl.chat.settings():
-            shown = "random" if value is None else value
-            repl.say(f"  {key:<15} {shown!s:<22} {origin}")
+        _settings(repl)
         repl.say("the session keeps them all; /set KEY VALUE changes one")
         return
     if len(parts) != 2 or (parts[0] != "stop" and len(parts[1].split()) != 1):
@@ -231,6 +237,16 @@ def _trim(repl: "Repl", _arg: str) -> None:
     repl.say(f"dropped {dropped} old messages; the system prompt stays")
 
 
+def _show(repl: "Repl", _arg: str) -> None:
+    from quipu.shown import shown
+
+    chat = repl.chat
+    used, size = chat.context_used, chat.context_size
+    repl.say(f"session '{chat.name}' on {shown(chat.model_name)}; context {used}"
+             + (f" of {size} tokens" if size else " tokens (its size is the server's)"))
+    _settings(repl)
+
+
 def _new(repl: "Repl", _arg: str) -> None:
     name = repl.chat.new_session_with_system()
     repl.say(f"new session '{name}', with the same system prompt")
@@ -238,7 +254,8 @@ def _new(repl: "Repl", _arg: str) -> None:
 
 COMMANDS: list[SlashCommand] = [
     SlashCommand("help", "", "show this help", _help),
-    SlashCommand("exit", "", "leave (the session is saved)", _exit),
+    SlashCommand("exit", "", "leave (the session is saved; /quit and /bye too)", _exit),
+    SlashCommand("show", "", "the model, the session, its context and settings", _show),
     SlashCommand("save", "NAME", "save a copy of this session under another name", _save),
     SlashCommand("load", "NAME", "switch to another saved session", _load),
     SlashCommand("sessions", "", "list saved sessions", _sessions),
@@ -262,13 +279,14 @@ COMMANDS: list[SlashCommand] = [
     SlashCommand("new", "", "start a new session with the same system prompt", _new),
 ]
 BY_NAME = {c.name: c for c in COMMANDS}
+ALIASES = {"quit": "exit", "bye": "exit"}  # (what Ollama's and other chats leave with)
 
 
 def parse_command(line: str) -> tuple[SlashCommand | None, str]:
     """('/set top_k 5') -> (the set command, 'top_k 5'); unknown commands give (None, name)."""
     body = line.strip()[1:]
     name, _, arg = body.partition(" ")
-    command = BY_NAME.get(name.lower())
+    command = BY_NAME.get(ALIASES.get(name.lower(), name.lower()))
     if command is None:
         matches = [c for c in COMMANDS if c.name.startswith(name.lower())] if name else []
         command = matches[0] if len(matches) == 1 else None
