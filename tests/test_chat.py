@@ -579,3 +579,19 @@ def test_show_says_the_model_the_session_and_its_settings(repl):
     said = err.getvalue()
     assert "session 'unit' on tiny" in said and "context " in said and " tokens" in said
     assert "temperature" in said and "0.5" in said and r.running
+
+
+@pytest.mark.model
+def test_a_new_session_records_the_model_by_its_name_as_the_first_did(tmp_path):
+    from quipu.app.chat import ChatSession
+    from quipu.app.environment import Environment
+    from quipu.app.turn_options import TurnOptions
+
+    env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
+    chat = ChatSession.open(env, TurnOptions.of(max_tokens=2, seed=3), name="first")
+    try:
+        named = chat.model_name
+        chat.new_session_with_system()
+        assert chat.model_name == named == "SmolLM2-135M-Instruct"  # (not the file's stem)
+    finally:
+        chat.close()

@@ -343,7 +343,7 @@ class ChatSession:
     def new_session_with_system(self, on_progress: ProgressFn | None = None) -> str:
         """Leaves this session as it is and starts a new one with the same system prompt."""
         system = self._named.conversation.system
-        model = self._named.keeper.model_for_new(self.opts)
+        model = self._named.keeper.model_for_new(self.opts, self.env)
         opts = TurnOptions(**{**self.opts.__dict__, "system": system or "", "model": model})
         name = generate_name(set(self.store.names()))
         self._leave()

@@ -65,8 +65,8 @@ class Keeper(Protocol[S]):
     def cached(self, session: S, tokens: list[int]) -> int:
         """How many of `tokens` the prompt cache would restore (`--show-prompt`)."""
 
-    def model_for_new(self, opts: TurnOptions) -> str | None:
-        """The model a new session started from this one takes (`/new`)."""
+    def model_for_new(self, opts: TurnOptions, env: Environment) -> str | None:
+        """The model a new session started from this one takes (`/new`), as it names it."""
 
     def take_media(self, session: S, store: "SessionStore | None", media: "Sequence[Attachment]") -> str:
         """Makes a message's images and recordings ready in the session (their bytes kept in
@@ -135,7 +135,7 @@ class NoCache:
     def cached(self, session: ModelSession, tokens: list[int]) -> int:
         return 0
 
-    def model_for_new(self, opts: TurnOptions) -> str | None:
+    def model_for_new(self, opts: TurnOptions, env: Environment) -> str | None:
         return opts.model
 
     def take_media(self, session: ModelSession, store: SessionStore | None, media: Sequence[Attachment]) -> str:

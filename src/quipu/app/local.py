@@ -292,5 +292,12 @@ class LocalKeeper:
     def cached(self, session: InferenceSession, tokens: list[int]) -> int:
         return self.cache.cached(session, tokens)
 
-    def model_for_new(self, opts: TurnOptions) -> str | None:
+    def model_for_new(self, opts: TurnOptions, env: Environment) -> str | None:
+        # (by its name where the name finds this very file, so that the new session records the
+        # model as this one does; else by its file)
+        try:
+            if env.resolve_model(self.model_name)[1].resolve() == self.model_path.resolve():
+                return self.model_name
+        except UsageError:
+            pass
         return str(self.model_path)
