@@ -535,3 +535,19 @@ def test_a_pull_waiting_for_another_says_so(quipu, hub, hub_env):
         os.close(fd)  # (the other pull is done: this one goes on)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, err.decode()
+
+
+def test_offline_mode_is_said_in_whole_words(quipu):
+    r = quipu("models", "pull", "gemma3:1b", env={"HF_HUB_OFFLINE": "1"})
+    err = r.stderr.decode()
+    assert r.returncode == 1 and err.count("\n") == 1, err
+    assert "HF_HUB_OFFLINE is set, so the Hub is not asked: unset it to pull" in err
+
+
+def test_a_long_message_of_the_hub_is_cut_where_a_word_ends():
+    from quipu.app.hub import clipped
+
+    said = "Cannot reach https://huggingface.co: offline mode is enabled. To disable it, please unset the variable"
+    cut = clipped(said, 60)
+    assert cut.endswith("…") and said.startswith(cut[:-1]) and said[len(cut) - 1] == " " and len(cut) <= 61
+    assert clipped("short", 60) == "short"

@@ -190,12 +190,23 @@ class HubErrors:
         if isinstance(exc, errors.HfHubHTTPError):
             status = getattr(getattr(exc, "response", None), "status_code", "?")
             raise HubError(f"{where} answered {status} for '{self.repo}'") from None
+        if isinstance(exc, errors.OfflineModeIsEnabled):
+            raise HubError("HF_HUB_OFFLINE is set, so the Hub is not asked: unset it to pull; a model can also be "
+                           "given as the path of a .gguf file") from None
         if type(exc).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2") or isinstance(
-                exc, (ConnectionError, TimeoutError, errors.OfflineModeIsEnabled)):
-            said = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+                exc, (ConnectionError, TimeoutError)):
+            said = clipped(str(exc).splitlines()[0], 120) if str(exc) else type(exc).__name__
             raise HubError(f"cannot reach the Hub at {where} (HF_ENDPOINT): {said}; a model can also be given as "
                            "the path of a .gguf file") from None
         return False
+
+
+def clipped(text: str, most: int) -> str:
+    """`text`, or as much of it as `most` characters hold, cut where a word ends."""
+    if len(text) <= most:
+        return text
+    cut = text[:most].rsplit(" ", 1)[0] if " " in text[:most] else text[:most]
+    return cut.rstrip(" ,;:") + "…"
 
 
 # A name the Hub gives a version or a blob (a commit's 40 hex digits, a checksum): joined to a
