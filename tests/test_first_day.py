@@ -333,3 +333,21 @@ def test_a_ctx_past_the_training_length_is_said_once(quipu, tiny_model):
         "quipu: warning: --ctx 4096 is past the 2048 tokens this model was trained on; "
         "past them its replies may come apart")
     assert quipu("run", "-m", tiny_model, "--ctx", "2048", "-n", "2", "hi").stderr == b""
+
+
+def test_no_help_says_a_default_twice():
+    import typer.main
+
+    from quipu.cli import build_app
+
+    def commands(group, path):
+        yield path, group
+        for name, sub in getattr(group, "commands", {}).items():
+            yield from commands(sub, path + [name])
+
+    root = typer.main.get_command(build_app())
+    for path, command in commands(root, []):
+        for param in command.params:
+            text = getattr(param, "help", None) or ""
+            shows_default = getattr(param, "show_default", None) is not False and param.default not in (None, False)
+            assert not ("(default" in text and shows_default and not param.is_flag), (path, param.name, text)

@@ -25,7 +25,7 @@ def register(root: typer.Typer) -> None:
 
 @app.callback()
 def logs(context: typer.Context,
-         count: int = typer.Option(10, "-n", "--count", help="How many answers (default: 10)."),
+         count: int = typer.Option(10, "-n", "--count", help="How many answers."),
          query: Optional[str] = typer.Option(None, "-q", "--query", help="Only answers with these words (SQLite's "
                                              "full-text search: \"a phrase\", OR, NOT, prefix*), best match first."),
          model: Optional[str] = typer.Option(None, "-m", "--model", help="Only answers of models whose name holds "
