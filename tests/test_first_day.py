@@ -351,3 +351,21 @@ def test_no_help_says_a_default_twice():
             text = getattr(param, "help", None) or ""
             shows_default = getattr(param, "show_default", None) is not False and param.default not in (None, False)
             assert not ("(default" in text and shows_default and not param.is_flag), (path, param.name, text)
+
+
+def test_a_first_argument_that_is_no_command_is_run_s_prompt(quipu, tiny_model):
+    as_run = quipu("run", "-m", tiny_model, "-t", "0", "-n", "4", "What is a river?")
+    bare = quipu("What is a river?", "-m", tiny_model, "-t", "0", "-n", "4")
+    assert bare.returncode == 0 and bare.stdout == as_run.stdout and bare.stdout.strip()
+    typo = quipu("sesions")
+    assert typo.returncode == 2 and "Did you mean 'sessions'?" in typo.stderr.decode()
+    helped = quipu("help")
+    assert helped.returncode == 0 and helped.stdout.decode().startswith("Usage: quipu ")
+
+
+def test_the_commands_quipu_knows_by_name_are_those_it_has():
+    import typer.main
+
+    from quipu.cli import COMMANDS, build_app
+
+    assert sorted(typer.main.get_command(build_app()).commands) == sorted(COMMANDS)

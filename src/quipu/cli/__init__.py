@@ -19,6 +19,27 @@ if TYPE_CHECKING:
     import typer
 
 
+# The commands, by name (`build_app` registers each; a test holds the two together).
+COMMANDS = ("run", "chat", "sessions", "logs", "roles", "models", "config", "embed", "cache", "doctor", "serve")
+
+
+def as_prompt(argv: list[str]) -> list[str]:
+    """`quipu "question" [OPTIONS]`: a first argument that is no command is `run`'s prompt (llm's
+    habit); but one word near a command's name is taken for a typo of it (Typer says which), and
+    `quipu help` is `quipu --help`."""
+    if not argv or argv[0].startswith("-") or argv[0] in COMMANDS:
+        return argv
+    first = argv[0]
+    if first == "help":
+        return ["--help", *argv[1:]]
+    if len(first.split()) == 1:
+        import difflib
+
+        if difflib.get_close_matches(first.lower(), COMMANDS, n=1, cutoff=0.6):
+            return argv
+    return ["run", *argv]
+
+
 def build_app() -> typer.Typer:
     import typer
 
@@ -84,6 +105,7 @@ def _main(argv: list[str]) -> None:
         return
     from quipu.cli.boundary import guarded, run_app
 
+    argv = as_prompt(argv)
     if argv[:1] == ["run"] and "_QUIPU_COMPLETE" not in os.environ:
         # A plain `quipu run` skips Typer: a short run is a short process (see spec.py).
         from quipu.cli import run
