@@ -595,3 +595,14 @@ def test_a_new_session_records_the_model_by_its_name_as_the_first_did(tmp_path):
         assert chat.model_name == named == "SmolLM2-135M-Instruct"  # (not the file's stem)
     finally:
         chat.close()
+
+
+@pytest.mark.model
+def test_a_chat_left_before_anything_was_said_keeps_no_session(home, quipu):
+    child = spawn(home)
+    child.sendeof()
+    child.expect("nothing was said: no session is kept")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    assert json.loads(quipu("sessions", "list", "--json").stdout) == []

@@ -346,15 +346,18 @@ class ChatSession:
         model = self._named.keeper.model_for_new(self.opts, self.env)
         opts = TurnOptions(**{**self.opts.__dict__, "system": system or "", "model": model})
         name = generate_name(set(self.store.names()))
-        self._leave()
+        self.leave()
         self._switch(name, on_progress, opts, kept=self.keep_unnamed)
         return name
 
-    def _leave(self) -> None:
-        """Before another session is opened: this one saved, unless it is new and nothing was said
-        in it (a session comes to be on disk with its first turn, as a chat begun and left does not)."""
+    def leave(self) -> bool:
+        """As the chat ends, or before another session is opened: this one saved, unless it is new
+        and nothing was said in it (a session comes to be on disk with its first turn, as a chat
+        begun and left does not). Whether it is kept."""
         if any(m.role != "system" for m in self.messages) or self.store.exists(self.name):
             self.save()
+            return self.kept
+        return False
 
     def set_option(self, key: str, value: str) -> Any:
         """`/set KEY VALUE`: a setting for the next replies, kept by the session; its value as read."""
@@ -390,7 +393,7 @@ class ChatSession:
             raise UsageError(f"session '{name}' is already open")
         if not self.store.exists(name):
             raise UsageError(f"no session named '{name}'")
-        self._leave()
+        self.leave()
         self._switch(name, on_progress, TurnOptions(verbose=self.opts.verbose, threads=self.opts.threads,
                                                     server=self.opts.server))
 

@@ -291,8 +291,10 @@ class Repl:
             except EOFError:
                 break
             self.safely(line)
-        self.chat.save()
-        self.say(f"saved session '{self.chat.name}'; `quipu chat --resume` continues it")
+        if self.chat.leave():
+            self.say(f"saved session '{self.chat.name}'; `quipu chat --resume` continues it")
+        else:
+            self.say("nothing was said: no session is kept")
         return 0
 
     def recap(self, last: int = 4, lines: int = 3) -> None:
