@@ -338,3 +338,45 @@ def test_sessions_show_in_a_pipe_is_not_wrapped_and_escapes_control_characters(q
     shown = quipu("sessions", "show", "wide").stdout.decode()
     assert long + "\nnext line \\x1b[2J" in shown  # (one line as long as it is, its break kept)
     assert "\x1b[2J" not in shown
+
+
+@pytest.mark.model
+def test_sessions_list_shows_local_time_in_one_format_and_the_whole_size(quipu, home):
+    import re
+    from datetime import datetime, timedelta, timezone
+
+    for text in ("one", "two"):  # (a second turn adds to the state's log)
+        assert quipu("run", "-S", "when", "-n", "2", text).returncode == 0
+    root = home / "data" / "sessions"
+    whole = sum((root / f"when.{ext}").stat().st_size for ext in ("json", "kv", "kvlog"))
+    assert (root / "when.kvlog").stat().st_size > 0
+    [listed] = json.loads(quipu("sessions", "list", "--json").stdout)
+    assert listed["size_bytes"] == whole
+    updated = datetime.fromisoformat(listed["updated"])
+    table = quipu("sessions", "list", env={"TZ": "Asia/Kolkata"}).stdout.decode()
+    there = (updated.astimezone(timezone.utc) + timedelta(hours=5, minutes=30)).strftime("%Y-%m-%d %H:%M")
+    assert there in table and not re.search(r"\d[T+]\d|\+00:00", table)  # (local, to the minute)
+
+
+def test_sessions_in_a_chat_fit_a_100_column_terminal(tmp_path, tiny_model):
+    import io
+
+    from quipu.app.chat import ChatSession
+    from quipu.app.environment import Environment
+    from quipu.app.turn_options import TurnOptions
+    from quipu.cli.repl import Repl
+    from quipu.cli.terminal import Terminal
+
+    env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
+    err = io.StringIO()
+    term = Terminal(io.StringIO(), io.StringIO(), err, False, False, False, False)
+    chat = ChatSession.open(env, TurnOptions.of(model=str(tiny_model), max_tokens=2),
+                            name="a-rather-long-session-name-for-a-chat-about-rivers")
+    try:
+        repl = Repl(chat, term, env)
+        repl.safely("hello")
+        repl.safely("/sessions")
+    finally:
+        chat.close()
+    lines = [line for line in err.getvalue().splitlines() if "tokens" in line and "turn" in line]
+    assert lines and all(len(line) <= 100 for line in lines), lines

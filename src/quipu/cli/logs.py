@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import TYPE_CHECKING, List, Optional
 
 import typer
@@ -53,7 +52,9 @@ def logs(context: typer.Context,
 
 
 def _when(at: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(at))
+    from quipu.cli.terminal import local_time
+
+    return local_time(at)
 
 
 def _one_line(text: str | None, width: int) -> str:

@@ -29,6 +29,8 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
     from rich.table import Table
 
     from quipu.app.manage import exposed_folders, list_sessions
+    from quipu.cli.terminal import local_time
+    from quipu.shown import shown
 
     term = Terminal.detect()
     infos, damaged = list_sessions(context.obj)
@@ -42,7 +44,8 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
     else:
         table = Table("name", "model", "turns", "tokens", "size", "last used", box=None, pad_edge=False)
         for i in infos:
-            table.add_row(i.name, i.model, str(i.turns), str(i.tokens), human_size(i.size_bytes), i.updated.replace("T", " "))
+            table.add_row(i.name, shown(i.model), str(i.turns), str(i.tokens), human_size(i.size_bytes),
+                          local_time(i.updated))
         Console(file=term.stdout, no_color=not term.color, highlight=False,
                 width=None if term.stdout_tty else 400).print(table)
     for name in damaged:

@@ -93,10 +93,14 @@ def _sessions(repl: "Repl", _arg: str) -> None:
     if not infos:
         repl.say("no saved sessions")
         return
-    for i in infos:
+    from quipu.cli.terminal import fit, local_time
+    from quipu.shown import shown
+
+    for i in infos:  # (in 96 columns: a 100-column terminal holds every line)
         mark = "*" if i.name == repl.chat.name else " "
         turns = f"{i.turns:>3} turn{'' if i.turns == 1 else 's'}"
-        repl.say(f" {mark} {i.name:<28} {i.model:<24} {turns:<9} {i.tokens:>6} tokens  {i.updated}")
+        repl.say(f" {mark} {fit(i.name, 24):<24}  {fit(shown(i.model), 22):<22}  {turns:<9} {i.tokens:>6} tokens  "
+                 f"{local_time(i.updated)}")
 
 
 def _reset(repl: "Repl", _arg: str) -> None:

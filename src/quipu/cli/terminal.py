@@ -236,6 +236,27 @@ def read_stdin(term: Terminal) -> str | None:
         return str(data.decode("utf-8", errors="replace"))
 
 
+def local_time(when: float | str) -> str:
+    """A moment (seconds since the epoch, or an ISO 8601 text with its offset) in this machine's
+    time, to the minute: the one way quipu shows a time."""
+    import time
+    from datetime import datetime
+
+    if isinstance(when, str):
+        try:
+            seconds = datetime.fromisoformat(when).timestamp()
+        except ValueError:
+            return when[:16].replace("T", " ")  # (a time quipu did not write so: shown as it is)
+    else:
+        seconds = when
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(seconds))
+
+
+def fit(text: str, width: int) -> str:
+    """`text` in at most `width` characters, cut with an ellipsis."""
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
 def human_size(n: float) -> str:
     """A size in bytes as people read it (KB, MB, GB of 1,024)."""
     for unit in ("B", "KB", "MB", "GB"):

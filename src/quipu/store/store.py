@@ -264,12 +264,14 @@ class SessionStore:
         state = self.state_path(name)
         transcript_stat = self.transcript_path(name).stat()
         state_size = state.stat().st_size if state.exists() else None
+        log = self.log_path(name)
+        log_size = log.stat().st_size if log.exists() else 0
         return SessionInfo(
             name=name,
             model=str(record.model.get("name", "?")),
             turns=record.turns,
             tokens=len(record.tokens),
-            size_bytes=transcript_stat.st_size + (state_size or 0),
+            size_bytes=transcript_stat.st_size + (state_size or 0) + log_size,  # (the state's later pieces too)
             updated=record.updated,
             has_state=state_size is not None,
             saved_ns=transcript_stat.st_mtime_ns,
