@@ -606,3 +606,16 @@ def test_a_chat_left_before_anything_was_said_keeps_no_session(home, quipu):
     child.close()
     assert child.exitstatus == 0
     assert json.loads(quipu("sessions", "list", "--json").stdout) == []
+
+
+@pytest.mark.parametrize("config, code, words", [
+    ("[chat]\nmarkdown = true\n", 0, ""),
+    ("markdown = true\n", 2, "'markdown' goes in a table: [chat] then markdown = ... under it"),
+    ("[chat]\nmarkdown = \"yes\"\n", 2, "[chat] markdown must be true or false"),
+])
+def test_the_config_says_whether_the_chat_renders_markdown(home, tiny_model, config, code, words):
+    (home / "config").mkdir(exist_ok=True)
+    (home / "config" / "config.toml").write_text(config)
+    for flags in ((), ("--no-markdown",), ("--markdown",)):
+        r = run_chat(home, "-m", tiny_model, "-n", "2", *flags, input=b"hi\n")
+        assert r.returncode == code and words in r.stderr.decode(), r.stderr.decode()

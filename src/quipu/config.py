@@ -21,6 +21,7 @@ CACHE_KEYS = {"max_bytes": int}
 LOGS_KEYS = {"enabled": bool, "max_records": int, "max_days": float}
 MODEL_KEYS = {"huggingface": str, "lmstudio": str, "ollama": str}
 REMOTE_KEYS = {"url": str, "api_key_env": str, "model": str, "timeout": float}
+CHAT_KEYS = {"markdown": bool}
 SERVE_KEYS = {"models": tuple, "host": str, "port": int, "api_key_env": str, "keep_alive": object, "cors": tuple}
 
 
@@ -40,6 +41,7 @@ class Config:
     models: dict[str, str] = field(default_factory=dict)
     remote: dict[str, str] = field(default_factory=dict)
     serve: dict[str, Any] = field(default_factory=dict)  # [serve]: what `quipu serve`'s command line does not give
+    chat: dict[str, Any] = field(default_factory=dict)  # [chat]: how `quipu chat` shows replies
     mcp: dict[str, dict[str, Any]] = field(default_factory=dict)  # [mcp.NAME]: command, args, env, timeout
     roles: dict[str, dict[str, Any]] = field(default_factory=dict)  # [roles.NAME]: system, model, prompt, options
     text: str = ""
@@ -54,7 +56,8 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
     """Read `path` and check its shape, with `generation_keys` the names and types [generation]
     may hold; a missing file is an empty config. Errors name the file and line."""
     tables: dict[str, dict[str, Any]] = {"generation": generation_keys, "sessions": SESSION_KEYS, "models": MODEL_KEYS, "cache": CACHE_KEYS,
-              "logs": LOGS_KEYS, "remote": REMOTE_KEYS, "serve": SERVE_KEYS}
+              "logs": LOGS_KEYS, "remote": REMOTE_KEYS, "serve": SERVE_KEYS,
+              "chat": CHAT_KEYS}
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
@@ -122,6 +125,9 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
                     raise fail(sub, f"[{key}] {sub} must be {'an integer' if kind is int else 'a number'}", key)
                 read[sub] = kind(subvalue)
         else:
+            home = [name for name, keys in tables.items() if key in keys]
+            if home:  # (a key of a table, written outside it)
+                raise fail(key, f"'{key}' goes in a table: [{home[0]}] then {key} = ... under it")
             raise fail(key, f"unknown key '{key}' (known: model, system, [{'], ['.join(tables)}], [mcp.NAME], [roles.NAME])")
     warnings = [f"the config file {path} holds a token or key and other accounts can read it; `chmod 600 {path}` "
                 "keeps it to you"] if _readable_by_others(path) and _holds_secret(doc) else []

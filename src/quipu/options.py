@@ -189,7 +189,8 @@ _ALL = (
     _option("session", "--session", "-S", help="Continue or create this named session.", complete="session",
             metavar="NAME", feature="session"),
     _option("resume", "--resume", "-r", kind=bool, help="Resume the most recently used session.", field=""),
-    _option("markdown", "--markdown", kind=bool, help="Render replies as Markdown as they stream.", field=""),
+    _option("markdown", "--markdown/--no-markdown", kind=bool, help="Render replies as Markdown as they stream "
+            "(the config's [chat] markdown says which by default).", field=""),
     # ---- logging: the log of answers ----
     _option("no_log", "--no-log", kind=bool, help="Write nothing of this answer to the log of answers (quipu logs).",
             group="logging"),

@@ -46,6 +46,8 @@ def chat(env: Environment, **given: Any) -> int:
     from quipu.app.modes import CHAT
 
     resume, markdown, hide_thinking = (given[k] for k in OWN)
+    if markdown is None:  # (neither --markdown nor --no-markdown: the config's [chat] markdown)
+        markdown = bool(env.config.chat.get("markdown", False))
     opts, role = spec.turn_options_of_role(given, env, CHAT)
     for warning in env.config.warnings + spec.habits(given):  # (a config others can read holds a token; -t 8)
         Terminal.detect().warn(warning)
