@@ -619,3 +619,26 @@ def test_the_config_says_whether_the_chat_renders_markdown(home, tiny_model, con
     for flags in ((), ("--no-markdown",), ("--markdown",)):
         r = run_chat(home, "-m", tiny_model, "-n", "2", *flags, input=b"hi\n")
         assert r.returncode == code and words in r.stderr.decode(), r.stderr.decode()
+
+
+def test_run_with_no_prompt_on_a_terminal_opens_a_chat(home, tiny_model):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ.update(QUIPU_HOME=str(home), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
+    child = pexpect.spawn(sys.executable, ["-m", "quipu", "run", "-m", str(tiny_model), "-n", "3", "-S", "fromrun"],
+                          env=environ, encoding="utf-8", dimensions=(30, 120), timeout=120)
+    child.expect("a chat opens")
+    child.expect("›")
+    child.send("hello\r")
+    child.expect(r"\x1b\[\?2004l")  # the prompt has let go of the terminal: the reply follows
+    child.expect("›")
+    child.sendeof()
+    child.expect("saved session 'fromrun'")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    # what a chat does not take is refused as before, in one line
+    child = pexpect.spawn(sys.executable, ["-m", "quipu", "run", "-m", str(tiny_model), "--json"], env=environ,
+                          encoding="utf-8", dimensions=(30, 120), timeout=120)
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 2 and "run opens a chat, which takes no --json" in child.before

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from quipu.cli import spec
 from quipu.cli.terminal import StopOnCtrlC, Terminal, gather_prompt
-from quipu.errors import ExitCode, Interrupted, UsageError
+from quipu.errors import BadInput, ExitCode, Interrupted, UsageError
 
 if TYPE_CHECKING:
     import typer
@@ -69,6 +69,9 @@ def run(env: Environment, **given: Any) -> int:
 
         library_logs(sys.stderr)
     prompted = role is not None and role.prompt is not None
+    if prompt is None and batch is None and term.stdin_tty and term.stdout_tty and not prompted \
+            and not empty_allowed(opts):
+        return as_chat(env, given, term)  # (`ollama run MODEL`'s habit: no prompt on a terminal is a chat)
     text = gather_prompt(prompt, term, allow_empty=empty_allowed(opts) or prompted) if batch is None else None
     if role is not None and batch is None:
         text = role.fill(text)
@@ -111,6 +114,21 @@ def run(env: Environment, **given: Any) -> int:
         term.stderr.write(stats_line(result) + "\n")
     interrupted = result.finish_reason == "interrupted" or stopper.requested
     return ExitCode.INTERRUPTED if interrupted else ExitCode.OK
+
+
+def as_chat(env: Environment, given: dict[str, Any], term: Terminal) -> int:
+    """`quipu run` with no prompt, on a terminal: the chat, with the options a chat takes; one it
+    does not take is refused as the prompt's absence was before."""
+    from quipu.cli import chat
+
+    theirs = {name: given.get(name, spec.OPTS[name].default) for name in chat.PARAMS}
+    alone = [spec.OPTS[name].decls[0].split("/")[0] for name, value in given.items()
+             if name not in chat.PARAMS and name != "prompt" and value not in (None, False, [], ())]
+    if alone:
+        raise BadInput(f"no prompt: give one as an argument or pipe it on standard input (without one, on a "
+                       f"terminal, run opens a chat, which takes no {', '.join(alone)})")
+    term.stderr.write("no prompt: a chat opens (Ctrl-D leaves it; `quipu run \"...\"` answers once)\n")
+    return chat.chat(env, **theirs)
 
 
 def empty_allowed(opts: TurnOptions) -> bool:
