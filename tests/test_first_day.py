@@ -369,3 +369,15 @@ def test_the_commands_quipu_knows_by_name_are_those_it_has():
     from quipu.cli import COMMANDS, build_app
 
     assert sorted(typer.main.get_command(build_app()).commands) == sorted(COMMANDS)
+
+
+@pytest.mark.parametrize("args, said", [
+    (["run", "-m", "llama3.2", "hi"], "'llama3.2' names no size: llama3.2:1b or llama3.2:3b (-m llama3.2:1b pulls it "
+                                      "on first use)"),
+    (["models", "pull", "llama3.2"], "'llama3.2' names no size: llama3.2:1b or llama3.2:3b (quipu models pull "
+                                     "llama3.2:1b)"),
+])
+def test_ollama_s_bare_name_is_answered_with_its_sizes(quipu, args, said):
+    r = quipu(*args)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and err == f"quipu: error: {said}\n", err

@@ -80,9 +80,17 @@ class Environment:
             if not requested:
                 raise ModelNotFound("no model named")
             return self._named_here(requested)
-        return resolve_model(requested, environ=self.environ, configured=self.config.model,
-                             models_dir=self.dirs.models, locations_config=self.config.models,
-                             requested_from=requested_from)
+        try:
+            return resolve_model(requested, environ=self.environ, configured=self.config.model,
+                                 models_dir=self.dirs.models, locations_config=self.config.models,
+                                 requested_from=requested_from)
+        except ModelNotFound:
+            from quipu.app.known_models import no_size, sizes_of
+
+            sizes = sizes_of(name or "")  # (Ollama's bare name: the sizes quipu knows of it)
+            if sizes:
+                raise ModelNotFound(no_size(name or "", sizes, "-m {} pulls it on first use")) from None
+            raise
 
     def hub_ref(self, name: str | None) -> "HubRef | None":
         """The Hub model (`hub.HubRef`) a model name asks for: `hf:OWNER/REPO[:QUANT]`, or a short

@@ -56,12 +56,14 @@ class HubRef:
     @classmethod
     def parse(cls, text: str) -> "HubRef":
         """OWNER/REPO[:QUANT] (or hf:...), or a short name (`gemma3:1b`, `known_models.py`)."""
-        from quipu.app.known_models import is_short_name, known_model
+        from quipu.app.known_models import is_short_name, known_model, no_size, sizes_of
 
         if is_short_name(text):
             known, quant = known_model(text)
             return cls(known.repo, quant)
         found = REF.fullmatch(text.strip())
+        if not found and sizes_of(text):
+            raise UsageError(no_size(text, sizes_of(text), "quipu models pull {}"))
         if not found:
             raise UsageError(f"'{text}' is not a Hub model: give OWNER/REPO or OWNER/REPO:QUANT "
                              "(for instance ggml-org/gemma-3-1b-it-GGUF:Q4_K_M)")

@@ -56,6 +56,19 @@ def is_short_name(text: str) -> bool:
     return "/" not in text and not text.lower().endswith(".gguf") and SHORT.fullmatch(text.strip().lower()) is not None
 
 
+def sizes_of(bare: str) -> list[str]:
+    """The short names of a model named without its size (Ollama's `llama3.2`): `llama3.2:1b`,
+    `llama3.2:3b`; none where quipu knows no such model."""
+    name = bare.strip().lower()
+    return [k for k in KNOWN if k.split(":", 1)[0] == name] if ":" not in name else []
+
+
+def no_size(bare: str, sizes: list[str], how: str) -> str:
+    """What to say of a model named without its size (`sizes`, those quipu knows; `how`, what
+    the command does with one, `{}` where the name goes)."""
+    return f"'{bare}' names no size: {' or '.join(sizes)} ({how.format(sizes[0])})"
+
+
 def known_model(text: str) -> tuple[KnownModel, str]:
     """The known model a short name names, and the quantization asked for; a name of that shape
     that is not in the table is refused, naming the ones that are."""
