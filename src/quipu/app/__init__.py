@@ -30,7 +30,8 @@ Every turn, named session and chat is written once, for every host a model can r
 - `serve.py`: `quipu serve`'s work without HTTP: the models served, loaded and unloaded after
   their keep-alive, each request answered by one turn, its context kept in the prompt cache;
   `serve_plan.py`: what an OpenAI-style or Ollama-style request asks, read and checked (its
-  plan, messages, tools, texts to embed); `serve_bodies.py`: the replies in each API's shapes.
+  plan, messages, tools, texts to embed); `serve_bodies.py`: the replies in each API's shapes;
+  `logprobs.py`: each drawn token's log probability, recorded as the reply is drawn.
 - `batch.py`: `quipu run --batch`: rows read, planned and answered side by side, in order.
 - `manage.py`: `quipu sessions ...` over the store.
 - `embed.py`: `quipu embed`.
