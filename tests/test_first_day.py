@@ -381,3 +381,11 @@ def test_ollama_s_bare_name_is_answered_with_its_sizes(quipu, args, said):
     r = quipu(*args)
     err = r.stderr.decode()
     assert r.returncode == 2 and err == f"quipu: error: {said}\n", err
+
+
+@pytest.mark.parametrize("group", [[], ["sessions"], ["logs"], ["roles"], ["models"], ["config"], ["cache"]])
+def test_each_command_is_listed_in_words_that_are_not_cut(quipu, group):
+    r = quipu(*group, "--help", env={"COLUMNS": "80"})
+    listed = r.stdout.decode().split("\nCommands:\n", 1)[1].splitlines()
+    assert listed and not [line for line in listed if line.rstrip().endswith("...")], listed
+    assert all(len(line) <= 80 for line in listed), listed

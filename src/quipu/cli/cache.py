@@ -9,7 +9,8 @@ import typer
 from quipu.cli.terminal import human_size
 from quipu.cli.terminal import Terminal
 
-app = typer.Typer(rich_markup_mode=None, help="The prompt cache: context states of earlier prompts, reused by later runs.",
+app = typer.Typer(rich_markup_mode=None, short_help="Context states of earlier prompts, reused by later runs",
+                  help="The prompt cache: context states of earlier prompts, reused by later runs.",
                   no_args_is_help=True)
 
 
@@ -17,7 +18,7 @@ def register(root: typer.Typer) -> None:
     root.add_typer(app, name="cache")
 
 
-@app.command()
+@app.command(short_help="Where the cache is and how much it holds")
 def info(context: typer.Context, as_json: bool = typer.Option(False, "--json", help="One JSON object.")) -> None:
     """Where the cache is, how many entries, how much of its budget they use."""
     from quipu.app.cache import cache_info

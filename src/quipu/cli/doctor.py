@@ -12,7 +12,7 @@ from quipu.cli.terminal import Terminal, human_size as size
 
 
 def register(app: typer.Typer) -> None:
-    app.command("doctor", help="What quipu finds here: versions, llama.cpp's backends, the devices and their "
+    app.command("doctor", short_help="What quipu finds here: versions, backends, devices, files", help="What quipu finds here: versions, llama.cpp's backends, the devices and their "
                                "memory, where files are kept, how to get a GPU build; with -m, where a model would "
                                "run and what it would take.")(doctor)
 

@@ -26,7 +26,7 @@ def register(root: typer.Typer) -> None:
 
 
 
-@app.command("list")
+@app.command("list", short_help="The models found on this machine")
 def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", help="One JSON array."),
           url: Optional[str] = typer.Option(None, "--url", help="List the models of this server instead.")) -> None:
     """Models found: the bundled one, quipu's folder, the Hugging Face cache, LM Studio, Ollama
@@ -74,7 +74,7 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
     Console(file=term.stdout, no_color=not term.color, highlight=False, width=None if term.stdout_tty else 400).print(table)
 
 
-@app.command()
+@app.command(short_help="A model's architecture, size, quantization and template")
 def info(
     context: typer.Context,
     model: Optional[str] = typer.Argument(None, help="A name from `quipu models list` or a .gguf path (default: the default model).",

@@ -55,6 +55,26 @@ def plain_help() -> None:
         kind._quipu_plain = True  # type: ignore[union-attr]  # (a mark: replaced already)
     if getattr(TyperArgument, "_usage_display_name", None) is not None:
         TyperArgument._usage_display_name = usage_name  # type: ignore[method-assign, assignment]  # (as above)
+    from typer.core import TyperCommand, TyperGroup
+
+    for command in (TyperCommand, TyperGroup):
+        if not getattr(command, "_quipu_plain", False):
+            setattr(command, "get_short_help_str", short_help)  # (click's, replaced once)
+            setattr(command, "_quipu_plain", True)  # (a mark: replaced already)
+
+
+def short_help(command: Any, limit: int = 45) -> str:  # (a click command)
+    """A command's line in its group's list: its help's first sentence, or the first part of it
+    that fits in `limit` characters, cut where a clause ends (never in the middle, with "...")."""
+    if command.short_help:
+        return str(command.short_help)
+    text = " ".join((command.help or "").split("\n\n")[0].split())
+    sentence = text.split(". ")[0].rstrip(".")
+    for cut in ("", ": ", " (", "; ", ", "):
+        head = sentence.split(cut)[0] if cut else sentence
+        if len(head) <= limit:
+            return head
+    return sentence[:limit].rsplit(" ", 1)[0]
 
 
 def usage_name(argument: Any) -> str:  # (a TyperArgument)

@@ -12,6 +12,7 @@ from quipu.errors import UsageError
 from quipu.shown import shown
 
 app = typer.Typer(rich_markup_mode=None, no_args_is_help=True,
+                  short_help="A system prompt, a model, a prompt and options kept by name",
                   help="Roles: a system prompt, a model, a prompt and options kept under a name (--role NAME).")
 
 
