@@ -57,10 +57,10 @@ def plain_help() -> None:
         TyperArgument._usage_display_name = usage_name  # type: ignore[method-assign, assignment]  # (as above)
     from typer.core import TyperCommand, TyperGroup
 
-    for command in (TyperCommand, TyperGroup):
-        if not getattr(command, "_quipu_plain", False):
-            setattr(command, "get_short_help_str", short_help)  # (click's, replaced once)
-            setattr(command, "_quipu_plain", True)  # (a mark: replaced already)
+    if not getattr(TyperGroup, "_quipu_short", False):  # (click's, replaced once)
+        TyperCommand.get_short_help_str = short_help  # type: ignore[method-assign, assignment]
+        TyperGroup.get_short_help_str = short_help  # type: ignore[method-assign, assignment]
+        TyperGroup._quipu_short = True  # type: ignore[attr-defined]  # (a mark: replaced already)
 
 
 def short_help(command: Any, limit: int = 45) -> str:  # (a click command)
