@@ -225,3 +225,27 @@ def test_a_template_that_takes_forever_is_stopped(home, tiny_model, tmp_path):
     path.write_text('{% set s = "x" * 1000000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}')
     r = run_limited(home, "run", "-m", tiny_model, "--chat-template", path, "-n", "2", "hi", timeout=120)
     assert r.returncode == 1 and "took longer than 5 s to render" in one_line(r)
+
+
+@pytest.mark.parametrize("siblings, performance, expected", [
+    ({0: "0,4", 1: "1,5", 2: "2,6", 3: "3,7", 4: "0,4", 5: "1,5", 6: "2,6", 7: "3,7"}, None, 4),  # (hyperthreads)
+    ({c: str(c) for c in range(8)}, None, 8),
+    ({c: str(c) for c in range(8)}, "0-3", 4),  # (a hybrid chip: its performance cores alone)
+    ({0: "0-1", 1: "0-1", 2: "2", 3: "3", 4: "4", 5: "5", 6: "6", 7: "7"}, "0-1", 1),
+    ({}, None, 8),  # (no topology to read: every CPU)
+])
+def test_the_default_threads_are_one_a_physical_performance_core(tmp_path, monkeypatch, siblings, performance,
+                                                                  expected):
+    import os
+
+    from quipu.engine.settings import default_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    for cpu, listed in siblings.items():
+        topology = tmp_path / "system" / "cpu" / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "thread_siblings_list").write_text(listed + "\n")
+    if performance is not None:
+        (tmp_path / "cpu_core").mkdir()
+        (tmp_path / "cpu_core" / "cpus").write_text(performance + "\n")
+    assert default_threads(str(tmp_path)) == expected

@@ -165,7 +165,8 @@ _ALL = (
     _option("ctx", "--ctx", help="Context size in tokens, or auto: the model's whole training length as far as "
             "memory allows (default: the model's, at most 4096).", metavar="N|auto", group="generation",
             feature="context_settings", config=object, role=True, logged=True),
-    _option("threads", "--threads", kind=int, help="CPU threads (default: the CPUs this process may use).",
+    _option("threads", "--threads", kind=int, help="CPU threads (default: one a physical performance core this process may "
+            "use, as llama.cpp chooses).",
             group="generation", feature="context_settings", config=int, role=True, bounds=Bounds(0, low_open=True)),
     _option("kv_type", "--kv-type", help="KV cache type: f16, or q8_0 for half-size snapshots.", metavar="f16|q8_0",
             group="generation", feature="context_settings", role=True, logged=True),

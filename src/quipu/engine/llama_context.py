@@ -8,7 +8,7 @@ import ctypes
 from contextlib import ExitStack
 from typing import Any
 
-from quipu.engine.settings import DEFAULT_CTX_CAP, ContextSettings, available_cpus, check_context_bounds
+from quipu.engine.settings import DEFAULT_CTX_CAP, ContextSettings, check_context_bounds, default_threads
 from quipu.engine.logs import LOG
 from quipu.engine.model import LlamaModel
 from quipu.engine.native import lc
@@ -22,7 +22,7 @@ _FLASH_ATTN_TYPES = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH
 
 def context_params(context: ContextSettings, n_ctx: int) -> Any:
     """llama.cpp's parameters for a context of `n_ctx` cells with `context`'s settings."""
-    n_threads = context.n_threads or available_cpus()
+    n_threads = context.n_threads or default_threads()
     check_context_bounds(n_ctx, n_threads, "the context")  # (a session's or a config's, checked where they are read too)
     n_batch = max(1, min(context.n_batch, n_ctx))
     n_seq = max(1, context.n_seq)

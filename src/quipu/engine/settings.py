@@ -66,6 +66,44 @@ def available_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def default_threads(sysfs: str = "/sys/devices") -> int:
+    """The threads a context computes with unless told: as llama.cpp chooses them, one a
+    physical core this process may run on (a core's hyperthread siblings share its arithmetic
+    units: a second thread there waits more than it adds), on the performance cores where the
+    platform says which they are (Linux's `cpu_core` on Intel's hybrid chips); every CPU it may
+    use where the topology cannot be read."""
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return available_cpus()
+    performance = _cpu_list(f"{sysfs}/cpu_core/cpus")  # (absent but on a hybrid chip)
+    if performance and set(allowed) & performance:
+        allowed = [cpu for cpu in allowed if cpu in performance]
+    cores = set()
+    for cpu in allowed:
+        siblings = _cpu_list(f"{sysfs}/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        if not siblings:
+            return available_cpus()
+        cores.add(min(siblings))
+    return max(1, len(cores))
+
+
+def _cpu_list(path: str) -> set[int]:
+    """A sysfs CPU list ("0-3,8,10-11") as the CPUs it names; none where it cannot be read."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return set()
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            return set()
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 @dataclass(frozen=True)
 class ContextSettings:
     """What the context (and so the state bytes) depends on, plus the thread count."""
@@ -74,7 +112,7 @@ class ContextSettings:
     # Tokens a prefill step takes (llama.cpp's n_batch and n_ubatch): on two cores as fast as 512
     # (faster on Gemma 3), and a prompt cache entry is restored to a multiple of it (`step_start`).
     n_batch: int = 256
-    n_threads: int = 0  # 0: available_cpus()
+    n_threads: int = 0  # 0: default_threads()
     kv_type: str = "f16"
     n_seq: int = 1  # sequences decoded side by side (a batch); n_ctx is shared out among them
     flash_attn: str = "auto"  # auto (llama.cpp's choice), on or off
