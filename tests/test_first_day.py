@@ -389,3 +389,22 @@ def test_each_command_is_listed_in_words_that_are_not_cut(quipu, group):
     listed = r.stdout.decode().split("\nCommands:\n", 1)[1].splitlines()
     assert listed and not [line for line in listed if line.rstrip().endswith("...")], listed
     assert all(len(line) <= 80 for line in listed), listed
+
+
+@pytest.mark.parametrize("steps, slowed", [
+    ([0.01] * 20 + [0.2] * 40, True),  # (fast, then ten times slower: a busy machine)
+    ([0.02] * 200, False),  # (steady)
+    ([0.01] * 20 + [0.02] * 40, False),  # (slower, but not by as much as says something took the cores)
+    ([0.01] * 20 + [0.2] * 5, False),  # (too short to say)
+])
+def test_a_reply_that_slows_down_says_what_to_try(steps, slowed):
+    # (the pace of a reply's pieces, on a clock the test gives: what is said of it)
+    from quipu.cli.stream import Pace
+
+    now = [0.0]
+    pace = Pace(clock=lambda: now[0])
+    for step in steps:
+        now[0] += step
+        pace.took()
+    said = pace.slowed()
+    assert (said is not None) == slowed and (said is None or "--threads" in said)

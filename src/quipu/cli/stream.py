@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Callable
 
 from quipu.app.answer import Answer
@@ -22,8 +23,10 @@ class TerminalStream(ReplySink):
         self.wrote: list[str] = []
         self.thought = False
         self.finished = False
+        self.pace = Pace()
 
     def text(self, piece: str) -> None:
+        self.pace.took()
         if self.as_json:
             return
         term = self.term
@@ -64,6 +67,37 @@ class TerminalStream(ReplySink):
             term.stdout.write("\n")
         term.stdout.flush()
         term.release_stdout()
+        slowed = self.pace.slowed()
+        if slowed is not None:
+            term.warn(slowed)
+
+
+class Pace:
+    """When each piece of a reply came: a reply whose pieces come far slower at its end than at
+    its start (another program took the cores its threads wait for) is said once it is out."""
+
+    EARLY, LATE = 16, 32  # pieces the pace is measured over, at the start and at the end
+    SLOWER = 3.0  # as many times slower as says something took the cores
+    LEAST_S = 2.0  # a reply shorter than this says nothing
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.at: list[float] = []
+
+    def took(self) -> None:
+        self.at.append(self.clock())
+
+    def slowed(self) -> str | None:
+        """What to say of a reply that slowed down (None: it kept its pace)."""
+        at = self.at
+        if len(at) < 1 + self.EARLY + self.LATE or at[-1] - at[1] < self.LEAST_S:
+            return None
+        early = self.EARLY / (at[1 + self.EARLY] - at[1])  # (the first piece waits for the prompt)
+        late = self.LATE / (at[-1] - at[-1 - self.LATE])
+        if late * self.SLOWER > early:
+            return None
+        return (f"the reply slowed from {early:.0f} to {late:.1f} tokens a second: another program may be using the "
+                "cores its threads wait for; --threads with fewer (1, 2) may keep it fast")
 
 
 class ChatStream(ReplySink):
