@@ -190,6 +190,13 @@ def test_completion_of_commands_options_sessions_and_models(quipu, home, tiny_mo
     assert "tinyllama:1b" in complete(home, "quipu run -m tiny", machine)
 
 
+def test_completion_of_roles_and_the_short_names_pull_knows(quipu, home):
+    assert quipu("roles", "add", "translator", "--system", "Translate.").returncode == 0
+    assert complete(home, "quipu run -R tr") == ["translator"]
+    assert complete(home, "quipu chat --role tra") == ["translator"]
+    assert complete(home, "quipu models pull llama3") == ["llama3.2:1b", "llama3.2:3b"]
+
+
 # ---- embeddings ------------------------------------------------------------------------------------
 
 def test_embed_gives_one_vector_per_input(tiny_model):

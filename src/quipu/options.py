@@ -66,7 +66,7 @@ class Option:
     kind: type = str
     multiple: bool = False
     metavar: str | None = None
-    complete: str | None = None  # what the shell completes its value with: "model" or "session"
+    complete: str | None = None  # what the shell completes its value with: "model", "session" or "role"
     group: str = ""
     field: str | None = None  # default: `name`
     refused: str | None = None
@@ -125,7 +125,7 @@ _ALL = (
     _option("prompt", help="The prompt. Piped stdin comes before it, then a blank line.", refused="a prompt",
             field=""),
     _option("role", "--role", "-R", help="Take this role's system prompt, model, prompt and options where the "
-            "command line gives none (`quipu roles list`).", metavar="NAME", logged=True),
+            "command line gives none (`quipu roles list`).", metavar="NAME", logged=True, complete="role"),
     _option("attach", "--attach", "-a", multiple=True, help="A file the message carries: text is given to the "
             "model with its name, before the message; an image or a recording to a model with a projector "
             "(repeatable).", metavar="FILE", feature="attach"),

@@ -1,5 +1,6 @@
 """Shell completion: the scripts in completions/ are generated here from the Typer app, and
-the names they complete (sessions, models) come from quipu itself at Tab time.
+the names they complete (sessions, models, roles, the short names `models pull` knows) come
+from quipu itself at Tab time.
 
     python -m quipu.cli.completion [DIR]   writes quipu.bash, _quipu (zsh) and quipu.fish
 """
@@ -41,6 +42,23 @@ def complete_models(incomplete: str) -> list[str]:
     except Exception:  # completion must never print a traceback into the user's shell
         return []
     return [n for n in names if n.lower().startswith(incomplete.lower())]
+
+
+def complete_roles(incomplete: str) -> list[str]:
+    from quipu.app.environment import Environment
+    from quipu.app.roles import load_roles
+
+    try:
+        names = sorted(load_roles(Environment.load()))
+    except Exception:  # completion must never print a traceback into the user's shell
+        return []
+    return [n for n in names if n.startswith(incomplete)]
+
+
+def complete_short_names(incomplete: str) -> list[str]:
+    from quipu.app.known_models import KNOWN
+
+    return [n for n in KNOWN if n.startswith(incomplete.lower())]
 
 
 def write_all(folder: Path) -> None:

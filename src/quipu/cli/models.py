@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
+from quipu.cli.completion import complete_short_names
+
 from quipu.app.attachments import SENSE_WORDS
 from quipu.cli.spec import complete_model
 from quipu.cli.terminal import human_size
@@ -139,7 +141,7 @@ def add(
 def pull(context: typer.Context,
          model: Optional[str] = typer.Argument(None, help="A short name (gemma3:1b; see --list), or OWNER/REPO or "
                                                          "OWNER/REPO:QUANT (Q4_K_M, Q8_0, IQ4_XS, ...) on the "
-                                                         "Hugging Face Hub."),
+                                                         "Hugging Face Hub.", autocompletion=complete_short_names),
          list_names: bool = typer.Option(False, "--list", help="List the short names quipu knows, with sizes.")) -> None:
     """Download a GGUF model from the Hugging Face Hub into its cache (resumes; checks its checksum)."""
     from quipu.app.hub import hf_name

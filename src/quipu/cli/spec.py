@@ -71,7 +71,13 @@ class Arg:
     help: str
 
 
-COMPLETE = {"model": complete_model, "session": complete_session}
+def complete_role(incomplete: str) -> list[str]:
+    from quipu.cli.completion import complete_roles
+
+    return complete_roles(incomplete)
+
+
+COMPLETE = {"model": complete_model, "session": complete_session, "role": complete_role}
 
 
 def declared(option: Option) -> Opt:
