@@ -151,6 +151,11 @@ def test_a_follow_up_goes_on_with_the_last_answer_without_a_name(quipu, home):
     assert quipu("run", *SHORT, "Something else.").returncode == 0
     shown = quipu("run", "--cid", str(second["id"]), "--show-prompt", "And again?").stdout.decode()
     assert "My name is Ada." in shown and "What is my name?" in shown and "Something else" not in shown
+    # `quipu logs` says which answer each follows up
+    listed = quipu("logs").stdout.decode()
+    assert f"#{second['id']}  " in listed and f"(follows #{first['id']})" in listed and listed.count("(follows") == 1
+    alone = quipu("logs", "-n", "1", "-q", '"What is my name"').stdout.decode()
+    assert f"(in the conversation of #{first['id']})" in alone
     # The chat goes on with it too, as a new session, and its turns join that conversation.
     r = quipu("chat", *SHORT, "--cid", str(second["id"]), input="Say my name.\n")
     assert r.returncode == 0, r.stderr.decode()

@@ -45,7 +45,7 @@ def logs(context: typer.Context,
         term.stderr.write("no answers logged" + (" match" if query or model or session or since else " yet") + "\n")
     else:
         for r in found if query else reversed(found):  # (newest last, as a terminal reads; a search: best first)
-            term.stdout.write(_brief(r, term) + "\n")
+            term.stdout.write(_brief(r, term, _follows(r, found)) + "\n")
     if not logging_on(context.obj):
         term.warn("logging is off (`quipu logs on` turns it on)")
     term.stdout.flush()
@@ -62,8 +62,18 @@ def _one_line(text: str | None, width: int) -> str:
     return shown(flat if len(flat) <= width else flat[:width - 1] + "…")
 
 
-def _brief(r: Record, term: Terminal) -> str:
-    head = f"#{r.id}  {_when(r.at)}  {shown(r.model)}" + (f"  [{shown(r.session)}]" if r.session else "")
+def _follows(r: Record, found: list[Record]) -> str:
+    """Which answer `r` follows up, where it follows one: the one before it in its conversation
+    among those listed, else its conversation's first."""
+    if r.id is None or r.conversation in ("", str(r.id)):
+        return ""
+    before = [other.id for other in found if other.conversation == r.conversation and other.id is not None
+              and other.id < r.id]
+    return f"  (follows #{max(before)})" if before else f"  (in the conversation of #{shown(r.conversation)})"
+
+
+def _brief(r: Record, term: Terminal, follows: str = "") -> str:
+    head = f"#{r.id}  {_when(r.at)}  {shown(r.model)}" + (f"  [{shown(r.session)}]" if r.session else "") + follows
     return (term.dim(head) + "\n" + f"  > {_one_line(r.prompt, 100)}\n" + f"  {_one_line(r.answer, 200)}")
 
 
