@@ -642,3 +642,39 @@ def test_run_with_no_prompt_on_a_terminal_opens_a_chat(home, tiny_model):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 2 and "run opens a chat, which takes no --json" in child.before
+
+
+def test_a_reply_on_a_terminal_is_followed_by_a_gap(tmp_path, tiny_model):
+    from quipu.app.chat import ChatSession
+    from quipu.app.environment import Environment
+    from quipu.app.turn_options import TurnOptions
+
+    env = Environment.load({"QUIPU_HOME": str(tmp_path / "home")})
+    out, err = io.StringIO(), io.StringIO()
+    chat = ChatSession.open(env, TurnOptions.of(model=str(tiny_model), max_tokens=4, seed=3), name="gap")
+    try:
+        Repl(chat, Terminal(io.StringIO(), out, err, False, True, False, False), env).safely("hello")
+        piped = io.StringIO()
+        Repl(chat, Terminal(io.StringIO(), piped, err, False, False, False, False), env).safely("again")
+    finally:
+        chat.close()
+    assert out.getvalue().endswith("\n\n") and not out.getvalue().endswith("\n\n\n")
+    assert piped.getvalue().endswith("\n") and not piped.getvalue().endswith("\n\n")  # (a pipe: one reply a line)
+
+
+def test_the_recap_of_a_resumed_chat_breaks_lines_between_words(repl, monkeypatch):
+    import os
+    import shutil
+
+    r, out, err = repl
+    words = "river lake mountain valley meadow forest " * 4
+    r.safely(words.strip())
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda fallback=(80, 24): os.terminal_size((40, 24)))
+    err.truncate(0)
+    err.seek(0)
+    r.recap()
+    lines = [line for line in err.getvalue().splitlines() if line.strip()]
+    assert lines and all(len(line) <= 40 for line in lines), lines
+    said = " ".join(line.strip() for line in lines)
+    assert "you: " + " ".join(words.split()) in said  # (every word whole)
+    assert not any(ch < " " for ch in err.getvalue().replace("\n", ""))  # (the reply's control characters escaped)

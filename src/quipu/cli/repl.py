@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import os
 import shlex
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from quipu.cli.render import MarkdownRenderer, PlainRenderer, Renderer
 from quipu.cli.slash import BY_NAME, COMMANDS, parse_command
@@ -113,6 +113,9 @@ class Repl:
             finally:
                 progress.close()
                 renderer.close(stopped=stopper.requested)
+                if self.term.stdout_tty:  # (a gap between a reply and the next message, on a terminal)
+                    self.term.stdout.write("\n")
+                    self.term.stdout.flush()
         if outcome.finish_reason == "interrupted":
             self.say("[stopped]")
         if stopper.ended:  # told to end (SIGTERM, SIGHUP): the reply so far is saved; leave
@@ -276,13 +279,19 @@ class Repl:
             bottom_toolbar=self.toolbar,
             prompt_continuation=lambda width, line_number, wrap_count: "… ".rjust(width),
         )
+        # (what you type follows a coloured mark, the reply comes plain below it, a gap after it)
+        prompt: Any = [("class:you", PROMPT)] if self.term.color else PROMPT
+        if self.term.color:
+            from prompt_toolkit.styles import Style
+
+            session.style = Style.from_dict({"you": "ansicyan bold"})
         verb = "resumed" if self.chat.resumed else "new"
         self.say(f"{verb} session '{self.chat.name}' with {self.chat.model_name}. /help for commands, Ctrl-D to leave.")
         self.show_notices()
         self.recap()
         while self.running:
             try:
-                line = session.prompt(PROMPT)
+                line = session.prompt(prompt)
             except Ended:  # told to end (SIGTERM, SIGHUP): every turn is saved already; leave
                 break
             except KeyboardInterrupt:
@@ -298,12 +307,25 @@ class Repl:
         return 0
 
     def recap(self, last: int = 4, lines: int = 3) -> None:
-        """Shows the end of a resumed conversation, so the user knows where they are."""
-        shown = [m for m in self.chat.messages if m.role != "system"][-last:]
-        for m in shown:
+        """Shows the end of a resumed conversation, so the user knows where they are: each line
+        broken between words at the terminal's width, as a live reply is."""
+        import shutil
+        import textwrap
+
+        from quipu.shown import shown
+
+        columns = shutil.get_terminal_size().columns
+        recent = [m for m in self.chat.messages if m.role != "system"][-last:]
+        for m in recent:
             text = m.content.strip().splitlines() or [""]
-            body = "\n    ".join(between_words(t, 200) for t in text[:lines]) + (" …" if len(text) > lines else "")
-            self.say(f"  {'you' if m.role == 'user' else 'model'}: {body}")
+            said = [between_words(shown(t), 200) for t in text[:lines]]  # (a control character escaped)
+            if len(text) > lines:
+                said[-1] += " …"
+            head = f"  {'you' if m.role == 'user' else 'model'}: "
+            body = [textwrap.fill(line, max(columns - 1, 20), initial_indent=head if i == 0 else " " * 4,
+                                  subsequent_indent=" " * 4, break_long_words=False, break_on_hyphens=False)
+                    for i, line in enumerate(said)]
+            self.say("\n".join(body))
 
     def toolbar(self) -> str:
         used, size = self.chat.context_used, self.chat.context_size
