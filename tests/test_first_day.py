@@ -408,3 +408,14 @@ def test_a_reply_that_slows_down_says_what_to_try(steps, slowed):
         pace.took()
     said = pace.slowed()
     assert (said is not None) == slowed and (said is None or "--threads" in said)
+
+
+@pytest.mark.parametrize("command", ["run", "chat"])
+def test_a_long_help_lists_its_options_in_sections_by_kind(quipu, command):
+    text = quipu(command, "--help", env={"COLUMNS": "100"}).stdout.decode()
+    titles = [line for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert titles[:2] == ["Arguments:", "Options:"] if command == "run" else titles[0] == "Options:"
+    assert {"Sampling, context and placement:", "Template, reasoning and structured output:", "Tools:",
+            "The log of answers:"} <= set(titles)
+    sampling = text.split("Sampling, context and placement:")[1].split("\n\n")[0]
+    assert "--temperature" in sampling and "--ctx" in sampling and "--gpu-layers" in sampling

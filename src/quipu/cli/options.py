@@ -60,7 +60,33 @@ def plain_help() -> None:
     if not getattr(TyperGroup, "_quipu_short", False):  # (click's, replaced once)
         TyperCommand.get_short_help_str = short_help  # type: ignore[method-assign, assignment]
         TyperGroup.get_short_help_str = short_help  # type: ignore[method-assign, assignment]
+        TyperCommand.format_options = grouped_options  # type: ignore[method-assign, assignment]
         TyperGroup._quipu_short = True  # type: ignore[attr-defined]  # (a mark: replaced already)
+
+
+# The sections a command's options are listed in, by their group in the registry (`quipu.options`).
+SECTIONS = {"generation": "Sampling, context and placement", "shaping": "Template, reasoning and structured output",
+            "tools": "Tools", "logging": "The log of answers"}
+
+
+def grouped_options(command: Any, ctx: Any, formatter: Any) -> None:  # (a click command, its context, formatter)
+    """A command's arguments, then its options in sections by their kind (`SECTIONS`), the
+    command's own first: a long list read in parts."""
+    from quipu.options import OPTIONS
+
+    sections: dict[str, list[tuple[str, str]]] = {"Arguments": [], "Options": []}
+    for param in command.get_params(ctx):
+        record = param.get_help_record(ctx)
+        if record is None:
+            continue
+        option = OPTIONS.get(param.name or "")
+        title = "Arguments" if getattr(param, "param_type_name", "") == "argument" else \
+            SECTIONS.get(option.group if option is not None else "", "Options")
+        sections.setdefault(title, []).append(record)
+    for title, records in sections.items():
+        if records:
+            with formatter.section(title):
+                formatter.write_dl(records)
 
 
 def short_help(command: Any, limit: int = 45) -> str:  # (a click command)
