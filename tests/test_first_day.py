@@ -419,3 +419,18 @@ def test_a_long_help_lists_its_options_in_sections_by_kind(quipu, command):
             "The log of answers:"} <= set(titles)
     sampling = text.split("Sampling, context and placement:")[1].split("\n\n")[0]
     assert "--temperature" in sampling and "--ctx" in sampling and "--gpu-layers" in sampling
+
+
+@pytest.mark.parametrize("args", [["--version"], ["sessions", "list"], ["logs", "path"], ["run", "-n", "2", "hi"]])
+def test_a_closed_standard_output_is_one_line_not_a_traceback(home, args):
+    import os
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ["QUIPU_HOME"] = str(home)
+    r = subprocess.run([sys.executable, "-m", "quipu", *args], stderr=subprocess.PIPE, env=environ, timeout=120,
+                       preexec_fn=lambda: os.close(1))  # (as a shell's >&- starts it)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and err == ("quipu: error: standard output is closed; send it somewhere (> /dev/null "
+                                         "drops it)\n"), err

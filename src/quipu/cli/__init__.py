@@ -75,6 +75,8 @@ def build_app() -> typer.Typer:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the console script and `python -m quipu` (`argv` None: the process is
     quipu's, and ends as soon as the command is done, see `boundary.leave`)."""
+    if sys.stdout is None or sys.stderr is None:  # (started with a standard stream closed: `>&-`)
+        closed_stream()
     try:
         from quipu.cli.boundary import end_as_interrupted, leave
 
@@ -95,6 +97,15 @@ def main(argv: list[str] | None = None) -> None:
             raise
         sys.stderr.write("\nquipu: interrupted\n")
         sys.exit(130)
+
+
+def closed_stream() -> None:
+    """Ends quipu at once, in one line where standard error is open, when it was started with
+    standard output or error closed: what it writes would go nowhere, or raise."""
+    if sys.stderr is not None:
+        sys.stderr.write("quipu: error: standard output is closed; send it somewhere (> /dev/null drops it)\n")
+        sys.stderr.flush()
+    os._exit(2)  # (the usage's exit code: how quipu was started, not what it did)
 
 
 def _main(argv: list[str]) -> None:
