@@ -70,8 +70,9 @@ def test_filters_removal_and_the_limit_the_config_sets(quipu, home):
     assert records[0]["id"] not in [x["id"] for x in logged(quipu)]
     assert quipu("logs", "rm", "--all").returncode == 0 and logged(quipu) == []
     # Bad input: one line, the usage exit code.
+    huge = "9" * 25  # (past what SQLite holds)
     for args in (["-q", "AND OR"], ["-q", '"unclosed'], ["--since", "last tuesday"], ["-n", "0"], ["rm"],
-                 ["show", "999"]):
+                 ["show", "999"], ["-n", huge], ["show", huge], ["rm", huge], ["show", huge, "--to-session", "x"]):
         r = quipu("logs", *args)
         err = r.stderr.decode()
         assert r.returncode == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, (args, err)
@@ -165,7 +166,9 @@ def test_a_follow_up_goes_on_with_the_last_answer_without_a_name(quipu, home):
     shown = quipu("run", "-F", "--show-prompt", "Last one?").stdout.decode()
     assert "My name is Ada." in shown and "Say my name." in shown
     for args, said in ((["-F", "-S", "x", "hi"], "cannot be used with"), (["--cid", "999", "hi"], "no logged answer"),
-                       (["--cid", "abc", "hi"], "id"), (["-F", "--raw", "hi"], "cannot be used with")):
+                       (["--cid", "abc", "hi"], "id"), (["-F", "--raw", "hi"], "cannot be used with"),
+                       (["--cid", "\u00b2", "hi"], "takes a logged answer's id"),  # (a digit int() does not read)
+                       (["--cid", "9" * 25, "hi"], "takes a logged answer's id")):
         r = quipu("run", *args)
         err = r.stderr.decode()
         assert r.returncode == 2 and said in err and len(err.strip().splitlines()) == 1, (args, err)

@@ -99,8 +99,8 @@ def followed(env: Environment, cid: str | None) -> Followed:
             if last is None:
                 raise UsageError("no answer is logged yet to follow up (`quipu logs` lists them)")
         else:
-            if not cid.isdigit():
-                raise UsageError(f"--cid takes a logged answer's id (`quipu logs` lists them), not '{cid}'")
+            if not (cid.isascii() and cid.isdigit() and len(cid) <= 18):  # (as SQLite holds an id)
+                raise UsageError(f"--cid takes a logged answer's id (`quipu logs` lists them), not '{cid[:40]}'")
             last = book.get(int(cid))
             if last is None:
                 raise UsageError(f"no logged answer has the id {cid} (`quipu logs` lists them)")
@@ -134,10 +134,13 @@ def since_time(text: str) -> float:
                          f"back from now (90m, 12h, 3d, 2w), not '{text}'") from None
 
 
+MAX_ID = 10**18 - 1  # the largest id or count the log takes (SQLite's integers hold 2**63 - 1)
+
+
 def find_answers(env: Environment, *, query: str | None = None, model: str | None = None,
                  session: str | None = None, since: str | None = None, limit: int = 10) -> list[Record]:
-    if limit < 1:
-        raise UsageError(f"-n takes a count of answers, 1 or more, not {limit}")
+    if not 1 <= limit <= MAX_ID:
+        raise UsageError(f"-n takes a count of answers, from 1 to {MAX_ID:,}, not {str(limit)[:40]}")
     if query is not None and not query.strip():
         raise UsageError("-q takes words to search for")
     moment = since_time(since) if since is not None else None
@@ -145,7 +148,15 @@ def find_answers(env: Environment, *, query: str | None = None, model: str | Non
         return book.find(query=query, model=model, session=session, since=moment, limit=limit)
 
 
+def checked_id(record_id: int) -> int:
+    """An answer's id as the log can hold one (SQLite's integers are 64-bit)."""
+    if not 1 <= record_id <= MAX_ID:
+        raise UsageError(f"an answer's id is from 1 to {MAX_ID:,} (`quipu logs` lists them), not {str(record_id)[:40]}")
+    return record_id
+
+
 def answer(env: Environment, record_id: int) -> Record:
+    checked_id(record_id)
     with closing(open_log(env)) as book:
         found = book.get(record_id)
     if found is None:
@@ -157,6 +168,8 @@ def remove_answers(env: Environment, ids: Sequence[int] = (), before: str | None
                    everything: bool = False) -> int:
     if sum((bool(ids), before is not None, everything)) != 1:
         raise UsageError("logs rm takes ids, or --before DATE, or --all (one of them)")
+    for record_id in ids:
+        checked_id(record_id)
     with closing(open_log(env)) as book:
         return book.remove(ids=ids, before=since_time(before) if before is not None else None, everything=everything)
 
@@ -166,6 +179,7 @@ def session_from_log(env: Environment, record_id: int, name: str, opts: "TurnOpt
     """Makes the new session `name` of the logged conversation up to the answer `record_id`, on
     that answer's model (or `opts.model`); its context is read on its first turn. How many
     exchanges it holds."""
+    checked_id(record_id)
     from dataclasses import replace
 
     from quipu.app.choose import open_host

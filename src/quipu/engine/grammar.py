@@ -171,7 +171,7 @@ def _check_ref(schema: dict[str, Any], ref: Any, where: str) -> None:
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(target, dict) and part in target:
             target = target[part]
-        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+        elif isinstance(target, list) and part.isascii() and part.isdigit() and int(part) < len(target):
             target = target[int(part)]
         else:
             raise InvalidParameter(f"$ref at {where} points to {ref}, which the schema does not have")

@@ -268,7 +268,7 @@ def _fetch(client: Any, url: str, max_bytes: int) -> tuple[bytes, str]:
                 raise ServerError(f"cannot attach {url}: it is sent in an encoding quipu does not read "
                                   f"({', '.join(encodings)[:80]})")
             declared = response.headers.get("content-length", "")
-            if not encodings and declared.isdigit() and int(declared) > max_bytes:
+            if not encodings and declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
                 raise too_large
             layers = [zlib.decompressobj(_ENCODINGS[e]) for e in reversed(encodings)]
             data = bytearray()

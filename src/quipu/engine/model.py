@@ -98,7 +98,7 @@ class LlamaModel:
         # The layers that keep a cache of their own (not those that reuse an earlier layer's).
         arch = self._meta("general.architecture")
         shared = self._meta(f"{arch}.attention.shared_kv_layers")
-        self.n_layer_kv = cached_blocks(arch, int(lc.llama_model_n_layer(model)), int(shared) if shared.isdigit() else 0)
+        self.n_layer_kv = cached_blocks(arch, int(lc.llama_model_n_layer(model)), int(shared) if shared.isascii() and shared.isdigit() else 0)
         self._pieces: dict[int, bytes] = {}
         self._max_token_bytes: int | None = None
         self._spellings_in: dict[str, set[str]] = {}  # (the short texts asked of already)

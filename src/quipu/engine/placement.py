@@ -155,7 +155,8 @@ def layer_sizes(info: "GGUFInfo", n_ctx: int, kv_type: str, ring: Callable[[int]
             n *= d
         size = row_bytes(t.ggml_type, t.dims[0] if t.dims else 1) * n
         parts = t.name.split(".")
-        if parts[0] == "blk" and len(parts) > 1 and parts[1].isdigit() and int(parts[1]) < n_block:
+        if parts[0] == "blk" and len(parts) > 1 and parts[1].isascii() and parts[1].isdigit() \
+                and int(parts[1]) < n_block:
             weights[int(parts[1])] += size
         elif parts[0] in ("output", "output_norm"):
             output += size
