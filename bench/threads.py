@@ -16,8 +16,9 @@ N_DECODE = 64
 BUSY = "import time\nend = time.monotonic() + 900\nwhile time.monotonic() < end:\n    pass\n"
 
 
-def _ours(model: str, text: str, bans: list[str], home: str) -> float:
-    args = ["run", "--raw", "--json", "--no-cache", "-m", model, "--ctx", "4096", "-n", str(N_DECODE), "--seed", "1"]
+def _ours(model: str, text: str, bans: list[str], home: str, threads: int | None = None) -> float:
+    args = ["run", "--raw", "--json", "--no-cache", "-m", model, "--ctx", "4096", "-n", str(N_DECODE), "--seed", "1",
+            *(["--threads", str(threads)] if threads is not None else [])]
     for ban in bans:
         args += ["--logit-bias", ban]
     _, r = quipu_cmd(*args, stdin=text.encode(), env={"QUIPU_HOME": home})  # (no --threads: the default)
@@ -46,11 +47,12 @@ def bench_threads(repeats: int, home: str) -> list[dict]:
     for condition in ("idle", "busy"):
         busy = subprocess.Popen([sys.executable, "-c", BUSY]) if condition == "busy" else None
         try:
-            ours, theirs = figures.setdefault(condition, {"quipu": [], "llama.cpp": []}).values()
+            ours, theirs, one = figures.setdefault(condition, {"quipu": [], "llama.cpp": [], "one": []}).values()
             for rep in range(repeats):
                 for ours_now in (rep % 2 == 1, rep % 2 == 0):
                     (ours if ours_now else theirs).append(_ours(model, text, bans, home) if ours_now
                                                           else _theirs(exe, model))
+                one.append(_ours(model, text, bans, home, threads=1))  # (what the slow reply's hint says to try)
         finally:
             if busy is not None:
                 busy.kill()
@@ -61,6 +63,10 @@ def bench_threads(repeats: int, home: str) -> list[dict]:
         rows.append({"what": f"decode tok/s with the default threads (quipu {default_threads()}), {words}: quipu vs "
                              "llama-bench's default", "quipu": round(q, 1), "llama.cpp": round(t, 1),
                      "ratio": round(q / t, 3)})
+    rows.append({"what": "quipu with --threads 1 (what a reply that slowed says to try), one busy process beside: "
+                         "decode tok/s, against its default threads beside the same", "quipu":
+                 round(median(figures["busy"]["one"]), 1),
+                 "ratio": round(median(figures["busy"]["one"]) / median(figures["busy"]["quipu"]), 3)})
     for who in ("quipu", "llama.cpp"):
         busy_rate, idle_rate = median(figures["busy"][who]), median(figures["idle"][who])
         rows.append({"what": f"{who}'s default threads: decode with one busy process beside, against idle",

@@ -1,12 +1,14 @@
 """Servers on loopback for the tests: llama-cpp-python's own, llama.cpp's llama-server built from
-the sources llama-cpp-python vendors (`python -m bench.llamacpp llama-server`), and `fake`, a
-chat completions server whose faults a test picks.
+the sources llama-cpp-python vendors (`python -m bench.llamacpp llama-server`), `fake`, a chat
+completions server whose faults a test picks, and quipu's own (`quipu_serve`, with the `openai`
+client of it and a request of that client, `ask`).
 
 Locally a missing llama-server skips its tests with the reason; where QUIPU_REQUIRE_SERVERS=1
 (CI) it fails them instead."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -331,3 +333,46 @@ def fake():
     server.release.set()
     server.shutdown()
     server.server_close()
+
+
+# ---- quipu's own server ------------------------------------------------------------------------
+
+# A tool in the shape Ollama's client sends one in: its keys in this order, nothing more.
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city, today.",
+    "parameters": {"type": "object", "required": ["city"],
+                   "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}}}}
+SYSTEM = "You are a patient tutor who answers every question in one short, plain sentence. " * 12
+
+
+@contextlib.contextmanager
+def quipu_serve(home, model, *args, tmp_path):
+    """`quipu serve` of `model` on a free loopback port (its `QUIPU_HOME` `home`), until the block
+    is done; its log must hold no traceback."""
+    port = free_port()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ["QUIPU_HOME"] = str(home)
+    log = tmp_path / f"serve-{port}.log"
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "quipu", "serve", "-m", str(model), "--port", str(port),
+                                 *map(str, args)], stdout=sink, stderr=sink, stdin=subprocess.DEVNULL, env=environ)
+    try:
+        wait_until_up(proc, f"http://127.0.0.1:{port}/health", log, timeout=120)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert "Traceback" not in log.read_text(errors="replace")
+
+
+def openai_client(url, key="none"):
+    """The official `openai` client of a server at `url`."""
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def ask(c, messages, **more):
+    """A chat request of the client `c`, greedy and short unless told."""
+    return c.chat.completions.create(model=c.models.list().data[0].id, messages=messages,
+                                     **{"temperature": 0, "max_tokens": 8, **more})

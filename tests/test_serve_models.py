@@ -1,0 +1,115 @@
+"""`quipu serve`'s models: served by name, loaded one at a time and unloaded after their
+keep-alive; their embeddings; images a model with a projector sees; eight clients at once."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timezone
+
+import pytest
+
+from servers import ask, quipu_serve
+from servers import openai_client as client
+
+openai = pytest.importorskip("openai")
+
+
+def test_models_are_served_by_name_loaded_one_at_a_time_and_unloaded_when_told(home, tiny_model, bundled_model,
+                                                                               tmp_path):
+    ollama = pytest.importorskip("ollama")
+    (home / "config").mkdir(exist_ok=True)
+    (home / "config" / "config.toml").write_text('[serve]\nkeep_alive = "1h"\n')
+    with quipu_serve(home, tiny_model, "-m", bundled_model, tmp_path=tmp_path) as url:
+        c = ollama.Client(host=url)
+        names = [m.model for m in c.list().models]
+        tiny, bundled = names[:2]  # (-m's, in their order, before any other model here)
+        assert [m.model for m in c.ps().models] == [tiny]  # (the default is loaded before the server listens)
+        said = {"temperature": 0, "num_predict": 4}
+        assert c.generate(model=bundled, prompt="Hi.", options=said).model == bundled
+        [running] = c.ps().models
+        assert running.model == bundled and running.context_length > 0
+        assert running.expires_at.year == datetime.now(timezone.utc).year  # (the config's hour, not for good)
+        first = ask(client(url), [{"role": "user", "content": "Hi."}], max_tokens=4)  # (no model named: the first)
+        assert first.model == tiny and [m.model for m in c.ps().models] == [tiny]
+        shown = c.show(bundled)
+        assert shown.details.family == "llama" and "im_start" in shown.template and "completion" in shown.capabilities
+        # Ollama's request with nothing to answer and keep_alive 0 unloads the model
+        assert c.generate(model=tiny, prompt="", keep_alive=0).done_reason == "unload" and c.ps().models == []
+        # a reply with keep_alive 0: the model is unloaded as soon as it is out
+        c.chat(model=bundled, messages=[{"role": "user", "content": "Hi."}], options=said, keep_alive=0)
+        assert c.ps().models == []
+        with pytest.raises(ollama.ResponseError) as missing:
+            c.show("no-such-model")
+        assert missing.value.status_code == 404
+        with pytest.raises(ollama.ResponseError, match="keep_alive must be"):
+            c.chat(model=tiny, messages=[{"role": "user", "content": "Hi."}], keep_alive="soon")
+
+
+def test_embeddings_are_the_ones_quipu_embed_gives_through_both_clients(quipu, home, tiny_model, tmp_path):
+    import math
+
+    texts = ["a river runs", "to the sea"]
+    lines = quipu("embed", "-m", tiny_model, "--normalize", *texts).stdout.decode().splitlines()
+    expected = [json.loads(line)["embedding"] for line in lines]
+    with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:
+        c = client(url)
+        got = c.embeddings.create(model=c.models.list().data[0].id, input=texts)  # (the client asks for base64)
+        assert [d.index for d in got.data] == [0, 1] and got.usage.prompt_tokens > 0
+        for vector, want in zip([d.embedding for d in got.data], expected, strict=True):
+            assert len(vector) == len(want) and math.isclose(sum(x * x for x in vector), 1.0, rel_tol=1e-4)
+            assert max(abs(x - y) for x, y in zip(vector, want, strict=True)) < 1e-5
+        floats = c.embeddings.create(model=got.model, input=texts[0], encoding_format="float").data[0].embedding
+        assert max(abs(x - y) for x, y in zip(floats, got.data[0].embedding, strict=True)) < 1e-6
+        ollama = pytest.importorskip("ollama")
+        theirs = ollama.Client(host=url).embed(model=got.model, input=texts)
+        assert max(abs(x - y) for x, y in zip(theirs.embeddings[1], expected[1], strict=True)) < 1e-5
+        for bad, words in (([], "input must be"), ([1, 2], "token ids"), (["ok", " "], "input[1] is empty")):
+            with pytest.raises(openai.BadRequestError, match=re.escape(words)):
+                c.embeddings.create(model=got.model, input=bad)
+
+
+def test_an_image_in_a_message_is_seen_as_run_attaches_it(quipu, home, vision, tmp_path):
+    import base64
+
+    def data_url(name):
+        return "data:image/png;base64," + base64.b64encode((vision / name).read_bytes()).decode()
+
+    def looking_at(name):
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(name)}},
+                                             {"type": "text", "text": "What is it?"}]}]
+
+    with quipu_serve(home, vision / "tiny.gguf", tmp_path=tmp_path) as url:
+        c = client(url)
+        red = ask(c, looking_at("red.png"), max_tokens=12).choices[0].message.content
+        blue = ask(c, looking_at("blue.png"), max_tokens=12).choices[0].message.content
+        assert red != blue  # (the model sees the image)
+        assert ask(c, looking_at("red.png"), max_tokens=12).choices[0].message.content == red
+        ollama = pytest.importorskip("ollama")
+        theirs = ollama.Client(host=url).chat(model=c.models.list().data[0].id, stream=False, options={
+            "temperature": 0, "num_predict": 12}, messages=[{"role": "user", "content": "What is it?",
+                                                             "images": [vision / "red.png"]}])
+        assert theirs.message.content == red
+        linked = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]
+        with pytest.raises(openai.BadRequestError, match="not a link for it to fetch"):
+            ask(c, linked)
+    r = quipu("run", "-m", vision / "tiny.gguf", "-a", vision / "red.png", "-t", "0", "-n", "12", "--json",
+              "--no-cache", "What is it?")
+    assert r.returncode == 0 and json.loads(r.stdout)["text"] == red
+
+
+def test_eight_clients_at_once_get_the_answers_they_get_alone(home, bundled_model, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    questions = [[{"role": "user", "content": f"Name a colour that starts with the letter {letter}."}]
+                 for letter in "BGRPOYWT"]
+    with quipu_serve(home, bundled_model, tmp_path=tmp_path) as url:
+        c = client(url)
+        alone = [ask(c, q, max_tokens=12).choices[0].message.content for q in questions]
+        with ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda q: ask(client(url), q, max_tokens=12).choices[0].message.content,
+                                     questions))
+            streamed = list(pool.map(lambda q: "".join(
+                chunk.choices[0].delta.content or "" for chunk in ask(client(url), q, max_tokens=12, stream=True)
+                if chunk.choices), questions))
+    assert together == alone and streamed == alone
