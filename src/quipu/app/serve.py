@@ -243,8 +243,7 @@ class Served:
 
         if asked.media:
             raise RequestError("X-Quipu-Session: a session's turn over the API takes no images or recordings yet")
-        loaded, _, notices = self._load(asked.model or self.model, asked.opts)
-        loaded.held = []  # (the session's context is one of its own on the model)
+        loaded, _, notices = self._load(asked.model or self.model, asked.opts)  # (its context: one of its own)
         store = store_for(self.env)
         # (a new session's system prompt is the request's own first message)
         opts = dataclasses.replace(asked.opts, model=str(loaded.path), session=name,
