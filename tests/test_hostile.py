@@ -421,3 +421,33 @@ def test_a_reply_that_spells_a_marker_is_text_too(eyes):
                                                      Message("assistant", f"{mark} it is red")])
         tokens = conv.render_tokens(conv.messages, True)
         assert n_image > 0 and sum(t >= MEDIA_BASE for t in tokens) == n_image  # (the reply's is text)
+
+
+DEEP = "[" * 5000 + "]" * 5000  # (past Python's recursion, reading it)
+
+
+@pytest.mark.parametrize("where, words", [
+    ("config", "nests values deeper than quipu reads"),
+    ("role", "the role cannot be read (it nests values deeper than quipu reads)"),
+    ("set", "the value nests deeper than quipu reads"),
+    ("row", "its JSON nests deeper than quipu reads"),
+])
+def test_values_nested_past_python_s_recursion_are_one_line(quipu, home, tiny_model, tmp_path, where, words):
+    config = home / "config"
+    (config / "roles").mkdir(parents=True, exist_ok=True)
+    if where == "config":
+        (config / "config.toml").write_text(f"[generation]\nstop = {DEEP}\n")
+        r = quipu("run", "-m", tiny_model, "-n", "2", "hi")
+    elif where == "role":
+        (config / "roles" / "deep.toml").write_text(f"system = \"x\"\n[options]\nstop = {DEEP}\n")
+        r = quipu("roles", "list")
+    elif where == "set":
+        r = quipu("roles", "add", "deep", "--set", f"stop={DEEP}")
+    else:
+        (tmp_path / "rows.jsonl").write_text('{"prompt": "hi"}\n' + DEEP + "\n")
+        r = quipu("run", "-m", tiny_model, "-n", "2", "--batch", tmp_path / "rows.jsonl")
+        rows = [json.loads(line) for line in r.stdout.decode().splitlines()]
+        assert r.returncode == 0 and "text" in rows[0] and words in rows[1]["error"], r.stderr.decode()
+        return
+    err = r.stderr.decode()
+    assert r.returncode == 2 and words in err and len(err.splitlines()) == 1 and "Traceback" not in err, err

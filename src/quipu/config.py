@@ -78,6 +78,8 @@ def load_config(path: Path, generation_keys: dict[str, type]) -> Config:
         raise ConfigError(f"{path}: {exc}") from exc
     except ValueError as exc:  # (a number of thousands of digits: Python's limit on reading one)
         raise ConfigError(f"{path}: a number in it is too long to read ({str(exc).split(';')[0]})") from exc
+    except RecursionError:
+        raise ConfigError(f"{path}: it nests values deeper than quipu reads (arrays or tables in one another)") from None
 
     fail = Config(path=path, text=text).error  # (an error names the file and the line)
     found: dict[str, Any] = {}

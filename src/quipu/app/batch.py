@@ -107,7 +107,7 @@ def read_rows(text: str) -> list[RowInput]:
 def _json_object(line: str) -> bool:
     try:
         return isinstance(json.loads(line), dict)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
 
 
@@ -116,6 +116,8 @@ def _json_row(index: int, line: str) -> RowInput:
         data = json.loads(line)
     except ValueError as exc:
         return RowInput(index, error=f"not a JSON object: {exc}")
+    except RecursionError:
+        return RowInput(index, error="its JSON nests deeper than quipu reads")
     if not isinstance(data, dict):
         return RowInput(index, error="not a JSON object")
     unknown = sorted(set(data) - ROW_FIELDS - {"prompt", "messages"})

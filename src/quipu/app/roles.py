@@ -99,8 +99,10 @@ def load_roles(env: Environment) -> dict[str, Role]:
                 continue
             try:
                 values = tomllib.loads(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-                raise UsageError(f"{path}: the role cannot be read ({exc})") from None
+            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ValueError) as exc:
+                raise UsageError(f"{path}: the role cannot be read ({str(exc).split(';')[0]})") from None
+            except RecursionError:
+                raise UsageError(f"{path}: the role cannot be read (it nests values deeper than quipu reads)") from None
             found[name] = Role(name, check_values(values, str(path)), str(path))
     return found
 

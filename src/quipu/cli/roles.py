@@ -81,6 +81,8 @@ def _value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except (tomllib.TOMLDecodeError, ValueError):
         return text
+    except RecursionError:
+        raise UsageError(f"--set {text[:20]}...: the value nests deeper than quipu reads") from None
 
 
 @app.command()
