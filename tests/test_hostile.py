@@ -451,3 +451,25 @@ def test_values_nested_past_python_s_recursion_are_one_line(quipu, home, tiny_mo
         return
     err = r.stderr.decode()
     assert r.returncode == 2 and words in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("args, config, said", [
+    (["--top-k", "4294967297"], "", "top-k must be in [0, 2147483647]"),  # (once cut to 1 by C: greedy, exit 0)
+    (["-n", "99999999999"], "", "--max-tokens must be in (0, 2147483647]"),
+    ([], "[generation]\nrepeat_last_n = 4000000000\n", "repeat-last-n must be in [0, 1048576]"),  # (gigabytes)
+    ([], "[generation]\ntop_k = 4294967297\n", "top-k must be in [0, 2147483647]"),
+])
+def test_an_integer_past_what_c_holds_or_a_sane_bound_is_refused_where_it_enters(quipu, home, tiny_model, args,
+                                                                                 config, said):
+    if config:
+        (home / "config").mkdir(exist_ok=True)
+        (home / "config" / "config.toml").write_text(config)
+    r = quipu("run", "-m", tiny_model, "-n", "2", *args, "hi") if "-n" not in args else \
+        quipu("run", "-m", tiny_model, *args, "hi")
+    err = r.stderr.decode()
+    assert r.returncode == 2 and said in err and len(err.splitlines()) == 1, err
+    if config:
+        return
+    chat = quipu("chat", "-m", tiny_model, "-n", "2", input="/set repeat_last_n 4000000000\n/set max_tokens 3000000000\n")
+    assert "repeat-last-n must be in [0, 1048576]" in chat.stderr.decode() and \
+        "max_tokens must be in (0, 2147483647]" in chat.stderr.decode()

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 MAX_SEED = 2**63 - 1
+C_INT = 2**31 - 1  # what a C int holds: llama.cpp's counts are ints, past this a value wraps into another
+MAX_WINDOW = 1 << 20  # the longest repeat-penalty window (llama.cpp keeps a ring of it: past this, memory)
 
 
 @dataclass(frozen=True)
@@ -138,13 +140,13 @@ _ALL = (
             row=True),
     _option("max_tokens", "--max-tokens", "-n", kind=int, help="Most tokens to generate per reply (default: 512).",
             group="generation", config=int, role=True, row=True, logged=True, settable=int,
-            request="max_tokens", ollama="num_predict", bounds=Bounds(0, low_open=True)),
+            request="max_tokens", ollama="num_predict", bounds=Bounds(0, C_INT, low_open=True)),
     _option("temperature", "--temperature", "-t", kind=float, help="0 is greedy (default: 0.8).", group="generation",
             sampling=True, config=float, role=True, row=True, logged=True, settable=float, request="temperature",
             ollama="temperature", server="temperature", bounds=Bounds(0, note="0 is greedy")),
     _option("top_k", "--top-k", kind=int, help="Keep the k likeliest tokens; 0 is off (default: 40).",
             group="generation", sampling=True, config=int, role=True, row=True, logged=True, settable=int,
-            request="top_k", ollama="top_k", server="top_k", bounds=Bounds(0, note="0 turns it off")),
+            request="top_k", ollama="top_k", server="top_k", bounds=Bounds(0, C_INT, note="0 turns it off")),
     _option("top_p", "--top-p", kind=float, help="Nucleus sampling, in (0, 1] (default: 0.95).", group="generation",
             sampling=True, config=float, role=True, row=True, logged=True, settable=float, request="top_p",
             ollama="top_p", server="top_p", bounds=Bounds(0, 1, low_open=True)),
@@ -155,7 +157,7 @@ _ALL = (
             sampling=True, config=float, role=True, row=True, logged=True, settable=float, request="repeat_penalty",
             ollama="repeat_penalty", server="repeat_penalty", bounds=Bounds(0, low_open=True, note="1 turns it off")),
     _option("repeat_last_n", kind=int, sampling=True, config=int, settable=int, server="repeat_last_n",
-            ollama="repeat_last_n", bounds=Bounds(0)),
+            ollama="repeat_last_n", bounds=Bounds(0, MAX_WINDOW, note="the tokens a repeat penalty looks back on")),
     _option("seed", "--seed", kind=int, help="Random seed: the same seed, the same reply (default: a random one).",
             group="generation", sampling=True, config=int, role=True, row=True, settable=int, request="seed",
             ollama="seed", bounds=Bounds(0, MAX_SEED)),

@@ -38,7 +38,7 @@ from quipu.app.modes import BATCH, asked_of, check_options
 from quipu.app.placing import placement_notices, placement_of
 from quipu.engine.settings import CTX_AUTO, DEFAULT_CTX_CAP, ContextSettings, available_cpus
 from quipu.errors import BadInput, QuipuError, UsageError
-from quipu.options import ROW, SAMPLING
+from quipu.options import OPTIONS, ROW, SAMPLING
 from quipu.sessions.batch import BatchRow, BatchSession
 from quipu.sessions.base import LOCAL, SILENT
 from quipu.sessions.conversation import Conversation, Message, TurnSettings
@@ -187,8 +187,10 @@ def row_params(base: SamplingParams, fields: dict[str, Any], seed: int | None) -
         changes["grammar"] = row_schema(fields["schema"])
     params = base.replace(**changes).resolved()
     limit = fields.get("max_tokens")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
-        raise UsageError("max_tokens must be an integer more than 0")
+    bounds = OPTIONS["max_tokens"].bounds
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                              or (bounds is not None and not bounds.holds(limit))):
+        raise UsageError(f"max_tokens must be an integer {bounds.rule.removeprefix('must be ') if bounds else ''}")
     stop = fields.get("stop", ())
     if isinstance(stop, str):
         stop = (stop,)

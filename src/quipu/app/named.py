@@ -15,7 +15,7 @@ from quipu.app.turn_options import (TurnOptions, chat_template_source, max_token
 from quipu.app.hosts import Keeper, ModelHost
 from quipu.engine.base import ProgressFn
 from quipu.errors import InvalidParameter
-from quipu.options import SAMPLING, SETTABLE
+from quipu.options import OPTIONS, SAMPLING, SETTABLE
 from quipu.sessions.base import Message, ModelSession
 from quipu.sessions.stops import read_escapes
 from quipu.sessions.conversation import Conversation, TurnSettings
@@ -127,8 +127,9 @@ class NamedSession:
         except ValueError:
             raise InvalidParameter(f"{key} takes {'an integer' if kind is int else 'a number'}, not '{value}'") from None
         if key == "max_tokens":
-            if parsed <= 0:
-                raise InvalidParameter("max_tokens must be more than 0")
+            bounds = OPTIONS["max_tokens"].bounds
+            if bounds is not None and not bounds.holds(parsed):
+                raise InvalidParameter(f"max_tokens {bounds.rule}, got {str(parsed)[:40]}")
             self.max_tokens = parsed
         elif key == "stop":  # a text, its escapes read (`/set stop \n\n`); off: none
             self.stop = () if parsed == "off" else (read_escapes(parsed),)

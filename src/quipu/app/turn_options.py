@@ -21,7 +21,7 @@ from quipu.engine.settings import (
     parse_size,
 )
 from quipu.errors import TemplateError, UsageError
-from quipu.options import LOGGED, SAMPLING
+from quipu.options import LOGGED, OPTIONS, SAMPLING
 from quipu.sessions.base import LOCAL, Capabilities
 from quipu.sessions.params import SamplingParams
 from quipu.sessions.prompt import Vocabulary
@@ -103,7 +103,7 @@ class TurnOptions(ToolOptions):
     def __post_init__(self) -> None:
         """What can be checked of the options alone is checked here, once, before anything is
         loaded or sent (what needs the config or the model, where those are read)."""
-        check_positive("--max-tokens", self.max_tokens)
+        check_reply_length(self.max_tokens)
         parse_logit_bias(self.logit_bias)
         unknown = sorted(set(self.sampling) - set(SAMPLING))
         if unknown:
@@ -167,6 +167,14 @@ class TurnOptions(ToolOptions):
 def check_positive(name: str, value: int | None) -> None:
     if value is not None and value <= 0:
         raise UsageError(f"{name} must be more than 0, got {value}")
+
+
+def check_reply_length(value: int | None) -> None:
+    """--max-tokens (the config's, a session's) within its bounds: more than 0, and what a C int
+    holds (a server's count of tokens to predict is one)."""
+    bounds = OPTIONS["max_tokens"].bounds
+    if value is not None and bounds is not None and not bounds.holds(value):
+        raise UsageError(f"--max-tokens {bounds.rule}, got {str(value)[:40]}")
 
 
 def sampling_params(opts: TurnOptions, env: Environment, base: SamplingParams | None = None,
@@ -279,7 +287,7 @@ def context_settings(opts: TurnOptions, env: Environment) -> ContextSettings:
 
 def max_tokens(opts: TurnOptions, env: Environment) -> int:
     value = opts.max_tokens if opts.max_tokens is not None else env.config.generation.get("max_tokens")
-    check_positive("--max-tokens", value)
+    check_reply_length(value)
     return value or DEFAULT_MAX_TOKENS
 
 
