@@ -473,3 +473,10 @@ def test_an_integer_past_what_c_holds_or_a_sane_bound_is_refused_where_it_enters
     chat = quipu("chat", "-m", tiny_model, "-n", "2", input="/set repeat_last_n 4000000000\n/set max_tokens 3000000000\n")
     assert "repeat-last-n must be in [0, 1048576]" in chat.stderr.decode() and \
         "max_tokens must be in (0, 2147483647]" in chat.stderr.decode()
+
+
+def test_doctor_refuses_a_kv_type_as_run_does(quipu, tiny_model):
+    said = [quipu(*command, "-m", tiny_model, "--kv-type", "q4_0", *more) for command, more in
+            ((("doctor",), ()), (("run", "-n", "2"), ("hi",)))]
+    assert [r.returncode for r in said] == [2, 2]
+    assert said[0].stderr == said[1].stderr == b"quipu: error: --kv-type must be one of f16, q8_0, not 'q4_0'\n"

@@ -64,8 +64,12 @@ def model_report(env: Environment, opts: TurnOptions) -> dict[str, Any]:
     from quipu.engine.llama_context import context_params
     from quipu.engine.placement import recurrent_state, window_cache
 
+    from quipu.engine.settings import KV_TYPES
+
     name, path = env.resolve_model(opts.model)
     settings = context_settings(opts, env)
+    if settings.kv_type not in KV_TYPES:  # (what a run refuses, in the words it refuses it)
+        raise UsageError(f"--kv-type must be one of {', '.join(KV_TYPES)}, not '{settings.kv_type[:40]}'")
     out: dict[str, Any] = {"name": name, "path": str(path)}
     try:
         placement = place(path, offload(opts, env), settings, detail=True)
