@@ -480,3 +480,14 @@ def test_doctor_refuses_a_kv_type_as_run_does(quipu, tiny_model):
             ((("doctor",), ()), (("run", "-n", "2"), ("hi",)))]
     assert [r.returncode for r in said] == [2, 2]
     assert said[0].stderr == said[1].stderr == b"quipu: error: --kv-type must be one of f16, q8_0, not 'q4_0'\n"
+
+
+def test_input_lines_end_at_a_new_line_only(quipu, tiny_model):
+    # (U+2028, U+0085 and a form feed are no line's end in JSON lines, nor in a user's text)
+    rows = '{"id": "a", "prompt": "one\u2028two"}\n{"id": "b", "prompt": "three\u0085four\\f"}\n'
+    r = quipu("run", "-m", tiny_model, "-n", "2", "--batch", "-", input=rows)
+    out = [json.loads(line) for line in r.stdout.decode().splitlines()]
+    assert r.returncode == 0 and [row.get("id") for row in out] == ["a", "b"] and all("text" in row for row in out)
+    r = quipu("embed", "-m", tiny_model, input="one\u2028two\fthree\nfour\u0085five\n")
+    texts = [json.loads(line)["text"] for line in r.stdout.decode().split("\n") if line]
+    assert r.returncode == 0 and texts == ["one\u2028two\fthree", "four\u0085five"]

@@ -96,12 +96,19 @@ class RowOutcome:
 def read_rows(text: str) -> list[RowInput]:
     """Rows from the input: JSON lines when the first line that is not blank is a JSON object,
     otherwise one prompt per line. Blank lines are no rows."""
-    lines = [line for line in text.splitlines() if line.strip()]
+    lines = [line for line in input_lines(text) if line.strip()]
     if not lines:
         raise BadInput("the batch has no rows")
     if not _json_object(lines[0]):
         return [RowInput(i, prompt=line) for i, line in enumerate(lines)]
     return [_json_row(i, line) for i, line in enumerate(lines)]
+
+
+def input_lines(text: str) -> list[str]:
+    """The lines of an input file or stdin: split where `\n` ends one (a `\r` before it dropped),
+    not at the other characters `str.splitlines` takes for an end (U+2028, U+0085, a form feed...),
+    which JSON strings and a user's text hold within a line."""
+    return [line.removesuffix("\r") for line in text.split("\n")]
 
 
 def _json_object(line: str) -> bool:

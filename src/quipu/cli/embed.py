@@ -34,7 +34,9 @@ def embed(
     term = Terminal.detect()
     if not texts:
         piped = gather_prompt(None, term, allow_empty=True)
-        texts = [line for line in (piped or "").splitlines() if line.strip()]
+        from quipu.app.batch import input_lines
+
+        texts = [line for line in input_lines(piped or "") if line.strip()]
     env = context.obj
     opts = spec.turn_options({"model": model, "threads": threads, "verbose": verbose, "url": url,
                               "gpu_layers": gpu_layers, "gpu_memory": gpu_memory, "device": device}, env)
