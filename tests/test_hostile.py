@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -491,3 +492,17 @@ def test_input_lines_end_at_a_new_line_only(quipu, tiny_model):
     r = quipu("embed", "-m", tiny_model, input="one\u2028two\fthree\nfour\u0085five\n")
     texts = [json.loads(line)["text"] for line in r.stdout.decode().split("\n") if line]
     assert r.returncode == 0 and texts == ["one\u2028two\fthree", "four\u0085five"]
+
+
+def test_a_tool_s_result_and_the_model_s_call_reach_the_terminal_escaped(quipu, tiny_model, tmp_path):
+    templates = Path(__file__).parent / "templates"
+    (tmp_path / "fns.py").write_text('def scary() -> str:\n    """Clears screens."""\n'
+                                     '    return "\\x1b[2J\\x1b]0;owned\\x07 done"\n')
+    r = quipu("run", "-m", tiny_model, "--chat-template", templates / "Qwen-Qwen2.5-7B-Instruct.jinja",
+              "--functions", tmp_path / "fns.py", "--tool-choice", "scary", "--yes", "-n", "400", "go")
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert "→ scary(" in err and "\\x1b[2J\\x1b]0;owned\\x07 done" in err and "\x1b[2J" not in err
+    chat = quipu("chat", "-m", tiny_model, "-n", "2", input="/nope\x1b[2J\n")
+    said = chat.stderr.decode()
+    assert "unknown command /nope\\x1b[2J" in said and "\x1b[2J" not in said

@@ -74,12 +74,16 @@ class Repl:
         return answer[:1] in ("y", "a")
 
     def _call_starts(self, call: ToolCall) -> None:
-        self.say(self.term.dim(call.spelled))
+        from quipu.shown import shown
+
+        self.say(self.term.dim(shown(call.spelled)))  # (the model's words: escaped)
 
     def _call_ended(self, record: CallRecord) -> None:
+        from quipu.shown import shown
+
         said = record.error if record.error is not None else (record.result or "")
         said = " ".join(said.split())
-        self.say(self.term.dim("  " + (said if len(said) <= 160 else said[:160] + "…")))
+        self.say(self.term.dim("  " + shown(said if len(said) <= 160 else said[:160] + "…")))  # (the tool's: escaped)
 
     # ---- output ----------------------------------------------------------------------------
 
@@ -181,8 +185,10 @@ class Repl:
         if line.strip().startswith("/"):
             command, arg = parse_command(line)
             if command is None:
-                shown = arg if len(arg) <= 40 else arg[:40] + "…"
-                self.say(f"unknown command /{shown!s}; /help lists them")
+                from quipu.shown import shown
+
+                said = arg if len(arg) <= 40 else arg[:40] + "…"
+                self.say(f"unknown command /{shown(said)}; /help lists them")
                 return
             command.handler(self, arg)
         elif line.strip():

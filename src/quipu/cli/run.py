@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from quipu.cli import spec
 from quipu.cli.terminal import StopOnCtrlC, Terminal, gather_prompt
 from quipu.errors import BadInput, ExitCode, Interrupted, UsageError
+from quipu.shown import shown
 
 if TYPE_CHECKING:
     import typer
@@ -168,7 +169,7 @@ def tool_hooks(term: Terminal, unshown: bool, debug: bool, stopper: StopOnCtrlC)
             term.stderr.write(json.dumps({"call": call.name, "id": call.id, "arguments": call.arguments},
                                          ensure_ascii=False) + "\n")
         elif not unshown:
-            term.stderr.write(term.dim(f"→ {call.spelled}") + "\n")
+            term.stderr.write(term.dim(f"→ {shown(call.spelled)}") + "\n")  # (the model's words: escaped)
         term.stderr.flush()
 
     def on_call(record: CallRecord) -> None:
@@ -177,10 +178,11 @@ def tool_hooks(term: Terminal, unshown: bool, debug: bool, stopper: StopOnCtrlC)
         elif not unshown:
             said = record.error if record.error is not None else (record.result or "")
             short = said if len(said) <= 200 else said[:200] + "…"
-            term.stderr.write(term.dim(f"  {short}") + "\n")
+            term.stderr.write(term.dim(f"  {shown(short, lines=True)}") + "\n")  # (the tool's: escaped)
         term.stderr.flush()
 
-    def on_output(line: str) -> None:  # what the user's functions write on stderr: theirs, dimmed
+    def on_output(line: str) -> None:  # what the user's functions write on stderr: theirs, dimmed, escaped
+        line = shown(line)
         term.stderr.write((term.dim(line) if term.stderr_tty else line) + "\n")
         term.stderr.flush()
 
