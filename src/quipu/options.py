@@ -48,6 +48,10 @@ class Bounds:
                     f"{')' if self.high_open else ']'}")
         return f"must be {said}" + (f" ({self.note})" if self.note else "")
 
+    def refusal(self, name: str, value: float) -> str | None:
+        """What a refusal of `value` as `name` says (None: it holds)."""
+        return None if self.holds(value) else f"{name} {self.rule}, got {str(value)[:40]}"
+
 
 def _number(value: float | None) -> str:
     return str(int(value)) if value is not None and float(value).is_integer() else f"{value:g}"

@@ -128,8 +128,9 @@ class NamedSession:
             raise InvalidParameter(f"{key} takes {'an integer' if kind is int else 'a number'}, not '{value}'") from None
         if key == "max_tokens":
             bounds = OPTIONS["max_tokens"].bounds
-            if bounds is not None and not bounds.holds(parsed):
-                raise InvalidParameter(f"max_tokens {bounds.rule}, got {str(parsed)[:40]}")
+            refused = bounds.refusal("max_tokens", parsed) if bounds is not None else None
+            if refused is not None:
+                raise InvalidParameter(refused)
             self.max_tokens = parsed
         elif key == "stop":  # a text, its escapes read (`/set stop \n\n`); off: none
             self.stop = () if parsed == "off" else (read_escapes(parsed),)

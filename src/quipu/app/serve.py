@@ -49,7 +49,11 @@ class Loaded:
     backend: Backend
     keeper: LocalKeeper
     until: float | None = None
-    expires: float | None = None  # the same, as wall-clock time (what /api/ps shows)
+
+    @property
+    def expires(self) -> float | None:
+        """`until` as wall-clock time (what /api/ps shows)."""
+        return None if self.until is None else time.time() + (self.until - time.monotonic())
     held: list[int] = field(default_factory=list)  # what its context holds, the last request's, for the next
 
 
@@ -314,12 +318,12 @@ class Served:
         if loaded is None:
             return
         if keep == FOREVER or keep is None:
-            loaded.until = loaded.expires = None
+            loaded.until = None
         elif keep == 0:
             self._unload()
         else:
             seconds = float(keep)
-            loaded.until, loaded.expires = time.monotonic() + seconds, time.time() + seconds
+            loaded.until = time.monotonic() + seconds
             self._timer = threading.Timer(seconds, self._expire)
             self._timer.daemon = True
             self._timer.start()

@@ -243,7 +243,8 @@ def ollama_ps(loaded: Loaded | None) -> dict[str, Any]:
     except OSError:
         size = 0
     on_gpu = loaded.backend.placement.gpu_layers > 0
+    expires = loaded.expires
     return {"models": [{"name": loaded.name, "model": loaded.name, "size": size, "digest": "",
                         "details": details(path),
-                        "expires_at": _when(loaded.expires) if loaded.expires is not None else "9999-12-31T00:00:00Z",
+                        "expires_at": "9999-12-31T00:00:00Z" if expires is None else _when(expires),
                         "size_vram": size if on_gpu else 0, "context_length": loaded.backend.n_ctx}]}

@@ -134,8 +134,9 @@ def _checked(field: str, option: Option, value: Any) -> Any:
             or (isinstance(value, float) and not math.isfinite(value)) or (kind is int and value != int(value)):
         raise RequestError(f"{field} must be {'an integer' if kind is int else 'a finite number'}, not {value!r}")
     value = kind(value)
-    if option.bounds is not None and not option.bounds.holds(value):
-        raise RequestError(f"{field} {option.bounds.rule}, got {value}")
+    refused = option.bounds.refusal(field, value) if option.bounds is not None else None
+    if refused is not None:
+        raise RequestError(refused)
     return value
 
 
@@ -253,6 +254,12 @@ def keep_alive(value: Any, where: str = "keep_alive") -> Keep:
     return FOREVER if value < 0 else float(value)
 
 
+def request_keep(body: Mapping[str, Any]) -> Keep:
+    """How long an Ollama-style request keeps its model loaded after it (`keep_alive`; None:
+    the server's keep-alive)."""
+    return keep_alive(body["keep_alive"]) if body.get("keep_alive") is not None else None
+
+
 def embed_inputs(body: Mapping[str, Any]) -> list[str]:
     """The texts an embedding request gives (`input`: a text, or a list of texts), each one that
     is not empty."""
@@ -324,7 +331,7 @@ def ollama_request(body: Mapping[str, Any], base: TurnOptions, generate: bool = 
         raise RequestError("raw: quipu serve does not take raw prompts yet (/v1/completions continues one)")
     if body.get("logprobs"):
         raise RequestError("logprobs: quipu serve gives them over the OpenAI API (/v1/chat/completions)")
-    keep = keep_alive(body["keep_alive"]) if body.get("keep_alive") is not None else None
+    keep = request_keep(body)
     if generate:
         prompt, system = body.get("prompt"), body.get("system")
         if not isinstance(prompt, str) or not prompt or not isinstance(system, (str, type(None))):

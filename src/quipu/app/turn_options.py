@@ -173,8 +173,9 @@ def check_reply_length(value: int | None) -> None:
     """--max-tokens (the config's, a session's) within its bounds: more than 0, and what a C int
     holds (a server's count of tokens to predict is one)."""
     bounds = OPTIONS["max_tokens"].bounds
-    if value is not None and bounds is not None and not bounds.holds(value):
-        raise UsageError(f"--max-tokens {bounds.rule}, got {str(value)[:40]}")
+    refused = bounds.refusal("--max-tokens", value) if value is not None and bounds is not None else None
+    if refused is not None:
+        raise UsageError(refused)
 
 
 def sampling_params(opts: TurnOptions, env: Environment, base: SamplingParams | None = None,

@@ -149,11 +149,6 @@ class Api:
     def media_type(self) -> str:
         return "text/event-stream" if self.openai else "application/x-ndjson"
 
-    def errors(self, exc: BaseException) -> tuple[int, dict[str, Any]]:
-        from quipu.app.serve_bodies import error_body, ollama_error
-
-        return error_body(exc) if self.openai else ollama_error(exc)
-
 
 def apis() -> dict[str, Api]:
     """The routes that answer, by path."""
@@ -194,7 +189,7 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, origins:
     from starlette.routing import Route
 
     from quipu.app import serve_bodies as bodies
-    from quipu.app.serve_plan import as_session_turn, choices, embed_inputs, keep_alive, load_only
+    from quipu.app.serve_plan import as_session_turn, choices, embed_inputs, load_only, request_keep
     from quipu.app.serve import ReplySink
 
     names = {host_in_url(host)} | ({"localhost", "127.0.0.1", "[::1]"} if loopback(host) else set())
@@ -222,8 +217,10 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, origins:
                 return refused(401, "a key is needed: Authorization: Bearer KEY", "invalid_api_key")
         return None
 
-    def shaped(api: Api, exc: BaseException) -> Response:
-        status, body = api.errors(exc)
+    def shaped(openai: bool, exc: BaseException) -> Response:
+        """A failure in the API's shape (`openai`: OpenAI's, else Ollama's); a busy server's says
+        when to ask again."""
+        status, body = (bodies.error_body if openai else bodies.ollama_error)(exc)
         return JSONResponse(body, status, headers={"Retry-After": "1"} if status == 503 else None)
 
     async def health(request: Request) -> Response:
@@ -242,7 +239,7 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, origins:
             plan = as_session_turn(served.plan(body, api.make), request.headers.get("x-quipu-session"))
             served.room()  # (a busy server says so before a stream's head is out)
         except Exception as exc:  # (every refusal a 4xx in the API's shape, never a traceback)
-            return shaped(api, exc)
+            return shaped(api.openai, exc)
         if api.openai:
             plain = request.url.path == "/v1/completions"
             head: dict[str, Any] = {"ident": f"{'cmpl' if plain else 'chatcmpl'}-{secrets.token_hex(12)}",
@@ -255,14 +252,13 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, origins:
         try:
             done = [await asyncio.to_thread(served.chat, each, ReplySink()) for each in choices(plan)]
         except Exception as exc:
-            return shaped(api, exc)
+            return shaped(api.openai, exc)
         return JSONResponse(api.whole(done, head))
 
     async def loaded(body: dict[str, Any], api: Api) -> Response:
         """Ollama's request with nothing to answer: the model loaded (or, `keep_alive` 0, unloaded)."""
         name, _ = served.pick(body.get("model"))
-        keep = keep_alive(body["keep_alive"]) if body.get("keep_alive") is not None else None
-        now = await asyncio.to_thread(served.load, name, keep)
+        now = await asyncio.to_thread(served.load, name, request_keep(body))
         reply = {"model": name, "created_at": datetime.now(timezone.utc).isoformat(), "done": True,
                  "done_reason": "load" if now else "unload"}
         return JSONResponse({**reply, **({"response": ""} if api.generate else
@@ -273,21 +269,19 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, origins:
         if failed is not None:
             return failed
         openai = request.url.path == "/v1/embeddings"
-        errors = bodies.error_body if openai else bodies.ollama_error
         try:
             body = await read_json(request)
             name, _ = served.pick(body.get("model"))
             texts = embed_inputs(body)
             if body.get("dimensions") is not None:
                 raise UsageError("dimensions: quipu serve gives each model's embeddings whole")
-            keep = keep_alive(body["keep_alive"]) if not openai and body.get("keep_alive") is not None else None
+            keep = None if openai else request_keep(body)
             started = time.perf_counter()
             vectors, tokens, load_s = await asyncio.to_thread(served.embed, name, texts, keep)
             reply = bodies.openai_embeddings(name, vectors, tokens, body.get("encoding_format")) if openai else \
                 bodies.ollama_embeddings(name, vectors, tokens, load_s, time.perf_counter() - started)
         except Exception as exc:
-            status, shaped_body = errors(exc)
-            return JSONResponse(shaped_body, status, headers={"Retry-After": "1"} if status == 503 else None)
+            return shaped(openai, exc)
         return JSONResponse(reply)
 
     async def models(request: Request) -> Response:
@@ -304,8 +298,7 @@ def http_app(served: Served, host: str, port: int, api_key: str | None, origins:
             body = await read_json(request)
             return JSONResponse(bodies.ollama_show(*served.pick(body.get("model") or body.get("name"))))
         except Exception as exc:
-            status, shaped_body = bodies.ollama_error(exc)
-            return JSONResponse(shaped_body, status)
+            return shaped(False, exc)
 
     async def ps(request: Request) -> Response:
         return checked(request) or JSONResponse(bodies.ollama_ps(served.loaded()))
