@@ -191,8 +191,9 @@ def check_config(config: Config) -> Config:
         key = str(exc).split(" ", 1)[0].replace("-", "_")
         raise config.error(key, str(exc), "generation") from None
     for key, option in OPTIONS.items():
-        if key in gen and key not in SAMPLING and option.bounds is not None and not option.bounds.holds(gen[key]):
-            raise config.error(key, f"{key} {option.bounds.rule}, got {gen[key]}", "generation")
+        refused = option.bounds.refusal(key, gen[key]) if key in gen and key not in SAMPLING and option.bounds else None
+        if refused is not None:
+            raise config.error(key, refused, "generation")
     for key, parse in (("ctx", parse_ctx), ("gpu_layers", parse_layers), ("gpu_memory", parse_size)):
         if key in gen:
             try:

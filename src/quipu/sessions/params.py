@@ -54,8 +54,9 @@ class SamplingParams(SamplerSettings):
             if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
                 raise InvalidParameter(f"{name.replace('_', '-')} must be a whole number, got {value}")
             bounds = OPTIONS[name].bounds
-            if bounds is not None and not bounds.holds(value):
-                raise InvalidParameter(f"{name.replace('_', '-')} {bounds.rule}, got {value}")
+            refused = bounds.refusal(name.replace("_", "-"), value) if bounds is not None else None
+            if refused is not None:
+                raise InvalidParameter(refused)
         if not all(isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and b == b for t, b in self.logit_bias):
             raise InvalidParameter(f"logit-bias must be pairs of a token id and a number, got {self.logit_bias}")
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
