@@ -104,6 +104,8 @@ def test_a_page_of_another_site_is_refused_unless_cors_names_it(home, tiny_model
     (["--keep-alive", "soon"], "", "--keep-alive must be a number of seconds or a duration"),
     (["--cors", "evil"], "", "--cors takes an origin"),
     (["--port", "0"], "", "--port must be from 1 to 65535"),
+    (["--parallel", "0"], "", "--parallel must be from 1 to 64"),
+    ([], "[serve]\nparallel = 1000\n", "[serve] parallel must be from 1 to 64"),
     ([], "[serve]\nport = \"x\"\n", "[serve] port must be an integer"),
     ([], "[serve]\nhost = \"0.0.0.0\"\n", "give --api-key"),
     ([], "[serve]\napi_key_env = \"QUIPU_TEST_NO_SUCH_KEY\"\n", "which is not set"),
@@ -118,8 +120,9 @@ def test_a_bad_serve_option_is_one_line_and_exit_2(quipu, home, tiny_model, args
     assert r.returncode == 2 and words in err and err.count("\n") == 1 and "Traceback" not in err, err
 
 
-def test_past_the_requests_that_wait_a_request_is_refused_as_busy_at_once(home, tiny_model):
-    # (in process: the first request's reply is held at its first piece until the others are in)
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_past_the_requests_that_wait_a_request_is_refused_as_busy_at_once(home, tiny_model, parallel):
+    # (in process: the replies answered at once are held at their first piece until the others are in)
     import threading
 
     from quipu.app.environment import Environment
@@ -128,31 +131,39 @@ def test_past_the_requests_that_wait_a_request_is_refused_as_busy_at_once(home, 
     from quipu.app.turn_options import TurnOptions
 
     served = Served(Environment.load({"QUIPU_HOME": str(home)}), TurnOptions.of({"model": str(tiny_model)}),
-                    [str(tiny_model)])
+                    [str(tiny_model)], parallel=parallel)
     plan = served.plan({"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 4}, chat_request)
-    go, started = threading.Event(), threading.Event()
+    go = threading.Event()
+    started = threading.Semaphore(0)
 
     class Held(ReplySink):
+        def __init__(self):
+            self.first = True
+
         def text(self, piece):
-            started.set()
+            if self.first:
+                self.first = False
+                started.release()
             go.wait(60)
 
-    first = threading.Thread(target=served.chat, args=(plan, Held()))
-    first.start()
-    assert started.wait(60)
+    answered = [threading.Thread(target=served.chat, args=(plan, Held())) for _ in range(parallel)]
+    for t in answered:
+        t.start()
+    for _ in answered:  # (each is answered at once, beside the others)
+        assert started.acquire(timeout=60)
     waiting = [threading.Thread(target=served.chat, args=(plan, ReplySink())) for _ in range(MAX_WAITING)]
     for t in waiting:
         t.start()
     try:
         pause = threading.Event()
-        while served.requests <= MAX_WAITING and not pause.wait(0.01):  # (until every place is taken)
+        while served.requests < parallel + MAX_WAITING and not pause.wait(0.01):  # (until every place is taken)
             pass
         with pytest.raises(RequestError) as refused:
             served.room()
         assert refused.value.status == 503 and "busy" in str(refused.value)
     finally:
         go.set()
-        for t in [first, *waiting]:
+        for t in [*answered, *waiting]:
             t.join(60)
         served.close()
     served.room()  # (and the places are given back)

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from servers import ask, quipu_serve
+from servers import SYSTEM, ask, quipu_serve
 from servers import openai_client as client
 
 openai = pytest.importorskip("openai")
@@ -69,7 +69,8 @@ def test_embeddings_are_the_ones_quipu_embed_gives_through_both_clients(quipu, h
                 c.embeddings.create(model=got.model, input=bad)
 
 
-def test_an_image_in_a_message_is_seen_as_run_attaches_it(quipu, home, vision, tmp_path):
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_an_image_in_a_message_is_seen_as_run_attaches_it(quipu, home, vision, tmp_path, parallel):
     import base64
 
     def data_url(name):
@@ -79,12 +80,19 @@ def test_an_image_in_a_message_is_seen_as_run_attaches_it(quipu, home, vision, t
         return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(name)}},
                                              {"type": "text", "text": "What is it?"}]}]
 
-    with quipu_serve(home, vision / "tiny.gguf", tmp_path=tmp_path) as url:
+    with quipu_serve(home, vision / "tiny.gguf", "--parallel", parallel, tmp_path=tmp_path) as url:
         c = client(url)
         red = ask(c, looking_at("red.png"), max_tokens=12).choices[0].message.content
         blue = ask(c, looking_at("blue.png"), max_tokens=12).choices[0].message.content
         assert red != blue  # (the model sees the image)
         assert ask(c, looking_at("red.png"), max_tokens=12).choices[0].message.content == red
+        if parallel > 1:  # (both at once: each image read with the context its own, between the other's tokens)
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(2) as pool:
+                both = list(pool.map(lambda name: ask(client(url), looking_at(name), max_tokens=12)
+                                     .choices[0].message.content, ["blue.png", "red.png"]))
+            assert both == [blue, red]
         ollama = pytest.importorskip("ollama")
         theirs = ollama.Client(host=url).chat(model=c.models.list().data[0].id, stream=False, options={
             "temperature": 0, "num_predict": 12}, messages=[{"role": "user", "content": "What is it?",
@@ -98,12 +106,14 @@ def test_an_image_in_a_message_is_seen_as_run_attaches_it(quipu, home, vision, t
     assert r.returncode == 0 and json.loads(r.stdout)["text"] == red
 
 
-def test_eight_clients_at_once_get_the_answers_they_get_alone(home, bundled_model, tmp_path):
+@pytest.mark.parametrize("parallel", [1, 4])
+def test_eight_clients_at_once_get_the_answers_they_get_alone(home, bundled_model, tmp_path, parallel):
+    # (one at a time, or four decoded together while the others wait)
     from concurrent.futures import ThreadPoolExecutor
 
     questions = [[{"role": "user", "content": f"Name a colour that starts with the letter {letter}."}]
                  for letter in "BGRPOYWT"]
-    with quipu_serve(home, bundled_model, tmp_path=tmp_path) as url:
+    with quipu_serve(home, bundled_model, "--parallel", parallel, tmp_path=tmp_path) as url:
         c = client(url)
         alone = [ask(c, q, max_tokens=12).choices[0].message.content for q in questions]
         with ThreadPoolExecutor(8) as pool:
@@ -113,3 +123,23 @@ def test_eight_clients_at_once_get_the_answers_they_get_alone(home, bundled_mode
                 chunk.choices[0].delta.content or "" for chunk in ask(client(url), q, max_tokens=12, stream=True)
                 if chunk.choices), questions))
     assert together == alone and streamed == alone
+
+
+def test_with_parallel_requests_each_conversation_keeps_its_context_in_memory(home, tiny_model, tmp_path):
+    # (two conversations by turns, the disk cache kept to nothing: with two places, each goes on
+    # from its own context, which the other's request left alone; with one, the other's took it)
+    (home / "config").mkdir(exist_ok=True)
+    (home / "config" / "config.toml").write_text("[cache]\nmax_bytes = 0\n")
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a river?"}]
+    other = [{"role": "system", "content": SYSTEM.upper()}, {"role": "user", "content": "What is a hill?"}]
+    cached = {}
+    for parallel in (2, 1):
+        with quipu_serve(home, tiny_model, "--parallel", parallel, tmp_path=tmp_path) as url:
+            c = client(url)
+            one = ask(c, first)
+            ask(c, other)
+            following = first + [{"role": "assistant", "content": one.choices[0].message.content},
+                                 {"role": "user", "content": "And a lake?"}]
+            cached[parallel] = ask(c, following).usage.prompt_tokens_details.cached_tokens
+    read = one.usage.prompt_tokens + one.usage.completion_tokens
+    assert read - 256 < cached[2] <= read and cached[1] == 0

@@ -3,9 +3,10 @@ request that names one and unloaded after its keep-alive (one at a time), and ea
 answer, one turn (`turn.Turn`) as `quipu run --messages` answers it. After each answer the
 conversation's context joins the prompt cache, on disk: a request whose messages go on from an
 earlier conversation restores it and reads only what is new, after a restart too, and its answer
-is the one a fresh read gives. Requests are answered one at a time; a few more wait, and past
-them a request is refused as busy. What a request asks is `serve_plan`'s; the bodies of the
-replies, `serve_bodies`'."""
+is the one a fresh read gives. Requests are answered one at a time, or with `parallel` up to so
+many at once, each on a slot of the model's (a sequence of one context they share, decoded
+together: `engine/llama_shared.py`); a few more wait, and past them a request is refused as
+busy. What a request asks is `serve_plan`'s; the bodies of the replies, `serve_bodies`'."""
 
 from __future__ import annotations
 
@@ -24,15 +25,17 @@ from quipu.app.tools import OpenTools, Toolbox, offer
 from quipu.app.turn import Ask, Turn
 from quipu.app.turn_options import TurnOptions, chat_template_source, max_tokens, stop_strings, template_variables
 from quipu.sessions.base import ReplySink as ReplySink  # (the HTTP side's sinks are made of it)
-from quipu.sessions.base import Stats
+from quipu.sessions.base import Stats, common_prefix
 from quipu.sessions.conversation import Conversation, TurnSettings
 from quipu.sessions.inference import InferenceSession
 
 if TYPE_CHECKING:
     from quipu.app.local import LocalKeeper
     from quipu.engine.base import Backend
+    from quipu.engine.llama import LlamaBackend
 
-MAX_WAITING = 8  # requests waiting for the model beside the one it answers; past them: busy
+MAX_WAITING = 8  # requests waiting for the model beside those it answers; past them: busy
+MAX_PARALLEL = 64  # requests a model may answer at once (`--parallel`)
 KEEP_ALIVE = 300.0  # seconds a model stays loaded after its last request, unless told (Ollama's too)
 
 
@@ -40,21 +43,57 @@ def busy() -> RequestError:
     return RequestError("the server is busy: too many requests wait; try again soon", 503, "server_busy")
 
 
+@dataclass(eq=False)
+class Slot:
+    """Where a request is answered: a context of the model loaded (with `--parallel`, a sequence
+    of the one they share), what it holds (the last request's prompt and answer, for the next:
+    `held`), and what that request said (`said`: its messages and its answer, by which the next
+    request that goes on from them is sent back here)."""
+
+    backend: LlamaBackend
+    held: list[int] = field(default_factory=list)
+    said: tuple[tuple[str, str], ...] = ()
+    busy: bool = False
+    used: float = 0.0  # when it was last taken (`time.monotonic`)
+
+
 @dataclass
 class Loaded:
-    """A model loaded, and until when (`time.monotonic`; None: for good) it stays so."""
+    """A model loaded, its slots (the first on `backend`), and until when (`time.monotonic`;
+    None: for good) it stays so."""
 
     name: str
     path: Path
     backend: Backend
     keeper: LocalKeeper
     until: float | None = None
+    slots: list[Slot] = field(default_factory=list)
 
     @property
     def expires(self) -> float | None:
         """`until` as wall-clock time (what /api/ps shows)."""
         return None if self.until is None else time.time() + (self.until - time.monotonic())
-    held: list[int] = field(default_factory=list)  # what its context holds, the last request's, for the next
+
+    def close(self) -> None:
+        for slot in self.slots[1:]:  # (the sequences before the context they share)
+            slot.backend.close()
+        self.backend.close()
+
+
+def said_of(asked: ChatRequest) -> tuple[tuple[str, str], ...]:
+    """What a request says, as a slot keeps it: its messages (role, text), or its prompt."""
+    if asked.prompt is not None:
+        return (("prompt", asked.prompt),)
+    return tuple((m.role, m.content if isinstance(m.content, str) else repr(m.content)) for m in asked.messages)
+
+
+def affinity(slot: Slot, said: tuple[tuple[str, str], ...]) -> int:
+    """How much of what a request says goes on from what a slot's last request said and was
+    answered (its messages in common; a prompt's characters)."""
+    if said and said[0][0] == "prompt":
+        before = "".join(text for _, text in slot.said) if slot.said and slot.said[0][0] == "prompt" else ""
+        return common_prefix(before, said[0][1])
+    return common_prefix(slot.said, said)
 
 
 class Served:
@@ -64,8 +103,8 @@ class Served:
     loaded after a request (seconds, or `FOREVER`)."""
 
     def __init__(self, env: Environment, base: TurnOptions, models: Sequence[str | None] = (),
-                 keep: Keep = KEEP_ALIVE):
-        self.env, self.base, self.keep = env, base, keep
+                 keep: Keep = KEEP_ALIVE, parallel: int = 1):
+        self.env, self.base, self.keep, self.parallel = env, base, keep, parallel
         self.served: dict[str, Path] = {}
         self._aliases: dict[str, str] = {}  # what else names a served model: as -m gave it, its file
         for requested in models or [base.model]:
@@ -75,11 +114,15 @@ class Served:
                 if alias:
                     self._aliases.setdefault(alias, name)
         self.model = next(iter(self.served))
-        self._turns = threading.Lock()  # one request on a model at a time; loads and unloads too
+        # Up to `parallel` requests on the model loaded at a time, each on a slot of its own; a
+        # load or an unload alone.
+        self._turns = threading.Condition()
+        self._active = 0  # requests answered now
+        self._switching = False  # a model is being loaded or unloaded
         self._loaded: Loaded | None = None
         self._timer: threading.Timer | None = None
         self._counted = threading.Lock()
-        self._requests = 0  # those held now: the one answered and those waiting
+        self._requests = 0  # those held now: those answered and those waiting
 
     # ---- which model ----------------------------------------------------------------------
 
@@ -124,10 +167,15 @@ class Served:
 
     def chat(self, asked: ChatRequest, sink: ReplySink) -> Answer:
         """Answers a request (`asked`, with its model: `ChatRequest.model`) into `sink` (which
-        says when its client has gone), once the model is free; the answer is logged unless the
-        server was told not to."""
-        with self._held(asked.keep):
-            answer = self._answer(asked, sink)
+        says when its client has gone), once the model has room; the answer is logged unless
+        the server was told not to."""
+        with self._held(asked.model or self.model, asked.keep, asked.opts) as (loaded, load_s, notices):
+            if asked.session is not None:
+                answer = self._session_turn(asked, loaded, asked.session, sink)
+            else:
+                with self._slot(loaded, asked) as slot:
+                    answer = self._answer(asked, loaded, slot, load_s, sink)
+            answer.notices[:0] = notices
         from quipu.app.answer_log import log_answer
 
         said = asked.prompt or next((m.content for m in reversed(asked.messages) if m.role == "user"), "")
@@ -141,13 +189,12 @@ class Served:
         tokens they were, and how long loading the model took (0 where it was loaded)."""
         from quipu.errors import InvalidParameter
 
-        with self._held(keep):
-            loaded, load_s, _ = self._load(model, self.base)
+        with self._held(model, keep, self.base) as (loaded, load_s, _):
             backend = loaded.backend
             if not backend.supports_embeddings:
                 raise RequestError(f"{model} cannot compute embeddings")
             try:
-                vectors = backend.embed(texts, "mean")
+                vectors = backend.embed(texts, "mean")  # (on a context of its own)
             except InvalidParameter as exc:
                 raise RequestError(str(exc)) from None
             tokens = sum(len(backend.tokenize(t, add_special=True, parse_special=False)) for t in texts)
@@ -155,52 +202,94 @@ class Served:
 
     def load(self, model: str, keep: Keep = None) -> bool:
         """Loads `model` (Ollama's request with nothing to answer); unloads it instead where
-        `keep` is 0. Whether it is loaded now."""
-        with self._held(keep):
-            if keep != 0:
-                self._load(model, self.base)
+        `keep` is 0 (once the requests it answers are done). Whether it is loaded now."""
+        with self._held(None if keep == 0 else model, keep, self.base):
+            pass
         return self._loaded is not None
 
     @property
     def requests(self) -> int:
-        """How many requests are held now: the one answered, and those waiting."""
+        """How many requests are held now: those answered, and those waiting."""
         return self._requests
 
     def room(self) -> None:
         """Refuses a request at once, before its reply begins, where it would be refused as busy
         (`_held`): `MAX_WAITING` requests wait already."""
-        if self._requests > MAX_WAITING:
+        if self._requests >= self.parallel + MAX_WAITING:
             raise busy()
 
     @contextmanager
-    def _held(self, keep: Keep) -> Iterator[None]:
-        """The models held for one request, once free (past `MAX_WAITING` waiting: busy); then
-        the model loaded stays so for `keep` (None: the server's keep-alive)."""
+    def _held(self, model: str | None, keep: Keep, opts: TurnOptions) -> Iterator[tuple[Any, float, list[str]]]:
+        """`model` loaded and held for one request, once it has room (past `MAX_WAITING`
+        waiting: busy); with it, how long loading it took and what loading said. None: no model,
+        the one loaded held as it is (if any). Then the model stays loaded for `keep` (None: the
+        server's keep-alive) after the last request it answers."""
         with self._counted:
-            if self._requests > MAX_WAITING:
+            if self._requests >= self.parallel + MAX_WAITING:
                 raise busy()
             self._requests += 1
         try:
-            with self._turns:
-                try:
-                    yield
-                finally:
-                    self._kept(self.keep if keep is None else keep)
+            loaded, load_s, notices = self._enter(model, opts)
+            try:
+                yield loaded, load_s, notices
+            finally:
+                with self._turns:
+                    self._active -= 1
+                    if self._active == 0:
+                        self._kept(self.keep if keep is None else keep)
+                    self._turns.notify_all()
         finally:
             with self._counted:
                 self._requests -= 1
 
-    def _answer(self, asked: ChatRequest, sink: ReplySink) -> Answer:
-        if asked.session is not None:
-            return self._session_turn(asked, asked.session, sink)
-        opts = asked.opts
-        session, keeper, notices = self._session(asked.model or self.model, opts)
-        loaded = self._loaded
-        assert loaded is not None  # (`_session` loaded it)
-        loaded.held = []  # (until this request is answered: what the context holds is this one's)
-        answer = self._turn(asked, session, keeper, notices, sink)
+    def _enter(self, model: str | None, opts: TurnOptions) -> tuple[Any, float, list[str]]:
+        """Waits for room on `model` (another model loaded: for its requests to be done, then
+        loads this one), and takes it."""
+        with self._turns:
+            while True:
+                loaded = self._loaded
+                if not self._switching:
+                    if (model is None or (loaded is not None and loaded.name == model)) and self._active < self.parallel:
+                        self._active += 1
+                        return loaded, 0.0, []
+                    if self._active == 0:
+                        self._switching = True
+                        break
+                self._turns.wait()
+        try:
+            self._unload()
+            loaded, load_s, notices = self._load(model, opts)
+        finally:
+            with self._turns:
+                self._switching = False
+                self._turns.notify_all()
+        with self._turns:
+            self._active += 1
+        return loaded, load_s, notices
+
+    @contextmanager
+    def _slot(self, loaded: Loaded, asked: ChatRequest) -> Iterator[Slot]:
+        """A free slot of `loaded` for a request: the one whose last request it goes on from the
+        furthest, else the one used least lately."""
+        said = said_of(asked)
+        with self._turns:
+            free = [slot for slot in loaded.slots if not slot.busy]
+            slot = max(free, key=lambda slot: (affinity(slot, said), -slot.used))
+            slot.busy, slot.used = True, time.monotonic()
+        try:
+            yield slot
+        finally:
+            slot.backend.done_reading()
+            with self._turns:
+                slot.busy = False
+
+    def _answer(self, asked: ChatRequest, loaded: Loaded, slot: Slot, load_s: float, sink: ReplySink) -> Answer:
+        session = self._session(asked.opts, slot, load_s)
+        slot.held, slot.said = [], ()  # (until this request is answered: what the context holds is this one's)
+        answer = self._turn(asked, session, loaded.keeper, [], sink)
         if session.backend.positions() == session.n_decoded:
-            loaded.held = session.tokens[:session.n_decoded]
+            slot.held = session.tokens[:session.n_decoded]
+            slot.said = said_of(asked) + (("assistant", answer.text),)
         return answer
 
     def _turn(self, asked: ChatRequest, session: InferenceSession, keeper: LocalKeeper, notices: list[str],
@@ -237,7 +326,7 @@ class Served:
         answer = turn.answer(Ask("continue" if messages[-1].role == "assistant" else "answer"), limit, stop, sink)
         return turn.remember(answer)
 
-    def _session_turn(self, asked: ChatRequest, name: str, sink: ReplySink) -> Answer:
+    def _session_turn(self, asked: ChatRequest, loaded: Loaded, name: str, sink: ReplySink) -> Answer:
         """A turn of the quipu session `name`: its context restored exactly, the messages the
         request sends past the session's added (it must begin with them), the reply, and the
         session saved; `quipu chat -S NAME` goes on from there, and a request from that."""
@@ -247,12 +336,11 @@ class Served:
 
         if asked.media:
             raise RequestError("X-Quipu-Session: a session's turn over the API takes no images or recordings yet")
-        loaded, _, notices = self._load(asked.model or self.model, asked.opts)  # (its context: one of its own)
         store = store_for(self.env)
         # (a new session's system prompt is the request's own first message)
         opts = dataclasses.replace(asked.opts, model=str(loaded.path), session=name,
                                    system=asked.opts.system if store.exists(name) else "")
-        with store.lock(name):
+        with store.lock(name):  # (its context: one of its own, on the model loaded)
             named = NamedSession.open(store, name, opts, self.env, LocalHost(loaded.backend))
             try:
                 conv = named.conversation
@@ -265,7 +353,6 @@ class Served:
                 named.save()
             finally:
                 named.close()
-        answer.notices[:0] = notices
         return answer
 
     @staticmethod
@@ -276,41 +363,39 @@ class Served:
         offer(conv, tools, asked.opts.tool_options)
         return tools
 
-    def _session(self, model: str, opts: TurnOptions) -> tuple[InferenceSession, LocalKeeper, list[str]]:
-        """A fresh session on `model`, as a lone run's, but that its context still holds the last
-        request's, which the prompt may take (the prompt cache's memory: `PromptCache.warm`); its
-        keeper; what loading it said."""
+    def _session(self, opts: TurnOptions, slot: Slot, load_s: float) -> InferenceSession:
+        """A fresh session on a slot, as a lone run's, but that its context still holds the last
+        request's, which the prompt may take (the prompt cache's memory: `PromptCache.warm`)."""
         from quipu.app.placing import placement_of
         from quipu.app.turn_options import sampling_params, with_logit_biases
 
-        loaded, load_s, notices = self._load(model, opts)
-        backend = loaded.backend
+        backend = slot.backend
         params = with_logit_biases(sampling_params(opts, self.env), backend, opts)
         stats = Stats(load_s=load_s, placement=placement_of(backend))
-        return InferenceSession(backend, params, stats=stats, held=loaded.held), loaded.keeper, notices
+        return InferenceSession(backend, params, stats=stats, held=slot.held)
 
     # ---- loading and unloading (the lock held) ----------------------------------------------
 
-    def _load(self, model: str, opts: TurnOptions) -> tuple[Loaded, float, list[str]]:
-        """`model`, loaded (another model loaded is unloaded first); how long loading it took;
-        what to say of where it runs."""
+    def _load(self, model: str | None, opts: TurnOptions) -> tuple[Loaded, float, list[str]]:
+        """`model` loaded (none loaded before: `_unload`), with a slot for each request it may
+        answer at once; how long loading it took; what to say of where it runs."""
         from quipu.app.local import LocalHost, model_fingerprint
         from quipu.app.placing import placement_notices
         from quipu.app.turn_options import context_settings, load_backend, offload
 
-        if self._loaded is not None and self._loaded.name == model:
-            return self._loaded, 0.0, []
-        self._unload()
         name, path = self.pick(model)
         started = time.perf_counter()
-        backend = load_backend(path, context_settings(opts, self.env), opts.verbose, offload(opts, self.env))
+        settings = dataclasses.replace(context_settings(opts, self.env), parallel=self.parallel)
+        backend = load_backend(path, settings, opts.verbose, offload(opts, self.env))
         load_s = time.perf_counter() - started
         keeper = LocalHost.keeper(name, path, model_fingerprint(path, self.env), opts, self.env, None)
-        self._loaded = Loaded(name, path, backend, keeper)
-        return self._loaded, load_s, placement_notices(backend, ctx_given=opts.ctx is not None, verbose=opts.verbose)
+        loaded = Loaded(name, path, backend, keeper, slots=[Slot(b) for b in [backend, *backend.sequences()]])
+        self._loaded = loaded
+        return loaded, load_s, placement_notices(backend, ctx_given=opts.ctx is not None, verbose=opts.verbose)
 
     def _kept(self, keep: Keep) -> None:
-        """After a request: the model loaded stays so for `keep` seconds (0: unloaded now)."""
+        """After the last request it answers (the condition held): the model loaded stays so for
+        `keep` seconds (0: unloaded now)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -331,12 +416,13 @@ class Served:
     def _expire(self) -> None:
         with self._turns:  # (a request that came meanwhile has moved `until` on)
             loaded = self._loaded
-            if loaded is not None and loaded.until is not None and time.monotonic() >= loaded.until:
+            if loaded is not None and loaded.until is not None and time.monotonic() >= loaded.until \
+                    and self._active == 0 and not self._switching:
                 self._unload()
 
     def _unload(self) -> None:
         if self._loaded is not None:
-            self._loaded.backend.close()
+            self._loaded.close()
             self._loaded = None
 
     def close(self) -> None:

@@ -45,6 +45,7 @@ from quipu.errors import EngineError, InvalidParameter, UsageError
 
 if TYPE_CHECKING:
     from quipu.engine.constraint import Matcher
+    from quipu.engine.llama_shared import SharedContext
 
 
 def place(path: Path, offload: Offload, context: ContextSettings, *, detail: bool = False) -> Placement:
@@ -95,12 +96,48 @@ class LlamaBackend:
                 context = replace(context, n_ctx=model.placement.n_ctx or DEFAULT_CTX_CAP)
             self.model = model.acquire()
             self._stack.callback(model.release)
-            self.native = NativeContext(self.model, context)
-            self._stack.callback(self.native.close)
+            native: NativeContext
+            if context.parallel > 1:  # (the first of the shared context's sequences: `sequences` for the others)
+                from quipu.engine.llama_shared import SequenceContext, SharedContext
+
+                self._shared: SharedContext | None = SharedContext(self.model, context)
+                self._stack.callback(self._shared.close)
+                native = SequenceContext(self._shared, 0)
+            else:
+                self._shared = None
+                native = NativeContext(self.model, context)
+            self._stack.callback(native.close)
+            self._parts(model, native)
         except BaseException:
             self._stack.close()
             raise
-        native = self.native
+
+    def sequences(self) -> list["LlamaBackend"]:
+        """Where this backend is the first request's sequence of a shared context (its settings'
+        `parallel`: `llama_shared.py`), a backend for each of the others, on the same context
+        (close them before this one); else none."""
+        from quipu.engine.llama_shared import SequenceContext
+
+        shared = self._shared
+        if shared is None:
+            return []
+        backends = []
+        for seq in shared.sequences[1:]:
+            backend = LlamaBackend.__new__(LlamaBackend)
+            backend._stack, backend._shared, backend.model = ExitStack(), None, self.model
+            native = SequenceContext(shared, seq)
+            backend._stack.callback(native.close)
+            backend._parts(self.model, native)
+            backends.append(backend)
+        return backends
+
+    def done_reading(self) -> None:
+        """The request on this backend is done (a shared context's sequence: the next step need
+        not wait for it to read its logits)."""
+        self.native.logits_read()
+
+    def _parts(self, model: LlamaModel, native: NativeContext) -> None:
+        self.native = native
         self.model_path = model.path
         self.placement = model.placement
         self.n_vocab = model.n_vocab
@@ -334,15 +371,14 @@ class LlamaBackend:
 
     def shift_out(self, start: int, end: int) -> None:
         """Drops positions [start, end) and moves those after them down by end - start."""
-        mem = self.native.mem
-        if not lc.llama_memory_seq_rm(mem, 0, start, end):
+        if not self.native.seq_rm(0, start, end):
             raise EngineError("llama.cpp could not drop part of the context")
-        lc.llama_memory_seq_add(mem, 0, end, -1, start - end)
+        self.native.seq_add(0, end, -1, start - end)
 
     def reopen(self, context: ContextSettings | None = None) -> "LlamaBackend":
         """A new context on the same loaded model, with the same settings or `context`'s: no
         second load."""
-        return LlamaBackend(self.model, context or self.context, verbose=LOG.verbose)
+        return LlamaBackend(self.model, context or replace(self.context, parallel=1), verbose=LOG.verbose)
 
     def close(self) -> None:
         self._stack.close()

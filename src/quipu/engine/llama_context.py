@@ -5,8 +5,8 @@ and frees them on `close`; the parts of `LlamaBackend` (`llama.py`) are given it
 from __future__ import annotations
 
 import ctypes
-from contextlib import ExitStack
-from typing import Any
+from contextlib import ExitStack, nullcontext
+from typing import Any, Callable, ContextManager, TypeVar
 
 from quipu.engine.settings import DEFAULT_CTX_CAP, ContextSettings, check_context_bounds, default_threads
 from quipu.engine.logs import LOG
@@ -15,6 +15,7 @@ from quipu.engine.native import lc
 from quipu.engine.placement import check_host_room, ring_of
 from quipu.errors import EngineError, ModelLoadError
 
+T = TypeVar("T")
 _KV_GGML_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
 _FLASH_ATTN_TYPES = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                      "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
@@ -27,10 +28,12 @@ def context_params(context: ContextSettings, n_ctx: int) -> Any:
     n_batch = max(1, min(context.n_batch, n_ctx))
     n_seq = max(1, context.n_seq)
     cparams = lc.llama_context_default_params()
-    cparams.n_ctx = n_ctx
+    cparams.n_ctx = n_ctx * max(1, context.parallel)
     cparams.n_batch = n_batch
     cparams.n_ubatch = n_batch
-    if n_seq > 1:
+    if context.parallel > 1:  # the requests' sequences (0, 2, 3, ...) and the second (1), in one stream
+        cparams.n_seq_max, cparams.kv_unified = context.parallel + 1, True
+    elif n_seq > 1:
         cparams.n_seq_max = n_seq  # each sequence has its own n_ctx / n_seq cells (not unified)
     else:  # one sequence, and a second sharing its cells, to save a turn's cells alone (kvstate.py)
         cparams.n_seq_max, cparams.kv_unified = 2, True
@@ -51,13 +54,21 @@ def context_params(context: ContextSettings, n_ctx: int) -> Any:
 class NativeContext:
     """One llama.cpp context on `model` with `context`'s settings (its size 0: the model's
     training context, at most DEFAULT_CTX_CAP), and the batch its steps are decoded in.
-    `settings` is what was made: the sizes llama.cpp took, the cache's layout."""
+    `settings` is what was made: the sizes llama.cpp took, the cache's layout.
+
+    The backend's parts speak of sequence 0 (the history) and 1 (a second that shares some of
+    its cells for a moment: a piece's), through the `seq_*` methods; a sequence of a context
+    many requests share (`llama_shared.SequenceContext`) answers them for its own sequence."""
+
+    own = 0  # the sequence that holds the history
+    logits_index = -1  # where the logits of the last decode that wanted them are (-1: its last output)
 
     def __init__(self, model: LlamaModel, context: ContextSettings):
         n_ctx = context.n_ctx or min(model.n_ctx_train or DEFAULT_CTX_CAP, DEFAULT_CTX_CAP)
         cparams = context_params(context, n_ctx)
-        if n_ctx > DEFAULT_CTX_CAP:  # (a usual context is far smaller than any machine's memory)
-            check_host_room(model.path, n_ctx, context.kv_type, model.placement.gpu_layers, cparams)
+        parallel = max(1, context.parallel)
+        if n_ctx * parallel > DEFAULT_CTX_CAP:  # (a usual context is far smaller than any machine's memory)
+            check_host_room(model.path, n_ctx * parallel, context.kv_type, model.placement.gpu_layers, cparams)
         LOG.clear_errors()
         n_threads, n_batch, n_seq = cparams.n_threads, cparams.n_batch, max(1, context.n_seq)
         ptr = lc.llama_init_from_model(model.ptr, cparams)
@@ -67,17 +78,17 @@ class NativeContext:
         self._stack.callback(lc.llama_free, ptr)
         try:
             made = LOG.flash_attn
-            windowed = n_seq == 1 and model.n_swa > 0
+            windowed = n_seq == 1 and parallel == 1 and model.n_swa > 0
             self.model = model
             self.ptr = ptr
             self.settings = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=context.kv_type,
-                                            n_seq=n_seq, flash_attn=context.flash_attn,
+                                            n_seq=n_seq, parallel=parallel, flash_attn=context.flash_attn,
                                             v_trans=None if made is None else made == "disabled",
                                             swa_full=context.swa_full,
                                             window_cells=None if not windowed else
                                             "every cell" if context.swa_full else "ring")
             # llama.cpp rounds small contexts up; the user's number is the one we keep to.
-            self.n_ctx = min(n_ctx, lc.llama_n_ctx(ptr))
+            self.n_ctx = min(n_ctx, lc.llama_n_ctx(ptr) // parallel)  # (a shared context's: each sequence's)
             self.n_ctx_seq: int = lc.llama_n_ctx_seq(ptr) if n_seq > 1 else self.n_ctx
             # The window cache's cells, where it is a ring this context lays out (0: none; ring.py).
             ring = ring_of(cparams)
@@ -109,6 +120,42 @@ class NativeContext:
         batch.seq_id[i][0] = seq
         batch.logits[i] = logits
 
+    def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+        """Drops sequence `seq`'s positions [p0, p1) (-1: to the end); False where its memory
+        cannot (a recurrent state that would have to go back)."""
+        return bool(lc.llama_memory_seq_rm(self.mem, seq, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Sequence `dst` shares `src`'s cells at positions [p0, p1)."""
+        lc.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """Moves sequence `seq`'s positions [p0, p1) by `delta`."""
+        lc.llama_memory_seq_add(self.mem, seq, p0, p1, delta)
+
+    def seq_pos_max(self, seq: int) -> int:
+        return int(lc.llama_memory_seq_pos_max(self.mem, seq))
+
+    def seq_pos_min(self, seq: int) -> int:
+        return int(lc.llama_memory_seq_pos_min(self.mem, seq))
+
+    def clear(self) -> None:
+        """Nothing held."""
+        lc.llama_memory_clear(self.mem, True)
+
+    def held(self) -> ContextManager[Any]:
+        """Held around a use of sequence 1, which no other may make meanwhile (a shared
+        context's is one for all its sequences)."""
+        return nullcontext()
+
+    def alone(self, work: Callable[[], T]) -> T:
+        """Runs `work`, which decodes on the context by other means than `decode` (a medium's
+        embeddings, through the projector's helper), when nothing else decodes."""
+        return work()
+
+    def logits_read(self) -> None:
+        """The logits of the last decode are read: another may overwrite them."""
+
     def seq_state(self, seq: int, flags: int = 0) -> memoryview:
         """Sequence `seq`'s state (-1: the whole memory's), as a view of the one buffer llama.cpp
         wrote it into (no copy)."""
@@ -127,7 +174,7 @@ class NativeContext:
         else:  # read where it lies: a state is tens of megabytes
             buf = (ctypes.c_uint8 * len(view)).from_buffer(view)
         if lc.llama_state_seq_set_data_ext(self.ptr, buf, len(view), seq, flags) != len(view):
-            lc.llama_memory_clear(self.mem, True)
+            self.clear()
             raise EngineError(f"llama.cpp refused {what}{LOG.reason()}")
 
     def close(self) -> None:

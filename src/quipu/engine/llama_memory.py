@@ -61,7 +61,7 @@ class Memory:
         self._positions.clear()
         self.state.restore_bytes(state)
         if self.recurrent:
-            last = lc.llama_memory_seq_pos_max(self.native.mem, 0)
+            last = self.native.seq_pos_max(0)
             self._checkpoints.replace([c for c in held if c.at <= last + 1])
 
     def rewinds_to(self, n_keep: int) -> int:
@@ -119,7 +119,6 @@ class Memory:
             self.state.restore_pieces(base, pieces)
             return
         self.restore_bytes(base)
-        mem = self.native.mem
         for start, piece in pieces:
             try:
                 held, state = unpack(piece)
@@ -133,9 +132,10 @@ class Memory:
             if self.positions() != start:
                 self.empty()
                 raise EngineError("a piece of the saved context state begins where its state cannot go back to")
-            self.native.set_seq_state(state, 1, "a piece of the saved context state")
-            lc.llama_memory_seq_cp(mem, 1, 0, -1, -1)
-            lc.llama_memory_seq_rm(mem, 1, -1, -1)
+            with self.native.held():
+                self.native.set_seq_state(state, 1, "a piece of the saved context state")
+                self.native.seq_cp(1, 0, -1, -1)
+                self.native.seq_rm(1, -1, -1)
             for c in held:
                 self._checkpoints.add(c)
 
@@ -164,20 +164,19 @@ class Memory:
         if n_keep <= 0:
             self.empty()
             return
-        mem = self.native.mem
         keep = self._positions.position(n_keep)
         self._positions.forget(n_keep)
         if self.recurrent:
             self._rewind_recurrent(n_keep, keep)
             return
-        if not lc.llama_memory_seq_rm(mem, 0, keep, -1):
+        if not self.native.seq_rm(0, keep, -1):
             raise EngineError("llama.cpp could not trim the context")
         if self.ring:
             self._checkpoints.keep_to(keep)
             if self.state.settle_ring(keep):
                 return
             for c in self._checkpoints.latest(n_keep):
-                lc.llama_memory_seq_rm(mem, 0, c.at, -1)
+                self.native.seq_rm(0, c.at, -1)
                 if self.state.settle_ring(c.at, c.state):
                     self._positions.forget(c.n)
                     self._checkpoints.keep_to(c.at)
@@ -187,7 +186,7 @@ class Memory:
             self.last_rewind = f"had no checkpoint at or before token {n_keep}: it is read again from the start"
             return
         n_swa = self.model.n_swa
-        if n_swa > 0 and lc.llama_memory_seq_pos_min(mem, 0) > max(0, keep - n_swa):
+        if n_swa > 0 and self.native.seq_pos_min(0) > max(0, keep - n_swa):
             self.empty()
 
     def _rewind_recurrent(self, n_keep: int, keep: int) -> None:
@@ -196,8 +195,7 @@ class Memory:
         else the nearest checkpoint at or before them is set back first, and the context holds
         what it held there (`positions()` says how much: the rest is read again); with none,
         nothing."""
-        mem = self.native.mem
-        if lc.llama_memory_seq_rm(mem, 0, keep, -1):  # (the state ends before `keep`: nothing of it to undo)
+        if self.native.seq_rm(0, keep, -1):  # (the state ends before `keep`: nothing of it to undo)
             self._checkpoints.keep_to(keep)
             return
         for c in self._checkpoints.latest(n_keep):
@@ -207,7 +205,7 @@ class Memory:
                 break  # (the context was emptied)
             # (the state set back must end where the checkpoint says, the attention cells going on
             # past it: one read from a file that says otherwise is not trusted, and is read again)
-            if lc.llama_memory_seq_pos_max(mem, 0) == c.at - 1 and lc.llama_memory_seq_rm(mem, 0, c.at, -1):
+            if self.native.seq_pos_max(0) == c.at - 1 and self.native.seq_rm(0, c.at, -1):
                 self._positions.forget(c.n)
                 self._checkpoints.keep_to(c.at)
                 if c.n < n_keep:
@@ -218,7 +216,7 @@ class Memory:
 
     def empty(self) -> None:
         """Nothing held: the cells, the media's places, the checkpoints, a batch's shared beginning."""
-        lc.llama_memory_clear(self.native.mem, True)
+        self.native.clear()
         self._positions.clear()
         self._checkpoints.clear()
         self._rows.forget()

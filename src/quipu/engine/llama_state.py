@@ -25,7 +25,7 @@ class StateBytes:
     def positions(self) -> int:
         """How many tokens of the history the context holds (its positions, where media take as
         many as their cells)."""
-        last = lc.llama_memory_seq_pos_max(self._native.mem, 0)
+        last = self._native.seq_pos_max(0)
         return self._positions.index_after(last) if last >= 0 else 0
 
     def snapshot_bytes(self) -> memoryview:
@@ -58,18 +58,18 @@ class StateBytes:
             return False
         partial = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
         self._native.set_seq_state(ring.whole, -1, "the window cache's cells", partial)
-        lc.llama_memory_seq_rm(self._native.mem, 1, -1, -1)  # (the placeholders before the head)
+        self._native.seq_rm(1, -1, -1)  # (the placeholders before the head)
         if ring.ahead:
             self._native.set_seq_state(ring.ahead, 1, "the window cache's cells", partial)
-            lc.llama_memory_seq_cp(self._native.mem, 1, 0, -1, -1)
-            lc.llama_memory_seq_rm(self._native.mem, 1, -1, -1)
+            self._native.seq_cp(1, 0, -1, -1)
+            self._native.seq_rm(1, -1, -1)
         return True
 
     def _settle_restored(self) -> None:
         """A restored window cache in its ring's layout; where its cells cannot give it (a
         state that lacks part of its window), the context is emptied and read again."""
-        if self._native.ring and not self.settle_ring(lc.llama_memory_seq_pos_max(self._native.mem, 0) + 1):
-            lc.llama_memory_clear(self._native.mem, True)
+        if self._native.ring and not self.settle_ring(self._native.seq_pos_max(0) + 1):
+            self._native.clear()
 
     def partial_state(self, since: int | None = None) -> str | None:
         """Why the state of some cells cannot be saved and restored apart from the rest (None:
@@ -79,7 +79,7 @@ class StateBytes:
         gone out of its window, so a piece longer than the window would not hold them all."""
         model = self._native.model.ptr
         if self._native.settings.n_seq != 1:
-            return "a context of several sequences"
+            return "a context of several sequences"  # (a batch's; a shared context's sequence has pieces of its own)
         if lc.llama_model_is_recurrent(model) and not lc.llama_model_is_hybrid(model):
             return "a recurrent model's memory (small: its state alone)"
         if self._positions.moved_any and \
@@ -94,14 +94,15 @@ class StateBytes:
         a second sequence that shares them for the moment (see kvstate.py). With `recurrent` (a
         checkpoint's), the cells before `end` alone, and that recurrent state in place of the
         context's."""
-        lc.llama_memory_seq_cp(self._native.mem, 0, 1, start, -1 if recurrent is None or end is None else end)
-        try:
-            if recurrent is not None:
-                self._native.set_seq_state(recurrent, 1, "a checkpoint of the recurrent state",
-                                           lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-            return self._native.seq_state(1)
-        finally:
-            lc.llama_memory_seq_rm(self._native.mem, 1, -1, -1)
+        with self._native.held():
+            self._native.seq_cp(0, 1, start, -1 if recurrent is None or end is None else end)
+            try:
+                if recurrent is not None:
+                    self._native.set_seq_state(recurrent, 1, "a checkpoint of the recurrent state",
+                                               lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+                return self._native.seq_state(1)
+            finally:
+                self._native.seq_rm(1, -1, -1)
 
     def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
         """Restores a state saved whole, then pieces of it saved by `state_since`, in order, each
@@ -109,13 +110,14 @@ class StateBytes:
         piece read as the second sequence's, whose cells then join the first."""
         self.restore_bytes(base)
         for start, piece in pieces:
-            lc.llama_memory_seq_rm(self._native.mem, 0, start, -1)
-            self._native.set_seq_state(piece, 1, "a piece of the saved context state")
-            lc.llama_memory_seq_cp(self._native.mem, 1, 0, -1, -1)
-            lc.llama_memory_seq_rm(self._native.mem, 1, -1, -1)
+            with self._native.held():
+                self._native.seq_rm(0, start, -1)
+                self._native.set_seq_state(piece, 1, "a piece of the saved context state")
+                self._native.seq_cp(1, 0, -1, -1)
+                self._native.seq_rm(1, -1, -1)
         self._settle_restored()
 
     def restore_bytes(self, data: bytes | memoryview) -> None:
-        lc.llama_memory_clear(self._native.mem, True)
+        self._native.clear()
         self._native.set_seq_state(data, 0, "the saved context state")
         self._settle_restored()

@@ -251,8 +251,10 @@ class Media:
         done = lc.llama_pos(0)
         start = self._positions.position(at)
         LOG.clear_errors()
-        rc = m.mtmd_helper_eval_chunk_single(self._projector.ptr, self._native.ptr, media[k].chunk, start, 0,
-                                             self._native.settings.n_batch, logits_last, ctypes.byref(done))
+        projector, native = self._projector, self._native
+        rc = native.alone(lambda: m.mtmd_helper_eval_chunk_single(projector.ptr, native.ptr, media[k].chunk, start,
+                                                                  native.own, native.settings.n_batch, logits_last,
+                                                                  ctypes.byref(done)))
         if rc != 0:
             raise EngineError(f"llama.cpp could not read a medium into the context (code {rc}){LOG.reason()}")
         self._positions.moved(at, media[k])

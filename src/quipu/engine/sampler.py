@@ -142,7 +142,8 @@ class Sampling:
         chain.reseed(draw_seed)
         if self._grammar is not None or processors or token_filter is not None:
             self._shape(history, processors, token_filter)
-        token: int = lc.llama_sampler_sample(chain.ptr, self._native.ptr, -1)
+        token: int = lc.llama_sampler_sample(chain.ptr, self._native.ptr, self._native.logits_index)
+        self._native.logits_read()
         if self._grammar is not None:
             try:
                 self._grammar.accept(token)
@@ -156,7 +157,7 @@ class Sampling:
         import numpy as np
 
         n_vocab = self._native.model.n_vocab
-        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._native.ptr, -1), shape=(n_vocab,))
+        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._native.ptr, self._native.logits_index), shape=(n_vocab,))
         for processor in processors:
             processor(history, logits)
         if token_filter is not None:

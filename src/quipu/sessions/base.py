@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from quipu.sessions.reasoning import ReasoningFormat, Thinking
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many tokens `a` and `b` begin with alike."""
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many tokens (or other items) `a` and `b` begin with alike."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:

@@ -1,0 +1,137 @@
+"""A context several requests share (`quipu serve --parallel N`): each request's history a
+sequence of its own, their tokens decoded together. Each answers as it does alone, on a plain
+model and on a hybrid one (whose recurrent state goes back to its checkpoints per sequence), and
+a sequence's state saved is restored into another, or into a context of its own kind later."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from tinymodel import write_tiny_gguf, write_tiny_qwen35
+
+PROMPTS = ["hello the sky is blue", "Paris is the world and", "the world is hello and the sky",
+           "blue blue sky of Paris over the world", "hello hello world", "the sky of the world is Paris"]
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+@pytest.fixture(scope="module", params=["plain", "qwen35"])
+def model(request, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("parallel")
+    if request.param == "plain":
+        return write_tiny_gguf(folder / "tiny.gguf")
+    return write_tiny_qwen35(folder / "qwen35.gguf")
+
+
+def _open(model: Path, parallel: int):
+    from quipu.engine.llama import LlamaBackend
+    from quipu.engine.settings import ContextSettings
+
+    return LlamaBackend(model, ContextSettings(n_ctx=512, n_threads=2, parallel=parallel))
+
+
+def _answer(backend, prompt: str, n: int = 20, session=None) -> list[int]:
+    from quipu.sessions.inference import InferenceSession
+    from quipu.sessions.params import SamplingParams
+
+    session = session or InferenceSession(backend, SamplingParams(seed=1, temperature=0.0))
+    tokens = backend.tokenize(prompt, add_special=True, parse_special=False)
+    return session.complete(tokens, n).tokens
+
+
+def _together(views, work) -> list:
+    """`work(view, k)` for each view at once, in threads of their own; what each gave."""
+    got: list = [None] * len(views)
+    failed: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            got[k] = work(views[k], k)
+        except BaseException as exc:  # (said by the test, not lost in a thread)
+            failed.append(exc)
+        finally:
+            views[k].done_reading()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(views))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not failed, failed
+    return got
+
+
+def test_requests_decoded_together_answer_as_each_does_alone(model):
+    alone = _open(model, 1)
+    want = [_answer(alone, p) for p in PROMPTS]
+    alone.close()
+    first = _open(model, 3)
+    views = [first, *first.sequences()]
+    try:
+        assert [v.n_ctx for v in views] == [512] * 3  # (each its own share: the context holds three)
+        got = _together(views, lambda view, k: [_answer(view, p) for p in PROMPTS[k::3]])
+        shared = first._shared
+        assert shared.most_together >= 2  # (tokens of several requests in one step)
+        # fewer steps than the tokens decoded: one a token of each request, and one a prompt
+        assert shared.steps < sum(len(t) for t in want) + len(PROMPTS)
+    finally:
+        for v in views[1:]:
+            v.close()
+        first.close()
+    assert [got[k % 3][k // 3] for k in range(len(PROMPTS))] == want
+
+
+def _two_turns(backend, other=None) -> tuple[list[int], list[int], int, bytes]:
+    """A prompt and its answer, then a prompt going on from both: the answers, how much of the
+    second prompt the context kept, and the state after it, restored into `other` (if any)."""
+    from quipu.sessions.inference import InferenceSession
+    from quipu.sessions.params import SamplingParams
+
+    session = InferenceSession(backend, SamplingParams(seed=1, temperature=0.0))
+    first = backend.tokenize(PROMPTS[0] + " " + PROMPTS[1], add_special=True, parse_special=False)
+    one = session.complete(first, 16).tokens
+    going_on = first + one + backend.tokenize(" " + PROMPTS[2], add_special=False, parse_special=False)
+    two = session.complete(going_on, 16).tokens
+    kept = session.stats.cached_tokens
+    backend.done_reading()
+    state = bytes(backend.snapshot_bytes())
+    if other is not None:
+        other.restore_bytes(state)
+    return one, two, kept, state
+
+
+def test_a_sequence_goes_on_from_what_it_holds_and_its_state_restores_in_another(model):
+    alone = _open(model, 1)
+    try:
+        want_one, want_two, _, _ = _two_turns(alone)
+    finally:
+        alone.close()
+    first = _open(model, 2)
+    views = [first, *first.sequences()]
+    try:
+        a, b = views
+        b_says = _answer(b, PROMPTS[3])  # (another request's cells beside)
+        one, two, kept, state = _two_turns(a, b)
+        held = a.positions()
+        assert b.positions() == held
+        restored = bytes(b.snapshot_bytes())
+    finally:
+        for v in views[1:]:
+            v.close()
+        first.close()
+    # the second turn went on from what the sequence held (a hybrid's: its checkpoint), and both
+    # turns answered as on a context of one's own
+    assert kept > 0 and (one, two) == (want_one, want_two)
+    assert b_says
+    # b held a's conversation cell for cell (as a context of one's own reads either back: the
+    # states name the sequence they were written from)
+    lone = _open(model, 1)
+    try:
+        lone.restore_bytes(state)
+        from_a = bytes(lone.snapshot_bytes())
+        lone.restore_bytes(restored)
+        assert bytes(lone.snapshot_bytes()) == from_a and lone.positions() == held
+    finally:
+        lone.close()
