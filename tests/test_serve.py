@@ -109,6 +109,31 @@ def test_a_hybrid_model_s_conversation_goes_on_from_its_checkpoints(home, tmp_pa
     assert held.choices[0].message.content == again.choices[0].message.content == fresh.choices[0].message.content
 
 
+@pytest.mark.parametrize("arch", ["plain", "qwen35"])
+def test_a_new_conversation_with_the_same_system_prompt_reads_only_its_own_question(home, tiny_model, tmp_path,
+                                                                                    arch):
+    # (the first request's reading ended a step where its question's text began: the next goes
+    # on from there, its context cut back (a hybrid's: to its checkpoint there), and answers as
+    # a fresh read does)
+    from tinymodel import write_tiny_qwen35
+
+    model = tiny_model if arch == "plain" else write_tiny_qwen35(
+        tmp_path / "qwen35.gguf", chat_template=(Path(__file__).parent / "templates" / "Qwen3.5-4B.jinja").read_text())
+    system = {"role": "system", "content": SYSTEM}
+    second = [system, {"role": "user", "content": "And what is a lake, then?"}]
+    with quipu_serve(home, model, tmp_path=tmp_path) as url:
+        first = ask(client(url), [system, {"role": "user", "content": "What is a river?"}])
+        then = ask(client(url), second)
+    with quipu_serve(tmp_path / "fresh", model, tmp_path=tmp_path) as url:
+        fresh = ask(client(url), second)
+    cached = then.usage.prompt_tokens_details.cached_tokens
+    # (its question and the generation prompt read, a few dozen tokens: not from a multiple of
+    # the prefill's 256-token step, where a restore would otherwise go back to)
+    assert 0 < then.usage.prompt_tokens - cached < 64 and cached % 256 and cached < first.usage.prompt_tokens
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    assert then.choices[0].message.content == fresh.choices[0].message.content
+
+
 def test_an_answer_kept_to_a_schema_is_parsed_by_the_client(home, bundled_model, tmp_path):
     from typing import Literal
 

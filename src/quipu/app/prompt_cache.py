@@ -29,7 +29,10 @@ def cache_key(session: InferenceSession, model_fp: str) -> dict[str, Any]:
     """What a cache entry's state bytes are valid under: the model (`model_fp`, its fingerprint),
     the native build, the context."""
     backend = session.backend
-    return {"fingerprint": model_fp, "build": backend.build, "context": backend.context.state_key()}
+    # ("steps": a prompt's reading ends a step at each of its marks, where a later prompt may part
+    # from it: entries read otherwise are not read on from as a whole read is now)
+    return {"fingerprint": model_fp, "build": backend.build, "context": backend.context.state_key(),
+            "steps": "marks"}
 
 
 def open_cache(env: Environment, no_cache: bool) -> CacheEntries | None:
@@ -94,12 +97,10 @@ def cache_lookup(session: InferenceSession, tokens: list[int], model_fp: str, ca
     tokens = canonical(tokens, digests)
     hit = cache.lookup(key, tokens)
     reused = 0
-    # The last token is read again, for its logits; the rest from where a batch of the prefill
-    # starts, so that the tokens read compute as they would in a run without the cache.
-    keep = whole_media(tokens, session.backend.step_start(min(hit.reuse, len(tokens) - 1))) if hit is not None else 0
+    keep = whole_media(tokens, restore_to(session, hit.reuse, hit.stops is not None, len(tokens))) if hit else 0
     if hit is not None and keep > 0:
         try:
-            reused = session.restore_prefix(hit.state, local(hit.tokens, digests), keep)
+            reused = session.restore_prefix(hit.state, local(hit.tokens, digests), keep, hit.stops or ())
         except EngineError as exc:
             cache.drop(hit.path, str(exc))
     return CacheUse(cache, key, tokens, reused, hit.reuse if hit is not None else 0)
@@ -108,8 +109,16 @@ def cache_lookup(session: InferenceSession, tokens: list[int], model_fp: str, ca
 def cached_count(session: InferenceSession, tokens: list[int], model_fp: str, cache: CacheEntries) -> int:
     """How many of `tokens` a run would restore from the prompt cache (`--show-prompt`)."""
     tokens = canonical(tokens, cache_digests(session))
-    found = cache.peek(cache_key(session, model_fp), tokens)
-    return whole_media(tokens, session.backend.step_start(min(found, len(tokens) - 1))) if found else 0
+    found, stopped = cache.peek(cache_key(session, model_fp), tokens)
+    return whole_media(tokens, restore_to(session, found, stopped, len(tokens))) if found else 0
+
+
+def restore_to(session: InferenceSession, reuse: int, stopped: bool, n_tokens: int) -> int:
+    """How much of a prompt of `n_tokens` an entry sharing `reuse` of it restores: the last token
+    is read again, for its logits; the rest from where a step of the prefill starts, so that the
+    tokens read compute as they would in a run without the cache. An entry that says where its
+    state may be cut back to (`stopped`) gave one already."""
+    return reuse if stopped else session.backend.step_start(min(reuse, n_tokens - 1))
 
 
 def cache_save(session: InferenceSession, use: CacheUse) -> None:

@@ -199,11 +199,13 @@ class Backend(Protocol):
                 marks: Sequence[int] = ()) -> None:
         """Decodes `tokens` at positions start.., in batches; logits are kept for the last one.
         `marks`: counts of the history's tokens where a later prompt may part from this one, at
-        which a memory that cannot go back a token (`recurrent`) keeps a checkpoint."""
+        which a step ends (`step_start` may return them) and a memory that cannot go back a
+        token (`recurrent`) keeps a checkpoint."""
 
     def step_start(self, n: int) -> int:
         """The last position at or before `n` at which `prefill` starts a batch whatever
-        position it was given: a context cut to it and read on holds what one read whole does."""
+        position it was given, or a mark of what the context holds: a context cut to it and
+        read on holds what one read whole (with the same marks) does."""
 
     def decode_one(self, token: int, pos: int) -> None: ...
     def truncate(self, n_keep: int) -> None:
@@ -215,7 +217,12 @@ class Backend(Protocol):
         """How many positions `truncate(n_keep)` would keep."""
 
     def restore_points(self) -> list[int] | None:
-        """Where a restore of this context's snapshot can be cut back to (None: anywhere)."""
+        """Where a restore of this context's snapshot can be cut back to, and read on from as a
+        whole read does (None: anywhere)."""
+
+    def holds_steps(self, points: Sequence[int]) -> None:
+        """The context (restored from a snapshot) holds what was read with steps ending at
+        `points` (its `restore_points` then): `step_start` may return them."""
 
     @property
     def recurrent(self) -> bool:

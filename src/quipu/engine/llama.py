@@ -302,14 +302,14 @@ class LlamaBackend:
         history's tokens: where a later prompt may part from this one), a step ending there."""
         if (self.ring or self.recurrent) and start > 0 and tokens:
             self.memory.checkpoint(start)  # (a prompt begins: where a rewind comes back to)
-        cuts = sorted({m for m in marks if start < m <= start + len(tokens)}) if self.recurrent else []
+        cuts = sorted({m for m in marks if start < m <= start + len(tokens)})
         if any(is_media(t) for t in tokens):
             total = len(tokens)
             for begin, end, media in runs(tokens):
                 if media:
                     self.media.decode_media(tokens[begin:end], start + begin, end == total)
                     if start + end in cuts:
-                        self.memory.checkpoint(start + end, kept=end < total)
+                        self._cut(start + end, kept=end < total)
                 else:
                     self._prefill_text(tokens[begin:end], start + begin, cuts=cuts, end=start + total)
                 if on_progress is not None:
@@ -336,17 +336,30 @@ class LlamaBackend:
             native.decode(n)
             offset += n
             if start + offset in cuts:
-                self.memory.checkpoint(start + offset, kept=start + offset < end)
+                self._cut(start + offset, kept=start + offset < end)
             if on_progress is not None:
                 on_progress(offset, total)
 
+    def _cut(self, n: int, kept: bool) -> None:
+        """A step of a prompt's reading ended at a mark: a recurrent state keeps a checkpoint
+        there (`kept`: carried by snapshots, the prompt going on past it); an attention cache
+        notes it, a point to cut back to (`step_start`)."""
+        if self.recurrent:
+            self.memory.checkpoint(n, kept=kept)
+        else:
+            self.memory.cuts.add(n)
+
     def step_start(self, n: int) -> int:
-        """The last position at or before `n` where a prefill step starts. llama.cpp's attention
-        computes a token by another road in a step of a few tokens than in a step of many (flash
-        attention's tiled kernel), so the last bits of what it keeps differ; a context restored
-        to such a position and read on computes what one read from the start computes. A
-        recurrent state goes back to its checkpoints, where a step ends (`prefill`'s marks): `n`."""
-        return n if self.recurrent else n - n % self.context.n_batch
+        """The last position at or before `n` where a prefill step starts: a multiple of n_batch,
+        or a mark the prompt held was cut at (`prefill`). llama.cpp's attention computes a token
+        by another road in a step of a few tokens than in a step of many (flash attention's
+        tiled kernel), so the last bits of what it keeps differ; a context restored to such a
+        position and read on computes what one read from the start (with the same marks)
+        computes. A recurrent state goes back to its checkpoints, where a step ends: `n`."""
+        return self.memory.step_start(n)
+
+    def holds_steps(self, points: Sequence[int]) -> None:
+        self.memory.holds_steps(points)
 
     def decode_one(self, token: int, pos: int) -> None:
         if is_media(token):

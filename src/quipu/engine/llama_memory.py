@@ -45,6 +45,9 @@ class Memory:
         # The ring's cells, or the recurrent state, where a prompt began to be read (and, for a
         # recurrent state, where the caller marked it).
         self._checkpoints = Checkpoints(RECURRENT_CHECKPOINTS if self.recurrent else CHECKPOINTS, CHECKPOINT_BYTES)
+        # Where a step of a prompt's reading ended at a caller's mark (counts of the history's
+        # tokens): a context cut back to one holds what one read whole with the same marks does.
+        self.cuts: set[int] = set()
         self.last_rewind: str | None = None  # how the last rewind went back, where it could not go back exactly
 
     def snapshot_bytes(self) -> bytes | memoryview:
@@ -59,6 +62,7 @@ class Memory:
             raise EngineError(f"the saved context state is damaged: {exc}") from None
         self._checkpoints.clear()
         self._positions.clear()
+        self.cuts.clear()
         self.state.restore_bytes(state)
         if self.recurrent:
             last = self.native.seq_pos_max(0)
@@ -71,10 +75,28 @@ class Memory:
             return min(n_keep, self.positions())
         return max([c.n for c in self._checkpoints.latest(n_keep)] + [0])
 
-    def restore_points(self) -> list[int] | None:
-        """The counts of the history's tokens a restore of `snapshot_bytes` can be cut back to:
-        a recurrent state's checkpoints and its end; None: any."""
-        return [c.n for c in self._checkpoints if c.kept] + [self.positions()] if self.recurrent else None
+    def restore_points(self) -> list[int]:
+        """The counts of the history's tokens a restore of `snapshot_bytes` can be cut back to,
+        and read on from as a whole read does: a recurrent state's checkpoints and its end;
+        an attention cache's step starts (a multiple of n_batch) and cuts."""
+        if self.recurrent:
+            return [c.n for c in self._checkpoints if c.kept] + [self.positions()]
+        held, step = self.positions(), self.native.settings.n_batch
+        return sorted(set(range(step, held + 1, step)) | {c for c in self.cuts if c <= held})
+
+    def step_start(self, n: int) -> int:
+        """The last count of the history's tokens at or before `n` that a context can be cut
+        back to and read on from as a whole read does (`LlamaBackend.step_start`)."""
+        if self.recurrent:
+            return n
+        n_batch, held = self.native.settings.n_batch, self.positions()
+        return max([n - n % n_batch] + [c for c in self.cuts if c <= min(n, held)])
+
+    def holds_steps(self, points: Sequence[int]) -> None:
+        """The context (restored) holds what was read with steps ending at `points`."""
+        if not self.recurrent:
+            held = self.positions()
+            self.cuts = {p for p in points if 0 < p <= held}
 
     @property
     def checkpoints(self) -> list[Checkpoint]:
@@ -164,6 +186,7 @@ class Memory:
         if n_keep <= 0:
             self.empty()
             return
+        self.cuts = {c for c in self.cuts if c <= n_keep}
         keep = self._positions.position(n_keep)
         self._positions.forget(n_keep)
         if self.recurrent:
@@ -219,4 +242,5 @@ class Memory:
         self.native.clear()
         self._positions.clear()
         self._checkpoints.clear()
+        self.cuts.clear()
         self._rows.forget()

@@ -249,6 +249,17 @@ class Conversation:
             self.messages.append(last)  # the exchange stays as it was
             raise
 
+    def _parts(self, settings: TurnSettings) -> tuple[Rendered, ...]:
+        """The conversations a later prompt may begin as (`marks.parting`), rendered; one the
+        template refuses (a conversation it takes only whole) is no place to part."""
+        parts = []
+        for messages in parting(self.messages):
+            try:
+                parts.append(self.render(messages, False, "", settings))
+            except TemplateError:
+                continue
+        return tuple(parts)
+
     def _generate(self, reply: Message, max_tokens: int, stop: Sequence[str], sink: ReplySink,
                   turn: TurnSettings | None) -> Generation:
         """Generates into `reply` after the conversation (and what `reply` holds so far), which
@@ -262,8 +273,7 @@ class Conversation:
             wanted = self.held is not None and self.held.checkpoints
             bare = replace(bare, rendered=self.render(self.messages, True, tail, settings),
                            head=self.render(self.messages, True, "", settings) if tail else None,
-                           parts=tuple(self.render(m, False, "", settings) for m in parting(self.messages))
-                           if wanted else ())
+                           parts=self._parts(settings) if wanted else ())
         prompt = replace(bare, offer=offer_tools(self, settings, lambda: bare.thinking(bare.text).inside))
         split = ReasoningSink(sink, lambda: prompt.thinking(prompt.text))
         gen = self.session.reply(prompt, max_tokens, stop, split)

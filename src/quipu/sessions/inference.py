@@ -74,7 +74,7 @@ class InferenceSession(HeldTokens):
 
     @property
     def checkpoints(self) -> bool:
-        return self.backend.recurrent
+        return True  # (a recurrent state's checkpoints, an attention cache's cuts: `Backend.prefill`)
 
     def special_tokens(self) -> dict[str, int]:
         """{text: id} of the tokens a grammar writes as themselves (control tokens, and added
@@ -295,11 +295,12 @@ class InferenceSession(HeldTokens):
         session.stats = replace(session.stats, restore_s=time.perf_counter() - started)
         return session
 
-    def restore_prefix(self, state: bytes | memoryview, held: Sequence[int], keep: int) -> int:
+    def restore_prefix(self, state: bytes | memoryview, held: Sequence[int], keep: int,
+                       points: Sequence[int] = ()) -> int:
         """Takes the state of a context that held `held` and keeps its first `keep` tokens, or as
         many as it can go back to (a prompt cache hit); the next `set_context` reuses them.
-        Returns how many it kept. Raises EngineError when the bytes do not fit, leaving the
-        context empty."""
+        `points`: where its reading's steps ended (its `restore_points`). Returns how many it
+        kept. Raises EngineError when the bytes do not fit, leaving the context empty."""
         started = time.perf_counter()
         self.rewind(0)
         self.backend.restore_bytes(state)
@@ -308,6 +309,7 @@ class InferenceSession(HeldTokens):
             self.backend.truncate(0)
             raise EngineError("the cached state does not match its tokens")
         keep = min(keep, len(held))
+        self.backend.holds_steps(points)
         self.backend.truncate(keep)
         keep = min(keep, self.backend.positions())
         self.tokens = list(held[:keep])
@@ -458,7 +460,7 @@ class InferenceSession(HeldTokens):
                  sink: ReplySink = SILENT) -> Generation:
         """One turn on raw tokens: the context becomes `tokens` (reusing what it can), then infer."""
         self.begin_turn()
-        self.set_context(tokens, sink, plain_marks(self.backend.token_bytes, tokens) if self.backend.recurrent else ())
+        self.set_context(tokens, sink, plain_marks(self.backend.token_bytes, tokens))
         return self.infer(max_tokens, stop, sink)
 
     def reply(self, prompt: TurnPrompt, max_tokens: int, stop: Sequence[str] = (),
@@ -469,7 +471,7 @@ class InferenceSession(HeldTokens):
         # Where the reply begins: a grammar constrains the reply alone, from its first token.
         start = len(self.context_for(prompt.template_text(with_tail=False))) if prompt.tail else len(tokens)
         self.begin_turn()
-        self.set_context(tokens, sink, reply_marks(self.context_for, prompt, tokens) if self.backend.recurrent else ())
+        self.set_context(tokens, sink, reply_marks(self.context_for, prompt, tokens))
         began = prompt.thinking(prompt.template_text(with_tail=False).text) if prompt.tail else None
         gen = self.infer(max_tokens, stop, sink, prompt.thinking(prompt.text), prompt.offer, began, at=start)
         return replace(gen, spelled=self.reply_spelled())

@@ -32,9 +32,12 @@ SUFFIX = ".kv"
 @dataclass
 class CacheHit:
     tokens: list[int]  # the tokens the entry's state holds
-    reuse: int  # how many of them begin the new prompt
+    # How many of them begin the new prompt; where the entry says where its state may be cut
+    # back to (`stops`), the last of them before the new prompt's last token.
+    reuse: int
     state: bytes | memoryview
     path: Path
+    stops: list[int] | None = None
 
 
 class CacheEntries:
@@ -56,13 +59,15 @@ class CacheEntries:
             return []
         return sorted(p for p in self.root.glob(f"*{SUFFIX}") if not p.name.startswith("."))
 
-    def _best(self, key: dict[str, Any], tokens: Sequence[int]) -> tuple[int, Path, list[int]] | None:
+    def _best(self, key: dict[str, Any], tokens: Sequence[int]
+              ) -> tuple[int, Path, list[int], list[int] | None] | None:
         """The entry made under `key` sharing the longest beginning with `tokens` (at least
-        MIN_TOKENS), by its metadata alone."""
+        MIN_TOKENS), by its metadata alone: how much (`CacheHit.reuse`), its path, its tokens,
+        its stops."""
         clean_temporaries(self.root)
         want = self._digest(key)
         wanted = list(tokens)
-        best: tuple[int, Path, list[int]] | None = None
+        best: tuple[int, Path, list[int], list[int] | None] | None = None
         for path in self.entries():
             try:
                 meta = read_meta(path)
@@ -78,15 +83,18 @@ class CacheEntries:
             reuse = len(os.path.commonprefix([held, wanted]))  # (it takes any sequences, not only paths)
             stops = meta.get("stops")
             if isinstance(stops, list) and all(type(s) is int for s in stops):  # (where its state can go back to)
-                reuse = max([s for s in stops if s <= reuse] + [0])
+                reuse = max([s for s in stops if s <= min(reuse, len(wanted) - 1)] + [0])
+            else:
+                stops = None
             if reuse >= MIN_TOKENS and (best is None or reuse > best[0]):
-                best = (reuse, path, held)
+                best = (reuse, path, held, stops)
         return best
 
-    def peek(self, key: dict[str, Any], tokens: Sequence[int]) -> int:
-        """How many of `tokens` `lookup` would find (its state not yet verified); 0 for none."""
+    def peek(self, key: dict[str, Any], tokens: Sequence[int]) -> tuple[int, bool]:
+        """How many of `tokens` `lookup` would find (its state not yet verified; 0 for none), and
+        whether the entry said where its state may be cut back to (`CacheHit.stops`)."""
         best = self._best(key, tokens)
-        return 0 if best is None else best[0]
+        return (0, False) if best is None else (best[0], best[3] is not None)
 
     def lookup(self, key: dict[str, Any], tokens: Sequence[int]) -> CacheHit | None:
         """The entry made under `key` that shares the longest beginning with `tokens` (at least
@@ -94,7 +102,7 @@ class CacheEntries:
         best = self._best(key, tokens)
         if best is None:
             return None
-        reuse, path, held = best
+        reuse, path, held, stops = best
         try:
             blob = read_state(path)
         except (OSError, SnapshotError) as exc:
@@ -107,7 +115,7 @@ class CacheEntries:
             os.utime(path)  # used: the last to go
         except OSError:
             pass
-        return CacheHit(held, reuse, blob.state, path)
+        return CacheHit(held, reuse, blob.state, path, stops)
 
     def save(self, key: dict[str, Any], tokens: Sequence[int], state: bytes | memoryview,
              stops: Sequence[int] | None = None) -> Path | None:
