@@ -1,7 +1,7 @@
 """A context several requests share (`quipu serve --parallel N`): each request's history a
 sequence of its own, their tokens decoded together. Each answers as it does alone, on a plain
 model and on a hybrid one (whose recurrent state goes back to its checkpoints per sequence), and
-a sequence's state saved is restored into another, or into a context of its own kind later."""
+a sequence's state saved is restored into another, of a context shared as widely."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import threading
 from pathlib import Path
 
 import pytest
+
+from quipu.errors import EngineError
 
 from tinymodel import write_tiny_gguf, write_tiny_qwen35
 
@@ -125,13 +127,24 @@ def test_a_sequence_goes_on_from_what_it_holds_and_its_state_restores_in_another
     # turns answered as on a context of one's own
     assert kept > 0 and (one, two) == (want_one, want_two)
     assert b_says
-    # b held a's conversation cell for cell (as a context of one's own reads either back: the
-    # states name the sequence they were written from)
-    lone = _open(model, 1)
+    # b held a's conversation cell for cell (the states name the sequence they were written from:
+    # each read back into another context's second sequence writes the same)
+    shared = _open(model, 2)
+    views = [shared, *shared.sequences()]
     try:
-        lone.restore_bytes(state)
-        from_a = bytes(lone.snapshot_bytes())
-        lone.restore_bytes(restored)
-        assert bytes(lone.snapshot_bytes()) == from_a and lone.positions() == held
+        third = views[1]
+        third.restore_bytes(state)
+        from_a = bytes(third.snapshot_bytes())
+        third.restore_bytes(restored)
+        assert bytes(third.snapshot_bytes()) == from_a and third.positions() == held
+        # (a context of one's own has one stream of cells, not two: it refuses the state in one line)
+        lone = _open(model, 1)
+        try:
+            with pytest.raises(EngineError, match="refused"):
+                lone.restore_bytes(state)
+        finally:
+            lone.close()
     finally:
-        lone.close()
+        for v in views[1:]:
+            v.close()
+        shared.close()

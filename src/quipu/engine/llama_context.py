@@ -31,8 +31,8 @@ def context_params(context: ContextSettings, n_ctx: int) -> Any:
     cparams.n_ctx = n_ctx * max(1, context.parallel)
     cparams.n_batch = n_batch
     cparams.n_ubatch = n_batch
-    if context.parallel > 1:  # the requests' sequences (0, 2, 3, ...) and the second (1), in one stream
-        cparams.n_seq_max, cparams.kv_unified = context.parallel + 1, True
+    if context.parallel > 1:  # the requests' sequences, each in a stream of its own (llama_shared.py)
+        cparams.n_seq_max, cparams.kv_unified = context.parallel, False
     elif n_seq > 1:
         cparams.n_seq_max = n_seq  # each sequence has its own n_ctx / n_seq cells (not unified)
     else:  # one sequence, and a second sharing its cells, to save a turn's cells alone (kvstate.py)

@@ -3,21 +3,23 @@ a sequence of its own, and what they decode is decoded together, one llama.cpp b
 
 On a CPU (and a GPU) a step that decodes a token for each of several sequences costs little
 more than a step for one: the model's weights are read once. Each request runs on a backend of
-its own (`LlamaBackend.on_sequence`), whose parts speak to a `SequenceContext`: it answers for
+its own (`LlamaBackend.sequences`), whose parts speak to a `SequenceContext`: it answers for
 the request's sequence, and hands each decode to the shared context's stepper, a thread that
-gathers what every sequence has asked for (a token each for those generating, a prompt's step
-for those reading) into one batch and decodes it. A sequence's logits stay where that step left
-them until its sampler has read them: the next step waits for every reader (`logits_read`).
+gathers what every sequence has asked for (a token each for those generating, or one prompt's
+step) into one batch and decodes it. A sequence's logits stay where that step left them until
+its sampler has read them: the next step waits for every reader (`logits_read`).
 
-The cache is one stream (llama.cpp's unified KV cache) of N times a request's context: the
-requests' sequences are 0, 2, 3, ... and sequence 1 is the second that a piece of state is
-written and read through (`llama_state.py`), as on a context of one's own, so pieces and
-snapshots are the same bytes; `held` keeps its use to one sequence at a time. A request uses at
-most its own share of cells, so a step always finds room.
-
-A sequence's tokens are computed in batches with others' (and its cells lie among theirs): its
-arithmetic is not a lone run's to the last bit, so its states are kept apart from those of a
-context of one's own (`ContextSettings.state_key`); greedy answers are the same.
+Each sequence has a stream of the cache of its own (llama.cpp's cache not unified), its cells
+from the first on as on a context of its own, so its attention adds its terms in the same order
+(a unified cache lays a sequence's cells among the others', and the answers drifted by the last
+bits even one request at a time); a step's tokens go in the order of their sequences, which
+llama.cpp's split of a step across streams needs. A prompt's step is decoded alone: a token
+decoded beside a prompt's step takes another road in llama.cpp's kernels. So a request answers
+as on a context of its own (greedy answers tested equal at eight at once); a token decoded
+beside others' after a long history (512 cells) is not split among the threads as a lone one
+is, and may differ in its last bits. A sequence's state names its context's streams: it is
+restored only into a context shared as widely (`ContextSettings.state_key`), and has no second
+sequence to write a piece of it through (`partial_state`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ if TYPE_CHECKING:
     from quipu.engine.settings import ContextSettings
 
 T = TypeVar("T")
-PIECE_SEQ = 1  # the sequence pieces of state go through (`llama_state.py`)
 # How long a step waits for a sequence of the last step that has not asked for its next yet (its
 # thread is between its draw and its next token): long enough to decode it with the others, short
 # enough that one that stopped costs little.
@@ -77,7 +78,7 @@ class SharedContext:
     @property
     def sequences(self) -> list[int]:
         """The requests' sequences: 0, 2, 3, ..."""
-        return [0] + list(range(PIECE_SEQ + 1, self.parallel + 1))
+        return list(range(self.parallel))
 
     def read(self, seq: int) -> None:
         """Sequence `seq`'s logits are read (or will not be): the next step may overwrite them."""
@@ -120,10 +121,10 @@ class SharedContext:
     def _gather(self) -> list[_Ask] | None:
         """The asks of the next step (the condition held), once every sequence has read its
         logits (and, for a moment, the sequences of the last step have asked again): the first
-        asked, and where it is a token, the other sequences' tokens with it. A prompt's step is
-        decoded alone, as is work on the context alone: llama.cpp's kernels take another road
-        for a step of many tokens (flash attention's tiles), and a token decoded beside a prompt
-        would drift from the one a lone run draws."""
+        asked, and where it is a token, the other sequences' tokens with it, in the order of
+        their sequences. A prompt's step is decoded alone, as is work on the context alone:
+        llama.cpp's kernels take another road for a step of many tokens (flash attention's
+        tiles), and a token decoded beside a prompt would drift from the one a lone run draws."""
         cond = self._cond
         while not self._closed and (not self._asks or self._readers):
             cond.wait()
@@ -141,7 +142,7 @@ class SharedContext:
         tokens = [a for a in self._asks if a.work is None and len(a.items) == 1][:self.native.settings.n_batch - 1]
         for a in tokens:
             self._asks.remove(a)
-        return [first] + tokens
+        return sorted([first] + tokens, key=lambda a: a.seq)
 
     def _decode(self, step: list[_Ask]) -> None:
         native = self.native
@@ -178,8 +179,7 @@ class SharedContext:
 
 class SequenceContext(NativeContext):
     """One sequence of a shared context, as the backend's parts see a context of their own: its
-    sequence 0 is this one's (`own`), its 1 the shared context's piece sequence, and its decodes
-    go to the stepper."""
+    sequence 0 is this one's (`own`), and its decodes go to the stepper."""
 
     def __init__(self, shared: SharedContext, seq: int):  # (NativeContext's own is not run: the context is shared's)
         native = shared.native
@@ -194,9 +194,7 @@ class SequenceContext(NativeContext):
     def _seq(self, seq: int) -> int:
         if seq == 0:
             return self.own
-        if seq == PIECE_SEQ:
-            return PIECE_SEQ
-        raise EngineError(f"a shared context's sequence has no sequence {seq}")
+        raise EngineError("a shared context's sequence has no second sequence to write a piece of its state through")
 
     def fill(self, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
         del self._items[i:]
