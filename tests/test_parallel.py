@@ -74,10 +74,7 @@ def test_requests_decoded_together_answer_as_each_does_alone(model):
     try:
         assert [v.n_ctx for v in views] == [512] * 3  # (each its own share: the context holds three)
         got = _together(views, lambda view, k: [_answer(view, p) for p in PROMPTS[k::3]])
-        shared = first._shared
-        assert shared.most_together >= 2  # (tokens of several requests in one step)
-        # fewer steps than the tokens decoded: one a token of each request, and one a prompt
-        assert shared.steps < sum(len(t) for t in want) + len(PROMPTS)
+        assert first._shared.most_together >= 2  # (tokens of several requests in one step)
     finally:
         for v in views[1:]:
             v.close()

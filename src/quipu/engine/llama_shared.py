@@ -70,8 +70,7 @@ class SharedContext:
         self._readers: set[int] = set()  # sequences whose logits are not read yet
         self._expected: set[int] = set()  # sequences of the last step, not back yet
         self._closed = False
-        self.steps = 0  # steps decoded, and the most sequences one of them held
-        self.most_together = 0
+        self.most_together = 0  # the most sequences a step has held
         self._thread = threading.Thread(target=self._run, name="quipu-stepper", daemon=True)
         self._thread.start()
 
@@ -159,7 +158,6 @@ class SharedContext:
                             a.index = n
                         n += 1
                 native.decode(n)
-            self.steps += 1
             self.most_together = max(self.most_together, len(step))
         except BaseException as exc:  # (each sequence of the step hears it, in its own thread)
             for a in step:
