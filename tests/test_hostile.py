@@ -506,3 +506,29 @@ def test_a_tool_s_result_and_the_model_s_call_reach_the_terminal_escaped(quipu, 
     chat = quipu("chat", "-m", tiny_model, "-n", "2", input="/nope\x1b[2J\n")
     said = chat.stderr.decode()
     assert "unknown command /nope\\x1b[2J" in said and "\x1b[2J" not in said
+
+
+@pytest.mark.parametrize("option", ["--grammar", "--schema", "--messages", "--tools", "--mcp-config", "--chat-template"])
+def test_sigterm_is_acted_on_while_an_option_s_file_is_a_fifo_that_is_waited_for(home, tiny_model, tmp_path, option):
+    # (the file is a FIFO whose writer sends nothing: quipu waits for it, and a SIGTERM ends the
+    # wait as it ends a reply: exit 130, one line)
+    import threading
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ["QUIPU_HOME"] = str(home)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    named = f"@{fifo}" if option == "--schema" else str(fifo)
+    more = {"--messages": [], "--mcp-config": ["--mcp", "notes", "hi"]}.get(option, ["hi"])
+    p = subprocess.Popen([sys.executable, "-m", "quipu", "run", "-m", tiny_model, option, named, *more],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=environ)
+    writer: list[int] = []
+    # (open for writing returns once quipu has it open, waiting to read)
+    opened = threading.Thread(target=lambda: writer.append(os.open(fifo, os.O_WRONLY)), daemon=True)
+    opened.start()
+    opened.join(120)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    for fd in writer:
+        os.close(fd)
+    assert writer and p.returncode == 130 and b"Traceback" not in err and out == b"", err.decode()

@@ -29,6 +29,21 @@ class Ended(KeyboardInterrupt):
     at its prompt, where a Ctrl-C would not."""
 
 
+# Whether quipu was told to stop (Ctrl-C, SIGTERM, SIGHUP) while a handler that only notes it is
+# in place (a reply in progress: the terminal's `StopOnCtrlC`), for what waits on something
+# outside, which no exception reaches (a file that is a FIFO without a writer: `waited`).
+_TOLD_TO_STOP: list[bool] = [False]
+
+
+def told_to_stop() -> bool:
+    return _TOLD_TO_STOP[0]
+
+
+def tell_to_stop(told: bool = True) -> None:
+    """Notes that quipu was told to stop (False: forgets it, a new piece of work begins)."""
+    _TOLD_TO_STOP[0] = told
+
+
 class UsageError(QuipuError):
     """The user asked for something that cannot be done as asked (exit 2)."""
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from quipu.errors import UsageError
+from quipu.app.user_files import read_user_file
+from quipu.errors import UsageError, told_to_stop
 
 if TYPE_CHECKING:
     from quipu.sessions.template import ChatTemplate
@@ -125,11 +126,9 @@ def read_attachment(name: str, stopped: Callable[[], bool] = lambda: False) -> A
     may keep it waiting), so `stopped` is acted on meanwhile: `Interrupted`."""
     if name.startswith(("http://", "https://")):
         return _fetched(name, stopped)
-    from quipu.engine.base import waited
-
     path = Path(name).expanduser()
     try:
-        data = waited(lambda: _read_file(path), stopped, f"stopped while {path} was read")
+        data = read_user_file(path, MAX_ATTACHMENT_BYTES, lambda: stopped() or told_to_stop())
     except IsADirectoryError:
         raise UsageError(f"cannot attach {path}: it is a folder, not a file") from None
     except OSError as exc:
@@ -137,11 +136,6 @@ def read_attachment(name: str, stopped: Callable[[], bool] = lambda: False) -> A
     if len(data) > MAX_ATTACHMENT_BYTES:
         raise UsageError(f"cannot attach {path}: it is larger than {MAX_ATTACHMENT_BYTES >> 20} MB")
     return attachment_of(path.name, data)
-
-
-def _read_file(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        return f.read(MAX_ATTACHMENT_BYTES + 1)
 
 
 def _fetched(url: str, stopped: Callable[[], bool] = lambda: False) -> Attachment:

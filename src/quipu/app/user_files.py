@@ -1,14 +1,16 @@
-"""Files the user names (a schema, a grammar, a template, a tools or messages file): read with
-a bound on their size (and, for JSON, their depth, found before they become Python objects),
-each failure a one-line usage error."""
+"""Files the user names (a schema, a grammar, a template, a tools or messages file, a batch
+file, an attachment): read with a bound on their size (and, for JSON, their depth, found before
+they become Python objects), each failure a one-line usage error, and in a thread of their own,
+so that a stop (Ctrl-C, SIGTERM) is acted on while one is waited for (a FIFO without a writer, a
+slow disk)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from quipu.errors import UsageError
+from quipu.errors import UsageError, told_to_stop
 
 MAX_FILE_BYTES = 64 << 20  # the largest file the user names that is read (as standard input)
 # A JSON string, or one bracket: what a depth scan needs to see of a JSON text.
@@ -49,13 +51,24 @@ def read_json_file(name: str, what: str) -> Any:
         raise UsageError(f"the {what} {path} is not valid JSON: {exc}") from None
 
 
+def read_user_file(path: Path, limit: int, stopped: Callable[[], bool] = told_to_stop) -> bytes:
+    """At most `limit` + 1 bytes of a file the user named, read in a thread of its own while
+    `stopped` (Ctrl-C, SIGTERM) is asked: `Interrupted`. OSError as the open or read raise it."""
+    from quipu.engine.base import waited
+
+    def read() -> bytes:
+        with open(path, "rb") as f:
+            return f.read(limit + 1)
+
+    return waited(read, stopped, f"stopped while {path} was read")
+
+
 def read_text_file(name: str, what: str, allow_empty: bool = False) -> str:
     """A file the user named, as text (at most `MAX_FILE_BYTES`); a clear usage error when it
     cannot be."""
     path = Path(name).expanduser()
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
+        data = read_user_file(path, MAX_FILE_BYTES)
     except OSError as exc:
         raise UsageError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
     if len(data) > MAX_FILE_BYTES:

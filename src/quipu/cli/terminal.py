@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, TYPE_CHECKING, IO, Mapping
 
-from quipu.errors import BadInput
+from quipu.errors import BadInput, tell_to_stop
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -97,14 +97,18 @@ class StopOnCtrlC:
         if self.requested and self.hard_second:
             raise KeyboardInterrupt
         self.requested = True
+        tell_to_stop()
 
     def _quit(self, signum: int, frame: object) -> None:
         self.requested = True
+        tell_to_stop()
 
     def _end(self, signum: int, frame: object) -> None:
         self.requested = self.ended = True
+        tell_to_stop()
 
     def __enter__(self) -> "StopOnCtrlC":
+        tell_to_stop(False)
         try:
             self._previous = signal.signal(signal.SIGINT, self._handle)
             if self.quit_too and hasattr(signal, "SIGQUIT"):
@@ -118,6 +122,7 @@ class StopOnCtrlC:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        tell_to_stop(False)
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
         if self._previous_quit is not None:
