@@ -189,6 +189,21 @@ def test_a_batchs_rows_are_logged(quipu, tmp_path):
     assert {r["command"] for r in records} == {"batch"}
 
 
+def test_a_role_s_prompt_holds_each_row_of_a_batch(quipu, tmp_path):
+    # (a line of text, a JSON row's prompt, and a messages row's last message, each as run -R holds it)
+    assert quipu("roles", "add", "fr", "--prompt", "Translate: $input").returncode == 0
+    lines, rows = tmp_path / "lines.txt", tmp_path / "rows.jsonl"
+    lines.write_text("Name a bird.\n")
+    rows.write_text('{"prompt": "Name a fish."}\n'
+                    '{"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}, '
+                    '{"role": "user", "content": "Name a tree."}]}\n')
+    for source in (lines, rows):
+        r = quipu("run", "--batch", source, "-R", "fr", *SHORT)
+        assert r.returncode == 0, r.stderr.decode()
+    assert sorted(r["prompt"] for r in logged(quipu)) == ["Translate: Name a bird.", "Translate: Name a fish.",
+                                                          "Translate: Name a tree."]
+
+
 def test_roles_keep_a_system_prompt_a_prompt_and_options(quipu, home):
     r = quipu("roles", "add", "fr", "--system", "You translate into French.", "--prompt", "Translate: $input",
               "--set", "max_tokens=5", "--set", "temperature=0")

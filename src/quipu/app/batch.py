@@ -93,15 +93,19 @@ class RowOutcome:
         return {**head, **self.result.to_json()}
 
 
-def read_rows(text: str) -> list[RowInput]:
+def read_rows(text: str, fill: Callable[[str], str] = lambda text: text) -> list[RowInput]:
     """Rows from the input: JSON lines when the first line that is not blank is a JSON object,
-    otherwise one prompt per line. Blank lines are no rows."""
+    otherwise one prompt per line. Blank lines are no rows. `fill`: a role's prompt around each
+    row's (a messages row's last, the user's)."""
     lines = [line for line in input_lines(text) if line.strip()]
     if not lines:
         raise BadInput("the batch has no rows")
     if not _json_object(lines[0]):
-        return [RowInput(i, prompt=line) for i, line in enumerate(lines)]
-    return [_json_row(i, line) for i, line in enumerate(lines)]
+        return [RowInput(i, prompt=fill(line)) for i, line in enumerate(lines)]
+    rows = [_json_row(i, line) for i, line in enumerate(lines)]
+    return [replace(row, prompt=fill(row.prompt)) if row.prompt is not None else
+            replace(row, messages=[*row.messages[:-1], replace(row.messages[-1], content=fill(row.messages[-1].content))])
+            if row.messages else row for row in rows]
 
 
 def input_lines(text: str) -> list[str]:
@@ -209,15 +213,17 @@ def row_params(base: SamplingParams, fields: dict[str, Any], seed: int | None) -
 
 def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int | None = None,
               on_row: Callable[[RowOutcome], None], on_progress: Callable[[int, int, int], None] | None = None,
-              should_stop: Callable[[], bool] | None = None, on_notice: Callable[[str], None] | None = None) -> int:
+              should_stop: Callable[[], bool] | None = None, on_notice: Callable[[str], None] | None = None,
+              fill: Callable[[str], str] = lambda text: text) -> int:
     """Answers every row of `text`; `on_row` gets the outcomes in input order, each as soon as
     it and every row before it are done; `on_notice` what to say of where the model runs (fewer
-    layers fit on the GPU). Returns how many rows were written."""
+    layers fit on the GPU); `fill`, a role's prompt around each row's. Returns how many rows
+    were written."""
     check_options(asked_of(opts.given), BATCH, LOCAL)  # (never dropped silently: a batch with tools would answer in plain text)
     check_positive("--parallel", parallel)
     if parallel is not None and parallel > MAX_PARALLEL:
         raise UsageError(f"--parallel must be at most {MAX_PARALLEL} (llama.cpp's limit of sequences), got {parallel}")
-    rows = read_rows(text)
+    rows = read_rows(text, fill)
     base = sampling_params(opts, env)
     limit = max_tokens(opts, env)
     settings = context_settings(opts, env)

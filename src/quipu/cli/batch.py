@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import json
 import time
@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from quipu.app.turn_options import TurnOptions
 
 
-def run_batch_file(source: str, opts: TurnOptions, env: Environment, term: Terminal, parallel: int | None) -> int:
+def run_batch_file(source: str, opts: TurnOptions, env: Environment, term: Terminal, parallel: int | None,
+                   fill: Callable[[str], str] = lambda text: text) -> int:
     from quipu.app.batch import run_batch
     from quipu.app.user_files import read_text_file
 
@@ -39,7 +40,7 @@ def run_batch_file(source: str, opts: TurnOptions, env: Environment, term: Termi
     try:
         with StopOnCtrlC() as stopper:
             run_batch(text, opts, env, parallel=parallel, on_row=on_row, on_progress=progress, should_stop=stopper,
-                      on_notice=term.warn)
+                      on_notice=term.warn, fill=fill)
     finally:
         progress.close()
     return ExitCode.INTERRUPTED if stopper.requested else ExitCode.OK

@@ -86,7 +86,10 @@ def run(env: Environment, **given: Any) -> int:
         own = [name for name, given in (("show", show), ("stats", stats), ("quiet", quiet), ("tools_debug", tools_debug))
                if given]
         check_options(asked_of(opts.given, own), BATCH)
-        return run_batch_file(batch, opts, env, term, parallel)
+        def filled(text: str) -> str:  # (each row's prompt as the role's prompt holds it)
+            return (role.fill(text) if role is not None else None) or text
+
+        return run_batch_file(batch, opts, env, term, parallel, filled)
     if opts.server is None:
         from quipu.cli.pull import pull_if_needed
 
