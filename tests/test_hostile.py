@@ -532,3 +532,22 @@ def test_sigterm_is_acted_on_while_an_option_s_file_is_a_fifo_that_is_waited_for
     for fd in writer:
         os.close(fd)
     assert writer and p.returncode == 130 and b"Traceback" not in err and out == b"", err.decode()
+
+
+@pytest.mark.parametrize("url, said", [
+    ("http://127.0.0.1:9\r", "holds a control character or a space"),  # (a line of a Windows env file)
+    ("http://127.0.0.1:9/" + "a" * 70000, "longer than 8192 characters"),
+    ("http://" + "a" * 300 + ".com/", "is not a name DNS can hold"),
+])
+def test_a_server_address_httpx_would_choke_on_is_one_line(home, url, said):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    for where in ("--url", "config"):
+        if where == "config":
+            (home / "config").mkdir(exist_ok=True)
+            (home / "config" / "config.toml").write_text(f"[remote]\nurl = {json.dumps(url)}\n")
+        args = ["--url", url] if where == "--url" else []
+        r = subprocess.run([sys.executable, "-m", "quipu", "run", *args, "hi"], capture_output=True,
+                           env={**environ, "QUIPU_HOME": str(home)}, timeout=120)
+        err = r.stderr.decode()
+        assert r.returncode == 2 and said in err and len(err.strip().splitlines()) == 1, (where, err[:300])
+        assert "\r" not in err

@@ -169,17 +169,34 @@ class Environment:
         return cls(dirs, environ)
 
 
+MAX_URL = 8192  # characters of a server's address (httpx takes 65,536; no server needs a tenth)
+
+
 def check_url(url: str) -> None:
-    """A server's address, checked before anything is sent: a usage error when it is not one."""
+    """A server's address, checked before anything is sent: a usage error when it is not one (a
+    control character or a space in it, as a line of a Windows env file ends; too long; a host
+    name DNS cannot hold)."""
     from urllib.parse import urlsplit
 
+    from quipu.shown import shown
+
+    if len(url) > MAX_URL:
+        raise UsageError(f"the server address is longer than {MAX_URL} characters")
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise UsageError(f"the server address '{shown(url)}' holds a control character or a space")
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - a port that is not a number raises here
     except ValueError as exc:
-        raise UsageError(f"the server address '{url}' is not a URL: {exc}") from None
+        raise UsageError(f"the server address '{shown(url)}' is not a URL: {exc}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UsageError(f"the server address must be http://HOST[:PORT] or https://..., not '{url}'")
+        raise UsageError(f"the server address must be http://HOST[:PORT] or https://..., not '{shown(url)}'")
+    try:
+        host = parts.hostname.encode("idna")
+    except UnicodeError:
+        host = b""
+    if not host or len(host) > 253 or any(len(label) > 63 for label in host.split(b".")):
+        raise UsageError(f"the server address's host '{shown(parts.hostname[:80])}' is not a name DNS can hold")
 
 
 def check_config(config: Config) -> Config:
