@@ -107,6 +107,10 @@ def test_a_model_s_metadata_and_file_name_are_shown_escaped(home, tmp_path):
         out = r.stdout.decode()
         assert r.returncode == 0 and not any(c in out for c in UNSAFE), out
         assert "\\x1b[2J\\u202eevil" in out and "ar\\x9bch\\u2066" in out
+    placed = write_tiny_gguf(folder / "p\x1b[2J\u202eevil.gguf")  # (a model doctor can place)
+    r = run_limited(home, "doctor", "-m", placed)
+    out = r.stdout.decode()
+    assert r.returncode == 0 and not any(c in out for c in UNSAFE) and "p\\x1b[2J\\u202eevil" in out, out
     environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
     environ.update(QUIPU_HOME=str(home))
     r = subprocess.run([sys.executable, "-m", "quipu", "run", "-m", str(folder / "none\x1b]0;x\x07.gguf"), "hi"],

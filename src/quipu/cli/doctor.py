@@ -9,6 +9,7 @@ import typer
 
 from quipu.cli import options as opt, spec
 from quipu.cli.terminal import Terminal, human_size as size
+from quipu.shown import shown
 
 
 def register(app: typer.Typer) -> None:
@@ -41,7 +42,8 @@ def doctor(
     if as_json:
         term.stdout.write(json.dumps(found, indent=1, ensure_ascii=False) + "\n")
     else:
-        term.stdout.write("".join(f"{line}\n" for line in lines(found)))
+        # (a model's name and path, a folder, a driver's description: outside text, escaped)
+        term.stdout.write("".join(f"{shown(line)}\n" for line in lines(found)))
     term.stdout.flush()
 
 
