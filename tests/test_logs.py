@@ -287,3 +287,29 @@ def test_logs_show_keeps_line_breaks_and_escapes_control_characters(quipu):
     # (line breaks are text, on a terminal and in a pipe; a terminal's control sequence is not)
     assert "Be brief.\nBe kind." in shown and "First line.\nSecond line \\x1b[31mred." in shown
     assert "\\n" not in shown and "\x1b[31m" not in shown
+
+
+def test_a_log_another_tool_changed_is_read_for_what_quipu_knows_of_it(quipu, home):
+    # (the log is "a SQLite database, open it with any tool": a column added to its table is left
+    # alone; a value of another shape is said in one line, naming the answer, which `logs rm` drops)
+    import sqlite3
+
+    assert quipu("run", *SHORT, "Name a bird.").returncode == 0
+    assert quipu("run", *SHORT, "Name a fish.").returncode == 0
+    db = sqlite3.connect(home / "data" / "logs.db")
+    db.execute("ALTER TABLE answers ADD COLUMN stars INTEGER")
+    db.commit()
+    assert [r["prompt"] for r in logged(quipu)] == ["Name a fish.", "Name a bird."]
+    assert quipu("run", *SHORT, "-F", "And a tree?").returncode == 0
+    first = min(r["id"] for r in logged(quipu))
+    for column, value in (("options", "[1, 2]"), ("prompt_tokens", "many"), ("prompt", b"\xff")):
+        db.execute(f"UPDATE answers SET {column} = ? WHERE id = ?", (value, first))
+        db.commit()
+        for args in (["logs"], ["logs", "show", str(first)], ["logs", "--json"]):
+            r = quipu(*args)
+            err = r.stderr.decode()
+            assert r.returncode != 0 and f"(id {first}) whose {column}" in err and len(err.splitlines()) == 1, err
+        db.execute("UPDATE answers SET options = NULL, prompt_tokens = 1, prompt = 'x' WHERE id = ?", (first,))
+        db.commit()
+    assert quipu("logs", "rm", str(first)).returncode == 0
+    assert len(logged(quipu)) == 2

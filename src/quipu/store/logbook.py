@@ -103,18 +103,40 @@ class Record:
 
     @classmethod
     def of(cls, row: sqlite3.Row) -> "Record":
-        values = dict(row)
-        for k in cls._JSON:
-            empty: list[Any] | dict[str, Any] = [] if k in ("tool_calls", "attachments") else {}
-            try:
-                values[k] = json.loads(values[k]) if values[k] else empty
-            except ValueError:
-                values[k] = empty
+        """The record a row holds: the columns quipu knows (a table another tool added to keeps
+        its own), each of the shape quipu writes; LogError where one is not (a row written by
+        hand), naming it."""
+        values = {k: row[k] for k in row.keys() if k in _SHAPES}
+        for k, shape in _SHAPES.items():
+            value = values.get(k)
+            if k in cls._JSON:
+                empty: list[Any] | dict[str, Any] = [] if shape is list else {}
+                try:
+                    value = json.loads(value) if value else empty
+                except (ValueError, TypeError, RecursionError):
+                    value = empty
+                fits = isinstance(value, shape) and (shape is dict or all(isinstance(v, dict) for v in value))
+            else:
+                fits = isinstance(value, shape) and not isinstance(value, bool)
+            if not fits:
+                raise LogError(f"the log of answers holds an answer (id {values.get('id')!r:.40}) whose {k} is not "
+                               f"what quipu writes there; `quipu logs rm` it, or mend it with any SQLite tool")
+            values[k] = value
         return cls(**values)
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.at)),
                 **{k: v for k, v in self.__dict__.items() if k not in ("id", "at")}}
+
+
+# The shape of each of a record's columns, as quipu writes them (the JSON ones once read).
+_SHAPES: dict[str, Any] = {
+    "prompt": str, "answer": str, "model": str, "command": str, "conversation": str,
+    **{k: (str, type(None)) for k in ("system", "reasoning", "fingerprint", "finish_reason", "session")},
+    "tool_calls": list, "attachments": list, "options": dict, "timings": dict,
+    **{k: (int, type(None)) for k in ("prompt_tokens", "completion_tokens", "cached_tokens")},
+    "id": int, "at": (int, float),
+}
 
 
 class Logbook:
