@@ -555,3 +555,39 @@ def test_a_server_address_httpx_would_choke_on_is_one_line(home, url, said):
         err = r.stderr.decode()
         assert r.returncode == 2 and said in err and len(err.strip().splitlines()) == 1, (where, err[:300])
         assert "\r" not in err
+
+
+@pytest.mark.parametrize("args", [
+    ["run", b"hi \xff there"], ["run", "-a", b"/tmp/\xfe.txt", "hi"], ["roles", "add", "r", "--system", b"a\x9bd"],
+    ["logs", "-q", b"\xc3"], ["run", "-m", b"model\xff.gguf", "hi"],
+])
+def test_an_argument_that_is_not_utf8_is_one_line(home, args):
+    # (a shell hands such bytes over as they are; Python as lone surrogates, which no write takes)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    environ["QUIPU_HOME"] = str(home)
+    r = subprocess.run([sys.executable.encode(), b"-m", b"quipu", *(a if isinstance(a, bytes) else a.encode() for a in args)],
+                       capture_output=True, env=environ, stdin=subprocess.DEVNULL, timeout=120)
+    line = one_line(r, 2)
+    bad = next(i for i, a in enumerate(args, 1) if isinstance(a, bytes))
+    assert f"argument {bad} is not UTF-8 text" in line and "\\x" in line
+
+
+def test_a_role_writes_what_its_reader_takes_and_a_broken_one_stands_in_no_other_s_way(home, tiny_model):
+    # control characters and DEL in a role's texts come back as they were; a value TOML cannot
+    # hold (nan, inf) is refused; a role file another hand broke is named, and removed, alone
+    odd = "a\x01b\x7fc\x9bd\u202e"
+    one_line(run_limited(home, "roles", "add", "nan", "--set", "temperature=nan"), 2)
+    one_line(run_limited(home, "roles", "add", "inf", "--set", "top_p=-inf"), 2)
+    assert run_limited(home, "roles", "add", "odd", "--system", odd, "--prompt", odd + " $input").returncode == 0
+    listed = run_limited(home, "roles", "list")
+    assert listed.returncode == 0 and not any(c in listed.stdout.decode() for c in UNSAFE)
+    r = run_limited(home, "run", "-m", tiny_model, "-R", "odd", "--show-prompt", "--json", "q")
+    assert r.returncode == 0, r.stderr.decode()
+    shown = json.loads(r.stdout)
+    assert odd in shown["text"] and f"{odd} q" in shown["text"]
+    (home / "config" / "roles" / "broken.toml").write_text("temperature = = 1\n")
+    assert "broken.toml" in one_line(run_limited(home, "roles", "list"), 2)
+    r = run_limited(home, "run", "-m", tiny_model, "-R", "odd", "--show-prompt", "q")
+    assert r.returncode == 0, r.stderr.decode()
+    assert run_limited(home, "roles", "rm", "broken").returncode == 0
+    assert run_limited(home, "roles", "list").returncode == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ def check_values(values: dict[str, Any], where: str) -> dict[str, Any]:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise UsageError(f"{where}: {key} must be a number")
             value = float(value)
+            if not math.isfinite(value):
+                raise UsageError(f"{where}: {key} must be a finite number, not {value}")
         elif kind is int:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise UsageError(f"{where}: {key} must be a whole number")
@@ -91,27 +94,34 @@ def load_roles(env: Environment) -> dict[str, Role]:
              for name, values in env.config.roles.items() if NAME.fullmatch(name)}
     folder = roles_dir(env)
     if folder.is_dir():
-        import tomllib
-
         for path in sorted(folder.glob("*.toml")):
-            name = path.stem
-            if not NAME.fullmatch(name):
-                continue
-            try:
-                values = tomllib.loads(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ValueError) as exc:
-                raise UsageError(f"{path}: the role cannot be read ({str(exc).split(';')[0]})") from None
-            except RecursionError:
-                raise UsageError(f"{path}: the role cannot be read (it nests values deeper than quipu reads)") from None
-            found[name] = Role(name, check_values(values, str(path)), str(path))
+            if NAME.fullmatch(path.stem):
+                found[path.stem] = _read_role(path)
     return found
+
+
+def _read_role(path: Path) -> Role:
+    import tomllib
+
+    try:
+        values = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ValueError) as exc:
+        raise UsageError(f"{path}: the role cannot be read ({str(exc).split(';')[0]})") from None
+    except RecursionError:
+        raise UsageError(f"{path}: the role cannot be read (it nests values deeper than quipu reads)") from None
+    return Role(path.stem, check_values(values, str(path)), str(path))
 
 
 def role(env: Environment, name: str) -> Role:
-    found = load_roles(env).get(check_name(name))
-    if found is None:
+    """The role `name`: its file's, else the config's (another role's file that cannot be read
+    does not stand in its way)."""
+    path = roles_dir(env) / f"{check_name(name)}.toml"
+    if path.is_file():
+        return _read_role(path)
+    values = env.config.roles.get(name)
+    if values is None:
         raise UsageError(f"no role '{name}' (`quipu roles list` lists them; `quipu roles add` makes one)")
-    return found
+    return Role(name, check_values(values, f"[roles.{name}] in {env.config.path}"), "config")
 
 
 def with_role(opts: TurnOptions, name: str, env: Environment,
@@ -153,16 +163,21 @@ def add_role(env: Environment, name: str, values: dict[str, Any], *, replace: bo
 
 
 def remove_role(env: Environment, name: str) -> None:
-    found = role(env, name)
-    if found.source == "config":
+    """Removes the role's file (one that cannot be read too)."""
+    path = roles_dir(env) / f"{check_name(name)}.toml"
+    if path.is_file():
+        path.unlink()
+        return
+    if name in env.config.roles:
         raise UsageError(f"role '{name}' is in the config file ({env.config.path}): remove its [roles.{name}] there")
-    Path(found.source).unlink()
+    raise UsageError(f"no role '{name}' (`quipu roles list` lists them; `quipu roles add` makes one)")
 
 
 def _toml(value: Any) -> str:
-    """A TOML value: JSON's spelling of strings is TOML's basic string, and of lists of them an array."""
+    """A TOML value: JSON's spelling of strings is TOML's basic string (but that TOML escapes
+    DEL too), and of lists of them an array; numbers are finite (`check_values`)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(json.dumps(v, ensure_ascii=False) for v in value) + "]"
-    return json.dumps(value, ensure_ascii=False)
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")

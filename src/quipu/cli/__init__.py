@@ -116,6 +116,13 @@ def _main(argv: list[str]) -> None:
         return
     from quipu.cli.boundary import guarded, run_app
 
+    not_text = next((i for i, arg in enumerate(argv, 1) if any("\udc80" <= c <= "\udcff" for c in arg)), None)
+    if not_text is not None:  # (bytes that are not UTF-8, which Python hands over as lone surrogates)
+        from quipu.shown import shown
+
+        sys.stderr.write(f"quipu: error: argument {not_text} is not UTF-8 text: "
+                         f"{shown(argv[not_text - 1].encode('utf-8', 'surrogateescape').decode('utf-8', 'backslashreplace'))[:200]}\n")
+        sys.exit(2)
     argv = as_prompt(argv)
     if argv[:1] == ["run"] and "_QUIPU_COMPLETE" not in os.environ:
         # A plain `quipu run` skips Typer: a short run is a short process (see spec.py).
