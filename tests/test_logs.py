@@ -313,3 +313,22 @@ def test_a_log_another_tool_changed_is_read_for_what_quipu_knows_of_it(quipu, ho
         db.commit()
     assert quipu("logs", "rm", str(first)).returncode == 0
     assert len(logged(quipu)) == 2
+
+
+def test_a_follow_up_of_what_the_log_does_not_keep_is_refused_in_one_line(quipu, tmp_path):
+    # (an answer that read an attached file, or messages given whole: the log keeps neither, so a
+    # follow-up would go on without them; it is refused, and one of a plain answer goes on)
+    notes, messages = tmp_path / "notes.txt", tmp_path / "messages.json"
+    notes.write_text("The meeting is on Friday.\n")
+    messages.write_text(json.dumps([{"role": "user", "content": "My name is Zed."},
+                                    {"role": "assistant", "content": "Hello, Zed."},
+                                    {"role": "user", "content": "What is my name?"}]))
+    for given, said in ((["-a", notes, "When is the meeting?"], "read files (notes.txt)"),
+                        (["--messages", messages], "read earlier messages")):
+        assert quipu("run", *SHORT, *given).returncode == 0
+        for follow in (["-F"], ["--cid", str(logged(quipu)[0]["id"])]):
+            r = quipu("run", *SHORT, *follow, "And then?")
+            err = r.stderr.decode()
+            assert r.returncode == 2 and said in err and len(err.splitlines()) == 1, err
+    assert quipu("run", *SHORT, "Name a bird.").returncode == 0
+    assert quipu("run", *SHORT, "-F", "And a fish?").returncode == 0

@@ -49,9 +49,12 @@ def open_log(env: Environment) -> Logbook:
 
 def log_answer(env: Environment, options: Mapping[str, Any] | None, command: str, prompt: str | None,
                result: Answer, *, system: str | None = None, conversation: str = "",
-               attachments: Sequence["Attachment"] = (), log: Logbook | None = None) -> str | None:
+               attachments: Sequence["Attachment"] = (), log: Logbook | None = None,
+               unkept: bool = False) -> str | None:
     """Writes one answer to the log with the options that shaped it (`TurnOptions.logged`; None:
-    `--no-log`), unless logging is off; a warning where it could not be written, else None."""
+    `--no-log`), unless logging is off; a warning where it could not be written, else None.
+    `unkept`: the answer followed messages the log does not keep (`--messages`, a batch row's,
+    a server request's), which a follow-up cannot give again (`followed`)."""
     if options is None or not logging_on(env):
         return None
     s = result.stats
@@ -61,7 +64,8 @@ def log_answer(env: Environment, options: Mapping[str, Any] | None, command: str
         reasoning=result.reasoning or None, fingerprint=result.fingerprint,
         tool_calls=[c.to_json() for c in result.tool_calls],
         attachments=[{"name": a.name, "sha256": a.digest} for a in attachments],
-        options={**options, "seed": result.seed}, finish_reason=result.finish_reason,
+        options={**options, "seed": result.seed, **({"messages": "not kept"} if unkept else {})},
+        finish_reason=result.finish_reason,
         prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens, cached_tokens=s.cached_tokens,
         timings={"prefill_s": round(s.prefill_s, 4), "decode_s": round(s.decode_s, 4), "ttft_s": round(s.ttft_s, 4)},
         session=result.session)
@@ -109,6 +113,14 @@ def followed(env: Environment, cid: str | None) -> Followed:
         raise UsageError(f"cannot follow up: {exc}") from None
     finally:
         book.close()
+    for r in records:  # (a follow-up gives the model all it read, or is refused: never less, silently)
+        if r.attachments or r.options.get("messages"):
+            from quipu.shown import shown
+
+            what = (f"files ({', '.join(shown(str(a.get('name')))[:60] for a in r.attachments)})" if r.attachments
+                    else "earlier messages (--messages, a batch row's, a server request's)")
+            raise UsageError(f"cannot follow up answer #{last.id}: its conversation read {what}, which the log "
+                             "does not keep; give them again (-a FILE, --messages FILE), or go on in a session (-S NAME)")
     messages: list[Message] = []
     for r in records:
         messages += [Message("user", r.prompt), Message("assistant", r.answer)]

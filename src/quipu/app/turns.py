@@ -59,7 +59,7 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
     unlogged = log_answer(env, opts.logged, "run", prompt, result, system=result.system,
                           conversation=history.conversation if history is not None else
                           f"session:{opts.session}" if opts.session is not None else "",
-                          attachments=[*files, *media])
+                          attachments=[*files, *media], unkept=opts.messages is not None)
     if unlogged:
         result.notices.append(unlogged)
     if opts.verbose and result.constrained_by:
