@@ -161,8 +161,8 @@ def pull(context: typer.Context,
     if model is None:
         raise UsageError("name a model to pull (a short name, or OWNER/REPO), or give --list")
     model_ = pull_model(model, context.obj, term)
-    term.stderr.write(f"pulled {model_.repo} {model_.quant} ({human_size(model_.size)}): use it as "
-                      f"-m hf:{model_.ref} or -m {hf_name(model_)}\n")
+    term.stderr.write(shown(f"pulled {model_.repo} {model_.quant} ({human_size(model_.size)}): use it as "
+                            f"-m hf:{model_.ref} or -m {hf_name(model_)}") + "\n")  # (the Hub's names: outside text)
 
 
 @app.command()
@@ -178,13 +178,13 @@ def search(context: typer.Context, text: str = typer.Argument(..., help="What to
         term.stdout.write(json.dumps([f.to_json() for f in found], indent=1) + "\n")
         return
     if not found:
-        term.stderr.write(f"no GGUF repository on the Hub matches '{text}'\n")
+        term.stderr.write(f"no GGUF repository on the Hub matches '{shown(text)}'\n")
         return
-    width = max(len(f.repo) for f in found)
-    for f in found:
+    width = max(len(shown(f.repo)) for f in found)
+    for f in found:  # (what the Hub says: outside text)
         pulls = f"{f.quant}: {', '.join(f.files)}" if f.quant else "no GGUF file to pull"
         others = f" (also {len(f.others)} more)" if f.others else ""
-        term.stdout.write(f"{f.repo:<{width}}  {f.downloads:>10,}  {pulls}{others}\n")
+        term.stdout.write(f"{shown(f.repo):<{width}}  {f.downloads:>10,}  {shown(pulls)}{others}\n")
 
 
 @app.command()

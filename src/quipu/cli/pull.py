@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from quipu.shown import shown
 from quipu.cli.terminal import Terminal, human_size
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ def pull(text: str, env: Environment, term: Terminal) -> PulledModel:
             names += f" and its projector {plan.projector.path}"
             size += plan.projector.size
         others = f" (also there: {', '.join(plan.others)})" if plan.others else ""
-        term.stderr.write(f"pulling {plan.repo} {plan.quant}: {names}, {human_size(size)}{others}\n")
+        term.stderr.write(shown(f"pulling {plan.repo} {plan.quant}: {names}, {human_size(size)}{others}") + "\n")
         term.stderr.flush()
         bar.expect(size)
 
