@@ -74,7 +74,7 @@ class InferenceSession(HeldTokens):
 
     @property
     def checkpoints(self) -> bool:
-        return True  # (a recurrent state's checkpoints, an attention cache's cuts: `Backend.prefill`)
+        return True  # (a recurrent state's checkpoints, an attention cache's cuts)
 
     def special_tokens(self) -> dict[str, int]:
         """{text: id} of the tokens a grammar writes as themselves (control tokens, and added
@@ -297,10 +297,9 @@ class InferenceSession(HeldTokens):
 
     def restore_prefix(self, state: bytes | memoryview, held: Sequence[int], keep: int,
                        points: Sequence[int] = ()) -> int:
-        """Takes the state of a context that held `held` and keeps its first `keep` tokens, or as
-        many as it can go back to (a prompt cache hit); the next `set_context` reuses them.
-        `points`: where its reading's steps ended (its `restore_points`). Returns how many it
-        kept. Raises EngineError when the bytes do not fit, leaving the context empty."""
+        """Takes the state of a context that held `held` (its steps ending at `points`) and keeps
+        its first `keep` tokens, or as many as it can go back to (a prompt cache hit). Returns how
+        many it kept; EngineError when the bytes do not fit, the context left empty."""
         started = time.perf_counter()
         self.rewind(0)
         self.backend.restore_bytes(state)
