@@ -260,12 +260,15 @@ class Served:
         try:
             self._unload()
             loaded, load_s, notices = self._load(model, opts)
-        finally:
+        except BaseException:
             with self._turns:
                 self._switching = False
                 self._turns.notify_all()
-        with self._turns:
+            raise
+        with self._turns:  # (taken as the switch ends: a request waiting meanwhile finds it taken)
+            self._switching = False
             self._active += 1
+            self._turns.notify_all()
         return loaded, load_s, notices
 
     @contextmanager
