@@ -309,7 +309,7 @@ class LlamaBackend:
                 if media:
                     self.media.decode_media(tokens[begin:end], start + begin, end == total)
                     if start + end in cuts:
-                        self._cut(start + end, kept=end < total)
+                        self.memory.cut(start + end, kept=end < total)
                 else:
                     self._prefill_text(tokens[begin:end], start + begin, cuts=cuts, end=start + total)
                 if on_progress is not None:
@@ -336,18 +336,9 @@ class LlamaBackend:
             native.decode(n)
             offset += n
             if start + offset in cuts:
-                self._cut(start + offset, kept=start + offset < end)
+                self.memory.cut(start + offset, kept=start + offset < end)
             if on_progress is not None:
                 on_progress(offset, total)
-
-    def _cut(self, n: int, kept: bool) -> None:
-        """A step of a prompt's reading ended at a mark: a recurrent state keeps a checkpoint
-        there (`kept`: carried by snapshots, the prompt going on past it); an attention cache
-        notes it, a point to cut back to (`step_start`)."""
-        if self.recurrent:
-            self.memory.checkpoint(n, kept=kept)
-        else:
-            self.memory.cuts.add(n)
 
     def step_start(self, n: int) -> int:
         """The last position at or before `n` where a prefill step starts: a multiple of n_batch,

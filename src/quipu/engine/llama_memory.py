@@ -47,7 +47,7 @@ class Memory:
         self._checkpoints = Checkpoints(RECURRENT_CHECKPOINTS if self.recurrent else CHECKPOINTS, CHECKPOINT_BYTES)
         # Where a step of a prompt's reading ended at a caller's mark (counts of the history's
         # tokens): a context cut back to one holds what one read whole with the same marks does.
-        self.cuts: set[int] = set()
+        self._cuts: set[int] = set()
         self.last_rewind: str | None = None  # how the last rewind went back, where it could not go back exactly
 
     def snapshot_bytes(self) -> bytes | memoryview:
@@ -62,7 +62,7 @@ class Memory:
             raise EngineError(f"the saved context state is damaged: {exc}") from None
         self._checkpoints.clear()
         self._positions.clear()
-        self.cuts.clear()
+        self._cuts.clear()
         self.state.restore_bytes(state)
         if self.recurrent:
             last = self.native.seq_pos_max(0)
@@ -82,7 +82,7 @@ class Memory:
         if self.recurrent:
             return [c.n for c in self._checkpoints if c.kept] + [self.positions()]
         held, step = self.positions(), self.native.settings.n_batch
-        return sorted(set(range(step, held + 1, step)) | {c for c in self.cuts if c <= held})
+        return sorted(set(range(step, held + 1, step)) | {c for c in self._cuts if c <= held})
 
     def step_start(self, n: int) -> int:
         """The last count of the history's tokens at or before `n` that a context can be cut
@@ -90,13 +90,22 @@ class Memory:
         if self.recurrent:
             return n
         n_batch, held = self.native.settings.n_batch, self.positions()
-        return max([n - n % n_batch] + [c for c in self.cuts if c <= min(n, held)])
+        return max([n - n % n_batch] + [c for c in self._cuts if c <= min(n, held)])
+
+    def cut(self, n: int, *, kept: bool) -> None:
+        """A step of a prompt's reading ended at a mark (`LlamaBackend.prefill`): a recurrent
+        state keeps a checkpoint there (`kept`: carried by snapshots, the prompt going on past
+        it); an attention cache notes it, a point to cut back to (`step_start`)."""
+        if self.recurrent:
+            self.checkpoint(n, kept=kept)
+        else:
+            self._cuts.add(n)
 
     def holds_steps(self, points: Sequence[int]) -> None:
         """The context (restored) holds what was read with steps ending at `points`."""
         if not self.recurrent:
             held = self.positions()
-            self.cuts = {p for p in points if 0 < p <= held}
+            self._cuts = {p for p in points if 0 < p <= held}
 
     @property
     def checkpoints(self) -> list[Checkpoint]:
@@ -186,7 +195,7 @@ class Memory:
         if n_keep <= 0:
             self.empty()
             return
-        self.cuts = {c for c in self.cuts if c <= n_keep}
+        self._cuts = {c for c in self._cuts if c <= n_keep}
         keep = self._positions.position(n_keep)
         self._positions.forget(n_keep)
         if self.recurrent:
@@ -242,5 +251,5 @@ class Memory:
         self.native.clear()
         self._positions.clear()
         self._checkpoints.clear()
-        self.cuts.clear()
+        self._cuts.clear()
         self._rows.forget()

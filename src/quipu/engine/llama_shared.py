@@ -76,7 +76,7 @@ class SharedContext:
 
     @property
     def sequences(self) -> list[int]:
-        """The requests' sequences: 0, 2, 3, ..."""
+        """The requests' sequences: 0, 1, ..."""
         return list(range(self.parallel))
 
     def read(self, seq: int) -> None:

@@ -115,9 +115,9 @@ class ContextSettings:
     n_threads: int = 0  # 0: default_threads()
     kv_type: str = "f16"
     n_seq: int = 1  # sequences decoded side by side (a batch); n_ctx is shared out among them
-    # Requests whose histories share one context, each of n_ctx cells, decoded together (`quipu
-    # serve --parallel`: `llama_shared.py`). Their arithmetic is batched: a state made so is
-    # kept apart from one read alone (`state_key`).
+    # Requests whose histories share one context, each of n_ctx cells in a stream of its own,
+    # decoded together (`quipu serve --parallel`: `llama_shared.py`). A sequence's state names
+    # the context's streams: it is kept apart from others' (`state_key`).
     parallel: int = 1
     flash_attn: str = "auto"  # auto (llama.cpp's choice), on or off
     # Set by the backend, not asked for: whether its cache stores V transposed (as llama.cpp
