@@ -644,7 +644,7 @@ def test_run_with_no_prompt_on_a_terminal_opens_a_chat(home, tiny_model):
     assert child.exitstatus == 2 and "run opens a chat, which takes no --json" in child.before
 
 
-def test_a_reply_on_a_terminal_is_followed_by_a_gap(tmp_path, tiny_model):
+def test_a_reply_on_a_terminal_is_marked_and_followed_by_a_gap(tmp_path, tiny_model):
     from quipu.app.chat import ChatSession
     from quipu.app.environment import Environment
     from quipu.app.turn_options import TurnOptions
@@ -660,6 +660,13 @@ def test_a_reply_on_a_terminal_is_followed_by_a_gap(tmp_path, tiny_model):
         chat.close()
     assert out.getvalue().endswith("\n\n") and not out.getvalue().endswith("\n\n\n")
     assert piped.getvalue().endswith("\n") and not piped.getvalue().endswith("\n\n")  # (a pipe: one reply a line)
+    coloured = io.StringIO()  # (on a colour terminal the reply opens with its green mark; a pipe gets the words alone)
+    chat = ChatSession.open(env, TurnOptions.of(model=str(tiny_model), max_tokens=4, seed=3), name="gap")
+    try:
+        Repl(chat, Terminal(io.StringIO(), coloured, err, False, True, True, True), env).safely("once more")
+    finally:
+        chat.close()
+    assert coloured.getvalue().startswith("\x1b[1;32m● \x1b[22;39m") and "●" not in out.getvalue() + piped.getvalue()
 
 
 def test_the_recap_of_a_resumed_chat_breaks_lines_between_words(repl, monkeypatch):

@@ -591,3 +591,86 @@ def test_a_role_writes_what_its_reader_takes_and_a_broken_one_stands_in_no_other
     assert r.returncode == 0, r.stderr.decode()
     assert run_limited(home, "roles", "rm", "broken").returncode == 0
     assert run_limited(home, "roles", "list").returncode == 0
+
+
+def test_the_command_line_writes_only_through_its_one_writer():
+    # Every write of the command line goes through cli/terminal.py (`Terminal.out`, `err`, `table`,
+    # `styled`, `live`, `say_error`), which escapes outside text on a terminal: a raw write
+    # anywhere else is how a control sequence from a model, a file or a server would reach it.
+    import re
+
+    raw = re.compile(r"\.write\(|(?<![\w.])print\(|Console\(|\.print\(|\.dim\(|\bLive\(")
+    cli = Path(__file__).parents[1] / "src" / "quipu" / "cli"
+    found = [f"{path.name}:{n}: {line.strip()}" for path in sorted(cli.glob("*.py")) if path.name != "terminal.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1) if raw.search(line.split("#")[0])]
+    assert found == []
+
+
+def _pty_run(home, tiny_model, *args):
+    """`quipu ARGS` with stdout and stderr on a pseudo-terminal: what a terminal was given."""
+    import pty
+    import threading
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
+    env.update(QUIPU_HOME=str(home), COLUMNS="100")
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "quipu", *args], stdin=subprocess.DEVNULL, stdout=follower,
+                            stderr=follower, env=env)
+    os.close(follower)
+    chunks: list[bytes] = []
+
+    def drain() -> None:  # (a terminal that is not read from blocks its writer)
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    proc.wait(timeout=120)
+    reader.join(timeout=10)
+    os.close(leader)
+    return proc.returncode, b"".join(chunks).decode("utf-8", "replace")
+
+
+def test_show_prompt_escapes_outside_text_on_a_terminal_and_gives_a_pipe_the_exact_prompt(quipu, home, tiny_model):
+    code, seen = _pty_run(home, tiny_model, "run", "-m", tiny_model, "--show-prompt", "-s", "sys\x1b]0;owned\x07",
+                          "clear\x1b[2J it\u202e")
+    assert code == 0 and "sys\\x1b]0;owned\\x07" in seen and "clear\\x1b[2J it\\u202e" in seen
+    assert "\x1b]0;" not in seen and "\x1b[2J" not in seen and "\u202e" not in seen
+    piped = quipu("run", "-m", tiny_model, "--show-prompt", "-s", "sys\x1b]0;owned\x07", "clear\x1b[2J it")
+    assert piped.returncode == 0 and "clear\x1b[2J it" in piped.stdout.decode()  # (a pipe: the prompt exactly)
+
+
+def test_settings_from_the_config_are_shown_escaped(quipu, home):
+    (home / "config").mkdir(parents=True, exist_ok=True)
+    (home / "config" / "config.toml").write_text('system = "be \\u001b[31mred\\u001b[0m [bold]x"\n')
+    r = quipu("config", "show")
+    out = r.stdout.decode()
+    assert r.returncode == 0, r.stderr.decode()
+    assert "be \\x1b[31mred\\x1b[0m [bold]x" in out and "\x1b" not in out
+
+
+def test_the_chat_s_markdown_and_the_writer_escape_what_a_terminal_would_act_on():
+    # (rendering alone: a terminal made on strings; the model's text as a reply would bring it)
+    import io
+
+    from quipu.cli.render import MarkdownRenderer
+    from quipu.cli.terminal import Dim, Terminal
+
+    out, err = io.StringIO(), io.StringIO()
+    term = Terminal(io.StringIO(), out, err, False, True, True, color=False)
+    renderer = MarkdownRenderer(term)
+    renderer.feed("# Title\n\nclear \x1b[2J and \x1b]0;owned\x07 **bold**")
+    renderer.close()
+    assert "\\x1b[2J" in out.getvalue() and "\x1b" not in out.getvalue()
+    term.out("a\x1b[2Jb\r\n", Dim("\u202ec"))
+    term.err("\x9b31m")
+    assert out.getvalue().endswith("a\\x1b[2Jb\n\\u202ec") and err.getvalue() == "\\x9b31m"
+    piped = Terminal(io.StringIO(), io.StringIO(), io.StringIO(), False, False, False, color=False)
+    piped.out("a\x1b[2Jb\r\n")
+    assert piped.stdout.getvalue() == "a\x1b[2Jb\r\n"  # (a pipe gets the reply exactly)

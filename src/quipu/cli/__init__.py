@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
 
         if os.environ.get("QUIPU_DEBUG") == "1" or not came_of_interrupt(exc):
             raise
-        sys.stderr.write("\nquipu: interrupted\n")
+        from quipu.cli.terminal import say_plainly
+
+        say_plainly("\nquipu: interrupted\n")
         sys.exit(130)
 
 
@@ -103,25 +105,27 @@ def closed_stream() -> None:
     """Ends quipu at once, in one line where standard error is open, when it was started with
     standard output or error closed: what it writes would go nowhere, or raise."""
     if sys.stderr is not None:
-        sys.stderr.write("quipu: error: standard output is closed; send it somewhere (> /dev/null drops it)\n")
-        sys.stderr.flush()
+        from quipu.cli.terminal import say_error
+
+        say_error("standard output is closed; send it somewhere (> /dev/null drops it)")
     os._exit(2)  # (the usage's exit code: how quipu was started, not what it did)
 
 
 def _main(argv: list[str]) -> None:
     if argv == ["--version"]:  # answered before anything heavy is imported
         from quipu import __version__
+        from quipu.cli.terminal import say_plainly
 
-        print(f"quipu {__version__}")
+        say_plainly(f"quipu {__version__}\n", sys.stdout)
         return
     from quipu.cli.boundary import guarded, run_app
 
     not_text = next((i for i, arg in enumerate(argv, 1) if any("\udc80" <= c <= "\udcff" for c in arg)), None)
     if not_text is not None:  # (bytes that are not UTF-8, which Python hands over as lone surrogates)
-        from quipu.shown import shown
+        from quipu.cli.terminal import say_error
 
-        sys.stderr.write(f"quipu: error: argument {not_text} is not UTF-8 text: "
-                         f"{shown(argv[not_text - 1].encode('utf-8', 'surrogateescape').decode('utf-8', 'backslashreplace'))[:200]}\n")
+        given = argv[not_text - 1].encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        say_error(f"argument {not_text} is not UTF-8 text: {given[:200]}")
         sys.exit(2)
     argv = as_prompt(argv)
     if argv[:1] == ["run"] and "_QUIPU_COMPLETE" not in os.environ:

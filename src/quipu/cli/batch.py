@@ -34,8 +34,7 @@ def run_batch_file(source: str, opts: TurnOptions, env: Environment, term: Termi
     progress = BatchProgress(term)
 
     def on_row(outcome: RowOutcome) -> None:
-        term.stdout.write(json.dumps(outcome.to_json(), ensure_ascii=False) + "\n")
-        term.stdout.flush()
+        term.out(json.dumps(outcome.to_json(), ensure_ascii=False) + "\n")
 
     try:
         with StopOnCtrlC() as stopper:

@@ -6,14 +6,12 @@ import os
 import sys
 from typing import Any, Callable, TextIO
 
+from quipu.cli.terminal import say_error, say_plainly
 from quipu.errors import ExitCode, Interrupted, QuipuError, came_of_interrupt
 
 
 def error_line(message: str) -> None:
-    from quipu.shown import shown
-
-    sys.stderr.write(f"quipu: error: {shown(message, lines=True)}\n")  # (it may name what came from outside)
-    sys.stderr.flush()
+    say_error(message)  # (escaped: it may name what came from outside)
 
 
 def run_app(build_app: Callable[..., Any], argv: list[str]) -> int:
@@ -108,7 +106,7 @@ def guarded(call: Callable[[], object]) -> int:
         result = call()
         return int(result) if isinstance(result, int) else ExitCode.OK
     except Interrupted:
-        sys.stderr.write("\nquipu: interrupted\n")
+        say_plainly("\nquipu: interrupted\n")
         return ExitCode.INTERRUPTED
     except QuipuError as exc:
         if debug:
@@ -118,7 +116,7 @@ def guarded(call: Callable[[], object]) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        sys.stderr.write("\nquipu: interrupted\n")
+        say_plainly("\nquipu: interrupted\n")
         return ExitCode.INTERRUPTED
     except BrokenPipeError:
         # The reader of our output went away (`quipu run ... | head`): not an error of ours.
@@ -132,7 +130,7 @@ def guarded(call: Callable[[], object]) -> int:
         return ExitCode.FAILURE
     except Exception as exc:
         if came_of_interrupt(exc) and not debug:
-            sys.stderr.write("\nquipu: interrupted\n")
+            say_plainly("\nquipu: interrupted\n")
             return ExitCode.INTERRUPTED
         code = typer_exit(exc, debug)
         if code is None:
@@ -152,12 +150,11 @@ def typer_exit(exc: Exception, debug: bool) -> int | None:
     if isinstance(exc, typer.Abort):
         if debug:
             raise exc
-        sys.stderr.write("\nquipu: interrupted\n")
+        say_plainly("\nquipu: interrupted\n")
         return ExitCode.INTERRUPTED
     if isinstance(exc, typer.TyperException) and type(exc).__name__ == "NoArgsIsHelpError":
         # A bare command (`quipu`, `quipu sessions`): its help, as --help prints it, and no error.
-        sys.stdout.write(exc.format_message().rstrip("\n") + "\n")
-        sys.stdout.flush()
+        say_plainly(exc.format_message().rstrip("\n") + "\n", sys.stdout)
         return ExitCode.OK
     if isinstance(exc, typer.TyperException):
         # Typer's usage errors in quipu's voice: one line, and where to look.

@@ -26,9 +26,9 @@ def info(context: typer.Context, as_json: bool = typer.Option(False, "--json", h
     data = cache_info(context.obj)
     term = Terminal.detect()
     if as_json:
-        term.stdout.write(json.dumps(data) + "\n")
+        term.out(json.dumps(data) + "\n")
     else:
-        term.stdout.write(f"{data['path']}\n{entries(data['entries'])}, {human_size(data['bytes'])} "
+        term.out(f"{data['path']}\n{entries(data['entries'])}, {human_size(data['bytes'])} "
                           f"of {human_size(data['max_bytes'])} (cache.max_bytes)\n")
 
 
@@ -38,7 +38,7 @@ def clear(context: typer.Context) -> None:
     from quipu.app.cache import clear_cache
 
     removed = clear_cache(context.obj)
-    Terminal.detect().stderr.write(f"removed {entries(removed)}\n")
+    Terminal.detect().err(f"removed {entries(removed)}\n")
 
 
 def entries(n: int) -> str:

@@ -6,7 +6,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 from quipu.cli import spec
-from quipu.cli.terminal import PrefillProgress, Terminal
+from quipu.cli.terminal import Dim, PrefillProgress, Terminal
 from quipu.errors import UsageError
 
 if TYPE_CHECKING:
@@ -33,8 +33,7 @@ def register(app: typer.Typer) -> None:
 def function_output(term: Terminal) -> Callable[[str], None]:
     """Where a chat shows what the user's functions write on stderr: a line at a time, dimmed."""
     def say(line: str) -> None:
-        term.stderr.write(term.dim(line) + "\n")
-        term.stderr.flush()
+        term.err(Dim(line), "\n")
 
     return say
 

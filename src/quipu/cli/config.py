@@ -18,21 +18,16 @@ def register(root: typer.Typer) -> None:
 @app.command()
 def path(context: typer.Context) -> None:
     """Print the config file's path (it need not exist)."""
-    Terminal.detect().stdout.write(f"{context.obj.dirs.config_file}\n")
+    Terminal.detect().out(f"{context.obj.dirs.config_file}\n")
 
 
 @app.command()
 def show(context: typer.Context, as_json: bool = typer.Option(False, "--json", help="One JSON object.")) -> None:
     """The effective settings and where each came from."""
-    from rich.console import Console
-    from rich.table import Table
-
     term = Terminal.detect()
     rows = context.obj.effective_settings()
     if as_json:
-        term.stdout.write(json.dumps({k: {"value": v, "source": s} for k, v, s in rows}, indent=1) + "\n")
+        term.out(json.dumps({k: {"value": v, "source": s} for k, v, s in rows}, indent=1) + "\n")
         return
-    table = Table("setting", "value", "from", box=None, pad_edge=False)
-    for key, value, source in rows:
-        table.add_row(key, "" if value is None else str(value), source)
-    Console(file=term.stdout, no_color=not term.color, highlight=False, width=None if term.stdout_tty else 400).print(table)
+    term.table(("setting", "value", "from"), ((key, "" if value is None else str(value), source)
+                                              for key, value, source in rows))

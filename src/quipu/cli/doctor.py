@@ -40,11 +40,10 @@ def doctor(
     found = report(env, spec.turn_options(asked, env) if about_model else None)
     term = Terminal.detect()
     if as_json:
-        term.stdout.write(json.dumps(found, indent=1, ensure_ascii=False) + "\n")
+        term.out(json.dumps(found, indent=1, ensure_ascii=False) + "\n")
     else:
         # (a model's name and path, a folder, a driver's description: outside text, escaped)
-        term.stdout.write("".join(f"{shown(line)}\n" for line in lines(found)))
-    term.stdout.flush()
+        term.out("".join(f"{shown(line)}\n" for line in lines(found)))
 
 
 def lines(found: dict[str, Any]) -> list[str]:

@@ -43,5 +43,4 @@ def embed(
     for row in embed_texts(texts, opts, env, pooling=pooling, normalize=normalize, on_notice=term.warn):
         vector = ",".join(f"{x:.8g}" for x in row["embedding"])
         head = json.dumps({"index": row["index"], "text": row["text"]}, ensure_ascii=False)[:-1]
-        term.stdout.write(f'{head}, "embedding": [{vector}]}}\n')
-    term.stdout.flush()
+        term.out(f'{head}, "embedding": [{vector}]}}\n')

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, List, Optional
 
 import typer
 
-from quipu.cli.terminal import Terminal
+from quipu.cli.terminal import Dim, Terminal
 from quipu.shown import shown
 
 if TYPE_CHECKING:
@@ -40,15 +40,14 @@ def logs(context: typer.Context,
     term = Terminal.detect()
     found = find_answers(context.obj, query=query, model=model, session=session, since=since, limit=count)
     if as_json:
-        term.stdout.write("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in found))
+        term.out("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in found))
     elif not found:
-        term.stderr.write("no answers logged" + (" match" if query or model or session or since else " yet") + "\n")
+        term.err("no answers logged" + (" match" if query or model or session or since else " yet") + "\n")
     else:
         for r in found if query else reversed(found):  # (newest last, as a terminal reads; a search: best first)
-            term.stdout.write(_brief(r, term, _follows(r, found)) + "\n")
+            term.out(*_brief(r, _follows(r, found)), "\n")
     if not logging_on(context.obj):
         term.warn("logging is off (`quipu logs on` turns it on)")
-    term.stdout.flush()
 
 
 def _when(at: float) -> str:
@@ -72,9 +71,9 @@ def _follows(r: Record, found: list[Record]) -> str:
     return f"  (follows #{max(before)})" if before else f"  (in the conversation of #{shown(r.conversation)})"
 
 
-def _brief(r: Record, term: Terminal, follows: str = "") -> str:
+def _brief(r: Record, follows: str = "") -> list[str]:
     head = f"#{r.id}  {_when(r.at)}  {shown(r.model)}" + (f"  [{shown(r.session)}]" if r.session else "") + follows
-    return (term.dim(head) + "\n" + f"  > {_one_line(r.prompt, 100)}\n" + f"  {_one_line(r.answer, 200)}")
+    return [Dim(head), "\n", f"  > {_one_line(r.prompt, 100)}\n", f"  {_one_line(r.answer, 200)}"]
 
 
 @app.command()
@@ -94,30 +93,30 @@ def show(context: typer.Context, record: int = typer.Argument(..., help="The ans
 
         held = session_from_log(context.obj, record, to_session,
                                 spec.turn_options({"model": model}, context.obj))
-        term.stderr.write(f"session '{to_session}' holds the conversation to answer {record} ({held} "
-                          f"exchange{'' if held == 1 else 's'}): quipu chat -S {to_session}\n")
+        term.err(f"session '{to_session}' holds the conversation to answer {record} ({held} "
+                 f"exchange{'' if held == 1 else 's'}): quipu chat -S {to_session}\n")
         return
     r = answer(context.obj, record)
     if as_json:
-        term.stdout.write(json.dumps(r.to_json(), ensure_ascii=False) + "\n")
+        term.out(json.dumps(r.to_json(), ensure_ascii=False) + "\n")
         return
-    out = [term.dim(f"#{r.id}  {_when(r.at)}  {shown(r.model)}  ({r.command}"
-                    + (f", session {shown(r.session)}" if r.session else "") + f", conversation {shown(r.conversation)})")]
+    out: list[str] = [Dim(f"#{r.id}  {_when(r.at)}  {shown(r.model)}  ({r.command}"
+                          + (f", session {shown(r.session)}" if r.session else "") + f", conversation {shown(r.conversation)})")]
     if r.system:
-        out += [term.dim("system:"), shown(r.system, lines=True)]  # (its line breaks are text: kept)
-    out += [term.dim("prompt:"), shown(r.prompt, lines=True)]
+        out += [Dim("system:"), shown(r.system, lines=True)]  # (its line breaks are text: kept)
+    out += [Dim("prompt:"), shown(r.prompt, lines=True)]
     if r.attachments:
-        out.append(term.dim("attached: " + ", ".join(shown(a.get("name", "?")) for a in r.attachments)))
+        out.append(Dim("attached: " + ", ".join(shown(a.get("name", "?")) for a in r.attachments)))
     if r.reasoning:
-        out += [term.dim("reasoning:"), term.dim(shown(r.reasoning, lines=True))]
+        out += [Dim("reasoning:"), Dim(shown(r.reasoning, lines=True))]
     for call in r.tool_calls:
-        out.append(term.dim(f"call: {shown(json.dumps(call, ensure_ascii=False))}"))
-    out += [term.dim("answer:"), shown(r.answer, lines=True)]
+        out.append(Dim(f"call: {shown(json.dumps(call, ensure_ascii=False))}"))
+    out += [Dim("answer:"), shown(r.answer, lines=True)]
     usage = f"{r.prompt_tokens} prompt tokens ({r.cached_tokens} cached), {r.completion_tokens} generated" \
         if r.prompt_tokens is not None else ""
     settings = shown(", ".join(f"{k}={v}" for k, v in r.options.items()))
-    out.append(term.dim(f"finish {r.finish_reason}" + (f"; {usage}" if usage else "") + (f"; {settings}" if settings else "")))
-    term.stdout.write("\n".join(out) + "\n")
+    out.append(Dim(f"finish {r.finish_reason}" + (f"; {usage}" if usage else "") + (f"; {settings}" if settings else "")))
+    term.out(*(part for line in out for part in (line, "\n")))
 
 
 @app.command()
@@ -126,7 +125,7 @@ def off(context: typer.Context) -> None:
     from quipu.app.answer_log import set_logging
 
     set_logging(context.obj, False)
-    Terminal.detect().stderr.write("answers are no longer logged\n")
+    Terminal.detect().err("answers are no longer logged\n")
 
 
 @app.command()
@@ -135,7 +134,7 @@ def on(context: typer.Context) -> None:
     from quipu.app.answer_log import set_logging
 
     set_logging(context.obj, True)
-    Terminal.detect().stderr.write("answers are logged\n")
+    Terminal.detect().err("answers are logged\n")
 
 
 @app.command()
@@ -148,10 +147,10 @@ def rm(context: typer.Context,
     from quipu.app.answer_log import remove_answers
 
     gone = remove_answers(context.obj, records or (), before, everything)
-    Terminal.detect().stderr.write(f"{gone} answer{'' if gone == 1 else 's'} removed\n")
+    Terminal.detect().err(f"{gone} answer{'' if gone == 1 else 's'} removed\n")
 
 
 @app.command()
 def path(context: typer.Context) -> None:
     """Print where the log is (a SQLite database)."""
-    Terminal.detect().stdout.write(f"{context.obj.log_path}\n")
+    Terminal.detect().out(f"{context.obj.log_path}\n")

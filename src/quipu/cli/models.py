@@ -33,8 +33,6 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
           url: Optional[str] = typer.Option(None, "--url", help="List the models of this server instead.")) -> None:
     """Models found: the bundled one, quipu's folder, the Hugging Face cache, LM Studio, Ollama
     (or a server's, with --url or QUIPU_URL)."""
-    from rich.console import Console
-    from rich.table import Table
 
     from quipu.models import describe, discover
 
@@ -48,10 +46,10 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
 
         served = list_remote_models(server)
         if as_json:
-            term.stdout.write(json.dumps(served, indent=1) + "\n")
+            term.out(json.dumps(served, indent=1) + "\n")
         else:
             for m in served:
-                term.stdout.write(f"{shown(str(m['name']))}\n")  # (a server's names, escaped)
+                term.out(f"{shown(str(m['name']))}\n")  # (a server's names, escaped)
         return
     rows = [describe(e) for e in discover(env.dirs.models, env.environ, env.config.models)]
     from quipu.app.hub import pulled_paths
@@ -61,19 +59,13 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
         if row.get("path") in pulled:
             row["source"] = "huggingface (pulled by quipu)"
     if as_json:
-        term.stdout.write(json.dumps(rows, indent=1) + "\n")
+        term.out(json.dumps(rows, indent=1) + "\n")
         return
-    table = Table("name", "size", "quant", "arch", "params", "context", "kind", "takes", "from", box=None,
-                  pad_edge=False)
-    for r in rows:  # (names and metadata from files: shown escaped)
-        if "error" in r:
-            table.add_row(shown(r["name"]), "", "", "", "", "", "", "", shown(f"{r['source']} (unreadable: {r['error']})"))
-            continue
-        table.add_row(shown(r["name"]), human_size(r["size_bytes"]), shown(r["quantization"]),
-                      shown(r["architecture"]), shown(r["parameters"]), str(r["context_length"] or "?"),
-                      "base" if r["base"] else "chat", ", ".join(["text", *(SENSE_WORDS[m] for m in r["media"])]),
-                      shown(r["source"]))
-    Console(file=term.stdout, no_color=not term.color, highlight=False, width=None if term.stdout_tty else 400).print(table)
+    term.table(("name", "size", "quant", "arch", "params", "context", "kind", "takes", "from"),
+               ((r["name"], "", "", "", "", "", "", "", f"{r['source']} (unreadable: {r['error']})") if "error" in r else
+                (r["name"], human_size(r["size_bytes"]), r["quantization"], r["architecture"], r["parameters"],
+                 str(r["context_length"] or "?"), "base" if r["base"] else "chat",
+                 ", ".join(["text", *(SENSE_WORDS[m] for m in r["media"])]), r["source"]) for r in rows))
 
 
 @app.command(short_help="A model's architecture, size, quantization and template")
@@ -97,7 +89,7 @@ def info(
     term = Terminal.detect()
     if as_json:
         data["repository_template"] = repository_template(env, path, data["chat_template"])
-        term.stdout.write(json.dumps(data, indent=1) + "\n")
+        term.out(json.dumps(data, indent=1) + "\n")
         return
     lines = [
         f"name            {data['name']}",
@@ -121,7 +113,7 @@ def info(
     if template and data["chat_template"]:
         head = data["chat_template"].splitlines()[:12]
         lines += ["", *head]
-    term.stdout.write("\n".join(shown(line) for line in lines) + "\n")  # (a file's metadata, escaped)
+    term.out("\n".join(shown(line) for line in lines) + "\n")  # (a file's metadata, escaped)
 
 
 @app.command()
@@ -134,7 +126,7 @@ def add(
     from quipu.models import add_model
 
     entry = add_model(path, context.obj.dirs.models, name)
-    Terminal.detect().stderr.write(f"added '{entry.name}' -> {path}\n")
+    Terminal.detect().err(f"added '{entry.name}' -> {path}\n")
 
 
 @app.command()
@@ -155,13 +147,13 @@ def pull(context: typer.Context,
         refs = {name: f"{known.repo}:{known.quant}" for name, known in KNOWN.items()}
         wide = max(map(len, refs.values()))
         for name, known in KNOWN.items():
-            term.stdout.write(f"{name:<{width}}  {'about ' + human_size(known.size):>14}  {refs[name]:<{wide}}  "
+            term.out(f"{name:<{width}}  {'about ' + human_size(known.size):>14}  {refs[name]:<{wide}}  "
                               f"{known.about}\n")
         return
     if model is None:
         raise UsageError("name a model to pull (a short name, or OWNER/REPO), or give --list")
     model_ = pull_model(model, context.obj, term)
-    term.stderr.write(shown(f"pulled {model_.repo} {model_.quant} ({human_size(model_.size)}): use it as "
+    term.err(shown(f"pulled {model_.repo} {model_.quant} ({human_size(model_.size)}): use it as "
                             f"-m hf:{model_.ref} or -m {hf_name(model_)}") + "\n")  # (the Hub's names: outside text)
 
 
@@ -175,16 +167,16 @@ def search(context: typer.Context, text: str = typer.Argument(..., help="What to
     term = Terminal.detect()
     found = search_hub(text, limit)
     if as_json:
-        term.stdout.write(json.dumps([f.to_json() for f in found], indent=1) + "\n")
+        term.out(json.dumps([f.to_json() for f in found], indent=1) + "\n")
         return
     if not found:
-        term.stderr.write(f"no GGUF repository on the Hub matches '{shown(text)}'\n")
+        term.err(f"no GGUF repository on the Hub matches '{shown(text)}'\n")
         return
     width = max(len(shown(f.repo)) for f in found)
     for f in found:  # (what the Hub says: outside text)
         pulls = f"{f.quant}: {', '.join(f.files)}" if f.quant else "no GGUF file to pull"
         others = f" (also {len(f.others)} more)" if f.others else ""
-        term.stdout.write(f"{shown(f.repo):<{width}}  {f.downloads:>10,}  {shown(pulls)}{others}\n")
+        term.out(f"{shown(f.repo):<{width}}  {f.downloads:>10,}  {shown(pulls)}{others}\n")
 
 
 @app.command()
@@ -194,7 +186,7 @@ def rm(context: typer.Context,
     from quipu.app.hub import remove
 
     removed = remove(model, context.obj.dirs)
-    Terminal.detect().stderr.write(f"removed {removed.repo} {removed.quant} from the Hugging Face cache\n")
+    Terminal.detect().err(f"removed {removed.repo} {removed.quant} from the Hugging Face cache\n")
 
 
 def repository_template(env: Environment, path: Path, own: str | None) -> str | None:

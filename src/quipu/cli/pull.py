@@ -30,8 +30,7 @@ def pull(text: str, env: Environment, term: Terminal) -> PulledModel:
             names += f" and its projector {plan.projector.path}"
             size += plan.projector.size
         others = f" (also there: {', '.join(plan.others)})" if plan.others else ""
-        term.stderr.write(shown(f"pulling {plan.repo} {plan.quant}: {names}, {human_size(size)}{others}") + "\n")
-        term.stderr.flush()
+        term.err(shown(f"pulling {plan.repo} {plan.quant}: {names}, {human_size(size)}{others}") + "\n")
         bar.expect(size)
 
     try:

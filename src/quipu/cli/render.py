@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from quipu.cli.terminal import Terminal
+from quipu.cli.terminal import Dim, Label, Terminal
 
 class Renderer(Protocol):
     """A reply on the chat's screen as it streams: its answer, its reasoning, and its end."""
@@ -72,30 +72,38 @@ def _cells(text: str) -> int:
     return sum(get_cwidth(c) for c in text)
 
 
+REPLY_MARK = "● "  # (before a chat's reply on a colour terminal: whose words follow)
+
+
 class PlainRenderer:
-    def __init__(self, term: Terminal, show_thinking: bool = True):
+    def __init__(self, term: Terminal, show_thinking: bool = True, marked: bool = False):
         import shutil
 
         self.term = term
         self.show_thinking = show_thinking
+        self.mark = REPLY_MARK if marked and term.stdout_tty and term.color else ""
         self.last = ""  # an empty reply still ends its line, so replies stay one per line
         self.thinking = False
         # On a terminal, lines break between words; a pipe gets the text as it is.
         self.wrap = WordWrap(shutil.get_terminal_size().columns) if term.stdout_tty else None
 
     def _out(self, text: str, dim: bool = False) -> None:
+        if self.mark:  # (the reply's first words come after its mark, on its line)
+            self.term.out(Label(self.mark))
+            if self.wrap is not None:
+                self.wrap.column = _cells(self.mark)
+            self.mark = ""
         if self.wrap is not None:
             text = self.wrap.push(text)
         if text:
-            self.term.stdout.write(self.term.dim(text) if dim else text)
+            self.term.out(Dim(text) if dim else text)
             self.last = text[-1:]
-        self.term.stdout.flush()
 
     def _end_word(self, dim: bool) -> None:
         if self.wrap is not None:
             rest = self.wrap.flush()
             if rest:
-                self.term.stdout.write(self.term.dim(rest) if dim else rest)
+                self.term.out(Dim(rest) if dim else rest)
                 self.last = rest[-1:]
 
     def feed(self, text: str) -> None:
@@ -103,7 +111,7 @@ class PlainRenderer:
             self._end_word(dim=True)
             self.thinking = False
             if self.last != "\n":
-                self.term.stdout.write("\n")
+                self.term.out("\n")
                 self.last = "\n"
                 if self.wrap is not None:
                     self.wrap.new_line()
@@ -119,22 +127,19 @@ class PlainRenderer:
             self.wrap.drop_word()  # nothing shows after a Ctrl-C (the reply keeps the word)
         self._end_word(dim=self.thinking)
         if self.last != "\n":
-            self.term.stdout.write("\n")
-        self.term.stdout.flush()
+            self.term.out("\n")
+        else:
+            self.term.out()
 
 
 class MarkdownRenderer:
     """Re-renders the reply as Markdown while it streams (rich Live), at most ~12 times a second."""
 
     def __init__(self, term: Terminal, show_thinking: bool = True):
-        from rich.console import Console
-        from rich.live import Live
-
         self.show_thinking = show_thinking
         self.reasoning = ""
         self.text = ""
-        self.console = Console(file=term.stdout, no_color=not term.color)
-        self.live = Live(console=self.console, refresh_per_second=12, vertical_overflow="visible")
+        self.live, self.safe = term.live()  # (the model's text escaped before it is rendered)
         self.live.start()
 
     def feed(self, text: str) -> None:
@@ -151,8 +156,8 @@ class MarkdownRenderer:
         from rich.markdown import Markdown
         from rich.text import Text
 
-        parts = [Text(self.reasoning.strip(), style="dim")] if self.reasoning.strip() else []
-        self.live.update(Group(*parts, Markdown(self.text)))
+        parts = [Text(self.safe(self.reasoning.strip()), style="dim")] if self.reasoning.strip() else []
+        self.live.update(Group(*parts, Markdown(self.safe(self.text))))
 
     def close(self, stopped: bool = False) -> None:
         self.live.stop()

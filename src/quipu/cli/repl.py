@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from quipu.cli.render import MarkdownRenderer, PlainRenderer, Renderer
 from quipu.cli.slash import BY_NAME, COMMANDS, parse_command
 from quipu.cli.stream import ChatStream
-from quipu.cli.terminal import HeldKeys, PrefillProgress, StopOnCtrlC, Terminal
+from quipu.cli.terminal import Dim, HeldKeys, PrefillProgress, StopOnCtrlC, Terminal
 from quipu.errors import Ended, ExitCode, Interrupted, QuipuError, UsageError
 from quipu.shown import shown
 
@@ -76,20 +76,19 @@ class Repl:
     def _call_starts(self, call: ToolCall) -> None:
         from quipu.shown import shown
 
-        self.say(self.term.dim(shown(call.spelled)))  # (the model's words: escaped)
+        self.say(Dim(shown(call.spelled)))  # (the model's words: escaped)
 
     def _call_ended(self, record: CallRecord) -> None:
         from quipu.shown import shown
 
         said = record.error if record.error is not None else (record.result or "")
         said = " ".join(said.split())
-        self.say(self.term.dim("  " + shown(said if len(said) <= 160 else said[:160] + "…")))  # (the tool's: escaped)
+        self.say(Dim("  " + shown(said if len(said) <= 160 else said[:160] + "…")))  # (the tool's: escaped)
 
     # ---- output ----------------------------------------------------------------------------
 
     def say(self, text: str) -> None:
-        self.term.stderr.write(text + "\n")
-        self.term.stderr.flush()
+        self.term.err(text, "\n")
 
     def show_notices(self) -> None:
         for notice in self.chat.notices:
@@ -118,8 +117,7 @@ class Repl:
                 progress.close()
                 renderer.close(stopped=stopper.requested)
                 if self.term.stdout_tty:  # (a gap between a reply and the next message, on a terminal)
-                    self.term.stdout.write("\n")
-                    self.term.stdout.flush()
+                    self.term.out("\n")
         if outcome.finish_reason == "interrupted":
             self.say("[stopped]")
         if stopper.ended:  # told to end (SIGTERM, SIGHUP): the reply so far is saved; leave
@@ -140,7 +138,7 @@ class Repl:
         show = self.show_thinking and self.term.stdout_tty
         if self.markdown and self.term.stdout_tty:
             return MarkdownRenderer(self.term, show)
-        return PlainRenderer(self.term, show)
+        return PlainRenderer(self.term, show, marked=True)
 
     def context_full(self, unsent: str | None) -> None:
         used, size = self.chat.context_used, self.chat.context_size
@@ -208,8 +206,7 @@ class Repl:
             self.error(f"unexpected {type(exc).__name__}: {exc} (QUIPU_DEBUG=1 shows where)")
 
     def error(self, message: str) -> None:
-        self.term.stderr.write(f"quipu: error: {shown(message, lines=True)}\n")
-        self.term.stderr.flush()
+        self.term.err(f"quipu: error: {shown(message, lines=True)}\n")
 
     # ---- loops -----------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from typing import Any, List, Optional
 
 import typer
 
-from quipu.cli.terminal import Terminal
+from quipu.cli.terminal import Dim, Terminal
 from quipu.errors import UsageError
 from quipu.shown import shown
 
@@ -28,14 +28,14 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
     term = Terminal.detect()
     found = load_roles(context.obj)
     if as_json:
-        term.stdout.write(json.dumps({n: {**r.values, "source": r.source} for n, r in found.items()},
+        term.out(json.dumps({n: {**r.values, "source": r.source} for n, r in found.items()},
                                      ensure_ascii=False) + "\n")
     elif not found:
-        term.stderr.write("no roles yet: `quipu roles add NAME --system TEXT` makes one\n")
+        term.err("no roles yet: `quipu roles add NAME --system TEXT` makes one\n")
     for name, r in sorted(found.items()) if not as_json else ():
         about = r.values.get("system") or r.values.get("prompt") or ", ".join(r.values)
         flat = " ".join(str(about).split())
-        term.stdout.write(f"{shown(name)}  {term.dim(shown(flat[:80] + ('…' if len(flat) > 80 else '')))}\n")
+        term.out(f"{shown(name)}  ", Dim(shown(flat[:80] + ('…' if len(flat) > 80 else ''))), "\n")
 
 
 @app.command()
@@ -45,9 +45,9 @@ def show(context: typer.Context, name: str = typer.Argument(..., help="The role.
 
     r = role(context.obj, name)
     term = Terminal.detect()
-    term.stdout.write(f"{term.dim('# ' + shown(r.source))}\n")
+    term.out(Dim('# ' + shown(r.source)), "\n")
     for key, value in r.values.items():
-        term.stdout.write(f"{key} = {shown(json.dumps(list(value) if isinstance(value, tuple) else value, ensure_ascii=False))}\n")
+        term.out(f"{key} = {shown(json.dumps(list(value) if isinstance(value, tuple) else value, ensure_ascii=False))}\n")
 
 
 @app.command()
@@ -70,7 +70,7 @@ def add(context: typer.Context, name: str = typer.Argument(..., help="The role's
             raise UsageError(f"--set takes KEY=VALUE, not {json.dumps(item)}")
         values[key.strip()] = _value(text.strip())
     path = add_role(context.obj, name, values, replace=replace)
-    Terminal.detect().stderr.write(f"role '{name}' kept in {path}\n")
+    Terminal.detect().err(f"role '{name}' kept in {path}\n")
 
 
 def _value(text: str) -> Any:
@@ -91,4 +91,4 @@ def rm(context: typer.Context, name: str = typer.Argument(..., help="The role.")
     from quipu.app.roles import remove_role
 
     remove_role(context.obj, name)
-    Terminal.detect().stderr.write(f"role '{name}' removed\n")
+    Terminal.detect().err(f"role '{name}' removed\n")

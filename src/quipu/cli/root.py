@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import typer
 
 
@@ -11,8 +13,9 @@ def root(
 ) -> None:
     if version:
         from quipu import __version__
+        from quipu.cli.terminal import say_plainly
 
-        print(f"quipu {__version__}")
+        say_plainly(f"quipu {__version__}\n", sys.stdout)
         raise typer.Exit()
     from quipu.app.environment import Environment
 

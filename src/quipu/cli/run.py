@@ -7,7 +7,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 from quipu.cli import spec
-from quipu.cli.terminal import StopOnCtrlC, Terminal, gather_prompt
+from quipu.cli.terminal import Dim, StopOnCtrlC, Terminal, gather_prompt
 from quipu.errors import BadInput, ExitCode, Interrupted, UsageError
 from quipu.shown import shown
 
@@ -115,7 +115,7 @@ def run(env: Environment, **given: Any) -> int:
                   if result.finish_reason == "length" else
                   "the reply was cut by a full context, so it is incomplete and will not parse")
     if stats:
-        term.stderr.write(stats_line(result) + "\n")
+        term.err(stats_line(result) + "\n")
     interrupted = result.finish_reason == "interrupted" or stopper.requested
     return ExitCode.INTERRUPTED if interrupted else ExitCode.OK
 
@@ -131,7 +131,7 @@ def as_chat(env: Environment, given: dict[str, Any], term: Terminal) -> int:
     if alone:
         raise BadInput(f"no prompt: give one as an argument or pipe it on standard input (without one, on a "
                        f"terminal, run opens a chat, which takes no {', '.join(alone)})")
-    term.stderr.write("no prompt: a chat opens (Ctrl-D leaves it; `quipu run \"...\"` answers once)\n")
+    term.err("no prompt: a chat opens (Ctrl-D leaves it; `quipu run \"...\"` answers once)\n")
     return chat.chat(env, **theirs)
 
 
@@ -153,8 +153,7 @@ def tool_hooks(term: Terminal, unshown: bool, debug: bool, stopper: StopOnCtrlC)
     def approve(call: ToolCall) -> bool:
         if call.name in always:
             return True
-        term.stderr.write(f"run {call.spelled}? [y]es, [n]o, [a]lways for {call.name}, [s]top here: ")
-        term.stderr.flush()
+        term.err(f"run {call.spelled}? [y]es, [n]o, [a]lways for {call.name}, [s]top here: ")
         try:
             answer = input().strip().lower()
         except EOFError:
@@ -169,25 +168,21 @@ def tool_hooks(term: Terminal, unshown: bool, debug: bool, stopper: StopOnCtrlC)
 
     def on_start(call: ToolCall) -> None:
         if debug:
-            term.stderr.write(json.dumps({"call": call.name, "id": call.id, "arguments": call.arguments},
-                                         ensure_ascii=False) + "\n")
+            term.err(json.dumps({"call": call.name, "id": call.id, "arguments": call.arguments},
+                                ensure_ascii=False) + "\n")
         elif not unshown:
-            term.stderr.write(term.dim(f"→ {shown(call.spelled)}") + "\n")  # (the model's words: escaped)
-        term.stderr.flush()
+            term.err(Dim(f"→ {shown(call.spelled)}"), "\n")  # (the model's words: escaped)
 
     def on_call(record: CallRecord) -> None:
         if debug:
-            term.stderr.write(json.dumps(record.to_json(), ensure_ascii=False) + "\n")
+            term.err(json.dumps(record.to_json(), ensure_ascii=False) + "\n")
         elif not unshown:
             said = record.error if record.error is not None else (record.result or "")
             short = said if len(said) <= 200 else said[:200] + "…"
-            term.stderr.write(term.dim(f"  {shown(short, lines=True)}") + "\n")  # (the tool's: escaped)
-        term.stderr.flush()
+            term.err(Dim(f"  {shown(short, lines=True)}"), "\n")  # (the tool's: escaped)
 
     def on_output(line: str) -> None:  # what the user's functions write on stderr: theirs, dimmed, escaped
-        line = shown(line)
-        term.stderr.write((term.dim(line) if term.stderr_tty else line) + "\n")
-        term.stderr.flush()
+        term.err(Dim(shown(line)), "\n")
 
     return ToolHooks(approve if term.stdin_tty else None, on_start, on_call, on_output)
 
@@ -198,14 +193,12 @@ def show_prompt(text: str | None, opts: TurnOptions, env: Environment, term: Ter
 
     view = view_prompt(text, opts, env)
     if as_json:
-        term.stdout.write(json.dumps(view.to_json(), ensure_ascii=False) + "\n")
-    else:
-        term.stdout.write(view.text if view.text.endswith("\n") else view.text + "\n")
-        term.stdout.flush()  # (the count comes after the prompt where both reach one screen or file)
+        term.out(json.dumps(view.to_json(), ensure_ascii=False) + "\n")
+    else:  # (on a terminal, escaped: the prompt holds outside text; the count after it, on one screen)
+        term.out(view.text if view.text.endswith("\n") else view.text + "\n")
         count = f"{len(view.tokens)} token{'' if len(view.tokens) == 1 else 's'}"
         where = f"already in session '{view.session}'" if view.session is not None else "in the prompt cache"
-        term.stderr.write(f"{count}, {view.reused} of them {where}\n")
-    term.stdout.flush()
+        term.err(f"{count}, {view.reused} of them {where}\n")
     return ExitCode.OK
 
 

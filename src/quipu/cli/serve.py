@@ -121,8 +121,7 @@ def serve(
     import uvicorn
 
     def listening() -> None:
-        term.stderr.write(f"quipu serve: {served.model} at http://{host_in_url(host)}:{port}/v1 (Ctrl-C stops)\n")
-        term.stderr.flush()
+        term.err(f"quipu serve: {served.model} at http://{host_in_url(host)}:{port}/v1 (Ctrl-C stops)\n")
 
     app = http_app(served, host, port, api_key, origins, listening)
     uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,

@@ -25,12 +25,9 @@ def register(root: typer.Typer) -> None:
 @app.command("list")
 def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", help="One JSON array.")) -> None:
     """List sessions, most recently used first."""
-    from rich.console import Console
-    from rich.table import Table
 
     from quipu.app.manage import exposed_folders, list_sessions
     from quipu.cli.terminal import local_time
-    from quipu.shown import shown
 
     term = Terminal.detect()
     infos, damaged = list_sessions(context.obj)
@@ -38,16 +35,13 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
         term.warn(f"{folder} can be read by other accounts; quipu narrows it to you when it next writes there "
                   f"(or `chmod 700 {folder}`)")
     if as_json:
-        term.stdout.write(json.dumps([i.to_dict() for i in infos], indent=1) + "\n")
+        term.out(json.dumps([i.to_dict() for i in infos], indent=1) + "\n")
     elif not infos:
-        term.stderr.write("no sessions yet: `quipu chat` or `quipu run -S NAME` makes one\n")
+        term.err("no sessions yet: `quipu chat` or `quipu run -S NAME` makes one\n")
     else:
-        table = Table("name", "model", "turns", "tokens", "size", "last used", box=None, pad_edge=False)
-        for i in infos:
-            table.add_row(i.name, shown(i.model), str(i.turns), str(i.tokens), human_size(i.size_bytes),
-                          local_time(i.updated))
-        Console(file=term.stdout, no_color=not term.color, highlight=False,
-                width=None if term.stdout_tty else 400).print(table)
+        term.table(("name", "model", "turns", "tokens", "size", "last used"),
+                   ((i.name, i.model, str(i.turns), str(i.tokens), human_size(i.size_bytes), local_time(i.updated))
+                    for i in infos))
     for name in damaged:
         term.warn(f"session '{name}' is damaged and was not listed")
 
@@ -55,29 +49,23 @@ def list_(context: typer.Context, as_json: bool = typer.Option(False, "--json", 
 @app.command()
 def show(context: typer.Context, name: str = NAME) -> None:
     """Show a session's transcript."""
-    from rich.console import Console
-    from rich.text import Text
-
     from quipu.app.manage import spelled_calls, transcript
-
     from quipu.shown import shown
 
     term = Terminal.detect()
     data = transcript(context.obj, name)
-    # (wrapped at words on a terminal; in a pipe, each line as it is)
-    console = Console(file=term.stdout, no_color=not term.color, highlight=False, soft_wrap=not term.stdout_tty)
-    console.print(Text(f"{data['name']} · {shown(str(data['model']))} · {data['context_tokens']} tokens · "
-                       f"{data['updated']}", style="dim"))
+    # (escaped, even in a pipe; wrapped at words on a terminal, in a pipe each line as it is)
+    term.styled(shown(f"{data['name']} · {data['model']} · {data['context_tokens']} tokens · {data['updated']}"), "dim")
     for m in data["messages"]:
         style = {"system": "magenta", "user": "bold cyan", "assistant": "bold green", "tool": "yellow"}.get(m["role"], "")
-        console.print(Text(f"\n{m['role']}" + (f" ({shown(str(m['name']))})" if m["role"] == "tool" and m.get("name")
-                                                else ""), style=style))
+        term.styled("\n" + m["role"] + (f" ({shown(str(m['name']))})" if m["role"] == "tool" and m.get("name") else ""),
+                    style)
         if m.get("reasoning"):
-            console.print(Text(shown(m["reasoning"], lines=True), style="dim"))
+            term.styled(shown(m["reasoning"], lines=True), "dim")
         if m["content"]:
-            console.print(Text(shown(m["content"], lines=True)))
+            term.styled(shown(m["content"], lines=True))
         for call in spelled_calls(m):
-            console.print(Text(f"→ {shown(call)}", style="dim"))
+            term.styled(f"→ {shown(call)}", "dim")
 
 
 @app.command()
@@ -116,4 +104,4 @@ def export(
     """Print a session's transcript as Markdown or JSON."""
     from quipu.app.manage import export as do_export
 
-    Terminal.detect().stdout.write(do_export(context.obj, name, fmt))
+    Terminal.detect().out(do_export(context.obj, name, fmt))

@@ -9,7 +9,7 @@ from typing import Callable
 from quipu.app.answer import Answer
 from quipu.app.turns import ReplySink
 from quipu.cli.render import Renderer
-from quipu.cli.terminal import PrefillProgress, Terminal
+from quipu.cli.terminal import Dim, PrefillProgress, Terminal
 
 
 class TerminalStream(ReplySink):
@@ -31,18 +31,15 @@ class TerminalStream(ReplySink):
             return
         term = self.term
         if self.thought and not self.wrote:
-            term.stderr.write("\n")  # the reasoning ends its line before the answer starts
-            term.stderr.flush()
-        term.stdout.write(piece)
-        term.stdout.flush()
+            term.err("\n")  # the reasoning ends its line before the answer starts
+        term.out(piece)
         self.wrote.append(piece[-1:])
 
     def reasoning(self, piece: str) -> None:
         # Reasoning is for a person watching: stderr, dimmed, and only on a terminal; pipes get the answer.
         term = self.term
         if not self.as_json and not self.quiet and term.stderr_tty:
-            term.stderr.write(term.dim(piece))
-            term.stderr.flush()
+            term.err(Dim(piece))
             self.thought = True
 
     def progress(self, done: int, total: int) -> None:
@@ -53,8 +50,7 @@ class TerminalStream(ReplySink):
 
     def end_line(self) -> None:
         if self.wrote and self.wrote[-1] != "\n" and not self.finished:
-            self.term.stdout.write("\n")
-            self.term.stdout.flush()
+            self.term.out("\n")
 
     def finish(self, result: Answer) -> None:
         """The answer's end: out, and the pipe let go, before anything else is written to disk."""
@@ -62,10 +58,9 @@ class TerminalStream(ReplySink):
         self.finished = True
         self.progress_bar.close()
         if self.as_json:
-            term.stdout.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
+            term.out(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
         elif self.wrote and self.wrote[-1] != "\n" or not self.wrote:
-            term.stdout.write("\n")
-        term.stdout.flush()
+            term.out("\n")
         term.release_stdout()
         slowed = self.pace.slowed()
         if slowed is not None:

@@ -1,4 +1,7 @@
-"""Terminal facts and terminal plumbing: TTYs, colour, Ctrl-C, progress bars."""
+"""Terminal facts and terminal plumbing: TTYs, colour, Ctrl-C, progress bars, and the one
+writer of the command line's output (`Terminal.out`, `err`, `table`, `styled`): on a terminal,
+every character it would act on escaped (`quipu.shown`), whoever wrote the text; to a pipe, the
+text as it is."""
 
 from __future__ import annotations
 
@@ -6,13 +9,33 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Any, TYPE_CHECKING, IO, Mapping
+from typing import Any, Callable, TYPE_CHECKING, IO, Iterable, Mapping, Sequence
 
 from quipu.errors import BadInput, tell_to_stop
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.live import Live
     from rich.progress import Progress, TaskID
+
+
+class Dim(str):
+    """A part of a line to show dimmed on a colour terminal (reasoning, asides, headings)."""
+
+    SGR = ("2", "22")  # (the terminal's codes that start the style and end it)
+
+
+class Label(str):
+    """The mark before a chat's reply, green and bold on a colour terminal (what you type
+    follows a cyan one)."""
+
+    SGR = ("1;32", "22;39")
+
+
+def _safe(text: str) -> str:
+    from quipu.shown import shown
+
+    return shown(text.replace("\r\n", "\n"), lines=True)
 
 
 @dataclass(frozen=True)
@@ -44,13 +67,67 @@ class Terminal:
         )
 
     def err_console(self) -> Console:
+        """A console on stderr for quipu's own progress bars (their labels are quipu's words)."""
         from rich.console import Console
 
         return Console(file=self.stderr, no_color=not self.color, highlight=False, soft_wrap=True)
 
-    def dim(self, text: str) -> str:
-        """`text` dimmed for a terminal (reasoning, asides), as it is without colour."""
-        return f"\x1b[2m{text}\x1b[22m" if self.color else text
+    def out(self, *parts: str) -> None:
+        """`parts` to stdout, now; each escaped on a terminal (line breaks and tabs kept), a
+        `Dim` or `Label` one styled after; to a pipe, exactly as given (a reply, JSON)."""
+        self._write(self.stdout, self.stdout_tty, parts)
+
+    def err(self, *parts: str) -> None:
+        """`parts` to stderr, now, as `out` writes them."""
+        self._write(self.stderr, self.stderr_tty, parts)
+
+    def _write(self, stream: IO[str], tty: bool, parts: Sequence[str]) -> None:
+        text = "".join(self._part(p) if tty else p for p in parts)
+        if text:
+            stream.write(text)
+        stream.flush()
+
+    def _part(self, part: str) -> str:
+        safe = _safe(part)
+        style = getattr(part, "SGR", None)
+        return f"\x1b[{style[0]}m{safe}\x1b[{style[1]}m" if style and self.color and safe else safe
+
+    def table(self, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> None:
+        """A table to stdout, each cell escaped (a pipe gets it unwrapped: 400 columns)."""
+        from rich.table import Table
+        from rich.text import Text
+
+        from quipu.shown import shown
+
+        table = Table(*columns, box=None, pad_edge=False)
+        for row in rows:  # (Text: a cell's brackets are not rich's markup)
+            table.add_row(*(Text(shown(cell)) for cell in row))
+        self._console(wrap_to_terminal=True).print(table)
+
+    def styled(self, text: str, style: str = "") -> None:
+        """A line (or several) to stdout in a rich style, escaped (lines kept); on a terminal
+        wrapped at words, in a pipe each line as it is."""
+        from rich.text import Text
+
+        self._console(wrap_to_terminal=False).print(Text(_safe(text), style=style))
+
+    def live(self) -> tuple[Live, Callable[[str], str]]:
+        """A live region of stdout (the chat's Markdown reply) and how outside text must be
+        escaped before it is rendered there."""
+        from rich.live import Live
+
+        return Live(console=self._console(wrap_to_terminal=False, markup=True), refresh_per_second=12,
+                    vertical_overflow="visible"), _safe
+
+    def _console(self, wrap_to_terminal: bool, markup: bool = False) -> Console:
+        from rich.console import Console
+
+        if wrap_to_terminal:
+            return Console(file=self.stdout, no_color=not self.color, highlight=False,
+                           width=None if self.stdout_tty else 400)
+        if markup:
+            return Console(file=self.stdout, no_color=not self.color)
+        return Console(file=self.stdout, no_color=not self.color, highlight=False, soft_wrap=not self.stdout_tty)
 
     def release_stdout(self) -> None:
         """Lets a reader of our piped output see its end now (anything later is discarded)."""
@@ -64,10 +141,25 @@ class Terminal:
             pass  # not a real file (tests, embedding): nothing is waiting on it
 
     def warn(self, message: str) -> None:
+        """A warning on stderr, escaped even in a pipe (it may name what came from outside)."""
         from quipu.shown import shown
 
-        self.stderr.write(f"quipu: warning: {shown(message, lines=True)}\n")
-        self.stderr.flush()
+        self.err(f"quipu: warning: {shown(message, lines=True)}\n")
+
+
+def say_error(message: str) -> None:
+    """`quipu: error: ...` on stderr, escaped even in a pipe: for where no `Terminal` is made."""
+    from quipu.shown import shown
+
+    sys.stderr.write(f"quipu: error: {shown(message, lines=True)}\n")
+    sys.stderr.flush()
+
+
+def say_plainly(text: str, stream: IO[str] | None = None) -> None:
+    """quipu's own words (a version, a closing line), where no `Terminal` is made."""
+    where = sys.stderr if stream is None else stream
+    where.write(text)
+    where.flush()
 
 
 def _isatty(stream: IO[str] | None) -> bool:
