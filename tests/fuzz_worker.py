@@ -686,6 +686,178 @@ def main() -> None:
             assert not outside.exists(), "a listing wrote outside the cache"
             for path in Path("/").glob("*-Q4_K_M.gguf"):
                 raise AssertionError(f"written at {path}")
+    elif surface == "log":
+        import contextlib
+        import io
+        import os
+        import sqlite3
+        import tempfile
+
+        from quipu.app.answer_log import answer, find_answers, followed, open_log, remove_answers
+        from quipu.app.environment import Environment
+        from quipu.cli import build_app
+        from quipu.cli.boundary import run_app
+        from quipu.store.logbook import Record
+
+        os.environ["QUIPU_HOME"] = tempfile.mkdtemp()
+        env = Environment.load()
+        book = open_log(env)
+        book.add(Record("a prompt", "an answer", "m"))  # (the tables made, one row of quipu's)
+        book.close()
+        columns = ["prompt", "answer", "model", "command", "conversation", "system", "reasoning", "tool_calls",
+                   "attachments", "options", "finish_reason", "prompt_tokens", "cached_tokens", "timings", "session",
+                   "at", "id", "extra"]
+        cells = (st.none() | st.integers(-2**63, 2**63 - 1) | st.floats() | st.text(max_size=12)
+                 | st.binary(max_size=6) | st.builds(json.dumps, json_values))
+        ids = st.integers(-2**70, 2**70).map(str) | st.text(alphabet="0123456789²٣-+ ", max_size=22)
+
+        @seed(seed_value)
+        @checks
+        @given(st.dictionaries(st.sampled_from(columns), cells, max_size=6), st.booleans(), ids)
+        def case(row, add_column, some_id):
+            keep(repr((row, add_column, some_id)))
+            with contextlib.closing(sqlite3.connect(env.log_path)) as db:  # a row some other tool wrote
+                try:
+                    if add_column and "extra" not in [c[1] for c in db.execute("PRAGMA table_info(answers)")]:
+                        db.execute("ALTER TABLE answers ADD COLUMN extra")
+                    if row:
+                        db.execute(f"INSERT INTO answers ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+                                   list(row.values()))
+                    db.commit()
+                except sqlite3.Error:  # (SQLite itself refused the row)
+                    pass
+            digits = some_id.strip().lstrip("+-")
+            number = int(some_id) if digits.isascii() and digits.isdigit() else None
+            asks = [lambda: find_answers(env, limit=5), lambda: find_answers(env, query="prompt", limit=5),
+                    lambda: followed(env, some_id), lambda: followed(env, None)]
+            if number is not None:
+                asks += [lambda: answer(env, number), lambda: remove_answers(env, [number])]
+            for ask in asks:
+                try:
+                    got = ask()
+                except QuipuError:
+                    continue
+                for r in got if isinstance(got, list) else [got] if isinstance(got, Record) else []:
+                    json.dumps(r.to_json(), ensure_ascii=False)
+            for argv in (["logs", "-n", "5"], ["logs", "show", some_id], ["logs", "--json"]):
+                err = io.StringIO()
+                with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+                    code = run_app(build_app, argv)
+                assert code in (0, 1, 2) and "Traceback" not in err.getvalue(), (argv, code, err.getvalue())
+    elif surface == "roles":
+        import os
+        import tempfile
+
+        from quipu.app.environment import Environment
+        from quipu.app.roles import add_role, load_roles, remove_role, role, roles_dir
+        from quipu.options import ROLE
+
+        os.environ["QUIPU_HOME"] = tempfile.mkdtemp()
+        env = Environment.load()
+        values = (st.floats() | st.integers(-2**80, 2**80) | st.text(max_size=10) | st.booleans()
+                  | st.lists(st.text(max_size=5), max_size=3) | json_values)
+        toml_bits = st.sampled_from(["x = ", "nan", "inf", "-inf", '"\x1b"', "'''", "[a]", "[[a]]", "=", "\n", "9" * 40,
+                                     "{a = {b = [", "temperature", "system", "1979-05-27", "0x1F", '"\\u0000"'])
+
+        @seed(seed_value)
+        @checks
+        @given(st.dictionaries(st.sampled_from([*ROLE, "prompt", "nosuch"]), values, max_size=5),
+               st.lists(toml_bits | st.text(max_size=6), max_size=12))
+        def case(given_values, bits):
+            keep(repr((given_values, bits)))
+            try:
+                add_role(env, "r", given_values, replace=True)
+            except QuipuError:
+                pass
+            else:  # what `roles add` wrote, its reader takes back, value for value
+                back = role(env, "r").values
+                assert set(back) == set(given_values), (back, given_values)
+                for key, value in back.items():
+                    was = given_values[key]
+                    assert value == (tuple([was] if isinstance(was, str) else was) if isinstance(value, tuple)
+                                     else str(was) if key == "ctx" else was), (key, value, was)
+                remove_role(env, "r")
+            roles_dir(env).mkdir(parents=True, exist_ok=True)
+            (roles_dir(env) / "h.toml").write_text("".join(bits), encoding="utf-8", errors="surrogatepass")
+            for ask in (lambda: load_roles(env), lambda: role(env, "h")):
+                try:
+                    ask()
+                except QuipuError:
+                    pass
+            remove_role(env, "h")  # (a role written by hand, broken, is removed as any other)
+            assert not (roles_dir(env) / "h.toml").exists()
+    elif surface == "ints":
+        import os
+        import tempfile
+        from pathlib import Path
+
+        from quipu.app.batch import row_params
+        from quipu.app.environment import Environment, check_config
+        from quipu.app.roles import add_role, with_role
+        from quipu.app.turn_options import TurnOptions, context_settings, max_tokens, sampling_params
+        from quipu.cli import spec
+        from quipu.options import C_INT, MAX_SEED, OPTIONS
+        from quipu.sessions.params import SamplingParams
+
+        home = Path(tempfile.mkdtemp())
+        os.environ["QUIPU_HOME"] = str(home)
+        (home / "config").mkdir()
+        numbers = [o.name for o in OPTIONS.values() if o.kind is int]
+        edges = st.sampled_from([C_INT, C_INT + 1, 2**32 - 1, 2**32, MAX_SEED, MAX_SEED + 1, 2**64, -1, -C_INT - 2,
+                                 0, 1]) | st.integers(-2**70, 2**70)
+
+        def ints_of(params):
+            return {k: v for k, v in vars(params).items() if isinstance(v, int) and not isinstance(v, bool)}
+
+        def reached(opts, env):
+            """What reaches the engine: the sampling parameters, the reply's length, the threads."""
+            ints = ints_of(sampling_params(opts, env))
+            ints["max_tokens"] = max_tokens(opts, env)
+            ints["threads"] = context_settings(opts, env).n_threads
+            return ints
+
+        @seed(seed_value)
+        @checks
+        @given(st.sampled_from(numbers), edges, st.sampled_from(["flag", "config", "role", "row"]))
+        def case(name, value, source):
+            keep(repr((name, value, source)))
+            (home / "config" / "config.toml").write_text(f"[generation]\n{name} = {value}\n" if source == "config"
+                                                         else "")
+            env = Environment.load()
+            try:
+                if source == "flag":
+                    got = reached(spec.turn_options({name: value}, env), env)
+                elif source == "config":
+                    check_config(env.config)
+                    got = reached(TurnOptions(), env)
+                elif source == "role":
+                    add_role(env, "r", {name: value}, replace=True)
+                    got = reached(with_role(TurnOptions(), "r", env)[0], env)
+                else:
+                    params, limit, _ = row_params(SamplingParams(), {name: value}, None)
+                    got = {**ints_of(params), "max_tokens": limit}
+            except QuipuError:
+                return
+            for key, held in got.items():  # (what a C int, or the seed's 64 bits, holds: never wrapped)
+                assert held is None or (0 <= held <= MAX_SEED if key == "seed" else -C_INT - 1 <= held <= C_INT), \
+                    (name, value, source, key, held)
+    elif surface == "lines":
+        from quipu.app.batch import input_lines, read_rows
+
+        separators = st.sampled_from(["\u2028", "\u2029", "\u0085", "\f", "\v", "\x1c", "\x1d", "\x1e", "\r"])
+        pieces = st.lists(st.text(max_size=6) | separators, max_size=8).map("".join)
+
+        @seed(seed_value)
+        @checks
+        @given(st.lists(pieces, min_size=1, max_size=5))
+        def case(lines):
+            lines = [line.replace("\n", " ") for line in lines]
+            text = "\n".join(lines)
+            keep(repr(text))
+            assert input_lines(text) == [line.removesuffix("\r") for line in lines]  # (a line ends at \n only)
+            rows = read_rows("\n".join(json.dumps({"id": str(i), "prompt": line}) for i, line in enumerate(lines)))
+            assert [row.id for row in rows] == [str(i) for i in range(len(lines))]  # (a row each, its id kept)
+            assert all(row.prompt == line for row, line in zip(rows, lines, strict=True) if row.error is None)
     else:
         raise SystemExit(f"no surface {surface}")
     case()

@@ -103,8 +103,13 @@ def load_roles(env: Environment) -> dict[str, Role]:
 def _read_role(path: Path) -> Role:
     import tomllib
 
-    try:
-        values = tomllib.loads(path.read_text(encoding="utf-8"))
+    from quipu.app.user_files import MAX_FILE_BYTES, read_user_file
+
+    try:  # (through the reader that a stop reaches: a role's file may be a FIFO nobody writes)
+        data = read_user_file(path, MAX_FILE_BYTES)
+        if len(data) > MAX_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_FILE_BYTES >> 20} MB")
+        values = tomllib.loads(data.decode("utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ValueError) as exc:
         raise UsageError(f"{path}: the role cannot be read ({str(exc).split(';')[0]})") from None
     except RecursionError:
