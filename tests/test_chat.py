@@ -315,7 +315,7 @@ def test_the_repl_as_a_person_uses_it(home):
     child.expect("›")
     assert context_of(child) > after_story
     child.send("/undo\r")
-    child.expect("dropped the last exchange")
+    child.expect("back before the last exchange")
     child.expect("›")
     assert context_of(child) == after_story
     child.send("/exit\r")

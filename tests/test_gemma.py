@@ -117,13 +117,14 @@ def test_a_full_context_is_made_room_for_by_reading_the_kept_part_again(make_bac
     from quipu.sessions.conversation import Conversation
     from quipu.sessions.inference import InferenceSession
     from quipu.sessions.params import SamplingParams
+    from quipu.sessions.trim import drop_oldest
 
     backend = make_backend(gemma_model, n_ctx=1024)
     session = InferenceSession(backend, SamplingParams(seed=3, temperature=1.0))
     conv = Conversation.start(session)
     for i in range(3):
         conv.send(f"Tell me about river number {i}, briefly.", max_tokens=12)
-    assert conv.drop_oldest(1024 - len(session.tokens) + 20) >= 2
+    assert drop_oldest(conv, 1024 - len(session.tokens) + 20) >= 2
     conv.send("And now?", max_tokens=4)
     kept = conv.render_tokens(conv.messages[:-1], add_generation_prompt=False)
     assert session.stats.cached_tokens < len(kept) - 10  # the kept exchanges were read again

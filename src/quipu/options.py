@@ -195,6 +195,8 @@ _ALL = (
             logged=True),
     _option("session", "--session", "-S", help="Continue or create this named session.", complete="session",
             metavar="NAME", feature="session"),
+    _option("branch", "--branch", kind=int, help="With --session: go on from this branch of it (`quipu sessions "
+            "tree NAME` shows them), which becomes its current one.", metavar="ID", feature="branch"),
     _option("resume", "--resume", "-r", kind=bool, help="Resume the most recently used session.", field=""),
     _option("markdown", "--markdown/--no-markdown", kind=bool, help="Render replies as Markdown as they stream "
             "(the config's [chat] markdown says which by default).", field=""),

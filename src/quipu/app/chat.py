@@ -21,6 +21,8 @@ from quipu.engine.base import ProgressFn
 from quipu.errors import ContextOverflow, UsageError
 from quipu.sessions.base import SILENT, Capabilities, Message, ReplySink, Stats
 from quipu.sessions.params import SamplingParams
+from quipu.sessions.trim import drop_oldest
+from quipu.store.branches import Branch
 from quipu.store.store import SessionInfo, validate_name
 
 # Warn when the context is this full; drop old exchanges to leave this much free.
@@ -106,22 +108,29 @@ class ChatSession:
             stack.enter_context(self.store.lock(name))
             resumed = self.store.exists(name)
             named = NamedSession.open(self.store, name, opts or self.opts, self.env, self.host, on_progress)
-            stack.callback(named.close)
+            stack.callback(self._close_named)  # (the one open when the lock goes: a branch's, see `switch`)
         except BaseException:
             stack.close()
             raise
-        offer(named.conversation, self.tools, (opts or self.opts).tool_options)
-        named.keeper.write_behind()  # the prompt comes back before the state is on disk
-        waiting = waiting_notice(named.conversation, "/continue runs them (asking first); a new message goes on "
-                                                      "without them")
-        if waiting:
-            named.notices.append(waiting)
+        self._ready(named, opts or self.opts)
         self._release()
         self._stack, self.named = stack, named
         self.attached, self._marks = [], ""  # (what waited was made ready in the context left)
         self.resumed = resumed
         self.kept = kept
         self.last_stats = None
+
+    def _ready(self, named: NamedSession, opts: TurnOptions) -> None:
+        offer(named.conversation, self.tools, opts.tool_options)
+        named.keeper.write_behind()  # the prompt comes back before the state is on disk
+        waiting = waiting_notice(named.conversation, "/continue runs them (asking first); a new message goes on "
+                                                      "without them")
+        if waiting:
+            named.notices.append(waiting)
+
+    def _close_named(self) -> None:
+        if self.named is not None:
+            self.named.close()
 
     def _release(self) -> None:
         if self.named is not None and not self.kept and self.store.exists(self.name):  # (written for a /save)
@@ -266,6 +275,9 @@ class ChatSession:
         return names
 
     def retry(self, sink: ReplySink = SILENT, hooks: ToolHooks | None = None) -> Answer:
+        """The last reply made again, with new draws; the one it replaces stays a branch."""
+        if any(m.role == "assistant" for m in self._named.conversation.messages):
+            self._named.stash()
         return self._turn(Ask("retry"), sink, hooks)
 
     def continue_reply(self, sink: ReplySink = SILENT, hooks: ToolHooks | None = None) -> Answer:
@@ -311,10 +323,66 @@ class ChatSession:
         return conv.settings.variables.get("reasoning_effort"), conv.settings.reasoning_budget
 
     def undo(self) -> bool:
-        done = self._named.conversation.undo()
-        if done:
-            self.save()
-        return done
+        """Goes back to before the last exchange; the conversation as it was stays a branch."""
+        named = self._named
+        if not any(m.role == "user" for m in named.conversation.messages):
+            return False
+        named.stash()
+        named.conversation.undo()
+        self.save()
+        return True
+
+    # ---- branches ----------------------------------------------------------------------------
+
+    def edit(self, text: str, n: int | None = None, sink: ReplySink = SILENT, hooks: ToolHooks | None = None) -> Answer:
+        """Your `n`-th message (the last by default) said as `text` instead: the reply goes on
+        from before it, a new branch; the conversation as it was stays one /switch away."""
+        conv = self._named.conversation
+        yours = [i for i, m in enumerate(conv.messages) if m.role == "user"]
+        if not yours:
+            raise UsageError("nothing to edit yet: no message of yours")
+        if n is not None and not 1 <= n <= len(yours):
+            raise UsageError(f"/edit takes which of your {len(yours)} messages (1 is the first), not {n}")
+        self._named.stash()
+        conv.back_to(yours[(n or len(yours)) - 1])
+        return self.send(text, sink, hooks)
+
+    def branches(self) -> tuple[Branch, list[Branch]]:
+        """This branch and the others, whole."""
+        named = self._named
+        return named.current(named.record()), list(named.others)
+
+    def switch(self, word: str, on_progress: ProgressFn | None = None) -> int:
+        """Goes to another branch (by its id, or `parent`, `next`, `prev`: `branches.chosen`):
+        its context restored from its saved state, as a resume restores it; returns its id."""
+        from quipu.app.branches import chosen
+        from quipu.store.branches import switched
+        from quipu.store.store import KEEP_STATE
+
+        named = self._named
+        record = named.record()
+        to = chosen(word, named.current(record), named.others)
+        if to == named.branch[0]:
+            return to
+        if not self.kept:
+            raise UsageError("this chat is not saved, nor its branches: /save NAME keeps it, then /switch")
+        named.flush()
+        self.store.save(self.name, switched(record, to), KEEP_STATE)
+        self._reopen(on_progress)
+        return to
+
+    def _reopen(self, on_progress: ProgressFn | None) -> None:
+        """The session opened again as its transcript now is, on the model loaded already."""
+        from quipu.app.local import LocalHost
+        from quipu.sessions.inference import InferenceSession
+
+        old = self._named
+        loaded = old.session.backend if isinstance(old.session, InferenceSession) else None
+        host = LocalHost(loaded) if loaded is not None and isinstance(self.host, LocalHost) else self.host
+        named = NamedSession.open(self.store, self.name, self.opts, self.env, host, on_progress)
+        self._ready(named, self.opts)
+        self.named = named
+        old.session.close()  # (its context: the model stays, the new context holds it)
 
     def reset(self) -> None:
         self._named.conversation.reset()
@@ -336,7 +404,7 @@ class ChatSession:
         if for_message is not None and self.capabilities.context_size:
             size, _ = conv.size_alone(for_message)
             keep_free = max(keep_free, min(size + n_ctx // 8, n_ctx - 1))
-        dropped = conv.drop_oldest(keep_free, keep_latest=for_message is None)
+        dropped = drop_oldest(conv, keep_free, keep_latest=for_message is None)
         self.save()
         return dropped
 

@@ -72,12 +72,14 @@ def media_store(store: SessionStore) -> MediaStore:
 
 
 def referenced_media(store: SessionStore) -> set[str] | None:
-    """The SHA-256 of every medium a session's transcript names; None while a transcript cannot
+    """The SHA-256 of every medium a session's transcript names, in any of its branches; None while a transcript cannot
     be read (what it names is not known, so nothing may be removed)."""
     referenced: set[str] = set()
     for name in store.names():
         try:
-            referenced |= {m["sha256"] for m in store.load_transcript(name).media}
+            record = store.load_transcript(name)
+            branches = (record.tree or {}).get("branches", ())  # (each branch's own: another may be switched to)
+            referenced |= {m["sha256"] for m in [*record.media, *(m for b in branches for m in b.get("media") or ())]}
         except SessionNotFound:
             continue  # (removed meanwhile)
         except (SnapshotError, OSError):

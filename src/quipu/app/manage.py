@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quipu.app.environment import Environment
 from quipu.engine.base import MEDIA_MARK
 from quipu.errors import UsageError
 from quipu.store.store import SessionInfo, SessionStore
+
+if TYPE_CHECKING:
+    from quipu.app.branches import BranchRow
+    from quipu.store.transcript import Transcript
 
 
 def _store(env: Environment) -> SessionStore:
@@ -48,7 +52,29 @@ def transcript(env: Environment, name: str) -> dict[str, Any]:
         "context_tokens": info.tokens,
         "size_bytes": info.size_bytes,
         "messages": [_readable(m, record.media) for m in record.messages],
+        **({"branches": branch_tree(record)} if record.tree else {}),
     }
+
+
+def branch_tree(record: "Transcript") -> list[dict[str, Any]]:
+    """Every branch of a session as people read it: the tree's rows (`branches.rows`), each
+    with its messages, whole."""
+    from quipu.app.branches import rows
+    from quipu.store.branches import current_branch, other_branches
+
+    here, others = current_branch(record), other_branches(record)
+    by_id = {b.id: b for b in [here, *others]}
+    return [{**r.to_json(), "messages": [_readable(m, by_id[r.id].media) for m in by_id[r.id].messages]}
+            for r in rows(here, others)]
+
+
+def tree(env: Environment, name: str) -> list["BranchRow"]:
+    """A session's branches, in the order a tree shows them (`branches.rows`)."""
+    from quipu.app.branches import rows
+    from quipu.store.branches import current_branch, other_branches
+
+    record = _store(env).load_transcript(name)
+    return rows(current_branch(record), other_branches(record))
 
 
 def _readable(message: dict[str, Any], media: list[dict[str, Any]]) -> dict[str, Any]:
@@ -119,5 +145,20 @@ def rename(env: Environment, old: str, new: str) -> None:
     _store(env).rename(old, new)
 
 
-def fork(env: Environment, src: str, dst: str) -> None:
-    _store(env).fork(src, dst)
+def fork(env: Environment, src: str, dst: str, branch: int | None = None) -> None:
+    """`src` copied as `dst`; with `branch`, that branch of it alone (its state files are copied
+    whole: each branch's state is found in them by its tokens)."""
+    from quipu.store.branches import only
+    from quipu.store.store import KEEP_STATE
+
+    store = _store(env)
+    if branch is not None:
+        record = store.load_transcript(src)
+        try:
+            alone = only(record, branch)
+        except KeyError:
+            raise UsageError(f"session '{src}' has no branch {branch} (`quipu sessions tree {src}` shows them)") from None
+    store.fork(src, dst)
+    if branch is not None:
+        with store.lock(dst):
+            store.save(dst, alone, KEEP_STATE)

@@ -41,8 +41,8 @@ class Mode:
 
 
 ONE_SHOT = Mode("a one-shot run (-S NAME goes on with a session; -F, with the last answer)",
-                frozenset({"continue", "tool_results"}))
-FROM_MESSAGES = Mode("--messages (a conversation of its own)", frozenset({"session", "continue", "raw",
+                frozenset({"continue", "tool_results", "branch"}))
+FROM_MESSAGES = Mode("--messages (a conversation of its own)", frozenset({"session", "branch", "continue", "raw",
                                                                          "tool_results", "follow_up"}))
 SESSION = Mode("--session (a session is a conversation)", frozenset({"raw", "follow_up"}))
 CHAT = Mode("a chat (it is a session)", frozenset({"raw", "messages", "continue", "tool_results"}))
@@ -51,7 +51,7 @@ RAW = Mode("--raw (the prompt goes to the model as it is, without a chat templat
            frozenset({"system", "chat_template", "think", "reasoning_budget", "tools", "tool_choice", "tool_results",
                       "follow_up"}))
 BATCH = Mode("--batch (each row is answered in one reply, on a local model)",
-             frozenset({"session", "continue", "messages", "attach", "tools", "tool_choice", "tool_results",
+             frozenset({"session", "branch", "continue", "messages", "attach", "tools", "tool_choice", "tool_results",
                         "reasoning_budget", "show_prompt", "server", "follow_up", "shown"}))
 
 

@@ -14,12 +14,13 @@ from quipu.app.turn_options import (TurnOptions, chat_template_source, max_token
                                      template_variables)
 from quipu.app.hosts import Keeper, ModelHost
 from quipu.engine.base import ProgressFn
-from quipu.errors import InvalidParameter
+from quipu.errors import InvalidParameter, UsageError
 from quipu.options import OPTIONS, SAMPLING, SETTABLE
 from quipu.sessions.base import Message, ModelSession
 from quipu.sessions.stops import read_escapes
 from quipu.sessions.conversation import Conversation, TurnSettings
 from quipu.sessions.toolspec import ToolSpec
+from quipu.store.branches import Branch, current_branch, next_id, other_branches, tree_field
 from quipu.store.store import SessionStore, validate_name
 from quipu.store.transcript import Transcript, now_iso
 
@@ -60,6 +61,11 @@ class NamedSession:
     max_tokens: int | None = None
     stop: tuple[str, ...] | None = None
     origins: dict[str, str] = field(default_factory=dict)  # where each setting's value came from
+    # Which branch of the conversation this is (id, the branch it was made from, when), and the
+    # others, whole (`store/branches.py`); `next_branch`, the id the next one made takes.
+    branch: tuple[int, int | None, str] = (1, None, "")
+    others: list[Branch] = field(default_factory=list)
+    next_branch: int = 2
     _told_fold: bool = False
     _told_template: bool = False
 
@@ -76,6 +82,8 @@ class NamedSession:
              on_progress: ProgressFn | None = None) -> "NamedSession":
         validate_name(name)
         record = store.load_transcript(name) if store.exists(name) else None
+        if opts.branch is not None:
+            record = on_branch(store, name, record, opts.branch)
         source = chat_template_source(opts)
         if record is None:
             opened = host.create(opts, env, name)
@@ -87,7 +95,7 @@ class NamedSession:
             opened = host.resume(store, name, record, opts, env, on_progress)
             messages = [Message.from_dict(m) for m in record.messages]
             if opened.reread:  # (the marks of a context that is not the saved one mean nothing)
-                messages = [replace(m, context_before=None) for m in messages]
+                messages = [replace(m, context_before=None, decoded_before=None) for m in messages]
             source = source or record.chat_template
             variables = template_variables(opts, record.template_variables)
             system = opts.system
@@ -105,10 +113,14 @@ class NamedSession:
         except BaseException:
             opened.session.close()
             raise
+        here = current_branch(record) if record is not None else None
         return cls(store, name, conv, opened.keeper, created, list(opened.notices), chat_template=source,
                    max_tokens=opts.max_tokens if opts.max_tokens is not None else limits.get("max_tokens"),
                    stop=stop_strings(opts, env) if opts.stop else (tuple(limits["stop"]) if "stop" in limits else None),
-                   origins=origins(opts, env, record))
+                   origins=origins(opts, env, record),
+                   branch=(here.id, here.parent, here.made) if here is not None else (1, None, created),
+                   others=other_branches(record) if record is not None else [],
+                   next_branch=next_id(record) if record is not None else 2)
 
     def reply_limits(self, opts: TurnOptions, env: Environment) -> tuple[int, tuple[str, ...]]:
         """The longest reply and the stop strings: the command line's, else the session's, else
@@ -167,9 +179,8 @@ class NamedSession:
         if all(m.role == "system" for m in conv.messages):
             self.keeper.warm(self.session, lambda: conv.tokens_with(text))
 
-    def save(self) -> None:
-        """Saves the transcript (and what the host keeps beside it), each file atomically: at
-        worst the turn in progress is lost."""
+    def record(self) -> Transcript:
+        """The transcript as the conversation stands (its other branches with it)."""
         conv = self.conversation
         limits = {k: v for k, v in (("max_tokens", self.max_tokens),
                                     ("stop", list(self.stop) if self.stop is not None else None),
@@ -179,7 +190,32 @@ class NamedSession:
             quipu=__version__, chat_template=self.chat_template, template_variables=dict(conv.settings.variables),
             limits=limits, tools=[t.to_openai() for t in conv.settings.tools], **self.keeper.fields(self.session),
         )
-        self.notices += self.keeper.save(self.store, self.name, record, self.session, conv.kept_by_next_turn)
+        record.tree = tree_field(self.current(record), self.others, self.next_branch)
+        return record
+
+    def current(self, record: Transcript) -> Branch:
+        """This branch, whole, as `record` (this conversation's) holds it."""
+        id_, parent, made = self.branch
+        return Branch(id_, parent, made or self.created, record.updated, record.messages, record.tokens,
+                      record.n_decoded, record.draws, record.media)
+
+    def stash(self) -> None:
+        """Keeps the conversation as it stands as a branch of its own: what follows (an /edit, a
+        /retry, an /undo) makes a new branch, and this one stays one /switch away. (A branch
+        that only begins another is not kept apart: nothing of it would be lost.)"""
+        here = self.current(self.record())
+        if any(len(o.messages) >= len(here.messages) and o.messages[:len(here.messages)] == here.messages
+               for o in self.others):
+            return
+        self.others.append(here)
+        self.branch = (self.next_branch, here.id, now_iso())
+        self.next_branch += 1
+
+    def save(self) -> None:
+        """Saves the transcript (and what the host keeps beside it), each file atomically: at
+        worst the turn in progress is lost."""
+        self.notices += self.keeper.save(self.store, self.name, self.record(), self.session,
+                                         self.conversation.kept_by_next_turn)
 
     def flush(self) -> None:
         """Waits for a state still being written in the background (a chat's)."""
@@ -198,6 +234,26 @@ class NamedSession:
             forget_media(self.store, dropped)
         self.flush()
         self.session.close()
+
+
+def on_branch(store: SessionStore, name: str, record: Transcript | None, branch: int) -> Transcript:
+    """The session's transcript with `branch` its current one (written so, the state files as
+    they are: each branch's state is found in them by its tokens)."""
+    from quipu.store.branches import switched
+    from quipu.store.store import KEEP_STATE
+
+    if record is None:
+        raise UsageError(f"--branch {branch}: there is no session '{name}' yet to have branches")
+    if current_branch(record).id == branch:
+        return record
+    try:
+        record = switched(record, branch)
+    except KeyError:
+        ids = sorted([current_branch(record).id, *(b.id for b in other_branches(record))])
+        raise UsageError(f"session '{name}' has no branch {branch} (it has {', '.join(map(str, ids))}: "
+                         f"`quipu sessions tree {name}`)") from None
+    store.save(name, record, KEEP_STATE)
+    return record
 
 
 def origins(opts: TurnOptions, env: Environment, record: Transcript | None) -> dict[str, str]:

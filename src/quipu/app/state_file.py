@@ -73,7 +73,8 @@ class StateFile:
         if key == self._saved and store.has_state(name):
             store.save(name, record, KEEP_STATE)
         else:
-            write, why = self._piece(store, name, session, key, session.take_low_water(), held)
+            write, why = self._piece(store, name, session, key, session.take_low_water(), held,
+                                     branched=bool(record.tree and record.tree["branches"]))
             if write is None:
                 if self.verbose and self._chain is not None:
                     notices.append(f"session '{name}': the context state is saved whole ({why})")
@@ -130,22 +131,27 @@ class StateFile:
         return write
 
     def _piece(self, store: SessionStore, name: str, session: InferenceSession, key: tuple[Any, ...],
-               low_water: int, held: int) -> tuple[Callable[[], None] | None, str | None]:
+               low_water: int, held: int, branched: bool = False) -> tuple[Callable[[], None] | None, str | None]:
         """Only the cells the context gained since the last save (the context has held no fewer
         than `low_water` tokens since), up to its first `held` tokens, as a piece of the state
-        log, to write; or None and why it cannot be (the state is then saved whole)."""
+        log on top of the piece the context's state followed (its parent), to write; or None
+        and why it cannot be (the state is then saved whole). Where the conversation has other
+        branches, whose states are paths of the log too, it is never saved whole while a piece
+        can hold it: a path grown long starts again from the first cell."""
         chain, backend = self._chain, session.backend
         if chain is None or chain.nonce is None or not store.has_state(name):
             return None, "no state file to add to"
         # The piece replaces the cells from where the context went back to, if it did (the
         # last reply's end token, which the template writes its own way; an /undo), and adds the new.
         start = min(low_water, chain.held)
+        if branched and chain.pieces >= MAX_PIECES:
+            start = 0
         unsupported = backend.partial_state(start)
         if unsupported:
             return None, f"{unsupported} is saved whole"
-        if (held - start) * 2 > held or held < start:  # (none new: a piece that only cuts)
+        if held < start or not branched and (held - start) * 2 > held:  # (none new: a piece that only cuts)
             return None, "most of the context is new"
-        if chain.pieces >= MAX_PIECES or chain.piece_bytes > chain.base_bytes:
+        if not branched and (chain.pieces >= MAX_PIECES or chain.piece_bytes > chain.base_bytes):
             return None, "the pieces are many: put together again"
         piece = backend.state_since(start, held)
         try:
@@ -154,12 +160,14 @@ class StateFile:
             return None, f"the state's layout is not the one quipu reads: {exc}"
         if made.v_trans != backend.context.v_trans:
             return None, "the state's V layout is not the one its context settings record"
+        made_id = secrets.token_hex(8)
         meta = {"base": chain.nonce, "start": start, "n_decoded": held, "tokens_sha256": key[1],
-                "layout": LAYOUT, "build": backend.build}
+                "layout": LAYOUT, "build": backend.build, "id": made_id, "parent": chain.tip or chain.nonce}
 
         def write() -> None:
             end = store.append_piece(name, meta, piece, chain.log_end)
-            self._chain = Chain(chain.nonce, held, chain.pieces + 1, chain.piece_bytes + len(piece),
-                               chain.base_bytes, end)
+            path = 1 if start == 0 else chain.pieces + 1
+            self._chain = Chain(chain.nonce, held, path, chain.piece_bytes + len(piece), chain.base_bytes, end,
+                                made_id)
 
         return write, None

@@ -83,6 +83,7 @@ class TurnOptions(ToolOptions):
     gpu_memory: str | None = None  # at most this much of a device's memory (512M, 6G)
     device: str | None = None  # the devices to use, by name (comma-separated); none: the CPU alone
     session: str | None = None
+    branch: int | None = None
     continue_reply: bool = False
     verbose: bool = False
     chat_template: str | None = None  # a file whose template replaces the model's

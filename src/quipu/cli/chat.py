@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 HELP = "Chat in the terminal. Every turn is saved; --resume picks up where you left off."
 
 # The parameters of `quipu chat`, in order, as `run`'s are declared (`spec.py`).
-PARAMS = spec.params("session", "resume", "markdown", "role", *spec.LOGGING, *spec.GENERATION, "mmproj",
+PARAMS = spec.params("session", "branch", "resume", "markdown", "role", *spec.LOGGING, *spec.GENERATION, "mmproj",
                      *spec.SHAPING, *(name for name in spec.TOOLS if name != "tool_results"), "hide_thinking",
                      "verbose", "url")
 # The parameters that are the command's own, not options of the conversation.

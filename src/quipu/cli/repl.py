@@ -40,6 +40,7 @@ class Repl:
         self.term = term
         self.env = env
         self.markdown = markdown
+        self.editing: tuple[int | None, str] | None = None  # (/edit in a terminal: the message waiting in the prompt)
         self.show_thinking = show_thinking
         self.running = True
         self._always: set[str] = set()  # tools approved for the rest of this chat (never saved)
@@ -180,7 +181,12 @@ class Repl:
             self.say(f"please answer {', '.join(choices[:-1])} or {choices[-1]} (what you typed was not sent)")
 
     def handle(self, line: str) -> None:
-        if line.strip().startswith("/"):
+        editing, self.editing = self.editing, None
+        if editing is not None and line.strip() and not line.strip().startswith("/"):
+            import functools
+
+            self.turn(functools.partial(self.chat.edit, n=editing[0]), line)
+        elif line.strip().startswith("/"):
             command, arg = parse_command(line)
             if command is None:
                 from quipu.shown import shown
@@ -294,10 +300,13 @@ class Repl:
         self.recap()
         while self.running:
             try:
-                line = session.prompt(prompt)
+                line = session.prompt(prompt, default=self.editing[1] if self.editing else "")
             except Ended:  # told to end (SIGTERM, SIGHUP): every turn is saved already; leave
                 break
             except KeyboardInterrupt:
+                if self.editing is not None:
+                    self.editing = None
+                    continue
                 self.say("(to leave, press Ctrl-D or type /exit)")
                 continue
             except EOFError:

@@ -23,7 +23,7 @@ HELP = "Answer one prompt, given as an argument and/or on standard input."
 
 # The parameters of `quipu run`, in order: Typer builds the command from this table, and
 # `spec.parse` reads a plain command line from it without Typer.
-PARAMS = spec.params("prompt", "role", "attach", "mmproj", *spec.GENERATION, "raw", "session", *spec.LOGGING,
+PARAMS = spec.params("prompt", "role", "attach", "mmproj", *spec.GENERATION, "raw", "session", "branch", *spec.LOGGING,
                      "continue_reply", *spec.SHAPING, *spec.TOOLS, "messages", "tools_debug", "quiet", "no_cache",
                      "show", "as_json", "stats", "verbose", "url", "batch", "parallel")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import List
+from typing import List, Optional
 
 import typer
 
@@ -88,11 +88,31 @@ def rename(context: typer.Context, old: str = NAME, new: str = typer.Argument(..
 
 
 @app.command()
-def fork(context: typer.Context, src: str = NAME, dst: str = typer.Argument(..., help="Name of the copy.")) -> None:
+def fork(context: typer.Context, src: str = NAME, dst: str = typer.Argument(..., help="Name of the copy."),
+         branch: Optional[int] = typer.Option(None, "--branch", help="Only this branch of it (`quipu sessions tree "
+                                              "NAME` shows them).", metavar="ID")) -> None:
     """Copy a session under a new name; the two go on independently."""
     from quipu.app.manage import fork as do_fork
 
-    do_fork(context.obj, src, dst)
+    do_fork(context.obj, src, dst, branch)
+
+
+@app.command()
+def tree(context: typer.Context, name: str = NAME,
+         as_json: bool = typer.Option(False, "--json", help="One JSON object a branch.")) -> None:
+    """Show a session's branches (the current one marked *)."""
+    import shutil
+
+    from quipu.app.manage import tree as branch_rows
+    from quipu.cli.terminal import tree_lines
+
+    term = Terminal.detect()
+    found = branch_rows(context.obj, name)
+    if as_json:
+        term.out("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in found))
+    else:
+        term.out("\n".join(tree_lines(found, shutil.get_terminal_size((100, 24)).columns if term.stdout_tty
+                                       else 400)) + "\n")
 
 
 @app.command()

@@ -18,6 +18,7 @@ class Repl(Protocol):
 
     chat: ChatSession
     term: Terminal
+    editing: tuple[int | None, str] | None  # (/edit in a terminal: which message, its text, in the next prompt)
 
     def say(self, text: str) -> None: ...
     def need(self, arg: str, usage: str) -> str: ...
@@ -110,13 +111,53 @@ def _reset(repl: "Repl", _arg: str) -> None:
 
 def _undo(repl: "Repl", _arg: str) -> None:
     if repl.chat.undo():
-        repl.say(f"dropped the last exchange; context {repl.chat.context_used} tokens")
+        repl.say(f"back before the last exchange (kept as a branch: /tree); context {repl.chat.context_used} tokens")
     else:
         repl.say("nothing to undo")
 
 
 def _retry(repl: "Repl", _arg: str) -> None:
     repl.turn(repl.chat.retry)
+
+
+def _edit(repl: "Repl", arg: str) -> None:
+    import functools
+
+    first, _, rest = arg.strip().partition(" ")
+    n, text = (int(first), rest.strip()) if first.isascii() and first.isdigit() else (None, arg.strip())
+    if text:
+        repl.turn(functools.partial(repl.chat.edit, n=n), text)
+        return
+    yours = [m.content for m in repl.chat.messages if m.role == "user"]
+    if not yours:
+        raise UsageError("nothing to edit yet: no message of yours")
+    if not repl.term.stdin_tty:
+        raise UsageError("usage: /edit [N] TEXT (in a terminal, /edit [N] puts your message in the prompt to edit)")
+    if n is not None and not 1 <= n <= len(yours):
+        raise UsageError(f"/edit takes which of your {len(yours)} messages (1 is the first), not {n}")
+    repl.editing = (n, yours[(n or len(yours)) - 1])
+    repl.say("edit it and press Enter: the reply goes on from there as a new branch (Ctrl-C leaves it as it was)")
+
+
+def _tree(repl: "Repl", _arg: str) -> None:
+    import shutil
+
+    from quipu.app.branches import rows
+    from quipu.cli.terminal import tree_lines
+
+    current, others = repl.chat.branches()
+    repl.say("\n".join(tree_lines(rows(current, others), shutil.get_terminal_size((100, 24)).columns)))
+
+
+def _switch(repl: "Repl", arg: str) -> None:
+    word = repl.need(arg, "/switch ID|parent|next|prev")
+    progress = PrefillProgress(repl.term, "restoring the branch")
+    try:
+        to = repl.chat.switch(word, on_progress=progress)
+    finally:
+        progress.close()
+    repl.show_notices()
+    repl.say(f"on branch {to} ({repl.chat.context_used} tokens of context)")
 
 
 def _continue(repl: "Repl", _arg: str) -> None:
@@ -264,8 +305,12 @@ COMMANDS: list[SlashCommand] = [
     SlashCommand("load", "NAME", "switch to another saved session", _load),
     SlashCommand("sessions", "", "list saved sessions", _sessions),
     SlashCommand("reset", "", "forget the conversation, keep the system prompt", _reset),
-    SlashCommand("undo", "", "drop the last exchange, restoring the context before it", _undo),
-    SlashCommand("retry", "", "generate the last reply again, with new draws", _retry),
+    SlashCommand("undo", "", "go back to before the last exchange (it stays a branch: /tree, /switch)", _undo),
+    SlashCommand("retry", "", "generate the last reply again, with new draws (the old one stays a branch)", _retry),
+    SlashCommand("edit", "[N] [TEXT]", "say your N-th message (the last by default) again, changed: the reply goes "
+                                       "on from there as a new branch; without TEXT, edit it in the prompt", _edit),
+    SlashCommand("tree", "", "the conversation's branches, the current one marked", _tree),
+    SlashCommand("switch", "ID|parent|next|prev", "go to another branch, its context restored exactly", _switch),
     SlashCommand("continue", "", "keep generating the last reply (or run its calls left waiting)", _continue),
     SlashCommand("system", "TEXT", "set the system prompt (empty removes it)", _system),
     SlashCommand("set", "KEY VALUE", "change a sampling setting or max_tokens (/set alone lists them)", _set),

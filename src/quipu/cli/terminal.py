@@ -15,6 +15,8 @@ from quipu.errors import BadInput, tell_to_stop
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from quipu.app.branches import BranchRow
     from rich.live import Live
     from rich.progress import Progress, TaskID
 
@@ -347,6 +349,23 @@ def local_time(when: float | str) -> str:
     else:
         seconds = when
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(seconds))
+
+
+def tree_lines(rows: "Sequence[BranchRow]", columns: int) -> list[str]:
+    """A conversation's branches, one a line, as deep as each hangs, to fit `columns`: the
+    current one marked `*`; each with where it leaves the branch it hangs under, its first
+    words, its turns, tokens and when it was last used."""
+    from quipu.shown import shown
+
+    out = []
+    for r in rows:
+        mark = "*" if r.current else " "
+        head = f"{mark} {'  ' * r.depth}{'└ ' if r.depth else ''}{r.id}"
+        where = f"from exchange {r.leaves_at}: " if r.under is not None else ""
+        tail = f"  {r.turns} turn{'' if r.turns == 1 else 's'}, {r.tokens} tokens, {local_time(r.updated)}"
+        room = max(12, columns - len(head) - len(tail) - 4)
+        out.append(f"{head}  {fit(shown(where + chr(34) + r.first + chr(34)), room)}{tail}")
+    return out
 
 
 def fit(text: str, width: int) -> str:

@@ -16,9 +16,10 @@
   `slot_file.py`, a named session's context kept in a slot file of the server's between turns.
 - `chat_api.py`: `ChatApiSession`, a server's OpenAI chat API, whose context is the message list.
 - `conversation.py`: `Conversation`, one for every session: turns as the model's chat template
-  renders them, fed incrementally; undo, retry, continue, drop the oldest exchanges; what a
+  renders them, fed incrementally; undo (back to any message), retry, continue; what a
   turn is given besides the messages (`TurnSettings`: tools, reasoning budget, the template's
-  variables) and its calls offered and read, `tool_turns.py`.
+  variables) and its calls offered and read, `tool_turns.py`; the oldest exchanges dropped
+  from a full context, `trim.py`.
 - `batch.py`: `BatchSession`, many prompts decoded side by side on one context, each row with
   its own seed (continuous batching; a shared beginning read once).
 - `template.py`: `ChatTemplate`, the model's Jinja template in a sandbox, rendered as

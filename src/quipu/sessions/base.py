@@ -53,10 +53,16 @@ class Message:
     # continuation goes on from).
     reasoning: str | None = None
     spelled: str | None = None
+    # For user messages: how many random draws the seed had made before this exchange (a branch
+    # that goes on from before it draws as the conversation did then); and, where fewer than
+    # `context_before`, how many of those tokens had been read (the reply's last token is read
+    # with the next prompt: going back, it is again).
+    draws_before: int | None = None
+    decoded_before: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = self.for_template(self.content)
-        for key in ("reasoning", "spelled", "context_before"):
+        for key in ("reasoning", "spelled", "context_before", "draws_before", "decoded_before"):
             if getattr(self, key) is not None:
                 data[key] = getattr(self, key)
         return data
@@ -77,7 +83,8 @@ class Message:
     def from_dict(cls, data: dict[str, Any]) -> "Message":
         """From `to_dict`'s shape, as a checked transcript holds it."""
         return cls(data["role"], data["content"], data.get("context_before"), data.get("tool_calls"),
-                   data.get("tool_call_id"), data.get("name"), data.get("reasoning"), data.get("spelled"))
+                   data.get("tool_call_id"), data.get("name"), data.get("reasoning"), data.get("spelled"),
+                   data.get("draws_before"), data.get("decoded_before"))
 
 
 class ReplySink:
@@ -352,6 +359,9 @@ class TokenSession(ModelSession, Protocol):
 
     def complete(self, tokens: Sequence[int], max_tokens: int, stop: Sequence[str], sink: ReplySink) -> Generation:
         """A plain completion of `tokens` (`--raw`)."""
+
+    def undecode(self, n: int) -> None:
+        """Keeps the tokens from `n` on but not their cells: they are read with the next prompt."""
 
     def shift_out(self, start: int, end: int) -> bool:
         """Drops tokens [start, end) from the context, moving the cells after them down (as

@@ -210,8 +210,9 @@ class Conversation:
         self.session.check_text_fits(text)
         tokens = self.held
         before = tokens.used if tokens is not None else None
+        decoded = tokens.n_decoded if tokens is not None else None
         held = list(tokens.tokens) if tokens is not None else []
-        user = Message("user", text, context_before=before)
+        user = Message("user", text, context_before=before, draws_before=self.session.draws)
         at = len(self.messages)
         self.messages.append(user)
         try:
@@ -224,7 +225,9 @@ class Conversation:
             # The turn may have read the end of the last reply again (where the template's text
             # after it tokenizes with it, as with no markup of the model's own): the context is
             # as it was only up to there, and an /undo goes back to that point.
-            self.messages[at] = replace(user, context_before=min(before, common_prefix(held, tokens.tokens)))
+            kept = min(before, common_prefix(held, tokens.tokens))
+            self.messages[at] = replace(user, context_before=kept,
+                                        decoded_before=decoded if decoded is not None and decoded < kept else None)
         return gen
 
     def continue_reply(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT,
@@ -325,12 +328,21 @@ class Conversation:
         end of the reply before it again, to the point the context was still as before)."""
         for i in range(len(self.messages) - 1, -1, -1):
             if self.messages[i].role == "user":
-                before = self.messages[i].context_before
-                del self.messages[i:]
-                if before is not None:
-                    self.session.rewind(before)
+                self.back_to(i)
                 return True
         return False
+
+    def back_to(self, i: int) -> None:
+        """Drops the messages from the `i`-th on, the context and the seed's draws going back to
+        before it (a rewind)."""
+        m = self.messages[i]
+        del self.messages[i:]
+        if m.context_before is not None:
+            self.session.rewind(m.context_before)
+        if m.decoded_before is not None and self.held is not None:
+            self.held.undecode(m.decoded_before)
+        if m.draws_before is not None:
+            self.session.draws = m.draws_before
 
     def reset(self) -> None:
         """Forgets the conversation, keeping the system prompt."""
@@ -343,77 +355,6 @@ class Conversation:
         empty = len(self.render_tokens(head + [Message("user", "")], add_generation_prompt=True))
         full = len(self.render_tokens(head + [Message("user", text)], add_generation_prompt=True))
         return full - empty, empty
-
-    def _dropped_span(self, before: list[Message], first: int) -> tuple[int, int] | None:
-        """The tokens of the exchanges just dropped, in the context: from where the first of
-        them began (after the system prompt, for the conversation's first) to where the first
-        kept one began; None where the context does not say so for sure."""
-        session = self.held
-        if len(self.messages) <= first or session is None:  # (all went: nothing to keep)
-            return None
-        start, end = before[first].context_before, self.messages[first].context_before
-        if start is None or end is None:
-            return None
-        if start == 0:  # sent with the system prompt: it begins where the system prompt's rendering ends
-            if not first:
-                return None
-            try:
-                system = self.render_tokens(before[:first], add_generation_prompt=False)
-            except (TemplateError, CapabilityError):
-                return None
-            if list(session.tokens[:len(system)]) != system:
-                return None
-            start = len(system)
-        # The mark is where that exchange's tokens began, which may be the end of the reply
-        # before it (`<|im_end|>` and a new line): the kept exchange begins where the context
-        # holds what its rendering begins with.
-        try:
-            kept = self.render_tokens(self.messages, add_generation_prompt=False)[start:start + 8]
-        except (TemplateError, CapabilityError):
-            return None
-        held = session.tokens
-        for k in range(16):
-            if list(held[end + k:end + k + len(kept)]) == kept:
-                end += k
-                return (start, end) if start < end <= session.n_decoded else None
-        return None
-
-    def drop_oldest(self, keep_free: int, keep_latest: bool = False) -> int:
-        """Drops the oldest exchanges (never the system prompt) until the conversation leaves at
-        least `keep_free` tokens of the context free; where the context's size is the server's
-        own, the oldest exchange. With `keep_latest`, never the last exchange, though fewer
-        tokens are then free. Returns how many messages went."""
-        first = 1 if self.system is not None else 0
-        dropped = 0
-        before = list(self.messages)
-        while len(self.messages) > first:
-            if keep_latest and not any(m.role == "user" for m in self.messages[first + 1:]):
-                break  # (what is left is the last exchange)
-            if self.session.capabilities.context_size:
-                needed = len(self.render_tokens(self.messages, add_generation_prompt=True))
-                if needed + keep_free <= self.session.n_ctx:
-                    break
-            elif dropped:
-                break
-            del self.messages[first]
-            while len(self.messages) > first and self.messages[first].role != "user":
-                del self.messages[first]
-                dropped += 1
-            dropped += 1
-        # Where the model's cache can move its cells, the dropped exchanges' tokens go from the
-        # context and the kept ones move down, nothing read again (as llama.cpp's context shift:
-        # the kept cells were computed with the dropped tokens before them). The next turn keeps
-        # what of them its rendering still spells, as always.
-        span = self._dropped_span(before, first) if dropped else None
-        if span is not None and self.held is not None and self.held.shift_out(*span):
-            self.messages[:] = [m if m.context_before is None else
-                                replace(m, context_before=max(span[0], m.context_before - (span[1] - span[0])))
-                                for m in self.messages]
-            return dropped
-        # (the context is re-read from here; old marks mean nothing)
-        self.messages[:] = [replace(m, context_before=None) for m in self.messages]
-        return dropped
-
 
 def _shown(message: Message, protector: Protector, fmt: ReasoningFormat | None) -> dict[str, Any]:
     """A message as the template is given it, what comes from outside hidden from markup; a

@@ -160,6 +160,17 @@ class InferenceSession(HeldTokens):
             self._logits_at = -1
         self._reset_sampler()
 
+    def undecode(self, n: int) -> None:
+        """Keeps the tokens from `n` on but not their cells: they are read with the next prompt,
+        as a reply's last token is (a turn that read it, undone, leaves it as it was before)."""
+        if n >= self.n_decoded:
+            return
+        self._drop_held()
+        self.backend.truncate(n)
+        self.n_decoded = min(n, self.backend.positions())
+        self._low_water = min(self._low_water, self.n_decoded)
+        self._logits_at = -1
+
     def shift_out(self, start: int, end: int) -> bool:
         """Drops tokens [start, end) from the context, moving the cells after them down, where
         the backend can (see `LlamaBackend.shift_refused`); False where it cannot (the caller

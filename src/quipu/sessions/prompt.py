@@ -244,6 +244,9 @@ class HeldTokens:
     def reference_tokens(self, rendered: Rendered) -> list[int]:
         return reference_tokens(self.backend, rendered)
 
+    def undecode(self, n: int) -> None:
+        """Keeps the tokens from `n` on but not their cells (a server's context: its own to read)."""
+
     def raw_tokens(self, text: str) -> list[int]:
         return self.backend.tokenize(text, add_special=True, parse_special=False)
 

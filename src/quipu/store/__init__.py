@@ -4,7 +4,8 @@ locked, and never pickled.
 - `store.py`: `SessionStore`, the sessions folder: names, locks, saving, listing, the disk
   budget; `files.py`, how every file here is written: atomically, locked, copied, and what a
   killed writer left cleaned away.
-- `transcript.py`: the transcript format (`NAME.json`), the truth of a session.
+- `transcript.py`: the transcript format (`NAME.json`), the truth of a session; `branches.py`,
+  its other branches, each kept as what it adds to the current one.
 - `statefile.py`: the state file format (`NAME.kv`), the verified KV bytes of a context.
 - `chain.py`: what a state file and the pieces of its log (`NAME.kvlog`) hold of a transcript's
   tokens, read from their metadata.

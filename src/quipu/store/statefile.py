@@ -132,14 +132,16 @@ def read_meta(path: Path) -> dict[str, Any]:
 def read_log(path: Path) -> tuple[list[tuple[StateBlob, int]], int, str | None]:
     """The records of a state log, read in order and each verified: (the good ones, each with
     the byte it ends at; the length of the file they fill; what is wrong after them, if
-    anything: a record cut short by a crash while it was written, or damage). A missing log
-    holds no record."""
+    anything: a record cut short by a crash while it was written, or damage). A record whose
+    checksum fails but whose lengths frame it is left out and the rest read (another branch's
+    pieces do not need it). A missing log holds no record."""
     try:
         view = _read_into(path)  # (a buffer llama.cpp reads the pieces from where they lie)
     except FileNotFoundError:
         return [], 0, None
     records: list[tuple[StateBlob, int]] = []
     at = 0
+    damage: str | None = None
     while at < len(view):
         if len(view) - at < _HEAD.size:
             return records, at, "its last piece was cut short"
@@ -152,11 +154,14 @@ def read_log(path: Path) -> tuple[list[tuple[StateBlob, int]], int, str | None]:
         if end > len(view):
             return records, at, "its last piece was cut short"
         try:
-            records.append((decode_state(view[at:end], PIECE_MAGIC), end))
-        except SnapshotError:
-            return records, at, "a piece is damaged"
+            record = decode_state(view[at:end], PIECE_MAGIC)
+            # (after a damaged one, only pieces that name their parents: the others followed it)
+            if damage is None or "id" in record.meta:
+                records.append((record, end))
+        except SnapshotError:  # (its frame holds: the pieces after it are read, those that need it are not)
+            damage = "a piece is damaged"
         at = end
-    return records, at, None
+    return records, at, damage
 
 
 def append_record(path: Path, meta: dict[str, Any], state: bytes | memoryview, at: int) -> int:

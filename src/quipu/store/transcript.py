@@ -54,6 +54,9 @@ class Transcript:
     # The media its messages hold (images, recordings), in the order its context took them: each
     # {"sha256", "kind", "format", "name"}; the bytes are kept once for every session (`media.py`).
     media: list[dict[str, Any]] = field(default_factory=list)
+    # The other branches of the conversation, each as what it adds to this one's beginning, and
+    # which branch this is (`branches.py`); None for a conversation that never branched.
+    tree: dict[str, Any] | None = None
 
     @property
     def turns(self) -> int:
@@ -61,6 +64,8 @@ class Transcript:
 
     def encode(self) -> bytes:
         record = {"format": FORMAT, "version": VERSION, **asdict(self)}
+        if record["tree"] is None:  # (a conversation that never branched is written as it always was)
+            del record["tree"]
         return json.dumps(record, ensure_ascii=False, indent=1).encode("utf-8")
 
     @classmethod
@@ -80,7 +85,7 @@ class Transcript:
             quipu=str(record.get("quipu", "")), build=str(record.get("build", "")),
             chat_template=record.get("chat_template"), template_variables=record.get("template_variables") or {},
             served=record.get("served"), limits=record.get("limits") or {}, tools=record.get("tools") or [],
-            media=record.get("media") or [],
+            media=record.get("media") or [], tree=record.get("tree"),
         )
 
 
@@ -96,9 +101,9 @@ def _check_message(m: Any) -> str | None:
     tokens = m.get("tokens")
     if tokens is not None and not (isinstance(tokens, list) and all(_is_count(t) for t in tokens)):
         return "a message's tokens are not a list of token ids"
-    before = m.get("context_before")
-    if before is not None and not _is_count(before):
-        return "a message's context_before is not a count"
+    for key in ("context_before", "draws_before", "decoded_before"):
+        if m.get(key) is not None and not _is_count(m[key]):
+            return f"a message's {key} is not a count"
     calls = m.get("tool_calls")
     if calls is not None and not (isinstance(calls, list) and all(
             isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
@@ -123,13 +128,16 @@ def check(record: Any) -> str | None:
     messages = record.get("messages")
     if not isinstance(messages, list):
         return "the transcript's messages are not a list"
-    for m in messages:
-        problem = _check_message(m)
-        if problem:
-            return problem
     tokens = record.get("tokens")
     if not isinstance(tokens, list) or not all(_is_count(t) for t in tokens):
         return "the transcript's tokens are not a list of token ids"
+    problem = _check_tree(record.get("tree"), messages, tokens)
+    if problem:
+        return problem
+    for m in [*messages, *(m for b in (record.get("tree") or {}).get("branches", ()) for m in b["messages"])]:
+        problem = _check_message(m)
+        if problem:
+            return problem
     for key in ("n_decoded", "draws"):
         if not _is_count(record.get(key)):
             return f"the transcript's {key} is not a count"
@@ -151,11 +159,7 @@ def check(record: Any) -> str | None:
             isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
             and isinstance(t["function"].get("parameters", {}), dict) for t in tools):
         return "the transcript's tools are damaged"
-    media = record.get("media") or []
-    if not isinstance(media, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("sha256"), str) and DIGEST.fullmatch(m["sha256"])
-            and m.get("kind") in ("image", "audio") and isinstance(m.get("format"), str)
-            and isinstance(m.get("name"), str) for m in media):
+    if not _media_ok(record.get("media") or []):
         return "the transcript's media are damaged"
     problem = _check_served(record.get("served"), tokens)
     if problem:
@@ -167,6 +171,43 @@ def check(record: Any) -> str | None:
             and isinstance(context.get("kv_type"), str)):
         return "the transcript's context settings are incomplete"
     return None
+
+
+def _check_tree(tree: Any, messages: list[Any], tokens: list[Any]) -> str | None:
+    """What is wrong with a transcript's branches (`branches.py`), or None; their messages are
+    checked as the current branch's are."""
+    if tree is None:
+        return None
+    if not isinstance(tree, dict) or not isinstance(tree.get("current"), dict) or \
+            not isinstance(tree.get("branches"), list) or not _is_count(tree.get("next")):
+        return "the transcript's branches are damaged"
+    head = tree["current"]
+    if not (_is_count(head.get("id")) and _id_or_none(head.get("parent")) and isinstance(head.get("made"), str)):
+        return "the transcript's current branch is damaged"
+    seen = {head["id"]}
+    for b in tree["branches"]:
+        if not (isinstance(b, dict) and _is_count(b.get("id")) and b["id"] not in seen
+                and _id_or_none(b.get("parent")) and isinstance(b.get("made"), str)
+                and isinstance(b.get("updated"), str) and _is_count(b.get("shared")) and b["shared"] <= len(messages)
+                and isinstance(b.get("messages"), list) and _is_count(b.get("tokens_shared"))
+                and b["tokens_shared"] <= len(tokens) and isinstance(b.get("tokens"), list)
+                and all(_is_count(t) for t in b["tokens"]) and _is_count(b.get("n_decoded"))
+                and b["n_decoded"] <= b["tokens_shared"] + len(b["tokens"]) and _is_count(b.get("draws"))
+                and _media_ok(b.get("media", []))):
+            return "a branch of the transcript is damaged"
+        seen.add(b["id"])
+    return None
+
+
+def _media_ok(media: Any) -> bool:
+    return isinstance(media, list) and all(
+        isinstance(m, dict) and isinstance(m.get("sha256"), str) and DIGEST.fullmatch(m["sha256"]) is not None
+        and m.get("kind") in ("image", "audio") and isinstance(m.get("format"), str)
+        and isinstance(m.get("name"), str) for m in media)
+
+
+def _id_or_none(value: Any) -> bool:
+    return value is None or _is_count(value)
 
 
 def _check_served(served: Any, tokens: list[Any]) -> str | None:
