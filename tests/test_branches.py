@@ -233,3 +233,75 @@ def test_edit_puts_the_message_in_the_prompt_of_a_terminal(tiny_model, tmp_path)
     record = json.loads((tmp_path / "data" / "sessions" / "p.json").read_text())
     assert [m["content"] for m in record["messages"] if m["role"] == "user"] == ["Name a planet."]
     assert len(record["tree"]["branches"]) == 1
+
+
+def test_compact_makes_a_branch_of_a_summary_and_the_last_exchanges_and_switch_undoes_it(tiny_model, tmp_path):
+    from quipu.app.compact import compact, summarize
+
+    chat = _chat(tmp_path, tiny_model, "c")
+    for q in QUESTIONS[:4]:
+        chat.send(q)
+    before = [m.content for m in chat.messages]
+    held = list(chat.named.session.tokens)
+    summary = summarize(chat, "Keep the names.")
+    assert summary  # (the model's words; nothing changed meanwhile, the context restored exactly)
+    assert [m.content for m in chat.messages] == before and chat.named.session.tokens == held
+    assert chat.named.session.rebuilt_tokens == 0
+    made = compact(chat, "The user asked for a fruit, a colour, a city and an animal.")
+    now = [m.content for m in chat.messages]
+    assert now[-4:] == before[-4:]  # (the last two exchanges as they were)
+    assert now[-6].endswith("The user asked for a fruit, a colour, a city and an animal.") and len(now) < len(before)
+    used = chat.context_used
+    chat.send(QUESTIONS[4])
+    assert chat.last_stats is not None and chat.last_stats.cached_tokens >= used - 1  # (read when it was made)
+    assert [(r.id, r.current) for r in rows(*chat.branches())] == [(1, False), (made, True)]
+    assert chat.switch("1") == 1 and [m.content for m in chat.messages] == before
+    chat.close()
+
+
+def test_compact_and_trim_from_the_chat_keep_the_conversation_as_a_branch(tiny_model, tmp_path):
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.toml").write_text("[chat]\ncompact_keep = 1\n")
+    lines = [*QUESTIONS[:3], "/compact", "/tree", QUESTIONS[3], "/trim", "/tree", "/switch 1"]
+    r = _quipu(tmp_path, "chat", "-m", tiny_model, "-S", "k", "-n", "4", input=("\n".join(lines) + "\n").encode())
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert "compacted into branch 2" in err and "dropped" in err and "on branch 1" in err
+    shown = _quipu(tmp_path, "sessions", "tree", "k").stdout.decode()
+    assert shown.count("\n") == 3 and "A summary of our conversation" in shown  # (1, its summary, the trimmed)
+    few = _quipu(tmp_path, "chat", "-m", tiny_model, "-S", "few", "-n", "4", input=b"Hi.\n/compact\n")
+    assert "nothing to compact: the conversation has 1 exchange" in few.stderr.decode()
+
+
+def test_the_log_knows_which_answer_each_follows_up(tiny_model, tmp_path):
+    said = []
+    for args in (["Name a fruit."], ["-F", "Another?"], ["-F", "A third?"], ["--cid", "1", "A colour instead?"],
+                 ["-F", "More?"]):
+        r = _quipu(tmp_path, "run", "-m", tiny_model, "-n", "3", *args)
+        assert r.returncode == 0, r.stderr.decode()
+        said.append(r.stdout.decode().strip())
+    shown = _quipu(tmp_path, "logs", "show", "5").stdout.decode()
+    assert "follows: #1 → #4 → #5" in shown
+    listed = _quipu(tmp_path, "logs").stdout.decode()
+    assert "#4" in listed and "(follows #1)" in listed.split("#4")[1].splitlines()[0]
+    prompt = _quipu(tmp_path, "run", "-m", tiny_model, "-F", "--show-prompt", "x").stdout.decode()
+    assert "A colour instead?" in prompt and "Another?" not in prompt and "A third?" not in prompt
+
+
+def test_a_log_from_before_parents_is_read_and_written(tiny_model, tmp_path):
+    import sqlite3
+
+    from quipu.store import logbook
+
+    path = tmp_path / "data" / "logs.db"
+    path.parent.mkdir(parents=True)
+    db = sqlite3.connect(path)
+    db.executescript(logbook._TABLES.replace(",\n    parent INTEGER", ""))
+    db.execute("PRAGMA user_version = 1")
+    db.execute("INSERT INTO answers (at, conversation, command, model, prompt, answer) VALUES (1, '1', 'run', 'm', "
+               "'old question', 'old answer')")
+    db.commit()
+    db.close()
+    r = _quipu(tmp_path, "run", "-m", tiny_model, "-n", "3", "--cid", "1", "And now?")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "follows: #1 → #2" in _quipu(tmp_path, "logs", "show", "2").stdout.decode()

@@ -21,7 +21,7 @@ CACHE_KEYS = {"max_bytes": int}
 LOGS_KEYS = {"enabled": bool, "max_records": int, "max_days": float}
 MODEL_KEYS = {"huggingface": str, "lmstudio": str, "ollama": str}
 REMOTE_KEYS = {"url": str, "api_key_env": str, "model": str, "timeout": float}
-CHAT_KEYS = {"markdown": bool}
+CHAT_KEYS = {"markdown": bool, "compact_prompt": str, "compact_keep": int}
 SERVE_KEYS = {"models": tuple, "host": str, "port": int, "api_key_env": str, "keep_alive": object, "cors": tuple,
               "parallel": int}
 

@@ -27,7 +27,9 @@ Every turn, named session and chat is written once, for every host a model can r
   row's; `answer.py`: `Answer`, the one record of a finished reply. `turns.py`: `quipu run`'s
   turn, one-shot or in a session, and its `--show-prompt`.
 - `chat.py`: `ChatSession`, the library side of `quipu chat`: saved after every turn;
-  `branches.py`, its branches as the tree a user sees, and what `/switch` takes.
+  `branches.py`, its branches as the tree a user sees, and what `/switch` takes; `compact.py`,
+  room in a long conversation: a message that never fits refused, the older exchanges
+  summarised into a branch of their own.
 - `serve.py`: `quipu serve`'s work without HTTP: the models served, loaded and unloaded after
   their keep-alive, each request answered by one turn, its context kept in the prompt cache;
   `serve_plan.py`: what an OpenAI-style or Ollama-style request asks, read and checked (its

@@ -50,13 +50,14 @@ def open_log(env: Environment) -> Logbook:
 def log_answer(env: Environment, options: Mapping[str, Any] | None, command: str, prompt: str | None,
                result: Answer, *, system: str | None = None, conversation: str = "",
                attachments: Sequence["Attachment"] = (), log: Logbook | None = None,
-               unkept: bool = False) -> str | None:
+               unkept: bool = False, parent: int | None = None) -> tuple[int | None, str | None]:
     """Writes one answer to the log with the options that shaped it (`TurnOptions.logged`; None:
     `--no-log`), unless logging is off; a warning where it could not be written, else None.
     `unkept`: the answer followed messages the log does not keep (`--messages`, a batch row's,
-    a server request's), which a follow-up cannot give again (`followed`)."""
+    a server request's), which a follow-up cannot give again (`followed`); `parent`, the answer
+    it follows up. Returns its id (None: not logged) and the warning."""
     if options is None or not logging_on(env):
-        return None
+        return None, None
     s = result.stats
     record = Record(
         prompt=prompt or "", answer=result.text, model=result.model, command=command, conversation=conversation,
@@ -68,17 +69,17 @@ def log_answer(env: Environment, options: Mapping[str, Any] | None, command: str
         finish_reason=result.finish_reason,
         prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens, cached_tokens=s.cached_tokens,
         timings={"prefill_s": round(s.prefill_s, 4), "decode_s": round(s.decode_s, 4), "ttft_s": round(s.ttft_s, 4)},
-        session=result.session)
+        session=result.session, parent=parent)
     book = log if log is not None else open_log(env)
     try:
-        book.add(record, max_records=env.config.logs.get("max_records", DEFAULT_MAX_RECORDS),
-                 max_days=env.config.logs.get("max_days"))
+        made = book.add(record, max_records=env.config.logs.get("max_records", DEFAULT_MAX_RECORDS),
+                        max_days=env.config.logs.get("max_days"))
     except LogError as exc:
-        return f"the answer was not logged: {exc}"
+        return None, f"the answer was not logged: {exc}"
     finally:
         if log is None:
             book.close()
-    return None
+    return made, None
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class Followed:
     messages: list["Message"]
     conversation: str
     system: str | None
+    parent: int | None = None  # the answer it goes on from
 
 
 def followed(env: Environment, cid: str | None) -> Followed:
@@ -108,7 +110,7 @@ def followed(env: Environment, cid: str | None) -> Followed:
             last = book.get(int(cid))
             if last is None:
                 raise UsageError(f"no logged answer has the id {cid} (`quipu logs` lists them)")
-        records = book.conversation(last.conversation, upto=last.id)
+        records = path_to(book, last)
     except LogError as exc:
         raise UsageError(f"cannot follow up: {exc}") from None
     finally:
@@ -124,7 +126,21 @@ def followed(env: Environment, cid: str | None) -> Followed:
     messages: list[Message] = []
     for r in records:
         messages += [Message("user", r.prompt), Message("assistant", r.answer)]
-    return Followed(messages, last.conversation, records[0].system if records else None)
+    return Followed(messages, last.conversation, records[0].system if records else None, last.id)
+
+
+def path_to(book: Logbook, last: Record) -> list[Record]:
+    """The answers `last` follows up, one from another, oldest first, and itself: its branch of
+    the conversation (answers of before `parent` was logged: the conversation's, up to it)."""
+    path = [last]
+    while path[-1].parent is not None and len(path) < 10_000:
+        up = book.get(path[-1].parent)
+        if up is None or up.conversation != last.conversation or up in path:
+            break  # (an answer removed since: the path starts after it)
+        path.append(up)
+    if len(path) == 1 and last.conversation not in ("", str(last.id)) and last.parent is None:
+        return book.conversation(last.conversation, upto=last.id)
+    return path[::-1]
 
 
 def since_time(text: str) -> float:
@@ -174,6 +190,12 @@ def answer(env: Environment, record_id: int) -> Record:
     if found is None:
         raise UsageError(f"no logged answer has the id {record_id} (`quipu logs` lists them)")
     return found
+
+
+def answers_before(env: Environment, record: Record) -> list[int]:
+    """The ids of the answers `record` follows up, one from another, oldest first (`path_to`)."""
+    with closing(open_log(env)) as book:
+        return [r.id for r in path_to(book, record)[:-1] if r.id is not None]
 
 
 def remove_answers(env: Environment, ids: Sequence[int] = (), before: str | None = None,

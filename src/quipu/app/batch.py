@@ -294,7 +294,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
             asked = row.prompt if row.prompt is not None else next(
                 (m.content for m in reversed(row.messages or []) if m.role == "user"), "")
             system = row.system if row.system is not None else system_prompt(opts, env)
-            unlogged = log_answer(env, opts.logged, "batch", asked, result, system=system, log=book,
+            _, unlogged = log_answer(env, opts.logged, "batch", asked, result, system=system, log=book,
                                   unkept=len(row.messages or []) > 1)
             if unlogged:
                 result.notices.append(unlogged)

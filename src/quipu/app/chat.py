@@ -10,6 +10,7 @@ from typing import Any, Callable
 from quipu.app.answer import Answer
 from quipu.app.turn import Ask, Turn, compose
 from quipu.app.attachments import Attachment
+from quipu.app.compact import refuse_if_it_never_fits
 from quipu.app.environment import Environment
 from quipu.app.turn_options import TurnOptions
 from quipu.app.choose import open_host
@@ -41,6 +42,7 @@ class ChatSession:
         self.host = host
         self._shape = shape
         self._conversation = conversation  # the logged conversation a follow-up's turns go on with
+        self._follows: int | None = None  # the logged answer the next turn's follows up
         self.store = store_for(env)
         self.named: NamedSession | None = None
         self.kept = True  # whether this session's turns are saved (a piped chat without a name keeps none)
@@ -80,6 +82,7 @@ class ChatSession:
                     opts = replace(opts, system=history.system)
             chat = cls(env, opts, host, shape, history.conversation if history is not None else None, on_output,
                        keep_unnamed=keep_unnamed)
+            chat._follows = history.parent if history is not None else None
             chat._switch(chat._name_to_open(name, resume_latest), on_progress,
                          kept=keep_unnamed or name is not None or resume_latest)
             if history is not None:
@@ -190,7 +193,7 @@ class ChatSession:
             answer = turn.answer(ask, limit, stop, sink)
         except ContextOverflow as exc:
             if message is not None:
-                self._refuse_if_it_never_fits(message, exc)
+                refuse_if_it_never_fits(self._named.conversation, message, exc)
             return Answer("", "context_full", named.model_name, session.params.seed, self.name, session.stats)
         self.save()
         self.last_stats = session.stats
@@ -208,26 +211,13 @@ class ChatSession:
         named = self._named
         asked = message if message is not None else next(
             (m.content for m in reversed(named.conversation.messages) if m.role == "user"), "")
-        unlogged = log_answer(self.env, self.opts.logged, "chat", asked, answer, system=answer.system,
-                              conversation=self._conversation or (f"session:{self.name}" if self.kept
-                                                                  else f"chat:{self.name}"))
+        made, unlogged = log_answer(self.env, self.opts.logged, "chat", asked, answer, system=answer.system,
+                                    conversation=self._conversation or (f"session:{self.name}" if self.kept
+                                                                        else f"chat:{self.name}"),
+                                    parent=self._follows)
+        self._follows = made  # (the next turn follows it up, until the conversation goes elsewhere)
         if unlogged:
             named.notices.append(unlogged)
-
-    def _refuse_if_it_never_fits(self, text: str, exc: ContextOverflow) -> None:
-        """A message too long even for a conversation of nothing but the system prompt gets one
-        clear refusal: dropping old exchanges or a new session could not make room for it."""
-        conv = self._named.conversation
-        n_ctx = conv.session.n_ctx
-        if exc.at_least:
-            raise UsageError(f"this message cannot fit: it is more than {n_ctx} tokens, and the context holds "
-                             f"{n_ctx}; shorten it, or start the chat with a larger --ctx")
-        size, overhead = conv.size_alone(text)
-        room = n_ctx - 1 - overhead  # one cell stays free for the reply's first token
-        if size > room:
-            raise UsageError(f"this message cannot fit: it is {size} tokens, and the context ({n_ctx} tokens) has "
-                             f"room for {max(room, 0)} beside the system prompt; shorten it, or start the chat "
-                             "with a larger --ctx")
 
     def send(self, text: str, sink: ReplySink = SILENT, hooks: ToolHooks | None = None) -> Answer:
         if self._shape is not None:
@@ -278,6 +268,7 @@ class ChatSession:
         """The last reply made again, with new draws; the one it replaces stays a branch."""
         if any(m.role == "assistant" for m in self._named.conversation.messages):
             self._named.stash()
+        self._follows = None
         return self._turn(Ask("retry"), sink, hooks)
 
     def continue_reply(self, sink: ReplySink = SILENT, hooks: ToolHooks | None = None) -> Answer:
@@ -330,6 +321,7 @@ class ChatSession:
         named.stash()
         named.conversation.undo()
         self.save()
+        self._follows = None
         return True
 
     # ---- branches ----------------------------------------------------------------------------
@@ -345,6 +337,7 @@ class ChatSession:
             raise UsageError(f"/edit takes which of your {len(yours)} messages (1 is the first), not {n}")
         self._named.stash()
         conv.back_to(yours[(n or len(yours)) - 1])
+        self._follows = None
         return self.send(text, sink, hooks)
 
     def branches(self) -> tuple[Branch, list[Branch]]:
@@ -368,11 +361,12 @@ class ChatSession:
             raise UsageError("this chat is not saved, nor its branches: /save NAME keeps it, then /switch")
         named.flush()
         self.store.save(self.name, switched(record, to), KEEP_STATE)
-        self._reopen(on_progress)
+        self.reload(on_progress)
         return to
 
-    def _reopen(self, on_progress: ProgressFn | None) -> None:
-        """The session opened again as its transcript now is, on the model loaded already."""
+    def reload(self, on_progress: ProgressFn | None = None) -> None:
+        """The session opened again as its files now are (what changed since it was last saved
+        is dropped), on the model loaded already: its context restored exactly."""
         from quipu.app.local import LocalHost
         from quipu.sessions.inference import InferenceSession
 
@@ -381,7 +375,7 @@ class ChatSession:
         host = LocalHost(loaded) if loaded is not None and isinstance(self.host, LocalHost) else self.host
         named = NamedSession.open(self.store, self.name, self.opts, self.env, host, on_progress)
         self._ready(named, self.opts)
-        self.named = named
+        self.named, self._follows = named, None
         old.session.close()  # (its context: the model stays, the new context holds it)
 
     def reset(self) -> None:
@@ -398,6 +392,7 @@ class ChatSession:
         needs more (with room left for a reply); where the context's size is the server's own,
         the oldest exchange. Without a message waiting, the last exchange (the reply the context
         filled up in, the one a /trim follows) stays, though it holds more than half."""
+        self._named.stash()  # (nothing is dropped for good: the conversation as it was stays a branch)
         conv = self._named.conversation
         n_ctx = conv.session.n_ctx
         keep_free = int(n_ctx * KEEP_FREE_FRACTION)

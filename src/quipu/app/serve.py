@@ -179,7 +179,7 @@ class Served:
         from quipu.app.answer_log import log_answer
 
         said = asked.prompt or next((m.content for m in reversed(asked.messages) if m.role == "user"), "")
-        unlogged = log_answer(self.env, asked.opts.logged, "serve", said, answer, system=answer.system,
+        _, unlogged = log_answer(self.env, asked.opts.logged, "serve", said, answer, system=answer.system,
                               unkept=sum(m.role != "system" for m in asked.messages) > 1)
         if unlogged:
             answer.notices.append(unlogged)

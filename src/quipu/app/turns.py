@@ -56,10 +56,11 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
                 tools.close()
     from quipu.app.answer_log import log_answer
 
-    unlogged = log_answer(env, opts.logged, "run", prompt, result, system=result.system,
-                          conversation=history.conversation if history is not None else
-                          f"session:{opts.session}" if opts.session is not None else "",
-                          attachments=[*files, *media], unkept=opts.messages is not None)
+    _, unlogged = log_answer(env, opts.logged, "run", prompt, result, system=result.system,
+                             conversation=history.conversation if history is not None else
+                             f"session:{opts.session}" if opts.session is not None else "",
+                             attachments=[*files, *media], unkept=opts.messages is not None,
+                             parent=history.parent if history is not None else None)
     if unlogged:
         result.notices.append(unlogged)
     if opts.verbose and result.constrained_by:

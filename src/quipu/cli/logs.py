@@ -64,6 +64,8 @@ def _one_line(text: str | None, width: int) -> str:
 def _follows(r: Record, found: list[Record]) -> str:
     """Which answer `r` follows up, where it follows one: the one before it in its conversation
     among those listed, else its conversation's first."""
+    if r.parent is not None:
+        return f"  (follows #{r.parent})"
     if r.id is None or r.conversation in ("", str(r.id)):
         return ""
     before = [other.id for other in found if other.conversation == r.conversation and other.id is not None
@@ -97,11 +99,16 @@ def show(context: typer.Context, record: int = typer.Argument(..., help="The ans
                  f"exchange{'' if held == 1 else 's'}): quipu chat -S {to_session}\n")
         return
     r = answer(context.obj, record)
+    from quipu.app.answer_log import answers_before
+
+    before = answers_before(context.obj, r)
     if as_json:
         term.out(json.dumps(r.to_json(), ensure_ascii=False) + "\n")
         return
     out: list[str] = [Dim(f"#{r.id}  {_when(r.at)}  {shown(r.model)}  ({r.command}"
                           + (f", session {shown(r.session)}" if r.session else "") + f", conversation {shown(r.conversation)})")]
+    if before:  # (the answers it follows up, one from another: its branch of the conversation)
+        out.append(Dim("follows: " + " → ".join(f"#{i}" for i in before) + f" → #{r.id}"))
     if r.system:
         out += [Dim("system:"), shown(r.system, lines=True)]  # (its line breaks are text: kept)
     out += [Dim("prompt:"), shown(r.prompt, lines=True)]

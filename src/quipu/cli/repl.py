@@ -40,7 +40,9 @@ class Repl:
         self.term = term
         self.env = env
         self.markdown = markdown
-        self.editing: tuple[int | None, str] | None = None  # (/edit in a terminal: the message waiting in the prompt)
+        # (/edit and /compact in a terminal: a text waiting in the next prompt to be changed, and
+        # what is done with it once sent)
+        self.editing: tuple[Callable[[str], None], str] | None = None
         self.show_thinking = show_thinking
         self.running = True
         self._always: set[str] = set()  # tools approved for the rest of this chat (never saved)
@@ -144,14 +146,23 @@ class Repl:
     def context_full(self, unsent: str | None) -> None:
         used, size = self.chat.context_used, self.chat.context_size
         self.say(f"the context is full ({used} of {size} tokens).")
-        choice = self.ask("[d]rop the oldest exchanges and go on, [n]ew session with the same system prompt, "
-                          "or [c]ancel? (a letter, then Enter; Enter alone drops) ", default="d")
+        choice = self.ask("[d]rop the oldest exchanges, [s]ummarize them (/compact), [n]ew session with the same "
+                          "system prompt, or [c]ancel? (a letter, then Enter; Enter alone drops; the conversation "
+                          "as it was stays a branch) ", default="d", choices="dsnc")
         if choice.startswith("d"):
             dropped = self.chat.drop_oldest(unsent)
-            self.say(f"dropped {dropped} old messages; the system prompt stays")
+            self.say(f"dropped {dropped} old messages; the system prompt stays (the whole conversation: /tree)")
             if unsent is None and dropped and self.chat.capabilities.can("continue"):
                 self.turn(self.chat.continue_reply, room_made=True)  # the reply the context cut goes on
                 return
+        elif choice.startswith("s"):
+            from quipu.app.compact import compact, summarize
+
+            summary = summarize(self.chat)
+            self.say(Dim(shown(summary, lines=True)))
+            made = compact(self.chat, summary)
+            self.say(f"compacted into branch {made} ({self.chat.context_used} tokens of context; the whole "
+                     "conversation: /tree)")
         elif choice.startswith("n"):
             BY_NAME["new"].handler(self, "")
         else:
@@ -183,9 +194,7 @@ class Repl:
     def handle(self, line: str) -> None:
         editing, self.editing = self.editing, None
         if editing is not None and line.strip() and not line.strip().startswith("/"):
-            import functools
-
-            self.turn(functools.partial(self.chat.edit, n=editing[0]), line)
+            editing[0](line)
         elif line.strip().startswith("/"):
             command, arg = parse_command(line)
             if command is None:

@@ -18,7 +18,7 @@ class Repl(Protocol):
 
     chat: ChatSession
     term: Terminal
-    editing: tuple[int | None, str] | None  # (/edit in a terminal: which message, its text, in the next prompt)
+    editing: tuple[Callable[[str], None], str] | None  # (a text waiting in the next prompt, and what takes it)
 
     def say(self, text: str) -> None: ...
     def need(self, arg: str, usage: str) -> str: ...
@@ -135,8 +135,28 @@ def _edit(repl: "Repl", arg: str) -> None:
         raise UsageError("usage: /edit [N] TEXT (in a terminal, /edit [N] puts your message in the prompt to edit)")
     if n is not None and not 1 <= n <= len(yours):
         raise UsageError(f"/edit takes which of your {len(yours)} messages (1 is the first), not {n}")
-    repl.editing = (n, yours[(n or len(yours)) - 1])
+    repl.editing = (lambda text: repl.turn(functools.partial(repl.chat.edit, n=n), text), yours[(n or len(yours)) - 1])
     repl.say("edit it and press Enter: the reply goes on from there as a new branch (Ctrl-C leaves it as it was)")
+
+
+def _compact(repl: "Repl", arg: str) -> None:
+    from quipu.app.compact import compact, summarize
+    from quipu.shown import shown
+
+    repl.say("summarizing the older exchanges (the last ones stay as they are)...")
+    summary = summarize(repl.chat, arg.strip() or None)
+
+    def done(text: str) -> None:
+        made = compact(repl.chat, text)
+        repl.say(f"compacted into branch {made} ({repl.chat.context_used} tokens of context); "
+                 "the conversation as it was stays a branch (/tree, /switch)")
+
+    if repl.term.stdin_tty:
+        repl.editing = (done, summary)
+        repl.say("the summary waits in the prompt: change it if you like, and press Enter (Ctrl-C: no compaction)")
+    else:
+        repl.say(shown(summary, lines=True))
+        done(summary)
 
 
 def _tree(repl: "Repl", _arg: str) -> None:
@@ -310,6 +330,9 @@ COMMANDS: list[SlashCommand] = [
     SlashCommand("edit", "[N] [TEXT]", "say your N-th message (the last by default) again, changed: the reply goes "
                                        "on from there as a new branch; without TEXT, edit it in the prompt", _edit),
     SlashCommand("tree", "", "the conversation's branches, the current one marked", _tree),
+    SlashCommand("compact", "[INSTRUCTIONS]", "a new branch: the older exchanges summarised by the model (you may "
+                                              "edit it), the last ones as they were; the original stays a branch",
+                 _compact),
     SlashCommand("switch", "ID|parent|next|prev", "go to another branch, its context restored exactly", _switch),
     SlashCommand("continue", "", "keep generating the last reply (or run its calls left waiting)", _continue),
     SlashCommand("system", "TEXT", "set the system prompt (empty removes it)", _system),

@@ -21,7 +21,7 @@ from quipu.errors import QuipuError, UsageError
 from quipu.paths import open_private, private_dir
 
 BUSY_MS = 2000
-SCHEMA = 1
+SCHEMA = 2  # (2: `parent`, the answer one follows up)
 
 _TABLES = """
 CREATE TABLE IF NOT EXISTS answers (
@@ -43,7 +43,8 @@ CREATE TABLE IF NOT EXISTS answers (
     completion_tokens INTEGER,
     cached_tokens INTEGER,
     timings TEXT,
-    session TEXT
+    session TEXT,
+    parent INTEGER
 );
 CREATE INDEX IF NOT EXISTS answers_conversation ON answers (conversation, id);
 CREATE INDEX IF NOT EXISTS answers_at ON answers (at);
@@ -90,6 +91,7 @@ class Record:
     cached_tokens: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
     session: str | None = None
+    parent: int | None = None  # the answer this one follows up (a branch of its conversation from there)
     id: int | None = None
     at: float = 0.0
 
@@ -134,7 +136,7 @@ _SHAPES: dict[str, Any] = {
     "prompt": str, "answer": str, "model": str, "command": str, "conversation": str,
     **{k: (str, type(None)) for k in ("system", "reasoning", "fingerprint", "finish_reason", "session")},
     "tool_calls": list, "attachments": list, "options": dict, "timings": dict,
-    **{k: (int, type(None)) for k in ("prompt_tokens", "completion_tokens", "cached_tokens")},
+    **{k: (int, type(None)) for k in ("prompt_tokens", "completion_tokens", "cached_tokens", "parent")},
     "id": int, "at": (int, float),
 }
 
@@ -161,6 +163,8 @@ class Logbook:
             db.execute("PRAGMA synchronous = NORMAL")  # (WAL: a crash may lose the last record, never the file)
             if db.execute("PRAGMA user_version").fetchone()[0] != SCHEMA:
                 db.executescript(_TABLES)
+                if "parent" not in {c[1] for c in db.execute("PRAGMA table_info(answers)")}:  # (a log of before)
+                    db.execute("ALTER TABLE answers ADD COLUMN parent INTEGER")
                 db.execute(f"PRAGMA user_version = {SCHEMA}")
         except (sqlite3.Error, OSError) as exc:
             raise LogError(f"the log of answers ({self.path}) cannot be opened: {_said(exc)}") from None
