@@ -305,3 +305,22 @@ def test_a_log_from_before_parents_is_read_and_written(tiny_model, tmp_path):
     r = _quipu(tmp_path, "run", "-m", tiny_model, "-n", "3", "--cid", "1", "And now?")
     assert r.returncode == 0, r.stderr.decode()
     assert "follows: #1 → #2" in _quipu(tmp_path, "logs", "show", "2").stdout.decode()
+
+
+def test_a_full_context_offers_to_summarize_and_keeps_the_whole_conversation(tiny_model, tmp_path, monkeypatch):
+    import io
+
+    from quipu.cli.repl import Repl
+    from quipu.cli.terminal import Terminal
+
+    chat = _chat(tmp_path, tiny_model, "f")
+    for q in QUESTIONS[:4]:
+        chat.send(q)
+    before = [m.content for m in chat.messages]
+    err = io.StringIO()
+    repl = Repl(chat, Terminal(io.StringIO(), io.StringIO(), err, False, False, False, False), chat.env)
+    monkeypatch.setattr(repl, "ask", lambda question, default, choices="dnc": "s")  # (the user's answer: summarize)
+    repl.context_full(None)
+    assert "compacted into branch 2" in err.getvalue() and len(chat.messages) < len(before)
+    assert chat.switch("1") == 1 and [m.content for m in chat.messages] == before
+    chat.close()
