@@ -8,7 +8,8 @@
   (where a reply goes as it is generated, and the one way to stop it); `Message`,
   `TurnPrompt`, `Generation`, `Stats`.
 - `inference.py`: `InferenceSession`, a local llama.cpp context: feeds prompts, infers the next
-  token, keeps stats, and snapshots or restores itself (`snapshot.py`: `Snapshot`); `reply_watch.py`, what
+  token, keeps stats, and snapshots or restores itself (`snapshot.py`: `Snapshot`); how its
+  context moves within its history, `context_moves.py`; `reply_watch.py`, what
   watches its reply as it comes (a reasoning budget, a call's trigger); `marks.py`, where a
   prompt is marked for a later one to part from it (a hybrid model's checkpoints).
 - `llama_server.py`: `LlamaServerSession`, a conversation's exact tokens on llama.cpp's

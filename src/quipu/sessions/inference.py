@@ -10,13 +10,14 @@ import time
 from dataclasses import replace
 from typing import Sequence
 
-from quipu.engine.base import MEDIA_BASE, Backend, LogitsProcessor, ProgressFn, TokenFilter
+from quipu.engine.base import Backend, LogitsProcessor, ProgressFn, TokenFilter
 from quipu.engine.text import unfinished_character
 from quipu.errors import ContextOverflow, EngineError, Interrupted, QuipuError
 from quipu.sessions.base import LOCAL, SILENT, Generation, ReplySink, Stats, ToolOffer, TurnPrompt, common_prefix
 from quipu.sessions.marks import plain_marks, reply_marks
 from quipu.sessions.params import SamplingParams, draw_seed
-from quipu.sessions.prompt import HeldTokens, Rendered, context_tokens
+from quipu.sessions.context_moves import ContextMoves
+from quipu.sessions.prompt import Rendered, context_tokens
 from quipu.sessions.reasoning import Thinking
 from quipu.sessions.reply_watch import Budget, CallWatch, reply_tokens
 from quipu.sessions.snapshot import Snapshot
@@ -25,7 +26,7 @@ from quipu.sessions.stops import ReplyText
 __all__ = ["InferenceSession", "Snapshot", "Generation", "Stats", "common_prefix"]
 
 
-class InferenceSession(HeldTokens):
+class InferenceSession(ContextMoves):
     """A context on a backend and the exact token history in it.
 
     `tokens` is everything logically in the context; the first `n_decoded` of them are in the
@@ -96,96 +97,6 @@ class InferenceSession(HeldTokens):
         self.backend.sampling.set_settings(params)  # a bad grammar is refused before anything changes
         self.params = params
         self._reset_sampler()  # a new grammar applies from the next reply on
-
-    def _reset_sampler(self) -> None:
-        n = self.params.repeat_last_n
-        self.backend.sampling.reset(self.tokens[-n:] if n else [])
-
-    def take_low_water(self) -> int:
-        """The fewest tokens the context has held since this was last taken (the cells before
-        it are as they were then: a save of what changed starts there); from now on it counts
-        from what the context holds."""
-        low, self._low_water = self._low_water, self.n_decoded
-        return low
-
-    def save_point(self, until: int | None) -> int:
-        """How many of the decoded tokens a save of the state holds: all of them, or, where the
-        next turn is known to keep only `until` of them and the state cannot go back a token,
-        as many as its checkpoint there holds (the rest would be read again anyway)."""
-        if until is None or until >= self.n_decoded or not self.backend.recurrent:
-            return self.n_decoded
-        return self.backend.rewinds_to(until) or self.n_decoded
-
-    @property
-    def holds_earlier(self) -> bool:
-        """Whether the context holds what an earlier session left, not taken yet (`take_held`)."""
-        return bool(self._held)
-
-    def take_held(self, tokens: Sequence[int], at_least: int = 0) -> int:
-        """Keeps of what an earlier session left in the context the beginning the prompt `tokens`
-        shares with it, as far back as a step of the prefill starts (as the prompt cache restores
-        one: what is read on computes as in a fresh read), where that is `at_least` tokens (what
-        the prompt cache would restore); else empties the context. Returns how many it kept."""
-        held, self._held = self._held, []
-        if not held:
-            return 0
-        keep = self.backend.step_start(min(common_prefix(tokens, held), len(tokens) - 1))
-        if keep < at_least or any(t >= MEDIA_BASE for t in held[:keep]):  # (a medium is this context's)
-            keep = 0
-        self.backend.truncate(keep)
-        keep = min(keep, self.backend.positions())  # (a recurrent state goes back to a checkpoint)
-        self.tokens, self.n_decoded, self._logits_at = list(held[:keep]), keep, -1
-        self._low_water = keep
-        self._reset_sampler()
-        return keep
-
-    def _drop_held(self) -> None:
-        if self._held:
-            self._held = []
-            self.backend.truncate(0)
-
-    def rewind(self, n_keep: int) -> None:
-        """Forgets the tokens from `n_keep` on, in the history, the KV cache and the penalty window."""
-        self._drop_held()
-        if n_keep >= len(self.tokens):
-            return
-        del self.tokens[n_keep:]
-        self._low_water = min(self._low_water, n_keep)
-        if self.n_decoded > n_keep:
-            self.backend.truncate(n_keep)
-            self.went_back = self.backend.last_rewind or self.went_back
-            # (a sliding-window cache that cannot go back so far keeps nothing: read again)
-            self.n_decoded = min(n_keep, self.backend.positions())
-            self._low_water = min(self._low_water, self.n_decoded)
-            self._logits_at = -1
-        self._reset_sampler()
-
-    def undecode(self, n: int) -> None:
-        """Keeps the tokens from `n` on but not their cells: they are read with the next prompt,
-        as a reply's last token is (a turn that read it, undone, leaves it as it was before)."""
-        if n >= self.n_decoded:
-            return
-        self._drop_held()
-        self.backend.truncate(n)
-        self.n_decoded = min(n, self.backend.positions())
-        self._low_water = min(self._low_water, self.n_decoded)
-        self._logits_at = -1
-
-    def shift_out(self, start: int, end: int) -> bool:
-        """Drops tokens [start, end) from the context, moving the cells after them down, where
-        the backend can (see `LlamaBackend.shift_refused`); False where it cannot (the caller
-        reads the rest again). The moved cells keep what they were computed from, the dropped
-        tokens included, as llama.cpp's own context shift does."""
-        refused = self.backend.shift_refused()
-        if refused or not 0 <= start < end <= self.n_decoded:
-            return False
-        self.backend.shift_out(start, end)
-        del self.tokens[start:end]
-        self.n_decoded -= end - start
-        self._low_water = min(self._low_water, start)
-        self._logits_at = -1
-        self._reset_sampler()
-        return True
 
     def begin_turn(self) -> None:
         """Starts the clock and the counters of a new turn."""
