@@ -182,6 +182,7 @@ def test_the_tree_from_the_command_line(tiny_model, tmp_path):
                                                                                 "Name a moon."]
     assert [(b["id"], b["current"]) for b in said["branches"]] == [(1, False), (2, True)]
     assert len([m for m in said["branches"][0]["messages"] if m["role"] == "user"]) == 4
+    assert "branch 2 of 2" in _quipu(tmp_path, "sessions", "show", "t").stdout.decode().splitlines()[0]
     r = _quipu(tmp_path, "run", "-S", "t", "--branch", "7", "-n", "4", "x")
     assert r.returncode == 2 and "has no branch 7 (it has 1, 2" in r.stderr.decode()
     # A branch made a session of its own.

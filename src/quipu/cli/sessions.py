@@ -55,7 +55,11 @@ def show(context: typer.Context, name: str = NAME) -> None:
     term = Terminal.detect()
     data = transcript(context.obj, name)
     # (escaped, even in a pipe; wrapped at words on a terminal, in a pipe each line as it is)
-    term.styled(shown(f"{data['name']} · {data['model']} · {data['context_tokens']} tokens · {data['updated']}"), "dim")
+    branches = data.get("branches") or []
+    on = next((b["id"] for b in branches if b["current"]), None)
+    where = f" · branch {on} of {len(branches)} (`quipu sessions tree {data['name']}`)" if branches else ""
+    term.styled(shown(f"{data['name']} · {data['model']} · {data['context_tokens']} tokens · {data['updated']}{where}"),
+                "dim")
     for m in data["messages"]:
         style = {"system": "magenta", "user": "bold cyan", "assistant": "bold green", "tool": "yellow"}.get(m["role"], "")
         term.styled("\n" + m["role"] + (f" ({shown(str(m['name']))})" if m["role"] == "tool" and m.get("name") else ""),
