@@ -4,6 +4,7 @@ projector written by the tests (clip.cpp reads it as Gemma 3's), paired with the
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -585,17 +586,23 @@ def test_a_reply_cut_in_a_turn_with_a_medium_goes_on_as_the_uninterrupted_one(qu
     assert more["usage"]["cached_tokens"] == more["usage"]["prompt_tokens"] - 1  # (nothing read again)
 
 
-def test_an_image_whose_exchange_was_undone_leaves_the_media_folder(quipu, vision, home):
-    red, blue = vision / "red.png", vision / "blue.png"
+def test_an_image_stays_while_a_branch_names_it_and_leaves_with_the_last_session(quipu, vision, home):
+    red = vision / "red.png"
     one = chat(home, vision, f"/attach {red}\nWhat is it?\n/undo\nhello\n", "-S", "undone")
     assert len([line for line in one if line]) == 2
     folder = session_files(home)
     record = json.loads((folder / "undone.json").read_text())
-    assert record["media"] == [] and not list((folder / "media").iterdir())
-    # Kept where another session still names it; the session goes on, and takes images again.
-    chat(home, vision, f"/attach {blue}\nWhat is it?\n", "-S", "other")
-    chat(home, vision, f"/attach {blue}\nWhat is it?\n/undo\n", "-S", "undone")
+    # The current branch holds none; the exchange /undo took back is a branch, which holds it.
+    assert record["media"] == []
+    assert [m["name"] for b in record["tree"]["branches"] for m in b.get("media", [])] == ["red.png"]
     assert len(list((folder / "media").iterdir())) == 1
-    r = quipu("run", "-m", vision / "tiny.gguf", "-t", "0", "-n", "4", "--json", "-S", "undone", "-a", red, "And?")
+    # The current branch made a session of its own, the original removed: nothing names it (an
+    # hour later: a medium written in the last minutes may be a turn's still saving).
+    assert quipu("sessions", "fork", "undone", "plain", "--branch", record["tree"]["current"]["id"]).returncode == 0
+    for path in (folder / "media").iterdir():
+        os.utime(path, (path.stat().st_atime - 3600, path.stat().st_mtime - 3600))
+    assert quipu("sessions", "rm", "undone").returncode == 0
+    assert not list((folder / "media").iterdir())
+    r = quipu("run", "-m", vision / "tiny.gguf", "-t", "0", "-n", "4", "--json", "-S", "plain", "-a", red, "And?")
     assert r.returncode == 0, r.stderr.decode()
-    assert [m["name"] for m in json.loads((folder / "undone.json").read_text())["media"]] == ["red.png"]
+    assert [m["name"] for m in json.loads((folder / "plain.json").read_text())["media"]] == ["red.png"]
