@@ -183,6 +183,10 @@ def test_the_tree_from_the_command_line(tiny_model, tmp_path):
     assert [(b["id"], b["current"]) for b in said["branches"]] == [(1, False), (2, True)]
     assert len([m for m in said["branches"][0]["messages"] if m["role"] == "user"]) == 4
     assert "branch 2 of 2" in _quipu(tmp_path, "sessions", "show", "t").stdout.decode().splitlines()[0]
+    # A chat opened on a branch, then switched: it stays where it was switched to.
+    r = _quipu(tmp_path, "chat", "-S", "t", "--branch", "1", "-n", "4", input=b"/tree\n/switch 2\n/tree\n")
+    trees = [line for line in r.stderr.decode().splitlines() if '"Name a' in line]
+    assert r.returncode == 0 and trees[0].startswith("* 1") and trees[3].lstrip().startswith("*"), r.stderr.decode()
     r = _quipu(tmp_path, "run", "-S", "t", "--branch", "7", "-n", "4", "x")
     assert r.returncode == 2 and "has no branch 7 (it has 1, 2" in r.stderr.decode()
     # A branch made a session of its own.

@@ -85,6 +85,7 @@ class ChatSession:
             chat._follows = history.parent if history is not None else None
             chat._switch(chat._name_to_open(name, resume_latest), on_progress,
                          kept=keep_unnamed or name is not None or resume_latest)
+            chat.opts = replace(chat.opts, branch=None)  # (--branch chose where it opens; no later /load's)
             if history is not None:
                 chat._named.conversation.extend(history.messages)
         except BaseException:
