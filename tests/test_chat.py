@@ -538,7 +538,7 @@ def test_a_reply_the_context_cut_goes_on_once_room_is_made(tmp_path, bundled_mod
         r.safely("Write a long story about a cat and a dog, with many details.")
         said = err.getvalue()
         assert "the context is full (128 of 128 tokens)" in said and "dropped 2 old messages" in said, said
-        assert "or [c]ancel? (a letter, then Enter; Enter alone drops)" in said  # (it is no single-key question)
+        assert "or [c]ancel? (a letter, then Enter; Enter alone drops;" in said  # (it is no single-key question)
         assert len(seen) == 1 and [m.role for m in chat.messages if m.role != "system"] == ["user", "assistant"]
         reply = chat.messages[-1].content
         assert reply.startswith(seen[0]) and len(reply) > len(seen[0]), said  # the same reply, gone on

@@ -156,7 +156,7 @@ def test_a_follow_up_goes_on_with_the_last_answer_without_a_name(quipu, home):
     listed = quipu("logs").stdout.decode()
     assert f"#{second['id']}  " in listed and f"(follows #{first['id']})" in listed and listed.count("(follows") == 1
     alone = quipu("logs", "-n", "1", "-q", '"What is my name"').stdout.decode()
-    assert f"(in the conversation of #{first['id']})" in alone
+    assert f"(follows #{first['id']})" in alone  # (alone in the listing: the answer it follows, by its id)
     # The chat goes on with it too, as a new session, and its turns join that conversation.
     r = quipu("chat", *SHORT, "--cid", str(second["id"]), input="Say my name.\n")
     assert r.returncode == 0, r.stderr.decode()
