@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from quipu.errors import UsageError
+from quipu.sessions.base import common_prefix
 from quipu.store.branches import Branch
 
 
@@ -31,15 +32,6 @@ class BranchRow:
         return dict(self.__dict__)
 
 
-def _shared(a: Sequence[object], b: Sequence[object]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def rows(current: Branch, others: Sequence[Branch]) -> list[BranchRow]:
     """The branches in the order a tree shows them: each under the older branch it shares the
     most messages with, its children after it, oldest first."""
@@ -48,7 +40,7 @@ def rows(current: Branch, others: Sequence[Branch]) -> list[BranchRow]:
     for i, b in enumerate(everyone):
         best: tuple[int | None, int] = (None, 0)
         for older in everyone[:i]:
-            n = _shared(older.messages, b.messages)
+            n = common_prefix(older.messages, b.messages)
             if best[0] is None or n > best[1]:
                 best = (older.id, n)
         under[b.id] = best

@@ -330,16 +330,21 @@ class ChatSession:
     def edit(self, text: str, n: int | None = None, sink: ReplySink = SILENT, hooks: ToolHooks | None = None) -> Answer:
         """Your `n`-th message (the last by default) said as `text` instead: the reply goes on
         from before it, a new branch; the conversation as it was stays one /switch away."""
-        conv = self._named.conversation
-        yours = [i for i, m in enumerate(conv.messages) if m.role == "user"]
+        at = self.yours(n)
+        self._named.stash()
+        self._named.conversation.back_to(at)
+        self._follows = None
+        return self.send(text, sink, hooks)
+
+    def yours(self, n: int | None = None) -> int:
+        """Where your `n`-th message is (the last by default) among the messages; UsageError
+        where there is none such to edit."""
+        yours = [i for i, m in enumerate(self.messages) if m.role == "user"]
         if not yours:
             raise UsageError("nothing to edit yet: no message of yours")
         if n is not None and not 1 <= n <= len(yours):
             raise UsageError(f"/edit takes which of your {len(yours)} messages (1 is the first), not {n}")
-        self._named.stash()
-        conv.back_to(yours[(n or len(yours)) - 1])
-        self._follows = None
-        return self.send(text, sink, hooks)
+        return yours[(n or len(yours)) - 1]
 
     def branches(self) -> tuple[Branch, list[Branch]]:
         """This branch and the others, whole."""

@@ -20,7 +20,7 @@ from quipu.sessions.base import Message, ModelSession
 from quipu.sessions.stops import read_escapes
 from quipu.sessions.conversation import Conversation, TurnSettings
 from quipu.sessions.toolspec import ToolSpec
-from quipu.store.branches import Branch, current_branch, next_id, other_branches, tree_field
+from quipu.store.branches import Branch, begins, current_branch, next_id, other_branches, tree_field
 from quipu.store.store import SessionStore, validate_name
 from quipu.store.transcript import Transcript, now_iso
 
@@ -204,8 +204,7 @@ class NamedSession:
         /retry, an /undo) makes a new branch, and this one stays one /switch away. (A branch
         that only begins another is not kept apart: nothing of it would be lost.)"""
         here = self.current(self.record())
-        if any(len(o.messages) >= len(here.messages) and o.messages[:len(here.messages)] == here.messages
-               for o in self.others):
+        if any(begins(here, o) for o in self.others):
             return
         self.others.append(here)
         self.branch = (self.next_branch, here.id, now_iso())

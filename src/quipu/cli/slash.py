@@ -128,14 +128,10 @@ def _edit(repl: "Repl", arg: str) -> None:
     if text:
         repl.turn(functools.partial(repl.chat.edit, n=n), text)
         return
-    yours = [m.content for m in repl.chat.messages if m.role == "user"]
-    if not yours:
-        raise UsageError("nothing to edit yet: no message of yours")
+    at = repl.chat.yours(n)
     if not repl.term.stdin_tty:
         raise UsageError("usage: /edit [N] TEXT (in a terminal, /edit [N] puts your message in the prompt to edit)")
-    if n is not None and not 1 <= n <= len(yours):
-        raise UsageError(f"/edit takes which of your {len(yours)} messages (1 is the first), not {n}")
-    repl.editing = (lambda text: repl.turn(functools.partial(repl.chat.edit, n=n), text), yours[(n or len(yours)) - 1])
+    repl.editing = (lambda text: repl.turn(functools.partial(repl.chat.edit, n=n), text), repl.chat.messages[at].content)
     repl.say("edit it and press Enter: the reply goes on from there as a new branch (Ctrl-C leaves it as it was)")
 
 

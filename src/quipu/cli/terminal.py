@@ -364,7 +364,8 @@ def tree_lines(rows: "Sequence[BranchRow]", columns: int) -> list[str]:
         where = f"from exchange {r.leaves_at}: " if r.under is not None else ""
         tail = f"  {r.turns} turn{'' if r.turns == 1 else 's'}, {r.tokens} tokens, {local_time(r.updated)}"
         room = max(12, columns - len(head) - len(tail) - 4)
-        out.append(f"{head}  {fit(shown(where + chr(34) + r.first + chr(34)), room)}{tail}")
+        said = where + '"' + r.first + '"'
+        out.append(f"{head}  {fit(shown(said), room)}{tail}")
     return out
 
 

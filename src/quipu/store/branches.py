@@ -78,14 +78,14 @@ def kept_apart(current: Branch, others: Sequence[Branch]) -> list[Branch]:
     or are the current's (nothing of them would be lost), the first of two the same."""
     out: list[Branch] = []
     for b in others:
-        if _begins(b, current) or any(o is not b and _begins(b, o) and len(o.messages) > len(b.messages)
-                                      for o in others) or any(_begins(b, o) for o in out):
+        if begins(b, current) or any(o is not b and begins(b, o) and len(o.messages) > len(b.messages)
+                                     for o in others) or any(begins(b, o) for o in out):
             continue
         out.append(b)
     return out
 
 
-def _begins(b: Branch, o: Branch) -> bool:
+def begins(b: Branch, o: Branch) -> bool:
     """Whether `b`'s messages are the first of `o`'s."""
     return _shared(o.messages, b.messages) == len(b.messages)
 
