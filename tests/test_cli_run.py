@@ -200,38 +200,12 @@ def test_ctrl_c_stops_generation_keeps_the_text_and_exits_130(home):
 
 
 def test_a_long_prompt_shows_a_progress_bar_on_a_terminal_stderr_only(home):
-    import os
-    import pty
+    from pty_run import on_a_terminal
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
-    env.update(QUIPU_HOME=str(home), COLUMNS="100")
     doc = ("The river runs through the valley and every town along it was built at a ford. " * 120).encode()
-    leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "quipu", "run", "-n", "2", "Summarize:"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=follower, env=env)
-    os.close(follower)
-    chunks: list[bytes] = []
-
-    def drain() -> None:  # a terminal that is not read from blocks its writer
-        while True:
-            try:
-                chunk = os.read(leader, 65536)
-            except OSError:
-                return
-            if not chunk:
-                return
-            chunks.append(chunk)
-
-    import threading
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
-    out, _ = proc.communicate(doc, timeout=300)
-    reader.join(timeout=10)
-    os.close(leader)
-    seen = b"".join(chunks)
-    assert proc.returncode == 0
-    assert b"reading the prompt" in seen
+    code, seen, out = on_a_terminal(home, "run", "-n", "2", "Summarize:", stdout_too=False, stdin=doc)
+    assert code == 0
+    assert "reading the prompt" in seen
     assert b"reading the prompt" not in out and b"\x1b" not in out
 
 

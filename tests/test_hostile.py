@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from limits import memory_limited
+from pty_run import on_a_terminal
 from tinymodel import write_tiny_gguf
 
 
@@ -606,40 +607,9 @@ def test_the_command_line_writes_only_through_its_one_writer():
     assert found == []
 
 
-def _pty_run(home, tiny_model, *args):
-    """`quipu ARGS` with stdout and stderr on a pseudo-terminal: what a terminal was given."""
-    import pty
-    import threading
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
-    env.update(QUIPU_HOME=str(home), COLUMNS="100")
-    leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "quipu", *args], stdin=subprocess.DEVNULL, stdout=follower,
-                            stderr=follower, env=env)
-    os.close(follower)
-    chunks: list[bytes] = []
-
-    def drain() -> None:  # (a terminal that is not read from blocks its writer)
-        while True:
-            try:
-                chunk = os.read(leader, 65536)
-            except OSError:
-                return
-            if not chunk:
-                return
-            chunks.append(chunk)
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
-    proc.wait(timeout=120)
-    reader.join(timeout=10)
-    os.close(leader)
-    return proc.returncode, b"".join(chunks).decode("utf-8", "replace")
-
-
 def test_show_prompt_escapes_outside_text_on_a_terminal_and_gives_a_pipe_the_exact_prompt(quipu, home, tiny_model):
-    code, seen = _pty_run(home, tiny_model, "run", "-m", tiny_model, "--show-prompt", "-s", "sys\x1b]0;owned\x07",
-                          "clear\x1b[2J it\u202e")
+    code, seen, _ = on_a_terminal(home, "run", "-m", tiny_model, "--show-prompt", "-s", "sys\x1b]0;owned\x07",
+                                  "clear\x1b[2J it\u202e")
     assert code == 0 and "sys\\x1b]0;owned\\x07" in seen and "clear\\x1b[2J it\\u202e" in seen
     assert "\x1b]0;" not in seen and "\x1b[2J" not in seen and "\u202e" not in seen
     piped = quipu("run", "-m", tiny_model, "--show-prompt", "-s", "sys\x1b]0;owned\x07", "clear\x1b[2J it")
