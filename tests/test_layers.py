@@ -16,7 +16,8 @@ ALLOWED = {
     "sessions": {"engine"},
     "store": set(),
     "app": {"sessions", "store", "engine"},
-    "cli": {"app"},
+    "serve": {"app", "sessions"},
+    "cli": {"app", "serve"},
 }
 
 
@@ -51,7 +52,7 @@ def test_the_shared_modules_import_no_layer():
 def test_every_package_says_where_things_live():
     for package in ALLOWED:
         doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
-        if package != "cli":
+        if package not in ("cli",):
             modules = {p.stem for p in (ROOT / package).glob("*.py")} - {"__init__"}
             assert doc and all(f"{m}.py" in doc for m in modules), package
 

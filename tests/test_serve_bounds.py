@@ -126,12 +126,13 @@ def test_past_the_requests_that_wait_a_request_is_refused_as_busy_at_once(home, 
     import threading
 
     from quipu.app.environment import Environment
-    from quipu.app.serve import MAX_WAITING, ReplySink, Served
-    from quipu.app.serve_plan import RequestError, chat_request
     from quipu.app.turn_options import TurnOptions
+    from quipu.serve.plan import RequestError, chat_request
+    from quipu.serve.pool import MAX_WAITING, Pool
+    from quipu.sessions.base import ReplySink
 
-    served = Served(Environment.load({"QUIPU_HOME": str(home)}), TurnOptions.of({"model": str(tiny_model)}),
-                    [str(tiny_model)], parallel=parallel)
+    served = Pool(Environment.load({"QUIPU_HOME": str(home)}), TurnOptions.of({"model": str(tiny_model)}),
+                  [str(tiny_model)], parallel=parallel)
     plan = served.plan({"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 4}, chat_request)
     go = threading.Event()
     started = threading.Semaphore(0)
@@ -146,12 +147,19 @@ def test_past_the_requests_that_wait_a_request_is_refused_as_busy_at_once(home, 
                 started.release()
             go.wait(60)
 
-    answered = [threading.Thread(target=served.chat, args=(plan, Held())) for _ in range(parallel)]
+    def request(sink):  # (as the HTTP side does: counted in at arrival, out after its last byte)
+        release = served.admit()
+        try:
+            served.chat(plan, sink)
+        finally:
+            release()
+
+    answered = [threading.Thread(target=request, args=(Held(),)) for _ in range(parallel)]
     for t in answered:
         t.start()
     for _ in answered:  # (each is answered at once, beside the others)
         assert started.acquire(timeout=60)
-    waiting = [threading.Thread(target=served.chat, args=(plan, ReplySink())) for _ in range(MAX_WAITING)]
+    waiting = [threading.Thread(target=request, args=(ReplySink(),)) for _ in range(MAX_WAITING)]
     for t in waiting:
         t.start()
     try:
@@ -159,14 +167,14 @@ def test_past_the_requests_that_wait_a_request_is_refused_as_busy_at_once(home, 
         while served.requests < parallel + MAX_WAITING and not pause.wait(0.01):  # (until every place is taken)
             pass
         with pytest.raises(RequestError) as refused:
-            served.room()
+            served.admit()
         assert refused.value.status == 503 and "busy" in str(refused.value)
     finally:
         go.set()
         for t in [*answered, *waiting]:
             t.join(60)
         served.close()
-    served.room()  # (and the places are given back)
+    served.admit()()  # (and the places are given back)
 
 
 def test_a_body_that_never_comes_in_whole_is_let_go(monkeypatch):
@@ -175,8 +183,8 @@ def test_a_body_that_never_comes_in_whole_is_let_go(monkeypatch):
 
     from starlette.requests import Request
 
-    from quipu.app.serve_plan import RequestError
-    from quipu.cli import serve
+    from quipu.serve import http as serve
+    from quipu.serve.plan import RequestError
 
     monkeypatch.setattr(serve, "BODY_S", 0.2)
     sent = []

@@ -20,6 +20,8 @@ from typing import Any, Mapping
 MAX_SEED = 2**63 - 1
 C_INT = 2**31 - 1  # what a C int holds: llama.cpp's counts are ints, past this a value wraps into another
 MAX_WINDOW = 1 << 20  # the longest repeat-penalty window (llama.cpp keeps a ring of it: past this, memory)
+MAX_STOPS = 16  # stop strings a turn may have (each is looked for after every token)
+MAX_STOP_CHARS = 1000  # the longest stop string
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class Option:
     ollama: str | None = None  # its name in an Ollama-style request's options
     server: str | None = None  # its name in llama-server's /completion request
     bounds: Bounds | None = None
+    most: int | None = None  # the most values an option given more than once takes (a request's list)
 
     @property
     def spelled(self) -> str:
@@ -160,6 +163,14 @@ _ALL = (
     _option("repeat_penalty", "--repeat-penalty", kind=float, help="1 is off (default: 1.1).", group="generation",
             sampling=True, config=float, role=True, row=True, logged=True, settable=float, request="repeat_penalty",
             ollama="repeat_penalty", server="repeat_penalty", bounds=Bounds(0, low_open=True, note="1 turns it off")),
+    _option("presence_penalty", "--presence-penalty", kind=float, help="Lower a token that came already by this much, "
+            "once (OpenAI's; 0 is off, the default).", group="generation", sampling=True, config=float, role=True,
+            row=True, logged=True, settable=float, request="presence_penalty", ollama="presence_penalty",
+            server="presence_penalty", bounds=Bounds(-2, 2, note="0 turns it off")),
+    _option("frequency_penalty", "--frequency-penalty", kind=float, help="Lower a token by this much each time it "
+            "came (OpenAI's; 0 is off, the default).", group="generation", sampling=True, config=float, role=True,
+            row=True, logged=True, settable=float, request="frequency_penalty", ollama="frequency_penalty",
+            server="frequency_penalty", bounds=Bounds(-2, 2, note="0 turns it off")),
     _option("repeat_last_n", kind=int, sampling=True, config=int, settable=int, server="repeat_last_n",
             ollama="repeat_last_n", bounds=Bounds(0, MAX_WINDOW, note="the tokens a repeat penalty looks back on")),
     _option("seed", "--seed", kind=int, help="Random seed: the same seed, the same reply (default: a random one).",
@@ -167,7 +178,7 @@ _ALL = (
             ollama="seed", bounds=Bounds(0, MAX_SEED)),
     _option("stop", "--stop", multiple=True, help="Stop at this text (repeatable); it is not printed.",
             group="generation", config=tuple, role=True, row=True, logged=True, settable=str, request="stop",
-            ollama="stop"),
+            ollama="stop", most=MAX_STOPS),
     _option("ctx", "--ctx", help="Context size in tokens, or auto: the model's whole training length as far as "
             "memory allows (default: the model's, at most 4096).", metavar="N|auto", group="generation",
             feature="context_settings", config=object, role=True, logged=True),

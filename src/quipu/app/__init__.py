@@ -30,11 +30,10 @@ Every turn, named session and chat is written once, for every host a model can r
   `branches.py`, its branches as the tree a user sees, and what `/switch` takes; `compact.py`,
   room in a long conversation: a message that never fits refused, the older exchanges
   summarised into a branch of their own.
-- `serve.py`: `quipu serve`'s work without HTTP: the models served, loaded and unloaded after
-  their keep-alive, each request answered by one turn, its context kept in the prompt cache;
-  `serve_plan.py`: what an OpenAI-style or Ollama-style request asks, read and checked (its
-  plan, messages, tools, texts to embed); `serve_bodies.py`: the replies in each API's shapes;
-  `logprobs.py`: each drawn token's log probability, recorded as the reply is drawn.
+- `served.py`: a server's request (`quipu serve`, its package `quipu/serve/`) answered through
+  the one turn path, on a slot of the model the server holds (`SlotHost`), as a one-shot or a
+  named session's turn; `logprobs.py`: each drawn token's log probability, recorded as the reply
+  is drawn and given with each piece.
 - `batch.py`: `quipu run --batch`: rows read, planned and answered side by side, in order.
 - `manage.py`: `quipu sessions ...` over the store.
 - `embed.py`: `quipu embed`.

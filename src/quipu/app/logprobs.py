@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
+from quipu.app.answer import Answer
+from quipu.sessions.base import ReplySink
+
 if TYPE_CHECKING:
     from quipu.engine.base import Backend
+    from quipu.sessions.inference import InferenceSession
 
 
 class Logprobs:
@@ -43,12 +47,57 @@ class Logprobs:
             token = history[at]
             self.drawn.append((token, float(lsm[token]), top))
 
-    def entries(self, backend: Backend) -> list[dict[str, Any]]:
-        """Each drawn token in the OpenAI chat API's shape: its text, bytes, log probability and
-        the likeliest tokens beside it."""
+    @staticmethod
+    def spelled(backend: Backend, drawn: Sequence[tuple[int, float, list[tuple[int, float]]]]
+                ) -> list[dict[str, Any]]:
+        """Drawn tokens in the OpenAI chat API's shape: each one's text, bytes, log probability
+        and the likeliest tokens beside it."""
         def spelled(token: int, logprob: float) -> dict[str, Any]:
             raw = backend.token_bytes(token)
             return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
 
         return [{**spelled(token, logprob), "top_logprobs": [spelled(t, lp) for t, lp in top]}
-                for token, logprob, top in self.drawn if not backend.is_eog(token)]  # (the end is no text)
+                for token, logprob, top in drawn if not backend.is_eog(token)]  # (the end is no text)
+
+
+class Recorded(ReplySink):
+    """A reply's sink (`sink`) with the log probabilities of the tokens `session` draws given
+    before each piece that holds them (`ReplySink.logprobs`), as OpenAI streams them; `finish`
+    puts them all in the answer."""
+
+    def __init__(self, sink: ReplySink, session: InferenceSession, top: int):
+        self.sink, self.session = sink, session
+        self.recorder = Logprobs(top)
+        self._given = 0
+        session.logits_processors.insert(0, self.recorder)  # (first: the model's own logits)
+
+    def _flush(self) -> None:
+        self.recorder.done(self.session.tokens)
+        new = self.recorder.drawn[self._given:]
+        if new:
+            self._given = len(self.recorder.drawn)
+            self.sink.logprobs(self.recorder.spelled(self.session.backend, new))
+
+    def text(self, piece: str) -> None:
+        self._flush()
+        self.sink.text(piece)
+
+    def reasoning(self, piece: str) -> None:
+        self._flush()
+        self.sink.reasoning(piece)
+
+    def control(self, spelling: str) -> None:
+        self.sink.control(spelling)
+
+    def progress(self, done: int, total: int) -> None:
+        self.sink.progress(done, total)
+
+    def stopped(self) -> bool:
+        return self.sink.stopped()
+
+    def finish(self, answer: Answer) -> Answer:
+        """`answer` with every drawn token's log probability; those no piece carried yet go to the sink."""
+        self._flush()
+        self.session.logits_processors.remove(self.recorder)
+        answer.logprobs = self.recorder.spelled(self.session.backend, self.recorder.drawn)
+        return answer

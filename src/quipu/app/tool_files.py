@@ -234,8 +234,9 @@ def messages_from_file(path: str, media: list[Attachment] | None = None) -> list
     return messages_of(read_json_file(path, "messages file"), Path(path).expanduser(), media)
 
 
-def messages_of(data: Any, file: Path, media: list[Attachment] | None = None) -> list[Message]:
-    """`messages_from_file` of what a file (or a request, `file` naming it in errors) holds."""
+def messages_of(data: Any, file: Path, media: list[Attachment] | None = None, fetch: bool = True) -> list[Message]:
+    """`messages_from_file` of what a file (or a request, `file` naming it in errors) holds;
+    `fetch` False (a server's request): a medium given as a link is refused, never fetched."""
     from quipu.sessions.base import Message
     from quipu.sessions.reasoning import FIELDS
 
@@ -250,7 +251,7 @@ def messages_of(data: Any, file: Path, media: list[Attachment] | None = None) ->
             raise UsageError(f"{file}: {where} is {kind(m)}, not a message ({{\"role\", \"content\"}})")
         if m.get("role") not in ("system", "user", "assistant", "tool"):
             raise UsageError(f"{file}: {where}.role is not system, user, assistant or tool")
-        content = _content(m.get("content"), f"{where}.content", file, media)
+        content = _content(m.get("content"), f"{where}.content", file, media, fetch)
         calls = _calls(m.get("tool_calls"), f"{where}.tool_calls", file) if m.get("tool_calls") else None
         ident = _text(m.get("tool_call_id"), f"{where}.tool_call_id", file)
         name = _text(m.get("name"), f"{where}.name", file)
@@ -277,7 +278,7 @@ def placed(messages: Sequence[Message], marks: Sequence[str]) -> list[Message]:
     return [dataclasses.replace(m, content=marked(m.content)) for m in messages]
 
 
-def _content(content: Any, where: str, file: Path, media: list[Any] | None = None) -> str:
+def _content(content: Any, where: str, file: Path, media: list[Any] | None = None, fetch: bool = True) -> str:
     """A message's content: text, or a list of parts (text joined; media, with `media`, read
     there: see `messages_from_file`)."""
     if content is None:
@@ -295,7 +296,7 @@ def _content(content: Any, where: str, file: Path, media: list[Any] | None = Non
             from quipu.app.attachments import check_room, check_total
 
             check_room(media, f"{file}: a messages file")
-            media.append(_medium(part, kind_of, f"{where}[{j}]", file))
+            media.append(_medium(part, kind_of, f"{where}[{j}]", file, fetch))
             check_total(media, f"{file}: a messages file")
             texts.append(media_placeholder(len(media) - 1))
             continue
@@ -306,9 +307,9 @@ def _content(content: Any, where: str, file: Path, media: list[Any] | None = Non
     return "".join(t for t in texts if t)
 
 
-def _medium(part: dict[str, Any], kind_of: str, where: str, file: Path) -> Attachment:
-    """An image or a recording of a messages file: a data URL's bytes, base64 ones, or what an
-    http(s) URL serves."""
+def _medium(part: dict[str, Any], kind_of: str, where: str, file: Path, fetch: bool = True) -> Attachment:
+    """An image or a recording of a messages file: a data URL's bytes, base64 ones, or (`fetch`)
+    what an http(s) URL serves."""
     import base64
     import binascii
 
@@ -319,6 +320,9 @@ def _medium(part: dict[str, Any], kind_of: str, where: str, file: Path) -> Attac
         if isinstance(given, dict) else given
     if not isinstance(value, str) or not value:
         raise UsageError(f"{file}: {where}.{kind_of} has no url or data")
+    if "://" in value[:40] and not fetch:
+        raise UsageError(f"{file}: {where}.{kind_of} is a link; give the {'image' if kind_of == 'image_url' else 'recording'}'s bytes as a data "
+                         "URL (data:...;base64,...) or base64: no link is fetched")
     if value.startswith(("http://", "https://")):
         found = read_attachment(value)
     else:

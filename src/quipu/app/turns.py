@@ -6,7 +6,7 @@ session, on whichever host the model runs, and what such a turn would feed the m
 from __future__ import annotations
 
 from contextlib import closing
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TYPE_CHECKING, Callable, Sequence
 
 from quipu.app.answer import Answer
@@ -102,18 +102,34 @@ def attached(opts: TurnOptions, host: Capabilities, stopped: Callable[[], bool] 
     return files, media
 
 
+@dataclass(frozen=True)
+class Given:
+    """A conversation given whole in memory (a server's request), where `--messages` reads one
+    from a file: its messages, and the images and recordings they hold (each where
+    `tool_files.media_placeholder` stands in a message)."""
+
+    messages: Sequence[Message]
+    media: Sequence[Attachment] = ()
+
+
 def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost, sink: ReplySink,
               on_result: Callable[[Answer], None] | None, tools: OpenTools | None = None,
               hooks: ToolHooks | None = None, files: Sequence[Attachment] = (),
-              media: Sequence[Attachment] = (), history: Sequence[Message] = ()) -> Answer:
-    if not prompt and not opts.messages and not media and not files:
+              media: Sequence[Attachment] = (), history: Sequence[Message] = (), given: Given | None = None,
+              logprobs: int | None = None) -> Answer:
+    """A one-shot turn, from its options to its answer; `given`, a conversation given whole;
+    `logprobs`, each drawn token's log probability recorded (with so many likeliest beside it)."""
+    if not prompt and not opts.messages and not media and not files and given is None:
         raise BadInput("no prompt: give one as an argument or on standard input")
     limit, stop = max_tokens(opts, env), stop_strings(opts, env)
-    turn, ask = _one_shot_turn(prompt, opts, env, host, files, media, history, tools, hooks)
+    turn, ask = _one_shot_turn(prompt, opts, env, host, files, media, history, tools, hooks, given)
     try:
         if ask.text:
             turn.session.check_text_fits(ask.text)
-        answer = turn.answer(ask, limit, stop, sink)
+        recorded = with_logprobs(turn.session, sink, logprobs)
+        answer = turn.answer(ask, limit, stop, recorded or sink)
+        if recorded is not None:
+            recorded.finish(answer)
         if on_result is not None:
             on_result(answer)  # the answer is out before the cache is written
         return turn.remember(answer)
@@ -121,14 +137,29 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
         turn.session.close()
 
 
+def with_logprobs(session: ModelSession, sink: ReplySink, top: int | None) -> Any:
+    """`sink` with each drawn token's log probability given before its piece (`top` likeliest
+    beside it; None: not asked for, and None is returned)."""
+    if top is None:
+        return None
+    from quipu.app.logprobs import Recorded
+    from quipu.sessions.inference import InferenceSession
+
+    assert isinstance(session, InferenceSession)  # (a server's requests run on a local model)
+    return Recorded(sink, session, top)
+
+
 def _one_shot_turn(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost,
                    files: Sequence[Attachment], media: Sequence[Attachment], history: Sequence[Message],
-                   tools: OpenTools | None, hooks: ToolHooks | None = None) -> tuple[Turn, Ask]:
+                   tools: OpenTools | None, hooks: ToolHooks | None = None,
+                   given: Given | None = None) -> tuple[Turn, Ask]:
     """A one-shot run's turn (its session open: the caller closes it), and what it asks: the
     prompt with what is attached to it; --messages' last message's reply (or its last reply
     continued); or a plain completion (--raw)."""
     source = chat_template_source(opts)
     messages, theirs = file_messages(opts, host.capabilities)
+    if given is not None:
+        messages, theirs = list(given.messages), list(given.media)
     messages = messages or list(history)
     opened = host.create(opts, env, media=[*media, *theirs])
     ours = "".join(opened.media_marks[:len(media)])
@@ -175,7 +206,7 @@ def _conversation(session: ModelSession, opts: TurnOptions, env: Environment, so
     if follows:
         conv = Conversation.start(session, system_prompt(opts, env), template=source, messages=list(messages),
                                   settings=settings)
-    elif not opts.messages:
+    elif not messages:
         conv = Conversation.start(session, system_prompt(opts, env), template=source, settings=settings)
     else:
         from quipu.app.tool_files import placed
@@ -189,20 +220,28 @@ def _conversation(session: ModelSession, opts: TurnOptions, env: Environment, so
 
 def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost,
                      sink: ReplySink = SILENT, tools: OpenTools | None = None, hooks: ToolHooks | None = None,
-                     files: Sequence[Attachment] = (), media: Sequence[Attachment] = ()) -> Answer:
+                     files: Sequence[Attachment] = (), media: Sequence[Attachment] = (), *,
+                     request: SessionRequest | None = None) -> Answer:
     """`quipu run --session NAME` (see run_turn): continue or create the session, run one turn,
     save it (a reply cut short by a failing server is saved with what came); `files` and
-    `media`, what its message carries."""
-    name = check_session_turn(prompt, opts, bool(media or files))
+    `media`, what its message carries. `request`: a server's request instead of a prompt (its
+    messages go on from the session's; its own options are not kept by the session; the turn is
+    kept only where its reply was not stopped)."""
+    name = check_session_turn(prompt, opts, bool(media or files)) if request is None else validate_name(opts.session or "")
     store = store_for(env)
     store.clean_temporaries()
     with store.lock(name):
-        named = NamedSession.open(store, name, opts, env, host, sink.reading)
+        named = NamedSession.open(store, name, request.own if request is not None else opts, env, host, sink.reading)
         try:
-            turn, ask = _session_turn(named, prompt, opts, files, media, tools, hooks)
+            own = request.take(named, opts, env) if request is not None else None
+            turn, ask = _session_turn(named, prompt, opts, files, media, tools, hooks,
+                                      request.sent if request is not None else None)
             limit, stop = named.reply_limits(opts, env)
+            if request is not None and opts.max_tokens is not None:
+                limit = max_tokens(opts, env)  # (a request's own length, not the session's)
+            recorded = with_logprobs(named.session, sink, request.logprobs if request is not None else None)
             try:
-                answer = turn.answer(ask, limit, stop, sink)
+                answer = turn.answer(ask, limit, stop, recorded or sink)
             except ContextOverflow as exc:
                 if named.session.used < exc.n_ctx // 2:
                     raise  # the prompt alone is too long
@@ -210,7 +249,12 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
                     f"session '{name}' is full; continue it with a larger --ctx, or free room with /trim "
                     f"in `quipu chat -S {name}`"
                 )) from None
-            named.save()
+            if recorded is not None:
+                recorded.finish(answer)
+            if own is not None:
+                own()
+            if request is None or not sink.stopped():
+                named.save()
         finally:
             named.close()
     return replace(answer, notices=list(named.notices))  # (the session's, its save's included)
@@ -218,10 +262,18 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
 
 def _session_turn(named: NamedSession, prompt: str | None, opts: TurnOptions, files: Sequence[Attachment],
                   media: Sequence[Attachment], tools: OpenTools | None = None,
-                  hooks: ToolHooks | None = None) -> tuple[Turn, Ask]:
+                  hooks: ToolHooks | None = None, sent: Sequence[Message] | None = None) -> tuple[Turn, Ask]:
     """A session's turn, and what it asks: the results of its calls (--tool-result), its last
-    reply continued (--continue), calls left waiting run (no prompt), or the prompt with what is
-    attached to it."""
+    reply continued (--continue), calls left waiting run (no prompt), the prompt with what is
+    attached to it, or (`sent`, a server's request) the reply to the messages sent past the
+    session's."""
+    if sent is not None:
+        conv = named.conversation
+        new = going_on(conv.messages, sent, named.name)
+        offer(conv, tools, opts.tool_options)
+        conv.messages.extend(new)
+        turn = Turn(named.session, named.keeper, conv, opts.tool_options, named=named, tools=tools)
+        return turn, Ask("continue" if new[-1].role == "assistant" else "answer")
     marks = named.keeper.take_media(named.session, named.store, media) if media else ""
     if files or media:
         prompt = compose(named.conversation, prompt, files, marks)
@@ -233,6 +285,59 @@ def _session_turn(named: NamedSession, prompt: str | None, opts: TurnOptions, fi
     if opts.continue_reply:
         return turn, Ask("continue")
     return turn, Ask("send", prompt) if prompt else Ask("resume")
+
+
+@dataclass
+class SessionRequest:
+    """A server's request as a turn of a named session: the options the session is opened with
+    (`own`: the server's, which the session keeps), the messages the request sends (`sent`: the
+    session's, then new ones), and the log probabilities it asks for. The request's own sampling
+    options, schema and tools hold for its turn alone (`take`)."""
+
+    own: TurnOptions
+    sent: Sequence[Message]
+    logprobs: int | None = None
+
+    def take(self, named: NamedSession, opts: TurnOptions, env: Environment) -> Callable[[], None]:
+        """Gives the session the request's options for this turn; what sets its own back (before it is saved)."""
+        from quipu.app.turn_options import sampling_params, with_logit_biases
+
+        session, conv = named.session, named.conversation
+        params, settings = session.params, conv.settings
+        from quipu.sessions.inference import InferenceSession
+
+        assert isinstance(session, InferenceSession)  # (a server's requests run on a local model)
+        asked = with_logit_biases(sampling_params(opts, env, params), session.backend, opts)
+        if asked != params:
+            session.set_params(asked)
+
+        def back() -> None:
+            conv.settings = settings.but(reasoning_budget=conv.settings.reasoning_budget)
+            if session.params != params:
+                session.set_params(params)
+        return back
+
+
+class SessionConflict(UsageError):
+    """A request whose messages do not go on from its session's."""
+
+
+def going_on(held: Sequence[Message], sent: Sequence[Message], name: str) -> list[Message]:
+    """The messages a request sends past session `name`'s (`held`), which it must begin with:
+    the same roles, texts and calls (a reply's reasoning, which clients leave out, aside)."""
+    def same(a: Message, b: Message) -> bool:
+        calls = [[(c["function"]["name"], c["function"]["arguments"]) for c in m.tool_calls or ()] for m in (a, b)]
+        return a.role == b.role and a.content.strip() == b.content.strip() and calls[0] == calls[1]
+
+    for i, (mine, theirs) in enumerate(zip(held, sent, strict=False)):
+        if not same(mine, theirs):
+            raise SessionConflict(f"messages[{i}] differs from message {i} of session '{name}' ({mine.role}: "
+                                  f"{mine.content[:60]!r}): send the session's messages as they are, then the new "
+                                  "ones")
+    if len(sent) <= len(held):
+        raise SessionConflict(f"the messages hold nothing past the {len(held)} of session '{name}': send the new "
+                              "message after them")
+    return list(sent[len(held):])
 
 
 def check_session_turn(prompt: str | None, opts: TurnOptions, media: bool = False) -> str:

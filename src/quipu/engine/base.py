@@ -95,6 +95,8 @@ class SamplerSettings:
     min_p: float = 0.05
     repeat_penalty: float = 1.1
     repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     grammar: Grammar | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
 

@@ -34,16 +34,20 @@ class SamplerChain:
         if settings.logit_bias:
             biases = (lc.llama_logit_bias * len(settings.logit_bias))(*settings.logit_bias)
             add(lc.llama_sampler_init_logit_bias(n_vocab, len(settings.logit_bias), biases))
-        if settings.repeat_penalty != 1.0 and settings.repeat_last_n != 0:
-            # The penalty looks every candidate up in its window: over a large vocabulary that
-            # costs more than the rest of the chain (1.2 ms a token of Gemma 3's 262k). Above 1
-            # it lowers at most one token a window position, so the k it leaves on top are among
-            # the k + window on top before it: those are kept first, and the draw is the same.
+        penalized = settings.repeat_penalty != 1.0 or settings.presence_penalty != 0 or settings.frequency_penalty != 0
+        if penalized and settings.repeat_last_n != 0:
+            # The penalties look every candidate up in their window: over a large vocabulary that
+            # costs more than the rest of the chain (1.2 ms a token of Gemma 3's 262k). Where they
+            # only lower tokens, they lower at most one a window position, so the k they leave on
+            # top are among the k + window on top before them: those are kept first, and the draw
+            # is the same.
             kept = 1 if settings.temperature <= 0 else settings.top_k
-            if (settings.repeat_penalty > 1.0 and kept > 0 and settings.repeat_last_n > 0
-                    and kept + settings.repeat_last_n < n_vocab):
+            lowers = settings.repeat_penalty >= 1.0 and settings.presence_penalty >= 0 \
+                and settings.frequency_penalty >= 0
+            if lowers and kept > 0 and settings.repeat_last_n > 0 and kept + settings.repeat_last_n < n_vocab:
                 add(lc.llama_sampler_init_top_k(kept + settings.repeat_last_n))
-            add(lc.llama_sampler_init_penalties(n_vocab, settings.repeat_last_n, settings.repeat_penalty, 0.0, 0.0))
+            add(lc.llama_sampler_init_penalties(n_vocab, settings.repeat_last_n, settings.repeat_penalty,
+                                                settings.frequency_penalty, settings.presence_penalty))
         if settings.temperature <= 0:
             add(lc.llama_sampler_init_greedy())
             self.draws = False

@@ -107,6 +107,10 @@ class ReplySink:
     def progress(self, done: int, total: int) -> None:
         pass
 
+    def logprobs(self, entries: list[dict[str, Any]]) -> None:
+        """The log probabilities of the tokens drawn since the last piece, given before the
+        piece that holds them (where a request asked for them: `app/logprobs.py`)."""
+
     def stopped(self) -> bool:
         return False
 

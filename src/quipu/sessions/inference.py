@@ -38,13 +38,15 @@ class InferenceSession(ContextMoves):
     backend: Backend
 
     def __init__(self, backend: Backend, params: SamplingParams | None = None, *, draws: int = 0,
-                 stats: Stats | None = None, held: Sequence[int] = ()):
+                 stats: Stats | None = None, held: Sequence[int] = (), borrowed: bool = False):
         """A session on an empty context; `draws`: how many draws its seed has made (a session
         read again from its transcript goes on with them); `stats`: its figures so far (the
         model's load). `held`: what an earlier session on the backend left in its context (a
         server's last request), which the first prompt may take (`take_held`); anything else
-        empties it first."""
+        empties it first. `borrowed`: the backend is another's (a server's slot), which closing
+        this session leaves open."""
         super().__init__(backend)
+        self._borrowed = borrowed
         self.params = (params or SamplingParams()).resolved()
         self.n_decoded = 0
         self.draws = draws
@@ -89,7 +91,8 @@ class InferenceSession(ContextMoves):
         return b"".join(self.backend.token_text(t) for t in tokens).decode("utf-8", "replace")
 
     def close(self) -> None:
-        self.backend.close()
+        if not self._borrowed:
+            self.backend.close()
 
     def set_params(self, params: SamplingParams) -> None:
         """New sampling parameters; the penalty window is kept."""

@@ -1,12 +1,11 @@
-"""`quipu serve`'s work, without HTTP: the models a server answers with, loaded at the first
-request that names one and unloaded after its keep-alive (one at a time), and each request's
-answer, one turn (`turn.Turn`) as `quipu run --messages` answers it. After each answer the
-conversation's context joins the prompt cache, on disk: a request whose messages go on from an
-earlier conversation restores it and reads only what is new, after a restart too, and its answer
-is the one a fresh read gives. Requests are answered one at a time, or with `parallel` up to so
-many at once, each on a slot of the model's (a sequence of one context they share, decoded
-together: `engine/llama_shared.py`); a few more wait, and past them a request is refused as
-busy. What a request asks is `serve_plan`'s; the bodies of the replies, `serve_bodies`'."""
+"""The pool: every request a server holds, counted from its arrival to its reply's last byte
+(`admit`: past `parallel` answered and `MAX_WAITING` waiting, refused as busy before any body),
+the models it answers with, loaded at the first request that names one and unloaded after their
+keep-alive (one at a time), and the slots a loaded model answers on (with `parallel`, sequences
+of one context they share, decoded together: `engine/llama_shared.py`). Each request is answered
+on a slot through the one turn path (`app/served.py`); after it, the conversation's context joins
+the prompt cache, so the next request that goes on from it restores it. Nothing here runs on the
+event loop: the HTTP side calls in from threads of its own."""
 
 from __future__ import annotations
 
@@ -14,25 +13,16 @@ import dataclasses
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from quipu.app.answer import Answer
 from quipu.app.environment import Environment
-from quipu.app.serve_plan import FOREVER, ChatRequest, Keep, RequestError
-from quipu.app.tools import OpenTools, Toolbox, offer
-from quipu.app.turn import Ask, Turn
-from quipu.app.turn_options import TurnOptions, chat_template_source, max_tokens, stop_strings, template_variables
-from quipu.sessions.base import ReplySink as ReplySink  # (the HTTP side's sinks are made of it)
-from quipu.sessions.base import Stats, common_prefix
-from quipu.sessions.conversation import Conversation, TurnSettings
-from quipu.sessions.inference import InferenceSession
+from quipu.app.served import Loaded, Request, Slot, SlotHost, answer_request, session_request
+from quipu.app.turn_options import TurnOptions
+from quipu.serve.plan import FOREVER, ChatRequest, Keep, RequestError
+from quipu.sessions.base import ReplySink, common_prefix
 
-if TYPE_CHECKING:
-    from quipu.app.local import LocalKeeper
-    from quipu.engine.base import Backend
-    from quipu.engine.llama import LlamaBackend
 
 MAX_WAITING = 8  # requests waiting for the model beside those it answers; past them: busy
 MAX_PARALLEL = 64  # requests a model may answer at once (`--parallel`)
@@ -41,43 +31,6 @@ KEEP_ALIVE = 300.0  # seconds a model stays loaded after its last request, unles
 
 def busy() -> RequestError:
     return RequestError("the server is busy: too many requests wait; try again soon", 503, "server_busy")
-
-
-@dataclass(eq=False)
-class Slot:
-    """Where a request is answered: a context of the model loaded (with `--parallel`, a sequence
-    of the one they share), what it holds (the last request's prompt and answer, for the next:
-    `held`), and what that request said (`said`: its messages and its answer, by which the next
-    request that goes on from them is sent back here)."""
-
-    backend: LlamaBackend
-    held: list[int] = field(default_factory=list)
-    said: tuple[tuple[str, str], ...] = ()
-    busy: bool = False
-    used: float = 0.0  # when it was last taken (`time.monotonic`)
-
-
-@dataclass
-class Loaded:
-    """A model loaded, its slots (the first on `backend`), and until when (`time.monotonic`;
-    None: for good) it stays so."""
-
-    name: str
-    path: Path
-    backend: Backend
-    keeper: LocalKeeper
-    until: float | None = None
-    slots: list[Slot] = field(default_factory=list)
-
-    @property
-    def expires(self) -> float | None:
-        """`until` as wall-clock time (what /api/ps shows)."""
-        return None if self.until is None else time.time() + (self.until - time.monotonic())
-
-    def close(self) -> None:
-        for slot in self.slots[1:]:  # (the sequences before the context they share)
-            slot.backend.close()
-        self.backend.close()
 
 
 def said_of(asked: ChatRequest) -> tuple[tuple[str, str], ...]:
@@ -96,15 +49,15 @@ def affinity(slot: Slot, said: tuple[tuple[str, str], ...]) -> int:
     return common_prefix(slot.said, said)
 
 
-class Served:
+class Pool:
     """The models a server answers with: `models` (`-m`; none: the default model), the first
     the default of a request that names none, and any other this machine has by its name
     (`quipu models list`); `base`, the server's own options; `keep`, how long a model stays
-    loaded after a request (seconds, or `FOREVER`)."""
+    loaded after a request (seconds, or `FOREVER`); `say`, where a line for the server's log goes."""
 
     def __init__(self, env: Environment, base: TurnOptions, models: Sequence[str | None] = (),
-                 keep: Keep = KEEP_ALIVE, parallel: int = 1):
-        self.env, self.base, self.keep, self.parallel = env, base, keep, parallel
+                 keep: Keep = KEEP_ALIVE, parallel: int = 1, say: Callable[[str], None] = lambda line: None):
+        self.env, self.base, self.keep, self.parallel, self.say = env, base, keep, parallel, say
         self.served: dict[str, Path] = {}
         self._aliases: dict[str, str] = {}  # what else names a served model: as -m gave it, its file
         for requested in models or [base.model]:
@@ -114,6 +67,7 @@ class Served:
                 if alias:
                     self._aliases.setdefault(alias, name)
         self.model = next(iter(self.served))
+        self.stopping = threading.Event()  # set as the server stops: every reply ends at its next token
         # Up to `parallel` requests on the model loaded at a time, each on a slot of its own; a
         # load or an unload alone.
         self._turns = threading.Condition()
@@ -121,8 +75,32 @@ class Served:
         self._switching = False  # a model is being loaded or unloaded
         self._loaded: Loaded | None = None
         self._timer: threading.Timer | None = None
+        self._asked_keep: Keep = None  # the keep-alive the last request that gave one asked for
         self._counted = threading.Lock()
-        self._requests = 0  # those held now: those answered and those waiting
+        self._requests = 0  # those held now: answered, waiting, or sending their reply
+
+    # ---- admission --------------------------------------------------------------------------
+
+    @property
+    def requests(self) -> int:
+        """How many requests are held now, from their arrival to their reply's last byte."""
+        return self._requests
+
+    def admit(self) -> Callable[[], None]:
+        """Counts a request in, or refuses it as busy where `parallel` are answered and
+        `MAX_WAITING` wait already; what counts it out (once its reply's last byte is out)."""
+        with self._counted:
+            if self._requests >= self.parallel + MAX_WAITING:
+                raise busy()
+            self._requests += 1
+        released = threading.Event()
+
+        def release() -> None:
+            if not released.is_set():
+                released.set()
+                with self._counted:
+                    self._requests -= 1
+        return release
 
     # ---- which model ----------------------------------------------------------------------
 
@@ -154,7 +132,7 @@ class Served:
                            "`quipu models list` names the others)", 404, "model_not_found")
 
     def plan(self, body: Mapping[str, Any], make: Callable[[Mapping[str, Any], TurnOptions], ChatRequest]) -> ChatRequest:
-        """What a request asks (`make` reads it: `serve_plan.chat_request`, ...), for the model it
+        """What a request asks (`make` reads it: `plan.chat_request`, ...), for the model it
         names; checked before anything is loaded (`RequestError`)."""
         name, _ = self.pick(body.get("model"))
         return dataclasses.replace(make(body, self.base), model=name)
@@ -165,24 +143,33 @@ class Served:
 
     # ---- answers --------------------------------------------------------------------------
 
-    def chat(self, asked: ChatRequest, sink: ReplySink) -> Answer:
+    def chat(self, asked: ChatRequest, sink: ReplySink, ident: str = "") -> Answer:
         """Answers a request (`asked`, with its model: `ChatRequest.model`) into `sink` (which
-        says when its client has gone), once the model has room; the answer is logged unless
-        the server was told not to."""
+        says when its client has gone), once the model has room, on a slot of its; what the turn
+        says goes to the server's log (`ident`, the request's id), and the answer is logged
+        unless the server was told not to."""
+        request = Request(asked.opts, asked.messages, asked.media, asked.prompt, asked.tools, asked.logprobs)
         with self._held(asked.model or self.model, asked.keep, asked.opts) as (loaded, load_s, notices):
-            if asked.session is not None:
-                answer = self._session_turn(asked, loaded, asked.session, sink)
-            else:
-                with self._slot(loaded, asked) as slot:
-                    answer = self._answer(asked, loaded, slot, load_s, sink)
-            answer.notices[:0] = notices
+            with self._slot(loaded, asked) as slot:
+                host = SlotHost(slot.backend, loaded.backend, loaded.keeper, load_s, notices, slot.held)
+                slot.held, slot.said = [], ()  # (until this request is answered: what the context holds is this one's)
+                if asked.session is not None:
+                    answer = session_request(host, asked.session, request, self.base, self.env, sink)
+                else:
+                    answer = answer_request(host, request, self.env, sink)
+                    session = host.session
+                    if session is not None and session.backend.positions() == session.n_decoded:
+                        slot.held = session.tokens[:session.n_decoded]
+                        slot.said = said_of(asked) + (("assistant", answer.text),)
         from quipu.app.answer_log import log_answer
 
         said = asked.prompt or next((m.content for m in reversed(asked.messages) if m.role == "user"), "")
         _, unlogged = log_answer(self.env, asked.opts.logged, "serve", said, answer, system=answer.system,
-                              unkept=sum(m.role != "system" for m in asked.messages) > 1)
+                                 unkept=sum(m.role != "system" for m in asked.messages) > 1)
         if unlogged:
             answer.notices.append(unlogged)
+        for notice in answer.notices:
+            self.say(f"{ident}: {notice}" if ident else notice)
         return answer
 
     def embed(self, model: str, texts: list[str], keep: Keep = None) -> tuple[list[list[float]], int, float]:
@@ -208,40 +195,24 @@ class Served:
             pass
         return self._loaded is not None
 
-    @property
-    def requests(self) -> int:
-        """How many requests are held now: those answered, and those waiting."""
-        return self._requests
-
-    def room(self) -> None:
-        """Refuses a request at once, before its reply begins, where it would be refused as busy
-        (`_held`): `MAX_WAITING` requests wait already."""
-        if self._requests >= self.parallel + MAX_WAITING:
-            raise busy()
-
     @contextmanager
     def _held(self, model: str | None, keep: Keep, opts: TurnOptions) -> Iterator[tuple[Any, float, list[str]]]:
-        """`model` loaded and held for one request, once it has room (past `MAX_WAITING`
-        waiting: busy); with it, how long loading it took and what loading said. None: no model,
-        the one loaded held as it is (if any). Then the model stays loaded for `keep` (None: the
-        server's keep-alive) after the last request it answers."""
-        with self._counted:
-            if self._requests >= self.parallel + MAX_WAITING:
-                raise busy()
-            self._requests += 1
+        """`model` loaded and held for one request (counted in already: `admit`), once it has
+        room; with it, how long loading it took and what loading said. None: no model, the one
+        loaded held as it is (if any). Then the model stays loaded for the keep-alive the last
+        request that gave one asked for (else the server's) after the last request it answers."""
+        loaded, load_s, notices = self._enter(model, opts)
         try:
-            loaded, load_s, notices = self._enter(model, opts)
-            try:
-                yield loaded, load_s, notices
-            finally:
-                with self._turns:
-                    self._active -= 1
-                    if self._active == 0:
-                        self._kept(self.keep if keep is None else keep)
-                    self._turns.notify_all()
+            yield loaded, load_s, notices
         finally:
-            with self._counted:
-                self._requests -= 1
+            with self._turns:
+                self._active -= 1
+                if keep is not None:
+                    self._asked_keep = keep
+                if self._active == 0:
+                    self._kept(self.keep if self._asked_keep is None else self._asked_keep)
+                    self._asked_keep = None
+                self._turns.notify_all()
 
     def _enter(self, model: str | None, opts: TurnOptions) -> tuple[Any, float, list[str]]:
         """Waits for room on `model` (another model loaded: for its requests to be done, then
@@ -249,6 +220,8 @@ class Served:
         with self._turns:
             while True:
                 loaded = self._loaded
+                if self.stopping.is_set():
+                    raise RequestError("the server is stopping", 503, "server_busy")
                 if not self._switching:
                     if (model is None or (loaded is not None and loaded.name == model)) and self._active < self.parallel:
                         self._active += 1
@@ -286,97 +259,6 @@ class Served:
             slot.backend.done_reading()
             with self._turns:
                 slot.busy = False
-
-    def _answer(self, asked: ChatRequest, loaded: Loaded, slot: Slot, load_s: float, sink: ReplySink) -> Answer:
-        session = self._session(asked.opts, slot, load_s)
-        slot.held, slot.said = [], ()  # (until this request is answered: what the context holds is this one's)
-        answer = self._turn(asked, session, loaded.keeper, [], sink)
-        if session.backend.positions() == session.n_decoded:
-            slot.held = session.tokens[:session.n_decoded]
-            slot.said = said_of(asked) + (("assistant", answer.text),)
-        return answer
-
-    def _turn(self, asked: ChatRequest, session: InferenceSession, keeper: LocalKeeper, notices: list[str],
-              sink: ReplySink) -> Answer:
-        if asked.logprobs is None:
-            return self._reply(asked, session, keeper, notices, sink)
-        from quipu.app.logprobs import Logprobs
-
-        recorder = Logprobs(asked.logprobs)
-        session.logits_processors.insert(0, recorder)  # (first: the model's own logits)
-        answer = self._reply(asked, session, keeper, notices, sink)
-        recorder.done(session.tokens)
-        answer.logprobs = recorder.entries(session.backend)
-        return answer
-
-    def _reply(self, asked: ChatRequest, session: InferenceSession, keeper: LocalKeeper, notices: list[str],
-               sink: ReplySink) -> Answer:
-        opts, messages = asked.opts, asked.messages
-        limit, stop = max_tokens(opts, self.env), stop_strings(opts, self.env)
-        if asked.prompt is not None:  # (a plain completion)
-            turn = Turn(session, keeper, None, opts.tool_options, notices=notices)
-            return turn.remember(turn.answer(Ask("raw", asked.prompt), limit, stop, sink))
-        if asked.media:  # (the projector is loaded into the model's context once, and kept)
-            from quipu.app.local_media import with_projector
-            from quipu.app.tool_files import placed
-
-            marks = with_projector(session.backend, session.backend.model_path, opts.mmproj, list(asked.media),
-                                   self.env.dirs.checked_projectors)
-            messages = placed(messages, marks)
-        conv = Conversation.start(session, None, template=chat_template_source(opts), messages=messages,
-                                  settings=TurnSettings().but(variables=template_variables(opts)))
-        tools = self._offered(conv, asked)
-        turn = Turn(session, keeper, conv, opts.tool_options, tools=tools, notices=notices)
-        answer = turn.answer(Ask("continue" if messages[-1].role == "assistant" else "answer"), limit, stop, sink)
-        return turn.remember(answer)
-
-    def _session_turn(self, asked: ChatRequest, loaded: Loaded, name: str, sink: ReplySink) -> Answer:
-        """A turn of the quipu session `name`: its context restored exactly, the messages the
-        request sends past the session's added (it must begin with them), the reply, and the
-        session saved; `quipu chat -S NAME` goes on from there, and a request from that."""
-        from quipu.app.local import LocalHost
-        from quipu.app.named import NamedSession, store_for
-        from quipu.app.serve_plan import going_on
-
-        if asked.media:
-            raise RequestError("X-Quipu-Session: a session's turn over the API takes no images or recordings yet")
-        store = store_for(self.env)
-        # (a new session's system prompt is the request's own first message)
-        opts = dataclasses.replace(asked.opts, model=str(loaded.path), session=name,
-                                   system=asked.opts.system if store.exists(name) else "")
-        with store.lock(name):  # (its context: one of its own, on the model loaded)
-            named = NamedSession.open(store, name, opts, self.env, LocalHost(loaded.backend))
-            try:
-                conv = named.conversation
-                new = going_on(conv.messages, asked.messages, name)
-                tools = self._offered(conv, asked)
-                conv.messages.extend(new)
-                turn = Turn(named.session, named.keeper, conv, opts.tool_options, named=named, tools=tools)
-                limit, stop = named.reply_limits(opts, self.env)
-                answer = turn.answer(Ask("continue" if new[-1].role == "assistant" else "answer"), limit, stop, sink)
-                named.save()
-            finally:
-                named.close()
-        return answer
-
-    @staticmethod
-    def _offered(conv: Conversation, asked: ChatRequest) -> OpenTools | None:
-        """The request's tools, offered to the conversation (its reasoning effort set too)."""
-        conv.set_reasoning(effort=asked.opts.reasoning_effort)
-        tools = OpenTools(Toolbox({t.spec.name: t for t in asked.tools})) if asked.tools else None
-        offer(conv, tools, asked.opts.tool_options)
-        return tools
-
-    def _session(self, opts: TurnOptions, slot: Slot, load_s: float) -> InferenceSession:
-        """A fresh session on a slot, as a lone run's, but that its context still holds the last
-        request's, which the prompt may take (the prompt cache's memory: `PromptCache.warm`)."""
-        from quipu.app.placing import placement_of
-        from quipu.app.turn_options import sampling_params, with_logit_biases
-
-        backend = slot.backend
-        params = with_logit_biases(sampling_params(opts, self.env), backend, opts)
-        stats = Stats(load_s=load_s, placement=placement_of(backend))
-        return InferenceSession(backend, params, stats=stats, held=slot.held)
 
     # ---- loading and unloading (the lock held) ----------------------------------------------
 
@@ -429,9 +311,21 @@ class Served:
             self._loaded.close()
             self._loaded = None
 
-    def close(self) -> None:
-        """Frees the model (the server is stopping)."""
+    def stop(self) -> None:
+        """The server is stopping: every reply ends at its next token, and no request waits on."""
+        self.stopping.set()
+        with self._turns:
+            self._turns.notify_all()
+
+    def close(self, wait_s: float = 2.0) -> None:
+        """Frees the model once the requests it answers are done (the server is stopping; each
+        ends at its next token): one still busy after `wait_s` (a load) leaves it to the process's end."""
+        self.stop()
+        deadline = time.monotonic() + wait_s
         with self._turns:
             if self._timer is not None:
                 self._timer.cancel()
-            self._unload()
+            while (self._active or self._switching) and time.monotonic() < deadline:
+                self._turns.wait(max(0.0, deadline - time.monotonic()))
+            if not self._active and not self._switching:
+                self._unload()

@@ -1,5 +1,6 @@
-"""The bodies of `quipu serve`'s replies, in the shapes the OpenAI API and Ollama's give them:
-an answer whole or a piece of it, its usage, an error, embeddings, and the models (listed, shown,
+"""The wire: the bodies of `quipu serve`'s replies, in the shapes the OpenAI API and Ollama's give
+them: an answer whole or a piece of it, its usage, an error (the one place a failure is given its
+status: a client's error a 4xx, 500 for quipu's own), embeddings, and the models (listed, shown,
 loaded)."""
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from quipu.app.answer import Answer
-from quipu.app.serve_plan import RequestError
-from quipu.errors import QuipuError, UsageError
+from quipu.serve.plan import RequestError
+from quipu.app.turns import SessionConflict
+from quipu.errors import QuipuError, SessionLocked, UsageError
+from quipu.sessions.template import TemplateRefused
 
 if TYPE_CHECKING:
-    from quipu.app.serve import Loaded
+    from quipu.app.served import Loaded
 
 FINISH = {"stop": "stop", "length": "length", "context_full": "length", "interrupted": "stop",
           "tool_calls": "tool_calls"}
@@ -46,17 +49,18 @@ def chat_logprobs(answer: Answer) -> dict[str, Any] | None:
     return None if answer.logprobs is None else {"content": answer.logprobs}
 
 
-def text_logprobs(answer: Answer) -> dict[str, Any] | None:
-    """A completion choice's `logprobs`, in the older API's shape: the tokens, their log
-    probabilities, the likeliest beside each, and where each begins in the text."""
-    if answer.logprobs is None:
+def text_logprobs(entries: Sequence[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """A completion choice's `logprobs` (of its drawn tokens' `entries`), in the older API's
+    shape: the tokens, their log probabilities, the likeliest beside each, and where each begins
+    in the text."""
+    if entries is None:
         return None
     offsets, at = [], 0
-    for entry in answer.logprobs:
+    for entry in entries:
         offsets.append(at)
         at += len(entry["token"])
-    return {"tokens": [e["token"] for e in answer.logprobs], "token_logprobs": [e["logprob"] for e in answer.logprobs],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in answer.logprobs],
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
             "text_offset": offsets}
 
 
@@ -78,7 +82,7 @@ def openai_calls(answer: Answer, streamed: bool = False) -> list[dict[str, Any]]
 def text_completion(answers: Sequence[Answer], ident: str, created: int) -> dict[str, Any]:
     """The OpenAI completion of a plain prompt's answers, whole."""
     return {"id": ident, "object": "text_completion", "created": created, "model": answers[0].model,
-            "choices": [{"index": i, "text": a.text, "logprobs": text_logprobs(a),
+            "choices": [{"index": i, "text": a.text, "logprobs": text_logprobs(a.logprobs),
                          "finish_reason": FINISH.get(a.finish_reason, "stop")} for i, a in enumerate(answers)],
             "usage": usage(answers)}
 
@@ -96,7 +100,9 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """The status and OpenAI-shaped body of a failure (one line, never a traceback)."""
     if isinstance(exc, RequestError):
         status, kind = exc.status, exc.kind
-    elif isinstance(exc, UsageError):
+    elif isinstance(exc, (SessionConflict, SessionLocked)):
+        status, kind = 409, "conflict"  # (the session's turn is another's, or the messages are not its own)
+    elif isinstance(exc, (UsageError, TemplateRefused)):  # (the template refused the request's messages)
         status, kind = 400, "invalid_request_error"
     elif isinstance(exc, QuipuError):
         status, kind = 500, "server_error"

@@ -18,14 +18,19 @@ from quipu.app.attachments import Attachment
 from quipu.app.tooldefs import Tool
 from quipu.app.turn_options import TurnOptions
 from quipu.errors import UsageError
-from quipu.options import MAX_SEED, OPTIONS, SAMPLING, Option
+from quipu.options import MAX_SEED, MAX_STOP_CHARS, OPTIONS, SAMPLING, Option
 from quipu.sessions.base import Message
 
 # What a chat request may ask that this server does not do yet: refused, never dropped silently.
-NOT_YET = {"functions": "functions (the old name of tools: send tools)"}
+NOT_YET = {"functions": "functions (the old name of tools: send tools)", "function_call": "function_call (send "
+           "tools and tool_choice)", "audio": "audio replies", "prediction": "predicted outputs"}
 MAX_CHOICES = 8  # answers a request may ask for (`n`), each drawn in turn
 MAX_TOP_LOGPROBS = 20  # the likeliest tokens a reply's token may be given beside it (OpenAI's bound)
 MAX_INPUTS = 2048  # texts an embedding request may hold
+MAX_MESSAGES = 4096  # messages a request may hold
+MAX_LOGIT_BIASES = 1024  # tokens a request may bias
+MAX_TOOLS = 128  # tools a request may offer (OpenAI's bound)
+MAX_KEEP = 365 * 86400.0  # the longest keep-alive a request may ask for, in seconds (-1: for good)
 # How long a model stays loaded after a request: seconds, "forever" (-1), or the server's (None).
 Keep = Union[float, str, None]
 FOREVER = "forever"
@@ -54,7 +59,35 @@ def chat_plan(body: Mapping[str, Any], base: TurnOptions) -> TurnOptions:
     names = {name: o.request for name, o in OPTIONS.items() if o.request is not None}
     if body.get("max_completion_tokens") is not None:
         names["max_tokens"] = "max_completion_tokens"
-    return plan_of(body, names, base, response_schema(body.get("response_format")))
+    opts = plan_of(body, names, base, response_schema(body.get("response_format")))
+    biases = logit_bias(body.get("logit_bias"))
+    return dataclasses.replace(opts, logit_bias=biases) if biases else opts
+
+
+def logit_bias(given: Any, field: str = "logit_bias") -> tuple[str, ...]:
+    """A request's logit biases as `--logit-bias` takes them (TOKEN=BIAS): OpenAI's object of
+    token ids (as texts) and numbers, or llama-server's list of [token id or text, number or false
+    (banned)]."""
+    if given in (None, {}, []):
+        return ()
+    pairs = list(given.items()) if isinstance(given, dict) else given
+    if not isinstance(pairs, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+        raise RequestError(f"{field} must map token ids to numbers ({{\"15339\": -100}})")
+    if len(pairs) > MAX_LOGIT_BIASES:
+        raise RequestError(f"{field} holds {len(pairs)} tokens; at most {MAX_LOGIT_BIASES}")
+    specs = []
+    for token, bias in pairs:
+        if isinstance(token, int) and not isinstance(token, bool) and token >= 0:
+            token = str(token)
+        if not isinstance(token, str) or not token:
+            raise RequestError(f"{field}: a token is a token id or a text, not {str(token)[:40]!r}")
+        if bias is False:
+            bias = -math.inf
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias) \
+                or (math.isfinite(bias) and not -100 <= bias <= 100):
+            raise RequestError(f"{field}: token {token[:40]}'s bias must be a number from -100 to 100")
+        specs.append(f"{token}={bias}")
+    return tuple(specs)
 
 
 def ollama_plan(body: Mapping[str, Any], base: TurnOptions) -> TurnOptions:
@@ -124,6 +157,11 @@ def _checked(field: str, option: Option, value: Any) -> Any:
         texts = [value] if isinstance(value, str) else value
         if not isinstance(texts, list) or not all(isinstance(t, str) and t for t in texts):
             raise RequestError(f"{field} must be a text or a list of texts that are not empty")
+        if option.most is not None and len(texts) > option.most:
+            raise RequestError(f"{field} holds {len(texts)} texts; at most {option.most}")
+        longest = max(map(len, texts), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise RequestError(f"{field} holds a text of {longest} characters; at most {MAX_STOP_CHARS}")
         return tuple(texts)
     kind = option.kind
     if kind is str:
@@ -133,7 +171,10 @@ def _checked(field: str, option: Option, value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or (isinstance(value, float) and not math.isfinite(value)) or (kind is int and value != int(value)):
         raise RequestError(f"{field} must be {'an integer' if kind is int else 'a finite number'}, not {value!r}")
-    value = kind(value)
+    try:
+        value = kind(value)
+    except OverflowError:  # (an integer too large for a float)
+        raise RequestError(f"{field} must be a finite number, not one of {len(str(value))} digits") from None
     refused = option.bounds.refusal(field, value) if option.bounds is not None else None
     if refused is not None:
         raise RequestError(refused)
@@ -154,6 +195,8 @@ def request_tools(body: Mapping[str, Any], opts: TurnOptions) -> tuple[tuple[Too
         return (), opts
     if not isinstance(given, list):
         raise RequestError("tools must be a list of tools ({\"type\": \"function\", \"function\": ...})")
+    if len(given) > MAX_TOOLS:
+        raise RequestError(f"tools holds {len(given)} tools; at most {MAX_TOOLS} a request")
     if opts.schema is not None:
         raise RequestError("give tools or a response format, not both: a call is held to its tool's schema")
     try:
@@ -182,6 +225,8 @@ def chat_messages(body: Mapping[str, Any]) -> tuple[list[Message], tuple[Attachm
     if "messages" not in body:
         raise RequestError("messages: a chat request needs its messages")
     given = body["messages"]
+    if isinstance(given, list) and len(given) > MAX_MESSAGES:
+        raise RequestError(f"messages holds {len(given)} messages; at most {MAX_MESSAGES} a request")
     for i, m in enumerate(given if isinstance(given, list) else ()):
         parts = m.get("content") if isinstance(m, dict) else None
         for j, part in enumerate(parts if isinstance(parts, list) else ()):
@@ -192,7 +237,7 @@ def chat_messages(body: Mapping[str, Any]) -> tuple[list[Message], tuple[Attachm
                                    "(data:image/png;base64,...), not a link for it to fetch")
     media: list[Attachment] = []
     try:
-        messages = messages_of(given, Path("the request"), media)
+        messages = messages_of(given, Path("the request"), media, fetch=False)
     except UsageError as exc:
         raise RequestError(str(exc).replace("the request: ", "")) from None
     return messages, tuple(media)
@@ -249,9 +294,15 @@ def keep_alive(value: Any, where: str = "keep_alive") -> Keep:
                 raise RequestError(f"{where} must be a number of seconds or a duration such as 5m, 1h or 90s, not "
                                    f"{text[:40]!r}") from None
             value = sum(float(n) * UNITS[u] for n, u in spans) * (-1 if negative else 1)
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RequestError(f"{where} must be a number of seconds or a duration such as 5m, not {value!r}")
-    return FOREVER if value < 0 else float(value)
+    try:
+        value = float(value) if isinstance(value, (int, float)) else math.nan
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise RequestError(f"{where} must be a number of seconds or a duration such as 5m")
+    if value > MAX_KEEP:
+        raise RequestError(f"{where} must be at most {MAX_KEEP / 86400:.0f} days (or -1: loaded for good)")
+    return FOREVER if value < 0 else value
 
 
 def request_keep(body: Mapping[str, Any]) -> Keep:
@@ -347,32 +398,16 @@ def as_session_turn(asked: ChatRequest, name: str | None) -> ChatRequest:
     """`asked` as a turn of the quipu session `name` (a request's `X-Quipu-Session`; None: not one)."""
     if name is None:
         return asked
-    from quipu.store.store import validate_name
+    from quipu.app.served import session_name
 
     if asked.prompt is not None:
         raise RequestError("X-Quipu-Session: a plain completion is no turn of a session (send a chat request)")
+    if asked.n > 1:
+        raise RequestError("X-Quipu-Session: a session's turn has one answer (n must be 1)")
     try:
-        return dataclasses.replace(asked, session=validate_name(name))
+        return dataclasses.replace(asked, session=session_name(name))
     except UsageError as exc:
         raise RequestError(f"X-Quipu-Session: {exc}") from None
-
-
-def going_on(held: list[Message], sent: list[Message], name: str) -> list[Message]:
-    """The messages a request sends past session `name`'s (`held`), which it must begin with:
-    the same roles, texts and calls (a reply's reasoning, which clients leave out, aside)."""
-    def same(a: Message, b: Message) -> bool:
-        calls = [[(c["function"]["name"], c["function"]["arguments"]) for c in m.tool_calls or ()] for m in (a, b)]
-        return a.role == b.role and a.content.strip() == b.content.strip() and calls[0] == calls[1]
-
-    for i, (mine, theirs) in enumerate(zip(held, sent, strict=False)):
-        if not same(mine, theirs):
-            raise RequestError(f"messages[{i}] differs from message {i} of session '{name}' ({mine.role}: "
-                               f"{mine.content[:60]!r}): send the session's messages as they are, then the new ones",
-                               409, "conflict")
-    if len(sent) <= len(held):
-        raise RequestError(f"the messages hold nothing past the {len(held)} of session '{name}': send the new "
-                           "message after them", 409, "conflict")
-    return sent[len(held):]
 
 
 def load_only(body: Mapping[str, Any], generate: bool) -> bool:

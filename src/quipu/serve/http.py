@@ -1,0 +1,415 @@
+"""The HTTP side of `quipu serve` (Starlette on uvicorn, imported only by this command): the
+routes, the checks every request passes (its Host the address served, against DNS rebinding; a
+browser's page of another site refused unless `--cors` names it; the key), bodies read within a
+size and a deadline, and every failure in the API's own shape (`wire.error_body`). A request to a
+model is counted by the pool from its arrival to its reply's last byte; its body is read on the
+loop, and everything else it costs (reading it, media, grammars, the model) runs on threads of its
+own, so the loop answers `/health` whatever the others do."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
+
+from quipu.serve.plan import RequestError
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    from quipu.app.answer import Answer
+    from quipu.serve.plan import ChatRequest
+    from quipu.serve.pool import Pool
+    from quipu.serve.stream import Event, Reply
+
+T = TypeVar("T")
+MAX_BODY = 8 << 20  # bytes of a request's body
+BODY_S = 60.0  # seconds a request's body may take to come in whole
+MAX_JSON_DEPTH = 64  # how deep a request's JSON may nest
+
+
+def loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_in_url(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+async def off_loop(work: Callable[..., T], *args: Any) -> T:
+    """`work(*args)` on a thread of its own (not the loop's, nor a pool's that could fill: a
+    request counted in by the pool has its thread), its result or its error awaited."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not done.done():
+            done.set_result(result) if error is None else done.set_exception(error)
+
+    def run() -> None:
+        try:
+            result = work(*args)
+        except BaseException as exc:  # (handed to the awaiting request, which shapes it)
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=run, name="quipu-serve-work", daemon=True).start()
+    return await done
+
+
+@dataclass(frozen=True)
+class Api:
+    """One of the routes that answer: which API's shapes (`openai`), what reads its request,
+    whether it is a plain completion (`plain`) or Ollama's /api/generate (`generate`)."""
+
+    openai: bool
+    make: Callable[..., ChatRequest]
+    plain: bool = False
+    generate: bool = False
+
+    @property
+    def media_type(self) -> str:
+        return "text/event-stream" if self.openai else "application/x-ndjson"
+
+    def streams(self, body: dict[str, Any]) -> bool:
+        """Whether the reply streams (Ollama's do unless told not to)."""
+        return body.get("stream") is True if self.openai else body.get("stream", True) is not False
+
+    def head(self) -> dict[str, Any]:
+        if self.openai:
+            return {"ident": f"{'cmpl' if self.plain else 'chatcmpl'}-{secrets.token_hex(12)}",
+                    "created": int(time.time())}
+        return {"created_at": datetime.now(timezone.utc).isoformat(), "ident": f"req-{secrets.token_hex(6)}"}
+
+    def whole(self, answers: list[Answer], head: dict[str, Any]) -> dict[str, Any]:
+        from quipu.serve import wire
+
+        if self.openai:
+            shape = wire.text_completion if self.plain else wire.chat_completion
+            return shape(answers, head["ident"], head["created"])
+        [answer] = answers  # (Ollama's API asks for one)
+        piece = wire.ollama_piece(answer.model, head["created_at"], answer.text, answer.reasoning,
+                                  generate=self.generate, calls=wire.waiting_calls(answer))
+        return {**piece, **wire.ollama_reply(answer, head["created_at"])}
+
+    def stream(self, reply: Reply, first: Event, plan: ChatRequest, head: dict[str, Any]) -> AsyncIterator[str]:
+        from quipu.serve.stream import ollama_stream, openai_stream
+
+        if self.openai:
+            return openai_stream(reply, first, plan, head, plain=self.plain)
+        return ollama_stream(reply, first, plan, head, generate=self.generate)
+
+
+def apis() -> dict[str, Api]:
+    """The routes that answer, by path."""
+    from functools import partial
+
+    from quipu.serve.plan import chat_request, completion_request, ollama_request
+
+    return {"/v1/chat/completions": Api(True, chat_request), "/v1/completions": Api(True, completion_request, plain=True),
+            "/api/chat": Api(False, ollama_request),
+            "/api/generate": Api(False, partial(ollama_request, generate=True), generate=True)}
+
+
+class Door:
+    """What every request passes before its route: the Host it names (the address served, unless
+    a key guards the server), its Origin (a page of this server's, or one `--cors` names), the key."""
+
+    def __init__(self, host: str, port: int, api_key: str | None, origins: list[str]):
+        names = {host_in_url(host)} | ({"localhost", "127.0.0.1", "[::1]"} if loopback(host) else set())
+        self.hosts = names | {f"{name}:{port}" for name in names}
+        self.own = {f"http://{name}" for name in self.hosts}
+        self.api_key, self.allowed = api_key, set(origins)
+
+    def refusal(self, request: Request, key: bool = True) -> Response | None:
+        """A refusal of a request from another site, or without the key (`key`: the route needs it)."""
+        if self.api_key is None and request.headers.get("host", "") not in self.hosts:
+            return refused(403, "the Host of this request is not the address served", "forbidden")
+        origin = request.headers.get("origin")
+        if origin is not None and origin not in self.own and origin not in self.allowed and "*" not in self.allowed:
+            return refused(403, "a web page of another site may not call this server (quipu serve --cors ORIGIN "
+                                "lets one)", "forbidden")
+        if self.api_key is not None and key:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return refused(401, "a key is needed: Authorization: Bearer KEY", "invalid_api_key")
+        return None
+
+
+def refused(status: int, message: str, kind: str) -> Response:
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
+
+
+def shaped(openai: bool, exc: BaseException, release: Callable[[], None] | None = None) -> Response:
+    """A failure in the API's shape (`openai`: OpenAI's, else Ollama's); a busy server's says
+    when to ask again. `release`: the request's place in the pool, given back once it is sent."""
+    from starlette.background import BackgroundTask
+    from starlette.responses import JSONResponse
+
+    from quipu.serve import wire
+
+    status, body = (wire.error_body if openai else wire.ollama_error)(exc)
+    return JSONResponse(body, status, headers={"Retry-After": "1"} if status == 503 else None,
+                        background=BackgroundTask(release) if release is not None else None)
+
+
+async def watch_gone(request: Request, reply: Reply) -> None:
+    """Ends `reply` at its next token once the client of a whole reply goes away (its body is in:
+    what comes next is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            reply.close()
+            return
+
+
+class Routes:
+    """The routes' work, on `pool`, behind `door`."""
+
+    def __init__(self, pool: Pool, door: Door):
+        self.pool, self.door, self.apis = pool, door, apis()
+
+    async def health(self, request: Request) -> Response:
+        from starlette.responses import JSONResponse
+
+        # (a probe needs no key; it says how many requests the server holds, from arrival to last byte)
+        return self.door.refusal(request, key=False) or JSONResponse({"status": "ok", "requests": self.pool.requests})
+
+    async def answer(self, request: Request) -> Response:
+        """A chat or completion request: counted in (or refused as busy), read, planned off the
+        loop, then answered whole or streamed; a stream's head goes out once its first event is
+        in, so a request that cannot be answered (too long for the context, say) is a 4xx."""
+        api = self.apis[request.url.path]
+        failed = self.door.refusal(request)
+        if failed is not None:
+            return failed
+        try:
+            release = self.pool.admit()
+        except RequestError as exc:
+            return shaped(api.openai, exc)
+        try:
+            return await self._answer(request, api, release)
+        except BaseException:
+            release()
+            raise
+
+    async def _answer(self, request: Request, api: Api, release: Callable[[], None]) -> Response:
+        from starlette.background import BackgroundTask
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        from quipu.serve.plan import as_session_turn, load_only
+        from quipu.serve.stream import Reply
+
+        try:
+            body = await read_json(request)
+            if not api.openai and load_only(body, api.generate):
+                return await self._loaded(body, api, release)
+            session = request.headers.get("x-quipu-session")
+            plan = await off_loop(lambda: as_session_turn(self.pool.plan(body, api.make), session))
+        except Exception as exc:  # (every refusal a 4xx in the API's shape, never a traceback)
+            return shaped(api.openai, exc, release)
+        head = api.head()
+        reply = Reply(self.pool, plan, head["ident"])
+        if not api.streams(body):
+            watch = asyncio.create_task(watch_gone(request, reply))
+            try:
+                answers = await reply.whole()
+            except Exception as exc:
+                return shaped(api.openai, exc, release)
+            finally:
+                watch.cancel()
+            return JSONResponse(api.whole(answers, head), background=BackgroundTask(release))
+        first = await reply.next()
+        if first[0] == "error":
+            return shaped(api.openai, first[2], release)
+        return StreamingResponse(api.stream(reply, first, plan, {**head, "body": body}), media_type=api.media_type,
+                                 headers={"Cache-Control": "no-cache"}, background=BackgroundTask(release))
+
+    async def _loaded(self, body: dict[str, Any], api: Api, release: Callable[[], None]) -> Response:
+        """Ollama's request with nothing to answer: the model loaded (or, `keep_alive` 0, unloaded)."""
+        from starlette.background import BackgroundTask
+        from starlette.responses import JSONResponse
+
+        from quipu.serve.plan import request_keep
+
+        name, _ = self.pool.pick(body.get("model"))
+        now = await off_loop(self.pool.load, name, request_keep(body))
+        reply = {"model": name, "created_at": datetime.now(timezone.utc).isoformat(), "done": True,
+                 "done_reason": "load" if now else "unload"}
+        return JSONResponse({**reply, **({"response": ""} if api.generate else
+                                         {"message": {"role": "assistant", "content": ""}})},
+                            background=BackgroundTask(release))
+
+    async def embeddings(self, request: Request) -> Response:
+        from starlette.background import BackgroundTask
+        from starlette.responses import JSONResponse
+
+        from quipu.serve import wire
+        from quipu.serve.plan import embed_inputs, request_keep
+
+        failed = self.door.refusal(request)
+        if failed is not None:
+            return failed
+        openai = request.url.path == "/v1/embeddings"
+        try:
+            release = self.pool.admit()
+        except RequestError as exc:
+            return shaped(openai, exc)
+        try:
+            body = await read_json(request)
+            name, _ = self.pool.pick(body.get("model"))
+            texts = embed_inputs(body)
+            if body.get("dimensions") is not None:
+                raise RequestError("dimensions: quipu serve gives each model's embeddings whole")
+            keep = None if openai else request_keep(body)
+            started = time.perf_counter()
+            vectors, tokens, load_s = await off_loop(self.pool.embed, name, texts, keep)
+            reply = wire.openai_embeddings(name, vectors, tokens, body.get("encoding_format")) if openai else \
+                wire.ollama_embeddings(name, vectors, tokens, load_s, time.perf_counter() - started)
+        except Exception as exc:
+            return shaped(openai, exc, release)
+        return JSONResponse(reply, background=BackgroundTask(release))
+
+    async def listed(self, request: Request) -> Response:
+        """/v1/models, /api/tags, /api/ps and /api/version: what the server has."""
+        from starlette.responses import JSONResponse
+
+        from quipu import __version__
+        from quipu.serve import wire
+
+        path = request.url.path
+        failed = self.door.refusal(request, key=path != "/api/version")
+        if failed is not None:
+            return failed
+        if path == "/api/version":
+            return JSONResponse({"version": __version__})
+        if path == "/api/ps":
+            return JSONResponse(wire.ollama_ps(self.pool.loaded()))
+        known = await off_loop(self.pool.known)  # (it looks through the folders models are in)
+        return JSONResponse(wire.openai_models(known) if path == "/v1/models" else wire.ollama_tags(known))
+
+    async def show(self, request: Request) -> Response:
+        from starlette.responses import JSONResponse
+
+        from quipu.serve import wire
+
+        failed = self.door.refusal(request)
+        if failed is not None:
+            return failed
+        try:
+            body = await read_json(request)
+            found = await off_loop(self.pool.pick, body.get("model") or body.get("name"))
+            return JSONResponse(await off_loop(wire.ollama_show, *found))
+        except Exception as exc:
+            return shaped(False, exc)
+
+
+def http_app(pool: Pool, host: str, port: int, api_key: str | None, origins: list[str] | None = None,
+             on_start: Callable[[], None] | None = None) -> Starlette:
+    """The HTTP side: routes behind the door, errors in the API's shape."""
+    from contextlib import asynccontextmanager
+
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
+    from starlette.routing import Route
+
+    routes = Routes(pool, Door(host, port, api_key, list(origins or [])))
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        return refused(status, "no such route" if status == 404 else
+                       "this route does not take that method" if status == 405 else "the request failed",
+                       "invalid_request_error")
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if on_start is not None:
+            on_start()
+        try:
+            yield
+        finally:
+            await off_loop(pool.close)
+
+    middleware = []
+    if origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        # (any header a client sends: the openai SDK's x-stainless-*, X-Quipu-Session, a key)
+        middleware.append(Middleware(CORSMiddleware, allow_origins=sorted(origins), allow_methods=["GET", "POST"],
+                                     allow_headers=["*"]))
+    post = ["POST"]
+    return Starlette(routes=[Route("/health", routes.health),
+                             *(Route(path, routes.listed) for path in ("/v1/models", "/api/tags", "/api/ps",
+                                                                       "/api/version")),
+                             *(Route(path, routes.answer, methods=post) for path in routes.apis),
+                             Route("/v1/embeddings", routes.embeddings, methods=post),
+                             Route("/api/embed", routes.embeddings, methods=post),
+                             Route("/api/show", routes.show, methods=post)],
+                     middleware=middleware, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """A request's JSON object, its body read within `MAX_BODY` bytes and `BODY_S` seconds, and
+    read off the loop: nested at most `MAX_JSON_DEPTH` deep, and no text in it a lone half of a
+    UTF-16 pair (which no tokenizer can take)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isascii() or not declared.isdigit() or int(declared) > MAX_BODY):
+        raise RequestError(f"the body must be at most {MAX_BODY >> 20} MB", 413)
+    data = bytearray()
+    try:
+        async with asyncio.timeout(BODY_S):  # (a client that sends its body a byte at a time is let go)
+            async for chunk in request.stream():
+                data += chunk
+                if len(data) > MAX_BODY:
+                    raise RequestError(f"the body must be at most {MAX_BODY >> 20} MB", 413)
+    except TimeoutError:
+        raise RequestError(f"the body did not come in whole within {BODY_S:.0f} s", 408) from None
+    return await off_loop(parse_json, bytes(data))
+
+
+def parse_json(data: bytes) -> dict[str, Any]:
+    """A request's body as a JSON object, checked as `read_json` says."""
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError):
+        raise RequestError("the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    check_json(body, "the body")
+    return body
+
+
+def check_json(value: Any, where: str, depth: int = 0) -> None:
+    """Refuses a request's JSON that nests too deep or holds a lone surrogate (`"\\ud800"`)."""
+    if depth > MAX_JSON_DEPTH:
+        raise RequestError(f"the body nests deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(f"{where} holds a lone surrogate (\\ud800-\\udfff), which is no text") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_json(key, where, depth + 1)
+            check_json(item, f"{key}" if depth == 0 else where, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            check_json(item, where, depth + 1)

@@ -1,0 +1,187 @@
+"""A request's reply as events, whole or streamed: its turns run on a thread of their own (one
+after the other for `n` answers), and their events reach the event loop through a bounded queue
+(`Reply`): a client that reads slowly holds its turn back, one that goes away (or a server that
+stops) ends it at its next token. The events made the OpenAI API's server-sent events and
+Ollama's JSON lines (`openai_stream`, `ollama_stream`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from quipu.sessions.base import ReplySink
+
+if TYPE_CHECKING:
+    from quipu.app.answer import Answer
+    from quipu.serve.plan import ChatRequest
+    from quipu.serve.pool import Pool
+
+QUEUED = 256  # events a reply may have made that its client has not taken yet
+SLOW_S = 60.0  # how long a reply waits for a client that takes none of them before it counts as gone
+
+Event = tuple[str, int, Any]  # (kind, which answer, value): content, reasoning_content, logprobs, done, error
+
+
+class Reply:
+    """The events of a request's answers (`plan`'s `choices`) as they come, on a thread of
+    their own: ("content" | "reasoning_content", index, piece), ("logprobs", index, entries), then
+    ("done", index, answer) for each, or ("error", index, what failed) and no more."""
+
+    def __init__(self, pool: Pool, plan: ChatRequest, ident: str):
+        from quipu.serve.plan import choices
+
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.room = threading.Semaphore(QUEUED)
+        self.gone = threading.Event()  # the client went away, or the reply is over
+        self.pool, self.plans, self.ident = pool, choices(plan), ident
+        threading.Thread(target=self._work, name="quipu-serve-reply", daemon=True).start()
+
+    def stopped(self) -> bool:
+        return self.gone.is_set() or self.pool.stopping.is_set()
+
+    def _put(self, event: Event) -> None:
+        while not self.room.acquire(timeout=SLOW_S):  # (a client that reads slowly holds the reply back)
+            if self.stopped():
+                return
+            self.gone.set()  # (nothing taken for a minute: the client is as good as gone)
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def _work(self) -> None:
+        reply = self
+
+        class Streamed(ReplySink):
+            def __init__(self, index: int):
+                self.index = index
+
+            def text(self, piece: str) -> None:
+                reply._put(("content", self.index, piece))
+
+            def reasoning(self, piece: str) -> None:
+                reply._put(("reasoning_content", self.index, piece))
+
+            def logprobs(self, entries: list[dict[str, Any]]) -> None:
+                reply._put(("logprobs", self.index, entries))
+
+            def stopped(self) -> bool:
+                return reply.stopped()
+
+        for index, each in enumerate(self.plans):
+            try:
+                answer = self.pool.chat(each, Streamed(index), self.ident)
+            except Exception as exc:  # (said as an event: the HTTP side shapes it)
+                self.loop.call_soon_threadsafe(self.events.put_nowait, ("error", index, exc))
+                return
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ("done", index, answer))
+            if self.stopped():
+                return
+
+    async def next(self) -> Event:
+        event = await self.events.get()
+        if event[0] not in ("done", "error"):
+            self.room.release()
+        return event
+
+    async def whole(self) -> list[Answer]:
+        """Every answer, once done (the pieces let by); what failed raised."""
+        answers: list[Answer] = []
+        while len(answers) < len(self.plans):
+            kind, _, value = await self.next()
+            if kind == "error":
+                raise value
+            if kind == "done":
+                answers.append(value)
+        return answers
+
+    def close(self) -> None:
+        self.gone.set()
+
+
+async def openai_stream(reply: Reply, first: Event, plan: ChatRequest, head: dict[str, Any], plain: bool
+                        ) -> AsyncIterator[str]:
+    """A chat completion (or, `plain`, a completion) as server-sent events, each piece as it
+    comes with its tokens' log probabilities where asked; the calls a reply ends with as one
+    delta; the usage last where the request asked for it."""
+    from quipu.serve.wire import FINISH, error_body, openai_calls, text_logprobs
+    from quipu.serve.wire import usage as usage_of
+
+    options = head["body"].get("stream_options")
+    usage = isinstance(options, dict) and options.get("include_usage") is True
+
+    def chunk(choices: list[dict[str, Any]], **more: Any) -> str:
+        return "data: " + json.dumps({"id": head["ident"], "object": "text_completion" if plain else
+                                      "chat.completion.chunk", "created": head["created"], "model": plan.model,
+                                      "choices": choices, **more}) + "\n\n"
+
+    def choice(index: int, piece: dict[str, Any], finish: str | None = None, entries: Any = None
+               ) -> list[dict[str, Any]]:
+        if plain:
+            logprobs = text_logprobs(entries) if entries is not None else None
+            return [{"index": index, "text": piece.get("content", ""), "logprobs": logprobs, "finish_reason": finish}]
+        return [{"index": index, "delta": piece, "finish_reason": finish,
+                 "logprobs": {"content": entries} if entries is not None else None}]
+
+    answers: list[Answer] = []
+    entries: list[Any] | None = None  # log probabilities given with no piece yet
+    event, began = first, set()
+    try:
+        while True:
+            kind, index, value = event
+            if not plain and index not in began and kind != "error":
+                began.add(index)
+                yield chunk(choice(index, {"role": "assistant", "content": ""}))
+            if kind == "logprobs":
+                entries = (entries or []) + value
+            elif kind == "done":
+                answer: Answer = value
+                answers.append(answer)
+                calls = [] if plain else openai_calls(answer, streamed=True)
+                if calls:
+                    yield chunk(choice(index, {"tool_calls": calls}))
+                yield chunk(choice(index, {}, FINISH.get(answer.finish_reason, "stop"), entries))
+                entries = None
+                if len(answers) == len(reply.plans):
+                    break
+            elif kind == "error":
+                yield "data: " + json.dumps(error_body(value)[1]) + "\n\n"
+                break
+            else:
+                yield chunk(choice(index, {kind: value}, entries=entries))
+                entries = None
+            event = await reply.next()
+        if usage and answers:
+            yield chunk([], usage=usage_of(answers))
+        yield "data: [DONE]\n\n"
+    finally:
+        reply.close()  # (the client went away, or the reply is over)
+
+
+async def ollama_stream(reply: Reply, first: Event, plan: ChatRequest, head: dict[str, Any], generate: bool
+                        ) -> AsyncIterator[str]:
+    """An Ollama-style reply as JSON lines, each piece as it comes, the calls it ends with on a
+    line of their own, then its end and figures."""
+    from quipu.serve.wire import ollama_error, ollama_piece, ollama_reply, waiting_calls
+
+    created = head["created_at"]
+    event = first
+    try:
+        while True:
+            kind, _, value = event
+            if kind == "done":
+                calls = waiting_calls(value)
+                if calls:
+                    yield json.dumps(ollama_piece(plan.model, created, "", generate=generate, calls=calls)) + "\n"
+                piece = ollama_piece(plan.model, created, "", generate=generate)
+                yield json.dumps({**piece, **ollama_reply(value, created)}) + "\n"
+                break
+            if kind == "error":
+                yield json.dumps(ollama_error(value)[1]) + "\n"
+                break
+            if kind != "logprobs":
+                text, reasoning = (value, "") if kind == "content" else ("", value)
+                yield json.dumps(ollama_piece(plan.model, created, text, reasoning, generate=generate)) + "\n"
+            event = await reply.next()
+    finally:
+        reply.close()
