@@ -220,13 +220,19 @@ class Matcher:
         # (llguidance's reset after the grammar ended at an end-of-generation token starts from
         # the wrong place: a new reply starts from a copy of the matcher as it was made)
         self._start = self._matcher.deep_copy()
+        self._what = grammar.what
+        self._taken = 0  # tokens of this reply the matcher has taken
         self.mask = np.empty(((self.n_vocab + 31) // 32,), dtype=np.int32)
 
     def fill(self, mask: Mask | None = None) -> None:
         """Computes the allowed tokens into `mask` (this matcher's own by default)."""
         target = self.mask if mask is None else mask
         self._matcher.unsafe_compute_mask_ptr(target.ctypes.data, target.size * 4)
+        if self._matcher.is_error() and self._taken == 0:
+            # (no reply at all keeps to it: the grammar's fault, not the engine's)
+            raise InvalidParameter(f"the {self._what} allows no reply: {one_line(self._matcher.get_error())}")
         self._check()
+
 
     def allowed(self) -> npt.NDArray[np.bool_]:
         """The mask as one boolean a token."""
@@ -241,10 +247,12 @@ class Matcher:
         if not self._matcher.consume_token(token):
             self._check()
             raise EngineError(f"the grammar does not allow token {token} here")
+        self._taken += 1
 
     def replay(self, tokens: Sequence[int]) -> None:
         """Starts over and accepts `tokens`; refuses (InvalidParameter) tokens the grammar does not allow."""
         self._matcher = self._start.deep_copy()
+        self._taken = len(tokens)
         if tokens and self._matcher.validate_tokens(list(tokens)) != len(tokens):
             raise InvalidParameter("the reply so far does not keep to the grammar; generate it anew instead")
         if tokens:
