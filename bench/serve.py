@@ -64,6 +64,83 @@ def at_once(url: str, n_streams: int, n: int, question: Callable[[int], str]) ->
     return sum(counts) / (time.perf_counter() - started)
 
 
+def forty(url: str, clients: int = 40) -> dict:
+    """`clients` requests at once, half streamed: how many were answered whole, refused with 503
+    before any body, or failed another way (an error inside a 200 among them); and the slowest
+    `/health` poll meanwhile (s)."""
+    import httpx
+
+    kinds: list[str] = []
+    polls: list[float] = []
+    done = threading.Event()
+    body = {"model": "", "messages": [{"role": "user", "content": "Tell me about rivers."}], "max_tokens": 48}
+
+    def one(i: int) -> None:
+        try:
+            with httpx.Client(timeout=600) as client, client.stream(
+                    "POST", url + "/v1/chat/completions", json={**body, "stream": i % 2 == 0}) as r:
+                text = r.read().decode()
+            ok = r.status_code == 200 and '"error"' not in text
+            kinds.append("whole" if ok else "503" if r.status_code == 503 and r.headers.get("retry-after") else "other")
+        except httpx.HTTPError:
+            kinds.append("other")
+
+    def health() -> None:
+        with httpx.Client(timeout=60) as client:
+            while not done.is_set():
+                started = time.perf_counter()
+                client.get(url + "/health")
+                polls.append(time.perf_counter() - started)
+                done.wait(0.02)
+
+    poller = threading.Thread(target=health)
+    poller.start()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done.set()
+    poller.join()
+    return {"whole": kinds.count("whole"), "refused": kinds.count("503"), "other": kinds.count("other"),
+            "health": max(polls)}
+
+
+def exit_after_sigterm(proc: subprocess.Popen, url: str) -> float:
+    """Seconds from SIGTERM, sent while two long replies stream, to the process's exit."""
+    import signal
+
+    import httpx
+
+    going = threading.Barrier(3)
+
+    def reply() -> None:
+        body = {"model": "", "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 2000,
+                "stream": True}
+        try:
+            with httpx.Client(timeout=600) as client, client.stream("POST", url + "/v1/chat/completions",
+                                                                    json=body) as r:
+                lines = r.iter_lines()
+                next(lines)
+                going.wait()
+                for _ in lines:
+                    pass
+        except (httpx.HTTPError, StopIteration):
+            pass
+
+    threads = [threading.Thread(target=reply) for _ in range(2)]
+    for t in threads:
+        t.start()
+    going.wait()
+    started = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait()
+    took = time.perf_counter() - started
+    for t in threads:
+        t.join()
+    return took
+
+
 def rss_peak(pid: int) -> int:
     """A process's peak resident memory, in bytes (Linux)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -140,6 +217,17 @@ def bench_serve(model: str, threads: int, repeats: int) -> list[dict]:
                 put(who, "rss8", rss_peak(proc.pid))
             finally:
                 stop(proc)
+        loads: dict[str, dict] = {}
+        for who in ("quipu", "llama.cpp"):
+            proc, url = start(who, parallel=2)
+            try:
+                stream(url, [{"role": "user", "content": "Hello."}], 4)
+                loads[who] = forty(url)
+                put(who, "health", loads[who]["health"])
+                put(who, "sigterm", exit_after_sigterm(proc, url))
+            finally:
+                if proc.poll() is None:
+                    stop(proc)
 
     def m(who: str, key: str) -> float:
         return median(figures[who][key])
@@ -162,4 +250,10 @@ def bench_serve(model: str, threads: int, repeats: int) -> list[dict]:
         {**row(f"quipu serve vs llama-server, peak resident memory after the eight streams (MB), --parallel 8 and "
                f"{CTX} tokens a conversation (goal <= 1.15)", "rss8", False, 0),
          "quipu": round(m("quipu", "rss8") / 2**20), "llama.cpp": round(m("llama.cpp", "rss8") / 2**20)},
+        {"what": "40 clients at once against --parallel 2 (half streamed): answered whole / refused 503 before any "
+                 "body / other (an error inside a 200 among them)",
+         **{who: "{whole} / {refused} / {other}".format(**loads[who]) for who in ("quipu", "llama.cpp")}},
+        row("40 clients at once against --parallel 2: the slowest /health poll meanwhile (s) (goal < 0.5)", "health",
+            False),
+        row("SIGTERM while two replies stream: seconds to exit (goal < 2)", "sigterm", False),
     ]

@@ -73,7 +73,8 @@ def test_every_settable_option_is_set_in_a_chat_and_kept_by_its_session(home, ti
 
     env = Environment.load({"QUIPU_HOME": str(home)})
     values = {"temperature": "0.5", "top_k": "7", "top_p": "0.9", "min_p": "0.1", "repeat_penalty": "1.2",
-              "repeat_last_n": "16", "seed": "11", "max_tokens": "5", "stop": "END"}
+              "repeat_last_n": "16", "presence_penalty": "0.5", "frequency_penalty": "0.25", "seed": "11",
+              "max_tokens": "5", "stop": "END"}
     assert set(values) == set(SETTABLE)  # (a new settable option needs a value here)
     chat = ChatSession.open(env, TurnOptions.of(model=str(tiny_model)), name="set")
     try:
