@@ -23,6 +23,7 @@ from bench.llama_bench import bench_llama_bench
 from bench.logs import bench_logs
 from bench.media import bench_media
 from bench.remote import bench_remote
+from bench.fingerprints import bench_fingerprints
 from bench.serve import bench_serve
 from bench.threads import bench_threads
 from bench.sessions import bench_cache, bench_resume, bench_saves, bench_shift, bench_snapshots
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128, help="tokens to decode per run")
-    ap.add_argument("--only", help="run one part: speed, llama-bench, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools, functions, saves, shift, media, window, logs, hybrid, serve, threads, branches")
+    ap.add_argument("--only", help="run one part: speed, llama-bench, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools, functions, saves, shift, media, window, logs, hybrid, serve, threads, branches, fingerprints")
     args = ap.parse_args(argv)
     model = model_path()
     # An installed quipu has its bytecode compiled by pip; a checkout may not (PYTHONDONTWRITEBYTECODE).
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             "serve": lambda: bench_serve(model, args.threads, args.repeats),
             "threads": lambda: bench_threads(args.repeats, home),
             "branches": lambda: bench_branches(model, args.threads, args.repeats, home),
+            "fingerprints": lambda: bench_fingerprints(args.repeats),
         }
         rows = []
         for name, part in parts.items():

@@ -320,3 +320,32 @@ def test_cors_preflights_the_headers_clients_send(home, tiny_model, tmp_path):
 def test_an_empty_api_key_is_refused(quipu, tiny_model):
     r = quipu("serve", "-m", tiny_model, "--api-key", "", "--port", str(free_port()))
     assert r.returncode == 2 and "--api-key is empty" in r.stderr.decode()
+
+
+def test_a_model_that_differs_past_its_first_megabytes_is_given_none_of_the_other_s_state(quipu, bundled_model,
+                                                                                           tmp_path):
+    # (the same size, header and first 8 MiB; one byte of its last tensor otherwise)
+    other = tmp_path / "other.gguf"
+    data = bytearray(bundled_model.read_bytes())
+    data[-1000] ^= 0x01
+    other.write_bytes(bytes(data))
+    prompt = "Read this. " + "The river runs to the sea and the sea to the sky. " * 40 + "What runs?"
+    first = json.loads(quipu("run", "-m", bundled_model, "--json", "-n", "4", "-t", "0", prompt).stdout)
+    again = json.loads(quipu("run", "-m", bundled_model, "--json", "-n", "4", "-t", "0", prompt).stdout)
+    theirs = json.loads(quipu("run", "-m", other, "--json", "-n", "4", "-t", "0", prompt).stdout)
+    assert first["usage"]["cached_tokens"] == 0 and again["usage"]["cached_tokens"] > 0
+    assert theirs["usage"]["cached_tokens"] == 0
+
+
+def test_a_session_named_by_the_start_of_its_model_file_is_known_again(quipu, home, tiny_model):
+    # (as quipu named a model before its fingerprint covered the whole file)
+    from quipu.models import head_fingerprint
+
+    assert quipu("run", "-m", tiny_model, "-S", "old", "-n", "3", "Hi.").returncode == 0
+    path = home / "data" / "sessions" / "old.json"
+    record = json.loads(path.read_text())
+    record["model"]["fingerprint"] = head_fingerprint(tiny_model)
+    path.write_text(json.dumps(record))
+    r = quipu("run", "-S", "old", "-n", "3", "More.")
+    assert r.returncode == 0, r.stderr.decode()
+    assert ":sha256:" in json.loads(path.read_text())["model"]["fingerprint"]

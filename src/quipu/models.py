@@ -326,18 +326,40 @@ def file_identity(path: Path) -> tuple[int, ...]:
 
 
 def fingerprint(path: Path) -> str:
-    """Identifies a model file cheaply: its size and a hash of its first 8 MiB (the GGUF header,
-    its metadata and vocabulary, and the start of the weights), not a full-file hash. Asked
-    again of the same unchanged file, the process answers from memory (and the app from
-    store/fingerprints.py across runs)."""
+    """Identifies a model file by the whole of it: its size and the SHA-256 of every byte (two
+    files that share their header and first megabytes but differ in a tensor are two models, and
+    a state one computed is never given to the other). A large file costs seconds (about 1.3 GB/s
+    here), once: asked again of the same unchanged file, the process answers from memory, and the
+    app from store/fingerprints.py across runs (milliseconds)."""
     import hashlib
 
     identity = file_identity(path)
     known = _FINGERPRINTS.get(identity)
     if known is not None:
         return known
-    digest = hashlib.sha256(str(identity[2]).encode())
+    with path.open("rb") as fh:
+        digest = hashlib.file_digest(fh, "sha256")
+    _FINGERPRINTS[identity] = found = f"{identity[2]}{WHOLE}{digest.hexdigest()[:32]}"
+    return found
+
+
+WHOLE = ":sha256:"  # in a fingerprint of the whole file (before, quipu hashed a file's first 8 MiB alone)
+
+
+def whole_file(fingerprint: str) -> bool:
+    """Whether `fingerprint` covers its whole file (one made before does not: it is never trusted
+    to say a state is this file's)."""
+    return WHOLE in fingerprint
+
+
+def head_fingerprint(path: Path) -> str:
+    """The fingerprint quipu gave a model file before it hashed the whole of it (its size and its
+    first 8 MiB), by which sessions saved then name their model: read to know that model again,
+    never to trust a state saved with it."""
+    import hashlib
+
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
     with path.open("rb") as fh:
         digest.update(fh.read(FINGERPRINT_HEAD_BYTES))
-    _FINGERPRINTS[identity] = found = f"{identity[2]}:{digest.hexdigest()[:32]}"
-    return found
+    return f"{size}:{digest.hexdigest()[:32]}"

@@ -38,7 +38,7 @@ from quipu.engine.settings import (
 )
 from quipu.engine.kvstate import LAYOUT
 from quipu.errors import EngineError, ModelMismatch, SnapshotError, UsageError
-from quipu.models import file_identity, fingerprint
+from quipu.models import file_identity, fingerprint, head_fingerprint, whole_file
 from quipu.sessions.base import LOCAL, Stats
 from quipu.sessions.inference import InferenceSession, Snapshot
 from quipu.store.chain import Chain, held_cells
@@ -52,10 +52,19 @@ def model_fingerprint(path: Path, env: Environment) -> str:
     memo = Fingerprints(env.dirs.cache / "fingerprints.json")
     where, identity = path.resolve(), file_identity(path)
     found = memo.recall(where, identity)
-    if found is None:
+    if found is None or not whole_file(found):  # (one of the first 8 MiB alone, as quipu kept them before)
         found = fingerprint(path)
         memo.keep(where, identity, found)
     return found
+
+
+def names_model(saved: object, path: Path, current: str) -> bool:
+    """Whether the fingerprint a session saved (`saved`) names the model file at `path`, whose
+    fingerprint is `current`: the same, or, saved before fingerprints covered the whole file, the
+    one its start gave then (the session is known again; its state is not trusted: `_with_state`)."""
+    if saved == current:
+        return True
+    return isinstance(saved, str) and not whole_file(saved) and saved == head_fingerprint(path)
 
 
 def open_session(opts: TurnOptions, env: Environment,
@@ -113,7 +122,8 @@ class LocalHost:
                 projector: str | None) -> LocalKeeper:
         return LocalKeeper(model_name, model_path, model_fp,
                            StateFile(model_fp, env.max_state_bytes, verbose=opts.verbose),
-                           PromptCache(open_cache(env, opts.no_cache), model_fp, verbose=opts.verbose),
+                           PromptCache(open_cache(env, opts.no_cache), model_fp,
+                                       lambda projector: model_fingerprint(projector, env), verbose=opts.verbose),
                            KeptMedia(model_path, projector, env.dirs.checked_projectors))
 
     def resume(self, store: SessionStore, name: str, record: Transcript, opts: TurnOptions, env: Environment,
@@ -132,7 +142,7 @@ class LocalHost:
         given = given_projector(opts.mmproj)
         where = offload(opts, env)
         model_name, model_path, model_fp = self._resume_model(name, record.model, opts, env)
-        same_model = model_fp == record.model.get("fingerprint")
+        same_model = names_model(record.model.get("fingerprint"), model_path, model_fp)
         settings = context_settings(opts, env)
         settings = ContextSettings(
             n_ctx=opts.ctx or saved_ctx["n_ctx"], n_batch=saved_ctx["n_batch"], n_threads=settings.n_threads,
@@ -191,14 +201,14 @@ class LocalHost:
             given, at = env.resolve_model(opts.model, fall_back=False)
             return given, at, model_fingerprint(at, env)
         path = Path(str(saved.get("path", "")))
-        if path.is_file() and model_fingerprint(path, env) == saved.get("fingerprint"):
-            return str(saved.get("name", path.stem)), path, saved["fingerprint"]
+        if path.is_file() and names_model(saved.get("fingerprint"), path, model_fingerprint(path, env)):
+            return str(saved.get("name", path.stem)), path, model_fingerprint(path, env)
         try:  # the file moved, or the bundled package was reinstalled elsewhere: look it up by name
             found = env.resolve_model(str(saved.get("name", "")), fall_back=False)
         except UsageError:
             found = None
-        if found is not None and model_fingerprint(found[1], env) == saved.get("fingerprint"):
-            return found[0], found[1], saved["fingerprint"]
+        if found is not None and names_model(saved.get("fingerprint"), found[1], model_fingerprint(found[1], env)):
+            return found[0], found[1], model_fingerprint(found[1], env)
         raise ModelMismatch(
             f"session '{name}' was made with {saved.get('name', '?')} ({saved.get('path', '?')}), which is gone "
             "or has changed; pass --model to continue it with another model (re-read from the transcript)"
@@ -214,7 +224,11 @@ class LocalHost:
             return snap, None, why
         meta = blob.meta
         saved = meta.get("context")
-        refused = ("the saved context state belongs to another model" if meta.get("fingerprint") != model_fp else
+        saved_fp = meta.get("fingerprint")
+        refused = ("the saved context state names its model by the start of its file alone, as quipu did before"
+                   if isinstance(saved_fp, str) and not whole_file(saved_fp) and names_model(saved_fp, backend.model_path,
+                                                                                           model_fp) else
+                   "the saved context state belongs to another model" if saved_fp != model_fp else
                    f"the saved context state was made by {meta.get('build', 'another build')}"
                    if meta.get("build") != backend.build else
                    "the saved context state names no context settings" if not isinstance(saved, dict) else None)

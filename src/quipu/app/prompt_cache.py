@@ -6,12 +6,12 @@ its SHA-256 (`canonical`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from quipu.app.environment import Environment
 from quipu.engine.base import MEDIA_BASE, MEDIA_SPAN
 from quipu.errors import EngineError
-from quipu.models import fingerprint
 from quipu.sessions.inference import InferenceSession
 from quipu.store.cache import MIN_TOKENS, CacheEntries
 
@@ -22,6 +22,7 @@ class CacheUse:
     key: dict[str, Any]
     tokens: list[int]  # as the cache keeps them (`canonical`)
     reused: int
+    made_by: Callable[[Path], str]  # a projector's fingerprint (`cache_digests`)
     held: int = 0  # how much of the prompt the cache held (reused: to where a prefill step starts)
 
 
@@ -44,17 +45,17 @@ def open_cache(env: Environment, no_cache: bool) -> CacheEntries | None:
 CANON_BASE = 1 << 40
 
 
-def cache_digests(session: InferenceSession) -> list[str]:
+def cache_digests(session: InferenceSession, made_by: Callable[[Path], str]) -> list[str]:
     """What names each medium of the context in the cache: its SHA-256 with the projector's
-    fingerprint, since what an image becomes is the projector's doing."""
+    fingerprint (`made_by` its file's), since what an image becomes is the projector's doing."""
     import hashlib
 
     backend = session.backend
     digests = backend.media_digests()
     if not digests or backend.projector_path is None:
         return digests
-    made_by = fingerprint(backend.projector_path)
-    return [hashlib.sha256(f"{d}:{made_by}".encode()).hexdigest() for d in digests]
+    projector = made_by(backend.projector_path)
+    return [hashlib.sha256(f"{d}:{projector}".encode()).hexdigest() for d in digests]
 
 
 def canonical(tokens: Sequence[int], digests: Sequence[str]) -> list[int]:
@@ -90,10 +91,11 @@ def whole_media(tokens: Sequence[int], keep: int) -> int:
     return keep
 
 
-def cache_lookup(session: InferenceSession, tokens: list[int], model_fp: str, cache: CacheEntries) -> CacheUse:
+def cache_lookup(session: InferenceSession, tokens: list[int], model_fp: str, cache: CacheEntries,
+                 made_by: Callable[[Path], str]) -> CacheUse:
     """Restores the longest cached beginning of `tokens` into the session, if any."""
     key = cache_key(session, model_fp)
-    digests = cache_digests(session)
+    digests = cache_digests(session, made_by)
     tokens = canonical(tokens, digests)
     hit = cache.lookup(key, tokens)
     reused = 0
@@ -103,12 +105,13 @@ def cache_lookup(session: InferenceSession, tokens: list[int], model_fp: str, ca
             reused = session.restore_prefix(hit.state, local(hit.tokens, digests), keep, hit.stops or ())
         except EngineError as exc:
             cache.drop(hit.path, str(exc))
-    return CacheUse(cache, key, tokens, reused, hit.reuse if hit is not None else 0)
+    return CacheUse(cache, key, tokens, reused, made_by, hit.reuse if hit is not None else 0)
 
 
-def cached_count(session: InferenceSession, tokens: list[int], model_fp: str, cache: CacheEntries) -> int:
+def cached_count(session: InferenceSession, tokens: list[int], model_fp: str, cache: CacheEntries,
+                 made_by: Callable[[Path], str]) -> int:
     """How many of `tokens` a run would restore from the prompt cache (`--show-prompt`)."""
-    tokens = canonical(tokens, cache_digests(session))
+    tokens = canonical(tokens, cache_digests(session, made_by))
     found, stopped = cache.peek(cache_key(session, model_fp), tokens)
     return whole_media(tokens, restore_to(session, found, stopped, len(tokens))) if found else 0
 
@@ -130,7 +133,7 @@ def cache_save(session: InferenceSession, use: CacheUse) -> None:
     if held < len(prompt) or held - max(use.reused, use.held) < MIN_TOKENS \
             or session.backend.step_start(held - 1) == 0:  # (a context no restore could use)
         return
-    tokens = canonical(session.tokens[:held], cache_digests(session))
+    tokens = canonical(session.tokens[:held], cache_digests(session, use.made_by))
     if tokens[:len(prompt)] != prompt:  # (the context went back inside the prompt: a tool loop's turns)
         return
     try:
@@ -141,11 +144,14 @@ def cache_save(session: InferenceSession, use: CacheUse) -> None:
 
 class PromptCache:
     """The prompt cache as one session uses it (`cache` None: --no-cache; `fingerprint`: the
-    model's, which keys its entries; `verbose`: what went wrong with an entry is said)."""
+    model's, which keys its entries; `made_by`: a projector file's fingerprint; `verbose`: what
+    went wrong with an entry is said)."""
 
-    def __init__(self, cache: CacheEntries | None, fingerprint: str, *, verbose: bool = False):
+    def __init__(self, cache: CacheEntries | None, fingerprint: str, made_by: Callable[[Path], str], *,
+                 verbose: bool = False):
         self.cache = cache
         self.model_fingerprint = fingerprint
+        self.made_by = made_by
         self.verbose = verbose
 
     def warm(self, session: InferenceSession, tokens: Callable[[], list[int]]) -> CacheUse | None:
@@ -156,16 +162,17 @@ class PromptCache:
         if session.n_decoded:
             return None
         if not session.holds_earlier:
-            return cache_lookup(session, tokens(), self.model_fingerprint, self.cache) if self.cache else None
+            return cache_lookup(session, tokens(), self.model_fingerprint, self.cache, self.made_by) if self.cache else None
         wanted = tokens()
-        on_disk = cached_count(session, wanted, self.model_fingerprint, self.cache) if self.cache else 0
+        on_disk = cached_count(session, wanted, self.model_fingerprint, self.cache, self.made_by) if self.cache else 0
         kept = session.take_held(wanted, at_least=on_disk)
         if self.cache is None:
             return None
         if not kept:
-            return cache_lookup(session, wanted, self.model_fingerprint, self.cache)
+            return cache_lookup(session, wanted, self.model_fingerprint, self.cache, self.made_by)
         key = cache_key(session, self.model_fingerprint)
-        return CacheUse(self.cache, key, canonical(wanted, cache_digests(session)), kept, kept)
+        return CacheUse(self.cache, key, canonical(wanted, cache_digests(session, self.made_by)), kept,
+                        self.made_by, kept)
 
     def remember(self, session: InferenceSession, use: CacheUse | None) -> list[str]:
         """After a one-shot answer is out: the prompt's state joins the cache."""
@@ -178,4 +185,6 @@ class PromptCache:
 
     def cached(self, session: InferenceSession, tokens: list[int]) -> int:
         """How many of `tokens` the prompt cache would restore (`--show-prompt`)."""
-        return cached_count(session, tokens, self.model_fingerprint, self.cache) if self.cache is not None else 0
+        if self.cache is None:
+            return 0
+        return cached_count(session, tokens, self.model_fingerprint, self.cache, self.made_by)

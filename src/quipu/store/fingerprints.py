@@ -1,7 +1,7 @@
 """Model files' fingerprints remembered across runs (`fingerprints.json` in quipu's cache folder).
 
-`models.fingerprint` hashes the first 8 MiB of a model file, 10-15 ms that a one-shot or a resume
-would spend on every start. A fingerprint is kept here by the file's whole path and its identity
+`models.fingerprint` hashes the whole of a model file, seconds for a large one that a one-shot or
+a resume would spend on every start. A fingerprint is kept here by the file's whole path and its identity
 (`models.file_identity`), so a file replaced, written or touched since is hashed again. A damaged
 or unreadable record is as good as none: it is never an error.
 """
