@@ -17,6 +17,7 @@ from quipu.app.branches import rows
 from quipu.app.chat import ChatSession
 from quipu.app.environment import Environment
 from quipu.app.turn_options import TurnOptions
+from quipu.errors import UsageError
 from quipu.engine.native import lc
 from quipu.store.statefile import read_log
 
@@ -202,12 +203,17 @@ def test_a_damaged_tree_is_one_line(tiny_model, tmp_path):
                input="\n".join(QUESTIONS[:2] + ["/edit 1 Name a planet."]).encode() + b"\n")
     assert r.returncode == 0, r.stderr.decode()
     path = tmp_path / "data" / "sessions" / "t.json"
-    record = json.loads(path.read_text())
-    record["tree"]["branches"][0]["shared"] = 10**6
-    path.write_text(json.dumps(record))
-    r = _quipu(tmp_path, "sessions", "show", "t")
-    err = r.stderr.decode()
-    assert r.returncode != 0 and err.count("\n") == 1 and "damaged" in err and "Traceback" not in err
+    whole = json.loads(path.read_text())
+    for damage in ({"shared": 10**6}, {"next": 1}):  # (a branch past the messages; a next id one has)
+        record = json.loads(json.dumps(whole))
+        if "next" in damage:
+            record["tree"]["next"] = damage["next"]
+        else:
+            record["tree"]["branches"][0].update(damage)
+        path.write_text(json.dumps(record))
+        r = _quipu(tmp_path, "sessions", "show", "t")
+        err = r.stderr.decode()
+        assert r.returncode != 0 and err.count("\n") == 1 and "damaged" in err and "Traceback" not in err, damage
 
 
 def test_edit_puts_the_message_in_the_prompt_of_a_terminal(tiny_model, tmp_path):
@@ -244,14 +250,17 @@ def test_compact_makes_a_branch_of_a_summary_and_the_last_exchanges_and_switch_u
     from quipu.app.compact import compact, summarize
 
     chat = _chat(tmp_path, tiny_model, "c")
-    for q in QUESTIONS[:4]:
-        chat.send(q)
+    for i, q in enumerate(QUESTIONS[:4]):
+        chat.send(q + ONWARDS * 3 if i < 2 else q)  # (the older exchanges long enough to be worth a summary)
     before = [m.content for m in chat.messages]
     held = list(chat.named.session.tokens)
     summary = summarize(chat, "Keep the names.")
     assert summary  # (the model's words; nothing changed meanwhile, the context restored exactly)
     assert [m.content for m in chat.messages] == before and chat.named.session.tokens == held
     assert chat.named.session.rebuilt_tokens == 0
+    with pytest.raises(UsageError, match="nothing compacted"):  # (a summary that would grow the context)
+        compact(chat, "The user asked for a fruit. " * 100)
+    assert [m.content for m in chat.messages] == before and len(rows(*chat.branches())) == 1
     made = compact(chat, "The user asked for a fruit, a colour, a city and an animal.")
     now = [m.content for m in chat.messages]
     assert now[-4:] == before[-4:]  # (the last two exchanges as they were)
@@ -267,7 +276,8 @@ def test_compact_makes_a_branch_of_a_summary_and_the_last_exchanges_and_switch_u
 def test_compact_and_trim_from_the_chat_keep_the_conversation_as_a_branch(tiny_model, tmp_path):
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "config.toml").write_text("[chat]\ncompact_keep = 1\n")
-    lines = [*QUESTIONS[:3], "/compact", "/tree", QUESTIONS[3], "/trim", "/tree", "/switch 1"]
+    long = [q + ONWARDS * 3 for q in QUESTIONS[:2]]  # (older exchanges worth a summary)
+    lines = [*long, QUESTIONS[2], "/compact", "/tree", QUESTIONS[3], "/trim", "/tree", "/switch 1"]
     r = _quipu(tmp_path, "chat", "-m", tiny_model, "-S", "k", "-n", "4", input=("\n".join(lines) + "\n").encode())
     err = r.stderr.decode()
     assert r.returncode == 0, err

@@ -644,3 +644,25 @@ def test_the_chat_s_markdown_and_the_writer_escape_what_a_terminal_would_act_on(
     piped = Terminal(io.StringIO(), io.StringIO(), io.StringIO(), False, False, False, color=False)
     piped.out("a\x1b[2Jb\r\n")
     assert piped.stdout.getvalue() == "a\x1b[2Jb\r\n"  # (a pipe gets the reply exactly)
+
+
+def test_a_lone_surrogate_in_json_is_one_line_wherever_it_comes(quipu, home, tiny_model, tmp_path):
+    # (JSON allows "\ud800", a lone half of a UTF-16 pair, which is no text: no tokenizer can take it)
+    messages = tmp_path / "m.json"
+    messages.write_text('[{"role": "user", "content": "\\ud800 hi"}]')
+    assert "lone surrogate" in one_line(quipu("run", "-m", tiny_model, "--messages", messages, "-n", "2"), 2)
+    calls = tmp_path / "calls.json"
+    calls.write_text('[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": '
+                     '[{"id": "1", "function": {"name": "f", "arguments": "{\\"a\\": \\"\\\\ud800\\"}"}}]}]')
+    assert "lone surrogate" in one_line(quipu("run", "-m", tiny_model, "--messages", calls, "-n", "2"), 2)
+    tools = tmp_path / "t.json"
+    tools.write_text('[{"type": "function", "function": {"name": "f", "description": "\\ud800", '
+                     '"parameters": {"type": "object"}}}]')
+    assert "lone surrogate" in one_line(quipu("run", "-m", tiny_model, "-S", "s", "--tools", tools, "-n", "2", "hi"),
+                                        2)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "\\ud800"}\n{"prompt": "Hi."}\n')
+    r = quipu("run", "-m", tiny_model, "--batch", rows, "-n", "2")
+    out = [json.loads(line) for line in r.stdout.decode().splitlines()]
+    assert r.returncode == 0 and "Traceback" not in r.stderr.decode()
+    assert "lone surrogate" in out[0]["error"] and "text" in out[1]

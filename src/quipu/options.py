@@ -242,7 +242,7 @@ _ALL = (
     _option("regex", "--regex", help="Answer with text that this regular expression matches in full (off drops a "
             "session's).", metavar="PATTERN", group="shaping", feature="grammar", role=True, logged=True),
     _option("logit_bias", "--logit-bias", multiple=True, help="TOKEN=BIAS added to a token's logit, TOKEN an id or a "
-            "one-token text; -inf bans it (repeatable).", metavar="TOKEN=BIAS", group="shaping",
+            "text (each of its tokens); -inf bans it (repeatable).", metavar="TOKEN=BIAS", group="shaping",
             feature="logit_bias", role=True, logged=True),
     # ---- tools ----
     _option("functions", "--functions", multiple=True, help="A Python file whose public functions the model may "

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
+from quipu.app.user_files import lone_surrogate
 from quipu.app.answer import Answer
 from quipu.app.local import LocalHost, LocalKeeper, model_fingerprint
 from quipu.app.turn import Ask, Turn
@@ -131,6 +132,8 @@ def _json_row(index: int, line: str) -> RowInput:
         return RowInput(index, error="its JSON nests deeper than quipu reads")
     if not isinstance(data, dict):
         return RowInput(index, error="not a JSON object")
+    if lone_surrogate(data):
+        return RowInput(index, error="it holds a lone surrogate (\\ud800-\\udfff), which is no text")
     unknown = sorted(set(data) - ROW_FIELDS - {"prompt", "messages"})
     prompt, messages, error = None, None, None
     if unknown:

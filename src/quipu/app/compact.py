@@ -38,6 +38,7 @@ KEEP_LAST = 2
 SUMMARY_HEAD = "A summary of our conversation so far:"
 SUMMARY_TAKEN = "Understood: I have the summary, and go on from it."
 MAX_SUMMARY_TOKENS = 600
+MIN_SUMMARY_TOKENS = 8  # a summary shorter than this says nothing: there is no room to save
 
 
 def _keep_last(chat: ChatSession) -> int:
@@ -67,6 +68,7 @@ def summarize(chat: ChatSession, instructions: str | None = None, sink: ReplySin
     named = chat.named
     assert named is not None
     conv = named.conversation
+    room = summary_room(chat)
     prompt = str(chat.env.config.chat.get("compact_prompt") or SUMMARY_PROMPT)
     if instructions:
         prompt += f" {instructions.strip()}"
@@ -76,7 +78,7 @@ def summarize(chat: ChatSession, instructions: str | None = None, sink: ReplySin
     named.flush()
     try:
         conv.back_to(kept_at)
-        gen = conv.send(prompt, max_tokens=MAX_SUMMARY_TOKENS, sink=sink)
+        gen = conv.send(prompt, max_tokens=room, sink=sink)
     finally:
         chat.reload()
     summary = (gen.answer if gen.answer is not None else gen.text).strip()
@@ -93,16 +95,50 @@ def compact(chat: ChatSession, summary: str) -> int:
     named = chat.named
     assert named is not None
     conv = named.conversation
+    compacted = _compacted(conv, first, kept_at, summary)
+    before, after = _sizes(conv, compacted)
+    if after >= before:  # (a summary no shorter than what it replaces would only grow the context)
+        raise UsageError(f"nothing compacted: with the summary the conversation would be {after} tokens, and it is "
+                         f"{before} now; make the summary shorter")
     named.stash()
-    head = conv.messages[:first]
-    kept = [replace(m, context_before=None, decoded_before=None, draws_before=None) for m in conv.messages[kept_at:]]
-    conv.messages[:] = [*head, Message("user", f"{SUMMARY_HEAD}\n\n{summary.strip()}"),
-                        Message("assistant", SUMMARY_TAKEN), *kept]
+    conv.messages[:] = compacted
     held = conv.held
     if held is not None and hasattr(held, "set_context"):  # (a local context: read now)
         held.set_context(conv.context_tokens(add_generation_prompt=False))
     chat.save()
     return named.branch[0]
+
+
+def _compacted(conv: Conversation, first: int, kept_at: int, summary: str) -> list[Message]:
+    """The messages of the compacted branch: the system prompt, the summary, the kept exchanges."""
+    kept = [replace(m, context_before=None, decoded_before=None, draws_before=None) for m in conv.messages[kept_at:]]
+    return [*conv.messages[:first], Message("user", f"{SUMMARY_HEAD}\n\n{summary.strip()}"),
+            Message("assistant", SUMMARY_TAKEN), *kept]
+
+
+def _sizes(conv: Conversation, compacted: list[Message]) -> tuple[int, int]:
+    """The conversation's context in tokens, now and as `compacted`."""
+    was = list(conv.messages)
+    before = len(conv.context_tokens(add_generation_prompt=False))
+    try:
+        conv.messages[:] = compacted
+        return before, len(conv.context_tokens(add_generation_prompt=False))
+    finally:
+        conv.messages[:] = was
+
+
+def summary_room(chat: ChatSession) -> int:
+    """The most tokens a summary may take for the compacted branch to be shorter than the
+    conversation (at most `MAX_SUMMARY_TOKENS`); UsageError where the older exchanges are too
+    short for any summary to save room."""
+    first, kept_at = older_part(chat)
+    named = chat.named
+    assert named is not None
+    before, frame = _sizes(named.conversation, _compacted(named.conversation, first, kept_at, ""))
+    room = min(MAX_SUMMARY_TOKENS, before - frame - 1)
+    if room < MIN_SUMMARY_TOKENS:
+        raise UsageError("nothing to compact: the older exchanges are too short for a summary of them to save room")
+    return room
 
 
 def refuse_if_it_never_fits(conv: Conversation, text: str, exc: ContextOverflow) -> None:

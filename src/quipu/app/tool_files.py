@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Sequence
 
-from quipu.app.user_files import read_json_file
+from quipu.app.user_files import lone_surrogate, read_json_file
 from quipu.engine.base import defuse
 from quipu.app.tooldefs import Tool
 from quipu.errors import UsageError
@@ -364,6 +364,9 @@ def _calls(given: Any, where: str, file: Path) -> list[dict[str, Any]]:
             raise UsageError(f"{file}: {where}[{j}].function.arguments are {kind(args)}, not an object")
         if depth(args) > MAX_DEPTH:
             raise UsageError(f"{file}: {where}[{j}].function.arguments nest deeper than {MAX_DEPTH} levels")
+        if lone_surrogate(args):
+            raise UsageError(f"{file}: {where}[{j}].function.arguments hold a lone surrogate (\\ud800-\\udfff), "
+                             "which is no text")
         made: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
         ident = _text(call.get("id"), f"{where}[{j}].id", file)
         if ident is not None:

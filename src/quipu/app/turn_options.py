@@ -251,8 +251,9 @@ def parse_logit_bias(specs: Sequence[str]) -> list[tuple[str, float]]:
 
 
 def logit_biases(backend: Vocabulary, specs: Sequence[str]) -> tuple[tuple[int, float], ...]:
-    """--logit-bias with each TOKEN made a token id: an id, or a text the model spells as one token."""
-    out = []
+    """--logit-bias with each TOKEN made token ids: an id, or a text, whose every token the bias
+    goes to (as llama-server takes one: " the" banned is each token of it banned)."""
+    out: list[tuple[int, float]] = []
     for token, bias in parse_logit_bias(specs):
         if token.isascii() and token.isdigit():
             token_id = int(token)
@@ -261,9 +262,10 @@ def logit_biases(backend: Vocabulary, specs: Sequence[str]) -> tuple[tuple[int, 
                                  f"of {backend.n_vocab}")
         else:
             ids = backend.tokenize(token, add_special=False, parse_special=True)
-            if len(ids) != 1:
-                raise UsageError(f"--logit-bias: '{token}' is {len(ids)} tokens for this model, not one; give its id")
-            token_id = ids[0]
+            if not ids:
+                raise UsageError(f"--logit-bias: '{token}' is no token for this model; give a token's id or text")
+            out += [(t, bias) for t in dict.fromkeys(ids)]
+            continue
         out.append((token_id, bias))
     return tuple(out)
 

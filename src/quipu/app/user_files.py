@@ -46,9 +46,28 @@ def read_json_file(name: str, what: str) -> Any:
     if json_depth(text, MAX_DEPTH) > MAX_DEPTH:
         raise UsageError(f"the {what} {path} nests deeper than {MAX_DEPTH} levels")
     try:
-        return json.loads(text)
+        data = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise UsageError(f"the {what} {path} is not valid JSON: {exc}") from None
+    if lone_surrogate(data):
+        raise UsageError(f"the {what} {path} holds a lone surrogate (\\ud800-\\udfff), which is no text")
+    return data
+
+
+def lone_surrogate(value: Any) -> bool:
+    """Whether parsed JSON holds a text with a lone half of a UTF-16 pair (`"\\ud800"`, which
+    JSON allows and no tokenizer can take), in a key or a value at any depth."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(lone_surrogate(k) or lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(lone_surrogate(item) for item in value)
+    return False
 
 
 def read_user_file(path: Path, limit: int, stopped: Callable[[], bool] = told_to_stop) -> bytes:

@@ -387,29 +387,24 @@ async def read_json(request: Request) -> dict[str, Any]:
 
 def parse_json(data: bytes) -> dict[str, Any]:
     """A request's body as a JSON object, checked as `read_json` says."""
+    from quipu.app.user_files import lone_surrogate
+
     try:
         body = json.loads(data)
     except (ValueError, RecursionError):
         raise RequestError("the body is not JSON") from None
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
-    check_json(body, "the body")
+    check_depth(body)
+    for key, value in body.items():
+        if lone_surrogate(key) or lone_surrogate(value):
+            raise RequestError(f"{key[:40]!r} holds a lone surrogate (\\ud800-\\udfff), which is no text")
     return body
 
 
-def check_json(value: Any, where: str, depth: int = 0) -> None:
-    """Refuses a request's JSON that nests too deep or holds a lone surrogate (`"\\ud800"`)."""
+def check_depth(value: Any, depth: int = 0) -> None:
+    """Refuses a request's JSON that nests deeper than `MAX_JSON_DEPTH`."""
     if depth > MAX_JSON_DEPTH:
         raise RequestError(f"the body nests deeper than {MAX_JSON_DEPTH} levels")
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestError(f"{where} holds a lone surrogate (\\ud800-\\udfff), which is no text") from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            check_json(key, where, depth + 1)
-            check_json(item, f"{key}" if depth == 0 else where, depth + 1)
-    elif isinstance(value, list):
-        for item in value:
-            check_json(item, where, depth + 1)
+    for item in value.values() if isinstance(value, dict) else value if isinstance(value, list) else ():
+        check_depth(item, depth + 1)

@@ -124,14 +124,15 @@ async def openai_stream(reply: Reply, first: Event, plan: ChatRequest, head: dic
                  "logprobs": {"content": entries} if entries is not None else None}]
 
     answers: list[Answer] = []
-    entries: list[Any] | None = None  # log probabilities given with no piece yet
+    none: list[Any] | None = [] if plan.logprobs is not None else None  # (asked for: each piece carries a list)
+    entries = none  # log probabilities given with no piece yet
     event, began = first, set()
     try:
         while True:
             kind, index, value = event
             if not plain and index not in began and kind != "error":
                 began.add(index)
-                yield chunk(choice(index, {"role": "assistant", "content": ""}))
+                yield chunk(choice(index, {"role": "assistant", "content": None}))
             if kind == "logprobs":
                 entries = (entries or []) + value
             elif kind == "done":
@@ -141,7 +142,7 @@ async def openai_stream(reply: Reply, first: Event, plan: ChatRequest, head: dic
                 if calls:
                     yield chunk(choice(index, {"tool_calls": calls}))
                 yield chunk(choice(index, {}, FINISH.get(answer.finish_reason, "stop"), entries))
-                entries = None
+                entries = none
                 if len(answers) == len(reply.plans):
                     break
             elif kind == "error":
@@ -149,7 +150,7 @@ async def openai_stream(reply: Reply, first: Event, plan: ChatRequest, head: dic
                 break
             else:
                 yield chunk(choice(index, {kind: value}, entries=entries))
-                entries = None
+                entries = none
             event = await reply.next()
         if usage and answers:
             yield chunk([], usage=usage_of(answers))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from quipu.app.answer import Answer
 from quipu.serve.plan import RequestError
 from quipu.app.turns import SessionConflict
-from quipu.errors import QuipuError, SessionLocked, UsageError
+from quipu.errors import ContextOverflow, QuipuError, SessionLocked, UsageError
 from quipu.sessions.template import TemplateRefused
 
 if TYPE_CHECKING:
@@ -98,6 +98,10 @@ def usage(answers: Sequence[Answer]) -> dict[str, Any]:
 
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """The status and OpenAI-shaped body of a failure (one line, never a traceback)."""
+    if isinstance(exc, ContextOverflow):  # (llama-server's type and figures, OpenAI's code)
+        return 400, {"error": {"message": str(exc), "type": "exceed_context_size_error", "param": "messages",
+                               "code": "context_length_exceeded", "n_prompt_tokens": exc.prompt_tokens,
+                               "n_ctx": exc.n_ctx}}
     if isinstance(exc, RequestError):
         status, kind = exc.status, exc.kind
     elif isinstance(exc, (SessionConflict, SessionLocked)):

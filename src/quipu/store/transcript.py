@@ -196,6 +196,8 @@ def _check_tree(tree: Any, messages: list[Any], tokens: list[Any]) -> str | None
                 and _media_ok(b.get("media", []))):
             return "a branch of the transcript is damaged"
         seen.add(b["id"])
+    if tree["next"] <= max(seen):  # (the next branch made would take an id one has)
+        return "the transcript's branches are damaged: its next branch's id is one a branch has"
     return None
 
 
