@@ -90,3 +90,17 @@ def test_no_import_circles():
     for m in sorted(graph):
         visit(m)
     assert not circles, circles
+
+
+def test_the_server_answers_through_the_one_turn_path_in_short_functions():
+    # (its requests are turns `app/served.py` runs through `app/turns.py`: no turn, conversation or
+    # session of its own assembly; and none of its functions is a page long)
+    for path in sorted((ROOT / "serve").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        made = {node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+                for node in ast.walk(tree) if isinstance(node, ast.Call)}
+        assert not made & {"Turn", "InferenceSession", "NamedSession"}, path.name
+        assert "Conversation" not in path.read_text(), path.name
+        long = [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(tree)
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno >= 80]
+        assert not long, (path.name, long)

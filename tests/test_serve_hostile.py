@@ -349,3 +349,20 @@ def test_a_session_named_by_the_start_of_its_model_file_is_known_again(quipu, ho
     r = quipu("run", "-S", "old", "-n", "3", "More.")
     assert r.returncode == 0, r.stderr.decode()
     assert ":sha256:" in json.loads(path.read_text())["model"]["fingerprint"]
+
+
+def test_keep_alive_0_during_a_reply_unloads_the_model_once_it_is_out(home, tiny_model, tmp_path):
+    ollama = pytest.importorskip("ollama")
+    with quipu_serve(home, tiny_model, "--parallel", "2", tmp_path=tmp_path) as url:
+        c = ollama.Client(host=url)
+        name = c.list().models[0].model
+        reply = c.chat(model=name, messages=HI, stream=True, options={"num_predict": 400, "temperature": 1.0})
+        next(reply)  # (a reply is under way)
+        assert c.generate(model=name, prompt="", keep_alive=0).done_reason == "unload"  # (at once: no wait)
+        for _ in reply:
+            pass
+        with httpx.Client(base_url=url, timeout=60) as http:
+            deadline = time.monotonic() + 60
+            while http.get("/health").json()["requests"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert c.ps().models == []

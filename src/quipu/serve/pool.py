@@ -190,8 +190,16 @@ class Pool:
 
     def load(self, model: str, keep: Keep = None) -> bool:
         """Loads `model` (Ollama's request with nothing to answer); unloads it instead where
-        `keep` is 0 (once the requests it answers are done). Whether it is loaded now."""
-        with self._held(None if keep == 0 else model, keep, self.base):
+        `keep` is 0: now, or, while it answers requests, once they are done (the request does not
+        wait for them). Whether it stays loaded."""
+        if keep == 0:
+            with self._turns:
+                if self._active or self._switching:
+                    self._asked_keep = 0
+                else:
+                    self._kept(0)
+            return False
+        with self._held(model, keep, self.base):
             pass
         return self._loaded is not None
 
