@@ -232,8 +232,6 @@ def test_session_turns_are_transactions_and_a_request_s_options_its_own(home, ti
         first = c.chat.completions.create(model="", messages=HI, max_tokens=6, temperature=0, logprobs=True,
                                           response_format={"type": "json_object"}, **session)
         assert first.choices[0].logprobs is not None and first.choices[0].logprobs.content
-        saved = json.loads((home / "data" / "sessions" / "talk.json").read_text())
-        assert saved["params"]["grammar"] is None and saved["params"]["temperature"] != 0  # (the request's alone)
         told = HI + [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user",
                                                                                           "content": "More."}]
         # a turn whose client went away is not kept: the client's retry is answered, not refused
@@ -248,8 +246,19 @@ def test_session_turns_are_transactions_and_a_request_s_options_its_own(home, ti
                 time.sleep(0.05)
         again = c.chat.completions.create(model="", messages=told, max_tokens=4, **session)
         assert again.choices[0].message.role == "assistant"
-        kept = json.loads((home / "data" / "sessions" / "talk.json").read_text())
-        assert [m["content"] for m in kept["messages"]][-1] == again.choices[0].message.content
+        # kept once it was out whole: the turn after it goes on from it (waiting for its save, if need be)
+        after = told + [{"role": "assistant", "content": again.choices[0].message.content},
+                        {"role": "user", "content": "And?"}]
+        second = c.chat.completions.create(model="", messages=after, max_tokens=8, temperature=1.0, **session)
+        # the same request again (a client that never had the answer of a turn that was kept) is answered from it
+        retry = c.chat.completions.create(model="", messages=after, max_tokens=8, temperature=1.0, **session)
+        assert retry.choices[0].message.content == second.choices[0].message.content
+        # (the retry read the session once its turn was saved) a request's schema and sampling were its own
+        saved = json.loads((home / "data" / "sessions" / "talk.json").read_text())
+        assert saved["params"]["grammar"] is None and saved["params"]["temperature"] not in (0, 1.0)
+        with pytest.raises(openai.ConflictError):  # (messages that are not the session's own)
+            c.chat.completions.create(model="", messages=[{"role": "user", "content": "Other."}] + after,
+                                      max_tokens=4, **session)
 
 
 def test_sigterm_during_replies_exits_0_and_the_next_server_goes_on(home, bundled_model, tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from quipu.app.answer import Answer
 from quipu.app.environment import Environment
@@ -131,10 +131,11 @@ def answer_request(host: SlotHost, asked: Request, env: Environment, sink: Reply
 
 
 def session_request(host: SlotHost, name: str, asked: Request, own: TurnOptions, env: Environment,
-                    sink: ReplySink) -> Answer:
+                    sink: ReplySink, took: Callable[[Answer], bool]) -> Answer:
     """A request as a turn of the named session `name` (opened with the server's options, `own`):
-    its messages go on from the session's; kept unless its reply was stopped (its client went, or
-    the server is stopping), so that the client's retry asks the same turn again."""
+    its messages go on from the session's; kept only once `took` says its client has the whole
+    answer, so that a client that went (or a server that stopped) leaves the session as it was,
+    and the client's retry asks the same turn again."""
     if asked.media:
         from quipu.errors import UsageError
 
@@ -146,4 +147,4 @@ def session_request(host: SlotHost, name: str, asked: Request, own: TurnOptions,
     # (a new session's system prompt is the request's own first message)
     own = replace(own, model=opts.model, session=name, system=own.system if store_for(env).exists(name) else "")
     return run_session_turn(None, opts, env, host, sink, tools,
-                            request=SessionRequest(own, asked.messages, asked.logprobs))
+                            request=SessionRequest(own, asked.messages, asked.logprobs, took))

@@ -20,7 +20,7 @@ from quipu.app.named import NamedSession, store_for
 from quipu.app.tools import OpenTools, ToolHooks, offer, open_tools
 from quipu.app.turn import Ask, PromptView, Turn, compose
 from quipu.errors import BadInput, ContextOverflow, UsageError
-from quipu.sessions.base import SILENT, Capabilities, ModelSession
+from quipu.sessions.base import SILENT, Capabilities, Generation, ModelSession
 from quipu.sessions.base import ReplySink as ReplySink  # (the CLI's sinks are made of it)
 from quipu.sessions.conversation import Conversation, Message, TurnSettings
 from quipu.store.store import validate_name
@@ -233,6 +233,10 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
     with store.lock(name):
         named = NamedSession.open(store, name, request.own if request is not None else opts, env, host, sink.reading)
         try:
+            again = retried(named.conversation.messages, request.sent) if request is not None else None
+            if again is not None:  # (a client's retry of the turn just kept, whose answer it never had)
+                turn = Turn(named.session, named.keeper, named.conversation, opts.tool_options, named=named)
+                return turn.finished(Generation(again.content, finish_reason="stop", reasoning=again.reasoning or ""))
             own = request.take(named, opts, env) if request is not None else None
             turn, ask = _session_turn(named, prompt, opts, files, media, tools, hooks,
                                       request.sent if request is not None else None)
@@ -253,7 +257,7 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
                 recorded.finish(answer)
             if own is not None:
                 own()
-            if request is None or not sink.stopped():
+            if request is None or request.took(answer):  # (a server's turn: kept once its client has it whole)
                 named.save()
         finally:
             named.close()
@@ -292,11 +296,13 @@ class SessionRequest:
     """A server's request as a turn of a named session: the options the session is opened with
     (`own`: the server's, which the session keeps), the messages the request sends (`sent`: the
     session's, then new ones), and the log probabilities it asks for. The request's own sampling
-    options, schema and tools hold for its turn alone (`take`)."""
+    options, schema and tools hold for its turn alone (`take`). The turn is a transaction: `took`
+    hands its answer to the client and says whether the client took it whole; only then is it kept."""
 
     own: TurnOptions
     sent: Sequence[Message]
     logprobs: int | None = None
+    took: Callable[[Answer], bool] = lambda answer: True
 
     def take(self, named: NamedSession, opts: TurnOptions, env: Environment) -> Callable[[], None]:
         """Gives the session the request's options for this turn; what sets its own back (before it is saved)."""
@@ -320,6 +326,18 @@ class SessionRequest:
 
 class SessionConflict(UsageError):
     """A request whose messages do not go on from its session's."""
+
+
+def retried(held: Sequence[Message], sent: Sequence[Message]) -> Message | None:
+    """The session's last reply, where a request sends the session's messages but that reply
+    (a client's retry of a turn that was kept, but whose answer it never had); else None."""
+    if len(held) < 2 or len(sent) != len(held) - 1 or held[-1].role != "assistant" or held[-1].tool_calls:
+        return None
+    try:
+        going_on(held[:-1], [*sent, held[-1]], "")
+    except SessionConflict:
+        return None
+    return held[-1]
 
 
 def going_on(held: Sequence[Message], sent: Sequence[Message], name: str) -> list[Message]:

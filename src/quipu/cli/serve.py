@@ -51,8 +51,10 @@ def serve(
     verbose: Annotated[bool, opt.typer_option(spec.OPTS["verbose"])] = False,
 ) -> None:
     from quipu.cli.terminal import Terminal
-    from quipu.serve.http import host_in_url, loopback
     from quipu.serve.plan import RequestError, keep_alive as keep_of
+    from quipu.serve.server import host_in_url, installed, loopback
+
+    installed()
 
     env = context.obj
     config = env.config.serve  # ([serve] in the config: what the command line does not give)

@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import secrets
 import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from starlette.responses import Response
 
 from quipu.serve.plan import RequestError
+from quipu.serve.server import host_in_url, loopback
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import Response
 
     from quipu.app.answer import Answer
     from quipu.serve.plan import ChatRequest
@@ -35,19 +36,6 @@ T = TypeVar("T")
 MAX_BODY = 8 << 20  # bytes of a request's body
 BODY_S = 60.0  # seconds a request's body may take to come in whole
 MAX_JSON_DEPTH = 64  # how deep a request's JSON may nest
-
-
-def loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def host_in_url(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 async def off_loop(work: Callable[..., T], *args: Any) -> T:
@@ -157,17 +145,47 @@ def refused(status: int, message: str, kind: str) -> Response:
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
 
 
-def shaped(openai: bool, exc: BaseException, release: Callable[[], None] | None = None) -> Response:
+def shaped(openai: bool, exc: BaseException) -> Response:
     """A failure in the API's shape (`openai`: OpenAI's, else Ollama's); a busy server's says
-    when to ask again. `release`: the request's place in the pool, given back once it is sent."""
-    from starlette.background import BackgroundTask
+    when to ask again."""
     from starlette.responses import JSONResponse
 
     from quipu.serve import wire
 
     status, body = (wire.error_body if openai else wire.ollama_error)(exc)
-    return JSONResponse(body, status, headers={"Retry-After": "1"} if status == 503 else None,
-                        background=BackgroundTask(release) if release is not None else None)
+    return JSONResponse(body, status, headers={"Retry-After": "1"} if status == 503 else None)
+
+
+async def counted(pool: Pool, openai: bool, answer: Callable[[], Awaitable[Response]]) -> Response:
+    """The response `answer` makes for a request counted in by the pool from now to its last byte
+    (or its client's going), or the pool's refusal: busy."""
+    try:
+        release = pool.admit()
+    except RequestError as exc:
+        return shaped(openai, exc)
+    try:
+        inner = await answer()
+    except BaseException:
+        release()
+        raise
+    return Then(inner, ended=release)
+
+
+class Then(Response):
+    """A response (`inner`) sent as it is, then `sent` where it went out whole, and `ended` in any
+    case (its client gone included)."""
+
+    def __init__(self, inner: Response, sent: Callable[[], object] = lambda: None,
+                 ended: Callable[[], object] = lambda: None):
+        self.inner, self.sent, self.ended = inner, sent, ended
+        self.background = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.inner(scope, receive, send)
+            self.sent()
+        finally:
+            self.ended()
 
 
 async def watch_gone(request: Request, reply: Reply) -> None:
@@ -197,21 +215,9 @@ class Routes:
         loop, then answered whole or streamed; a stream's head goes out once its first event is
         in, so a request that cannot be answered (too long for the context, say) is a 4xx."""
         api = self.apis[request.url.path]
-        failed = self.door.refusal(request)
-        if failed is not None:
-            return failed
-        try:
-            release = self.pool.admit()
-        except RequestError as exc:
-            return shaped(api.openai, exc)
-        try:
-            return await self._answer(request, api, release)
-        except BaseException:
-            release()
-            raise
+        return self.door.refusal(request) or await counted(self.pool, api.openai, lambda: self._answer(request, api))
 
-    async def _answer(self, request: Request, api: Api, release: Callable[[], None]) -> Response:
-        from starlette.background import BackgroundTask
+    async def _answer(self, request: Request, api: Api) -> Response:
         from starlette.responses import JSONResponse, StreamingResponse
 
         from quipu.serve.plan import as_session_turn, load_only
@@ -220,31 +226,29 @@ class Routes:
         try:
             body = await read_json(request)
             if not api.openai and load_only(body, api.generate):
-                return await self._loaded(body, api, release)
+                return await self._loaded(body, api)
             session = request.headers.get("x-quipu-session")
             plan = await off_loop(lambda: as_session_turn(self.pool.plan(body, api.make), session))
         except Exception as exc:  # (every refusal a 4xx in the API's shape, never a traceback)
-            return shaped(api.openai, exc, release)
+            return shaped(api.openai, exc)
         head = api.head()
         reply = Reply(self.pool, plan, head["ident"])
         if not api.streams(body):
-            watch = asyncio.create_task(watch_gone(request, reply))
+            watch = asyncio.create_task(watch_gone(request, reply))  # (until it is sent: a session's turn is kept then)
             try:
                 answers = await reply.whole()
             except Exception as exc:
-                return shaped(api.openai, exc, release)
-            finally:
                 watch.cancel()
-            return JSONResponse(api.whole(answers, head), background=BackgroundTask(release))
+                return shaped(api.openai, exc)
+            return Then(JSONResponse(api.whole(answers, head)), sent=reply.sent, ended=watch.cancel)
         first = await reply.next()
         if first[0] == "error":
-            return shaped(api.openai, first[2], release)
+            return shaped(api.openai, first[2])
         return StreamingResponse(api.stream(reply, first, plan, {**head, "body": body}), media_type=api.media_type,
-                                 headers={"Cache-Control": "no-cache"}, background=BackgroundTask(release))
+                                 headers={"Cache-Control": "no-cache"})
 
-    async def _loaded(self, body: dict[str, Any], api: Api, release: Callable[[], None]) -> Response:
+    async def _loaded(self, body: dict[str, Any], api: Api) -> Response:
         """Ollama's request with nothing to answer: the model loaded (or, `keep_alive` 0, unloaded)."""
-        from starlette.background import BackgroundTask
         from starlette.responses import JSONResponse
 
         from quipu.serve.plan import request_keep
@@ -254,24 +258,18 @@ class Routes:
         reply = {"model": name, "created_at": datetime.now(timezone.utc).isoformat(), "done": True,
                  "done_reason": "load" if now else "unload"}
         return JSONResponse({**reply, **({"response": ""} if api.generate else
-                                         {"message": {"role": "assistant", "content": ""}})},
-                            background=BackgroundTask(release))
+                                         {"message": {"role": "assistant", "content": ""}})})
 
     async def embeddings(self, request: Request) -> Response:
-        from starlette.background import BackgroundTask
+        openai = request.url.path == "/v1/embeddings"
+        return self.door.refusal(request) or await counted(self.pool, openai, lambda: self._embed(request, openai))
+
+    async def _embed(self, request: Request, openai: bool) -> Response:
         from starlette.responses import JSONResponse
 
         from quipu.serve import wire
         from quipu.serve.plan import embed_inputs, request_keep
 
-        failed = self.door.refusal(request)
-        if failed is not None:
-            return failed
-        openai = request.url.path == "/v1/embeddings"
-        try:
-            release = self.pool.admit()
-        except RequestError as exc:
-            return shaped(openai, exc)
         try:
             body = await read_json(request)
             name, _ = self.pool.pick(body.get("model"))
@@ -284,8 +282,8 @@ class Routes:
             reply = wire.openai_embeddings(name, vectors, tokens, body.get("encoding_format")) if openai else \
                 wire.ollama_embeddings(name, vectors, tokens, load_s, time.perf_counter() - started)
         except Exception as exc:
-            return shaped(openai, exc, release)
-        return JSONResponse(reply, background=BackgroundTask(release))
+            return shaped(openai, exc)
+        return JSONResponse(reply)
 
     async def listed(self, request: Request) -> Response:
         """/v1/models, /api/tags, /api/ps and /api/version: what the server has."""

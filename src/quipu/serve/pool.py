@@ -143,18 +143,20 @@ class Pool:
 
     # ---- answers --------------------------------------------------------------------------
 
-    def chat(self, asked: ChatRequest, sink: ReplySink, ident: str = "") -> Answer:
+    def chat(self, asked: ChatRequest, sink: ReplySink, ident: str = "",
+             took: Callable[[Answer], bool] = lambda answer: True) -> Answer:
         """Answers a request (`asked`, with its model: `ChatRequest.model`) into `sink` (which
         says when its client has gone), once the model has room, on a slot of its; what the turn
         says goes to the server's log (`ident`, the request's id), and the answer is logged
-        unless the server was told not to."""
+        unless the server was told not to. A session's turn is kept once `took` says the client
+        has the whole answer."""
         request = Request(asked.opts, asked.messages, asked.media, asked.prompt, asked.tools, asked.logprobs)
         with self._held(asked.model or self.model, asked.keep, asked.opts) as (loaded, load_s, notices):
             with self._slot(loaded, asked) as slot:
                 host = SlotHost(slot.backend, loaded.backend, loaded.keeper, load_s, notices, slot.held)
                 slot.held, slot.said = [], ()  # (until this request is answered: what the context holds is this one's)
                 if asked.session is not None:
-                    answer = session_request(host, asked.session, request, self.base, self.env, sink)
+                    answer = session_request(host, asked.session, request, self.base, self.env, sink, took)
                 else:
                     answer = answer_request(host, request, self.env, sink)
                     session = host.session

@@ -7,6 +7,7 @@ exits 0 at once, leaving every kept conversation as its last whole turn left it 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import signal
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -18,6 +19,30 @@ HEAD_S = 10.0  # seconds a connection may take to send a request's head
 MAX_CONNECTIONS = 512  # open at once
 MAX_PER_CLIENT = 128  # open at once from one address
 STOP_S = 1  # seconds: how long a stop waits for replies to end (each ends at its next token) before it goes
+
+
+def loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_in_url(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def installed() -> None:
+    """Refuses in one line where the server's own packages (the `serve` extra) are missing."""
+    import importlib.util
+
+    from quipu.errors import UsageError
+
+    missing = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"quipu serve needs {' and '.join(missing)}: pip install 'quipu[serve]'")
 
 
 def protocol() -> type:

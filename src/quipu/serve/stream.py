@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from functools import partial
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from quipu.sessions.base import ReplySink
@@ -36,6 +37,9 @@ class Reply:
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.room = threading.Semaphore(QUEUED)
         self.gone = threading.Event()  # the client went away, or the reply is over
+        self.delivered = threading.Event()  # the client has the whole reply (`sent`)
+        self.settled = threading.Event()  # delivered, or never to be
+        self.handed: set[int] = set()  # the answers given out before their turn ended (`took`)
         self.pool, self.plans, self.ident = pool, choices(plan), ident
         threading.Thread(target=self._work, name="quipu-serve-reply", daemon=True).start()
 
@@ -70,13 +74,29 @@ class Reply:
 
         for index, each in enumerate(self.plans):
             try:
-                answer = self.pool.chat(each, Streamed(index), self.ident)
+                answer = self.pool.chat(each, Streamed(index), self.ident, partial(self.took, index))
             except Exception as exc:  # (said as an event: the HTTP side shapes it)
                 self.loop.call_soon_threadsafe(self.events.put_nowait, ("error", index, exc))
                 return
-            self.loop.call_soon_threadsafe(self.events.put_nowait, ("done", index, answer))
+            if index not in self.handed:
+                self.loop.call_soon_threadsafe(self.events.put_nowait, ("done", index, answer))
             if self.stopped():
                 return
+
+    def took(self, index: int, answer: Answer) -> bool:
+        """Gives answer `index` out before its turn ends (a session's, kept only when this says
+        so), and waits until the client has the whole reply, or has gone: whether it has it, and
+        it is the whole answer (not one cut as the client went or the server stopped)."""
+        self.handed.add(index)
+        self.loop.call_soon_threadsafe(self.events.put_nowait, ("done", index, answer))
+        self.settled.wait(SLOW_S)
+        return self.delivered.is_set() and answer.finish_reason != "interrupted"
+
+    def sent(self) -> None:
+        """The whole reply is out to its client (unless it went first)."""
+        if not self.gone.is_set():
+            self.delivered.set()
+        self.settled.set()
 
     async def next(self) -> Event:
         event = await self.events.get()
@@ -97,6 +117,7 @@ class Reply:
 
     def close(self) -> None:
         self.gone.set()
+        self.settled.set()
 
 
 async def openai_stream(reply: Reply, first: Event, plan: ChatRequest, head: dict[str, Any], plain: bool
@@ -155,6 +176,7 @@ async def openai_stream(reply: Reply, first: Event, plan: ChatRequest, head: dic
         if usage and answers:
             yield chunk([], usage=usage_of(answers))
         yield "data: [DONE]\n\n"
+        reply.sent()  # (resumed once the last chunk is out)
     finally:
         reply.close()  # (the client went away, or the reply is over)
 
@@ -176,6 +198,7 @@ async def ollama_stream(reply: Reply, first: Event, plan: ChatRequest, head: dic
                     yield json.dumps(ollama_piece(plan.model, created, "", generate=generate, calls=calls)) + "\n"
                 piece = ollama_piece(plan.model, created, "", generate=generate)
                 yield json.dumps({**piece, **ollama_reply(value, created)}) + "\n"
+                reply.sent()  # (resumed once the last line is out)
                 break
             if kind == "error":
                 yield json.dumps(ollama_error(value)[1]) + "\n"
