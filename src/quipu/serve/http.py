@@ -36,6 +36,7 @@ T = TypeVar("T")
 MAX_BODY = 8 << 20  # bytes of a request's body
 BODY_S = 60.0  # seconds a request's body may take to come in whole
 MAX_JSON_DEPTH = 64  # how deep a request's JSON may nest
+LIGHT = 4  # requests no model answers (models listed, shown) read at once
 
 
 async def off_loop(work: Callable[..., T], *args: Any) -> T:
@@ -203,6 +204,13 @@ class Routes:
 
     def __init__(self, pool: Pool, door: Door):
         self.pool, self.door, self.apis = pool, door, apis()
+        # (what the routes that no model answers read, off the loop a few at a time: the others
+        # wait, each on a connection the server bounds)
+        self.light = asyncio.Semaphore(LIGHT)
+
+    async def _light(self, work: Callable[..., T], *args: Any) -> T:
+        async with self.light:
+            return await off_loop(work, *args)
 
     async def health(self, request: Request) -> Response:
         from starlette.responses import JSONResponse
@@ -253,7 +261,7 @@ class Routes:
 
         from quipu.serve.plan import request_keep
 
-        name, _ = self.pool.pick(body.get("model"))
+        name, _ = await off_loop(self.pool.pick, body.get("model"))  # (it may look through the folders)
         now = await off_loop(self.pool.load, name, request_keep(body))
         reply = {"model": name, "created_at": datetime.now(timezone.utc).isoformat(), "done": True,
                  "done_reason": "load" if now else "unload"}
@@ -272,7 +280,7 @@ class Routes:
 
         try:
             body = await read_json(request)
-            name, _ = self.pool.pick(body.get("model"))
+            name, _ = await off_loop(self.pool.pick, body.get("model"))  # (it may look through the folders)
             texts = embed_inputs(body)
             if body.get("dimensions") is not None:
                 raise RequestError("dimensions: quipu serve gives each model's embeddings whole")
@@ -298,10 +306,10 @@ class Routes:
             return failed
         if path == "/api/version":
             return JSONResponse({"version": __version__})
-        if path == "/api/ps":
-            return JSONResponse(wire.ollama_ps(self.pool.loaded()))
-        known = await off_loop(self.pool.known)  # (it looks through the folders models are in)
-        return JSONResponse(wire.openai_models(known) if path == "/v1/models" else wire.ollama_tags(known))
+        if path == "/api/ps":  # (each reads its models' headers, and the folders models are in)
+            return JSONResponse(await self._light(wire.ollama_ps, self.pool.loaded()))
+        shape = wire.openai_models if path == "/v1/models" else wire.ollama_tags
+        return JSONResponse(await self._light(lambda: shape(self.pool.known())))
 
     async def show(self, request: Request) -> Response:
         from starlette.responses import JSONResponse
@@ -312,9 +320,10 @@ class Routes:
         if failed is not None:
             return failed
         try:
-            body = await read_json(request)
-            found = await off_loop(self.pool.pick, body.get("model") or body.get("name"))
-            return JSONResponse(await off_loop(wire.ollama_show, *found))
+            async with self.light:
+                body = await read_json(request)
+                found = await off_loop(self.pool.pick, body.get("model") or body.get("name"))
+                return JSONResponse(await off_loop(wire.ollama_show, *found))
         except Exception as exc:
             return shaped(False, exc)
 
