@@ -241,8 +241,9 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
             turn, ask = _session_turn(named, prompt, opts, files, media, tools, hooks,
                                       request.sent if request is not None else None)
             limit, stop = named.reply_limits(opts, env)
-            if request is not None and opts.max_tokens is not None:
-                limit = max_tokens(opts, env)  # (a request's own length, not the session's)
+            if request is not None:  # (a request's own length and stop strings, where it gives them)
+                limit = max_tokens(opts, env) if opts.max_tokens is not None else limit
+                stop = stop_strings(opts, env) if opts.stop else stop
             recorded = with_logprobs(named.session, sink, request.logprobs if request is not None else None)
             try:
                 answer = turn.answer(ask, limit, stop, recorded or sink)

@@ -155,7 +155,7 @@ class Pool:
             with self._slot(loaded, asked) as slot:
                 host = SlotHost(slot.backend, loaded.backend, loaded.keeper, load_s, notices, slot.held)
                 slot.held, slot.said = [], ()  # (until this request is answered: what the context holds is this one's)
-                if asked.session is not None:
+                if asked.session is not None:  # (what the slot's context holds then is the session's: not kept)
                     answer = session_request(host, asked.session, request, self.base, self.env, sink, took)
                 else:
                     answer = answer_request(host, request, self.env, sink)
