@@ -68,23 +68,50 @@ def names_model(saved: object, path: Path, current: str) -> bool:
 
 
 def open_session(opts: TurnOptions, env: Environment,
-                 loaded: Backend | None = None) -> tuple[str, Path, InferenceSession]:
-    """(model name, model file, a fresh session on it), with the load time in its stats. Options
-    are checked before the model is loaded; a model `loaded` already (a server's) is not loaded
-    again: the session is a context of its own on it."""
+                 loaded: Backend | None = None) -> tuple[str, Path, str, InferenceSession]:
+    """(model name, model file, its fingerprint, a fresh session on it), with the load time in its
+    stats. Options are checked before the model is loaded; a model `loaded` already (a server's)
+    is not loaded again: the session is a context of its own on it. A file quipu has not met is
+    hashed while it loads."""
     params = sampling_params(opts, env)
     settings = context_settings(opts, env)
     where = offload(opts, env)
     model_name, model_path = env.resolve_model(opts.model)
+    hashed = hashing(model_path, env)
     started = time.perf_counter()
     backend = _on(loaded, model_path, settings) or load_backend(model_path, settings, opts.verbose, where)
     try:
         stats = Stats(load_s=time.perf_counter() - started, placement=placement_of(backend))
         session = InferenceSession(backend, with_logit_biases(params, backend, opts), stats=stats)
+        model_fp = hashed()
     except BaseException:
         backend.close()
         raise
-    return model_name, model_path, session
+    return model_name, model_path, model_fp, session
+
+
+def hashing(path: Path, env: Environment) -> Callable[[], str]:
+    """`model_fingerprint(path, env)` begun on a thread of its own (a new file's hash beside its
+    load); what waits for it."""
+    import threading
+
+    done: list[str | BaseException] = []
+
+    def run() -> None:
+        try:
+            done.append(model_fingerprint(path, env))
+        except BaseException as exc:  # (raised where it is waited for)
+            done.append(exc)
+
+    thread = threading.Thread(target=run, name="quipu-fingerprint", daemon=True)
+    thread.start()
+
+    def result() -> str:
+        thread.join()
+        if isinstance(done[0], BaseException):
+            raise done[0]
+        return done[0]
+    return result
 
 
 def _on(loaded: Backend | None, model_path: Path, settings: ContextSettings) -> Backend | None:
@@ -106,14 +133,14 @@ class LocalHost:
     def create(self, opts: TurnOptions, env: Environment, name: str | None = None,
                media: Sequence[Attachment] = ()) -> Opened[InferenceSession]:
         projector = given_projector(opts.mmproj)  # (a wrong one is said before the model loads)
-        model_name, model_path, session = open_session(opts, env, self.loaded)
+        model_name, model_path, model_fp, session = open_session(opts, env, self.loaded)
         try:
             marks = with_projector(session.backend, model_path, projector, media,
                                    env.dirs.checked_projectors) if media else []
         except BaseException:
             session.close()
             raise
-        keeper = self.keeper(model_name, model_path, model_fingerprint(model_path, env), opts, env, projector)
+        keeper = self.keeper(model_name, model_path, model_fp, opts, env, projector)
         said = placement_notices(session.backend, ctx_given=opts.ctx is not None, verbose=opts.verbose)
         return Opened(session, keeper, said, media_marks=marks)
 

@@ -275,16 +275,22 @@ class Pool:
     def _load(self, model: str | None, opts: TurnOptions) -> tuple[Loaded, float, list[str]]:
         """`model` loaded (none loaded before: `_unload`), with a slot for each request it may
         answer at once; how long loading it took; what to say of where it runs."""
-        from quipu.app.local import LocalHost, model_fingerprint
+        from quipu.app.local import LocalHost, hashing
         from quipu.app.placing import placement_notices
         from quipu.app.turn_options import context_settings, load_backend, offload
 
         name, path = self.pick(model)
+        hashed = hashing(path, self.env)  # (a file quipu has not met is hashed while it loads)
         started = time.perf_counter()
         settings = dataclasses.replace(context_settings(opts, self.env), parallel=self.parallel)
         backend = load_backend(path, settings, opts.verbose, offload(opts, self.env))
         load_s = time.perf_counter() - started
-        keeper = LocalHost.keeper(name, path, model_fingerprint(path, self.env), opts, self.env, None)
+        try:
+            model_fp = hashed()
+        except BaseException:
+            backend.close()
+            raise
+        keeper = LocalHost.keeper(name, path, model_fp, opts, self.env, None)
         loaded = Loaded(name, path, backend, keeper, slots=[Slot(b) for b in [backend, *backend.sequences()]])
         self._loaded = loaded
         return loaded, load_s, placement_notices(backend, ctx_given=opts.ctx is not None, verbose=opts.verbose)
