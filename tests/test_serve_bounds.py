@@ -103,7 +103,7 @@ def test_a_page_of_another_site_is_refused_unless_cors_names_it(home, tiny_model
 @pytest.mark.parametrize("args, config, words", [
     (["--keep-alive", "soon"], "", "--keep-alive must be a number of seconds or a duration"),
     (["--cors", "evil"], "", "--cors takes an origin"),
-    (["--port", "0"], "", "--port must be from 1 to 65535"),
+    (["--port", "0"], "", "--port must be in [1, 65535]"),
     (["--parallel", "0"], "", "--parallel must be from 1 to 64"),
     ([], "[serve]\nparallel = 1000\n", "[serve] parallel must be from 1 to 64"),
     ([], "[serve]\nport = \"x\"\n", "[serve] port must be an integer"),

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from quipu.errors import UsageError
+from quipu.options import SERVE
 
 
 MAX_CONFIG_BYTES = 4 << 20  # (a config file is a few lines)
@@ -22,8 +23,7 @@ LOGS_KEYS = {"enabled": bool, "max_records": int, "max_days": float}
 MODEL_KEYS = {"huggingface": str, "lmstudio": str, "ollama": str}
 REMOTE_KEYS = {"url": str, "api_key_env": str, "model": str, "timeout": float}
 CHAT_KEYS = {"markdown": bool, "compact_prompt": str, "compact_keep": int}
-SERVE_KEYS = {"models": tuple, "host": str, "port": int, "api_key_env": str, "keep_alive": object, "cors": tuple,
-              "parallel": int}
+SERVE_KEYS = dict(SERVE)  # (the registry's: quipu/options.py)
 
 
 class ConfigError(UsageError):

@@ -90,6 +90,7 @@ class Option:
     server: str | None = None  # its name in llama-server's /completion request
     bounds: Bounds | None = None
     most: int | None = None  # the most values an option given more than once takes (a request's list)
+    section: str = "generation"  # the config's table that holds it (where `config` says it is there)
 
     @property
     def spelled(self) -> str:
@@ -290,8 +291,28 @@ _ALL = (
             field="server", refused="a server (--url, QUIPU_URL or the config's [remote] url)", feature="server"),
     _option("batch", "--batch", help="Answer every row of this file side by side (JSON lines, or one prompt per "
             "line; - for stdin); prints one JSON line per row, in input order.", metavar="FILE", field=""),
-    _option("parallel", "--parallel", kind=int, help="With --batch: rows decoded side by side (default: 4 per CPU, "
-            "from 4 to 16).", field=""),
+    _option("parallel", "--parallel", kind=int, help="Sequences decoded side by side on one context: with --batch, "
+            "its rows (default: 4 per CPU, from 4 to 16); for `quipu serve`, the requests answered at once, each "
+            "conversation its own --ctx (default 1: every answer a lone run's to the last bit).", metavar="N",
+            field="", group="serve", config=int, section="serve"),
+    # ---- serve: `quipu serve`'s own, which the config's [serve] may give too ----
+    _option("models", "--model", "-m", multiple=True, help="A model to serve (a .gguf file or a known model name; "
+            "again for more): the first is the default of a request that names none. Any model `quipu models list` "
+            "names is served by its name too.", metavar="MODEL", complete="model", field="", group="serve",
+            config=tuple, section="serve"),
+    _option("host", "--host", help="The address to listen on (default 127.0.0.1; anything but loopback needs "
+            "--api-key).", field="", group="serve", config=str, section="serve"),
+    _option("port", "--port", kind=int, help="The port to listen on (default 8080).", field="", group="serve",
+            config=int, section="serve", bounds=Bounds(1, 65535)),
+    _option("api_key", "--api-key", help="Answer only requests that bring this key (Authorization: Bearer KEY).",
+            metavar="KEY", field="", group="serve"),
+    _option("api_key_env", help="The environment variable the server's key is read from (the config's alone).",
+            field="", group="serve", config=str, section="serve"),
+    _option("keep_alive", "--keep-alive", help="How long a model stays loaded after its last request: 5m (the "
+            "default), 90s, 1h, 0 (unloaded at once), -1 (for good).", metavar="DURATION", field="", group="serve",
+            config=object, section="serve"),
+    _option("cors", "--cors", multiple=True, help="Let web pages of this origin call the server (https://host:port; "
+            "again for more).", metavar="ORIGIN", field="", group="serve", config=tuple, section="serve"),
 )
 
 OPTIONS: Mapping[str, Option] = {o.name: o for o in _ALL}
@@ -306,7 +327,9 @@ def group(name: str) -> dict[str, Option]:
 # batch rows and `/set` read as numbers.
 SAMPLING: Mapping[str, type] = {o.name: o.kind for o in _ALL if o.sampling}
 # What [generation] in the config may set, each as the config's reader checks it.
-CONFIG: Mapping[str, type] = {o.name: o.config for o in _ALL if o.config is not None}
+CONFIG: Mapping[str, type] = {o.name: o.config for o in _ALL if o.config is not None and o.section == "generation"}
+# What [serve] may set: `quipu serve`'s own options.
+SERVE: Mapping[str, type] = {o.name: o.config for o in _ALL if o.config is not None and o.section == "serve"}
 # What `/set` changes for the next replies: the sampling parameters, then the rest.
 SETTABLE: Mapping[str, type] = {**{o.name: o.settable for o in _ALL if o.settable is not None and o.sampling},
                                 **{o.name: o.settable for o in _ALL if o.settable is not None and not o.sampling}}

@@ -157,19 +157,40 @@ def shaped(openai: bool, exc: BaseException) -> Response:
     return JSONResponse(body, status, headers={"Retry-After": "1"} if status == 503 else None)
 
 
-async def counted(pool: Pool, openai: bool, answer: Callable[[], Awaitable[Response]]) -> Response:
+class Place:
+    """A request's place in the pool, given back once its response has ended and every other
+    holder (its turn's thread, which a client's going ends at its next token) is done."""
+
+    def __init__(self, release: Callable[[], None]):
+        self.release, self.holders, self.lock = release, 1, threading.Lock()
+
+    def hold(self) -> Callable[[], None]:
+        """One more holder; what it calls when it is done."""
+        with self.lock:
+            self.holders += 1
+        return self.done
+
+    def done(self) -> None:
+        with self.lock:
+            self.holders -= 1
+            last = self.holders == 0
+        if last:
+            self.release()
+
+
+async def counted(pool: Pool, openai: bool, answer: Callable[[Place], Awaitable[Response]]) -> Response:
     """The response `answer` makes for a request counted in by the pool from now to its last byte
-    (or its client's going), or the pool's refusal: busy."""
+    (or its client's going) and its turn's end, or the pool's refusal: busy."""
     try:
-        release = pool.admit()
+        place = Place(pool.admit())
     except RequestError as exc:
         return shaped(openai, exc)
     try:
-        inner = await answer()
+        inner = await answer(place)
     except BaseException:
-        release()
+        place.done()
         raise
-    return Then(inner, ended=release)
+    return Then(inner, ended=place.done)
 
 
 class Then(Response):
@@ -223,9 +244,9 @@ class Routes:
         loop, then answered whole or streamed; a stream's head goes out once its first event is
         in, so a request that cannot be answered (too long for the context, say) is a 4xx."""
         api = self.apis[request.url.path]
-        return self.door.refusal(request) or await counted(self.pool, api.openai, lambda: self._answer(request, api))
+        return self.door.refusal(request) or await counted(self.pool, api.openai, lambda place: self._answer(request, api, place))
 
-    async def _answer(self, request: Request, api: Api) -> Response:
+    async def _answer(self, request: Request, api: Api, place: Place) -> Response:
         from starlette.responses import JSONResponse, StreamingResponse
 
         from quipu.serve.plan import as_session_turn, load_only
@@ -240,7 +261,7 @@ class Routes:
         except Exception as exc:  # (every refusal a 4xx in the API's shape, never a traceback)
             return shaped(api.openai, exc)
         head = api.head()
-        reply = Reply(self.pool, plan, head["ident"])
+        reply = Reply(self.pool, plan, head["ident"], place.hold())
         if not api.streams(body):
             watch = asyncio.create_task(watch_gone(request, reply))  # (until it is sent: a session's turn is kept then)
             try:
@@ -270,7 +291,7 @@ class Routes:
 
     async def embeddings(self, request: Request) -> Response:
         openai = request.url.path == "/v1/embeddings"
-        return self.door.refusal(request) or await counted(self.pool, openai, lambda: self._embed(request, openai))
+        return self.door.refusal(request) or await counted(self.pool, openai, lambda place: self._embed(request, openai))
 
     async def _embed(self, request: Request, openai: bool) -> Response:
         from starlette.responses import JSONResponse

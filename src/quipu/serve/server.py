@@ -10,9 +10,11 @@ import contextlib
 import ipaddress
 import signal
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 if TYPE_CHECKING:
+    from quipu.serve.plan import Keep
     from quipu.serve.pool import Pool
 
 HEAD_S = 10.0  # seconds a connection may take to send a request's head
@@ -32,6 +34,71 @@ def loopback(host: str) -> bool:
 
 def host_in_url(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+DEFAULTS = {"host": "127.0.0.1", "port": 8080, "keep_alive": "5m", "parallel": 1}
+
+
+@dataclass(frozen=True)
+class Listening:
+    """What a server is told, checked: where it listens, the key it wants, how long a model stays
+    loaded, how many requests it answers at once, the pages that may call it, its models."""
+
+    host: str
+    port: int
+    api_key: str | None
+    keep: Keep
+    parallel: int
+    origins: tuple[str, ...]
+    models: tuple[str, ...]
+
+    @property
+    def url(self) -> str:
+        """The address OpenAI-style clients are given."""
+        return f"http://{host_in_url(self.host)}:{self.port}/v1"
+
+
+def listening_of(given: Mapping[str, Any], config: Mapping[str, Any], environ: Mapping[str, str]) -> Listening:
+    """The server's own options (`quipu.options`' group "serve") as the command line gives them,
+    else as the config's [serve] does, else their defaults; each refused in one line."""
+    from quipu.errors import UsageError
+    from quipu.options import OPTIONS
+    from quipu.serve.plan import RequestError, keep_alive
+    from quipu.serve.pool import MAX_PARALLEL
+
+    def value(name: str) -> Any:
+        chosen = given.get(name)
+        return chosen if chosen not in (None, [], ()) else config.get(name, DEFAULTS.get(name))
+
+    def where(name: str) -> str:
+        return OPTIONS[name].spelled if given.get(name) not in (None, [], ()) else f"[serve] {name}"
+
+    host, port, parallel = str(value("host")), int(value("port")), int(value("parallel"))
+    bounds = OPTIONS["port"].bounds
+    refused = bounds.refusal(where("port"), port) if bounds is not None else None
+    if refused is not None:
+        raise UsageError(refused)
+    api_key = given.get("api_key")
+    if api_key is None and config.get("api_key_env"):
+        api_key = environ.get(config["api_key_env"]) or None
+        if api_key is None:
+            raise UsageError(f"[serve] api_key_env names {config['api_key_env']}, which is not set")
+    if api_key is not None and not api_key.strip():
+        raise UsageError("--api-key is empty: give the key clients must send, or leave it out on loopback")
+    if not loopback(host) and not api_key:
+        raise UsageError(f"--host {host} is reachable from other machines: give --api-key KEY too (clients send it "
+                         "as Authorization: Bearer KEY)")
+    try:
+        keep = keep_alive(value("keep_alive"), where("keep_alive"))
+    except RequestError as exc:
+        raise UsageError(str(exc)) from None
+    if not 1 <= parallel <= MAX_PARALLEL:
+        raise UsageError(f"{where('parallel')} must be from 1 to {MAX_PARALLEL}, got {parallel}")
+    origins = tuple(value("cors") or ())
+    for origin in origins:
+        if origin != "*" and (not origin.startswith(("http://", "https://")) or origin.count("/") != 2):
+            raise UsageError(f"--cors takes an origin such as https://example.org:3000 (or *), not {origin!r}")
+    return Listening(host, port, api_key, keep, parallel, origins, tuple(value("models") or ()))
 
 
 def installed() -> None:

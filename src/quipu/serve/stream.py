@@ -10,7 +10,7 @@ import asyncio
 import json
 import threading
 from functools import partial
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from quipu.sessions.base import ReplySink
 
@@ -30,7 +30,7 @@ class Reply:
     their own: ("content" | "reasoning_content", index, piece), ("logprobs", index, entries), then
     ("done", index, answer) for each, or ("error", index, what failed) and no more."""
 
-    def __init__(self, pool: Pool, plan: ChatRequest, ident: str):
+    def __init__(self, pool: Pool, plan: ChatRequest, ident: str, ended: Callable[[], None] = lambda: None):
         from quipu.serve.plan import choices
 
         self.loop = asyncio.get_running_loop()
@@ -40,7 +40,7 @@ class Reply:
         self.delivered = threading.Event()  # the client has the whole reply (`sent`)
         self.settled = threading.Event()  # delivered, or never to be
         self.handed: set[int] = set()  # the answers given out before their turn ended (`took`)
-        self.pool, self.plans, self.ident = pool, choices(plan), ident
+        self.pool, self.plans, self.ident, self.ended = pool, choices(plan), ident, ended
         threading.Thread(target=self._work, name="quipu-serve-reply", daemon=True).start()
 
     def stopped(self) -> bool:
@@ -54,6 +54,12 @@ class Reply:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
     def _work(self) -> None:
+        try:
+            self._answers()
+        finally:
+            self.ended()
+
+    def _answers(self) -> None:
         reply = self
 
         class Streamed(ReplySink):
