@@ -227,7 +227,8 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
     `media`, what its message carries. `request`: a server's request instead of a prompt (its
     messages go on from the session's; its own options are not kept by the session; the turn is
     kept only where its reply was not stopped)."""
-    name = check_session_turn(prompt, opts, bool(media or files)) if request is None else validate_name(opts.session or "")
+    name = check_session_turn(prompt, opts, bool(media or files)) if request is None else \
+        validate_name(opts.session or "")
     store = store_for(env)
     store.clean_temporaries()
     with store.lock(name):

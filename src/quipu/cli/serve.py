@@ -58,7 +58,8 @@ def serve(
     from quipu.serve import http, server
     from quipu.serve.pool import Pool
 
-    pool = Pool(env, opts, chosen.models, chosen.keep, chosen.parallel, say=lambda line: term.err(f"quipu serve: {line}\n"))
+    pool = Pool(env, opts, chosen.models, chosen.keep, chosen.parallel,
+                say=lambda line: term.err(f"quipu serve: {line}\n"))
     pool.load(pool.model)  # (before it listens: /health says it takes requests once it can answer them)
 
     def listening() -> None:

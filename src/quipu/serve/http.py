@@ -110,7 +110,8 @@ def apis() -> dict[str, Api]:
 
     from quipu.serve.plan import chat_request, completion_request, ollama_request
 
-    return {"/v1/chat/completions": Api(True, chat_request), "/v1/completions": Api(True, completion_request, plain=True),
+    return {"/v1/chat/completions": Api(True, chat_request),
+            "/v1/completions": Api(True, completion_request, plain=True),
             "/api/chat": Api(False, ollama_request),
             "/api/generate": Api(False, partial(ollama_request, generate=True), generate=True)}
 
@@ -244,7 +245,8 @@ class Routes:
         loop, then answered whole or streamed; a stream's head goes out once its first event is
         in, so a request that cannot be answered (too long for the context, say) is a 4xx."""
         api = self.apis[request.url.path]
-        return self.door.refusal(request) or await counted(self.pool, api.openai, lambda place: self._answer(request, api, place))
+        refused = self.door.refusal(request)
+        return refused or await counted(self.pool, api.openai, lambda place: self._answer(request, api, place))
 
     async def _answer(self, request: Request, api: Api, place: Place) -> Response:
         from starlette.responses import JSONResponse, StreamingResponse
@@ -291,7 +293,8 @@ class Routes:
 
     async def embeddings(self, request: Request) -> Response:
         openai = request.url.path == "/v1/embeddings"
-        return self.door.refusal(request) or await counted(self.pool, openai, lambda place: self._embed(request, openai))
+        refused = self.door.refusal(request)
+        return refused or await counted(self.pool, openai, lambda place: self._embed(request, openai))
 
     async def _embed(self, request: Request, openai: bool) -> Response:
         from starlette.responses import JSONResponse

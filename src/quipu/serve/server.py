@@ -165,7 +165,8 @@ def run(app: Any, pool: Pool, host: str, port: int) -> None:
                 yield
                 return
             handled = (signal.SIGINT, signal.SIGTERM)
-            before: dict[int, Callable[..., Any] | int | None] = {s: signal.signal(s, self.handle_exit) for s in handled}
+            before: dict[int, Callable[..., Any] | int | None] = {
+                s: signal.signal(s, self.handle_exit) for s in handled}
             try:
                 yield
             finally:
