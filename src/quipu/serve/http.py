@@ -201,7 +201,6 @@ class Then(Response):
     def __init__(self, inner: Response, sent: Callable[[], object] = lambda: None,
                  ended: Callable[[], object] = lambda: None):
         self.inner, self.sent, self.ended = inner, sent, ended
-        self.background = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
