@@ -162,6 +162,8 @@ def bench_serve(model: str, threads: int, repeats: int) -> list[dict]:
     doc = context_text(model, 3000)
     turn1 = [{"role": "system", "content": "Answer in one short sentence."},
              {"role": "user", "content": "Read this.\n\n" + doc}]
+    following = turn1 + [{"role": "assistant", "content": "It is a passage about rivers."},
+                         {"role": "user", "content": "Say more."}]
     figures: dict[str, dict[str, list[float]]] = {"quipu": {}, "llama.cpp": {}}
 
     def put(who: str, key: str, value: float) -> None:
@@ -197,10 +199,10 @@ def bench_serve(model: str, threads: int, repeats: int) -> list[dict]:
                 # the long conversation's first turn: its context kept (quipu: on disk; llama-server: in RAM)
                 first = stream(url, turn1, 16)
                 put(who, "turn1", first["ttft"])
+                if who == "llama.cpp":  # (its next turn with nothing restarted: the floor, the new tokens read)
+                    put(who, "floor", stream(url, following, 8)["ttft"])
             finally:
                 stop(proc)
-            answer = "It is a passage about rivers."
-            following = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Say more."}]
             for _ in range(repeats):  # the next turn, each time after a restart of the server
                 proc, url = start(who)
                 try:
@@ -244,6 +246,10 @@ def bench_serve(model: str, threads: int, repeats: int) -> list[dict]:
             "tok/s (goal >= 0.9)", "eight", True),
         row("quipu serve vs llama-server, a ~3,000-token conversation's next turn after each server is restarted: "
             "time to first token (s) (goal <= 0.05; llama-server reads it again)", "resume", False),
+        {"what": "quipu serve, a ~3,000-token conversation's next turn after a restart, vs llama-server's same turn "
+                 "with nothing restarted (its floor: the new tokens read at that depth): time to first token (s) "
+                 "(goal <= 1.2)", "quipu": round(m("quipu", "resume"), 3), "llama.cpp": round(m("llama.cpp", "floor"), 3),
+         "ratio": round(m("quipu", "resume") / m("llama.cpp", "floor"), 3)},
         {**row("quipu serve vs llama-server, peak resident memory after the one-stream runs (MB), same context "
                "(goal <= 1.15)", "rss", False, 0),
          "quipu": round(m("quipu", "rss") / 2**20), "llama.cpp": round(m("llama.cpp", "rss") / 2**20)},

@@ -287,6 +287,7 @@ class Pool:
         load_s = time.perf_counter() - started
         try:
             model_fp = hashed()
+            backend.controls()  # (the vocabulary's table a prompt's reading asks for: made now, not in a request)
         except BaseException:
             backend.close()
             raise
