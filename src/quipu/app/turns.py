@@ -27,6 +27,7 @@ from quipu.store.store import validate_name
 
 if TYPE_CHECKING:
     from quipu.app.attachments import Attachment
+    from quipu.app.logprobs import Recorded
     from quipu.app.answer_log import Followed
 
 
@@ -137,7 +138,7 @@ def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: Mod
         turn.session.close()
 
 
-def with_logprobs(session: ModelSession, sink: ReplySink, top: int | None) -> Any:
+def with_logprobs(session: ModelSession, sink: ReplySink, top: int | None) -> Recorded | None:
     """`sink` with each drawn token's log probability given before its piece (`top` likeliest
     beside it; None: not asked for, and None is returned)."""
     if top is None:
@@ -226,7 +227,8 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
     save it (a reply cut short by a failing server is saved with what came); `files` and
     `media`, what its message carries. `request`: a server's request instead of a prompt (its
     messages go on from the session's; its own options are not kept by the session; the turn is
-    kept only where its reply was not stopped)."""
+    kept once `SessionRequest.took` says its client has the whole answer, and the same request
+    again is answered from it)."""
     name = check_session_turn(prompt, opts, bool(media or files)) if request is None else \
         validate_name(opts.session or "")
     store = store_for(env)
