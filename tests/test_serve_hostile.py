@@ -92,6 +92,10 @@ def test_a_client_s_error_is_a_4xx_never_a_500(home, tiny_model, tmp_path):
         ("/v1/chat/completions", json.dumps({**good, "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"$ref": "#"}}}}).encode(), 400, ""),
         ("/v1/chat/completions", json.dumps({**good, "stop": ["x"] * 200_000}).encode(), 400, "at most 16"),
+        ("/v1/chat/completions", json.dumps({**good, "response_format": {"type": "json_object", "schema": 123}}).encode(),
+         400, "response_format.schema"),
+        ("/v1/chat/completions", json.dumps({**good, "response_format": {"type": "json_object", "schema": {
+            "type": "hiccup"}}}).encode(), 400, "hiccup"),
         ("/v1/chat/completions", json.dumps({**good, "stop": ["x" * 5000]}).encode(), 400, "at most 1000"),
         ("/v1/chat/completions", json.dumps({"messages": HI * 5000}).encode(), 400, "at most 4096"),
         ("/v1/chat/completions", json.dumps({**good, "logit_bias": {"15": "x"}}).encode(), 400, "logit_bias"),
@@ -116,6 +120,10 @@ def test_a_client_s_error_is_a_4xx_never_a_500(home, tiny_model, tmp_path):
             assert not (home / "data" / "sessions" / "s1.json").exists()  # (refused before anything is saved)
             assert http.get("/api/ps").status_code == 200
             assert http.post("/v1/chat/completions", json=good).status_code == 200
+            # (llama-server's schema beside json_object holds the answer to it, as json_schema's does)
+            held = http.post("/v1/chat/completions", json={**good, "max_tokens": 10, "response_format": {
+                "type": "json_object", "schema": {"const": "foooooo"}}}).json()
+            assert held["choices"][0]["message"]["content"] == '"foooooo"'
 
 
 def test_sampling_fields_a_client_sends_are_honoured(home, bundled_model, tmp_path):

@@ -140,8 +140,13 @@ def response_schema(form: Any) -> str | None:
     kind = form.get("type") if isinstance(form, dict) else None
     if kind == "text":
         return None
-    if kind == "json_object":
-        return '{"type": "object"}'
+    if kind == "json_object":  # (llama-server's takes a schema beside it, which holds the object to it)
+        given = form.get("schema")
+        if given is None:
+            return '{"type": "object"}'
+        if not isinstance(given, dict):
+            raise RequestError("response_format.schema must be a JSON Schema (an object)")
+        return json.dumps(given)
     if kind == "json_schema":
         given = form.get("json_schema")
         schema = given.get("schema") if isinstance(given, dict) else None
