@@ -383,3 +383,26 @@ def test_keep_alive_0_during_a_reply_unloads_the_model_once_it_is_out(home, tiny
             while http.get("/health").json()["requests"] and time.monotonic() < deadline:
                 time.sleep(0.05)
         assert c.ps().models == []
+
+
+def test_a_template_s_refusal_and_a_session_in_use_are_4xx(home, tiny_model, tmp_path):
+    # (Gemma's template refuses roles that do not alternate; a session another process is writing)
+    from quipu.store.store import SessionStore
+
+    template = tmp_path / "alternate.jinja"
+    template.write_text("{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]"
+                        "['role'] %}{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+                        "{% endif %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                        "{% if add_generation_prompt %}assistant: {% endif %}")
+    with quipu_serve(home, tiny_model, "--chat-template", template, tmp_path=tmp_path) as url:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            r = http.post("/v1/chat/completions", json={"messages": HI + HI, "max_tokens": 2})
+            assert r.status_code == 400 and "must alternate" in r.json()["error"]["message"]
+            r = http.post("/api/chat", json={"messages": HI + HI, "stream": True, "options": {"num_predict": 2}})
+            assert r.status_code == 400 and "must alternate" in r.json()["error"]
+            store = SessionStore(home / "data" / "sessions")
+            with store.lock("busy"):  # (as `quipu chat -S busy` holds it)
+                r = http.post("/v1/chat/completions", headers={"X-Quipu-Session": "busy"},
+                              json={"messages": HI, "max_tokens": 2})
+            assert r.status_code == 409 and "in use" in r.json()["error"]["message"]
+            assert http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2}).status_code == 200
