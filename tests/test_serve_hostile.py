@@ -406,3 +406,13 @@ def test_a_template_s_refusal_and_a_session_in_use_are_4xx(home, tiny_model, tmp
                               json={"messages": HI, "max_tokens": 2})
             assert r.status_code == 409 and "in use" in r.json()["error"]["message"]
             assert http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2}).status_code == 200
+
+
+def test_a_port_in_use_is_one_line_and_exit_1_before_the_model_loads(quipu, tiny_model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        r = quipu("serve", "-m", tiny_model, "--port", str(taken.getsockname()[1]))
+    err = r.stderr.decode()
+    assert r.returncode == 1 and err.count("\n") == 1 and "cannot listen on 127.0.0.1:" in err, err
+    assert "Traceback" not in err and "at http://" not in err  # (never said to serve)

@@ -52,10 +52,12 @@ def serve(
                               "gpu_memory": gpu_memory, "device": device, "no_log": no_log, "verbose": verbose}, env)
     term = Terminal.detect()
     from quipu.cli.pull import pull_if_needed
+    from quipu.serve import http, server
+
+    sock = server.bind(chosen.host, chosen.port)  # (an address in use is said before the model loads)
 
     for name in served:
         pull_if_needed(env, name, term)
-    from quipu.serve import http, server
     from quipu.serve.pool import Pool
 
     pool = Pool(env, opts, chosen.models, chosen.keep, chosen.parallel,
@@ -66,4 +68,4 @@ def serve(
         term.err(f"quipu serve: {pool.model} at {chosen.url} (Ctrl-C stops)\n")
 
     app = http.http_app(pool, chosen.host, chosen.port, chosen.api_key, list(chosen.origins), listening)
-    server.run(app, pool, chosen.host, chosen.port)
+    server.run(app, pool, sock)

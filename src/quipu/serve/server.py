@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
@@ -147,9 +148,31 @@ def protocol() -> type:
     return Bounded
 
 
-def run(app: Any, pool: Pool, host: str, port: int) -> None:
-    """Serves `app` on host:port until told to stop; SIGTERM returns (exit 0), Ctrl-C raises
-    KeyboardInterrupt (130). Either stops `pool` at once, so every reply ends at its next token."""
+def bind(host: str, port: int) -> socket.socket:
+    """The socket the server listens on, bound before its model loads: an address in use, or one
+    this machine does not have, is one line (exit 1)."""
+    from quipu.errors import QuipuError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+        except BaseException:
+            sock.close()
+            raise
+    except OSError as exc:
+        raise QuipuError(f"quipu serve cannot listen on {host_in_url(host)}:{port}: "
+                         f"{exc.strerror or exc}") from None
+    return sock
+
+
+def run(app: Any, pool: Pool, sock: socket.socket) -> None:
+    """Serves `app` on `sock` (`bind`'s) until told to stop; SIGTERM returns (exit 0), Ctrl-C
+    raises KeyboardInterrupt (130). Either stops `pool` at once, so every reply ends at its next
+    token."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -175,6 +198,6 @@ def run(app: Any, pool: Pool, host: str, port: int) -> None:
             if signal.SIGINT in self._captured_signals:
                 raise KeyboardInterrupt
 
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
-                            http=protocol(), timeout_graceful_shutdown=STOP_S, timeout_keep_alive=5)
-    Server(config).run()
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=protocol(),
+                            timeout_graceful_shutdown=STOP_S, timeout_keep_alive=5)
+    Server(config).run(sockets=[sock])
