@@ -33,6 +33,8 @@ def test_a_reply_streams_with_usage_in_json(quipu, fake):
 
 def test_the_url_from_the_environment_and_the_config(quipu, fake, home):
     assert quipu("run", "hi", env={"QUIPU_URL": fake.url}).stdout.decode().startswith("Hello")
+    # (the base URL OpenAI-style clients are given, /v1 at its end, as `quipu serve` prints it)
+    assert quipu("run", "--url", fake.url + "/v1/", "hi").stdout.decode().startswith("Hello")
     (home / "config").mkdir()
     (home / "config" / "config.toml").write_text(f'[remote]\nurl = "{fake.url}"\nmodel = "other"\n')
     r = quipu("run", "hi")

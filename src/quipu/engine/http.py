@@ -56,7 +56,8 @@ class ServerClient:
         import httpx
 
         self.settings = settings
-        self.base = settings.url.rstrip("/")
+        # (an OpenAI-style client's base URL, which ends in /v1 as servers print it, names the same server)
+        self.base = settings.url.rstrip("/").removesuffix("/v1")
         if not self.base.startswith(("http://", "https://")):
             raise ServerError(f"the server address must start with http:// or https://, not '{settings.url}'")
         self._httpx = httpx
