@@ -416,3 +416,12 @@ def test_a_port_in_use_is_one_line_and_exit_1_before_the_model_loads(quipu, tiny
     err = r.stderr.decode()
     assert r.returncode == 1 and err.count("\n") == 1 and "cannot listen on 127.0.0.1:" in err, err
     assert "Traceback" not in err and "at http://" not in err  # (never said to serve)
+
+
+def test_run_url_takes_the_address_the_server_prints(quipu, home, tiny_model, tmp_path):
+    with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:
+        log = next(tmp_path.glob("serve-*.log")).read_text()
+        printed = log.split(" at ", 1)[1].split()[0]
+        assert printed == url + "/v1"
+        r = quipu("run", "--url", printed, "-n", "3", "Hi.")
+        assert r.returncode == 0 and r.stdout.decode().strip(), r.stderr.decode()
