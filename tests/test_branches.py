@@ -329,8 +329,8 @@ def test_a_full_context_offers_to_summarize_and_keeps_the_whole_conversation(tin
     from quipu.cli.terminal import Terminal
 
     chat = _chat(tmp_path, tiny_model, "f")
-    for q in QUESTIONS[:4]:
-        chat.send(q)
+    for i, q in enumerate(QUESTIONS[:4]):
+        chat.send(q + ONWARDS * 3 if i < 2 else q)  # (the older exchanges long enough to be worth a summary)
     before = [m.content for m in chat.messages]
     err = io.StringIO()
     repl = Repl(chat, Terminal(io.StringIO(), io.StringIO(), err, False, False, False, False), chat.env)
