@@ -339,3 +339,33 @@ def test_a_full_context_offers_to_summarize_and_keeps_the_whole_conversation(tin
     assert "compacted into branch 2" in err.getvalue() and len(chat.messages) < len(before)
     assert chat.switch("1") == 1 and [m.content for m in chat.messages] == before
     chat.close()
+
+
+def test_a_follow_up_goes_on_from_the_branch_the_chat_was_on(tiny_model, tmp_path):
+    # (an /edit, /undo or /retry moves the chat to another branch: the next answer follows up the
+    # last reply of that branch, and -F and --cid give the model that branch alone)
+    def chat(name, *lines):
+        r = _quipu(tmp_path, "chat", "-m", tiny_model, "-S", name, "-n", "3", input=("\n".join(lines) + "\n").encode())
+        assert r.returncode == 0, r.stderr.decode()
+
+    def prompt(*how):
+        r = _quipu(tmp_path, "run", "-m", tiny_model, *how, "--show-prompt", "Next")
+        assert r.returncode == 0, r.stderr.decode()
+        return r.stdout.decode()
+
+    def logged(n):
+        return [json.loads(line) for line in _quipu(tmp_path, "logs", "-n", str(n), "--json").stdout.decode().split("\n")
+                if line][::-1]  # (oldest first)
+
+    chat("e1", "One", "Two", "/edit 1 Uno")
+    shown = prompt("-F")
+    assert "Uno" in shown and "One" not in shown and "Two" not in shown
+    chat("u1", "Alpha", "Beta", "/undo", "Gamma")
+    shown = prompt("-F")
+    assert "Alpha" in shown and "Gamma" in shown and "Beta" not in shown
+    chat("r1", "Red", "Green", "/retry")
+    red, green, again = logged(3)
+    assert again["parent"] == red["id"] and green["parent"] == red["id"]  # (the retried reply follows Red's)
+    shown = prompt("--cid", str(again["id"]))
+    assert shown.count("Green") == 1 and "Red" in shown  # (one Green: the branch, not both replies)
+    assert green["answer"] not in shown or green["answer"] == again["answer"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TYPE_CHECKING, Mapping, Sequence
 
@@ -125,15 +125,37 @@ def followed(env: Environment, cid: str | None) -> Followed:
                              "does not keep; give them again (-a FILE, --messages FILE), or go on in a session (-S NAME)")
     messages: list[Message] = []
     for r in records:
-        messages += [Message("user", r.prompt), Message("assistant", r.answer)]
+        messages += [Message("user", r.prompt), Message("assistant", r.answer, logged=r.id)]
     return Followed(messages, last.conversation, records[0].system if records else None, last.id)
+
+
+# A logged answer's parent where its conversation begins with it (no answer has the id 0); None is
+# an answer of a log of before parents were kept.
+ROOT = 0
+
+
+def follows(messages: Sequence[Message]) -> int | None:
+    """The logged answer the next answer of a conversation (`messages`, its branch as it stands)
+    follows up: the last reply before its last message of the user's (`Message.logged`); ROOT
+    where there is none before; None where the replies before were not given ids (a session of
+    before: the log's rule of before, the conversation up to it, holds)."""
+    last = max((i for i, m in enumerate(messages) if m.role == "user"), default=len(messages))
+    replies = [m for m in messages[:last] if m.role == "assistant"]
+    found = next((m.logged for m in reversed(replies) if m.logged is not None), None)
+    return found if found is not None else ROOT if not replies else None
+
+
+def mark_logged(messages: list[Message], made: int | None) -> None:
+    """Gives the reply that ends `messages` its id in the log (`made`; None: not logged)."""
+    if made is not None and messages and messages[-1].role == "assistant":
+        messages[-1] = replace(messages[-1], logged=made)
 
 
 def path_to(book: Logbook, last: Record) -> list[Record]:
     """The answers `last` follows up, one from another, oldest first, and itself: its branch of
     the conversation (answers of before `parent` was logged: the conversation's, up to it)."""
     path = [last]
-    while path[-1].parent is not None and len(path) < 10_000:
+    while path[-1].parent and len(path) < 10_000:  # (ROOT: the conversation begins here)
         up = book.get(path[-1].parent)
         if up is None or up.conversation != last.conversation or up in path:
             break  # (an answer removed since: the path starts after it)

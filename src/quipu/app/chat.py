@@ -42,7 +42,6 @@ class ChatSession:
         self.host = host
         self._shape = shape
         self._conversation = conversation  # the logged conversation a follow-up's turns go on with
-        self._follows: int | None = None  # the logged answer the next turn's follows up
         self.store = store_for(env)
         self.named: NamedSession | None = None
         self.kept = True  # whether this session's turns are saved (a piped chat without a name keeps none)
@@ -82,7 +81,6 @@ class ChatSession:
                     opts = replace(opts, system=history.system)
             chat = cls(env, opts, host, shape, history.conversation if history is not None else None, on_output,
                        keep_unnamed=keep_unnamed)
-            chat._follows = history.parent if history is not None else None
             chat._switch(chat._name_to_open(name, resume_latest), on_progress,
                          kept=keep_unnamed or name is not None or resume_latest)
             chat.opts = replace(chat.opts, branch=None)  # (--branch chose where it opens; no later /load's)
@@ -196,27 +194,30 @@ class ChatSession:
             if message is not None:
                 refuse_if_it_never_fits(self._named.conversation, message, exc)
             return Answer("", "context_full", named.model_name, session.params.seed, self.name, session.stats)
-        self.save()
-        self.last_stats = session.stats
         if not self.kept:
             answer = replace(answer, session=None)
-        self._log(answer, message)
+        self._log(answer, message)  # (first: the reply's id in the log is saved with it)
+        self.save()
+        self.last_stats = session.stats
         if answer.failure is not None:
             raise answer.failure  # a server failed mid-reply: what came is kept and saved
         return answer
 
     def _log(self, answer: Answer, message: str | None) -> None:
         """The turn's answer in the log of answers (a warning where it could not be written)."""
-        from quipu.app.answer_log import log_answer
+        from quipu.app.answer_log import follows, log_answer, mark_logged
 
         named = self._named
-        asked = message if message is not None else next(
-            (m.content for m in reversed(named.conversation.messages) if m.role == "user"), "")
+        messages = named.conversation.messages
+        asked = message if message is not None else next((m.content for m in reversed(messages) if m.role == "user"),
+                                                         "")
+        # (it follows up the last reply before its exchange on the branch the chat is on: an /edit,
+        # /undo, /retry or /switch goes on from where that branch is)
         made, unlogged = log_answer(self.env, self.opts.logged, "chat", asked, answer, system=answer.system,
                                     conversation=self._conversation or (f"session:{self.name}" if self.kept
                                                                         else f"chat:{self.name}"),
-                                    parent=self._follows)
-        self._follows = made  # (the next turn follows it up, until the conversation goes elsewhere)
+                                    parent=follows(messages))
+        mark_logged(messages, made)
         if unlogged:
             named.notices.append(unlogged)
 
@@ -269,7 +270,6 @@ class ChatSession:
         """The last reply made again, with new draws; the one it replaces stays a branch."""
         if any(m.role == "assistant" for m in self._named.conversation.messages):
             self._named.stash()
-        self._follows = None
         return self._turn(Ask("retry"), sink, hooks)
 
     def continue_reply(self, sink: ReplySink = SILENT, hooks: ToolHooks | None = None) -> Answer:
@@ -322,7 +322,6 @@ class ChatSession:
         named.stash()
         named.conversation.undo()
         self.save()
-        self._follows = None
         return True
 
     # ---- branches ----------------------------------------------------------------------------
@@ -333,7 +332,6 @@ class ChatSession:
         at = self.yours(n)
         self._named.stash()
         self._named.conversation.back_to(at)
-        self._follows = None
         return self.send(text, sink, hooks)
 
     def yours(self, n: int | None = None) -> int:
@@ -381,7 +379,7 @@ class ChatSession:
         host = LocalHost(loaded) if loaded is not None and isinstance(self.host, LocalHost) else self.host
         named = NamedSession.open(self.store, self.name, self.opts, self.env, host, on_progress)
         self._ready(named, self.opts)
-        self.named, self._follows = named, None
+        self.named = named
         old.session.close()  # (its context: the model stays, the new context holds it)
 
     def reset(self) -> None:

@@ -44,26 +44,31 @@ def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: Repl
         files, media = attached(opts, host.capabilities, sink.stopped)
         tools = open_tools(opts.tool_options, env, constrained=opts.constrained, stopped=sink.stopped,
                            on_output=hooks.on_output if hooks is not None else None)
+
+        def logged(answer: Answer, conversation: str, parent: int | None) -> tuple[int | None, str | None]:
+            from quipu.app.answer_log import log_answer
+
+            return log_answer(env, opts.logged, "run", prompt, answer, system=answer.system,
+                              conversation=conversation, attachments=[*files, *media],
+                              unkept=opts.messages is not None, parent=parent)
+
         try:
-            if opts.session is not None:
-                result = run_session_turn(prompt, opts, env, host, sink, tools, hooks, files, media)
+            if opts.session is not None:  # (logged before it is saved, which keeps its id in the log)
+                result = run_session_turn(prompt, opts, env, host, sink, tools, hooks, files, media,
+                                          log=lambda answer, parent: logged(answer, f"session:{opts.session}",
+                                                                            parent))
                 if on_result is not None:
                     on_result(result)
             else:
                 result = _one_shot(prompt, opts, env, host, sink, on_result, tools, hooks, files, media,
                                    history.messages if history is not None else ())
+                _, unlogged = logged(result, history.conversation if history is not None else "",
+                                     history.parent if history is not None else None)
+                if unlogged:
+                    result.notices.append(unlogged)
         finally:
             if tools is not None:
                 tools.close()
-    from quipu.app.answer_log import log_answer
-
-    _, unlogged = log_answer(env, opts.logged, "run", prompt, result, system=result.system,
-                             conversation=history.conversation if history is not None else
-                             f"session:{opts.session}" if opts.session is not None else "",
-                             attachments=[*files, *media], unkept=opts.messages is not None,
-                             parent=history.parent if history is not None else None)
-    if unlogged:
-        result.notices.append(unlogged)
     if opts.verbose and result.constrained_by:
         result.notices.append(result.constrained_by)
     if result.failure is not None:
@@ -222,13 +227,15 @@ def _conversation(session: ModelSession, opts: TurnOptions, env: Environment, so
 def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost,
                      sink: ReplySink = SILENT, tools: OpenTools | None = None, hooks: ToolHooks | None = None,
                      files: Sequence[Attachment] = (), media: Sequence[Attachment] = (), *,
-                     request: SessionRequest | None = None) -> Answer:
+                     request: SessionRequest | None = None,
+                     log: Callable[[Answer, int | None], tuple[int | None, str | None]] | None = None) -> Answer:
     """`quipu run --session NAME` (see run_turn): continue or create the session, run one turn,
     save it (a reply cut short by a failing server is saved with what came); `files` and
     `media`, what its message carries. `request`: a server's request instead of a prompt (its
     messages go on from the session's; its own options are not kept by the session; the turn is
     kept once `SessionRequest.took` says its client has the whole answer, and the same request
-    again is answered from it)."""
+    again is answered from it). `log` writes the answer to the log of answers, given the answer it
+    follows up (the branch's last reply before it), before the session is saved with its id."""
     name = check_session_turn(prompt, opts, bool(media or files)) if request is None else \
         validate_name(opts.session or "")
     store = store_for(env)
@@ -261,6 +268,13 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
                 recorded.finish(answer)
             if own is not None:
                 own()
+            if log is not None:
+                from quipu.app.answer_log import follows, mark_logged
+
+                messages = named.conversation.messages
+                made, unlogged = log(answer, follows(messages))
+                mark_logged(messages, made)
+                named.tell([unlogged] if unlogged else [])
             if request is None or request.took(answer):  # (a server's turn: kept once its client has it whole)
                 named.save()
         finally:

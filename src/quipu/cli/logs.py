@@ -64,8 +64,8 @@ def _one_line(text: str | None, width: int) -> str:
 def _follows(r: Record, found: list[Record]) -> str:
     """Which answer `r` follows up, where it follows one: the one before it in its conversation
     among those listed, else its conversation's first."""
-    if r.parent is not None:
-        return f"  (follows #{r.parent})"
+    if r.parent is not None:  # (0: its conversation begins with it)
+        return f"  (follows #{r.parent})" if r.parent else ""
     if r.id is None or r.conversation in ("", str(r.id)):
         return ""
     before = [other.id for other in found if other.conversation == r.conversation and other.id is not None

@@ -59,10 +59,12 @@ class Message:
     # with the next prompt: going back, it is again).
     draws_before: int | None = None
     decoded_before: int | None = None
+    # For a reply: its id in the log of answers, which the next exchange's answer follows up.
+    logged: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = self.for_template(self.content)
-        for key in ("reasoning", "spelled", "context_before", "draws_before", "decoded_before"):
+        for key in ("reasoning", "spelled", "context_before", "draws_before", "decoded_before", "logged"):
             if getattr(self, key) is not None:
                 data[key] = getattr(self, key)
         return data
@@ -84,7 +86,7 @@ class Message:
         """From `to_dict`'s shape, as a checked transcript holds it."""
         return cls(data["role"], data["content"], data.get("context_before"), data.get("tool_calls"),
                    data.get("tool_call_id"), data.get("name"), data.get("reasoning"), data.get("spelled"),
-                   data.get("draws_before"), data.get("decoded_before"))
+                   data.get("draws_before"), data.get("decoded_before"), data.get("logged"))
 
 
 class ReplySink:

@@ -101,7 +101,7 @@ def _check_message(m: Any) -> str | None:
     tokens = m.get("tokens")
     if tokens is not None and not (isinstance(tokens, list) and all(_is_count(t) for t in tokens)):
         return "a message's tokens are not a list of token ids"
-    for key in ("context_before", "draws_before", "decoded_before"):
+    for key in ("context_before", "draws_before", "decoded_before", "logged"):
         if m.get(key) is not None and not _is_count(m[key]):
             return f"a message's {key} is not a count"
     calls = m.get("tool_calls")
