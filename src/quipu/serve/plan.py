@@ -83,7 +83,7 @@ def logit_bias(given: Any, field: str = "logit_bias") -> tuple[str, ...]:
             raise RequestError(f"{field}: a token is a token id or a text, not {str(token)[:40]!r}")
         if bias is False:
             bias = -math.inf
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias) \
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias) or bias == math.inf \
                 or (math.isfinite(bias) and not -100 <= bias <= 100):
             raise RequestError(f"{field}: token {token[:40]}'s bias must be a number from -100 to 100")
         specs.append(f"{token}={bias}")
