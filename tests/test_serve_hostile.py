@@ -19,6 +19,7 @@ import pytest
 
 from servers import free_port, quipu_serve, wait_until_up
 from servers import openai_client as client
+from tinymodel import write_tiny_gguf
 
 openai = pytest.importorskip("openai")
 HI = [{"role": "user", "content": "Hi."}]
@@ -425,3 +426,17 @@ def test_run_url_takes_the_address_the_server_prints(quipu, home, tiny_model, tm
         assert printed == url + "/v1"
         r = quipu("run", "--url", printed, "-n", "3", "Hi.")
         assert r.returncode == 0 and r.stdout.decode().strip(), r.stderr.decode()
+
+
+def test_what_a_turn_says_goes_to_the_server_s_log_with_the_request_s_id(home, tiny_model, tmp_path):
+    # (a --ctx past the model's training is said as it loads; a model without a chat template, at
+    # each request, as `quipu run` says it)
+    bare = tmp_path / "bare.gguf"
+    write_tiny_gguf(bare, chat_template=None)
+    with quipu_serve(home, bare, "--ctx", "8192", tmp_path=tmp_path) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": HI, "max_tokens": 2}, timeout=60)
+        ident = r.json()["id"]
+    log = next(tmp_path.glob("serve-*.log")).read_text()
+    assert "quipu serve: --ctx 8192 is past the" in log
+    said = [line for line in log.splitlines() if line.startswith(f"quipu serve: {ident}: ")]
+    assert said and all("\n" not in line for line in said)

@@ -201,8 +201,9 @@ class Pool:
                 else:
                     self._kept(0)
             return False
-        with self._held(model, keep, self.base):
-            pass
+        with self._held(model, keep, self.base) as (_, _, notices):
+            for notice in notices:  # (what loading it says: where it runs, a --ctx past its training)
+                self.say(notice)
         return self._loaded is not None
 
     @contextmanager
