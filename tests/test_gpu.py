@@ -112,14 +112,21 @@ def test_sizes_and_layer_counts_are_read_as_people_write_them():
 
 
 @cpu_only
-def test_on_a_cpu_build_layers_asked_for_are_refused_and_auto_is_silent(quipu, tiny_model, home):
+def test_on_a_cpu_build_layers_asked_for_are_said_once_and_auto_is_silent(quipu, tiny_model, home):
+    # (a count of layers, as scripts carry `-ngl 99` for llama.cpp, which warns and runs on the CPU:
+    # so does quipu; `all`, every layer or a refusal, and a device by name are refused)
     base = ("run", "-m", tiny_model, "-t", "0", "-n", "4")
-    for layers in ("5", "all", "99"):
-        err = one_line_error(quipu(*base, "-ngl", layers, "hi"))
-        assert f"--gpu-layers {layers}: this llama.cpp is built for the CPU alone" in err and "quipu doctor" in err
+    plain = quipu(*base, "--json", "hi")
+    for layers in ("5", "99"):
+        r = quipu(*base, "--json", "-ngl", layers, "hi")
+        err = r.stderr.decode()
+        assert r.returncode == 0 and err.count("\n") == 1 and "quipu: warning:" in err, err
+        assert f"--gpu-layers {layers}: this llama.cpp is built for the CPU alone" in err and "running on the CPU" in err
+        assert json.loads(r.stdout)["text"] == json.loads(plain.stdout)["text"]
+    err = one_line_error(quipu(*base, "-ngl", "all", "hi"))
+    assert "--gpu-layers all: this llama.cpp is built for the CPU alone" in err and "quipu doctor" in err
     err = one_line_error(quipu(*base, "--device", "CUDA0", "hi"))
     assert "--device CUDA0" in err and "built for the CPU alone" in err
-    plain = quipu(*base, "--json", "hi")
     for args in (("-ngl", "auto"), ("--gpu-layers", "0"), ("--device", "none"), ("--gpu-memory", "1G")):
         r = quipu(*base, "--json", *args, "hi")
         assert r.returncode == 0 and r.stderr == b"", r.stderr.decode()
@@ -135,7 +142,7 @@ def test_on_a_cpu_build_layers_asked_for_are_refused_and_auto_is_silent(quipu, t
     config = home / "config" / "config.toml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text("[generation]\ngpu_layers = 12\n")
-    assert "--gpu-layers 12" in one_line_error(quipu(*base, "hi"))
+    assert "--gpu-layers 12" in quipu(*base, "hi").stderr.decode()
     shown = json.loads(quipu("config", "show", "--json").stdout)
     assert shown["generation.gpu_layers"]["value"] == 12 and "config" in shown["generation.gpu_layers"]["source"]
     assert quipu(*base, "-ngl", "0", "hi").returncode == 0

@@ -18,6 +18,7 @@ from quipu.engine.text import Spellings
 
 from quipu.engine.base import ProgressFn, SamplerSettings
 from quipu.engine.settings import (
+    ALL,
     AUTO,
     CPU,
     CTX_AUTO,
@@ -50,20 +51,27 @@ if TYPE_CHECKING:
 
 def place(path: Path, offload: Offload, context: ContextSettings, *, detail: bool = False) -> Placement:
     """Where a model is to run (`placement.plan`), for a context with `context`'s settings; on a
-    build for the CPU alone, the CPU at once (and layers or devices asked for, refused). With
-    `detail`, what it takes is measured wherever it runs (`quipu doctor`)."""
+    build for the CPU alone, the CPU at once: a number of layers asked for is said once and the
+    model runs on the CPU (as llama.cpp does with `-ngl 99`: scripts carry it), where `all` (every
+    layer, or a refusal) and devices asked for by name are refused. With `detail`, what it takes is
+    measured wherever it runs (`quipu doctor`)."""
     detail = detail or context.n_ctx == CTX_AUTO  # (the context's size is worked out from what fits)
+    note = None
     if not supports_offload():
-        asked = (f"--gpu-layers {offload.layers}" if offload.layers not in (AUTO, 0)
+        asked = (f"--gpu-layers {offload.layers}" if offload.layers == ALL
                  else f"--device {','.join(offload.devices)}" if offload.devices and not off_device(offload.devices)
                  else None)
         if asked:
             raise UsageError(f"{asked}: {no_gpu_reason()}")
+        if offload.layers not in (AUTO, 0):
+            note = f"--gpu-layers {offload.layers}: {no_gpu_reason()}; running on the CPU"
+            offload = replace(offload, layers=0)
         if not detail:
-            return CPU  # (the model's load checks the file)
+            return replace(CPU, note=note) if note else CPU  # (the model's load checks the file)
     check_gguf(path)  # (a file that is none is said as a load says it, before the plan reads it)
-    return plan(path, offload, offload.fit_ctx or context.n_ctx, context.kv_type,
-                lambda n_ctx: context_params(context, n_ctx), detail=detail)
+    placed = plan(path, offload, offload.fit_ctx or context.n_ctx, context.kv_type,
+                  lambda n_ctx: context_params(context, n_ctx), detail=detail)
+    return replace(placed, note=note) if note else placed
 
 
 class LlamaBackend:
