@@ -434,3 +434,39 @@ def test_a_closed_standard_output_is_one_line_not_a_traceback(home, args):
     err = r.stderr.decode()
     assert r.returncode == 2 and err == ("quipu: error: standard output is closed; send it somewhere (> /dev/null "
                                          "drops it)\n"), err
+
+
+@pytest.mark.parametrize("verb, says", [
+    ("list", None), ("ls", None), ("ps", "another tool's command"), ("stop", "another tool's command"),
+    ("rm", "quipu models rm NAME"), ("create", "quipu models add FILE"), ("push", "pushes nowhere"),
+    ("cp", "quipu sessions fork"), ("keys", "QUIPU_API_KEY"),
+])
+def test_another_tool_s_verb_is_no_question_for_the_model(quipu, home, tiny_model, verb, says):
+    # (Ollama's and llm's verbs: run as quipu's command that does it, or said in one line, never asked)
+    r = quipu(verb, env={"QUIPU_MODEL": str(tiny_model)})
+    out, err = r.stdout.decode(), r.stderr.decode()
+    if says is None:  # (`quipu models list`)
+        assert r.returncode == 0 and "name" in out.splitlines()[0] and "tiny" not in err, err
+    else:
+        assert r.returncode == 2 and err.count("\n") == 1 and says in err and out == "", err
+
+
+def test_pull_and_show_are_quipu_s_models_commands(quipu, home, tiny_model):
+    shown = quipu("show", tiny_model)
+    assert shown.returncode == 0 and "arch" in shown.stdout.decode().lower()
+    r = quipu("pull")  # (the same refusal as `quipu models pull` without a model)
+    assert r.returncode == 2 and "name a model to pull" in r.stderr.decode()
+
+
+def test_other_chats_slash_commands_are_known(quipu, home, tiny_model):
+    lines = ["/?", "Hi.", "/clear", "/context", "/set parameter temperature 0", "/set system Be brief.", "/set", "/bye"]
+    r = quipu("chat", "-m", tiny_model, "-n", "3", input=("\n".join(lines) + "\n").encode())
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "unknown command" not in err, err
+    assert "/help" in err and "the conversation was forgotten" in err and "temperature = 0.0" in err, err
+    assert "system prompt set" in err
+    import re
+
+    rows = [line for line in err.splitlines() if re.match(r"  [a-z_]+ +\S+ +(default|set here|command line)", line)]
+    assert any(re.fullmatch(r"  temperature +0\.0 +set here", row) for row in rows), rows
+    assert len({len(row) - len(row[2:].split(" ", 1)[1].lstrip()) for row in rows}) == 1, rows  # (one column)

@@ -23,15 +23,35 @@ if TYPE_CHECKING:
 COMMANDS = ("run", "chat", "sessions", "logs", "roles", "models", "config", "embed", "cache", "doctor", "serve")
 
 
+# Other tools' verbs (Ollama's, llm's), which a bare first argument is not a question for: the
+# command of quipu's that does it, or, where quipu has none, what to say instead.
+VERBS = {"list": ["models", "list"], "ls": ["models", "list"], "pull": ["models", "pull"],
+         "show": ["models", "info"], "prompt": ["run"]}
+NOT_HERE = {
+    "ps": "quipu loads a model for each command and holds none between them; a `quipu serve` holds one, which "
+          "its /api/ps names",
+    "stop": "quipu holds no model between commands; `quipu serve` stops with Ctrl-C",
+    "rm": "`quipu models rm NAME` removes a pulled model, `quipu sessions rm NAME` a session",
+    "create": "quipu runs GGUF files as they are: `quipu models add FILE` names one, `quipu roles add` keeps a "
+              "system prompt and options",
+    "cp": "`quipu sessions fork NAME NEW` copies a session; a model is named again with `quipu models add`",
+    "push": "quipu keeps models on this machine; it pushes nowhere",
+    "keys": "quipu asks local models; a remote server's key is read from $QUIPU_API_KEY",
+}
+
+
 def as_prompt(argv: list[str]) -> list[str]:
     """`quipu "question" [OPTIONS]`: a first argument that is no command is `run`'s prompt (llm's
-    habit); but one word near a command's name is taken for a typo of it (Typer says which), and
-    `quipu help` is `quipu --help`."""
+    habit); but one word near a command's name is taken for a typo of it (Typer says which), one
+    of another tool's verbs for quipu's command that does it (`VERBS`), and `quipu help` is
+    `quipu --help`."""
     if not argv or argv[0].startswith("-") or argv[0] in COMMANDS:
         return argv
     first = argv[0]
     if first == "help":
         return ["--help", *argv[1:]]
+    if first in VERBS:
+        return [*VERBS[first], *argv[1:]]
     if len(first.split()) == 1:
         import difflib
 
@@ -126,6 +146,11 @@ def _main(argv: list[str]) -> None:
 
         given = argv[not_text - 1].encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
         say_error(f"argument {not_text} is not UTF-8 text: {given[:200]}")
+        sys.exit(2)
+    if argv and argv[0] in NOT_HERE:  # (another tool's verb, which a bare word is not asked as a question)
+        from quipu.cli.terminal import say_error
+
+        say_error(f"`{argv[0]}` is another tool's command: {NOT_HERE[argv[0]]}")
         sys.exit(2)
     argv = as_prompt(argv)
     if argv[:1] == ["run"] and "_QUIPU_COMPLETE" not in os.environ:

@@ -188,9 +188,11 @@ def _system(repl: "Repl", arg: str) -> None:
 def _settings(repl: "Repl") -> None:
     from quipu.shown import shown
 
-    for key, value, origin in repl.chat.settings():
+    settings = repl.chat.settings()
+    width = max(len(key) for key, _, _ in settings)
+    for key, value, origin in settings:
         said = "random" if value is None else value
-        repl.say(f"  {key:<15} {shown(str(said)):<22} {origin}")
+        repl.say(f"  {key:<{width}} {shown(str(said)):<22} {origin}")
 
 
 def _set(repl: "Repl", arg: str) -> None:
@@ -314,13 +316,13 @@ def _new(repl: "Repl", _arg: str) -> None:
 
 
 COMMANDS: list[SlashCommand] = [
-    SlashCommand("help", "", "show this help", _help),
+    SlashCommand("help", "", "show this help (/? too)", _help),
     SlashCommand("exit", "", "leave (the session is saved; /quit and /bye too)", _exit),
     SlashCommand("show", "", "the model, the session, its context and settings", _show),
     SlashCommand("save", "NAME", "save a copy of this session under another name", _save),
     SlashCommand("load", "NAME", "switch to another saved session", _load),
     SlashCommand("sessions", "", "list saved sessions", _sessions),
-    SlashCommand("reset", "", "forget the conversation, keep the system prompt", _reset),
+    SlashCommand("reset", "", "forget the conversation, keep the system prompt (/clear too)", _reset),
     SlashCommand("undo", "", "go back to before the last exchange (it stays a branch: /tree, /switch)", _undo),
     SlashCommand("retry", "", "generate the last reply again, with new draws (the old one stays a branch)", _retry),
     SlashCommand("edit", "[N] [TEXT]", "say your N-th message (the last by default) again, changed: the reply goes "
@@ -347,13 +349,21 @@ COMMANDS: list[SlashCommand] = [
     SlashCommand("new", "", "start a new session with the same system prompt", _new),
 ]
 BY_NAME = {c.name: c for c in COMMANDS}
-ALIASES = {"quit": "exit", "bye": "exit"}  # (what Ollama's and other chats leave with)
+# Other chats' names (Ollama's, llm's): what they leave with, ask for help with, clear with.
+ALIASES = {"quit": "exit", "bye": "exit", "?": "help", "clear": "reset"}
 
 
 def parse_command(line: str) -> tuple[SlashCommand | None, str]:
-    """('/set top_k 5') -> (the set command, 'top_k 5'); unknown commands give (None, name)."""
+    """('/set top_k 5') -> (the set command, 'top_k 5'); unknown commands give (None, name).
+    Ollama's `/set parameter KEY VALUE` is `/set KEY VALUE`, and its `/set system TEXT`, `/system`."""
     body = line.strip()[1:]
     name, _, arg = body.partition(" ")
+    if name.lower() == "set":
+        word, _, rest = arg.strip().partition(" ")
+        if word == "parameter":
+            arg = rest.strip()
+        elif word == "system":
+            name, arg = "system", rest
     command = BY_NAME.get(ALIASES.get(name.lower(), name.lower()))
     if command is None:
         matches = [c for c in COMMANDS if c.name.startswith(name.lower())] if name else []
