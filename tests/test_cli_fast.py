@@ -103,11 +103,18 @@ def test_the_options_table_holds_every_option_of_run_and_chat_and_each_is_asked_
     from quipu.app.modes import BATCH, CHAT, FROM_MESSAGES, ONE_SHOT, RAW, SESSION, asked_of
     from quipu.app.turn_options import TurnOptions
     from quipu.cli import chat as chat_command
-    from quipu.options import OPTIONS, SAMPLING
+    from quipu.options import OPTIONS, SAMPLING, group
     from quipu.options import FEATURES
 
+    # (and `quipu serve`'s own, the group "serve": its command declares them from the table too)
+    served = {name for name, option in group("serve").items() if option.flags}
+    import inspect
+
+    from quipu.cli import serve as serve_command
+
+    assert served <= set(inspect.signature(serve_command.serve).parameters)
     spelled = {name for name, option in OPTIONS.items() if option.flags} | {"prompt"}
-    assert spelled == set(run_command.PARAMS) | set(chat_command.PARAMS)
+    assert spelled == set(run_command.PARAMS) | set(chat_command.PARAMS) | served
     features = {o.feature for o in OPTIONS.values()} - {None}
     refused = set().union(*(m.refuses for m in (ONE_SHOT, FROM_MESSAGES, SESSION, CHAT, RAW, BATCH)))
     # each mode refuses options of the table, and each feature is refused by a mode or a host
@@ -117,7 +124,7 @@ def test_the_options_table_holds_every_option_of_run_and_chat_and_each_is_asked_
     values = {"tuple": ("x",), "bool | None": False, "bool": True, "int": 0, "float": 0.5, "str": "x"}
     assert TurnOptions().given == frozenset() and asked_of(TurnOptions().given) == {}
     for name, option in OPTIONS.items():
-        own = name in run_command.OWN or name in chat_command.OWN
+        own = name in run_command.OWN or name in chat_command.OWN or name in group("serve")
         field = option.held_as
         # a command's own option is no field of the options (the command names it when given);
         # a sampling parameter is held by name among the sampling parameters given
