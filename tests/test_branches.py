@@ -95,6 +95,8 @@ def test_edit_retry_and_undo_keep_every_branch_and_switch_names_them(tiny_model,
     # 2's); /undo kept 3, and went back to before its last exchange (a beginning of them all).
     found = rows(*chat.branches())
     assert [(r.id, r.under) for r in found if not r.current] == [(1, None), (2, 1), (3, 2)]
+    # (2 leaves 1 at exchange 2, its message edited; 3 leaves 2 there too, at its reply)
+    assert {r.id: r.leaves_at for r in found}[2] == 2 and {r.id: r.leaves_at for r in found}[3] == 2
     assert chat.switch("3") == 3 and [m.content for m in chat.messages] == retried
     assert chat.switch("parent") == 2 and [m.content for m in chat.messages] == edited
     assert chat.switch("parent") == 1 and [m.content for m in chat.messages] == first
@@ -369,3 +371,16 @@ def test_a_follow_up_goes_on_from_the_branch_the_chat_was_on(tiny_model, tmp_pat
     shown = prompt("--cid", str(again["id"]))
     assert shown.count("Green") == 1 and "Red" in shown  # (one Green: the branch, not both replies)
     assert green["answer"] not in shown or green["answer"] == again["answer"]
+
+
+def test_a_retried_reply_after_an_undo_leaves_at_its_own_exchange(tiny_model, tmp_path):
+    # (One, Two, Three, /undo, /retry: the new branch parts from the first at exchange 2's reply)
+    chat = _chat(tmp_path, tiny_model, "w")
+    for q in QUESTIONS[:3]:
+        chat.send(q)
+    assert chat.undo()
+    chat.retry()
+    found = {r.id: r for r in rows(*chat.branches())}
+    here = next(r for r in found.values() if r.current)
+    assert here.under == 1 and here.leaves_at == 2 and here.first.startswith("(another reply)")
+    chat.close()

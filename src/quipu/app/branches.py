@@ -52,8 +52,11 @@ def rows(current: Branch, others: Sequence[Branch]) -> list[BranchRow]:
         said = own[0] if own else None
         first = (said["content"] if said is not None and said["role"] == "user" else
                  f"(another reply) {said['content']}" if said is not None else "(nothing of its own yet)")
-        out.append(BranchRow(b.id, parent, depth, 1 + sum(1 for m in b.messages[:shared] if m["role"] == "user"),
-                             " ".join(first.split()), b.turns, len(b.tokens), b.updated, b is current))
+        # (where it parts from its parent inside an exchange, at its reply, it leaves that exchange)
+        users = sum(1 for m in b.messages[:shared] if m["role"] == "user")
+        leaves = users if users and said is not None and said["role"] != "user" else users + 1
+        out.append(BranchRow(b.id, parent, depth, leaves, " ".join(first.split()), b.turns, len(b.tokens), b.updated,
+                             b is current))
         for child in everyone:
             if child is not b and under[child.id][0] == b.id:
                 visit(child, depth + 1)
