@@ -440,3 +440,12 @@ def test_what_a_turn_says_goes_to_the_server_s_log_with_the_request_s_id(home, t
     assert "quipu serve: --ctx 8192 is past the" in log
     said = [line for line in log.splitlines() if line.startswith(f"quipu serve: {ident}: ")]
     assert said and all("\n" not in line for line in said)
+
+
+def test_ollama_s_routes_answer_in_ollama_s_shape_even_those_not_served(home, tiny_model, tmp_path):
+    ollama = pytest.importorskip("ollama")
+    with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:
+        with pytest.raises(ollama.ResponseError, match="quipu models pull NAME"):
+            ollama.Client(host=url).pull("gemma3:1b")
+        r = httpx.get(url + "/api/nothing")
+        assert r.status_code == 404 and r.json() == {"error": "no such route"}

@@ -37,6 +37,10 @@ MAX_BODY = 8 << 20  # bytes of a request's body
 BODY_S = 60.0  # seconds a request's body may take to come in whole
 MAX_JSON_DEPTH = 64  # how deep a request's JSON may nest
 LIGHT = 4  # requests no model answers (models listed, shown) read at once
+# Ollama's routes that change the models on the server's machine, which a client does not do here.
+NOT_SERVED = {path: f"{path}: quipu serve changes no model on its machine; there, `quipu models pull NAME` pulls one "
+                    "and `quipu models rm NAME` removes one" for path in
+              ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete", "/api/blobs")}
 
 
 async def off_loop(work: Callable[..., T], *args: Any) -> T:
@@ -365,9 +369,12 @@ def http_app(pool: Pool, host: str, port: int, api_key: str | None, origins: lis
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
-        return refused(status, "no such route" if status == 404 else
-                       "this route does not take that method" if status == 405 else "the request failed",
-                       "invalid_request_error")
+        path = request.url.path
+        said = (NOT_SERVED[path] if status in (404, 405) and path in NOT_SERVED else "no such route" if status == 404
+                else "this route does not take that method" if status == 405 else "the request failed")
+        if path.startswith("/api/"):  # (Ollama's routes: its shape)
+            return shaped(False, RequestError(said, status))
+        return refused(status, said, "invalid_request_error")
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
