@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 from quipu.app.answer import Answer
-from quipu.sessions.base import ReplySink
+from quipu.sessions.base import PassedOn, ReplySink
 
 if TYPE_CHECKING:
     from quipu.engine.base import Backend
@@ -60,13 +60,14 @@ class Logprobs:
                 for token, logprob, top in drawn if not backend.is_eog(token)]  # (the end is no text)
 
 
-class Recorded(ReplySink):
+class Recorded(PassedOn):
     """A reply's sink (`sink`) with the log probabilities of the tokens `session` draws given
     before each piece that holds them (`ReplySink.logprobs`), as OpenAI streams them; `finish`
     puts them all in the answer."""
 
     def __init__(self, sink: ReplySink, session: InferenceSession, top: int):
-        self.sink, self.session = sink, session
+        super().__init__(sink)
+        self.session = session
         self.recorder = Logprobs(top)
         self._given = 0
         session.logits_processors.insert(0, self.recorder)  # (first: the model's own logits)
@@ -80,20 +81,11 @@ class Recorded(ReplySink):
 
     def text(self, piece: str) -> None:
         self._flush()
-        self.sink.text(piece)
+        super().text(piece)
 
     def reasoning(self, piece: str) -> None:
         self._flush()
-        self.sink.reasoning(piece)
-
-    def control(self, spelling: str) -> None:
-        self.sink.control(spelling)
-
-    def progress(self, done: int, total: int) -> None:
-        self.sink.progress(done, total)
-
-    def stopped(self) -> bool:
-        return self.sink.stopped()
+        super().reasoning(piece)
 
     def finish(self, answer: Answer) -> Answer:
         """`answer` with every drawn token's log probability; those no piece carried yet go to the sink."""

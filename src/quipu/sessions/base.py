@@ -125,6 +125,32 @@ class ReplySink:
 SILENT = ReplySink()
 
 
+class PassedOn(ReplySink):
+    """A sink that passes everything on to another (`sink`): the base of those that change a
+    part of a reply on its way (held back, split, recorded), which override only that part."""
+
+    def __init__(self, sink: ReplySink):
+        self.sink = sink
+
+    def text(self, piece: str) -> None:
+        self.sink.text(piece)
+
+    def reasoning(self, piece: str) -> None:
+        self.sink.reasoning(piece)
+
+    def control(self, spelling: str) -> None:
+        self.sink.control(spelling)
+
+    def progress(self, done: int, total: int) -> None:
+        self.sink.progress(done, total)
+
+    def logprobs(self, entries: list[dict[str, Any]]) -> None:
+        self.sink.logprobs(entries)
+
+    def stopped(self) -> bool:
+        return self.sink.stopped()
+
+
 @dataclass(frozen=True)
 class Stats:
     """Figures of the last turn (load and restore are the session's, reported with each turn)."""

@@ -9,7 +9,7 @@ import re
 from typing import Callable, Sequence
 
 from quipu.engine.base import CallConstraint
-from quipu.sessions.base import ReplySink
+from quipu.sessions.base import PassedOn, ReplySink
 from quipu.sessions.stops import pending_prefix
 from quipu.sessions.call_grammars import CallGrammar
 from quipu.sessions.reasoning import Thinking
@@ -67,13 +67,13 @@ class TriggerWatch:
         return start, self.text[start:]
 
 
-class CallSink(ReplySink):
+class CallSink(PassedOn):
     """A reply's sink while tools are offered: text goes on to `sink` until a call begins (a
     text that might be the start of a trigger is held back until it is known not to be); from
     there on nothing more is shown. `shown` counts what went on to `sink`."""
 
     def __init__(self, sink: ReplySink, grammar: CallGrammar, thinking: Thinking):
-        self.sink = sink
+        super().__init__(sink)
         self.watch = TriggerWatch(grammar.triggers, thinking)
         self.held = ""
         self._controls: list[tuple[int, str]] = []  # control tokens held back, and where in `held`
@@ -116,15 +116,6 @@ class CallSink(ReplySink):
         self.shown += n
         self.held = self.held[n:]
         self._controls = [(where - n, spelling) for where, spelling in self._controls]
-
-    def reasoning(self, text: str) -> None:
-        self.sink.reasoning(text)
-
-    def progress(self, done: int, total: int) -> None:
-        self.sink.progress(done, total)
-
-    def stopped(self) -> bool:
-        return self.sink.stopped()
 
     def end(self) -> int | None:
         """The reply is done: where its call began in what was shown (None: it made none)."""

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 from typing import Callable
 
-from quipu.sessions.base import ReplySink
+from quipu.sessions.base import PassedOn, ReplySink
 from quipu.sessions.reasoning import Splitter, Thinking
 
 __all__ = ["ReasoningSink"]
 
 
-class ReasoningSink(ReplySink):
+class ReasoningSink(PassedOn):
     """A reply's sink that passes a thinking model's reasoning on as reasoning and the rest as the
     answer, its markup taken out (control tokens included), and keeps both as they streamed.
     `thinking` is asked at the first piece, once the prompt is rendered (it may open reasoning)."""
 
     def __init__(self, sink: ReplySink, thinking: Callable[[], Thinking]):
-        self.sink = sink
+        super().__init__(sink)
         self._thinking = thinking
         self._splitter: Splitter | None = None
         self.answer: list[str] = []
@@ -37,12 +37,6 @@ class ReasoningSink(ReplySink):
     def reasoning(self, piece: str) -> None:  # (a server that splits the reply itself)
         self.reasoning_parts.append(piece)
         self.sink.reasoning(piece)
-
-    def progress(self, done: int, total: int) -> None:
-        self.sink.progress(done, total)
-
-    def stopped(self) -> bool:
-        return self.sink.stopped()
 
     def finish(self) -> tuple[str, str]:
         """The reply is over: (its reasoning, its answer), as they streamed."""
