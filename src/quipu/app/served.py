@@ -108,10 +108,10 @@ class Request:
 
     opts: TurnOptions
     messages: Sequence[Message] = ()
-    media: Sequence[Attachment] = ()
     prompt: str | None = None
-    tools: Sequence[Tool] = ()
-    logprobs: int | None = None
+    tools: Sequence[Tool] = ()  # the client's: a reply that calls one ends there, the call in it
+    media: Sequence[Attachment] = ()  # the images and recordings its messages hold
+    logprobs: int | None = None  # each drawn token's log probability, with so many likeliest beside it
 
 
 def session_name(given: str) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping, Union
 
 from quipu.app.attachments import Attachment
+from quipu.app.served import Request
 from quipu.app.tooldefs import Tool
 from quipu.app.turn_options import TurnOptions
 from quipu.errors import UsageError
@@ -268,15 +269,10 @@ def ollama_messages(given: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class ChatRequest:
-    """A request, checked: its plan and its messages, or, a plain completion's, its prompt."""
+class ChatRequest(Request):
+    """A request, checked: what it gives its turn (`app.served.Request`: its plan and its
+    messages, or, a plain completion's, its prompt), and what the server does with it besides."""
 
-    opts: TurnOptions
-    messages: list[Message]
-    prompt: str | None = None
-    tools: tuple[Tool, ...] = ()  # the client's: a reply that calls one ends there, the call in it
-    media: tuple[Attachment, ...] = ()  # the images and recordings its messages hold
-    logprobs: int | None = None  # each drawn token's log probability, with so many likeliest beside it
     n: int = 1  # how many answers (`choices`)
     keep: Keep = None  # how long the model stays loaded after it (Ollama's keep_alive; None: the server's)
     model: str = ""  # the model it is for, by its name (`serve.Served.pick`)

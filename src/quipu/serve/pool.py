@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from quipu.app.answer import Answer
 from quipu.app.environment import Environment
-from quipu.app.served import Loaded, Request, Slot, SlotHost, answer_request, session_request
+from quipu.app.served import Loaded, Slot, SlotHost, answer_request, session_request
 from quipu.app.turn_options import TurnOptions
 from quipu.serve.plan import FOREVER, ChatRequest, Keep, RequestError
 from quipu.sessions.base import ReplySink, common_prefix
@@ -88,18 +88,16 @@ class Pool:
 
     def admit(self) -> Callable[[], None]:
         """Counts a request in, or refuses it as busy where `parallel` are answered and
-        `MAX_WAITING` wait already; what counts it out (once its reply's last byte is out)."""
+        `MAX_WAITING` wait already; what counts it out, called once (the HTTP side's `Place` calls
+        it when the reply's last byte is out and its turn is done)."""
         with self._counted:
             if self._requests >= self.parallel + MAX_WAITING:
                 raise busy()
             self._requests += 1
-        released = threading.Event()
 
         def release() -> None:
-            if not released.is_set():
-                released.set()
-                with self._counted:
-                    self._requests -= 1
+            with self._counted:
+                self._requests -= 1
         return release
 
     # ---- which model ----------------------------------------------------------------------
@@ -150,15 +148,14 @@ class Pool:
         says goes to the server's log (`ident`, the request's id), and the answer is logged
         unless the server was told not to. A session's turn is kept once `took` says the client
         has the whole answer."""
-        request = Request(asked.opts, asked.messages, asked.media, asked.prompt, asked.tools, asked.logprobs)
         with self._held(asked.model or self.model, asked.keep, asked.opts) as (loaded, load_s, notices):
             with self._slot(loaded, asked) as slot:
                 host = SlotHost(slot.backend, loaded.backend, loaded.keeper, load_s, notices, slot.held)
                 slot.held, slot.said = [], ()  # (until this request is answered: what the context holds is this one's)
                 if asked.session is not None:  # (what the slot's context holds then is the session's: not kept)
-                    answer = session_request(host, asked.session, request, self.base, self.env, sink, took)
+                    answer = session_request(host, asked.session, asked, self.base, self.env, sink, took)
                 else:
-                    answer = answer_request(host, request, self.env, sink)
+                    answer = answer_request(host, asked, self.env, sink)
                     session = host.session
                     if session is not None and session.backend.positions() == session.n_decoded:
                         slot.held = session.tokens[:session.n_decoded]
