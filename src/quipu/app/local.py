@@ -228,14 +228,18 @@ class LocalHost:
             given, at = env.resolve_model(opts.model, fall_back=False)
             return given, at, model_fingerprint(at, env)
         path = Path(str(saved.get("path", "")))
-        if path.is_file() and names_model(saved.get("fingerprint"), path, model_fingerprint(path, env)):
-            return str(saved.get("name", path.stem)), path, model_fingerprint(path, env)
+        if path.is_file():
+            model_fp = model_fingerprint(path, env)
+            if names_model(saved.get("fingerprint"), path, model_fp):
+                return str(saved.get("name", path.stem)), path, model_fp
         try:  # the file moved, or the bundled package was reinstalled elsewhere: look it up by name
             found = env.resolve_model(str(saved.get("name", "")), fall_back=False)
         except UsageError:
             found = None
-        if found is not None and names_model(saved.get("fingerprint"), found[1], model_fingerprint(found[1], env)):
-            return found[0], found[1], model_fingerprint(found[1], env)
+        if found is not None:
+            model_fp = model_fingerprint(found[1], env)
+            if names_model(saved.get("fingerprint"), found[1], model_fp):
+                return found[0], found[1], model_fp
         raise ModelMismatch(
             f"session '{name}' was made with {saved.get('name', '?')} ({saved.get('path', '?')}), which is gone "
             "or has changed; pass --model to continue it with another model (re-read from the transcript)"
