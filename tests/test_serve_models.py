@@ -7,6 +7,7 @@ import json
 import re
 from datetime import datetime, timezone
 
+import httpx
 import pytest
 
 from servers import SYSTEM, ask, quipu_serve
@@ -64,9 +65,26 @@ def test_embeddings_are_the_ones_quipu_embed_gives_through_both_clients(quipu, h
         ollama = pytest.importorskip("ollama")
         theirs = ollama.Client(host=url).embed(model=got.model, input=texts)
         assert max(abs(x - y) for x, y in zip(theirs.embeddings[1], expected[1], strict=True)) < 1e-5
-        for bad, words in (([], "input must be"), ([1, 2], "token ids"), (["ok", " "], "input[1] is empty")):
+        for bad, words in (([], "input must be"), ([1, 10**6], "not one of the model's"), (["ok", " "], "input[1] is empty"),
+                           ([[1, 2], "a", 3], "input must be")):
             with pytest.raises(openai.BadRequestError, match=re.escape(words)):
                 c.embeddings.create(model=got.model, input=bad)
+        # a text's token ids are embedded as the text is (OpenAI's clients send them so)
+        import llama_cpp
+
+        vocab = llama_cpp.Llama(str(tiny_model), vocab_only=True, verbose=False)
+        ids = [vocab.tokenize(t.encode(), add_bos=True, special=False) for t in texts]
+        by_ids = c.embeddings.create(model=got.model, input=ids, encoding_format="float")
+        assert by_ids.usage.prompt_tokens == got.usage.prompt_tokens == sum(map(len, ids))
+        for vector, want in zip([d.embedding for d in by_ids.data], expected, strict=True):
+            assert max(abs(x - y) for x, y in zip(vector, want, strict=True)) < 1e-5
+        one = c.embeddings.create(model=got.model, input=ids[0], encoding_format="float").data
+        assert len(one) == 1 and max(abs(x - y) for x, y in zip(one[0].embedding, expected[0], strict=True)) < 1e-5
+        # Ollama's older route: one prompt, its vector as the model gives it (the same, not scaled)
+        older = httpx.post(url + "/api/embeddings", json={"prompt": texts[0]}, timeout=60).json()["embedding"]
+        norm = math.sqrt(sum(x * x for x in older))
+        assert max(abs(x / norm - y) for x, y in zip(older, expected[0], strict=True)) < 1e-5
+        assert httpx.post(url + "/api/embeddings", json={"prompt": ""}, timeout=60).status_code == 400
 
 
 @pytest.mark.parametrize("parallel", [1, 2])

@@ -35,6 +35,7 @@ class Answer:
     system: str | None = None  # the system prompt the answer was given, as the log keeps it
     tokens: list[int] = field(default_factory=list)  # the reply's tokens, as generated
     logprobs: list[dict[str, Any]] | None = None  # each drawn token's log probability, where asked (`app/logprobs.py`)
+    stop_sequence: str | None = None  # the stop string that ended it, where one did
 
     @classmethod
     def of(cls, gen: Generation, model: str, params: SamplingParams, stats: Stats, host: Capabilities = LOCAL, *,
@@ -45,7 +46,8 @@ class Answer:
         return cls(answer, gen.finish_reason, model, params.seed, session, stats, list(notices), gen.reasoning,
                    gen.error, constrained_by(params.grammar, host),
                    incomplete=cut_short(params.grammar, gen.finish_reason, answer), fingerprint=fingerprint,
-                   system=system, tool_calls=list(tool_calls), tokens=list(gen.tokens))
+                   system=system, tool_calls=list(tool_calls), tokens=list(gen.tokens),
+                   stop_sequence=gen.stopped_by)
 
     @property
     def context_full(self) -> bool:

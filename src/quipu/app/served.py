@@ -16,7 +16,7 @@ from quipu.app.local import LocalHost, LocalKeeper
 from quipu.app.local_media import given_projector, with_projector
 from quipu.app.tools import OpenTools, Toolbox
 from quipu.app.turn_options import TurnOptions, sampling_params, with_logit_biases
-from quipu.app.turns import Given, SessionRequest, _one_shot, run_session_turn
+from quipu.app.turns import Following, Given, SessionRequest, _one_shot, _one_shot_turn, run_session_turn
 from quipu.engine.base import Backend, ProgressFn
 from quipu.sessions.base import LOCAL, Message, ReplySink, Stats
 from quipu.sessions.inference import InferenceSession
@@ -130,16 +130,31 @@ def answer_request(host: SlotHost, asked: Request, env: Environment, sink: Reply
                      logprobs=asked.logprobs)
 
 
+def count_request(host: SlotHost, asked: Request, env: Environment) -> int:
+    """The tokens a request's prompt would be (its conversation, tools offered, rendered by the
+    model's template), nothing read."""
+    tools = OpenTools(Toolbox({t.spec.name: t for t in asked.tools})) if asked.tools else None
+    turn, ask = _one_shot_turn(None, asked.opts, env, host, (), (), (), tools, given=Given(asked.messages, asked.media))
+    try:
+        return len(turn.tokens(ask))
+    finally:
+        turn.session.close()
+
+
 def session_request(host: SlotHost, name: str, asked: Request, own: TurnOptions, env: Environment,
-                    sink: ReplySink, took: Callable[[Answer], bool]) -> Answer:
+                    sink: ReplySink, took: Callable[[Answer], bool], follows: Following | None = None,
+                    kept: Callable[[Answer, Sequence[Message]], None] | None = None, whole_read: bool = False
+                    ) -> Answer:
     """A request as a turn of the named session `name` (opened with the server's options, `own`):
-    its messages go on from the session's; kept only once `took` says its client has the whole
-    answer, so that a client that went (or a server that stopped) leaves the session as it was,
-    and the client's retry asks the same turn again."""
+    its messages go on from the session's (or, `follows`, from a kept response's conversation in
+    it); kept only once `took` says its client has the whole answer, so that a client that went
+    (or a server that stopped) leaves the session as it was, and the client's retry asks the same
+    turn again; `kept` is told once it is kept. `whole_read`: answered as a whole read of the
+    conversation is (`SessionRequest.whole_read`)."""
     if asked.media:
         from quipu.errors import UsageError
 
-        raise UsageError("X-Quipu-Session: a session's turn over the API takes no images or recordings yet")
+        raise UsageError("a session's turn over the API takes no images or recordings yet")
     tools = OpenTools(Toolbox({t.spec.name: t for t in asked.tools})) if asked.tools else None
     opts = replace(asked.opts, model=str(host.model.model_path), session=name)
     from quipu.app.named import store_for
@@ -147,4 +162,5 @@ def session_request(host: SlotHost, name: str, asked: Request, own: TurnOptions,
     # (a new session's system prompt is the request's own first message)
     own = replace(own, model=opts.model, session=name, system=own.system if store_for(env).exists(name) else "")
     return run_session_turn(None, opts, env, host, sink, tools,
-                            request=SessionRequest(own, asked.messages, asked.logprobs, took))
+                            request=SessionRequest(own, asked.messages, asked.logprobs, took, follows, kept,
+                                                   whole_read))

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from quipu.app.attachments import Attachment
     from quipu.app.logprobs import Recorded
     from quipu.app.answer_log import Followed
+    from quipu.store.store import SessionStore
 
 
 def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: ReplySink = SILENT, *,
@@ -241,15 +242,19 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
     store = store_for(env)
     store.clean_temporaries()
     with store.lock(name):
+        if request is not None and request.follows is not None and store.exists(name):
+            onto(store, name, request.follows)
         named = NamedSession.open(store, name, request.own if request is not None else opts, env, host, sink.reading)
         try:
-            again = retried(named.conversation.messages, request.sent) if request is not None else None
+            sent = request.messages(named) if request is not None else None
+            # (going on from a kept response, the same request again makes a new branch)
+            again = retried(named.conversation.messages, sent) if sent is not None and request is not None \
+                and request.follows is None else None
             if again is not None:  # (a client's retry of the turn just kept, whose answer it never had)
                 turn = Turn(named.session, named.keeper, named.conversation, opts.tool_options, named=named)
                 return turn.finished(Generation(again.content, finish_reason="stop", reasoning=again.reasoning or ""))
             own = request.take(named, opts, env) if request is not None else None
-            turn, ask = _session_turn(named, prompt, opts, files, media, tools, hooks,
-                                      request.sent if request is not None else None)
+            turn, ask = _session_turn(named, prompt, opts, files, media, tools, hooks, sent)
             limit, stop = named.reply_limits(opts, env)
             if request is not None:  # (a request's own length and stop strings, where it gives them)
                 limit = max_tokens(opts, env) if opts.max_tokens is not None else limit
@@ -277,6 +282,8 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
                 named.tell([unlogged] if unlogged else [])
             if request is None or request.took(answer):  # (a server's turn: kept once its client has it whole)
                 named.save()
+                if request is not None and request.kept is not None:
+                    request.kept(answer, named.conversation.messages)
         finally:
             named.close()
     return replace(answer, notices=list(named.notices))  # (the session's, its save's included)
@@ -321,6 +328,34 @@ class SessionRequest:
     sent: Sequence[Message]
     logprobs: int | None = None
     took: Callable[[Answer], bool] = lambda answer: True
+    # (a kept response's conversation it goes on from: `sent` holds the new messages alone)
+    follows: Following | None = None
+    kept: Callable[[Answer, Sequence[Message]], None] | None = None  # called once the turn is kept
+    # Its prompt read on from where a step of a whole read starts, so that the answer is the one
+    # the whole conversation read at once gives (as a server's other APIs answer it).
+    whole_read: bool = False
+
+    def messages(self, named: NamedSession) -> Sequence[Message]:
+        """The messages the request sends: `sent`, or, going on from a kept response, its
+        conversation (on the branch `onto` made current; its system prompt the request's own) and
+        then `sent`. Where they part from the session's, the session's stay a branch and the new
+        one goes on from where they part."""
+        follows = self.follows
+        if follows is None:
+            return self.sent
+        conv = named.conversation
+        held = conv.messages
+        if digest(held[:follows.at]) != follows.digest:
+            raise SessionConflict(f"session '{named.name}' no longer holds the conversation this goes on from")
+        rest = held[1:follows.at] if held and held[0].role == "system" else held[:follows.at]
+        sent = ([Message("system", follows.system)] if follows.system else []) + list(rest) + list(self.sent)
+        parts = next((i for i, (a, b) in enumerate(zip(held, sent, strict=False)) if said(a) != said(b)),
+                     min(len(held), len(sent)))
+        if parts < len(held):
+            named.stash()
+            conv.back_to(parts)
+        return sent
+
 
     def take(self, named: NamedSession, opts: TurnOptions, env: Environment) -> Callable[[], None]:
         """Gives the session the request's options for this turn; what sets its own back (before it is saved)."""
@@ -334,13 +369,59 @@ class SessionRequest:
         asked = with_logit_biases(sampling_params(opts, env, params), session.backend, opts)
         if asked != params:
             session.set_params(asked)
+        session.whole_read = self.whole_read
 
         def back() -> None:
             conv.settings = settings.but(reasoning_budget=conv.settings.reasoning_budget)
+            session.whole_read = False
             if session.params != params:
                 session.set_params(params)
         return back
 
+
+@dataclass(frozen=True)
+class Following:
+    """Where a request goes on from in its session: the first `at` messages of one of its
+    branches, whose `digest` (`digest`) was kept with a response; `system`, the request's own
+    system prompt in place of theirs (none: none)."""
+
+    at: int
+    digest: str
+    system: str | None = None
+
+
+def said(m: Message) -> tuple[str, str, list[tuple[str, str]]]:
+    """What a message says, as a client sends it back: its role, text and calls (its reasoning,
+    which clients leave out, aside)."""
+    return m.role, m.content.strip(), [(c["function"]["name"], c["function"]["arguments"]) for c in m.tool_calls or ()]
+
+
+def digest(messages: Sequence[Message]) -> str:
+    """The digest of what `messages` say (`said`), by which a kept response finds its conversation."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps([said(m) for m in messages], ensure_ascii=False).encode()).hexdigest()
+
+
+def onto(store: SessionStore, name: str, follows: Following) -> None:
+    """Makes current the branch of session `name` whose first `follows.at` messages are those a
+    kept response ended (the session locked); SessionConflict where no branch holds them."""
+    from quipu.store.branches import current_branch, other_branches, switched
+    from quipu.store.store import KEEP_STATE
+
+    record = store.load_transcript(name)
+
+    def holds(messages: list[dict[str, Any]]) -> bool:
+        return len(messages) >= follows.at and \
+            digest([Message.from_dict(m) for m in messages[:follows.at]]) == follows.digest
+
+    if holds(record.messages):
+        return
+    other = next((b for b in other_branches(record) if holds(b.messages)), None)
+    if other is None or current_branch(record).id == other.id:
+        raise SessionConflict(f"session '{name}' no longer holds the conversation this goes on from")
+    store.save(name, switched(record, other.id), KEEP_STATE)
 
 class SessionConflict(UsageError):
     """A request whose messages do not go on from its session's."""
@@ -361,12 +442,8 @@ def retried(held: Sequence[Message], sent: Sequence[Message]) -> Message | None:
 def going_on(held: Sequence[Message], sent: Sequence[Message], name: str) -> list[Message]:
     """The messages a request sends past session `name`'s (`held`), which it must begin with:
     the same roles, texts and calls (a reply's reasoning, which clients leave out, aside)."""
-    def same(a: Message, b: Message) -> bool:
-        calls = [[(c["function"]["name"], c["function"]["arguments"]) for c in m.tool_calls or ()] for m in (a, b)]
-        return a.role == b.role and a.content.strip() == b.content.strip() and calls[0] == calls[1]
-
     for i, (mine, theirs) in enumerate(zip(held, sent, strict=False)):
-        if not same(mine, theirs):
+        if said(mine) != said(theirs):
             raise SessionConflict(f"messages[{i}] differs from message {i} of session '{name}' ({mine.role}: "
                                   f"{mine.content[:60]!r}): send the session's messages as they are, then the new "
                                   "ones")

@@ -266,7 +266,7 @@ class Backend(Protocol):
     def shift_out(self, start: int, end: int) -> None:
         """Drops positions [start, end) and moves those after them down by end - start."""
 
-    def embed(self, texts: Sequence[str], pooling: str = "mean") -> list[list[float]]:
+    def embed(self, texts: Sequence[str | Sequence[int]], pooling: str = "mean") -> list[list[float]]:
         """One pooled vector per text, computed in batches; refuses (CapabilityError) where the
         backend or model cannot embed, never returns empty vectors."""
     def close(self) -> None: ...

@@ -26,14 +26,19 @@ class Embeddings:
         self.n_threads = n_threads
         self.name = name
 
-    def embed(self, texts: Sequence[str], pooling: str = "mean") -> list[list[float]]:
-        """One pooled embedding per text, several texts to each llama_decode call. The embedding
-        context lives for this call only."""
+    def embed(self, texts: Sequence[str | Sequence[int]], pooling: str = "mean") -> list[list[float]]:
+        """One pooled embedding per text (or its tokens, given as they are), several texts to
+        each llama_decode call. The embedding context lives for this call only."""
         model = self.model.ptr
         n_embd = lc.llama_model_n_embd(model)
         encoder_only = lc.llama_model_has_encoder(model) and not lc.llama_model_has_decoder(model)
-        tokenized = [self.model.tokenize(t, add_special=True, parse_special=False) for t in texts]
+        tokenized = [self.model.tokenize(t, add_special=True, parse_special=False) if isinstance(t, str) else list(t)
+                     for t in texts]
         for i, toks in enumerate(tokenized):
+            wrong = next((t for t in toks if not 0 <= t < self.model.n_vocab), None)
+            if wrong is not None:
+                raise InvalidParameter(f"input {i} holds token {wrong}, which is not one of the model's "
+                                       f"{self.model.n_vocab} (0 to {self.model.n_vocab - 1})")
             if len(toks) > self.EMBED_BATCH:
                 raise InvalidParameter(f"text {i} is {len(toks)} tokens; at most {self.EMBED_BATCH} can be embedded")
         out: list[list[float]] = []

@@ -297,7 +297,7 @@ class LlamaBackend:
         many as their cells)."""
         return self.memory.positions()
 
-    def embed(self, texts: Sequence[str], pooling: str = "mean") -> list[list[float]]:
+    def embed(self, texts: Sequence[str | Sequence[int]], pooling: str = "mean") -> list[list[float]]:
         return self.embeddings.embed(texts, pooling)
 
     # ---- decoding -----------------------------------------------------------------------

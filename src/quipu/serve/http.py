@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import secrets
 import threading
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -27,10 +25,9 @@ if TYPE_CHECKING:
     from starlette.applications import Starlette
     from starlette.requests import Request
 
-    from quipu.app.answer import Answer
-    from quipu.serve.plan import ChatRequest
+    from quipu.serve.apis import Api, Ollama
     from quipu.serve.pool import Pool
-    from quipu.serve.stream import Event, Reply
+    from quipu.serve.stream import Reply
 
 T = TypeVar("T")
 MAX_BODY = 8 << 20  # bytes of a request's body
@@ -65,61 +62,6 @@ async def off_loop(work: Callable[..., T], *args: Any) -> T:
     return await done
 
 
-@dataclass(frozen=True)
-class Api:
-    """One of the routes that answer: which API's shapes (`openai`), what reads its request,
-    whether it is a plain completion (`plain`) or Ollama's /api/generate (`generate`)."""
-
-    openai: bool
-    make: Callable[..., ChatRequest]
-    plain: bool = False
-    generate: bool = False
-
-    @property
-    def media_type(self) -> str:
-        return "text/event-stream" if self.openai else "application/x-ndjson"
-
-    def streams(self, body: dict[str, Any]) -> bool:
-        """Whether the reply streams (Ollama's do unless told not to)."""
-        return body.get("stream") is True if self.openai else body.get("stream", True) is not False
-
-    def head(self) -> dict[str, Any]:
-        if self.openai:
-            return {"ident": f"{'cmpl' if self.plain else 'chatcmpl'}-{secrets.token_hex(12)}",
-                    "created": int(time.time())}
-        return {"created_at": datetime.now(timezone.utc).isoformat(), "ident": f"req-{secrets.token_hex(6)}"}
-
-    def whole(self, answers: list[Answer], head: dict[str, Any]) -> dict[str, Any]:
-        from quipu.serve import wire
-
-        if self.openai:
-            shape = wire.text_completion if self.plain else wire.chat_completion
-            return shape(answers, head["ident"], head["created"])
-        [answer] = answers  # (Ollama's API asks for one)
-        piece = wire.ollama_piece(answer.model, head["created_at"], answer.text, answer.reasoning,
-                                  generate=self.generate, calls=wire.waiting_calls(answer))
-        return {**piece, **wire.ollama_reply(answer, head["created_at"])}
-
-    def stream(self, reply: Reply, first: Event, plan: ChatRequest, head: dict[str, Any]) -> AsyncIterator[str]:
-        from quipu.serve.stream import ollama_stream, openai_stream
-
-        if self.openai:
-            return openai_stream(reply, first, plan, head, plain=self.plain)
-        return ollama_stream(reply, first, plan, head, generate=self.generate)
-
-
-def apis() -> dict[str, Api]:
-    """The routes that answer, by path."""
-    from functools import partial
-
-    from quipu.serve.plan import chat_request, completion_request, ollama_request
-
-    return {"/v1/chat/completions": Api(True, chat_request),
-            "/v1/completions": Api(True, completion_request, plain=True),
-            "/api/chat": Api(False, ollama_request),
-            "/api/generate": Api(False, partial(ollama_request, generate=True), generate=True)}
-
-
 class Door:
     """What every request passes before its route: the Host it names (the address served, unless
     a key guards the server), its Origin (a page of this server's, or one `--cors` names), the key."""
@@ -130,35 +72,45 @@ class Door:
         self.own = {f"http://{name}" for name in self.hosts}
         self.api_key, self.allowed = api_key, set(origins)
 
-    def refusal(self, request: Request, key: bool = True) -> Response | None:
-        """A refusal of a request from another site, or without the key (`key`: the route needs it)."""
+    def refusal(self, request: Request, errors: Errors, key: bool = True) -> Response | None:
+        """A refusal of a request from another site, or without the key (`key`: the route needs
+        it; as a bearer token, or Anthropic's `x-api-key`), in the shape `errors` gives."""
         if self.api_key is None and request.headers.get("host", "") not in self.hosts:
-            return refused(403, "the Host of this request is not the address served", "forbidden")
+            return shaped(errors, RequestError("the Host of this request is not the address served", 403, "forbidden"))
         origin = request.headers.get("origin")
         if origin is not None and origin not in self.own and origin not in self.allowed and "*" not in self.allowed:
-            return refused(403, "a web page of another site may not call this server (quipu serve --cors ORIGIN "
-                                "lets one)", "forbidden")
+            return shaped(errors, RequestError("a web page of another site may not call this server (quipu serve "
+                                               "--cors ORIGIN lets one)", 403, "forbidden"))
         if self.api_key is not None and key:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return refused(401, "a key is needed: Authorization: Bearer KEY", "invalid_api_key")
+            given = request.headers.get("authorization", "").encode()
+            other = request.headers.get("x-api-key", "").encode()
+            wanted = self.api_key.encode()
+            if not (hmac.compare_digest(given, b"Bearer " + wanted) | hmac.compare_digest(other, wanted)):
+                return shaped(errors, RequestError("a key is needed: Authorization: Bearer KEY (or x-api-key: KEY)",
+                                                   401, "invalid_api_key"))
         return None
 
 
-def refused(status: int, message: str, kind: str) -> Response:
+Errors = Callable[[BaseException], "tuple[int, dict[str, Any]]"]  # a failure's status and body, in an API's shape
+
+
+def openai_errors(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    from quipu.serve.wire import error_body
+
+    return error_body(exc)
+
+
+def ollama_errors(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    from quipu.serve.wire import ollama_error
+
+    return ollama_error(exc)
+
+
+def shaped(errors: Errors, exc: BaseException) -> Response:
+    """A failure in an API's shape (`errors` gives it); a busy server's says when to ask again."""
     from starlette.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
-
-
-def shaped(openai: bool, exc: BaseException) -> Response:
-    """A failure in the API's shape (`openai`: OpenAI's, else Ollama's); a busy server's says
-    when to ask again."""
-    from starlette.responses import JSONResponse
-
-    from quipu.serve import wire
-
-    status, body = (wire.error_body if openai else wire.ollama_error)(exc)
+    status, body = errors(exc)
     return JSONResponse(body, status, headers={"Retry-After": "1"} if status == 503 else None)
 
 
@@ -183,13 +135,13 @@ class Place:
             self.release()
 
 
-async def counted(pool: Pool, openai: bool, answer: Callable[[Place], Awaitable[Response]]) -> Response:
+async def counted(pool: Pool, errors: Errors, answer: Callable[[Place], Awaitable[Response]]) -> Response:
     """The response `answer` makes for a request counted in by the pool from now to its last byte
     (or its client's going) and its turn's end, or the pool's refusal: busy."""
     try:
         place = Place(pool.admit())
     except RequestError as exc:
-        return shaped(openai, exc)
+        return shaped(errors, exc)
     try:
         inner = await answer(place)
     except BaseException:
@@ -228,6 +180,8 @@ class Routes:
     """The routes' work, on `pool`, behind `door`."""
 
     def __init__(self, pool: Pool, door: Door):
+        from quipu.serve.apis import apis
+
         self.pool, self.door, self.apis = pool, door, apis()
         # (what the routes that no model answers read, off the loop a few at a time: the others
         # wait, each on a connection the server bounds)
@@ -241,47 +195,48 @@ class Routes:
         from starlette.responses import JSONResponse
 
         # (a probe needs no key; it says how many requests the server holds, from arrival to last byte)
-        return self.door.refusal(request, key=False) or JSONResponse({"status": "ok", "requests": self.pool.requests})
+        return self.door.refusal(request, openai_errors, key=False) or \
+            JSONResponse({"status": "ok", "requests": self.pool.requests})
 
     async def answer(self, request: Request) -> Response:
-        """A chat or completion request: counted in (or refused as busy), read, planned off the
-        loop, then answered whole or streamed; a stream's head goes out once its first event is
-        in, so a request that cannot be answered (too long for the context, say) is a 4xx."""
+        """A request to a model, in any API: counted in (or refused as busy), read, planned off
+        the loop, then answered whole or streamed; a stream's head goes out once its first event
+        is in, so a request that cannot be answered (too long for the context, say) is a 4xx."""
         api = self.apis[request.url.path]
-        refused = self.door.refusal(request)
-        return refused or await counted(self.pool, api.openai, lambda place: self._answer(request, api, place))
+        refused = self.door.refusal(request, api.error)
+        return refused or await counted(self.pool, api.error, lambda place: self._answer(request, api, place))
 
     async def _answer(self, request: Request, api: Api, place: Place) -> Response:
         from starlette.responses import JSONResponse, StreamingResponse
 
-        from quipu.serve.plan import as_session_turn, load_only
+        from quipu.serve.apis import Ollama
+        from quipu.serve.plan import load_only
         from quipu.serve.stream import Reply
 
         try:
             body = await read_json(request)
-            if not api.openai and load_only(body, api.generate):
+            if isinstance(api, Ollama) and load_only(body, api.generate):
                 return await self._loaded(body, api)
-            session = request.headers.get("x-quipu-session")
-            plan = await off_loop(lambda: as_session_turn(self.pool.plan(body, api.make), session))
+            head = {**api.head(), "body": body}
+            plan = await off_loop(api.plan, self.pool, body, request.headers.get("x-quipu-session"), head)
         except Exception as exc:  # (every refusal a 4xx in the API's shape, never a traceback)
-            return shaped(api.openai, exc)
-        head = api.head()
-        reply = Reply(self.pool, plan, head["ident"], place.hold())
+            return shaped(api.error, exc)
+        reply = Reply(self.pool, plan, head["ident"], place.hold(), api.kept(self.pool, plan, head))
         if not api.streams(body):
             watch = asyncio.create_task(watch_gone(request, reply))  # (until it is sent: a session's turn is kept then)
             try:
                 answers = await reply.whole()
             except Exception as exc:
                 watch.cancel()
-                return shaped(api.openai, exc)
-            return Then(JSONResponse(api.whole(answers, head)), sent=reply.sent, ended=watch.cancel)
+                return shaped(api.error, exc)
+            return Then(JSONResponse(api.whole(answers, head, plan)), sent=reply.sent, ended=watch.cancel)
         first = await reply.next()
         if first[0] == "error":
-            return shaped(api.openai, first[2])
-        return StreamingResponse(api.stream(reply, first, plan, {**head, "body": body}), media_type=api.media_type,
+            return shaped(api.error, first[2])
+        return StreamingResponse(api.stream(reply, first, plan, head), media_type=api.media_type,
                                  headers={"Cache-Control": "no-cache"})
 
-    async def _loaded(self, body: dict[str, Any], api: Api) -> Response:
+    async def _loaded(self, body: dict[str, Any], api: Ollama) -> Response:
         """Ollama's request with nothing to answer: the model loaded (or, `keep_alive` 0, unloaded)."""
         from starlette.responses import JSONResponse
 
@@ -295,30 +250,88 @@ class Routes:
                                          {"message": {"role": "assistant", "content": ""}})})
 
     async def embeddings(self, request: Request) -> Response:
-        openai = request.url.path == "/v1/embeddings"
-        refused = self.door.refusal(request)
-        return refused or await counted(self.pool, openai, lambda place: self._embed(request, openai))
+        """/v1/embeddings, Ollama's /api/embed, and its older /api/embeddings (one prompt, its
+        vector as the model gives it)."""
+        path = request.url.path
+        errors = openai_errors if path == "/v1/embeddings" else ollama_errors
+        refused = self.door.refusal(request, errors)
+        return refused or await counted(self.pool, errors, lambda place: self._embed(request, path, errors))
 
-    async def _embed(self, request: Request, openai: bool) -> Response:
+    async def _embed(self, request: Request, path: str, errors: Errors) -> Response:
         from starlette.responses import JSONResponse
 
         from quipu.serve import wire
         from quipu.serve.plan import embed_inputs, request_keep
 
+        openai, older = path == "/v1/embeddings", path == "/api/embeddings"
         try:
             body = await read_json(request)
             name, _ = await off_loop(self.pool.pick, body.get("model"))  # (it may look through the folders)
-            texts = embed_inputs(body)
+            inputs = embed_inputs(body, "prompt" if older else "input")
+            if older and len(inputs) != 1:
+                raise RequestError("prompt must be one text (/api/embed takes several)")
             if body.get("dimensions") is not None:
                 raise RequestError("dimensions: quipu serve gives each model's embeddings whole")
             keep = None if openai else request_keep(body)
             started = time.perf_counter()
-            vectors, tokens, load_s = await off_loop(self.pool.embed, name, texts, keep)
+            vectors, tokens, load_s = await off_loop(self.pool.embed, name, inputs, keep)
+            if older:
+                return JSONResponse({"embedding": vectors[0]})
             reply = wire.openai_embeddings(name, vectors, tokens, body.get("encoding_format")) if openai else \
                 wire.ollama_embeddings(name, vectors, tokens, load_s, time.perf_counter() - started)
         except Exception as exc:
-            return shaped(openai, exc)
+            return shaped(errors, exc)
         return JSONResponse(reply)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """/v1/messages/count_tokens: the tokens a Messages request's prompt would be, its
+        system prompt, tools and messages rendered by the model's template."""
+        from starlette.responses import JSONResponse
+
+        from quipu.serve.anthropic import error_body, messages_request
+
+        refused = self.door.refusal(request, error_body)
+        if refused is not None:
+            return refused
+
+        async def counting(place: Place) -> Response:
+            try:
+                body = await read_json(request)
+                plan = await off_loop(self.pool.plan, body, lambda b, base: messages_request(b, base, counting=True))
+                count = await off_loop(self.pool.count, plan)
+            except Exception as exc:
+                return shaped(error_body, exc)
+            return JSONResponse({"input_tokens": count})
+        return await counted(self.pool, error_body, counting)
+
+    async def response(self, request: Request) -> Response:
+        """GET /v1/responses/{id} (a kept response whole), .../input_items (the input it
+        answered), DELETE (forgotten; its conversation stays in its session)."""
+        from starlette.responses import JSONResponse
+
+        from quipu.app.responses import forget, kept_response
+
+        refused = self.door.refusal(request, openai_errors)
+        if refused is not None:
+            return refused
+        ident = request.path_params["ident"]
+        try:
+            async with self.light:
+                await off_loop(self.pool.kept_wait, ident)
+                if request.method == "DELETE":
+                    if not await off_loop(forget, self.pool.env, ident):
+                        raise RequestError(f"no response '{ident[:80]}' is kept here", 404, "not_found")
+                    return JSONResponse({"id": ident, "object": "response.deleted", "deleted": True})
+                kept = await off_loop(kept_response, self.pool.env, ident)
+        except Exception as exc:
+            return shaped(openai_errors, exc)
+        if kept is None:
+            return shaped(openai_errors, RequestError(f"no response '{ident[:80]}' is kept here", 404, "not_found"))
+        if request.url.path.endswith("/input_items"):
+            from quipu.serve.responses import input_items
+
+            return JSONResponse(input_items(kept.input, ident))
+        return JSONResponse(kept.response)
 
     async def listed(self, request: Request) -> Response:
         """/v1/models, /api/tags, /api/ps and /api/version: what the server has."""
@@ -328,31 +341,33 @@ class Routes:
         from quipu.serve import wire
 
         path = request.url.path
-        failed = self.door.refusal(request, key=path != "/api/version")
+        failed = self.door.refusal(request, openai_errors if path == "/v1/models" else ollama_errors,
+                                   key=path != "/api/version")
         if failed is not None:
             return failed
         if path == "/api/version":
             return JSONResponse({"version": __version__})
         if path == "/api/ps":  # (each reads its models' headers, and the folders models are in)
-            return JSONResponse(await self._light(wire.ollama_ps, self.pool.loaded()))
-        shape = wire.openai_models if path == "/v1/models" else wire.ollama_tags
-        return JSONResponse(await self._light(lambda: shape(self.pool.known())))
+            return JSONResponse(await self._light(wire.ollama_ps, self.pool.loaded(), self.pool.digest))
+        if path == "/v1/models":
+            return JSONResponse(await self._light(lambda: wire.openai_models(self.pool.known())))
+        return JSONResponse(await self._light(lambda: wire.ollama_tags(self.pool.known(), self.pool.digest)))
 
     async def show(self, request: Request) -> Response:
         from starlette.responses import JSONResponse
 
         from quipu.serve import wire
 
-        failed = self.door.refusal(request)
+        failed = self.door.refusal(request, ollama_errors)
         if failed is not None:
             return failed
         try:
             async with self.light:
                 body = await read_json(request)
                 found = await off_loop(self.pool.pick, body.get("model") or body.get("name"))
-                return JSONResponse(await off_loop(wire.ollama_show, *found))
+                return JSONResponse(await off_loop(lambda: wire.ollama_show(*found, self.pool.settings())))
         except Exception as exc:
-            return shaped(False, exc)
+            return shaped(ollama_errors, exc)
 
 
 def http_app(pool: Pool, host: str, port: int, api_key: str | None, origins: list[str] | None = None,
@@ -365,6 +380,8 @@ def http_app(pool: Pool, host: str, port: int, api_key: str | None, origins: lis
     from starlette.middleware import Middleware
     from starlette.routing import Route
 
+    from quipu.serve.anthropic import error_body as anthropic_errors
+
     routes = Routes(pool, Door(host, port, api_key, list(origins or [])))
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -372,9 +389,9 @@ def http_app(pool: Pool, host: str, port: int, api_key: str | None, origins: lis
         path = request.url.path
         said = (NOT_SERVED[path] if status in (404, 405) and path in NOT_SERVED else "no such route" if status == 404
                 else "this route does not take that method" if status == 405 else "the request failed")
-        if path.startswith("/api/"):  # (Ollama's routes: its shape)
-            return shaped(False, RequestError(said, status))
-        return refused(status, said, "invalid_request_error")
+        errors = ollama_errors if path.startswith("/api/") else \
+            anthropic_errors if path.startswith("/v1/messages") else openai_errors
+        return shaped(errors, RequestError(said, status))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -390,15 +407,18 @@ def http_app(pool: Pool, host: str, port: int, api_key: str | None, origins: lis
         from starlette.middleware.cors import CORSMiddleware
 
         # (any header a client sends: the openai SDK's x-stainless-*, X-Quipu-Session, a key)
-        middleware.append(Middleware(CORSMiddleware, allow_origins=sorted(origins), allow_methods=["GET", "POST"],
+        middleware.append(Middleware(CORSMiddleware, allow_origins=sorted(origins), allow_methods=["GET", "POST", "DELETE"],
                                      allow_headers=["*"]))
     post = ["POST"]
     return Starlette(routes=[Route("/health", routes.health),
                              *(Route(path, routes.listed) for path in ("/v1/models", "/api/tags", "/api/ps",
                                                                        "/api/version")),
                              *(Route(path, routes.answer, methods=post) for path in routes.apis),
-                             Route("/v1/embeddings", routes.embeddings, methods=post),
-                             Route("/api/embed", routes.embeddings, methods=post),
+                             *(Route(path, routes.embeddings, methods=post)
+                               for path in ("/v1/embeddings", "/api/embed", "/api/embeddings")),
+                             Route("/v1/messages/count_tokens", routes.count_tokens, methods=post),
+                             Route("/v1/responses/{ident}", routes.response, methods=["GET", "DELETE"]),
+                             Route("/v1/responses/{ident}/input_items", routes.response),
                              Route("/api/show", routes.show, methods=post)],
                      middleware=middleware, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
 

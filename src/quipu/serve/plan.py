@@ -18,6 +18,7 @@ from quipu.app.attachments import Attachment
 from quipu.app.served import Request
 from quipu.app.tooldefs import Tool
 from quipu.app.turn_options import TurnOptions
+from quipu.app.turns import Following
 from quipu.errors import UsageError
 from quipu.options import MAX_SEED, MAX_STOP_CHARS, OPTIONS, SAMPLING, Option
 from quipu.sessions.base import Message
@@ -277,6 +278,9 @@ class ChatRequest(Request):
     keep: Keep = None  # how long the model stays loaded after it (Ollama's keep_alive; None: the server's)
     model: str = ""  # the model it is for, by its name (`serve.Served.pick`)
     session: str | None = None  # the quipu session it is a turn of (`X-Quipu-Session`), checked
+    follows: Following | None = None  # in that session, the kept response it goes on from
+    unkept: bool = False  # a turn of that session, not kept (a response not to be stored)
+    whole_read: bool = False  # that session's turn answered as a whole read of its conversation is
 
 
 def keep_alive(value: Any, where: str = "keep_alive") -> Keep:
@@ -312,19 +316,24 @@ def request_keep(body: Mapping[str, Any]) -> Keep:
     return keep_alive(body["keep_alive"]) if body.get("keep_alive") is not None else None
 
 
-def embed_inputs(body: Mapping[str, Any]) -> list[str]:
-    """The texts an embedding request gives (`input`: a text, or a list of texts), each one that
-    is not empty."""
-    given = body.get("input")
-    texts = [given] if isinstance(given, str) else given
-    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-        raise RequestError("input must be a text or a list of texts (token ids are not taken)")
-    if len(texts) > MAX_INPUTS:
-        raise RequestError(f"input holds {len(texts)} texts; at most {MAX_INPUTS} a request")
-    empty = next((i for i, t in enumerate(texts) if not t.strip()), None)
+def embed_inputs(body: Mapping[str, Any], field: str = "input") -> list[str | list[int]]:
+    """What an embedding request gives to embed (`input`): a text, a list of texts, a text's
+    token ids, or a list of those; each one not empty."""
+    given = body.get(field)
+
+    def ids(value: Any) -> bool:
+        return isinstance(value, list) and bool(value) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+    inputs = [given] if isinstance(given, str) or ids(given) else given
+    if not isinstance(inputs, list) or not inputs or not all(isinstance(t, str) or ids(t) for t in inputs):
+        raise RequestError(f"{field} must be a text, a list of texts, token ids ([12, 34]) or a list of those")
+    if len(inputs) > MAX_INPUTS:
+        raise RequestError(f"{field} holds {len(inputs)} inputs; at most {MAX_INPUTS} a request")
+    empty = next((i for i, t in enumerate(inputs) if isinstance(t, str) and not t.strip()), None)
     if empty is not None:
-        raise RequestError(f"input[{empty}] is empty: there is nothing in it to embed")
-    return texts
+        raise RequestError(f"{field}[{empty}] is empty: there is nothing in it to embed")
+    return inputs
 
 
 def chat_request(body: Mapping[str, Any], base: TurnOptions) -> ChatRequest:

@@ -18,15 +18,16 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from quipu.app.answer import Answer
 from quipu.app.environment import Environment
-from quipu.app.served import Loaded, Slot, SlotHost, answer_request, session_request
+from quipu.app.served import Loaded, Slot, SlotHost, answer_request, count_request, session_request
 from quipu.app.turn_options import TurnOptions
 from quipu.serve.plan import FOREVER, ChatRequest, Keep, RequestError
-from quipu.sessions.base import ReplySink, common_prefix
+from quipu.sessions.base import Message, ReplySink, common_prefix
 
 
 MAX_WAITING = 8  # requests waiting for the model beside those it answers; past them: busy
 MAX_PARALLEL = 64  # requests a model may answer at once (`--parallel`)
 KEEP_ALIVE = 300.0  # seconds a model stays loaded after its last request, unless told (Ollama's too)
+KEPT_WAIT_S = 120.0  # how long a request that goes on from a response waits for it to be kept
 
 
 def busy() -> RequestError:
@@ -78,6 +79,7 @@ class Pool:
         self._asked_keep: Keep = None  # the keep-alive the last request that gave one asked for
         self._counted = threading.Lock()
         self._requests = 0  # those held now: answered, waiting, or sending their reply
+        self._keeping: dict[str, threading.Event] = {}  # responses whose turn is being kept (`keeping`)
 
     # ---- admission --------------------------------------------------------------------------
 
@@ -108,7 +110,30 @@ class Pool:
 
         env = self.env
         found = {e.name: e.path for e in discover(env.dirs.models, env.environ, env.config.models)}
-        return {**self.served, **{k: v for k, v in found.items() if k not in self.served}}
+        known = {**self.served, **{k: v for k, v in found.items() if k not in self.served}}
+        files: dict[Path, str] = {}  # (a file found two ways is named once: by the first name)
+        for name, path in known.items():
+            files.setdefault(path.resolve(), name)
+        return {name: path for name, path in known.items() if files[path.resolve()] == name}
+
+    def digest(self, path: Path) -> str:
+        """A model file's digest: its fingerprint's hash (the whole file's, once, remembered)."""
+        from quipu.app.local import model_fingerprint
+        from quipu.models import WHOLE
+
+        try:
+            return model_fingerprint(path, self.env).split(WHOLE)[-1]
+        except OSError:
+            return ""
+
+    def settings(self) -> list[tuple[str, Any]]:
+        """The server's own sampling settings, stop strings and context, by Ollama's names."""
+        from quipu.app.turn_options import sampling_params, stop_strings
+        from quipu.serve.wire import parameters
+
+        loaded, ctx = self._loaded, self.base.ctx
+        n_ctx = loaded.backend.n_ctx if loaded is not None else ctx if ctx is not None and ctx > 0 else None
+        return parameters(sampling_params(self.base, self.env), stop_strings(self.base, self.env), n_ctx)
 
     def pick(self, name: Any) -> tuple[str, Path]:
         """The model a request names (none: the default), by a name this machine knows it by
@@ -142,18 +167,21 @@ class Pool:
     # ---- answers --------------------------------------------------------------------------
 
     def chat(self, asked: ChatRequest, sink: ReplySink, ident: str = "",
-             took: Callable[[Answer], bool] = lambda answer: True) -> Answer:
+             took: Callable[[Answer], bool] = lambda answer: True,
+             kept: Callable[[Answer, Sequence[Message]], None] | None = None) -> Answer:
         """Answers a request (`asked`, with its model: `ChatRequest.model`) into `sink` (which
         says when its client has gone), once the model has room, on a slot of its; what the turn
         says goes to the server's log (`ident`, the request's id), and the answer is logged
         unless the server was told not to. A session's turn is kept once `took` says the client
-        has the whole answer."""
+        has the whole answer (never, `asked.unkept`), and then `kept` is told."""
         with self._held(asked.model or self.model, asked.keep, asked.opts) as (loaded, load_s, notices):
             with self._slot(loaded, asked) as slot:
                 host = SlotHost(slot.backend, loaded.backend, loaded.keeper, load_s, notices, slot.held)
                 slot.held, slot.said = [], ()  # (until this request is answered: what the context holds is this one's)
                 if asked.session is not None:  # (what the slot's context holds then is the session's: not kept)
-                    answer = session_request(host, asked.session, asked, self.base, self.env, sink, took)
+                    answer = session_request(host, asked.session, asked, self.base, self.env, sink,
+                                             (lambda a: took(a) and False) if asked.unkept else took,
+                                             asked.follows, kept, asked.whole_read)
                 else:
                     answer = answer_request(host, asked, self.env, sink)
                     session = host.session
@@ -171,9 +199,38 @@ class Pool:
             self.say(f"{ident}: {notice}" if ident else notice)
         return answer
 
-    def embed(self, model: str, texts: list[str], keep: Keep = None) -> tuple[list[list[float]], int, float]:
-        """Each text's embedding by `model` (pooled by the mean, as `quipu embed` does), how many
-        tokens they were, and how long loading the model took (0 where it was loaded)."""
+    def count(self, asked: ChatRequest) -> int:
+        """The tokens a request's prompt would be, on a slot of its model."""
+        with self._held(asked.model or self.model, asked.keep, asked.opts) as (loaded, load_s, notices):
+            with self._slot(loaded, asked) as slot:
+                return count_request(SlotHost(slot.backend, loaded.backend, loaded.keeper, load_s, notices),
+                                     asked, self.env)
+
+    # ---- responses kept -------------------------------------------------------------------
+
+    def keeping(self, ident: str) -> Callable[[], None]:
+        """Marks response `ident` as being kept (its turn not yet over); what says it is over."""
+        done = threading.Event()
+        with self._counted:
+            self._keeping[ident] = done
+
+        def over() -> None:
+            with self._counted:
+                self._keeping.pop(ident, None)
+            done.set()
+        return over
+
+    def kept_wait(self, ident: str) -> None:
+        """Waits (a while) for response `ident`'s turn to be over, where it is being kept: a
+        client that goes on from a response at once finds it kept."""
+        with self._counted:
+            done = self._keeping.get(ident)
+        if done is not None:
+            done.wait(KEPT_WAIT_S)
+
+    def embed(self, model: str, texts: list[str | list[int]], keep: Keep = None) -> tuple[list[list[float]], int, float]:
+        """Each text's embedding by `model` (or its tokens': pooled by the mean, as `quipu embed`
+        does), how many tokens they were, and how long loading the model took (0 where it was loaded)."""
         from quipu.errors import InvalidParameter
 
         with self._held(model, keep, self.base) as (loaded, load_s, _):
@@ -184,7 +241,8 @@ class Pool:
                 vectors = backend.embed(texts, "mean")  # (on a context of its own)
             except InvalidParameter as exc:
                 raise RequestError(str(exc)) from None
-            tokens = sum(len(backend.tokenize(t, add_special=True, parse_special=False)) for t in texts)
+            tokens = sum(len(backend.tokenize(t, add_special=True, parse_special=False)) if isinstance(t, str)
+                         else len(t) for t in texts)
         return vectors, tokens, load_s
 
     def load(self, model: str, keep: Keep = None) -> bool:

@@ -16,6 +16,7 @@ from quipu.sessions.base import ReplySink
 
 if TYPE_CHECKING:
     from quipu.app.answer import Answer
+    from quipu.serve.apis import Kept
     from quipu.serve.plan import ChatRequest
     from quipu.serve.pool import Pool
 
@@ -30,7 +31,8 @@ class Reply:
     their own: ("content" | "reasoning_content", index, piece), ("logprobs", index, entries), then
     ("done", index, answer) for each, or ("error", index, what failed) and no more."""
 
-    def __init__(self, pool: Pool, plan: ChatRequest, ident: str, ended: Callable[[], None] = lambda: None):
+    def __init__(self, pool: Pool, plan: ChatRequest, ident: str, ended: Callable[[], None] = lambda: None,
+                 kept: Kept | None = None):
         from quipu.serve.plan import choices
 
         self.loop = asyncio.get_running_loop()
@@ -40,7 +42,8 @@ class Reply:
         self.delivered = threading.Event()  # the client has the whole reply (`sent`)
         self.settled = threading.Event()  # delivered, or never to be
         self.handed: set[int] = set()  # the answers given out before their turn ended (`took`)
-        self.pool, self.plans, self.ident, self.ended = pool, choices(plan), ident, ended
+        self.pool, self.plans, self.ident, self.ended, self.kept = pool, choices(plan), ident, ended, kept
+        self.over = pool.keeping(ident) if kept is not None else lambda: None  # (kept, or not, once its turn is over)
         threading.Thread(target=self._work, name="quipu-serve-reply", daemon=True).start()
 
     def stopped(self) -> bool:
@@ -57,6 +60,7 @@ class Reply:
         try:
             self._answers()
         finally:
+            self.over()
             self.ended()
 
     def _answers(self) -> None:
@@ -80,7 +84,7 @@ class Reply:
 
         for index, each in enumerate(self.plans):
             try:
-                answer = self.pool.chat(each, Streamed(index), self.ident, partial(self.took, index))
+                answer = self.pool.chat(each, Streamed(index), self.ident, partial(self.took, index), self.kept)
             except Exception as exc:  # (said as an event: the HTTP side shapes it)
                 self.loop.call_soon_threadsafe(self.events.put_nowait, ("error", index, exc))
                 return

@@ -11,7 +11,7 @@ import math
 import struct
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from quipu.app.answer import Answer
 from quipu.serve.plan import RequestError
@@ -21,6 +21,7 @@ from quipu.sessions.template import TemplateRefused
 
 if TYPE_CHECKING:
     from quipu.app.served import Loaded
+    from quipu.sessions.params import SamplingParams
 
 FINISH = {"stop": "stop", "length": "length", "context_full": "length", "interrupted": "stop",
           "tool_calls": "tool_calls"}
@@ -210,22 +211,32 @@ def details(path: Path) -> dict[str, Any]:
             "parameter_size": human_params(info.n_params), "quantization_level": info.quantization}
 
 
-def ollama_tags(models: dict[str, Path]) -> dict[str, Any]:
-    """`/api/tags`: every model a request may name."""
+def ollama_tags(models: dict[str, Path], digest: Callable[[Path], str]) -> dict[str, Any]:
+    """`/api/tags`: every model a request may name, each with its file's digest (`digest`)."""
     rows = []
     for name, path in models.items():
         try:
             size = path.stat().st_size
         except OSError:
             size = 0
-        rows.append({"name": name, "model": name, "modified_at": _when(_mtime(path)), "size": size, "digest": "",
-                     "details": details(path)})
+        rows.append({"name": name, "model": name, "modified_at": _when(_mtime(path)), "size": size,
+                     "digest": digest(path), "details": details(path)})
     return {"models": rows}
 
 
-def ollama_show(name: str, path: Path) -> dict[str, Any]:
+def parameters(params: SamplingParams, stop: Sequence[str], n_ctx: int | None) -> list[tuple[str, Any]]:
+    """The server's sampling settings, by Ollama's names, as `/api/show` gives them."""
+    from quipu.options import OPTIONS
+
+    found = [(o.ollama, getattr(params, name)) for name, o in OPTIONS.items()
+             if o.ollama is not None and o.sampling and getattr(params, name, None) is not None]
+    return [*found, *(("num_ctx", n_ctx) for _ in [n_ctx] if n_ctx), *(("stop", s) for s in stop)]
+
+
+def ollama_show(name: str, path: Path, settings: Sequence[tuple[str, Any]] = ()) -> dict[str, Any]:
     """`/api/show`: a model's details, its chat template, what it can do and its header's facts
-    (not the tokenizer's tables), read from its file without loading it."""
+    (not the tokenizer's tables), read from its file without loading it; the server's settings
+    (`settings`: Ollama's name, value) as its parameters and a Modelfile that says the same."""
     from quipu.gguf import ArrayInfo, GGUFError, read_gguf
     from quipu.models import media_of
 
@@ -238,12 +249,15 @@ def ollama_show(name: str, path: Path) -> dict[str, Any]:
         + (["thinking"] if "think" in template else []) + (["vision"] if "image" in media_of(path)[1] else [])
     facts = {k: v for k, v in info.metadata.items()
              if not isinstance(v, ArrayInfo) and not k.startswith("tokenizer.") and not isinstance(v, bytes)}
-    return {"modelfile": "", "parameters": "", "template": template, "license": str(facts.get("general.license", "")),
+    said = [f"{key} {json.dumps(value) if isinstance(value, str) else value}" for key, value in settings]
+    modelfile = "\n".join([f"# quipu serve's model {name}", f"FROM {path}", *(f"PARAMETER {line}" for line in said),
+                           *([f'TEMPLATE """{template}"""'] if template else [])]) + "\n"
+    return {"modelfile": modelfile, "parameters": "\n".join(said), "template": template, "license": str(facts.get("general.license", "")),
             "details": details(path), "model_info": facts, "capabilities": capabilities,
             "modified_at": _when(_mtime(path))}
 
 
-def ollama_ps(loaded: Loaded | None) -> dict[str, Any]:
+def ollama_ps(loaded: Loaded | None, digest: Callable[[Path], str]) -> dict[str, Any]:
     """`/api/ps`: the model loaded now, if any, and until when."""
     if loaded is None:
         return {"models": []}
@@ -254,7 +268,7 @@ def ollama_ps(loaded: Loaded | None) -> dict[str, Any]:
         size = 0
     on_gpu = loaded.backend.placement.gpu_layers > 0
     expires = loaded.expires
-    return {"models": [{"name": loaded.name, "model": loaded.name, "size": size, "digest": "",
+    return {"models": [{"name": loaded.name, "model": loaded.name, "size": size, "digest": digest(path),
                         "details": details(path),
                         "expires_at": "9999-12-31T00:00:00Z" if expires is None else _when(expires),
                         "size_vram": size if on_gpu else 0, "context_length": loaded.backend.n_ctx}]}

@@ -214,6 +214,7 @@ class Generation:
     tool_calls: list[Any] = field(default_factory=list)  # the calls the reply made (`sessions.tools.ToolCall`)
     # Where a reply began a call (held back from the sink): how much of its text was shown.
     call_shown: int | None = None
+    stopped_by: str | None = None  # the stop string that ended it (finish_reason "stop_sequence")
 
 
 # ---- what a session can do -------------------------------------------------------------------

@@ -263,7 +263,7 @@ class BatchSession:
         if tail and on_token is not None:
             on_token(slot.row, -1, tail)
         stats = slot.stats()
-        gen = Generation(reply.text, reply.tokens, finish)
+        gen = Generation(reply.text, reply.tokens, finish, stopped_by=reply.matched)
         row = slot.row
         slot.free()
         if on_done is not None:

@@ -65,6 +65,10 @@ class InferenceSession(ContextMoves):
         self.went_back: str | None = None
         self.logits_processors: list[LogitsProcessor] = []
         self.token_filter: TokenFilter | None = None
+        # Whether a prompt is read on from where a step of a whole read starts (a server's
+        # turn: what it reads computes as a whole read of the conversation does, whichever API
+        # asked), not from the last token the context holds (`set_context`).
+        self.whole_read = False
         backend.sampling.set_settings(self.params)
         self._held = list(held) if held and backend.positions() == len(held) else []
         if not self._held:
@@ -114,6 +118,8 @@ class InferenceSession(ContextMoves):
         tokens = list(tokens)
         self._check_room(len(tokens))
         keep = common_prefix(tokens, self.tokens)
+        if self.whole_read and 0 < keep < len(tokens):
+            keep = self.backend.step_start(keep)
         self.rewind(keep)
         # Re-read tokens were computed (their time is the restore's), not reused from a cache.
         self.stats = replace(self.stats, cached_tokens=max(0, min(keep, self.n_decoded) - self._rebuilt_pending))
@@ -363,7 +369,7 @@ class InferenceSession(ContextMoves):
         shown_before_call = calls.end() if calls is not None else None
         self.stats = replace(self.stats, completion_tokens=sampled, decode_s=last_at - first_at)
         self._turn_started = 0.0
-        return Generation(reply.text, reply.tokens, finish, call_shown=shown_before_call)
+        return Generation(reply.text, reply.tokens, finish, call_shown=shown_before_call, stopped_by=reply.matched)
 
     def reply_spelled(self) -> str:
         """The reply just generated, control tokens spelled out (its end-of-generation token not)."""

@@ -81,6 +81,11 @@ class ReplyText:
         return self._matcher.matched is not None
 
     @property
+    def matched(self) -> str | None:
+        """The stop string that ended the reply, if one did."""
+        return self._matcher.matched
+
+    @property
     def text(self) -> str:
         return "".join(self._shown)
 

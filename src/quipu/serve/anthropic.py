@@ -1,0 +1,326 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`), as Anthropic
+documents it, on the chat API's plan: a request's `system`, `messages` (text, image, `tool_use`,
+`tool_result` and `thinking` blocks) and `tools` read into the OpenAI shape the one turn path
+takes, its sampling read by the registry under Anthropic's names; the reply's `content` blocks,
+`stop_reason` and `usage` (`cache_read_input_tokens`: what the server restored rather than read),
+whole or as Anthropic's events; its errors in Anthropic's shape."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
+
+from quipu.app.turn_options import TurnOptions
+from quipu.serve.plan import (RequestError, ChatRequest, _asked, chat_messages, logit_bias, plan_of, request_tools,
+                              response_schema)
+
+if TYPE_CHECKING:
+    from quipu.app.answer import Answer
+    from quipu.serve.stream import Event, Reply
+
+# Anthropic's names of the registry's options a request may give.
+NAMES = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+         "stop": "stop_sequences"}
+# What a request may hold that the server does not do: refused, never dropped silently.
+NOT_TAKEN = {"mcp_servers": "MCP servers of the request's (give quipu serve --mcp)",
+             "container": "containers", "context_management": "context management"}
+# Anthropic's efforts as a template's reasoning_effort.
+EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+STOP = {"tool_calls": "tool_use", "length": "max_tokens", "context_full": "max_tokens",
+        "stop_sequence": "stop_sequence"}
+ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 408: "timeout_error", 409: "invalid_request_error", 413: "request_too_large",
+          429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def messages_request(body: Mapping[str, Any], base: TurnOptions, counting: bool = False) -> ChatRequest:
+    """What a Messages request asks (`counting`: a count_tokens request, which takes no
+    `max_tokens`)."""
+    for field, what in NOT_TAKEN.items():
+        if body.get(field) not in (None, [], {}):
+            raise RequestError(f"{field}: quipu serve does not take {what}")
+    if not counting and body.get("max_tokens") is None:
+        raise RequestError("max_tokens: a Messages request gives the most tokens its reply may have")
+    output = body.get("output_config") or {}
+    if not isinstance(output, dict):
+        raise RequestError("output_config must be an object ({\"format\", \"effort\"})")
+    form = output.get("format")
+    if form is not None and (not isinstance(form, dict) or form.get("type") != "json_schema"):
+        raise RequestError('output_config.format must be {"type": "json_schema", "schema": ...}')
+    schema = response_schema({"type": "json_schema", "json_schema": form}) if form is not None else None
+    opts = plan_of(body, {k: v for k, v in NAMES.items() if not (counting and k == "max_tokens")}, base, schema)
+    opts = _thinking(body.get("thinking"), opts)
+    effort = output.get("effort")
+    if effort is not None:
+        if effort not in EFFORTS:
+            raise RequestError(f"output_config.effort must be {', '.join(EFFORTS)}")
+        opts = dataclasses.replace(opts, reasoning_effort=EFFORTS[effort])
+    chat = {"messages": openai_messages(body.get("system"), body.get("messages")),
+            "tools": openai_tools(body.get("tools")), "tool_choice": openai_choice(body.get("tool_choice"))}
+    tools, opts = request_tools(chat, opts)
+    biases = logit_bias(body.get("logit_bias"))  # (llama-server's, beside Anthropic's fields)
+    if biases:
+        opts = dataclasses.replace(opts, logit_bias=biases)
+    return _asked(opts, *chat_messages(chat), tools)
+
+
+def _thinking(given: Any, opts: TurnOptions) -> TurnOptions:
+    """`thinking`: {"type": "enabled", "budget_tokens": N} (reasoning, at most N tokens of it),
+    {"type": "adaptive"} (reasoning as the model likes) or {"type": "disabled"}."""
+    if given is None:
+        return opts
+    kind = given.get("type") if isinstance(given, dict) else None
+    if kind == "disabled":
+        return dataclasses.replace(opts, think=False)
+    if kind in ("adaptive", "between_tools"):
+        return dataclasses.replace(opts, think=True)
+    if kind == "enabled":
+        budget = given.get("budget_tokens")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise RequestError("thinking.budget_tokens must be a whole number of tokens, at least 1")
+        return dataclasses.replace(opts, think=True, reasoning_budget=budget)
+    raise RequestError('thinking must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"}, '
+                       '{"type": "between_tools"} or {"type": "disabled"}')
+
+
+def _text_of(value: Any, where: str) -> str:
+    """A text given as a text, or as text blocks (their texts joined)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for j, block in enumerate(value):
+            if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+                raise RequestError(f"{where}[{j}] must be a text block ({{\"type\": \"text\", \"text\": ...}})")
+            texts.append(block["text"])
+        return "\n\n".join(texts)
+    raise RequestError(f"{where} must be a text or a list of text blocks")
+
+
+def openai_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
+    """A Messages request's system prompt and messages in the OpenAI shape: a user's
+    `tool_result` blocks each a tool message (before the rest of what it says), an assistant's
+    `tool_use` blocks its calls, `thinking` blocks its reasoning, an image a data URL."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages: a Messages request needs its messages (a list, not empty)")
+    out: list[dict[str, Any]] = []
+    if system is not None:
+        text = _text_of(system, "system")
+        if text:
+            out.append({"role": "system", "content": text})
+    names: dict[str, str] = {}  # each call's tool, by its id
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise RequestError(f"{where} must be a message whose role is user, assistant or system")
+        content = m.get("content")
+        if m["role"] == "system":
+            out.append({"role": "system", "content": _text_of(content, f"{where}.content")})
+            continue
+        if isinstance(content, str):
+            out.append({"role": m["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise RequestError(f"{where}.content must be a text or a list of content blocks")
+        if m["role"] == "assistant":
+            out.append(_assistant(content, where, names))
+        else:
+            out.extend(_user(content, where, names))
+    return out
+
+
+def _assistant(blocks: list[Any], where: str, names: dict[str, str]) -> dict[str, Any]:
+    texts, reasoning, calls = [], [], []
+    for j, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        at = f"{where}.content[{j}]"
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+            reasoning.append(block["thinking"])
+        elif kind == "redacted_thinking":
+            continue  # (another server's sealed reasoning: nothing in it this model can read)
+        elif kind == "tool_use":
+            ident, name, given = block.get("id"), block.get("name"), block.get("input")
+            if not isinstance(ident, str) or not isinstance(name, str) or not isinstance(given, dict):
+                raise RequestError(f"{at}: a tool_use block has its id, name and input (an object)")
+            names[ident] = name
+            calls.append({"id": ident, "type": "function",
+                          "function": {"name": name, "arguments": json.dumps(given, ensure_ascii=False)}})
+        else:
+            raise RequestError(f"{at}: an assistant's block is text, thinking or tool_use, not {str(kind)[:40]}")
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if reasoning:
+        message["reasoning_content"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _user(blocks: list[Any], where: str, names: dict[str, str]) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        at = f"{where}.content[{j}]"
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            parts.append(_image(block.get("source"), at))
+        elif kind == "tool_result":
+            ident = block.get("tool_use_id")
+            if not isinstance(ident, str):
+                raise RequestError(f"{at}: a tool_result block names its call (tool_use_id)")
+            given = block.get("content")
+            text = "" if given is None else _text_of(given, f"{at}.content")
+            if block.get("is_error") is True:
+                text = f"Error: {text}"
+            results.append({"role": "tool", "tool_call_id": ident, "content": text,
+                            **({"name": names[ident]} if ident in names else {})})
+        else:
+            raise RequestError(f"{at}: a user's block is text, image or tool_result, not {str(kind)[:40]}")
+    return results + ([{"role": "user", "content": parts}] if parts else [])
+
+
+def _image(source: Any, where: str) -> dict[str, Any]:
+    """An image block's source as an image part (a data URL): the server fetches no link."""
+    if not isinstance(source, dict) or source.get("type") != "base64":
+        raise RequestError(f"{where}: quipu serve takes an image as base64 data ({{\"type\": \"base64\", "
+                           "\"media_type\", \"data\"}), not a link for it to fetch")
+    media, data = source.get("media_type"), source.get("data")
+    if not isinstance(media, str) or not isinstance(data, str):
+        raise RequestError(f"{where}: an image's source has its media_type and data")
+    return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
+
+
+def openai_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """A request's tools (a name, a description, an input_schema) in the OpenAI shape; a server
+    tool of Anthropic's (web search, a computer) is refused: the client runs every tool."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list of tools ({\"name\", \"description\", \"input_schema\"})")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") not in (None, "custom") or "input_schema" not in tool:
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise RequestError(f"tools[{i}]: quipu serve runs no tool of its own ({str(kind)[:40]}); a tool has "
+                               "its name, description and input_schema, and the client runs it")
+        out.append({"type": "function", "function": {"name": tool.get("name"), "parameters": tool["input_schema"],
+                                                     **({"description": tool["description"]}
+                                                        if tool.get("description") is not None else {})}})
+    return out
+
+
+def openai_choice(choice: Any) -> Any:
+    """`tool_choice` ({"type": "auto" | "any" | "tool" | "none"}) as the chat API's."""
+    if choice is None:
+        return None
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    raise RequestError('tool_choice must be {"type": "auto"}, {"type": "any"}, {"type": "tool", "name": NAME} or '
+                       '{"type": "none"}')
+
+
+# ---- the reply ----------------------------------------------------------------------------
+
+def _usage(answer: Answer) -> dict[str, Any]:
+    s = answer.stats
+    return {"input_tokens": s.prompt_tokens - s.cached_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": s.cached_tokens, "output_tokens": s.completion_tokens}
+
+
+def _stop(answer: Answer) -> tuple[str, str | None]:
+    return STOP.get(answer.finish_reason, "end_turn"), answer.stop_sequence
+
+
+def _calls(answer: Answer) -> list[dict[str, Any]]:
+    from quipu.serve.wire import waiting_calls
+
+    return [{"type": "tool_use", "id": call.id or f"toolu_{i}", "name": call.name, "input": call.arguments}
+            for i, call in enumerate(waiting_calls(answer))]
+
+
+def message(answer: Answer, ident: str) -> dict[str, Any]:
+    """The reply whole: its thinking, text and tool_use blocks, why it ended, its usage."""
+    blocks: list[dict[str, Any]] = []
+    if answer.reasoning:
+        blocks.append({"type": "thinking", "thinking": answer.reasoning, "signature": ""})
+    calls = _calls(answer)
+    if answer.text or not calls:
+        blocks.append({"type": "text", "text": answer.text})
+    reason, sequence = _stop(answer)
+    return {"id": ident, "type": "message", "role": "assistant", "model": answer.model, "content": blocks + calls,
+            "stop_reason": reason, "stop_sequence": sequence, "usage": _usage(answer)}
+
+
+def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """A failure in Anthropic's shape."""
+    from quipu.serve.wire import error_body as openai_error
+
+    status, shaped = openai_error(exc)
+    kind = ERRORS.get(status, "api_error")
+    return status, {"type": "error", "error": {"type": kind, "message": shaped["error"]["message"]}}
+
+
+def _event(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+
+async def message_stream(reply: Reply, first: Event, plan: ChatRequest, head: dict[str, Any]) -> AsyncIterator[str]:
+    """The reply as Anthropic's events: message_start, a ping, each block's start, deltas and
+    stop (thinking, text, then each tool_use with its input whole), message_delta (why it ended,
+    its usage) and message_stop."""
+    yield _event("message_start", {"message": {
+        "id": head["ident"], "type": "message", "role": "assistant", "model": plan.model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})
+    yield _event("ping", {})
+    index, open_kind = -1, None
+    event = first
+    try:
+        while True:
+            kind, _, value = event
+            if kind in ("content", "reasoning_content"):
+                block = "text" if kind == "content" else "thinking"
+                if open_kind != block:
+                    if open_kind is not None:
+                        yield _event("content_block_stop", {"index": index})
+                    index, open_kind = index + 1, block
+                    yield _event("content_block_start", {"index": index, "content_block": {
+                        "type": "text", "text": ""} if block == "text" else {
+                        "type": "thinking", "thinking": "", "signature": ""}})
+                delta = {"type": "text_delta", "text": value} if block == "text" else \
+                    {"type": "thinking_delta", "thinking": value}
+                yield _event("content_block_delta", {"index": index, "delta": delta})
+            elif kind == "done":
+                answer: Answer = value
+                calls = _calls(answer)
+                if open_kind is None and not calls:  # (a reply of no text is one empty text block, as whole)
+                    index, open_kind = 0, "text"
+                    yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+                if open_kind is not None:
+                    yield _event("content_block_stop", {"index": index})
+                for call in calls:
+                    index += 1
+                    yield _event("content_block_start", {"index": index, "content_block": {**call, "input": {}}})
+                    yield _event("content_block_delta", {"index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": json.dumps(call["input"], ensure_ascii=False)}})
+                    yield _event("content_block_stop", {"index": index})
+                reason, sequence = _stop(answer)
+                yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                               "usage": _usage(answer)})
+                yield _event("message_stop", {})
+                reply.sent()  # (resumed once the last event is out)
+                break
+            elif kind == "error":
+                yield _event("error", {"error": error_body(value)[1]["error"]})
+                break
+            event = await reply.next()
+    finally:
+        reply.close()
