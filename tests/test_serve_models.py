@@ -27,7 +27,9 @@ def test_models_are_served_by_name_loaded_one_at_a_time_and_unloaded_when_told(h
         tiny, bundled = names[:2]  # (-m's, in their order, before any other model here)
         assert [m.model for m in c.ps().models] == [tiny]  # (the default is loaded before the server listens)
         said = {"temperature": 0, "num_predict": 4}
-        assert c.generate(model=bundled, prompt="Hi.", options=said).model == bundled
+        loading = c.generate(model=bundled, prompt="Hi.", options=said)
+        assert loading.model == bundled and loading.load_duration > 0  # (this request loaded it)
+        assert c.generate(model=bundled, prompt="Hi.", options=said).load_duration == 0  # (loaded already)
         [running] = c.ps().models
         assert running.model == bundled and running.context_length > 0
         assert running.expires_at.year == datetime.now(timezone.utc).year  # (the config's hour, not for good)
@@ -35,6 +37,14 @@ def test_models_are_served_by_name_loaded_one_at_a_time_and_unloaded_when_told(h
         assert first.model == tiny and [m.model for m in c.ps().models] == [tiny]
         shown = c.show(bundled)
         assert shown.details.family == "llama" and "im_start" in shown.template and "completion" in shown.capabilities
+        # the server's own settings, as Ollama's parameters and a Modelfile that says the same
+        assert "temperature 0.8" in shown.parameters.splitlines() and f"FROM {bundled_model}" in shown.modelfile
+        assert "PARAMETER temperature 0.8" in shown.modelfile.splitlines()
+        # each model's digest: the hash of its whole file, the same in every list, another for another file
+        digests = {m.model: m.digest for m in c.list().models}
+        assert len(digests[tiny]) == 32 and digests[tiny] != digests[bundled] and int(digests[bundled], 16) >= 0
+        [now] = c.ps().models
+        assert now.digest == digests[now.model]
         # Ollama's request with nothing to answer and keep_alive 0 unloads the model
         assert c.generate(model=tiny, prompt="", keep_alive=0).done_reason == "unload" and c.ps().models == []
         # a reply with keep_alive 0: the model is unloaded as soon as it is out
@@ -162,3 +172,44 @@ def test_with_parallel_requests_each_conversation_keeps_its_context_in_memory(ho
             cached[parallel] = ask(c, following).usage.prompt_tokens_details.cached_tokens
     read = one.usage.prompt_tokens + one.usage.completion_tokens
     assert read - 256 < cached[2] <= read and cached[1] == 0
+
+
+def test_a_model_file_found_two_ways_is_listed_once(quipu, home, tiny_model, tmp_path):
+    assert quipu("models", "add", str(tiny_model), "--name", "also-tiny").returncode == 0
+    with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:
+        names = [m.id for m in client(url).models.list().data]
+        tags = [m["name"] for m in httpx.get(url + "/api/tags", timeout=30).json()["models"]]
+        assert names.count("tiny") == 1 and "also-tiny" not in names and tags == names
+        # (still a name a request may use)
+        assert client(url).chat.completions.create(model="also-tiny", max_tokens=2,
+                                                   messages=[{"role": "user", "content": "Hi."}]).model == "tiny"
+
+
+def test_generate_gives_its_context_and_goes_on_from_it(home, bundled_model, tmp_path):
+    def generate(url, **asked):
+        r = httpx.post(url + "/api/generate", json={"stream": False, "options": {"num_predict": 12, "temperature": 0},
+                                                    **asked}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with quipu_serve(home, bundled_model, tmp_path=tmp_path) as url:
+        one = generate(url, prompt="What is a river?")
+        two = generate(url, prompt="And a lake?", context=one["context"])
+        # the context after a reply begins with the one it went on from, and holds its prompt and reply
+        assert two["context"][:len(one["context"])] == one["context"] and len(two["context"]) > len(one["context"])
+        assert two["prompt_eval_count"] < len(two["context"]) - two["eval_count"]  # (the exchange before, kept)
+        lines = [json.loads(line) for line in httpx.post(url + "/api/generate", json={
+            "prompt": "And a lake?", "context": one["context"], "options": {"num_predict": 12, "temperature": 0}},
+            timeout=120).text.splitlines()]
+        assert "".join(line["response"] for line in lines) == two["response"]
+        assert lines[-1]["context"] == two["context"] and "context" not in lines[0]
+        for bad in ([10 ** 7], "no", [1.5], [True]):
+            r = httpx.post(url + "/api/generate", json={"prompt": "x", "context": bad}, timeout=30)
+            assert r.status_code == 400 and "context" in r.json()["error"]
+        chat = httpx.post(url + "/api/chat", json={"stream": False, "messages": [{"role": "user", "content": "Hi."}],
+                                                   "options": {"num_predict": 2}}, timeout=60).json()
+        assert "context" not in chat
+    # a server that never saw the first exchange goes on from its context as this one did
+    with quipu_serve(tmp_path / "other", bundled_model, tmp_path=tmp_path) as url:
+        again = generate(url, prompt="And a lake?", context=one["context"])
+    assert again["response"] == two["response"] and again["context"] == two["context"]

@@ -33,7 +33,8 @@ Every turn, named session and chat is written once, for every host a model can r
 - `served.py`: a server's request (`quipu serve`, its package `quipu/serve/`) answered through
   the one turn path, on a slot of the model the server holds (`SlotHost`), as a one-shot or a
   named session's turn; `logprobs.py`: each drawn token's log probability, recorded as the reply
-  is drawn and given with each piece.
+  is drawn and given with each piece; `responses.py`: the responses a server keeps, each beside
+  the session its conversation goes on in.
 - `batch.py`: `quipu run --batch`: rows read, planned and answered side by side, in order.
 - `manage.py`: `quipu sessions ...` over the store.
 - `embed.py`: `quipu embed`.

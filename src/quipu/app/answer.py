@@ -36,6 +36,7 @@ class Answer:
     tokens: list[int] = field(default_factory=list)  # the reply's tokens, as generated
     logprobs: list[dict[str, Any]] | None = None  # each drawn token's log probability, where asked (`app/logprobs.py`)
     stop_sequence: str | None = None  # the stop string that ended it, where one did
+    context: list[int] | None = None  # the context's tokens after it, where a server's request asks for them
 
     @classmethod
     def of(cls, gen: Generation, model: str, params: SamplingParams, stats: Stats, host: Capabilities = LOCAL, *,

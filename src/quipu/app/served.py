@@ -112,6 +112,7 @@ class Request:
     tools: Sequence[Tool] = ()  # the client's: a reply that calls one ends there, the call in it
     media: Sequence[Attachment] = ()  # the images and recordings its messages hold
     logprobs: int | None = None  # each drawn token's log probability, with so many likeliest beside it
+    context: Sequence[int] = ()  # the tokens of an exchange before, which it goes on from (Ollama's `context`)
 
 
 def session_name(given: str) -> str:
@@ -126,8 +127,15 @@ def answer_request(host: SlotHost, asked: Request, env: Environment, sink: Reply
     tools = OpenTools(Toolbox({t.spec.name: t for t in asked.tools})) if asked.tools else None
     if asked.prompt is not None:
         return _one_shot(asked.prompt, replace(asked.opts, raw=True), env, host, sink, None, logprobs=asked.logprobs)
-    return _one_shot(None, asked.opts, env, host, sink, None, tools, given=Given(asked.messages, asked.media),
-                     logprobs=asked.logprobs)
+    if asked.context:
+        n_vocab = host.backend.n_vocab
+        wrong = next((t for t in asked.context if not 0 <= t < n_vocab), None)
+        if wrong is not None:
+            from quipu.errors import UsageError
+
+            raise UsageError(f"context holds token {wrong}, which is not one of the model's {n_vocab}")
+    return _one_shot(None, asked.opts, env, host, sink, None, tools,
+                     given=Given(asked.messages, asked.media, asked.context), logprobs=asked.logprobs)
 
 
 def count_request(host: SlotHost, asked: Request, env: Environment) -> int:

@@ -38,6 +38,7 @@ class Ask:
 
     kind: Literal["send", "continue", "answer", "retry", "results", "resume", "raw"]
     text: str = ""
+    tokens: Sequence[int] = ()  # a plain completion given as tokens (`raw`, with no text)
 
 
 @dataclass
@@ -109,7 +110,7 @@ class Turn:
     def tokens(self, ask: Ask) -> list[int]:
         """The context the turn reads for `ask` (its prompt), without reading it."""
         if ask.kind == "raw":
-            return token_session(self.session, "raw").raw_tokens(ask.text)
+            return list(ask.tokens) if ask.tokens else token_session(self.session, "raw").raw_tokens(ask.text)
         conv = self._conv()
         if ask.kind == "send":
             return conv.tokens_with(ask.text)

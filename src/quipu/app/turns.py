@@ -117,6 +117,9 @@ class Given:
 
     messages: Sequence[Message]
     media: Sequence[Attachment] = ()
+    # What the context held before them (Ollama's `context`: the tokens of an exchange before),
+    # which they go on from as the template renders them alone.
+    before: Sequence[int] = ()
 
 
 def _one_shot(prompt: str | None, opts: TurnOptions, env: Environment, host: ModelHost, sink: ReplySink,
@@ -187,7 +190,14 @@ def _one_shot_turn(prompt: str | None, opts: TurnOptions, env: Environment, host
     if prompt:
         return turn, Ask("send", prompt)
     # --messages alone: the reply to its last message, or its last reply continued
-    return turn, Ask("continue" if conv.messages[-1].role == "assistant" else "answer")
+    ask = Ask("continue" if conv.messages[-1].role == "assistant" else "answer")
+    if given is None or not given.before:
+        return turn, ask
+    rendered = turn.tokens(ask)  # (the exchange before holds the model's BOS already)
+    if rendered and rendered[0] == opened.session.backend.bos_token():
+        rendered = rendered[1:]
+    return Turn(opened.session, opened.keeper, None, opts.tool_options, notices=opened.notices), \
+        Ask("raw", tokens=[*given.before, *rendered])
 
 
 def file_messages(opts: TurnOptions, host: Capabilities) -> tuple[list[Any], list[Any]]:

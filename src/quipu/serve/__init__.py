@@ -1,5 +1,6 @@
-"""`quipu serve`: the OpenAI API and Ollama's over HTTP, on `app/` (it parses and renders, as the
-command line does), each request through the one turn path (`app/served.py`).
+"""`quipu serve`: the OpenAI API (chat completions and Responses), Anthropic's Messages API and
+Ollama's over HTTP, on `app/` (it parses and renders, as the command line does), each request
+through the one turn path (`app/served.py`).
 
 - `http.py`: the routes, the door every request passes (Host, Origin, key), bodies read within
   bounds and off the event loop, every failure in the API's shape.
@@ -11,5 +12,9 @@ command line does), each request through the one turn path (`app/served.py`).
   places), the models loaded and unloaded after their keep-alive, and their slots.
 - `stream.py`: a request's reply as events from its turn's thread, through a bounded queue, made
   server-sent events or JSON lines.
-- `wire.py`: both APIs' bodies, whole and in pieces, and their errors (a client's a 4xx).
+- `apis.py`: each API a model answers through, a class each: how its request is read, and its
+  reply and failures shaped, whole or streamed.
+- `wire.py`: the OpenAI API's and Ollama's bodies, whole and in pieces, and their errors (a
+  client's a 4xx); `anthropic.py` and `responses.py`, the Messages and Responses APIs' requests,
+  replies and events (a response kept, going on from one).
 """

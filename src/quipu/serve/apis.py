@@ -9,17 +9,14 @@ from __future__ import annotations
 import secrets
 import time
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
 
 if TYPE_CHECKING:
     from quipu.app.answer import Answer
     from quipu.app.turn_options import TurnOptions
     from quipu.serve.plan import ChatRequest
     from quipu.serve.pool import Pool
-    from quipu.serve.stream import Event, Reply
-    from quipu.sessions.base import Message
-
-Kept = Callable[["Answer", Sequence["Message"]], None]
+    from quipu.serve.stream import Event, Kept, Reply
 
 
 class Api:

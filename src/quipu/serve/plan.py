@@ -281,6 +281,7 @@ class ChatRequest(Request):
     follows: Following | None = None  # in that session, the kept response it goes on from
     unkept: bool = False  # a turn of that session, not kept (a response not to be stored)
     whole_read: bool = False  # that session's turn answered as a whole read of its conversation is
+    gives_context: bool = False  # the reply gives the context's tokens after it (Ollama's /api/generate)
 
 
 def keep_alive(value: Any, where: str = "keep_alive") -> Keep:
@@ -401,7 +402,12 @@ def ollama_request(body: Mapping[str, Any], base: TurnOptions, generate: bool = 
                 [{"role": "user", "content": prompt, "images": body.get("images")}]}
     body = {**body, "messages": ollama_messages(body.get("messages"))}
     tools, opts = request_tools(body, ollama_plan(body, base))
-    return dataclasses.replace(_asked(opts, *chat_messages(body), tools), keep=keep)
+    context = body.get("context") if generate else None
+    if context is not None and (not isinstance(context, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in context)):
+        raise RequestError("context must be the token ids a reply before gave (a list of whole numbers)")
+    return dataclasses.replace(_asked(opts, *chat_messages(body), tools), keep=keep, context=tuple(context or ()),
+                               gives_context=generate)
 
 
 def as_session_turn(asked: ChatRequest, name: str | None) -> ChatRequest:

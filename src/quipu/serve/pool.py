@@ -106,15 +106,25 @@ class Pool:
 
     def known(self) -> dict[str, Path]:
         """Every model a request may name: those served first, then the others found here."""
+        known = self._every()
+        first = self._first_names(known)  # (a file found two ways is listed once: by its first name)
+        return {name: path for name, path in known.items() if first[path.resolve()] == name}
+
+    def _every(self) -> dict[str, Path]:
+        """Every model a request may name, by each of its names: those served, then the others."""
         from quipu.models import discover
 
         env = self.env
         found = {e.name: e.path for e in discover(env.dirs.models, env.environ, env.config.models)}
-        known = {**self.served, **{k: v for k, v in found.items() if k not in self.served}}
-        files: dict[Path, str] = {}  # (a file found two ways is named once: by the first name)
+        return {**self.served, **{k: v for k, v in found.items() if k not in self.served}}
+
+    @staticmethod
+    def _first_names(known: dict[str, Path]) -> dict[Path, str]:
+        """Each model file (resolved) by the first of its names in `known`."""
+        first: dict[Path, str] = {}
         for name, path in known.items():
-            files.setdefault(path.resolve(), name)
-        return {name: path for name, path in known.items() if files[path.resolve()] == name}
+            first.setdefault(path.resolve(), name)
+        return first
 
     def digest(self, path: Path) -> str:
         """A model file's digest: its fingerprint's hash (the whole file's, once, remembered)."""
@@ -147,10 +157,11 @@ class Pool:
                 return wanted, self.served[wanted]
             if wanted in self._aliases:
                 return self._aliases[wanted], self.served[self._aliases[wanted]]
-        known = self.known()
+        known = self._every()
         for wanted in (name, name.removesuffix(":latest")):
-            if wanted in known:
-                return wanted, known[wanted]
+            if wanted in known:  # (answered under the name the file is listed by)
+                listed = self._first_names(known)[known[wanted].resolve()]
+                return listed, known[listed]
         raise RequestError(f"model '{name[:200]}' is not a model here (the default is '{self.model}'; "
                            "`quipu models list` names the others)", 404, "model_not_found")
 
@@ -185,6 +196,8 @@ class Pool:
                 else:
                     answer = answer_request(host, asked, self.env, sink)
                     session = host.session
+                    if asked.gives_context and session is not None:
+                        answer.context = list(session.tokens)
                     if session is not None and session.backend.positions() == session.n_decoded:
                         slot.held = session.tokens[:session.n_decoded]
                         slot.said = said_of(asked) + (("assistant", answer.text),)

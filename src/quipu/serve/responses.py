@@ -275,96 +275,115 @@ def kept_by(env: Any, head: dict[str, Any], model: str, input_items: Any, sessio
     return kept
 
 
-async def response_stream(reply: Reply, first: Event, plan: ChatRequest, head: dict[str, Any]
-                          ) -> AsyncIterator[str]:
-    """The reply as the Responses API's events: created and in progress, each output item added,
-    its text (or reasoning) in deltas and done, each call's arguments, then completed (or
-    incomplete) with the response whole."""
-    from quipu.serve.wire import waiting_calls
+class Events:
+    """The Responses API's events of one response, numbered as they go: its output items opened
+    as their text (or reasoning) begins, their deltas, each closed as the next begins or the
+    reply ends, the calls it ends with, and the response whole."""
 
-    sequence = 0
+    def __init__(self, head: dict[str, Any], model: str):
+        self.head, self.model, self.sequence = head, model, 0
+        self.reasoning_id, self.message_id, self.call_id = _ids(head["ident"])
+        self.at, self.open, self.texts = -1, "", {"content": "", "reasoning_content": ""}
 
-    def event(kind: str, **data: Any) -> str:
-        nonlocal sequence
-        sequence += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': sequence, **data})}\n\n"
+    def event(self, kind: str, **data: Any) -> str:
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.sequence, **data})}\n\n"
 
-    begun = response(head, plan.model, None)
-    yield event("response.created", response=begun)
-    yield event("response.in_progress", response=begun)
-    reasoning_id, message_id, call_id = _ids(head["ident"])
-    at, open_kind, texts = -1, None, {"content": "", "reasoning_content": ""}
+    def begun(self) -> list[str]:
+        begun = response(self.head, self.model, None)
+        return [self.event("response.created", response=begun), self.event("response.in_progress", response=begun)]
 
-    def close() -> list[str]:
-        if open_kind == "content":
-            text = texts["content"]
-            return [event("response.output_text.done", item_id=message_id, output_index=at, content_index=0,
-                          text=text, logprobs=[]),
-                    event("response.content_part.done", item_id=message_id, output_index=at, content_index=0,
-                          part={"type": "output_text", "text": text, "annotations": [], "logprobs": []}),
-                    event("response.output_item.done", output_index=at, item=message_item(message_id, text))]
-        if open_kind == "reasoning_content":
-            text = texts["reasoning_content"]
-            return [event("response.reasoning_text.done", item_id=reasoning_id, output_index=at, content_index=0,
-                          text=text),
-                    event("response.output_item.done", output_index=at, item=reasoning_item(reasoning_id, text))]
+    def piece(self, kind: str, value: str) -> list[str]:
+        """A piece of the reply's text ("content") or reasoning ("reasoning_content")."""
+        out = self.close() + self.opened(kind) if self.open != kind else []
+        self.texts[kind] += value
+        if kind == "content":
+            return out + [self.event("response.output_text.delta", item_id=self.message_id, output_index=self.at,
+                                     content_index=0, delta=value, logprobs=[])]
+        return out + [self.event("response.reasoning_text.delta", item_id=self.reasoning_id, output_index=self.at,
+                                 content_index=0, delta=value)]
+
+    def opened(self, kind: str) -> list[str]:
+        self.at, self.open = self.at + 1, kind
+        if kind == "content":
+            return [self.event("response.output_item.added", output_index=self.at,
+                               item=message_item(self.message_id, None, "in_progress")),
+                    self.event("response.content_part.added", item_id=self.message_id, output_index=self.at,
+                               content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                      "logprobs": []})]
+        return [self.event("response.output_item.added", output_index=self.at,
+                           item=reasoning_item(self.reasoning_id, None))]
+
+    def close(self) -> list[str]:
+        at, text = self.at, self.texts.get(self.open, "")
+        if self.open == "content":
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            return [self.event("response.output_text.done", item_id=self.message_id, output_index=at,
+                               content_index=0, text=text, logprobs=[]),
+                    self.event("response.content_part.done", item_id=self.message_id, output_index=at,
+                               content_index=0, part=part),
+                    self.event("response.output_item.done", output_index=at, item=message_item(self.message_id, text))]
+        if self.open == "reasoning_content":
+            return [self.event("response.reasoning_text.done", item_id=self.reasoning_id, output_index=at,
+                               content_index=0, text=text),
+                    self.event("response.output_item.done", output_index=at,
+                               item=reasoning_item(self.reasoning_id, text))]
         return []
 
-    def open_item(kind: str) -> list[str]:
-        if kind == "content":
-            return [event("response.output_item.added", output_index=at,
-                          item=message_item(message_id, None, "in_progress")),
-                    event("response.content_part.added", item_id=message_id, output_index=at, content_index=0,
-                          part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
-        return [event("response.output_item.added", output_index=at, item=reasoning_item(reasoning_id, None))]
+    def done(self, answer: Answer) -> list[str]:
+        """The reply is over: its open item closed (an empty message, where it said nothing and
+        called nothing), each call, the response whole."""
+        from quipu.serve.wire import waiting_calls
 
-    event_in = first
+        calls = waiting_calls(answer)
+        out = self.opened("content") if not self.open and not calls else []
+        out += self.close()
+        for i, call in enumerate(calls):
+            self.at += 1
+            made = call_item(f"{self.call_id}_{i}", call.id or f"call_{i}", call.name, call.arguments)
+            out += [self.event("response.output_item.added", output_index=self.at,
+                               item={**made, "arguments": "", "status": "in_progress"}),
+                    self.event("response.function_call_arguments.delta", item_id=made["id"], output_index=self.at,
+                               delta=made["arguments"]),
+                    self.event("response.function_call_arguments.done", item_id=made["id"], output_index=self.at,
+                               name=call.name, arguments=made["arguments"]),
+                    self.event("response.output_item.done", output_index=self.at, item=made)]
+        whole = response(self.head, self.model, answer)
+        kind = "response.completed" if whole["status"] == "completed" else "response.incomplete"
+        return out + [self.event(kind, response=whole)]
+
+    def failed(self, exc: BaseException) -> list[str]:
+        from quipu.serve.wire import error_body
+
+        shaped = error_body(exc)[1]["error"]
+        return [self.event("error", code=shaped.get("code"), message=shaped["message"], param=shaped.get("param"))]
+
+
+async def response_stream(reply: Reply, first: Event, plan: ChatRequest, head: dict[str, Any]
+                          ) -> AsyncIterator[str]:
+    """The reply as the Responses API's events (`Events`); kept once the last is out."""
+    events = Events(head, plan.model)
+    for line in events.begun():
+        yield line
+    event = first
     try:
         while True:
-            kind, _, value = event_in
-            if kind in texts:
-                if open_kind != kind:
-                    for line in close():
-                        yield line
-                    at, open_kind = at + 1, kind
-                    for line in open_item(kind):
-                        yield line
-                texts[kind] += value
-                item = message_id if kind == "content" else reasoning_id
-                delta = "response.output_text.delta" if kind == "content" else "response.reasoning_text.delta"
-                yield event(delta, item_id=item, output_index=at, content_index=0, delta=value,
-                            **({"logprobs": []} if kind == "content" else {}))
+            kind, _, value = event
+            if kind in ("content", "reasoning_content"):
+                lines = events.piece(kind, value)
             elif kind == "done":
-                answer: Answer = value
-                calls = waiting_calls(answer)
-                if open_kind is None and not calls:
-                    at, open_kind = 0, "content"
-                    for line in open_item("content"):
-                        yield line
-                for line in close():
-                    yield line
-                for i, call in enumerate(calls):
-                    at += 1
-                    made = call_item(f"{call_id}_{i}", call.id or f"call_{i}", call.name, call.arguments)
-                    yield event("response.output_item.added", output_index=at,
-                                item={**made, "arguments": "", "status": "in_progress"})
-                    yield event("response.function_call_arguments.delta", item_id=made["id"], output_index=at,
-                                delta=made["arguments"])
-                    yield event("response.function_call_arguments.done", item_id=made["id"], output_index=at,
-                                name=call.name, arguments=made["arguments"])
-                    yield event("response.output_item.done", output_index=at, item=made)
-                whole = response(head, plan.model, answer)
-                yield event("response.completed" if whole["status"] == "completed" else "response.incomplete",
-                            response=whole)
-                reply.sent()  # (kept once the last event is out)
-                break
+                lines = events.done(value)
             elif kind == "error":
-                from quipu.serve.wire import error_body
-
-                shaped = error_body(value)[1]["error"]
-                yield event("error", code=shaped.get("code"), message=shaped["message"], param=shaped.get("param"))
+                lines = events.failed(value)
+            else:
+                lines = []
+            for line in lines:
+                yield line
+            if kind == "done":
+                reply.sent()  # (kept once the last event is out)
+            if kind in ("done", "error"):
                 break
-            event_in = await reply.next()
+            event = await reply.next()
     finally:
         reply.close()
 

@@ -10,13 +10,13 @@ import asyncio
 import json
 import threading
 from functools import partial
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from quipu.sessions.base import ReplySink
 
 if TYPE_CHECKING:
     from quipu.app.answer import Answer
-    from quipu.serve.apis import Kept
+    from quipu.sessions.base import Message
     from quipu.serve.plan import ChatRequest
     from quipu.serve.pool import Pool
 
@@ -24,6 +24,7 @@ QUEUED = 256  # events a reply may have made that its client has not taken yet
 SLOW_S = 60.0  # how long a reply waits for a client that takes none of them before it counts as gone
 
 Event = tuple[str, int, Any]  # (kind, which answer, value): content, reasoning_content, logprobs, done, error
+Kept = Callable[["Answer", Sequence["Message"]], None]  # what keeps a reply once its turn is kept (an API's)
 
 
 class Reply:

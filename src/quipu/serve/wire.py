@@ -129,6 +129,7 @@ def ollama_reply(answer: Answer, created: str) -> dict[str, Any]:
     restored)."""
     s = answer.stats
     return {"model": answer.model, "created_at": created, "done": True,
+            **({"context": answer.context} if answer.context is not None else {}),
             "done_reason": "length" if FINISH.get(answer.finish_reason) == "length" else "stop",
             "total_duration": int((s.load_s + s.restore_s + s.prefill_s + s.decode_s) * 1e9),
             "load_duration": int(s.load_s * 1e9), "prompt_eval_count": s.prompt_tokens - s.cached_tokens,

@@ -14,6 +14,7 @@ locked, and never pickled.
 - `media.py`: `MediaStore`, the images and recordings sessions hold, each kept once by its hash.
 - `fingerprints.py`: `Fingerprints`, model files' fingerprints remembered across runs.
 - `logbook.py`: `Logbook`, the log of answers: a SQLite database (WAL, full-text search).
+- `responses.py`: `ResponseStore`, the responses a server keeps (the Responses API's `store`).
 
 This package imports neither `quipu.sessions` nor `quipu.app`.
 """
