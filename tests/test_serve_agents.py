@@ -8,6 +8,7 @@ conversation does."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -272,3 +273,44 @@ def test_every_odd_value_of_every_field_is_a_4xx_never_a_500(home, tiny_model, t
                     r = http.post("/v1/responses", json=body)
                     assert r.status_code < 500, (body, r.text[:300])
             assert http.get("/health").json()["status"] == "ok"
+
+
+def test_the_hostile_checks_hold_for_the_agents_apis(home, tiny_model, tmp_path):
+    with quipu_serve(home, tiny_model, "--ctx", "256", tmp_path=tmp_path) as url:
+        # a prompt longer than the context: a 4xx in the API's shape before any event
+        with pytest.raises(anthropic.BadRequestError, match="context holds"):
+            with messages_client(url).messages.stream(model="", max_tokens=4,
+                                                      messages=[{"role": "user", "content": "word " * 2000}]) as s:
+                s.get_final_message()
+        c = responses_client(url)
+        with pytest.raises(openai.BadRequestError, match="context holds"):
+            for _ in c.responses.create(model="", input="word " * 2000, stream=True, max_output_tokens=4):
+                pass
+        # a kept response is a transaction: one whose client went before its end is not kept
+        first = c.responses.create(model="", input="Hi.", max_output_tokens=4, temperature=0)
+        with httpx.Client(base_url=url, timeout=60) as http:
+            long = {"type": "json_schema", "name": "long", "schema": {  # (no reply of this ends within its length)
+                "type": "array", "items": {"type": "integer"}, "minItems": 1000}}
+            with http.stream("POST", "/v1/responses", json={"input": "More.", "previous_response_id": first.id,
+                                                            "max_output_tokens": 200, "temperature": 1.0,
+                                                            "text": {"format": long}, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data:") and "created" in line:
+                        gone = json.loads(line[5:])["response"]["id"]
+                    if "output_text.delta" in line:
+                        break
+            deadline = time.monotonic() + 60
+            while http.get("/health").json()["requests"] and time.monotonic() < deadline:
+                time.sleep(0.05)  # (until the reply has ended: what is kept is what the store says)
+        with pytest.raises(openai.NotFoundError):
+            c.responses.retrieve(gone)
+        # and the conversation goes on from the response before it, as if it had never been asked
+        on = c.responses.create(model="", input="More.", previous_response_id=first.id, max_output_tokens=4,
+                                temperature=0)
+        assert c.responses.retrieve(on.id).output_text == on.output_text
+    # a busy server's refusal in Anthropic's shape, which its client retries
+    from quipu.serve.anthropic import error_body
+    from quipu.serve.pool import busy
+
+    assert error_body(busy()) == (503, {"type": "error", "error": {
+        "type": "overloaded_error", "message": "the server is busy: too many requests wait; try again soon"}})
