@@ -314,3 +314,37 @@ def test_the_hostile_checks_hold_for_the_agents_apis(home, tiny_model, tmp_path)
 
     assert error_body(busy()) == (503, {"type": "error", "error": {
         "type": "overloaded_error", "message": "the server is busy: too many requests wait; try again soon"}})
+
+
+def test_a_thinking_model_s_reasoning_is_its_own_block_and_item(tmp_path, home):
+    from tinymodel import REASONING_SPECIALS, write_tiny_gguf
+
+    templates = __import__("pathlib").Path(__file__).parent / "templates"
+    model = write_tiny_gguf(tmp_path / "think.gguf", tool_specials=True, tokenizer="bpe",
+                            extra_specials=REASONING_SPECIALS, chat_template=(templates / "Qwen3.5-4B.jinja").read_text())
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(str(model), vocab_only=True, verbose=False)
+    close = vocab.tokenize(b"</think>", add_bos=False, special=True)
+    ends = [t for t in range(vocab.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab._model.vocab, t)]
+    never = {str(t): -100 for t in ends}  # (greedy, and no end: the reply runs to its length)
+    with quipu_serve(home, model, tmp_path=tmp_path) as url:
+        c = messages_client(url)
+        asked = {"model": "", "max_tokens": 24, "messages": [{"role": "user", "content": "Why?"}],
+                 "thinking": {"type": "enabled", "budget_tokens": 4}}
+        whole = c.messages.create(**asked, extra_body={**GREEDY, "logit_bias": never})
+        thought, said = whole.content
+        assert thought.type == "thinking" and thought.thinking and said.type == "text" and said.text
+        with c.messages.stream(**asked, extra_body={**GREEDY, "logit_bias": never}) as stream:
+            events = [e.type for e in stream]
+            streamed = stream.get_final_message()
+        assert [b.type for b in streamed.content] == ["thinking", "text"] and "content_block_start" in events
+        assert streamed.content[0].thinking == thought.thinking and streamed.content[1].text == said.text
+        # reasoning off: no thinking block (the template closes the reasoning in the prompt)
+        off = c.messages.create(**{**asked, "thinking": {"type": "disabled"}}, extra_body={**GREEDY, "logit_bias": never})
+        assert [b.type for b in off.content] == ["text"]
+        # the Responses API: a reasoning item before the message
+        r = responses_client(url).responses.create(model="", input="Why?", max_output_tokens=24, temperature=0,
+                                                   reasoning={"effort": "low"}, store=False)
+        assert r.output[0].type == "reasoning" and r.output[0].content[0].text
+    assert close  # (the model's markup is its own tokens)

@@ -88,6 +88,8 @@ class Option:
     request: str | None = None  # its name in an OpenAI-style request
     ollama: str | None = None  # its name in an Ollama-style request's options
     server: str | None = None  # its name in llama-server's /completion request
+    anthropic: str | None = None  # its name in a request to Anthropic's Messages API
+    responses: str | None = None  # its name in a request to OpenAI's Responses API
     bounds: Bounds | None = None
     most: int | None = None  # the most values an option given more than once takes (a request's list)
     section: str = "generation"  # the config's table that holds it (where `config` says it is there)
@@ -148,16 +150,18 @@ _ALL = (
             row=True),
     _option("max_tokens", "--max-tokens", "-n", kind=int, help="Most tokens to generate per reply (default: 512).",
             group="generation", config=int, role=True, row=True, logged=True, settable=int,
-            request="max_tokens", ollama="num_predict", bounds=Bounds(0, C_INT, low_open=True)),
+            request="max_tokens", ollama="num_predict", anthropic="max_tokens", responses="max_output_tokens",
+            bounds=Bounds(0, C_INT, low_open=True)),
     _option("temperature", "--temperature", "-t", kind=float, help="0 is greedy (default: 0.8).", group="generation",
             sampling=True, config=float, role=True, row=True, logged=True, settable=float, request="temperature",
-            ollama="temperature", server="temperature", bounds=Bounds(0, note="0 is greedy")),
+            ollama="temperature", server="temperature", anthropic="temperature", responses="temperature",
+            bounds=Bounds(0, note="0 is greedy")),
     _option("top_k", "--top-k", kind=int, help="Keep the k likeliest tokens; 0 is off (default: 40).",
             group="generation", sampling=True, config=int, role=True, row=True, logged=True, settable=int,
-            request="top_k", ollama="top_k", server="top_k", bounds=Bounds(0, C_INT, note="0 turns it off")),
+            request="top_k", ollama="top_k", server="top_k", anthropic="top_k", bounds=Bounds(0, C_INT, note="0 turns it off")),
     _option("top_p", "--top-p", kind=float, help="Nucleus sampling, in (0, 1] (default: 0.95).", group="generation",
             sampling=True, config=float, role=True, row=True, logged=True, settable=float, request="top_p",
-            ollama="top_p", server="top_p", bounds=Bounds(0, 1, low_open=True)),
+            ollama="top_p", server="top_p", anthropic="top_p", responses="top_p", bounds=Bounds(0, 1, low_open=True)),
     _option("min_p", "--min-p", kind=float, help="Drop tokens below this share of the top one (default: 0.05).",
             group="generation", sampling=True, config=float, role=True, row=True, logged=True, settable=float,
             request="min_p", ollama="min_p", server="min_p", bounds=Bounds(0, 1, high_open=True)),
@@ -179,7 +183,7 @@ _ALL = (
             ollama="seed", bounds=Bounds(0, MAX_SEED)),
     _option("stop", "--stop", multiple=True, help="Stop at this text (repeatable); it is not printed.",
             group="generation", config=tuple, role=True, row=True, logged=True, settable=str, request="stop",
-            ollama="stop", most=MAX_STOPS),
+            ollama="stop", anthropic="stop_sequences", most=MAX_STOPS),
     _option("ctx", "--ctx", help="Context size in tokens, or auto: the model's whole training length as far as "
             "memory allows (default: the model's, at most 4096).", metavar="N|auto", group="generation",
             feature="context_settings", config=object, role=True, logged=True),

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from quipu.engine.http import ServerSettings
     from quipu.engine.llama import LlamaBackend
     from quipu.engine.model import LlamaModel
+    from quipu.sessions.conversation import Conversation
 
 
 
@@ -90,6 +91,9 @@ class TurnOptions(ToolOptions):
     think: bool | None = None  # the template's `enable_thinking`, where it has one
     reasoning_budget: int | None = None  # the most tokens of reasoning (0: none; -1: no limit)
     reasoning_effort: str | None = None  # the template's `reasoning_effort`: low, medium, high
+    # An effort a request names in passing (the Responses API's, Anthropic's): the template's
+    # reasoning effort where it takes one, else nothing (a model's reasoning is switched by `think`).
+    effort_if_taken: str | None = None
     schema: str | None = None  # a JSON Schema, inline or @file; "off" drops a session's constraint
     grammar: str | None = None  # a GBNF or Lark (.lark) file; "off" as for schema
     regex: str | None = None  # a regular expression; "off" as for schema
@@ -293,6 +297,14 @@ def max_tokens(opts: TurnOptions, env: Environment) -> int:
     value = opts.max_tokens if opts.max_tokens is not None else env.config.generation.get("max_tokens")
     check_reply_length(value)
     return value or DEFAULT_MAX_TOKENS
+
+
+def effort_of(opts: TurnOptions, conv: Conversation) -> str | None:
+    """The reasoning effort a conversation is given: the one asked for, else one named in
+    passing where its template takes one (`TurnOptions.effort_if_taken`)."""
+    if opts.reasoning_effort is not None or opts.effort_if_taken is None:
+        return opts.reasoning_effort
+    return opts.effort_if_taken if conv.template is not None and "reasoning_effort" in conv.template.source else None
 
 
 def stop_strings(opts: TurnOptions, env: Environment) -> tuple[str, ...]:

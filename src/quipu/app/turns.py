@@ -11,8 +11,8 @@ from typing import Any, TYPE_CHECKING, Callable, Sequence
 
 from quipu.app.answer import Answer
 from quipu.app.environment import Environment
-from quipu.app.turn_options import (TurnOptions, chat_template_source, max_tokens, stop_strings, system_prompt,
-                                     template_variables)
+from quipu.app.turn_options import (TurnOptions, chat_template_source, effort_of, max_tokens, stop_strings,
+                                   system_prompt, template_variables)
 from quipu.app.choose import open_host
 from quipu.app.hosts import ModelHost
 from quipu.app.modes import asked_of, check_options, mode_of
@@ -231,7 +231,7 @@ def _conversation(session: ModelSession, opts: TurnOptions, env: Environment, so
         conv = Conversation.start(session, None, template=source, settings=settings, messages=placed(messages, marks))
         if opts.system is not None:
             conv.set_system(opts.system)
-    conv.set_reasoning(effort=opts.reasoning_effort, budget=opts.reasoning_budget)
+    conv.set_reasoning(effort=effort_of(opts, conv), budget=opts.reasoning_budget)
     return conv
 
 
@@ -380,9 +380,13 @@ class SessionRequest:
         if asked != params:
             session.set_params(asked)
         session.whole_read = self.whole_read
+        if opts.think is not None:  # (the request's reasoning, for its turn)
+            conv.update(variables={**conv.settings.variables, "enable_thinking": opts.think})
+        conv.set_reasoning(effort=effort_of(opts, conv), budget=opts.reasoning_budget)
 
         def back() -> None:
-            conv.settings = settings.but(reasoning_budget=conv.settings.reasoning_budget)
+            budget = settings.reasoning_budget if opts.reasoning_budget is not None else conv.settings.reasoning_budget
+            conv.settings = settings.but(reasoning_budget=budget)  # (its variables as they were: effort, thinking)
             session.whole_read = False
             if session.params != params:
                 session.set_params(params)

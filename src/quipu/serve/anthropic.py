@@ -12,6 +12,7 @@ import json
 from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
 
 from quipu.app.turn_options import TurnOptions
+from quipu.options import OPTIONS
 from quipu.serve.plan import (RequestError, ChatRequest, _asked, chat_messages, logit_bias, plan_of, request_tools,
                               response_schema)
 
@@ -19,9 +20,8 @@ if TYPE_CHECKING:
     from quipu.app.answer import Answer
     from quipu.serve.stream import Event, Reply
 
-# Anthropic's names of the registry's options a request may give.
-NAMES = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-         "stop": "stop_sequences"}
+# Anthropic's names of the registry's options a request may give (`Option.anthropic`).
+NAMES = {name: o.anthropic for name, o in OPTIONS.items() if o.anthropic is not None}
 # What a request may hold that the server does not do: refused, never dropped silently.
 NOT_TAKEN = {"mcp_servers": "MCP servers of the request's (give quipu serve --mcp)",
              "container": "containers", "context_management": "context management"}
@@ -55,7 +55,7 @@ def messages_request(body: Mapping[str, Any], base: TurnOptions, counting: bool 
     if effort is not None:
         if effort not in EFFORTS:
             raise RequestError(f"output_config.effort must be {', '.join(EFFORTS)}")
-        opts = dataclasses.replace(opts, reasoning_effort=EFFORTS[effort])
+        opts = dataclasses.replace(opts, effort_if_taken=EFFORTS[effort])  # (where the template takes one)
     chat = {"messages": openai_messages(body.get("system"), body.get("messages")),
             "tools": openai_tools(body.get("tools")), "tool_choice": openai_choice(body.get("tool_choice"))}
     tools, opts = request_tools(chat, opts)

@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Sequence
 
 from quipu.app.turn_options import TurnOptions
+from quipu.options import OPTIONS
 from quipu.serve.plan import (RequestError, ChatRequest, _asked, chat_messages, plan_of, request_tools,
                               response_schema)
 
@@ -23,7 +24,8 @@ if TYPE_CHECKING:
     from quipu.serve.stream import Event, Reply
     from quipu.sessions.base import Message
 
-NAMES = {"max_tokens": "max_output_tokens", "temperature": "temperature", "top_p": "top_p"}
+# The Responses API's names of the registry's options a request may give (`Option.responses`).
+NAMES = {name: o.responses for name, o in OPTIONS.items() if o.responses is not None}
 # What a request may hold that the server does not do: refused, never dropped silently.
 NOT_TAKEN = {"background": "background responses", "conversation": "conversations by id (previous_response_id "
              "goes on from a response)", "prompt": "prompt templates", "top_logprobs": "log probabilities "
@@ -51,9 +53,9 @@ def responses_request(body: Mapping[str, Any], base: TurnOptions, previous: Kept
         effort = reasoning.get("effort") if isinstance(reasoning, dict) else False
         if effort not in (None, "none", "minimal", "low", "medium", "high"):
             raise RequestError("reasoning.effort must be none, minimal, low, medium or high")
-        if effort is not None:
+        if effort is not None:  # (the template's effort where it takes one; reasoning on, or off for none)
             opts = dataclasses.replace(opts, think=effort != "none",
-                                       reasoning_effort=effort if effort not in ("none", "minimal") else "low")
+                                       effort_if_taken=effort if effort not in ("none", "minimal") else "low")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise RequestError("instructions must be a text")
@@ -241,14 +243,13 @@ def response(head: dict[str, Any], model: str, answer: Answer | None) -> dict[st
     out: dict[str, Any] = {
         "id": head["ident"], "object": "response", "created_at": head["created"], "model": model,
         "status": "in_progress", "error": None, "incomplete_details": None,
-        "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+        "instructions": body.get("instructions"), **{field: body.get(field) for field in NAMES.values()},
         "output": [], "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "previous_response_id": body.get("previous_response_id"),
         "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
-        "store": body.get("store", True), "temperature": body.get("temperature"), "text": text,
+        "store": body.get("store", True), "text": text,
         "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-        "top_p": body.get("top_p"), "truncation": "disabled", "metadata": body.get("metadata") or {},
-        "usage": None}
+        "truncation": "disabled", "metadata": body.get("metadata") or {}, "usage": None}
     if answer is None:
         return out
     s = answer.stats

@@ -22,6 +22,9 @@ class ReasoningSink(PassedOn):
         self._splitter: Splitter | None = None
         self.answer: list[str] = []
         self.reasoning_parts: list[str] = []
+        # The reasoning is passed on as the whole reply gives it, its ends' white space taken off:
+        # what is held of it (white space after its last word so far), whether a word has come.
+        self._held, self._begun = "", False
 
     def _split(self) -> Splitter:
         if self._splitter is None:
@@ -36,7 +39,14 @@ class ReasoningSink(PassedOn):
 
     def reasoning(self, piece: str) -> None:  # (a server that splits the reply itself)
         self.reasoning_parts.append(piece)
-        self.sink.reasoning(piece)
+        if not self._begun:
+            piece = piece.lstrip()
+            self._begun = bool(piece)
+        piece = self._held + piece
+        shown = piece.rstrip()
+        self._held = piece[len(shown):]
+        if shown:
+            self.sink.reasoning(shown)
 
     def finish(self) -> tuple[str, str]:
         """The reply is over: (its reasoning, its answer), as they streamed."""
@@ -47,8 +57,7 @@ class ReasoningSink(PassedOn):
     def _emit(self, pieces: list[tuple[bool, str]]) -> None:
         for is_reasoning, text in pieces:
             if is_reasoning:
-                self.reasoning_parts.append(text)
-                self.sink.reasoning(text)
+                self.reasoning(text)
             else:
                 self.answer.append(text)
                 self.sink.text(text)
