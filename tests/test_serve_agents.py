@@ -92,6 +92,21 @@ def test_a_forced_tool_call_holds_its_schema_and_its_result_goes_back(home, bund
         [call] = [item for item in r.output if item.type == "function_call"]
         assert call.name == "get_weather" and call.call_id
         jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+        deltas = []
+        with responses_client(url).responses.stream(
+                model="", input="What is the weather in Rome?", tools=[{"type": "function", **WEATHER["function"]}],
+                tool_choice="required", max_output_tokens=64, temperature=0) as stream:
+            for event in stream:
+                if event.type == "response.function_call_arguments.delta":
+                    deltas.append(event.delta)
+            streamed_call = [i for i in stream.get_final_response().output if i.type == "function_call"]
+        assert [(c.name, c.arguments) for c in streamed_call] == [(call.name, call.arguments)]
+        assert "".join(deltas) == call.arguments
+        # its output goes back, and the model answers in words
+        after = responses_client(url).responses.create(
+            model="", previous_response_id=r.id, max_output_tokens=16, temperature=0,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 degrees."}])
+        assert after.output[-1].type == "message"
 
 
 LONG = SYSTEM * 8  # (a conversation of some length: a restore takes all but the last step (512 tokens) of a whole read)

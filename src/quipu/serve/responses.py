@@ -59,7 +59,8 @@ def responses_request(body: Mapping[str, Any], base: TurnOptions, previous: Kept
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise RequestError("instructions must be a text")
-    names = _names(previous.input if previous is not None else [])
+    # (a call's output names its tool, as the response before called it)
+    names = _names([*previous.input, *previous.response.get("output", [])] if previous is not None else [])
     items = openai_messages(body.get("input"), names)
     if previous is None and instructions:
         items = [{"role": "system", "content": instructions}] + items
