@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -298,12 +299,18 @@ def test_the_repl_as_a_person_uses_it(home):
     child.expect("›")
     child.send("Write a very long story about a dragon and a knight.\r")
     child.expect(r"\x1b\[\?2004l")  # the prompt has let go of the terminal: the reply follows
-    child.expect(r"[A-Za-z]{4,}")
+    child.expect(r"[A-Za-z]{4,} [A-Za-z]+ [A-Za-z]+ ")
+    screen = child.before + child.after
     child.sendintr()
     child.expect(r"\[stopped\]")
+    screen += child.before
     child.expect("›")
     after_story = context_of(child)
     assert after_story > empty
+    # what the session keeps of the stopped reply is what the screen showed, word for word
+    kept = json.loads((home / "data" / "sessions" / "pty.json").read_text())["messages"][-1]
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|[\r●]", "", screen).split()
+    assert kept["role"] == "assistant" and kept["content"].split() == shown
     child.send("/set max_tokens 12\r")
     child.expect("max_tokens = 12")
     child.expect("›")

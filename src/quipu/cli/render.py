@@ -14,6 +14,8 @@ class Renderer(Protocol):
     def feed(self, text: str) -> None: ...
     def feed_reasoning(self, text: str) -> None: ...
     def close(self, stopped: bool = False) -> None: ...
+    def unshown(self) -> str:
+        """The end of the text fed that is not on the screen yet (a word held back to wrap it), which closing stopped drops."""
 
 
 class WordWrap:
@@ -122,6 +124,9 @@ class PlainRenderer:
             self.thinking = True
             self._out(text, dim=True)
 
+    def unshown(self) -> str:
+        return self.wrap.word if self.wrap is not None and not self.thinking else ""
+
     def close(self, stopped: bool = False) -> None:
         if stopped and self.wrap is not None:
             self.wrap.drop_word()  # nothing shows after a Ctrl-C (the reply keeps the word)
@@ -158,6 +163,9 @@ class MarkdownRenderer:
 
         parts = [Text(self.safe(self.reasoning.strip()), style="dim")] if self.reasoning.strip() else []
         self.live.update(Group(*parts, Markdown(self.safe(self.text))))
+
+    def unshown(self) -> str:
+        return ""  # (all of it shows as the live view stops)
 
     def close(self, stopped: bool = False) -> None:
         self.live.stop()

@@ -103,10 +103,19 @@ class ChatStream(ReplySink):
 
     def __init__(self, renderer: Renderer, stopper: Callable[[], bool], progress: Callable[[int, int], None]):
         self.renderer, self._stopper, self._progress = renderer, stopper, progress
+        self.fed: list[str] = []  # the answer's pieces given the renderer
 
     def text(self, piece: str) -> None:
         if not self._stopper():
+            self.fed.append(piece)
             self.renderer.feed(piece)
+
+    def seen(self, answer: str) -> str:
+        """What of a stopped reply's answer showed: what the renderer was given, but the word it
+        held back (a Ctrl-C shows nothing more)."""
+        fed = "".join(self.fed)
+        shown = fed[:len(fed) - len(self.renderer.unshown())]
+        return shown if answer.startswith(shown) else answer
 
     def reasoning(self, piece: str) -> None:
         if not self._stopper():

@@ -116,6 +116,11 @@ class ReplySink:
     def stopped(self) -> bool:
         return False
 
+    def seen(self, answer: str) -> str:
+        """Where a reply was stopped, how much of its answer (`answer`, whole so far) its reader
+        saw: what is kept of it (all of it, unless the sink held some back)."""
+        return answer
+
     def reading(self, done: int, total: int) -> bool:
         """Progress of reading a prompt, and whether to go on: what the engine's prefill asks."""
         self.progress(done, total)
@@ -149,6 +154,9 @@ class PassedOn(ReplySink):
 
     def stopped(self) -> bool:
         return self.sink.stopped()
+
+    def seen(self, answer: str) -> str:
+        return self.sink.seen(answer)
 
 
 @dataclass(frozen=True)

@@ -281,6 +281,8 @@ class Conversation:
         split = ReasoningSink(sink, lambda: prompt.thinking(prompt.text))
         gen = self.session.reply(prompt, max_tokens, stop, split)
         reasoning, answer = split.finish()
+        if gen.finish_reason == "interrupted":  # (what is kept of a stopped reply is what its reader saw)
+            gen, answer = self._cut_to(gen, answer, sink.seen(answer))
         content = reply.content + answer
         spelled = gen.spelled if gen.spelled is not None else tail + gen.text
         made = replace(reply, content=content, reasoning=(reply.reasoning or "") + reasoning or None,
@@ -296,6 +298,26 @@ class Conversation:
                 gen = replace(gen, answer=answer + gen.text[shown:])
         self.messages.append(made)
         return gen
+
+    def _cut_to(self, gen: Generation, answer: str, seen: str) -> tuple[Generation, str]:
+        """A stopped reply whose answer's reader saw only `seen` of it, cut back to the last of
+        its tokens that `seen` holds (but for the space before a word: the context rewound
+        there): those the reader never saw are not kept. As it was where the rest is not the answer's end in tokens (or the
+        server keeps the tokens)."""
+        held = self.held
+        if held is None or len(seen) >= len(answer) or not answer.startswith(seen) or not gen.tokens:
+            return gen, answer
+        unseen, cut, text = len(answer) - len(seen), 0, ""
+        while cut < len(gen.tokens):
+            more = held.spell(gen.tokens[len(gen.tokens) - cut - 1:])
+            if len(more) > unseen and not more[:len(more) - unseen].isspace():  # (a space the reader saw before it)
+                break
+            text, cut = more, cut + 1
+        if not cut or not answer.endswith(text) or not gen.text.endswith(text):
+            return gen, answer
+        held.rewind(len(held.tokens) - cut)
+        return replace(gen, text=gen.text[:len(gen.text) - len(text)], tokens=gen.tokens[:-cut]), \
+            answer[:len(answer) - len(text)]
 
     def answer(self, *, max_tokens: int, stop: Sequence[str] = (), sink: ReplySink = SILENT,
                turn: TurnSettings | None = None) -> Generation:
