@@ -197,8 +197,24 @@ def test_trim_keeps_the_last_exchange_though_it_holds_more_than_half_the_context
     r.safely("/trim")
     assert "dropped 2 old messages" in err.getvalue()
     assert [m.content for m in r.chat.messages if m.role == "user"] == [long]
-    r.safely("/trim")  # (nothing older to drop)
-    assert "dropped 0 old messages" in err.getvalue() and len(r.chat.messages) == 2
+    r.safely("/trim")  # (nothing older to drop: said so, with how full the context is)
+    assert "nothing to drop (the context is" in err.getvalue() and len(r.chat.messages) == 2
+
+
+def test_reset_shows_the_context_it_left_and_trim_on_a_short_chat_drops_nothing(repl):
+    r, out, err = repl
+    r.safely("/system be brief")
+    r.safely("hello there")
+    r.safely("the sky")
+    r.safely("/trim")  # (2% full: nothing to drop, and it says so)
+    assert "nothing to drop (the context is" in err.getvalue() and "dropped 0" not in err.getvalue()
+    before = r.chat.context_used
+    r.safely("/reset")
+    # the count is the one the next message reads on from, at once: the system prompt's
+    system = r.chat.named.conversation.context_tokens(add_generation_prompt=False)
+    assert r.chat.context_used == len(system) < before
+    r.safely("/context")
+    assert f"context: {r.chat.context_used} of" in err.getvalue().splitlines()[-1]
 
 
 def test_a_long_line_piped_into_a_small_context_is_refused_once(home, tiny_model):
@@ -219,7 +235,9 @@ def test_room_is_made_for_a_long_message_that_fits_alone(home, tiny_model):
                  input=(lines + long_line + "\n").encode())
     err = r.stderr.decode()
     assert r.returncode == 0 and "Traceback" not in err, err
-    assert err.count("context is full") == 1 and "cannot fit" not in err, err
+    # (the message is what does not fit, not a context that filled up: said so, with its size)
+    assert err.count("the message does not fit: it is") == 1 and "cannot fit" not in err, err
+    assert "context is full" not in err and err.count("[cut at max_tokens") == 5, err
     record = json.loads((home / "data" / "sessions" / "room.json").read_text())
     assert record["messages"][-2]["content"] == long_line and record["messages"][-1]["role"] == "assistant"
 

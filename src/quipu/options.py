@@ -148,7 +148,8 @@ _ALL = (
             group="generation", role=True),
     _option("system", "--system", "-s", help="System prompt.", group="generation", feature="system", role=True,
             row=True),
-    _option("max_tokens", "--max-tokens", "-n", kind=int, help="Most tokens to generate per reply (default: 512).",
+    _option("max_tokens", "--max-tokens", "-n", kind=int, help="Most tokens to generate per reply (default: none, the reply ends by "
+            "itself or where the context does).",
             group="generation", config=int, role=True, row=True, logged=True, settable=int,
             request="max_tokens", ollama="num_predict", anthropic="max_tokens", responses="max_output_tokens",
             bounds=Bounds(0, C_INT, low_open=True)),

@@ -253,7 +253,8 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
         plans = [_plan(row, base, opts, env, tokenizer, keeper, source, limit) for row in rows]
         runnable = [p for p in plans if p.error is None]
         n_ctx_train = tokenizer.n_ctx_train or settings.n_ctx or 4096
-        need = max((len(p.ready.tokens) + p.ready.max_tokens for p in runnable), default=CTX_STEP)
+        # (a row whose reply is not bounded has a share of the usual context at most)
+        need = max((len(p.ready.tokens) + min(p.ready.max_tokens, DEFAULT_CTX_CAP) for p in runnable), default=CTX_STEP)
         share = settings.n_ctx or min(n_ctx_train, -(-need // CTX_STEP) * CTX_STEP)
         plans = [replace(p, error=f"the prompt is {len(p.ready.tokens)} tokens, and each row's share of the "
                                   f"context is {share}; shorten it, or give a larger --ctx")

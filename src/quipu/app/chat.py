@@ -477,6 +477,10 @@ class ChatSession:
     def context_size(self) -> int:
         return self._named.session.n_ctx  # 0: unknown, the server's own
 
+    def size_of(self, text: str) -> int:
+        """The tokens `text` takes as a message."""
+        return self._named.conversation.size_alone(text)[0]
+
     @property
     def context_nearly_full(self) -> bool:
         return bool(self.context_size) and self.context_used >= WARN_FRACTION * self.context_size

@@ -20,7 +20,6 @@ from quipu.sessions.params import SamplingParams
 if TYPE_CHECKING:
     from quipu.app.hub import HubRef
 
-DEFAULT_MAX_TOKENS = 512
 DEFAULT_MAX_STATE_BYTES = 4 << 30
 DEFAULT_CACHE_BYTES = 2 << 30
 DEFAULT_MAX_RECORDS = 100_000  # answers the log keeps, the oldest dropped first
@@ -132,7 +131,7 @@ class Environment:
         else:
             rows.append(("model", DEFAULT_MODEL_NAME, "default"))
         rows.append(("system", self.config.system, where if self.config.system else "default"))
-        defaults = {**SamplingParams().to_dict(), "max_tokens": DEFAULT_MAX_TOKENS, "ctx": f"the model's, at most {DEFAULT_CTX_CAP}",
+        defaults = {**SamplingParams().to_dict(), "max_tokens": "none (a reply ends by itself, or where the context does)", "ctx": f"the model's, at most {DEFAULT_CTX_CAP}",
                     "threads": "the CPUs this process may use", "seed": "random", "stop": "none",
                     "gpu_layers": "auto (as many as fit in free GPU memory)", "gpu_memory": "the GPU's free memory",
                     "device": "every GPU", "swa_full": "off (a sliding-window model's window cache is a ring)"}

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from quipu import __version__
 from quipu.app.environment import Environment
+from quipu.engine.base import UNTIL_IT_ENDS
 from quipu.app.turn_options import (TurnOptions, chat_template_source, max_tokens, stop_strings, system_prompt,
                                      template_variables)
 from quipu.app.hosts import Keeper, ModelHost
@@ -155,7 +156,8 @@ class NamedSession:
     def settings(self, opts: TurnOptions, env: Environment) -> list[tuple[str, Any, str]]:
         """(setting, value, where it came from) for everything `set` can change."""
         limit, stop = self.reply_limits(opts, env)
-        values = {**{k: getattr(self.session.params, k) for k in SAMPLING}, "max_tokens": limit,
+        values = {**{k: getattr(self.session.params, k) for k in SAMPLING},
+                  "max_tokens": limit if limit < UNTIL_IT_ENDS else "none (until the reply ends)",
                   "stop": list(stop) or "none"}
         return [(k, values[k], self.origins.get(k, "default")) for k in SETTABLE]
 

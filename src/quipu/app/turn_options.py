@@ -20,6 +20,7 @@ from quipu.engine.settings import (
     parse_layers,
     parse_size,
 )
+from quipu.engine.base import UNTIL_IT_ENDS
 from quipu.errors import TemplateError, UsageError
 from quipu.options import LOGGED, OPTIONS, SAMPLING
 from quipu.sessions.base import LOCAL, Capabilities
@@ -28,7 +29,7 @@ from quipu.sessions.prompt import Vocabulary
 from quipu.sessions.stops import read_escapes
 from quipu.sessions.template import ChatTemplate
 
-from quipu.app.environment import DEFAULT_MAX_TOKENS, GPU_ENVIRON, Environment
+from quipu.app.environment import GPU_ENVIRON, Environment
 from quipu.app.user_files import read_text_file
 
 if TYPE_CHECKING:
@@ -294,9 +295,10 @@ def context_settings(opts: TurnOptions, env: Environment) -> ContextSettings:
 
 
 def max_tokens(opts: TurnOptions, env: Environment) -> int:
+    """The most tokens a reply may have: --max-tokens, the config's, else until it ends (`UNTIL_IT_ENDS`)."""
     value = opts.max_tokens if opts.max_tokens is not None else env.config.generation.get("max_tokens")
     check_reply_length(value)
-    return value or DEFAULT_MAX_TOKENS
+    return value or UNTIL_IT_ENDS
 
 
 def effort_of(opts: TurnOptions, conv: Conversation) -> str | None:

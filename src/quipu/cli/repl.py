@@ -123,6 +123,8 @@ class Repl:
                     self.term.out("\n")
         if outcome.finish_reason == "interrupted":
             self.say("[stopped]")
+        elif outcome.finish_reason == "length":
+            self.say("[cut at max_tokens: /continue goes on; /set max_tokens N changes it]")
         if stopper.ended:  # told to end (SIGTERM, SIGHUP): the reply so far is saved; leave
             self.running = False
             return
@@ -143,9 +145,31 @@ class Repl:
             return MarkdownRenderer(self.term, show)
         return PlainRenderer(self.term, show, marked=True)
 
+    def summarized(self, instructions: str | None = None) -> str:
+        """The model's summary of the older exchanges (`app.compact.summarize`), shown as it is
+        written (Ctrl-C stops it: nothing is compacted)."""
+        from quipu.app.compact import summarize
+
+        self.say("summarizing the older exchanges (the last ones stay as they are)...")
+        progress = PrefillProgress(self.term)
+        renderer = PlainRenderer(self.term)
+        with StopOnCtrlC(hard_second=False, quit_too=True) as stopper, HeldKeys(self.term):
+            try:
+                summary = summarize(self.chat, instructions, sink=ChatStream(renderer, stopper, progress))
+            finally:
+                progress.close()
+                renderer.close(stopped=stopper.requested)
+        if stopper.requested:
+            raise Interrupted("the summary was stopped; nothing was compacted")
+        return summary
+
     def context_full(self, unsent: str | None) -> None:
         used, size = self.chat.context_used, self.chat.context_size
-        self.say(f"the context is full ({used} of {size} tokens).")
+        if unsent is not None and used < size * 0.9:  # (the message itself is what does not fit)
+            self.say(f"the message does not fit: it is {self.chat.size_of(unsent)} tokens, and {size - used} of the "
+                     f"context's {size} are free.")
+        else:
+            self.say(f"the context is full ({used} of {size} tokens).")
         choice = self.ask("[d]rop the oldest exchanges, [s]ummarize them (/compact), [n]ew session with the same "
                           "system prompt, or [c]ancel? (a letter, then Enter; Enter alone drops; the conversation "
                           "as it was stays a branch) ", default="d", choices="dsnc")
@@ -156,12 +180,10 @@ class Repl:
                 self.turn(self.chat.continue_reply, room_made=True)  # the reply the context cut goes on
                 return
         elif choice.startswith("s"):
-            from quipu.app.compact import compact, summarize
+            from quipu.app.compact import compact
 
-            summary = summarize(self.chat)
-            self.say(Dim(shown(summary, lines=True)))
-            made = compact(self.chat, summary)
-            self.say(f"compacted into branch {made} ({self.chat.context_used} tokens of context; the whole "
+            made = compact(self.chat, self.summarized())
+            self.say(f"compacted into branch {made} ({used} -> {self.chat.context_used} tokens of context; the whole "
                      "conversation: /tree)")
         elif choice.startswith("n"):
             BY_NAME["new"].handler(self, "")

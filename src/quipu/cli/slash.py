@@ -26,6 +26,7 @@ class Repl(Protocol):
     def turn(self, action: Callable[..., Any], *args: str, room_made: bool = False) -> None: ...
     def leave(self) -> None: ...
     def show_reasoning(self, on: bool | None) -> bool: ...
+    def summarized(self, instructions: str | None = None) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -136,22 +137,20 @@ def _edit(repl: "Repl", arg: str) -> None:
 
 
 def _compact(repl: "Repl", arg: str) -> None:
-    from quipu.app.compact import compact, summarize
-    from quipu.shown import shown
+    from quipu.app.compact import compact
 
-    repl.say("summarizing the older exchanges (the last ones stay as they are)...")
-    summary = summarize(repl.chat, arg.strip() or None)
+    before = repl.chat.context_used
+    summary = repl.summarized(arg.strip() or None)
 
     def done(text: str) -> None:
         made = compact(repl.chat, text)
-        repl.say(f"compacted into branch {made} ({repl.chat.context_used} tokens of context); "
+        repl.say(f"compacted into branch {made} ({before} -> {repl.chat.context_used} tokens of context); "
                  "the conversation as it was stays a branch (/tree, /switch)")
 
     if repl.term.stdin_tty:
         repl.editing = (done, summary)
         repl.say("the summary waits in the prompt: change it if you like, and press Enter (Ctrl-C: no compaction)")
     else:
-        repl.say(shown(summary, lines=True))
         done(summary)
 
 
@@ -296,8 +295,16 @@ def _context(repl: "Repl", _arg: str) -> None:
 
 
 def _trim(repl: "Repl", _arg: str) -> None:
+    before = repl.chat.context_used
     dropped = repl.chat.drop_oldest()
-    repl.say(f"dropped {dropped} old messages; the system prompt stays")
+    if not dropped:
+        size = repl.chat.context_size
+        full = f" (the context is {100 * before / size:.0f}% full)" if size else ""
+        repl.say(f"nothing to drop{full}: /trim drops the oldest exchanges until half the context is free, and "
+                 "the last exchange stays")
+        return
+    repl.say(f"dropped {dropped} old messages ({before} -> {repl.chat.context_used} tokens of context); the system "
+             "prompt stays (the whole conversation: /tree)")
 
 
 def _show(repl: "Repl", _arg: str) -> None:

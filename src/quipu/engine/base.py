@@ -22,6 +22,10 @@ MEDIA_BASE = 1 << 30
 MEDIA_SPAN = 1 << 16
 MEDIA_MARK = re.compile("\ue002(\\d+)\ue003")
 
+# A reply's length where none is set: it ends by itself, or where the context does (the most a C
+# int holds, llama.cpp's count of tokens; a chat API is sent none).
+UNTIL_IT_ENDS = 2**31 - 1
+
 
 def media_mark(k: int) -> str:
     return f"\ue002{k}\ue003"

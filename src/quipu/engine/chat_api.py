@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from quipu.engine.base import Sink
+from quipu.engine.base import UNTIL_IT_ENDS, Sink
 
 from quipu.engine.http import MAX_EVENT_BYTES, ServerClient, ServerError, count_of
 from quipu.errors import CapabilityError
@@ -58,8 +58,10 @@ class ChatApiModel(ServerClient):
         shape) the reply may call them (`ChatReply.tool_calls`)."""
         # No model named: most servers with one model take any name, so ask at once; a server that
         # wants a real one says so, and gets its first (one round trip spared in the common case).
-        body = {"model": self._model or "", "messages": messages, "stream": True, "max_tokens": max_tokens,
+        body = {"model": self._model or "", "messages": messages, "stream": True,
                 "stream_options": {"include_usage": True}, **params}
+        if max_tokens < UNTIL_IT_ENDS:  # (none: the reply ends where the server's does)
+            body["max_tokens"] = max_tokens
         if stop:
             body["stop"] = list(stop)
         if tools:

@@ -367,8 +367,16 @@ class Conversation:
             self.session.draws = m.draws_before
 
     def reset(self) -> None:
-        """Forgets the conversation, keeping the system prompt."""
-        del self.messages[1 if self.system is not None else 0 :]
+        """Forgets the conversation, keeping the system prompt: the context goes back to it (a
+        rewind, as /undo's)."""
+        first = 1 if self.system is not None else 0
+        if len(self.messages) > first:
+            self.back_to(first)
+        held = self.held
+        if held is not None:  # (where the messages had no mark of the context: as far as it still spells them)
+            kept = common_prefix(held.tokens, self.context_tokens(add_generation_prompt=False)) if first else 0
+            if kept < len(held.tokens):
+                held.rewind(kept)
 
     def size_alone(self, text: str) -> tuple[int, int]:
         """(tokens `text` takes as a user message, tokens of everything around it) in a
