@@ -215,3 +215,14 @@ def test_verbose_shows_llama_cpp_s_own_log(quipu, tiny_model):
     assert quiet.returncode == loud.returncode == 0
     assert quiet.stderr == b""
     assert b"llama" in loud.stderr and b"Traceback" not in loud.stderr
+
+
+def test_a_reply_ends_by_itself_or_where_the_context_does_unless_told(quipu, tiny_model):
+    # (the tiny model's ends of generation banned: its reply runs on to the context's end, past 512 tokens)
+    never = [arg for t in (2, 4, 8, 9, 11, 15, 16, 22, 25, 29) for arg in ("--logit-bias", f"{t}=-inf")]
+    r = quipu("run", "-m", tiny_model, "--ctx", "1024", "-t", "0", *never, "--no-cache", "--json", "Hi")
+    reply = json.loads(r.stdout)
+    assert r.returncode == 0 and reply["finish_reason"] == "context_full"
+    assert reply["usage"]["completion_tokens"] > 900
+    told = json.loads(quipu("run", "-m", tiny_model, "-n", "7", "-t", "0", *never, "--no-cache", "--json", "Hi").stdout)
+    assert told["finish_reason"] == "length" and told["usage"]["completion_tokens"] == 7

@@ -114,8 +114,6 @@ def run(env: Environment, **given: Any) -> int:
         term.warn("the reply was cut by --max-tokens, so it is incomplete and will not parse; raise -n"
                   if result.finish_reason == "length" else
                   "the reply was cut by a full context, so it is incomplete and will not parse")
-    elif result.finish_reason == "length" and not (as_json or quiet):
-        term.warn("the reply was cut at --max-tokens; raise -n (in a session, --continue goes on from it)")
     if stats:
         term.err(stats_line(result) + "\n")
     interrupted = result.finish_reason == "interrupted" or stopper.requested
