@@ -13,6 +13,8 @@ import pytest
 from quipu.cli import build_app, spec
 from quipu.cli import run as run_command
 
+pytestmark = pytest.mark.quick  # (the quick set: `python -m pytest -m quick`)
+
 STRESS = int(os.environ.get("QUIPU_STRESS", "1"))
 
 # Command lines as people write them, and edge cases of the forms the fast parser accepts.

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.model
 GREEDY = ["--temperature", "0"]
 
 
+@pytest.mark.quick  # (the quick set's one test on a real model)
 def test_greedy_raw_completion_knows_paris(quipu):
     r = quipu("run", "--raw", *GREEDY, "-n", "8", "The capital of France is")
     assert r.returncode == 0, r.stderr

@@ -5,7 +5,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import quipu
+
+pytestmark = pytest.mark.quick  # (the quick set: `python -m pytest -m quick`)
 
 ROOT = Path(quipu.__file__).parent
 # What each package may import from quipu, beyond itself and the shared modules.

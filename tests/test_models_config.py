@@ -13,6 +13,8 @@ import pytest
 
 from tinymodel import write_tiny_gguf
 
+pytestmark = pytest.mark.quick  # (the quick set: `python -m pytest -m quick`)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -13,6 +13,8 @@ import pytest
 import quipu
 from quipu.options import OPTIONS, ROLE, ROW, SAMPLING, SETTABLE
 
+pytestmark = pytest.mark.quick  # (the quick set: `python -m pytest -m quick`)
+
 SOURCE = Path(quipu.__file__).parent
 
 

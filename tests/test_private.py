@@ -16,6 +16,8 @@ import pytest
 
 from hub_server import start_hub
 
+pytestmark = pytest.mark.quick  # (the quick set: `python -m pytest -m quick`)
+
 
 def quipu_with_umask(home: Path, umask: int, *args, env=None, input=None):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}

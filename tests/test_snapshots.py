@@ -10,6 +10,8 @@ from quipu.sessions.inference import InferenceSession, Snapshot
 from quipu.sessions.params import SamplingParams
 from quipu.store.statefile import decode_state, encode_state
 
+pytestmark = pytest.mark.quick  # (the quick set: `python -m pytest -m quick`)
+
 HOT = SamplingParams(temperature=1.2, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.3, seed=21)
 
 
