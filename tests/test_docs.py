@@ -123,11 +123,12 @@ def test_the_examples_run_as_written(page, tmp_path, bundled_model):
         warnings.warn("examples left out, their programs missing: " + "; ".join(left_out), stacklevel=1)
 
 
-def test_the_readme_says_where_the_tests_keep_what_they_make(monkeypatch, tmp_path):
+def test_the_docs_say_where_the_tests_keep_what_they_make(monkeypatch, tmp_path):
     from conftest import cache_dir
 
-    readme = (ROOT / "README.md").read_text()
-    assert "~/.cache/quipu-tests" in readme and "QUIPU_TEST_CACHE" in readme
+    said = (ROOT / "docs" / "layout.md").read_text()  # (the README's set-up points there)
+    assert "~/.cache/quipu-tests" in said and "QUIPU_TEST_CACHE" in said
+    assert "docs/layout.md#tests" in (ROOT / "README.md").read_text()
     monkeypatch.delenv("QUIPU_TEST_CACHE", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     assert cache_dir() == Path.home() / ".cache" / "quipu-tests"

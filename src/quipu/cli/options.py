@@ -67,21 +67,24 @@ def plain_help() -> None:
 # The sections a command's options are listed in, by their group in the registry (`quipu.options`).
 SECTIONS = {"generation": "Sampling, context and placement", "shaping": "Template, reasoning and structured output",
             "tools": "Tools", "logging": "The log of answers"}
+# The options a user types most, listed first, in this order, whatever their kind.
+FIRST = ("model", "system", "session", "max_tokens", "temperature", "attach", "as_json")
 
 
 def grouped_options(command: Any, ctx: Any, formatter: Any) -> None:  # (a click command, its context, formatter)
-    """A command's arguments, then its options in sections by their kind (`SECTIONS`), the
-    command's own first: a long list read in parts."""
+    """A command's arguments, the options a user types most (`FIRST`), then the others in
+    sections by their kind (`SECTIONS`), the command's own first: a long list read in parts."""
     from quipu.options import OPTIONS
 
-    sections: dict[str, list[tuple[str, str]]] = {"Arguments": [], "Options": []}
-    for param in command.get_params(ctx):
+    sections: dict[str, list[tuple[str, str]]] = {"Arguments": [], "Most used": [], "Options": []}
+    params = sorted(command.get_params(ctx), key=lambda p: FIRST.index(p.name) if p.name in FIRST else len(FIRST))
+    for param in params:
         record = param.get_help_record(ctx)
         if record is None:
             continue
         option = OPTIONS.get(param.name or "")
-        title = "Arguments" if getattr(param, "param_type_name", "") == "argument" else \
-            SECTIONS.get(option.group if option is not None else "", "Options")
+        title = "Arguments" if getattr(param, "param_type_name", "") == "argument" else "Most used" \
+            if param.name in FIRST else SECTIONS.get(option.group if option is not None else "", "Options")
         sections.setdefault(title, []).append(record)
     for title, records in sections.items():
         if records:
