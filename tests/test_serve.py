@@ -265,6 +265,10 @@ def test_a_request_with_x_quipu_session_is_a_turn_of_that_session_and_the_comman
     assert [one.choices[0].message.content, said[4]["content"], three.choices[0].message.content] == alone
     r = quipu("sessions", "show", "talk")
     assert r.returncode == 0 and "And the sea?" in r.stdout.decode()
+    # the session the API made names its model as the one the command line made does
+    saved = {n: json.loads((home / "data" / "sessions" / f"{n}.json").read_text())["model"]["name"]
+             for n in ("talk", "alone")}
+    assert saved["talk"] == saved["alone"], saved
 
 
 def test_log_probabilities_are_the_model_s_for_each_drawn_token(home, bundled_model, tmp_path):
@@ -313,3 +317,14 @@ def test_n_answers_are_each_the_answer_of_its_own_seed(home, tiny_model, tmp_pat
             for ch in chunk.choices:
                 pieces[ch.index] += ch.delta.content or ""
         assert [pieces[0], pieces[1]] == alone[:2]
+
+
+def test_a_session_the_api_makes_names_its_model_as_the_command_line_does(quipu, home, bundled_model, tmp_path):
+    with quipu_serve(home, "SmolLM2-135M-Instruct", tmp_path=tmp_path) as url:
+        ask(client(url), [{"role": "user", "content": "Hi."}], max_tokens=2, extra_headers={"X-Quipu-Session": "api"})
+    assert quipu("run", "-S", "cli", "-n", "2", "Hi.").returncode == 0
+    saved = {n: json.loads((home / "data" / "sessions" / f"{n}.json").read_text())["model"]["name"]
+             for n in ("api", "cli")}
+    assert saved["api"] == saved["cli"] == "SmolLM2-135M-Instruct", saved
+    # and the command line goes on with the API's session on that model
+    assert quipu("run", "-S", "api", "-n", "2", "And?").returncode == 0

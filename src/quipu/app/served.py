@@ -115,6 +115,17 @@ class Request:
     context: Sequence[int] = ()  # the tokens of an exchange before, which it goes on from (Ollama's `context`)
 
 
+def listed_name(env: Environment, path: Path) -> str:
+    """The name `quipu models list` gives a model file (as a session made at the command line
+    records its model), else its path: either finds it again."""
+    from quipu.models import discover
+
+    where = path.resolve()
+    found = next((e.name for e in discover(env.dirs.models, env.environ, env.config.models)
+                  if e.path.resolve() == where), None)
+    return found or str(path)
+
+
 def session_name(given: str) -> str:
     """A session's name as a request gives it (`X-Quipu-Session`), checked as the store checks one."""
     from quipu.store.store import validate_name
@@ -164,7 +175,7 @@ def session_request(host: SlotHost, name: str, asked: Request, own: TurnOptions,
 
         raise UsageError("a session's turn over the API takes no images or recordings yet")
     tools = OpenTools(Toolbox({t.spec.name: t for t in asked.tools})) if asked.tools else None
-    opts = replace(asked.opts, model=str(host.model.model_path), session=name)
+    opts = replace(asked.opts, model=listed_name(env, host.model.model_path), session=name)
     from quipu.app.named import store_for
 
     # (a new session's system prompt is the request's own first message)

@@ -220,10 +220,19 @@ def other_tools_spelling(exc: Exception, ctx: Any) -> str | None:  # (click's co
 
 
 def looks_like_a_model(text: str) -> bool:
-    """A model file, or a name as models are given by name (gemma3:1b, hf:OWNER/REPO)."""
+    """A model file, a name as models are given by name (gemma3:1b, hf:OWNER/REPO), or the name
+    of one this machine has (`quipu models list`)."""
+    from quipu.app.environment import Environment
     from quipu.app.known_models import is_short_name
+    from quipu.errors import QuipuError
 
-    return text.endswith(".gguf") or text.startswith("hf:") or is_short_name(text)
+    if text.endswith(".gguf") or text.startswith("hf:") or is_short_name(text):
+        return True
+    try:
+        Environment.load().resolve_model(text, fall_back=False)
+    except (QuipuError, OSError):
+        return False
+    return True
 
 
 # Typer's value errors come in the words of the library that checks them; these say it plainly.
