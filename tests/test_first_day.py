@@ -451,6 +451,21 @@ def test_another_tool_s_verb_is_no_question_for_the_model(quipu, home, tiny_mode
         assert r.returncode == 2 and err.count("\n") == 1 and says in err and out == "", err
 
 
+def test_sessions_and_models_alone_list_them_as_logs_does(quipu, home):
+    models = quipu("models")
+    assert models.returncode == 0 and models.stdout.decode().split()[0] == "name", models.stderr.decode()
+    sessions = quipu("sessions")
+    assert sessions.returncode == 0 and "no sessions yet" in (sessions.stdout + sessions.stderr).decode()
+    assert "Usage" not in (models.stdout + sessions.stdout).decode()
+
+
+def test_llama_cpp_s_sys_is_the_system_prompt_and_llm_s_chat_continue_is_said(quipu, home, tiny_model):
+    shown = quipu("run", "-m", tiny_model, "-sys", "Be brief.", "--show-prompt", "Hi")
+    assert shown.returncode == 0 and "system\nBe brief.<|im_end|>" in shown.stdout.decode()
+    r = quipu("chat", "--continue")
+    assert r.returncode == 2 and "--resume (-r)" in r.stderr.decode() and r.stderr.decode().count("\n") == 1
+
+
 def test_pull_and_show_are_quipu_s_models_commands(quipu, home, tiny_model):
     shown = quipu("show", tiny_model)
     assert shown.returncode == 0 and "arch" in shown.stdout.decode().lower()

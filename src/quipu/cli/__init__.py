@@ -44,7 +44,9 @@ def as_prompt(argv: list[str]) -> list[str]:
     """`quipu "question" [OPTIONS]`: a first argument that is no command is `run`'s prompt (llm's
     habit); but one word near a command's name is taken for a typo of it (Typer says which), one
     of another tool's verbs for quipu's command that does it (`VERBS`), and `quipu help` is
-    `quipu --help`."""
+    `quipu --help`; `quipu sessions` and `quipu models` alone list them."""
+    if argv in (["sessions"], ["models"]):  # (a group that lists, as `quipu logs` does, where it is asked alone)
+        return [*argv, "list"]
     if not argv or argv[0].startswith("-") or argv[0] in COMMANDS:
         return argv
     first = argv[0]
@@ -153,6 +155,8 @@ def _main(argv: list[str]) -> None:
         say_error(f"`{argv[0]}` is another tool's command: {NOT_HERE[argv[0]]}")
         sys.exit(2)
     argv = as_prompt(argv)
+    # (llama.cpp's -sys is the system prompt; read as -s it would be a system prompt of "ys")
+    argv = ["--system" if arg == "-sys" else arg for arg in argv]
     if argv[:1] == ["run"] and "_QUIPU_COMPLETE" not in os.environ:
         # A plain `quipu run` skips Typer: a short run is a short process (see spec.py).
         from quipu.cli import run

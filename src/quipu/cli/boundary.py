@@ -189,7 +189,7 @@ OTHER_SPELLINGS: dict[str, list[tuple[str | None, str]]] = {
     "-ctk": [("--kv-type", "the KV cache type is --kv-type")],
     "--cache-type-k": [("--kv-type", "the KV cache type is --kv-type")],
     "-fa": [("--flash-attn", "flash attention is --flash-attn")],
-    "-sys": [("--system", "the system prompt is --system (-s)")],
+    "--continue": [("--resume", "llm's chat --continue is --resume (-r): the most recently used session goes on")],
     "--system-prompt": [("--system", "the system prompt is --system (-s)")],
     "--format": [("--schema", "JSON for scripts is --json; a reply kept to a JSON Schema is --schema")],
     "-o": [("--temperature", "llm's -o NAME VALUE is an option of its own here: -t 0 for the temperature, -n for "
