@@ -383,4 +383,7 @@ def test_a_retried_reply_after_an_undo_leaves_at_its_own_exchange(tiny_model, tm
     found = {r.id: r for r in rows(*chat.branches())}
     here = next(r for r in found.values() if r.current)
     assert here.under == 1 and here.leaves_at == 2 and here.first.startswith("(another reply)")
+    # the first branch's row says what it says there: exchange 2's reply, as it was
+    replies = [m["content"] for m in chat.branches()[1][0].messages if m["role"] == "assistant"]
+    assert found[1].first == "(its reply) " + " ".join(replies[1].split())
     chat.close()

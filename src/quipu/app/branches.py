@@ -16,7 +16,8 @@ from quipu.store.branches import Branch
 class BranchRow:
     """One branch in the tree: `depth` below the first, hung under `under` (None: the first),
     leaving it at its exchange `leaves_at` (1 is the first); `first`, what it says first of its
-    own (its first message that is not its parent's)."""
+    own (its first message that is not its parent's; the first branch's, what it says where the
+    first of the others leaves it)."""
 
     id: int
     under: int | None
@@ -48,10 +49,14 @@ def rows(current: Branch, others: Sequence[Branch]) -> list[BranchRow]:
 
     def visit(b: Branch, depth: int) -> None:
         parent, shared = under[b.id]
-        own = [m for m in b.messages[shared:] if m["role"] in ("user", "assistant")]
+        # (the first branch: what it says where the first of the others leaves it)
+        parts = [n for child, (up, n) in under.items() if up == b.id and child != b.id]
+        at = shared if parent is not None or not parts else min(parts)
+        own = [m for m in b.messages[at:] if m["role"] in ("user", "assistant")]
         said = own[0] if own else None
         first = (said["content"] if said is not None and said["role"] == "user" else
-                 f"(another reply) {said['content']}" if said is not None else "(nothing of its own yet)")
+                 f"({'another reply' if parent is not None else 'its reply'}) {said['content']}" if said is not None
+                 else "(nothing of its own yet)")
         # (where it parts from its parent inside an exchange, at its reply, it leaves that exchange)
         users = sum(1 for m in b.messages[:shared] if m["role"] == "user")
         leaves = users if users and said is not None and said["role"] != "user" else users + 1
