@@ -279,11 +279,13 @@ def test_compact_and_trim_from_the_chat_keep_the_conversation_as_a_branch(tiny_m
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "config.toml").write_text("[chat]\ncompact_keep = 1\n")
     long = [q + ONWARDS * 3 for q in QUESTIONS[:2]]  # (older exchanges worth a summary)
-    lines = [*long, QUESTIONS[2], "/compact", "/tree", QUESTIONS[3], "/trim", "/tree", "/switch 1"]
-    r = _quipu(tmp_path, "chat", "-m", tiny_model, "-S", "k", "-n", "4", input=("\n".join(lines) + "\n").encode())
+    # (/trim on the first branch, more than half full: it drops its oldest exchange, a branch of its own)
+    lines = [*long, QUESTIONS[2], "/compact", "/tree", "/switch 1", "/trim", "/tree", "/switch 1"]
+    r = _quipu(tmp_path, "chat", "-m", tiny_model, "-S", "k", "-n", "4", "--ctx", "900",
+               input=("\n".join(lines) + "\n").encode())
     err = r.stderr.decode()
     assert r.returncode == 0, err
-    assert "compacted into branch 2" in err and "dropped" in err and "on branch 1" in err
+    assert "compacted into branch 2" in err and "dropped 2 old messages" in err and "on branch 1" in err
     shown = _quipu(tmp_path, "sessions", "tree", "k").stdout.decode()
     assert shown.count("\n") == 3 and "A summary of our conversation" in shown  # (1, its summary, the trimmed)
     few = _quipu(tmp_path, "chat", "-m", tiny_model, "-S", "few", "-n", "4", input=b"Hi.\n/compact\n")

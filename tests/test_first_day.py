@@ -250,7 +250,7 @@ def wait_here(place: Literal["here"]) -> str:
     child.terminate(force=True)  # (leaving a chat is tested elsewhere; here a key could race its redraw)
 
 
-@pytest.mark.parametrize("command", [[], ["sessions"], ["models"], ["cache"], ["config"]])
+@pytest.mark.parametrize("command", [[], ["cache"], ["config"]])  # (`quipu sessions` and `quipu models` list them)
 def test_a_bare_command_prints_its_help_as_help_does(quipu, command):
     """The first thing a newcomer types: the help, laid out as --help lays it out, and no error."""
     bare, helped = quipu(*command), quipu(*command, "--help")
@@ -414,11 +414,15 @@ def test_a_reply_that_slows_down_says_what_to_try(steps, slowed):
 def test_a_long_help_lists_its_options_in_sections_by_kind(quipu, command):
     text = quipu(command, "--help", env={"COLUMNS": "100"}).stdout.decode()
     titles = [line for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
-    assert titles[:2] == ["Arguments:", "Options:"] if command == "run" else titles[0] == "Options:"
+    # (what a user types most first: the model, the system prompt, the session, the length, the temperature)
+    assert titles[:3] == ["Arguments:", "Most used:", "Options:"] if command == "run" else \
+        titles[:2] == ["Most used:", "Options:"]
+    most = text.split("Most used:")[1].split("\n\n")[0]
+    assert all(flag in most for flag in ("-m, --model", "-s, --system", "-S, --session", "-t, --temperature"))
     assert {"Sampling, context and placement:", "Template, reasoning and structured output:", "Tools:",
             "The log of answers:"} <= set(titles)
     sampling = text.split("Sampling, context and placement:")[1].split("\n\n")[0]
-    assert "--temperature" in sampling and "--ctx" in sampling and "--gpu-layers" in sampling
+    assert "--top-k" in sampling and "--ctx" in sampling and "--gpu-layers" in sampling
 
 
 @pytest.mark.parametrize("args", [["--version"], ["sessions", "list"], ["logs", "path"], ["run", "-n", "2", "hi"]])

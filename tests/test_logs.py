@@ -332,3 +332,13 @@ def test_a_follow_up_of_what_the_log_does_not_keep_is_refused_in_one_line(quipu,
             assert r.returncode == 2 and said in err and len(err.splitlines()) == 1, err
     assert quipu("run", *SHORT, "Name a bird.").returncode == 0
     assert quipu("run", *SHORT, "-F", "And a fish?").returncode == 0
+
+
+def test_an_answer_of_a_session_whose_first_is_not_listed_names_the_session():
+    from quipu.cli.logs import _follows
+    from quipu.store.logbook import Record
+
+    of_session = Record("Q", "A", "m", conversation="session:t2", id=7)
+    assert _follows(of_session, [of_session]) == "  (in session t2)"
+    other = Record("Q", "A", "m", conversation="3", id=7)
+    assert _follows(other, [other]) == "  (in the conversation of #3)"

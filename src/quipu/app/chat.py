@@ -396,14 +396,19 @@ class ChatSession:
         needs more (with room left for a reply); where the context's size is the server's own,
         the oldest exchange. Without a message waiting, the last exchange (the reply the context
         filled up in, the one a /trim follows) stays, though it holds more than half."""
-        self._named.stash()  # (nothing is dropped for good: the conversation as it was stays a branch)
-        conv = self._named.conversation
+        named = self._named
+        before = (list(named.others), named.branch, named.next_branch)
+        named.stash()  # (nothing is dropped for good: the conversation as it was stays a branch)
+        conv = named.conversation
         n_ctx = conv.session.n_ctx
         keep_free = int(n_ctx * KEEP_FREE_FRACTION)
         if for_message is not None and self.capabilities.context_size:
             size, _ = conv.size_alone(for_message)
             keep_free = max(keep_free, min(size + n_ctx // 8, n_ctx - 1))
         dropped = drop_oldest(conv, keep_free, keep_latest=for_message is None)
+        if not dropped:  # (nothing changed: no branch of it)
+            named.others, named.branch, named.next_branch = before
+            return 0
         self.save()
         return dropped
 

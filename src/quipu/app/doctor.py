@@ -16,15 +16,17 @@ from quipu.errors import UsageError
 # The CMake switch of each GPU backend llama-cpp-python can be built with.
 GPU_BUILDS = (("CUDA", "NVIDIA GPUs", "-DGGML_CUDA=on"), ("Metal", "Apple Silicon", "-DGGML_METAL=on"),
               ("Vulkan", "most GPUs: AMD, Intel, NVIDIA", "-DGGML_VULKAN=on"), ("ROCm", "AMD GPUs", "-DGGML_HIP=on"))
+MAC_ONLY, NOT_ON_MAC = {"Metal"}, {"CUDA", "ROCm", "Vulkan"}  # (the systems each is built on)
 
 
 def install_commands(version: str) -> list[dict[str, str]]:
-    """The one command per GPU backend that rebuilds llama-cpp-python for it, in this Python."""
+    """The one command per GPU backend of this system that rebuilds llama-cpp-python for it, in
+    this Python (Metal on a Mac alone, the others elsewhere)."""
     python = shlex.quote(sys.executable)
     return [{"backend": name, "for": what,
              "command": f'CMAKE_ARGS="{flag}" {python} -m pip install --force-reinstall --no-deps --no-cache-dir '
                         f'llama-cpp-python=={version}'}
-            for name, what, flag in GPU_BUILDS]
+            for name, what, flag in GPU_BUILDS if name not in (NOT_ON_MAC if sys.platform == "darwin" else MAC_ONLY)]
 
 
 def report(env: Environment, opts: TurnOptions | None = None) -> dict[str, Any]:

@@ -70,7 +70,11 @@ def _follows(r: Record, found: list[Record]) -> str:
         return ""
     before = [other.id for other in found if other.conversation == r.conversation and other.id is not None
               and other.id < r.id]
-    return f"  (follows #{max(before)})" if before else f"  (in the conversation of #{shown(r.conversation)})"
+    if before:
+        return f"  (follows #{max(before)})"
+    kind, _, name = r.conversation.partition(":")
+    return f"  (in session {shown(name)})" if kind == "session" and name else \
+        f"  (in the conversation of #{shown(r.conversation)})"
 
 
 def _brief(r: Record, follows: str = "") -> list[str]:
