@@ -84,6 +84,11 @@ def test_models_add_and_info(quipu, tiny_model, home):
     assert "SmolLM2-135M-Instruct" in default
     r = quipu("models", "add", home)
     assert r.returncode == 2 and "not a usable GGUF" in r.stderr.decode()
+    # `models rm` undoes `models add`: the name goes, the file stays
+    gone = quipu("models", "rm", "mine")
+    assert gone.returncode == 0 and f"the file {tiny_model} stays" in gone.stderr.decode()
+    assert tiny_model.exists() and "mine" not in quipu("models", "list").stdout.decode()
+    assert quipu("models", "rm", "mine").returncode == 2
 
 
 def test_a_hostile_header_is_refused_quickly(tmp_path):

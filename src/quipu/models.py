@@ -230,6 +230,19 @@ def add_model(path: Path, models_dir: Path, name: str | None = None) -> ModelEnt
     return ModelEntry(name, link, "quipu")
 
 
+def remove_added(name: str, models_dir: Path) -> Path | None:
+    """Undoes `add_model`: the name's link in quipu's models folder removed (the file it named
+    stays); the file it named, or None where `name` is no model added so."""
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        return None
+    link = models_dir / f"{name}.gguf"
+    if not link.is_symlink():
+        return None
+    target = Path(os.readlink(link))
+    link.unlink()
+    return target
+
+
 def describe(entry: ModelEntry) -> dict[str, Any]:
     """What `quipu models list` shows of one model, read from its header."""
     from quipu.gguf import GGUFError, human_params, read_gguf

@@ -181,10 +181,17 @@ def search(context: typer.Context, text: str = typer.Argument(..., help="What to
 
 @app.command()
 def rm(context: typer.Context,
-       model: str = typer.Argument(..., help="A model quipu pulled: OWNER/REPO:QUANT, hf:..., or its listed name.")) -> None:
-    """Remove a model quipu pulled from the Hugging Face cache (never a file quipu did not download)."""
+       model: str = typer.Argument(..., help="A model quipu pulled: OWNER/REPO:QUANT, hf:..., or its listed name; "
+                                           "or a name `quipu models add` gave.")) -> None:
+    """Remove a model quipu pulled from the Hugging Face cache (never a file quipu did not download),
+    or the name `quipu models add` gave a file (the file stays)."""
     from quipu.app.hub import remove
+    from quipu.models import remove_added
 
+    named = remove_added(model, context.obj.dirs.models)
+    if named is not None:
+        Terminal.detect().err(f"removed the name '{model}' (the file {named} stays)\n")
+        return
     removed = remove(model, context.obj.dirs)
     Terminal.detect().err(f"removed {removed.repo} {removed.quant} from the Hugging Face cache\n")
 
