@@ -342,3 +342,16 @@ def test_an_answer_of_a_session_whose_first_is_not_listed_names_the_session():
     assert _follows(of_session, [of_session]) == "  (in session t2)"
     other = Record("Q", "A", "m", conversation="3", id=7)
     assert _follows(other, [other]) == "  (in the conversation of #3)"
+
+
+def test_a_chat_s_attached_file_is_logged_by_its_name_as_run_a_logs_it(quipu, home, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("The mill was built in 1820 by the river.\n" * 20)
+    assert quipu("run", *SHORT, "-a", str(notes), "When was the mill built?").returncode == 0
+    r = quipu("chat", *SHORT, input=f"/attach {notes}\nWhen was the mill built?\n".encode())
+    assert r.returncode == 0, r.stderr.decode()
+    chat, run = logged(quipu)[:2]
+    assert chat["command"] == "chat" and run["command"] == "run"
+    for record in (chat, run):  # (the message as typed, the file by its name and hash: not its text again)
+        assert record["prompt"] == "When was the mill built?" and "1820" not in record["prompt"]
+        assert [a["name"] for a in record["attachments"]] == ["notes.txt"]

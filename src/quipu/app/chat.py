@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from quipu.app.answer import Answer
 from quipu.app.turn import Ask, Turn, compose
@@ -180,9 +180,11 @@ class ChatSession:
 
     # ---- turns -------------------------------------------------------------------------------
 
-    def _turn(self, ask: Ask, sink: ReplySink, hooks: ToolHooks | None, message: str | None = None) -> Answer:
+    def _turn(self, ask: Ask, sink: ReplySink, hooks: ToolHooks | None, message: str | None = None,
+              said: tuple[str, Sequence[Attachment]] | None = None) -> Answer:
         """One turn (`turn.Turn`): the reply into `sink`, and the calls it makes run as `hooks`
-        (the front end's) approve and show them; the answer is saved and logged before it returns."""
+        (the front end's) approve and show them; the answer is saved and logged before it returns
+        (`said`: the message as typed and the files it carries, as the log keeps them, as `-a`'s)."""
         named = self._named
         session = named.session
         turn = Turn(session, named.keeper, named.conversation, self.opts.tool_options, named=named, tools=self.tools,
@@ -196,24 +198,25 @@ class ChatSession:
             return Answer("", "context_full", named.model_name, session.params.seed, self.name, session.stats)
         if not self.kept:
             answer = replace(answer, session=None)
-        self._log(answer, message)  # (first: the reply's id in the log is saved with it)
+        self._log(answer, said or (message, ()) if message is not None else None)  # (first: its id is saved with it)
         self.save()
         self.last_stats = session.stats
         if answer.failure is not None:
             raise answer.failure  # a server failed mid-reply: what came is kept and saved
         return answer
 
-    def _log(self, answer: Answer, message: str | None) -> None:
+    def _log(self, answer: Answer, said: tuple[str, Sequence[Attachment]] | None) -> None:
         """The turn's answer in the log of answers (a warning where it could not be written)."""
         from quipu.app.answer_log import follows, log_answer, mark_logged
 
         named = self._named
         messages = named.conversation.messages
-        asked = message if message is not None else next((m.content for m in reversed(messages) if m.role == "user"),
-                                                         "")
+        asked, files = said if said is not None else \
+            (next((m.content for m in reversed(messages) if m.role == "user"), ""), ())
         # (it follows up the last reply before its exchange on the branch the chat is on: an /edit,
         # /undo, /retry or /switch goes on from where that branch is)
         made, unlogged = log_answer(self.env, self.opts.logged, "chat", asked, answer, system=answer.system,
+                                    attachments=list(files),
                                     conversation=self._conversation or (f"session:{self.name}" if self.kept
                                                                         else f"chat:{self.name}"),
                                     parent=follows(messages))
@@ -229,9 +232,10 @@ class ChatSession:
         before = conv.settings  # (the documents a message that is not sent gave are taken back)
         from quipu.app.attachments import split_media
 
+        typed, carried = text, list(self.attached)
         text = compose(conv, text, split_media(self.attached)[0], self._marks) or ""  # (its text never a marker)
         try:
-            outcome = self._turn(Ask("send", text), sink, hooks, message=text)
+            outcome = self._turn(Ask("send", text), sink, hooks, message=text, said=(typed, carried))
         except UsageError as exc:  # it can never fit: what it carried is not left waiting for the next one
             if not self.attached:
                 raise
