@@ -692,6 +692,19 @@ def test_a_reply_on_a_terminal_is_marked_and_followed_by_a_gap(tmp_path, tiny_mo
     finally:
         chat.close()
     assert coloured.getvalue().startswith("\x1b[1;32m● \x1b[22;39m") and "●" not in out.getvalue() + piped.getvalue()
+    # a reply continued opens with its mark and one space, not two; rendered as Markdown, it has its mark too
+    continued, rendered = io.StringIO(), io.StringIO()
+    chat = ChatSession.open(env, TurnOptions.of(model=str(tiny_model), max_tokens=4, seed=3), name="gap")
+    try:
+        Repl(chat, Terminal(io.StringIO(), continued, err, False, True, True, True), env).safely("/continue")
+        markdown = Repl(chat, Terminal(io.StringIO(), rendered, err, False, True, True, True), env)
+        markdown.markdown = True
+        markdown.safely("and more")
+    finally:
+        chat.close()
+    assert continued.getvalue().startswith("\x1b[1;32m● \x1b[22;39m")
+    assert not continued.getvalue().startswith("\x1b[1;32m● \x1b[22;39m ")
+    assert "●" in rendered.getvalue()
 
 
 def test_the_recap_of_a_resumed_chat_breaks_lines_between_words(repl, monkeypatch):

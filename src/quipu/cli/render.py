@@ -95,6 +95,7 @@ class PlainRenderer:
             if self.wrap is not None:
                 self.wrap.column = _cells(self.mark)
             self.mark = ""
+            text = text.lstrip(" ")  # (a reply continued begins with its space: the mark's is enough)
         if self.wrap is not None:
             text = self.wrap.push(text)
         if text:
@@ -144,6 +145,7 @@ class MarkdownRenderer:
         self.show_thinking = show_thinking
         self.reasoning = ""
         self.text = ""
+        self.mark = REPLY_MARK.strip() if term.color else ""  # (on a line of its own: a reply's Markdown begins freely)
         self.live, self.safe = term.live()  # (the model's text escaped before it is rendered)
         self.live.start()
 
@@ -162,7 +164,8 @@ class MarkdownRenderer:
         from rich.text import Text
 
         parts = [Text(self.safe(self.reasoning.strip()), style="dim")] if self.reasoning.strip() else []
-        self.live.update(Group(*parts, Markdown(self.safe(self.text))))
+        mark = [Text(self.mark, style="bold")] if self.mark and self.text else []
+        self.live.update(Group(*parts, *mark, Markdown(self.safe(self.text))))
 
     def unshown(self) -> str:
         return ""  # (all of it shows as the live view stops)
