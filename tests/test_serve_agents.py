@@ -109,7 +109,7 @@ def test_a_forced_tool_call_holds_its_schema_and_its_result_goes_back(home, bund
         assert after.output[-1].type == "message"
 
 
-LONG = SYSTEM * 8  # (a conversation of some length: a restore takes all but the last step (512 tokens) of a whole read)
+LONG = SYSTEM * 8  # (a conversation of some length: a restore takes all but the last step (256 tokens) of a whole read)
 
 
 def greedy_response(c, **asked):
