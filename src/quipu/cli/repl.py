@@ -124,7 +124,7 @@ class Repl:
         if outcome.finish_reason == "interrupted":
             self.say("[stopped]")
         elif outcome.finish_reason == "length":
-            self.say("[cut at max_tokens: /continue goes on; /set max_tokens N changes it]")
+            self.say("[cut at max_tokens: /continue goes on]")
         if stopper.ended:  # told to end (SIGTERM, SIGHUP): the reply so far is saved; leave
             self.running = False
             return
@@ -165,9 +165,10 @@ class Repl:
 
     def context_full(self, unsent: str | None) -> None:
         used, size = self.chat.context_used, self.chat.context_size
-        if unsent is not None and used < size * 0.9:  # (the message itself is what does not fit)
-            self.say(f"the message does not fit: it is {self.chat.size_of(unsent)} tokens, and {size - used} of the "
-                     f"context's {size} are free.")
+        needs = self.chat.size_of(unsent) if unsent is not None else 0
+        if unsent is not None and needs >= size - used:  # (the message itself is larger than what is free)
+            self.say(f"the message does not fit: it is {needs} tokens, and {size - used} of the context's {size} are "
+                     "free.")
         else:
             self.say(f"the context is full ({used} of {size} tokens).")
         choice = self.ask("[d]rop the oldest exchanges, [s]ummarize them (/compact), [n]ew session with the same "
