@@ -363,3 +363,16 @@ def test_a_thinking_model_s_reasoning_is_its_own_block_and_item(tmp_path, home):
                                                    reasoning={"effort": "low"}, store=False)
         assert r.output[0].type == "reasoning" and r.output[0].content[0].text
     assert close  # (the model's markup is its own tokens)
+
+
+def test_a_reply_is_held_to_the_schema_either_api_gives(home, tiny_model, tmp_path):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    with quipu_serve(home, tiny_model, tmp_path=tmp_path) as url:
+        r = responses_client(url).responses.create(
+            model="", input="A number.", max_output_tokens=40, store=False,
+            text={"format": {"type": "json_schema", "name": "n", "schema": schema}})
+        jsonschema.validate(json.loads(r.output_text), schema)
+        m = messages_client(url).messages.create(model="", max_tokens=40, messages=[{"role": "user", "content": "A number."}],
+                                                 output_config={"format": {"type": "json_schema", "schema": schema}})
+        jsonschema.validate(json.loads(m.content[0].text), schema)
