@@ -304,3 +304,51 @@ def test_the_fit_counts_no_cache_for_layers_that_read_another_s(tmp_path):
 
     caches = layer_sizes(read_table(write_tiny_gemma4(tmp_path / "gemma4.gguf", shared_kv_layers=2)), 1024, "f16").caches
     assert all(caches[:-2]) and caches[-2:] == (0, 0)
+
+
+def _header_only(path: Path, arch: str, values: dict) -> Path:
+    """A GGUF file of a model's header alone (what doctor -m and the fit read of it: no tensor)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in values.items():
+        name = f"{arch}.{key}"
+        if isinstance(value, list):
+            writer.add_array(name, value)
+        else:
+            writer.add_uint32(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("arch, values, recurrent, attention", [
+    # RWKV-7: a state in every block (two token shifts and the wkv state), no attention cache at all
+    ("rwkv7", {"block_count": 4, "embedding_length": 64, "wkv.head_size": 16, "token_shift_count": 2,
+               "attention.head_count": 0}, [True] * 4, [False] * 4),
+    # Falcon-H1: a state and an attention cache in every block
+    ("falcon-h1", {"block_count": 3, "embedding_length": 64, "attention.head_count": 4, "attention.head_count_kv": 2,
+                   "ssm.conv_kernel": 4, "ssm.inner_size": 128, "ssm.state_size": 16, "ssm.group_count": 1},
+     [True] * 3, [True] * 3),
+    # Nemotron-H: Mamba blocks keep a state, attention blocks a cache, the feed-forward blocks nothing
+    ("nemotron_h", {"block_count": 4, "embedding_length": 64, "attention.head_count": 4,
+                    "attention.head_count_kv": [0, 2, 0, 0], "feed_forward_length": [0, 0, 256, 0],
+                    "ssm.conv_kernel": 4, "ssm.inner_size": 128, "ssm.state_size": 16, "ssm.group_count": 1},
+     [True, False, False, True], [False, True, False, False]),
+])
+def test_other_recurrent_families_count_their_states_and_caches_where_they_are(tmp_path, arch, values, recurrent,
+                                                                              attention):
+    from quipu.engine.placement import RECURRENT_SEQS, layer_sizes, read_table, recurrent_blocks
+
+    info = read_table(_header_only(tmp_path / f"{arch}.gguf", arch, values))
+    state, blocks = recurrent_blocks(info)
+    assert blocks == recurrent
+    if arch == "rwkv7":
+        assert state == 4 * (2 * 64 + 64 * 16)
+    small, large = layer_sizes(info, 1024, "f16").caches, layer_sizes(info, 8192, "f16").caches
+    kept = RECURRENT_SEQS * state  # (a state a sequence, whatever the context's length)
+    for i, (r, a) in enumerate(zip(recurrent, attention, strict=True)):
+        cache = (small[i] - (kept if r else 0), large[i] - (kept if r else 0))  # (the attention cache's share)
+        assert cache == ((0, 0) if not a else (cache[0], 8 * cache[0])) and (not a or cache[0] > 0), (i, small, large)

@@ -36,6 +36,9 @@ class GGUFError(ValueError):
     """The file is not a GGUF file this reader can make sense of."""
 
 
+HEAD_ITEMS = 512  # an array's first items read (a per-layer value of every layer: llama.cpp's most)
+
+
 @dataclass(frozen=True)
 class ArrayInfo:
     """An array value, not read in full: its element type, length and where it starts."""
@@ -162,7 +165,7 @@ class _Reader:
             offset = self.pos
             if item_type in _SCALARS:
                 width = struct.calcsize(_SCALARS[item_type])
-                head = [self.scalar(_SCALARS[item_type]) for _ in range(min(count, 16))]
+                head = [self.scalar(_SCALARS[item_type]) for _ in range(min(count, HEAD_ITEMS))]
                 info = ArrayInfo(item_type, count, offset, head)
                 self.pos = offset + count * width
                 if self.pos > self.size:

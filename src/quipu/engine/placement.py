@@ -170,13 +170,20 @@ def layer_sizes(info: "GGUFInfo", n_ctx: int, kv_type: str, ring: Callable[[int]
     v_len = _int_of(meta.get(f"{arch}.attention.value_length")) or k_len
     cells = _cells(n_ctx)
     window, windowed = window_blocks(info)
-    per_cell = n_head_kv * (k_len + v_len) * _KV_BYTES.get(kv_type, 2.0)
+    # (each block's KV heads where the file lists them: none in a block without attention)
+    listed = getattr(meta.get(f"{arch}.attention.head_count_kv"), "head", None)
+    heads = [v if isinstance(v, int) else n_head_kv for v in listed[:n_block]] \
+        if isinstance(listed, list) and len(listed) >= n_block else [n_head_kv] * n_block
+    per_cell = [h * (k_len + v_len) * _KV_BYTES.get(kv_type, 2.0) for h in heads]
     ring_cells = min(cells, ring(window)) if ring is not None and window else cells
-    caches = [int((ring_cells if w else cells) * per_cell) for w in windowed[:n_block]]
-    caches += [int(cells * per_cell)] * (n_block - len(caches))
+    windowed = [*windowed[:n_block], *[False] * (n_block - len(windowed))]
+    caches = [int((ring_cells if w else cells) * c) for w, c in zip(windowed, per_cell, strict=True)]
     recurrent = recurrent_blocks(info)
-    if recurrent is not None:  # (a recurrent block keeps its state, of the context's sequences, and no cell)
-        caches = [RECURRENT_SEQS * recurrent[0] if r else c for c, r in zip(caches, recurrent[1], strict=False)]
+    if recurrent is not None:  # (a recurrent block keeps its state, of the context's sequences, and no cell,
+        # but where its attention runs beside it: Falcon-H1's)
+        both = arch in ATTENTION_BESIDE
+        caches = [RECURRENT_SEQS * recurrent[0] + (c if both else 0) if r else c
+                  for c, r in zip(caches, recurrent[1], strict=False)]
     own = cached_blocks(arch, n_block, _int_of(meta.get(f"{arch}.attention.shared_kv_layers")) or 0)
     return Layers(tuple(weights), tuple(c if i < own else 0 for i, c in enumerate(caches)), output, embed, tied)
 
@@ -323,6 +330,8 @@ RECURRENT_SEQS = 2
 # Hybrid architectures whose recurrent blocks are all but every n-th (llama.cpp's default for a file
 # that lists none: `full_attention_interval`).
 _ATTENTION_EVERY = {"qwen35": 4, "qwen35moe": 4, "qwen3next": 4}
+# Hybrid architectures whose every block keeps a recurrent state and an attention cache beside it.
+ATTENTION_BESIDE = {"falcon-h1"}
 
 
 def recurrent_blocks(info: "GGUFInfo") -> tuple[int, list[bool]] | None:
@@ -335,7 +344,10 @@ def recurrent_blocks(info: "GGUFInfo") -> tuple[int, list[bool]] | None:
     l_cache = _int_of(meta.get(f"{arch}.shortconv.l_cache")) or 0
     d_conv, d_inner = (_int_of(meta.get(f"{arch}.ssm.{k}")) or 0 for k in ("conv_kernel", "inner_size"))
     d_state, n_group = (_int_of(meta.get(f"{arch}.ssm.{k}")) or 0 for k in ("state_size", "group_count"))
-    if l_cache:  # (LFM2: the last inputs of a short convolution)
+    wkv = _int_of(meta.get(f"{arch}.wkv.head_size")) or 0
+    if wkv:  # (RWKV: its token shifts and its wkv state, in every block; no attention)
+        floats = (_int_of(meta.get(f"{arch}.token_shift_count")) or 2) * n_embd + n_embd * wkv
+    elif l_cache:  # (LFM2: the last inputs of a short convolution)
         floats = n_embd * (l_cache - 1)
     elif d_inner:  # (Mamba, Gated DeltaNet: a convolution's inputs and the state)
         floats = max(0, d_conv - 1) * (d_inner + 2 * n_group * d_state) + d_state * d_inner
@@ -343,9 +355,15 @@ def recurrent_blocks(info: "GGUFInfo") -> tuple[int, list[bool]] | None:
         return None
     kv = meta.get(f"{arch}.attention.head_count_kv")
     listed = getattr(kv, "head", None)
+    ff = getattr(meta.get(f"{arch}.feed_forward_length"), "head", None)
     every = _int_of(meta.get(f"{arch}.full_attention_interval")) or _ATTENTION_EVERY.get(arch, 0)
-    if isinstance(listed, (list, tuple)) and len(listed) >= n_block:
-        blocks = [v == 0 for v in listed[:n_block]]
+    if wkv or arch in ATTENTION_BESIDE:
+        blocks = [True] * n_block
+    elif isinstance(listed, (list, tuple)) and len(listed) >= n_block:
+        # (a block with neither attention nor a feed-forward is a state's; Nemotron-H's with a
+        # feed-forward alone keeps nothing)
+        mlp = ff if arch.startswith("nemotron_h") and isinstance(ff, list) and len(ff) >= n_block else [0] * n_block
+        blocks = [v == 0 and not f for v, f in zip(listed[:n_block], mlp[:n_block], strict=True)]
     elif every:
         blocks = [(i + 1) % every != 0 for i in range(n_block)]
     else:
