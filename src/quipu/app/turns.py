@@ -20,7 +20,7 @@ from quipu.app.named import NamedSession, store_for
 from quipu.app.tools import OpenTools, ToolHooks, offer, open_tools
 from quipu.app.turn import Ask, PromptView, Turn, compose
 from quipu.errors import BadInput, ContextOverflow, UsageError
-from quipu.sessions.base import SILENT, Capabilities, Generation, ModelSession
+from quipu.sessions.base import SILENT, Capabilities, Generation, ModelSession, common_prefix
 from quipu.sessions.base import ReplySink as ReplySink  # (the CLI's sinks are made of it)
 from quipu.sessions.conversation import Conversation, Message, TurnSettings
 from quipu.store.store import validate_name
@@ -359,13 +359,11 @@ class SessionRequest:
             raise SessionConflict(f"session '{named.name}' no longer holds the conversation this goes on from")
         rest = held[1:follows.at] if held and held[0].role == "system" else held[:follows.at]
         sent = ([Message("system", follows.system)] if follows.system else []) + list(rest) + list(self.sent)
-        parts = next((i for i, (a, b) in enumerate(zip(held, sent, strict=False)) if said(a) != said(b)),
-                     min(len(held), len(sent)))
+        parts = common_prefix([said(m) for m in held], [said(m) for m in sent])
         if parts < len(held):
             named.stash()
             conv.back_to(parts)
         return sent
-
 
     def take(self, named: NamedSession, opts: TurnOptions, env: Environment) -> Callable[[], None]:
         """Gives the session the request's options for this turn; what sets its own back (before it is saved)."""

@@ -3,6 +3,7 @@ its slash commands are `slash.py`'s table."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shlex
@@ -110,17 +111,26 @@ class Repl:
 
     # ---- turns -----------------------------------------------------------------------------
 
-    def turn(self, action: Callable[..., Answer], *args: str, room_made: bool = False) -> None:
+    @contextlib.contextmanager
+    def _streaming(self, renderer: Callable[[], Renderer], gap: bool = False
+                   ) -> Iterator[tuple[ChatStream, StopOnCtrlC]]:
+        """What the model writes, shown by `renderer` as it comes (its sink), the prompt's reading
+        as a progress bar, Ctrl-C stopping it (the stopper) and keys typed meanwhile held for the
+        next prompt; the screen closed after it (`gap`: a blank line after it, on a terminal)."""
         progress = PrefillProgress(self.term)
-        renderer = self._renderer()
+        shown = renderer()
         with StopOnCtrlC(hard_second=False, quit_too=True) as stopper, HeldKeys(self.term):
             try:
-                outcome = action(*args, sink=ChatStream(renderer, stopper, progress), hooks=self.hooks)
+                yield ChatStream(shown, stopper, progress), stopper
             finally:
                 progress.close()
-                renderer.close(stopped=stopper.requested)
-                if self.term.stdout_tty:  # (a gap between a reply and the next message, on a terminal)
+                shown.close(stopped=stopper.requested)
+                if gap and self.term.stdout_tty:  # (a gap between a reply and the next message, on a terminal)
                     self.term.out("\n")
+
+    def turn(self, action: Callable[..., Answer], *args: str, room_made: bool = False) -> None:
+        with self._streaming(self._renderer, gap=True) as (sink, stopper):
+            outcome = action(*args, sink=sink, hooks=self.hooks)
         if outcome.finish_reason == "interrupted":
             self.say("[stopped]")
         elif outcome.finish_reason == "length":
@@ -151,14 +161,8 @@ class Repl:
         from quipu.app.compact import summarize
 
         self.say("summarizing the older exchanges (the last ones stay as they are)...")
-        progress = PrefillProgress(self.term)
-        renderer = PlainRenderer(self.term)
-        with StopOnCtrlC(hard_second=False, quit_too=True) as stopper, HeldKeys(self.term):
-            try:
-                summary = summarize(self.chat, instructions, sink=ChatStream(renderer, stopper, progress))
-            finally:
-                progress.close()
-                renderer.close(stopped=stopper.requested)
+        with self._streaming(lambda: PlainRenderer(self.term)) as (sink, stopper):
+            summary = summarize(self.chat, instructions, sink=sink)
         if stopper.requested:
             raise Interrupted("the summary was stopped; nothing was compacted")
         return summary

@@ -97,9 +97,8 @@ class Pace:
 
 class ChatStream(ReplySink):
     """A reply's sink in the chat: `renderer` shows it, `stopper` says Ctrl-C stops it; the
-    prompt's reading shows on `progress`. Once Ctrl-C is pressed nothing more is shown: the
-    token in flight when it came is kept in the reply (and shown with it later), not printed
-    after the ^C."""
+    prompt's reading shows on `progress`. Once Ctrl-C is pressed nothing more is shown, and
+    what the reply keeps is what showed (`seen`)."""
 
     def __init__(self, renderer: Renderer, stopper: Callable[[], bool], progress: Callable[[int, int], None]):
         self.renderer, self._stopper, self._progress = renderer, stopper, progress
