@@ -10,6 +10,7 @@ import ctypes
 import json
 import shutil
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -352,3 +353,36 @@ def test_other_recurrent_families_count_their_states_and_caches_where_they_are(t
     for i, (r, a) in enumerate(zip(recurrent, attention, strict=True)):
         cache = (small[i] - (kept if r else 0), large[i] - (kept if r else 0))  # (the attention cache's share)
         assert cache == ((0, 0) if not a else (cache[0], 8 * cache[0])) and (not a or cache[0] > 0), (i, small, large)
+
+
+def test_plamo2_decodes_one_sequence_at_a_time_where_more_are_asked_and_says_so(quipu, home, tmp_path):
+    """llama.cpp's PLaMo-2 graph misplaces the states of several sequences decoded in one step (two
+    answer wrongly, three abort the process): a batch and a server asked for several run one at a
+    time, answer as lone runs, and say so in one line."""
+    import httpx
+
+    from servers import quipu_serve
+    from tinymodel import write_tiny_plamo2
+
+    model = write_tiny_plamo2(tmp_path / "plamo2.gguf")
+    rows = ["hello world", "the sky is", "Paris is the", "blue and the"]
+    r = quipu("run", "-m", model, "--raw", "-n", "6", "-t", "0", "--batch", "-", "--parallel", "3",
+              input="\n".join(rows))
+    assert r.returncode == 0, r.stderr[-800:]
+    assert [json.loads(line)["index"] for line in r.stdout.splitlines()] == [0, 1, 2, 3]
+    said = [line for line in r.stderr.decode().splitlines() if "at a time" in line]
+    assert said == ["quipu: warning: llama.cpp decodes one sequence at a time on plamo2 models: "
+                    "--parallel 3 runs as 1"]
+    lone = [quipu("run", "-m", model, "--raw", "-n", "6", "-t", "0", "--json", row) for row in rows]
+    assert [json.loads(line)["text"] for line in r.stdout.splitlines()] == [_json(a)["text"] for a in lone]
+
+    with quipu_serve(home, model, "--parallel", "4", tmp_path=tmp_path) as url:
+        def ask(prompt: str) -> httpx.Response:
+            return httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0},
+                              timeout=120)
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, rows))
+    assert [a.json()["choices"][0]["text"] for a in answers] == [_json(a)["text"] for a in lone]
+    log = next(tmp_path.glob("serve-*.log")).read_text()
+    assert "--parallel 4 runs as 1" in log

@@ -596,3 +596,60 @@ def write_tiny_gemma4(path: Path, *, n_embd: int = 128, n_layer: int = 6, n_head
         writer.add_tensor(p + "post_ffw_norm.weight", _ones(n_embd))
     _finish(writer)
     return Path(path)
+
+
+def write_tiny_plamo2(path: Path, *, n_embd: int = 128, n_layer: int = 2, n_head: int = 4, n_head_kv: int = 2,
+                      n_ff: int = 256, n_ctx_train: int = 4096, seed: int = 0, chat_template: str | None = None,
+                      d_state: int = 16, n_ssm_heads: int = 4, d_conv: int = 4) -> Path:
+    """A tiny random model of PLaMo-2's architecture (`plamo2`, as the vendored
+    `src/models/plamo2.cpp` reads it): Mamba blocks (no groups) and attention blocks with a joint
+    QKV and Q/K norms, every block with norms after its mixer and its feed-forward; a block whose
+    `head_count_kv` is 0 is a Mamba block."""
+    rng, w = _draws(seed)
+    head_dim = n_embd // n_head
+    d_inner = 2 * n_embd
+    dt_dim = max(64, n_embd // 16)
+
+    writer, n_vocab = _hybrid_writer(path, "plamo2", n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_ff=n_ff,
+                                     n_ctx_train=n_ctx_train, chat_template=chat_template, extra_specials=())
+    attention = [i % 2 == 1 for i in range(n_layer)]
+    writer.add_head_count_kv([n_head_kv if a else 0 for a in attention])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_ssm_conv_kernel(d_conv)
+    writer.add_ssm_inner_size(d_inner)
+    writer.add_ssm_state_size(d_state)
+    writer.add_ssm_time_step_rank(n_ssm_heads)
+    writer.add_ssm_group_count(0)
+
+    writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
+    writer.add_tensor("output_norm.weight", _ones(n_embd))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", _ones(n_embd))
+        writer.add_tensor(p + "post_attention_norm", _ones(n_embd))
+        writer.add_tensor(p + "ffn_norm.weight", _ones(n_embd))
+        writer.add_tensor(p + "post_ffw_norm", _ones(n_embd))
+        if attention[i]:
+            writer.add_tensor(p + "attn_qkv.weight", w((n_head + 2 * n_head_kv) * head_dim, n_embd, scale=1.5))
+            writer.add_tensor(p + "attn_q_norm.weight", _ones(head_dim * n_head).reshape(n_head, head_dim) * 3)
+            writer.add_tensor(p + "attn_k_norm.weight", _ones(head_dim * n_head_kv).reshape(n_head_kv, head_dim) * 3)
+            writer.add_tensor(p + "attn_output.weight", w(n_embd, n_head * head_dim))
+        else:
+            writer.add_tensor(p + "ssm_in.weight", w(2 * d_inner, n_embd))
+            writer.add_tensor(p + "ssm_conv1d.weight", w(d_inner, d_conv))
+            writer.add_tensor(p + "ssm_x.weight", w(dt_dim + 2 * d_state, d_inner))
+            writer.add_tensor(p + "ssm_dt.weight", w(n_ssm_heads, dt_dim))
+            writer.add_tensor(p + "ssm_dt.bias", np.zeros(n_ssm_heads, dtype=np.float32))
+            writer.add_tensor(p + "ssm_a", -np.exp(rng.uniform(-5, -3, n_ssm_heads)).astype(np.float32))
+            writer.add_tensor(p + "ssm_d", _ones(n_ssm_heads))
+            writer.add_tensor(p + "ssm_out.weight", w(n_embd, d_inner))
+            writer.add_tensor(p + "ssm_dt_norm", _ones(dt_dim))
+            writer.add_tensor(p + "ssm_b_norm", _ones(d_state))
+            writer.add_tensor(p + "ssm_c_norm", _ones(d_state))
+        writer.add_tensor(p + "ffn_up.weight", w(2 * n_ff, n_embd))
+        writer.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
+    _finish(writer)
+    return Path(path)

@@ -36,7 +36,7 @@ from quipu.app.turn_options import (
     template_variables,
 )
 from quipu.app.modes import BATCH, asked_of, check_options
-from quipu.app.placing import placement_notices, placement_of
+from quipu.app.placing import placement_notices, placement_of, sequences_capped
 from quipu.engine.settings import CTX_AUTO, DEFAULT_CTX_CAP, ContextSettings, available_cpus
 from quipu.errors import BadInput, QuipuError, UsageError
 from quipu.options import OPTIONS, ROW, SAMPLING
@@ -260,7 +260,9 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
                                   f"context is {share}; shorten it, or give a larger --ctx")
                  if p.error is None and len(p.ready.tokens) >= share else p for p in plans]
         runnable = [p for p in plans if p.error is None]
-        n_seq = max(1, min(parallel or default_parallel(), len(runnable)))
+        n_seq, capped = sequences_capped(model_path, max(1, min(parallel or default_parallel(), len(runnable))))
+        if capped is not None and parallel and on_notice is not None:  # (a default bounded: nothing to say)
+            on_notice(capped)
         writer = InOrder(on_row)
         for p in plans:
             if p.error is not None:

@@ -1,6 +1,6 @@
 """Where a local model runs, as the commands say it and sessions keep it: the placement shown in
 --json and --stats, the lines said of it (fewer layers fit on the GPU; a --ctx past the training
-length; a session moved from where it was saved), and a resumed session placed as it last ran."""
+length; a session moved from where it was saved; fewer sequences at once than asked), and a resumed session placed as it last ran."""
 
 from __future__ import annotations
 
@@ -29,6 +29,19 @@ def load_where_it_ran(model_path: Path, settings: ContextSettings, verbose: bool
         except UsageError:
             pass  # (no room for it now, or not those devices: as the fit says)
     return load_backend(model_path, settings, verbose, where)
+
+
+def sequences_capped(model_path: Path, asked: int) -> tuple[int, str | None]:
+    """`asked` sequences side by side (--parallel), or fewer where llama.cpp decodes fewer at once
+    on this model's architecture, and the line that says so."""
+    from quipu.engine.placement import sequences_at_once
+
+    bound = sequences_at_once(model_path) if asked > 1 else None
+    if bound is None or asked <= bound[1]:
+        return asked, None
+    arch, most = bound
+    at_once = "one sequence at a time" if most == 1 else f"at most {most} sequences at once"
+    return most, f"llama.cpp decodes {at_once} on {arch} models: --parallel {asked} runs as {most}"
 
 
 def placement_of(backend: Backend) -> dict[str, Any]:

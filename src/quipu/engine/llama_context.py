@@ -12,7 +12,7 @@ from quipu.engine.settings import DEFAULT_CTX_CAP, ContextSettings, check_contex
 from quipu.engine.logs import LOG
 from quipu.engine.model import LlamaModel
 from quipu.engine.native import lc
-from quipu.engine.placement import check_host_room, ring_of
+from quipu.engine.placement import check_host_room, ring_of, sequences_at_once
 from quipu.errors import EngineError, ModelLoadError
 
 T = TypeVar("T")
@@ -67,6 +67,9 @@ class NativeContext:
         n_ctx = context.n_ctx or min(model.n_ctx_train or DEFAULT_CTX_CAP, DEFAULT_CTX_CAP)
         cparams = context_params(context, n_ctx)
         parallel = max(1, context.parallel)
+        bound = sequences_at_once(model.path) if max(parallel, context.n_seq) > 1 else None
+        if bound is not None and max(parallel, context.n_seq) > bound[1]:  # (callers cap it first: a safety net)
+            raise ModelLoadError(f"llama.cpp decodes {bound[1]} sequence at a time on {bound[0]} models")
         if n_ctx * parallel > DEFAULT_CTX_CAP:  # (a usual context is far smaller than any machine's memory)
             check_host_room(model.path, n_ctx * parallel, context.kv_type, model.placement.gpu_layers, cparams)
         LOG.clear_errors()

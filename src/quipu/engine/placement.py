@@ -112,6 +112,20 @@ def read_table(path: Path) -> "GGUFInfo":
         raise ModelLoadError(f"cannot read {path}: {exc}") from None
 
 
+# Architectures whose llama.cpp graph cannot decode several sequences in one step: PLaMo-2's Mamba
+# blocks store the states of a step's sequences at a place that counts them twice (two answer
+# wrongly, three abort in ggml).
+_SEQUENCES_AT_ONCE = {"plamo2": 1}
+
+
+def sequences_at_once(path: Path) -> tuple[str, int] | None:
+    """The architecture of `path` and the most sequences llama.cpp decodes side by side on it,
+    where it has such a bound (None: as many as a context holds)."""
+    arch = read_table(path).architecture
+    most = _SEQUENCES_AT_ONCE.get(arch)
+    return None if most is None else (arch, most)
+
+
 # The window layers of a sliding-window architecture whose file does not list them: all but each
 # n-th block, the last of every n (llama.cpp's `set_swa_pattern` for each, in src/models/).
 _WINDOW_EVERY = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "gemma-embedding": 6, "cohere2": 4, "gpt-oss": 2,

@@ -302,7 +302,8 @@ class Pool:
                 if self.stopping.is_set():
                     raise RequestError("the server is stopping", 503, "server_busy")
                 if not self._switching:
-                    if (model is None or (loaded is not None and loaded.name == model)) and self._active < self.parallel:
+                    room = len(loaded.slots) if loaded is not None else self.parallel
+                    if (model is None or (loaded is not None and loaded.name == model)) and self._active < room:
                         self._active += 1
                         return loaded, 0.0, []
                     if self._active == 0:
@@ -345,13 +346,14 @@ class Pool:
         """`model` loaded (none loaded before: `_unload`), with a slot for each request it may
         answer at once; how long loading it took; what to say of where it runs."""
         from quipu.app.local import LocalHost, hashing
-        from quipu.app.placing import placement_notices
+        from quipu.app.placing import placement_notices, sequences_capped
         from quipu.app.turn_options import context_settings, load_backend, offload
 
         name, path = self.pick(model)
         hashed = hashing(path, self.env)  # (a file quipu has not met is hashed while it loads)
         started = time.perf_counter()
-        settings = dataclasses.replace(context_settings(opts, self.env), parallel=self.parallel)
+        parallel, capped = sequences_capped(path, self.parallel)
+        settings = dataclasses.replace(context_settings(opts, self.env), parallel=parallel)
         backend = load_backend(path, settings, opts.verbose, offload(opts, self.env))
         load_s = time.perf_counter() - started
         try:
@@ -363,7 +365,8 @@ class Pool:
         keeper = LocalHost.keeper(name, path, model_fp, opts, self.env, None)
         loaded = Loaded(name, path, backend, keeper, slots=[Slot(b) for b in [backend, *backend.sequences()]])
         self._loaded = loaded
-        return loaded, load_s, placement_notices(backend, ctx_given=opts.ctx is not None, verbose=opts.verbose)
+        return loaded, load_s, [*([capped] if capped else []),
+                                *placement_notices(backend, ctx_given=opts.ctx is not None, verbose=opts.verbose)]
 
     def _kept(self, keep: Keep) -> None:
         """After the last request it answers (the condition held): the model loaded stays so for
