@@ -3,8 +3,8 @@
 For each model (the bundled SmolLM2-135M, and Gemma 3 270M, a sliding-window model, when its
 package is installed), interleaved `repeats` times: `llama-bench` with flash attention off and
 on (the better of the two is llama.cpp at its best), and `quipu run --raw --no-cache --json` on
-the same numbers of tokens, its own timings: decode at a short context (16 tokens) and at about
-1,400 tokens of context, and prefill of 1,400 tokens. quipu samples every token (the default
+the same numbers of tokens, its own timings: decode at a short context (16 tokens), at about
+1,400 and about 4,000 tokens of context, and prefill of 1,400 tokens. quipu samples every token (the default
 chain) and streams it; llama-bench samples nothing. End-of-generation tokens are banned, so
 every run makes all its tokens. Each quipu run is paired with llama-bench's runs of its rows, the
 pair's order turned round every other repetition, so that load on the machine, and whatever the
@@ -22,6 +22,7 @@ from pathlib import Path
 from bench.common import median, prompt_of, quipu_cmd
 
 N_LONG = 1400
+N_LONGER = 4000
 N_SHORT = 16
 
 
@@ -81,12 +82,14 @@ def bench_llama_bench(threads: int, repeats: int, home: str, n_decode: int) -> l
     for name, model in models():
         short, bans = _prompt_and_bans(model, N_SHORT)
         long, _ = _prompt_and_bans(model, N_LONG)
-        ours: dict[str, list[float]] = {"short": [], "long": [], "prefill": []}
+        longer, _ = _prompt_and_bans(model, N_LONGER)
+        ours: dict[str, list[float]] = {"short": [], "long": [], "longer": [], "prefill": []}
         theirs: dict[tuple[str, bool], list[float]] = {}
         decode = ["-p", "0", "-n", str(n_decode)]
         pairs = [([[*decode, "-d", str(N_SHORT)]], short, {"short": "decode_tok_s"}),
                  ([[*decode, "-d", str(N_LONG)], ["-p", str(N_LONG), "-n", "0"]], long,
-                  {"long": "decode_tok_s", "prefill": "prefill_tok_s"})]
+                  {"long": "decode_tok_s", "prefill": "prefill_tok_s"}),
+                 ([[*decode, "-d", str(N_LONGER)]], longer, {"longer": "decode_tok_s"})]
         for rep in range(repeats):  # interleaved, each pair's order turned round every other repetition
             for runs, text, wanted in pairs:
                 for ours_now in (rep % 2 == 1, rep % 2 == 0):
@@ -100,6 +103,7 @@ def bench_llama_bench(threads: int, repeats: int, home: str, n_decode: int) -> l
                             theirs.setdefault(key, []).append(ts)
         for what, key, test in ((f"decode tok/s at {N_SHORT} tokens of context", "short", f"tg{n_decode}@d{N_SHORT}"),
                                 (f"decode tok/s at {N_LONG} tokens of context", "long", f"tg{n_decode}@d{N_LONG}"),
+                                (f"decode tok/s at {N_LONGER} tokens of context", "longer", f"tg{n_decode}@d{N_LONGER}"),
                                 (f"prefill tok/s, {N_LONG} tokens", "prefill", f"pp{N_LONG}")):
             off, on = median(theirs[(test, False)]), median(theirs[(test, True)])
             paired = zip(ours[key], theirs[(test, on > off)], strict=True)  # (a repetition's quipu run, its llama-bench run)

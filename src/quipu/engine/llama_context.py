@@ -21,8 +21,9 @@ _FLASH_ATTN_TYPES = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH
                      "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 
 
-def context_params(context: ContextSettings, n_ctx: int) -> Any:
-    """llama.cpp's parameters for a context of `n_ctx` cells with `context`'s settings."""
+def context_params(context: ContextSettings, n_ctx: int, *, cpu_alone: bool = False) -> Any:
+    """llama.cpp's parameters for a context of `n_ctx` cells with `context`'s settings, on a
+    model whose layers all run on the CPU where `cpu_alone`."""
     n_threads = context.n_threads or default_threads()
     check_context_bounds(n_ctx, n_threads, "the context")  # (a session's or a config's, checked where they are read too)
     n_batch = max(1, min(context.n_batch, n_ctx))
@@ -44,10 +45,16 @@ def context_params(context: ContextSettings, n_ctx: int) -> Any:
     kv = _KV_GGML_TYPES[context.kv_type]
     cparams.type_k = kv
     cparams.type_v = kv
-    # Flash attention as llama.cpp chooses it (on where the device runs it; always for a
-    # quantized V cache), unless asked. The cache's layout follows from the choice it was made
-    # with, which the new context states in its log: V is stored transposed only without it.
-    cparams.flash_attn_type = _FLASH_ATTN_TYPES[context.flash_attn]
+    # Flash attention off on the CPU alone, unless asked (or a quantized V cache needs it): there
+    # ggml sums a long context's attention in one part per thread, so that another thread count
+    # gives other logits; without it every sum is made in one order, whatever the threads
+    # (docs/sessions.md). Elsewhere as llama.cpp chooses it. The cache's layout follows from the
+    # choice it was made with, which the new context states in its log: V is stored transposed
+    # only without it.
+    flash = context.flash_attn
+    if flash == "auto" and cpu_alone and context.kv_type == "f16":
+        flash = "off"
+    cparams.flash_attn_type = _FLASH_ATTN_TYPES[flash]
     return cparams
 
 
@@ -65,7 +72,7 @@ class NativeContext:
 
     def __init__(self, model: LlamaModel, context: ContextSettings):
         n_ctx = context.n_ctx or min(model.n_ctx_train or DEFAULT_CTX_CAP, DEFAULT_CTX_CAP)
-        cparams = context_params(context, n_ctx)
+        cparams = context_params(context, n_ctx, cpu_alone=not model.placement.on_device)
         parallel = max(1, context.parallel)
         bound = sequences_at_once(model.path) if max(parallel, context.n_seq) > 1 else None
         if bound is not None and max(parallel, context.n_seq) > bound[1]:  # (callers cap it first: a safety net)

@@ -152,10 +152,12 @@ def saved_state_key(saved: dict[str, Any]) -> dict[str, Any]:
 
 
 def remembered_flash_attn(saved: dict[str, Any]) -> str:
-    """The flash attention a session goes on with, from its saved state key: off where its cache
-    was laid out without it (V transposed, so that the state is restored as it is), else
-    llama.cpp's choice."""
-    return "off" if saved_state_key(saved).get("v_trans") is True else "auto"
+    """The flash attention a session goes on with, from its saved state key, so that its state
+    is restored as it is: off where its cache was laid out without it (V transposed), on where
+    it was laid out with it (a session made on a GPU, or on the CPU before quipu turned it off
+    there); quipu's choice where the layout is not known."""
+    v_trans = saved_state_key(saved).get("v_trans")
+    return "auto" if v_trans is None else "off" if v_trans else "on"
 
 
 def layout_differs(saved: dict[str, Any], context: ContextSettings) -> str | None:

@@ -1,0 +1,85 @@
+"""The thread count changes no bit: on the CPU a reply after a long prompt, a session resumed with
+other threads, and a thread count changed between steps give the logits one thread gives (flash
+attention off there: with it, ggml sums a long context's attention in one part per thread)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import random
+
+import pytest
+
+pytestmark = pytest.mark.model
+
+WORDS = "the sky river stone light garden city window music paper winter ocean forest market bridge evening".split()
+
+
+def _long_prompt(n_words: int = 1100, seed: int = 1) -> str:
+    """About 1,100 words: some 1,150 tokens of the bundled model, past the 512 cells from which
+    ggml's flash attention splits a step's sums among the threads."""
+    draw = random.Random(seed)
+    return " ".join(draw.choice(WORDS) for _ in range(n_words))
+
+
+def _steps(backend, prompt: str, n: int, threads_at=lambda step: None) -> list[str]:
+    """The digest of the logits after `prompt` and after each of `n` greedy tokens, the thread
+    count set to `threads_at(step)` before each step where it says one."""
+    import numpy as np
+
+    from quipu.engine.native import lc
+
+    tokens = backend.tokenize(prompt, add_special=True, parse_special=False)
+    backend.prefill(tokens, 0)
+    digests, pos = [], len(tokens)
+    for step in range(n):
+        logits = ctypes.string_at(lc.llama_get_logits_ith(backend.native.ptr, -1), 4 * backend.n_vocab)
+        digests.append(hashlib.sha256(logits).hexdigest())
+        threads = threads_at(step)
+        if threads is not None:
+            lc.llama_set_n_threads(backend.native.ptr, threads, threads)
+        backend.decode_one(int(np.frombuffer(logits, dtype=np.float32).argmax()), pos)
+        pos += 1
+    return digests
+
+
+def test_one_two_and_three_threads_give_the_same_logits_after_a_long_prompt(make_backend, bundled_model):
+    prompt = _long_prompt()
+    runs = {}
+    for threads in (1, 2, 3):
+        backend = make_backend(bundled_model, n_ctx=2048, n_threads=threads)
+        assert backend.native.settings.v_trans is True  # (flash attention off: V stored transposed)
+        runs[threads] = _steps(backend, prompt, 24)
+        backend.close()
+    assert runs[1] == runs[2] == runs[3]
+
+
+def test_a_thread_count_changed_between_steps_changes_no_bit(make_backend, bundled_model):
+    prompt = _long_prompt(seed=2)
+    steady = _steps(make_backend(bundled_model, n_ctx=2048, n_threads=2), prompt, 16)
+    changing = _steps(make_backend(bundled_model, n_ctx=2048, n_threads=2), prompt, 16,
+                      threads_at=lambda step: 1 + step % 3)
+    assert changing == steady
+
+
+def test_asked_flash_attention_stays_on(make_backend, tiny_model):
+    assert make_backend(tiny_model, flash_attn="on").native.settings.v_trans is False
+    assert make_backend(tiny_model, kv_type="q8_0").native.settings.v_trans is False  # (a quantized V needs it)
+
+
+def test_a_session_resumed_with_other_threads_goes_on_as_the_one_that_kept_them(quipu, bundled_model):
+    """A session's first turn with two threads, its second with two or with one: the same reply,
+    drawn hot (a draw that any difference of the logits would turn elsewhere sooner or later)."""
+    first = _long_prompt(seed=3) + "\nWhat is this text about?"
+    replies = {}
+    for name, threads in (("kept", "2"), ("changed", "1")):
+        r = quipu("run", "-m", bundled_model, "-S", name, "--threads", "2", "--seed", "4", "-n", "24", first)
+        assert r.returncode == 0, r.stderr.decode()[-600:]
+        r = quipu("run", "-m", bundled_model, "-S", name, "--threads", threads, "--seed", "4", "-n", "64",
+                  "-t", "1.3", "--json", "And in one word?")
+        assert r.returncode == 0, r.stderr.decode()[-600:]
+        out = json.loads(r.stdout)
+        assert out["usage"]["cached_tokens"] > 1000  # (resumed, not read again)
+        replies[name] = out["text"]
+    assert replies["changed"] == replies["kept"]
