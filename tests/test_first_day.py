@@ -397,17 +397,24 @@ def test_each_command_is_listed_in_words_that_are_not_cut(quipu, group):
     ([0.01] * 20 + [0.02] * 40, False),  # (slower, but not by as much as says something took the cores)
     ([0.01] * 20 + [0.2] * 5, False),  # (too short to say)
 ])
-def test_a_reply_that_slows_down_says_what_to_try(steps, slowed):
+@pytest.mark.parametrize("threads", [None, 1, 4])
+def test_a_reply_that_slows_down_says_what_to_try(steps, slowed, threads):
     # (the pace of a reply's pieces, on a clock the test gives: what is said of it)
     from quipu.cli.stream import Pace
 
     now = [0.0]
-    pace = Pace(clock=lambda: now[0])
+    pace = Pace(clock=lambda: now[0], threads=threads)
     for step in steps:
         now[0] += step
         pace.took()
     said = pace.slowed()
-    assert (said is not None) == slowed and (said is None or "--threads" in said)
+    assert (said is not None) == slowed
+    if said is not None and threads is None:  # (quipu chose the threads: nothing to try)
+        assert "--threads" not in said and "fewer threads as the load comes" in said
+    elif said is not None and threads == 1:
+        assert said.endswith("its one thread waits for")
+    elif said is not None:
+        assert f"its {threads} threads" in said and "--threads 1, 2" in said
 
 
 @pytest.mark.parametrize("command", ["run", "chat"])

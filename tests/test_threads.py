@@ -83,3 +83,63 @@ def test_a_session_resumed_with_other_threads_goes_on_as_the_one_that_kept_them(
         assert out["usage"]["cached_tokens"] > 1000  # (resumed, not read again)
         replies[name] = out["text"]
     assert replies["changed"] == replies["kept"]
+
+
+def _simulate(pace, steps: int, start: int, most: int = 4, free=None) -> list[int]:
+    """The thread count of each of `steps` one-token steps a tuner chose, where a step with `k`
+    threads at step `i` takes `pace(i, k)` seconds."""
+    from quipu.engine.threads import ThreadTuner
+
+    tuner = ThreadTuner(start, most, lambda count: None, free=free)
+    used = []
+    for i in range(steps):
+        used.append(tuner.current)
+        tuner.took(1, pace(i, tuner.current))
+    return used
+
+
+@pytest.mark.quick
+def test_on_a_busy_machine_the_tuner_finds_the_faster_count_and_seldom_tries_the_slow_one():
+    # (two cores, a busy program on one: a second thread waits for it, ten times slower)
+    used = _simulate(lambda i, k: 0.018 if k == 1 else 0.17, 2000, start=2, most=2)
+    assert used[20:].count(2) < 0.02 * len(used[20:])
+    time_taken = sum(0.018 if k == 1 else 0.17 for k in used)
+    assert 2000 * 0.018 / time_taken >= 0.8  # (against the best fixed count)
+
+
+@pytest.mark.quick
+def test_on_an_idle_machine_the_tuner_keeps_every_core():
+    pace = lambda i, k: 0.04 / k + 0.002  # noqa: E731
+    used = _simulate(pace, 2000, start=4, most=4)
+    assert used[-1] == 4 and used.count(4) > 0.95 * len(used)
+    assert 2000 * pace(0, 4) / sum(pace(0, k) for k in used) >= 0.97
+
+
+@pytest.mark.quick
+def test_the_tuner_follows_a_load_that_comes_and_goes():
+    busy = lambda i: 500 <= i < 1500  # noqa: E731
+    pace = lambda i, k: (0.018 if k == 1 else 0.17) if busy(i) else 0.01 / k + 0.004  # noqa: E731
+    used = _simulate(pace, 2000, start=2, most=2)
+    assert used[600:1500].count(1) > 0.95 * 900
+    assert used[1600:].count(2) > 0.9 * 400
+
+
+@pytest.mark.quick
+def test_the_free_cores_start_from_what_other_programs_run():
+    from quipu.engine.threads import free_cores, running_elsewhere
+
+    assert free_cores(8, 8, running=lambda: 3) == 5
+    assert free_cores(8, 8, running=lambda: 20) == 1
+    assert free_cores(4, 8, running=lambda: 0) == 4
+    assert free_cores(4, 8, running=lambda: None) == 4
+    here = running_elsewhere()
+    assert here is None or here >= 0
+
+
+def test_threads_quipu_chooses_follow_the_machine_and_asked_ones_stay(make_backend, tiny_model):
+    chosen = make_backend(tiny_model)  # (make_backend asks for 2 threads unless told)
+    assert chosen.native.tuner is None
+    free = make_backend(tiny_model, n_threads=0)
+    assert free.native.tuner is not None and free.native.settings.n_threads == 0
+    on = make_backend(tiny_model, n_threads=0, flash_attn="on")
+    assert on.native.tuner is None  # (flash attention on: the sums follow the thread count, which stays)

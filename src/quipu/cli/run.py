@@ -99,7 +99,7 @@ def run(env: Environment, **given: Any) -> int:
     from quipu.cli.stream import TerminalStream
 
     with StopOnCtrlC() as stopper:
-        sink = TerminalStream(term, as_json, quiet, stopper)
+        sink = TerminalStream(term, as_json, quiet, stopper, threads=opts.threads)
         try:
             result = run_turn(text, opts, env, sink, on_result=sink.finish,
                               hooks=tool_hooks(term, as_json or quiet, tools_debug, stopper))

@@ -17,13 +17,14 @@ class TerminalStream(ReplySink):
     the end), a thinking model's reasoning dimmed on a terminal's stderr (unless `quiet`), the
     prompt's progress; `stopper` says when Ctrl-C asked the reply to stop."""
 
-    def __init__(self, term: Terminal, as_json: bool, quiet: bool, stopper: Callable[[], bool]) -> None:
+    def __init__(self, term: Terminal, as_json: bool, quiet: bool, stopper: Callable[[], bool],
+                 threads: int | None = None) -> None:
         self.term, self.as_json, self.quiet, self._stopper = term, as_json, quiet, stopper
         self.progress_bar = PrefillProgress(term)
         self.wrote: list[str] = []
         self.thought = False
         self.finished = False
-        self.pace = Pace()
+        self.pace = Pace(threads=threads)
 
     def text(self, piece: str) -> None:
         self.pace.took()
@@ -69,14 +70,15 @@ class TerminalStream(ReplySink):
 
 class Pace:
     """When each piece of a reply came: a reply whose pieces come far slower at its end than at
-    its start (another program took the cores its threads wait for) is said once it is out."""
+    its start (another program took the cores its threads wait for) is said once it is out, with
+    what to try where the thread count was fixed (`threads`; None: quipu follows the load)."""
 
     EARLY, LATE = 16, 32  # pieces the pace is measured over, at the start and at the end
     SLOWER = 3.0  # as many times slower as says something took the cores
     LEAST_S = 2.0  # a reply shorter than this says nothing
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.clock = clock
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, threads: int | None = None) -> None:
+        self.clock, self.threads = clock, threads
         self.at: list[float] = []
 
     def took(self) -> None:
@@ -91,8 +93,14 @@ class Pace:
         late = self.LATE / (at[-1] - at[-1 - self.LATE])
         if late * self.SLOWER > early:
             return None
-        return (f"the reply slowed from {early:.0f} to {late:.1f} tokens a second: another program may be using the "
-                "cores its threads wait for; --threads with fewer (1, 2) may keep it fast")
+        slowed = f"the reply slowed from {early:.0f} to {late:.1f} tokens a second: another program may be using the cores"
+        if self.threads is None:
+            return slowed + " (quipu gives it fewer threads as the load comes)"
+        if self.threads <= 1:
+            return slowed + " its one thread waits for"
+        fewer = ", ".join(str(k) for k in range(1, min(self.threads, 3)))
+        return (f"{slowed} its {self.threads} threads wait for; fewer (--threads {fewer}), or none given (quipu then "
+                "follows the machine's load), may keep it fast")
 
 
 class ChatStream(ReplySink):

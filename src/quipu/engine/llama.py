@@ -159,7 +159,7 @@ class LlamaBackend:
         self._stack.callback(self.sampling.close)
         self.state = StateBytes(native, self._positions)
         self.rows = BatchRows(native)
-        self.embeddings = Embeddings(model, native.settings.n_threads, self.name)
+        self.embeddings = Embeddings(model, native.threads, self.name)
         self.media = Media(native, self._positions)
         self._stack.callback(self.media.close)
         # What the context holds of the history, its checkpoints, its going back.

@@ -5,14 +5,22 @@ and frees them on `close`; the parts of `LlamaBackend` (`llama.py`) are given it
 from __future__ import annotations
 
 import ctypes
+import time
 from contextlib import ExitStack, nullcontext
 from typing import Any, Callable, ContextManager, TypeVar
 
-from quipu.engine.settings import DEFAULT_CTX_CAP, ContextSettings, check_context_bounds, default_threads
+from quipu.engine.settings import (
+    DEFAULT_CTX_CAP,
+    ContextSettings,
+    available_cpus,
+    check_context_bounds,
+    default_threads,
+)
 from quipu.engine.logs import LOG
 from quipu.engine.model import LlamaModel
 from quipu.engine.native import lc
 from quipu.engine.placement import check_host_room, ring_of, sequences_at_once
+from quipu.engine.threads import ThreadTuner, free_cores
 from quipu.errors import EngineError, ModelLoadError
 
 T = TypeVar("T")
@@ -91,7 +99,8 @@ class NativeContext:
             windowed = n_seq == 1 and parallel == 1 and model.n_swa > 0
             self.model = model
             self.ptr = ptr
-            self.settings = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=context.kv_type,
+            self.settings = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=context.n_threads,
+                                            kv_type=context.kv_type,
                                             n_seq=n_seq, parallel=parallel, flash_attn=context.flash_attn,
                                             v_trans=None if made is None else made == "disabled",
                                             swa_full=context.swa_full,
@@ -108,6 +117,14 @@ class NativeContext:
             self.recurrent = bool(lc.llama_model_is_recurrent(model.ptr) or lc.llama_model_is_hybrid(model.ptr))
             self.batch = lc.llama_batch_init(n_batch, 0, 1)
             self._stack.callback(lc.llama_batch_free, self.batch)
+            self.threads = n_threads  # (those computing now)
+            # Threads quipu chooses follow the machine's load, where no change of them changes a
+            # sum: flash attention off, on the CPU alone (threads.py).
+            self.tuner = None if context.n_threads or made != "disabled" or model.placement.on_device else \
+                ThreadTuner(free_cores(n_threads, available_cpus()), n_threads, self._set_threads,
+                            free=lambda: free_cores(n_threads, available_cpus()))
+            if self.tuner is not None and self.tuner.current != n_threads:
+                self._set_threads(self.tuner.current)
         except BaseException:
             self._stack.close()  # (the context made is freed: the caller never holds it)
             raise
@@ -115,11 +132,18 @@ class NativeContext:
     def decode(self, n: int) -> None:
         """Decodes the first `n` items of the context's batch, as filled (`fill`)."""
         self.batch.n_tokens = n
+        started = time.perf_counter()
         rc = lc.llama_decode(self.ptr, self.batch)
+        if self.tuner is not None and rc == 0:
+            self.tuner.took(n, time.perf_counter() - started)
         if rc != 0:
             if rc == 1:
                 raise EngineError("llama.cpp found no room in the context for the batch")
             raise EngineError(f"llama.cpp failed to decode (code {rc}){LOG.reason()}")
+
+    def _set_threads(self, count: int) -> None:
+        lc.llama_set_n_threads(self.ptr, count, count)
+        self.threads = count
 
     def fill(self, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
         """Item `i` of the context's batch."""

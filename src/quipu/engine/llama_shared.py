@@ -186,6 +186,7 @@ class SequenceContext(NativeContext):
         self.model, self.ptr, self.mem = native.model, native.ptr, native.mem
         self.settings, self.n_ctx, self.n_ctx_seq = native.settings, native.n_ctx, native.n_ctx_seq
         self.ring, self.recurrent = native.ring, native.recurrent
+        self.threads, self.tuner = native.threads, None  # (its decodes are the shared context's, timed there)
         self.logits_index = -1
         self._items: list[tuple[int, int, bool]] = []
 

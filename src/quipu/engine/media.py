@@ -139,7 +139,7 @@ class Media:
     def open_projector(self, path: Path) -> None:
         self.close()
         placement = self._native.model.placement
-        self._projector = Projector(path, self._native.model.ptr, self._native.settings.n_threads,
+        self._projector = Projector(path, self._native.model.ptr, self._native.threads,
                                     placement.handles[0] if placement.on_device else None)
 
     def close(self) -> None:
