@@ -19,11 +19,12 @@ def load_model(model_path: str):
 
 
 def context_params(n_ctx: int, n_batch: int, n_threads: int):
-    """A context's parameters as quipu sets them: steps of `n_batch`, flash attention as llama.cpp chooses."""
+    """A context's parameters as quipu sets them on the CPU: steps of `n_batch`, flash attention
+    off (where it is on, the thread count changes the sums)."""
     cp = lc.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
     cp.n_threads = cp.n_threads_batch = n_threads
-    cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_AUTO
+    cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
     cp.no_perf = True
     return cp
 

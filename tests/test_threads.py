@@ -108,6 +108,17 @@ def test_on_a_busy_machine_the_tuner_finds_the_faster_count_and_seldom_tries_the
 
 
 @pytest.mark.quick
+def test_on_a_core_shared_in_turns_uneven_steps_do_not_send_the_tuner_trying():
+    # (two cores, two busy programs: one thread gets its core in turns, its steps uneven, from 10
+    # to 40 ms; two threads wait for each other's turns, 50 to 120 ms)
+    draw = random.Random(7)
+    pace = lambda i, k: draw.uniform(0.01, 0.04) if k == 1 else draw.uniform(0.05, 0.12)  # noqa: E731
+    used = _simulate(pace, 2000, start=1, most=2)
+    spent = sum(0.025 if k == 1 else 0.085 for k in used)  # (each count's mean step)
+    assert 2000 * 0.025 / spent >= 0.9 and used[20:].count(2) < 0.03 * len(used[20:])
+
+
+@pytest.mark.quick
 def test_on_an_idle_machine_the_tuner_keeps_every_core():
     pace = lambda i, k: 0.04 / k + 0.002  # noqa: E731
     used = _simulate(pace, 2000, start=4, most=4)

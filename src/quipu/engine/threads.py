@@ -8,6 +8,7 @@ threads changes a bit of what the model computes."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -15,17 +16,28 @@ from typing import Callable
 PROBE_FIRST = 8  # steps of a size between tries of another count, at first and after the load changed
 PROBE_MOST = 256  # the most steps between tries, where every try found the count in use faster
 BETTER = 0.9  # a count tried is taken where its steps take at most this share of the one in use
-SLOWER = 1.5  # a step this many times slower than the count's usual says the load changed
-WEIGHT = 0.25  # of a step's time in a count's running mean
+SLOWER = 1.5  # steps lately this many times slower (or faster) than the count's usual say the load changed
+WEIGHT = 0.25  # of a step's time in a count's running mean of late
+USUAL = 0.02  # of a step's time in a count's usual (a mean over many steps: a core shared in turns
+# with another program makes single steps uneven, which says nothing by itself)
 
 
-def running_elsewhere(path: str = "/proc/loadavg") -> int | None:
+def running_elsewhere(path: str = "/proc/loadavg", own: str = "/proc/self/task") -> int | None:
     """How many threads of other programs are running now, as the kernel counts them (the
-    fourth field of /proc/loadavg, less this one); None where it cannot be read."""
+    fourth field of /proc/loadavg, less this process's threads that run: the one asking, and
+    any other, such as the one that hashes a model file as it loads); None where it cannot be
+    read."""
     try:
         with open(path) as f:
-            running = f.read().split()[3].split("/")[0]
-        return max(0, int(running) - 1)
+            running = int(f.read().split()[3].split("/")[0])
+        mine = 0
+        for task in os.listdir(own):
+            try:
+                with open(f"{own}/{task}/stat") as f:
+                    mine += f.read().rpartition(")")[2].split()[0] == "R"
+            except (OSError, IndexError):
+                continue  # (a thread that ended meanwhile)
+        return max(0, running - max(1, mine))
     except (OSError, IndexError, ValueError):
         return None
 
@@ -41,10 +53,22 @@ def free_cores(most: int, cpus: int, running: Callable[[], int | None] = running
 
 @dataclass
 class _Pace:
-    """A thread count's running mean of a step's seconds, for steps of one size."""
+    """A thread count's running means of a step's seconds, for steps of one size: of late, and
+    usual (over many steps)."""
 
     mean: float
+    usual: float
     steps: int = 1
+
+    def add(self, seconds: float) -> bool:
+        """Counts a step in; whether its count's pace changed of late (the load changed)."""
+        self.mean += WEIGHT * (seconds - self.mean)
+        self.usual += USUAL * (seconds - self.usual)
+        self.steps += 1
+        if self.steps >= 16 and not 1 / SLOWER < self.mean / self.usual < SLOWER:
+            self.usual = self.mean  # (the new pace is the usual one from now on)
+            return True
+        return False
 
 
 class ThreadTuner:
@@ -68,12 +92,9 @@ class ThreadTuner:
             return
         pace = self._paces.get((n, self.current))
         if pace is None:
-            self._paces[(n, self.current)] = _Pace(seconds)
-        else:
-            if pace.steps >= 4 and seconds > SLOWER * pace.mean:  # (another program came, or went)
-                self._gap[n] = PROBE_FIRST
-            pace.mean += WEIGHT * (seconds - pace.mean)
-            pace.steps += 1
+            self._paces[(n, self.current)] = _Pace(seconds, seconds)
+        elif pace.add(seconds):  # (another program came, or went: the other counts are worth a try again)
+            self._gap[n] = PROBE_FIRST
         since = self._since[n] = self._since.get(n, 0) + 1
         if since >= self._gap.setdefault(n, PROBE_FIRST) and self.most > 1:
             self._try(n)
@@ -108,9 +129,9 @@ class ThreadTuner:
         if len(times) < 2 and (known is None or known.mean < 2 * self._paces[(size, back)].mean):
             return  # (two steps, unless this count is known to be far slower: one costs less)
         self._trying = None
-        tried = min(times)
-        pace = self._paces.setdefault((size, self.current), _Pace(tried))
-        pace.mean = tried
+        tried = sum(times) / len(times)
+        pace = self._paces.setdefault((size, self.current), _Pace(tried, tried))
+        pace.mean = pace.usual = tried
         if tried <= BETTER * self._paces[(size, back)].mean:
             self._gap[size] = PROBE_FIRST  # (better: stays, and tries again soon)
             return
