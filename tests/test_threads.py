@@ -119,6 +119,17 @@ def test_on_a_core_shared_in_turns_uneven_steps_do_not_send_the_tuner_trying():
 
 
 @pytest.mark.quick
+def test_the_tuner_tries_no_more_threads_than_the_cores_other_programs_leave_free():
+    # (two cores, both held by other programs: a step of two threads waits seconds at its barriers)
+    free = [1]
+    used = _simulate(lambda i, k: 0.02 if k == 1 else 3.0, 1000, start=1, most=2, free=lambda: free[0])
+    assert used.count(2) == 0
+    free[0] = 2  # (they went: two threads are worth a try, and taken where faster)
+    used = _simulate(lambda i, k: 0.02 / k, 1000, start=1, most=2, free=lambda: free[0])
+    assert used[-1] == 2 and used.count(2) > 0.95 * len(used)
+
+
+@pytest.mark.quick
 def test_on_an_idle_machine_the_tuner_keeps_every_core():
     pace = lambda i, k: 0.04 / k + 0.002  # noqa: E731
     used = _simulate(pace, 2000, start=4, most=4)

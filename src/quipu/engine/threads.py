@@ -100,23 +100,27 @@ class ThreadTuner:
             self._try(n)
 
     def _candidate(self) -> int:
-        """The count to try: where the machine's free cores are, else a neighbour of the one in use."""
+        """The count to try: the machine's free cores, where they are not the count in use, else a
+        neighbour of it, never more than the free cores (threads beyond them wait at every one
+        of a step's hundreds of barriers for a core another program holds: a step of seconds)."""
         free = self._free() if self._free is not None else None
-        if free is not None and free != self.current:
-            return max(1, min(self.most, free))
+        most = self.most if free is None else max(1, min(self.most, free))
+        if free is not None and most != self.current:
+            return most
         self._turn += 1
         down, up = self.current - 1, self.current + 1
         if down < 1:
-            return up
-        if up > self.most:
+            return up if up <= most else self.current
+        if up > most:
             return down
         return down if self._turn % 2 else up
 
     def _try(self, n: int) -> None:
         other = self._candidate()
-        if other == self.current:
-            return
         self._since[n] = 0
+        if other == self.current:  # (nothing to try now: later)
+            self._gap[n] = min(PROBE_MOST, 2 * self._gap.get(n, PROBE_FIRST))
+            return
         self._trying = (n, self.current, [])
         self._switch(other)
 
