@@ -336,7 +336,14 @@ def offload(opts: TurnOptions, env: Environment) -> Offload:
 def load_backend(model_path: "Path | LlamaModel", settings: ContextSettings, verbose: bool,
                  where: Offload = Offload()) -> "LlamaBackend":
     from quipu.engine.llama import LlamaBackend  # imported here: llama.cpp loads in a blink only when needed
+    from quipu.engine.model import LlamaModel
 
+    if not isinstance(model_path, LlamaModel):
+        from quipu.app.preload import take
+
+        begun = take(model_path, settings, verbose, where)  # (a one-shot's, begun as its command started)
+        if begun is not None:
+            return begun
     return LlamaBackend(model_path, settings, verbose=verbose, offload=where)
 
 
