@@ -16,9 +16,9 @@ pytestmark = pytest.mark.model
 WORDS = "the sky river stone light garden city window music paper winter ocean forest market bridge evening".split()
 
 
-def _long_prompt(n_words: int = 1100, seed: int = 1) -> str:
-    """About 1,100 words: some 1,150 tokens of the bundled model, past the 512 cells from which
-    ggml's flash attention splits a step's sums among the threads."""
+def _long_prompt(n_words: int = 1450, seed: int = 1) -> str:
+    """About 1,450 words: some 1,500 tokens of the bundled model, far past the 512 cells from
+    which ggml's flash attention splits a step's sums among the threads."""
     draw = random.Random(seed)
     return " ".join(draw.choice(WORDS) for _ in range(n_words))
 
@@ -53,6 +53,21 @@ def test_one_two_and_three_threads_give_the_same_logits_after_a_long_prompt(make
         runs[threads] = _steps(backend, prompt, 24)
         backend.close()
     assert runs[1] == runs[2] == runs[3]
+
+
+def test_a_batch_s_rows_are_the_same_with_one_thread_or_three(quipu, bundled_model, tmp_path):
+    """Rows after a long shared document, read and answered with 1 and with 3 threads."""
+    document = _long_prompt(500, seed=4)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{document}\n{question}"}) + "\n"
+                            for question in ("Which word comes most?", "Name two of its words.")))
+    answers = []
+    for threads in ("1", "3"):
+        r = quipu("run", "-m", bundled_model, "--batch", rows, "--parallel", "2", "--threads", threads, "-t", "1.3",
+                  "--seed", "5", "-n", "24", "--no-cache", "--no-log")
+        assert r.returncode == 0, r.stderr.decode()[-600:]
+        answers.append([json.loads(line)["text"] for line in r.stdout.splitlines()])
+    assert answers[0] == answers[1]
 
 
 def test_a_thread_count_changed_between_steps_changes_no_bit(make_backend, bundled_model):
@@ -176,11 +191,11 @@ def _begun_env(home, model):
 
 
 def test_a_model_begun_as_the_command_starts_is_the_turn_s_where_it_asks_the_same(home, tiny_model):
-    from quipu.app.preload import begin, take
-    from quipu.app.turn_options import context_settings, load_backend, offload
+    from quipu.app.preload import take
+    from quipu.app.turn_options import begin_loading, context_settings, load_backend, offload
 
     env, opts = _begun_env(home, tiny_model)
-    begin(opts, env)
+    begin_loading(opts, env)
     backend = load_backend(tiny_model, context_settings(opts, env), False, offload(opts, env))
     assert backend.n_ctx == 512 and backend.context.n_threads == 2
     assert take(tiny_model, context_settings(opts, env), False, offload(opts, env)) is None  # (taken once)
@@ -191,10 +206,10 @@ def test_a_model_begun_for_other_settings_is_closed_and_loaded_as_asked(home, ti
     from dataclasses import replace
 
     import quipu.app.preload as preload
-    from quipu.app.turn_options import context_settings, load_backend, offload
+    from quipu.app.turn_options import begin_loading, context_settings, load_backend, offload
 
     env, opts = _begun_env(home, tiny_model)
-    preload.begin(opts, env)
+    begin_loading(opts, env)
     [begun] = preload._begun
     asked = replace(context_settings(opts, env), n_ctx=1024)
     backend = load_backend(tiny_model, asked, False, offload(opts, env))
@@ -208,13 +223,12 @@ def test_a_model_begun_for_other_settings_is_closed_and_loaded_as_asked(home, ti
 
 
 def test_a_model_that_cannot_load_says_so_where_the_turn_takes_it(home, tmp_path):
-    from quipu.app.preload import begin
-    from quipu.app.turn_options import context_settings, load_backend, offload
+    from quipu.app.turn_options import begin_loading, context_settings, load_backend, offload
     from quipu.errors import ModelLoadError
 
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + bytes(60))
     env, opts = _begun_env(home, broken)
-    begin(opts, env)
+    begin_loading(opts, env)
     with pytest.raises(ModelLoadError):
         load_backend(broken, context_settings(opts, env), False, offload(opts, env))

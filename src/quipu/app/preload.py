@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from quipu.app.environment import Environment
-    from quipu.app.turn_options import TurnOptions
     from quipu.engine.llama import LlamaBackend
     from quipu.engine.settings import ContextSettings, Offload
 
@@ -49,27 +47,15 @@ def _key(model_path: Path, settings: ContextSettings, verbose: bool, where: Offl
     return (Path(model_path).resolve(), settings, verbose, where)
 
 
-def begin(opts: TurnOptions, env: Environment) -> None:
-    """Begins loading the model a one-shot with `opts` runs on (none for a server's, or for a
-    session's, whose settings its files hold), unless that cannot be said now: the turn then
-    loads it as it always does, and says what went wrong."""
-    from quipu.app.turn_options import context_settings, offload
-    from quipu.errors import QuipuError
-
-    if opts.server is not None or opts.session is not None:
-        return
-    try:
-        settings, where = context_settings(opts, env), offload(opts, env)
-        _, model_path = env.resolve_model(opts.model)
-    except QuipuError:
-        return
-    begun = _Begun(_key(model_path, settings, opts.verbose, where), threading.Thread())
+def begin(model_path: Path, settings: ContextSettings, verbose: bool, where: Offload) -> None:
+    """Begins loading `model_path` with these settings, for a turn that `take`s it."""
+    begun = _Begun(_key(model_path, settings, verbose, where), threading.Thread())
 
     def load() -> None:
         from quipu.engine.llama import LlamaBackend
 
         try:
-            begun.done.append(LlamaBackend(model_path, settings, verbose=opts.verbose, offload=where,
+            begun.done.append(LlamaBackend(model_path, settings, verbose=verbose, offload=where,
                                            cancelled=begun.cancel.is_set))
         except BaseException as exc:  # (raised where the turn takes it)
             begun.done.append(exc)
@@ -78,10 +64,6 @@ def begin(opts: TurnOptions, env: Environment) -> None:
     with _lock:
         _begun.append(begun)
     begun.thread.start()
-    if not opts.raw:  # (meanwhile, what renders the prompt's template)
-        from quipu.sessions.template import prepare
-
-        prepare()
 
 
 def take(model_path: Path, settings: ContextSettings, verbose: bool, where: Offload) -> LlamaBackend | None:

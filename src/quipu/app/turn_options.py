@@ -21,7 +21,7 @@ from quipu.engine.settings import (
     parse_size,
 )
 from quipu.engine.base import UNTIL_IT_ENDS
-from quipu.errors import TemplateError, UsageError
+from quipu.errors import QuipuError, TemplateError, UsageError
 from quipu.options import LOGGED, OPTIONS, SAMPLING
 from quipu.sessions.base import LOCAL, Capabilities
 from quipu.sessions.params import SamplingParams
@@ -331,6 +331,27 @@ def offload(opts: TurnOptions, env: Environment) -> Offload:
             raise UsageError("--device takes device names (as `quipu doctor` lists them), comma-separated, or none")
     return Offload(layers=parse_layers(layers) if layers is not None else AUTO,
                    memory=parse_size(memory) if memory is not None else None, devices=names)
+
+
+def begin_loading(opts: TurnOptions, env: Environment) -> None:
+    """Begins loading the model a one-shot with `opts` runs on, on a thread of its own, and
+    meanwhile makes what renders its prompt's template (`preload.py`): none for a server's, or
+    for a session's, whose settings its files hold, or where the model or a setting cannot be
+    read now (the turn then loads it as it always does, and says what went wrong)."""
+    from quipu.app.preload import begin
+
+    if opts.server is not None or opts.session is not None:
+        return
+    try:
+        settings, where = context_settings(opts, env), offload(opts, env)
+        _, model_path = env.resolve_model(opts.model)
+    except QuipuError:
+        return
+    begin(model_path, settings, opts.verbose, where)
+    if not opts.raw:
+        from quipu.sessions.template import prepare
+
+        prepare()
 
 
 def load_backend(model_path: "Path | LlamaModel", settings: ContextSettings, verbose: bool,

@@ -12,7 +12,8 @@ images and audio through a projector and llama.cpp's mtmd, and where each token 
 context, `media.py`; a projector file checked before clip.cpp trusts it,
 `projector_check.py`). Where a model runs: the devices and backends this llama.cpp
 sees, through ggml's own functions (`devices.py`), and the layers placed on them, fitted to their
-free memory (`placement.py`). Beside them: llama-cpp-python's ctypes layer, loaded without its high-level API
+free memory (`placement.py`), and the threads it computes with, which follow the machine's load
+where quipu chooses them (`threads.py`). Beside them: llama-cpp-python's ctypes layer, loaded without its high-level API
 (`native.py`), llama.cpp's log (`logs.py`), incremental UTF-8 decoding of token pieces
 (`text.py`), grammars as the user gives them (JSON Schema, GBNF, Lark, regular expressions),
 checked before any engine sees them (`grammar.py`), and the constraint engine that keeps a
