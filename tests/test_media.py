@@ -454,6 +454,7 @@ def llama_cpp_reads(model, projector, image, text: str) -> list[float]:
     llm = lc.llama_model_load_from_file(str(model).encode(), mp)
     cp = lc.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 1024, 256, 256, 2, 2
+    cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED  # (as quipu computes attention on the CPU)
     ctx = lc.llama_init_from_model(llm, cp)
     params = m.mtmd_context_params_default()
     params.use_gpu, params.n_threads, params.warmup = False, 2, False

@@ -232,3 +232,11 @@ def test_a_model_that_cannot_load_says_so_where_the_turn_takes_it(home, tmp_path
     begin_loading(opts, env)
     with pytest.raises(ModelLoadError):
         load_backend(broken, context_settings(opts, env), False, offload(opts, env))
+
+
+def test_the_layout_is_known_after_another_library_took_llama_cpp_s_log(make_backend, tiny_model):
+    import llama_cpp
+
+    assert make_backend(tiny_model).native.settings.v_trans is True
+    llama_cpp.Llama(str(tiny_model), vocab_only=True, verbose=False)  # (its own log callback, set as it loads)
+    assert make_backend(tiny_model).native.settings.v_trans is True

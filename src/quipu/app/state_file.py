@@ -158,7 +158,7 @@ class StateFile:
             made = backend.check_piece(piece, start, held - start)
         except SnapshotError as exc:
             return None, f"the state's layout is not the one quipu reads: {exc}"
-        if made.v_trans != backend.context.v_trans:
+        if made.v_trans is not None and made.v_trans != backend.context.v_trans:  # (a piece of no cells says none)
             return None, "the state's V layout is not the one its context settings record"
         made_id = secrets.token_hex(8)
         meta = {"base": chain.nonce, "start": start, "n_decoded": held, "tokens_sha256": key[1],

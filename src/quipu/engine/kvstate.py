@@ -80,12 +80,13 @@ class Reader:
 
 @dataclass(frozen=True)
 class Piece:
-    """What a piece of sequence state holds: its cells' positions (first, last) and count."""
+    """What a piece of sequence state holds: its cells' positions (first, last) and count, and
+    whether its V rows are stored transposed (None: it holds no cells to say)."""
 
     cells: int
     first: int
     last: int
-    v_trans: bool
+    v_trans: bool | None
 
 
 def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int, n_layer: int,
@@ -144,7 +145,7 @@ def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int
         ring = True  # (what follows the first cache is the window's)
     if read.at != len(view) or (cells and not recurrent and layers_seen != n_layer):
         raise SnapshotError("the piece of context state is not of the layout quipu reads")
-    return Piece(cells, first, first + cells - 1, bool(v_trans))
+    return Piece(cells, first, first + cells - 1, None if v_trans is None else bool(v_trans))
 
 
 def _cells_wrong(read: Reader, count: int, ext: int, seq_id: int, low: int, turn: int) -> str | None:

@@ -87,6 +87,7 @@ class NativeContext:
             raise ModelLoadError(f"llama.cpp decodes {bound[1]} sequence at a time on {bound[0]} models")
         if n_ctx * parallel > DEFAULT_CTX_CAP:  # (a usual context is far smaller than any machine's memory)
             check_host_room(model.path, n_ctx * parallel, context.kv_type, model.placement.gpu_layers, cparams)
+        LOG.install()  # (again: another library in this process may have taken llama.cpp's log since)
         LOG.clear_errors()
         n_threads, n_batch, n_seq = cparams.n_threads, cparams.n_batch, max(1, context.n_seq)
         ptr = lc.llama_init_from_model(model.ptr, cparams)
