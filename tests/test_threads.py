@@ -182,58 +182,6 @@ def test_threads_quipu_chooses_follow_the_machine_and_asked_ones_stay(make_backe
     assert on.native.tuner is None  # (flash attention on: the sums follow the thread count, which stays)
 
 
-def _begun_env(home, model):
-    from quipu.app.environment import Environment
-    from quipu.app.turn_options import TurnOptions
-
-    env = Environment.load({"QUIPU_HOME": str(home)})
-    return env, TurnOptions(model=str(model), threads=2, ctx=512)
-
-
-def test_a_model_begun_as_the_command_starts_is_the_turn_s_where_it_asks_the_same(home, tiny_model):
-    from quipu.app.preload import take
-    from quipu.app.turn_options import begin_loading, context_settings, load_backend, offload
-
-    env, opts = _begun_env(home, tiny_model)
-    begin_loading(opts, env)
-    backend = load_backend(tiny_model, context_settings(opts, env), False, offload(opts, env))
-    assert backend.n_ctx == 512 and backend.context.n_threads == 2
-    assert take(tiny_model, context_settings(opts, env), False, offload(opts, env)) is None  # (taken once)
-    backend.close()
-
-
-def test_a_model_begun_for_other_settings_is_closed_and_loaded_as_asked(home, tiny_model):
-    from dataclasses import replace
-
-    import quipu.app.preload as preload
-    from quipu.app.turn_options import begin_loading, context_settings, load_backend, offload
-
-    env, opts = _begun_env(home, tiny_model)
-    begin_loading(opts, env)
-    [begun] = preload._begun
-    asked = replace(context_settings(opts, env), n_ctx=1024)
-    backend = load_backend(tiny_model, asked, False, offload(opts, env))
-    assert backend.n_ctx == 1024
-    from quipu.errors import Interrupted
-
-    made = begun.done[0]  # (its load stopped where it had got to, or the model made and let go)
-    assert isinstance(made, Interrupted) or made.model.ptr is None
-    assert not preload._begun
-    backend.close()
-
-
-def test_a_model_that_cannot_load_says_so_where_the_turn_takes_it(home, tmp_path):
-    from quipu.app.turn_options import begin_loading, context_settings, load_backend, offload
-    from quipu.errors import ModelLoadError
-
-    broken = tmp_path / "broken.gguf"
-    broken.write_bytes(b"GGUF" + bytes(60))
-    env, opts = _begun_env(home, broken)
-    begin_loading(opts, env)
-    with pytest.raises(ModelLoadError):
-        load_backend(broken, context_settings(opts, env), False, offload(opts, env))
-
-
 def test_the_layout_is_known_after_another_library_took_llama_cpp_s_log(make_backend, tiny_model):
     import llama_cpp
 

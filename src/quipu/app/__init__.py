@@ -16,8 +16,7 @@ Every turn, named session and chat is written once, for every host a model can r
 - `local.py`: a local model, and what its sessions keep besides their transcripts (`LocalKeeper`),
   each part by its job: `state_file.py`, the state file beside a transcript; `prompt_cache.py`,
   the prompt cache as a local session uses it (`PromptCache`); `local_media.py`, its images and recordings and
-  their projector; `placing.py`, where it runs as the commands say it and a session keeps it;
-  `preload.py`, a one-shot's model loaded on a thread of its own as its command starts.
+  their projector; `placing.py`, where it runs as the commands say it and a session keeps it.
 - `llama_server.py`: llama.cpp's llama-server driven by tokens, a named session's context kept
   in a slot file between turns (`sessions.slot_file.SlotFile`).
 - `chat_api.py`: any OpenAI-compatible chat API: sessions kept as transcripts alone.

@@ -21,7 +21,7 @@ from quipu.engine.settings import (
     parse_size,
 )
 from quipu.engine.base import UNTIL_IT_ENDS
-from quipu.errors import QuipuError, TemplateError, UsageError
+from quipu.errors import TemplateError, UsageError
 from quipu.options import LOGGED, OPTIONS, SAMPLING
 from quipu.sessions.base import LOCAL, Capabilities
 from quipu.sessions.params import SamplingParams
@@ -333,38 +333,10 @@ def offload(opts: TurnOptions, env: Environment) -> Offload:
                    memory=parse_size(memory) if memory is not None else None, devices=names)
 
 
-def begin_loading(opts: TurnOptions, env: Environment) -> None:
-    """Begins loading the model a one-shot with `opts` runs on, on a thread of its own, and
-    meanwhile makes what renders its prompt's template (`preload.py`): none for a server's, or
-    for a session's, whose settings its files hold, or where the model or a setting cannot be
-    read now (the turn then loads it as it always does, and says what went wrong)."""
-    from quipu.app.preload import begin
-
-    if opts.server is not None or opts.session is not None:
-        return
-    try:
-        settings, where = context_settings(opts, env), offload(opts, env)
-        _, model_path = env.resolve_model(opts.model)
-    except QuipuError:
-        return
-    begin(model_path, settings, opts.verbose, where)
-    if not opts.raw:
-        from quipu.sessions.template import prepare
-
-        prepare()
-
-
 def load_backend(model_path: "Path | LlamaModel", settings: ContextSettings, verbose: bool,
                  where: Offload = Offload()) -> "LlamaBackend":
     from quipu.engine.llama import LlamaBackend  # imported here: llama.cpp loads in a blink only when needed
-    from quipu.engine.model import LlamaModel
 
-    if not isinstance(model_path, LlamaModel):
-        from quipu.app.preload import take
-
-        begun = take(model_path, settings, verbose, where)  # (a one-shot's, begun as its command started)
-        if begun is not None:
-            return begun
     return LlamaBackend(model_path, settings, verbose=verbose, offload=where)
 
 

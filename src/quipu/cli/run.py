@@ -96,9 +96,6 @@ def run(env: Environment, **given: Any) -> int:
         pull_if_needed(env, opts.model, term)
     if show:
         return show_prompt(text, opts, env, term, as_json)
-    from quipu.app.turn_options import begin_loading
-
-    begin_loading(opts, env)  # (the model loads while the rest of quipu is read)
     from quipu.cli.stream import TerminalStream
 
     with StopOnCtrlC() as stopper:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from quipu.engine.native import binding_version, lc
 from quipu.engine.sampler import SamplerChain, Sampling
@@ -85,7 +85,7 @@ class LlamaBackend:
     supports_embeddings = True
 
     def __init__(self, model_path: Path | LlamaModel, context: ContextSettings = ContextSettings(), *,
-                 verbose: bool = False, offload: Offload = Offload(), cancelled: Callable[[], bool] = lambda: False):
+                 verbose: bool = False, offload: Offload = Offload()):
         if context.kv_type not in KV_TYPES:
             raise InvalidParameter(f"--kv-type must be one of {', '.join(KV_TYPES)}, not '{context.kv_type}'")
         if context.flash_attn not in FLASH_ATTN:
@@ -99,7 +99,7 @@ class LlamaBackend:
             if isinstance(model_path, LlamaModel):
                 model = model_path
             else:
-                model = LlamaModel(model_path, place(Path(model_path), offload, context), cancelled)
+                model = LlamaModel(model_path, place(Path(model_path), offload, context))
             if context.n_ctx == CTX_AUTO:  # (as long as the placement found room for)
                 context = replace(context, n_ctx=model.placement.n_ctx or DEFAULT_CTX_CAP)
             self.model = model.acquire()

@@ -48,11 +48,10 @@ def check_gguf(path: Path) -> None:
         raise ModelLoadError(f"{path} is not a GGUF model file")
 
 
-def load_interruptibly(path: Path, placement: Placement = CPU, cancelled: Callable[[], bool] = lambda: False) -> Any:
-    """llama.cpp's model load, given up on Ctrl-C (or where `cancelled` says so: a load on a
-    thread of its own): loading a large model takes seconds inside llama.cpp, where Python runs
-    no signal handler, but its progress callback asks between tensors whether to go on. While it
-    loads, Ctrl-C only says so; then `Interrupted`."""
+def load_interruptibly(path: Path, placement: Placement = CPU) -> Any:
+    """llama.cpp's model load, given up on Ctrl-C: loading a large model takes seconds inside
+    llama.cpp, where Python runs no signal handler, but its progress callback asks between
+    tensors whether to go on. While it loads, Ctrl-C only says so; then `Interrupted`."""
     import signal
 
     asked: list[bool] = []
@@ -62,13 +61,7 @@ def load_interruptibly(path: Path, placement: Placement = CPU, cancelled: Callab
         previous = None
     # The layers on the devices the placement names, the rest on the CPU.
     mparams, arrays = model_params(placement.gpu_layers, placement.handles, placement.split)
-
-    def go_on(progress: float, data: Any) -> bool:
-        if not asked and cancelled():
-            asked.append(True)
-        return not asked
-
-    keep = mparams.progress_callback = lc.llama_progress_callback(go_on)
+    keep = mparams.progress_callback = lc.llama_progress_callback(lambda progress, data: not asked)
     try:
         model = lc.llama_model_load_from_file(str(path).encode(), mparams)
     finally:
@@ -86,12 +79,12 @@ class LlamaModel:
     """One loaded model file and its vocabulary. Contexts share it: each `LlamaBackend` on it
     holds a reference, and the model is freed when the last one is released."""
 
-    def __init__(self, path: Path, placement: Placement = CPU, cancelled: Callable[[], bool] = lambda: False):
+    def __init__(self, path: Path, placement: Placement = CPU):
         init_backend()
         self.path = Path(path)
         check_gguf(self.path)
         LOG.clear_errors()
-        model = load_interruptibly(self.path, placement, cancelled)
+        model = load_interruptibly(self.path, placement)
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}{LOG.reason()}")
         self.ptr = model

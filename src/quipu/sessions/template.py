@@ -338,12 +338,6 @@ def _compiled(source: str) -> jinja2.Template:
         raise TemplateError(f"the chat template is broken: {exc}") from exc
 
 
-def prepare() -> None:
-    """Makes the Jinja environment every template renders in now, where a caller has a moment to
-    spare (while a model loads on another thread)."""
-    _environment()
-
-
 @functools.lru_cache(maxsize=1)
 def _environment() -> jinja2.Environment:
     """One sandboxed Jinja environment for every template (Jinja is imported only when needed)."""
