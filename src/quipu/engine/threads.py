@@ -9,7 +9,6 @@ threads changes a bit of what the model computes."""
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -77,8 +76,8 @@ class ThreadTuner:
     of the same size (a decode's token, a prompt's step), each with its own running mean."""
 
     def __init__(self, start: int, most: int, set_threads: Callable[[int], None], *,
-                 free: Callable[[], int] | None = None, clock: Callable[[], float] = time.perf_counter):
-        self.current, self.most, self._set, self._free, self.clock = start, max(1, most), set_threads, free, clock
+                 free: Callable[[], int] | None = None):
+        self.current, self.most, self._set, self._free = start, max(1, most), set_threads, free
         self._paces: dict[tuple[int, int], _Pace] = {}  # (step size, threads): its pace
         self._gap: dict[int, int] = {}  # step size: steps between tries
         self._since: dict[int, int] = {}  # step size: steps since the last try
@@ -125,7 +124,8 @@ class ThreadTuner:
         self._switch(other)
 
     def _tried(self, n: int, seconds: float) -> None:
-        size, back, times = self._trying  # type: ignore[misc]
+        assert self._trying is not None
+        size, back, times = self._trying
         if n != size:  # (a step of another size between: the try goes on at the next of its size)
             return
         times.append(seconds)
