@@ -188,13 +188,13 @@ _ALL = (
     _option("ctx", "--ctx", help="Context size in tokens, or auto: the model's whole training length as far as "
             "memory allows (default: the model's, at most 4096).", metavar="N|auto", group="generation",
             feature="context_settings", config=object, role=True, logged=True),
-    _option("threads", "--threads", kind=int, help="CPU threads (default: one a physical performance core this process may "
-            "use, as llama.cpp chooses).",
+    _option("threads", "--threads", kind=int, help="CPU threads, fixed (default: quipu follows the machine's load, up "
+            "to one a physical performance core this process may use).",
             group="generation", feature="context_settings", config=int, role=True, bounds=Bounds(0, low_open=True)),
     _option("kv_type", "--kv-type", help="KV cache type: f16, or q8_0 for half-size snapshots.", metavar="f16|q8_0",
             group="generation", feature="context_settings", role=True, logged=True),
-    _option("flash_attn", "--flash-attn", help="Flash attention: auto (llama.cpp's choice, the default), on or off (a "
-            "session remembers it).", metavar="auto|on|off", group="generation", feature="context_settings",
+    _option("flash_attn", "--flash-attn", help="Flash attention: auto (the default: off on the CPU alone, so that "
+            "the thread count changes no bit; llama.cpp's choice on a GPU), on or off (a session remembers it).", metavar="auto|on|off", group="generation", feature="context_settings",
             role=True),
     _option("swa_full", "--swa-full", kind=bool, help="Keep every position in a sliding-window model's window "
             "layers (Gemma 3, GPT-OSS), not a ring of the window: far more memory (a session remembers it).",

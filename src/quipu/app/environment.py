@@ -132,7 +132,7 @@ class Environment:
             rows.append(("model", DEFAULT_MODEL_NAME, "default"))
         rows.append(("system", self.config.system, where if self.config.system else "default"))
         defaults = {**SamplingParams().to_dict(), "max_tokens": "none (a reply ends by itself, or where the context does)", "ctx": f"the model's, at most {DEFAULT_CTX_CAP}",
-                    "threads": "the CPUs this process may use", "seed": "random", "stop": "none",
+                    "threads": "following the machine's load, up to one a physical core", "seed": "random", "stop": "none",
                     "gpu_layers": "auto (as many as fit in free GPU memory)", "gpu_memory": "the GPU's free memory",
                     "device": "every GPU", "swa_full": "off (a sliding-window model's window cache is a ring)"}
         for key in CONFIG:
