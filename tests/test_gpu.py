@@ -36,8 +36,11 @@ def test_doctor_says_what_this_machine_has_and_where_files_go(quipu, home):
     cpu = [d for d in found["devices"] if d["kind"] == "cpu"]
     assert len(cpu) == 1 and 0 < cpu[0]["free_bytes"] <= cpu[0]["total_bytes"]
     assert found["dirs"]["sessions"].startswith(str(home))
+    threads = found["threads"]  # (what quipu would start a context with now, the load counted)
+    assert 1 <= threads["now"] <= threads["most"] <= threads["cpus"]
     text = quipu("doctor").stdout.decode()
     assert f"llama-cpp-python {found['versions']['llama_cpp_python']}" in text and str(home) in text
+    assert f"threads: up to {threads['most']} (one a physical core of {threads['cpus']} CPUs)" in text
 
 
 @cpu_only

@@ -29,6 +29,16 @@ def install_commands(version: str) -> list[dict[str, str]]:
             for name, what, flag in GPU_BUILDS if name not in (NOT_ON_MAC if sys.platform == "darwin" else MAC_ONLY)]
 
 
+def threads_report() -> dict[str, Any]:
+    """The CPU threads a context computes with: at most one a physical core this process may use,
+    fewer while other programs run (the count quipu would start with now), unless --threads."""
+    from quipu.engine.settings import available_cpus, default_threads
+    from quipu.engine.threads import free_cores, running_elsewhere
+
+    most, cpus = default_threads(), available_cpus()
+    return {"most": most, "cpus": cpus, "running_elsewhere": running_elsewhere(), "now": free_cores(most, cpus)}
+
+
 def report(env: Environment, opts: TurnOptions | None = None) -> dict[str, Any]:
     """What `quipu doctor` says, as data; with `opts` naming a model (or the default one), where
     it would run with those options, and what it would take."""
@@ -44,6 +54,7 @@ def report(env: Environment, opts: TurnOptions | None = None) -> dict[str, Any]:
         "backends": dev.backends(),
         "gpu_backends": gpu_backends,
         "cpu_features": dev.cpu_features(),
+        "threads": threads_report(),
         "devices": [d.to_dict() for d in found],
         "offload": dev.supports_offload(),
         "dirs": {"data": str(env.dirs.data), "config": str(env.dirs.config), "state": str(env.dirs.state),

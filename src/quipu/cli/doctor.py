@@ -46,6 +46,15 @@ def doctor(
         term.out("".join(f"{shown(line)}\n" for line in lines(found)))
 
 
+def threads_line(threads: dict[str, Any]) -> str:
+    """The threads quipu computes with on the CPU, and what the machine's load makes of them now."""
+    busy = threads["running_elsewhere"]
+    load = "" if busy is None else \
+        f"; {busy} thread{'s' if busy != 1 else ''} of other programs running now: it would start with {threads['now']}"
+    return (f"threads: up to {threads['most']} (one a physical core of {threads['cpus']} CPUs), following the "
+            f"machine's load unless --threads fixes them{load}")
+
+
 def lines(found: dict[str, Any]) -> list[str]:
     """The report as a person reads it."""
     v = found["versions"]
@@ -53,6 +62,7 @@ def lines(found: dict[str, Any]) -> list[str]:
            f"Python {v['python']}",
            f"backends: {', '.join(found['backends'])}",
            f"CPU features: {' '.join(found['cpu_features']) or 'none listed'}",
+           threads_line(found["threads"]),
            "devices:"]
     for d in found["devices"]:
         memory = f"{size(d['free_bytes'])} free of {size(d['total_bytes'])}" if d["total_bytes"] else "memory not said"
