@@ -194,7 +194,8 @@ _ALL = (
     _option("kv_type", "--kv-type", help="KV cache type: f16, or q8_0 for half-size snapshots.", metavar="f16|q8_0",
             group="generation", feature="context_settings", role=True, logged=True),
     _option("flash_attn", "--flash-attn", help="Flash attention: auto (the default: off on the CPU alone, so that "
-            "the thread count changes no bit; llama.cpp's choice on a GPU), on or off (a session remembers it).", metavar="auto|on|off", group="generation", feature="context_settings",
+            "the thread count changes no bit; llama.cpp's choice on a GPU), on or off (a session remembers it).",
+            metavar="auto|on|off", group="generation", feature="context_settings",
             role=True),
     _option("swa_full", "--swa-full", kind=bool, help="Keep every position in a sliding-window model's window "
             "layers (Gemma 3, GPT-OSS), not a ring of the window: far more memory (a session remembers it).",

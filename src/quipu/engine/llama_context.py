@@ -19,7 +19,7 @@ from quipu.engine.settings import (
 from quipu.engine.logs import LOG
 from quipu.engine.model import LlamaModel
 from quipu.engine.native import lc
-from quipu.engine.placement import check_host_room, ring_of, sequences_at_once
+from quipu.engine.placement import check_host_room, ring_of, sequences_bound
 from quipu.engine.threads import ThreadTuner, free_cores
 from quipu.errors import EngineError, ModelLoadError
 
@@ -82,9 +82,9 @@ class NativeContext:
         n_ctx = context.n_ctx or min(model.n_ctx_train or DEFAULT_CTX_CAP, DEFAULT_CTX_CAP)
         cparams = context_params(context, n_ctx, cpu_alone=not model.placement.on_device)
         parallel = max(1, context.parallel)
-        bound = sequences_at_once(model.path) if max(parallel, context.n_seq) > 1 else None
-        if bound is not None and max(parallel, context.n_seq) > bound[1]:  # (callers cap it first: a safety net)
-            raise ModelLoadError(f"llama.cpp decodes {bound[1]} sequence at a time on {bound[0]} models")
+        bound = sequences_bound(model.arch)
+        if bound is not None and max(parallel, context.n_seq) > bound:  # (callers cap it first: a safety net)
+            raise ModelLoadError(f"llama.cpp decodes {bound} sequence at a time on {model.arch} models")
         if n_ctx * parallel > DEFAULT_CTX_CAP:  # (a usual context is far smaller than any machine's memory)
             check_host_room(model.path, n_ctx * parallel, context.kv_type, model.placement.gpu_layers, cparams)
         LOG.install()  # (again: another library in this process may have taken llama.cpp's log since)
@@ -121,9 +121,11 @@ class NativeContext:
             self.threads = n_threads  # (those computing now)
             # Threads quipu chooses follow the machine's load, where no change of them changes a
             # sum: flash attention off, on the CPU alone (threads.py).
+            def free() -> int:
+                return free_cores(n_threads, available_cpus())
+
             self.tuner = None if context.n_threads or made != "disabled" or model.placement.on_device else \
-                ThreadTuner(free_cores(n_threads, available_cpus()), n_threads, self._set_threads,
-                            free=lambda: free_cores(n_threads, available_cpus()))
+                ThreadTuner(free(), n_threads, self._set_threads, free=free)
             if self.tuner is not None and self.tuner.current != n_threads:
                 self._set_threads(self.tuner.current)
         except BaseException:

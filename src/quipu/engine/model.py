@@ -96,7 +96,7 @@ class LlamaModel:
         self.n_ctx_train = max(0, lc.llama_model_n_ctx_train(model))
         self.n_swa = lc.llama_model_n_swa(model)  # (0: no layer attends through a sliding window)
         # The layers that keep a cache of their own (not those that reuse an earlier layer's).
-        arch = self._meta("general.architecture")
+        self.arch = arch = self._meta("general.architecture")
         shared = self._meta(f"{arch}.attention.shared_kv_layers")
         self.n_layer_kv = cached_blocks(arch, int(lc.llama_model_n_layer(model)), int(shared) if shared.isascii() and shared.isdigit() else 0)
         self._pieces: dict[int, bytes] = {}

@@ -118,11 +118,17 @@ def read_table(path: Path) -> "GGUFInfo":
 _SEQUENCES_AT_ONCE = {"plamo2": 1}
 
 
+def sequences_bound(arch: str) -> int | None:
+    """The most sequences llama.cpp decodes side by side on an architecture, where it has such a
+    bound (None: as many as a context holds)."""
+    return _SEQUENCES_AT_ONCE.get(arch)
+
+
 def sequences_at_once(path: Path) -> tuple[str, int] | None:
-    """The architecture of `path` and the most sequences llama.cpp decodes side by side on it,
-    where it has such a bound (None: as many as a context holds)."""
+    """The architecture of the model file `path` (read from its header, before it loads) and its
+    `sequences_bound`, where it has one."""
     arch = read_table(path).architecture
-    most = _SEQUENCES_AT_ONCE.get(arch)
+    most = sequences_bound(arch)
     return None if most is None else (arch, most)
 
 

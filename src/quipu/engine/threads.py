@@ -118,7 +118,7 @@ class ThreadTuner:
         other = self._candidate()
         self._since[n] = 0
         if other == self.current:  # (nothing to try now: later)
-            self._gap[n] = min(PROBE_MOST, 2 * self._gap.get(n, PROBE_FIRST))
+            self._back_off(n)
             return
         self._trying = (n, self.current, [])
         self._switch(other)
@@ -139,8 +139,12 @@ class ThreadTuner:
         if tried <= BETTER * self._paces[(size, back)].mean:
             self._gap[size] = PROBE_FIRST  # (better: stays, and tries again soon)
             return
-        self._gap[size] = min(PROBE_MOST, 2 * self._gap.get(size, PROBE_FIRST))
+        self._back_off(size)
         self._switch(back)
+
+    def _back_off(self, n: int) -> None:
+        """The next try for steps of `n` tokens twice as far off (at most PROBE_MOST steps)."""
+        self._gap[n] = min(PROBE_MOST, 2 * self._gap.get(n, PROBE_FIRST))
 
     def _switch(self, count: int) -> None:
         self.current = count
