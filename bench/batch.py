@@ -19,7 +19,7 @@ from quipu.app.environment import Environment
 from quipu.app.turn_options import TurnOptions
 model, threads, parallel, n_decode, text = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.stdin.read()
 rows = []
-opts = TurnOptions(model=model, raw=True, temperature=0.0, max_tokens=n_decode, threads=threads, logit_bias=("2=-inf",))
+opts = TurnOptions.of(model=model, raw=True, temperature=0.0, max_tokens=n_decode, threads=threads, logit_bias=("2=-inf",))
 started = time.perf_counter()
 run_batch(text, opts, Environment.load(), parallel=parallel, on_row=rows.append)
 wall = time.perf_counter() - started

@@ -26,7 +26,7 @@ from quipu.sessions.conversation import Conversation
 url, n, long_text = sys.argv[1], int(sys.argv[2]), sys.stdin.read()
 home = tempfile.TemporaryDirectory()  # (removed at exit)
 env = Environment.load({"QUIPU_HOME": home.name})
-store, opts, names = store_for(env), TurnOptions(temperature=0, seed=1), itertools.count()
+store, opts, names = store_for(env), TurnOptions.of(temperature=0, seed=1), itertools.count()
 question = "Write a long story about a river."
 params = {"temperature": 0, "seed": 1}
 client = httpx.Client(timeout=600)

@@ -34,7 +34,7 @@ def solo(backend, row: BatchRow):
 @pytest.mark.parametrize("n_seq", [2, 3, 8])
 def test_each_row_reads_as_a_lone_run_whatever_the_parallelism(make_backend, n_seq):
     lone = make_backend()
-    batch_backend = make_backend(n_ctx=256 * n_seq, n_seq=n_seq)
+    batch_backend = make_backend(n_ctx=256, n_seq=n_seq)
     rows = [BatchRow(prompt_tokens(lone, i), SamplingParams(temperature=0.9, seed=100 + i), 12 + i % 5)
             for i in range(7)]
     done = {}
@@ -55,7 +55,7 @@ def test_each_row_reads_as_a_lone_run_whatever_the_parallelism(make_backend, n_s
 
 def test_a_finished_sequence_goes_to_the_next_row(make_backend):
     lone = make_backend()
-    batch_backend = make_backend(n_ctx=512, n_seq=2)
+    batch_backend = make_backend(n_ctx=256, n_seq=2)
     no_end = tuple((t, float("-inf")) for t in range(lone.n_vocab) if lone.is_eog(t))
     rows = [BatchRow(prompt_tokens(lone, i), SamplingParams(temperature=0, seed=1, logit_bias=no_end),
                      4 + 20 * (i == 0), ("zzz",)) for i in range(5)]
@@ -68,10 +68,10 @@ def test_a_finished_sequence_goes_to_the_next_row(make_backend):
 
 
 def test_rows_too_long_for_their_share_are_refused(make_backend):
-    backend = make_backend(n_ctx=512, n_seq=2)
+    backend = make_backend(n_ctx=256, n_seq=2)
     batch = BatchSession(backend)
     with pytest.raises(QuipuError):
-        batch.run([BatchRow([1] * batch.n_ctx_seq)])
+        batch.run([BatchRow([1] * batch.n_ctx)])
 
 
 def test_reading_rows():

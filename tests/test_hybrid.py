@@ -256,7 +256,7 @@ def test_a_batch_session_s_next_batch_goes_back_to_its_own_shared_beginning(make
     from quipu.sessions.params import SamplingParams
 
     lone = make_backend(hybrid, n_ctx=1024)
-    batch = BatchSession(make_backend(hybrid, n_ctx=1024, n_seq=2))
+    batch = BatchSession(make_backend(hybrid, n_ctx=512, n_seq=2))
     for opening in ("the sky is blue over the world. ", "Paris, hello: the world and the sky. "):
         rows = [BatchRow(lone.tokenize(opening * 3 + f"tell me of {word}", add_special=False, parse_special=False),
                          SamplingParams(temperature=0.9, seed=7 + i), 8)

@@ -31,7 +31,7 @@ def _open(model: Path, parallel: int):
     from quipu.engine.llama import LlamaBackend
     from quipu.engine.settings import ContextSettings
 
-    return LlamaBackend(model, ContextSettings(n_ctx=512, n_threads=2, parallel=parallel))
+    return LlamaBackend(model, ContextSettings(n_ctx=512, n_threads=2, n_seq=parallel))
 
 
 def _answer(backend, prompt: str, n: int = 20, session=None) -> list[int]:
@@ -74,7 +74,7 @@ def test_requests_decoded_together_answer_as_each_does_alone(model):
     try:
         assert [v.n_ctx for v in views] == [512] * 3  # (each its own share: the context holds three)
         got = _together(views, lambda view, k: [_answer(view, p) for p in PROMPTS[k::3]])
-        assert first._shared.most_together >= 2  # (tokens of several requests in one step)
+        assert first._shared.scheduler.most_together >= 2  # (tokens of several requests in one step)
     finally:
         for v in views[1:]:
             v.close()

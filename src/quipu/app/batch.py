@@ -270,7 +270,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
         if not runnable:
             return writer.written
         batch_backend = load_backend(tokenizer.model, ContextSettings(
-            n_ctx=share * n_seq, n_batch=settings.n_batch, n_threads=settings.n_threads, kv_type=settings.kv_type,
+            n_ctx=share, n_batch=settings.n_batch, n_threads=settings.n_threads, kv_type=settings.kv_type,
             n_seq=n_seq, flash_attn=settings.flash_attn, swa_full=settings.swa_full), opts.verbose)
     except BaseException:
         tokenizer.close()

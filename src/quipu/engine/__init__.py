@@ -3,7 +3,8 @@ runs (`settings.py`), and the llama.cpp implementation:
 `LlamaModel` owns a loaded model and its vocabulary (`model.py`), `LlamaBackend` a context on
 one (`llama.py`), a facade over the native context it owns (`llama_context.py`: the context, its
 memory, its batch, a sequence's state bytes; or one sequence of a context several requests share,
-their tokens decoded together by its stepper, `llama_shared.py`) and the parts built on it, each
+`llama_shared.py`), the one scheduler of a context's sequences, for a batch's rows and a server's
+requests (`scheduler.py`), and the parts built on it, each
 owning its own state:
 sampling, `sampler.py`, whose `SamplerChain` is the native sampler chain of one stream of tokens;
 state bytes, `llama_state.py`; what the context holds of its history and how it goes back, its

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from quipu.engine.native import binding_version, lc
-from quipu.engine.sampler import SamplerChain, Sampling
+from quipu.engine.sampler import Sampling
 from quipu.engine.text import Spellings
 
-from quipu.engine.base import ProgressFn, SamplerSettings
+from quipu.engine.base import ProgressFn
 from quipu.engine.settings import (
     ALL,
     AUTO,
@@ -35,6 +35,7 @@ from quipu.engine.embeddings import Embeddings
 from quipu.engine.llama_context import NativeContext, context_params
 from quipu.engine.media import Media, Positions, is_media, runs
 from quipu.engine.llama_rows import BatchRows
+from quipu.engine.scheduler import Scheduler
 from quipu.engine.kvstate import Piece
 from quipu.engine.llama_memory import Memory
 from quipu.engine.llama_state import StateBytes
@@ -45,7 +46,6 @@ from quipu.engine.placement import plan
 from quipu.errors import EngineError, InvalidParameter, UsageError
 
 if TYPE_CHECKING:
-    from quipu.engine.constraint import Matcher
     from quipu.engine.llama_shared import SharedContext
 
 
@@ -105,7 +105,7 @@ class LlamaBackend:
             self.model = model.acquire()
             self._stack.callback(model.release)
             native: NativeContext
-            if context.parallel > 1:  # (the first of the shared context's sequences: `sequences` for the others)
+            if context.n_seq > 1:  # (the first of the shared context's sequences: `sequences` for the others)
                 from quipu.engine.llama_shared import SequenceContext, SharedContext
 
                 self._shared: SharedContext | None = SharedContext(self.model, context)
@@ -116,14 +116,17 @@ class LlamaBackend:
                 native = NativeContext(self.model, context)
             self._stack.callback(native.close)
             self._parts(model, native)
+            # Every sequence at once, from one thread: a batch's rows.
+            self.rows: BatchRows | None = BatchRows(native, Scheduler(native)) if self._shared is None else \
+                BatchRows(self._shared.native, self._shared.scheduler)
         except BaseException:
             self._stack.close()
             raise
 
     def sequences(self) -> list["LlamaBackend"]:
         """Where this backend is the first request's sequence of a shared context (its settings'
-        `parallel`: `llama_shared.py`), a backend for each of the others, on the same context
-        (close them before this one); else none."""
+        `n_seq`: `llama_shared.py`), a backend for each of the others, on the same context (close
+        them before this one; they have no rows: `rows` are the first's); else none."""
         from quipu.engine.llama_shared import SequenceContext
 
         shared = self._shared
@@ -132,7 +135,7 @@ class LlamaBackend:
         backends = []
         for seq in shared.sequences[1:]:
             backend = LlamaBackend.__new__(LlamaBackend)
-            backend._stack, backend._shared, backend.model = ExitStack(), None, self.model
+            backend._stack, backend._shared, backend.model, backend.rows = ExitStack(), None, self.model, None
             native = SequenceContext(shared, seq)
             backend._stack.callback(native.close)
             backend._parts(self.model, native)
@@ -152,18 +155,16 @@ class LlamaBackend:
         self.n_ctx_train = model.n_ctx_train
         self.context = native.settings
         self.n_ctx = native.n_ctx
-        self.n_ctx_seq = native.n_ctx_seq
         self.ring = native.ring
         self._positions = Positions()
         self.sampling = Sampling(native)
         self._stack.callback(self.sampling.close)
         self.state = StateBytes(native, self._positions)
-        self.rows = BatchRows(native)
         self.embeddings = Embeddings(model, native.threads, self.name)
         self.media = Media(native, self._positions)
         self._stack.callback(self.media.close)
         # What the context holds of the history, its checkpoints, its going back.
-        self.memory = Memory(native, self._positions, self.state, self.rows)
+        self.memory = Memory(native, self._positions, self.state)
 
     # ---- vocabulary: the model's ----------------------------------------------------------
 
@@ -230,26 +231,6 @@ class LlamaBackend:
 
     def place_media(self, tokens: Sequence[int]) -> None:
         self.media.place_media(tokens)
-
-    # ---- the rows of a batch: the rows part's ---------------------------------------------
-
-    def decode_batch(self, items: Sequence[tuple[int, int, int, bool]]) -> None:
-        self.rows.decode_batch(items)
-
-    def seq_keep(self, seq: int, n_keep: int) -> None:
-        self.rows.seq_keep(seq, n_keep)
-
-    def seq_copy(self, src: int, dst: int) -> None:
-        self.rows.seq_copy(src, dst)
-
-    def row_sampler(self, settings: SamplerSettings) -> SamplerChain:
-        return self.rows.row_sampler(settings)
-
-    def row_matcher(self, settings: SamplerSettings) -> Matcher | None:
-        return self.rows.row_matcher(settings)
-
-    def sample_rows(self, rows: Sequence[tuple[SamplerChain, Matcher | None, int, int]]) -> list[int]:
-        return self.rows.sample_rows(rows)
 
     # ---- state bytes: the state part's ----------------------------------------------------
 
@@ -390,7 +371,7 @@ class LlamaBackend:
     def reopen(self, context: ContextSettings | None = None) -> "LlamaBackend":
         """A new context on the same loaded model, with the same settings or `context`'s: no
         second load."""
-        return LlamaBackend(self.model, context or replace(self.context, parallel=1), verbose=LOG.verbose)
+        return LlamaBackend(self.model, context or replace(self.context, n_seq=1), verbose=LOG.verbose)
 
     def close(self) -> None:
         self._stack.close()

@@ -37,13 +37,11 @@ def context_params(context: ContextSettings, n_ctx: int, *, cpu_alone: bool = Fa
     n_batch = max(1, min(context.n_batch, n_ctx))
     n_seq = max(1, context.n_seq)
     cparams = lc.llama_context_default_params()
-    cparams.n_ctx = n_ctx * max(1, context.parallel)
+    cparams.n_ctx = n_ctx * n_seq
     cparams.n_batch = n_batch
     cparams.n_ubatch = n_batch
-    if context.parallel > 1:  # the requests' sequences, each in a stream of its own (llama_shared.py)
-        cparams.n_seq_max, cparams.kv_unified = context.parallel, False
-    elif n_seq > 1:
-        cparams.n_seq_max = n_seq  # each sequence has its own n_ctx / n_seq cells (not unified)
+    if n_seq > 1:  # the sequences, each in a stream of its own (scheduler.py)
+        cparams.n_seq_max, cparams.kv_unified = n_seq, False
     else:  # one sequence, and a second sharing its cells, to save a turn's cells alone (kvstate.py)
         cparams.n_seq_max, cparams.kv_unified = 2, True
     cparams.n_threads = n_threads
@@ -73,7 +71,7 @@ class NativeContext:
 
     The backend's parts speak of sequence 0 (the history) and 1 (a second that shares some of
     its cells for a moment: a piece's), through the `seq_*` methods; a sequence of a context
-    many requests share (`llama_shared.SequenceContext`) answers them for its own sequence."""
+    several requests share (`llama_shared.SequenceContext`) answers them for its own sequence."""
 
     own = 0  # the sequence that holds the history
     logits_index = -1  # where the logits of the last decode that wanted them are (-1: its last output)
@@ -81,15 +79,15 @@ class NativeContext:
     def __init__(self, model: LlamaModel, context: ContextSettings):
         n_ctx = context.n_ctx or min(model.n_ctx_train or DEFAULT_CTX_CAP, DEFAULT_CTX_CAP)
         cparams = context_params(context, n_ctx, cpu_alone=not model.placement.on_device)
-        parallel = max(1, context.parallel)
+        n_seq = max(1, context.n_seq)
         bound = sequences_bound(model.arch)
-        if bound is not None and max(parallel, context.n_seq) > bound:  # (callers cap it first: a safety net)
+        if bound is not None and n_seq > bound:  # (callers cap it first: a safety net)
             raise ModelLoadError(f"llama.cpp decodes {bound} sequence at a time on {model.arch} models")
-        if n_ctx * parallel > DEFAULT_CTX_CAP:  # (a usual context is far smaller than any machine's memory)
-            check_host_room(model.path, n_ctx * parallel, context.kv_type, model.placement.gpu_layers, cparams)
+        if n_ctx * n_seq > DEFAULT_CTX_CAP:  # (a usual context is far smaller than any machine's memory)
+            check_host_room(model.path, n_ctx * n_seq, context.kv_type, model.placement.gpu_layers, cparams)
         LOG.install()  # (again: another library in this process may have taken llama.cpp's log since)
         LOG.clear_errors()
-        n_threads, n_batch, n_seq = cparams.n_threads, cparams.n_batch, max(1, context.n_seq)
+        n_threads, n_batch = cparams.n_threads, cparams.n_batch
         ptr = lc.llama_init_from_model(model.ptr, cparams)
         if not ptr:
             raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens{LOG.reason()}")
@@ -97,19 +95,18 @@ class NativeContext:
         self._stack.callback(lc.llama_free, ptr)
         try:
             made = LOG.flash_attn
-            windowed = n_seq == 1 and parallel == 1 and model.n_swa > 0
+            windowed = n_seq == 1 and model.n_swa > 0
             self.model = model
             self.ptr = ptr
             self.settings = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=context.n_threads,
                                             kv_type=context.kv_type,
-                                            n_seq=n_seq, parallel=parallel, flash_attn=context.flash_attn,
+                                            n_seq=n_seq, flash_attn=context.flash_attn,
                                             v_trans=None if made is None else made == "disabled",
                                             swa_full=context.swa_full,
                                             window_cells=None if not windowed else
                                             "every cell" if context.swa_full else "ring")
             # llama.cpp rounds small contexts up; the user's number is the one we keep to.
-            self.n_ctx = min(n_ctx, lc.llama_n_ctx(ptr) // parallel)  # (a shared context's: each sequence's)
-            self.n_ctx_seq: int = lc.llama_n_ctx_seq(ptr) if n_seq > 1 else self.n_ctx
+            self.n_ctx: int = min(n_ctx, lc.llama_n_ctx_seq(ptr))  # (a shared context's: each sequence's)
             # The window cache's cells, where it is a ring this context lays out (0: none; ring.py).
             ring = ring_of(cparams)
             self.ring = ring(model.n_swa) if windowed and ring is not None else 0

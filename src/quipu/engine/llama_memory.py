@@ -14,7 +14,6 @@ from quipu.errors import EngineError, SnapshotError
 
 if TYPE_CHECKING:
     from quipu.engine.llama_context import NativeContext
-    from quipu.engine.llama_rows import BatchRows
     from quipu.engine.llama_state import StateBytes
     from quipu.engine.media import Positions
 
@@ -31,11 +30,10 @@ _PARTIAL = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 class Memory:
     """A context's memory as its history: how much of it it holds, its checkpoints, going back."""
 
-    def __init__(self, native: NativeContext, positions: Positions, state: StateBytes, rows: BatchRows):
+    def __init__(self, native: NativeContext, positions: Positions, state: StateBytes):
         self.native = native
         self._positions = positions
         self.state = state
-        self._rows = rows
         self.model = native.model
         self.ring = native.ring
         # A memory that cannot go back a token (a hybrid or recurrent model's state): its
@@ -247,9 +245,8 @@ class Memory:
         self.last_rewind = f"had no checkpoint at or before token {n_keep}: it is read again from the start"
 
     def empty(self) -> None:
-        """Nothing held: the cells, the media's places, the checkpoints, a batch's shared beginning."""
+        """Nothing held: the cells, the media's places, the checkpoints."""
         self.native.clear()
         self._positions.clear()
         self._checkpoints.clear()
         self._cuts.clear()
-        self._rows.forget()

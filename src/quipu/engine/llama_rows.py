@@ -1,6 +1,7 @@
-"""Several sequences of one context decoded side by side (a context opened with n_seq > 1),
-each with a sampler chain and a grammar's matcher of its own: the rows of a batch. A part of
-`LlamaBackend` (`llama.py`)."""
+"""The rows of a batch: every sequence of a context several share (`ContextSettings.n_seq`),
+driven from one thread, each with a sampler chain and a grammar's matcher of its own. Its steps
+are the scheduler's (`scheduler.py`). A part of `LlamaBackend` (`llama.py`), held by the caller
+as `backend.rows`."""
 
 from __future__ import annotations
 
@@ -14,25 +15,38 @@ from quipu.errors import EngineError
 if TYPE_CHECKING:
     from quipu.engine.constraint import MaskBatch, Matcher
     from quipu.engine.llama_context import NativeContext
+    from quipu.engine.scheduler import Ask, Scheduler
 
 
 class BatchRows:
-    """A context's rows of a batch (a context of several sequences)."""
+    """A context's rows of a batch (the whole context, its every sequence)."""
 
-    def __init__(self, native: NativeContext):
+    def __init__(self, native: NativeContext, scheduler: Scheduler):
         self._native = native
+        self._scheduler = scheduler
         self._masks: MaskBatch | None = None  # for the rows of a batch under grammars
         # A recurrent state where the rows' shared beginning ends (its length, the state), which a
         # sequence that answered a row goes back to for the next (it cannot drop a token).
         self._shared: tuple[int, memoryview] | None = None
 
-    def decode_batch(self, items: Sequence[tuple[int, int, int, bool]]) -> None:
-        """Decodes (token, position, sequence, wants logits) items, at most n_batch, in one step;
-        the logits of the i-th item that wanted them are then at batch index i."""
-        native = self._native
-        for i, (tok, pos, seq, logits) in enumerate(items):
-            native.fill(i, tok, pos, seq, logits)
-        native.decode(len(items))
+    @property
+    def n_seq(self) -> int:
+        return self._native.settings.n_seq
+
+    @property
+    def n_batch(self) -> int:
+        return self._native.settings.n_batch
+
+    def begin(self) -> None:
+        """Nothing held, in any sequence."""
+        lc.llama_memory_clear(self._native.mem, True)
+        self._shared = None
+
+    def step(self, waiting: list[Ask]) -> list[Ask]:
+        """Decodes the next step of the asks `waiting` (the scheduler's: one token for each of
+        several rows, or a row's prompt alone), taken out of it; returns them, each with the batch
+        index of its logits."""
+        return self._scheduler.step(waiting)
 
     def seq_keep(self, seq: int, n_keep: int) -> None:
         """Forgets sequence `seq`'s positions from `n_keep` on (0, or the shared beginning's end:
@@ -47,10 +61,6 @@ class BatchRows:
                 return
         raise EngineError("llama.cpp could not trim a sequence")
 
-    def forget(self) -> None:
-        """The context was emptied: no shared beginning is held."""
-        self._shared = None
-
     def seq_copy(self, src: int, dst: int) -> None:
         """Sequence `dst` becomes a copy of `src` (which must be all it holds: a shared beginning)."""
         mem = self._native.mem
@@ -62,12 +72,6 @@ class BatchRows:
     def row_sampler(self, settings: SamplerSettings) -> SamplerChain:
         """A sampler chain of its own, for one sequence of a batch (free it when done)."""
         return SamplerChain(self._native.model.n_vocab, settings)
-
-    def sample_at(self, chain: SamplerChain, draw_seed: int, index: int) -> int:
-        """Samples (and accepts) with `chain` from the logits at batch index `index`."""
-        chain.reseed(draw_seed)
-        token: int = lc.llama_sampler_sample(chain.ptr, self._native.ptr, index)
-        return token
 
     def row_matcher(self, settings: SamplerSettings) -> Matcher | None:
         """A grammar's matcher of its own, for one sequence of a batch (None without a grammar)."""
@@ -88,14 +92,15 @@ class BatchRows:
             n_vocab = self._native.model.n_vocab
             masks = self._masks
             if masks is None or masks.masks.shape[0] < len(rows):
-                masks = self._masks = MaskBatch(n_vocab, max(len(rows), self._native.settings.n_seq))
+                masks = self._masks = MaskBatch(n_vocab, max(len(rows), self.n_seq))
             masks.fill(constrained)
             for _, k in constrained:
                 logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._native.ptr, rows[k][3]), shape=(n_vocab,))
                 masks.apply(logits, k)
         tokens = []
         for chain, matcher, draw_seed, index in rows:
-            token = self.sample_at(chain, draw_seed, index)
+            chain.reseed(draw_seed)
+            token: int = lc.llama_sampler_sample(chain.ptr, self._native.ptr, index)
             if matcher is not None:
                 try:
                     matcher.accept(token)

@@ -78,7 +78,7 @@ class StateBytes:
         not the cells from there on: a window cache leaves out of a sequence's state the cells
         gone out of its window, so a piece longer than the window would not hold them all."""
         model = self._native.model.ptr
-        if self._native.settings.n_seq != 1 or self._native.settings.parallel != 1:
+        if self._native.settings.n_seq != 1:
             return "a context of several sequences"
         if lc.llama_model_is_recurrent(model) and not lc.llama_model_is_hybrid(model):
             return "a recurrent model's memory (small: its state alone)"

@@ -114,11 +114,10 @@ class ContextSettings:
     n_batch: int = 256
     n_threads: int = 0  # 0: default_threads()
     kv_type: str = "f16"
-    n_seq: int = 1  # sequences decoded side by side (a batch); n_ctx is shared out among them
-    # Requests whose histories share one context, each of n_ctx cells in a stream of its own,
-    # decoded together (`quipu serve --parallel`: `llama_shared.py`). A sequence's state names
-    # the context's streams: it is kept apart from others' (`state_key`).
-    parallel: int = 1
+    # Sequences that share the context, each of n_ctx cells in a stream of its own, decoded together
+    # (a batch's rows, a server's requests: `scheduler.py`). A sequence's state names the
+    # context's streams: it is kept apart from others' (`state_key`).
+    n_seq: int = 1
     flash_attn: str = "auto"  # auto (llama.cpp's choice), on or off
     # Set by the backend, not asked for: whether its cache stores V transposed (as llama.cpp
     # does for attention without flash attention); None where it is not known.
@@ -135,8 +134,8 @@ class ContextSettings:
     def state_key(self) -> dict[str, Any]:
         """The settings a snapshot's state bytes are only valid under, and their layout."""
         key = {"n_ctx": self.n_ctx, "n_batch": self.n_batch, "kv_type": self.kv_type, "v_trans": self.v_trans}
-        if self.parallel > 1:
-            key["parallel"] = self.parallel
+        if self.n_seq > 1:
+            key["parallel"] = self.n_seq  # (the name a server's saved states have always had)
         if self.window_cells is not None:
             key["window_cells"] = self.window_cells
         if self.swa_full and self.window_cells is not None:

@@ -2,7 +2,7 @@
 (`admit`: past `parallel` answered and `MAX_WAITING` waiting, refused as busy before any body),
 the models it answers with, loaded at the first request that names one and unloaded after their
 keep-alive (one at a time), and the slots a loaded model answers on (with `parallel`, sequences
-of one context they share, decoded together: `engine/llama_shared.py`). Each request is answered
+of one context they share, decoded together: `engine/llama_shared.py`, `engine/scheduler.py`). Each request is answered
 on a slot through the one turn path (`app/served.py`); after it, the conversation's context joins
 the prompt cache, so the next request that goes on from it restores it. Nothing here runs on the
 event loop: the HTTP side calls in from threads of its own."""
@@ -352,8 +352,8 @@ class Pool:
         name, path = self.pick(model)
         hashed = hashing(path, self.env)  # (a file quipu has not met is hashed while it loads)
         started = time.perf_counter()
-        parallel, capped = sequences_capped(path, self.parallel)
-        settings = dataclasses.replace(context_settings(opts, self.env), parallel=parallel)
+        n_seq, capped = sequences_capped(path, self.parallel)
+        settings = dataclasses.replace(context_settings(opts, self.env), n_seq=n_seq)
         backend = load_backend(path, settings, opts.verbose, offload(opts, self.env))
         load_s = time.perf_counter() - started
         try:

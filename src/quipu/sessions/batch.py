@@ -3,17 +3,17 @@
 On a CPU the model's weights are read from memory once per step whatever the number of
 sequences in it, so a step that decodes one token for each of several rows costs little more
 than a step for one row. The context holds `n_seq` sequences (`ContextSettings.n_seq`), each
-with its own share of the cells; every step decodes one token for each row being generated
-and, with what room is left in the batch, the prompts of rows starting (continuous batching):
-a finished row's sequence goes to the next row at once.
+with cells of its own; the scheduler (`engine/scheduler.py`) makes each step one token for each
+row being generated, or a starting row's prompt alone (continuous batching): a finished row's
+sequence goes to the next row at once.
 
 The beginning every row shares (a system prompt, few-shot examples) is read once, into
 sequence 0, and copied to the others; a sequence keeps it when its row ends, for the next row.
 
 Each row has its own sampler chain, penalty window, grammar (the masks of all rows under one
 are computed together each step) and draws seeded by (its seed, draw index), as
-`InferenceSession` does: a row's text does not depend on the other rows or on `n_seq`, up
-to the floating-point differences of batched arithmetic.
+`InferenceSession` does: a row's answer is its lone run's, whatever the other rows and `n_seq`
+(greedy and seeded, to the last bit of the logits on the CPU: the scheduler's steps are made so).
 """
 
 from __future__ import annotations
@@ -27,9 +27,12 @@ from quipu.sessions.inference import Generation, Stats, common_prefix
 from quipu.sessions.stops import ReplyText
 from quipu.sessions.params import SamplingParams, draw_seed
 
+from quipu.engine.scheduler import Ask
+
 if TYPE_CHECKING:
     from quipu.engine.constraint import Matcher
     from quipu.engine.llama import LlamaBackend
+    from quipu.engine.llama_rows import BatchRows
     from quipu.engine.sampler import SamplerChain
 
 OWN_TOKENS = 2  # each row decodes at least this many of its prompt's tokens itself
@@ -89,12 +92,14 @@ class _Slot:
         assert self._reply is not None  # (made as the row starts)
         return self._reply
 
-    def take(self, budget: int) -> list[int]:
-        """The next of its tokens to decode (at most `budget`), from `pos`, which moves past them."""
-        taken = self.pending[:budget]
-        del self.pending[:len(taken)]
-        self.pos += len(taken)
-        return taken
+    def ask(self, n_batch: int) -> Ask:
+        """What it asks of the next step: its next tokens, up to where a lone run's prefill step
+        would end (a multiple of `n_batch`), the logits of its last one where that is all."""
+        end = min(len(self.pending), (self.pos // n_batch + 1) * n_batch - self.pos)
+        taken, self.pending = self.pending[:end], self.pending[end:]
+        at, self.pos = self.pos, self.pos + len(taken)
+        last = not self.pending
+        return Ask(self.seq, [(t, at + i, last and i == len(taken) - 1) for i, t in enumerate(taken)])
 
     def sampled_one(self, now: float) -> None:
         """A token was drawn for the row at `now`."""
@@ -129,14 +134,17 @@ class BatchSession:
     """Runs rows to replies on a backend opened with several sequences."""
 
     def __init__(self, backend: LlamaBackend):
+        if backend.rows is None:
+            raise ValueError("a batch runs on a context's first backend, not on one of its sequences'")
         self.backend = backend
-        self.n_seq = backend.context.n_seq
-        self.n_ctx_seq = backend.n_ctx_seq
+        self.rows: BatchRows = backend.rows
+        self.n_seq = self.rows.n_seq
+        self.n_ctx = backend.n_ctx  # each sequence's cells
         self.shared = 0  # tokens of the beginning every row shares, read once
 
     def room(self) -> int:
-        """The longest prompt a row may have: its sequence's share, less a cell for the reply."""
-        return self.n_ctx_seq - 1
+        """The longest prompt a row may have: its sequence's cells, less one for the reply."""
+        return self.n_ctx - 1
 
     def run(self, rows: Sequence[BatchRow], on_token: RowTokenFn | None = None, on_done: RowDoneFn | None = None,
             should_stop: Callable[[], bool] | None = None) -> None:
@@ -146,14 +154,15 @@ class BatchSession:
             if not row.tokens:
                 raise ValueError(f"row {i} has no prompt tokens")
             if len(row.tokens) > self.room():
-                raise ContextOverflow(len(row.tokens), self.n_ctx_seq)
+                raise ContextOverflow(len(row.tokens), self.n_ctx)
         if not rows:
             return
-        backend = self.backend
-        backend.truncate(0)
+        self.rows.begin()
         self.shared = self._shared_beginning(rows)
         slots = [_Slot(seq) for seq in range(self.n_seq)]
         queue = list(range(len(rows)))
+        waiting: list[Ask] = []  # what the rows ask of the steps to come, oldest first
+        n_batch = self.rows.n_batch
         if self.shared:
             self._read_shared(rows[0].tokens[: self.shared], should_stop)
         try:
@@ -161,18 +170,23 @@ class BatchSession:
                 for slot in slots:
                     if slot.row < 0 and queue:
                         self._start(slot, queue.pop(0), rows)
-                active = [s for s in slots if s.row >= 0]
-                if not active:
+                        waiting.append(slot.ask(n_batch))
+                if not waiting:
                     break
                 if should_stop is not None and should_stop():
                     raise Interrupted("stopped")
-                wanting = self._step(active)
-                tokens = self.backend.sample_rows([(slot.chain, slot.matcher,
-                                                    draw_seed(slot.params.draw_base, slot.draws), index)
-                                                   for slot, index in wanting])
+                step = self.rows.step(waiting)
+                wanting = [(slots[a.seq], a.index) for a in step if a.index >= 0]
+                for a in step:
+                    if a.index < 0:  # (a part of a prompt: its next)
+                        waiting.append(slots[a.seq].ask(n_batch))
+                tokens = self.rows.sample_rows([(slot.chain, slot.matcher,
+                                                 draw_seed(slot.params.draw_base, slot.draws), index)
+                                                for slot, index in wanting])
                 now = time.perf_counter()
                 for (slot, _), token in zip(wanting, tokens, strict=False):
-                    self._took(slot, token, now, on_token, on_done)
+                    if self._took(slot, token, now, on_token, on_done):
+                        waiting.append(slot.ask(n_batch))
         finally:
             for slot in slots:
                 slot.free()
@@ -180,10 +194,11 @@ class BatchSession:
     # ---- steps ----------------------------------------------------------------------------
 
     def _shared_beginning(self, rows: Sequence[BatchRow]) -> int:
-        """The beginning all rows share, short of each row's last two tokens: a row's first
-        logits come from a decode of its own, and llama.cpp computes a decode of one token by
-        another road than a decode of several (the last bits differ), while a lone run reads its
-        whole prompt at once."""
+        """The beginning all rows share, short of each row's last two tokens (a row's first
+        logits come from a step of its own), a multiple of four tokens: weights the CPU repacked
+        are multiplied by one kernel for a step's tokens in fours and another for the rest
+        (`engine/scheduler.py`), and a token is computed as in a lone run's one step where the
+        shared beginning's step and the row's leave it in the same place of four."""
         if len(rows) < 2 or self.n_seq < 2:
             return 0
         shared = min(len(r.tokens) for r in rows) - OWN_TOKENS
@@ -192,54 +207,32 @@ class BatchSession:
             shared = min(shared, common_prefix(first, row.tokens))
             if shared == 0:
                 break
-        return max(shared, 0)
+        return max(shared - shared % 4, 0)
 
     def _read_shared(self, tokens: list[int], should_stop: Callable[[], bool] | None) -> None:
-        n_batch = self.backend.context.n_batch
+        n_batch = self.rows.n_batch
         for at in range(0, len(tokens), n_batch):
-            chunk = tokens[at : at + n_batch]
-            self.backend.decode_batch([(t, at + i, 0, False) for i, t in enumerate(chunk)])
+            self.rows.step([Ask(0, [(t, at + i, False) for i, t in enumerate(tokens[at : at + n_batch])])])
             if should_stop is not None and should_stop():
                 raise Interrupted("stopped")
         for seq in range(1, self.n_seq):
-            self.backend.seq_copy(0, seq)
+            self.rows.seq_copy(0, seq)
 
     def _start(self, slot: _Slot, row_index: int, rows: Sequence[BatchRow]) -> None:
         row = rows[row_index]
         params = row.params.resolved()
-        self.backend.seq_keep(slot.seq, self.shared)  # what the last row left, past the shared part
-        chain = self.backend.row_sampler(params)
+        self.rows.seq_keep(slot.seq, self.shared)  # what the last row left, past the shared part
+        chain = self.rows.row_sampler(params)
         try:
-            matcher = self.backend.row_matcher(params)
+            matcher = self.rows.row_matcher(params)
         except BaseException:
             chain.free()  # (the slot never held it)
             raise
         slot.start(row_index, row, params, chain, matcher, self.shared, ReplyText(self.backend.token_bytes, b"", row.stop))
 
-    def _step(self, active: list[_Slot]) -> list[tuple[_Slot, int]]:
-        """One decode: a token for every row generating, then prompt tokens while there is room.
-        Returns the slots whose logits are ready, with their index in the batch."""
-        budget = self.backend.context.n_batch
-        items: list[tuple[int, int, int, bool]] = []
-        wanting: list[tuple[_Slot, int]] = []
-        generating = [s for s in active if s.sampled]
-        reading = [s for s in active if not s.sampled]
-        for slot in generating + reading:
-            if budget == 0:
-                break
-            at = slot.pos
-            take = slot.take(budget)
-            last = not slot.pending
-            for i, tok in enumerate(take):
-                items.append((tok, at + i, slot.seq, last and i == len(take) - 1))
-            if last:
-                wanting.append((slot, len(items) - 1))
-            budget -= len(take)
-        self.backend.decode_batch(items)
-        return wanting
-
     def _took(self, slot: _Slot, token: int, now: float, on_token: RowTokenFn | None,
-              on_done: RowDoneFn | None) -> None:
+              on_done: RowDoneFn | None) -> bool:
+        """The row's drawn token: True where the row goes on (the token its next to decode)."""
         slot.sampled_one(now)
         finish = None
         reply = slot.reply
@@ -253,12 +246,12 @@ class BatchSession:
                 finish = "stop_sequence"
             elif slot.sampled >= slot.max_tokens:
                 finish = "length"
-            elif slot.pos + 1 >= self.n_ctx_seq:
+            elif slot.pos + 1 >= self.n_ctx:
                 finish = "context_full"
             else:
                 slot.go_on(token)
         if finish is None:
-            return
+            return True
         tail, finish = reply.end(finish)
         if tail and on_token is not None:
             on_token(slot.row, -1, tail)
@@ -268,3 +261,4 @@ class BatchSession:
         slot.free()
         if on_done is not None:
             on_done(row, gen, stats)
+        return False
