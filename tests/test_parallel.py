@@ -145,3 +145,71 @@ def test_a_sequence_goes_on_from_what_it_holds_and_its_state_restores_in_another
         for v in views[1:]:
             v.close()
         shared.close()
+
+
+@pytest.mark.parametrize("kind", ["plain", "qwen35"])
+def test_four_conversations_at_once_answer_as_each_does_alone_on_a_server(kind, home, tmp_path):
+    # `quipu serve --parallel 4`, four clients at once, each a conversation of four turns (two
+    # greedy, two drawn with a seed), five times over: each of the 16 answers is the one a server
+    # that answers one request at a time gives, to the character, from the first turn on. (Weights
+    # of a type whose product llama.cpp computes one dot product a token whatever the step, as the
+    # bundled model's Q4_1: the answers do not hang on which steps the four happened to share.)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from servers import openai_client, quipu_serve
+
+    if kind == "plain":
+        model = write_tiny_gguf(tmp_path / "tiny.gguf", weights="q4_1")
+    else:
+        model = write_tiny_qwen35(tmp_path / "qwen35.gguf", weights="q4_1",
+                                  chat_template=(TEMPLATES / "Qwen3.5-4B.jinja").read_text())
+    turns = ["Tell me of the sky.", "And of the world?", "Is Paris blue?", "Say hello again."]
+
+    def converse(url: str, k: int) -> list[str]:
+        c = openai_client(url)
+        messages: list[dict] = [{"role": "system", "content": f"You are assistant number {k}."}]
+        said = []
+        for turn in turns:
+            messages.append({"role": "user", "content": turn})
+            drawn = {"temperature": 0.0} if k % 2 == 0 else {"temperature": 0.9, "seed": 10 + k}
+            reply = c.chat.completions.create(model=model.stem, messages=messages, max_tokens=12, **drawn)
+            message = reply.choices[0].message
+            text = message.content or ""
+            said.append((message.model_extra or {}).get("reasoning_content", "") + "|" + text)  # (a thinking model's too)
+            messages.append({"role": "assistant", "content": text})
+        return said
+
+    with quipu_serve(home, model, "--parallel", "1", tmp_path=tmp_path) as url:
+        alone = [converse(url, k) for k in range(4)]
+    assert len({tuple(a) for a in alone}) == 4  # (four conversations that differ)
+    with quipu_serve(home, model, "--parallel", "4", tmp_path=tmp_path) as url:
+        for _ in range(5):
+            with ThreadPoolExecutor(4) as pool:
+                together = list(pool.map(lambda k: converse(url, k), range(4)))
+            assert together == alone
+
+
+def test_a_token_s_text_read_from_several_threads_at_once_is_its_own(bundled_model):
+    # (requests on one model read their tokens' pieces from threads of their own: each thread's
+    # piece is the one llama.cpp writes for its token, not another thread's written meanwhile)
+    from quipu.engine.model import LlamaModel
+
+    first, second = LlamaModel(bundled_model).acquire(), LlamaModel(bundled_model).acquire()
+    try:
+        expected = [first.token_bytes(t) for t in range(first.n_vocab)]
+        got: dict[int, bytes] = {}
+
+        def read(k: int) -> None:
+            for t in range(k, second.n_vocab, 4):
+                got[t] = second.token_bytes(t)
+
+        threads = [threading.Thread(target=read, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [got[t] for t in range(second.n_vocab)] == expected
+        assert [second.token_bytes(t) for t in range(second.n_vocab)] == expected  # (and kept so)
+    finally:
+        first.release()
+        second.release()

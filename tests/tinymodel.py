@@ -144,10 +144,12 @@ def write_tiny_gguf(
     tool_specials: bool = False,
     extra_specials: Sequence[str] = (),
     rope_sections: Sequence[int] = (),
+    weights: str = "f32",
 ) -> Path:
     """`tokenizer`: "spm" (SentencePiece with byte fallback, as Llama 2 and Gemma) or "bpe"
     (GPT-2 style byte-level BPE, as Llama 3, Qwen and most recent models). With
-    `split_max_tensors`, the model is written in parts (`STEM-00001-of-0000N.gguf` beside `path`)."""
+    `split_max_tensors`, the model is written in parts (`STEM-00001-of-0000N.gguf` beside `path`).
+    `weights`: the matrices' type (`_quantizing`)."""
     import gguf
 
     if tokenizer == "bpe":
@@ -162,7 +164,7 @@ def write_tiny_gguf(
     def w(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.5).astype(np.float32)
 
-    writer = gguf.GGUFWriter(str(path), architecture, split_max_tensors=split_max_tensors)
+    writer = _quantizing(gguf.GGUFWriter(str(path), architecture, split_max_tensors=split_max_tensors), weights)
     writer.add_name("tiny-test")
     writer.add_file_type(0)  # all F32
     writer.add_context_length(n_ctx_train)
@@ -411,6 +413,29 @@ def _hybrid_writer(path: Path, architecture: str, *, n_embd: int, n_layer: int, 
     return writer, len(tokens)
 
 
+def _quantizing(writer, weights: str):
+    """`writer`, whose matrices (2-D weights whose rows are whole blocks of 32) are written in
+    `weights`' type: "f32", as given; "q4_1", llama.cpp's 4-bit type whose product with a step's
+    tokens is one dot product a token on the CPU, as for a lone token (no kernel of its own for
+    several tokens at once, unlike F32's), so that a step's tokens are computed as alone."""
+    if weights == "f32":
+        return writer
+    import gguf
+    from gguf.quants import quantize
+
+    kind = {"q4_1": gguf.GGMLQuantizationType.Q4_1}[weights]
+    add = writer.add_tensor
+
+    def add_tensor(name: str, tensor: np.ndarray, **more) -> None:
+        if tensor.ndim == 2 and name.endswith(".weight") and tensor.shape[1] % 32 == 0 and not more:
+            add(name, quantize(tensor, kind), raw_dtype=kind)
+        else:
+            add(name, tensor, **more)
+
+    writer.add_tensor = add_tensor
+    return writer
+
+
 def _draws(seed: int):
     """A generator of random weights, and `w(*shape, scale=0.5)`, which draws a normal tensor of them."""
     rng = np.random.default_rng(seed)
@@ -441,7 +466,8 @@ def _finish(writer) -> None:
 
 def write_tiny_qwen35(path: Path, *, n_embd: int = 128, n_layer: int = 4, n_head: int = 4, n_head_kv: int = 2,
                       n_ff: int = 256, n_ctx_train: int = 4096, seed: int = 0, chat_template: str | None = None,
-                      d_state: int = 16, n_group: int = 2, n_v_heads: int = 4, d_conv: int = 4) -> Path:
+                      d_state: int = 16, n_group: int = 2, n_v_heads: int = 4, d_conv: int = 4,
+                      weights: str = "f32") -> Path:
     """A tiny random model of Qwen 3.5's architecture (`qwen35`, as the vendored
     `src/models/qwen35.cpp` reads it): three of every four layers Gated DeltaNet (a recurrent
     state), every fourth gated attention with M-RoPE (IMROPE) and Q/K norms. The DeltaNet's decay
@@ -454,6 +480,7 @@ def write_tiny_qwen35(path: Path, *, n_embd: int = 128, n_layer: int = 4, n_head
     writer, n_vocab = _hybrid_writer(path, "qwen35", n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_ff=n_ff,
                                      n_ctx_train=n_ctx_train, chat_template=chat_template,
                                      extra_specials=["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    writer = _quantizing(writer, weights)
     writer.add_head_count_kv(n_head_kv)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)

@@ -106,7 +106,6 @@ class LlamaModel:
         self._attrs: array[int] | None = None
         self._special_tokens: dict[str, int] | None = None
         self._guidance: Any = None  # llguidance's view of the vocabulary, once built (constraint.py)
-        self._piece_buf = ctypes.create_string_buffer(256)
 
     def _meta(self, key: str) -> str:
         """A metadata value of the model as text ("" where it has none)."""
@@ -144,7 +143,9 @@ class LlamaModel:
     def token_bytes(self, token: int) -> bytes:
         piece = self._pieces.get(token)
         if piece is None:
-            buf = self._piece_buf
+            # A buffer of the call's own: requests on one model read their pieces from threads of
+            # their own, and llama.cpp writes into the buffer with the interpreter let go.
+            buf = ctypes.create_string_buffer(256)
             n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
             if n < 0:
                 buf = ctypes.create_string_buffer(-n)
