@@ -220,3 +220,73 @@ def test_ctrl_c_keeps_every_finished_row(home, bundled_model):
     assert 1 <= len(lines) < 12
     assert [line["index"] for line in lines] == list(range(len(lines)))
     assert all(line["text"] and line["finish_reason"] in ("stop", "length") for line in lines)
+
+
+def _logits(backend, index: int) -> bytes:
+    import ctypes
+
+    from quipu.engine.native import lc
+
+    return ctypes.string_at(lc.llama_get_logits_ith(backend.native.ptr, index), 4 * backend.n_vocab)
+
+
+def _spied(batch: BatchSession, rows) -> dict[tuple[int, ...], bytes]:
+    """The logits of every step of the batch's rows, by the history they follow (each sequence's
+    tokens so far, its copy of the shared beginning included)."""
+    seen: dict[tuple[int, ...], bytes] = {}
+    held: dict[int, list[int]] = {}
+    step = batch.rows.step
+
+    def spy(waiting):
+        asks = step(waiting)
+        for a in asks:
+            at = a.items[0][1]
+            history = held.get(a.seq, list(rows[0].tokens))[:at] + [t for t, _, _ in a.items]
+            held[a.seq] = history
+            if a.index >= 0:
+                seen[tuple(history)] = _logits(batch.backend, a.index)
+        return asks
+
+    batch.rows.step = spy
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["plain", "qwen35"])
+def test_thirty_two_rows_answer_as_lone_runs_to_the_last_bit_every_time(make_backend, tmp_path, kind):
+    # 32 rows of different lengths that share a beginning, half greedy and half drawn with a
+    # seed, eight at a time, five times over: each step's logits for a row are its lone run's, bit
+    # for bit, whichever rows its steps happened to share, and so is its answer (weights of a type
+    # whose product llama.cpp computes one dot product a token whatever the step, as the bundled
+    # model's Q4_1: docs/run.md).
+    from tinymodel import write_tiny_gguf, write_tiny_qwen35
+
+    model = (write_tiny_gguf(tmp_path / "tiny.gguf", weights="q4_1") if kind == "plain" else
+             write_tiny_qwen35(tmp_path / "qwen35.gguf", weights="q4_1"))
+    lone = make_backend(model)
+    batch = BatchSession(make_backend(model, n_ctx=256, n_seq=8))
+    no_end = tuple((t, float("-inf")) for t in range(lone.n_vocab) if lone.is_eog(t))
+    rows = [BatchRow(prompt_tokens(lone, i) + prompt_tokens(lone, i + 3)[: i % 9],
+                     SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=40 + i, logit_bias=no_end), 6 + i % 11)
+            for i in range(32)]
+    want = [solo(lone, row).tokens for row in rows]
+    seen = _spied(batch, rows)
+    for _ in range(5):
+        done: dict = {}
+        batch.run(rows, on_done=lambda r, gen, _stats, done=done: done.__setitem__(r, gen.tokens))
+        assert batch.shared > 0
+        assert [done[i] for i in range(32)] == want
+    # Each row read alone, its prompt in one step and its answer a token a step, as a lone run.
+    compared = 0
+    for row, answer in zip(rows, want, strict=True):
+        lone.truncate(0)
+        history = list(row.tokens)
+        for i, t in enumerate(history):
+            lone.native.fill(i, t, i, 0, i == len(history) - 1)
+        lone.native.decode(len(history))
+        for token in answer[:-1]:
+            assert seen[tuple(history)] == _logits(lone, -1)
+            compared += 1
+            lone.native.fill(0, token, len(history), 0, True)
+            lone.native.decode(1)
+            history.append(token)
+    assert compared == sum(len(a) - 1 for a in want)
