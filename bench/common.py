@@ -48,8 +48,8 @@ def context_text(model: str, n_tokens: int) -> str:
     from quipu.engine.llama import LlamaBackend
 
     with LlamaBackend(model, ContextSettings(n_ctx=8192, n_threads=1)) as b:
-        toks = b.tokenize(prompt_of(n_tokens), add_special=False, parse_special=False)[:n_tokens]
-        return b"".join(b.token_bytes(t) for t in toks).decode("utf-8", "replace")
+        toks = b.vocab.tokenize(prompt_of(n_tokens), add_special=False, parse_special=False)[:n_tokens]
+        return b"".join(b.vocab.token_bytes(t) for t in toks).decode("utf-8", "replace")
 
 def first_byte(cmd: list[str], env: dict, stdin: bytes | None = None) -> float:
     """Seconds from starting `cmd` to the first byte it writes on stdout (the whole process)."""

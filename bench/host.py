@@ -57,9 +57,9 @@ def _pair(model: str, threads: int, temperature: float) -> tuple[tuple[float, fl
     from quipu.sessions.params import SamplingParams
 
     with LlamaBackend(model, ContextSettings(n_ctx=1024, n_threads=threads)) as backend:
-        no_end = tuple((t, float("-inf")) for t in range(backend.n_vocab) if backend.is_eog(t))
+        no_end = tuple((t, float("-inf")) for t in range(backend.n_vocab) if backend.vocab.is_eog(t))
         params = SamplingParams(seed=1, temperature=temperature, logit_bias=no_end)
-        prompt = backend.tokenize(prompt_of(64), add_special=True, parse_special=False)
+        prompt = backend.vocab.tokenize(prompt_of(64), add_special=True, parse_special=False)
         session = InferenceSession(backend, params)
         session.feed_prompt(prompt)
         session.infer(1)  # (the prompt read, and a first token)
@@ -67,7 +67,7 @@ def _pair(model: str, threads: int, temperature: float) -> tuple[tuple[float, fl
 
         ctx, vocab = backend.native.ptr, backend.model.vocab
         chain = SamplerChain(backend.n_vocab, params)
-        backend.truncate(0)
+        backend.memory.truncate(0)
         backend.prefill(prompt, 0)
         tok, buf = (lc.llama_token * 1)(), ctypes.create_string_buffer(64)
 

@@ -45,9 +45,9 @@ def _prompt_and_bans(model: str, n_prompt: int) -> tuple[str, list[str]]:
     from quipu.engine.llama import LlamaBackend
 
     with LlamaBackend(model, ContextSettings(n_ctx=256, n_threads=1)) as b:
-        toks = b.tokenize(prompt_of(n_prompt * 2), add_special=False, parse_special=False)[: n_prompt - 1]
-        text = b"".join(b.token_bytes(t) for t in toks).decode("utf-8", "replace")
-        bans = [f"{t}=-inf" for t in range(b.n_vocab) if b.is_eog(t)]
+        toks = b.vocab.tokenize(prompt_of(n_prompt * 2), add_special=False, parse_special=False)[: n_prompt - 1]
+        text = b"".join(b.vocab.token_bytes(t) for t in toks).decode("utf-8", "replace")
+        bans = [f"{t}=-inf" for t in range(b.n_vocab) if b.vocab.is_eog(t)]
     return text, bans
 
 

@@ -51,7 +51,7 @@ def bench_snapshots(model: str, threads: int) -> list[dict]:
     rows = []
     for kv in ("f16", "q8_0"):
         with LlamaBackend(model, ContextSettings(n_ctx=4096, n_threads=threads, kv_type=kv)) as b, tf.TemporaryDirectory() as d:
-            toks = b.tokenize(prompt_of(1400), add_special=True, parse_special=False)[:1400]
+            toks = b.vocab.tokenize(prompt_of(1400), add_special=True, parse_special=False)[:1400]
             s = InferenceSession(b)
             s.feed_prompt(toks)
             path = Path(d) / "s.kv"
@@ -60,7 +60,7 @@ def bench_snapshots(model: str, threads: int) -> list[dict]:
             atomic_write(path, encode_state({"n": len(toks)}, snap.state))
             t1 = time.perf_counter()
             blob = decode_state(path.read_bytes())
-            b.restore_bytes(blob.state)
+            b.memory.restore_bytes(blob.state)
             t2 = time.perf_counter()
             size = path.stat().st_size
         rows.append({"what": f"snapshot {kv}: save / load 1400 tokens (s), KB per token",

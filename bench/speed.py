@@ -20,7 +20,7 @@ def plain(model: str, n_prompt: int, n_decode: int, threads: int, n_ctx: int) ->
         "from quipu.engine.llama import LlamaBackend\n"
         "from quipu.engine.base import ContextSettings\n"
         "b = LlamaBackend(%r, ContextSettings(n_ctx=%d, n_threads=%d))\n"
-        "toks = b.tokenize(%r, add_special=True, parse_special=False)[:%d]\n"
+        "toks = b.vocab.tokenize(%r, add_special=True, parse_special=False)[:%d]\n"
         "b.close()\n"
         "print(json.dumps(plain_loop(%r, toks, %d, n_ctx=%d, n_batch=512, n_threads=%d)))\n"
     ) % (str(HERE.parent), model, n_ctx, threads, prompt_of(n_prompt), n_prompt, model, n_decode, n_ctx, threads)
@@ -32,8 +32,8 @@ def through_quipu(model: str, n_prompt: int, n_decode: int, threads: int, n_ctx:
     from quipu.engine.llama import LlamaBackend
 
     with LlamaBackend(model, ContextSettings(n_ctx=n_ctx, n_threads=threads)) as b:
-        toks = b.tokenize(prompt_of(n_prompt), add_special=False, parse_special=False)[: n_prompt - 1]
-        text = b"".join(b.token_bytes(t) for t in toks).decode("utf-8", "replace")
+        toks = b.vocab.tokenize(prompt_of(n_prompt), add_special=False, parse_special=False)[: n_prompt - 1]
+        text = b"".join(b.vocab.token_bytes(t) for t in toks).decode("utf-8", "replace")
     # --raw with a repeat penalty of 1.1 and a long max keeps it generating; EOG ends it early.
     # --no-cache: each repeat must read its prompt, not restore it from the previous one.
     _, r = quipu_cmd("run", "--raw", "--json", "--no-cache", "-m", model, "--threads", str(threads),

@@ -35,8 +35,8 @@ def bench_templates(model: str, threads: int) -> list[dict]:
                 if reply is None:
                     break
                 # The context after the turn: the prompt, the reply as generated, its end token.
-                end = backend.tokenize("<|im_end|>", add_special=False, parse_special=True)
-                conv.session.tokens = new + backend.tokenize(reply, add_special=False, parse_special=True) + end
+                end = backend.vocab.tokenize("<|im_end|>", add_special=False, parse_special=True)
+                conv.session.tokens = new + backend.vocab.tokenize(reply, add_special=False, parse_special=True) + end
                 conv.messages.append(Message("assistant", reply))
             rows.append({"what": f"tokens re-read per turn, {label}, turns 2-4",
                          "quipu": " / ".join(map(str, reread[1:]))})
@@ -73,7 +73,7 @@ def bench_constrained(model: str, threads: int, repeats: int) -> list[dict]:
         mask_times.append(time.perf_counter() - started)
 
     with LlamaBackend(model, ContextSettings(n_ctx=2048, n_threads=threads)) as backend:
-        prompt = backend.tokenize("A list of the world's cities as JSON: [", add_special=True, parse_special=False)
+        prompt = backend.vocab.tokenize("A list of the world's cities as JSON: [", add_special=True, parse_special=False)
 
         def run(params, processors=()):
             session = InferenceSession(backend, params)
@@ -131,7 +131,7 @@ def bench_constrained(model: str, threads: int, repeats: int) -> list[dict]:
 
     # A batch: 32 rows under one schema against the same rows free, 8 sequences side by side.
     with LlamaBackend(model, ContextSettings(n_ctx=8 * 256, n_threads=threads, n_seq=8)) as backend:
-        prompts = [backend.tokenize(f"City number {i} as JSON: ", add_special=True, parse_special=False)
+        prompts = [backend.vocab.tokenize(f"City number {i} as JSON: ", add_special=True, parse_special=False)
                    for i in range(32)]
 
         def batch_rate(params):

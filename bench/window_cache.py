@@ -118,7 +118,7 @@ def _sessions(name: str, path: str, threads: int, repeats: int) -> list[dict]:
     text = context_text(path, 3000)
     resume, reread, undo, undo_reread = [], [], [], []
     with LlamaBackend(path, settings) as backend, LlamaBackend(backend.model, settings) as other:
-        tokens = backend.tokenize(text, add_special=True, parse_special=False)
+        tokens = backend.vocab.tokenize(text, add_special=True, parse_special=False)
         first, turn = tokens[:200], tokens[200:]
         for _ in range(repeats):
             going = InferenceSession(backend, params)

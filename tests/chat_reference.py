@@ -55,8 +55,8 @@ def render_reference(source: str, messages: list[dict], *, add_generation_prompt
 def reference_tokens(backend, text: str) -> list[int]:
     """The rendered text tokenized once, special tokens parsed; the model's BOS where it wants one
     and the template did not write it."""
-    tokens = backend.tokenize(text, add_special=False, parse_special=True)
-    bos = backend.bos_token()
+    tokens = backend.vocab.tokenize(text, add_special=False, parse_special=True)
+    bos = backend.vocab.bos_token()
     if bos is not None and (not tokens or tokens[0] != bos):
         tokens.insert(0, bos)
     return tokens

@@ -579,7 +579,7 @@ def main() -> None:
         senses = {}
         for sense, write in (("image", write_tiny_projector), ("audio", write_tiny_audio_projector)):
             backend = LlamaBackend(model, ContextSettings(n_ctx=4096, n_threads=1))
-            backend.open_projector(write(folder / f"{sense}.gguf"))
+            backend.media.open_projector(write(folder / f"{sense}.gguf"))
             senses[sense] = backend
 
         @seed(seed_value)
@@ -625,7 +625,7 @@ def main() -> None:
 
             with LlamaBackend(model, ContextSettings(n_ctx=1024, n_threads=1)) as backend:  # checked: it loads here
                 try:
-                    backend.open_projector(path)
+                    backend.media.open_projector(path)
                 except QuipuError:
                     pass
     elif surface == "hub":

@@ -23,7 +23,7 @@ WORDS = "hello world the sky is blue and the sea".split()
 def prompt_tokens(backend, i: int) -> list[int]:
     # Rows that share a beginning (read once) and then differ, of different lengths.
     text = "the sky is blue. " * 3 + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(3 + i % 4))
-    return backend.tokenize(text, add_special=True, parse_special=False)
+    return backend.vocab.tokenize(text, add_special=True, parse_special=False)
 
 
 def solo(backend, row: BatchRow):
@@ -56,7 +56,7 @@ def test_each_row_reads_as_a_lone_run_whatever_the_parallelism(make_backend, n_s
 def test_a_finished_sequence_goes_to_the_next_row(make_backend):
     lone = make_backend()
     batch_backend = make_backend(n_ctx=256, n_seq=2)
-    no_end = tuple((t, float("-inf")) for t in range(lone.n_vocab) if lone.is_eog(t))
+    no_end = tuple((t, float("-inf")) for t in range(lone.n_vocab) if lone.vocab.is_eog(t))
     rows = [BatchRow(prompt_tokens(lone, i), SamplingParams(temperature=0, seed=1, logit_bias=no_end),
                      4 + 20 * (i == 0), ("zzz",)) for i in range(5)]
     order = []
@@ -264,7 +264,7 @@ def test_thirty_two_rows_answer_as_lone_runs_to_the_last_bit_every_time(make_bac
              write_tiny_qwen35(tmp_path / "qwen35.gguf", weights="q4_1"))
     lone = make_backend(model)
     batch = BatchSession(make_backend(model, n_ctx=256, n_seq=8))
-    no_end = tuple((t, float("-inf")) for t in range(lone.n_vocab) if lone.is_eog(t))
+    no_end = tuple((t, float("-inf")) for t in range(lone.n_vocab) if lone.vocab.is_eog(t))
     rows = [BatchRow(prompt_tokens(lone, i) + prompt_tokens(lone, i + 3)[: i % 9],
                      SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=40 + i, logit_bias=no_end), 6 + i % 11)
             for i in range(32)]
@@ -278,7 +278,7 @@ def test_thirty_two_rows_answer_as_lone_runs_to_the_last_bit_every_time(make_bac
     # Each row read alone, its prompt in one step and its answer a token a step, as a lone run.
     compared = 0
     for row, answer in zip(rows, want, strict=True):
-        lone.truncate(0)
+        lone.memory.truncate(0)
         history = list(row.tokens)
         for i, t in enumerate(history):
             lone.native.fill(i, t, i, 0, i == len(history) - 1)

@@ -40,7 +40,7 @@ def _same_onwards(one, other) -> bool:
     """Whether two chats' contexts give the same logits, bit for bit, now and at each token of
     ONWARDS read one at a time (as a reply's are)."""
     same = _logits(one) == _logits(other)
-    for token in one.named.session.backend.tokenize(ONWARDS, add_special=False, parse_special=False):
+    for token in one.named.session.backend.vocab.tokenize(ONWARDS, add_special=False, parse_special=False):
         for chat in (one, other):
             chat.named.session.feed_prompt([token])
         same = same and _logits(one) == _logits(other)

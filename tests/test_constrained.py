@@ -191,7 +191,7 @@ def test_every_output_of_smollm2_validates(bundled_model):
 
 def test_a_processor_forces_a_known_sequence(make_backend):
     backend = make_backend()
-    wanted = backend.tokenize("the sky is blue", add_special=False, parse_special=False)
+    wanted = backend.vocab.tokenize("the sky is blue", add_special=False, parse_special=False)
     session = InferenceSession(backend, HOT.replace(seed=1))
     seen = []
 
@@ -202,7 +202,7 @@ def test_a_processor_forces_a_known_sequence(make_backend):
         logits[wanted[len(seen) - 1] if len(seen) <= len(wanted) else 4] = 0.0  # then the end token
 
     session.logits_processors.append(force)
-    prompt = backend.tokenize("hello", add_special=True, parse_special=False)
+    prompt = backend.vocab.tokenize("hello", add_special=True, parse_special=False)
     gen = session.complete(prompt, 40)
     assert gen.tokens == wanted and gen.finish_reason == "stop"
     assert seen[0] == len(prompt)  # the processor sees the history as it grows
@@ -210,16 +210,16 @@ def test_a_processor_forces_a_known_sequence(make_backend):
 
 def test_a_token_filter_allows_only_its_tokens(make_backend):
     backend = make_backend()
-    allowed = backend.tokenize("sky blue", add_special=False, parse_special=False)
+    allowed = backend.vocab.tokenize("sky blue", add_special=False, parse_special=False)
     session = InferenceSession(backend, HOT.replace(seed=2))
     session.token_filter = lambda tokens: allowed
-    gen = session.complete(backend.tokenize("hello", add_special=True, parse_special=False), 24)
+    gen = session.complete(backend.vocab.tokenize("hello", add_special=True, parse_special=False), 24)
     assert len(gen.tokens) == 24 and set(gen.tokens) <= set(allowed)
 
 
 def test_a_logit_bias_of_minus_infinity_bans_a_token(make_backend):
     backend = make_backend()
-    prompt = backend.tokenize("the sky", add_special=True, parse_special=False)
+    prompt = backend.vocab.tokenize("the sky", add_special=True, parse_special=False)
     greedy = SamplingParams(temperature=0, repeat_penalty=1.0)
     free = InferenceSession(backend, greedy).complete(prompt, 12).tokens
     banned = free[0]

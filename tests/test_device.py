@@ -105,7 +105,7 @@ def test_the_device_computes_what_the_cpu_computes(bundled_model):
     for where in (Offload(layers="all"), Offload(devices=("none",))):
         with LlamaBackend(bundled_model, ContextSettings(n_ctx=512), offload=where) as backend:
             assert backend.placement.on_device == (where.layers == "all")
-            tokens = backend.tokenize("The capital of France is Paris. The capital of Italy is", add_special=True,
+            tokens = backend.vocab.tokenize("The capital of France is Paris. The capital of Italy is", add_special=True,
                                       parse_special=False)
             backend.prefill(tokens, 0)
             scores.append(np.ctypeslib.as_array(lc.llama_get_logits_ith(backend.native.ptr, -1),

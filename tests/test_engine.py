@@ -23,24 +23,24 @@ GREEDY = SamplingParams(temperature=0, repeat_penalty=1.0)
 
 def generate(backend, params, prompt="hello world", n=32, **kw):
     session = InferenceSession(backend, params)
-    tokens = backend.tokenize(prompt, add_special=True, parse_special=False)
+    tokens = backend.vocab.tokenize(prompt, add_special=True, parse_special=False)
     return session.complete(tokens, n, **kw), session
 
 
 def test_tokenize_round_trip(make_backend):
     backend = make_backend()
     text = "hello world, the sky is blue: héllo 日本語 ✓"
-    tokens = backend.tokenize(text, add_special=False, parse_special=False)
+    tokens = backend.vocab.tokenize(text, add_special=False, parse_special=False)
     assert tokens
-    assert b"".join(backend.token_bytes(t) for t in tokens).decode("utf-8").lstrip(" ") == text
+    assert b"".join(backend.vocab.token_bytes(t) for t in tokens).decode("utf-8").lstrip(" ") == text
 
 
 def test_multibyte_characters_split_across_tokens_come_out_whole(make_backend):
     backend = make_backend()
     text = "日本語 é ✓ 🎉"
-    tokens = backend.tokenize(text, add_special=False, parse_special=False)
+    tokens = backend.vocab.tokenize(text, add_special=False, parse_special=False)
     assert len(tokens) > len(text), "byte-fallback tokens should split the characters"
-    detok = Detokenizer(backend.token_bytes)
+    detok = Detokenizer(backend.vocab.token_bytes)
     pieces = [detok.push(t) for t in tokens] + [detok.flush()]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces).lstrip(" ") == text
@@ -48,7 +48,7 @@ def test_multibyte_characters_split_across_tokens_come_out_whole(make_backend):
 
 def test_control_token_text_typed_by_a_user_stays_text(make_backend):
     backend = make_backend()
-    im_end = backend.tokenize("<|im_end|>", add_special=False, parse_special=True)
+    im_end = backend.vocab.tokenize("<|im_end|>", add_special=False, parse_special=True)
     assert len(im_end) == 1
     session = InferenceSession(backend, GREEDY)
     conv = Conversation.start(session)
@@ -219,7 +219,7 @@ def test_a_fork_shares_the_loaded_model_and_outlives_the_original(tmp_path, tiny
     path = shutil.copy(tiny_model, tmp_path / "moving.gguf")
     backend = LlamaBackend(path, ContextSettings(n_ctx=256, n_threads=2))
     session = InferenceSession(backend, HOT.replace(seed=4))
-    session.complete(backend.tokenize("hello world", add_special=True, parse_special=False), 4)
+    session.complete(backend.vocab.tokenize("hello world", add_special=True, parse_special=False), 4)
     (tmp_path / "moving.gguf").rename(tmp_path / "moved.gguf")  # a fork must not read the file again
     twin = session.fork()
     assert twin.backend.model is backend.model and twin.backend is not backend
@@ -233,14 +233,14 @@ def test_a_fork_shares_the_loaded_model_and_outlives_the_original(tmp_path, tiny
 def test_embedding_leaves_no_context_behind(tiny_model, monkeypatch):
     # Each embedding call makes a llama.cpp context of its own and frees it (and its batch)
     # before it returns, failing or not; the backend's own context stays.
-    from quipu.engine import llama
-    from quipu.engine.settings import ContextSettings
     from quipu.engine.llama import LlamaBackend
+    from quipu.engine.native import lc
+    from quipu.engine.settings import ContextSettings
 
     made, freed = [], []
-    init, free = llama.lc.llama_init_from_model, llama.lc.llama_free
-    monkeypatch.setattr(llama.lc, "llama_init_from_model", lambda *a: made.append(init(*a)) or made[-1])
-    monkeypatch.setattr(llama.lc, "llama_free", lambda ctx: freed.append(ctx) or free(ctx))
+    init, free = lc.llama_init_from_model, lc.llama_free
+    monkeypatch.setattr(lc, "llama_init_from_model", lambda *a: made.append(init(*a)) or made[-1])
+    monkeypatch.setattr(lc, "llama_free", lambda ctx: freed.append(ctx) or free(ctx))
     with LlamaBackend(tiny_model, ContextSettings(n_ctx=256, n_threads=2)) as backend:
         own = list(made)
         for pooling in ("mean", "last", "cls", "mean", "last"):
@@ -257,9 +257,9 @@ def test_the_recorded_layout_is_the_one_llama_cpp_writes(make_backend, kv_type):
     bytes have: the one a piece of them is found to have (a state key without it would let a
     state of the other layout be handed to llama.cpp, which refuses it)."""
     backend = make_backend(kv_type=kv_type)
-    tokens = backend.tokenize("hello world the sky", add_special=True, parse_special=False)
+    tokens = backend.vocab.tokenize("hello world the sky", add_special=True, parse_special=False)
     backend.prefill(tokens, 0)
-    piece = backend.check_piece(backend.state_since(0), 0, len(tokens))
+    piece = backend.memory.check_piece(backend.memory.state_since(0), 0, len(tokens))
     assert backend.context.v_trans is not None
     assert piece.v_trans == backend.context.v_trans
     assert backend.context.state_key()["v_trans"] == piece.v_trans
@@ -284,7 +284,7 @@ def test_the_chain_draws_what_llama_cpps_own_order_draws(bundled_model, make_bac
                   lc.llama_sampler_init_min_p(0.05, 1), lc.llama_sampler_init_temp(temperature)]
     for part in parts:
         lc.llama_sampler_chain_add(reference, part)
-    tokens = backend.tokenize("The river runs past the old mill and the river", add_special=True, parse_special=False)
+    tokens = backend.vocab.tokenize("The river runs past the old mill and the river", add_special=True, parse_special=False)
     backend.prefill(tokens, 0)
     for tok in tokens:
         backend.sampling.accept([tok])
@@ -315,12 +315,12 @@ def test_spellings_are_found_as_an_expression_of_them_all_longest_first_finds_th
 
 def test_the_control_tokens_a_text_spells_are_found_without_reading_the_vocabulary(make_backend):
     backend = make_backend()
-    controls = {backend.token_text(t).decode() for t in range(backend.n_vocab) if backend.is_control(t)}
+    controls = {backend.vocab.token_text(t).decode() for t in range(backend.n_vocab) if backend.vocab.is_control(t)}
     assert "<|im_end|>" in controls
     text = "plain words " + " and ".join(sorted(controls)) + " <|im_en"
     every = sorted(controls, key=lambda s: (-len(s), s))
-    assert backend.control_spellings([text, "nothing here"]) == every
+    assert backend.vocab.control_spellings([text, "nothing here"]) == every
     long = text + " filler" * SHORT_TEXTS  # (a long text is searched for every control spelling instead)
-    assert backend.control_spellings([long]) == every
-    assert backend.control_spellings(["<|im_end", "no markup"]) == []
-    assert not backend.is_control(-1) and not backend.is_control(backend.n_vocab)
+    assert backend.vocab.control_spellings([long]) == every
+    assert backend.vocab.control_spellings(["<|im_end", "no markup"]) == []
+    assert not backend.vocab.is_control(-1) and not backend.vocab.is_control(backend.n_vocab)

@@ -87,10 +87,10 @@ def test_the_cache_a_layer_keeps_is_what_llama_cpp_allocates(tiny_model, make_ba
 
     layers = layer_sizes(read_table(tiny_model), 512, "f16")
     backend = make_backend(n_ctx=512)
-    tokens = backend.tokenize("a b c d e f g h", add_special=False, parse_special=False)
+    tokens = backend.vocab.tokenize("a b c d e f g h", add_special=False, parse_special=False)
     backend.prefill(tokens, 0)
     n = len(tokens)
-    state = len(backend.snapshot_bytes())
+    state = len(backend.memory.snapshot_bytes())
     # A state holds each cell's K and V rows of every block (and a small header per cell and layer).
     per_cell = sum(layers.caches) / 512
     assert per_cell * n <= state < per_cell * n + 4096

@@ -418,8 +418,8 @@ def test_a_reply_that_spells_a_marker_is_text_too(eyes):
     from quipu.sessions.params import SamplingParams
 
     with LlamaBackend(eyes / "tiny.gguf", ContextSettings(n_ctx=2048, n_threads=2)) as backend:
-        backend.open_projector(eyes / "mmproj-tiny.gguf")
-        mark = backend.media_mark((eyes / "red.png").read_bytes())
+        backend.media.open_projector(eyes / "mmproj-tiny.gguf")
+        mark = backend.media.media_mark((eyes / "red.png").read_bytes())
         session = InferenceSession(backend, SamplingParams(seed=0))
         one = Conversation.start(session, messages=[Message("user", mark + "What?")])
         n_image = sum(t >= MEDIA_BASE for t in one.render_tokens(one.messages, True))

@@ -61,12 +61,12 @@ def _tokens(home: Path, name: str) -> list[int]:
 
 def test_the_tiny_models_are_hybrid_and_their_next_token_depends_on_the_whole_history(make_backend, hybrid):
     backend = make_backend(hybrid, n_ctx=1024)
-    assert backend.recurrent and backend.shift_refused() == "a recurrent or hybrid model's memory"
-    tail = backend.tokenize(" and so the sky is blue over the world", add_special=False, parse_special=False)
+    assert backend.memory.recurrent and backend.memory.shift_refused() == "a recurrent or hybrid model's memory"
+    tail = backend.vocab.tokenize(" and so the sky is blue over the world", add_special=False, parse_special=False)
     nexts = set()
     for head in ("hello Paris", "the world is blue", "a sky of the world", "Paris, hello"):
-        backend.truncate(0)
-        backend.prefill(backend.tokenize(head, add_special=False, parse_special=False) + tail, 0)
+        backend.memory.truncate(0)
+        backend.prefill(backend.vocab.tokenize(head, add_special=False, parse_special=False) + tail, 0)
         logits = _logits(backend)
         nexts.add(max(range(backend.n_vocab), key=lambda t: struct.unpack_from("<f", logits, 4 * t)[0]))
     # (histories that differ only in their first words give different next tokens: an equality
@@ -76,16 +76,16 @@ def test_the_tiny_models_are_hybrid_and_their_next_token_depends_on_the_whole_hi
 
 def test_a_rewind_goes_back_to_a_checkpoint_and_on_as_a_fresh_read_bit_for_bit(make_backend, hybrid):
     backend = make_backend(hybrid, n_ctx=1024)
-    first = backend.tokenize("hello, the sky is blue over the world and Paris", add_special=False, parse_special=False)
-    second = backend.tokenize(" and the world is hello", add_special=False, parse_special=False)
-    other = backend.tokenize(" so Paris is the sky", add_special=False, parse_special=False)
+    first = backend.vocab.tokenize("hello, the sky is blue over the world and Paris", add_special=False, parse_special=False)
+    second = backend.vocab.tokenize(" and the world is hello", add_special=False, parse_special=False)
+    other = backend.vocab.tokenize(" so Paris is the sky", add_special=False, parse_special=False)
     mark = len(first)
 
     rewound = _session(backend)
     rewound.set_context(first + second, marks=[mark])
     for _ in range(6):
         rewound.infer_next_token()
-    assert backend.rewinds_to(mark + 3) == mark  # (the recurrent state cannot stop anywhere else)
+    assert backend.memory.rewinds_to(mark + 3) == mark  # (the recurrent state cannot stop anywhere else)
     rewound.set_context(first + second[:3] + other)  # (parts from the history 3 tokens past the mark)
     assert rewound.stats.cached_tokens == mark and "checkpoint at token" in rewound.went_back
 
@@ -103,7 +103,7 @@ def test_a_rewind_goes_back_to_a_checkpoint_and_on_as_a_fresh_read_bit_for_bit(m
     # No checkpoint at or before the point: the context is read again from the start, no error.
     rewound.set_context(first[:4])
     assert rewound.stats.cached_tokens == 0 and "read again" in rewound.went_back
-    assert rewound.backend.positions() == rewound.n_decoded == 4
+    assert rewound.backend.memory.positions() == rewound.n_decoded == 4
 
 
 def test_a_snapshot_carries_its_checkpoints_and_a_restored_context_rewinds_as_the_one_that_made_it(
@@ -111,7 +111,7 @@ def test_a_snapshot_carries_its_checkpoints_and_a_restored_context_rewinds_as_th
     from quipu.sessions.inference import InferenceSession
 
     backend = make_backend(hybrid, n_ctx=1024)
-    prompt = backend.tokenize("hello, the sky is blue over the world and Paris", add_special=False,
+    prompt = backend.vocab.tokenize("hello, the sky is blue over the world and Paris", add_special=False,
                               parse_special=False)
     made = _session(backend)
     made.set_context(prompt + prompt[:5], marks=[len(prompt), len(prompt) + 5])
@@ -120,8 +120,8 @@ def test_a_snapshot_carries_its_checkpoints_and_a_restored_context_rewinds_as_th
     snap = made.snapshot()
     restored = InferenceSession.from_snapshot(make_backend(hybrid, n_ctx=1024), snap)
     # (the one where the prompt ends serves this process's rewinds alone: a snapshot carries the other)
-    assert [c.n for c in backend.checkpoints] == [len(prompt), len(prompt) + 5]
-    assert [c.n for c in restored.backend.checkpoints] == [len(prompt)]
+    assert [c.n for c in backend.memory.checkpoints] == [len(prompt), len(prompt) + 5]
+    assert [c.n for c in restored.backend.memory.checkpoints] == [len(prompt)]
     for session in (made, restored):
         session.set_context(prompt + prompt[:2])
         assert session.stats.cached_tokens == len(prompt)
@@ -258,7 +258,7 @@ def test_a_batch_session_s_next_batch_goes_back_to_its_own_shared_beginning(make
     lone = make_backend(hybrid, n_ctx=1024)
     batch = BatchSession(make_backend(hybrid, n_ctx=512, n_seq=2))
     for opening in ("the sky is blue over the world. ", "Paris, hello: the world and the sky. "):
-        rows = [BatchRow(lone.tokenize(opening * 3 + f"tell me of {word}", add_special=False, parse_special=False),
+        rows = [BatchRow(lone.vocab.tokenize(opening * 3 + f"tell me of {word}", add_special=False, parse_special=False),
                          SamplingParams(temperature=0.9, seed=7 + i), 8)
                 for i, word in enumerate(["Paris", "the sky", "the world", "hello", "blue"])]
         done: dict = {}
@@ -295,7 +295,7 @@ def test_the_fit_counts_a_recurrent_state_in_a_hybrid_s_recurrent_blocks_not_a_c
             assert b == 4 * a > 0
     # What llama.cpp keeps of a sequence's recurrent state: those blocks' bytes (and a header).
     backend = make_backend(hybrid, n_ctx=1024)
-    backend.prefill(backend.tokenize("hello the sky is blue", add_special=False, parse_special=False), 0)
+    backend.prefill(backend.vocab.tokenize("hello the sky is blue", add_special=False, parse_special=False), 0)
     kept = len(backend.native.seq_state(0, lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
     assert per_block * sum(blocks) < kept < per_block * sum(blocks) + 512
 

@@ -42,7 +42,7 @@ def tool_with(text: str) -> ToolSpec:
 
 
 def control_count(session, tokens) -> int:
-    return sum(1 for t in tokens if session.backend.is_control(t))
+    return sum(1 for t in tokens if session.backend.vocab.is_control(t))
 
 
 def rendered_tokens(session, source: str, tool: ToolSpec, arguments: dict) -> list[int]:
@@ -70,8 +70,8 @@ def test_a_tool_definition_that_spells_control_tokens_stays_text(tool_backend, t
     # the prompt has as many as with plain words there, on every family's template.
     session = InferenceSession(tool_backend, SamplingParams(seed=0))
     source = (TEMPLATES / f"{template}.jinja").read_text() if template in WITH_TOOLS else None
-    attack = ATTACK + "".join(tool_backend.token_text(t).decode() for t in range(tool_backend.n_vocab)
-                              if tool_backend.is_control(t))
+    attack = ATTACK + "".join(tool_backend.vocab.token_text(t).decode() for t in range(tool_backend.n_vocab)
+                              if tool_backend.vocab.is_control(t))
     if template in RENDER_NO_TOOL_TURN:  # (what they do instead: fail as a template that cannot, in one line)
         with pytest.raises(TemplateError, match=RENDER_NO_TOOL_TURN[template]):
             rendered_tokens(session, source, tool_with("plain words"), {"city": "Paris"})

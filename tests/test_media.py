@@ -490,15 +490,15 @@ def test_a_prompt_with_an_image_is_read_as_llama_cpp_reads_it(pair, vision, mrop
     text = "<|im_start|>user\n<IMAGE>What is it?<|im_end|>\n<|im_start|>assistant\n"
     theirs = llama_cpp_reads(model, projector, vision / "red.png", text)
     with LlamaBackend(model, ContextSettings(n_ctx=1024, n_threads=2)) as backend:
-        backend.open_projector(projector)
-        mark = backend.media_mark((vision / "red.png").read_bytes())
-        tokens = [backend.bos_token()] + Rendered([(text.replace("<IMAGE>", mark), False)]).tokenize_from(backend, 0)
+        backend.media.open_projector(projector)
+        mark = backend.media.media_mark((vision / "red.png").read_bytes())
+        tokens = [backend.vocab.bos_token()] + Rendered([(text.replace("<IMAGE>", mark), False)]).tokenize_from(backend, 0)
         backend.prefill(tokens, 0)
         from quipu.engine.native import lc
 
         row = lc.llama_get_logits_ith(backend.native.ptr, -1)  # (the context's own logits, as llama.cpp's above)
         ours = [row[i] for i in range(backend.n_vocab)]
-        assert backend.positions() == len(tokens)
+        assert backend.memory.positions() == len(tokens)
         assert ours == theirs  # (the same positions, the same numbers: bit for bit)
 
 

@@ -39,7 +39,7 @@ def _answer(backend, prompt: str, n: int = 20, session=None) -> list[int]:
     from quipu.sessions.params import SamplingParams
 
     session = session or InferenceSession(backend, SamplingParams(seed=1, temperature=0.0))
-    tokens = backend.tokenize(prompt, add_special=True, parse_special=False)
+    tokens = backend.vocab.tokenize(prompt, add_special=True, parse_special=False)
     return session.complete(tokens, n).tokens
 
 
@@ -89,15 +89,15 @@ def _two_turns(backend, other=None) -> tuple[list[int], list[int], int, bytes]:
     from quipu.sessions.params import SamplingParams
 
     session = InferenceSession(backend, SamplingParams(seed=1, temperature=0.0))
-    first = backend.tokenize(PROMPTS[0] + " " + PROMPTS[1], add_special=True, parse_special=False)
+    first = backend.vocab.tokenize(PROMPTS[0] + " " + PROMPTS[1], add_special=True, parse_special=False)
     one = session.complete(first, 16).tokens
-    going_on = first + one + backend.tokenize(" " + PROMPTS[2], add_special=False, parse_special=False)
+    going_on = first + one + backend.vocab.tokenize(" " + PROMPTS[2], add_special=False, parse_special=False)
     two = session.complete(going_on, 16).tokens
     kept = session.stats.cached_tokens
     backend.done_reading()
-    state = bytes(backend.snapshot_bytes())
+    state = bytes(backend.memory.snapshot_bytes())
     if other is not None:
-        other.restore_bytes(state)
+        other.memory.restore_bytes(state)
     return one, two, kept, state
 
 
@@ -113,9 +113,9 @@ def test_a_sequence_goes_on_from_what_it_holds_and_its_state_restores_in_another
         a, b = views
         b_says = _answer(b, PROMPTS[3])  # (another request's cells beside)
         one, two, kept, state = _two_turns(a, b)
-        held = a.positions()
-        assert b.positions() == held
-        restored = bytes(b.snapshot_bytes())
+        held = a.memory.positions()
+        assert b.memory.positions() == held
+        restored = bytes(b.memory.snapshot_bytes())
     finally:
         for v in views[1:]:
             v.close()
@@ -130,15 +130,15 @@ def test_a_sequence_goes_on_from_what_it_holds_and_its_state_restores_in_another
     views = [shared, *shared.sequences()]
     try:
         third = views[1]
-        third.restore_bytes(state)
-        from_a = bytes(third.snapshot_bytes())
-        third.restore_bytes(restored)
-        assert bytes(third.snapshot_bytes()) == from_a and third.positions() == held
+        third.memory.restore_bytes(state)
+        from_a = bytes(third.memory.snapshot_bytes())
+        third.memory.restore_bytes(restored)
+        assert bytes(third.memory.snapshot_bytes()) == from_a and third.memory.positions() == held
         # (a context of one's own has one stream of cells, not two: it refuses the state in one line)
         lone = _open(model, 1)
         try:
             with pytest.raises(EngineError, match="refused"):
-                lone.restore_bytes(state)
+                lone.memory.restore_bytes(state)
         finally:
             lone.close()
     finally:

@@ -64,7 +64,7 @@ def backend(tmp_path_factory):
 def held_to(backend, shape: str) -> str:
     """A Lark grammar for a reply of `shape`: its markup as the model's tokens, R a few words in
     a to m, A a few words in n to z."""
-    special = backend.special_tokens()
+    special = backend.vocab.special_tokens()
     parts = []
     for piece in re.split(r"(R|A|<[^<>\s]+>|\[/?THINK\])", shape):
         if piece == "R":
@@ -123,7 +123,7 @@ def test_every_family_s_reasoning_is_split_from_its_answer_and_its_next_turn_ren
         new = conv.render_tokens(conv.messages[:-1], add_generation_prompt=False)
         assert session.stats.cached_tokens >= min(common_prefix(held, new), len(held) - 1) - 1, family
         if family in KEEPS_REASONING:  # the first reply's reasoning kept, not read again
-            close = backend.special_tokens()[conv.template.reasoning.close]
+            close = backend.vocab.special_tokens()[conv.template.reasoning.close]
             assert session.stats.cached_tokens > len(held) - 1 - held[::-1].index(close), family
 
 
@@ -225,9 +225,9 @@ def test_a_stray_control_token_in_an_answer_is_not_shown():
 def test_a_reasoning_budget_closes_the_reasoning_and_the_model_answers(backend):
     # Qwen 3.5's prompt opens the reasoning; the model may not close it itself (its close banned):
     # after the budget, the close comes, as the template writes it, and the model goes on.
-    close = backend.special_tokens()["</think>"]
-    banned = [(close, float("-inf"))] + [(t, float("-inf")) for t in backend.special_tokens().values()
-                                         if backend.is_eog(t)]
+    close = backend.vocab.special_tokens()["</think>"]
+    banned = [(close, float("-inf"))] + [(t, float("-inf")) for t in backend.vocab.special_tokens().values()
+                                         if backend.vocab.is_eog(t)]
     session = InferenceSession(backend, SamplingParams(seed=2, temperature=1.0, logit_bias=banned))
     conv = Conversation.start(session, template=(TEMPLATES / "Qwen3.5-4B.jinja").read_text())
     conv.set_reasoning(budget=8)
@@ -237,7 +237,7 @@ def test_a_reasoning_budget_closes_the_reasoning_and_the_model_answers(backend):
     spelled = session.spell(reply)
     assert spelled.startswith(session.spell(reply[:8]) + "\n</think>\n\n")
     # Reasoning the model opens again later draws on the same budget, spent: it is closed at once.
-    opener = backend.special_tokens()["<think>"]
+    opener = backend.vocab.special_tokens()["<think>"]
     again = [i for i, t in enumerate(reply) if t == opener]
     assert reply.count(close) == 1 + len(again)
     assert all(session.spell(reply[i + 1:]).startswith("\n</think>") for i in again)
@@ -245,9 +245,9 @@ def test_a_reasoning_budget_closes_the_reasoning_and_the_model_answers(backend):
 
 
 def test_a_budget_of_0_answers_without_reasoning(backend):
-    close = backend.special_tokens()["</think>"]
+    close = backend.vocab.special_tokens()["</think>"]
     for template, switch in (("Qwen3.5-4B", True), ("llama-cpp-deepseek-r1", False)):
-        banned = [(t, float("-inf")) for t in backend.special_tokens().values() if backend.is_eog(t) or t == close]
+        banned = [(t, float("-inf")) for t in backend.vocab.special_tokens().values() if backend.vocab.is_eog(t) or t == close]
         session = InferenceSession(backend, SamplingParams(seed=1, temperature=1.0, logit_bias=banned))
         conv = Conversation.start(session, template=(TEMPLATES / f"{template}.jinja").read_text())
         conv.set_reasoning(budget=0)
@@ -326,7 +326,7 @@ def test_a_gpt_oss_call_after_its_analysis_is_read_and_its_markup_never_shown(ba
     from quipu.engine.grammar import Grammar
     from quipu.sessions.toolspec import ToolSpec
 
-    special = backend.special_tokens()
+    special = backend.vocab.special_tokens()
     head = held_to(backend, "<|channel|>analysis<|message|>R<|end|><|start|>assistant<|channel|>").split("\n")[0]
     lark = head + ' "commentary to=functions." rest\nrest: /[a-z_]*/\n' + "\n".join(
         held_to(backend, "R").split("\n")[1:])
@@ -363,9 +363,9 @@ def test_a_batch_splits_each_row_s_reasoning(quipu, tmp_path, backend):
 def test_reasoning_the_model_opens_after_some_answer_is_split_and_held_to_the_budget(backend):
     # The reply's first tokens are answer; then the model opens its reasoning (a control token):
     # what follows is reasoning, closed after the budget, and the model answers again.
-    opener, close = backend.special_tokens()["<think>"], backend.special_tokens()["</think>"]
-    banned = [(close, float("-inf"))] + [(t, float("-inf")) for t in backend.special_tokens().values()
-                                         if backend.is_eog(t)]
+    opener, close = backend.vocab.special_tokens()["<think>"], backend.vocab.special_tokens()["</think>"]
+    banned = [(close, float("-inf"))] + [(t, float("-inf")) for t in backend.vocab.special_tokens().values()
+                                         if backend.vocab.is_eog(t)]
     session = InferenceSession(backend, SamplingParams(seed=4, temperature=1.0, logit_bias=banned))
 
     def think_third(tokens, logits) -> None:
@@ -380,7 +380,7 @@ def test_reasoning_the_model_opens_after_some_answer_is_split_and_held_to_the_bu
     reply = session.tokens[session.reply_start:]
     assert reply[2] == opener and reply.count(close) == 1
     assert session.spell(reply[8:]).startswith("\n</think>")  # (five tokens of reasoning, then the close)
-    shown = [t for t in reply[3:8] if not backend.is_control(t)]  # (a control token's spelling is not shown)
+    shown = [t for t in reply[3:8] if not backend.vocab.is_control(t)]  # (a control token's spelling is not shown)
     assert gen.reasoning == session.spell(shown).strip()
     assert gen.answer.startswith(session.spell(reply[:2]).strip()) and "<think>" not in gen.answer
 

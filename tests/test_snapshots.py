@@ -33,7 +33,7 @@ def long_run(make_backend, prompt, n):
 
 
 def test_generate_64_equals_32_saved_resumed_32(make_backend):
-    prompt = make_backend().tokenize("the sky is blue and", add_special=True, parse_special=False)
+    prompt = make_backend().vocab.tokenize("the sky is blue and", add_special=True, parse_special=False)
     params, full = long_run(make_backend, prompt, 64)
 
     first = InferenceSession(make_backend(), params)
@@ -65,18 +65,18 @@ def test_chat_turns_resume_exactly(make_backend):
 
 def test_resume_without_state_bytes_rebuilds_the_same_context(make_backend):
     session = InferenceSession(make_backend(), HOT)
-    session.complete(make_backend().tokenize("hello world", add_special=True, parse_special=False), 16)
+    session.complete(make_backend().vocab.tokenize("hello world", add_special=True, parse_special=False), 16)
     snap = session.snapshot(with_state=False)
     rebuilt = InferenceSession.from_snapshot(make_backend(), snap)
     assert rebuilt.tokens == session.tokens
-    assert rebuilt.backend.positions() == rebuilt.n_decoded == session.n_decoded
+    assert rebuilt.backend.memory.positions() == rebuilt.n_decoded == session.n_decoded
     assert rebuilt.rebuilt_tokens == session.n_decoded  # re-read, as there were no state bytes
     assert rebuilt.infer(8).tokens == session.infer(8).tokens
 
 
 def test_state_from_other_context_settings_is_not_used(make_backend):
     session = InferenceSession(make_backend(n_ctx=512), HOT)
-    session.complete(make_backend().tokenize("hello", add_special=True, parse_special=False), 8)
+    session.complete(make_backend().vocab.tokenize("hello", add_special=True, parse_special=False), 8)
     snap = session.snapshot()
     other = InferenceSession.from_snapshot(make_backend(n_ctx=256), snap)
     assert other.tokens == session.tokens and other.n_decoded == session.n_decoded
@@ -88,7 +88,7 @@ def test_state_from_other_context_settings_is_not_used(make_backend):
 
 def test_fork_is_independent(make_backend):
     session = InferenceSession(make_backend(), HOT)
-    session.complete(make_backend().tokenize("hello world", add_special=True, parse_special=False), 8)
+    session.complete(make_backend().vocab.tokenize("hello world", add_special=True, parse_special=False), 8)
     before = list(session.tokens)
     twin = session.fork()
     a = session.infer(8)
@@ -102,7 +102,7 @@ def test_fork_is_independent(make_backend):
 
 def test_rewind_restores_the_exact_earlier_context(make_backend):
     session = InferenceSession(make_backend(), HOT)
-    prompt = make_backend().tokenize("hello world", add_special=True, parse_special=False)
+    prompt = make_backend().vocab.tokenize("hello world", add_special=True, parse_special=False)
     session.complete(prompt, 4)
     mark, draws = len(session.tokens), session.draws
     first = session.infer(12)

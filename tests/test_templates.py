@@ -45,14 +45,14 @@ def backend(request, tmp_path_factory):
 
 
 def conversation(backend, source: str, pairs) -> Conversation:
-    template = ChatTemplate(source, backend.special_token_text("bos"), backend.special_token_text("eos"))
+    template = ChatTemplate(source, backend.vocab.special_token_text("bos"), backend.vocab.special_token_text("eos"))
     return Conversation(InferenceSession(backend, SamplingParams(seed=1)), template, [Message(r, c) for r, c in pairs])
 
 
 @pytest.mark.parametrize("path", TEMPLATES, ids=[p.stem for p in TEMPLATES])
 def test_a_shipped_template_renders_as_the_reference(backend, path):
     source = path.read_text()
-    bos, eos = backend.special_token_text("bos"), backend.special_token_text("eos")
+    bos, eos = backend.vocab.special_token_text("bos"), backend.vocab.special_token_text("eos")
     compared = 0
     for name, pairs in CONVERSATIONS.items():
         messages = [{"role": r, "content": c} for r, c in pairs]
@@ -85,13 +85,13 @@ def test_control_token_text_a_user_types_stays_text(backend):
     tokens, plain_tokens = conv.render_tokens(conv.messages, True), plain.render_tokens(plain.messages, True)
     text = conv.render(conv.messages, True).text
     assert text == render_reference(source, [{"role": "user", "content": typed}], add_generation_prompt=True,
-                                    bos_token=backend.special_token_text("bos"))
+                                    bos_token=backend.vocab.special_token_text("bos"))
     # The text spells one more <|eot_id|> than the template writes, yet the tokens hold exactly the
     # template's control tokens: what the user typed is text.
     assert text.count("<|eot_id|>") == plain.render(plain.messages, True).text.count("<|eot_id|>") + 1
-    assert [t for t in tokens if backend.is_control(t)] == [t for t in plain_tokens if backend.is_control(t)]
-    assert b"".join(backend.token_text(t) for t in tokens).decode() == text.replace("<s>", "", 1) or \
-        b"".join(backend.token_text(t) for t in tokens).decode().lstrip().startswith("<s>")
+    assert [t for t in tokens if backend.vocab.is_control(t)] == [t for t in plain_tokens if backend.vocab.is_control(t)]
+    assert b"".join(backend.vocab.token_text(t) for t in tokens).decode() == text.replace("<s>", "", 1) or \
+        b"".join(backend.vocab.token_text(t) for t in tokens).decode().lstrip().startswith("<s>")
 
 
 def test_a_system_prompt_is_folded_where_the_template_refuses_one(backend):
@@ -126,16 +126,16 @@ def test_a_reply_keeps_the_tokens_it_was_generated_as(tmp_path):
         source = (Path(__file__).parent / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
         conv = conversation(b, source, [("user", "Hello!"), ("assistant", "hello world, the sky")])
         # As a model may generate it: one token per character, not as the tokenizer would split it.
-        reply = [t for ch in "hello world, the sky" for t in b.tokenize(ch, add_special=False, parse_special=False)]
-        held = conv.render_tokens(conv.messages[:1], True) + reply + b.tokenize("<|im_end|>", add_special=False,
+        reply = [t for ch in "hello world, the sky" for t in b.vocab.tokenize(ch, add_special=False, parse_special=False)]
+        held = conv.render_tokens(conv.messages[:1], True) + reply + b.vocab.tokenize("<|im_end|>", add_special=False,
                                                                               parse_special=True)
         conv.session.tokens = list(held)
         conv.messages.append(Message("user", "Tell me more."))
         new = conv.context_tokens()
         assert new[:len(held)] == held  # the reply's own tokens, not the tokenizer's
         assert new != conv.render_tokens(conv.messages, True)
-        assert new[0] == b.bos_token()  # the model's BOS, which this template does not write
-        assert b"".join(b.token_text(t) for t in new[1:]).decode() == conv.render(conv.messages, True).text
+        assert new[0] == b.vocab.bos_token()  # the model's BOS, which this template does not write
+        assert b"".join(b.vocab.token_text(t) for t in new[1:]).decode() == conv.render(conv.messages, True).text
 
 
 def test_a_template_that_drops_earlier_reasoning_is_re_read_from_where_it_changed(backend):
@@ -144,7 +144,7 @@ def test_a_template_that_drops_earlier_reasoning_is_re_read_from_where_it_change
     conv = conversation(backend, source, [("user", "Hello!"), ("assistant", reply)])
     prompt = conv.render_tokens(conv.messages[:1], True)
     # The context after the turn: the prompt, the reply as generated (reasoning and all), the end.
-    conv.session.tokens = prompt + backend.tokenize(reply + "<|im_end|>", add_special=False, parse_special=True)
+    conv.session.tokens = prompt + backend.vocab.tokenize(reply + "<|im_end|>", add_special=False, parse_special=True)
     conv.messages.append(Message("user", "Tell me more."))
     new = conv.context_tokens()
     assert new[:len(prompt)] == prompt  # everything before the reply is kept
@@ -269,7 +269,7 @@ def test_a_conversation_with_tools_renders_as_the_reference(backend, path):
     from quipu.sessions.toolspec import ToolSpec
 
     source = path.read_text()
-    bos, eos = backend.special_token_text("bos"), backend.special_token_text("eos")
+    bos, eos = backend.vocab.special_token_text("bos"), backend.vocab.special_token_text("eos")
     fn = WEATHER["function"]
     conv = conversation(backend, source, [])
     conv.messages = [Message.from_dict(m) for m in TOOL_CONVERSATION]

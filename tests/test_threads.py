@@ -30,7 +30,7 @@ def _steps(backend, prompt: str, n: int, threads_at=lambda step: None) -> list[s
 
     from quipu.engine.native import lc
 
-    tokens = backend.tokenize(prompt, add_special=True, parse_special=False)
+    tokens = backend.vocab.tokenize(prompt, add_special=True, parse_special=False)
     backend.prefill(tokens, 0)
     digests, pos = [], len(tokens)
     for step in range(n):

@@ -117,8 +117,8 @@ def test_a_call_begins_where_the_model_writes_its_trigger(make_backend):
     conv.update(tools=[ToolSpec("lookup", "l", {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1,
                                                                                       "maximum": 9}},
                                                 "required": ["n"], "additionalProperties": False})])
-    wanted = backend.tokenize("Sure.<tool_call>", add_special=False, parse_special=True)
-    if backend.token_text(wanted[0]) == b" ":
+    wanted = backend.vocab.tokenize("Sure.<tool_call>", add_special=False, parse_special=True)
+    if backend.vocab.token_text(wanted[0]) == b" ":
         wanted = wanted[1:]
     forced = []
 
@@ -202,7 +202,7 @@ def test_undo_after_a_loop_leaves_the_context_as_before_it(make_backend):
     conv = Conversation.start(session, template=(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text())
     conv.update(tools=[ToolSpec("f", "", {"type": "object", "properties": {}, "additionalProperties": False})])
     conv.update(tool_choice="none")
-    end = session.backend.tokenize("<|im_end|>", add_special=False, parse_special=True)[-1]
+    end = session.backend.vocab.tokenize("<|im_end|>", add_special=False, parse_special=True)[-1]
 
     def answer_at_once(tokens, logits):  # a first exchange that ends as the template ends it
         logits[:] = float("-inf")
@@ -397,7 +397,7 @@ def test_messages_from_a_file_are_the_conversation_a_run_goes_on_from(quipu, tin
         "name": "get_weather", "arguments": {"city": "Paris"}}}]}
     backend = make_backend(n_ctx=1024)
     expected = render_reference(template.read_text(), wire, add_generation_prompt=True,
-                                bos_token=backend.special_token_text("bos"), eos_token=backend.special_token_text("eos"))
+                                bos_token=backend.vocab.special_token_text("bos"), eos_token=backend.vocab.special_token_text("eos"))
     assert json.loads(shown.stdout)["tokens"] == reference_tokens(backend, expected)
     reply = quipu("run", *args, "-n", "5", "--json")
     assert reply.returncode == 0 and json.loads(reply.stdout)["usage"]["completion_tokens"] >= 1
@@ -444,7 +444,7 @@ def test_a_required_call_keeps_to_the_tool_s_schema_in_every_constrained_format(
               "required": ["city"], "additionalProperties": False}
     backend = make_backend(write_tiny_gguf(tmp_path / "tools.gguf", tool_specials=True, tokenizer="bpe"), n_ctx=8192)
     source = (TEMPLATES / f"{CONSTRAINED_FAMILIES[family]}.jinja").read_text()
-    close = backend.special_tokens()["</think>"]
+    close = backend.vocab.special_tokens()["</think>"]
     for seed in range(3):
         session = InferenceSession(backend, SamplingParams(seed=seed, temperature=1.0, logit_bias=[(close, 6.0)]))
         conv = Conversation.start(session, template=source)
@@ -483,8 +483,8 @@ def test_a_required_call_after_reasoning_comes_even_from_a_model_that_would_end_
     from quipu.sessions.toolspec import ToolSpec
 
     backend = make_backend(write_tiny_gguf(tmp_path / "tools.gguf", tool_specials=True, tokenizer="bpe"), n_ctx=4096)
-    specials = backend.special_tokens()
-    ends = [t for t in specials.values() if backend.is_eog(t)]
+    specials = backend.vocab.special_tokens()
+    ends = [t for t in specials.values() if backend.vocab.is_eog(t)]
     bias = [(t, 12.0) for t in ends] + [(specials["</think>"], 4.0)]
     session = InferenceSession(backend, SamplingParams(seed=5, temperature=1.0, logit_bias=bias))
     conv = Conversation.start(session, template=(TEMPLATES / "Qwen3.5-4B.jinja").read_text())

@@ -248,7 +248,7 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
             on_notice(notice)
     try:
         if opts.logit_bias:
-            base = base.replace(logit_bias=logit_biases(tokenizer, opts.logit_bias))
+            base = base.replace(logit_bias=logit_biases(tokenizer.vocab, opts.logit_bias))
         keeper = LocalHost.keeper(model_name, model_path, model_fingerprint(model_path, env), opts, env, None)
         plans = [_plan(row, base, opts, env, tokenizer, keeper, source, limit) for row in rows]
         runnable = [p for p in plans if p.error is None]
@@ -285,8 +285,8 @@ def run_batch(text: str, opts: TurnOptions, env: Environment, *, parallel: int |
             stream = runnable[i].stream
             assert stream is not None
             stream.text(text)
-            if token >= 0 and batch_backend.is_control(token):  # (markup the text does not show)
-                stream.control(batch_backend.token_text(token).decode("utf-8", "replace"))
+            if token >= 0 and batch_backend.vocab.is_control(token):  # (markup the text does not show)
+                stream.control(batch_backend.vocab.token_text(token).decode("utf-8", "replace"))
 
         def on_done(i: int, gen: Generation, stats: Stats) -> None:
             plan = runnable[i]

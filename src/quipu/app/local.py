@@ -82,7 +82,7 @@ def open_session(opts: TurnOptions, env: Environment,
     backend = _on(loaded, model_path, settings) or load_backend(model_path, settings, opts.verbose, where)
     try:
         stats = Stats(load_s=time.perf_counter() - started, placement=placement_of(backend))
-        session = InferenceSession(backend, with_logit_biases(params, backend, opts), stats=stats)
+        session = InferenceSession(backend, with_logit_biases(params, backend.vocab, opts), stats=stats)
         model_fp = hashed()
     except BaseException:
         backend.close()
@@ -189,7 +189,7 @@ class LocalHost:
             def stats() -> Stats:  # (the session's figures so far: the model's load)
                 return Stats(load_s=load_s, placement=placement_of(backend))
 
-            params = with_logit_biases(params, backend, opts)
+            params = with_logit_biases(params, backend.vocab, opts)
             if record.media:
                 keeper.media.restore(backend, store, name, record)
             if same_model:
@@ -298,7 +298,7 @@ class LocalKeeper:
     media: KeptMedia
 
     def fields(self, session: InferenceSession) -> dict[str, Any]:
-        loaded = session.backend.projector_path
+        loaded = session.backend.media.projector_path
         projector = str(loaded.resolve()) if loaded is not None else self.media.projector
         return {
             "model": {"name": self.model_name, "path": str(self.model_path.resolve()),
@@ -313,7 +313,7 @@ class LocalKeeper:
     def save(self, store: SessionStore, name: str, record: Transcript, session: InferenceSession,
              next_keeps: Callable[[], int] | None = None) -> list[str]:
         # (a recurrent state is saved as of where the next turn goes back to, if before its end)
-        until = next_keeps() if next_keeps is not None and session.backend.recurrent else None
+        until = next_keeps() if next_keeps is not None and session.backend.memory.recurrent else None
         return self.state.save(store, name, record, session, until)
 
     def wait(self) -> list[str]:

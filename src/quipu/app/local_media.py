@@ -23,7 +23,7 @@ def with_projector(backend: Backend, model_path: Path, mmproj: str | None,
     one beside the model) into the session's context, once it is checked (`projector_check.py`;
     `checked`: the folder of marks of those checked before), and makes `media` ready in it: the
     marker of each, for a message's text."""
-    if backend.projector_path is None:
+    if backend.media.projector_path is None:
         given = given_projector(mmproj)
         path = Path(given) if given is not None else projector_beside(model_path)
         if path is None:
@@ -32,12 +32,12 @@ def with_projector(backend: Backend, model_path: Path, mmproj: str | None,
 
         check_keys(path)
         check_encodes(path, model_path, checked)
-        backend.open_projector(path)
-    path = backend.projector_path
+        backend.media.open_projector(path)
+    path = backend.media.projector_path
     assert path is not None
     for medium in media:
-        if medium.kind.kind not in backend.senses:
-            takes = " and ".join(SENSE_WORDS[k] for k in sorted(backend.senses)) or "nothing"
+        if medium.kind.kind not in backend.media.senses:
+            takes = " and ".join(SENSE_WORDS[k] for k in sorted(backend.media.senses)) or "nothing"
             raise cannot_take(medium, f"its projector {path.name} takes {takes}")
         if medium.kind.format not in READ_HERE:
             raise UsageError(f"cannot attach {medium.name} {medium.describe()}: llama.cpp reads "
@@ -46,7 +46,7 @@ def with_projector(backend: Backend, model_path: Path, mmproj: str | None,
     marks = []
     for medium in media:
         try:
-            marks.append(backend.media_mark(medium.data))
+            marks.append(backend.media.media_mark(medium.data))
         except UsageError as exc:
             raise UsageError(f"cannot attach {medium.name} {medium.describe()}: {exc}") from None
     return marks
@@ -110,7 +110,7 @@ class KeptMedia:
 
     def saved(self, backend: Backend) -> list[dict[str, Any]]:
         """What the transcript says of the media the context holds, in its order."""
-        return [self.entries[d] for d in backend.media_digests() if d in self.entries]
+        return [self.entries[d] for d in backend.media.media_digests() if d in self.entries]
 
     def take(self, backend: Backend, store: SessionStore | None, media: Sequence[Attachment]) -> str:
         """Makes `media` ready in the context (their bytes kept in `store`, a named session's,
@@ -127,8 +127,8 @@ class KeptMedia:
         messages) name any more; their SHA-256s."""
         named = {(t - MEDIA_BASE) // MEDIA_SPAN for t in tokens if t >= MEDIA_BASE}
         named |= {int(found.group(1)) for text in texts for found in MEDIA_MARK.finditer(text)}
-        dropped = backend.drop_media_after(max(named) + 1 if named else 0)
-        kept = set(backend.media_digests())
+        dropped = backend.media.drop_media_after(max(named) + 1 if named else 0)
+        kept = set(backend.media.media_digests())
         for digest in dropped:
             if digest not in kept:
                 self.entries.pop(digest, None)

@@ -53,11 +53,11 @@ class Logprobs:
         """Drawn tokens in the OpenAI chat API's shape: each one's text, bytes, log probability
         and the likeliest tokens beside it."""
         def spelled(token: int, logprob: float) -> dict[str, Any]:
-            raw = backend.token_bytes(token)
+            raw = backend.vocab.token_bytes(token)
             return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
 
         return [{**spelled(token, logprob), "top_logprobs": [spelled(t, lp) for t, lp in top]}
-                for token, logprob, top in drawn if not backend.is_eog(token)]  # (the end is no text)
+                for token, logprob, top in drawn if not backend.vocab.is_eog(token)]  # (the end is no text)
 
 
 class Recorded(PassedOn):

@@ -51,10 +51,10 @@ def cache_digests(session: InferenceSession, made_by: Callable[[Path], str]) -> 
     import hashlib
 
     backend = session.backend
-    digests = backend.media_digests()
-    if not digests or backend.projector_path is None:
+    digests = backend.media.media_digests()
+    if not digests or backend.media.projector_path is None:
         return digests
-    projector = made_by(backend.projector_path)
+    projector = made_by(backend.media.projector_path)
     return [hashlib.sha256(f"{d}:{projector}".encode()).hexdigest() for d in digests]
 
 
@@ -121,7 +121,7 @@ def restore_to(session: InferenceSession, reuse: int, stopped: bool, n_tokens: i
     is read again, for its logits; the rest from where a step of the prefill starts, so that the
     tokens read compute as they would in a run without the cache. An entry that says where its
     state may be cut back to (`stopped`) gave one already."""
-    return reuse if stopped else session.backend.step_start(min(reuse, n_tokens - 1))
+    return reuse if stopped else session.backend.memory.step_start(min(reuse, n_tokens - 1))
 
 
 def cache_save(session: InferenceSession, use: CacheUse) -> None:
@@ -131,13 +131,13 @@ def cache_save(session: InferenceSession, use: CacheUse) -> None:
     prompt = use.tokens
     held = session.n_decoded  # (all but the answer's last token)
     if held < len(prompt) or held - max(use.reused, use.held) < MIN_TOKENS \
-            or session.backend.step_start(held - 1) == 0:  # (a context no restore could use)
+            or session.backend.memory.step_start(held - 1) == 0:  # (a context no restore could use)
         return
     tokens = canonical(session.tokens[:held], cache_digests(session, use.made_by))
     if tokens[:len(prompt)] != prompt:  # (the context went back inside the prompt: a tool loop's turns)
         return
     try:
-        use.cache.save(use.key, tokens, session.backend.snapshot_bytes(), session.backend.restore_points())
+        use.cache.save(use.key, tokens, session.backend.memory.snapshot_bytes(), session.backend.memory.restore_points())
     except (EngineError, OSError):
         pass  # a cache never fails a run
 

@@ -48,7 +48,7 @@ class SlotHost:
         from quipu.app.placing import placement_of
 
         backend = self.backend
-        params = with_logit_biases(sampling_params(opts, env), backend, opts)
+        params = with_logit_biases(sampling_params(opts, env), backend.vocab, opts)
         session = InferenceSession(backend, params, stats=Stats(load_s=self.load_s, placement=placement_of(backend)),
                                    held=self.held, borrowed=True)
         marks = with_projector(backend, backend.model_path, given_projector(opts.mmproj), list(media),

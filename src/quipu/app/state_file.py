@@ -121,7 +121,7 @@ class StateFile:
             "nonce": nonce,  # (the pieces of the log after it name it)
             "tokens": session.tokens[:session.n_decoded],
         }
-        state = session.backend.snapshot_bytes()
+        state = session.backend.memory.snapshot_bytes()
         held = session.n_decoded
 
         def write() -> None:
@@ -146,16 +146,16 @@ class StateFile:
         start = min(low_water, chain.held)
         if branched and chain.pieces >= MAX_PIECES:
             start = 0
-        unsupported = backend.partial_state(start)
+        unsupported = backend.memory.partial_state(start)
         if unsupported:
             return None, f"{unsupported} is saved whole"
         if held < start or not branched and (held - start) * 2 > held:  # (none new: a piece that only cuts)
             return None, "most of the context is new"
         if not branched and (chain.pieces >= MAX_PIECES or chain.piece_bytes > chain.base_bytes):
             return None, "the pieces are many: put together again"
-        piece = backend.state_since(start, held)
+        piece = backend.memory.state_since(start, held)
         try:
-            made = backend.check_piece(piece, start, held - start)
+            made = backend.memory.check_piece(piece, start, held - start)
         except SnapshotError as exc:
             return None, f"the state's layout is not the one quipu reads: {exc}"
         if made.v_trans is not None and made.v_trans != backend.context.v_trans:  # (a piece of no cells says none)

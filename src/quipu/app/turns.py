@@ -374,7 +374,7 @@ class SessionRequest:
         from quipu.sessions.inference import InferenceSession
 
         assert isinstance(session, InferenceSession)  # (a server's requests run on a local model)
-        asked = with_logit_biases(sampling_params(opts, env, params), session.backend, opts)
+        asked = with_logit_biases(sampling_params(opts, env, params), session.vocab, opts)
         if asked != params:
             session.set_params(asked)
         session.whole_read = self.whole_read

@@ -6,6 +6,7 @@ memory, its batch, a sequence's state bytes; or one sequence of a context severa
 `llama_shared.py`), the one scheduler of a context's sequences, for a batch's rows and a server's
 requests (`scheduler.py`), and the parts built on it, each
 owning its own state:
+the vocabulary as the context's history spells it, `vocabulary.py`;
 sampling, `sampler.py`, whose `SamplerChain` is the native sampler chain of one stream of tokens;
 state bytes, `llama_state.py`; what the context holds of its history and how it goes back, its
 checkpoints and pieces, `llama_memory.py`; the rows of a batch, `llama_rows.py`; embeddings, `embeddings.py`;

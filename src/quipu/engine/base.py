@@ -141,18 +141,13 @@ class Sampler(Protocol):
         """Starts the grammar over and replays `reply`, the tokens generated so far in this reply."""
 
 
-class Backend(Protocol):
-    """One loaded model with one local context."""
+class VocabularyPart(Protocol):
+    """A model's vocabulary as a context's history spells it (a medium's tokens as its mark)."""
 
-    name: str
-    build: str  # the native build; state bytes are only valid under the same one
-    supports_embeddings: bool
-    n_ctx: int
-    n_ctx_train: int
-    n_vocab: int
-    context: ContextSettings
-    placement: Placement  # where its layers run
-    model_path: Path  # the model's file
+    @property
+    def n_vocab(self) -> int: ...
+    def media_tokens(self, k: int) -> list[int]:
+        """The tokens of the k-th medium the context holds (`media.py`); LookupError for none."""
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
     def token_bytes(self, token: int) -> bytes: ...
@@ -174,11 +169,13 @@ class Backend(Protocol):
     def bos_token(self) -> int | None: ...
     def chat_template(self) -> str | None: ...
     def special_token_text(self, which: str) -> str: ...
-    def media_tokens(self, k: int) -> list[int]:
-        """The tokens of the k-th medium this context holds (`media.py`); LookupError for none."""
+
+
+class MediaPart(Protocol):
+    """The images and recordings a context takes through a projector (`media.py`)."""
 
     def open_projector(self, path: Path) -> None:
-        """Loads a projector (an mmproj GGUF) for this context's model (`media.py`)."""
+        """Loads a projector (an mmproj GGUF) for this context's model."""
 
     def media_mark(self, data: bytes) -> str:
         """A medium's marker in a rendering, the medium made ready (a UsageError without a projector)."""
@@ -201,19 +198,15 @@ class Backend(Protocol):
         """The token history a restored context holds, so that its media's positions are known
         (on an M-RoPE model a medium takes fewer positions than cells)."""
 
-    def prefill(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None,
-                marks: Sequence[int] = ()) -> None:
-        """Decodes `tokens` at positions start.., in batches; logits are kept for the last one.
-        `marks`: counts of the history's tokens where a later prompt may part from this one, at
-        which a step ends (`step_start` may return them) and a memory that cannot go back a
-        token (`recurrent`) keeps a checkpoint."""
+
+class MemoryPart(Protocol):
+    """What a context holds of its history: how it goes back, its state as bytes and in pieces."""
 
     def step_start(self, n: int) -> int:
         """The last position at or before `n` at which `prefill` starts a batch whatever
         position it was given, or a mark of what the context holds: a context cut to it and
         read on holds what one read whole (with the same marks) does."""
 
-    def decode_one(self, token: int, pos: int) -> None: ...
     def truncate(self, n_keep: int) -> None:
         """Forgets every position from `n_keep` on. A memory that cannot go back so far goes back
         to its nearest checkpoint before, or to nothing: `positions()` then says where it is, and
@@ -242,18 +235,8 @@ class Backend(Protocol):
     def positions(self) -> int:
         """How many positions the context holds."""
 
-    def reopen(self, context: ContextSettings | None = None) -> "Backend":
-        """A new, independent context on the same loaded model: with the same settings, or
-        `context`'s."""
-
-    @property
-    def sampling(self) -> Sampler:
-        """The context's sampling, a part of its own."""
-
     def snapshot_bytes(self) -> bytes | memoryview: ...
     def restore_bytes(self, data: bytes | memoryview) -> None: ...
-
-    # ---- the state in pieces, and the cells moved (where the cache allows it) -------------------
     def partial_state(self, since: int | None = None) -> str | None:
         """Why the cells' state cannot be saved and restored in pieces (None: it can); with
         `since`, why not the piece of the cells from there on."""
@@ -269,6 +252,43 @@ class Backend(Protocol):
         """Why positions cannot be dropped from the middle with those after them moved down (None: they can)."""
     def shift_out(self, start: int, end: int) -> None:
         """Drops positions [start, end) and moves those after them down by end - start."""
+
+
+class Backend(Protocol):
+    """One loaded model with one local context, and its parts: the vocabulary, the media, the
+    memory and the sampling, each an object the caller holds."""
+
+    name: str
+    build: str  # the native build; state bytes are only valid under the same one
+    supports_embeddings: bool
+    n_ctx: int
+    n_ctx_train: int
+    n_vocab: int
+    context: ContextSettings
+    placement: Placement  # where its layers run
+    model_path: Path  # the model's file
+
+    @property
+    def vocab(self) -> VocabularyPart: ...
+    @property
+    def media(self) -> MediaPart: ...
+    @property
+    def memory(self) -> MemoryPart: ...
+    @property
+    def sampling(self) -> Sampler:
+        """The context's sampling, a part of its own."""
+
+    def prefill(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None,
+                marks: Sequence[int] = ()) -> None:
+        """Decodes `tokens` at positions start.., in batches; logits are kept for the last one.
+        `marks`: counts of the history's tokens where a later prompt may part from this one, at
+        which a step ends (`memory.step_start` may return them) and a memory that cannot go back
+        a token (`memory.recurrent`) keeps a checkpoint."""
+
+    def decode_one(self, token: int, pos: int) -> None: ...
+    def reopen(self, context: ContextSettings | None = None) -> "Backend":
+        """A new, independent context on the same loaded model: with the same settings, or
+        `context`'s."""
 
     def embed(self, texts: Sequence[str | Sequence[int]], pooling: str = "mean") -> list[list[float]]:
         """One pooled vector per text, computed in batches; refuses (CapabilityError) where the

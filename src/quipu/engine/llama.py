@@ -12,9 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from quipu.engine.native import binding_version, lc
+from quipu.engine.native import binding_version
 from quipu.engine.sampler import Sampling
-from quipu.engine.text import Spellings
 
 from quipu.engine.base import ProgressFn
 from quipu.engine.settings import (
@@ -30,20 +29,19 @@ from quipu.engine.settings import (
     Placement,
     off_device,
 )
-from quipu.engine.checkpoints import Checkpoint
 from quipu.engine.embeddings import Embeddings
 from quipu.engine.llama_context import NativeContext, context_params
 from quipu.engine.media import Media, Positions, is_media, runs
+from quipu.engine.vocabulary import Vocabulary
 from quipu.engine.llama_rows import BatchRows
 from quipu.engine.scheduler import Scheduler
-from quipu.engine.kvstate import Piece
 from quipu.engine.llama_memory import Memory
 from quipu.engine.llama_state import StateBytes
 from quipu.engine.logs import LOG
 from quipu.engine.model import LlamaModel, check_gguf
 from quipu.engine.devices import no_gpu_reason, supports_offload
 from quipu.engine.placement import plan
-from quipu.errors import EngineError, InvalidParameter, UsageError
+from quipu.errors import InvalidParameter, UsageError
 
 if TYPE_CHECKING:
     from quipu.engine.llama_shared import SharedContext
@@ -163,120 +161,9 @@ class LlamaBackend:
         self.embeddings = Embeddings(model, native.threads, self.name)
         self.media = Media(native, self._positions)
         self._stack.callback(self.media.close)
+        self.vocab = Vocabulary(model, self.media)
         # What the context holds of the history, its checkpoints, its going back.
         self.memory = Memory(native, self._positions, self.state)
-
-    # ---- vocabulary: the model's ----------------------------------------------------------
-
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
-        return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
-
-    def token_bytes(self, token: int) -> bytes:
-        return self.media.media_text(token) if is_media(token) else self.model.token_bytes(token)
-
-    def max_token_bytes(self) -> int:
-        return self.model.max_token_bytes()
-
-    def token_text(self, token: int) -> bytes:
-        return self.media.media_text(token) if is_media(token) else self.model.token_text(token)
-
-    def is_control(self, token: int) -> bool:
-        return not is_media(token) and self.model.is_control(token)
-
-    def control_spellings(self, texts: Sequence[str]) -> list[str]:
-        return self.model.control_spellings(texts)
-
-    def controls(self) -> Spellings:
-        return self.model.controls()
-
-    def special_tokens(self) -> dict[str, int]:
-        return self.model.special_tokens()
-
-    def is_eog(self, token: int) -> bool:
-        return self.model.is_eog(token)
-
-    def bos_token(self) -> int | None:
-        return self.model.bos_token()
-
-    def special_token_text(self, which: str) -> str:
-        return self.model.special_token_text(which)
-
-    def chat_template(self) -> str | None:
-        return self.model.chat_template()
-
-    # ---- media: the media part's --------------------------------------------------------
-
-    def open_projector(self, path: Path) -> None:
-        self.media.open_projector(path)
-
-    @property
-    def senses(self) -> frozenset[str]:
-        return self.media.senses
-
-    @property
-    def projector_path(self) -> Path | None:
-        return self.media.projector_path
-
-    def media_mark(self, data: bytes) -> str:
-        return self.media.media_mark(data)
-
-    def media_tokens(self, k: int) -> list[int]:
-        return self.media.media_tokens(k)
-
-    def media_digests(self) -> list[str]:
-        return self.media.media_digests()
-
-    def drop_media_after(self, n: int) -> list[str]:
-        return self.media.drop_media_after(n)
-
-    def place_media(self, tokens: Sequence[int]) -> None:
-        self.media.place_media(tokens)
-
-    # ---- state bytes: the state part's ----------------------------------------------------
-
-    def snapshot_bytes(self) -> bytes | memoryview:
-        return self.memory.snapshot_bytes()
-
-    def restore_bytes(self, data: bytes | memoryview) -> None:
-        self.memory.restore_bytes(data)
-
-    def rewinds_to(self, n_keep: int) -> int:
-        return self.memory.rewinds_to(n_keep)
-
-    def restore_points(self) -> list[int] | None:
-        return self.memory.restore_points()
-
-    @property
-    def checkpoints(self) -> list[Checkpoint]:
-        return self.memory.checkpoints
-
-    @property
-    def recurrent(self) -> bool:
-        return self.memory.recurrent
-
-    @property
-    def last_rewind(self) -> str | None:
-        return self.memory.last_rewind
-
-    def partial_state(self, since: int | None = None) -> str | None:
-        return self.memory.partial_state(since)
-
-    def state_since(self, start: int, end: int | None = None) -> bytes | memoryview:
-        return self.memory.state_since(start, end)
-
-    def check_piece(self, piece: bytes | memoryview, start: int, cells: int) -> Piece:
-        return self.memory.check_piece(piece, start, cells)
-
-    def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
-        self.memory.restore_pieces(base, pieces)
-
-    def truncate(self, n_keep: int) -> None:
-        self.memory.truncate(n_keep)
-
-    def positions(self) -> int:
-        """How many tokens of the history the context holds (its positions, where media take as
-        many as their cells)."""
-        return self.memory.positions()
 
     def embed(self, texts: Sequence[str | Sequence[int]], pooling: str = "mean") -> list[list[float]]:
         return self.embeddings.embed(texts, pooling)
@@ -286,10 +173,10 @@ class LlamaBackend:
     def prefill(self, tokens: Sequence[int], start: int, on_progress: ProgressFn | None = None,
                 marks: Sequence[int] = ()) -> None:
         """Decodes `tokens` at positions `start`, ... in steps that end where a multiple of
-        n_batch does (see `step_start`); a medium's placeholders as its projector's embeddings.
+        n_batch does (see `Memory.step_start`); a medium's placeholders as its projector's embeddings.
         A recurrent state is kept where the prompt begins and at each of `marks` (counts of the
         history's tokens: where a later prompt may part from this one), a step ending there."""
-        if (self.ring or self.recurrent) and start > 0 and tokens:
+        if (self.ring or self.memory.recurrent) and start > 0 and tokens:
             self.memory.checkpoint(start)  # (a prompt begins: where a rewind comes back to)
         cuts = sorted({m for m in marks if start < m <= start + len(tokens)})
         if any(is_media(t) for t in tokens):
@@ -329,44 +216,12 @@ class LlamaBackend:
             if on_progress is not None:
                 on_progress(offset, total)
 
-    def step_start(self, n: int) -> int:
-        """The last position at or before `n` where a prefill step starts: a multiple of n_batch,
-        or a mark the prompt held was cut at (`prefill`). llama.cpp's attention computes a token
-        by another road in a step of a few tokens than in a step of many (flash attention's
-        tiled kernel), so the last bits of what it keeps differ; a context restored to such a
-        position and read on computes what one read from the start (with the same marks)
-        computes. A recurrent state goes back to its checkpoints, where a step ends: `n`."""
-        return self.memory.step_start(n)
-
-    def holds_steps(self, points: Sequence[int]) -> None:
-        self.memory.holds_steps(points)
-
     def decode_one(self, token: int, pos: int) -> None:
         if is_media(token):
             self.media.decode_media([token], pos, True)
             return
         self.native.fill(0, token, self._positions.position(pos), 0, True)
         self.native.decode(1)
-
-    def shift_refused(self) -> str | None:
-        """Why cells cannot be dropped from the middle of the context with those after them
-        moved down (None: they can). llama.cpp moves a cache's positions (re-rotating RoPE keys)
-        where `llama_memory_can_shift` says so: a plain attention cache of a model with one
-        position per token (not M-RoPE); not a sliding-window cache, whose evicted cells a shift
-        cannot bring back, nor a recurrent model's state, which is not kept a token a cell."""
-        why = ("a recurrent or hybrid model's memory" if self.recurrent else self.partial_state()) or \
-            ("a sliding-window cache" if self.model.n_swa > 0 else None)
-        if why:
-            return why
-        if not lc.llama_memory_can_shift(self.native.mem):
-            return "this model's cache cannot move its positions"
-        return None
-
-    def shift_out(self, start: int, end: int) -> None:
-        """Drops positions [start, end) and moves those after them down by end - start."""
-        if not self.native.seq_rm(0, start, end):
-            raise EngineError("llama.cpp could not drop part of the context")
-        self.native.seq_add(0, end, -1, start - end)
 
     def reopen(self, context: ContextSettings | None = None) -> "LlamaBackend":
         """A new context on the same loaded model, with the same settings or `context`'s: no

@@ -84,7 +84,12 @@ class Memory:
 
     def step_start(self, n: int) -> int:
         """The last count of the history's tokens at or before `n` that a context can be cut
-        back to and read on from as a whole read does (`LlamaBackend.step_start`)."""
+        back to and read on from as a whole read does: a multiple of n_batch, where a prefill
+        step starts, or a mark a prompt held was cut at (`LlamaBackend.prefill`). llama.cpp
+        computes a token by another road in a step of a few tokens than in a step of many, so the
+        last bits of what it keeps differ; a context restored to such a position and read on
+        computes what one read from the start (with the same marks) computes. A recurrent state
+        goes back to its checkpoints, where a step ends: `n`."""
         if self.recurrent:
             return n
         n_batch, held = self.native.settings.n_batch, self.positions()
@@ -172,6 +177,26 @@ class Memory:
         """How many tokens of the history the context holds (its positions, where media take as
         many as their cells)."""
         return self.state.positions()
+
+    def shift_refused(self) -> str | None:
+        """Why cells cannot be dropped from the middle of the context with those after them
+        moved down (None: they can). llama.cpp moves a cache's positions (re-rotating RoPE keys)
+        where `llama_memory_can_shift` says so: a plain attention cache of a model with one
+        position per token (not M-RoPE); not a sliding-window cache, whose evicted cells a shift
+        cannot bring back, nor a recurrent model's state, which is not kept a token a cell."""
+        why = ("a recurrent or hybrid model's memory" if self.recurrent else self.partial_state()) or \
+            ("a sliding-window cache" if self.model.n_swa > 0 else None)
+        if why:
+            return why
+        if not lc.llama_memory_can_shift(self.native.mem):
+            return "this model's cache cannot move its positions"
+        return None
+
+    def shift_out(self, start: int, end: int) -> None:
+        """Drops positions [start, end) and moves those after them down by end - start."""
+        if not self.native.seq_rm(0, start, end):
+            raise EngineError("llama.cpp could not drop part of the context")
+        self.native.seq_add(0, end, -1, start - end)
 
     def checkpoint(self, n: int, *, kept: bool = False) -> None:
         """Keeps the ring's cells, or the recurrent state, as they are before the `n`th token is

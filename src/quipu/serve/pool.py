@@ -198,7 +198,7 @@ class Pool:
                     session = host.session
                     if asked.gives_context and session is not None:
                         answer.context = list(session.tokens)
-                    if session is not None and session.backend.positions() == session.n_decoded:
+                    if session is not None and session.backend.memory.positions() == session.n_decoded:
                         slot.held = session.tokens[:session.n_decoded]
                         slot.said = said_of(asked) + (("assistant", answer.text),)
         from quipu.app.answer_log import log_answer
@@ -254,7 +254,7 @@ class Pool:
                 vectors = backend.embed(texts, "mean")  # (on a context of its own)
             except InvalidParameter as exc:
                 raise RequestError(str(exc)) from None
-            tokens = sum(len(backend.tokenize(t, add_special=True, parse_special=False)) if isinstance(t, str)
+            tokens = sum(len(backend.vocab.tokenize(t, add_special=True, parse_special=False)) if isinstance(t, str)
                          else len(t) for t in texts)
         return vectors, tokens, load_s
 
@@ -358,7 +358,7 @@ class Pool:
         load_s = time.perf_counter() - started
         try:
             model_fp = hashed()
-            backend.controls()  # (the vocabulary's table a prompt's reading asks for: made now, not in a request)
+            backend.vocab.controls()  # (the vocabulary's table a prompt's reading asks for: made now, not in a request)
         except BaseException:
             backend.close()
             raise

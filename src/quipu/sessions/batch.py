@@ -228,7 +228,7 @@ class BatchSession:
         except BaseException:
             chain.free()  # (the slot never held it)
             raise
-        slot.start(row_index, row, params, chain, matcher, self.shared, ReplyText(self.backend.token_bytes, b"", row.stop))
+        slot.start(row_index, row, params, chain, matcher, self.shared, ReplyText(self.backend.vocab.token_bytes, b"", row.stop))
 
     def _took(self, slot: _Slot, token: int, now: float, on_token: RowTokenFn | None,
               on_done: RowDoneFn | None) -> bool:
@@ -236,11 +236,11 @@ class BatchSession:
         slot.sampled_one(now)
         finish = None
         reply = slot.reply
-        if self.backend.is_eog(token):
+        if self.backend.vocab.is_eog(token):
             finish = "stop"
         else:
             text = reply.push(token)
-            if on_token is not None and (text or self.backend.is_control(token)):
+            if on_token is not None and (text or self.backend.vocab.is_control(token)):
                 on_token(slot.row, token, text)  # (a control token's too: markup a reader may need)
             if reply.stopped:
                 finish = "stop_sequence"

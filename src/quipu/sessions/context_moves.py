@@ -39,9 +39,9 @@ class ContextMoves(HeldTokens):
         """How many of the decoded tokens a save of the state holds: all of them, or, where the
         next turn is known to keep only `until` of them and the state cannot go back a token,
         as many as its checkpoint there holds (the rest would be read again anyway)."""
-        if until is None or until >= self.n_decoded or not self.backend.recurrent:
+        if until is None or until >= self.n_decoded or not self.backend.memory.recurrent:
             return self.n_decoded
-        return self.backend.rewinds_to(until) or self.n_decoded
+        return self.backend.memory.rewinds_to(until) or self.n_decoded
 
     @property
     def holds_earlier(self) -> bool:
@@ -56,11 +56,11 @@ class ContextMoves(HeldTokens):
         held, self._held = self._held, []
         if not held:
             return 0
-        keep = self.backend.step_start(min(common_prefix(tokens, held), len(tokens) - 1))
+        keep = self.backend.memory.step_start(min(common_prefix(tokens, held), len(tokens) - 1))
         if keep < at_least or any(t >= MEDIA_BASE for t in held[:keep]):  # (a medium is this context's)
             keep = 0
-        self.backend.truncate(keep)
-        keep = min(keep, self.backend.positions())  # (a recurrent state goes back to a checkpoint)
+        self.backend.memory.truncate(keep)
+        keep = min(keep, self.backend.memory.positions())  # (a recurrent state goes back to a checkpoint)
         self.tokens, self.n_decoded, self._logits_at = list(held[:keep]), keep, -1
         self._low_water = keep
         self._reset_sampler()
@@ -69,7 +69,7 @@ class ContextMoves(HeldTokens):
     def _drop_held(self) -> None:
         if self._held:
             self._held = []
-            self.backend.truncate(0)
+            self.backend.memory.truncate(0)
 
     def rewind(self, n_keep: int) -> None:
         """Forgets the tokens from `n_keep` on, in the history, the KV cache and the penalty window."""
@@ -79,10 +79,10 @@ class ContextMoves(HeldTokens):
         del self.tokens[n_keep:]
         self._low_water = min(self._low_water, n_keep)
         if self.n_decoded > n_keep:
-            self.backend.truncate(n_keep)
-            self.went_back = self.backend.last_rewind or self.went_back
+            self.backend.memory.truncate(n_keep)
+            self.went_back = self.backend.memory.last_rewind or self.went_back
             # (a sliding-window cache that cannot go back so far keeps nothing: read again)
-            self.n_decoded = min(n_keep, self.backend.positions())
+            self.n_decoded = min(n_keep, self.backend.memory.positions())
             self._low_water = min(self._low_water, self.n_decoded)
             self._logits_at = -1
         self._reset_sampler()
@@ -93,20 +93,20 @@ class ContextMoves(HeldTokens):
         if n >= self.n_decoded:
             return
         self._drop_held()
-        self.backend.truncate(n)
-        self.n_decoded = min(n, self.backend.positions())
+        self.backend.memory.truncate(n)
+        self.n_decoded = min(n, self.backend.memory.positions())
         self._low_water = min(self._low_water, self.n_decoded)
         self._logits_at = -1
 
     def shift_out(self, start: int, end: int) -> bool:
         """Drops tokens [start, end) from the context, moving the cells after them down, where
-        the backend can (see `LlamaBackend.shift_refused`); False where it cannot (the caller
+        the backend can (see `Memory.shift_refused`); False where it cannot (the caller
         reads the rest again). The moved cells keep what they were computed from, the dropped
         tokens included, as llama.cpp's own context shift does."""
-        refused = self.backend.shift_refused()
+        refused = self.backend.memory.shift_refused()
         if refused or not 0 <= start < end <= self.n_decoded:
             return False
-        self.backend.shift_out(start, end)
+        self.backend.memory.shift_out(start, end)
         del self.tokens[start:end]
         self.n_decoded -= end - start
         self._low_water = min(self._low_water, start)

@@ -45,7 +45,7 @@ class InferenceSession(ContextMoves):
         server's last request), which the first prompt may take (`take_held`); anything else
         empties it first. `borrowed`: the backend is another's (a server's slot), which closing
         this session leaves open."""
-        super().__init__(backend)
+        super().__init__(backend, backend.vocab)
         self._borrowed = borrowed
         self.params = (params or SamplingParams()).resolved()
         self.n_decoded = 0
@@ -70,14 +70,14 @@ class InferenceSession(ContextMoves):
         # asked), not from the last token the context holds (`set_context`).
         self.whole_read = False
         backend.sampling.set_settings(self.params)
-        self._held = list(held) if held and backend.positions() == len(held) else []
+        self._held = list(held) if held and backend.memory.positions() == len(held) else []
         if not self._held:
-            backend.truncate(0)  # a session starts from an empty context, whatever the backend held
+            backend.memory.truncate(0)  # a session starts from an empty context, whatever the backend held
 
     # ---- context ------------------------------------------------------------------------
 
     def control_spellings(self, texts: Sequence[str]) -> list[str]:
-        return self.backend.control_spellings(texts)
+        return self.backend.vocab.control_spellings(texts)
 
     @property
     def checkpoints(self) -> bool:
@@ -86,13 +86,13 @@ class InferenceSession(ContextMoves):
     def special_tokens(self) -> dict[str, int]:
         """{text: id} of the tokens a grammar writes as themselves (control tokens, and added
         tokens spelled `<...>`), never spelled out."""
-        return self.backend.special_tokens()
+        return self.backend.vocab.special_tokens()
 
     def context_for(self, rendered: Rendered) -> list[int]:
         return context_tokens(self.backend, self.tokens, rendered)
 
     def spell(self, tokens: Sequence[int]) -> str:
-        return b"".join(self.backend.token_text(t) for t in tokens).decode("utf-8", "replace")
+        return b"".join(self.backend.vocab.token_text(t) for t in tokens).decode("utf-8", "replace")
 
     def close(self) -> None:
         if not self._borrowed:
@@ -119,7 +119,7 @@ class InferenceSession(ContextMoves):
         self._check_room(len(tokens))
         keep = common_prefix(tokens, self.tokens)
         if self.whole_read and 0 < keep < len(tokens):
-            keep = self.backend.step_start(keep)
+            keep = self.backend.memory.step_start(keep)
         self.rewind(keep)
         # Re-read tokens were computed (their time is the restore's), not reused from a cache.
         self.stats = replace(self.stats, cached_tokens=max(0, min(keep, self.n_decoded) - self._rebuilt_pending))
@@ -143,7 +143,7 @@ class InferenceSession(ContextMoves):
         """Refuses at once a text too long for the context to hold whatever its tokenization,
         without tokenizing megabytes first."""
         size = len(text.encode("utf-8"))
-        if size > 4 * self.n_ctx and size > self.n_ctx * self.backend.max_token_bytes():
+        if size > 4 * self.n_ctx and size > self.n_ctx * self.backend.vocab.max_token_bytes():
             raise ContextOverflow(self.n_ctx, self.n_ctx, at_least=True)
 
     def _check_room(self, n: int) -> None:
@@ -185,7 +185,7 @@ class InferenceSession(ContextMoves):
             draws=self.draws,
             params=self.params,
             context=self.backend.context.state_key(),
-            state=self.backend.snapshot_bytes() if with_state else None,
+            state=self.backend.memory.snapshot_bytes() if with_state else None,
         )
 
     @classmethod
@@ -202,20 +202,20 @@ class InferenceSession(ContextMoves):
         if snap.state is not None and snap.context == backend.context.state_key():
             held = snap.n_decoded if snap.state_decoded is None else snap.state_decoded
             if snap.pieces:
-                backend.restore_pieces(snap.state, snap.pieces)
+                backend.memory.restore_pieces(snap.state, snap.pieces)
             else:
-                backend.restore_bytes(snap.state)
-            backend.place_media(snap.tokens[:held])
-            if snap.state_decoded is not None and backend.positions() > held:
-                backend.truncate(held)  # (the state holds more than the transcript's tokens bear out)
-            if backend.positions() != held or held > snap.n_decoded:
-                backend.truncate(0)
+                backend.memory.restore_bytes(snap.state)
+            backend.media.place_media(snap.tokens[:held])
+            if snap.state_decoded is not None and backend.memory.positions() > held:
+                backend.memory.truncate(held)  # (the state holds more than the transcript's tokens bear out)
+            if backend.memory.positions() != held or held > snap.n_decoded:
+                backend.memory.truncate(0)
                 raise EngineError("the saved context state does not match its token history")
             session.tokens = list(snap.tokens[:held])
             session.n_decoded = session._low_water = held
             # A turn whose state was not saved is read again; a recurrent state saved as of where
             # the next turn goes back to (`save_point`) reads on from there with that turn.
-            if held < snap.n_decoded and not backend.recurrent:
+            if held < snap.n_decoded and not backend.memory.recurrent:
                 session.tokens = list(snap.tokens[:snap.n_decoded])
                 session._decode_pending(on_progress)
                 session.rebuilt_tokens = session._rebuilt_pending = snap.n_decoded - held
@@ -233,15 +233,15 @@ class InferenceSession(ContextMoves):
         many it kept; EngineError when the bytes do not fit, the context left empty."""
         started = time.perf_counter()
         self.rewind(0)
-        self.backend.restore_bytes(state)
-        self.backend.place_media(held)
-        if self.backend.positions() != len(held):
-            self.backend.truncate(0)
+        self.backend.memory.restore_bytes(state)
+        self.backend.media.place_media(held)
+        if self.backend.memory.positions() != len(held):
+            self.backend.memory.truncate(0)
             raise EngineError("the cached state does not match its tokens")
         keep = min(keep, len(held))
-        self.backend.holds_steps(points)
-        self.backend.truncate(keep)
-        keep = min(keep, self.backend.positions())
+        self.backend.memory.holds_steps(points)
+        self.backend.memory.truncate(keep)
+        keep = min(keep, self.backend.memory.positions())
         self.tokens = list(held[:keep])
         self.n_decoded = keep
         self._logits_at = -1
@@ -255,14 +255,14 @@ class InferenceSession(ContextMoves):
         keep = common_prefix(tokens, self.tokens)
         if keep > self.n_decoded + 1:  # (tokens held but not read yet, past a reply's last: read with the turn)
             return self.n_decoded
-        return keep if keep >= self.n_decoded else self.backend.rewinds_to(keep)
+        return keep if keep >= self.n_decoded else self.backend.memory.rewinds_to(keep)
 
     def rebuild(self, tokens: Sequence[int], n_decoded: int, on_progress: ProgressFn | None = None) -> None:
         """Re-reads `tokens[:n_decoded]` into an empty context; the rest stay pending. A recurrent
         state reads them with the next prompt instead, whose marks keep the checkpoints it needs."""
         self.rewind(0)
         self._check_room(len(tokens))
-        if self.backend.recurrent:
+        if self.backend.memory.recurrent:
             self.tokens = list(tokens)
             self._reset_sampler()
             return
@@ -314,8 +314,8 @@ class InferenceSession(ContextMoves):
         self.reply_start = len(self.tokens) if at is None else at
         held = self.tokens[self.reply_start:]
         self.backend.sampling.constraint_reset(held)
-        carry = unfinished_character([self.backend.token_bytes(t) for t in held[-4:]])
-        reply = ReplyText(self.backend.token_bytes, carry, stop)
+        carry = unfinished_character([self.backend.vocab.token_bytes(t) for t in held[-4:]])
+        reply = ReplyText(self.backend.vocab.token_bytes, carry, stop)
         sampled = 0
         first_at = last_at = 0.0
         finish = "length"
@@ -336,8 +336,8 @@ class InferenceSession(ContextMoves):
             text = reply.push(token)
             if text:
                 shown.text(text)
-            if self.backend.is_control(token):  # (markup the text does not show)
-                shown.control(self.backend.token_text(token).decode("utf-8", "replace"))
+            if self.backend.vocab.is_control(token):  # (markup the text does not show)
+                shown.control(self.backend.vocab.token_text(token).decode("utf-8", "replace"))
 
         for token in budget.start() if budget is not None else ():
             took(token)
@@ -351,7 +351,7 @@ class InferenceSession(ContextMoves):
             if sampled == 1:
                 first_at = last_at
                 self.stats = replace(self.stats, ttft_s=first_at - self._turn_started)
-            if self.backend.is_eog(token):
+            if self.backend.vocab.is_eog(token):
                 finish = "stop"
                 break
             took(token)
@@ -374,7 +374,7 @@ class InferenceSession(ContextMoves):
     def reply_spelled(self) -> str:
         """The reply just generated, control tokens spelled out (its end-of-generation token not)."""
         tokens = self.tokens[self.reply_start:]
-        if tokens and self.backend.is_eog(tokens[-1]):
+        if tokens and self.backend.vocab.is_eog(tokens[-1]):
             tokens = tokens[:-1]
         return self.spell(tokens)
 
@@ -390,7 +390,7 @@ class InferenceSession(ContextMoves):
                  sink: ReplySink = SILENT) -> Generation:
         """One turn on raw tokens: the context becomes `tokens` (reusing what it can), then infer."""
         self.begin_turn()
-        self.set_context(tokens, sink, plain_marks(self.backend.token_bytes, tokens))
+        self.set_context(tokens, sink, plain_marks(self.backend.vocab.token_bytes, tokens))
         return self.infer(max_tokens, stop, sink)
 
     def reply(self, prompt: TurnPrompt, max_tokens: int, stop: Sequence[str] = (),

@@ -75,7 +75,7 @@ class LlamaServerSession(HeldTokens):
 
     def __init__(self, backend: LlamaServerModel, params: SamplingParams | None = None,
                  slot_file: SlotFile | None = None, draws: int = 0):
-        super().__init__(backend)
+        super().__init__(backend, backend)
         self.params = SamplingParams().resolved()
         self.set_params(params or self.params)
         self.text = ""  # what `tokens` spell, control tokens written out

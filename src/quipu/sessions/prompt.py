@@ -26,10 +26,8 @@ from quipu.engine.text import Spellings
 
 
 class Vocabulary(Protocol):
-    """What turns a rendering (or --logit-bias's tokens) into token ids: a local model's
-    (`Backend`) or llama-server's (`LlamaServerModel`)."""
-
-    n_ctx: int
+    """What turns a rendering (or --logit-bias's tokens) into token ids: a local context's
+    (`Backend.vocab`) or llama-server's (`LlamaServerModel`)."""
 
     @property
     def n_vocab(self) -> int: ...
@@ -39,6 +37,12 @@ class Vocabulary(Protocol):
     def chat_template(self) -> str | None: ...
     def special_token_text(self, which: str) -> str: ...
     def media_tokens(self, k: int) -> list[int]: ...
+
+
+class Sized(Protocol):
+    """A context, by its size."""
+
+    n_ctx: int
 
 
 @dataclass
@@ -52,7 +56,7 @@ class Rendered:
     def text(self) -> str:
         return "".join(text for text, _ in self.parts)
 
-    def tokenize_from(self, backend: "Vocabulary", start: int) -> list[int]:
+    def tokenize_from(self, vocab: "Vocabulary", start: int) -> list[int]:
         """The tokens of this text from character `start` on."""
         tokens: list[int] = []
         at = 0
@@ -60,9 +64,9 @@ class Rendered:
             if at + len(text) > start:
                 piece = text[max(0, start - at):]
                 if plain:
-                    tokens += backend.tokenize(piece, add_special=False, parse_special=False)
+                    tokens += vocab.tokenize(piece, add_special=False, parse_special=False)
                 else:
-                    tokens += _with_media(backend, piece)
+                    tokens += _with_media(vocab, piece)
             at += len(text)
         return tokens
 
@@ -76,22 +80,22 @@ class Rendered:
         return False
 
 
-def _with_media(backend: "Vocabulary", text: str) -> list[int]:
+def _with_media(vocab: "Vocabulary", text: str) -> list[int]:
     """Rendered text as tokens (specials parsed), each medium's marker as the medium's tokens
     (`media_tokens` raises LookupError for a marker of none)."""
     tokens: list[int] = []
     at = 0
     for found in MEDIA_MARK.finditer(text):
         try:
-            media = backend.media_tokens(int(found.group(1)))
+            media = vocab.media_tokens(int(found.group(1)))
         except LookupError:  # (not a medium this context holds: text that looks like a marker)
             continue
         if found.start() > at:
-            tokens += backend.tokenize(text[at:found.start()], add_special=False, parse_special=True)
+            tokens += vocab.tokenize(text[at:found.start()], add_special=False, parse_special=True)
         tokens += media
         at = found.end()
     if at < len(text):
-        tokens += backend.tokenize(text[at:], add_special=False, parse_special=True)
+        tokens += vocab.tokenize(text[at:], add_special=False, parse_special=True)
     return tokens
 
 
@@ -123,11 +127,11 @@ class Protector:
         return Rendered(parts)
 
 
-def reference_tokens(backend: "Vocabulary", rendered: Rendered) -> list[int]:
+def reference_tokens(vocab: "Vocabulary", rendered: Rendered) -> list[int]:
     """The whole text tokenized as the reference does, with the model's BOS where it wants one
     and the template did not write it."""
-    tokens = rendered.tokenize_from(backend, 0)
-    bos = backend.bos_token()
+    tokens = rendered.tokenize_from(vocab, 0)
+    bos = vocab.bos_token()
     if bos is not None and (not tokens or tokens[0] != bos):
         tokens.insert(0, bos)
     return tokens
@@ -149,7 +153,7 @@ def reusable(backend: Backend, held: Sequence[int], rendered: Rendered) -> tuple
         if pos == len(text):
             return True
         if not starts:
-            found = {start for start, _ in backend.controls().spans(text)}
+            found = {start for start, _ in backend.vocab.controls().spans(text)}
             for medium in MEDIA_MARK.finditer(text):  # (a medium is a piece of its own)
                 found |= {medium.start(), medium.end()}
             starts.append(found)
@@ -157,8 +161,8 @@ def reusable(backend: Backend, held: Sequence[int], rendered: Rendered) -> tuple
 
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     best, pos, start = (0, 0), 0, 0
-    bos = backend.bos_token()
-    bos_text = backend.token_text(bos).decode("utf-8", "replace") if bos is not None else ""
+    bos = backend.vocab.bos_token()
+    bos_text = backend.vocab.token_text(bos).decode("utf-8", "replace") if bos is not None else ""
     if held and bos is not None and held[0] == bos and not text.startswith(bos_text):
         best, start = (1, 0), 1  # the BOS the model adds and the template does not write
     after_control = True
@@ -169,7 +173,7 @@ def reusable(backend: Backend, held: Sequence[int], rendered: Rendered) -> tuple
         marker = MEDIA_MARK.match(text, pos) if not decoder.getstate()[0] else None
         if marker is not None and not rendered.plain_at(pos):
             try:
-                run = backend.media_tokens(int(marker.group(1)))
+                run = backend.vocab.media_tokens(int(marker.group(1)))
             except LookupError:
                 run = []
             if run and list(held[k:k + len(run)]) == run:
@@ -177,11 +181,11 @@ def reusable(backend: Backend, held: Sequence[int], rendered: Rendered) -> tuple
                 best = (k, pos)
                 continue
         token = held[k]
-        control = backend.is_control(token)
+        control = backend.vocab.is_control(token)
         if control:
-            piece = decoder.decode(b"", final=True) + backend.token_text(token).decode("utf-8", "replace")
+            piece = decoder.decode(b"", final=True) + backend.vocab.token_text(token).decode("utf-8", "replace")
         else:
-            piece = decoder.decode(backend.token_bytes(token))
+            piece = decoder.decode(backend.vocab.token_bytes(token))
         if not text.startswith(piece, pos):
             # SentencePiece writes a space before text that follows a control token; the text has none.
             if not (after_control and piece.startswith(" ") and text.startswith(piece[1:], pos)):
@@ -213,8 +217,8 @@ def context_tokens(backend: Backend, held: Sequence[int], rendered: Rendered) ->
     """The context for `rendered`, keeping what `held` has of it."""
     k, n = reusable(backend, held, rendered)
     if k == 0:
-        return reference_tokens(backend, rendered)
-    return list(held[:k]) + rendered.tokenize_from(backend, n)
+        return reference_tokens(backend.vocab, rendered)
+    return list(held[:k]) + rendered.tokenize_from(backend.vocab, n)
 
 
 class HeldTokens:
@@ -223,8 +227,9 @@ class HeldTokens:
     what such a session answers alike of them: its size, the model's template and special
     tokens, a rendering or a plain prompt as tokens."""
 
-    def __init__(self, backend: Vocabulary) -> None:
+    def __init__(self, backend: Sized, vocab: Vocabulary) -> None:
         self.backend = backend
+        self.vocab = vocab
         self.tokens: list[int] = []
 
     @property
@@ -236,19 +241,19 @@ class HeldTokens:
         return len(self.tokens)
 
     def chat_template(self) -> str | None:
-        return self.backend.chat_template()
+        return self.vocab.chat_template()
 
     def special_token_text(self, which: str) -> str:
-        return self.backend.special_token_text(which)
+        return self.vocab.special_token_text(which)
 
     def reference_tokens(self, rendered: Rendered) -> list[int]:
-        return reference_tokens(self.backend, rendered)
+        return reference_tokens(self.vocab, rendered)
 
     def undecode(self, n: int) -> None:
         """Keeps the tokens from `n` on but not their cells (a server's context: its own to read)."""
 
     def raw_tokens(self, text: str) -> list[int]:
-        return self.backend.tokenize(text, add_special=True, parse_special=False)
+        return self.vocab.tokenize(text, add_special=True, parse_special=False)
 
 
 def strings_of(value: Any) -> Iterator[str]:

@@ -20,10 +20,10 @@ Force = Callable[[str], list[int]]
 
 def reply_tokens(backend: Backend, text: str) -> list[int]:
     """The tokens of `text` (control tokens parsed) as they follow a reply's text."""
-    tokens = backend.tokenize(text, add_special=False, parse_special=True)
+    tokens = backend.vocab.tokenize(text, add_special=False, parse_special=True)
     # (A SentencePiece tokenizer puts a space before a text's start: not what follows a reply's text.)
-    if len(tokens) > 1 and backend.token_text(tokens[0]) == b" " and \
-            b"".join(backend.token_text(t) for t in tokens[1:]) == text.encode():
+    if len(tokens) > 1 and backend.vocab.token_text(tokens[0]) == b" " and \
+            b"".join(backend.vocab.token_text(t) for t in tokens[1:]) == text.encode():
         tokens = tokens[1:]
     return tokens
 
@@ -57,7 +57,7 @@ class Budget:
     def _count(self, token: int) -> None:
         was = self.split.in_reasoning
         backend = self.backend
-        self.split.feed(backend.token_text(token).decode("utf-8", "replace"), control=backend.is_control(token))
+        self.split.feed(backend.vocab.token_text(token).decode("utf-8", "replace"), control=backend.vocab.is_control(token))
         if was:
             self.left -= 1
 
@@ -86,7 +86,7 @@ class CallWatch(CallSink):
         # A required call is forced from the start, or once the reasoning the prompt opened ends.
         # Until then the reply may not end: the end-of-generation tokens are banned.
         self.pending = forced and thinking.inside and grammar.after_reasoning is not None
-        self._ends = [t for t in backend.special_tokens().values() if backend.is_eog(t)] if self.pending else []
+        self._ends = [t for t in backend.vocab.special_tokens().values() if backend.vocab.is_eog(t)] if self.pending else []
         if self.pending:
             processors.append(self._no_end)
         elif forced:
@@ -115,8 +115,8 @@ class CallWatch(CallSink):
     def took(self, token: int) -> None:
         if self.calling:
             return
-        spelled = self.backend.token_text(token).decode("utf-8", "replace")
-        if self.watch.push(spelled, control=self.backend.is_control(token)):
+        spelled = self.backend.vocab.token_text(token).decode("utf-8", "replace")
+        if self.watch.push(spelled, control=self.backend.vocab.is_control(token)):
             self._constrain()
         elif self.pending and (after := self.watch.after_reasoning()) is not None:
             # (what the model wrote after the reasoning's end, where it is the start of what is due)

@@ -21,7 +21,7 @@ class Snapshot:
     context: dict[str, Any]
     state: bytes | memoryview | None = None
     # Pieces of state saved after `state`, (the position each replaces the cells from, its
-    # bytes: see `LlamaBackend.state_since`), and how many tokens the state and pieces hold
+    # bytes: see `Memory.state_since`), and how many tokens the state and pieces hold
     # when that is fewer than `n_decoded` (a turn whose state was not written: read again).
     pieces: Sequence[Any] = ()
     state_decoded: int | None = None

@@ -65,8 +65,8 @@ class ChatTemplate:
     @classmethod
     def of(cls, backend: Backend, source: str | None = None) -> "ChatTemplate":
         """`source`, else the template a backend's model ships (ChatML when it has none)."""
-        return cls(source or backend.chat_template(), backend.special_token_text("bos"),
-                   backend.special_token_text("eos"))
+        return cls(source or backend.vocab.chat_template(), backend.vocab.special_token_text("bos"),
+                   backend.vocab.special_token_text("eos"))
 
     def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool, **variables: Any) -> str:
         """The template's text for `messages`. A template that refuses a system message gets it
