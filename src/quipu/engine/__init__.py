@@ -9,7 +9,7 @@ owning its own state:
 the vocabulary as the context's history spells it, `vocabulary.py`;
 sampling, `sampler.py`, whose `SamplerChain` is the native sampler chain of one stream of tokens;
 state bytes, `llama_state.py`; what the context holds of its history and how it goes back, its
-checkpoints and pieces, `llama_memory.py`; the rows of a batch, `llama_rows.py`; embeddings, `embeddings.py`;
+checkpoints and pieces, `llama_memory.py` (a plain cache, a sliding window's ring, a recurrent state); the rows of a batch, `llama_rows.py`; embeddings, `embeddings.py`;
 images and audio through a projector and llama.cpp's mtmd, and where each token sits in the
 context, `media.py`; a projector file checked before clip.cpp trusts it,
 `projector_check.py`). Where a model runs: the devices and backends this llama.cpp

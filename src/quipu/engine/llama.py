@@ -35,7 +35,7 @@ from quipu.engine.media import Media, Positions, is_media, runs
 from quipu.engine.vocabulary import Vocabulary
 from quipu.engine.llama_rows import BatchRows
 from quipu.engine.scheduler import Scheduler
-from quipu.engine.llama_memory import Memory
+from quipu.engine.llama_memory import memory_for
 from quipu.engine.llama_state import StateBytes
 from quipu.engine.logs import LOG
 from quipu.engine.model import LlamaModel, check_gguf
@@ -163,7 +163,7 @@ class LlamaBackend:
         self._stack.callback(self.media.close)
         self.vocab = Vocabulary(model, self.media)
         # What the context holds of the history, its checkpoints, its going back.
-        self.memory = Memory(native, self._positions, self.state)
+        self.memory = memory_for(native, self._positions, self.state)
 
     def embed(self, texts: Sequence[str | Sequence[int]], pooling: str = "mean") -> list[list[float]]:
         return self.embeddings.embed(texts, pooling)
@@ -176,8 +176,8 @@ class LlamaBackend:
         n_batch does (see `Memory.step_start`); a medium's placeholders as its projector's embeddings.
         A recurrent state is kept where the prompt begins and at each of `marks` (counts of the
         history's tokens: where a later prompt may part from this one), a step ending there."""
-        if (self.ring or self.memory.recurrent) and start > 0 and tokens:
-            self.memory.checkpoint(start)  # (a prompt begins: where a rewind comes back to)
+        if start > 0 and tokens:
+            self.memory.prompt_begins(start)
         cuts = sorted({m for m in marks if start < m <= start + len(tokens)})
         if any(is_media(t) for t in tokens):
             total = len(tokens)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import time
 from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, TypeVar
 
 from quipu.engine.settings import (
@@ -64,10 +65,24 @@ def context_params(context: ContextSettings, n_ctx: int, *, cpu_alone: bool = Fa
     return cparams
 
 
+@dataclass(frozen=True)
+class Opened:
+    """What opening a llama.cpp context made, which the context and the views of its sequences
+    (`llama_shared.SequenceContext`) read alike."""
+
+    model: LlamaModel
+    ptr: Any  # the context
+    mem: Any  # its memory
+    settings: ContextSettings  # what was made: the sizes llama.cpp took, the cache's layout
+    n_ctx: int  # each sequence's cells
+    ring: int  # the window cache's cells, where it is a ring this context lays out (0: none; ring.py)
+    recurrent: bool  # whether the memory holds a state that cannot go back a token (a hybrid or recurrent model's)
+
+
 class NativeContext:
     """One llama.cpp context on `model` with `context`'s settings (its size 0: the model's
     training context, at most DEFAULT_CTX_CAP), and the batch its steps are decoded in.
-    `settings` is what was made: the sizes llama.cpp took, the cache's layout.
+    What opening it made is `opened` (`settings`: the sizes llama.cpp took, the cache's layout).
 
     The backend's parts speak of sequence 0 (the history) and 1 (a second that shares some of
     its cells for a moment: a piece's), through the `seq_*` methods; a sequence of a context
@@ -87,7 +102,8 @@ class NativeContext:
             check_host_room(model.path, n_ctx * n_seq, context.kv_type, model.placement.gpu_layers, cparams)
         LOG.install()  # (again: another library in this process may have taken llama.cpp's log since)
         LOG.clear_errors()
-        n_threads, n_batch = cparams.n_threads, cparams.n_batch
+        n_threads: int = cparams.n_threads
+        n_batch: int = cparams.n_batch
         ptr = lc.llama_init_from_model(model.ptr, cparams)
         if not ptr:
             raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens{LOG.reason()}")
@@ -96,26 +112,20 @@ class NativeContext:
         try:
             made = LOG.flash_attn
             windowed = n_seq == 1 and model.n_swa > 0
-            self.model = model
-            self.ptr = ptr
-            self.settings = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=context.n_threads,
-                                            kv_type=context.kv_type,
-                                            n_seq=n_seq, flash_attn=context.flash_attn,
-                                            v_trans=None if made is None else made == "disabled",
-                                            swa_full=context.swa_full,
-                                            window_cells=None if not windowed else
-                                            "every cell" if context.swa_full else "ring")
-            # llama.cpp rounds small contexts up; the user's number is the one we keep to.
-            self.n_ctx: int = min(n_ctx, lc.llama_n_ctx_seq(ptr))  # (a shared context's: each sequence's)
-            # The window cache's cells, where it is a ring this context lays out (0: none; ring.py).
             ring = ring_of(cparams)
-            self.ring = ring(model.n_swa) if windowed and ring is not None else 0
-            self.mem = lc.llama_get_memory(ptr)
-            # Whether the memory holds a state that cannot go back a token (a hybrid or recurrent model's).
-            self.recurrent = bool(lc.llama_model_is_recurrent(model.ptr) or lc.llama_model_is_hybrid(model.ptr))
+            settings = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=context.n_threads,
+                                       kv_type=context.kv_type, n_seq=n_seq, flash_attn=context.flash_attn,
+                                       v_trans=None if made is None else made == "disabled", swa_full=context.swa_full,
+                                       window_cells=None if not windowed else "every cell" if context.swa_full else "ring")
+            self.opened = Opened(
+                model, ptr, lc.llama_get_memory(ptr), settings,
+                # llama.cpp rounds small contexts up; the user's number is the one we keep to.
+                min(n_ctx, lc.llama_n_ctx_seq(ptr)),
+                ring(model.n_swa) if windowed and ring is not None else 0,
+                bool(lc.llama_model_is_recurrent(model.ptr) or lc.llama_model_is_hybrid(model.ptr)))
             self.batch = lc.llama_batch_init(n_batch, 0, 1)
             self._stack.callback(lc.llama_batch_free, self.batch)
-            self.threads = n_threads  # (those computing now)
+            self._threads = n_threads  # (those computing now)
             # Threads quipu chooses follow the machine's load, where no change of them changes a
             # sum: flash attention off, on the CPU alone (threads.py).
             def free() -> int:
@@ -128,6 +138,39 @@ class NativeContext:
         except BaseException:
             self._stack.close()  # (the context made is freed: the caller never holds it)
             raise
+
+    @property
+    def model(self) -> LlamaModel:
+        return self.opened.model
+
+    @property
+    def ptr(self) -> Any:
+        return self.opened.ptr
+
+    @property
+    def mem(self) -> Any:
+        return self.opened.mem
+
+    @property
+    def settings(self) -> ContextSettings:
+        return self.opened.settings
+
+    @property
+    def n_ctx(self) -> int:
+        return self.opened.n_ctx
+
+    @property
+    def ring(self) -> int:
+        return self.opened.ring
+
+    @property
+    def recurrent(self) -> bool:
+        return self.opened.recurrent
+
+    @property
+    def threads(self) -> int:
+        """The threads computing now."""
+        return self._threads
 
     def decode(self, n: int) -> None:
         """Decodes the first `n` items of the context's batch, as filled (`fill`)."""
@@ -143,7 +186,7 @@ class NativeContext:
 
     def _set_threads(self, count: int) -> None:
         lc.llama_set_n_threads(self.ptr, count, count)
-        self.threads = count
+        self._threads = count
 
     def fill(self, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
         """Item `i` of the context's batch."""

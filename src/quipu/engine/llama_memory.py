@@ -1,7 +1,11 @@
 """What a context holds of its history, and how it goes back: its state bytes with the
-checkpoints a memory that cannot go back a token keeps (a sliding window's ring, a hybrid model's
-recurrent state: `checkpoints.py`), its pieces, and its rewinds. A part of `LlamaBackend`
-(`llama.py`), which marks where a prompt is read."""
+checkpoints a memory that cannot go back a token keeps (`checkpoints.py`), its pieces, and its
+rewinds. Three kinds behind one interface (`base.MemoryPart`): a plain attention cache (`Memory`),
+which goes back to any token; a sliding window's ring (`RingMemory`), which goes back to any
+token whose window it still holds, or to a checkpoint of the ring; a recurrent state beside it (a
+hybrid or recurrent model's, `RecurrentMemory`), which goes back only to its checkpoints, taken
+where a prompt is marked and kept with its snapshots. A part of `LlamaBackend` (`llama.py`), held
+by the caller as `backend.memory`, made by `memory_for`."""
 
 from __future__ import annotations
 
@@ -18,17 +22,18 @@ if TYPE_CHECKING:
     from quipu.engine.media import Positions
 
 CHECKPOINTS = 4  # the ring's checkpoints a context keeps (a few prompts back; llama-server keeps 8 by default)
-# A recurrent state's: three or four a turn (where its prompt began, where a piped text ends, where
-# its reply's generation prompt begins, where the reply begins), so the last two or three turns
-# (llama-server keeps up to 32 a slot).
-RECURRENT_CHECKPOINTS = 8
+RECURRENT_CHECKPOINTS = 8  # a recurrent state's (llama-server keeps up to 32 a slot)
 # And at most so many bytes of them (but two): Qwen 3.5 27B's recurrent state is 157 MB.
 CHECKPOINT_BYTES = 1 << 30
 _PARTIAL = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
 
 class Memory:
-    """A context's memory as its history: how much of it it holds, its checkpoints, going back."""
+    """A plain attention cache as its history: how much of it it holds, going back to any token,
+    its state as bytes and in pieces; and what the other kinds share (their checkpoints)."""
+
+    recurrent = False  # whether the memory holds a state that cannot go back a token
+    KEPT = CHECKPOINTS  # the checkpoints it keeps at most
 
     def __init__(self, native: NativeContext, positions: Positions, state: StateBytes):
         self.native = native
@@ -36,22 +41,19 @@ class Memory:
         self.state = state
         self.model = native.model
         self.ring = native.ring
-        # A memory that cannot go back a token (a hybrid or recurrent model's state): its
-        # checkpoints are taken where a caller marks a prompt (`LlamaBackend.prefill`), and go
-        # with its snapshots.
-        self.recurrent = native.recurrent
         # The ring's cells, or the recurrent state, where a prompt began to be read (and, for a
         # recurrent state, where the caller marked it).
-        self._checkpoints = Checkpoints(RECURRENT_CHECKPOINTS if self.recurrent else CHECKPOINTS, CHECKPOINT_BYTES)
+        self._checkpoints = Checkpoints(self.KEPT, CHECKPOINT_BYTES)
         # Where a step of a prompt's reading ended at a caller's mark (counts of the history's
         # tokens): a context cut back to one holds what one read whole with the same marks does.
         self._cuts: set[int] = set()
         self.last_rewind: str | None = None  # how the last rewind went back, where it could not go back exactly
 
+    # ---- its state as bytes ------------------------------------------------------------------
+
     def snapshot_bytes(self) -> bytes | memoryview:
-        """The context's state; a recurrent state's with its checkpoints (`checkpoints.pack`)."""
-        state = self.state.snapshot_bytes()
-        return pack([c for c in self._checkpoints if c.kept], state) if self.recurrent else state
+        """The context's state."""
+        return self.state.snapshot_bytes()
 
     def restore_bytes(self, data: bytes | memoryview) -> None:
         try:
@@ -62,23 +64,44 @@ class Memory:
         self._positions.clear()
         self._cuts.clear()
         self.state.restore_bytes(state)
-        if self.recurrent:
-            last = self.native.seq_pos_max(0)
-            self._checkpoints.replace([c for c in held if c.at <= last + 1])
+        self._restored(held)
+
+    def _restored(self, held: list[Checkpoint]) -> None:
+        """The checkpoints a restored state carried (a recurrent state's)."""
+
+    def partial_state(self, since: int | None = None) -> str | None:
+        return self.state.partial_state(since)
+
+    def state_since(self, start: int, end: int | None = None) -> bytes | memoryview:
+        """The cells from position `start` on."""
+        return self.state.state_since(start)
+
+    def check_piece(self, piece: bytes | memoryview, start: int, cells: int) -> Piece:
+        """What a piece of `state_since(start)` holds, checked to be `cells` cells from `start` on
+        in the layout quipu reads (kvstate.py); SnapshotError where it is not."""
+        _, state = unpack(piece)
+        return check_piece(state, seq_id=1, cells=cells, first=start, n_layer=self.model.n_layer_kv,
+                           window=self.model.n_swa if self.ring else None, recurrent=self.recurrent)
+
+    def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
+        """A state saved whole, then pieces of it, in order."""
+        self.state.restore_pieces(base, pieces)
+
+    # ---- where it can be cut back to -----------------------------------------------------------
+
+    def positions(self) -> int:
+        """How many tokens of the history the context holds (its positions, where media take as
+        many as their cells)."""
+        return self.state.positions()
 
     def rewinds_to(self, n_keep: int) -> int:
-        """How many of the history's tokens `truncate(n_keep)` would keep: a recurrent state goes
-        back to its nearest checkpoint (or to nothing)."""
-        if not self.recurrent or n_keep >= self.positions():
-            return min(n_keep, self.positions())
-        return max([c.n for c in self._checkpoints.latest(n_keep)] + [0])
+        """How many of the history's tokens `truncate(n_keep)` would keep."""
+        return min(n_keep, self.positions())
 
     def restore_points(self) -> list[int]:
         """The counts of the history's tokens a restore of `snapshot_bytes` can be cut back to,
-        and read on from as a whole read does: a recurrent state's checkpoints and its end;
-        an attention cache's step starts (a multiple of n_batch) and cuts."""
-        if self.recurrent:
-            return [c.n for c in self._checkpoints if c.kept] + [self.positions()]
+        and read on from as a whole read does: an attention cache's step starts (a multiple of
+        n_batch) and cuts."""
         held, step = self.positions(), self.native.settings.n_batch
         return sorted(set(range(step, held + 1, step)) | {c for c in self._cuts if c <= held})
 
@@ -88,44 +111,151 @@ class Memory:
         step starts, or a mark a prompt held was cut at (`LlamaBackend.prefill`). llama.cpp
         computes a token by another road in a step of a few tokens than in a step of many, so the
         last bits of what it keeps differ; a context restored to such a position and read on
-        computes what one read from the start (with the same marks) computes. A recurrent state
-        goes back to its checkpoints, where a step ends: `n`."""
-        if self.recurrent:
-            return n
+        computes what one read from the start (with the same marks) computes."""
         n_batch, held = self.native.settings.n_batch, self.positions()
         return max([n - n % n_batch] + [c for c in self._cuts if c <= min(n, held)])
 
+    def prompt_begins(self, n: int) -> None:
+        """A prompt is read from the `n`th token on (`LlamaBackend.prefill`)."""
+
     def cut(self, n: int, *, kept: bool) -> None:
-        """A step of a prompt's reading ended at a mark (`LlamaBackend.prefill`): a recurrent
-        state keeps a checkpoint there (`kept`: carried by snapshots, the prompt going on past
-        it); an attention cache notes it, a point to cut back to (`step_start`)."""
-        if self.recurrent:
-            self.checkpoint(n, kept=kept)
-        else:
-            self._cuts.add(n)
+        """A step of a prompt's reading ended at a mark (`LlamaBackend.prefill`): a point to cut
+        back to (`step_start`). `kept`: the prompt goes on past it."""
+        self._cuts.add(n)
 
     def holds_steps(self, points: Sequence[int]) -> None:
         """The context (restored) holds what was read with steps ending at `points`."""
-        if not self.recurrent:
-            held = self.positions()
-            self._cuts = {p for p in points if 0 < p <= held}
+        held = self.positions()
+        self._cuts = {p for p in points if 0 < p <= held}
 
     @property
     def checkpoints(self) -> list[Checkpoint]:
         """The checkpoints the context keeps (a ring's or a recurrent state's), oldest first."""
         return list(self._checkpoints)
 
+    def checkpoint(self, n: int, *, kept: bool = False) -> None:
+        """Keeps the ring's cells, or the recurrent state, as they are before the `n`th token is
+        read, for a rewind to there or later that the ring no longer holds the window of, or that
+        a recurrent state cannot make; the last few of them (`Checkpoints`)."""
+        held = self._checkpoints.at(n)
+        if held is not None and (held.kept or not kept):
+            return
+        # (the window's cells alone, which are all a ring laid out for `at` needs of them; the
+        # recurrent state alone)
+        self._checkpoints.add(Checkpoint(n, self._positions.position(n), self.native.seq_state(0, _PARTIAL), kept))
+
+    # ---- going back, and cells moved -----------------------------------------------------------
+
+    def truncate(self, n_keep: int) -> None:
+        """Keeps the first `n_keep` tokens of the history. A memory that cannot go back so far
+        goes back to the last checkpoint before them (`positions()` then says fewer, and the rest
+        is read again), or is emptied: `positions()` then says 0, and the tokens are read again."""
+        self.last_rewind = None
+        if n_keep <= 0:
+            self.empty()
+            return
+        self._cuts = {c for c in self._cuts if c <= n_keep}
+        keep = self._positions.position(n_keep)
+        self._positions.forget(n_keep)
+        self._rewind(n_keep, keep)
+
+    def _rewind(self, n_keep: int, keep: int) -> None:
+        """Goes back to the first `n_keep` tokens (`keep` positions). A sliding-window cache of
+        every cell that no longer holds the window those positions end with
+        (llama_memory_seq_pos_min past it) is emptied."""
+        if not self.native.seq_rm(0, keep, -1):
+            raise EngineError("llama.cpp could not trim the context")
+        n_swa = self.model.n_swa
+        if n_swa > 0 and self.native.seq_pos_min(0) > max(0, keep - n_swa):
+            self.empty()
+
+    def _back_to_checkpoint(self, c: Checkpoint, n_keep: int) -> None:
+        """The memory went back to checkpoint `c` on the way to `n_keep` tokens."""
+        self._positions.forget(c.n)
+        self._checkpoints.keep_to(c.at)
+        if c.n < n_keep:
+            self.last_rewind = f"went back to its checkpoint at token {c.n} (the prompt shares {n_keep}) and reads on from there"
+
+    def _none_to_go_back_to(self, n_keep: int) -> None:
+        self.empty()
+        self.last_rewind = f"had no checkpoint at or before token {n_keep}: it is read again from the start"
+
+    def empty(self) -> None:
+        """Nothing held: the cells, the media's places, the checkpoints."""
+        self.native.clear()
+        self._positions.clear()
+        self._checkpoints.clear()
+        self._cuts.clear()
+
+    def shift_refused(self) -> str | None:
+        """Why cells cannot be dropped from the middle of the context with those after them
+        moved down (None: they can). llama.cpp moves a cache's positions (re-rotating RoPE keys)
+        where `llama_memory_can_shift` says so: a plain attention cache of a model with one
+        position per token (not M-RoPE); not a sliding-window cache, whose evicted cells a shift
+        cannot bring back, nor a recurrent model's state, which is not kept a token a cell."""
+        why = self.partial_state() or ("a sliding-window cache" if self.model.n_swa > 0 else None)
+        if why:
+            return why
+        if not lc.llama_memory_can_shift(self.native.mem):
+            return "this model's cache cannot move its positions"
+        return None
+
+    def shift_out(self, start: int, end: int) -> None:
+        """Drops positions [start, end) and moves those after them down by end - start."""
+        if not self.native.seq_rm(0, start, end):
+            raise EngineError("llama.cpp could not drop part of the context")
+        self.native.seq_add(0, end, -1, start - end)
+
+
+class RingMemory(Memory):
+    """A sliding window's cache laid out as a ring of the window and a step (ring.py): it goes
+    back to any token whose window it still holds, else to a checkpoint of the ring's cells taken
+    where a prompt began."""
+
+    def prompt_begins(self, n: int) -> None:
+        self.checkpoint(n)  # (where a rewind comes back to)
+
+    def _rewind(self, n_keep: int, keep: int) -> None:
+        if not self.native.seq_rm(0, keep, -1):
+            raise EngineError("llama.cpp could not trim the context")
+        self._checkpoints.keep_to(keep)
+        if self.state.settle_ring(keep):
+            return
+        for c in self._checkpoints.latest(n_keep):
+            self.native.seq_rm(0, c.at, -1)
+            if self.state.settle_ring(c.at, c.state):
+                self._back_to_checkpoint(c, n_keep)
+                return
+        self._none_to_go_back_to(n_keep)
+
+
+class RecurrentMemory(Memory):
+    """A recurrent state (a hybrid model's, beside its attention cells; or a recurrent model's
+    alone), which cannot go back a token: it goes back to its checkpoints, taken where a prompt
+    begins and where its caller marks it, which its snapshots and pieces carry."""
+
+    recurrent = True
+    # Three or four a turn (where its prompt began, where a piped text ends, where its reply's
+    # generation prompt begins, where the reply begins), so the last two or three turns.
+    KEPT = RECURRENT_CHECKPOINTS
+
+    def snapshot_bytes(self) -> bytes | memoryview:
+        """The context's state, with the checkpoints the history keeps (`checkpoints.pack`)."""
+        return pack([c for c in self._checkpoints if c.kept], self.state.snapshot_bytes())
+
+    def _restored(self, held: list[Checkpoint]) -> None:
+        last = self.native.seq_pos_max(0)
+        self._checkpoints.replace([c for c in held if c.at <= last + 1])
+
     def partial_state(self, since: int | None = None) -> str | None:
-        if since is not None and self.recurrent and self.rewinds_to(since) != since:
+        if since is not None and self.rewinds_to(since) != since:
             return "a piece from where the recurrent state has no checkpoint"
         return self.state.partial_state(since)
 
     def state_since(self, start: int, end: int | None = None) -> bytes | memoryview:
-        """The cells from position `start` on; a hybrid's with its recurrent state at the end (or
-        at `end`, a checkpoint's, the cells before it alone) and the checkpoints from `start` on
+        """The cells from position `start` on with the recurrent state at the end (or at `end`, a
+        checkpoint's, the cells before it alone) and the checkpoints from `start` on
         (`checkpoints.pack`), which a restore of the piece needs."""
-        if not self.recurrent:
-            return self.state.state_since(start)
         cut = None
         if end is not None and end < self.positions():
             cut = self._checkpoints.at(end)
@@ -138,20 +268,10 @@ class Memory:
         return pack([c for c in self._checkpoints
                      if (c.kept and start < c.n < last) or (c.n == start and not c.kept)], piece)
 
-    def check_piece(self, piece: bytes | memoryview, start: int, cells: int) -> Piece:
-        """What a piece of `state_since(start)` holds, checked to be `cells` cells from `start` on
-        in the layout quipu reads (kvstate.py); SnapshotError where it is not."""
-        _, state = unpack(piece)
-        return check_piece(state, seq_id=1, cells=cells, first=start, n_layer=self.model.n_layer_kv,
-                           window=self.model.n_swa if self.ring else None, recurrent=self.recurrent)
-
     def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
-        """A state saved whole, then pieces of it, in order. A hybrid's piece goes back to its
-        start first (the checkpoint there: a piece is only made from one), and brings its
-        recurrent state and checkpoints."""
-        if not self.recurrent:
-            self.state.restore_pieces(base, pieces)
-            return
+        """A state saved whole, then pieces of it, in order: each goes back to its start first
+        (the checkpoint there: a piece is only made from one), and brings its recurrent state and
+        checkpoints."""
         self.restore_bytes(base)
         for start, piece in pieces:
             try:
@@ -173,83 +293,36 @@ class Memory:
             for c in held:
                 self._checkpoints.add(c)
 
-    def positions(self) -> int:
-        """How many tokens of the history the context holds (its positions, where media take as
-        many as their cells)."""
-        return self.state.positions()
+    def rewinds_to(self, n_keep: int) -> int:
+        """How many of the history's tokens `truncate(n_keep)` would keep: the nearest
+        checkpoint's (or nothing)."""
+        if n_keep >= self.positions():
+            return self.positions()
+        return max([c.n for c in self._checkpoints.latest(n_keep)] + [0])
 
-    def shift_refused(self) -> str | None:
-        """Why cells cannot be dropped from the middle of the context with those after them
-        moved down (None: they can). llama.cpp moves a cache's positions (re-rotating RoPE keys)
-        where `llama_memory_can_shift` says so: a plain attention cache of a model with one
-        position per token (not M-RoPE); not a sliding-window cache, whose evicted cells a shift
-        cannot bring back, nor a recurrent model's state, which is not kept a token a cell."""
-        why = ("a recurrent or hybrid model's memory" if self.recurrent else self.partial_state()) or \
-            ("a sliding-window cache" if self.model.n_swa > 0 else None)
-        if why:
-            return why
-        if not lc.llama_memory_can_shift(self.native.mem):
-            return "this model's cache cannot move its positions"
-        return None
+    def restore_points(self) -> list[int]:
+        """The checkpoints a snapshot carries, and its end."""
+        return [c.n for c in self._checkpoints if c.kept] + [self.positions()]
 
-    def shift_out(self, start: int, end: int) -> None:
-        """Drops positions [start, end) and moves those after them down by end - start."""
-        if not self.native.seq_rm(0, start, end):
-            raise EngineError("llama.cpp could not drop part of the context")
-        self.native.seq_add(0, end, -1, start - end)
+    def step_start(self, n: int) -> int:
+        """A recurrent state goes back to its checkpoints, where a step ends: `n`."""
+        return n
 
-    def checkpoint(self, n: int, *, kept: bool = False) -> None:
-        """Keeps the ring's cells, or the recurrent state, as they are before the `n`th token is
-        read, for a rewind to there or later that the ring no longer holds the window of, or that
-        a recurrent state cannot make; the last few of them (`Checkpoints`)."""
-        held = self._checkpoints.at(n)
-        if held is not None and (held.kept or not kept):
-            return
-        # (the window's cells alone, which are all a ring laid out for `at` needs of them; the
-        # recurrent state alone)
-        self._checkpoints.add(Checkpoint(n, self._positions.position(n), self.native.seq_state(0, _PARTIAL), kept))
+    def prompt_begins(self, n: int) -> None:
+        self.checkpoint(n)  # (where a rewind comes back to)
 
-    def truncate(self, n_keep: int) -> None:
-        """Keeps the first `n_keep` positions. A sliding-window cache that no longer holds the
-        window those positions end with (llama_memory_seq_pos_min past it) goes back to the last
-        checkpoint before them (a ring's: `positions()` then says fewer, and the rest is read
-        again), or is emptied: `positions()` then says 0, and the tokens are read again."""
-        self.last_rewind = None
-        if n_keep <= 0:
-            self.empty()
-            return
-        self._cuts = {c for c in self._cuts if c <= n_keep}
-        keep = self._positions.position(n_keep)
-        self._positions.forget(n_keep)
-        if self.recurrent:
-            self._rewind_recurrent(n_keep, keep)
-            return
-        if not self.native.seq_rm(0, keep, -1):
-            raise EngineError("llama.cpp could not trim the context")
-        if self.ring:
-            self._checkpoints.keep_to(keep)
-            if self.state.settle_ring(keep):
-                return
-            for c in self._checkpoints.latest(n_keep):
-                self.native.seq_rm(0, c.at, -1)
-                if self.state.settle_ring(c.at, c.state):
-                    self._positions.forget(c.n)
-                    self._checkpoints.keep_to(c.at)
-                    self.last_rewind = f"went back to its checkpoint at token {c.n} (the prompt shares {n_keep}) and reads on from there"
-                    return
-            self.empty()
-            self.last_rewind = f"had no checkpoint at or before token {n_keep}: it is read again from the start"
-            return
-        n_swa = self.model.n_swa
-        if n_swa > 0 and self.native.seq_pos_min(0) > max(0, keep - n_swa):
-            self.empty()
+    def cut(self, n: int, *, kept: bool) -> None:
+        """A checkpoint where a prompt's reading was marked (`kept`: carried by snapshots, the
+        prompt going on past it)."""
+        self.checkpoint(n, kept=kept)
 
-    def _rewind_recurrent(self, n_keep: int, keep: int) -> None:
-        """Goes back to the first `n_keep` tokens (`keep` positions) on a memory whose recurrent
-        state cannot drop a token: where the state ends before them, only attention cells go;
-        else the nearest checkpoint at or before them is set back first, and the context holds
-        what it held there (`positions()` says how much: the rest is read again); with none,
-        nothing."""
+    def holds_steps(self, points: Sequence[int]) -> None:
+        """(Its restore points are its checkpoints.)"""
+
+    def _rewind(self, n_keep: int, keep: int) -> None:
+        """Where the state ends before `keep`, only attention cells go; else the nearest
+        checkpoint at or before `n_keep` is set back first, and the context holds what it held
+        there (`positions()` says how much: the rest is read again); with none, nothing."""
         if self.native.seq_rm(0, keep, -1):  # (the state ends before `keep`: nothing of it to undo)
             self._checkpoints.keep_to(keep)
             return
@@ -261,17 +334,18 @@ class Memory:
             # (the state set back must end where the checkpoint says, the attention cells going on
             # past it: one read from a file that says otherwise is not trusted, and is read again)
             if self.native.seq_pos_max(0) == c.at - 1 and self.native.seq_rm(0, c.at, -1):
-                self._positions.forget(c.n)
-                self._checkpoints.keep_to(c.at)
-                if c.n < n_keep:
-                    self.last_rewind = f"went back to its checkpoint at token {c.n} (the prompt shares {n_keep}) and reads on from there"
+                self._back_to_checkpoint(c, n_keep)
                 return
-        self.empty()
-        self.last_rewind = f"had no checkpoint at or before token {n_keep}: it is read again from the start"
+        self._none_to_go_back_to(n_keep)
 
-    def empty(self) -> None:
-        """Nothing held: the cells, the media's places, the checkpoints."""
-        self.native.clear()
-        self._positions.clear()
-        self._checkpoints.clear()
-        self._cuts.clear()
+    def shift_refused(self) -> str | None:
+        return "a recurrent or hybrid model's memory"
+
+
+def memory_for(native: NativeContext, positions: Positions, state: StateBytes) -> Memory:
+    """The kind of memory `native`'s model and layout have."""
+    if native.recurrent:
+        return RecurrentMemory(native, positions, state)
+    if native.ring:
+        return RingMemory(native, positions, state)
+    return Memory(native, positions, state)

@@ -56,16 +56,17 @@ class SequenceContext(NativeContext):
     """One sequence of a shared context, as the backend's parts see a context of their own: its
     sequence 0 is this one's (`own`), and its decodes go to the stepper."""
 
-    def __init__(self, shared: SharedContext, seq: int):  # (NativeContext's own is not run: the context is shared's)
-        native = shared.native
+    def __init__(self, shared: SharedContext, seq: int):  # (built on what the shared context opened: no context of its own)
+        self.opened = shared.native.opened
         self.shared = shared
         self.own = seq
-        self.model, self.ptr, self.mem = native.model, native.ptr, native.mem
-        self.settings, self.n_ctx = native.settings, native.n_ctx
-        self.ring, self.recurrent = native.ring, native.recurrent
-        self.threads, self.tuner = native.threads, None  # (its decodes are the shared context's, timed there)
+        self.tuner = None  # (its decodes are the shared context's, timed there)
         self.logits_index = -1
         self._items: list[tuple[int, int, bool]] = []
+
+    @property
+    def threads(self) -> int:
+        return self.shared.native.threads
 
     def _seq(self, seq: int) -> int:
         if seq == 0:
