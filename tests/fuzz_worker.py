@@ -594,7 +594,7 @@ def main() -> None:
                 return
             if found.kind.kind in senses:  # (what quipu let through reaches llama.cpp's decoders)
                 try:
-                    senses[found.kind.kind].media_mark(found.data)
+                    senses[found.kind.kind].media.media_mark(found.data)
                 except QuipuError:
                     pass
     elif surface == "projector":

@@ -492,7 +492,7 @@ def test_a_prompt_with_an_image_is_read_as_llama_cpp_reads_it(pair, vision, mrop
     with LlamaBackend(model, ContextSettings(n_ctx=1024, n_threads=2)) as backend:
         backend.media.open_projector(projector)
         mark = backend.media.media_mark((vision / "red.png").read_bytes())
-        tokens = [backend.vocab.bos_token()] + Rendered([(text.replace("<IMAGE>", mark), False)]).tokenize_from(backend, 0)
+        tokens = [backend.vocab.bos_token()] + Rendered([(text.replace("<IMAGE>", mark), False)]).tokenize_from(backend.vocab, 0)
         backend.prefill(tokens, 0)
         from quipu.engine.native import lc
 

@@ -194,7 +194,7 @@ def _one_shot_turn(prompt: str | None, opts: TurnOptions, env: Environment, host
     if given is None or not given.before:
         return turn, ask
     rendered = turn.tokens(ask)  # (the exchange before holds the model's BOS already)
-    if rendered and rendered[0] == opened.session.backend.bos_token():
+    if rendered and rendered[0] == opened.session.vocab.bos_token():
         rendered = rendered[1:]
     return Turn(opened.session, opened.keeper, None, opts.tool_options, notices=opened.notices), \
         Ask("raw", tokens=[*given.before, *rendered])
