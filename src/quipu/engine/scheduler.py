@@ -12,12 +12,15 @@ beside others' tokens, or two prompts together, are split by llama.cpp into part
 length per sequence, and a part's arithmetic takes another road: the last bits differ, and a
 near tie goes the other way. The oldest ask goes first, so a prompt waits for at most one step.
 
-One case is left: weights the CPU repacked into interleaved blocks (ggml's repack.cpp: Q4_0, Q4_K,
-IQ4_NL and others, where the CPU has the instructions) are multiplied by one kernel for a step's
-tokens in groups of four and by another, a lone token's, for the rest, and the two sum otherwise.
-A step of four sequences' tokens or more then differs from their lone runs in the last bits; at
-three sequences or fewer (`--parallel 3`) it does not. Holding every step to three costs half
-the speed of a batch of eight (Gemma 3 270M Q4_K_M, measured): not done unless asked that way.
+This holds where llama.cpp's CPU multiplies the weights one dot product a token whatever the
+step (on x86: Q4_1, the bundled model's, Q5_1, Q5_K, Q6_K, Q3_K). Other types take a kernel of
+their own for several tokens at once, which sums otherwise than a lone token's: llamafile's tiles
+for F32, F16, BF16, Q8_0 and Q5_0 at two tokens or more (`sgemm.cpp`), and for weights the CPU
+repacked into interleaved blocks (Q4_0, Q4_K, IQ4_NL on AVX2: `repack.cpp`) a kernel for each four
+tokens. There a step of several sequences' tokens differs from their lone runs in the last bits
+(at three or fewer, `--parallel 3`, a repacked model's does not). Holding every step to one
+sequence, or three, would cost most of what a step shared gains (half the speed of a batch of
+eight on Gemma 3 270M Q4_K_M, measured): not done; docs/run.md says so.
 """
 
 from __future__ import annotations
