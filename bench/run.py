@@ -19,6 +19,7 @@ from bench.batch import bench_batch
 from bench.common import RESULTS, model_path
 from bench.branches import bench_branches
 from bench.hybrid import bench_hybrid
+from bench.hybrid_sessions import bench_hybrid_sessions
 from bench.host import bench_host
 from bench.llama_bench import bench_llama_bench
 from bench.logs import bench_logs
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128, help="tokens to decode per run")
-    ap.add_argument("--only", help="run one part: speed, llama-bench, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools, functions, saves, shift, media, window, logs, hybrid, serve, threads, host, branches, fingerprints")
+    ap.add_argument("--only", help="run one part: speed, llama-bench, resume, peers, memory, snapshots, startup, coldstart, batch, remote, templates, constrained, cache, tools, functions, saves, shift, media, window, logs, hybrid, hybrid-sessions, serve, threads, host, branches, fingerprints")
     args = ap.parse_args(argv)
     model = model_path()
     # An installed quipu has its bytecode compiled by pip; a checkout may not (PYTHONDONTWRITEBYTECODE).
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
             "window": lambda: bench_window_cache(args.threads, args.repeats, home),
             "logs": lambda: bench_logs(model, args.threads, args.repeats, home),
             "hybrid": lambda: bench_hybrid(args.threads, args.repeats),
+            "hybrid-sessions": lambda: bench_hybrid_sessions(args.threads),
             "serve": lambda: bench_serve(model, args.threads, args.repeats),
             "threads": lambda: bench_threads(args.repeats, home),
             "host": lambda: bench_host(args.threads, args.repeats),
