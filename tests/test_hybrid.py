@@ -128,6 +128,28 @@ def test_a_snapshot_carries_its_checkpoints_and_a_restored_context_rewinds_as_th
     assert _logits(made.backend) == _logits(restored.backend)
 
 
+def test_the_checkpoints_held_in_memory_keep_within_the_memory_the_machine_has_free(make_backend, hybrid, monkeypatch):
+    # Six marks on one prompt: a context keeps a checkpoint at each (up to eight) where memory is
+    # plentiful, and two, the last ones, where a quarter of what is free holds fewer.
+    import quipu.engine.llama_memory as memory
+    from quipu.engine.native import lc
+
+    prompt = _backend_tokens(make_backend(hybrid, n_ctx=1024), "the sky is blue over the world and Paris " * 6)
+    marks = list(range(8, len(prompt), 8))[:6]
+    roomy = make_backend(hybrid, n_ctx=1024)
+    _session(roomy).set_context(prompt, marks=marks)
+    assert [c.n for c in roomy.memory.checkpoints] == marks
+    state = len(roomy.native.seq_state(0, lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
+    monkeypatch.setattr(memory, "host_available", lambda: 4 * state)  # (a quarter of it: one state)
+    tight = make_backend(hybrid, n_ctx=1024)
+    _session(tight).set_context(prompt, marks=marks)
+    assert [c.n for c in tight.memory.checkpoints] == marks[-2:]
+
+
+def _backend_tokens(backend, text: str) -> list[int]:
+    return backend.vocab.tokenize(text, add_special=False, parse_special=False)
+
+
 def test_three_turns_of_a_session_each_restore_what_they_share_and_go_on_as_one_process(quipu, hybrid, home):
     prompts, said = [], []
     for i, text in enumerate(TURNS):
@@ -172,6 +194,29 @@ def test_questions_about_a_piped_document_restore_it_and_answer_as_an_uncached_r
         assert (cached["text"], cached.get("reasoning")) == (fresh["text"], fresh.get("reasoning"))
 
 
+def test_a_prompt_cache_entry_carries_two_checkpoints_and_its_budget_counts_them(quipu, hybrid, home):
+    # A system prompt, a piped document and a question: three places a later prompt may part
+    # (the system prompt's end, the document's, the question's), of which an entry keeps the
+    # last two; its file, which the cache's budget counts, is its state and those two.
+    from quipu.engine.checkpoints import unpack
+    from quipu.store.statefile import read_state
+
+    system = "You answer of the sky and the world. " * 6
+    asked = _json(quipu("run", "-m", hybrid, "-n", "8", *GREEDY, "--json", "--system", system, "Which is blue?",
+                        input=DOC))
+    [entry] = (home / "cache" / "prompts").glob("*.kv")
+    blob = read_state(entry)
+    held, state = unpack(blob.state)
+    assert len(held) == 2 and all(c.n < asked["usage"]["prompt_tokens"] for c in held)
+    assert blob.meta["stops"] == [c.n for c in held] + [blob.meta["n_tokens"]]
+    info = json.loads(quipu("cache", "info", "--json").stdout)
+    assert info["bytes"] == entry.stat().st_size > len(state) + sum(len(c.state) for c in held)
+    # Another question on the document restores it (to where the question begins).
+    other = _json(quipu("run", "-m", hybrid, "-n", "8", *GREEDY, "--json", "--system", system, "And the world?",
+                        input=DOC))
+    assert other["usage"]["cached_tokens"] >= other["usage"]["prompt_tokens"] - 30
+
+
 def test_undo_retry_and_a_cut_reply_continued_stay_exact(quipu, hybrid, home):
     # /undo: as if the undone exchange never was. /retry (greedy): the same reply again.
     said = quipu("chat", "-m", hybrid, "-S", "undone", "-n", "10", *GREEDY,
@@ -210,42 +255,153 @@ def test_a_batch_s_rows_answer_as_lone_runs_when_a_sequence_answers_several(quip
         assert (answer["text"], answer.get("reasoning")) == (lone["text"], lone.get("reasoning"))
 
 
-def test_a_damaged_checkpoint_is_never_handed_to_llama_cpp_and_costs_a_read(quipu, hybrid, home):
+def _slots(home: Path, name: str) -> list[tuple[int, Path]]:
+    """A session's recurrent state files, (the tokens each holds the state after, its path), oldest first."""
+    from quipu.store.statefile import read_meta
+
+    found = [(read_meta(p)["n"], p) for p in (home / "data" / "sessions").glob(f"{name}.kvr*")]
+    return sorted(found)
+
+
+def test_a_damaged_recurrent_state_is_never_handed_to_llama_cpp_and_costs_a_read(quipu, hybrid, home):
     for text in TURNS[:2]:
         _json(quipu("run", "-m", hybrid, "-S", "hurt", "-n", "10", *GREEDY, "--json", text))
-    shutil.copy(home / "data" / "sessions" / "hurt.kv", home / "hurt.kv.bak")
-    state = home / "data" / "sessions" / "hurt.kv"
-    data = bytearray(state.read_bytes())
-    at = data.find(b"QCKP")
-    assert at > 0
-    data[at + 20] ^= 0xFF  # (a checkpoint's record: the checksum refuses the file before llama.cpp sees it)
-    state.write_bytes(bytes(data))
-    r = quipu("run", "-m", hybrid, "-S", "hurt", "-n", "10", *GREEDY, "--json", TURNS[2])
-    assert r.returncode == 0, r.stderr.decode()[-800:]
-    assert "re-read" in r.stderr.decode() or "read again" in r.stderr.decode()
+    assert quipu("sessions", "fork", "hurt", "whole").returncode == 0
+    (_, before), (_, last) = _slots(home, "hurt")
+    data = bytearray(last.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # (inside the state: the checksum refuses the file before llama.cpp sees it)
+    last.write_bytes(bytes(data))
+    hurt = quipu("run", "-m", hybrid, "-S", "hurt", "-n", "10", *GREEDY, "--json", "--verbose", TURNS[2])
+    whole = _json(quipu("run", "-m", hybrid, "-S", "whole", "-n", "10", *GREEDY, "--json", TURNS[2]))
+    # The state before it (where the last turn's prompt began) is set instead, and the last turn
+    # read again with the new one: what the session says is the undamaged one's.
+    assert 0 < _json(hurt)["usage"]["cached_tokens"] < whole["usage"]["cached_tokens"]
+    assert _tokens(home, "hurt") == _tokens(home, "whole")
+    # Both damaged: the whole context is read again from the transcript, and it says so.
+    for path in (before, last):
+        path.write_bytes(path.read_bytes()[:-40])
+    assert quipu("sessions", "fork", "hurt", "again").returncode == 0
+    for slot in _slots(home, "hurt"):
+        slot[1].write_bytes(slot[1].read_bytes()[:-40])
+    again = quipu("run", "-m", hybrid, "-S", "hurt", "-n", "10", *GREEDY, "--json", TURNS[0])
+    assert _json(again)["usage"]["cached_tokens"] == 0 and "re-reading" in again.stderr.decode()
 
 
-def test_a_checkpoint_that_lies_about_where_it_is_is_not_trusted(quipu, hybrid, home):
-    # A state file with a valid checksum whose checkpoint says it is further on than its state:
-    # set back, the state ends elsewhere, and the context is read again rather than trusted
-    # (llama.cpp itself would take it, the attention cells past the state left in place).
-    from quipu.engine.checkpoints import Checkpoint, pack, unpack
-    from quipu.store.statefile import decode_state, encode_state
+def test_a_recurrent_state_that_lies_about_where_it_ends_is_not_trusted(quipu, hybrid, home):
+    # A recurrent state file with a valid checksum that says it ends elsewhere than its state
+    # does (its tokens' digest made to match): set, the state does not end there, and the
+    # context is read again rather than trusted (llama.cpp itself would take it).
+    from quipu.store.chain import tokens_digest
+    from quipu.store.statefile import encode_state, read_state
 
     _json(quipu("run", "-m", hybrid, "-S", "lied", "-n", "10", *GREEDY, "--json", TURNS[0]))
     assert quipu("sessions", "fork", "lied", "honest").returncode == 0
-    path = home / "data" / "sessions" / "lied.kv"
-    blob = decode_state(path.read_bytes())
-    held, state = unpack(blob.state)
-    assert held
-    path.write_bytes(encode_state(blob.meta, pack([Checkpoint(c.n + 5, c.at + 5, c.state) for c in held], state)))
-    honest = quipu("run", "-m", hybrid, "-S", "honest", "-n", "10", *GREEDY, "--json", "--verbose", TURNS[1])
-    lied = quipu("run", "-m", hybrid, "-S", "lied", "-n", "10", *GREEDY, "--json", "--verbose", TURNS[1])
-    if "went back to its checkpoint" in honest.stderr.decode():  # (Qwen 3.5's template goes back there)
-        assert _json(lied)["usage"]["cached_tokens"] == 0 and "read again" in lied.stderr.decode()
-    else:  # (LFM2's keeps the reply: the turn needs no checkpoint)
-        assert _json(lied)["usage"] == _json(honest)["usage"]
+    tokens = _tokens(home, "lied")
+    for shift in (-3, 3):
+        [(n, path)] = _slots(home, "lied")
+        blob = read_state(path)
+        meta = {**blob.meta, "n": n + shift, "at": blob.meta["at"] + shift,
+                "tokens_sha256": tokens_digest(tokens[:n + shift])}
+        path.write_bytes(encode_state(meta, blob.state))
+        lied = quipu("run", "-m", hybrid, "-S", "lied", "-n", "10", *GREEDY, "--json", "--show-prompt", TURNS[1])
+        assert _json(lied)["reused_tokens"] == 0, shift
+        path.write_bytes(encode_state(blob.meta, blob.state))
+    path.write_bytes(encode_state({**blob.meta, "n": n - 3, "at": blob.meta["at"] - 3,
+                                   "tokens_sha256": tokens_digest(tokens[:n - 3])}, blob.state))
+    honest = quipu("run", "-m", hybrid, "-S", "honest", "-n", "10", *GREEDY, "--json", TURNS[1])
+    lied = quipu("run", "-m", hybrid, "-S", "lied", "-n", "10", *GREEDY, "--json", TURNS[1])
+    assert _json(lied)["usage"]["cached_tokens"] == 0 and _json(honest)["usage"]["cached_tokens"] > 0
+    assert "re-reading" in lied.stderr.decode()
     assert _tokens(home, "lied") == _tokens(home, "honest")
+
+
+def test_a_long_session_keeps_two_recurrent_states_and_a_turn_writes_one(quipu, hybrid, home, make_backend):
+    # 14 turns, a process each: the files hold the cells once and two recurrent states (where the
+    # last save ended, where the last prompt began); a turn writes one state beside its cells
+    # (what the recurrent state files and the cells' files grew by, a file written again whole
+    # counted whole).
+    from quipu.engine.native import lc
+
+    sessions = home / "data" / "sessions"
+
+    def files() -> dict[str, tuple[int, int, int]]:
+        return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.stat().st_size) for p in sessions.glob("long.kv*")}
+
+    written = {"cells": 0, "states": 0}
+    turns = 14
+    for turn in range(turns):
+        before = files() if sessions.exists() else {}
+        _json(quipu("run", "-m", hybrid, "-S", "long", "-n", "6", *GREEDY, "--json", f"Is the sky blue, {turn}?"))
+        for file, (ino, mtime, size) in files().items():
+            old = before.get(file)
+            grew = size if old is None or old[0] != ino else size - old[2] if mtime != old[1] else 0
+            written["states" if ".kvr" in file else "cells"] += grew
+    backend = make_backend(hybrid, n_ctx=4096)
+    held = _tokens(home, "long")
+    backend.prefill(held, 0)
+    state = len(backend.native.seq_state(0, lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
+    cells = len(backend.memory.state_since(0))
+    assert sorted(p.name for p in sessions.glob("long.kv*")) == ["long.kv", "long.kvlog", "long.kvr0", "long.kvr1"]
+    assert written["states"] <= turns * (state + 1024)  # (one a turn, and its file's head)
+    # The cells, each written with its turn, and again where the file is put together whole.
+    assert written["cells"] <= 3 * cells, (written, cells)
+    on_disk = sum(p.stat().st_size for p in sessions.glob("long.kv*"))
+    assert on_disk <= 2 * cells + 2 * (state + 1024), (on_disk, cells, state)
+    listed = json.loads(quipu("sessions", "list", "--json").stdout)
+    [row] = [s for s in listed if s["name"] == "long"]
+    assert row["size_bytes"] >= on_disk
+    # `doctor -m` says what the two take (the state's blocks, without llama.cpp's few bytes of header).
+    said = json.loads(quipu("doctor", "-m", hybrid, "--json").stdout)["model"]["recurrent_state"]
+    assert said["saved"] == 2 and 2 * (state - 512) < said["saved_bytes"] <= 2 * state
+
+
+def test_undo_and_retry_of_the_last_turn_after_a_resume_go_back_to_a_kept_state(hybrid, tmp_path):
+    # The last turn undone, or its reply made again, in a new process: the context goes back to a
+    # state the files kept (where the last prompt began; where its reply began, or the end the
+    # next turn goes back to), reading again no more than the chat that never stopped, and it
+    # says what that chat says.
+    from quipu.app.chat import ChatSession
+    from quipu.app.environment import Environment
+    from quipu.app.turn_options import TurnOptions
+
+    def chat(home: str):
+        env = Environment.load({"QUIPU_HOME": str(tmp_path / home)})
+        return ChatSession.open(env, TurnOptions.of(model=str(hybrid), max_tokens=10, seed=3, temperature=0.0),
+                                name="c")
+
+    def read(answer) -> int:  # (the prompt's tokens read, not restored)
+        return answer.stats.prompt_tokens - answer.stats.cached_tokens
+
+    kept = chat("kept")
+    try:
+        kept.send(TURNS[0])
+        last = kept.send(TURNS[1])
+        retried_there = kept.retry()
+        assert kept.undo()
+        undone_there = kept.send(TURNS[2])
+    finally:
+        kept.close()
+    saved = chat("saved")
+    try:
+        saved.send(TURNS[0])
+        saved.send(TURNS[1])
+    finally:
+        saved.close()
+    shutil.copytree(tmp_path / "saved", tmp_path / "again")
+    resumed = chat("saved")
+    try:
+        retried = resumed.retry()
+    finally:
+        resumed.close()
+    again = chat("again")
+    try:
+        assert again.undo()
+        undone = again.send(TURNS[2])
+    finally:
+        again.close()
+    assert (retried.text, undone.text) == (retried_there.text, undone_there.text) and retried.text == last.text
+    assert retried.stats.cached_tokens > 0 and read(retried) <= read(retried_there) + 16, (retried.stats, retried_there.stats)
+    assert undone.stats.cached_tokens > 0 and read(undone) <= read(undone_there) + 16, (undone.stats, undone_there.stats)
 
 
 def test_a_batch_session_s_next_batch_goes_back_to_its_own_shared_beginning(make_backend, hybrid):
@@ -386,3 +542,28 @@ def test_plamo2_decodes_one_sequence_at_a_time_where_more_are_asked_and_says_so(
     assert [a.json()["choices"][0]["text"] for a in answers] == [_json(a)["text"] for a in lone]
     log = next(tmp_path.glob("serve-*.log")).read_text()
     assert "--parallel 4 runs as 1" in log
+
+
+def test_a_served_conversation_of_a_hybrid_goes_on_after_a_restart_from_its_kept_state(home, hybrid, tmp_path):
+    # `quipu serve --parallel 2` (a new conversation's first turn on a sequence of the shared
+    # context, its cells saved whole and its recurrent state apart; its next on a context of its
+    # own), the Responses API keeping the conversation: after a restart it goes on from the kept
+    # state, and says what a server that never stopped says.
+    openai = pytest.importorskip("openai")
+    from servers import quipu_serve
+
+    def respond(url: str, **asked):
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        return c.responses.create(model="", max_output_tokens=10, temperature=0, **asked)
+
+    with quipu_serve(home, hybrid, "--parallel", "2", tmp_path=tmp_path) as url:
+        one = respond(url, input=TURNS[0])
+        two = respond(url, input=TURNS[1], previous_response_id=one.id)
+    with quipu_serve(home, hybrid, "--parallel", "2", tmp_path=tmp_path) as url:
+        three = respond(url, input=TURNS[2], previous_response_id=two.id)
+    assert three.usage.input_tokens_details.cached_tokens >= 0.8 * two.usage.total_tokens, three.usage
+    with quipu_serve(tmp_path / "through", hybrid, "--parallel", "2", tmp_path=tmp_path) as url:  # (no restart)
+        said = [respond(url, input=TURNS[0])]
+        for turn in TURNS[1:]:
+            said.append(respond(url, input=turn, previous_response_id=said[-1].id))
+    assert [r.output_text for r in said] == [one.output_text, two.output_text, three.output_text]

@@ -76,6 +76,7 @@ def model_report(env: Environment, opts: TurnOptions) -> dict[str, Any]:
     from quipu.engine.llama_memory import RECURRENT_CHECKPOINTS
     from quipu.engine.llama_context import context_params
     from quipu.engine.placement import recurrent_state, window_cache
+    from quipu.store.store import RECURRENT_SLOTS
 
     from quipu.engine.settings import KV_TYPES
 
@@ -98,7 +99,7 @@ def model_report(env: Environment, opts: TurnOptions) -> dict[str, Any]:
     window = window_cache(path, placement.n_ctx, settings.kv_type, context_params(settings, placement.n_ctx))
     if window is not None:
         out["window_cache"] = window
-    state = recurrent_state(path, RECURRENT_CHECKPOINTS)
+    state = recurrent_state(path, RECURRENT_CHECKPOINTS, RECURRENT_SLOTS)
     if state is not None:
         out["recurrent_state"] = state
     return out

@@ -17,7 +17,7 @@ from quipu.app.hosts import Opened, made_elsewhere, saved_params
 from quipu.app.local_media import KeptMedia, given_projector, with_projector
 from quipu.app.placing import load_where_it_ran, moved_notice, placement_notices, placement_of
 from quipu.app.prompt_cache import CacheUse, PromptCache, open_cache
-from quipu.app.state_file import StateFile
+from quipu.app.state_file import APART, StateFile, saved_recurrent
 from quipu.app.turn_options import (
     TurnOptions,
     context_settings,
@@ -274,12 +274,23 @@ class LocalHost:
             return snap, None, refused
         # The pieces after it, then: what the tokens beyond them are is read again (a turn whose
         # state was not written, or a damaged piece and those after it).
-        held = held_cells(meta, store.load_pieces(name), snap.tokens[:snap.n_decoded], LAYOUT)
+        tokens = snap.tokens[:snap.n_decoded]
+        held = held_cells(meta, store.load_pieces(name), tokens, LAYOUT)
         if held.cells == 0 and not held.pieces:
             return snap, None, held.why
-        found = replace(snap, state=blob.state, pieces=[(p.meta["start"], p.state) for p in held.pieces],
-                        state_decoded=held.cells if held.cells < snap.n_decoded else None, context=saved)
-        return found, held.chain(meta, len(blob.state)), held.why
+        cells, recurrent = held.cells, []
+        if backend.memory.recurrent:  # (its recurrent state kept apart: the cells end where the last one usable is)
+            if meta.get("recurrent") != APART:
+                return snap, None, "the saved context state keeps its recurrent state as quipu did before"
+            found, wrong = store.load_recurrent(name)
+            recurrent = saved_recurrent(found, meta, tokens, held.cells)
+            if not recurrent:
+                return snap, None, wrong or "the saved recurrent state is from another turn"
+            cells = recurrent[-1].n
+        restored = replace(snap, state=blob.state, pieces=[(p.meta["start"], p.state) for p in held.pieces],
+                           state_decoded=cells if cells < snap.n_decoded else None, context=saved,
+                           recurrent=recurrent)
+        return restored, held.chain(meta, len(blob.state)), held.why
 
     def close(self) -> None:
         pass  # each session's model is closed with the session

@@ -103,8 +103,9 @@ def lines(found: dict[str, Any]) -> list[str]:
         state = model.get("recurrent_state")
         if state:
             out.append(f"  a recurrent state in {state['layers']} of its {state['blocks']} blocks: {size(state['bytes'])}, "
-                       f"kept at up to {state['checkpoints']} checkpoints ({size(state['checkpoint_bytes'])} at most), "
-                       "which rewinds go back to")
+                       f"kept at up to {state['checkpoints']} checkpoints in memory ({size(state['checkpoint_bytes'])} "
+                       f"at most), which rewinds go back to, and {state['saved']} with a saved session "
+                       f"({size(state['saved_bytes'])})")
         if model.get("note"):
             out.append(f"  {model['note']}")
         if not model["host_fits"]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol, Sequence, TypeVar
 
+from quipu.engine.checkpoints import Checkpoint
 from quipu.engine.grammar import Grammar
 from quipu.engine.kvstate import Piece
 from quipu.engine.settings import ContextSettings, Placement
@@ -242,12 +243,19 @@ class MemoryPart(Protocol):
         `since`, why not the piece of the cells from there on."""
     def state_since(self, start: int, end: int | None = None) -> bytes | memoryview:
         """The state of the cells at positions `start` on (to `end`, where the state can be
-        taken as of there: a recurrent state's checkpoint)."""
+        taken as of there: a recurrent state's checkpoint); a recurrent memory's attention cells
+        alone, its recurrent state kept apart (`recurrent_at`)."""
+    def recurrent_at(self, n: int) -> Checkpoint:
+        """The recurrent state after the first `n` tokens (its own, or its checkpoint there), to
+        keep apart from the cells; EngineError for a memory without one."""
     def check_piece(self, piece: bytes | memoryview, start: int, cells: int) -> Piece:
         """What a piece of `state_since(start)` holds, checked to be `cells` cells from `start` on
         in the layout quipu reads (kvstate.py); SnapshotError where it is not."""
-    def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
-        """Restores a state saved whole, then pieces of it saved by `state_since`, in order."""
+    def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]],
+                       recurrent: Sequence[Checkpoint] = ()) -> None:
+        """Restores a state saved whole, then pieces of it saved by `state_since`, in order; a
+        recurrent memory's, then its state `recurrent[-1]` (the cells past it dropped), the
+        others as checkpoints."""
     def shift_refused(self) -> str | None:
         """Why positions cannot be dropped from the middle with those after them moved down (None: they can)."""
     def shift_out(self, start: int, end: int) -> None:

@@ -10,10 +10,10 @@ positions where a later prompt is known to part from this one, as llama-server's
 checkpoints are; a rewind sets the nearest one at or before its point back, and then the
 attention cells past it can go. `Checkpoints` holds them, bounded in count, newest last.
 
-A snapshot of a hybrid context carries the checkpoints taken where a caller marked a prompt (a
-piece of one, those from its start on), so that a session or a prompt cache entry restored from
-it rewinds as the context that made it would. `pack` puts them before the state llama.cpp
-wrote, little-endian:
+A snapshot of a hybrid context (a prompt cache entry) carries the last two checkpoints taken
+where a caller marked a prompt, so that a context restored from it rewinds there as the one that
+made it would (a session's files keep the recurrent state apart instead: `Memory.recurrent_at`).
+`pack` puts them before the state llama.cpp wrote, little-endian:
 
     magic                b"QCKP"
     version              u32   (1)
@@ -43,9 +43,9 @@ VERSION = 1
 @dataclass(frozen=True)
 class Checkpoint:
     """The memory's partial state after the first `n` tokens of the history (at position `at`:
-    media take as many positions as their cells). `kept`: one a snapshot carries (where a caller
-    marked a prompt, or read back from a snapshot); the others (where a prompt began, where a
-    reply began) serve this process's rewinds alone, and cost no bytes on disk."""
+    media take as many positions as their cells). `kept`: one a snapshot may carry (where a caller
+    marked a prompt, or read back from a snapshot or a session's files); the others (where a
+    prompt began, where a reply began) serve this process's rewinds alone."""
 
     n: int
     at: int

@@ -97,8 +97,8 @@ def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int
     (the second) holds only the last `window` of them (a ring's piece: ring.py). A cell has an
     extension (`CELL_EXT`) or none, as the cells are found to have (an M-RoPE model's cache, or a
     model's with per-layer embeddings, has one). `recurrent`: a hybrid model's, whose
-    attention cache holds some of the layers, and whose recurrent state follows it (one cell,
-    at the last position: `_check_recurrent`)."""
+    attention cache holds some of the layers, followed by a recurrent state of no cell (the
+    state is kept apart: `_check_no_recurrent`)."""
     read = Reader(data, "the piece of context state")
     view, take = read.view, read.take
     magic, written = take(_HEAD)
@@ -138,7 +138,7 @@ def check_piece(data: bytes | memoryview, *, seq_id: int, cells: int, first: int
                     _, row = take(_LAYER_K)
                     read.skip(count * row)
         if recurrent:
-            _check_recurrent(read, first + cells - 1, n_layer)
+            _check_no_recurrent(read, n_layer)
             break
         if read.done or layers_seen >= n_layer:
             break
@@ -163,25 +163,21 @@ def _cells_wrong(read: Reader, count: int, ext: int, seq_id: int, low: int, turn
     return None
 
 
-def _check_recurrent(read: Reader, last: int, n_layer: int) -> None:
-    """A sequence's recurrent state (`llama_memory_recurrent::state_write`): one cell, at the
-    last position, then its layers' rows (a record each: type i32, row size u64, the row; the
-    layers without a state have none), to the end."""
+def _check_no_recurrent(read: Reader, n_layer: int) -> None:
+    """A sequence's recurrent state of no cell (`llama_memory_recurrent::state_write`; a hybrid
+    model's piece keeps its state apart): a count of 0, then its layers' records without rows
+    (type i32, row size u64; the layers without a state have none), to the end."""
     (count,) = read.take(_U32)
-    if count != 1:
-        raise SnapshotError(f"the piece's recurrent state holds {count} cells, not 1")
-    pos, n_seq = read.take(_CELL_HEAD)
-    if pos != last or n_seq != 0:
-        raise SnapshotError(f"the piece's recurrent state is at position {pos}, not {last}")
+    if count != 0:
+        raise SnapshotError(f"the piece holds a recurrent state of {count} cells, not none")
     trans, layers = read.take(_U32)[0], read.take(_U32)[0]
     if trans != 0 or layers != n_layer:
-        raise SnapshotError("the piece's recurrent state is not of this model's layout")
+        raise SnapshotError("the piece's recurrent part is not of this model's layout")
     records = 0
     while not read.done:
-        kind, row = read.take(_LAYER_K)
+        kind, _ = read.take(_LAYER_K)
         if not 0 <= kind < 64:
-            raise SnapshotError("the piece's recurrent state is not of the layout quipu reads")
-        read.skip(row)
+            raise SnapshotError("the piece's recurrent part is not of the layout quipu reads")
         records += 1
-    if records == 0 or records % 2 or records > 2 * n_layer:  # (each layer with a state: its R rows and its S)
-        raise SnapshotError("the piece's recurrent state is not of the layout quipu reads")
+    if records == 0 or records % 2 or records > 2 * n_layer:  # (each layer with a state: its R record and its S)
+        raise SnapshotError("the piece's recurrent part is not of the layout quipu reads")

@@ -65,6 +65,19 @@ def context_params(context: ContextSettings, n_ctx: int, *, cpu_alone: bool = Fa
     return cparams
 
 
+STATE_HEAD = 8  # a sequence's state begins with llama.cpp's magic and the sequence's id
+
+
+def _state_of(ptr: Any, seq: int, flags: int) -> memoryview:
+    """Sequence `seq`'s state in context `ptr`, as a view of the one buffer llama.cpp wrote it into."""
+    size = lc.llama_state_seq_get_size_ext(ptr, seq, flags)
+    buf = (ctypes.c_uint8 * size)()
+    written = lc.llama_state_seq_get_data_ext(ptr, buf, size, seq, flags)
+    if written != size:
+        raise EngineError("llama.cpp could not write the context state")
+    return memoryview(buf).cast("B")
+
+
 @dataclass(frozen=True)
 class Opened:
     """What opening a llama.cpp context made, which the context and the views of its sequences
@@ -77,6 +90,9 @@ class Opened:
     n_ctx: int  # each sequence's cells
     ring: int  # the window cache's cells, where it is a ring this context lays out (0: none; ring.py)
     recurrent: bool  # whether the memory holds a state that cannot go back a token (a hybrid or recurrent model's)
+    # A recurrent state of no cell, as llama.cpp writes an empty sequence's (after the state's
+    # head): what a hybrid model's cells saved apart from their recurrent state end with.
+    no_recurrent: bytes = b""
 
 
 class NativeContext:
@@ -113,6 +129,7 @@ class NativeContext:
             made = LOG.flash_attn
             windowed = n_seq == 1 and model.n_swa > 0
             ring = ring_of(cparams)
+            recurrent = bool(lc.llama_model_is_recurrent(model.ptr) or lc.llama_model_is_hybrid(model.ptr))
             settings = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_threads=context.n_threads,
                                        kv_type=context.kv_type, n_seq=n_seq, flash_attn=context.flash_attn,
                                        v_trans=None if made is None else made == "disabled", swa_full=context.swa_full,
@@ -122,7 +139,7 @@ class NativeContext:
                 # llama.cpp rounds small contexts up; the user's number is the one we keep to.
                 min(n_ctx, lc.llama_n_ctx_seq(ptr)),
                 ring(model.n_swa) if windowed and ring is not None else 0,
-                bool(lc.llama_model_is_recurrent(model.ptr) or lc.llama_model_is_hybrid(model.ptr)))
+                recurrent, bytes(_state_of(ptr, 0, lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)[STATE_HEAD:]) if recurrent else b"")
             self.batch = lc.llama_batch_init(n_batch, 0, 1)
             self._stack.callback(lc.llama_batch_free, self.batch)
             self._threads = n_threads  # (those computing now)
@@ -236,12 +253,7 @@ class NativeContext:
     def seq_state(self, seq: int, flags: int = 0) -> memoryview:
         """Sequence `seq`'s state (-1: the whole memory's), as a view of the one buffer llama.cpp
         wrote it into (no copy)."""
-        size = lc.llama_state_seq_get_size_ext(self.ptr, seq, flags)
-        buf = (ctypes.c_uint8 * size)()
-        written = lc.llama_state_seq_get_data_ext(self.ptr, buf, size, seq, flags)
-        if written != size:
-            raise EngineError("llama.cpp could not write the context state")
-        return memoryview(buf).cast("B")
+        return _state_of(self.ptr, seq, flags)
 
     def set_seq_state(self, data: bytes | memoryview, seq: int, what: str, flags: int = 0) -> None:
         """Gives llama.cpp a sequence's state; refused, the context is emptied."""

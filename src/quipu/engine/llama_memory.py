@@ -9,9 +9,11 @@ by the caller as `backend.memory`, made by `memory_for`."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence
 
 from quipu.engine.checkpoints import Checkpoint, Checkpoints, pack, unpack
+from quipu.engine.devices import host_available
 from quipu.engine.kvstate import Piece, check_piece
 from quipu.engine.native import lc
 from quipu.errors import EngineError, SnapshotError
@@ -22,9 +24,11 @@ if TYPE_CHECKING:
     from quipu.engine.media import Positions
 
 CHECKPOINTS = 4  # the ring's checkpoints a context keeps (a few prompts back; llama-server keeps 8 by default)
-RECURRENT_CHECKPOINTS = 8  # a recurrent state's (llama-server keeps up to 32 a slot)
-# And at most so many bytes of them (but two): Qwen 3.5 27B's recurrent state is 157 MB.
+RECURRENT_CHECKPOINTS = 8  # a recurrent state's, in memory (llama-server keeps up to 32 a slot)
+# And at most so many bytes of them (but two), and a quarter of the memory the machine has free
+# when the context opens: Qwen 3.5 27B's recurrent state is 157 MB.
 CHECKPOINT_BYTES = 1 << 30
+CARRIED = 2  # the checkpoints a snapshot carries at most (a prompt cache entry's: the last two)
 _PARTIAL = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
 
@@ -43,7 +47,7 @@ class Memory:
         self.ring = native.ring
         # The ring's cells, or the recurrent state, where a prompt began to be read (and, for a
         # recurrent state, where the caller marked it).
-        self._checkpoints = Checkpoints(self.KEPT, CHECKPOINT_BYTES)
+        self._checkpoints = Checkpoints(self.KEPT, checkpoint_bytes())
         # Where a step of a prompt's reading ended at a caller's mark (counts of the history's
         # tokens): a context cut back to one holds what one read whole with the same marks does.
         self._cuts: set[int] = set()
@@ -83,9 +87,16 @@ class Memory:
         return check_piece(state, seq_id=1, cells=cells, first=start, n_layer=self.model.n_layer_kv,
                            window=self.model.n_swa if self.ring else None, recurrent=self.recurrent)
 
-    def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
-        """A state saved whole, then pieces of it, in order."""
+    def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]],
+                       recurrent: Sequence[Checkpoint] = ()) -> None:
+        """A state saved whole, then pieces of it, in order (`recurrent`: a recurrent memory's
+        states, kept apart)."""
         self.state.restore_pieces(base, pieces)
+
+    def recurrent_at(self, n: int) -> Checkpoint:
+        """The recurrent state after the first `n` tokens, which a session's files keep apart
+        from the cells (a recurrent memory's)."""
+        raise EngineError("this model's memory holds no recurrent state")
 
     # ---- where it can be cut back to -----------------------------------------------------------
 
@@ -232,7 +243,9 @@ class RingMemory(Memory):
 class RecurrentMemory(Memory):
     """A recurrent state (a hybrid model's, beside its attention cells; or a recurrent model's
     alone), which cannot go back a token: it goes back to its checkpoints, taken where a prompt
-    begins and where its caller marks it, which its snapshots and pieces carry."""
+    begins and where its caller marks it, the last two of which its snapshots carry. Its pieces
+    are its attention cells alone: a session's files keep its recurrent state apart
+    (`recurrent_at`), and a restore of them sets it after the cells (`restore_pieces`)."""
 
     recurrent = True
     # Three or four a turn (where its prompt began, where a piped text ends, where its reply's
@@ -240,58 +253,53 @@ class RecurrentMemory(Memory):
     KEPT = RECURRENT_CHECKPOINTS
 
     def snapshot_bytes(self) -> bytes | memoryview:
-        """The context's state, with the checkpoints the history keeps (`checkpoints.pack`)."""
-        return pack([c for c in self._checkpoints if c.kept], self.state.snapshot_bytes())
+        """The context's state, with the checkpoints it carries (`checkpoints.pack`)."""
+        return pack(self._carried(), self.state.snapshot_bytes())
+
+    def _carried(self) -> list[Checkpoint]:
+        """The checkpoints a snapshot (a prompt cache entry) carries: the last two the history
+        keeps (where the reply's prompt began to differ from its messages, where a retry or a
+        follow-up parts; and the one before: where a piped text ends, or the system prompt)."""
+        return [c for c in self._checkpoints if c.kept][-CARRIED:]
 
     def _restored(self, held: list[Checkpoint]) -> None:
         last = self.native.seq_pos_max(0)
         self._checkpoints.replace([c for c in held if c.at <= last + 1])
 
-    def partial_state(self, since: int | None = None) -> str | None:
-        if since is not None and self.rewinds_to(since) != since:
-            return "a piece from where the recurrent state has no checkpoint"
-        return self.state.partial_state(since)
-
     def state_since(self, start: int, end: int | None = None) -> bytes | memoryview:
-        """The cells from position `start` on with the recurrent state at the end (or at `end`, a
-        checkpoint's, the cells before it alone) and the checkpoints from `start` on
-        (`checkpoints.pack`), which a restore of the piece needs."""
-        cut = None
-        if end is not None and end < self.positions():
-            cut = self._checkpoints.at(end)
-            if cut is None:
-                raise EngineError(f"the recurrent state has no checkpoint at token {end}")
-        piece = self.state.state_since(start, cut.state if cut is not None else None, end)
-        # (and the one it starts from, where no snapshot carried it: a restore goes back there first)
-        # (not the one it ends at: the piece's own recurrent state is that one)
-        last = self.positions() if cut is None else cut.n
-        return pack([c for c in self._checkpoints
-                     if (c.kept and start < c.n < last) or (c.n == start and not c.kept)], piece)
+        """The attention cells from position `start` on (to `end`), without the recurrent state:
+        a session's files keep that apart (`recurrent_at`), so that a turn's piece holds none."""
+        return self.state.cells_since(start, end)
 
-    def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
-        """A state saved whole, then pieces of it, in order: each goes back to its start first
-        (the checkpoint there: a piece is only made from one), and brings its recurrent state and
-        checkpoints."""
-        self.restore_bytes(base)
-        for start, piece in pieces:
-            try:
-                held, state = unpack(piece)
-            except SnapshotError as exc:
-                raise EngineError(f"a piece of the saved context state is damaged: {exc}") from None
-            if self.positions() != start:
-                for c in held:
-                    if c.n == start:
-                        self._checkpoints.add(c)
-                self.truncate(start)
-            if self.positions() != start:
-                self.empty()
-                raise EngineError("a piece of the saved context state begins where its state cannot go back to")
-            with self.native.held():
-                self.native.set_seq_state(state, 1, "a piece of the saved context state")
-                self.native.seq_cp(1, 0, -1, -1)
-                self.native.seq_rm(1, -1, -1)
-            for c in held:
-                self._checkpoints.add(c)
+    def recurrent_at(self, n: int) -> Checkpoint:
+        """The recurrent state after the first `n` tokens: the context's own where it holds `n`,
+        else its checkpoint there."""
+        if n == self.positions():
+            return Checkpoint(n, self._positions.position(n), self.native.seq_state(0, _PARTIAL), kept=True)
+        held = self._checkpoints.at(n)
+        if held is None:
+            raise EngineError(f"the recurrent state has no checkpoint at token {n}")
+        return held
+
+    def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]],
+                       recurrent: Sequence[Checkpoint] = ()) -> None:
+        """The attention cells saved whole, then pieces of them (`state_since`), in order; then
+        the recurrent state `recurrent[-1]`, the cells past it dropped, the states before it
+        kept as checkpoints (the rewinds a resumed session makes: an /undo, a retry). A state
+        that does not end where the cells say is not trusted: EngineError, the context emptied."""
+        self.empty()
+        self.state.restore_pieces(base, pieces)  # (the cells alone: no recurrent state yet)
+        if not recurrent:
+            self.empty()
+            raise EngineError("the saved context state holds no recurrent state")
+        end = recurrent[-1]
+        self.native.set_seq_state(end.state, 0, "the saved recurrent state", _PARTIAL)
+        # (the cells reach its end, and the state is at it: not before, the context would say
+        # that; not after, the cells past it could then not go)
+        if self.native.seq_pos_max(0) != end.at - 1 or not self.native.seq_rm(0, end.at, -1):
+            self.empty()
+            raise EngineError("the saved recurrent state does not end where it says")
+        self._checkpoints.replace([replace(c, kept=True) for c in recurrent[:-1] if c.at < end.at])
 
     def rewinds_to(self, n_keep: int) -> int:
         """How many of the history's tokens `truncate(n_keep)` would keep: the nearest
@@ -302,7 +310,7 @@ class RecurrentMemory(Memory):
 
     def restore_points(self) -> list[int]:
         """The checkpoints a snapshot carries, and its end."""
-        return [c.n for c in self._checkpoints if c.kept] + [self.positions()]
+        return [c.n for c in self._carried()] + [self.positions()]
 
     def step_start(self, n: int) -> int:
         """A recurrent state goes back to its checkpoints, where a step ends: `n`."""
@@ -340,6 +348,13 @@ class RecurrentMemory(Memory):
 
     def shift_refused(self) -> str | None:
         return "a recurrent or hybrid model's memory"
+
+
+def checkpoint_bytes() -> int:
+    """What a context's checkpoints may take in memory: CHECKPOINT_BYTES, or a quarter of what the
+    machine has free, where that is less."""
+    free = host_available()
+    return CHECKPOINT_BYTES if free is None else min(CHECKPOINT_BYTES, free // 4)
 
 
 def memory_for(native: NativeContext, positions: Positions, state: StateBytes) -> Memory:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+from quipu.engine.llama_context import STATE_HEAD
 from quipu.engine.native import lc
 from quipu.engine.ring import canonical, parse
 from quipu.errors import EngineError, SnapshotError
@@ -21,6 +22,7 @@ class StateBytes:
     def __init__(self, native: NativeContext, positions: Positions):
         self._native = native
         self._positions = positions
+        self._recurrent_size: int | None = None  # (a recurrent state's bytes: `cells_since`)
 
     def positions(self) -> int:
         """How many tokens of the history the context holds (its positions, where media take as
@@ -89,20 +91,39 @@ class StateBytes:
             return "a turn longer than the sliding window"
         return None
 
-    def state_since(self, start: int, recurrent: bytes | memoryview | None = None, end: int | None = None) -> memoryview:
+    def state_since(self, start: int) -> memoryview:
         """The state of the cells at positions `start` on: llama.cpp writes them as the state of
-        a second sequence that shares them for the moment (see kvstate.py). With `recurrent` (a
-        checkpoint's), the cells before `end` alone, and that recurrent state in place of the
-        context's."""
+        a second sequence that shares them for the moment (see kvstate.py)."""
         with self._native.held():
-            self._native.seq_cp(0, 1, start, -1 if recurrent is None or end is None else end)
+            self._native.seq_cp(0, 1, start, -1)
             try:
-                if recurrent is not None:
-                    self._native.set_seq_state(recurrent, 1, "a checkpoint of the recurrent state",
-                                               lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
                 return self._native.seq_state(1)
             finally:
                 self._native.seq_rm(1, -1, -1)
+
+    def cells_since(self, start: int, end: int | None = None) -> bytes:
+        """A hybrid or recurrent model's cells at positions `start` on (to `end`), without its
+        recurrent state, which is kept apart: the sequence's state as llama.cpp writes it (from 0
+        to the end, the history's own, else as `state_since`'s), its recurrent state (written
+        last: one cell, of one size) replaced by one of no cell (`Opened.no_recurrent`). Restored
+        by `restore_pieces`, they leave the context without a recurrent state until one is set."""
+        native = self._native
+        with native.held():
+            if native.seq_pos_max(0) < 0:  # (nothing held: its state ends with a recurrent state of no cell)
+                size = len(native.opened.no_recurrent)
+            else:
+                if self._recurrent_size is None:  # (one cell's state, after the head: the same for every state)
+                    self._recurrent_size = len(native.seq_state(0, lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)) - STATE_HEAD
+                size = self._recurrent_size
+            if start == 0 and end is None:
+                state = native.seq_state(0)
+            else:
+                native.seq_cp(0, 1, start, -1 if end is None else end)
+                try:
+                    state = native.seq_state(1)
+                finally:
+                    native.seq_rm(1, -1, -1)
+        return b"".join([state[:len(state) - size], native.opened.no_recurrent])
 
     def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
         """Restores a state saved whole, then pieces of it saved by `state_since`, in order, each

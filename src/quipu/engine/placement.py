@@ -391,15 +391,16 @@ def recurrent_blocks(info: "GGUFInfo") -> tuple[int, list[bool]] | None:
     return 4 * floats, blocks
 
 
-def recurrent_state(path: Path, checkpoints: int) -> dict[str, int] | None:
-    """A hybrid or recurrent model's state (`recurrent_blocks`) in all, and what `checkpoints` of
-    it take (`engine/checkpoints.py`); None for a model without one."""
+def recurrent_state(path: Path, checkpoints: int, saved: int) -> dict[str, int] | None:
+    """A hybrid or recurrent model's state (`recurrent_blocks`) in all, what `checkpoints` of it
+    take in memory (`engine/checkpoints.py`), and what the `saved` a session keeps on disk take;
+    None for a model without one."""
     found = recurrent_blocks(read_table(path))
     if found is None:
         return None
     size = found[0] * sum(found[1])
     return {"layers": sum(found[1]), "blocks": len(found[1]), "bytes": size, "checkpoints": checkpoints,
-            "checkpoint_bytes": size * checkpoints}
+            "checkpoint_bytes": size * checkpoints, "saved": saved, "saved_bytes": size * saved}
 
 
 def check_host_room(path: Path, n_ctx: int, kv_type: str, gpu_layers: int, cparams: Any) -> None:

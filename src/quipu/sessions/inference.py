@@ -201,8 +201,8 @@ class InferenceSession(ContextMoves):
         session = cls(backend, snap.params, draws=snap.draws, stats=stats)
         if snap.state is not None and snap.context == backend.context.state_key():
             held = snap.n_decoded if snap.state_decoded is None else snap.state_decoded
-            if snap.pieces:
-                backend.memory.restore_pieces(snap.state, snap.pieces)
+            if snap.pieces or snap.recurrent:
+                backend.memory.restore_pieces(snap.state, snap.pieces, snap.recurrent)
             else:
                 backend.memory.restore_bytes(snap.state)
             backend.media.place_media(snap.tokens[:held])

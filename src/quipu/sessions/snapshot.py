@@ -25,3 +25,6 @@ class Snapshot:
     # when that is fewer than `n_decoded` (a turn whose state was not written: read again).
     pieces: Sequence[Any] = ()
     state_decoded: int | None = None
+    # A recurrent memory's states, kept apart from its cells (`Memory.recurrent_at`), oldest first:
+    # the last is where the restored context ends (`state_decoded`), the others its checkpoints.
+    recurrent: Sequence[Any] = ()

@@ -10,6 +10,9 @@ Each session NAME is two files in the sessions folder:
 - `NAME.kvlog`, the state log: the pieces of the context later turns added to it, after the
   state file, each checksummed. A piece that does not follow on from the state file, or is cut
   short or damaged, ends what the log gives; the transcript rebuilds the rest.
+- `NAME.kvr0`, `NAME.kvr1`: a hybrid or recurrent model's recurrent state, kept apart from the
+  cells (statefile.py's layout, each written whole and atomically): the state where the last
+  save ended, and the one before (where the last turn's prompt began).
 
 `NAME.lock` is held (flock) by whichever process is working on the session. A lock file is
 only ever removed by its holder, and a waiter that wins a lock checks that the file it locked
@@ -38,13 +41,14 @@ from quipu.errors import (
 from quipu.paths import open_private, private_dir
 from quipu.store.files import (STALE_TEMP_S, atomic_copy, atomic_write, clean_temporaries, flock_until, fsync_dir,
                                oldest_first, same_file)
-from quipu.store.statefile import StateBlob, append_record, read_log, read_state, state_chunks
+from quipu.store.statefile import StateBlob, append_record, read_log, read_meta, read_state, state_chunks
 from quipu.store.transcript import Transcript, TranscriptError
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 KEEP_STATE = object()  # `save(..., state=KEEP_STATE)`: the state file on disk is still current
 LOCK_WAIT_S = 3.0
 DEFAULT_MAX_STATE_BYTES = 4 << 30
+RECURRENT_SLOTS = 2  # the recurrent states a session keeps on disk
 
 
 def validate_name(name: str) -> str:
@@ -88,6 +92,13 @@ class SessionStore:
 
     def log_path(self, name: str) -> Path:
         return self.root / f"{validate_name(name)}.kvlog"
+
+    def recurrent_paths(self, name: str) -> list[Path]:
+        return [self.root / f"{validate_name(name)}.kvr{slot}" for slot in range(RECURRENT_SLOTS)]
+
+    def _state_paths(self, name: str) -> list[Path]:
+        """The files of a session's saved context state."""
+        return [self.state_path(name), self.log_path(name), *self.recurrent_paths(name)]
 
     def exists(self, name: str) -> bool:
         return self.transcript_path(name).exists()
@@ -171,6 +182,31 @@ class SessionStore:
         except OSError as exc:
             return [], 0, f"the state log cannot be read ({exc.strerror})"
 
+    def load_recurrent(self, name: str) -> tuple[builtins.list[tuple[int, StateBlob]], str | None]:
+        """The verified recurrent states, each with its slot; what was wrong with one that was
+        there, if any (a damaged one is left out)."""
+        found, wrong = [], None
+        for slot, path in enumerate(self.recurrent_paths(name)):
+            try:
+                found.append((slot, read_state(path)))
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                wrong = f"a saved recurrent state cannot be read ({exc.strerror})"
+            except SnapshotError as exc:
+                wrong = f"a saved recurrent state is damaged ({exc})"
+        return found, wrong
+
+    def recurrent_metas(self, name: str) -> builtins.list[dict[str, Any] | None]:
+        """Each recurrent state file's metadata, read without its state (None: none readable)."""
+        metas: builtins.list[dict[str, Any] | None] = []
+        for path in self.recurrent_paths(name):
+            try:
+                metas.append(read_meta(path))
+            except (OSError, SnapshotError):
+                metas.append(None)
+        return metas
+
     # ---- writing -------------------------------------------------------------------------
 
     @contextmanager
@@ -202,6 +238,11 @@ class SessionStore:
         with self._writing(name):
             return append_record(self.log_path(name), meta, state, at)
 
+    def write_recurrent(self, name: str, slot: int, state: bytes | memoryview, meta: dict[str, Any]) -> None:
+        """Writes a recurrent state into `slot`, whole and atomically (the other slot's stays)."""
+        with self._writing(name):
+            atomic_write(self.recurrent_paths(name)[slot], state_chunks(meta, state))
+
     def save(self, name: str, transcript: Transcript, state: bytes | object | None,
              state_meta: dict[str, Any] | None = None) -> None:
         """Writes the state file (or removes a stale one, or keeps it with KEEP_STATE), then the
@@ -211,8 +252,8 @@ class SessionStore:
             if isinstance(state, (bytes, memoryview)) and state_meta is not None:
                 self._replace_state(name, state, state_meta)
             elif state is not KEEP_STATE:
-                self.state_path(name).unlink(missing_ok=True)
-                self.log_path(name).unlink(missing_ok=True)
+                for path in self._state_paths(name):
+                    path.unlink(missing_ok=True)
             atomic_write(self.transcript_path(name), transcript.encode())
 
     def remove(self, name: str) -> None:
@@ -223,8 +264,8 @@ class SessionStore:
 
     def drop_locked(self, name: str) -> None:
         """Removes a session whose lock the caller holds."""
-        self.state_path(name).unlink(missing_ok=True)
-        self.log_path(name).unlink(missing_ok=True)
+        for path in self._state_paths(name):
+            path.unlink(missing_ok=True)
         self.transcript_path(name).unlink(missing_ok=True)
         self.lock_path(name).unlink(missing_ok=True)  # while held: see `lock`
 
@@ -245,8 +286,9 @@ class SessionStore:
             if not src_locked:
                 locks.enter_context(self.lock(src))
             locks.enter_context(self.lock(dst))
-            for path_of in (self.state_path, self.log_path, self.transcript_path):  # transcript last: it marks existence
-                source, target = path_of(src), path_of(dst)
+            # (the transcript last: it marks existence)
+            for source, target in zip(self._state_paths(src) + [self.transcript_path(src)],
+                                      self._state_paths(dst) + [self.transcript_path(dst)], strict=True):
                 if not source.exists():
                     continue
                 if move:
@@ -264,14 +306,13 @@ class SessionStore:
         state = self.state_path(name)
         transcript_stat = self.transcript_path(name).stat()
         state_size = state.stat().st_size if state.exists() else None
-        log = self.log_path(name)
-        log_size = log.stat().st_size if log.exists() else 0
+        others = sum(path.stat().st_size for path in self._state_paths(name)[1:] if path.exists())
         return SessionInfo(
             name=name,
             model=str(record.model.get("name", "?")),
             turns=record.turns,
             tokens=len(record.tokens),
-            size_bytes=transcript_stat.st_size + (state_size or 0) + log_size,  # (the state's later pieces too)
+            size_bytes=transcript_stat.st_size + (state_size or 0) + others,  # (its log and recurrent states too)
             updated=record.updated,
             has_state=state_size is not None,
             saved_ns=transcript_stat.st_mtime_ns,
@@ -290,28 +331,36 @@ class SessionStore:
         return infos, damaged
 
     def enforce_budget(self, max_bytes: int, keep: str | None = None) -> builtins.list[str]:
-        """Drops the state files of the least recently used sessions until the rest fit in
-        `max_bytes`. Transcripts stay. Returns the sessions whose state was dropped."""
+        """Drops the saved context states of the least recently used sessions (by the last write
+        of any of a state's files) until the rest fit in `max_bytes`. Transcripts stay. Returns
+        the sessions whose state was dropped."""
         if not self.root.is_dir():
             return []
-        states, total = oldest_first(self.root.glob("*.kv"))
-        logs = {path.stem: size for size, path in oldest_first(self.root.glob("*.kvlog"))[0]}
-        total += sum(logs.values())
+        sessions: dict[str, tuple[int, int]] = {}  # (each state's size in all, its last write)
+        for pattern in ("*.kv", "*.kvlog", "*.kvr[0-9]"):
+            for path in self.root.glob(pattern):
+                try:
+                    st = path.stat()
+                except FileNotFoundError:
+                    continue
+                size, last = sessions.get(path.stem, (0, 0))
+                sessions[path.stem] = (size + st.st_size, max(last, st.st_mtime_ns))
+        total = sum(size for size, _ in sessions.values())
         total += oldest_first((self.root / MEDIA_FOLDER).glob("*"))[1]  # (the sessions' media count too)
         dropped = []
-        for size, path in states:
+        for name, (size, _) in sorted(sessions.items(), key=lambda item: item[1][1]):
             if total <= max_bytes:
                 break
-            if path.stem == keep:
+            if name == keep or not NAME_RE.fullmatch(name):
                 continue
             try:
-                with self.lock(path.stem, wait_s=0):
-                    path.unlink(missing_ok=True)
-                    self.log_path(path.stem).unlink(missing_ok=True)
+                with self.lock(name, wait_s=0):
+                    for part in self._state_paths(name):
+                        part.unlink(missing_ok=True)
             except SessionLocked:
                 continue
-            total -= size + logs.get(path.stem, 0)
-            dropped.append(path.stem)
+            total -= size
+            dropped.append(name)
         return dropped
 
     def clean_temporaries(self, older_than_s: float = STALE_TEMP_S) -> None:
