@@ -169,6 +169,26 @@ def test_a_session_on_the_device_resumes_exactly_and_undo_goes_back_exactly(quip
     assert a["text"] == b["text"] and b["usage"]["cached_tokens"] > 0
 
 
+def test_a_hybrid_session_on_the_device_keeps_its_recurrent_state_apart_and_resumes_exactly(quipu, home, tmp_path):
+    # Qwen 3.5's architecture (Gated DeltaNet and attention) on the device: the second turn, in a
+    # new process, restores the cells and the recurrent state read back from the device, and the
+    # session says what one chat says.
+    from pathlib import Path
+
+    from tinymodel import write_tiny_qwen35
+
+    template = (Path(__file__).parent / "templates" / "Qwen3.5-4B.jinja").read_text()
+    model = write_tiny_qwen35(tmp_path / "qwen35.gguf", chat_template=template)
+    first = ok(run(quipu, model, "-ngl", "all", "-S", "gpu", "Tell me of the sky and the world."))
+    second = ok(run(quipu, model, "-ngl", "all", "-S", "gpu", "And is the world blue?"))
+    assert second["usage"]["cached_tokens"] > 0 and second["placement"]["gpu_layers"] > 0
+    assert sorted(p.name for p in (home / "data" / "sessions").glob("gpu.kvr*")) == ["gpu.kvr0", "gpu.kvr1"]
+    whole = chat(home, model, "Tell me of the sky and the world.\nAnd is the world blue?\n", "-ngl", "all", "-S",
+                 "whole", "-t", "0")
+    saved = {n: json.loads((home / "data" / "sessions" / f"{n}.json").read_text())["tokens"] for n in ("gpu", "whole")}
+    assert saved["gpu"] == saved["whole"], (first, second, whole)
+
+
 def test_a_session_moved_from_the_device_to_the_cpu_says_so_and_goes_on(quipu, vision, home):
     model = vision / "tiny.gguf"
     ok(run(quipu, model, "-ngl", "all", "-S", "laptop", "hello"))

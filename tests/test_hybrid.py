@@ -168,6 +168,23 @@ def test_three_turns_of_a_session_each_restore_what_they_share_and_go_on_as_one_
     assert _tokens(home, "split") == _tokens(home, "whole")
 
 
+def test_a_recurrent_model_s_session_keeps_its_state_apart_and_goes_on_as_one_process(quipu, home, tmp_path):
+    # Mamba: a recurrent state and no attention cells at all. Its snapshot is the cells' (none),
+    # its state in the two files beside it; three turns, a process each, give one chat's tokens.
+    from tinymodel import write_tiny_mamba
+
+    model = write_tiny_mamba(tmp_path / "mamba.gguf", chat_template=(TEMPLATES / "LFM2.5-Instruct.jinja").read_text())
+    for i, text in enumerate(TURNS):
+        data = _json(quipu("run", "-m", model, "-S", "split", "-n", "10", *GREEDY, "--json", text))
+        assert (data["usage"]["cached_tokens"] > 0) == (i > 0)
+    sessions = home / "data" / "sessions"
+    assert sorted(p.name for p in sessions.glob("split.kv*")) == ["split.kv", "split.kvr0", "split.kvr1"]
+    assert (sessions / "split.kv").stat().st_size < (sessions / "split.kvr0").stat().st_size // 4
+    one = quipu("chat", "-m", model, "-S", "whole", "-n", "10", *GREEDY, input="\n".join(TURNS) + "\n")
+    assert one.returncode == 0, one.stderr.decode()[-800:]
+    assert _tokens(home, "split") == _tokens(home, "whole")
+
+
 def test_a_turn_restored_equals_the_same_turn_read_again_from_the_transcript(quipu, hybrid, home):
     for text in TURNS[:2]:
         _json(quipu("run", "-m", hybrid, "-S", "kept", "-n", "10", *GREEDY, "--json", text))

@@ -680,3 +680,35 @@ def write_tiny_plamo2(path: Path, *, n_embd: int = 128, n_layer: int = 2, n_head
         writer.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
     _finish(writer)
     return Path(path)
+
+
+def write_tiny_mamba(path: Path, *, n_embd: int = 64, n_layer: int = 2, n_ctx_train: int = 4096, seed: int = 0,
+                     chat_template: str | None = None, d_state: int = 16, d_conv: int = 4) -> Path:
+    """A tiny random model of Mamba's architecture (`mamba`, as the vendored `src/models/mamba.cpp`
+    reads it): a recurrent state in every block and no attention cache at all (a recurrent model,
+    not a hybrid)."""
+    _, w = _draws(seed)
+    d_inner = 2 * n_embd  # (the one expansion llama.cpp reads)
+    dt_rank = max(1, n_embd // 16)
+    writer, n_vocab = _hybrid_writer(path, "mamba", n_embd=n_embd, n_layer=n_layer, n_head=0, n_ff=0,
+                                     n_ctx_train=n_ctx_train, chat_template=chat_template, extra_specials=())
+    writer.add_ssm_conv_kernel(d_conv)
+    writer.add_ssm_inner_size(d_inner)
+    writer.add_ssm_state_size(d_state)
+    writer.add_ssm_time_step_rank(dt_rank)
+    writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
+    writer.add_tensor("output_norm.weight", _ones(n_embd))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", _ones(n_embd))
+        writer.add_tensor(p + "ssm_in.weight", w(2 * d_inner, n_embd))
+        writer.add_tensor(p + "ssm_conv1d.weight", w(d_inner, d_conv))
+        writer.add_tensor(p + "ssm_conv1d.bias", np.zeros(d_inner, dtype=np.float32))
+        writer.add_tensor(p + "ssm_x.weight", w(dt_rank + 2 * d_state, d_inner))
+        writer.add_tensor(p + "ssm_dt.weight", w(d_inner, dt_rank))
+        writer.add_tensor(p + "ssm_dt.bias", np.zeros(d_inner, dtype=np.float32))
+        writer.add_tensor(p + "ssm_a", -np.exp(w(d_inner, d_state, scale=0.3)))
+        writer.add_tensor(p + "ssm_d", _ones(d_inner))
+        writer.add_tensor(p + "ssm_out.weight", w(n_embd, d_inner))
+    _finish(writer)
+    return Path(path)

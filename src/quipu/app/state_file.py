@@ -83,8 +83,9 @@ class StateFile:
         only what the turn added where it can be (a piece of the state log). Written behind (a
         chat), the state's bytes are taken now, the transcript written, and the state written
         while the user types: a crash before it is on disk costs re-reading that turn. `until`:
-        where the next turn goes back to, when it is known to go back (a recurrent state's piece
-        then ends at its checkpoint there: what follows it would be read again anyway)."""
+        where the next turn goes back to, when it is known to go back (a recurrent memory's save
+        then ends at its checkpoint there, the state written that one: what follows it would be
+        read again anyway)."""
         notices = self.wait()
         if self.verbose and session.went_back:
             notices.append(f"session '{name}': the context {session.went_back}")

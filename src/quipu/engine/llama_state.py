@@ -83,7 +83,7 @@ class StateBytes:
         if self._native.settings.n_seq != 1:
             return "a context of several sequences"
         if lc.llama_model_is_recurrent(model) and not lc.llama_model_is_hybrid(model):
-            return "a recurrent model's memory (small: its state alone)"
+            return "a recurrent model's memory (no cells: its state is kept apart)"
         if self._positions.moved_any and \
                 lc.llama_model_rope_type(model) in (lc.LLAMA_ROPE_TYPE_MROPE, lc.LLAMA_ROPE_TYPE_IMROPE):
             return "an M-RoPE context with images (their positions are not their cells')"
