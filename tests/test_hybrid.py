@@ -562,10 +562,10 @@ def test_plamo2_decodes_one_sequence_at_a_time_where_more_are_asked_and_says_so(
 
 
 def test_a_served_conversation_of_a_hybrid_goes_on_after_a_restart_from_its_kept_state(home, hybrid, tmp_path):
-    # `quipu serve --parallel 2` (a new conversation's first turn on a sequence of the shared
-    # context, its cells saved whole and its recurrent state apart; its next on a context of its
-    # own), the Responses API keeping the conversation: after a restart it goes on from the kept
-    # state, and says what a server that never stopped says.
+    # `quipu serve --parallel 2`, the Responses API keeping the conversation (a session of its
+    # own, on a context of its own beside the shared one): its second turn restores what the first
+    # kept, and after a restart the third goes on from the kept state and says what a server that
+    # never stopped says.
     openai = pytest.importorskip("openai")
     from servers import quipu_serve
 
@@ -576,6 +576,8 @@ def test_a_served_conversation_of_a_hybrid_goes_on_after_a_restart_from_its_kept
     with quipu_serve(home, hybrid, "--parallel", "2", tmp_path=tmp_path) as url:
         one = respond(url, input=TURNS[0])
         two = respond(url, input=TURNS[1], previous_response_id=one.id)
+    # (the first turn's state restored by the second: both on a context of the conversation's own)
+    assert two.usage.input_tokens_details.cached_tokens >= 0.8 * one.usage.total_tokens, two.usage
     with quipu_serve(home, hybrid, "--parallel", "2", tmp_path=tmp_path) as url:
         three = respond(url, input=TURNS[2], previous_response_id=two.id)
     assert three.usage.input_tokens_details.cached_tokens >= 0.8 * two.usage.total_tokens, three.usage

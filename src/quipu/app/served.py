@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 class SlotHost:
     """A host of one request, on a slot of the model a server holds: a new session is a session
     on the slot's context (`backend`), which may take what the slot's last request left there
-    (`held`: the prompt cache's memory); a named session is opened on a context of its own
-    settings on the loaded model (`model`), as `LocalHost` does."""
+    (`held`: the prompt cache's memory); a named session, new or resumed, is opened on a context
+    of its own settings on the loaded model (`model`), as `LocalHost` does."""
 
     capabilities = LOCAL
 
@@ -47,6 +47,9 @@ class SlotHost:
                media: Sequence[Attachment] = ()) -> Opened[InferenceSession]:
         from quipu.app.placing import placement_of
 
+        if name is not None:  # (a named session's first turn: on a context of its own, as its next ones
+            # resume on, so that the state it saves is one they can restore; a slot's of a shared context is not)
+            return LocalHost(self.model).create(opts, env, name, media)
         backend = self.backend
         params = with_logit_biases(sampling_params(opts, env), backend.vocab, opts)
         session = InferenceSession(backend, params, stats=Stats(load_s=self.load_s, placement=placement_of(backend)),
