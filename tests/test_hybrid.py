@@ -294,14 +294,17 @@ def test_a_damaged_recurrent_state_is_never_handed_to_llama_cpp_and_costs_a_read
     # read again with the new one: what the session says is the undamaged one's.
     assert 0 < _json(hurt)["usage"]["cached_tokens"] < whole["usage"]["cached_tokens"]
     assert _tokens(home, "hurt") == _tokens(home, "whole")
-    # Both damaged: the whole context is read again from the transcript, and it says so.
+    # Both damaged (cut short): the whole context is read again from the transcript, and it says so.
     for path in (before, last):
         path.write_bytes(path.read_bytes()[:-40])
-    assert quipu("sessions", "fork", "hurt", "again").returncode == 0
-    for slot in _slots(home, "hurt"):
-        slot[1].write_bytes(slot[1].read_bytes()[:-40])
     again = quipu("run", "-m", hybrid, "-S", "hurt", "-n", "10", *GREEDY, "--json", TURNS[0])
     assert _json(again)["usage"]["cached_tokens"] == 0 and "re-reading" in again.stderr.decode()
+    # Gone (removed by hand): the same, and said so.
+    for _, path in _slots(home, "hurt"):
+        path.unlink()
+    gone = quipu("run", "-m", hybrid, "-S", "hurt", "-n", "10", *GREEDY, "--json", TURNS[1])
+    assert _json(gone)["usage"]["cached_tokens"] == 0
+    assert "its recurrent state was not saved; re-reading its context" in gone.stderr.decode()
 
 
 def test_a_recurrent_state_that_lies_about_where_it_ends_is_not_trusted(quipu, hybrid, home):

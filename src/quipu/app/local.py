@@ -285,7 +285,8 @@ class LocalHost:
             found, wrong = store.load_recurrent(name)
             recurrent = saved_recurrent(found, meta, tokens, held.cells)
             if not recurrent:
-                return snap, None, wrong or "the saved recurrent state is from another turn"
+                return snap, None, wrong or ("the saved recurrent state is from another turn" if found
+                                             else "its recurrent state was not saved")
             cells = recurrent[-1].n
         restored = replace(snap, state=blob.state, pieces=[(p.meta["start"], p.state) for p in held.pieces],
                            state_decoded=cells if cells < snap.n_decoded else None, context=saved,

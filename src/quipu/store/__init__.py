@@ -6,7 +6,8 @@ locked, and never pickled.
   killed writer left cleaned away.
 - `transcript.py`: the transcript format (`NAME.json`), the truth of a session; `branches.py`,
   its other branches, each kept as what it adds to the current one.
-- `statefile.py`: the state file format (`NAME.kv`), the verified KV bytes of a context.
+- `statefile.py`: the state file format (`NAME.kv`), the verified KV bytes of a context (and of
+  a recurrent state kept apart: `NAME.kvr0`, `NAME.kvr1`).
 - `chain.py`: what a state file and the pieces of its log (`NAME.kvlog`) hold of a transcript's
   tokens, read from their metadata.
 - `cache.py`: `CacheEntries`, context states of earlier prompts, reused by later ones.
