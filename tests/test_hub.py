@@ -177,7 +177,14 @@ def test_an_interrupted_pull_goes_on_where_it_stopped(hub, hub_env, home, how):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}
     environ.update(QUIPU_HOME=str(home), **hub_env)
     pull = [sys.executable, "-m", "quipu", "models", "pull", "tiny/Large-GGUF"]
-    proc = subprocess.Popen(pull, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    # (born with Ctrl-C heard, as from a terminal, whatever this process was started with: a
+    # script's background job, the suite run by one, has SIGINT ignored, and its children with it)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(pull, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert hub.stalled.wait(60)  # 15 MB sent, and the server holds the rest back
     deadline = time.monotonic() + 60  # (the client writes what came at its own pace: waited for, not timed)
     while time.monotonic() < deadline and not any(
