@@ -225,11 +225,12 @@ class StateFile:
 
 
 def _slot(meta: dict[str, Any] | None) -> tuple[int, str, str] | None:
-    """What a recurrent state file's metadata says it holds: (tokens, their digest, the context
-    settings it was made under)."""
+    """What a recurrent state file's metadata says it holds: (tokens, their digest, what it was
+    made under: the model, the build, the context settings)."""
     if meta is None or not isinstance(meta.get("n"), int) or not isinstance(meta.get("tokens_sha256"), str):
         return None
-    return meta["n"], meta["tokens_sha256"], json.dumps(meta.get("context"), sort_keys=True)
+    made = [meta.get("fingerprint"), meta.get("build"), meta.get("context")]
+    return meta["n"], meta["tokens_sha256"], json.dumps(made, sort_keys=True)
 
 
 def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
@@ -240,13 +241,13 @@ def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[],
     return both
 
 
-def saved_recurrent(found: list[tuple[int, StateBlob]], meta: dict[str, Any], tokens: list[int],
+def saved_recurrent(found: list[StateBlob], meta: dict[str, Any], tokens: list[int],
                     cells: int) -> list[Checkpoint]:
     """Of the recurrent states a session's files hold (`SessionStore.load_recurrent`), those a
     resume can set, oldest first: made with the state file's model, build and context settings,
     of `tokens`' beginnings, and within the first `cells` tokens the state file and log hold."""
     usable = []
-    for _, blob in found:
+    for blob in found:
         m = blob.meta
         n, at = m.get("n"), m.get("at")
         if not isinstance(n, int) or not isinstance(at, int) or not 0 < n <= cells or at <= 0 \

@@ -1,6 +1,6 @@
 """SessionStore: named sessions on disk, written atomically, one writer at a time.
 
-Each session NAME is two files in the sessions folder:
+Each session NAME is these files in the sessions folder:
 
 - `NAME.json`, the transcript (see transcript.py): messages, settings, seed, model
   fingerprint, the exact context token history. It is the truth, readable, and never deleted
@@ -182,13 +182,13 @@ class SessionStore:
         except OSError as exc:
             return [], 0, f"the state log cannot be read ({exc.strerror})"
 
-    def load_recurrent(self, name: str) -> tuple[builtins.list[tuple[int, StateBlob]], str | None]:
-        """The verified recurrent states, each with its slot; what was wrong with one that was
-        there, if any (a damaged one is left out)."""
+    def load_recurrent(self, name: str) -> tuple[builtins.list[StateBlob], str | None]:
+        """The verified recurrent states; what was wrong with one that was there, if any (a
+        damaged one is left out)."""
         found, wrong = [], None
-        for slot, path in enumerate(self.recurrent_paths(name)):
+        for path in self.recurrent_paths(name):
             try:
-                found.append((slot, read_state(path)))
+                found.append(read_state(path))
             except FileNotFoundError:
                 continue
             except OSError as exc:
