@@ -91,11 +91,11 @@ class StateBytes:
             return "a turn longer than the sliding window"
         return None
 
-    def state_since(self, start: int) -> memoryview:
-        """The state of the cells at positions `start` on: llama.cpp writes them as the state of
-        a second sequence that shares them for the moment (see kvstate.py)."""
+    def state_since(self, start: int, end: int | None = None) -> memoryview:
+        """The state of the cells at positions `start` on (to `end`): llama.cpp writes them as
+        the state of a second sequence that shares them for the moment (see kvstate.py)."""
         with self._native.held():
-            self._native.seq_cp(0, 1, start, -1)
+            self._native.seq_cp(0, 1, start, -1 if end is None else end)
             try:
                 return self._native.seq_state(1)
             finally:
@@ -104,25 +104,17 @@ class StateBytes:
     def cells_since(self, start: int, end: int | None = None) -> bytes:
         """A hybrid or recurrent model's cells at positions `start` on (to `end`), without its
         recurrent state, which is kept apart: the sequence's state as llama.cpp writes it (from 0
-        to the end, the history's own, else as `state_since`'s), its recurrent state (written
-        last: one cell, of one size) replaced by one of no cell (`Opened.no_recurrent`). Restored
-        by `restore_pieces`, they leave the context without a recurrent state until one is set."""
+        to the end, the history's own, else `state_since`'s), its recurrent state (written last:
+        one cell, of one size) replaced by one of no cell (`Opened.no_recurrent`). Restored by
+        `restore_pieces`, they leave the context without a recurrent state until one is set."""
         native = self._native
-        with native.held():
-            if native.seq_pos_max(0) < 0:  # (nothing held: its state ends with a recurrent state of no cell)
-                size = len(native.opened.no_recurrent)
-            else:
-                if self._recurrent_size is None:  # (one cell's state, after the head: the same for every state)
-                    self._recurrent_size = len(native.seq_state(0, lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)) - STATE_HEAD
-                size = self._recurrent_size
-            if start == 0 and end is None:
-                state = native.seq_state(0)
-            else:
-                native.seq_cp(0, 1, start, -1 if end is None else end)
-                try:
-                    state = native.seq_state(1)
-                finally:
-                    native.seq_rm(1, -1, -1)
+        if native.seq_pos_max(0) < 0:  # (nothing held: its state ends with a recurrent state of no cell)
+            size = len(native.opened.no_recurrent)
+        else:
+            if self._recurrent_size is None:  # (one cell's state, after the head: the same for every state)
+                self._recurrent_size = len(native.seq_state(0, lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)) - STATE_HEAD
+            size = self._recurrent_size
+        state = native.seq_state(0) if start == 0 and end is None else self.state_since(start, end)
         return b"".join([state[:len(state) - size], native.opened.no_recurrent])
 
     def restore_pieces(self, base: bytes | memoryview, pieces: Sequence[tuple[int, bytes | memoryview]]) -> None:
