@@ -1,6 +1,7 @@
 """The thread count changes no bit: on the CPU a reply after a long prompt, a session resumed with
-other threads, and a thread count changed between steps give the logits one thread gives (flash
-attention off there: with it, ggml sums a long context's attention in one part per thread)."""
+other threads, a prompt cache read with other threads, a batch's rows, a server's answer, and a
+thread count changed between steps give the logits one thread gives (flash attention off there:
+with it, ggml sums a long context's attention in one part per thread)."""
 
 from __future__ import annotations
 
@@ -98,6 +99,40 @@ def test_a_session_resumed_with_other_threads_goes_on_as_the_one_that_kept_them(
         assert out["usage"]["cached_tokens"] > 1000  # (resumed, not read again)
         replies[name] = out["text"]
     assert replies["changed"] == replies["kept"]
+
+
+def test_a_prompt_cache_written_with_two_threads_and_read_with_one_answers_as_one_alone(quipu, bundled_model):
+    """A piped document read with two threads into the prompt cache, then another question on it
+    with one thread: the cache's cells are restored, and the hot draw that follows is the one a
+    run with two threads and no cache draws."""
+    document = _long_prompt(seed=5)
+    common = ("run", "-m", bundled_model, "--seed", "4", "-n", "32", "-t", "1.3", "--json", "--no-log")
+    r = quipu(*common, "--threads", "2", "Which word comes first?", input=document)
+    assert r.returncode == 0, r.stderr.decode()[-600:]
+    answers = {}
+    for name, extra in (("cached", ("--threads", "1")), ("alone", ("--threads", "2", "--no-cache"))):
+        r = quipu(*common, *extra, "Which word comes last?", input=document)
+        assert r.returncode == 0, r.stderr.decode()[-600:]
+        out = json.loads(r.stdout)
+        assert (out["usage"]["cached_tokens"] > 1000) == (name == "cached")
+        answers[name] = out["text"]
+    assert answers["cached"] == answers["alone"]
+
+
+def test_a_server_s_answer_is_the_same_with_one_thread_or_three(bundled_model, tmp_path):
+    """The same request after a long message, to `quipu serve --threads 1` and `--threads 3`."""
+    from servers import openai_client, quipu_serve
+
+    message = _long_prompt(seed=6) + "\nWhat is this text about?"
+    answers = []
+    for threads in (1, 3):
+        with quipu_serve(tmp_path / f"home{threads}", bundled_model, "--threads", threads, tmp_path=tmp_path) as url:
+            client = openai_client(url)
+            reply = client.chat.completions.create(model=client.models.list().data[0].id, seed=4, temperature=1.3,
+                                                   max_tokens=32, messages=[{"role": "user", "content": message}])
+            assert reply.usage.prompt_tokens > 1000
+            answers.append(reply.choices[0].message.content)
+    assert answers[0] == answers[1]
 
 
 def _simulate(pace, steps: int, start: int, most: int = 4, free=None) -> list[int]:

@@ -31,6 +31,7 @@ def serve(
     mmproj: Annotated[Optional[str], opt.typer_option(spec.OPTS["mmproj"])] = None,
     threads: Annotated[Optional[int], opt.typer_option(spec.OPTS["threads"])] = None,
     kv_type: Annotated[Optional[str], opt.typer_option(spec.OPTS["kv_type"])] = None,
+    flash_attn: Annotated[Optional[str], opt.typer_option(spec.OPTS["flash_attn"])] = None,
     gpu_layers: Annotated[Optional[str], opt.typer_option(spec.OPTS["gpu_layers"])] = None,
     gpu_memory: Annotated[Optional[str], opt.typer_option(spec.OPTS["gpu_memory"])] = None,
     device: Annotated[Optional[str], opt.typer_option(spec.OPTS["device"])] = None,
@@ -48,8 +49,9 @@ def serve(
     chosen = listening_of(given, env.config.serve, env.environ)  # (the [serve] config's where these give none)
     served: list[str | None] = list(chosen.models) or [None]  # (none: the default model)
     opts = spec.turn_options({"model": served[0], "ctx": ctx, "chat_template": chat_template,
-                              "mmproj": mmproj, "threads": threads, "kv_type": kv_type, "gpu_layers": gpu_layers,
-                              "gpu_memory": gpu_memory, "device": device, "no_log": no_log, "verbose": verbose}, env)
+                              "mmproj": mmproj, "threads": threads, "kv_type": kv_type, "flash_attn": flash_attn,
+                              "gpu_layers": gpu_layers, "gpu_memory": gpu_memory, "device": device, "no_log": no_log,
+                              "verbose": verbose}, env)
     term = Terminal.detect()
     from quipu.cli.pull import pull_if_needed
     from quipu.serve import http, server
