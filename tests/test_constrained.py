@@ -70,7 +70,7 @@ FORMATS = jsonschema.FormatChecker()
 
 @FORMATS.checks("time")
 def _is_time(value) -> bool:
-    return bool(re.fullmatch(r"\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:\d{2})", value))
+    return RFC["time"](value)  # (RFC 3339's: its Z may be a z, as jsonschema's own date-time reads it)
 
 
 @FORMATS.checks("uuid")
