@@ -26,10 +26,11 @@ class SamplerChain:
     """llama.cpp's sampler chain for one stream of tokens: logit biases, the repeat penalty
     (whose window is the tokens accepted), then greedy, or top-k, top-p, min-p, temperature and
     a draw. A draw is a function of (seed, draw index) alone: draws are taken in turn from a
-    generator seeded afresh for each run of `DRAWS_A_SEED` of them, and one asked for out of turn
-    (a restored session, an undo, a retry) seeds its run's generator and takes it on past the
-    draws before it; so a restored session, or a row of a batch, draws what a lone uninterrupted
-    run would. (Seeding a generator for every draw cost about 25 us a token after a decode.)"""
+    generator seeded afresh for each run of `DRAWS_A_SEED` of them, and one asked for elsewhere
+    than the generator's next (a restored session, a retry, a batch's row on a shared chain's
+    first step) seeds its run's generator and takes it on past the draws before it; so a
+    restored session, or a row of a batch, draws what a lone uninterrupted run would. (Seeding a
+    generator for every draw cost about 25 us a token after a decode.)"""
 
     def __init__(self, n_vocab: int, settings: SamplerSettings):
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
