@@ -271,9 +271,8 @@ def test_the_chain_draws_what_llama_cpps_own_order_draws(bundled_model, make_bac
     """quipu's chain keeps the top tokens before the repeat penalty (which looks every candidate
     up otherwise); llama.cpp's own order (penalty, top-k, top-p, min-p, temperature, a seeded
     draw) picks the same tokens, step after step, with a short window that the reply soon fills."""
-    from quipu.engine.base import Draw, SamplerSettings, draw_seed
+    from quipu.engine.base import SamplerSettings
     from quipu.engine.native import lc
-    from quipu.engine.sampler import DRAWS_A_SEED
 
     settings = SamplerSettings(temperature=temperature, top_k=5, repeat_penalty=1.5, repeat_last_n=8)
     backend = make_backend(bundled_model)
@@ -292,15 +291,12 @@ def test_the_chain_draws_what_llama_cpps_own_order_draws(bundled_model, make_bac
         lc.llama_sampler_accept(reference, tok)
     ours, theirs = [], []
     try:
-        for step in range(96):  # (past the first run of draws one generator makes)
-            if step % DRAWS_A_SEED == 0:
-                if step:
-                    lc.llama_sampler_free(lc.llama_sampler_chain_remove(reference, lc.llama_sampler_chain_n(reference) - 1))
-                seeded = draw_seed(7, step // DRAWS_A_SEED)
-                lc.llama_sampler_chain_add(reference, lc.llama_sampler_init_dist(seeded) if temperature > 0
-                                           else lc.llama_sampler_init_greedy())
+        for step in range(96):
+            draw = lc.llama_sampler_init_dist(step) if temperature > 0 else lc.llama_sampler_init_greedy()
+            lc.llama_sampler_chain_add(reference, draw)
             expected = lc.llama_sampler_sample(reference, backend.native.ptr, -1)
-            token = backend.sampling.sample(Draw(7, step))  # (a draw accepts its token into the window, as llama.cpp's does)
+            lc.llama_sampler_free(lc.llama_sampler_chain_remove(reference, lc.llama_sampler_chain_n(reference) - 1))
+            token = backend.sampling.sample(step)  # (a draw accepts its token into the window, as llama.cpp's does)
             ours.append(token)
             theirs.append(expected)
             backend.decode_one(token, len(tokens) + step)
@@ -308,29 +304,6 @@ def test_the_chain_draws_what_llama_cpps_own_order_draws(bundled_model, make_bac
         lc.llama_sampler_free(reference)
     assert ours == theirs
     assert len(set(ours)) > 8  # (the penalty moved the reply on: the window was full of it)
-
-
-@pytest.mark.model
-def test_a_draw_is_the_same_whatever_was_drawn_before_it(bundled_model, make_backend):
-    """Draws come in runs from one seeded generator; a draw asked for out of turn (a session
-    restored, a retry, a row) is the one made in turn there: across a run's end, backwards, and
-    with another seed between."""
-    from quipu.engine.base import Draw, SamplerSettings
-    from quipu.engine.sampler import DRAWS_A_SEED
-
-    backend = make_backend(bundled_model)
-    backend.sampling.set_settings(SamplerSettings(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0))
-    backend.prefill(backend.vocab.tokenize("Once upon a time", add_special=True, parse_special=False), 0)
-    # (the same logits every time: what a draw gives is its random number's doing alone)
-    in_turn = [backend.sampling.sample(Draw(11, n)) for n in range(3 * DRAWS_A_SEED)]
-    assert len(set(in_turn)) > 20
-    asked = [0, 1, DRAWS_A_SEED - 1, DRAWS_A_SEED, DRAWS_A_SEED + 1, 2 * DRAWS_A_SEED + 5, 7, 100, 100, 99, 150, 3]
-    for n in asked:
-        assert backend.sampling.sample(Draw(11, n)) == in_turn[n], n
-    other = [backend.sampling.sample(Draw(12, n)) for n in range(DRAWS_A_SEED + 2)]
-    assert other != in_turn[:DRAWS_A_SEED + 2]
-    assert [backend.sampling.sample(Draw(11, n)) for n in range(DRAWS_A_SEED - 2, DRAWS_A_SEED + 2)] == \
-        in_turn[DRAWS_A_SEED - 2:DRAWS_A_SEED + 2]
 
 
 @given(st.lists(st.text(alphabet="<|>ab", min_size=1, max_size=5), max_size=12), st.text(alphabet="<|>abc", max_size=60))

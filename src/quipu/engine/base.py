@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Protocol, Sequence, TypeVar
 
 from quipu.engine.checkpoints import Checkpoint
 from quipu.engine.grammar import Grammar
@@ -106,25 +106,6 @@ class SamplerSettings:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
 
-class Draw(NamedTuple):
-    """Which random draw a token takes: the `n`-th (from 0) of the stream seeded by `seed`.
-    What a draw gives is a function of the two and the candidates alone, whatever this process
-    drew before (`sampler.py`), so that a restored session or a batch's row draws as a lone run
-    that never stopped."""
-
-    seed: int
-    n: int
-
-
-def draw_seed(seed: int, index: int) -> int:
-    """The seed of the `index`-th stream drawn from `seed`: splitmix64 of the two, 32 bits."""
-    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    z ^= z >> 31
-    return z & 0xFFFFFFFF
-
-
 # processor(tokens, logits): changes `logits` (a NumPy view of the model's, no copy) in place.
 LogitsProcessor = Callable[[Sequence[int], "object"], None]
 # token_filter(tokens) -> the token ids allowed next (None: all of them).
@@ -149,10 +130,10 @@ class Sampler(Protocol):
         """Resets sampler state and replays `window` into the penalty history."""
 
     def accept(self, tokens: Sequence[int]) -> None: ...
-    def sample(self, draw: Draw, history: Sequence[int] = (), processors: Sequence[LogitsProcessor] = (),
+    def sample(self, draw_seed: int, history: Sequence[int] = (), processors: Sequence[LogitsProcessor] = (),
                token_filter: TokenFilter | None = None) -> int:
-        """Samples from the last logits with `draw`; accepts the token. The processors and the
-        filter (given the token history) shape the logits first."""
+        """Samples from the last logits with a draw seeded by `draw_seed`; accepts the token. The
+        processors and the filter (given the token history) shape the logits first."""
 
     def set_constraint(self, grammar: "Grammar | None") -> None:
         """From the next token on, the reply keeps to `grammar` (None: the settings' own again)."""

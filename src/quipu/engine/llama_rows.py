@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from quipu.engine.base import Draw, SamplerSettings
+from quipu.engine.base import SamplerSettings
 from quipu.engine.native import lc
 from quipu.engine.sampler import SamplerChain, matcher_for
 from quipu.errors import EngineError
@@ -77,8 +77,8 @@ class BatchRows:
         """A grammar's matcher of its own, for one sequence of a batch (None without a grammar)."""
         return matcher_for(self._native.model, settings)
 
-    def sample_rows(self, rows: Sequence[tuple[SamplerChain, Matcher | None, Draw, int]]) -> list[int]:
-        """One token (sampled and accepted) for each (chain, matcher or None, draw, batch
+    def sample_rows(self, rows: Sequence[tuple[SamplerChain, Matcher | None, int, int]]) -> list[int]:
+        """One token (sampled and accepted) for each (chain, matcher or None, draw seed, batch
         index) of a step, the chains and matchers this context made (`row_sampler`,
         `row_matcher`). The masks of every row under a grammar are computed together, on
         llguidance's threads, and applied to each row's logits before its chain draws."""
@@ -98,8 +98,9 @@ class BatchRows:
                 logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._native.ptr, rows[k][3]), shape=(n_vocab,))
                 masks.apply(logits, k)
         tokens = []
-        for chain, matcher, draw, index in rows:
-            token = chain.sample(self._native.ptr, index, draw)
+        for chain, matcher, draw_seed, index in rows:
+            chain.reseed(draw_seed)
+            token: int = lc.llama_sampler_sample(chain.ptr, self._native.ptr, index)
             if matcher is not None:
                 try:
                     matcher.accept(token)

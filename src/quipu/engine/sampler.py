@@ -4,11 +4,10 @@ draw from the last logits, with a grammar's mask, filters and processors applied
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 from typing import TYPE_CHECKING, Any, Sequence
 
-from quipu.engine.base import MEDIA_BASE, Draw, LogitsProcessor, SamplerSettings, TokenFilter, draw_seed
+from quipu.engine.base import MEDIA_BASE, LogitsProcessor, SamplerSettings, TokenFilter
 from quipu.engine.native import lc
 from quipu.errors import EngineError
 
@@ -19,18 +18,12 @@ if TYPE_CHECKING:
     from quipu.engine.model import LlamaModel
 
 
-DRAWS_A_SEED = 64  # draws taken in turn from one seeded generator
-
-
 class SamplerChain:
     """llama.cpp's sampler chain for one stream of tokens: logit biases, the repeat penalty
     (whose window is the tokens accepted), then greedy, or top-k, top-p, min-p, temperature and
-    a draw. A draw is a function of (seed, draw index) alone: draws are taken in turn from a
-    generator seeded afresh for each run of `DRAWS_A_SEED` of them, and one asked for elsewhere
-    than the generator's next (a restored session, a retry, a batch's row on a shared chain's
-    first step) seeds its run's generator and takes it on past the draws before it; so a
-    restored session, or a row of a batch, draws what a lone uninterrupted run would. (Seeding a
-    generator for every draw cost about 25 us a token after a decode.)"""
+    a draw. The draw is a pure function of (seed, draw index): `reseed` puts a fresh one in
+    before each token, so a restored session, or a row of a batch, draws what a lone
+    uninterrupted run would."""
 
     def __init__(self, n_vocab: int, settings: SamplerSettings):
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
@@ -69,37 +62,12 @@ class SamplerChain:
             add(lc.llama_sampler_init_dist(0))
             self.draws = True
         self.ptr = chain
-        self._at: tuple[int, int, int] | None = None  # the generator's (seed, run, draws taken), where known
-        self._one: Any = None  # a candidate array of one, which a draw taken past is made on
 
-    def sample(self, ctx: Any, index: int, draw: Draw) -> int:
-        """The chain's token from the logits of output `index` of context `ctx`, with `draw`
-        (accepted into the chain, as llama.cpp's sampling does)."""
-        if not self.draws:
-            token: int = lc.llama_sampler_sample(self.ptr, ctx, index)
-            return token
-        run, taken = divmod(draw.n, DRAWS_A_SEED)
-        self._seek(draw.seed, run, taken)
-        self._at = None  # (until the draw is made)
-        token = lc.llama_sampler_sample(self.ptr, ctx, index)
-        self._at = (draw.seed, run, taken + 1)  # (llama.cpp's draw takes one number, whatever the candidates)
-        return token
-
-    def _seek(self, seed: int, run: int, taken: int) -> None:
-        """Puts the generator where `taken` draws of `run`'s have been taken."""
-        at = self._at
-        if at is None or at[:2] != (seed, run) or at[2] > taken:
+    def reseed(self, draw_seed: int) -> None:
+        if self.draws:
             last = lc.llama_sampler_chain_n(self.ptr) - 1
             lc.llama_sampler_free(lc.llama_sampler_chain_remove(self.ptr, last))
-            lc.llama_sampler_chain_add(self.ptr, lc.llama_sampler_init_dist(draw_seed(seed, run)))
-            at = (seed, run, 0)
-        if at[2] < taken:
-            if self._one is None:
-                self._one = lc.llama_token_data_array((lc.llama_token_data * 1)(), 1, -1, False)
-            dist = lc.llama_sampler_chain_get(self.ptr, lc.llama_sampler_chain_n(self.ptr) - 1)
-            for _ in range(taken - at[2]):
-                lc.llama_sampler_apply(dist, ctypes.byref(self._one))
-        self._at = (seed, run, taken)
+            lc.llama_sampler_chain_add(self.ptr, lc.llama_sampler_init_dist(draw_seed & 0xFFFFFFFF))
 
     def accept(self, tokens: Sequence[int]) -> None:
         for tok in tokens:
@@ -107,7 +75,6 @@ class SamplerChain:
 
     def reset(self, window: Sequence[int]) -> None:
         lc.llama_sampler_reset(self.ptr)
-        self._at = None  # (the generator back at its seed's first draw)
         self.accept(window)
 
     def free(self) -> None:
@@ -170,15 +137,16 @@ class Sampling:
         if self._grammar is not None:
             self._grammar.replay(reply)
 
-    def sample(self, draw: Draw, history: Sequence[int] = (), processors: Sequence[LogitsProcessor] = (),
+    def sample(self, draw_seed: int, history: Sequence[int] = (), processors: Sequence[LogitsProcessor] = (),
                token_filter: TokenFilter | None = None) -> int:
         """The chain's draw from the last logits. A grammar's mask, the processors and the filter
         change those logits in place first (ruled-out tokens become -inf), so that the native
         chain draws as it always does, seeded, among the tokens left."""
         chain = self.chain
+        chain.reseed(draw_seed)
         if self._grammar is not None or processors or token_filter is not None:
             self._shape(history, processors, token_filter)
-        token = chain.sample(self._native.ptr, self._native.logits_index, draw)
+        token: int = lc.llama_sampler_sample(chain.ptr, self._native.ptr, self._native.logits_index)
         self._native.logits_read()
         if self._grammar is not None:
             try:

@@ -22,11 +22,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from quipu.engine.base import Draw
 from quipu.errors import ContextOverflow, Interrupted
 from quipu.sessions.inference import Generation, Stats, common_prefix
 from quipu.sessions.stops import ReplyText
-from quipu.sessions.params import SamplingParams
+from quipu.sessions.params import SamplingParams, draw_seed
 
 from quipu.engine.scheduler import Ask
 
@@ -182,7 +181,7 @@ class BatchSession:
                     if a.index < 0:  # (a part of a prompt: its next)
                         waiting.append(slots[a.seq].ask(n_batch))
                 tokens = self.rows.sample_rows([(slot.chain, slot.matcher,
-                                                 Draw(slot.params.draw_base, slot.draws), index)
+                                                 draw_seed(slot.params.draw_base, slot.draws), index)
                                                 for slot, index in wanting])
                 now = time.perf_counter()
                 for (slot, _), token in zip(wanting, tokens, strict=False):

@@ -10,12 +10,12 @@ import time
 from dataclasses import replace
 from typing import Sequence
 
-from quipu.engine.base import Backend, Draw, LogitsProcessor, ProgressFn, TokenFilter
+from quipu.engine.base import Backend, LogitsProcessor, ProgressFn, TokenFilter
 from quipu.engine.text import unfinished_character
 from quipu.errors import ContextOverflow, EngineError, Interrupted, QuipuError
 from quipu.sessions.base import LOCAL, SILENT, Generation, ReplySink, Stats, ToolOffer, TurnPrompt, common_prefix
 from quipu.sessions.marks import plain_marks, reply_marks
-from quipu.sessions.params import SamplingParams
+from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.context_moves import ContextMoves
 from quipu.sessions.prompt import Rendered, context_tokens
 from quipu.sessions.reasoning import Thinking
@@ -292,7 +292,7 @@ class InferenceSession(ContextMoves):
             self.tokens.append(last)
             self.backend.sampling.accept([last])
             self._decode_pending()
-        token = self.backend.sampling.sample(Draw(self.params.draw_base, self.draws), self.tokens,
+        token = self.backend.sampling.sample(draw_seed(self.params.draw_base, self.draws), self.tokens,
                                              self.logits_processors, self.token_filter)
         self.draws += 1
         self.tokens.append(token)

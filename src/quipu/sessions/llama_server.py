@@ -23,13 +23,13 @@ import time
 from dataclasses import replace
 from typing import Iterator, Mapping, Sequence
 
-from quipu.engine.base import Completion, draw_seed
+from quipu.engine.base import Completion
 from quipu.engine.llama_server import LlamaServerModel, server_grammar
 from quipu.errors import CapabilityError, ContextOverflow
 from quipu.sessions.base import (LLAMA_SERVER, SILENT, Generation, ReplySink, Stats, ToolOffer, TurnPrompt,
                                  common_prefix)
 from quipu.sessions.calls import TextCallSink, server_constraint
-from quipu.sessions.params import SamplingParams
+from quipu.sessions.params import SamplingParams, draw_seed
 from quipu.sessions.prompt import HeldTokens, Rendered, reference_tokens
 from quipu.sessions.reasoning import Thinking
 from quipu.sessions.slot_file import SlotFile

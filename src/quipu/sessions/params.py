@@ -37,7 +37,7 @@ from quipu.options import OPTIONS, SAMPLING
 @dataclass(frozen=True)
 class SamplingParams(SamplerSettings):
     """How the next token is chosen: the sampler chain's settings (and defaults), validated, as
-    the backend's chain is built from them, plus the seed draws are made from (`engine.base.Draw`).
+    the backend's chain is built from them, plus the seed, which goes per draw (`draw_seed`).
     `seed=None` means a fresh random seed (see `resolved`)."""
 
     seed: int | None = None
@@ -109,3 +109,11 @@ class SamplingParams(SamplerSettings):
             data["grammar"] = Grammar(**grammar)
         return cls(**data)
 
+
+def draw_seed(seed: int, index: int) -> int:
+    """The seed of the `index`-th random draw: splitmix64 of (seed, index), 32 bits."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    z ^= z >> 31
+    return z & 0xFFFFFFFF
