@@ -105,6 +105,7 @@ def test_a_page_of_another_site_is_refused_unless_cors_names_it(home, tiny_model
     (["--cors", "evil"], "", "--cors takes an origin"),
     (["--port", "0"], "", "--port must be in [1, 65535]"),
     (["--parallel", "0"], "", "--parallel must be from 1 to 64"),
+    (["--flash-attn", "sometimes"], "", "--flash-attn must be one of auto, on, off"),
     ([], "[serve]\nparallel = 1000\n", "[serve] parallel must be from 1 to 64"),
     ([], "[serve]\nport = \"x\"\n", "[serve] port must be an integer"),
     ([], "[serve]\nhost = \"0.0.0.0\"\n", "give --api-key"),
