@@ -142,8 +142,10 @@ def test_a_reply_cut_inside_its_reasoning_continues_exactly(backend, family):
     session, conv = session_for(backend, family, 3)
     whole = conv.send("Why?", max_tokens=120)
     expected = list(session.tokens)
-    for n in range(14, 1, -1):  # (the longest cut of at most 14 tokens inside the reasoning: where a
-        session, conv = session_for(backend, family, 3)  # random model closes it is its draws' doing)
+    # (the longest cut of at most 14 tokens inside the reasoning: where a random model closes its
+    # reasoning is its draws' doing)
+    for n in range(14, 1, -1):
+        session, conv = session_for(backend, family, 3)
         cut = conv.send("Why?", max_tokens=n)
         if cut.reasoning and not cut.answer:
             break

@@ -101,7 +101,7 @@ def test_a_session_resumed_with_other_threads_goes_on_as_the_one_that_kept_them(
     assert replies["changed"] == replies["kept"]
 
 
-def test_a_prompt_cache_written_with_two_threads_and_read_with_one_answers_as_one_alone(quipu, bundled_model):
+def test_a_prompt_cache_written_with_two_threads_and_read_with_one_answers_as_a_run_without_it(quipu, bundled_model):
     """A piped document read with two threads into the prompt cache, then another question on it
     with one thread: the cache's cells are restored, and the hot draw that follows is the one a
     run with two threads and no cache draws."""
