@@ -47,8 +47,9 @@ class SlotHost:
                media: Sequence[Attachment] = ()) -> Opened[InferenceSession]:
         from quipu.app.placing import placement_of
 
-        if name is not None:  # (a named session's first turn: on a context of its own, as its next ones
-            # resume on, so that the state it saves is one they can restore; a slot's of a shared context is not)
+        # A named session's first turn runs on a context of its own, as its next ones resume on, so
+        # that the state it saves is one they can restore (a shared context's sequence's is not).
+        if name is not None:
             return LocalHost(self.model).create(opts, env, name, media)
         backend = self.backend
         params = with_logit_biases(sampling_params(opts, env), backend.vocab, opts)
