@@ -136,6 +136,7 @@ def test_a_save_that_changed_no_context_leaves_the_state_file_alone(quipu, tiny_
         pytest.param(lambda b: b.replace(b'"tokens"', b'"tokenz"'), id="no-tokens"),
         pytest.param(lambda b: b.replace(b'"n_decoded": ', b'"n_decoded": 9999'), id="bad-count"),
         pytest.param(lambda b: b"\xff\xfe" + b, id="not-utf8"),
+        pytest.param(lambda b: b.replace(b'"hello"', b'"hel\\ud800lo"', 1), id="lone-surrogate"),
     ],
 )
 def test_damaged_transcript_is_a_clear_error_and_left_untouched(quipu, tiny_model, home, damage):

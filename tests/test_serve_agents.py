@@ -204,8 +204,7 @@ def test_the_agents_apis_refuse_what_they_do_not_take_in_their_shape(home, tiny_
             ({"max_tokens": 4, "messages": "Hi."}, "messages"),
             ({"max_tokens": 4, "messages": [{"role": "user", "content": [
                 {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1:9/x.png"}}]}]}, "not a link"),
-            ({"max_tokens": 4, "messages": message, "tools": [{"type": "web_search_20250305", "name": "w"}]},
-             "runs no tool"),
+            ({"max_tokens": 4, "messages": message, "tools": [{"name": "w"}]}, "input_schema"),
             ({"max_tokens": 4, "messages": message, "temperature": "hot"}, "temperature"),
             ({"max_tokens": 4, "messages": message, "thinking": {"type": "enabled"}}, "budget_tokens"),
             ({"max_tokens": 4, "messages": message, "mcp_servers": [{"url": "http://x"}]}, "mcp_servers"),
@@ -218,7 +217,7 @@ def test_the_agents_apis_refuse_what_they_do_not_take_in_their_shape(home, tiny_
             assert words in shaped["error"]["message"], (words, shaped)
         for body, words in [
             ({"input": []}, "input"),
-            ({"input": "Hi.", "tools": [{"type": "web_search"}]}, "runs no tool"),
+            ({"input": "Hi.", "tools": [{"type": "teleport"}]}, "a tool is a function"),
             ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "previous_response_id"),
             ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}],
               "store": False}, "not a link"),
@@ -230,6 +229,11 @@ def test_the_agents_apis_refuse_what_they_do_not_take_in_their_shape(home, tiny_
             r = post("/v1/responses", body)
             assert 400 <= r.status_code < 500, (body, r.text)
             assert words in r.json()["error"]["message"], (words, r.json())
+        # the tools a hosted service runs (a search) are left out of the model's, and the request answered
+        assert post("/v1/responses", {"input": "Hi.", "tools": [{"type": "web_search"}], "max_output_tokens": 2,
+                                      "store": False}).status_code == 200
+        assert post("/v1/messages", {"max_tokens": 2, "messages": message, "tools": [
+            {"type": "web_search_20250305", "name": "web_search"}]}).status_code == 200
         assert httpx.get(url + "/v1/responses/resp_0123456789abcdef", timeout=30).status_code == 404
         assert httpx.get(url + "/v1/responses/..%2F..%2Fx", timeout=30).status_code == 404
         assert post("/v1/messages/count_tokens", {"messages": "no"}).json()["type"] == "error"
@@ -376,3 +380,66 @@ def test_a_reply_is_held_to_the_schema_either_api_gives(home, tiny_model, tmp_pa
         m = messages_client(url).messages.create(model="", max_tokens=40, messages=[{"role": "user", "content": "A number."}],
                                                  output_config={"format": {"type": "json_schema", "schema": schema}})
         jsonschema.validate(json.loads(m.content[0].text), schema)
+
+
+def test_a_responses_request_again_is_answered_and_one_not_stored_keeps_nothing(quipu, home, tiny_model, tmp_path):
+    import threading
+
+    def logged() -> int:
+        r = quipu("logs", "list", "--json", "-n", "1000")
+        return len(r.stdout.decode().strip().splitlines()) if r.returncode == 0 else 0
+
+    with quipu_serve(home, tiny_model, "--ctx", "16384", tmp_path=tmp_path) as url:
+        c = responses_client(url)
+        one = greedy_response(c, input=QUESTIONS[0])
+        # the same request again (a retry after a lost reply, a regeneration): answered, as the first was
+        two = greedy_response(c, input=QUESTIONS[1], previous_response_id=one.id)
+        again = greedy_response(c, input=QUESTIONS[1], previous_response_id=one.id)
+        assert again.output_text == two.output_text and again.id != two.id
+        # and two of them at once
+        answers: list = []
+        threads = [threading.Thread(target=lambda: answers.append(greedy_response(
+            c, input=QUESTIONS[1], previous_response_id=one.id))) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [a.output_text for a in answers] == [two.output_text] * 2
+        for a in answers:  # (each kept once its client has it: asked for, it is waited for)
+            assert c.responses.retrieve(a.id).status == a.status
+        # a response not stored changes nothing on disk: the session's branch, the log of answers
+        sessions = home / "data" / "sessions"
+        before = {p.name: p.read_bytes() for p in sessions.iterdir() if p.suffix != ".lock"}
+        count = logged()
+        off = greedy_response(c, input=QUESTIONS[2], previous_response_id=one.id, store=False)
+        assert off.output_text and logged() == count
+        assert {p.name: p.read_bytes() for p in sessions.iterdir() if p.suffix != ".lock"} == before
+        # the conversation goes on from the response last kept, as before
+        assert greedy_response(c, input=QUESTIONS[2], previous_response_id=again.id).output_text
+
+
+def test_a_response_s_input_is_listed_in_pages_and_one_being_made_is_said_so_at_once(home, tiny_model, tmp_path):
+    with quipu_serve(home, tiny_model, "--ctx", "16384", tmp_path=tmp_path) as url:
+        c = responses_client(url)
+        items = [{"role": "user", "content": q} for q in QUESTIONS]
+        r = c.responses.create(model="", input=items, max_output_tokens=4)
+        listed = c.responses.input_items.list(r.id)  # (the last first, as OpenAI's, 20 at most)
+        assert [i.content[0].text for i in listed.data] == QUESTIONS[::-1] and not listed.has_more
+        first = c.responses.input_items.list(r.id, limit=2, order="asc")
+        assert [i.content[0].text for i in first.data] == QUESTIONS[:2] and first.has_more
+        rest = c.responses.input_items.list(r.id, limit=2, order="asc", after=first.data[-1].id)
+        assert [i.content[0].text for i in rest.data] == QUESTIONS[2:] and not rest.has_more
+        assert httpx.get(f"{url}/v1/responses/{r.id}/input_items?limit=0", timeout=30).status_code == 400
+        # a response being made (here: its long prompt read) is said so at once, however many ask, and
+        # none of them holds a place the listing routes share
+        with c.responses.stream(model="", input="word " * 2000, max_output_tokens=4) as stream:
+            created = next(iter(stream))
+            assert created.type == "response.created"
+            ident = created.response.id
+            for _ in range(6):
+                shown = httpx.get(f"{url}/v1/responses/{ident}", timeout=30)
+                assert shown.status_code == 200 and shown.json()["status"] == "in_progress"
+            assert httpx.get(url + "/v1/models", timeout=30).status_code == 200
+            for _ in stream:
+                pass
+        assert c.responses.retrieve(ident).status in ("completed", "incomplete")

@@ -45,6 +45,11 @@ def test_bad_requests_are_refused_in_the_api_s_shape_and_the_server_goes_on(home
          "reasoning_effort must be a text"),
         ("POST", "/v1/chat/completions", json.dumps({**good, "reasoning_effort": "high"}).encode(), 400,
          "takes no reasoning effort"),
+        # (a tool's parameters no value ends: a property each value needs is the value again)
+        ("POST", "/v1/chat/completions", json.dumps({**good, "tool_choice": "required", "tools": [{
+            "type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}]}).encode(), 400,
+         "no value of the schema ends"),
         ("POST", "/v1/chat/completions", json.dumps({**good, "model": "other"}).encode(), 404, "not a model here"),
         ("POST", "/v1/chat/completions", json.dumps({**good, "model": "/etc/passwd"}).encode(), 404,
          "not a model here"),

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Literal, Sequence
 
 from quipu.app.user_files import lone_surrogate, read_json_file
 from quipu.engine.base import defuse
+from quipu.engine.grammar import MAX_DEPTH, depth, enforceable
 from quipu.app.tooldefs import Tool
 from quipu.errors import UsageError
 from quipu.sessions.toolspec import ToolSpec
@@ -204,20 +205,33 @@ def tools_from_json(path: str, data: Any = None) -> list[Tool]:
     return tools
 
 
+def held_to_what_holds(tool: Tool) -> Tool:
+    """`tool` with its calls held to what the constraint engine can enforce of its parameters
+    (`ToolSpec.held`), where they use a keyword it cannot (a server's client, which checks the
+    calls it runs, gives it: Claude Code's `propertyNames`); the model is told them whole."""
+    if depth(tool.spec.parameters) > MAX_DEPTH:
+        return tool  # (refused by check_tool_schemas)
+    held, removed = enforceable(tool.spec.parameters)
+    return dataclasses.replace(tool, spec=dataclasses.replace(tool.spec, held=held)) if removed else tool
+
+
+def unenforced(tool: Tool) -> list[str]:
+    """The keywords of `tool`'s parameters its calls are not held to."""
+    return enforceable(tool.spec.parameters)[1] if tool.spec.held is not None else []
+
+
 def check_tool_schemas(tools: Iterable[Tool]) -> None:
     """Each tool's parameters as --schema checks a schema: a call is held to them."""
     from quipu.engine.constraint import compile_grammar
     from quipu.engine.grammar import schema_grammar
     from quipu.errors import InvalidParameter
 
-    from quipu.engine.grammar import MAX_DEPTH, depth
-
     for tool in tools:
         if depth(tool.spec.parameters) > MAX_DEPTH:  # (before anything walks it by recursion)
             raise UsageError(f"the parameters of tool {tool.spec.name!r} ({tool.source}) nest deeper than "
                              f"{MAX_DEPTH} levels")
         try:
-            compile_grammar(schema_grammar(json.dumps(tool.spec.parameters)))
+            compile_grammar(schema_grammar(json.dumps(tool.spec.call_schema)))
         except InvalidParameter as exc:
             raise UsageError(f"the parameters of tool {tool.spec.name!r} ({tool.source}): {exc}") from None
 
@@ -345,7 +359,6 @@ def _medium(part: dict[str, Any], kind_of: str, where: str, file: Path, fetch: b
 
 def _calls(given: Any, where: str, file: Path) -> list[dict[str, Any]]:
     """An assistant message's tool calls, as the conversation keeps them."""
-    from quipu.engine.grammar import MAX_DEPTH, depth
 
     if not isinstance(given, list):
         raise UsageError(f"{file}: {where} is {kind(given)}, not a list of calls")

@@ -260,18 +260,19 @@ def logit_biases(backend: Vocabulary, specs: Sequence[str]) -> tuple[tuple[int, 
     goes to (as llama-server takes one: " the" banned is each token of it banned)."""
     out: list[tuple[int, float]] = []
     for token, bias in parse_logit_bias(specs):
+        quoted = len(token) > 2 and token[0] == token[-1] == '"'  # (a text in quotes, digits too: '"42"=-5')
         if token.isascii() and token.isdigit():
             token_id = int(token)
             if token_id >= backend.n_vocab:
                 raise UsageError(f"--logit-bias: token {token_id} is not in the model's vocabulary "
                                  f"of {backend.n_vocab}")
-        else:
-            ids = backend.tokenize(token, add_special=False, parse_special=True)
-            if not ids:
-                raise UsageError(f"--logit-bias: '{token}' is no token for this model; give a token's id or text")
-            out += [(t, bias) for t in dict.fromkeys(ids)]
+            out.append((token_id, bias))
             continue
-        out.append((token_id, bias))
+        text = token[1:-1] if quoted else token
+        ids = backend.tokenize(text, add_special=False, parse_special=True)
+        if not ids:
+            raise UsageError(f"--logit-bias: '{text}' is no token for this model; give a token's id or text")
+        out += [(t, bias) for t in dict.fromkeys(ids)]
     return tuple(out)
 
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from quipu.app.logprobs import Recorded
     from quipu.app.answer_log import Followed
     from quipu.store.store import SessionStore
+    from quipu.store.transcript import Transcript
 
 
 def run_turn(prompt: str | None, opts: TurnOptions, env: Environment, sink: ReplySink = SILENT, *,
@@ -252,9 +253,11 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
     store = store_for(env)
     store.clean_temporaries()
     with store.lock(name):
+        before = None  # the session as it was, where its current branch was switched for this turn
         if request is not None and request.follows is not None and store.exists(name):
-            onto(store, name, request.follows)
+            before = onto(store, name, request.follows)
         named = NamedSession.open(store, name, request.own if request is not None else opts, env, host, sink.reading)
+        kept = False
         try:
             sent = request.messages(named) if request is not None else None
             # (going on from a kept response, the same request again makes a new branch)
@@ -292,10 +295,15 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
                 named.tell([unlogged] if unlogged else [])
             if request is None or request.took(answer):  # (a server's turn: kept once its client has it whole)
                 named.save()
+                kept = True
                 if request is not None and request.kept is not None:
                     request.kept(answer, named.conversation.messages)
         finally:
             named.close()
+            if before is not None and not kept:  # (a turn not kept leaves the session as it was, on disk too)
+                from quipu.store.store import KEEP_STATE
+
+                store.save(name, before, KEEP_STATE)
     return replace(answer, notices=list(named.notices))  # (the session's, its save's included)
 
 
@@ -359,7 +367,9 @@ class SessionRequest:
             raise SessionConflict(f"session '{named.name}' no longer holds the conversation this goes on from")
         rest = held[1:follows.at] if held and held[0].role == "system" else held[:follows.at]
         sent = ([Message("system", follows.system)] if follows.system else []) + list(rest) + list(self.sent)
-        parts = common_prefix([said(m) for m in held], [said(m) for m in sent])
+        # (the same request again, a retry or a regeneration: its last message is said again, its
+        # reply made anew beside the one kept)
+        parts = min(common_prefix([said(m) for m in held], [said(m) for m in sent]), len(sent) - 1)
         if parts < len(held):
             named.stash()
             conv.back_to(parts)
@@ -416,9 +426,10 @@ def digest(messages: Sequence[Message]) -> str:
     return hashlib.sha256(json.dumps([said(m) for m in messages], ensure_ascii=False).encode()).hexdigest()
 
 
-def onto(store: SessionStore, name: str, follows: Following) -> None:
+def onto(store: SessionStore, name: str, follows: Following) -> Transcript | None:
     """Makes current the branch of session `name` whose first `follows.at` messages are those a
-    kept response ended (the session locked); SessionConflict where no branch holds them."""
+    kept response ended (the session locked); SessionConflict where no branch holds them. The
+    session as it was, where it made another branch current."""
     from quipu.store.branches import current_branch, other_branches, switched
     from quipu.store.store import KEEP_STATE
 
@@ -429,11 +440,12 @@ def onto(store: SessionStore, name: str, follows: Following) -> None:
             digest([Message.from_dict(m) for m in messages[:follows.at]]) == follows.digest
 
     if holds(record.messages):
-        return
+        return None
     other = next((b for b in other_branches(record) if holds(b.messages)), None)
     if other is None or current_branch(record).id == other.id:
         raise SessionConflict(f"session '{name}' no longer holds the conversation this goes on from")
     store.save(name, switched(record, other.id), KEEP_STATE)
+    return record
 
 class SessionConflict(UsageError):
     """A request whose messages do not go on from its session's."""

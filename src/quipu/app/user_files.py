@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from quipu.errors import UsageError, told_to_stop
+from quipu.store.files import lone_surrogate as lone_surrogate  # (the store reads files with it too)
 
 MAX_FILE_BYTES = 64 << 20  # the largest file the user names that is read (as standard input)
 # A JSON string, or one bracket: what a depth scan needs to see of a JSON text.
@@ -52,22 +53,6 @@ def read_json_file(name: str, what: str) -> Any:
     if lone_surrogate(data):
         raise UsageError(f"the {what} {path} holds a lone surrogate (\\ud800-\\udfff), which is no text")
     return data
-
-
-def lone_surrogate(value: Any) -> bool:
-    """Whether parsed JSON holds a text with a lone half of a UTF-16 pair (`"\\ud800"`, which
-    JSON allows and no tokenizer can take), in a key or a value at any depth."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, dict):
-        return any(lone_surrogate(k) or lone_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(lone_surrogate(item) for item in value)
-    return False
 
 
 def read_user_file(path: Path, limit: int, stopped: Callable[[], bool] = told_to_stop) -> bytes:

@@ -9,8 +9,9 @@ import typer
 
 from quipu.cli import options as opt, spec
 
-HELP = ("Serve models over the OpenAI API (/v1/chat/completions, /v1/embeddings) and Ollama's (/api/chat, "
-        "/api/generate, /api/embed), on this machine by default.")
+HELP = ("Serve models over four APIs: OpenAI's chat completions (/v1/chat/completions, /v1/completions, "
+        "/v1/embeddings), OpenAI's Responses (/v1/responses), Anthropic's Messages (/v1/messages) and Ollama's "
+        "(/api/chat, /api/generate, /api/embed); on this machine by default.")
 
 
 def register(app: typer.Typer) -> None:

@@ -130,6 +130,33 @@ def _pointer(name: str) -> str:
     return str(name).replace("~", "~0").replace("/", "~1")
 
 
+def enforceable(schema: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """`schema` without the keywords quipu's constraint engine cannot enforce (`LOCAL_REFUSED`,
+    wherever they stand), and those keywords: what a value can be held to of it."""
+    removed: set[str] = set()
+
+    def held(value: Any, is_schema: bool) -> Any:
+        if isinstance(value, list):
+            return [held(v, is_schema) for v in value]
+        if not isinstance(value, dict):
+            return value
+        if not is_schema:  # (a map of names to schemas)
+            return {k: held(v, True) for k, v in value.items()}
+        out = {}
+        for key, sub in value.items():
+            if key in LOCAL_REFUSED:
+                removed.add(key)
+            elif key in _ONE or key in _MANY:
+                out[key] = held(sub, True)
+            elif key in _MAP:
+                out[key] = held(sub, False)
+            else:
+                out[key] = sub
+        return out
+
+    return held(schema, True), sorted(removed)
+
+
 def check_schema(schema: dict[str, Any], *, server: bool = False) -> None:
     """Refuses, by keyword and place, what the engine would not enforce (llguidance, or with
     `server` llama-server's converter), a keyword JSON Schema does not have, an unknown type, a
@@ -151,6 +178,7 @@ def check_schema(schema: dict[str, Any], *, server: bool = False) -> None:
         if server:
             _check_server_only(sub, where)
     check_values(schema, bound=SERVER_MAX_BOUND if server else None)
+    check_finite(schema)
 
 
 def _check_types(sub: dict[str, Any], where: str) -> None:
@@ -228,6 +256,65 @@ def check_values(schema: dict[str, Any], bound: int | None = None) -> None:
         if isinstance(low, (int, float)) and isinstance(high, (int, float)) and low > high:
             raise InvalidParameter(f"the minimum at {where} ({low}) is more than its maximum ({high}): no value "
                                    "could validate")
+
+
+def check_finite(schema: dict[str, Any]) -> None:
+    """Refuses a schema whose every value would be endless: a `$ref` that a value must follow
+    back into itself (a property it requires, an item it must have, every branch of an `anyOf`),
+    so that a reply held to it could never end. A fixpoint over the schema's objects, as a
+    grammar's productive rules are found."""
+    finite: set[int] = set()
+
+    def target(ref: Any) -> Any:
+        found: Any = schema
+        for part in ref[1:].lstrip("/").split("/") if ref not in ("#", "#/") else ():
+            part = part.replace("~1", "/").replace("~0", "~")
+            found = found[int(part)] if isinstance(found, list) else found[part]
+        return found
+
+    def holds(sub: Any) -> bool:
+        if not isinstance(sub, dict):
+            return sub is not False
+        if id(sub) in finite:
+            return True
+        if isinstance(sub.get("$ref"), str) and not holds_ref(sub["$ref"]):
+            return False
+        if any(not holds(s) for s in sub.get("allOf") or ()):
+            return False
+        for key in ("anyOf", "oneOf"):
+            if isinstance(sub.get(key), list) and sub[key] and not any(holds(s) for s in sub[key]):
+                return False
+        kinds = sub["type"] if isinstance(sub.get("type"), list) else [sub.get("type")]
+        if any(k not in ("object", "array") for k in kinds):
+            return True  # (a scalar, or no type: a value ends at once)
+        if "object" in kinds:
+            props: dict[str, Any] = sub["properties"] if isinstance(sub.get("properties"), dict) else {}
+            if all(holds(props[name]) for name in sub.get("required") or () if name in props):
+                return True
+        if "array" in kinds:
+            items: list[Any] = sub["prefixItems"] if isinstance(sub.get("prefixItems"), list) else []
+            least = sub.get("minItems", 0)
+            needed = items[:least] + ([sub.get("items")] if least > len(items) else [])
+            if all(holds(s) for s in needed if s is not None):
+                return True
+        return False
+
+    def holds_ref(ref: str) -> bool:
+        try:
+            found = target(ref)
+        except (KeyError, IndexError, ValueError, TypeError):
+            return True  # (a reference to nowhere is refused by name elsewhere)
+        return not isinstance(found, dict) or id(found) in finite
+
+    while True:  # (each pass finds more that end, until none more do)
+        more = {key for key, sub in ((id(s), s) for _, s in subschemas(schema)) if key not in finite and holds(sub)}
+        if not more:
+            break
+        finite |= more
+    if id(schema) not in finite:
+        stuck = next((w for w, sub in subschemas(schema) if id(sub) not in finite and "$ref" in sub), "/")
+        raise InvalidParameter(f"no value of the schema ends: the $ref at {stuck} must be followed back into itself "
+                               "without end")
 
 
 def schema_grammar(text: str, *, server: bool = False) -> Grammar:

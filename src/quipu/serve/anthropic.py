@@ -24,7 +24,15 @@ if TYPE_CHECKING:
 NAMES = {name: o.anthropic for name, o in OPTIONS.items() if o.anthropic is not None}
 # What a request may hold that the server does not do: refused, never dropped silently.
 NOT_TAKEN = {"mcp_servers": "MCP servers of the request's (give quipu serve --mcp)",
-             "container": "containers", "context_management": "context management"}
+             "container": "containers"}
+# `context_management`'s edits: what each does here.
+THINKING_EDIT = "clear_thinking_20251015"
+KEEP_ALL = "all"
+BILLING = "x-anthropic-billing-header:"  # what Claude Code's attribution line begins with
+# The fields a request's reading reads (the rest, `metadata` and the like, tune a hosted service: let
+# be, and said in the log).
+READ = frozenset(("model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", "stream",
+                  "context_management", "logit_bias", *NAMES.values(), *NOT_TAKEN))
 # Anthropic's efforts as a template's reasoning_effort.
 EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 STOP = {"tool_calls": "tool_use", "length": "max_tokens", "context_full": "max_tokens",
@@ -56,13 +64,61 @@ def messages_request(body: Mapping[str, Any], base: TurnOptions, counting: bool 
         if effort not in EFFORTS:
             raise RequestError(f"output_config.effort must be {', '.join(EFFORTS)}")
         opts = dataclasses.replace(opts, effort_if_taken=EFFORTS[effort])  # (where the template takes one)
-    chat = {"messages": openai_messages(body.get("system"), body.get("messages")),
-            "tools": openai_tools(body.get("tools")), "tool_choice": openai_choice(body.get("tool_choice"))}
+    messages = openai_messages(body.get("system"), body.get("messages"))
+    kept = thinking_kept(body.get("context_management"))
+    skipped: list[str] = []
+    chat = {"messages": clear_thinking(messages, kept) if isinstance(kept, int) else messages,
+            "tools": openai_tools(body.get("tools"), skipped), "tool_choice": openai_choice(body.get("tool_choice"))}
     tools, opts = request_tools(chat, opts)
     biases = logit_bias(body.get("logit_bias"))  # (llama-server's, beside Anthropic's fields)
     if biases:
         opts = dataclasses.replace(opts, logit_bias=biases)
-    return _asked(opts, *chat_messages(chat), tools)
+    ignored = tuple(sorted(set(body) - READ)) + tuple(f"tools: {kind}" for kind in dict.fromkeys(skipped))
+    return dataclasses.replace(_asked(opts, *chat_messages(chat), tools), ignored=ignored)
+
+
+def thinking_kept(given: Any) -> int | str:
+    """How many of the last assistant turns keep their thinking, as `context_management`'s
+    `clear_thinking` edit says (`keep`: "all", or {"type": "thinking_turns", "value": N}; 1
+    where the edit gives no `keep`, as Anthropic's); "all" where there is no such edit. An edit
+    of another kind (tool results cleared) is refused: quipu drops nothing else of a conversation."""
+    if given is None:
+        return KEEP_ALL
+    edits = given.get("edits") if isinstance(given, dict) else None
+    if not isinstance(edits, list):
+        raise RequestError('context_management must be {"edits": [...]}')
+    kept: int | str = KEEP_ALL
+    for i, edit in enumerate(edits):
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if kind != THINKING_EDIT:
+            raise RequestError(f"context_management.edits[{i}]: quipu serve takes {THINKING_EDIT} (earlier turns' "
+                               f"thinking dropped or kept), not {str(kind)[:40]}")
+        keep = edit.get("keep", {"type": "thinking_turns", "value": 1})
+        if keep == KEEP_ALL:
+            continue
+        value = keep.get("value") if isinstance(keep, dict) and keep.get("type") == "thinking_turns" else None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise RequestError(f'context_management.edits[{i}].keep must be "all" or {{"type": "thinking_turns", '
+                               '"value": N}')
+        kept = value
+    return kept
+
+
+def clear_thinking(messages: list[dict[str, Any]], keep: int) -> list[dict[str, Any]]:
+    """`messages` with the thinking of every assistant turn but the last `keep` dropped (a turn:
+    the assistant's messages between two messages of the user's, its calls and their results
+    among them)."""
+    out: list[dict[str, Any]] = []
+    turns, in_turn = 0, False
+    for m in reversed(messages):
+        if m["role"] == "assistant":
+            turns, in_turn = turns + (not in_turn), True
+            if turns > keep and "reasoning_content" in m:
+                m = {k: v for k, v in m.items() if k != "reasoning_content"}
+        elif m["role"] == "user":
+            in_turn = False
+        out.append(m)
+    return out[::-1]
 
 
 def _thinking(given: Any, opts: TurnOptions) -> TurnOptions:
@@ -98,6 +154,16 @@ def _text_of(value: Any, where: str) -> str:
     raise RequestError(f"{where} must be a text or a list of text blocks")
 
 
+def _unbilled(system: Any) -> Any:
+    """A system prompt without Claude Code's attribution line (`x-anthropic-billing-header: ...`,
+    its first block), which tells a hosted service who sent the request and changes between the
+    client's versions: in the prompt, it would make every version's prompt a new one to read."""
+    if isinstance(system, list):
+        return [b for b in system if not (isinstance(b, dict) and isinstance(b.get("text"), str)
+                                          and b["text"].startswith(BILLING))]
+    return system
+
+
 def openai_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
     """A Messages request's system prompt and messages in the OpenAI shape: a user's
     `tool_result` blocks each a tool message (before the rest of what it says), an assistant's
@@ -106,7 +172,7 @@ def openai_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
         raise RequestError("messages: a Messages request needs its messages (a list, not empty)")
     out: list[dict[str, Any]] = []
     if system is not None:
-        text = _text_of(system, "system")
+        text = _text_of(_unbilled(system), "system")
         if text:
             out.append({"role": "system", "content": text})
     names: dict[str, str] = {}  # each call's tool, by its id
@@ -118,6 +184,8 @@ def openai_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
         if m["role"] == "system":
             out.append({"role": "system", "content": _text_of(content, f"{where}.content")})
             continue
+        if content in ("", []) and not (m["role"] == "assistant" and i == len(messages) - 1):
+            raise RequestError(f"{where}.content is empty: every message but a last assistant's says something")
         if isinstance(content, str):
             out.append({"role": m["role"], "content": content})
             continue
@@ -194,19 +262,25 @@ def _image(source: Any, where: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
 
 
-def openai_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """A request's tools (a name, a description, an input_schema) in the OpenAI shape; a server
-    tool of Anthropic's (web search, a computer) is refused: the client runs every tool."""
+def openai_tools(tools: Any, skipped: list[str] | None = None) -> list[dict[str, Any]] | None:
+    """A request's tools (a name, a description, an input_schema) in the OpenAI shape; a tool of
+    Anthropic's own kinds (web search, a computer, its bash and editor: `{"type":
+    "web_search_20250305", ...}`), whose schema is Anthropic's to know, is left out of the model's
+    tools, its type added to `skipped`."""
     if tools is None:
         return None
     if not isinstance(tools, list):
         raise RequestError("tools must be a list of tools ({\"name\", \"description\", \"input_schema\"})")
     out = []
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") not in (None, "custom") or "input_schema" not in tool:
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise RequestError(f"tools[{i}]: quipu serve runs no tool of its own ({str(kind)[:40]}); a tool has "
-                               "its name, description and input_schema, and the client runs it")
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if isinstance(kind, str) and kind not in ("custom",) and "input_schema" not in tool:
+            if skipped is not None:
+                skipped.append(kind[:40])
+            continue
+        if not isinstance(tool, dict) or kind not in (None, "custom") or "input_schema" not in tool:
+            raise RequestError(f"tools[{i}]: a tool has its name, description and input_schema, and the client "
+                               "runs it")
         out.append({"type": "function", "function": {"name": tool.get("name"), "parameters": tool["input_schema"],
                                                      **({"description": tool["description"]}
                                                         if tool.get("description") is not None else {})}})
@@ -273,19 +347,35 @@ def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
 
-async def message_stream(reply: Reply, first: Event, plan: ChatRequest, head: dict[str, Any]) -> AsyncIterator[str]:
-    """The reply as Anthropic's events: message_start, a ping, each block's start, deltas and
-    stop (thinking, text, then each tool_use with its input whole), message_delta (why it ended,
-    its usage) and message_stop."""
-    yield _event("message_start", {"message": {
-        "id": head["ident"], "type": "message", "role": "assistant", "model": plan.model, "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})
-    yield _event("ping", {})
-    index, open_kind = -1, None
+async def message_stream(reply: Reply, first: Event | None, plan: ChatRequest, head: dict[str, Any]) -> AsyncIterator[str]:
+    """The reply as Anthropic's events: message_start (with the prompt's tokens, as its reading
+    begins), a ping (and one every `PING_S` while the prompt is read), each block's start, deltas
+    and stop (thinking, text, then each tool_use with its input whole), message_delta (why it
+    ended, its usage) and message_stop."""
+    from quipu.serve.stream import ALIVE, PING_S
+
+    def started(tokens: int, cached: int) -> str:
+        usage = {"input_tokens": tokens - cached, "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached,
+                 "output_tokens": 0}
+        return _event("message_start", {"message": {
+            "id": head["ident"], "type": "message", "role": "assistant", "model": plan.model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": usage}})
+
+    index, open_kind, begun = -1, None, False
     event = first
     try:
         while True:
+            if event is None:  # (nothing yet: a ping while its prompt is read; before it, while its turn waits)
+                yield _event("ping", {}) if begun else ALIVE
+                event = await reply.within(PING_S)
+                continue
             kind, _, value = event
+            if not begun and kind != "error":
+                s = value.stats if kind == "done" else None
+                yield started(*value) if kind == "prompt" else started(s.prompt_tokens, s.cached_tokens) if s else \
+                    started(0, 0)
+                yield _event("ping", {})
+                begun = True
             if kind in ("content", "reasoning_content"):
                 block = "text" if kind == "content" else "thinking"
                 if open_kind != block:
@@ -321,6 +411,6 @@ async def message_stream(reply: Reply, first: Event, plan: ChatRequest, head: di
             elif kind == "error":
                 yield _event("error", {"error": error_body(value)[1]["error"]})
                 break
-            event = await reply.next()
+            event = await reply.within(PING_S)
     finally:
         reply.close()

@@ -23,6 +23,7 @@ class Api:
     """OpenAI's chat completions (`plain`: its completions, a prompt continued as it is)."""
 
     media_type = "text/event-stream"
+    any_model = False  # a model name the server does not know is answered by its default (agents' APIs)
 
     def __init__(self, plain: bool = False):
         self.plain = plain
@@ -49,7 +50,7 @@ class Api:
 
         return (wire.text_completion if self.plain else wire.chat_completion)(answers, head["ident"], head["created"])
 
-    def stream(self, reply: Reply, first: Event, plan: ChatRequest, head: dict[str, Any]) -> AsyncIterator[str]:
+    def stream(self, reply: Reply, first: Event | None, plan: ChatRequest, head: dict[str, Any]) -> AsyncIterator[str]:
         from quipu.serve.stream import openai_stream
 
         return openai_stream(reply, first, plan, head, plain=self.plain)
@@ -58,10 +59,14 @@ class Api:
         """What a request asks, checked before anything is loaded (`session`: its X-Quipu-Session)."""
         from quipu.serve.plan import as_session_turn
 
-        return as_session_turn(pool.plan(body, self.make), session)
+        return as_session_turn(pool.plan(body, self.make, self.any_model), session)
 
     def kept(self, pool: Pool, plan: ChatRequest, head: dict[str, Any]) -> Kept | None:
         """What keeps the reply once its turn is kept, where the API keeps replies."""
+        return None
+
+    def shown(self, plan: ChatRequest, head: dict[str, Any]) -> dict[str, Any] | None:
+        """What a reply the API keeps is while it is made (a request for it meanwhile is given it)."""
         return None
 
 
@@ -98,7 +103,7 @@ class Ollama(Api):
                                   generate=self.generate, calls=wire.waiting_calls(answer))
         return {**piece, **wire.ollama_reply(answer, head["created_at"])}
 
-    def stream(self, reply: Reply, first: Event, plan: ChatRequest, head: dict[str, Any]) -> AsyncIterator[str]:
+    def stream(self, reply: Reply, first: Event | None, plan: ChatRequest, head: dict[str, Any]) -> AsyncIterator[str]:
         from quipu.serve.stream import ollama_stream
 
         return ollama_stream(reply, first, plan, head, generate=self.generate)
@@ -106,6 +111,8 @@ class Ollama(Api):
 
 class Messages(Api):
     """Anthropic's Messages API."""
+
+    any_model = True
 
     def make(self, body: Mapping[str, Any], base: TurnOptions) -> ChatRequest:
         from quipu.serve.anthropic import messages_request
@@ -125,7 +132,7 @@ class Messages(Api):
 
         return message(answers[0], head["ident"])
 
-    def stream(self, reply: Reply, first: Event, plan: ChatRequest, head: dict[str, Any]) -> AsyncIterator[str]:
+    def stream(self, reply: Reply, first: Event | None, plan: ChatRequest, head: dict[str, Any]) -> AsyncIterator[str]:
         from quipu.serve.anthropic import message_stream
 
         return message_stream(reply, first, plan, head)
@@ -134,6 +141,8 @@ class Messages(Api):
 class Responses(Api):
     """OpenAI's Responses API: a response kept (`store`) is a turn of the session its
     conversation goes on in (`plan.ChatRequest.session`)."""
+
+    any_model = True
 
     def plan(self, pool: Pool, body: Mapping[str, Any], session: str | None, head: dict[str, Any]) -> ChatRequest:
         """A request read with the kept response it goes on from (`previous_response_id`, waited
@@ -157,10 +166,12 @@ class Responses(Api):
             if previous is None:
                 raise RequestError(f"previous_response_id: no response '{previous_id[:80]}' is kept here", 404,
                                    "previous_response_not_found")
-        asked = pool.plan(body, lambda given, base: responses_request(given, base, previous))
+        asked = pool.plan(body, lambda given, base: responses_request(given, base, previous), self.any_model)
         if asked.media and (store or previous is not None):
             raise RequestError("input: a kept conversation takes no images yet (send store: false, and no "
                                "previous_response_id)")
+        if not store:  # (a response not stored is kept nowhere: not in the log of answers either)
+            asked = dataclasses.replace(asked, opts=dataclasses.replace(asked.opts, no_log=True))
         # (each turn answered as the whole conversation read at once, as the chat API answers it)
         if previous is not None:
             return dataclasses.replace(asked, session=previous.session, unkept=not store, whole_read=True,
@@ -175,7 +186,7 @@ class Responses(Api):
 
         return response(head, plan.model, answers[0])
 
-    def stream(self, reply: Reply, first: Event, plan: ChatRequest, head: dict[str, Any]) -> AsyncIterator[str]:
+    def stream(self, reply: Reply, first: Event | None, plan: ChatRequest, head: dict[str, Any]) -> AsyncIterator[str]:
         from quipu.serve.responses import response_stream
 
         return response_stream(reply, first, plan, head)
@@ -186,6 +197,11 @@ class Responses(Api):
         if plan.session is None or not head["body"].get("store", True):
             return None
         return kept_by(pool.env, head, plan.model, head["body"].get("input"), plan.session)
+
+    def shown(self, plan: ChatRequest, head: dict[str, Any]) -> dict[str, Any] | None:
+        from quipu.serve.responses import response
+
+        return response(head, plan.model, None)
 
 
 def apis() -> dict[str, Api]:

@@ -14,7 +14,7 @@ import json
 import threading
 import time
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
 
 from starlette.responses import Response
 
@@ -166,6 +166,50 @@ class Then(Response):
             self.ended()
 
 
+MAX_PAGE = 100  # items a page of a response's input holds at most (OpenAI's bound)
+
+
+def page_of(query: Mapping[str, str]) -> tuple[int, str, str | None]:
+    """A page of a list as OpenAI's API asks one: `limit` (1 to 100, 20 by default), `order`
+    (desc by default, or asc) and `after` (the id of the item it follows)."""
+    limit, order, after = query.get("limit", "20"), query.get("order", "desc"), query.get("after")
+    if not limit.isascii() or not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
+        raise RequestError(f"limit must be a whole number from 1 to {MAX_PAGE}")
+    if order not in ("asc", "desc"):
+        raise RequestError("order must be asc or desc")
+    return int(limit), order, after
+
+
+class Logged:
+    """The line the server's log says of a request to a model once its response has ended: its
+    method and path, its status, its reply's id, the prompt's tokens (those restored among them),
+    the reply's, and how long it took; a refusal's message."""
+
+    def __init__(self, say: Callable[[str], None], request: Request):
+        self.say, self.started = say, time.perf_counter()
+        self.what = f"{request.method} {request.url.path}"
+        self.status, self.why = 200, ""
+        self.reply: Reply | None = None
+
+    def failed(self, response: Response, exc: BaseException) -> Response:
+        self.status, self.why = response.status_code, str(exc)[:200]
+        return response
+
+    def end(self) -> None:
+        took = f"{time.perf_counter() - self.started:.1f} s"
+        if self.why or self.reply is None:
+            self.say(f"{self.what} {self.status}{': ' + self.why if self.why else ''} ({took})")
+            return
+        answers = self.reply.answers
+        if not answers:
+            self.say(f"{self.what} {self.status} {self.reply.ident}: no answer ({took})")
+            return
+        s = answers[0].stats
+        self.say(f"{self.what} {self.status} {self.reply.ident}: {s.prompt_tokens:,} prompt tokens "
+                 f"({s.cached_tokens:,} restored), {sum(a.stats.completion_tokens for a in answers):,} out, "
+                 f"{answers[0].finish_reason} ({took})")
+
+
 async def watch_gone(request: Request, reply: Reply) -> None:
     """Ends `reply` at its next token once the client of a whole reply goes away (its body is in:
     what comes next is the disconnect)."""
@@ -203,10 +247,14 @@ class Routes:
         the loop, then answered whole or streamed; a stream's head goes out once its first event
         is in, so a request that cannot be answered (too long for the context, say) is a 4xx."""
         api = self.apis[request.url.path]
-        refused = self.door.refusal(request, api.error)
-        return refused or await counted(self.pool, api.error, lambda place: self._answer(request, api, place))
+        logged = Logged(self.pool.say, request)
+        response = self.door.refusal(request, api.error) or \
+            await counted(self.pool, api.error, lambda place: self._answer(request, api, place, logged))
+        if not isinstance(response, Then) and not logged.why:  # (refused at the door, or busy)
+            logged.status = response.status_code
+        return Then(response, ended=logged.end)
 
-    async def _answer(self, request: Request, api: Api, place: Place) -> Response:
+    async def _answer(self, request: Request, api: Api, place: Place, logged: Logged) -> Response:
         from starlette.responses import JSONResponse, StreamingResponse
 
         from quipu.serve.apis import Ollama
@@ -220,19 +268,27 @@ class Routes:
             head = {**api.head(), "body": body}
             plan = await off_loop(api.plan, self.pool, body, request.headers.get("x-quipu-session"), head)
         except Exception as exc:  # (every refusal a 4xx in the API's shape, never a traceback)
-            return shaped(api.error, exc)
-        reply = Reply(self.pool, plan, head["ident"], place.hold(), api.kept(self.pool, plan, head))
+            return logged.failed(shaped(api.error, exc), exc)
+        if plan.ignored:
+            client = request.headers.get("user-agent", "a client")[:80]
+            self.pool.say_once(f"{client}: {request.url.path} lets be what tunes a hosted service: "
+                               f"{', '.join(plan.ignored)}")
+        reply = Reply(self.pool, plan, head["ident"], place.hold(), api.kept(self.pool, plan, head),
+                      api.shown(plan, head))
+        logged.reply = reply
         if not api.streams(body):
             watch = asyncio.create_task(watch_gone(request, reply))  # (until it is sent: a session's turn is kept then)
             try:
                 answers = await reply.whole()
             except Exception as exc:
                 watch.cancel()
-                return shaped(api.error, exc)
+                return logged.failed(shaped(api.error, exc), exc)
             return Then(JSONResponse(api.whole(answers, head, plan)), sent=reply.sent, ended=watch.cancel)
-        first = await reply.next()
-        if first[0] == "error":
-            return shaped(api.error, first[2])
+        # (a stream's head goes out with its first event, the prompt laid out, so that a prompt too long is a
+        # 4xx; or, where its turn waits for others, at once, and the stream says it is alive meanwhile)
+        first = await reply.first()
+        if first is not None and first[0] == "error":
+            return logged.failed(shaped(api.error, first[2]), first[2])
         return StreamingResponse(api.stream(reply, first, plan, head), media_type=api.media_type,
                                  headers={"Cache-Control": "no-cache"})
 
@@ -297,7 +353,8 @@ class Routes:
         async def counting(place: Place) -> Response:
             try:
                 body = await read_json(request)
-                plan = await off_loop(self.pool.plan, body, lambda b, base: messages_request(b, base, counting=True))
+                plan = await off_loop(self.pool.plan, body, lambda b, base: messages_request(b, base, counting=True),
+                                      True)
                 count = await off_loop(self.pool.count, plan)
             except Exception as exc:
                 return shaped(error_body, exc)
@@ -315,9 +372,14 @@ class Routes:
         if refused is not None:
             return refused
         ident = request.path_params["ident"]
+        items = request.url.path.endswith("/input_items")
+        shown = self.pool.in_progress(ident)
+        if shown is not None and request.method == "GET" and not items:
+            return JSONResponse(shown)  # (a response being made is said so at once)
         try:
+            pages = page_of(request.query_params) if items else None
+            await off_loop(self.pool.kept_wait, ident)  # (a response being made, its input or its removal: once kept)
             async with self.light:
-                await off_loop(self.pool.kept_wait, ident)
                 if request.method == "DELETE":
                     if not await off_loop(forget, self.pool.env, ident):
                         raise RequestError(f"no response '{ident[:80]}' is kept here", 404, "not_found")
@@ -327,10 +389,10 @@ class Routes:
             return shaped(openai_errors, exc)
         if kept is None:
             return shaped(openai_errors, RequestError(f"no response '{ident[:80]}' is kept here", 404, "not_found"))
-        if request.url.path.endswith("/input_items"):
+        if pages is not None:
             from quipu.serve.responses import input_items
 
-            return JSONResponse(input_items(kept.input, ident))
+            return JSONResponse(input_items(kept.input, ident, *pages))
         return JSONResponse(kept.response)
 
     async def listed(self, request: Request) -> Response:

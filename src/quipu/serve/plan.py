@@ -81,6 +81,8 @@ def logit_bias(given: Any, field: str = "logit_bias") -> tuple[str, ...]:
     for token, bias in pairs:
         if isinstance(token, int) and not isinstance(token, bool) and token >= 0:
             token = str(token)
+        elif isinstance(token, str) and token and not isinstance(given, dict):
+            token = f'"{token}"'  # (llama-server's list: a text is text, digits too; only a number is an id)
         if not isinstance(token, str) or not token:
             raise RequestError(f"{field}: a token is a token id or a text, not {str(token)[:40]!r}")
         if bias is False:
@@ -192,7 +194,7 @@ def request_tools(body: Mapping[str, Any], opts: TurnOptions) -> tuple[tuple[Too
     """The tools a request offers (OpenAI's shape, which Ollama's shares), each checked as
     `--tools` checks a file's, which the client runs; and the plan with its `tool_choice`
     ("auto", "none", "required", or `{"type": "function", "function": {"name": NAME}}`)."""
-    from quipu.app.tool_files import check_tool_schemas, tools_from_json
+    from quipu.app.tool_files import check_tool_schemas, held_to_what_holds, tools_from_json
     from quipu.app.tools import Toolbox
 
     given, choice = body.get("tools"), body.get("tool_choice")
@@ -208,7 +210,7 @@ def request_tools(body: Mapping[str, Any], opts: TurnOptions) -> tuple[tuple[Too
         raise RequestError("give tools or a response format, not both: a call is held to its tool's schema")
     try:
         box = Toolbox()
-        box.add(tools_from_json("the request", given))
+        box.add([held_to_what_holds(t) for t in tools_from_json("the request", given)])
         check_tool_schemas(box.tools.values())
     except UsageError as exc:
         raise RequestError(str(exc).replace("the request: ", "")) from None
@@ -282,6 +284,7 @@ class ChatRequest(Request):
     unkept: bool = False  # a turn of that session, not kept (a response not to be stored)
     whole_read: bool = False  # that session's turn answered as a whole read of its conversation is
     gives_context: bool = False  # the reply gives the context's tokens after it (Ollama's /api/generate)
+    ignored: tuple[str, ...] = ()  # what it gave that only tunes a hosted service: let be, said in the log
 
 
 def keep_alive(value: Any, where: str = "keep_alive") -> Keep:
@@ -438,6 +441,24 @@ def _asked(opts: TurnOptions, messages: list[Message], media: tuple[Attachment, 
         from quipu.app.turn_options import grammar_of
 
         grammar_of(opts)  # (a schema the engine cannot keep to is refused before anything is loaded)
-    if messages[-1].role == "system":
-        raise RequestError("messages: the last message is the system prompt; nothing to reply to")
-    return ChatRequest(opts, messages, tools=tools, media=media)
+    return ChatRequest(opts, reply_to_the_last(messages), tools=tools, media=media)
+
+
+def reply_to_the_last(messages: list[Message]) -> list[Message]:
+    """`messages` with the system messages they end with (a note an agent adds after its user's
+    turn: Claude Code's) joined to the user's message before them, so that the reply is to the
+    user's turn; after a tool's result, they are a message of the user's."""
+    last = len(messages)
+    while last and messages[last - 1].role == "system":
+        last -= 1
+    if last == len(messages):
+        return messages
+    if last == 0:
+        raise RequestError("messages: the conversation is a system prompt alone; nothing to reply to")
+    from quipu.sessions.template import SYSTEM_JOINER
+
+    said = SYSTEM_JOINER.join(m.content for m in messages[last:])
+    before = messages[last - 1]
+    if before.role == "user":
+        return [*messages[:last - 1], dataclasses.replace(before, content=before.content + SYSTEM_JOINER + said)]
+    return [*messages[:last], Message("user", said)]

@@ -27,6 +27,7 @@ from quipu.sessions.base import Message, ReplySink, common_prefix
 MAX_WAITING = 8  # requests waiting for the model beside those it answers; past them: busy
 MAX_PARALLEL = 64  # requests a model may answer at once (`--parallel`)
 KEEP_ALIVE = 300.0  # seconds a model stays loaded after its last request, unless told (Ollama's too)
+MAX_SAID = 1024  # lines the log says once (`say_once`); past them, no more are said
 KEPT_WAIT_S = 120.0  # how long a request that goes on from a response waits for it to be kept
 
 
@@ -79,7 +80,9 @@ class Pool:
         self._asked_keep: Keep = None  # the keep-alive the last request that gave one asked for
         self._counted = threading.Lock()
         self._requests = 0  # those held now: answered, waiting, or sending their reply
-        self._keeping: dict[str, threading.Event] = {}  # responses whose turn is being kept (`keeping`)
+        # responses whose turn is being kept (`keeping`), each with what it is meanwhile
+        self._keeping: dict[str, tuple[threading.Event, dict[str, Any] | None]] = {}
+        self._said: set[str] = set()  # the log's lines said once: a model's name the default answered, ...
 
     # ---- admission --------------------------------------------------------------------------
 
@@ -165,10 +168,19 @@ class Pool:
         raise RequestError(f"model '{name[:200]}' is not a model here (the default is '{self.model}'; "
                            "`quipu models list` names the others)", 404, "model_not_found")
 
-    def plan(self, body: Mapping[str, Any], make: Callable[[Mapping[str, Any], TurnOptions], ChatRequest]) -> ChatRequest:
+    def plan(self, body: Mapping[str, Any], make: Callable[[Mapping[str, Any], TurnOptions], ChatRequest],
+             any_name: bool = False) -> ChatRequest:
         """What a request asks (`make` reads it: `plan.chat_request`, ...), for the model it
-        names; checked before anything is loaded (`RequestError`)."""
-        name, _ = self.pick(body.get("model"))
+        names; checked before anything is loaded (`RequestError`). `any_name`: a name this machine
+        does not know is answered by the default model (an agent's own model names, such as
+        `claude-opus-4-8`), said once a name in the server's log."""
+        try:
+            name, _ = self.pick(body.get("model"))
+        except RequestError as exc:
+            if not any_name or exc.status != 404:
+                raise
+            name = self.model
+            self.say_once(f"model '{body['model'][:200]}' is not a model here: '{name}' answers it")
         return dataclasses.replace(make(body, self.base), model=name)
 
     def loaded(self) -> Loaded | None:
@@ -179,14 +191,18 @@ class Pool:
 
     def chat(self, asked: ChatRequest, sink: ReplySink, ident: str = "",
              took: Callable[[Answer], bool] = lambda answer: True,
-             kept: Callable[[Answer, Sequence[Message]], None] | None = None) -> Answer:
+             kept: Callable[[Answer, Sequence[Message]], None] | None = None,
+             taken: Callable[[], None] = lambda: None) -> Answer:
         """Answers a request (`asked`, with its model: `ChatRequest.model`) into `sink` (which
         says when its client has gone), once the model has room, on a slot of its; what the turn
-        says goes to the server's log (`ident`, the request's id), and the answer is logged
-        unless the server was told not to. A session's turn is kept once `took` says the client
-        has the whole answer (never, `asked.unkept`), and then `kept` is told."""
+        says goes to the server's log with the request's id (`ident`; once, a notice every request
+        would repeat), and the answer is logged unless the server was told not to. A session's turn is kept once `took` says the client
+        has the whole answer (never, `asked.unkept`), and then `kept` is told. `taken` is told
+        once it has its slot (its turn no longer waits for others)."""
+        self._say_unenforced(asked)
         with self._held(asked.model or self.model, asked.keep, asked.opts) as (loaded, load_s, notices):
             with self._slot(loaded, asked) as slot:
+                taken()
                 host = SlotHost(slot.backend, loaded.backend, loaded.keeper, load_s, notices, slot.held)
                 slot.held, slot.said = [], ()  # (until this request is answered: what the context holds is this one's)
                 if asked.session is not None:  # (what the slot's context holds then is the session's: not kept)
@@ -208,9 +224,29 @@ class Pool:
                                  unkept=sum(m.role != "system" for m in asked.messages) > 1)
         if unlogged:
             answer.notices.append(unlogged)
-        for notice in answer.notices:
-            self.say(f"{ident}: {notice}" if ident else notice)
+        for notice in answer.notices:  # (a notice that every request would repeat is said once)
+            self.say_once(f"{ident}: {notice}" if ident else notice, notice)
         return answer
+
+    def _say_unenforced(self, asked: ChatRequest) -> None:
+        """Says once a tool which keywords of its parameters its calls are not held to."""
+        from quipu.app.tool_files import unenforced
+
+        for tool in asked.tools:
+            missed = unenforced(tool)
+            if missed:
+                self.say_once(f"tool {tool.spec.name}: its calls are held to its parameters but "
+                              f"{', '.join(missed)} (the client checks them)")
+
+    def say_once(self, line: str, key: str | None = None) -> None:
+        """Says `line` in the server's log, unless it (or what `key` names) was said before."""
+        key = line if key is None else key
+        with self._counted:
+            first = key not in self._said and len(self._said) < MAX_SAID
+            if first:
+                self._said.add(key)
+        if first:
+            self.say(line)
 
     def count(self, asked: ChatRequest) -> int:
         """The tokens a request's prompt would be, on a slot of its model."""
@@ -221,11 +257,12 @@ class Pool:
 
     # ---- responses kept -------------------------------------------------------------------
 
-    def keeping(self, ident: str) -> Callable[[], None]:
-        """Marks response `ident` as being kept (its turn not yet over); what says it is over."""
+    def keeping(self, ident: str, shown: dict[str, Any] | None = None) -> Callable[[], None]:
+        """Marks response `ident` as being kept (its turn not yet over; `shown`, what a request for
+        it meanwhile is given); what says it is over."""
         done = threading.Event()
         with self._counted:
-            self._keeping[ident] = done
+            self._keeping[ident] = (done, shown)
 
         def over() -> None:
             with self._counted:
@@ -233,13 +270,28 @@ class Pool:
             done.set()
         return over
 
+    def delivered(self, ident: str) -> None:
+        """Response `ident`'s client has it whole: a request for it now waits for it to be kept
+        (a moment), and is given it as kept."""
+        with self._counted:
+            found = self._keeping.get(ident)
+            if found is not None:
+                self._keeping[ident] = (found[0], None)
+
+    def in_progress(self, ident: str) -> dict[str, Any] | None:
+        """What response `ident` is while its turn is not over (its status "in_progress"); None
+        where it is not being made."""
+        with self._counted:
+            found = self._keeping.get(ident)
+        return found[1] if found is not None else None
+
     def kept_wait(self, ident: str) -> None:
         """Waits (a while) for response `ident`'s turn to be over, where it is being kept: a
         client that goes on from a response at once finds it kept."""
         with self._counted:
-            done = self._keeping.get(ident)
-        if done is not None:
-            done.wait(KEPT_WAIT_S)
+            found = self._keeping.get(ident)
+        if found is not None:
+            found[0].wait(KEPT_WAIT_S)
 
     def embed(self, model: str, texts: list[str | list[int]], keep: Keep = None) -> tuple[list[list[float]], int, float]:
         """Each text's embedding by `model` (or its tokens': pooled by the mean, as `quipu embed`

@@ -30,6 +30,14 @@ NAMES = {name: o.responses for name, o in OPTIONS.items() if o.responses is not 
 NOT_TAKEN = {"background": "background responses", "conversation": "conversations by id (previous_response_id "
              "goes on from a response)", "prompt": "prompt templates", "top_logprobs": "log probabilities "
              "(/v1/chat/completions gives them)"}
+# The fields a request's reading reads (the rest tune a hosted service: let be, and said in the log).
+READ = frozenset(("model", "input", "instructions", "tools", "tool_choice", "text", "reasoning", "include", "store",
+                  "stream", "previous_response_id", "truncation", *NAMES.values(), *NOT_TAKEN))
+# The tools OpenAI's service runs itself, which no model here can call: left out of the model's
+# tools (and named in the server's log), as a request with a search the client has switched off.
+HOSTED = frozenset(("web_search", "web_search_preview", "file_search", "computer_use_preview", "computer_use",
+                    "code_interpreter", "image_generation", "local_shell", "mcp", "shell", "apply_patch"))
+HOSTED_FAMILIES = ("web_search_", "computer_use_", "file_search_", "image_generation_")
 # `include`s the server gives without being asked (reasoning as text), or has nothing for.
 INCLUDED = {"reasoning.encrypted_content", "message.output_text.logprobs"}
 
@@ -64,13 +72,15 @@ def responses_request(body: Mapping[str, Any], base: TurnOptions, previous: Kept
     items = openai_messages(body.get("input"), names)
     if previous is None and instructions:
         items = [{"role": "system", "content": instructions}] + items
-    chat = {"messages": items, "tools": openai_tools(body.get("tools")),
+    skipped: list[str] = []
+    chat = {"messages": items, "tools": openai_tools(body.get("tools"), skipped),
             "tool_choice": openai_choice(body.get("tool_choice"))}
     tools, opts = request_tools(chat, opts)
     messages, media = chat_messages(chat)
-    if previous is not None:
-        return ChatRequest(opts, messages, tools=tools, media=media)  # (its conversation is the session's)
-    return _asked(opts, messages, media, tools)
+    ignored = tuple(sorted(set(body) - READ)) + tuple(f"tools: {kind}" for kind in dict.fromkeys(skipped))
+    if previous is not None:  # (its conversation is the session's)
+        return ChatRequest(opts, messages, tools=tools, media=media, ignored=ignored)
+    return dataclasses.replace(_asked(opts, messages, media, tools), ignored=ignored)
 
 
 def _format(text: Any) -> str | None:
@@ -170,9 +180,11 @@ def openai_messages(given: Any, names: dict[str, str]) -> list[dict[str, Any]]:
     return out
 
 
-def openai_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """A request's function tools in the chat API's shape; a tool the server would run (web
-    search, files, a computer) is refused: the client runs every tool."""
+def openai_tools(tools: Any, skipped: list[str] | None = None) -> list[dict[str, Any]] | None:
+    """A request's function tools in the chat API's shape, a namespace's functions among them (as
+    Codex groups its agents' tools); a tool the server would run (web search, files, a computer:
+    `HOSTED`) is left out, its type added to `skipped`: the client runs every tool the model is
+    offered."""
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -180,11 +192,17 @@ def openai_tools(tools: Any) -> list[dict[str, Any]] | None:
     out = []
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            raise RequestError(f"tools[{i}]: quipu serve runs no tool of its own ({str(kind)[:40]}); a function "
-                               "tool has its name and parameters, and the client runs it")
-        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
-                                                     if tool.get(k) is not None}})
+        if kind == "namespace" and isinstance(tool.get("tools"), list):
+            out += openai_tools(tool["tools"], skipped) or []
+        elif kind == "function":
+            out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
+                                                         if tool.get(k) is not None}})
+        elif isinstance(kind, str) and kind in HOSTED or isinstance(kind, str) and kind.startswith(HOSTED_FAMILIES):
+            if skipped is not None:
+                skipped.append(kind)
+        else:
+            raise RequestError(f"tools[{i}]: a tool is a function (its name and parameters, which the client runs), "
+                               f"not {str(kind)[:40]}")
     return out
 
 
@@ -361,15 +379,21 @@ class Events:
         return [self.event("error", code=shaped.get("code"), message=shaped["message"], param=shaped.get("param"))]
 
 
-async def response_stream(reply: Reply, first: Event, plan: ChatRequest, head: dict[str, Any]
+async def response_stream(reply: Reply, first: Event | None, plan: ChatRequest, head: dict[str, Any]
                           ) -> AsyncIterator[str]:
     """The reply as the Responses API's events (`Events`); kept once the last is out."""
+    from quipu.serve.stream import ALIVE, PING_S
+
     events = Events(head, plan.model)
     for line in events.begun():
         yield line
     event = first
     try:
         while True:
+            if event is None:  # (nothing yet: its turn awaited, or its prompt read)
+                yield ALIVE
+                event = await reply.within(PING_S)
+                continue
             kind, _, value = event
             if kind in ("content", "reasoning_content"):
                 lines = events.piece(kind, value)
@@ -385,14 +409,16 @@ async def response_stream(reply: Reply, first: Event, plan: ChatRequest, head: d
                 reply.sent()  # (kept once the last event is out)
             if kind in ("done", "error"):
                 break
-            event = await reply.next()
+            event = await reply.within(PING_S)
     finally:
         reply.close()
 
 
-def input_items(items: Sequence[Any], ident: str) -> dict[str, Any]:
+def input_items(items: Sequence[Any], ident: str, limit: int = 20, order: str = "desc", after: str | None = None
+                ) -> dict[str, Any]:
     """A kept response's input, as the API lists it (GET /v1/responses/{id}/input_items): each
-    item with an id, a message's text as its part."""
+    item with an id, a message's text as its part; a page of them, `limit` long, in `order`
+    (desc: the last first), after the item `after` names."""
     data = []
     for i, item in enumerate(items):
         item = dict(item) if isinstance(item, dict) else {"role": "user", "content": str(item)}
@@ -402,5 +428,13 @@ def input_items(items: Sequence[Any], ident: str) -> dict[str, Any]:
             item = {"type": "message", **item,
                     "content": [{"type": kind, "text": content}] if isinstance(content, str) else content}
         data.append({"id": item.get("id") or f"in_{ident.removeprefix('resp_')}_{i}", **item})
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": False}
+    if order == "desc":
+        data.reverse()
+    if after is not None:
+        at = next((i for i, item in enumerate(data) if item["id"] == after), None)
+        if at is None:
+            raise RequestError(f"after: the input of '{ident[:80]}' has no item '{after[:80]}'")
+        data = data[at + 1:]
+    page = data[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(data) > limit}

@@ -97,10 +97,17 @@ def usage(answers: Sequence[Answer]) -> dict[str, Any]:
             "total_tokens": s.prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
 
 
+ROOM = 1024  # tokens a context fitted to a prompt keeps for its reply, at the least (`error_body`)
+
+
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """The status and OpenAI-shaped body of a failure (one line, never a traceback)."""
     if isinstance(exc, ContextOverflow):  # (llama-server's type and figures, OpenAI's code)
-        return 400, {"error": {"message": str(exc), "type": "exceed_context_size_error", "param": "messages",
+        size = f"more than {exc.prompt_tokens:,}" if exc.at_least else f"{exc.prompt_tokens:,}"
+        fits = 1 << max(12, (exc.prompt_tokens + ROOM).bit_length())
+        said = (f"the prompt is {size} tokens but the server's context holds {exc.n_ctx:,}: start quipu serve with "
+                f"--ctx {fits} (or more), or send a shorter conversation")
+        return 400, {"error": {"message": said, "type": "exceed_context_size_error", "param": "messages",
                                "code": "context_length_exceeded", "n_prompt_tokens": exc.prompt_tokens,
                                "n_ctx": exc.n_ctx}}
     if isinstance(exc, RequestError):

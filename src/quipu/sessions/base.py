@@ -109,6 +109,10 @@ class ReplySink:
     def progress(self, done: int, total: int) -> None:
         pass
 
+    def begins(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """The prompt is laid out and fits: `prompt_tokens` in all, `cached_tokens` of them
+        restored rather than read; its reading begins."""
+
     def logprobs(self, entries: list[dict[str, Any]]) -> None:
         """The log probabilities of the tokens drawn since the last piece, given before the
         piece that holds them (where a request asked for them: `app/logprobs.py`)."""
@@ -148,6 +152,9 @@ class PassedOn(ReplySink):
 
     def progress(self, done: int, total: int) -> None:
         self.sink.progress(done, total)
+
+    def begins(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.sink.begins(prompt_tokens, cached_tokens)
 
     def logprobs(self, entries: list[dict[str, Any]]) -> None:
         self.sink.logprobs(entries)

@@ -27,7 +27,7 @@ def _schema(tool: ToolSpec) -> dict[str, Any]:
     """A tool's arguments' schema (any object, where it gives none). An object that names its
     properties and says nothing of others takes no others, as llama.cpp's tool-call grammars
     read it (common/json-schema.cpp): a call to a tool of no parameters is `{}`."""
-    return _closed(tool.parameters) if tool.parameters else {"type": "object"}
+    return _closed(tool.call_schema) if tool.call_schema else {"type": "object"}
 
 
 def _closed(schema: Any) -> Any:
@@ -238,8 +238,8 @@ def _in_order(tool: ToolSpec, rule: str, param: Callable[[str, Any], str], sep: 
     """A tool's parameters in the order of its schema, each written by `param(key, schema)`,
     `sep` between two; a parameter not required may be left out. Returns the expression and
     the Lark rules it needs (named from `rule`)."""
-    props = list(((tool.parameters or {}).get("properties") or {}).items())
-    required = set((tool.parameters or {}).get("required") or [])
+    props = list(((tool.call_schema or {}).get("properties") or {}).items())
+    required = set((tool.call_schema or {}).get("required") or [])
     rules = []
     # {rule}_{i}_{f}: the parameters from the i-th on; f=1 while none has been written yet.
     for i in range(len(props), -1, -1):

@@ -124,6 +124,7 @@ class InferenceSession(ContextMoves):
         # Re-read tokens were computed (their time is the restore's), not reused from a cache.
         self.stats = replace(self.stats, cached_tokens=max(0, min(keep, self.n_decoded) - self._rebuilt_pending))
         self._rebuilt_pending = 0
+        sink.begins(len(tokens), self.stats.cached_tokens)
         self.feed_prompt(tokens[keep:], sink, marks)
         return keep
 

@@ -137,11 +137,11 @@ class ChatTemplate:
         if any(m.get("tool_calls") for m in messages) and self.string_arguments:
             messages = [_arguments_as_json(m) for m in messages]
         if self.folds_system:
-            messages = fold_system(messages)
+            messages = fold_system(fold_late_system(messages))
         try:
             return self._render(messages, add_generation_prompt, variables)
         except TemplateRefused:
-            folded = fold_system(messages)
+            folded = fold_system(fold_late_system(messages))
             if folded is messages:
                 raise
             text = self._render(folded, add_generation_prompt, variables)
@@ -237,6 +237,27 @@ def fold_system(messages: list[dict[str, str]]) -> list[dict[str, str]]:
         return messages
     joined = {"role": "user", "content": messages[0]["content"] + SYSTEM_JOINER + messages[1]["content"]}
     return [joined, *messages[2:]]
+
+
+def fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each system message after the conversation's start (an agent's note) joined to the user's
+    message after it, else to the one before it; `messages` itself when there is none to join."""
+    start = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    late = [i for i in range(start, len(messages)) if messages[i]["role"] == "system"
+            and isinstance(messages[i].get("content"), str)]
+    if not late:
+        return messages
+    out = [dict(m) for m in messages]
+    for i in late:
+        after = next((j for j in range(i + 1, len(out)) if out[j]["role"] == "user"), None)
+        at = after if after is not None else next((j for j in range(i - 1, -1, -1) if out[j]["role"] == "user"), None)
+        if at is None or not isinstance(out[at].get("content"), str):
+            continue
+        note = out[i]["content"]
+        out[at]["content"] = note + SYSTEM_JOINER + out[at]["content"] if at > i else \
+            out[at]["content"] + SYSTEM_JOINER + note
+        out[i] = {}
+    return [m for m in out if m]
 
 
 class _Deadline:

@@ -45,6 +45,14 @@ class ToolSpec:
     name: str
     description: str
     parameters: dict[str, Any]
+    # Where the engine cannot hold a call to all of `parameters` (a keyword it cannot enforce, given
+    # by a server's client that checks its calls itself): what a call is held to of them.
+    held: dict[str, Any] | None = None
+
+    @property
+    def call_schema(self) -> dict[str, Any]:
+        """The schema a call's arguments are held to."""
+        return self.held if self.held is not None else self.parameters
 
     def to_openai(self) -> dict[str, Any]:
         return {"type": "function", "function": {"name": self.name, "description": self.description,

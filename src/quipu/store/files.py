@@ -12,7 +12,7 @@ import secrets
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from quipu.paths import create_private
 
@@ -157,3 +157,19 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def lone_surrogate(value: Any) -> bool:
+    """Whether parsed JSON holds a text with a lone half of a UTF-16 pair (`"\\ud800"`, which
+    JSON allows and no tokenizer can take), in a key or a value at any depth."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(lone_surrogate(k) or lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(lone_surrogate(item) for item in value)
+    return False

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from quipu.store.files import lone_surrogate
+
 DIGEST = re.compile(r"[0-9a-f]{64}")
 FORMAT = "quipu-session"
 VERSION = 1
@@ -75,6 +77,9 @@ class Transcript:
             record = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):
             raise TranscriptError("the transcript is not valid JSON") from None
+        if lone_surrogate(record):  # (JSON allows "\ud800"; no text, and no tokenizer, does)
+            raise TranscriptError("the transcript holds a lone half of a UTF-16 pair (\\ud800-\\udfff), which is "
+                                  "no text")
         problem = check(record)
         if problem:
             raise TranscriptError(problem)
