@@ -115,8 +115,13 @@ def test_the_options_table_holds_every_option_of_run_and_chat_and_each_is_asked_
     from quipu.cli import serve as serve_command
 
     assert served <= set(inspect.signature(serve_command.serve).parameters)
+    # (and `quipu launch`'s own, the group "launch")
+    from quipu.cli import launch as launch_command
+
+    launched = {name for name, option in group("launch").items() if option.flags}
+    assert launched <= set(inspect.signature(launch_command.launch).parameters)
     spelled = {name for name, option in OPTIONS.items() if option.flags} | {"prompt"}
-    assert spelled == set(run_command.PARAMS) | set(chat_command.PARAMS) | served
+    assert spelled == set(run_command.PARAMS) | set(chat_command.PARAMS) | served | launched
     features = {o.feature for o in OPTIONS.values()} - {None}
     refused = set().union(*(m.refuses for m in (ONE_SHOT, FROM_MESSAGES, SESSION, CHAT, RAW, BATCH)))
     # each mode refuses options of the table, and each feature is refused by a mode or a host
@@ -126,7 +131,7 @@ def test_the_options_table_holds_every_option_of_run_and_chat_and_each_is_asked_
     values = {"tuple": ("x",), "bool | None": False, "bool": True, "int": 0, "float": 0.5, "str": "x"}
     assert TurnOptions().given == frozenset() and asked_of(TurnOptions().given) == {}
     for name, option in OPTIONS.items():
-        own = name in run_command.OWN or name in chat_command.OWN or name in group("serve")
+        own = name in run_command.OWN or name in chat_command.OWN or name in group("serve") or name in group("launch")
         field = option.held_as
         # a command's own option is no field of the options (the command names it when given);
         # a sampling parameter is held by name among the sampling parameters given

@@ -317,6 +317,9 @@ _ALL = (
     _option("keep_alive", "--keep-alive", help="How long a model stays loaded after its last request: 5m (the "
             "default), 90s, 1h, 0 (unloaded at once), -1 (for good).", metavar="DURATION", field="", group="serve",
             config=object, section="serve"),
+    # ---- launch: `quipu launch`'s own ----
+    _option("show_only", "--print", kind=bool, help="Print how to point the agent at a quipu server (its environment "
+            "and command), and start nothing.", field="", group="launch"),
     _option("cors", "--cors", multiple=True, help="Let web pages of this origin call the server (https://host:port; "
             "again for more).", metavar="ORIGIN", field="", group="serve", config=tuple, section="serve"),
 )

@@ -51,6 +51,8 @@ Every turn, named session and chat is written once, for every host a model can r
   `hub_pull.py`, a pull into the Hub's cache, resumed, checked against the Hub's checksums;
   `hub_search.py`, the Hub's search (`quipu models search`); `known_models.py`, the short
   names (`gemma3:1b`) and what each pulls.
+- `launch.py`: `quipu launch AGENT`, a coding agent (Claude Code, Codex, opencode) run on a
+  local model through `quipu serve`, pointed at it for that run alone.
 - `templates.py`: what a model's chat template does (`quipu models info --template`).
 - `cache.py`: `quipu cache info|clear` (the prompt cache itself is used by `prompt_cache.py`).
 - `answer_log.py`: the log of answers, written after each answer, searched by `quipu logs`, and

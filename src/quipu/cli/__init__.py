@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 # The commands, by name (`build_app` registers each; a test holds the two together).
-COMMANDS = ("run", "chat", "sessions", "logs", "roles", "models", "config", "embed", "cache", "doctor", "serve")
+COMMANDS = ("run", "chat", "sessions", "logs", "roles", "models", "config", "embed", "cache", "doctor", "serve", "launch")
 
 
 # Other tools' verbs (Ollama's, llm's), which a bare first argument is not a question for: the
@@ -65,7 +65,7 @@ def as_prompt(argv: list[str]) -> list[str]:
 def build_app() -> typer.Typer:
     import typer
 
-    from quipu.cli import cache, chat, config, doctor, embed, logs, models, roles, root, run, serve, sessions
+    from quipu.cli import cache, chat, config, doctor, embed, launch, logs, models, roles, root, run, serve, sessions
     from quipu.cli.options import plain_help
 
     plain_help()
@@ -91,6 +91,7 @@ def build_app() -> typer.Typer:
     cache.register(app)
     doctor.register(app)
     serve.register(app)
+    launch.register(app)
     return app
 
 
