@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_STATE_BYTES = 4 << 30
 DEFAULT_CACHE_BYTES = 2 << 30
+MAX_CACHE_BYTES = 64 << 30  # the most the prompt cache takes of a disk unless the config says otherwise
 DEFAULT_MAX_RECORDS = 100_000  # answers the log keeps, the oldest dropped first
 # Where the model runs: the variables that set it, between the command line's options and the config's.
 GPU_ENVIRON = {"gpu_layers": "QUIPU_GPU_LAYERS", "gpu_memory": "QUIPU_GPU_MEMORY", "device": "QUIPU_DEVICE"}
@@ -53,7 +54,21 @@ class Environment:
 
     @property
     def cache_max_bytes(self) -> int:
-        return int(self.config.cache.get("max_bytes", DEFAULT_CACHE_BYTES))
+        """The prompt cache's budget: the config's `[cache] max_bytes`, else a quarter of the free
+        disk it is on (so that a real model's agent-sized prompt, some gigabytes, is kept), at
+        least `DEFAULT_CACHE_BYTES` and at most `MAX_CACHE_BYTES`."""
+        if "max_bytes" in self.config.cache:
+            return int(self.config.cache["max_bytes"])
+        import shutil
+
+        place = self.dirs.prompt_cache
+        while not place.exists() and place.parent != place:
+            place = place.parent
+        try:
+            free = shutil.disk_usage(place).free
+        except OSError:
+            return DEFAULT_CACHE_BYTES
+        return max(DEFAULT_CACHE_BYTES, min(free // 4, MAX_CACHE_BYTES))
 
     def requested_model(self, requested: str | None) -> str | None:
         """The model name a command would use: `--model`, else QUIPU_MODEL, else the config's

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from quipu.app.environment import Environment
-from quipu.engine.base import MEDIA_BASE, MEDIA_SPAN
-from quipu.errors import EngineError
+from quipu.engine.base import MEDIA_BASE, MEDIA_SPAN, MemoryPart
+from quipu.engine.kvstate import cells_from, joined
+from quipu.errors import EngineError, SnapshotError
 from quipu.sessions.inference import InferenceSession
-from quipu.store.cache import MIN_TOKENS, CacheEntries
+from quipu.store.cache import MAX_CHAIN, MIN_TOKENS, CacheEntries, Parent
 
 
 @dataclass
@@ -102,8 +103,11 @@ def cache_lookup(session: InferenceSession, tokens: list[int], model_fp: str, ca
     keep = whole_media(tokens, restore_to(session, hit.reuse, hit.stops is not None, len(tokens))) if hit else 0
     if hit is not None and keep > 0:
         try:
-            reused = session.restore_prefix(hit.state, local(hit.tokens, digests), keep, hit.stops or ())
-        except EngineError as exc:
+            state = hit.state
+            for start, piece in hit.pieces:  # (an entry that goes on from others: their cells, then its own)
+                state = joined(state, start, piece)
+            reused = session.restore_prefix(state, local(hit.tokens, digests), keep, hit.stops or ())
+        except (EngineError, SnapshotError) as exc:
             cache.drop(hit.path, str(exc))
     return CacheUse(cache, key, tokens, reused, made_by, hit.reuse if hit is not None else 0)
 
@@ -136,10 +140,33 @@ def cache_save(session: InferenceSession, use: CacheUse) -> None:
     tokens = canonical(session.tokens[:held], cache_digests(session, use.made_by))
     if tokens[:len(prompt)] != prompt:  # (the context went back inside the prompt: a tool loop's turns)
         return
+    memory = session.backend.memory
     try:
-        use.cache.save(use.key, tokens, session.backend.memory.snapshot_bytes(), session.backend.memory.restore_points())
+        state, stops = memory.snapshot_bytes(), memory.restore_points()
+        parent, start, piece = piece_of(use.cache, use.key, tokens, state, memory)
+        use.cache.save(use.key, tokens, piece if piece is not None else state, stops, parent, start)
     except (EngineError, OSError):
         pass  # a cache never fails a run
+
+
+def piece_of(cache: CacheEntries, key: dict[str, Any], tokens: list[int], state: bytes | memoryview,
+             memory: MemoryPart) -> tuple[Parent | None, int, bytes | None]:
+    """Where a new entry of `tokens` (its context's state `state`) may go on from an earlier one:
+    the entry sharing its longest beginning, the position from which the new one holds its own
+    cells (where a step of a whole read starts, at or before what they share, so that the cells
+    before it are the ones a whole read makes, whichever run made them), and those cells; (None,
+    0, None) where the entry is kept whole: nothing shared to go on from, a memory whose state
+    is not one plain cache (a sliding window's, a recurrent model's), a chain long enough."""
+    parent = cache.parent_for(key, tokens)
+    if parent is None or parent.depth >= MAX_CHAIN - 1:
+        return None, 0, None
+    start = memory.step_start(min(parent.shared, len(tokens) - 1))
+    if parent.stops is not None:
+        start = max([s for s in parent.stops if s <= start] + [0])
+    if start < MIN_TOKENS:
+        return None, 0, None
+    piece = cells_from(state, start)
+    return (parent, start, piece) if piece is not None else (None, 0, None)
 
 
 class PromptCache:

@@ -69,6 +69,9 @@ def serve(
 
     def listening() -> None:
         term.err(f"quipu serve: {pool.model} at {chosen.url} (Ctrl-C stops)\n")
+        if not opts.no_cache:
+            term.err(f"quipu serve: every conversation kept in the prompt cache, {env.dirs.prompt_cache}, up to "
+                     f"{env.cache_max_bytes / 2**30:.1f} GiB (the config's [cache] max_bytes)\n")
 
     app = http.http_app(pool, chosen.host, chosen.port, chosen.api_key, list(chosen.origins), listening)
     server.run(app, pool, sock)

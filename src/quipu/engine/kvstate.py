@@ -181,3 +181,109 @@ def _check_no_recurrent(read: Reader, n_layer: int) -> None:
         records += 1
     if records == 0 or records % 2 or records > 2 * n_layer:  # (each layer with a state: its R record and its S)
         raise SnapshotError("the piece's recurrent part is not of the layout quipu reads")
+
+
+# ---- a plain cache's state in parts: the cells from a position on, and a state put back together --
+
+@dataclass(frozen=True)
+class _Cache:
+    """A sequence state of one plain attention cache (the layout above, one stream, nothing
+    after its layers), read apart: its head, its cells' records and positions, and each layer's
+    K and V (their headers, and their rows per cell, or per embedding row a run of elements)."""
+
+    head: bytes
+    ext: int
+    cells: list[bytes]
+    positions: list[int]
+    v_trans: int
+    k: list[tuple[bytes, list[bytes]]]  # (header, a row per cell)
+    v: list[tuple[bytes, list[list[bytes]]]]  # (header, per embedding row (transposed) or one, an item per cell)
+
+
+def _read_cache(data: bytes | memoryview) -> _Cache | None:
+    """`data` read as `_Cache`; None where it is not one plain cache of the layout above."""
+    read = Reader(data, "the context state")
+    try:
+        head = bytes(read.skip(_HEAD.size))
+        magic, _ = _HEAD.unpack(head)
+        (n_stream,) = read.take(_U32)
+        (count,) = read.take(_U32)
+        if magic != MAGIC or n_stream != 1:
+            return None
+        ext = next((e for e in (0, CELL_EXT) if _one_sequence(read, count, e)), None)
+        if ext is None:
+            return None
+        size = _CELL.size + ext
+        cells = [bytes(read.skip(size)) for _ in range(count)]
+        positions = [_I32.unpack_from(c, 0)[0] for c in cells]
+        if not count:
+            return None
+        trans, layers = read.take(_U32)[0], read.take(_U32)[0]
+        k = []
+        for _ in range(layers):
+            header = bytes(read.skip(_LAYER_K.size))
+            row = _LAYER_K.unpack(header)[1]
+            k.append((header, [bytes(read.skip(row)) for _ in range(count)]))
+        v = []
+        for _ in range(layers):
+            if trans:
+                header = bytes(read.skip(_LAYER_V_TRANS.size))
+                _, item, rows = _LAYER_V_TRANS.unpack(header)
+                v.append((header, [[bytes(read.skip(item)) for _ in range(count)] for _ in range(rows)]))
+            else:
+                header = bytes(read.skip(_LAYER_K.size))
+                row = _LAYER_K.unpack(header)[1]
+                v.append((header, [[bytes(read.skip(row)) for _ in range(count)]]))
+    except SnapshotError:
+        return None
+    return _Cache(head, ext, cells, positions, trans, k, v) if read.done else None
+
+
+def _one_sequence(read: Reader, count: int, ext: int) -> bool:
+    size = _CELL.size + ext
+    if read.at + count * size > len(read.view):
+        return False
+    return all(_CELL_HEAD.unpack_from(read.view, read.at + i * size)[1] == 1 for i in range(count))
+
+
+def _write(cache: _Cache, keep: list[bool], more: _Cache | None = None, more_keep: list[bool] | None = None) -> bytes:
+    """`cache`'s cells that `keep` says, then `more`'s that `more_keep` says, as one state."""
+    def picked(items: list[bytes], extra: list[bytes] | None) -> list[bytes]:
+        out = [x for x, k in zip(items, keep, strict=True) if k]
+        if extra is not None and more_keep is not None:
+            out += [x for x, k in zip(extra, more_keep, strict=True) if k]
+        return out
+
+    count = sum(keep) + (sum(more_keep) if more_keep is not None else 0)
+    out = [cache.head, _U32.pack(1), _U32.pack(count), *picked(cache.cells, more.cells if more else None),
+           _U32.pack(cache.v_trans), _U32.pack(len(cache.k))]
+    for i, (header, rows) in enumerate(cache.k):
+        out += [header, *picked(rows, more.k[i][1] if more else None)]
+    for i, (header, runs) in enumerate(cache.v):
+        out.append(header)
+        for j, run in enumerate(runs):
+            out += picked(run, more.v[i][1][j] if more else None)
+    return b"".join(out)
+
+
+def cells_from(data: bytes | memoryview, start: int) -> bytes | None:
+    """The state of the cells of `data` (a whole sequence state) at positions `start` on, as
+    one plain cache's state; None where `data` is not one plain cache of the layout above (a
+    sliding window's, a recurrent model's: they are kept whole)."""
+    cache = _read_cache(data)
+    if cache is None:
+        return None
+    return _write(cache, [p >= start for p in cache.positions])
+
+
+def joined(base: bytes | memoryview, start: int, piece: bytes | memoryview) -> bytes:
+    """The state whose cells are `base`'s before position `start`, then `piece`'s (a
+    `cells_from(..., start)` of a state that began as `base` did); SnapshotError where the two are
+    not of one layout."""
+    below, above = _read_cache(base), _read_cache(piece)
+    if below is None or above is None or below.ext != above.ext or below.v_trans != above.v_trans \
+            or [h for h, _ in below.k] != [h for h, _ in above.k] or [h for h, _ in below.v] != [h for h, _ in above.v] \
+            or min(above.positions) != start \
+            or [p for p in below.positions if p < start] != list(range(start)):
+        raise SnapshotError("a cached piece of context state does not go on from the state it was made on")
+    return _write(below, [p < start for p in below.positions], above, [True] * len(above.positions))

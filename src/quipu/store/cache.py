@@ -4,10 +4,14 @@ that beginning instead of reading it again.
 
 Each entry is a state file (statefile.py: checksummed, written atomically) in the cache
 folder, named by a digest of what it depends on (model fingerprint, llama.cpp build, context
-settings) and of its tokens, which its metadata holds. A lookup reads only the entries'
-metadata and picks the one sharing the longest beginning with the new prompt; the caller
-restores its state and keeps that beginning. Entries are used least recently first out of a
-size budget. A damaged entry is dropped, never trusted and never an error.
+settings) and of its tokens, which its metadata holds. An entry may hold only the cells it adds
+to an earlier one (its `parent`, from the position `start` on), so that a long beginning many
+prompts share (an agent's system prompt and tools, a conversation that grows a turn at a time) is
+kept once and each prompt writes what it added. A lookup reads only the entries' metadata and
+picks the one sharing the longest beginning with the new prompt, then the entries it goes on
+from; the caller restores their state and keeps that beginning. Entries are used least recently
+first out of a size budget (an entry used, or gone on from, makes those it goes on from used
+too, so that they go after it). A damaged entry is dropped, never trusted and never an error.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -27,6 +31,7 @@ from quipu.store.files import atomic_write, clean_temporaries, oldest_first
 DEFAULT_MAX_BYTES = 2 << 30
 MIN_TOKENS = 128  # a shorter beginning is read faster than a file is
 SUFFIX = ".kv"
+MAX_CHAIN = 64  # entries a lookup reads, one going on from the next, at most (a longer chain: a whole entry)
 
 
 @dataclass
@@ -35,9 +40,22 @@ class CacheHit:
     # How many of them begin the new prompt; where the entry says where its state may be cut
     # back to (`stops`), the last of them before the new prompt's last token.
     reuse: int
-    state: bytes | memoryview
+    state: bytes | memoryview  # the state of the first entry of its chain, whole
     path: Path
     stops: list[int] | None = None
+    # The cells each entry after the first adds, from its position on (the first's child first).
+    pieces: list[tuple[int, bytes | memoryview]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Parent:
+    """An entry a new one may go on from: where it is, how many of its tokens begin the new
+    entry's, where its state may be cut back to (None: anywhere), how many entries its chain holds."""
+
+    path: Path
+    shared: int
+    stops: list[int] | None
+    depth: int
 
 
 class CacheEntries:
@@ -98,44 +116,102 @@ class CacheEntries:
 
     def lookup(self, key: dict[str, Any], tokens: Sequence[int]) -> CacheHit | None:
         """The entry made under `key` that shares the longest beginning with `tokens` (at least
-        MIN_TOKENS of it), its state verified; None when there is none."""
+        MIN_TOKENS of it), its state and those of the entries it goes on from verified; None
+        when there is none."""
         best = self._best(key, tokens)
         if best is None:
             return None
         reuse, path, held, stops = best
-        try:
-            blob = read_state(path)
-        except (OSError, SnapshotError) as exc:
-            self.drop(path, str(exc))
+        chain = self._chain(path, held)
+        if chain is None:
             return None
-        if blob.meta.get("tokens") != held:
-            self.drop(path, "its metadata changed while it was read")
+        for link in chain:
+            used(link[0])  # (used: the last to go, those it goes on from after it)
+        (_, first, _), rest = chain[-1], chain[-2::-1]
+        return CacheHit(held, reuse, first, path, stops, [(start, state) for _, state, start in rest])
+
+    def _chain(self, path: Path, held: list[int]) -> list[tuple[Path, bytes | memoryview, int]] | None:
+        """Entry `path` (holding `held`) and those it goes on from, each with its state and the
+        position its cells start at, the entry first; None where one is missing or damaged (the
+        entry is dropped: nothing can be made of it)."""
+        chain: list[tuple[Path, bytes | memoryview, int]] = []
+        tokens: list[int] = held
+        while len(chain) < MAX_CHAIN:
+            try:
+                blob = read_state(path)
+            except (OSError, SnapshotError) as exc:
+                self.drop(chain[0][0] if chain else path, str(exc))
+                return None
+            meta = blob.meta
+            if not chain and meta.get("tokens") != held:
+                self.drop(path, "its metadata changed while it was read")
+                return None
+            start, parent = meta.get("start", 0), meta.get("parent")
+            if chain and meta.get("tokens", [])[:chain[-1][2]] != tokens[:chain[-1][2]]:
+                self.drop(chain[0][0], "an entry it goes on from holds other tokens")
+                return None
+            chain.append((path, blob.state, start if parent is not None else 0))
+            if parent is None:
+                return chain
+            if not isinstance(parent, str) or not isinstance(start, int) or "/" in parent or not parent.endswith(SUFFIX):
+                self.drop(chain[0][0], "it names no entry to go on from")
+                return None
+            path, tokens = self.root / parent, meta.get("tokens", [])
+        self.drop(chain[0][0], "it goes on from too many entries")
+        return None
+
+    def parent_for(self, key: dict[str, Any], tokens: Sequence[int]) -> Parent | None:
+        """The entry made under `key` a new entry of `tokens` may go on from: the one sharing the
+        longest beginning with them (at least MIN_TOKENS), by its metadata alone."""
+        best = self._best(key, list(tokens) + [-1])  # (every token of them may be shared)
+        if best is None:
             return None
+        reuse, path, _, stops = best
         try:
-            os.utime(path)  # used: the last to go
-        except OSError:
-            pass
-        return CacheHit(held, reuse, blob.state, path, stops)
+            depth = int(read_meta(path).get("depth", 1))
+        except (OSError, SnapshotError, ValueError, TypeError):
+            return None
+        return Parent(path, reuse, stops, depth)
 
     def save(self, key: dict[str, Any], tokens: Sequence[int], state: bytes | memoryview,
-             stops: Sequence[int] | None = None) -> Path | None:
-        """Keeps the state of a context holding `tokens`; None when too short to be worth a file
-        or when the disk refuses (a cache must never fail a run). `stops`: the only counts of its
-        tokens the state can be cut back to (a recurrent state's checkpoints), None: any."""
+             stops: Sequence[int] | None = None, parent: Parent | None = None, start: int = 0) -> Path | None:
+        """Keeps the state of a context holding `tokens` (with `parent`: the state of its cells
+        from position `start` on, which goes on from that entry's first `start`); None when too
+        short to be worth a file or when the disk refuses (a cache must never fail a run).
+        `stops`: the only counts of its tokens the state can be cut back to (a recurrent state's
+        checkpoints), None: any."""
         if len(tokens) < MIN_TOKENS:
             return None
         path = self.root / f"{self._digest(key, tokens)[:40]}{SUFFIX}"
         meta: dict[str, Any] = {"key": self._digest(key), "tokens": list(tokens), "n_tokens": len(tokens)}
         if stops is not None:
             meta["stops"] = sorted(set(stops))
+        if parent is not None:
+            if parent.path == path:
+                return path  # (the same tokens again: the entry there holds them)
+            meta.update(parent=parent.path.name, start=start, depth=parent.depth + 1)
         try:
             private_dir(self.root, levels=2)  # (the prompts folder, and quipu's cache folder)
             atomic_write(path, state_chunks(meta, state))
         except (OSError, SnapshotError) as exc:
             self.notes.append(f"prompt cache: could not save an entry: {exc}")
             return None
+        if parent is not None:
+            self._used_from(parent.path)
         self.enforce_budget(keep=path)
         return path
+
+    def _used_from(self, path: Path) -> None:
+        """Entry `path` and those it goes on from count as used now, after what goes on from them."""
+        for _ in range(MAX_CHAIN):
+            used(path)
+            try:
+                parent = read_meta(path).get("parent")
+            except (OSError, SnapshotError):
+                return
+            if not isinstance(parent, str) or "/" in parent:
+                return
+            path = self.root / parent
 
     def enforce_budget(self, keep: Path | None = None) -> None:
         """Removes the least recently used entries until the rest fit in the budget."""
@@ -171,3 +247,11 @@ class CacheEntries:
             path.unlink(missing_ok=True)
         except OSError:
             pass
+
+
+def used(path: Path) -> None:
+    """Marks an entry used now (the budget lets the least lately used go first)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
