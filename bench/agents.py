@@ -6,7 +6,7 @@ the prompt's reading begins) and to its first token of text, against the first r
 the bytes quipu's prompt cache writes and keeps over ten requests of two conversations that go on
 from the same agent prompt.
 
-    python -m bench.agents --model FILE [--ctx N] [--cut N]
+    python -m bench.agents --model FILE [--ctx N] [--cut N] [--agent claude-code|codex]
 
 A request's reply is bounded (8 tokens, greedy) and, on a small model (`--cut N`), its long texts
 cut to N characters, so that the row runs in minutes; the agents' whole prompts are the default."""
@@ -119,14 +119,15 @@ def sizes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*.kv")) if folder.is_dir() else 0
 
 
-def bench_agents(model: Path, ctx: int = 32768, cut: int | None = None, port: int = 8391) -> list[dict]:
+def bench_agents(model: Path, ctx: int = 32768, cut: int | None = None, port: int = 8391,
+                 agents: tuple[str, ...] = ("claude-code", "codex")) -> list[dict]:
     """The rows: for each agent, its requests' times (quipu, and llama-server where it is built),
     and the prompt cache's bytes."""
     from bench.llamacpp import program
 
     rows = []
     server = program("llama-server")
-    for name in ("claude-code", "codex"):
+    for name in agents:
         asked = recorded(name, cut)
         other = other_conversation(asked)
         with tempfile.TemporaryDirectory() as tmp:
@@ -172,6 +173,7 @@ if __name__ == "__main__":
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--cut", type=int)
+    ap.add_argument("--agent", action="append", choices=["claude-code", "codex"])
     args = ap.parse_args()
-    for row in bench_agents(args.model, args.ctx, args.cut):  # (single runs: a first request is minutes on a CPU)
+    for row in bench_agents(args.model, args.ctx, args.cut, agents=tuple(args.agent or ("claude-code", "codex"))):  # (single runs: a first request is minutes on a CPU)
         print(json.dumps(row))

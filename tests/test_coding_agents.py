@@ -19,28 +19,11 @@ import httpx
 import jsonschema
 import pytest
 
+from bench.agents import recorded
 from servers import free_port, quipu_serve
 
-DATA = Path(__file__).parent / "data" / "agents"
+CUT = 300  # (each text of a recorded request cut to so many characters: the suite stays quick)
 CTX = "32768"  # (the tiny model reads an agent's prompt byte by byte: some 20,000 tokens)
-
-
-def recorded(name: str, cut: int = 300) -> dict:
-    """An agent's recorded request, each text in it cut to `cut` characters, its reply bounded
-    and greedy."""
-    def short(value):
-        if isinstance(value, str):
-            return value[:cut]
-        if isinstance(value, list):
-            return [short(v) for v in value]
-        if isinstance(value, dict):
-            return {k: short(v) for k, v in value.items()}
-        return value
-
-    request = json.loads((DATA / f"{name}.json").read_text())
-    body = short(request["body"])
-    body.update({"max_tokens": 8} if "max_tokens" in body else {"max_output_tokens": 8})
-    return {**request, "body": {**body, "temperature": 0}}
 
 
 def events(lines) -> list[tuple[str, dict]]:
@@ -74,7 +57,7 @@ def log_of(tmp_path: Path) -> str:
 
 
 def test_claude_code_s_request_is_answered_and_its_prompt_read_once(home, tiny_model, tmp_path):
-    asked = recorded("claude-code")
+    asked = recorded("claude-code", CUT)
     # (what Claude Code sends: a model of its own, a system of blocks whose first is its attribution
     # line, context management, adaptive thinking, an effort, a tool whose schema quipu cannot hold
     # whole, a system message after the user's)
@@ -115,7 +98,7 @@ def test_claude_code_s_request_is_answered_and_its_prompt_read_once(home, tiny_m
 
 
 def test_codex_s_request_is_answered_and_its_prompt_read_once(home, tiny_model, tmp_path):
-    asked = recorded("codex")
+    asked = recorded("codex", CUT)
     kinds = [t["type"] for t in asked["body"]["tools"]]
     assert "namespace" in kinds and "web_search" in kinds and asked["body"]["store"] is False
     with quipu_serve(home, tiny_model, "--ctx", CTX, tmp_path=tmp_path) as url:
