@@ -54,7 +54,10 @@ def test_the_anthropic_client_gets_quipu_run_s_answer_whole_and_streamed(quipu, 
         assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
         # the second read of the same prompt is restored: Anthropic's cache_read_input_tokens
         assert final.usage.cache_read_input_tokens > 0
-        assert final.usage.input_tokens + final.usage.cache_read_input_tokens == whole.usage.input_tokens
+        def total(u):  # (the prompt: read and kept, read and written to the prompt cache, restored)
+            return u.input_tokens + (u.cache_creation_input_tokens or 0) + u.cache_read_input_tokens
+
+        assert total(final.usage) == total(whole.usage)
         # a stop sequence ends the reply there and is named
         cut = c.messages.create(**{**asked, "stop_sequences": [block.text.split()[1]]})
         assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == block.text.split()[1]

@@ -37,6 +37,7 @@ class Answer:
     logprobs: list[dict[str, Any]] | None = None  # each drawn token's log probability, where asked (`app/logprobs.py`)
     stop_sequence: str | None = None  # the stop string that ended it, where one did
     context: list[int] | None = None  # the context's tokens after it, where a server's request asks for them
+    cache_written: int = 0  # the prompt's tokens whose state its turn wrote to the prompt cache
 
     @classmethod
     def of(cls, gen: Generation, model: str, params: SamplingParams, stats: Stats, host: Capabilities = LOCAL, *,

@@ -25,6 +25,7 @@ class CacheUse:
     reused: int
     made_by: Callable[[Path], str]  # a projector's fingerprint (`cache_digests`)
     held: int = 0  # how much of the prompt the cache held (reused: to where a prefill step starts)
+    written: int = 0  # how many of the prompt's tokens the state written to the cache holds anew (`cache_save`)
 
 
 def cache_key(session: InferenceSession, model_fp: str) -> dict[str, Any]:
@@ -144,7 +145,8 @@ def cache_save(session: InferenceSession, use: CacheUse) -> None:
     try:
         state, stops = memory.snapshot_bytes(), memory.restore_points()
         parent, start, piece = piece_of(use.cache, use.key, tokens, state, memory)
-        use.cache.save(use.key, tokens, piece if piece is not None else state, stops, parent, start)
+        if use.cache.save(use.key, tokens, piece if piece is not None else state, stops, parent, start) is not None:
+            use.written = max(0, len(prompt) - max(start, use.reused))
     except (EngineError, OSError):
         pass  # a cache never fails a run
 

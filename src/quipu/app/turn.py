@@ -192,4 +192,5 @@ class Turn:
         if self.named is not None:
             return answer
         answer.notices += self.keeper.remember(self.session, self._cached)
+        answer.cache_written = self._cached.written if self._cached is not None else 0
         return answer

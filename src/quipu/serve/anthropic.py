@@ -305,8 +305,11 @@ def openai_choice(choice: Any) -> Any:
 # ---- the reply ----------------------------------------------------------------------------
 
 def _usage(answer: Answer) -> dict[str, Any]:
+    """The prompt's tokens as Anthropic counts them: those restored (`cache_read_input_tokens`),
+    those read and written to the prompt cache (`cache_creation_input_tokens`), the rest."""
     s = answer.stats
-    return {"input_tokens": s.prompt_tokens - s.cached_tokens, "cache_creation_input_tokens": 0,
+    made = min(answer.cache_written, s.prompt_tokens - s.cached_tokens)
+    return {"input_tokens": s.prompt_tokens - s.cached_tokens - made, "cache_creation_input_tokens": made,
             "cache_read_input_tokens": s.cached_tokens, "output_tokens": s.completion_tokens}
 
 
