@@ -446,3 +446,22 @@ def test_a_response_s_input_is_listed_in_pages_and_one_being_made_is_said_so_at_
             for _ in stream:
                 pass
         assert c.responses.retrieve(ident).status in ("completed", "incomplete")
+
+
+def test_a_responses_tool_loop_goes_on_as_the_same_conversation_sent_whole(home, bundled_model, tmp_path):
+    tool = {"type": "function", **WEATHER["function"]}
+    with quipu_serve(home, bundled_model, tmp_path=tmp_path) as url:
+        c = responses_client(url)
+        asked = {"model": "", "tools": [tool], "temperature": 0}
+        one = c.responses.create(**asked, input="What is the weather in Rome?", tool_choice="required",
+                                 max_output_tokens=40)
+        [call] = [i for i in one.output if i.type == "function_call"]
+        result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 degrees."}
+        chained = c.responses.create(**asked, previous_response_id=one.id, input=[result], max_output_tokens=16)
+        whole = c.responses.create(**asked, store=False, max_output_tokens=16, input=[
+            {"role": "user", "content": "What is the weather in Rome?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            result])
+    # (the kept call laid out as the client sends it back: the same prompt, the same answer)
+    assert chained.usage.input_tokens == whole.usage.input_tokens
+    assert chained.output_text == whole.output_text

@@ -293,6 +293,8 @@ def run_session_turn(prompt: str | None, opts: TurnOptions, env: Environment, ho
                 made, unlogged = log(answer, follows(messages))
                 mark_logged(messages, made)
                 named.tell([unlogged] if unlogged else [])
+            if request is not None and request.whole_read:
+                as_sent_back(named.conversation, answer)
             if request is None or request.took(answer):  # (a server's turn: kept once its client has it whole)
                 named.save()
                 kept = True
@@ -424,6 +426,16 @@ def digest(messages: Sequence[Message]) -> str:
     import json
 
     return hashlib.sha256(json.dumps([said(m) for m in messages], ensure_ascii=False).encode()).hexdigest()
+
+
+def as_sent_back(conv: Conversation, answer: Answer) -> None:
+    """The reply a turn ends with, where it calls the client's tools, kept as the client sends it
+    back (its text besides the calls, and the calls), not as the model wrote it: the next turn's
+    prompt is then laid out as the whole conversation sent at once is (a Responses chain answers
+    as the same conversation sent whole does)."""
+    last = conv.messages[-1] if conv.messages else None
+    if last is not None and last.role == "assistant" and last.tool_calls:
+        conv.messages[-1] = replace(last, content=answer.text, spelled=None)
 
 
 def onto(store: SessionStore, name: str, follows: Following) -> Transcript | None:
