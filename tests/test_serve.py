@@ -328,3 +328,17 @@ def test_a_session_the_api_makes_names_its_model_as_the_command_line_does(quipu,
     assert saved["api"] == saved["cli"] == "SmolLM2-135M-Instruct", saved
     # and the command line goes on with the API's session on that model
     assert quipu("run", "-S", "api", "-n", "2", "And?").returncode == 0
+
+
+def test_llama_server_s_list_of_biases_reads_a_text_of_digits_as_text(home, bundled_model, tmp_path):
+    prompt = {"prompt": "1, 2, 3, 42, 42, 42, 42, 42,", "max_tokens": 6, "temperature": 0}
+    with quipu_serve(home, bundled_model, tmp_path=tmp_path) as url:
+        def said(bias):
+            r = httpx.post(url + "/v1/completions", json={**prompt, "logit_bias": bias}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        plain = said([])
+        assert "42" in plain
+        # ["42", false]: the text 42 banned (as llama-server reads it); {"42": -100}: token 42, OpenAI's way
+        assert "42" not in said([["42", False]]) and said({"42": -100}) == plain
