@@ -119,6 +119,44 @@ def sizes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*.kv")) if folder.is_dir() else 0
 
 
+def bench_cache_bytes(model: Path, ctx: int = 32768, cut: int | None = None, port: int = 8392, turns: int = 5
+                      ) -> dict:
+    """Codex's request as two conversations that each go on `turns` requests (a reply and a new
+    message of some hundreds of tokens added each time, sent whole, as Codex sends them): the bytes
+    each request writes to the prompt cache, and those it keeps in all."""
+    import httpx
+
+    asked = recorded("codex", cut)
+    with tempfile.TemporaryDirectory() as tmp:
+        home = Path(tmp)
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("QUIPU_")}, "QUIPU_HOME": str(home)}
+        url = f"http://127.0.0.1:{port}"
+        proc = start([sys.executable, "-m", "quipu", "serve", "-m", str(model), "--port", str(port), "--ctx", str(ctx)],
+                     url, home / "serve.log", env)
+        written, kept = [], []
+        try:
+            for first in (None, "Which files are here?"):
+                body = json.loads(json.dumps(asked["body"]))
+                body["stream"] = False
+                if first is not None:
+                    body = other_conversation({"body": body})["body"]
+                for k in range(turns):
+                    before = {p.name for p in (home / "cache" / "prompts").glob("*.kv")}
+                    r = httpx.post(url + "/v1/responses", json=body, timeout=3600)
+                    r.raise_for_status()
+                    added = [p for p in (home / "cache" / "prompts").glob("*.kv") if p.name not in before]
+                    written.append(sum(p.stat().st_size for p in added))
+                    kept.append(sizes(home / "cache" / "prompts"))
+                    # (a reply, then what an agent's next request adds: a tool's output some hundreds of tokens long)
+                    said = r.json()["output"][-1].get("content", [{}])[0].get("text", "") or "Done."
+                    listing = "\n".join(f"src/module_{k}_{i}.py: {i * 37 % 400} lines" for i in range(40))
+                    body["input"] += [{"role": "assistant", "content": said},
+                                      {"role": "user", "content": f"Step {k + 2}. The files:\n{listing}"}]
+        finally:
+            stop(proc)
+    return {"written": written, "kept": kept}
+
+
 def bench_agents(model: Path, ctx: int = 32768, cut: int | None = None, port: int = 8391,
                  agents: tuple[str, ...] = ("claude-code", "codex")) -> list[dict]:
     """The rows: for each agent, its requests' times (quipu, and llama-server where it is built),
@@ -174,6 +212,10 @@ if __name__ == "__main__":
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--cut", type=int)
     ap.add_argument("--agent", action="append", choices=["claude-code", "codex"])
+    ap.add_argument("--bytes", action="store_true", help="the prompt cache's bytes over ten requests instead")
     args = ap.parse_args()
+    if args.bytes:
+        print(json.dumps(bench_cache_bytes(args.model, args.ctx, args.cut)))
+        raise SystemExit(0)
     for row in bench_agents(args.model, args.ctx, args.cut, agents=tuple(args.agent or ("claude-code", "codex"))):  # (single runs: a first request is minutes on a CPU)
         print(json.dumps(row))
