@@ -158,7 +158,10 @@ def piece_of(cache: CacheEntries, key: dict[str, Any], tokens: list[int], state:
     cells (where a step of a whole read starts, at or before what they share, so that the cells
     before it are the ones a whole read makes, whichever run made them), and those cells; (None,
     0, None) where the entry is kept whole: nothing shared to go on from, a memory whose state
-    is not one plain cache (a sliding window's, a recurrent model's), a chain long enough."""
+    is not one plain cache (a sliding window's, a recurrent model's), media in it, a chain long
+    enough."""
+    if any(t >= CANON_BASE for t in tokens):  # (a medium's cells: their positions are not the tokens')
+        return None, 0, None
     parent = cache.parent_for(key, tokens)
     if parent is None or parent.depth >= MAX_CHAIN - 1:
         return None, 0, None
