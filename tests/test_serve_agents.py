@@ -433,6 +433,7 @@ def test_a_response_s_input_is_listed_in_pages_and_one_being_made_is_said_so_at_
         rest = c.responses.input_items.list(r.id, limit=2, order="asc", after=first.data[-1].id)
         assert [i.content[0].text for i in rest.data] == QUESTIONS[2:] and not rest.has_more
         assert httpx.get(f"{url}/v1/responses/{r.id}/input_items?limit=0", timeout=30).status_code == 400
+        assert httpx.get(f"{url}/v1/responses/{r.id}/input_items?after=nothing", timeout=30).status_code == 400
         # a response being made (here: its long prompt read) is said so at once, however many ask, and
         # none of them holds a place the listing routes share
         with c.responses.stream(model="", input="word " * 2000, max_output_tokens=4) as stream:

@@ -188,16 +188,16 @@ def _check_no_recurrent(read: Reader, n_layer: int) -> None:
 @dataclass(frozen=True)
 class _Cache:
     """A sequence state of one plain attention cache (the layout above, one stream, nothing
-    after its layers), read apart: its head, its cells' records and positions, and each layer's
-    K and V (their headers, and their rows per cell, or per embedding row a run of elements)."""
+    after its layers), read apart without copying: its head, its cells' records (`cell` bytes
+    each) and positions, and each layer's K and V blocks (a header, then a row per cell, or
+    transposed, per embedding row a run of an element per cell: `(header, [(run, item)])`)."""
 
     head: bytes
-    ext: int
-    cells: list[bytes]
+    cell: int
+    records: memoryview
     positions: list[int]
     v_trans: int
-    k: list[tuple[bytes, list[bytes]]]  # (header, a row per cell)
-    v: list[tuple[bytes, list[list[bytes]]]]  # (header, per embedding row (transposed) or one, an item per cell)
+    blocks: list[tuple[bytes, list[tuple[memoryview, int]]]]  # the K blocks, then the V blocks
 
 
 def _read_cache(data: bytes | memoryview) -> _Cache | None:
@@ -208,35 +208,32 @@ def _read_cache(data: bytes | memoryview) -> _Cache | None:
         magic, _ = _HEAD.unpack(head)
         (n_stream,) = read.take(_U32)
         (count,) = read.take(_U32)
-        if magic != MAGIC or n_stream != 1:
+        if magic != MAGIC or n_stream != 1 or not count:
             return None
         ext = next((e for e in (0, CELL_EXT) if _one_sequence(read, count, e)), None)
         if ext is None:
             return None
-        size = _CELL.size + ext
-        cells = [bytes(read.skip(size)) for _ in range(count)]
-        positions = [_I32.unpack_from(c, 0)[0] for c in cells]
-        if not count:
-            return None
+        cell = _CELL.size + ext
+        records = read.skip(count * cell)
+        positions = [_I32.unpack_from(records, i * cell)[0] for i in range(count)]
         trans, layers = read.take(_U32)[0], read.take(_U32)[0]
-        k = []
-        for _ in range(layers):
+        blocks: list[tuple[bytes, list[tuple[memoryview, int]]]] = []
+        for _ in range(layers):  # K: a row per cell
             header = bytes(read.skip(_LAYER_K.size))
             row = _LAYER_K.unpack(header)[1]
-            k.append((header, [bytes(read.skip(row)) for _ in range(count)]))
-        v = []
-        for _ in range(layers):
+            blocks.append((header, [(read.skip(count * row), row)]))
+        for _ in range(layers):  # V: a row per cell, or transposed: a run of an element per cell per embedding row
             if trans:
                 header = bytes(read.skip(_LAYER_V_TRANS.size))
                 _, item, rows = _LAYER_V_TRANS.unpack(header)
-                v.append((header, [[bytes(read.skip(item)) for _ in range(count)] for _ in range(rows)]))
+                blocks.append((header, [(read.skip(count * item), item) for _ in range(rows)]))
             else:
                 header = bytes(read.skip(_LAYER_K.size))
                 row = _LAYER_K.unpack(header)[1]
-                v.append((header, [[bytes(read.skip(row)) for _ in range(count)]]))
+                blocks.append((header, [(read.skip(count * row), row)]))
     except SnapshotError:
         return None
-    return _Cache(head, ext, cells, positions, trans, k, v) if read.done else None
+    return _Cache(head, cell, records, positions, trans, blocks) if read.done else None
 
 
 def _one_sequence(read: Reader, count: int, ext: int) -> bool:
@@ -246,23 +243,35 @@ def _one_sequence(read: Reader, count: int, ext: int) -> bool:
     return all(_CELL_HEAD.unpack_from(read.view, read.at + i * size)[1] == 1 for i in range(count))
 
 
-def _write(cache: _Cache, keep: list[bool], more: _Cache | None = None, more_keep: list[bool] | None = None) -> bytes:
-    """`cache`'s cells that `keep` says, then `more`'s that `more_keep` says, as one state."""
-    def picked(items: list[bytes], extra: list[bytes] | None) -> list[bytes]:
-        out = [x for x, k in zip(items, keep, strict=True) if k]
-        if extra is not None and more_keep is not None:
-            out += [x for x, k in zip(extra, more_keep, strict=True) if k]
-        return out
+def _spans(keep: list[bool]) -> list[tuple[int, int]]:
+    """The runs of cells `keep` says, as (first, end) index ranges."""
+    spans: list[tuple[int, int]] = []
+    for i, k in enumerate(keep):
+        if k and spans and spans[-1][1] == i:
+            spans[-1] = (spans[-1][0], i + 1)
+        elif k:
+            spans.append((i, i + 1))
+    return spans
 
-    count = sum(keep) + (sum(more_keep) if more_keep is not None else 0)
-    out = [cache.head, _U32.pack(1), _U32.pack(count), *picked(cache.cells, more.cells if more else None),
-           _U32.pack(cache.v_trans), _U32.pack(len(cache.k))]
-    for i, (header, rows) in enumerate(cache.k):
-        out += [header, *picked(rows, more.k[i][1] if more else None)]
-    for i, (header, runs) in enumerate(cache.v):
+
+def _write(parts: list[tuple[_Cache, list[tuple[int, int]]]]) -> bytes:
+    """The cells of each cache that its spans say, in order, as one state (the first's layout)."""
+    first = parts[0][0]
+    count = sum(end - start for _, spans in parts for start, end in spans)
+
+    def picked(block: Any, size: int, spans: list[tuple[int, int]]) -> list[memoryview]:
+        return [block[start * size:end * size] for start, end in spans]
+
+    out: list[bytes | memoryview] = [first.head, _U32.pack(1), _U32.pack(count)]
+    for cache, spans in parts:
+        out += picked(cache.records, cache.cell, spans)
+    out += [_U32.pack(first.v_trans), _U32.pack(len(first.blocks) // 2)]
+    for b, (header, runs) in enumerate(first.blocks):
         out.append(header)
-        for j, run in enumerate(runs):
-            out += picked(run, more.v[i][1][j] if more else None)
+        for r in range(len(runs)):
+            for cache, spans in parts:
+                block, size = cache.blocks[b][1][r]
+                out += picked(block, size, spans)
     return b"".join(out)
 
 
@@ -273,7 +282,7 @@ def cells_from(data: bytes | memoryview, start: int) -> bytes | None:
     cache = _read_cache(data)
     if cache is None:
         return None
-    return _write(cache, [p >= start for p in cache.positions])
+    return _write([(cache, _spans([p >= start for p in cache.positions]))])
 
 
 def joined(base: bytes | memoryview, start: int, piece: bytes | memoryview) -> bytes:
@@ -281,9 +290,9 @@ def joined(base: bytes | memoryview, start: int, piece: bytes | memoryview) -> b
     `cells_from(..., start)` of a state that began as `base` did); SnapshotError where the two are
     not of one layout."""
     below, above = _read_cache(base), _read_cache(piece)
-    if below is None or above is None or below.ext != above.ext or below.v_trans != above.v_trans \
-            or [h for h, _ in below.k] != [h for h, _ in above.k] or [h for h, _ in below.v] != [h for h, _ in above.v] \
-            or min(above.positions) != start \
-            or [p for p in below.positions if p < start] != list(range(start)):
+    if below is None or above is None or below.cell != above.cell or below.v_trans != above.v_trans \
+            or [(h, [size for _, size in runs]) for h, runs in below.blocks] \
+            != [(h, [size for _, size in runs]) for h, runs in above.blocks] \
+            or min(above.positions) != start or sorted(p for p in below.positions if p < start) != list(range(start)):
         raise SnapshotError("a cached piece of context state does not go on from the state it was made on")
-    return _write(below, [p < start for p in below.positions], above, [True] * len(above.positions))
+    return _write([(below, _spans([p < start for p in below.positions])), (above, [(0, len(above.positions))])])

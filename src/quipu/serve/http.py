@@ -392,7 +392,10 @@ class Routes:
         if pages is not None:
             from quipu.serve.responses import input_items
 
-            return JSONResponse(input_items(kept.input, ident, *pages))
+            try:
+                return JSONResponse(input_items(kept.input, ident, *pages))
+            except RequestError as exc:  # (an `after` the input does not hold)
+                return shaped(openai_errors, exc)
         return JSONResponse(kept.response)
 
     async def listed(self, request: Request) -> Response:
