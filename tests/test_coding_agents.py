@@ -229,7 +229,7 @@ def agent_environ(home: Path, tmp_path: Path, program: str) -> dict[str, str]:
 
 # Each agent, the model it is given, the context its server needs, and a task: Claude Code with a
 # short system prompt of its own and no tools (a request the bundled model reads at once; its
-# server greedy, so that the model says hello and stops within Claude Code's bound), Codex and
+# server's replies greedy and of one line), Codex and
 # opencode with their own prompts and tools (the tiny model reads them byte by byte).
 AGENTS = {"claude": ("bundled", None, ["-p", "Say hi.", "--system-prompt", "Be brief.", "--tools", "", "--max-turns", "1"]),
           "codex": ("tiny", "65536", ["exec", "--skip-git-repo-check", "Say hi."]),
@@ -248,7 +248,9 @@ def test_an_agent_answers_through_quipu_launch_and_a_server_pointed_at_by_hand(a
     sized = ["--ctx", ctx] if ctx else []
     if which == "bundled":
         (home / "config").mkdir()
-        (home / "config" / "config.toml").write_text("[generation]\ntemperature = 0\n")
+        # (greedy, and one line: however the agent's environment note leads the model on, the reply ends
+        # well within Claude Code's bound on its length, which it takes for a failure when reached)
+        (home / "config" / "config.toml").write_text('[generation]\ntemperature = 0\nstop = ["\\n"]\n')
     work = tmp_path / "work"
     work.mkdir()
     port = free_port()
