@@ -462,6 +462,17 @@ def test_another_tool_s_verb_is_no_question_for_the_model(quipu, home, tiny_mode
         assert r.returncode == 2 and err.count("\n") == 1 and says in err and out == "", err
 
 
+def test_ollama_s_model_then_prompt_is_answered_with_the_command_that_does_it(quipu, home, tiny_model):
+    # (`ollama run llama3.2 "hi"`'s habit: a model's name first, the prompt after)
+    for model in ("llama3.2", "gemma3:1b", str(tiny_model)):
+        r = quipu(model, "hi there")
+        err = r.stderr.decode()
+        assert r.returncode == 2 and err.count("\n") == 1 and f'quipu run -m {model} "hi there"' in err, err
+    # a prompt of words is still a prompt, and a first word that names no model too
+    r = quipu("why", "is", "the", "sky", "blue", env={"QUIPU_MODEL": str(tiny_model)})
+    assert "quipu run -m" not in r.stderr.decode()
+
+
 def test_sessions_and_models_alone_list_them_as_logs_does(quipu, home):
     models = quipu("models")
     assert models.returncode == 0 and models.stdout.decode().split()[0] == "name", models.stderr.decode()

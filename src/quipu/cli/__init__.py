@@ -62,6 +62,22 @@ def as_prompt(argv: list[str]) -> list[str]:
     return ["run", *argv]
 
 
+def model_first(argv: list[str]) -> str | None:
+    """What to say of Ollama's habit `quipu MODEL PROMPT` (`ollama run MODEL PROMPT`): a first
+    argument that names a model (a short name, a model known without its size, a .gguf file) and
+    a second, the prompt; None for anything else."""
+    words = [arg for arg in argv if not arg.startswith("-")]
+    if len(words) < 2 or argv[0] != words[0] or words[0] in COMMANDS or words[0] in VERBS:
+        return None
+    first = words[0]
+    from quipu.app.known_models import is_short_name, sizes_of
+
+    if not (is_short_name(first) or sizes_of(first) or first.lower().endswith(".gguf")):
+        return None
+    said = words[1].replace('"', '\\"')
+    return f'a model is named with -m, and the prompt follows: quipu run -m {first} "{said}"'
+
+
 def build_app() -> typer.Typer:
     import typer
 
@@ -154,6 +170,12 @@ def _main(argv: list[str]) -> None:
         from quipu.cli.terminal import say_error
 
         say_error(f"`{argv[0]}` is another tool's command: {NOT_HERE[argv[0]]}")
+        sys.exit(2)
+    hint = model_first(argv)
+    if hint is not None:
+        from quipu.cli.terminal import say_error
+
+        say_error(hint)
         sys.exit(2)
     argv = as_prompt(argv)
     # (llama.cpp's -sys is the system prompt; read as -s it would be a system prompt of "ys")
