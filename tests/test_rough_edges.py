@@ -123,6 +123,27 @@ def test_the_chat_keeps_every_setting_set_and_lists_them(tmp_path, tiny_model):
         chat.close()
 
 
+def test_the_set_table_s_columns_are_in_line(home, tiny_model, monkeypatch):
+    from quipu.app.chat import ChatSession
+    from quipu.app.environment import Environment
+    from quipu.app.turn_options import TurnOptions
+    from quipu.cli.repl import Repl
+    from quipu.cli.terminal import Terminal
+
+    monkeypatch.setenv("QUIPU_HOME", str(home))
+    env = Environment.load()
+    chat = ChatSession.open(env, TurnOptions(model=str(tiny_model)))
+    try:
+        err = io.StringIO()
+        Repl(chat, Terminal(io.StringIO(), io.StringIO(), err, False, False, False, False), env).safely("/set")
+    finally:
+        chat.close()
+    # each row's origin (its last word) where every other row's is: max_tokens' long default too
+    rows = [line for line in err.getvalue().splitlines() if line.startswith("  ")]
+    assert any("until the reply ends" in row for row in rows)
+    assert len(rows) > 5 and len({len(line) - len(line.split()[-1]) for line in rows}) == 1, err.getvalue()
+
+
 def test_a_run_in_a_session_keeps_its_reply_length(quipu, tiny_model):
     first = quipu("run", "-m", tiny_model, "-S", "short", "-n", "2", "--seed", "1", "--json", "hi")
     assert first.returncode == 0, first.stderr.decode()

@@ -187,11 +187,12 @@ def _system(repl: "Repl", arg: str) -> None:
 def _settings(repl: "Repl") -> None:
     from quipu.shown import shown
 
-    settings = repl.chat.settings()
-    width = max(len(key) for key, _, _ in settings)
-    for key, value, origin in settings:
-        said = "random" if value is None else value
-        repl.say(f"  {key:<{width}} {shown(str(said)):<22} {origin}")
+    rows = [(key, shown(str("random" if value is None else value)), origin)
+            for key, value, origin in repl.chat.settings()]
+    width = max(len(key) for key, _, _ in rows)
+    values = max(len(value) for _, value, _ in rows)  # (every row's origin in one column, however long a value)
+    for key, value, origin in rows:
+        repl.say(f"  {key:<{width}} {value:<{values}} {origin}")
 
 
 def _set(repl: "Repl", arg: str) -> None:
