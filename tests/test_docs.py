@@ -72,6 +72,8 @@ def test_every_page_is_reached_from_the_readme_and_the_readme_is_short():
         assert f"(docs/{page.name})" in readme, page.name
     first_screen = "\n".join(readme.splitlines()[:40])
     assert "pip install" in first_screen and "demonstration" in first_screen and "gemma3:1b" in first_screen
+    # (the first install's compile of llama.cpp, silent for minutes: said, with how to watch it)
+    assert "compiles llama.cpp" in first_screen and "pip install -v" in first_screen
 
 
 def test_the_chat_s_commands_are_all_in_its_page_and_the_readme():
