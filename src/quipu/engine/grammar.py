@@ -194,6 +194,19 @@ def _check_ref(schema: dict[str, Any], ref: Any, where: str) -> None:
     if not isinstance(ref, str) or not ref.startswith("#"):
         raise InvalidParameter(f"$ref at {where} is {ref!r}; quipu follows references within the schema only "
                                "(#/$defs/...)")
+    target = _pointed(schema, ref)
+    if target is _NOWHERE:
+        raise InvalidParameter(f"$ref at {where} points to {ref}, which the schema does not have")
+    if not isinstance(target, (dict, bool)):
+        raise InvalidParameter(f"$ref at {where} points to {ref}, which is not a schema")
+
+
+_NOWHERE = object()  # what `_pointed` finds where a reference points at nothing
+
+
+def _pointed(schema: dict[str, Any], ref: str) -> Any:
+    """What `ref` (`#/$defs/x`, a JSON pointer within `schema`) points at; `_NOWHERE` where the
+    schema holds nothing there."""
     target: Any = schema
     for part in ref[1:].lstrip("/").split("/") if ref not in ("#", "#/") else ():
         part = part.replace("~1", "/").replace("~0", "~")
@@ -202,9 +215,8 @@ def _check_ref(schema: dict[str, Any], ref: Any, where: str) -> None:
         elif isinstance(target, list) and part.isascii() and part.isdigit() and int(part) < len(target):
             target = target[int(part)]
         else:
-            raise InvalidParameter(f"$ref at {where} points to {ref}, which the schema does not have")
-    if not isinstance(target, (dict, bool)):
-        raise InvalidParameter(f"$ref at {where} points to {ref}, which is not a schema")
+            return _NOWHERE
+    return target
 
 
 def _check_server_only(sub: dict[str, Any], where: str) -> None:
@@ -265,13 +277,6 @@ def check_finite(schema: dict[str, Any]) -> None:
     grammar's productive rules are found."""
     finite: set[int] = set()
 
-    def target(ref: Any) -> Any:
-        found: Any = schema
-        for part in ref[1:].lstrip("/").split("/") if ref not in ("#", "#/") else ():
-            part = part.replace("~1", "/").replace("~0", "~")
-            found = found[int(part)] if isinstance(found, list) else found[part]
-        return found
-
     def holds(sub: Any) -> bool:
         if not isinstance(sub, dict):
             return sub is not False
@@ -300,10 +305,7 @@ def check_finite(schema: dict[str, Any]) -> None:
         return False
 
     def holds_ref(ref: str) -> bool:
-        try:
-            found = target(ref)
-        except (KeyError, IndexError, ValueError, TypeError):
-            return True  # (a reference to nowhere is refused by name elsewhere)
+        found = _pointed(schema, ref)  # (a reference to nowhere, or to no schema, is refused by `_check_ref`)
         return not isinstance(found, dict) or id(found) in finite
 
     while True:  # (each pass finds more that end, until none more do)

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
 
 from quipu.app.turn_options import TurnOptions
 from quipu.options import OPTIONS
-from quipu.serve.plan import (RequestError, ChatRequest, _asked, chat_messages, logit_bias, plan_of, request_tools,
-                              response_schema)
+from quipu.serve.plan import (RequestError, ChatRequest, _asked, chat_messages, let_be, logit_bias, plan_of,
+                              request_tools, response_schema)
 
 if TYPE_CHECKING:
     from quipu.app.answer import Answer
@@ -73,8 +73,7 @@ def messages_request(body: Mapping[str, Any], base: TurnOptions, counting: bool 
     biases = logit_bias(body.get("logit_bias"))  # (llama-server's, beside Anthropic's fields)
     if biases:
         opts = dataclasses.replace(opts, logit_bias=biases)
-    ignored = tuple(sorted(set(body) - READ)) + tuple(f"tools: {kind}" for kind in dict.fromkeys(skipped))
-    return dataclasses.replace(_asked(opts, *chat_messages(chat), tools), ignored=ignored)
+    return dataclasses.replace(_asked(opts, *chat_messages(chat), tools), ignored=let_be(body, READ, skipped))
 
 
 def thinking_kept(given: Any) -> int | str:
@@ -274,7 +273,7 @@ def openai_tools(tools: Any, skipped: list[str] | None = None) -> list[dict[str,
     out = []
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if isinstance(kind, str) and kind not in ("custom",) and "input_schema" not in tool:
+        if isinstance(kind, str) and kind != "custom" and "input_schema" not in tool:
             if skipped is not None:
                 skipped.append(kind[:40])
             continue
@@ -373,10 +372,10 @@ async def message_stream(reply: Reply, first: Event | None, plan: ChatRequest, h
                 event = await reply.within(PING_S)
                 continue
             kind, _, value = event
-            if not begun and kind != "error":
-                s = value.stats if kind == "done" else None
-                yield started(*value) if kind == "prompt" else started(s.prompt_tokens, s.cached_tokens) if s else \
-                    started(0, 0)
+            if not begun and kind != "error":  # (its prompt's tokens: as its reading begins, else as its answer says)
+                tokens, cached = value if kind == "prompt" else \
+                    (value.stats.prompt_tokens, value.stats.cached_tokens) if kind == "done" else (0, 0)
+                yield started(tokens, cached)
                 yield _event("ping", {})
                 begun = True
             if kind in ("content", "reasoning_content"):

@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Sequence, Union
 
 from quipu.app.attachments import Attachment
 from quipu.app.served import Request
@@ -223,6 +223,12 @@ def request_tools(body: Mapping[str, Any], opts: TurnOptions) -> tuple[tuple[Too
     elif choice not in (None, "auto", "none", "required"):
         raise RequestError("tool_choice must be auto, none, required, or a tool by name")
     return tuple(box.tools.values()), dataclasses.replace(opts, tool_choice=choice)
+
+
+def let_be(body: Mapping[str, Any], read: frozenset[str], skipped: Sequence[str]) -> tuple[str, ...]:
+    """What a request of an agents' API gave that only tunes a hosted service (`ChatRequest.ignored`):
+    its fields its reading does not read (`read`), and the kinds of tool it left out (`skipped`)."""
+    return tuple(sorted(set(body) - read)) + tuple(f"tools: {kind}" for kind in dict.fromkeys(skipped))
 
 
 def chat_messages(body: Mapping[str, Any]) -> tuple[list[Message], tuple[Attachment, ...]]:

@@ -196,9 +196,10 @@ class Pool:
         """Answers a request (`asked`, with its model: `ChatRequest.model`) into `sink` (which
         says when its client has gone), once the model has room, on a slot of its; what the turn
         says goes to the server's log with the request's id (`ident`; once, a notice every request
-        would repeat), and the answer is logged unless the server was told not to. A session's turn is kept once `took` says the client
-        has the whole answer (never, `asked.unkept`), and then `kept` is told. `taken` is told
-        once it has its slot (its turn no longer waits for others)."""
+        would repeat), and the answer is logged unless the server was told not to. A session's
+        turn is kept once `took` says the client has the whole answer (never, `asked.unkept`), and
+        then `kept` is told. `taken` is told once it has its slot (its turn no longer waits for
+        others)."""
         self._say_unenforced(asked)
         with self._held(asked.model or self.model, asked.keep, asked.opts) as (loaded, load_s, notices):
             with self._slot(loaded, asked) as slot:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Sequenc
 
 from quipu.app.turn_options import TurnOptions
 from quipu.options import OPTIONS
-from quipu.serve.plan import (RequestError, ChatRequest, _asked, chat_messages, plan_of, request_tools,
+from quipu.serve.plan import (RequestError, ChatRequest, _asked, chat_messages, let_be, plan_of, request_tools,
                               response_schema)
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ def responses_request(body: Mapping[str, Any], base: TurnOptions, previous: Kept
             "tool_choice": openai_choice(body.get("tool_choice"))}
     tools, opts = request_tools(chat, opts)
     messages, media = chat_messages(chat)
-    ignored = tuple(sorted(set(body) - READ)) + tuple(f"tools: {kind}" for kind in dict.fromkeys(skipped))
+    ignored = let_be(body, READ, skipped)
     if previous is not None:  # (its conversation is the session's)
         return ChatRequest(opts, messages, tools=tools, media=media, ignored=ignored)
     return dataclasses.replace(_asked(opts, messages, media, tools), ignored=ignored)
@@ -197,7 +197,7 @@ def openai_tools(tools: Any, skipped: list[str] | None = None) -> list[dict[str,
         elif kind == "function":
             out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
                                                          if tool.get(k) is not None}})
-        elif isinstance(kind, str) and kind in HOSTED or isinstance(kind, str) and kind.startswith(HOSTED_FAMILIES):
+        elif isinstance(kind, str) and (kind in HOSTED or kind.startswith(HOSTED_FAMILIES)):
             if skipped is not None:
                 skipped.append(kind)
         else:
